@@ -1,0 +1,213 @@
+"""`atc`: ATC's command line over `compiler.compile_model`.
+
+Both `--k=v` and `--k v`, dashes or underscores; unknown flags, missing values and positional words are
+refused with ATC's `ERROR:` lines; values are checked by `CompileConfig` with ATC's codes. On failure
+ATC's banner and the coded message go to stderr and the exit status is 255, as ATC's is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import sys
+import traceback
+from pathlib import Path
+
+import click
+
+from compiler.artifact import OmFile
+from compiler.config import CompileConfig
+from compiler.errors import AtcError
+
+START = "ATC start working now, please wait for a moment."
+SUCCESS = "ATC run success, welcome to the next use."
+FAILURE = "ATC run failed, Please check the detail log, Try 'atc --help' for more information"
+EXIT_FAILURE = 255
+HELP_WORDS = ("--help", "-help", "--h", "-h")
+
+# (flag, section, help). Every flag here is a CompileConfig field.
+FLAGS: list[tuple[str, str, str]] = [
+    ("mode", "General", "Run mode. 0: generate offline model (default); 1: convert .om (or ONNX) to JSON; "
+                        "3: only pre-check; 6: display model info"),
+    ("model", "Input", "Model file (.onnx; external data beside it)"),
+    ("framework", "Input", "Framework type. 5: ONNX (0 Caffe, 1 MindSpore, 3 TensorFlow are not supported)"),
+    ("input_shape", "Input", 'Input shapes, e.g. "input_ids:1,-1;position_ids:1,-1"; -1 dynamic, "1~128" range'),
+    ("input_format", "Input", "Input format: NCHW (default), ND, NCDHW; recorded only"),
+    ("tokenizer", "Input", "Folder with tokenizer.json (+ chat template) to embed; default: beside --model"),
+    ("output", "Output", "Output file path and name, without the .om suffix"),
+    ("out_nodes", "Output", 'Outputs to keep: "name1;name2" or "node:0;node:1"'),
+    ("soc_version", "Target", "Target profile (e.g. Ascend910B, Ascend310P3); execution is on the host CPU"),
+    ("precision_mode", "Feature", "force_fp16 (default), allow_fp32_to_fp16, must_keep_origin_dtype, "
+                                  "allow_mix_precision, force_fp32, ...; recorded, precision passes come later"),
+    ("keep_dtype", "Feature", "File of op names (or OpType::X) kept in their original dtype"),
+    ("fusion_switch_file", "Feature", "Fusion switches: lines 'PassName:off' or ATC's JSON {\"Switch\": ...}"),
+    ("enable_flash_attention", "LLM", "Blockwise prefill attention (true/false, 1/0)"),
+    ("enable_paged_attention", "LLM", "Paged KV cache owned by the runtime (true/false, 1/0)"),
+    ("kv_cache_layout", "LLM", "contiguous (past/present graph I/O) or paged"),
+    ("paged_config", "LLM", "JSON with paged-attention settings (page size, ...)"),
+    ("large_model_compilation", "LLM", "Stream weights tensor by tensor while compiling (true/false)"),
+    ("enable_compress_weight", "LLM", "Quantize weights (true/false)"),
+    ("compress_weight_conf", "LLM", "Quantization config (JSON)"),
+    ("compression_optimize_conf", "LLM", "Calibration config for quantization"),
+    ("model_type", "LLM", "Model family (llama, glm, qwen, ...); default: detected from the graph"),
+    ("auto_tune_mode", "Model Tuning", "Deprecated in ATC; accepted and ignored with a warning"),
+    ("om", "Debug", "The .om to read in modes 1 and 6 (an .onnx in mode 1 with --framework=5)"),
+    ("json", "Debug", "JSON output path of mode 1 (a path ending in .onnx writes the graph as ONNX)"),
+    ("check_report", "Debug", "Pre-check report path (default check_result.json)"),
+    ("display_model_info", "Debug", "Print the model info block after compiling (0/1)"),
+    ("log", "Debug", "Log level: debug, info, warning, error, null (default)"),
+]
+_LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR,
+               "null": logging.CRITICAL + 1}
+
+
+def usage() -> str:
+    """ATC-style usage text."""
+    lines = ["usage: atc <args>", "example:",
+             "  atc --model=./model.onnx --framework=5 --output=./model --soc_version=Ascend910B",
+             "  atc --mode=6 --om=./model.om", ""]
+    for section in dict.fromkeys(s for _, s, _ in FLAGS):
+        lines.append(f"[{section}]")
+        lines += [f"  --{name:<28}{text}" for name, s, text in FLAGS if s == section]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _parse(argv: list[str]) -> dict[str, str | None]:
+    params = [click.Option([f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else []), type=str)
+              for name, _, _ in FLAGS]
+    command = click.Command("atc", params=params, add_help_option=False)
+    try:
+        context = command.make_context("atc", list(argv), resilient_parsing=False)
+    except click.NoSuchOption as error:
+        raise _FlagError(f"unknown command line flag '{error.option_name.lstrip('-')}'") from None
+    except click.BadOptionUsage as error:
+        raise _FlagError(f"flag '{error.option_name}' is missing its argument") from None
+    except click.UsageError as error:
+        words = str(error.message).split(":", 1)[-1].strip()
+        raise _FlagError(f"Non-option parameter: {words}") from None
+    return context.params
+
+
+class _FlagError(Exception):
+    pass
+
+
+def _setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(
+        f"[%(levelname)s] ATC({os.getpid()},atc):%(asctime)s [%(module)s.py:%(lineno)d] %(message)s"))
+    logger = logging.getLogger("atc")
+    logger.handlers[:] = [handler]
+    logger.setLevel(_LOG_LEVELS.get(level, logging.CRITICAL + 1))
+
+
+def _fail(text: str) -> int:
+    click.echo(FAILURE, err=True)
+    click.echo(text, err=True)
+    return EXIT_FAILURE
+
+
+def run(argv: list[str]) -> int:
+    """Run atc with `argv` (no program name); returns the exit status."""
+    if any(word in HELP_WORDS for word in argv):
+        click.echo(usage())
+        return 0
+    click.echo(START)
+    debug = False
+    try:
+        flags = _parse(argv)
+        debug = flags.get("log") == "debug"
+        flags["cmdline"] = "atc " + " ".join(shlex.quote(word) for word in argv)
+        cfg = CompileConfig.from_flags(**flags)
+        _setup_logging(cfg.log)
+        _dispatch(cfg)
+    except _FlagError as error:
+        click.echo(f"ERROR: {error}", err=True)
+        return _fail(AtcError("E10001", " ".join(argv), "command line", str(error)).render())
+    except AtcError as error:
+        if debug:
+            traceback.print_exc()
+        return _fail(error.render())
+    except Exception as error:  # an internal failure still gets ATC's form, the traceback only in debug
+        if debug:
+            traceback.print_exc()
+        return _fail(AtcError("E19999", reason=f"{type(error).__name__}: {error}").render())
+    click.echo(SUCCESS)
+    for warning in cfg.warnings:
+        click.echo(warning)
+    return 0
+
+
+def _dispatch(cfg: CompileConfig) -> None:
+    from compiler.om_info import display_model_info
+
+    if cfg.mode == 0:
+        from compiler.compile import compile_model
+
+        result = compile_model(cfg)
+        logging.getLogger("atc").info("wrote %s (%d bytes)", result.output, result.size)
+        if cfg.display_model_info:
+            click.echo(display_model_info(OmFile(result.output, verify_weights=False)))
+    elif cfg.mode == 1:
+        _dump_json(cfg)
+    elif cfg.mode == 3:
+        _precheck(cfg)
+    elif cfg.mode == 6:
+        click.echo(display_model_info(OmFile(cfg.om)))
+
+
+def _dump_json(cfg: CompileConfig) -> None:
+    from compiler.om_info import model_json, om_json
+
+    target = Path(cfg.json)
+    if cfg.om.endswith(".onnx"):
+        from compiler.loader import load_onnx
+
+        model = load_onnx(cfg.om)
+        if target.suffix == ".onnx":
+            raise AtcError("E10055", "--json=*.onnx writes a compiled .om as ONNX; the input is ONNX already")
+        document = model_json(model, {"framework_type": 5})
+    else:
+        om = OmFile(cfg.om)
+        if target.suffix == ".onnx":
+            _write_atomic(target, om.graph().SerializeToString())
+            return
+        document = om_json(om)
+    _write_atomic(target, (json.dumps(document, indent=2, ensure_ascii=False) + "\n").encode())
+
+
+def _precheck(cfg: CompileConfig) -> None:
+    import onnx_graphsurgeon as gs
+
+    from compiler.loader import load_onnx
+    from compiler.precheck import check_ops, unsupported_types, write_check_report
+
+    records = check_ops(gs.import_onnx(load_onnx(cfg.model)))
+    write_check_report(Path(cfg.check_report), Path(cfg.model).stem, records)
+    unsupported = unsupported_types(records)
+    if unsupported:
+        raise AtcError("E16002", ", ".join(unsupported), reason=f"details in {cfg.check_report}")
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    if not path.parent.is_dir():
+        raise AtcError("E13004", path, f"the directory {path.parent} does not exist")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as error:
+        tmp.unlink(missing_ok=True)
+        raise AtcError("E13004", path, error.strerror) from None
+
+
+def main() -> None:
+    """Console entry point."""
+    sys.exit(run(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""`cann-run`: execute a `.om` the way msame and ais_bench do, plus LLM conveniences.
+
+    cann-run --model x.om [--input a.npy,b.bin] [--output DIR] [--outfmt NPY|BIN|TXT] [--loop N]
+    cann-run --model x.om --prompt "text" [--topk 5]       # next-token distribution of a prompt
+
+`cann-run --model ...` is `cann-run run --model ...`; later subcommands (generate, chat, serve, bench)
+sit beside `run`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+
+from compiler.errors import AtcError
+from runtime.executor import BACKENDS, Executor
+from runtime.feeds import causal_lm_inputs, made_up_inputs, parse_shapes, read_input_files
+from runtime.loader import LoadedModel, load_artifact
+
+EXIT_FAILURE = 1
+
+
+class _RunByDefault(click.Group):
+    """msame-style calls (`cann-run --model x.om`) go to the `run` subcommand."""
+
+    def parse_args(self, ctx, args):
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=_RunByDefault)
+@click.version_option(package_name="cann-llm")
+def cli() -> None:
+    """Run models compiled by atc (execution is on the host CPU)."""
+
+
+def _stats(times_ms: list[float]) -> dict:
+    values = np.asarray(times_ms)
+    return {"min": float(values.min()), "max": float(values.max()), "mean": float(values.mean()),
+            "median": float(np.median(values)), "percentile(99%)": float(np.percentile(values, 99))}
+
+
+def _summary_lines(stats: dict, batch: int) -> list[str]:
+    mean = stats["mean"]
+    return [
+        "[INFO] -----------------Performance Summary------------------",
+        "[INFO] NPU_compute_time (ms): " + ", ".join(f"{k} = {v:.4f}" for k, v in stats.items()),
+        f"[INFO] throughput 1000*batchsize.mean({batch})/NPU_compute_time.mean({mean}): {1000 * batch / mean}",
+        "[INFO] ------------------------------------------------------",
+    ]
+
+
+def _save_outputs(outputs: dict[str, np.ndarray], folder: Path, prefix: str, outfmt: str) -> list[str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for index, array in enumerate(outputs.values()):
+        path = folder / f"{prefix}_{index}.{outfmt.lower()}"
+        if outfmt == "NPY":
+            np.save(path, array)
+        elif outfmt == "BIN":
+            array.tofile(path)
+        else:
+            np.savetxt(path, array.reshape(-1, array.shape[-1]) if array.ndim > 1 else array.reshape(1, -1))
+        written.append(str(path))
+    return written
+
+
+def _top_tokens(loaded: LoadedModel, executor: Executor, prompt: str, topk: int) -> list[str]:
+    from runtime.tokenizer import TextTokenizer
+
+    dims = loaded.metadata.get("model", {})
+    if not dims:
+        raise AtcError("E10001", "--prompt", "--model", "the model is not a causal LM with input_ids and logits")
+    tokenizer = TextTokenizer(loaded.om.tokenizer_files())
+    ids = np.asarray([tokenizer.encode(prompt)], dtype=np.int64)
+    logits = executor.run(causal_lm_inputs(loaded.metadata["signature"], dims, ids), ["logits"])["logits"][0, -1]
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    order = np.argsort(-logits, kind="stable")[:topk]
+    lines = [f"prompt: {prompt!r} ({ids.shape[1]} tokens)", f"top-{topk} next tokens:"]
+    lines += [f"  {rank}. {tokenizer.token_text(int(t))!r:<16} id={int(t):<6} p={probs[t]:.4f} logit={logits[t]:.3f}"
+              for rank, t in enumerate(order, 1)]
+    return lines
+
+
+@cli.command("run")
+@click.option("--model", "-m", required=True, help="the .om to run")
+@click.option("--input", "-i", "input_files", default=None, help="comma-separated .npy/.bin files, one per input")
+@click.option("--output", "-o", default=None, help="folder for outputs (a timestamped subfolder is made)")
+@click.option("--output_dirname", default=None, help="name of that subfolder instead of the timestamp")
+@click.option("--outfmt", type=click.Choice(["NPY", "BIN", "TXT"], case_sensitive=False), default="BIN",
+              show_default=True)
+@click.option("--loop", "-l", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--warmup_count", type=click.IntRange(min=0), default=1, show_default=True)
+@click.option("--pure_data_type", type=click.Choice(["zero", "random"]), default="zero", show_default=True,
+              help="made-up inputs when --input is absent")
+@click.option("--dymShape", "dym_shape", default="", help='shapes of dynamic inputs: "input_ids:1,16;..."')
+@click.option("--batchsize", type=click.IntRange(min=1), default=1, show_default=True, help="for throughput only")
+@click.option("--backend", type=click.Choice(BACKENDS), default="onnxruntime", show_default=True)
+@click.option("--prompt", default=None, help="tokenize this text and print the most likely next tokens")
+@click.option("--topk", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--device", "-d", default="0", help="accepted for msame compatibility; execution is on the CPU")
+def run_command(model, input_files, output, output_dirname, outfmt, loop, warmup_count, pure_data_type,
+                dym_shape, batchsize, backend, prompt, topk, device) -> None:
+    """Execute a compiled model once or in a loop and report its timing."""
+    del device
+    loaded = load_artifact(model)
+    click.echo(f"[INFO] load model {model} success")
+    executor = Executor(loaded, backend)
+    if prompt is not None:
+        for line in _top_tokens(loaded, executor, prompt, topk):
+            click.echo(line)
+        return
+    signature, shapes = loaded.metadata["signature"], parse_shapes(dym_shape)
+    if input_files:
+        feeds = read_input_files(input_files.split(","), signature, shapes)
+    else:
+        feeds = made_up_inputs(signature, loaded.metadata.get("model", {}), shapes, pure_data_type)
+    for _ in range(warmup_count):
+        executor.run(feeds)
+    if warmup_count:
+        click.echo(f"[INFO] warm up {warmup_count} done")
+    times_ms = []
+    for _ in range(loop):
+        start = time.perf_counter()
+        outputs = executor.run(feeds)
+        times_ms.append((time.perf_counter() - start) * 1000)
+    stats = _stats(times_ms)
+    for line in _summary_lines(stats, batchsize):
+        click.echo(line)
+    if output:
+        name = output_dirname or time.strftime("%Y_%m_%d-%H_%M_%S")
+        prefix = Path(input_files.split(",")[0]).stem if input_files else "pure_infer_data"
+        files = _save_outputs(outputs, Path(output) / name, prefix, outfmt.upper())
+        summary = {"model": model, "backend": backend, "loop": loop, "warmup_count": warmup_count,
+                   "batchsize": batchsize, "NPU_compute_time": stats, "throughput": 1000 * batchsize / stats["mean"],
+                   "outputs": {k: list(v.shape) for k, v in outputs.items()}, "files": files}
+        (Path(output) / f"{name}_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        click.echo(f"[INFO] output path:{Path(output) / name}")
+
+
+def main() -> None:
+    """Console entry point: coded errors become one message and exit status 1, never a traceback."""
+    try:
+        cli.main(standalone_mode=False)
+    except AtcError as error:
+        click.echo(f"[ERROR] {error.render()}", err=True)
+        sys.exit(EXIT_FAILURE)
+    except click.exceptions.Abort:
+        sys.exit(EXIT_FAILURE)
+    except click.ClickException as error:
+        error.show()
+        sys.exit(error.exit_code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""`compile_model(cfg)`: ONNX in, `.om` out. The whole of `atc --mode=0` as a library call."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import onnx_graphsurgeon as gs
+
+from compiler import __version__
+from compiler.artifact import write_artifact
+from compiler.config import CompileConfig
+from compiler.errors import AtcError
+from compiler.graph_io import apply_input_shape, apply_out_nodes
+from compiler.loader import load_onnx
+from compiler.pass_manager import PassReport, run_passes
+from compiler.pipeline import build_pipeline
+from compiler.precheck import check_ops, unsupported_types
+from compiler.signature import io_signature, is_dynamic, llm_dimensions
+
+log = logging.getLogger("atc")
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+
+
+@dataclass
+class CompileResult:
+    """What a compile produced."""
+
+    output: Path
+    size: int
+    report: PassReport
+    metadata: dict
+
+
+def compile_model(cfg: CompileConfig) -> CompileResult:
+    """Compile `cfg.model` into `cfg.output`.om; raises AtcError, leaving no output file, on failure."""
+    output = cfg.output_path
+    _check_writable(output)
+    model = load_onnx(cfg.model)
+    graph = gs.import_onnx(model)
+    if cfg.input_shape:
+        apply_input_shape(graph, cfg.input_shape)
+    if cfg.out_nodes:
+        apply_out_nodes(graph, cfg.out_nodes)
+    unsupported = unsupported_types(check_ops(graph))
+    if unsupported:
+        raise AtcError("E16002", ", ".join(unsupported))
+    report = run_passes(graph, build_pipeline(cfg), cfg.fusion_switches)
+    lowered = lower(graph, model)
+    signature = io_signature(lowered)
+    metadata = {
+        "name": output.stem,
+        "atc_version": __version__,
+        "soc_version": cfg.soc_version,
+        "framework_type": cfg.framework,
+        "cmdline": cfg.cmdline,
+        "config": cfg.effective(),
+        "signature": signature,
+        "is_dynamic": is_dynamic(signature),
+        "model": llm_dimensions(signature),
+        "source": {"file": Path(cfg.model).name, "producer": f"{model.producer_name} {model.producer_version}".strip(),
+                   "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import}},
+        "pass_report": report.as_dict(),
+    }
+    size = write_artifact(output, lowered, metadata, tokenizer_files(cfg))
+    report.write_fusion_result(output.parent / "fusion_result.json")
+    return CompileResult(output=output, size=size, report=report, metadata=metadata)
+
+
+def lower(graph: gs.Graph, source: onnx.ModelProto) -> onnx.ModelProto:
+    """The optimised graph as an ONNX model, stamped as ours; weights still inline."""
+    model = gs.export_onnx(graph, do_type_check=False)
+    model.ir_version = source.ir_version
+    model.producer_name, model.producer_version = "atc", __version__
+    del model.metadata_props[:]
+    return model
+
+
+def tokenizer_files(cfg: CompileConfig) -> dict[str, str]:
+    """Tokenizer files from `--tokenizer`, else from beside the model, else none."""
+    folder = Path(cfg.tokenizer) if cfg.tokenizer else Path(cfg.model).parent
+    if not (folder / "tokenizer.json").is_file():
+        if cfg.tokenizer:
+            raise AtcError("E10001", cfg.tokenizer, "--tokenizer", "The directory has no tokenizer.json.")
+        return {}
+    return {name: (folder / name).read_text(encoding="utf-8") for name in TOKENIZER_FILES if (folder / name).is_file()}
+
+
+def _check_writable(output: Path) -> None:
+    folder = output.parent
+    if not folder.is_dir():
+        raise AtcError("E13004", output, f"the directory {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise AtcError("E13004", output, f"the directory {folder} is not writable")

@@ -1,0 +1,214 @@
+"""`CompileConfig`: the one typed object that carries atc's flags into the compiler.
+
+`CompileConfig.from_flags(**strings)` turns command-line strings into typed values with ATC's error codes;
+constructing `CompileConfig(...)` directly (the Python API) runs the same checks in `__post_init__`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from compiler.errors import AtcError, invalid_value, not_in_range
+from compiler.fusion_switch import parse_fusion_switch_file
+from compiler.soc import SOC_VERSIONS, SocProfile
+
+MODES = {0: "model to framework model", 1: "framework model to json", 3: "only pre-check",
+         5: "pbtxt to json", 6: "display model info", 7: "convert a model to the OM2 format",
+         30: "execute-om for nano"}
+IMPLEMENTED_MODES = (0, 1, 3, 6)
+FRAMEWORKS = {0: "Caffe", 1: "MindSpore", 3: "TensorFlow", 5: "Onnx"}
+LOG_LEVELS = ("debug", "info", "warning", "error", "null")
+PRECISION_MODES = ("force_fp16", "force_fp32", "cube_fp16in_fp32out", "allow_mix_precision", "allow_fp32_to_fp16",
+                   "must_keep_origin_dtype", "allow_mix_precision_fp16", "allow_mix_precision_bf16",
+                   "allow_fp32_to_bf16")
+INPUT_FORMATS = ("NCHW", "ND", "NCDHW")
+KV_CACHE_LAYOUTS = ("contiguous", "paged")
+MODEL_TYPES = ("llama", "glm", "qwen", "baichuan", "internlm", "mistral", "phi3", "gemma", "gpt2")
+_TRUE = ("1", "t", "true", "y", "yes")
+_FALSE = ("0", "f", "false", "n", "no")
+
+Dim = int | tuple[int, int]  # a size, -1 for dynamic, or a (low, high) range written "low~high"
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """Every atc flag that means something here, typed and checked; names are ATC's flag names."""
+
+    mode: int = 0
+    model: str = ""
+    framework: int | None = None
+    output: str = ""
+    soc_version: str = ""
+    input_shape: dict[str, tuple[Dim, ...]] = field(default_factory=dict)
+    input_format: str = "NCHW"
+    precision_mode: str = "force_fp16"
+    keep_dtype: str = ""
+    fusion_switch_file: str = ""
+    out_nodes: tuple[str, ...] = ()
+    log: str = "null"
+    om: str = ""
+    json: str = ""
+    check_report: str = "check_result.json"
+    display_model_info: bool = False
+    enable_flash_attention: bool = False
+    enable_paged_attention: bool | None = None
+    kv_cache_layout: str = ""
+    paged_config: str = ""
+    large_model_compilation: bool = False
+    enable_compress_weight: bool = False
+    compress_weight_conf: str = ""
+    compression_optimize_conf: str = ""
+    auto_tune_mode: str = ""
+    tokenizer: str = ""
+    model_type: str = ""
+    cmdline: str = ""
+    fusion_switches: dict[str, bool] = field(default_factory=dict, compare=False)
+    warnings: tuple[str, ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        self._check_choices()
+        self._check_required()
+        self._check_files()
+        self._resolve_kv_layout()
+        if self.fusion_switch_file and not self.fusion_switches:
+            object.__setattr__(self, "fusion_switches", parse_fusion_switch_file(self.fusion_switch_file))
+        if self.auto_tune_mode:
+            self._warn("W10001", "The Auto Tune function has been deprecated; --auto_tune_mode is ignored.")
+
+    @classmethod
+    def from_flags(cls, **flags: str | None) -> "CompileConfig":
+        """Build from the command line's strings; missing flags keep their defaults."""
+        known = {f.name: f for f in fields(cls)}
+        values: dict[str, object] = {}
+        for name, raw in flags.items():
+            if raw is None or name not in known:
+                continue
+            values[name] = _convert(name, raw)
+        return cls(**values)
+
+    @property
+    def soc(self) -> SocProfile:
+        """The target profile `--soc_version` names."""
+        return SOC_VERSIONS[self.soc_version]
+
+    @property
+    def output_path(self) -> Path:
+        """`--output` with ATC's `.om` suffix appended."""
+        return Path(self.output + ".om")
+
+    def effective(self) -> dict:
+        """The flags as the compiler used them, for the artifact's metadata."""
+        out = asdict(self)
+        out.pop("warnings")
+        out["input_shape"] = {k: [list(d) if isinstance(d, tuple) else d for d in v] for k, v in self.input_shape.items()}
+        return out
+
+    def _warn(self, code: str, text: str) -> None:
+        object.__setattr__(self, "warnings", self.warnings + (f"{code}: {text}",))
+
+    def _check_choices(self) -> None:
+        if self.mode not in MODES:
+            raise not_in_range(self.mode, "mode", sorted(MODES))
+        if self.mode not in IMPLEMENTED_MODES:
+            raise AtcError("E10055", f"--mode={self.mode} ({MODES[self.mode]}) is not implemented; "
+                           f"supported modes are {', '.join(map(str, IMPLEMENTED_MODES))}")
+        if self.framework is not None and self.framework not in FRAMEWORKS:
+            raise AtcError("E10007", "framework", "0(Caffe) or 1(MindSpore) or 3(TensorFlow) or 5(Onnx)")
+        if self.framework is not None and self.framework != 5:
+            raise AtcError("E10055", f"--framework={self.framework} ({FRAMEWORKS[self.framework]}) is not supported; "
+                           "only ONNX models (--framework=5) can be compiled")
+        if self.log not in LOG_LEVELS:
+            raise AtcError("E10010", self.log)
+        for flag, value, allowed in (("precision_mode", self.precision_mode, PRECISION_MODES),
+                                     ("input_format", self.input_format, INPUT_FORMATS)):
+            if value not in allowed:
+                raise not_in_range(value, flag, allowed)
+        if self.kv_cache_layout and self.kv_cache_layout not in KV_CACHE_LAYOUTS:
+            raise not_in_range(self.kv_cache_layout, "kv_cache_layout", KV_CACHE_LAYOUTS)
+        if self.model_type and self.model_type not in MODEL_TYPES:
+            raise not_in_range(self.model_type, "model_type", MODEL_TYPES)
+        if self.soc_version and self.soc_version not in SOC_VERSIONS:
+            raise not_in_range(self.soc_version, "soc_version", sorted(SOC_VERSIONS))
+
+    def _check_required(self) -> None:
+        required = {0: ("model", "output", "soc_version"), 1: ("om", "json"), 3: ("model", "soc_version"),
+                    6: ("om",)}[self.mode]
+        if self.mode in (0, 3) and self.framework is None:
+            raise AtcError("E10007", "framework", "0(Caffe) or 1(MindSpore) or 3(TensorFlow) or 5(Onnx)")
+        for name in required:
+            if not getattr(self, name):
+                raise AtcError("E10054", f"--{name}")
+
+    def _check_files(self) -> None:
+        for flag in ("keep_dtype", "fusion_switch_file", "paged_config", "compress_weight_conf",
+                     "compression_optimize_conf"):
+            path = getattr(self, flag)
+            if path and not os.path.isfile(path):
+                raise invalid_value(path, flag, f"File defined by {flag} is not found.")
+        if self.tokenizer and not os.path.isdir(self.tokenizer):
+            raise invalid_value(self.tokenizer, "tokenizer", "The tokenizer directory is not found.")
+
+    def _resolve_kv_layout(self) -> None:
+        paged, layout = self.enable_paged_attention, self.kv_cache_layout
+        if paged is False and layout == "paged":
+            raise invalid_value(layout, "kv_cache_layout", "A paged KV cache needs --enable_paged_attention=1.")
+        if paged and layout == "contiguous":
+            raise invalid_value(layout, "kv_cache_layout", "--enable_paged_attention=1 needs --kv_cache_layout=paged.")
+        paged = bool(paged) or layout == "paged"
+        object.__setattr__(self, "enable_paged_attention", paged)
+        object.__setattr__(self, "kv_cache_layout", "paged" if paged else "contiguous")
+
+
+_BOOL_FLAGS_01 = ("display_model_info",)
+_BOOL_FLAGS = ("enable_flash_attention", "enable_paged_attention", "large_model_compilation", "enable_compress_weight")
+_INT_FLAGS = ("mode", "framework")
+
+
+def _convert(name: str, raw: str) -> object:
+    """One flag's string to its typed value, refusing bad values with ATC's codes."""
+    if name in _INT_FLAGS:
+        if not raw.strip().lstrip("-").isdigit():
+            if name == "framework":
+                raise AtcError("E10007", "framework", "0(Caffe) or 1(MindSpore) or 3(TensorFlow) or 5(Onnx)")
+            raise not_in_range(raw, name, sorted(MODES))
+        return int(raw)
+    if name in _BOOL_FLAGS_01:
+        if raw not in ("0", "1"):
+            raise AtcError("E10006", raw, name)
+        return raw == "1"
+    if name in _BOOL_FLAGS:
+        if raw.lower() in _TRUE:
+            return True
+        if raw.lower() in _FALSE:
+            return False
+        raise AtcError("E10005", raw, name)
+    if name == "input_shape":
+        return parse_input_shape(raw)
+    if name == "out_nodes":
+        return tuple(part for part in raw.split(";") if part)
+    return raw
+
+
+def parse_input_shape(text: str) -> dict[str, tuple[Dim, ...]]:
+    """`"input_ids:1,-1;position_ids:1,1~128"` → {name: dims}; ATC's E10002/E10011 on bad text."""
+    fmt = '"input_name1:n1,c1,h1,w1;input_name2:n2,c2,h2,w2"'
+    shapes: dict[str, tuple[Dim, ...]] = {}
+    for item in filter(None, text.split(";")):
+        name, sep, dims_text = item.rpartition(":")
+        if not sep or not name:
+            raise AtcError("E10002", item, "the input name and its shape must be separated by ':'", fmt)
+        dims: list[Dim] = []
+        for dim in filter(None, dims_text.split(",")):
+            if "~" in dim:
+                low, _, high = dim.partition("~")
+                if not (low.isdigit() and high.isdigit()) or int(low) > int(high) or int(low) < 1:
+                    raise AtcError("E10011", item, dim)
+                dims.append((int(low), int(high)))
+            elif dim == "-1" or dim.isdigit() and int(dim) > 0:
+                dims.append(int(dim))
+            else:
+                raise AtcError("E10011", item, dim)
+        shapes[name] = tuple(dims)
+    return shapes

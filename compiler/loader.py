@@ -1,0 +1,87 @@
+"""Load an ONNX model and its external data, refusing broken input with ATC error codes.
+
+Weights stay in TensorProtos (external data read in place of raw_data); the model is never serialised
+whole, so models over protobuf's 2 GiB limit load like any other.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+from google.protobuf.message import DecodeError
+from onnx import external_data_helper, helper
+
+from compiler.errors import AtcError
+
+
+def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
+    """The checked model with all weights in memory."""
+    path = Path(path)
+    if not path.is_file():
+        reason = "the path is a directory" if path.is_dir() else "No such file or directory"
+        raise AtcError("E13001", path, reason)
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, ValueError, RuntimeError, OSError) as error:
+        raise AtcError("E10041", path, reason=f"the file is not an ONNX model: {error}") from None
+    if not model.HasField("graph") or not model.graph.node:
+        if model.ByteSize() == 0 or not model.HasField("graph"):
+            raise AtcError("E10041", path, reason="the file holds no ONNX model (empty or not a ModelProto)")
+        raise AtcError("E16004")
+    _check_external_data(model, path.parent)
+    external_data_helper.load_external_data_for_model(model, str(path.parent))
+    _check_tensor_sizes(model, path)
+    try:
+        onnx.checker.check_model(_without_weights(model))
+    except onnx.checker.ValidationError as error:
+        raise AtcError("E10041", path, reason=f"the ONNX checker refused the model: {str(error).strip()}") from None
+    return model
+
+
+def _check_external_data(model: onnx.ModelProto, base: Path) -> None:
+    for tensor in external_data_helper._get_all_tensors(model):
+        if not external_data_helper.uses_external_data(tensor):
+            continue
+        info = external_data_helper.ExternalDataInfo(tensor)
+        location = (base / info.location).resolve()
+        if base.resolve() not in location.parents and location != base.resolve():
+            raise AtcError("E10041", base, reason=f"external data of {tensor.name} points outside the model folder")
+        if not location.is_file():
+            raise AtcError("E13001", location, f"external data of tensor {tensor.name} is missing")
+        size = location.stat().st_size
+        offset = info.offset or 0
+        length = info.length if info.length is not None else size - offset
+        if offset + length > size:
+            raise AtcError("E10041", location, reason=f"external data is truncated: tensor {tensor.name} needs bytes "
+                                                       f"{offset}..{offset + length} of a {size}-byte file")
+
+
+def _check_tensor_sizes(model: onnx.ModelProto, path: Path) -> None:
+    for tensor in model.graph.initializer:
+        if not tensor.HasField("raw_data") or tensor.data_type in (onnx.TensorProto.STRING,):
+            continue
+        itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
+        count = int(np.prod(tensor.dims, dtype=np.int64))
+        if tensor.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
+            expected = (count + 1) // 2
+        else:
+            expected = count * itemsize
+        if len(tensor.raw_data) != expected:
+            raise AtcError("E10041", path, reason=f"tensor {tensor.name} holds {len(tensor.raw_data)} bytes, "
+                                                  f"its shape {list(tensor.dims)} needs {expected}")
+
+
+def _without_weights(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy for the checker in which weights are typed inputs: small to serialise, whatever the model."""
+    graph = model.graph
+    light = onnx.ModelProto()
+    light.ir_version, light.producer_name = model.ir_version, model.producer_name
+    light.opset_import.extend(model.opset_import)
+    light.functions.extend(model.functions)
+    inputs = list(graph.input) + [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                                  for t in graph.initializer]
+    light.graph.CopyFrom(helper.make_graph(list(graph.node), graph.name, inputs, list(graph.output)))
+    return light

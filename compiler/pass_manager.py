@@ -1,0 +1,98 @@
+"""The pass interface, the pass runner and the pass report (ATC's fusion_result.json).
+
+A pass is an object with a `name` (ATC style, `<Thing>FusionPass`), a `switchable` flag (whether
+`--fusion_switch_file` may turn it off) and `run(graph) -> PassResult`. Passes never print; they return
+counts and, when they matched nothing, the reasons their candidates failed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import onnx_graphsurgeon as gs
+
+from compiler.fusion_switch import is_enabled
+
+log = logging.getLogger("atc")
+
+
+@dataclass
+class PassResult:
+    """What one pass did: candidates matched, rewrites applied, and why candidates were refused."""
+
+    match_times: int = 0
+    effect_times: int = 0
+    rejections: list[str] = field(default_factory=list)
+
+
+class Pass(Protocol):
+    name: str
+    switchable: bool
+
+    def run(self, graph: gs.Graph) -> PassResult: ...
+
+
+@dataclass
+class PassRecord:
+    """One line of the pass report."""
+
+    name: str
+    enabled: bool
+    match_times: int = 0
+    effect_times: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "enabled": self.enabled, "match_times": self.match_times,
+                "effect_times": self.effect_times}
+
+
+@dataclass
+class PassReport:
+    """The ordered records of a pipeline run, and the node counts around it."""
+
+    records: list[PassRecord] = field(default_factory=list)
+    nodes_before: int = 0
+    nodes_after: int = 0
+
+    def as_dict(self) -> dict:
+        """Deterministic form for the artifact (no timings: two compiles must give identical bytes)."""
+        return {"nodes_before": self.nodes_before, "nodes_after": self.nodes_after,
+                "passes": [record.as_dict() for record in self.records]}
+
+    def fusion_result(self) -> dict:
+        """ATC's fusion_result.json shape: counts as strings, one entry per pass that ran."""
+        graph_fusion = {r.name: {"match_times": str(r.match_times), "effect_times": str(r.effect_times)}
+                        for r in self.records if r.enabled}
+        return {"session_and_graph_id_0_0": {"graph_fusion": graph_fusion, "ub_fusion": {}}}
+
+    def write_fusion_result(self, path: Path) -> None:
+        path.write_text(json.dumps(self.fusion_result(), indent=4) + "\n", encoding="utf-8")
+
+
+def run_passes(graph: gs.Graph, passes: list[Pass], switches: dict[str, bool]) -> PassReport:
+    """Run `passes` in order on `graph` (mutated in place), honouring the fusion switches."""
+    report = PassReport(nodes_before=len(graph.nodes))
+    for p in passes:
+        enabled = not p.switchable or is_enabled(switches, p.name)
+        record = PassRecord(p.name, enabled)
+        report.records.append(record)
+        if not enabled:
+            log.info("%s: switched off", p.name)
+            continue
+        start = time.perf_counter()
+        result = p.run(graph)
+        record.seconds = time.perf_counter() - start
+        record.match_times, record.effect_times = result.match_times, result.effect_times
+        log.info("%s: matched %d, applied %d, %.2f s, %d nodes", p.name, result.match_times,
+                 result.effect_times, record.seconds, len(graph.nodes))
+        if result.effect_times == 0:
+            for reason in result.rejections:
+                log.debug("%s: candidate refused: %s", p.name, reason)
+    report.nodes_after = len(graph.nodes)
+    return report

@@ -1,0 +1,23 @@
+"""The ordered pass list: one flat recipe, read top to bottom."""
+
+from __future__ import annotations
+
+from compiler.config import CompileConfig
+from compiler.pass_manager import Pass
+from passes.eliminate_dead_code import EliminateDeadCode
+from passes.eliminate_identity import EliminateIdentity
+from passes.fold_constants import FoldConstants
+from passes.infer_shapes import InferShapes
+
+
+def build_pipeline(cfg: CompileConfig) -> list[Pass]:
+    """The passes `cfg` asks for, in order; switched-off ones are skipped by the runner, not dropped here."""
+    del cfg  # every pass so far runs for every configuration
+    return [
+        # Phase 0: canonical form, so that later patterns see one spelling of each structure
+        InferShapes(),
+        FoldConstants(),
+        EliminateIdentity(),
+        EliminateDeadCode(),
+        InferShapes(),
+    ]

@@ -1,0 +1,140 @@
+"""Export a Hugging Face causal LM to ONNX the way users do: `torch.onnx.export`, either exporter.
+
+The graph's I/O follows Optimum's names so every runner speaks one language:
+inputs `input_ids`, `attention_mask`, `position_ids` [, `past_key_values.{i}.key|value`],
+outputs `logits` [, `present.{i}.key|value`]. KV tensors are [batch, kv_heads, seq, head_dim].
+Torch is a model-preparation dependency only; nothing under `runtime/` imports this module.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+EXAMPLE_BATCH = 2
+EXAMPLE_SEQ = 5
+EXAMPLE_PAST = 3
+
+
+class _CausalLMWithFlatCache(torch.nn.Module):
+    """Turns the model's cache object into flat tensors, the only thing ONNX graphs can carry."""
+
+    def __init__(self, model: torch.nn.Module, with_past: bool):
+        super().__init__()
+        self.model = model
+        self.with_past = with_past
+
+    def forward(self, input_ids, attention_mask, position_ids, *past):
+        if not self.with_past:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+            return out.logits
+        from transformers import DynamicCache
+
+        cache = DynamicCache(ddp_cache_data=list(zip(past[0::2], past[1::2])), config=self.model.config)
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=cache, use_cache=True,
+        )
+        flat = []
+        for layer in out.past_key_values.layers:
+            flat += [layer.keys, layer.values]
+        return (out.logits, *flat)
+
+
+def kv_geometry(config) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of a transformers config."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
+def io_names(num_layers: int, with_past: bool) -> tuple[list[str], list[str]]:
+    """The ONNX input and output names of an exported causal LM."""
+    inputs = ["input_ids", "attention_mask", "position_ids"]
+    outputs = ["logits"]
+    if with_past:
+        for i in range(num_layers):
+            inputs += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
+            outputs += [f"present.{i}.key", f"present.{i}.value"]
+    return inputs, outputs
+
+
+def example_inputs(config, with_past: bool, batch: int = EXAMPLE_BATCH, seq: int = EXAMPLE_SEQ,
+                   past: int = EXAMPLE_PAST, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Inputs that exercise every dynamic axis; right-padded last row so the mask matters."""
+    gen = torch.Generator().manual_seed(seed)
+    past = past if with_past else 0
+    num_layers, kv_heads, head_dim = kv_geometry(config)
+    feeds = {"input_ids": torch.randint(0, config.vocab_size, (batch, seq), generator=gen)}
+    mask = torch.ones(batch, past + seq, dtype=torch.int64)
+    if batch > 1:
+        mask[-1, -1] = 0
+    feeds["attention_mask"] = mask
+    feeds["position_ids"] = torch.arange(past, past + seq).unsqueeze(0).repeat(batch, 1)
+    if with_past:
+        for i in range(num_layers):
+            for kind in ("key", "value"):
+                feeds[f"past_key_values.{i}.{kind}"] = torch.randn(batch, kv_heads, past, head_dim, generator=gen)
+    return feeds
+
+
+def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, dynamo: bool, with_past: bool,
+                     external_data: bool = False) -> Path:
+    """Export `model` to `path`; the file is written atomically (temp name, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    model = model.eval()
+    num_layers, _, _ = kv_geometry(model.config)
+    input_names, output_names = io_names(num_layers, with_past)
+    feeds = example_inputs(model.config, with_past)
+    args = tuple(feeds[name] for name in input_names)
+    wrapper = _CausalLMWithFlatCache(model, with_past)
+    tmp = path.with_name(path.stem + ".partial.onnx")
+    with torch.no_grad():
+        if dynamo:
+            dynamic = torch.export.Dim.DYNAMIC
+            # forward(*past) is one positional slot to torch.export: its shapes nest in a tuple
+            past_shapes = tuple({0: dynamic, 2: dynamic} for _ in input_names[3:])
+            shapes = ({0: dynamic, 1: dynamic},) * 3 + ((past_shapes,) if with_past else ())
+            program = torch.onnx.export(
+                wrapper, args, input_names=input_names, output_names=output_names,
+                dynamic_shapes=shapes, dynamo=True, optimize=True,
+            )
+            program.save(str(tmp), external_data=external_data)
+        else:
+            axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "total"},
+                    "position_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}
+            for name in input_names[3:]:
+                axes[name] = {0: "batch", 2: "past"}
+            for name in output_names[1:]:
+                axes[name] = {0: "batch", 2: "total"}
+            torch.onnx.export(
+                wrapper, args, str(tmp), input_names=input_names, output_names=output_names,
+                dynamic_axes=axes, opset_version=17, dynamo=False,
+            )
+            if external_data:
+                import onnx
+
+                proto = onnx.load(str(tmp))
+                onnx.save(proto, str(tmp), save_as_external_data=True, location=path.name + ".data")
+    _rename_with_data(tmp, path)
+    return path
+
+
+def _rename_with_data(tmp: Path, path: Path) -> None:
+    """Move a finished export into place; external data keeps the name the graph refers to."""
+    data = tmp.with_name(tmp.name + ".data")
+    if data.exists():
+        import onnx
+
+        proto = onnx.load(str(tmp), load_external_data=False)
+        for tensor in proto.graph.initializer:
+            for entry in tensor.external_data:
+                if entry.key == "location":
+                    entry.value = path.name + ".data"
+        data.replace(path.with_name(path.name + ".data"))
+        onnx.save(proto, str(tmp))
+    tmp.replace(path)

@@ -1,0 +1,70 @@
+"""Tiny, seeded, randomly initialised Hugging Face models, exported to ONNX and cached on disk.
+
+`tiny_onnx("llama", dynamo=True, with_past=True)` returns the path of an exported model, building it the
+first time. The cache lives in `$CANN_LLM_CACHE` (default `<repo>/.cache`), which git ignores.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def cache_dir() -> Path:
+    """Where generated models and artifacts are kept."""
+    return Path(os.environ.get("CANN_LLM_CACHE", REPO_ROOT / ".cache"))
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """What one tiny family is: its transformers config class and the sizes we give it."""
+
+    config_class: str
+    model_class: str
+    sizes: dict = field(default_factory=dict)
+
+
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
+
+TINY_FAMILIES: dict[str, TinySpec] = {
+    "llama": TinySpec("LlamaConfig", "LlamaForCausalLM", dict(_COMMON, rms_norm_eps=1e-6)),
+    "qwen2": TinySpec("Qwen2Config", "Qwen2ForCausalLM", dict(_COMMON, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+}
+
+
+def build_tiny_model(family: str, seed: int = 0):
+    """A randomly initialised model whose norm weights and biases are re-drawn too.
+
+    transformers initialises norm weights to 1 and biases to 0, and a fusion that drops them would still
+    match such a reference; re-drawing them from the seed makes every parameter count.
+    """
+    import torch
+    import transformers
+
+    spec = TINY_FAMILIES[family]
+    config = getattr(transformers, spec.config_class)(**spec.sizes)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = getattr(transformers, spec.model_class)(config)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=gen) if "norm" in name
+                            else 0.1 * torch.randn(param.shape, generator=gen))
+    return model.eval()
+
+
+def tiny_onnx(family: str, *, dynamo: bool, with_past: bool, seed: int = 0) -> Path:
+    """Path of the exported tiny model, exporting it on first use."""
+    from models.export import export_causal_lm
+
+    tag = f"{family}-{'dynamo' if dynamo else 'ts'}-{'kv' if with_past else 'nokv'}-s{seed}"
+    path = cache_dir() / "tiny" / tag / "model.onnx"
+    if not path.exists():
+        export_causal_lm(build_tiny_model(family, seed), path, dynamo=dynamo, with_past=with_past)
+    return path

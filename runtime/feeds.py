@@ -1,0 +1,114 @@
+"""Model inputs for `cann-run`: read from .npy/.bin files, or made up (zeros or random) from the signature.
+
+A causal LM's inputs are made consistent with each other (attention_mask covers past + new tokens,
+position_ids continue after the past, token ids fall inside the vocabulary), so a made-up run is a real
+forward pass, not noise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from compiler.errors import AtcError
+
+DEFAULT_DIM = 1
+DEFAULT_SEQ = 16
+
+
+def parse_shapes(text: str) -> dict[str, list[int]]:
+    """`"input_ids:1,16;past_key_values.0.key:1,3,8,64"` → {name: dims}."""
+    shapes = {}
+    for item in filter(None, (text or "").split(";")):
+        name, _, dims = item.rpartition(":")
+        try:
+            shapes[name] = [int(d) for d in dims.split(",") if d]
+        except ValueError:
+            raise AtcError("E10001", item, "--dymShape", "dims must be integers") from None
+        if not name or any(d < 0 for d in shapes[name]):
+            raise AtcError("E10001", item, "--dymShape", "expected name:d1,d2,... with dims >= 0")
+    return shapes
+
+
+def _shape(value: dict, shapes: dict[str, list[int]]) -> list[int]:
+    if value["name"] in shapes:
+        return shapes[value["name"]]
+    return [d if isinstance(d, int) and d >= 0 else DEFAULT_DIM for d in value["shape"]]
+
+
+def read_input_files(paths: list[str], signature: dict, shapes: dict[str, list[int]]) -> dict[str, np.ndarray]:
+    """One file per model input, in signature order; .npy carries its shape, .bin takes the model's."""
+    inputs = signature["inputs"]
+    if len(paths) != len(inputs):
+        raise AtcError("E10001", ",".join(paths), "--input",
+                       f"the model has {len(inputs)} inputs ({', '.join(v['name'] for v in inputs)}), "
+                       f"{len(paths)} files were given")
+    feeds = {}
+    for path, value in zip(paths, inputs):
+        dtype = np.dtype(value["dtype"])
+        file = Path(path)
+        if not file.is_file():
+            raise AtcError("E13001", path, "No such file or directory")
+        if file.suffix == ".npy":
+            try:
+                array = np.load(file, allow_pickle=False)
+            except ValueError as error:
+                raise AtcError("E10001", path, "--input", f"not a readable .npy file: {error}") from None
+        else:
+            array = np.fromfile(file, dtype=dtype)
+            shape = _shape(value, shapes)
+            if array.size != int(np.prod(shape)):
+                raise AtcError("E10001", path, "--input", f"{array.size} {dtype} values do not fill shape {shape} "
+                                                          f"of {value['name']}; give --dymShape")
+            array = array.reshape(shape)
+        if array.dtype != dtype:
+            raise AtcError("E10001", path, "--input", f"{value['name']} needs {dtype}, the file holds {array.dtype}")
+        feeds[value["name"]] = array
+    return feeds
+
+
+def made_up_inputs(signature: dict, dims: dict, shapes: dict[str, list[int]], kind: str,
+                   seed: int = 0) -> dict[str, np.ndarray]:
+    """Zero or random inputs; a causal LM (non-empty `dims`) gets a consistent set."""
+    rng = np.random.default_rng(seed)
+    if dims:
+        batch, seq = shapes.get("input_ids", [DEFAULT_DIM, DEFAULT_SEQ])
+        past = shapes.get("past_key_values.0.key", [batch, 0, 0, 0])[2]
+        if kind == "zero":
+            ids = np.zeros((batch, seq), np.int64)
+        else:
+            ids = rng.integers(0, dims["vocab_size"], (batch, seq), dtype=np.int64)
+        return causal_lm_inputs(signature, dims, ids, past, rng if kind == "random" else None)
+    feeds = {}
+    for value in signature["inputs"]:
+        shape, dtype = _shape(value, shapes), np.dtype(value["dtype"])
+        if kind == "zero":
+            feeds[value["name"]] = np.zeros(shape, dtype)
+        elif dtype.kind == "f":
+            feeds[value["name"]] = rng.standard_normal(shape).astype(dtype)
+        elif dtype.kind == "b":
+            feeds[value["name"]] = rng.integers(0, 2, shape).astype(dtype)
+        else:
+            feeds[value["name"]] = rng.integers(0, 10, shape).astype(dtype)
+    return feeds
+
+
+def causal_lm_inputs(signature: dict, dims: dict, ids: np.ndarray, past: int = 0,
+                     rng: np.random.Generator | None = None) -> dict[str, np.ndarray]:
+    """Feeds for token `ids` [batch, seq] after `past` cached positions (zeros, or random with `rng`)."""
+    batch, seq = ids.shape
+    names = {value["name"]: value for value in signature["inputs"]}
+    feeds = {"input_ids": ids}
+    if "attention_mask" in names:
+        feeds["attention_mask"] = np.ones((batch, past + seq), np.dtype(names["attention_mask"]["dtype"]))
+    if "position_ids" in names:
+        positions = np.arange(past, past + seq, dtype=np.dtype(names["position_ids"]["dtype"]))
+        feeds["position_ids"] = np.broadcast_to(positions, (batch, seq)).copy()
+    for layer in range(dims.get("num_layers", 0)):
+        for kind in ("key", "value"):
+            name = f"past_key_values.{layer}.{kind}"
+            shape = (batch, dims["num_kv_heads"], past, dims["head_dim"])
+            dtype = np.dtype(names[name]["dtype"])
+            feeds[name] = (rng.standard_normal(shape).astype(dtype) if rng is not None else np.zeros(shape, dtype))
+    return feeds

@@ -1,0 +1,38 @@
+"""The model's tokenizer, read from the artifact's tokenizer partition (Hugging Face `tokenizers`)."""
+
+from __future__ import annotations
+
+import json
+
+from tokenizers import Tokenizer
+
+from compiler.errors import AtcError
+
+
+class TextTokenizer:
+    """Encode and decode with the tokenizer the model was compiled with."""
+
+    def __init__(self, files: dict[str, str]):
+        if "tokenizer.json" not in files:
+            raise AtcError("E10001", "tokenizer", "--model",
+                           "The model was compiled without a tokenizer; recompile with atc --tokenizer=DIR.")
+        self._tokenizer = Tokenizer.from_str(files["tokenizer.json"])
+        config = json.loads(files.get("tokenizer_config.json", "{}"))
+        self.add_bos = bool(config.get("add_bos_token", False))
+        self.bos_token = config.get("bos_token")
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, with BOS when the tokenizer's config asks for it."""
+        ids = self._tokenizer.encode(text, add_special_tokens=True).ids
+        bos = self._tokenizer.token_to_id(self.bos_token) if isinstance(self.bos_token, str) else None
+        if self.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos] + ids
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of `ids`, special tokens dropped."""
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text, keeping leading spaces visible to a reader."""
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
