@@ -78,6 +78,7 @@ def usage() -> str:
 def _parse(argv: list[str]) -> dict[str, str | None]:
     params = [click.Option([f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else []), type=str)
               for name, _, _ in FLAGS]
+    params.append(click.Argument(["positional"], nargs=-1))
     command = click.Command("atc", params=params, add_help_option=False)
     try:
         context = command.make_context("atc", list(argv), resilient_parsing=False)
@@ -85,10 +86,11 @@ def _parse(argv: list[str]) -> dict[str, str | None]:
         raise _FlagError(f"unknown command line flag '{error.option_name.lstrip('-')}'") from None
     except click.BadOptionUsage as error:
         raise _FlagError(f"flag '{error.option_name}' is missing its argument") from None
-    except click.UsageError as error:
-        words = str(error.message).split(":", 1)[-1].strip()
-        raise _FlagError(f"Non-option parameter: {words}") from None
-    return context.params
+    params = dict(context.params)
+    positional = params.pop("positional")
+    if positional:
+        raise _FlagError(f"Non-option parameter: {positional[0]}")
+    return params
 
 
 class _FlagError(Exception):

@@ -92,7 +92,7 @@ def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, dynamo:
     feeds = example_inputs(model.config, with_past)
     args = tuple(feeds[name] for name in input_names)
     wrapper = _CausalLMWithFlatCache(model, with_past)
-    tmp = path.with_name(path.stem + ".partial.onnx")
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.partial.onnx")
     with torch.no_grad():
         if dynamo:
             dynamic = torch.export.Dim.DYNAMIC

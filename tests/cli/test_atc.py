@@ -1,0 +1,163 @@
+"""`atc` end to end: modes, reports, and every kind of bad input refused with a code and no output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+from cli.atc import run
+from compiler.artifact import OmFile
+
+SOC = "--soc_version=Ascend910B"
+
+
+def _atc(capsys, *argv: str) -> tuple[int, str, str]:
+    status = run(list(argv))
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def _assert_refused(capsys, tmp_path, code: str, *argv: str) -> str:
+    status, out, err = _atc(capsys, *argv, f"--output={tmp_path / 'out'}")
+    assert status == 255
+    assert "ATC run failed" in err and f"{code}: [PID:" in err, err
+    assert "Traceback" not in out + err
+    assert not list(tmp_path.glob("**/*.om")) and not list(tmp_path.glob("**/.*.tmp"))
+    return err
+
+
+def _external_model(tmp_path):
+    weight = numpy_helper.from_array(np.ones((64, 64), np.float32), "weight")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "weight"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 64])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", 64])], [weight])
+    path = tmp_path / "ext.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path),
+              save_as_external_data=True, location="ext.onnx.data", size_threshold=0)
+    return path
+
+
+def test_compile_writes_om_and_fusion_result(capsys, tmp_path, tiny_llama_path):
+    status, out, _ = _atc(capsys, f"--model={tiny_llama_path}", "--framework", "5", f"--output={tmp_path / 'm'}", SOC,
+                          "--display-model-info=1")
+    assert status == 0
+    assert out.splitlines()[0] == "ATC start working now, please wait for a moment."
+    assert "ATC run success, welcome to the next use." in out
+    assert "============ Display Model Info start ============" in out and "layers[2], kv_heads[2]" in out
+    meta = OmFile(tmp_path / "m.om").metadata
+    assert meta["cmdline"].startswith("atc --model=") and meta["config"]["soc_version"] == "Ascend910B"
+    assert meta["model"] == {"vocab_size": 256, "kv_cache_io": True, "num_layers": 2, "num_kv_heads": 2, "head_dim": 16}
+    result = json.loads((tmp_path / "fusion_result.json").read_text())["session_and_graph_id_0_0"]["graph_fusion"]
+    folded = result["ConstantFoldingPass"]
+    assert isinstance(folded["match_times"], str) and int(folded["effect_times"]) > 0
+    passes = {p["name"]: p for p in meta["pass_report"]["passes"]}
+    assert int(folded["effect_times"]) == passes["ConstantFoldingPass"]["effect_times"]
+
+
+def test_mode_1_dumps_json_without_weights(capsys, tmp_path, tiny_llama_path):
+    assert _atc(capsys, f"--model={tiny_llama_path}", "--framework=5", f"--output={tmp_path / 'm'}", SOC)[0] == 0
+    status, _, _ = _atc(capsys, "--mode=1", f"--om={tmp_path / 'm.om'}", f"--json={tmp_path / 'm.json'}")
+    assert status == 0
+    document = json.loads((tmp_path / "m.json").read_text())
+    graph = onnx.load(str(tiny_llama_path)).graph
+    ops = document["graph"][0]["op"]
+    assert sum(op["type"] == "Data" for op in ops) == len(graph.input)
+    assert {a["key"] for a in document["attr"]} >= {"atc_cmdline", "soc_version", "atc_version", "om_info_list"}
+    consts = [op for op in ops if op["type"] == "Const"]
+    assert consts and all(set(op) == {"name", "type", "output_desc"} for op in consts)
+    status, _, _ = _atc(capsys, "--mode=1", f"--om={tmp_path / 'm.om'}", f"--json={tmp_path / 'graph.onnx'}")
+    assert status == 0
+    assert len(onnx.load(str(tmp_path / "graph.onnx"), load_external_data=False).graph.node) > 0
+
+
+def test_mode_6_displays_info(capsys, tmp_path, tiny_llama_path):
+    _atc(capsys, f"--model={tiny_llama_path}", "--framework=5", f"--output={tmp_path / 'm'}", SOC)
+    status, out, _ = _atc(capsys, "--mode=6", f"--om={tmp_path / 'm.om'}")
+    assert status == 0
+    assert "soc_version[Ascend910B], framework_type[5]." in out
+    assert f"weight_size[{OmFile(tmp_path / 'm.om').partition_sizes()['WEIGHTS_DATA']} B]" in out
+
+
+def test_mode_3_lists_every_unsupported_op_at_once(capsys, tmp_path, monkeypatch):
+    nodes = [helper.make_node("FindMax", ["x"], ["a"], domain="custom"),
+             helper.make_node("Relu", ["a"], ["b"]),
+             helper.make_node("TopKPlus", ["b"], ["y"], domain="custom")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("custom", 1)])
+    path = tmp_path / "custom.onnx"
+    onnx.save(model, str(path))
+    monkeypatch.chdir(tmp_path)
+    status, _, err = _atc(capsys, "--mode=3", f"--model={path}", "--framework=5", SOC)
+    assert status == 255 and "E16002" in err and "FindMax, TopKPlus" in err
+    report = json.loads((tmp_path / "check_result.json").read_text())
+    assert (report["result"], report["total"], report["pass"], report["fail"]) == ("failed", 3, 1, 2)
+    assert [op["cause"][0]["code"] for op in report["op"]] == [1, 0, 1]
+    assert "FindMax, TopKPlus" in _assert_refused(capsys, tmp_path, "E16002", f"--model={path}", "--framework=5", SOC)
+
+
+def test_input_shape_and_out_nodes_change_the_signature(capsys, tmp_path, tiny_llama_path):
+    status, _, _ = _atc(capsys, f"--model={tiny_llama_path}", "--framework=5", f"--output={tmp_path / 'm'}", SOC,
+                        "--input_shape=input_ids:1,-1;position_ids:1,-1", "--out_nodes=logits;present.1.value")
+    assert status == 0
+    signature = OmFile(tmp_path / "m.om").metadata["signature"]
+    inputs = {v["name"]: v["shape"] for v in signature["inputs"]}
+    assert inputs["input_ids"][0] == 1 and inputs["position_ids"][0] == 1 and not isinstance(inputs["input_ids"][1], int)
+    assert [v["name"] for v in signature["outputs"]] == ["logits", "present.1.value"]
+
+
+@pytest.mark.parametrize("argv, code", [
+    (["--framework=5", SOC, "--model={tmp}/absent.onnx"], "E13001"),
+    (["--framework=5", SOC, "--model={tmp}/junk.onnx"], "E10041"),
+    (["--framework=5", SOC, "--model={tmp}/truncated/ext.onnx"], "E10041"),
+    (["--framework=5", SOC, "--model={tmp}/bad_checker.onnx"], "E10041"),
+    (["--framework=5", SOC, "--model={llama}", "--input_shape=tokens:1,8"], "E10016"),
+    (["--framework=5", SOC, "--model={llama}", "--input_shape=input_ids:1,8,3"], "E10049"),
+    (["--framework=5", SOC, "--model={llama}", "--out_nodes=nothing"], "E10016"),
+    (["--framework=5", "--soc_version=Ascend123", "--model={llama}"], "E10001"),
+    (["--framework=1", SOC, "--model={llama}"], "E10055"),
+    ([SOC, "--model={llama}"], "E10007"),
+    (["--framework=5", SOC, "--model={llama}", "--log=loud"], "E10010"),
+])
+def test_bad_input_is_refused_with_its_code(capsys, tmp_path, tiny_llama_path, argv, code):
+    (tmp_path / "junk.onnx").write_bytes(b"\x08\x07this is not a protobuf" * 10)
+    ext = _external_model(tmp_path / "truncated" if (tmp_path / "truncated").mkdir() is None else tmp_path)
+    data = ext.with_name("ext.onnx.data")
+    data.write_bytes(data.read_bytes()[:100])
+    bad = helper.make_graph([helper.make_node("Relu", ["undefined"], ["y"])], "g", [],
+                            [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
+    onnx.save(helper.make_model(bad, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "bad_checker.onnx"))
+    argv = [a.format(tmp=tmp_path, llama=tiny_llama_path) for a in argv]
+    _assert_refused(capsys, tmp_path, code, *argv)
+
+
+def test_unwritable_output_is_refused(capsys, tmp_path, tiny_llama_path):
+    (tmp_path / "file").write_text("")
+    for output in (tmp_path / "missing" / "m", tmp_path / "file" / "m"):
+        status, _, err = _atc(capsys, f"--model={tiny_llama_path}", "--framework=5", SOC, f"--output={output}")
+        assert status == 255 and "E13004" in err
+    assert not list(tmp_path.glob("**/*.om"))
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--modle=x.onnx"], "ERROR: unknown command line flag 'modle'"),
+    (["--model"], "ERROR: flag '--model' is missing its argument"),
+    (["stray"], "ERROR: Non-option parameter: stray"),
+])
+def test_command_line_errors_use_atcs_lines(capsys, argv, line):
+    status, _, err = _atc(capsys, *argv)
+    assert status == 255 and line in err
+
+
+def test_the_installed_command_exits_255_without_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "cli.atc", f"--model={tmp_path}/absent.onnx", "--framework=5",
+                           SOC, f"--output={tmp_path}/m"], capture_output=True, text=True)
+    assert proc.returncode == 255
+    assert "E13001" in proc.stderr and "Traceback" not in proc.stderr
+    assert subprocess.run([sys.executable, "-m", "cli.atc", "--help"], capture_output=True).returncode == 0

@@ -1,0 +1,87 @@
+"""`cann-run` as msame/ais_bench users drive it: inputs from files or made up, outputs, summaries, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from cli.cann_run import cli
+from conftest import compile_to, ort_reference
+from runtime import Executor, load_artifact
+from runtime.feeds import causal_lm_inputs
+
+
+@pytest.fixture(scope="module")
+def om_path(tmp_path_factory, tiny_llama_path):
+    return compile_to(tiny_llama_path, tmp_path_factory.mktemp("om") / "llama")
+
+
+def _invoke(*argv: str):
+    return CliRunner().invoke(cli, list(argv), catch_exceptions=False)
+
+
+def test_made_up_inputs_run_and_report_a_performance_summary(om_path, tmp_path):
+    result = _invoke("--model", str(om_path), "--loop", "3", "--output", str(tmp_path), "--output_dirname", "r",
+                     "--outfmt", "NPY", "--dymShape", "input_ids:2,5;past_key_values.0.key:2,2,3,16")
+    assert result.exit_code == 0, result.output
+    assert "[INFO] -----------------Performance Summary------------------" in result.output
+    assert "NPU_compute_time (ms): min = " in result.output and "percentile(99%) = " in result.output
+    summary = json.loads((tmp_path / "r_summary.json").read_text())
+    assert summary["loop"] == 3 and set(summary["NPU_compute_time"]) == {"min", "max", "mean", "median", "percentile(99%)"}
+    assert summary["outputs"]["logits"] == [2, 5, 256] and summary["outputs"]["present.0.key"] == [2, 2, 8, 16]
+    logits = np.load(tmp_path / "r" / "pure_infer_data_0.npy")
+    loaded = load_artifact(om_path)
+    ids = np.zeros((2, 5), np.int64)
+    expected = Executor(loaded).run(causal_lm_inputs(loaded.metadata["signature"], loaded.metadata["model"], ids, 3))
+    np.testing.assert_array_equal(logits, expected["logits"])
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "reference"])
+def test_input_files_give_onnxruntimes_outputs(om_path, tmp_path, tiny_llama_path, backend):
+    loaded = load_artifact(om_path)
+    rng = np.random.default_rng(4)
+    feeds = causal_lm_inputs(loaded.metadata["signature"], loaded.metadata["model"],
+                             rng.integers(0, 256, (1, 4), dtype=np.int64), 2, rng)
+    files = []
+    for index, (name, array) in enumerate(feeds.items()):
+        path = tmp_path / (f"{index}.npy" if index % 2 else f"{index}.bin")
+        np.save(path, array) if index % 2 else array.tofile(path)
+        files.append(str(path))
+    shapes = ";".join(f"{n}:{','.join(map(str, a.shape))}" for n, a in feeds.items())
+    result = _invoke("--model", str(om_path), "--input", ",".join(files), "--dymShape", shapes, "--backend", backend,
+                     "--output", str(tmp_path / "out"), "--output_dirname", "r", "--outfmt", "BIN")
+    assert result.exit_code == 0, result.output
+    expected = ort_reference(tiny_llama_path, feeds)
+    for index, (name, array) in enumerate(expected.items()):
+        got = np.fromfile(tmp_path / "out" / "r" / f"0_{index}.bin", dtype=array.dtype).reshape(array.shape)
+        np.testing.assert_allclose(got, array, atol=1e-5, rtol=0, err_msg=name)
+
+
+def test_wrong_input_count_and_missing_tokenizer_are_clear_errors(om_path, tmp_path):
+    np.save(tmp_path / "a.npy", np.zeros((1, 2), np.int64))
+    proc = subprocess.run([sys.executable, "-m", "cli.cann_run", "--model", str(om_path), "--input",
+                           str(tmp_path / "a.npy")], capture_output=True, text=True)
+    assert proc.returncode == 1 and "E10001" in proc.stderr and "the model has 7 inputs" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "cli.cann_run", "--model", str(om_path), "--prompt", "hi"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1 and "compiled without a tokenizer" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("damage", ["truncate", "corrupt"])
+def test_damaged_om_is_refused(om_path, tmp_path, damage):
+    data = bytearray(om_path.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[len(data) // 2] ^= 0x55
+    broken = tmp_path / "broken.om"
+    broken.write_bytes(bytes(data))
+    proc = subprocess.run([sys.executable, "-m", "cli.cann_run", "--model", str(broken)], capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert "E13015" in proc.stderr and ("truncated" in proc.stderr or "corrupted" in proc.stderr)
+    assert "Traceback" not in proc.stderr

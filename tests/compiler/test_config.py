@@ -1,0 +1,92 @@
+"""CompileConfig: flag strings to typed values, with ATC's codes for every refusal."""
+
+from __future__ import annotations
+
+import pytest
+
+from compiler.config import CompileConfig, parse_input_shape
+from compiler.errors import AtcError
+from compiler.fusion_switch import is_enabled, parse_fusion_switch_file
+
+BASE = dict(model="m.onnx", framework="5", output="out", soc_version="Ascend910B")
+
+
+def _code(**flags) -> str:
+    with pytest.raises(AtcError) as caught:
+        CompileConfig.from_flags(**{**BASE, **flags})
+    return caught.value.code
+
+
+def test_defaults_are_atcs():
+    cfg = CompileConfig.from_flags(**BASE)
+    assert (cfg.mode, cfg.precision_mode, cfg.log, cfg.check_report) == (0, "force_fp16", "null", "check_result.json")
+    assert cfg.framework == 5 and cfg.kv_cache_layout == "contiguous" and cfg.enable_paged_attention is False
+
+
+@pytest.mark.parametrize("flags, code", [
+    (dict(soc_version="Ascend999"), "E10001"),
+    (dict(log="verbose"), "E10010"),
+    (dict(framework="3"), "E10055"),
+    (dict(framework="7"), "E10007"),
+    (dict(framework="onnx"), "E10007"),
+    (dict(mode="2"), "E10001"),
+    (dict(mode="5"), "E10055"),
+    (dict(precision_mode="fp8"), "E10001"),
+    (dict(input_format="NHWC"), "E10001"),
+    (dict(enable_paged_attention="maybe"), "E10005"),
+    (dict(display_model_info="2"), "E10006"),
+    (dict(kv_cache_layout="ring"), "E10001"),
+    (dict(enable_paged_attention="0", kv_cache_layout="paged"), "E10001"),
+    (dict(keep_dtype="/nonexistent/keep.cfg"), "E10001"),
+    (dict(output=""), "E10054"),
+    (dict(model_type="bert"), "E10001"),
+])
+def test_bad_values_get_atc_codes(flags, code):
+    assert _code(**flags) == code
+
+
+def test_framework_is_required_for_compiling():
+    with pytest.raises(AtcError) as caught:
+        CompileConfig.from_flags(model="m.onnx", output="o", soc_version="Ascend910B")
+    assert caught.value.code == "E10007"
+
+
+@pytest.mark.parametrize("text", ["true", "1", "T", "yes", "Y"])
+def test_booleans_take_atcs_spellings(text):
+    cfg = CompileConfig.from_flags(**BASE, enable_paged_attention=text, enable_flash_attention=text)
+    assert cfg.enable_paged_attention is True and cfg.kv_cache_layout == "paged" and cfg.enable_flash_attention
+
+
+def test_input_shape_grammar():
+    assert parse_input_shape("input_ids:1,-1;position_ids:1,1~128") == {
+        "input_ids": (1, -1), "position_ids": (1, (1, 128))}
+    with pytest.raises(AtcError) as caught:
+        parse_input_shape("input_ids:1,x")
+    assert caught.value.code == "E10011"
+    with pytest.raises(AtcError) as caught:
+        parse_input_shape("1,16")
+    assert caught.value.code == "E10002"
+
+
+def test_auto_tune_mode_is_accepted_with_a_warning():
+    cfg = CompileConfig.from_flags(**BASE, auto_tune_mode="RL,GA")
+    assert any("deprecated" in w for w in cfg.warnings)
+
+
+def test_fusion_switch_text_and_json_forms(tmp_path):
+    text = tmp_path / "switch.cfg"
+    text.write_text("# comment\nALL:off\nShapeInferencePass:on\n")
+    switches = parse_fusion_switch_file(str(text))
+    assert not is_enabled(switches, "AnyFusionPass") and is_enabled(switches, "ShapeInferencePass")
+    as_json = tmp_path / "switch.json"
+    as_json.write_text('{"Switch": {"GraphFusion": {"ALL": "off", "X": "on"}, "UBFusion": {"Y": "off"}}}')
+    assert parse_fusion_switch_file(str(as_json)) == {"ALL": False, "X": True, "Y": False}
+    assert CompileConfig.from_flags(**BASE, fusion_switch_file=str(as_json)).fusion_switches["X"] is True
+
+
+@pytest.mark.parametrize("content, code", [("{not json", "E10032"), ('{"Switch": {"GraphFusion": {"A": "maybe"}}}', "E10032"),
+                                           ("RmsNormFusionPass=off", "E10001")])
+def test_bad_fusion_switch_files(tmp_path, content, code):
+    path = tmp_path / "switch"
+    path.write_text(content)
+    assert _code(fusion_switch_file=str(path)) == code

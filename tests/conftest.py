@@ -1,0 +1,58 @@
+"""Shared fixtures: exported tiny models (cached on disk), the SmolLM2 export, and a compile helper."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from compiler.compile import compile_model
+from compiler.config import CompileConfig
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+EXPORTS = [(family, dynamo, with_past) for family in ("llama", "qwen2") for dynamo in (False, True)
+           for with_past in (False, True)]
+
+
+def export_id(case) -> str:
+    family, dynamo, with_past = case
+    return f"{family}-{'dynamo' if dynamo else 'ts'}-{'kv' if with_past else 'nokv'}"
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path() -> Path:
+    """The TorchScript export of tiny Llama with KV-cache I/O."""
+    from models.tiny import tiny_onnx
+
+    return tiny_onnx("llama", dynamo=False, with_past=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct exported with KV cache (dynamo), prepared once per cache."""
+    from models.prepare import prepare_smollm2
+    from models.tiny import cache_dir
+
+    path = cache_dir() / "smollm2-dynamo" / "model.onnx"
+    if not path.exists():
+        prepare_smollm2(path.parent)
+    return path
+
+
+def compile_to(model: Path, output: Path, **flags) -> Path:
+    """Compile with the Python API (the same config the CLI builds); returns the .om path."""
+    cfg = CompileConfig(model=str(model), framework=5, output=str(output), soc_version="Ascend910B", **flags)
+    return compile_model(cfg).output
+
+
+def ort_reference(model: Path, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """onnxruntime on the original model, graph optimisations off so nothing can hide a difference."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, feeds)))

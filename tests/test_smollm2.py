@@ -1,0 +1,61 @@
+"""The embedded default model: SmolLM2-135M-Instruct (FP32 export) compiles, runs and matches onnxruntime."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cli.cann_run import cli
+from conftest import compile_to, ort_reference
+from runtime import Executor, load_artifact
+from runtime.feeds import causal_lm_inputs
+from runtime.tokenizer import TextTokenizer
+
+pytestmark = pytest.mark.slow
+RELATIVE_TOLERANCE = 1e-4
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def smollm2_om(smollm2_path, tmp_path_factory):
+    return compile_to(smollm2_path, tmp_path_factory.mktemp("smollm2") / "smollm2")
+
+
+def test_metadata_describes_the_model(smollm2_om):
+    loaded = load_artifact(smollm2_om)
+    assert loaded.metadata["model"] == {"vocab_size": 49152, "kv_cache_io": True, "num_layers": 30,
+                                        "num_kv_heads": 3, "head_dim": 64}
+    assert "tokenizer.json" in loaded.om.tokenizer_files()
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "reference"])
+def test_prefill_and_decode_logits_match_onnxruntime(smollm2_om, smollm2_path, backend):
+    loaded = load_artifact(smollm2_om)
+    signature, dims = loaded.metadata["signature"], loaded.metadata["model"]
+    tokenizer = TextTokenizer(loaded.om.tokenizer_files())
+    ids = np.asarray([tokenizer.encode(PROMPT)], np.int64)
+    executor = Executor(loaded, backend)
+    prefill = causal_lm_inputs(signature, dims, ids)
+    expected, got = ort_reference(smollm2_path, prefill), executor.run(prefill)
+    scale = np.abs(expected["logits"]).max()
+    for name in expected:
+        assert np.abs(got[name] - expected[name]).max() <= RELATIVE_TOLERANCE * max(scale, 1.0), name
+    step = causal_lm_inputs(signature, dims, expected["logits"][:, -1:].argmax(-1), past=ids.shape[1])
+    for layer in range(dims["num_layers"]):
+        for kind in ("key", "value"):
+            step[f"past_key_values.{layer}.{kind}"] = expected[f"present.{layer}.{kind}"]
+    expected, got = ort_reference(smollm2_path, step), executor.run(step, ["logits"])
+    assert np.abs(got["logits"] - expected["logits"]).max() <= RELATIVE_TOLERANCE * np.abs(expected["logits"]).max()
+
+
+def test_cann_run_prints_onnxruntimes_top_5(smollm2_om, smollm2_path):
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(cli, ["--model", str(smollm2_om), "--prompt", PROMPT, "--topk", "5"])
+    assert result.exit_code == 0, result.output
+    loaded = load_artifact(smollm2_om)
+    ids = np.asarray([TextTokenizer(loaded.om.tokenizer_files()).encode(PROMPT)], np.int64)
+    logits = ort_reference(smollm2_path, causal_lm_inputs(loaded.metadata["signature"], loaded.metadata["model"], ids))
+    top5 = np.argsort(-logits["logits"][0, -1], kind="stable")[:5]
+    printed = [int(line.split("id=")[1].split()[0]) for line in result.output.splitlines() if "id=" in line]
+    assert printed == [int(t) for t in top5]
