@@ -107,6 +107,7 @@ def _setup_logging(level: str) -> None:
 
 
 def _fail(text: str) -> int:
+    sys.stdout.flush()
     click.echo(FAILURE, err=True)
     click.echo(text, err=True)
     return EXIT_FAILURE

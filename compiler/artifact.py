@@ -179,6 +179,8 @@ class OmFile:
             if size < HEADER_SIZE:
                 raise AtcError("E13015", self.path, f"the file has {size} bytes, less than the {HEADER_SIZE}-byte header")
             self._mm = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        # the weights are about to be read in full (CRC, then onnxruntime's pre-packing): read ahead
+        self._mm.madvise(mmap.MADV_WILLNEED)
         self.header = self._read_header(size)
         self._partitions = self._read_table(size)
         for kind in (Partition.MODEL_DEF, Partition.WEIGHTS_DATA, Partition.METADATA):
@@ -187,7 +189,9 @@ class OmFile:
         for kind, (start, length, crc) in self._partitions.items():
             if kind == Partition.WEIGHTS_DATA and not verify_weights:
                 continue
-            if zlib.crc32(self._mm[start:start + length]) != crc:
+            with memoryview(self._mm) as view:
+                actual = zlib.crc32(view[start:start + length])
+            if actual != crc:
                 raise AtcError("E13015", self.path, f"the {kind.name} partition is corrupted (CRC32 mismatch)")
 
     def _read_header(self, size: int) -> Header:

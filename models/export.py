@@ -8,6 +8,7 @@ Torch is a model-preparation dependency only; nothing under `runtime/` imports t
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 
@@ -33,12 +34,12 @@ class _CausalLMWithFlatCache(torch.nn.Module):
         from transformers import DynamicCache
 
         cache = DynamicCache(ddp_cache_data=list(zip(past[0::2], past[1::2])), config=self.model.config)
-        out = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=cache, use_cache=True,
-        )
+        # transformers renamed `past_key_values` to `cache` (5.2x); accept either spelling
+        cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=True, **{cache_arg: cache})
         flat = []
-        for layer in out.past_key_values.layers:
+        for layer in (getattr(out, "cache", None) or out.past_key_values).layers:
             flat += [layer.keys, layer.values]
         return (out.logits, *flat)
 
@@ -91,7 +92,7 @@ def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, dynamo:
     input_names, output_names = io_names(num_layers, with_past)
     feeds = example_inputs(model.config, with_past)
     args = tuple(feeds[name] for name in input_names)
-    wrapper = _CausalLMWithFlatCache(model, with_past)
+    wrapper = _CausalLMWithFlatCache(model, with_past).eval()
     tmp = path.with_name(f"{path.stem}.{os.getpid()}.partial.onnx")
     with torch.no_grad():
         if dynamo:

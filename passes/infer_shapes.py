@@ -6,27 +6,26 @@ in which large weights are graph inputs of the same type and shape; the results 
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from onnx import helper
 
 from compiler.pass_manager import PassResult
+from passes.graph_utils import replace_all_uses
 
 LIGHT_WEIGHT_LIMIT = 4096
 
 
-def _light_model(model: onnx.ModelProto) -> onnx.ModelProto:
-    graph = model.graph
-    inputs, small = list(graph.input), []
-    for tensor in graph.initializer:
-        if tensor.data_location == onnx.TensorProto.EXTERNAL or len(tensor.raw_data) > LIGHT_WEIGHT_LIMIT:
-            inputs.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
-        else:
-            small.append(tensor)
-    light_graph = helper.make_graph(list(graph.node), graph.name, inputs, list(graph.output), small)
-    light = helper.make_model(light_graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
-    light.functions.extend(model.functions)
-    return light
+def _light_model(graph: gs.Graph) -> onnx.ModelProto:
+    """The graph as ONNX with every large constant turned into a typed graph input (nothing copied)."""
+    light = graph.copy()
+    for tensor in list(light.tensors().values()):
+        if isinstance(tensor, gs.Constant) and int(np.prod(tensor.shape, dtype=np.int64)) * 8 > LIGHT_WEIGHT_LIMIT:
+            variable = gs.Variable(tensor.name, dtype=tensor.dtype, shape=list(tensor.shape))
+            replace_all_uses(light, tensor, variable)
+            light.inputs.append(variable)
+    return gs.export_onnx(light, do_type_check=False)
 
 
 def _dims(value: onnx.ValueInfoProto) -> list | None:
@@ -43,8 +42,7 @@ class InferShapes:
     switchable = False
 
     def run(self, graph: gs.Graph) -> PassResult:
-        model = gs.export_onnx(graph, do_type_check=False)
-        inferred = onnx.shape_inference.infer_shapes(_light_model(model), data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(_light_model(graph), data_prop=True)
         found = {v.name: v for v in inferred.graph.value_info}
         found.update({v.name: v for v in inferred.graph.output})
         result = PassResult()
