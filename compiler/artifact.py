@@ -40,6 +40,10 @@ ALIGN = 64
 WEIGHTS_LOCATION = "@weights"
 EXTERNAL_MIN_BYTES = 1024
 
+# packed two (or four) to a byte: no numpy dtype describes their storage, so views of them are raw bytes
+SUB_BYTE_TYPES = frozenset(getattr(onnx.TensorProto, name) for name in ("INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
+                           if hasattr(onnx.TensorProto, name))
+
 _HEADER = struct.Struct("<III64sIBBBB32sI32sII20sB3xQBB62s")
 _TABLE_HEAD = struct.Struct("<I4x")
 _ENTRY = struct.Struct("<IIQQ")
@@ -255,7 +259,10 @@ class OmFile:
         return json.loads(bytes(self.partition(Partition.TOKENIZER)))
 
     def weights(self, model: onnx.ModelProto) -> dict[str, np.ndarray]:
-        """Read-only numpy views into the mapped weights for every external initializer of `model`."""
+        """Read-only numpy views into the mapped weights for every external initializer of `model`.
+
+        Sub-byte tensors (SUB_BYTE_TYPES) come as flat uint8 views of their packed bytes.
+        """
         base, length, _ = self._partitions[Partition.WEIGHTS_DATA]
         views = {}
         for tensor in model.graph.initializer:
@@ -265,6 +272,9 @@ class OmFile:
             offset, nbytes = int(info["offset"]), int(info["length"])
             if info.get("location") != WEIGHTS_LOCATION or offset + nbytes > length:
                 raise AtcError("E13015", self.path, f"tensor {tensor.name} points outside the weights partition")
+            if tensor.data_type in SUB_BYTE_TYPES:
+                views[tensor.name] = np.frombuffer(self._mm, dtype=np.uint8, count=nbytes, offset=base + offset)
+                continue
             dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
             views[tensor.name] = np.frombuffer(self._mm, dtype=dtype, count=nbytes // dtype.itemsize,
                                                offset=base + offset).reshape(tuple(tensor.dims))

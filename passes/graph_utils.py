@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
+
+LIGHT_WEIGHT_LIMIT = 4096
 
 
 def _swap(tensors, old: gs.Tensor, new: gs.Tensor) -> None:
@@ -38,3 +42,29 @@ def bypass_node(graph: gs.Graph, node: gs.Node) -> bool:
     for consumer in list(source.outputs):
         _swap(consumer.inputs, source, result)
     return True
+
+
+def light_model(graph: gs.Graph) -> tuple[onnx.ModelProto, dict[str, gs.Constant]]:
+    """The graph as ONNX with each large constant turned into a typed graph input, and those constants.
+
+    onnx's tools (shape inference, the version converter) serialise the model; a protobuf cannot exceed
+    2 GiB, and the weights are not what they look at. Nothing large is copied.
+    """
+    light = graph.copy()
+    weights = {}
+    for tensor in list(light.tensors().values()):
+        if isinstance(tensor, gs.Constant) and int(np.prod(tensor.shape, dtype=np.int64)) * 8 > LIGHT_WEIGHT_LIMIT:
+            variable = gs.Variable(tensor.name, dtype=tensor.dtype, shape=list(tensor.shape))
+            replace_all_uses(light, tensor, variable)
+            light.inputs.append(variable)
+            weights[tensor.name] = tensor
+    return gs.export_onnx(light, do_type_check=False), weights
+
+
+def packed_constant(name: str, array: np.ndarray) -> gs.Constant:
+    """A constant of a sub-byte type (int4/uint4): graphsurgeon would store one element per byte, onnx
+    packs two, so the TensorProto is made by onnx and handed to graphsurgeon as is."""
+    from onnx import numpy_helper
+    from onnx_graphsurgeon.ir.tensor import LazyValues
+
+    return gs.Constant(name, LazyValues(numpy_helper.from_array(array, name)))

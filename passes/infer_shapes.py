@@ -1,31 +1,17 @@
 """ShapeInferencePass: give every intermediate value its dtype and (symbolic) shape.
 
 onnx's inference serialises the model, and a protobuf cannot exceed 2 GiB, so it runs on a light copy
-in which large weights are graph inputs of the same type and shape; the results are copied back.
+(`light_model`) in which large weights are graph inputs of the same type and shape.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from onnx import helper
 
 from compiler.pass_manager import PassResult
-from passes.graph_utils import replace_all_uses
-
-LIGHT_WEIGHT_LIMIT = 4096
-
-
-def _light_model(graph: gs.Graph) -> onnx.ModelProto:
-    """The graph as ONNX with every large constant turned into a typed graph input (nothing copied)."""
-    light = graph.copy()
-    for tensor in list(light.tensors().values()):
-        if isinstance(tensor, gs.Constant) and int(np.prod(tensor.shape, dtype=np.int64)) * 8 > LIGHT_WEIGHT_LIMIT:
-            variable = gs.Variable(tensor.name, dtype=tensor.dtype, shape=list(tensor.shape))
-            replace_all_uses(light, tensor, variable)
-            light.inputs.append(variable)
-    return gs.export_onnx(light, do_type_check=False)
+from passes.graph_utils import light_model
 
 
 def _dims(value: onnx.ValueInfoProto) -> list | None:
@@ -42,7 +28,7 @@ class InferShapes:
     switchable = False
 
     def run(self, graph: gs.Graph) -> PassResult:
-        inferred = onnx.shape_inference.infer_shapes(_light_model(graph), data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(light_model(graph)[0], data_prop=True)
         found = {v.name: v for v in inferred.graph.value_info}
         found.update({v.name: v for v in inferred.graph.output})
         result = PassResult()

@@ -13,6 +13,7 @@ import onnxruntime as ort
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
+from compiler.artifact import SUB_BYTE_TYPES
 from runtime.loader import LoadedModel
 
 BACKENDS = ("onnxruntime", "reference")
@@ -27,12 +28,13 @@ class Executor:
         self.loaded = loaded
         self.backend = backend
         self.output_names = loaded.output_names
+        model, weights = _inline_sub_byte(loaded.model, loaded.weights)
         if backend == "onnxruntime":
-            self._session = _ort_session(loaded, threads)
+            self._session = _ort_session(model, weights, threads)
             self._weights_fed = {}
         else:
-            self._session = ReferenceEvaluator(_weights_as_inputs(loaded.model))
-            self._weights_fed = loaded.weights
+            self._session = ReferenceEvaluator(_weights_as_inputs(model))
+            self._weights_fed = weights
 
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
         """Outputs named `output_names` (default all) for `feeds`."""
@@ -41,15 +43,33 @@ class Executor:
         return dict(zip(names, outputs))
 
 
-def _ort_session(loaded: LoadedModel, threads: int | None) -> ort.InferenceSession:
+def _inline_sub_byte(model: onnx.ModelProto, weights: dict[str, np.ndarray]):
+    """Copy packed sub-byte weights into the graph: neither numpy nor OrtValue can describe their storage.
+
+    Only DequantizeLinear inputs of QDQ models are stored so; the INT4 matmul's own layout is uint8.
+    """
+    packed = {t.name for t in model.graph.initializer if t.name in weights and t.data_type in SUB_BYTE_TYPES}
+    if not packed:
+        return model, weights
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for tensor in copy.graph.initializer:
+        if tensor.name in packed:
+            tensor.raw_data = weights[tensor.name].tobytes()
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            del tensor.external_data[:]
+    return copy, {name: view for name, view in weights.items() if name not in packed}
+
+
+def _ort_session(model: onnx.ModelProto, weights: dict[str, np.ndarray], threads: int | None) -> ort.InferenceSession:
     options = ort.SessionOptions()
     if threads:
         options.intra_op_num_threads = threads
     options.log_severity_level = 3
-    names = list(loaded.weights)
-    # the OrtValues borrow the mapped memory; `loaded` keeps the mapping alive as long as the session
-    options.add_external_initializers(names, [ort.OrtValue.ortvalue_from_numpy(loaded.weights[n]) for n in names])
-    return ort.InferenceSession(loaded.model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    names = list(weights)
+    # the OrtValues borrow the mapped memory; the executor holds `loaded`, which keeps the mapping alive
+    options.add_external_initializers(names, [ort.OrtValue.ortvalue_from_numpy(weights[n]) for n in names])
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 def _weights_as_inputs(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -1,0 +1,102 @@
+"""`cann-llm-quant`: offline weight quantization writing a standard ONNX model any onnxruntime runs.
+
+    cann-llm-quant --model model.onnx --format onnx --quant-method rtn --bits 4 --group-size 128 --output DIR
+
+INT4 becomes blocked DequantizeLinear (opset 21), INT8 per-channel DequantizeLinear; DIR gets
+model.onnx + model.onnx.data, quant_report.json, and the tokenizer files found beside the input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import click
+import onnx
+import onnx_graphsurgeon as gs
+
+from compiler.compile import TOKENIZER_FILES
+from compiler.errors import AtcError
+from compiler.loader import load_onnx
+from compiler.quant_config import BITS, METHODS, QuantConfig
+from passes.infer_shapes import InferShapes
+from passes.quantize_weights_qdq import QDQ_OPSET, QuantizeWeightsQDQ
+from passes.upgrade_opset import upgrade_opset
+
+
+def quantize_to_qdq(model_path: Path, cfg: QuantConfig, out_dir: Path) -> dict:
+    """Quantize `model_path` into `out_dir`; returns the report (also written as quant_report.json)."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise AtcError("E13004", out_dir, error.strerror) from None
+    graph = gs.import_onnx(load_onnx(model_path))
+    InferShapes().run(graph)
+    graph = upgrade_opset(graph, QDQ_OPSET)
+    quantizer = QuantizeWeightsQDQ(cfg.bits, cfg.group_size, cfg.symmetric, cfg.skip_layers)
+    result = quantizer.run(graph)
+    unmatched = [p for p in cfg.skip_layers if p not in quantizer.matched_patterns]
+    if unmatched:
+        raise AtcError("E10001", ",".join(unmatched), "--skip", "The pattern matches no MatMul node or weight.")
+    if result.effect_times == 0:
+        raise AtcError("E10001", model_path, "--model", "The model has no MatMul with a constant 2-D float weight.")
+    report = {"source": model_path.name, "method": cfg.method, "bits": cfg.bits, "symmetric": cfg.symmetric,
+              "group_size": cfg.group_size if cfg.bits == 4 else None, "opset": QDQ_OPSET,
+              "quantized": quantizer.layers, "skipped": result.rejections}
+    _save(gs.export_onnx(graph), out_dir)
+    (out_dir / "quant_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    for name in TOKENIZER_FILES:
+        if (model_path.parent / name).is_file():
+            shutil.copyfile(model_path.parent / name, out_dir / name)
+    return report
+
+
+def _save(model: onnx.ModelProto, out_dir: Path) -> None:
+    """model.onnx + model.onnx.data, written under temporary names and then renamed."""
+    tmp = out_dir / f".quant-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        onnx.save(model, str(tmp / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+                  location="model.onnx.data", size_threshold=1024)
+        os.replace(tmp / "model.onnx.data", out_dir / "model.onnx.data")
+        os.replace(tmp / "model.onnx", out_dir / "model.onnx")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--model", required=True, type=click.Path(path_type=Path), help="input ONNX model")
+@click.option("--format", "out_format", type=click.Choice(["onnx"]), default="onnx", show_default=True)
+@click.option("--quant-method", "method", default="rtn", show_default=True, help=" | ".join(METHODS))
+@click.option("--bits", type=int, default=4, show_default=True, help=" | ".join(map(str, BITS)))
+@click.option("--group-size", type=int, default=128, show_default=True, help="INT4 block size (32, 64, 128)")
+@click.option("--symmetric/--asymmetric", default=True, show_default=True)
+@click.option("--skip", "skip", multiple=True, default=("lm_head",), show_default=True,
+              help="node or weight name pattern to leave unquantized (fnmatch; lm_head = the logits MatMul)")
+@click.option("--output", required=True, type=click.Path(path_type=Path), help="output directory")
+def cli(model, out_format, method, bits, group_size, symmetric, skip, output) -> None:
+    """Quantize an ONNX LLM's weights into a standard QDQ ONNX model."""
+    del out_format  # ONNX is the only format; the flag is there for the command lines users already have
+    cfg = QuantConfig(method=method, bits=bits, group_size=group_size, symmetric=symmetric, skip_layers=skip)
+    report = quantize_to_qdq(model, cfg, output)
+    click.echo(f"[INFO] quantized {len(report['quantized'])} MatMul weights ({cfg.method}, {cfg.bits}-bit), "
+               f"skipped {len(report['skipped'])}; wrote {output / 'model.onnx'}")
+
+
+def main() -> None:
+    """Console entry point: coded errors become one message and exit status 1."""
+    try:
+        cli.main(standalone_mode=False)
+    except AtcError as error:
+        click.echo(f"[ERROR] {error.render()}", err=True)
+        sys.exit(1)
+    except click.ClickException as error:
+        error.show()
+        sys.exit(error.exit_code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Weight quantization arithmetic, pure numpy: block-wise along K, symmetric or with zero points.
+
+A weight W [K, N] (MatMul's right operand) is cut into blocks of `block_size` rows; each block of each
+column shares one scale (and zero point). The last block may be short: ONNX's blocked DequantizeLinear
+and our packing both take ceil(K / block_size) blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+SUPPORTED_BITS = (4, 8)
+SUPPORTED_BLOCKS = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """Integer weights [K, N], scales [n_blocks, N] and zero points [n_blocks, N] (None when symmetric)."""
+
+    values: np.ndarray
+    scales: np.ndarray
+    zero_points: np.ndarray | None
+    bits: int
+    block_size: int
+
+
+def _blocks(weight: np.ndarray, block_size: int) -> np.ndarray:
+    """[K, N] → [n_blocks, block_size, N], the tail padded by repeating the last row (no effect on range)."""
+    rows, cols = weight.shape
+    n_blocks = -(-rows // block_size)
+    pad = n_blocks * block_size - rows
+    padded = np.concatenate([weight, np.repeat(weight[-1:], pad, axis=0)]) if pad else weight
+    return padded.reshape(n_blocks, block_size, cols)
+
+
+def quantize_blockwise(weight: np.ndarray, bits: int, block_size: int, symmetric: bool = True) -> QuantizedWeight:
+    """Round-to-nearest quantization of `weight` [K, N] in blocks of `block_size` rows."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, not {bits}")
+    if weight.ndim != 2 or block_size < 1:
+        raise ValueError(f"expected a 2-D weight and a positive block size, got {weight.shape}, {block_size}")
+    blocks = _blocks(weight.astype(np.float32), block_size)
+    if symmetric:
+        q_max = 2 ** (bits - 1) - 1
+        scales = np.abs(blocks).max(axis=1) / q_max
+        scales = np.where(scales == 0, 1.0, scales).astype(np.float32)
+        values = np.clip(np.rint(blocks / scales[:, None]), -q_max - 1, q_max)
+        zero_points = None
+    else:
+        q_max = 2 ** bits - 1
+        low, high = np.minimum(blocks.min(axis=1), 0), np.maximum(blocks.max(axis=1), 0)
+        scales = (high - low) / q_max
+        scales = np.where(scales == 0, 1.0, scales).astype(np.float32)
+        zero_points = np.clip(np.rint(-low / scales), 0, q_max)
+        values = np.clip(np.rint(blocks / scales[:, None]) + zero_points[:, None], 0, q_max)
+    dtype = np.int8 if symmetric else np.uint8
+    values = values.reshape(-1, weight.shape[1])[: weight.shape[0]].astype(dtype)
+    return QuantizedWeight(values, scales, None if zero_points is None else zero_points.astype(dtype), bits, block_size)
+
+
+def dequantize_blockwise(quantized: QuantizedWeight) -> np.ndarray:
+    """The float weight [K, N] that `quantized` stands for."""
+    rows = quantized.values.shape[0]
+    scales = np.repeat(quantized.scales, quantized.block_size, axis=0)[:rows]
+    values = quantized.values.astype(np.float32)
+    if quantized.zero_points is not None:
+        values -= np.repeat(quantized.zero_points, quantized.block_size, axis=0)[:rows].astype(np.float32)
+    return values * scales

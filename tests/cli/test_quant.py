@@ -1,0 +1,96 @@
+"""`cann-llm-quant`: a standard QDQ model that plain onnxruntime runs, equal to the dequantized original."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+from onnx import numpy_helper
+
+from cli.quant import cli
+from conftest import compile_to, ort_reference
+from runtime import Executor, load_artifact
+from runtime.feeds import causal_lm_inputs
+
+
+def _quantize(source, out, *flags):
+    return CliRunner().invoke(cli, ["--model", str(source), "--output", str(out), *flags])
+
+
+def _feeds(loaded, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, loaded.metadata["model"]["vocab_size"], (2, 5), dtype=np.int64)
+    return causal_lm_inputs(loaded.metadata["signature"], loaded.metadata["model"], ids, 3, rng)
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["ts", "dynamo"])
+@pytest.mark.parametrize("flags", [("--bits", "4", "--group-size", "32"), ("--bits", "4", "--group-size", "64", "--asymmetric"),
+                                   ("--bits", "8")], ids=["int4-g32", "uint4-g64", "int8"])
+def test_qdq_model_equals_the_original_with_dequantized_weights(tmp_path, dynamo, flags):
+    from models.tiny import tiny_onnx
+
+    source = tiny_onnx("llama", dynamo=dynamo, with_past=True)
+    result = _quantize(source, tmp_path / "q", *flags)
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "q" / "quant_report.json").read_text())
+    assert len(report["quantized"]) == 14 and len(report["skipped"]) == 1  # 2 layers × 7 projections; lm_head kept
+    qdq = onnx.load(str(tmp_path / "q" / "model.onnx"))
+    assert sum(n.op_type == "DequantizeLinear" for n in qdq.graph.node) == 14
+    assert {o.version for o in qdq.opset_import if o.domain in ("", "ai.onnx")} == {21}
+
+    # the reference: the original model whose weights are replaced by what the QDQ nodes compute
+    dequantized = {n.output[0]: n for n in qdq.graph.node if n.op_type == "DequantizeLinear"}
+    init = {t.name: t for t in qdq.graph.initializer}
+    original = onnx.load(str(source))
+    from onnx.reference import ReferenceEvaluator
+
+    replaced = 0
+    for tensor in original.graph.initializer:
+        node = dequantized.get(f"{tensor.name}_dequantized")
+        if node is not None:
+            inputs = [numpy_helper.to_array(init[name]) for name in node.input]
+            value = ReferenceEvaluator(onnx.helper.make_model(onnx.helper.make_graph(
+                [node], "dq", [], [onnx.helper.make_tensor_value_info(node.output[0], onnx.TensorProto.FLOAT, None)],
+                [init[name] for name in node.input]), opset_imports=[onnx.helper.make_opsetid("", 21)])).run(None, {})[0]
+            assert value.shape == tuple(tensor.dims) and len(inputs) >= 2
+            tensor.CopyFrom(numpy_helper.from_array(value.astype(np.float32), tensor.name))
+            replaced += 1
+    assert replaced == 14
+    reference_path = tmp_path / "dequantized.onnx"
+    onnx.save(original, str(reference_path))
+
+    loaded = load_artifact(compile_to(tmp_path / "q" / "model.onnx", tmp_path / "qdq"))
+    feeds = _feeds(loaded)
+    expected = ort_reference(reference_path, feeds)
+    got = ort_reference(tmp_path / "q" / "model.onnx", feeds)
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], atol=1e-5, rtol=0, err_msg=name)
+    got = Executor(loaded, "reference").run(feeds)
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], atol=1e-5, rtol=0, err_msg=name)
+    # onnxruntime's own optimiser fuses DequantizeLinear+MatMul (with int8 activations): the fast path
+    # must give exactly what plain onnxruntime gives on the QDQ file
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(tmp_path / "q" / "model.onnx"), providers=["CPUExecutionProvider"])
+    plain = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+    got = Executor(loaded).run(feeds)
+    for name in plain:
+        np.testing.assert_allclose(got[name], plain[name], atol=1e-5, rtol=0, err_msg=name)
+
+
+@pytest.mark.parametrize("flags, code", [
+    (("--bits", "3"), "E10001"), (("--group-size", "100"), "E10001"), (("--quant-method", "fp3"), "E10001"),
+    (("--quant-method", "gptq"), "E10055"), (("--skip", "no_such_layer*"), "E10001"),
+])
+def test_bad_settings_are_refused_without_output(tmp_path, tiny_llama_path, flags, code):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "cli.quant", "--model", str(tiny_llama_path), "--output",
+                           str(tmp_path / "q"), *flags], capture_output=True, text=True)
+    assert proc.returncode == 1 and f"{code}: [PID:" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "q" / "model.onnx").exists()
