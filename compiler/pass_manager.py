@@ -66,9 +66,14 @@ class PassReport:
                 "passes": [record.as_dict() for record in self.records]}
 
     def fusion_result(self) -> dict:
-        """ATC's fusion_result.json shape: counts as strings, one entry per pass that ran."""
-        graph_fusion = {r.name: {"match_times": str(r.match_times), "effect_times": str(r.effect_times)}
-                        for r in self.records if r.enabled}
+        """ATC's fusion_result.json shape: counts as strings, one entry per pass that ran (summed over runs)."""
+        totals: dict[str, list[int]] = {}
+        for record in self.records:
+            if record.enabled:
+                counts = totals.setdefault(record.name, [0, 0])
+                counts[0] += record.match_times
+                counts[1] += record.effect_times
+        graph_fusion = {name: {"match_times": str(m), "effect_times": str(e)} for name, (m, e) in totals.items()}
         return {"session_and_graph_id_0_0": {"graph_fusion": graph_fusion, "ub_fusion": {}}}
 
     def write_fusion_result(self, path: Path) -> None:

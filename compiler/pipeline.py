@@ -7,6 +7,8 @@ from compiler.pass_manager import Pass
 from passes.eliminate_dead_code import EliminateDeadCode
 from passes.eliminate_identity import EliminateIdentity
 from passes.fold_constants import FoldConstants
+from passes.fuse_add_rms_norm import FuseAddRmsNorm
+from passes.fuse_rms_norm import FuseRmsNorm
 from passes.infer_shapes import InferShapes
 
 
@@ -20,4 +22,7 @@ def build_pipeline(cfg: CompileConfig) -> list[Pass]:
         EliminateIdentity(),
         EliminateDeadCode(),
         InferShapes(),
+        # Phase 1: normalisation
+        FuseRmsNorm(),
+        FuseAddRmsNorm(),
     ]

@@ -1,7 +1,8 @@
 """Execute a loaded artifact on one of two backends.
 
-`onnxruntime` (the fast path): one InferenceSession built once, weights fed zero-copy from the mapped
-artifact with `add_external_initializers`. `reference`: onnx's ReferenceEvaluator, with the registry's
+`onnxruntime` (the fast path): `cann` ops lowered onto onnxruntime's kernels (runtime/lowering.py), one
+InferenceSession built once, weights fed zero-copy from the mapped artifact with
+`add_external_initializers`. `reference`: onnx's ReferenceEvaluator, with the registry's
 numpy kernels as its custom ops, the executable spec the fast path is tested against.
 """
 
@@ -14,7 +15,9 @@ from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
 from compiler.artifact import SUB_BYTE_TYPES
+from runtime.kernels import reference_ops
 from runtime.loader import LoadedModel
+from runtime.lowering import lower_for_onnxruntime
 
 BACKENDS = ("onnxruntime", "reference")
 
@@ -30,10 +33,10 @@ class Executor:
         self.output_names = loaded.output_names
         model, weights = _inline_sub_byte(loaded.model, loaded.weights)
         if backend == "onnxruntime":
-            self._session = _ort_session(model, weights, threads)
+            self._session = _ort_session(lower_for_onnxruntime(model), weights, threads)
             self._weights_fed = {}
         else:
-            self._session = ReferenceEvaluator(_weights_as_inputs(model))
+            self._session = ReferenceEvaluator(_weights_as_inputs(model), new_ops=reference_ops())
             self._weights_fed = weights
 
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:

@@ -30,12 +30,16 @@ def all_off(tmp_path_factory):
 
 @pytest.mark.parametrize("case", EXPORTS, ids=export_id)
 @pytest.mark.parametrize("backend", ["onnxruntime", "reference"])
-def test_compiled_tiny_model_matches_onnxruntime(case, backend, all_off, tmp_path):
+@pytest.mark.parametrize("fusion", ["fused", "unfused"])
+def test_compiled_tiny_model_matches_onnxruntime(case, backend, fusion, all_off, tmp_path):
     from models.tiny import tiny_onnx
 
     family, dynamo, with_past = case
     source = tiny_onnx(family, dynamo=dynamo, with_past=with_past)
-    loaded = load_artifact(compile_to(source, tmp_path / "model", fusion_switch_file=all_off))
+    switches = {"fusion_switch_file": all_off} if fusion == "unfused" else {}
+    loaded = load_artifact(compile_to(source, tmp_path / "model", **switches))
+    domains = {node.domain for node in loaded.model.graph.node}
+    assert ("cann" in domains) == (fusion == "fused")
     executor = Executor(loaded, backend)
     for batch, seq, past, seed in ((2, 6, 3, 0), (1, 1, 7, 1), (3, 4, 0, 2)):
         feeds = _feeds(loaded, batch, seq, past, seed)

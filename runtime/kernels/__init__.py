@@ -38,8 +38,26 @@ def _onnxruntime_cpu_ops() -> frozenset[tuple[str, str]]:
                      for k in _pybind_state.get_all_opkernel_def() if k.provider == "CPUExecutionProvider")
 
 
+def reference_ops() -> list[type]:
+    """The registry's kernels as onnx.reference custom ops (OpRun classes), one per registered op."""
+    from onnx.reference.op_run import OpRun
+
+    classes = []
+    for (domain, op_type), kernel in KERNELS.items():
+        def _run(self, *inputs, _kernel=kernel, **attributes):
+            outputs = _kernel(*inputs, **attributes)
+            return outputs if isinstance(outputs, tuple) else (outputs,)
+
+        classes.append(type(op_type, (OpRun,), {"op_domain": domain, "_run": _run}))
+    return classes
+
+
 def supports(domain: str | None, op_type: str) -> bool:
     """Whether some backend can execute `domain::op_type`."""
     domain = "" if domain in (None, "ai.onnx") else domain
     key = (domain, op_type)
     return key in KERNELS or key in _GRAPH_LEVEL_OPS or key in _onnxruntime_cpu_ops()
+
+
+# kernels register themselves on import
+from runtime.kernels import norms  # noqa: E402,F401

@@ -1,0 +1,53 @@
+"""Helpers for fusion tests: run one pass alone, then execute the result on both backends."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import onnxruntime as ort
+
+from compiler.artifact import write_artifact
+from compiler.signature import io_signature
+from passes.infer_shapes import InferShapes
+from runtime import Executor, load_artifact
+
+
+def apply_pass(model: onnx.ModelProto, *passes):
+    """(rewritten model, results of each pass); shapes are inferred first, as the pipeline does."""
+    graph = gs.import_onnx(model)
+    InferShapes().run(graph)
+    results = [p.run(graph) for p in passes]
+    return gs.export_onnx(graph, do_type_check=False), results
+
+
+def op_counts(model: onnx.ModelProto) -> Counter:
+    return Counter(n.op_type for n in model.graph.node)
+
+
+def run_original(model: onnx.ModelProto, feeds) -> list[np.ndarray]:
+    """onnxruntime on the unfused graph, optimisations off."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def run_fused(model: onnx.ModelProto, feeds, backend: str, folder: Path) -> list[np.ndarray]:
+    """The fused graph through a real artifact and the runtime's executor."""
+    if not any(o.domain == "cann" for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid("cann", 1))
+    path = folder / f"fused-{backend}.om"
+    write_artifact(path, model, {"name": "fused", "signature": io_signature(model)})
+    return list(Executor(load_artifact(path), backend).run(feeds).values())
+
+
+def assert_parity(original: onnx.ModelProto, fused: onnx.ModelProto, feeds, folder: Path, atol: float = 1e-5) -> None:
+    """Both backends on the fused graph reproduce onnxruntime on the original."""
+    expected = run_original(original, feeds)
+    for backend in ("onnxruntime", "reference"):
+        got = run_fused(fused, feeds, backend, folder)
+        for a, b in zip(got, expected):
+            np.testing.assert_allclose(a, b, atol=atol, rtol=0, err_msg=backend)
