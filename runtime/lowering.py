@@ -24,28 +24,30 @@ def _attr(node: onnx.NodeProto, name: str, default):
     return default
 
 
-def _rms_norm(node: onnx.NodeProto) -> list[onnx.NodeProto]:
+def _rms_norm(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
     # ORT registers SimplifiedLayerNormalization in the default domain; stash_type=1 computes in float32
     return [helper.make_node("SimplifiedLayerNormalization", list(node.input), list(node.output), name=node.name,
                              axis=-1, epsilon=_attr(node, "epsilon", 1e-6), stash_type=1)]
 
 
-def _add_rms_norm(node: onnx.NodeProto) -> list[onnx.NodeProto]:
+def _add_rms_norm(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
     y, total = (list(node.output) + [""])[:2]
     return [helper.make_node("SkipSimplifiedLayerNormalization", list(node.input), [y, "", "", total],
                              name=node.name, domain=MICROSOFT_DOMAIN, epsilon=_attr(node, "epsilon", 1e-6))]
 
 
-def _swiglu(node: onnx.NodeProto) -> list[onnx.NodeProto]:
+def _swiglu(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
     x, y = node.input[0], node.output[0]
     gate, up, sig, silu = (f"{node.name}/{part}" for part in ("gate", "up", "sigmoid", "silu"))
-    return [helper.make_node("Split", [x], [gate, up], name=f"{node.name}/Split", axis=-1, num_outputs=2),
+    # equal halves: implicit before opset 18, spelled with num_outputs from 18 on
+    halves = {"num_outputs": 2} if opset >= 18 else {}
+    return [helper.make_node("Split", [x], [gate, up], name=f"{node.name}/Split", axis=-1, **halves),
             helper.make_node("Sigmoid", [gate], [sig], name=f"{node.name}/Sigmoid"),
             helper.make_node("Mul", [gate, sig], [silu], name=f"{node.name}/MulSilu"),
             helper.make_node("Mul", [silu, up], [y], name=f"{node.name}/MulUp")]
 
 
-LOWERINGS: dict[str, Callable[[onnx.NodeProto], list[onnx.NodeProto]]] = {
+LOWERINGS: dict[str, Callable[[onnx.NodeProto, int], list[onnx.NodeProto]]] = {
     "RmsNorm": _rms_norm,
     "AddRmsNorm": _add_rms_norm,
     "SwiGlu": _swiglu,
@@ -58,10 +60,11 @@ def lower_for_onnxruntime(model: onnx.ModelProto) -> onnx.ModelProto:
         return model
     lowered = onnx.ModelProto()
     lowered.CopyFrom(model)
+    opset = next(o.version for o in lowered.opset_import if o.domain in ("", "ai.onnx"))
     nodes = []
     for node in lowered.graph.node:
         rule = LOWERINGS.get(node.op_type) if node.domain == CUSTOM_DOMAIN else None
-        nodes.extend(rule(node) if rule else [node])
+        nodes.extend(rule(node, opset) if rule else [node])
     del lowered.graph.node[:]
     lowered.graph.node.extend(nodes)
     domains = {o.domain for o in lowered.opset_import}

@@ -40,7 +40,9 @@ def run_fused(model: onnx.ModelProto, feeds, backend: str, folder: Path) -> list
     if not any(o.domain == "cann" for o in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid("cann", 1))
     path = folder / f"fused-{backend}.om"
-    write_artifact(path, model, {"name": "fused", "signature": io_signature(model)})
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)  # write_artifact consumes the model it is given
+    write_artifact(path, copy, {"name": "fused", "signature": io_signature(copy)})
     return list(Executor(load_artifact(path), backend).run(feeds).values())
 
 

@@ -22,6 +22,7 @@ def test_every_rms_norm_is_fused(case, tmp_path):
     assert counts["RmsNorm"] == 1  # the first layer's input norm reads the embeddings, not a residual sum
     assert counts["AddRmsNorm"] == 2 * LAYERS
     assert counts["ReduceMean"] == 0 and counts["Sqrt"] == 0
+    assert counts["SwiGlu"] == LAYERS and counts["Sigmoid"] == 0
     passes = {p["name"]: p for p in loaded.metadata["pass_report"]["passes"]}
     assert passes["RmsNormFusionPass"]["effect_times"] == 2 * LAYERS + 1
     assert passes["AddRmsNormFusionPass"]["effect_times"] == 2 * LAYERS

@@ -1,0 +1,73 @@
+"""SwiGluFusionPass: separate gate/up projections merged, fused gate_up cut by Split or Slices, refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from fusion_utils import apply_pass, assert_parity, op_counts
+from passes.fuse_swiglu import FuseSwiGlu
+
+H, I = 16, 24
+RNG = np.random.default_rng(1)
+FEEDS = {"x": RNG.standard_normal((2, 3, H)).astype(np.float32)}
+
+
+def _model(nodes, opset=17, extra=()):
+    initializers = [numpy_helper.from_array(0.25 * RNG.standard_normal((H, I)).astype(np.float32), "wg"),
+                    numpy_helper.from_array(0.25 * RNG.standard_normal((H, I)).astype(np.float32), "wu"),
+                    numpy_helper.from_array(0.25 * RNG.standard_normal((H, 2 * I)).astype(np.float32), "wgu"),
+                    numpy_helper.from_array(0.25 * RNG.standard_normal((I, H)).astype(np.float32), "wd"),
+                    numpy_helper.from_array(np.array([I, I], np.int64), "halves"),
+                    *[numpy_helper.from_array(np.array([v], np.int64), n) for n, v in
+                      (("zero", 0), ("mid", I), ("end", 2 * I), ("last", -1))]]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", *extra)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, H])],
+                              outputs, initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _silu_product(gate="g", up="u", sig_first=False, up_first=False):
+    return [helper.make_node("Sigmoid", [gate], ["s"]),
+            helper.make_node("Mul", ["s", gate] if sig_first else [gate, "s"], ["silu"]),
+            helper.make_node("Mul", [up, "silu"] if up_first else ["silu", up], ["h"]),
+            helper.make_node("MatMul", ["h", "wd"], ["y"])]
+
+
+SEPARATE = [helper.make_node("MatMul", ["x", "wg"], ["g"]), helper.make_node("MatMul", ["x", "wu"], ["u"])]
+FUSED = [helper.make_node("MatMul", ["x", "wgu"], ["gu"])]
+CASES = {
+    "separate": SEPARATE + _silu_product(),
+    "separate-commuted": SEPARATE + _silu_product(sig_first=True, up_first=True),
+    "split": FUSED + [helper.make_node("Split", ["gu", "halves"], ["g", "u"], axis=-1)] + _silu_product(),
+    "slices": FUSED + [helper.make_node("Slice", ["gu", "zero", "mid", "last"], ["g"]),
+                       helper.make_node("Slice", ["gu", "mid", "end", "last"], ["u"])] + _silu_product(),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_gated_silu_becomes_one_swiglu(case, tmp_path):
+    model = _model(CASES[case])
+    fused, (result,) = apply_pass(model, FuseSwiGlu())
+    counts = op_counts(fused)
+    assert (result.match_times, result.effect_times) == (1, 1)
+    assert counts["SwiGlu"] == 1 and counts["MatMul"] == 2
+    assert not {"Sigmoid", "Split", "Slice"} & set(counts)
+    assert_parity(model, fused, FEEDS, tmp_path)
+
+
+@pytest.mark.parametrize("nodes, extra, reason", [
+    ([helper.make_node("MatMul", ["x", "wg"], ["g"]), helper.make_node("Relu", ["x"], ["x2"]),
+      helper.make_node("MatMul", ["x2", "wu"], ["u"])] + _silu_product(), (), "different inputs"),
+    (FUSED + [helper.make_node("Slice", ["gu", "mid", "end", "last"], ["g"]),
+              helper.make_node("Slice", ["gu", "zero", "mid", "last"], ["u"])] + _silu_product(), (), "halves"),
+    (SEPARATE + _silu_product(), ("g",), "other readers"),
+    (SEPARATE + [helper.make_node("Sigmoid", ["g"], ["s"]), helper.make_node("Mul", ["u", "s"], ["silu"]),
+                 helper.make_node("Mul", ["silu", "u"], ["h"]), helper.make_node("MatMul", ["h", "wd"], ["y"])],
+     (), "SiLU"),
+])
+def test_refusals(nodes, extra, reason):
+    fused, (result,) = apply_pass(_model(nodes, extra=extra), FuseSwiGlu())
+    assert result.effect_times == 0 and "SwiGlu" not in op_counts(fused)
+    assert any(reason in r for r in result.rejections), result.rejections
