@@ -96,8 +96,7 @@ def run_passes(graph: gs.Graph, passes: list[Pass], switches: dict[str, bool]) -
         record.match_times, record.effect_times = result.match_times, result.effect_times
         log.info("%s: matched %d, applied %d, %.2f s, %d nodes", p.name, result.match_times,
                  result.effect_times, record.seconds, len(graph.nodes))
-        if result.effect_times == 0:
-            for reason in result.rejections:
-                log.debug("%s: candidate refused: %s", p.name, reason)
+        for reason in result.rejections:
+            log.debug("%s: candidate refused: %s", p.name, reason)
     report.nodes_after = len(graph.nodes)
     return report

@@ -8,6 +8,7 @@ from passes.eliminate_dead_code import EliminateDeadCode
 from passes.eliminate_identity import EliminateIdentity
 from passes.fold_constants import FoldConstants
 from passes.fuse_add_rms_norm import FuseAddRmsNorm
+from passes.fuse_attention import FuseAttention
 from passes.fuse_rms_norm import FuseRmsNorm
 from passes.fuse_swiglu import FuseSwiGlu
 from passes.infer_shapes import InferShapes
@@ -26,6 +27,7 @@ def build_pipeline(cfg: CompileConfig) -> list[Pass]:
         # Phase 1: normalisation
         FuseRmsNorm(),
         FuseAddRmsNorm(),
-        # Phase 2: MLP
+        # Phase 2: attention and MLP
+        FuseAttention(),
         FuseSwiGlu(),
     ]

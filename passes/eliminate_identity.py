@@ -1,7 +1,8 @@
 """IdentityEliminationPass: drop nodes that pass their input through unchanged.
 
-Identity, Dropout (inference), and Cast to the type the value already has (TorchScript exports put
-float32→float32 Casts around every RMSNorm). Removing them lets later fusions see the real structure.
+Identity, Dropout (inference), single-input Concat/Sum/Max/Min/Mean (TorchScript's DynamicCache leaves a
+one-input Concat on each past KV input), and Cast to the type the value already has (TorchScript exports
+put float32→float32 Casts around every RMSNorm). Removing them lets later fusions see the real structure.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from passes.graph_utils import bypass_node
 
 
 def _is_noop(node: gs.Node) -> bool:
-    if node.op == "Identity":
+    if node.op == "Identity" or node.op in ("Concat", "Sum", "Max", "Min", "Mean") and len(node.inputs) == 1:
         return True
     if node.op == "Dropout":
         return len(node.outputs) == 1 or not node.outputs[1].outputs

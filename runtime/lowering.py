@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from runtime.kernels import CUSTOM_DOMAIN
 
@@ -47,10 +48,84 @@ def _swiglu(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
             helper.make_node("Mul", [silu, up], [y], name=f"{node.name}/MulUp")]
 
 
+class _Builder:
+    """Emits the standard-op nodes of one lowering, with names under the fused node's."""
+
+    def __init__(self, prefix: str):
+        self.prefix, self.nodes, self._count = prefix, [], 0
+
+    def __call__(self, op: str, *inputs: str, outputs: int = 1, out: str | None = None, **attrs) -> str | list[str]:
+        self._count += 1
+        names = [out] if out else [f"{self.prefix}/{op}_{self._count}_{i}" for i in range(outputs)]
+        self.nodes.append(helper.make_node(op, list(inputs), names, name=f"{self.prefix}/{op}_{self._count}", **attrs))
+        return names[0] if outputs == 1 else names
+
+    def const(self, values, dtype=np.int64) -> str:
+        return self("Constant", value=numpy_helper.from_array(np.asarray(values, dtype=dtype)))
+
+
+def _rotary(b: _Builder, x: str, cos: str, sin: str, rotary_dim: int, head_dim: int) -> str:
+    last = b.const([-1])
+    rotated = b("Slice", x, b.const([0]), b.const([rotary_dim]), last) if rotary_dim < head_dim else x
+    half = rotary_dim // 2
+    first = b("Slice", rotated, b.const([0]), b.const([half]), last)
+    second = b("Slice", rotated, b.const([half]), b.const([rotary_dim]), last)
+    turned = b("Concat", b("Neg", second), first, axis=-1)
+    result = b("Add", b("Mul", rotated, cos), b("Mul", turned, sin))
+    if rotary_dim < head_dim:
+        result = b("Concat", result, b("Slice", x, b.const([rotary_dim]), b.const([head_dim]), last), axis=-1)
+    return result
+
+
+def _fused_attention(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
+    """Standard ops only: heads split, rotary, KV concat, grouped scores, causal + padding mask, softmax."""
+    query, key, value, past_key, past_value, mask, cos, sin = (list(node.input) + [""] * 8)[:8]
+    outputs = list(node.output) + [""] * 2
+    heads, kv_heads, dim = (_attr(node, n, 0) for n in ("num_heads", "kv_num_heads", "head_dim"))
+    scale, causal, rotary_dim = _attr(node, "scale", 1.0), _attr(node, "causal", 1), _attr(node, "rotary_dim", 0)
+    b = _Builder(node.name)
+    if not key:
+        query, key, value = b("Split", query, b.const([heads * dim, kv_heads * dim, kv_heads * dim]), outputs=3, axis=-1)
+    perm = [0, 2, 1, 3]
+    q = b("Transpose", b("Reshape", query, b.const([0, 0, heads, dim])), perm=perm)
+    k = b("Transpose", b("Reshape", key, b.const([0, 0, kv_heads, dim])), perm=perm)
+    v = b("Transpose", b("Reshape", value, b.const([0, 0, kv_heads, dim])), perm=perm)
+    if cos:
+        q, k = _rotary(b, q, cos, sin, rotary_dim or dim, dim), _rotary(b, k, cos, sin, rotary_dim or dim, dim)
+    if past_key:
+        k = b("Concat", past_key, k, axis=2, out=outputs[1] or None)
+        v = b("Concat", past_value, v, axis=2, out=outputs[2] or None)
+    else:
+        k = b("Identity", k, out=outputs[1]) if outputs[1] else k
+        v = b("Identity", v, out=outputs[2]) if outputs[2] else v
+    q5 = b("Reshape", q, b.const([0, kv_heads, heads // kv_heads, -1, dim]))
+    k5, v5 = b("Unsqueeze", k, b.const([2])), b("Unsqueeze", v, b.const([2]))
+    scores = b("Mul", b("MatMul", q5, b("Transpose", k5, perm=[0, 1, 2, 4, 3])), b.const(scale, np.float32))
+    allowed = None
+    if causal:
+        seq = b("Squeeze", b("Shape", q, start=2, end=3), b.const([0]))
+        total = b("Squeeze", b("Shape", k, start=2, end=3), b.const([0]))
+        zero, one = b.const(0), b.const(1)
+        rows = b("Add", b("Range", zero, seq, one), b("Sub", total, seq))
+        cols = b("Range", zero, total, one)
+        allowed = b("LessOrEqual", b("Unsqueeze", cols, b.const([0])), b("Unsqueeze", rows, b.const([1])))
+    if mask:
+        padding = b("Unsqueeze", b("Cast", mask, to=onnx.TensorProto.BOOL), b.const([1, 2, 3]))
+        allowed = b("And", allowed, padding) if allowed else padding
+    if allowed:
+        bias = b("Where", allowed, b.const(0.0, np.float32), b.const(np.finfo(np.float32).min, np.float32))
+        scores = b("Add", scores, bias)
+    context = b("MatMul", b("Softmax", scores, axis=-1), v5)
+    merged = b("Transpose", b("Reshape", context, b.const([0, heads, -1, dim])), perm=perm)
+    b("Reshape", merged, b.const([0, 0, heads * dim]), out=outputs[0])
+    return b.nodes
+
+
 LOWERINGS: dict[str, Callable[[onnx.NodeProto, int], list[onnx.NodeProto]]] = {
     "RmsNorm": _rms_norm,
     "AddRmsNorm": _add_rms_norm,
     "SwiGlu": _swiglu,
+    "FusedAttention": _fused_attention,
 }
 
 

@@ -23,6 +23,9 @@ def test_every_rms_norm_is_fused(case, tmp_path):
     assert counts["AddRmsNorm"] == 2 * LAYERS
     assert counts["ReduceMean"] == 0 and counts["Sqrt"] == 0
     assert counts["SwiGlu"] == LAYERS and counts["Sigmoid"] == 0
+    assert counts["FusedAttention"] == LAYERS and counts["Softmax"] == 0
+    # the mask construction, the head split/merge and the KV repetition are gone with the attention
+    assert counts["Where"] == counts["Expand"] == counts["Transpose"] == counts["Reshape"] == 0
     passes = {p["name"]: p for p in loaded.metadata["pass_report"]["passes"]}
     assert passes["RmsNormFusionPass"]["effect_times"] == 2 * LAYERS + 1
     assert passes["AddRmsNormFusionPass"]["effect_times"] == 2 * LAYERS

@@ -28,6 +28,9 @@ def test_metadata_describes_the_model(smollm2_om):
     assert "tokenizer.json" in loaded.om.tokenizer_files()
     ops = [node.op_type for node in loaded.model.graph.node]
     assert ops.count("RmsNorm") + ops.count("AddRmsNorm") == 2 * 30 + 1
+    assert ops.count("FusedAttention") == 30 and ops.count("SwiGlu") == 30 and "Softmax" not in ops
+    exported = loaded.metadata["pass_report"]["nodes_before"]
+    assert len(ops) <= 0.20 * exported
 
 
 @pytest.mark.parametrize("backend", ["onnxruntime", "reference"])

@@ -1,0 +1,82 @@
+"""Reference kernel of cann::FusedAttention with a contiguous KV cache (docs/ops.md is its spec).
+
+Computed in float32 in the order of the unfused graphs: projections split into heads, rotary embedding
+on q and k, past and new keys concatenated, scores scaled, masked with the dtype's minimum, softmax,
+weighted sum, heads merged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from runtime.kernels import register_kernel
+
+
+def _heads(x: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
+    batch, seq, _ = x.shape
+    return x.reshape(batch, seq, heads, head_dim).transpose(0, 2, 1, 3)
+
+
+def apply_rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: int = 0) -> np.ndarray:
+    """x [B, H, S, D]; cos, sin broadcastable to [B, 1, S, R] with R ≤ D: the first R dims rotate."""
+    rotary_dim = cos.shape[-1]
+    rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
+    if interleaved:
+        even, odd = rotated[..., 0::2], rotated[..., 1::2]
+        turned = np.stack([-odd, even], axis=-1).reshape(rotated.shape)
+    else:
+        half = rotary_dim // 2
+        turned = np.concatenate([-rotated[..., half:], rotated[..., :half]], axis=-1)
+    return np.concatenate([rotated * cos + turned * sin, passed], axis=-1)
+
+
+def split_packed(qkv: np.ndarray, num_heads: int, kv_num_heads: int, head_dim: int):
+    """A packed [B, S, (Hq + 2·Hkv)·D] projection → query, key, value."""
+    q_size, kv_size = num_heads * head_dim, kv_num_heads * head_dim
+    return qkv[..., :q_size], qkv[..., q_size:q_size + kv_size], qkv[..., q_size + kv_size:]
+
+
+def attention_mask_bias(seq: int, total: int, attention_mask: np.ndarray | None, causal: int,
+                        dtype=np.float32) -> np.ndarray:
+    """[B|1, 1, S, T]: 0 where query i may see key j, the dtype's minimum elsewhere.
+
+    Query i sits at absolute position T - S + i; causal attention sees keys at positions ≤ that.
+    """
+    allowed = np.ones((1, 1, seq, total), dtype=bool)
+    if causal:
+        allowed &= (np.arange(total)[None, :] <= np.arange(seq)[:, None] + (total - seq))[None, None]
+    if attention_mask is not None:
+        allowed = allowed & (attention_mask != 0)[:, None, None, :]
+    return np.where(allowed, np.float32(0), np.finfo(dtype).min).astype(dtype)
+
+
+@register_kernel("FusedAttention")
+def FusedAttention(query, key=None, value=None, past_key=None, past_value=None, attention_mask=None,
+                   cos=None, sin=None, *, num_heads: int, kv_num_heads: int, head_dim: int, scale: float,
+                   causal: int = 1, rotary_dim: int = 0, rotary_interleaved: int = 0):
+    """softmax(rope(q) · rope(k)ᵀ · scale + mask) · v over all heads; returns (output, present_key, present_value).
+
+    `rotary_dim` restates cos's last dimension for lowerings that need it before run time.
+    """
+    del rotary_dim
+    if key is None:
+        query, key, value = split_packed(query, num_heads, kv_num_heads, head_dim)
+    q = _heads(query, num_heads, head_dim)
+    k = _heads(key, kv_num_heads, head_dim)
+    v = _heads(value, kv_num_heads, head_dim)
+    if cos is not None:
+        q = apply_rotary(q, cos, sin, rotary_interleaved)
+        k = apply_rotary(k, cos, sin, rotary_interleaved)
+    if past_key is not None:
+        k = np.concatenate([past_key, k], axis=2)
+        v = np.concatenate([past_value, v], axis=2)
+    batch, _, seq, _ = q.shape
+    group = num_heads // kv_num_heads
+    q5 = q.reshape(batch, kv_num_heads, group, seq, head_dim)
+    scores = np.matmul(q5, np.swapaxes(k, -1, -2)[:, :, None]) * np.float32(scale)
+    scores = scores + attention_mask_bias(seq, k.shape[2], attention_mask, causal, q.dtype)[:, :, None]
+    scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs = scores / scores.sum(axis=-1, keepdims=True)
+    context = np.matmul(probs, v[:, :, None]).reshape(batch, num_heads, seq, head_dim)
+    output = context.transpose(0, 2, 1, 3).reshape(batch, seq, num_heads * head_dim).astype(query.dtype)
+    return output, k, v
