@@ -9,6 +9,7 @@ from passes.eliminate_identity import EliminateIdentity
 from passes.fold_constants import FoldConstants
 from passes.fuse_add_rms_norm import FuseAddRmsNorm
 from passes.fuse_attention import FuseAttention
+from passes.fuse_qkv import FuseQkv
 from passes.fuse_rms_norm import FuseRmsNorm
 from passes.fuse_swiglu import FuseSwiGlu
 from passes.infer_shapes import InferShapes
@@ -29,5 +30,6 @@ def build_pipeline(cfg: CompileConfig) -> list[Pass]:
         FuseAddRmsNorm(),
         # Phase 2: attention and MLP
         FuseAttention(),
+        FuseQkv(),
         FuseSwiGlu(),
     ]

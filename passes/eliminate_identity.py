@@ -1,38 +1,59 @@
-"""IdentityEliminationPass: drop nodes that pass their input through unchanged.
+"""IdentityEliminationPass: drop nodes that pass one input through unchanged.
 
-Identity, Dropout (inference), single-input Concat/Sum/Max/Min/Mean (TorchScript's DynamicCache leaves a
-one-input Concat on each past KV input), and Cast to the type the value already has (TorchScript exports
-put float32→float32 Casts around every RMSNorm). Removing them lets later fusions see the real structure.
+Identity; Dropout (inference); single-input Concat/Sum/Max/Min/Mean (TorchScript's DynamicCache leaves a
+one-input Concat on each past KV input); Cast to the type the value already has (TorchScript exports put
+float32→float32 Casts around every RMSNorm); x·1, 1·x, x/1, x+0, 0+x, x-0 with a scalar constant of x's
+type and x of rank ≥ 1 (so broadcasting changes nothing; RoPE's attention_scaling of 1.0 is one).
+Removing them lets later fusions see the real structure.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_graphsurgeon as gs
+from onnx.helper import np_dtype_to_tensor_dtype
 
 from compiler.pass_manager import PassResult
 from passes.graph_utils import bypass_node
+from passes.pattern import scalar
 
-
-def _is_noop(node: gs.Node) -> bool:
-    if node.op == "Identity" or node.op in ("Concat", "Sum", "Max", "Min", "Mean") and len(node.inputs) == 1:
-        return True
-    if node.op == "Dropout":
-        return len(node.outputs) == 1 or not node.outputs[1].outputs
-    if node.op == "Cast":
-        source = node.inputs[0]
-        target = node.attrs.get("to")
-        return source.dtype is not None and target is not None and _onnx_type(source.dtype) == int(target)
-    return False
+_VARIADIC = ("Concat", "Sum", "Max", "Min", "Mean")
+_NEUTRAL = {"Mul": 1.0, "Div": 1.0, "Add": 0.0, "Sub": 0.0}
+_COMMUTATIVE = ("Mul", "Add")
 
 
 def _onnx_type(dtype) -> int:
-    from onnx.helper import np_dtype_to_tensor_dtype
-    import numpy as np
-
     try:
         return np_dtype_to_tensor_dtype(np.dtype(dtype))
     except (TypeError, KeyError):
         return -1
+
+
+def _neutral_operand(node: gs.Node) -> gs.Tensor | None:
+    """The operand of a binary op whose other operand is its neutral element."""
+    orders = [(0, 1), (1, 0)] if node.op in _COMMUTATIVE else [(0, 1)]
+    for x_index, c_index in orders:
+        x, constant = node.inputs[x_index], node.inputs[c_index]
+        if isinstance(x, gs.Constant) or x.shape is None or len(x.shape) < 1 or x.dtype is None:
+            continue
+        if scalar(constant) == _NEUTRAL[node.op] and np.dtype(constant.dtype) == np.dtype(x.dtype):
+            return x
+    return None
+
+
+def passthrough_input(node: gs.Node) -> gs.Tensor | None:
+    """The input a node hands on unchanged, or None if it computes something."""
+    if node.op == "Identity" or node.op in _VARIADIC and len(node.inputs) == 1:
+        return node.inputs[0]
+    if node.op == "Dropout" and (len(node.outputs) == 1 or not node.outputs[1].outputs):
+        return node.inputs[0]
+    if node.op == "Cast":
+        source, target = node.inputs[0], node.attrs.get("to")
+        same = source.dtype is not None and target is not None and _onnx_type(source.dtype) == int(target)
+        return source if same else None
+    if node.op in _NEUTRAL and len(node.inputs) == 2:
+        return _neutral_operand(node)
+    return None
 
 
 class EliminateIdentity:
@@ -44,10 +65,13 @@ class EliminateIdentity:
     def run(self, graph: gs.Graph) -> PassResult:
         result = PassResult()
         for node in list(graph.nodes):
-            if (node.domain or "") not in ("", "ai.onnx") or not _is_noop(node):
+            if (node.domain or "") not in ("", "ai.onnx") or len(node.outputs) < 1:
+                continue
+            source = passthrough_input(node)
+            if source is None:
                 continue
             result.match_times += 1
-            if bypass_node(graph, node):
+            if bypass_node(graph, node, source):
                 result.effect_times += 1
             else:
                 result.rejections.append(f"{node.name}: input and output are both graph I/O")

@@ -23,13 +23,13 @@ def replace_all_uses(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> None:
     _swap(graph.outputs, old, new)
 
 
-def bypass_node(graph: gs.Graph, node: gs.Node) -> bool:
-    """Remove a node whose single output equals its first input; False when that would rename I/O.
+def bypass_node(graph: gs.Graph, node: gs.Node, source: gs.Tensor) -> bool:
+    """Remove a node whose (first) output equals its input `source`; False when that would rename I/O.
 
     When the output is a graph output, the producer of the input is made to write the output name
     directly, so the graph's signature is unchanged.
     """
-    source, result = node.inputs[0], node.outputs[0]
+    result = node.outputs[0]
     if result not in graph.outputs:
         replace_all_uses(graph, result, source)
         node.outputs.clear()

@@ -113,3 +113,19 @@ def test_shape_inference_annotates_through_large_weights():
     assert list(tensors["h"].shape) == [2, 1000] and tensors["h"].dtype == np.float32
     assert list(tensors["y"].shape) == [2, 1000]
     assert (result.match_times, result.effect_times) == (2, 2)
+
+
+def test_neutral_elements_are_removed_only_where_they_change_nothing():
+    one = numpy_helper.from_array(np.array(1.0, np.float32), "one")
+    zero = numpy_helper.from_array(np.array(0.0, np.float32), "zero")
+    one_double = numpy_helper.from_array(np.array(1.0, np.float64), "one_double")
+    nodes = [helper.make_node("Mul", ["one", "x"], ["a"]),          # 1·x: removed
+             helper.make_node("Sub", ["a", "zero"], ["b"]),         # x-0: removed
+             helper.make_node("Sub", ["zero", "b"], ["c"]),         # 0-x: a negation, kept
+             helper.make_node("Cast", ["c"], ["d"], to=TensorProto.DOUBLE),
+             helper.make_node("Div", ["d", "one_double"], ["y"])]  # graph output: producer renamed
+    model = _model(nodes, [helper.make_tensor_value_info("y", TensorProto.DOUBLE, [2, 8])], [one, zero, one_double])
+    fused, (_, result) = _apply(model, InferShapes(), EliminateIdentity())
+    assert (result.match_times, result.effect_times) == (3, 3)
+    assert _ops(fused) == ["Sub", "Cast"] and [o.name for o in fused.graph.output] == ["y"]
+    np.testing.assert_array_equal(_run(fused, FEEDS)[0], _run(model, FEEDS)[0])

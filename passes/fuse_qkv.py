@@ -1,0 +1,119 @@
+"""QkvFusionPass: one packed projection for FusedAttention's query, key and value.
+
+Three MatMuls of the same input with constant weights (each optionally plus a constant bias, as in
+Qwen2 and InternLM) become one MatMul against [Wq | Wk | Wv] (plus [bq | bk | bv]): one GEMM reads the
+activations once. A projection already packed and cut by Slices or a Split (Phi-3's qkv_proj,
+Baichuan's W_pack) is fed to the attention as it is. Runs after AttentionFusionPass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from passes.pattern import FusionPass, producer
+from runtime.kernels import CUSTOM_DOMAIN
+
+
+@dataclass
+class QkvMatch:
+    attention: gs.Node
+    x: gs.Tensor | None
+    weights: list[gs.Constant]
+    biases: list[np.ndarray] | None
+    packed: gs.Tensor | None
+
+
+def _linear(graph: gs.Graph, tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Constant, np.ndarray | None] | None:
+    """(x, W, b) when `tensor` = x·W (+ b) with constant W [K, N] and b [N], read only by its attention."""
+    if len(tensor.outputs) != 1 or any(t is tensor for t in graph.outputs):
+        return None
+    bias, add = None, producer(tensor, "Add")
+    if add is not None:
+        constants = [t for t in add.inputs if isinstance(t, gs.Constant)]
+        if len(constants) != 1 or constants[0].shape is None or len(constants[0].shape) != 1:
+            return None
+        bias = np.asarray(constants[0].values)
+        tensor = next(t for t in add.inputs if not isinstance(t, gs.Constant))
+        if len(tensor.outputs) != 1:
+            return None
+    matmul = producer(tensor, "MatMul")
+    if matmul is None or not isinstance(matmul.inputs[1], gs.Constant) or len(matmul.inputs[1].shape) != 2:
+        return None
+    weight = matmul.inputs[1]
+    if bias is not None and bias.shape[0] != weight.shape[1]:
+        return None
+    return matmul.inputs[0], weight, bias
+
+
+def _packed_source(q: gs.Tensor, k: gs.Tensor, v: gs.Tensor) -> gs.Tensor | None:
+    """The tensor q, k and v were cut from, in that order along the last axis, if they were."""
+    nodes = [producer(t, "Slice", "Split") for t in (q, k, v)]
+    if any(n is None for n in nodes):
+        return None
+    source = nodes[0].inputs[0]
+    if nodes[0].op == "Split":
+        axis = nodes[0].attrs.get("axis", 0)
+        same = all(n is nodes[0] for n in nodes) and list(nodes[0].outputs) == [q, k, v]
+        return source if same and axis in (-1, len(source.shape or []) - 1) else None
+    offset = 0
+    for node, part in zip(nodes, (q, k, v)):
+        values = [np.asarray(t.values).reshape(-1) if isinstance(t, gs.Constant) else None for t in node.inputs[1:4]]
+        if node.inputs[0] is not source or any(v is None or len(v) != 1 for v in values):
+            return None
+        start, end, axis = (int(v[0]) for v in values)
+        width = part.shape[-1] if part.shape else None
+        if start != offset or not isinstance(width, int) or axis not in (-1, len(source.shape or []) - 1):
+            return None
+        offset = start + width
+    return source if source.shape and offset == source.shape[-1] else None
+
+
+class FuseQkv(FusionPass):
+    """Pack FusedAttention's three projections into one."""
+
+    name = "QkvFusionPass"
+    anchor = "FusedAttention"
+
+    def match(self, graph: gs.Graph, attention: gs.Node) -> QkvMatch | str:
+        if attention.domain != CUSTOM_DOMAIN:
+            return "not a cann::FusedAttention"
+        if len(attention.inputs) < 3 or not attention.inputs[1].name:
+            return "the projection is packed already"
+        q, k, v = attention.inputs[:3]
+        packed = _packed_source(q, k, v)
+        if packed is not None:
+            return QkvMatch(attention, None, [], None, packed)
+        found = [_linear(graph, t) for t in (q, k, v)]
+        if any(f is None for f in found):
+            return "q, k and v are not all constant-weight MatMuls (+ bias) read only by this attention"
+        if not (found[0][0] is found[1][0] is found[2][0]):
+            return "q, k and v project different inputs"
+        weights = [f[1] for f in found]
+        if len({w.dtype for w in weights}) != 1 or len({w.shape[0] for w in weights}) != 1:
+            return "the projection weights differ in dtype or input size"
+        biases = None
+        if any(f[2] is not None for f in found):
+            biases = [f[2] if f[2] is not None else np.zeros(f[1].shape[1], f[1].dtype) for f in found]
+        return QkvMatch(attention, found[0][0], weights, biases, None)
+
+    def rewrite(self, graph: gs.Graph, match: QkvMatch) -> None:
+        attention = match.attention
+        packed = match.packed
+        if packed is None:
+            name = attention.name + "_qkv"
+            merged = gs.Constant(f"{match.weights[0].name}_qkv", np.concatenate([w.values for w in match.weights], 1))
+            width = merged.shape[1]
+            shape = None if match.x.shape is None else list(match.x.shape[:-1]) + [width]
+            packed = gs.Variable(f"{name}_matmul", dtype=attention.inputs[0].dtype, shape=shape)
+            graph.nodes.append(gs.Node("MatMul", name=f"{name}/MatMul", inputs=[match.x, merged], outputs=[packed]))
+            if match.biases is not None:
+                biased = gs.Variable(f"{name}_bias", dtype=packed.dtype, shape=shape)
+                bias = gs.Constant(f"{match.weights[0].name}_qkv_bias", np.concatenate(match.biases))
+                graph.nodes.append(gs.Node("Add", name=f"{name}/Add", inputs=[packed, bias], outputs=[biased]))
+                packed = biased
+        attention.inputs[0] = packed
+        attention.inputs[1] = gs.Variable.empty()
+        attention.inputs[2] = gs.Variable.empty()

@@ -1,0 +1,139 @@
+"""AttentionFusionPass and QkvFusionPass on real exports: counts, ops left, parity, and each refusal.
+
+Positive cases run on every tiny export (test_fusion_counts, test_parity); here each check that can
+refuse a match is triggered by one targeted change to a real exported graph.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import pytest
+
+from compiler.loader import load_onnx
+from compiler.pass_manager import run_passes
+from compiler.pipeline import build_pipeline
+from fusion_utils import assert_parity, op_counts
+from passes.fuse_attention import FuseAttention
+from passes.fuse_qkv import FuseQkv
+from passes.pattern import producer
+from runtime.feeds import causal_lm_inputs
+from compiler.signature import io_signature, llm_dimensions
+
+
+def _before_attention(dynamo: bool, with_past: bool = True) -> gs.Graph:
+    """A tiny Llama export taken through every pass that runs before the attention fusion."""
+    from models.tiny import tiny_onnx
+
+    graph = gs.import_onnx(load_onnx(tiny_onnx("llama", dynamo=dynamo, with_past=with_past)))
+    passes = build_pipeline(None)
+    run_passes(graph, passes[:[p.name for p in passes].index("AttentionFusionPass")], {})
+    return graph
+
+
+def _feeds(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    signature = io_signature(model)
+    rng = np.random.default_rng(3)
+    dims = llm_dimensions(signature)
+    feeds = causal_lm_inputs(signature, dims, rng.integers(0, dims["vocab_size"], (2, 4)),
+                             2 if dims["kv_cache_io"] else 0, rng)
+    feeds["attention_mask"][0, 0] = 0
+    return feeds
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["ts", "dynamo"])
+def test_attention_then_qkv_fuse_each_layer_and_keep_the_numbers(dynamo, tmp_path):
+    graph = _before_attention(dynamo)
+    original = gs.export_onnx(graph.copy(), do_type_check=False)
+    attention, qkv = FuseAttention().run(graph), FuseQkv().run(graph)
+    fused = gs.export_onnx(graph, do_type_check=False)
+    counts = op_counts(fused)
+    assert (attention.match_times, attention.effect_times, qkv.effect_times) == (2, 2, 2)
+    assert counts["FusedAttention"] == 2 and counts["MatMul"] == 2 * 5 + 1  # qkv, o, gate, up, down; lm_head
+    assert not {"Softmax", "Where", "Expand", "Neg", "Transpose"} & set(counts)
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in next(n for n in fused.graph.node
+                                                                     if n.op_type == "FusedAttention").attribute}
+    assert (attrs["num_heads"], attrs["kv_num_heads"], attrs["head_dim"], attrs["causal"]) == (4, 2, 16, 1)
+    assert attrs["rotary_dim"] == 16 and abs(attrs["scale"] - 0.25) < 1e-7
+    assert_parity(original, fused, _feeds(original), tmp_path)
+
+
+def _softmax(graph):
+    return next(n for n in graph.nodes if n.op == "Softmax")
+
+
+def _scores(graph):
+    add = producer(_softmax(graph).inputs[0], "Add")
+    return producer(producer(add.inputs[0], "Mul").inputs[0], "MatMul")
+
+
+def _set_axis(graph):
+    _softmax(graph).attrs["axis"] = 1
+
+
+def _untranspose_keys(graph):
+    producer(_scores(graph).inputs[1], "Transpose").attrs["perm"] = [1, 0, 3, 2]
+
+
+def _unrotate_query(graph):
+    scores = _scores(graph)
+    cos_mul = producer(producer(scores.inputs[0], "Add").inputs[0], "Mul")
+    scores.inputs[0] = cos_mul.inputs[0]  # q·cos + rot(q)·sin → q
+
+
+def _swap_key_tables(graph):
+    concat = next(n for n in graph.nodes if n.op == "Concat" and n.outputs[0].name == "present.0.key")
+    cos_mul, sin_mul = (producer(t, "Mul") for t in producer(concat.inputs[1], "Add").inputs)
+    sin_mul.inputs[1] = cos_mul.inputs[1]
+
+
+def _extra_mask_input(graph):
+    segment = gs.Variable("segment_ids", dtype=np.int64, shape=["batch", "total"])
+    graph.inputs.append(segment)
+    add = _softmax(graph).inputs[0].inputs[0]
+    mask = add.inputs[1]
+    as_float = gs.Variable("segment_float", dtype=np.float32)
+    mixed = gs.Variable("mixed_mask", dtype=np.float32)
+    graph.nodes += [gs.Node("Cast", inputs=[segment], outputs=[as_float], attrs={"to": 1}),
+                    gs.Node("Add", inputs=[mask, as_float], outputs=[mixed])]
+    add.inputs[1] = mixed
+
+
+def _float_mask(graph):
+    bias = gs.Variable("attention_bias", dtype=np.float32, shape=["batch", 1, "seq", "total"])
+    graph.inputs.append(bias)
+    _softmax(graph).inputs[0].inputs[0].inputs[1] = bias
+
+
+def _probabilities_read_twice(graph):
+    graph.outputs.append(_softmax(graph).outputs[0])
+
+
+@pytest.mark.parametrize("change, reason", [
+    (_set_axis, "last axis"),
+    (_untranspose_keys, "(0, 1, 3, 2)"),
+    (_unrotate_query, "only one of q and k"),
+    (_swap_key_tables, "different tables"),
+    (_extra_mask_input, "several inputs"),
+    (_float_mask, "no 2-D integer input"),
+    (_probabilities_read_twice, "do not multiply the values"),
+])
+def test_attention_refusals(change, reason):
+    graph = _before_attention(dynamo=True)
+    change(graph)
+    result = FuseAttention().run(graph)
+    assert result.effect_times == 1  # the other layer still fuses
+    assert any(reason in r for r in result.rejections), result.rejections
+
+
+def test_qkv_refuses_projections_of_different_inputs():
+    graph = _before_attention(dynamo=True)
+    FuseAttention().run(graph)
+    attention = next(n for n in graph.nodes if n.op == "FusedAttention")
+    key_matmul = attention.inputs[1].inputs[0]
+    shifted = gs.Variable("shifted", dtype=np.float32, shape=key_matmul.inputs[0].shape)
+    graph.nodes.append(gs.Node("Neg", inputs=[key_matmul.inputs[0]], outputs=[shifted]))
+    key_matmul.inputs[0] = shifted
+    result = FuseQkv().run(graph)
+    assert result.effect_times == 1 and any("different inputs" in r for r in result.rejections)
