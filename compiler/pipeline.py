@@ -19,7 +19,11 @@ def build_pipeline(cfg: CompileConfig) -> list[Pass]:
     """The passes `cfg` asks for, in order; switched-off ones are skipped by the runner, not dropped here."""
     del cfg  # every pass so far runs for every configuration
     return [
-        # Phase 0: canonical form, so that later patterns see one spelling of each structure
+        # Phase 0: canonical form, so that later patterns see one spelling of each structure. Folding
+        # runs twice: shapes inferred after the first round make more Shape → Gather chains static.
+        InferShapes(),
+        FoldConstants(),
+        EliminateIdentity(),
         InferShapes(),
         FoldConstants(),
         EliminateIdentity(),

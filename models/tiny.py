@@ -33,6 +33,17 @@ _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_a
 TINY_FAMILIES: dict[str, TinySpec] = {
     "llama": TinySpec("LlamaConfig", "LlamaForCausalLM", dict(_COMMON, rms_norm_eps=1e-6)),
     "qwen2": TinySpec("Qwen2Config", "Qwen2ForCausalLM", dict(_COMMON, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    "mistral": TinySpec("MistralConfig", "MistralForCausalLM", dict(_COMMON, num_key_value_heads=1, sliding_window=None)),
+    "glm": TinySpec("GlmConfig", "GlmForCausalLM", dict(_COMMON, head_dim=16, partial_rotary_factor=0.5,
+                                                        pad_token_id=0, eos_token_id=1)),
+    "phi3": TinySpec("Phi3Config", "Phi3ForCausalLM", dict(_COMMON, pad_token_id=0)),
+    "gemma": TinySpec("GemmaConfig", "GemmaForCausalLM", dict(_COMMON, head_dim=16)),
+    "qwen3": TinySpec("Qwen3Config", "Qwen3ForCausalLM", dict(_COMMON, head_dim=16)),
+    "qwen2_moe": TinySpec("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                          dict(_COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                               shared_expert_intermediate_size=64)),
+    "gpt2": TinySpec("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, vocab_size=256,
+                                                          n_positions=256)),
 }
 
 
@@ -50,6 +61,9 @@ def build_tiny_model(family: str, seed: int = 0):
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = getattr(transformers, spec.model_class)(config)
+    if hasattr(model, "set_experts_implementation"):
+        # the default grouped experts cannot be exported; batched_mm runs every expert on every token
+        model.set_experts_implementation("batched_mm")
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():

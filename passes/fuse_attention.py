@@ -25,6 +25,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from passes.pattern import FusionPass, fused_node, producer, scalar, sole_consumer
+from runtime.kernels import CUSTOM_DOMAIN
 
 _CAUSAL_OPS = ("LessOrEqual", "GreaterOrEqual", "Less", "Greater", "Trilu")
 
@@ -34,13 +35,14 @@ class Rotary:
     cos: gs.Tensor
     sin: gs.Tensor
     rotary_dim: int
+    interleaved: int = 0
 
 
 @dataclass
 class AttentionMatch:
-    query: gs.Tensor
-    key: gs.Tensor
-    value: gs.Tensor
+    query: "Projection"
+    key: "Projection"
+    value: "Projection"
     past_key: gs.Tensor | None
     past_value: gs.Tensor | None
     present_key: gs.Tensor | None
@@ -84,20 +86,61 @@ def _is_transpose(node: gs.Node | None, perm: list[int]) -> bool:
     return node is not None and node.op == "Transpose" and list(node.attrs.get("perm", [])) == perm
 
 
-def _slice_bounds(node: gs.Node | None, source: gs.Tensor, rank_last: int) -> tuple[int, int] | None:
-    """(start, end) of a Slice of `source` along its last axis, step 1; None otherwise."""
+def _slice_bounds(node: gs.Node | None, source: gs.Tensor, rank_last: int, step: int = 1) -> tuple[int, int] | None:
+    """(start, end) of a Slice of `source` along its last axis with the given step; None otherwise."""
     if node is None or node.op != "Slice" or node.inputs[0] is not source:
         return None
     starts, ends = _const_ints(node.inputs[1]), _const_ints(node.inputs[2])
     axes = _const_ints(node.inputs[3]) if len(node.inputs) > 3 else [rank_last]
     steps = _const_ints(node.inputs[4]) if len(node.inputs) > 4 else [1]
-    if None in (starts, ends, axes, steps) or len(starts) != 1 or steps != [1] or axes[0] not in (-1, rank_last):
+    if None in (starts, ends, axes, steps) or len(starts) != 1 or steps != [step] or axes[0] not in (-1, rank_last):
         return None
     return starts[0], ends[0]
 
 
+def _half_rotation(turned: gs.Tensor) -> gs.Tensor | None:
+    """x when `turned` = Concat(-x[R/2:], x[:R/2]) (NeoX / Llama style)."""
+    rotation = producer(turned, "Concat")
+    if rotation is None or len(rotation.inputs) != 2 or producer(rotation.inputs[0], "Neg") is None:
+        return None
+    first_node = producer(rotation.inputs[1], "Slice")
+    second_node = producer(producer(rotation.inputs[0], "Neg").inputs[0], "Slice")
+    if first_node is None or second_node is None or first_node.inputs[0] is not second_node.inputs[0]:
+        return None
+    x = first_node.inputs[0]
+    if x.shape is None or not isinstance(x.shape[-1], int):
+        return None
+    width, last = x.shape[-1], len(x.shape) - 1
+    bounds = _slice_bounds(second_node, x, last)
+    if _slice_bounds(first_node, x, last) != (0, width // 2) or bounds is None or bounds[0] != width // 2 \
+            or bounds[1] < width:
+        return None
+    return x
+
+
+def _pair_rotation(turned: gs.Tensor) -> gs.Tensor | None:
+    """x when `turned` interleaves (-x[1::2], x[0::2]) pairwise (GPT-J / GLM style)."""
+    reshape = producer(turned, "Reshape")
+    stack = producer(reshape.inputs[0], "Concat") if reshape is not None else None
+    if stack is None or len(stack.inputs) != 2:
+        return None
+    negated, kept = (producer(t, "Unsqueeze") for t in stack.inputs)
+    if negated is None or kept is None or producer(negated.inputs[0], "Neg") is None:
+        return None
+    odd_node = producer(producer(negated.inputs[0], "Neg").inputs[0], "Slice")
+    even_node = producer(kept.inputs[0], "Slice")
+    if odd_node is None or even_node is None or odd_node.inputs[0] is not even_node.inputs[0]:
+        return None
+    x = odd_node.inputs[0]
+    last = len(x.shape or []) - 1
+    odd, even = _slice_bounds(odd_node, x, last, step=2), _slice_bounds(even_node, x, last, step=2)
+    if odd is None or even is None or odd[0] != 1 or even[0] != 0:
+        return None
+    return x
+
+
 def _rope(tensor: gs.Tensor) -> tuple[gs.Tensor, Rotary] | None:
-    """(the un-rotated input, its rotary parameters) if `tensor` is a half-rotation RoPE output."""
+    """(the un-rotated input, its rotary parameters) if `tensor` is a RoPE output (half or pairwise)."""
     passed_through = None
     concat = producer(tensor, "Concat")
     if concat is not None and len(concat.inputs) == 2 and producer(concat.inputs[1], "Slice") is not None:
@@ -111,46 +154,49 @@ def _rope(tensor: gs.Tensor) -> tuple[gs.Tensor, Rotary] | None:
     for cos_mul, sin_mul in (muls, muls[::-1]):
         for turned_index in (0, 1):
             turned, sin = sin_mul.inputs[turned_index], sin_mul.inputs[1 - turned_index]
-            rotation = producer(turned, "Concat")
-            if rotation is None or len(rotation.inputs) != 2:
+            interleaved = 0
+            rotated = _half_rotation(turned)
+            if rotated is None:
+                rotated, interleaved = _pair_rotation(turned), 1
+            if rotated is None or not any(t is rotated for t in cos_mul.inputs):
                 continue
-            negated, first = rotation.inputs
-            neg = producer(negated, "Neg")
-            if neg is None:
-                continue
-            second = neg.inputs[0]
-            first_node, second_node = producer(first, "Slice"), producer(second, "Slice")
-            if first_node is None or second_node is None or first_node.inputs[0] is not second_node.inputs[0]:
-                continue
-            rotated = first_node.inputs[0]
-            if not any(t is rotated for t in cos_mul.inputs) or rotated.shape is None or not isinstance(rotated.shape[-1], int):
-                continue
-            width, last = rotated.shape[-1], len(rotated.shape) - 1
-            if _slice_bounds(first_node, rotated, last) != (0, width // 2):
-                continue
-            bounds = _slice_bounds(second_node, rotated, last)
-            if bounds is None or bounds[0] != width // 2 or bounds[1] < width:
+            width = rotated.shape[-1] if rotated.shape else None
+            if not isinstance(width, int):
                 continue
             cos = cos_mul.inputs[1] if cos_mul.inputs[0] is rotated else cos_mul.inputs[0]
             source = rotated
             if passed_through is not None:
-                head = producer(rotated, "Slice")
-                tail = producer(passed_through, "Slice")
+                head, tail = producer(rotated, "Slice"), producer(passed_through, "Slice")
                 if head is None or tail is None or head.inputs[0] is not tail.inputs[0]:
                     return None
                 source = head.inputs[0]
-                if source.shape is None or _slice_bounds(head, source, len(source.shape) - 1) != (0, width):
+                last = len(source.shape or []) - 1
+                if _slice_bounds(head, source, last) != (0, width) or (_slice_bounds(tail, source, last) or (0,))[0] != width:
                     return None
-            return source, Rotary(cos, sin, width)
+            return source, Rotary(cos, sin, width, interleaved)
     return None
 
 
-def _projection(heads4: gs.Tensor) -> tuple[gs.Tensor, int] | str:
-    """From [B, H, S, D] back to the [B, S, H·D] projection it was split from; returns (it, H)."""
+@dataclass
+class Projection:
+    """A [B, S, H·D] input of the fused op; `per_head` is a [B, S, H, D] value to flatten first (the
+    output of a per-head q/k RmsNorm, as in Qwen3)."""
+
+    tensor: gs.Tensor
+    heads: int
+    per_head: bool = False
+
+
+def _projection(heads4: gs.Tensor) -> Projection | str:
+    """From [B, H, S, D] back to the [B, S, H·D] projection it was split from."""
     transpose = producer(heads4, "Transpose")
     if not _is_transpose(transpose, [0, 2, 1, 3]):
         return "the heads are not a (0, 2, 1, 3) transpose"
-    reshape = producer(transpose.inputs[0], "Reshape")
+    split = transpose.inputs[0]
+    norm = producer(split, "RmsNorm")
+    if norm is not None and norm.domain == CUSTOM_DOMAIN:
+        split = norm.inputs[0]
+    reshape = producer(split, "Reshape")
     if reshape is None:
         return "the heads are not reshaped from a projection"
     projection = reshape.inputs[0]
@@ -158,7 +204,8 @@ def _projection(heads4: gs.Tensor) -> tuple[gs.Tensor, int] | str:
     if projection.shape is None or len(projection.shape) != 3 or dims is None or not isinstance(dims[-1], int) \
             or not isinstance(projection.shape[-1], int) or projection.shape[-1] % dims[-1]:
         return "the projection's width is not a static multiple of the head size"
-    return projection, projection.shape[-1] // dims[-1]
+    heads = projection.shape[-1] // dims[-1]
+    return Projection(norm.outputs[0], heads, True) if norm is not None else Projection(projection, heads)
 
 
 def _unrepeat(tensor: gs.Tensor) -> gs.Tensor:
@@ -253,7 +300,7 @@ class FuseAttention(FusionPass):
         if query_rope is not None:
             (query4, rotary), (key4, key_rotary) = query_rope, key_rope
             if key_rotary.cos is not rotary.cos or key_rotary.sin is not rotary.sin \
-                    or key_rotary.rotary_dim != rotary.rotary_dim:
+                    or (key_rotary.rotary_dim, key_rotary.interleaved) != (rotary.rotary_dim, rotary.interleaved):
                 return "q and k rotate with different tables"
         past_value, value4, present_value = _cache(graph, _unrepeat(context.inputs[1]))
         if (past_key is None) != (past_value is None):
@@ -262,7 +309,8 @@ class FuseAttention(FusionPass):
         for item in found:
             if isinstance(item, str):
                 return item
-        (query, heads), (key, kv_heads), (value, value_heads) = found
+        query, key, value = found
+        heads, kv_heads, value_heads = query.heads, key.heads, value.heads
         head_dim = query4.shape[-1]
         if kv_heads != value_heads or heads % kv_heads:
             return f"{heads} query heads cannot share {kv_heads} key and {value_heads} value heads"
@@ -280,8 +328,18 @@ class FuseAttention(FusionPass):
         def optional(tensor):
             return tensor if tensor is not None else gs.Variable.empty()
 
+        def flat(projection: Projection) -> gs.Tensor:
+            if not projection.per_head:
+                return projection.tensor
+            source = projection.tensor
+            shape = None if source.shape is None else list(source.shape[:2]) + [projection.heads * match.head_dim]
+            merged = gs.Variable(f"{source.name}_merged", dtype=source.dtype, shape=shape)
+            graph.nodes.append(gs.Node("Reshape", name=f"{source.name}/MergeHeads", outputs=[merged], inputs=[
+                source, gs.Constant(f"{source.name}_merged_shape", np.array([0, 0, -1], np.int64))]))
+            return merged
+
         rotary = match.rotary
-        inputs = [match.query, match.key, match.value, optional(match.past_key), optional(match.past_value),
+        inputs = [flat(match.query), flat(match.key), flat(match.value), optional(match.past_key), optional(match.past_value),
                   optional(match.mask), optional(rotary and rotary.cos), optional(rotary and rotary.sin)]
         while inputs and inputs[-1].name == "":
             inputs.pop()
@@ -289,4 +347,4 @@ class FuseAttention(FusionPass):
         graph.nodes.append(fused_node(
             "FusedAttention", inputs, outputs, match.name, num_heads=match.heads, kv_num_heads=match.kv_heads,
             head_dim=match.head_dim, scale=float(match.scale), causal=match.causal,
-            rotary_dim=rotary.rotary_dim if rotary else 0, rotary_interleaved=0))
+            rotary_dim=rotary.rotary_dim if rotary else 0, rotary_interleaved=rotary.interleaved if rotary else 0))

@@ -64,13 +64,20 @@ class _Builder:
         return self("Constant", value=numpy_helper.from_array(np.asarray(values, dtype=dtype)))
 
 
-def _rotary(b: _Builder, x: str, cos: str, sin: str, rotary_dim: int, head_dim: int) -> str:
+def _rotary(b: _Builder, x: str, cos: str, sin: str, rotary_dim: int, head_dim: int, interleaved: int) -> str:
     last = b.const([-1])
     rotated = b("Slice", x, b.const([0]), b.const([rotary_dim]), last) if rotary_dim < head_dim else x
-    half = rotary_dim // 2
-    first = b("Slice", rotated, b.const([0]), b.const([half]), last)
-    second = b("Slice", rotated, b.const([half]), b.const([rotary_dim]), last)
-    turned = b("Concat", b("Neg", second), first, axis=-1)
+    if interleaved:
+        two = b.const([2])
+        odd = b("Slice", rotated, b.const([1]), b.const([rotary_dim]), last, two)
+        even = b("Slice", rotated, b.const([0]), b.const([rotary_dim]), last, two)
+        pairs = b("Concat", b("Unsqueeze", b("Neg", odd), last), b("Unsqueeze", even, last), axis=-1)
+        turned = b("Reshape", pairs, b.const([0, 0, 0, rotary_dim]))
+    else:
+        half = rotary_dim // 2
+        first = b("Slice", rotated, b.const([0]), b.const([half]), last)
+        second = b("Slice", rotated, b.const([half]), b.const([rotary_dim]), last)
+        turned = b("Concat", b("Neg", second), first, axis=-1)
     result = b("Add", b("Mul", rotated, cos), b("Mul", turned, sin))
     if rotary_dim < head_dim:
         result = b("Concat", result, b("Slice", x, b.const([rotary_dim]), b.const([head_dim]), last), axis=-1)
@@ -83,6 +90,7 @@ def _fused_attention(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
     outputs = list(node.output) + [""] * 2
     heads, kv_heads, dim = (_attr(node, n, 0) for n in ("num_heads", "kv_num_heads", "head_dim"))
     scale, causal, rotary_dim = _attr(node, "scale", 1.0), _attr(node, "causal", 1), _attr(node, "rotary_dim", 0)
+    interleaved = _attr(node, "rotary_interleaved", 0)
     b = _Builder(node.name)
     if not key:
         query, key, value = b("Split", query, b.const([heads * dim, kv_heads * dim, kv_heads * dim]), outputs=3, axis=-1)
@@ -91,7 +99,8 @@ def _fused_attention(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
     k = b("Transpose", b("Reshape", key, b.const([0, 0, kv_heads, dim])), perm=perm)
     v = b("Transpose", b("Reshape", value, b.const([0, 0, kv_heads, dim])), perm=perm)
     if cos:
-        q, k = _rotary(b, q, cos, sin, rotary_dim or dim, dim), _rotary(b, k, cos, sin, rotary_dim or dim, dim)
+        q = _rotary(b, q, cos, sin, rotary_dim or dim, dim, interleaved)
+        k = _rotary(b, k, cos, sin, rotary_dim or dim, dim, interleaved)
     if past_key:
         k = b("Concat", past_key, k, axis=2, out=outputs[1] or None)
         v = b("Concat", past_value, v, axis=2, out=outputs[2] or None)
