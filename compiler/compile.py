@@ -20,6 +20,7 @@ from compiler.pass_manager import PassReport, run_passes
 from compiler.pipeline import build_pipeline
 from compiler.precheck import check_ops, unsupported_types
 from compiler.signature import io_signature, is_dynamic, llm_dimensions
+from models.recipes import detect_family
 
 log = logging.getLogger("atc")
 
@@ -51,6 +52,7 @@ def compile_model(cfg: CompileConfig) -> CompileResult:
     if unsupported:
         raise AtcError("E16002", ", ".join(unsupported))
     report = run_passes(graph, build_pipeline(cfg), cfg.fusion_switches)
+    detected = detect_family(graph)
     lowered = lower(graph, model)
     signature = io_signature(lowered)
     metadata = {
@@ -62,7 +64,7 @@ def compile_model(cfg: CompileConfig) -> CompileResult:
         "config": cfg.effective(),
         "signature": signature,
         "is_dynamic": is_dynamic(signature),
-        "model": llm_dimensions(signature),
+        "model": {**llm_dimensions(signature), "family": cfg.model_type or detected, "detected_family": detected},
         "source": {"file": Path(cfg.model).name, "producer": f"{model.producer_name} {model.producer_version}".strip(),
                    "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import}},
         "pass_report": report.as_dict(),

@@ -14,8 +14,15 @@ from compiler.config import CompileConfig
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-EXPORTS = [(family, dynamo, with_past) for family in ("llama", "qwen2") for dynamo in (False, True)
-           for with_past in (False, True)]
+def _exports():
+    from models.recipes import RECIPES
+    from models.tiny import TINY_FAMILIES
+
+    return [(family, dynamo, with_past) for family in TINY_FAMILIES for dynamo in (False, True)
+            for with_past in (False, True) if ("dynamo" if dynamo else "ts") in RECIPES[family].exporters]
+
+
+EXPORTS = _exports()
 
 
 def export_id(case) -> str:
