@@ -162,3 +162,27 @@ def test_the_installed_command_exits_255_without_traceback(tmp_path):
     assert proc.returncode == 255
     assert "E13001" in proc.stderr and "Traceback" not in proc.stderr
     assert subprocess.run([sys.executable, "-m", "cli.atc", "--help"], capture_output=True).returncode == 0
+
+
+def test_one_pass_switched_off_by_name_and_debug_says_why_nothing_fused(capsys, tmp_path, tiny_llama_path):
+    switch = tmp_path / "switch.json"
+    switch.write_text('{"Switch": {"GraphFusion": {"AttentionFusionPass": "off"}}}')
+    status, _, err = _atc(capsys, f"--model={tiny_llama_path}", "--framework=5", f"--output={tmp_path / 'm'}", SOC,
+                          f"--fusion_switch_file={switch}", "--log=debug")
+    assert status == 0
+    ops = [n.op_type for n in OmFile(tmp_path / "m.om").graph().graph.node]
+    assert "FusedAttention" not in ops and ops.count("AddRmsNorm") == 4 and ops.count("Softmax") == 2
+    result = json.loads((tmp_path / "fusion_result.json").read_text())["session_and_graph_id_0_0"]["graph_fusion"]
+    assert "AttentionFusionPass" not in result and result["RmsNormFusionPass"]["effect_times"] == "5"
+    assert "AttentionFusionPass: switched off" in err
+    # QkvFusionPass had FusedAttention nodes to pack: none, and the debug log says so for each candidate
+    assert "QkvFusionPass: matched 0, applied 0" in err
+
+
+def test_debug_log_gives_the_reason_a_candidate_was_refused(capsys, tmp_path):
+    from models.tiny import tiny_onnx
+
+    gpt2 = tiny_onnx("gpt2", dynamo=True, with_past=False)
+    status, _, err = _atc(capsys, f"--model={gpt2}", "--framework=5", f"--output={tmp_path / 'm'}", SOC, "--log=debug")
+    assert status == 0
+    assert "AttentionFusionPass: candidate refused:" in err and "the keys are not transposed" in err
