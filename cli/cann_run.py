@@ -10,19 +10,17 @@ sit beside `run`.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
 import click
 import numpy as np
 
+from cli.coded_errors import main_with_codes
 from compiler.errors import AtcError
 from runtime.executor import BACKENDS, Executor
 from runtime.feeds import causal_lm_inputs, made_up_inputs, parse_shapes, read_input_files
 from runtime.loader import LoadedModel, load_artifact
-
-EXIT_FAILURE = 1
 
 
 class _RunByDefault(click.Group):
@@ -146,17 +144,8 @@ def run_command(model, input_files, output, output_dirname, outfmt, loop, warmup
 
 
 def main() -> None:
-    """Console entry point: coded errors become one message and exit status 1, never a traceback."""
-    try:
-        cli.main(standalone_mode=False)
-    except AtcError as error:
-        click.echo(f"[ERROR] {error.render()}", err=True)
-        sys.exit(EXIT_FAILURE)
-    except click.exceptions.Abort:
-        sys.exit(EXIT_FAILURE)
-    except click.ClickException as error:
-        error.show()
-        sys.exit(error.exit_code)
+    """Console entry point."""
+    main_with_codes(cli)
 
 
 if __name__ == "__main__":

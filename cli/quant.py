@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import click
@@ -19,6 +18,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from compiler.compile import TOKENIZER_FILES
+from cli.coded_errors import main_with_codes
 from compiler.errors import AtcError
 from compiler.loader import load_onnx
 from compiler.quant_config import BITS, METHODS, QuantConfig
@@ -87,15 +87,8 @@ def cli(model, out_format, method, bits, group_size, symmetric, skip, output) ->
 
 
 def main() -> None:
-    """Console entry point: coded errors become one message and exit status 1."""
-    try:
-        cli.main(standalone_mode=False)
-    except AtcError as error:
-        click.echo(f"[ERROR] {error.render()}", err=True)
-        sys.exit(1)
-    except click.ClickException as error:
-        error.show()
-        sys.exit(error.exit_code)
+    """Console entry point."""
+    main_with_codes(cli)
 
 
 if __name__ == "__main__":

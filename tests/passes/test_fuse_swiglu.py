@@ -9,19 +9,19 @@ from onnx import TensorProto, helper, numpy_helper
 from fusion_utils import apply_pass, assert_parity, op_counts
 from passes.fuse_swiglu import FuseSwiGlu
 
-H, I = 16, 24
+H, WIDE = 16, 24
 RNG = np.random.default_rng(1)
 FEEDS = {"x": RNG.standard_normal((2, 3, H)).astype(np.float32)}
 
 
 def _model(nodes, opset=17, extra=()):
-    initializers = [numpy_helper.from_array(0.25 * RNG.standard_normal((H, I)).astype(np.float32), "wg"),
-                    numpy_helper.from_array(0.25 * RNG.standard_normal((H, I)).astype(np.float32), "wu"),
-                    numpy_helper.from_array(0.25 * RNG.standard_normal((H, 2 * I)).astype(np.float32), "wgu"),
-                    numpy_helper.from_array(0.25 * RNG.standard_normal((I, H)).astype(np.float32), "wd"),
-                    numpy_helper.from_array(np.array([I, I], np.int64), "halves"),
+    initializers = [numpy_helper.from_array(0.25 * RNG.standard_normal((H, WIDE)).astype(np.float32), "wg"),
+                    numpy_helper.from_array(0.25 * RNG.standard_normal((H, WIDE)).astype(np.float32), "wu"),
+                    numpy_helper.from_array(0.25 * RNG.standard_normal((H, 2 * WIDE)).astype(np.float32), "wgu"),
+                    numpy_helper.from_array(0.25 * RNG.standard_normal((WIDE, H)).astype(np.float32), "wd"),
+                    numpy_helper.from_array(np.array([WIDE, WIDE], np.int64), "halves"),
                     *[numpy_helper.from_array(np.array([v], np.int64), n) for n, v in
-                      (("zero", 0), ("mid", I), ("end", 2 * I), ("last", -1))]]
+                      (("zero", 0), ("mid", WIDE), ("end", 2 * WIDE), ("last", -1))]]
     outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", *extra)]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, H])],
                               outputs, initializers)
