@@ -12,6 +12,7 @@ from pathlib import Path
 
 from compiler.errors import AtcError, invalid_value, not_in_range
 from compiler.fusion_switch import parse_fusion_switch_file
+from compiler.quant_config import QuantConfig
 from compiler.soc import SOC_VERSIONS, SocProfile
 
 MODES = {0: "model to framework model", 1: "framework model to json", 3: "only pre-check",
@@ -66,6 +67,7 @@ class CompileConfig:
     model_type: str = ""
     cmdline: str = ""
     fusion_switches: dict[str, bool] = field(default_factory=dict, compare=False)
+    quantization: QuantConfig | None = field(default=None, compare=False)
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -75,6 +77,11 @@ class CompileConfig:
         self._resolve_kv_layout()
         if self.fusion_switch_file and not self.fusion_switches:
             object.__setattr__(self, "fusion_switches", parse_fusion_switch_file(self.fusion_switch_file))
+        if self.quantization is None and (self.enable_compress_weight or self.compress_weight_conf):
+            group = self.soc.quant_group_size if self.soc_version else 128
+            quantization = (QuantConfig.from_json(self.compress_weight_conf, group) if self.compress_weight_conf
+                            else QuantConfig(group_size=group))
+            object.__setattr__(self, "quantization", quantization)
         if self.auto_tune_mode:
             self._warn("W10001", "The Auto Tune function has been deprecated; --auto_tune_mode is ignored.")
 
@@ -103,6 +110,7 @@ class CompileConfig:
         """The flags as the compiler used them, for the artifact's metadata."""
         out = asdict(self)
         out.pop("warnings")
+        out["quantization"] = asdict(self.quantization) if self.quantization else None
         out["input_shape"] = {k: [list(d) if isinstance(d, tuple) else d for d in v] for k, v in self.input_shape.items()}
         return out
 

@@ -13,11 +13,12 @@ from passes.fuse_qkv import FuseQkv
 from passes.fuse_rms_norm import FuseRmsNorm
 from passes.fuse_swiglu import FuseSwiGlu
 from passes.infer_shapes import InferShapes
+from passes.quantize_weights import QuantizeWeights
 
 
-def build_pipeline(cfg: CompileConfig) -> list[Pass]:
+def build_pipeline(cfg: CompileConfig | None) -> list[Pass]:
     """The passes `cfg` asks for, in order; switched-off ones are skipped by the runner, not dropped here."""
-    del cfg  # every pass so far runs for every configuration
+    quant = cfg.quantization if cfg is not None else None
     return [
         # Phase 0: canonical form, so that later patterns see one spelling of each structure. Folding
         # runs twice: shapes inferred after the first round make more Shape → Gather chains static.
@@ -36,4 +37,6 @@ def build_pipeline(cfg: CompileConfig) -> list[Pass]:
         FuseAttention(),
         FuseQkv(),
         FuseSwiGlu(),
+        # Phase 3: weights (QDQ weights are repacked whether or not compression was asked for)
+        QuantizeWeights(quant.bits, quant.group_size, quant.symmetric, quant.skip_layers) if quant else QuantizeWeights(),
     ]

@@ -5,14 +5,17 @@ Built from `cann-llm-quant`'s flags today; the JSON form of `--compress_weight_c
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
-from compiler.errors import AtcError, not_in_range
+from compiler.errors import AtcError, invalid_value, not_in_range
 from passes.quant_math import SUPPORTED_BLOCKS
 
 METHODS = ("rtn", "awq", "gptq", "smooth_quant")
 IMPLEMENTED_METHODS = ("rtn",)
 BITS = (4, 8)
+QUANT_MODES = {"INT4": 4, "INT8": 8, "W8A8": None}
+_JSON_KEYS = ("quant_mode", "group_size", "symmetric", "algorithms", "skip_layers", "calibration")
 
 
 @dataclass(frozen=True)
@@ -35,3 +38,33 @@ class QuantConfig:
             raise not_in_range(self.bits, "bits", BITS)
         if self.bits == 4 and self.group_size not in SUPPORTED_BLOCKS:
             raise not_in_range(self.group_size, "group-size", SUPPORTED_BLOCKS)
+
+    @classmethod
+    def from_json(cls, path: str, default_group_size: int = 128) -> "QuantConfig":
+        """The seeds' `--compress_weight_conf` JSON: quant_mode, group_size, symmetric, algorithms, skip_layers."""
+        try:
+            with open(path, encoding="utf-8") as handle:
+                document = json.load(handle)
+        except ValueError as error:
+            raise AtcError("E10032", path, str(error)) from None
+        if not isinstance(document, dict):
+            raise AtcError("E10032", path, "the top level must be an object")
+        unknown = sorted(set(document) - set(_JSON_KEYS))
+        if unknown:
+            raise invalid_value(", ".join(unknown), "compress_weight_conf", f"Unknown keys; known: {', '.join(_JSON_KEYS)}.")
+        mode = document.get("quant_mode", "INT4")
+        if mode not in QUANT_MODES:
+            raise not_in_range(mode, "compress_weight_conf quant_mode", list(QUANT_MODES))
+        if QUANT_MODES[mode] is None:
+            raise AtcError("E10055", f"quant_mode {mode} (SmoothQuant W8A8) is not implemented yet")
+        algorithms = document.get("algorithms") or [{"name": "rtn"}]
+        if not isinstance(algorithms, list) or not all(isinstance(a, dict) and "name" in a for a in algorithms):
+            raise AtcError("E10032", path, "algorithms must be a list of {\"name\": ..., \"params\": {...}}")
+        skip = document.get("skip_layers", ["lm_head"])
+        if not isinstance(skip, list) or not all(isinstance(p, str) for p in skip):
+            raise AtcError("E10032", path, "skip_layers must be a list of names or glob patterns")
+        group = document.get("group_size", default_group_size)
+        if not isinstance(group, int) or isinstance(group, bool):
+            raise not_in_range(group, "compress_weight_conf group_size", SUPPORTED_BLOCKS)
+        return cls(method=algorithms[0]["name"], bits=QUANT_MODES[mode], group_size=group,
+                   symmetric=bool(document.get("symmetric", True)), skip_layers=tuple(skip))

@@ -1,8 +1,8 @@
 """QkvFusionPass: one packed projection for FusedAttention's query, key and value.
 
-Three MatMuls of the same input with constant weights (each optionally plus a constant bias, as in
-Qwen2 and InternLM) become one MatMul against [Wq | Wk | Wv] (plus [bq | bk | bv]): one GEMM reads the
-activations once. A projection already packed and cut by Slices or a Split (Phi-3's qkv_proj,
+Three MatMuls of the same input with constant (or QDQ) weights, each optionally plus a constant bias (as
+in Qwen2 and InternLM), become one MatMul against [Wq | Wk | Wv] (plus [bq | bk | bv]): one GEMM reads
+the activations once. A projection already packed and cut by Slices or a Split (Phi-3's qkv_proj,
 Baichuan's W_pack) is fed to the attention as it is. Runs after AttentionFusionPass.
 """
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from passes.merge_weights import WeightSource, can_merge, merge_weights, weight_source
 from passes.pattern import FusionPass, producer
 from runtime.kernels import CUSTOM_DOMAIN
 
@@ -21,13 +22,14 @@ from runtime.kernels import CUSTOM_DOMAIN
 class QkvMatch:
     attention: gs.Node
     x: gs.Tensor | None
-    weights: list[gs.Constant]
+    weights: list[WeightSource]
     biases: list[np.ndarray] | None
     packed: gs.Tensor | None
 
 
-def _linear(graph: gs.Graph, tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Constant, np.ndarray | None] | None:
-    """(x, W, b) when `tensor` = x·W (+ b) with constant W [K, N] and b [N], read only by its attention."""
+def _linear(graph: gs.Graph, tensor: gs.Tensor) -> tuple[gs.Tensor, WeightSource, np.ndarray | None] | None:
+    """(x, W, b) when `tensor` = x·W (+ b) with a constant (or QDQ) W [K, N] and b [N], read only by its
+    attention."""
     if len(tensor.outputs) != 1 or any(t is tensor for t in graph.outputs):
         return None
     bias, add = None, producer(tensor, "Add")
@@ -40,10 +42,8 @@ def _linear(graph: gs.Graph, tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Constant,
         if len(tensor.outputs) != 1:
             return None
     matmul = producer(tensor, "MatMul")
-    if matmul is None or not isinstance(matmul.inputs[1], gs.Constant) or len(matmul.inputs[1].shape) != 2:
-        return None
-    weight = matmul.inputs[1]
-    if bias is not None and bias.shape[0] != weight.shape[1]:
+    weight = weight_source(matmul.inputs[1]) if matmul is not None else None
+    if weight is None or (bias is not None and bias.shape[0] != weight.shape[1]):
         return None
     return matmul.inputs[0], weight, bias
 
@@ -92,11 +92,12 @@ class FuseQkv(FusionPass):
         if not (found[0][0] is found[1][0] is found[2][0]):
             return "q, k and v project different inputs"
         weights = [f[1] for f in found]
-        if len({w.dtype for w in weights}) != 1 or len({w.shape[0] for w in weights}) != 1:
-            return "the projection weights differ in dtype or input size"
+        if not can_merge(weights):
+            return "the projection weights differ in kind, dtype, input size or quantization"
         biases = None
         if any(f[2] is not None for f in found):
-            biases = [f[2] if f[2] is not None else np.zeros(f[1].shape[1], f[1].dtype) for f in found]
+            dtype = attention.inputs[0].dtype or np.float32
+            biases = [f[2] if f[2] is not None else np.zeros(f[1].shape[1], dtype) for f in found]
         return QkvMatch(attention, found[0][0], weights, biases, None)
 
     def rewrite(self, graph: gs.Graph, match: QkvMatch) -> None:
@@ -104,14 +105,14 @@ class FuseQkv(FusionPass):
         packed = match.packed
         if packed is None:
             name = attention.name + "_qkv"
-            merged = gs.Constant(f"{match.weights[0].name}_qkv", np.concatenate([w.values for w in match.weights], 1))
-            width = merged.shape[1]
+            merged = merge_weights(graph, match.weights, f"{name}_weight")
+            width = sum(w.shape[1] for w in match.weights)
             shape = None if match.x.shape is None else list(match.x.shape[:-1]) + [width]
             packed = gs.Variable(f"{name}_matmul", dtype=attention.inputs[0].dtype, shape=shape)
             graph.nodes.append(gs.Node("MatMul", name=f"{name}/MatMul", inputs=[match.x, merged], outputs=[packed]))
             if match.biases is not None:
                 biased = gs.Variable(f"{name}_bias", dtype=packed.dtype, shape=shape)
-                bias = gs.Constant(f"{match.weights[0].name}_qkv_bias", np.concatenate(match.biases))
+                bias = gs.Constant(f"{name}_bias_values", np.concatenate(match.biases))
                 graph.nodes.append(gs.Node("Add", name=f"{name}/Add", inputs=[packed, bias], outputs=[biased]))
                 packed = biased
         attention.inputs[0] = packed

@@ -13,13 +13,14 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from passes.merge_weights import WeightSource, can_merge, merge_weights, weight_source
 from passes.pattern import FusionPass, fused_node, other_input, producer, sole_consumer
 
 
 @dataclass
 class SwiGluMatch:
     x: gs.Tensor
-    weights: tuple[gs.Constant, gs.Constant] | None  # None: the input is already [gate | up]
+    weights: list[WeightSource] | None  # None: the input is already [gate | up]
     merged_input: gs.Tensor | None
     output: gs.Tensor
     name: str
@@ -82,15 +83,15 @@ class FuseSwiGlu(FusionPass):
         name = product.name.rsplit("/", 1)[0] + "/SwiGlu"
         gate_mm, up_mm = producer(gate, "MatMul"), producer(up, "MatMul")
         if gate_mm is not None and up_mm is not None:
-            x, (wg, wu) = gate_mm.inputs[0], (gate_mm.inputs[1], up_mm.inputs[1])
+            x = gate_mm.inputs[0]
+            weights = [weight_source(gate_mm.inputs[1]), weight_source(up_mm.inputs[1])]
             if up_mm.inputs[0] is not x:
                 return "gate and up project different inputs"
-            if not (isinstance(wg, gs.Constant) and isinstance(wu, gs.Constant)) or wg.shape != wu.shape \
-                    or len(wg.shape) != 2 or wg.dtype != wu.dtype:
-                return "gate and up weights are not constant 2-D matrices of one shape"
+            if not can_merge(weights) or weights[0].shape != weights[1].shape:
+                return "gate and up weights are not constant (or QDQ) 2-D matrices of one shape and kind"
             if len(up.outputs) != 1 or any(t is up for t in graph.outputs):
                 return "the up projection has other readers"
-            return SwiGluMatch(x, (wg, wu), None, product.outputs[0], name)
+            return SwiGluMatch(x, weights, None, product.outputs[0], name)
         whole = _halves(graph, gate, up)
         if isinstance(whole, str):
             return whole
@@ -99,9 +100,8 @@ class FuseSwiGlu(FusionPass):
     def rewrite(self, graph: gs.Graph, match: SwiGluMatch) -> None:
         source = match.merged_input
         if match.weights is not None:
-            wg, wu = match.weights
-            merged = gs.Constant(f"{wg.name}_gate_up", np.concatenate([wg.values, wu.values], axis=1))
-            shape = None if match.x.shape is None else list(match.x.shape[:-1]) + [merged.shape[1]]
+            merged = merge_weights(graph, match.weights, f"{match.name}_gate_up_weight")
+            shape = None if match.x.shape is None else list(match.x.shape[:-1]) + [2 * match.weights[0].shape[1]]
             source = gs.Variable(f"{match.name}_gate_up", dtype=match.output.dtype, shape=shape)
             graph.nodes.append(gs.Node("MatMul", name=f"{match.name}_GateUpMatMul", inputs=[match.x, merged],
                                        outputs=[source]))

@@ -68,3 +68,59 @@ def dequantize_blockwise(quantized: QuantizedWeight) -> np.ndarray:
     if quantized.zero_points is not None:
         values -= np.repeat(quantized.zero_points, quantized.block_size, axis=0)[:rows].astype(np.float32)
     return values * scales
+
+
+def _pack_nibbles(values: np.ndarray) -> np.ndarray:
+    """[..., 2m] values in 0..15 → [..., m] bytes, element 2i in the low nibble (MatMulNBits' order)."""
+    values = values.astype(np.uint8)
+    return (values[..., 0::2] & 0x0F) | ((values[..., 1::2] & 0x0F) << 4)
+
+
+def _unpack_nibbles(packed: np.ndarray) -> np.ndarray:
+    out = np.empty(packed.shape[:-1] + (packed.shape[-1] * 2,), dtype=np.uint8)
+    out[..., 0::2] = packed & 0x0F
+    out[..., 1::2] = packed >> 4
+    return out
+
+
+def pack_matmul_nbits(quantized: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(B, scales, zero_points) in onnxruntime's MatMulNBits layout for a 4-bit `quantized` [K, N].
+
+    B is uint8 [N, n_blocks, block/2]: row n holds output feature n along K, K zero-padded to whole
+    blocks. Stored values are unsigned: symmetric int4 q is stored as q + 8 with the default zero point
+    8 (zero_points None); asymmetric keeps its uint4 values and packs its zero points [N, ceil(n_blocks/2)].
+    """
+    if quantized.bits != 4:
+        raise ValueError("MatMulNBits packing here is for 4-bit weights")
+    rows, cols = quantized.values.shape
+    block = quantized.block_size
+    n_blocks = quantized.scales.shape[0]
+    stored = quantized.values.astype(np.int16) + (8 if quantized.zero_points is None else 0)
+    padded = np.zeros((n_blocks * block, cols), dtype=np.uint8)
+    padded[:rows] = stored.astype(np.uint8)
+    blob = _pack_nibbles(padded.T.reshape(cols, n_blocks, block))
+    scales = np.ascontiguousarray(quantized.scales.T).astype(np.float32)
+    zero_points = None
+    if quantized.zero_points is not None:
+        zp = quantized.zero_points.T.astype(np.uint8)
+        if n_blocks % 2:
+            zp = np.concatenate([zp, np.zeros((cols, 1), np.uint8)], axis=1)
+        zero_points = _pack_nibbles(zp)
+    return np.ascontiguousarray(blob), scales, zero_points
+
+
+def unpack_matmul_nbits(blob: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, rows: int,
+                        block_size: int) -> QuantizedWeight:
+    """The inverse of `pack_matmul_nbits` (symmetric weights come back signed)."""
+    cols, n_blocks, _ = blob.shape
+    stored = _unpack_nibbles(blob).reshape(cols, n_blocks * block_size)[:, :rows].T
+    if zero_points is None:
+        return QuantizedWeight((stored.astype(np.int16) - 8).astype(np.int8), scales.T.copy(), None, 4, block_size)
+    zp = _unpack_nibbles(zero_points)[:, :n_blocks].T
+    return QuantizedWeight(stored.astype(np.uint8), scales.T.copy(), zp.astype(np.uint8), 4, block_size)
+
+
+def dequantize_matmul_nbits(blob: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, rows: int,
+                            block_size: int) -> np.ndarray:
+    """The float weight [K, N] a MatMulNBits operand stands for."""
+    return dequantize_blockwise(unpack_matmul_nbits(blob, scales, zero_points, rows, block_size))

@@ -69,6 +69,8 @@ def _ort_session(model: onnx.ModelProto, weights: dict[str, np.ndarray], threads
     if threads:
         options.intra_op_num_threads = threads
     options.log_severity_level = 3
+    # quantized weights are explicit ops here; onnxruntime's own QDQ rewrites would quantize activations
+    options.add_session_config_entry("session.disable_quant_qdq", "1")
     names = list(weights)
     # the OrtValues borrow the mapped memory; the executor holds `loaded`, which keeps the mapping alive
     options.add_external_initializers(names, [ort.OrtValue.ortvalue_from_numpy(weights[n]) for n in names])

@@ -130,11 +130,26 @@ def _fused_attention(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
     return b.nodes
 
 
+def _matmul_int4(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
+    # the same operands and attributes, by design: the artifact stores MatMulNBits' layout
+    return [helper.make_node("MatMulNBits", list(node.input), list(node.output), name=node.name,
+                             domain=MICROSOFT_DOMAIN, **{a.name: helper.get_attribute_value(a) for a in node.attribute})]
+
+
+def _matmul_int8(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
+    b = _Builder(node.name)
+    weight = b("DequantizeLinear", *node.input[1:], axis=1)
+    b("MatMul", node.input[0], weight, out=node.output[0])
+    return b.nodes
+
+
 LOWERINGS: dict[str, Callable[[onnx.NodeProto, int], list[onnx.NodeProto]]] = {
     "RmsNorm": _rms_norm,
     "AddRmsNorm": _add_rms_norm,
     "SwiGlu": _swiglu,
     "FusedAttention": _fused_attention,
+    "MatMulInt4": _matmul_int4,
+    "MatMulInt8": _matmul_int8,
 }
 
 

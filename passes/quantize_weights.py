@@ -1,0 +1,123 @@
+"""WeightQuantizationPass: constant-weight MatMuls → cann::MatMulInt4 (MatMulNBits layout) or MatMulInt8.
+
+Two sources of quantized weights:
+- a float weight, when `--enable_compress_weight` asks for it: quantized here (RTN: round to nearest);
+- a DequantizeLinear feeding the MatMul (a QDQ model, e.g. from `cann-llm-quant`): its integers are
+  repacked as they are, never quantized again, so both routes give the same bytes for the same method.
+INT4 is blocked along K (block = the group size); INT8 is per output channel. Names matching the skip
+patterns (fnmatch on node and weight names; `lm_head` = the MatMul producing the logits) stay float.
+Runs after the fusions, so merged QKV and gate/up weights are quantized as the matrices that run.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from passes.pattern import FusionPass, fused_node, producer
+from passes.quant_math import QuantizedWeight, pack_matmul_nbits, quantize_blockwise
+from passes.quantize_weights_qdq import lm_head
+
+
+@dataclass
+class QuantMatch:
+    matmul: gs.Node
+    quantized: QuantizedWeight
+
+
+def _qdq_weight(weight: gs.Tensor) -> QuantizedWeight | str | None:
+    """The integers behind a DequantizeLinear weight; None if the weight is not one; a reason if unusable."""
+    dequantize = producer(weight, "DequantizeLinear")
+    if dequantize is None:
+        return None
+    values, scales = dequantize.inputs[0], dequantize.inputs[1]
+    zero_points = dequantize.inputs[2] if len(dequantize.inputs) > 2 and dequantize.inputs[2].name else None
+    if not all(isinstance(t, gs.Constant) for t in [values, scales] + ([zero_points] if zero_points else [])):
+        return "the DequantizeLinear inputs are not constants"
+    q = np.asarray(values.values)
+    if q.ndim != 2:
+        return "the quantized weight is not 2-D"
+    kind = np.dtype(q.dtype).name
+    block, axis = dequantize.attrs.get("block_size", 0), dequantize.attrs.get("axis", 1)
+    zp = None if zero_points is None else np.asarray(zero_points.values)
+    if kind in ("int4", "uint4") and axis == 0 and block in (16, 32, 64, 128, 256):
+        signed = kind == "int4"
+        if signed and zp is not None and np.any(zp.astype(np.int8) != 0):
+            zp = (zp.astype(np.int16) + 8).astype(np.uint8)
+            return QuantizedWeight((q.astype(np.int16) + 8).astype(np.uint8), np.asarray(scales.values, np.float32),
+                                   zp, 4, block)
+        if signed:
+            return QuantizedWeight(q.astype(np.int8), np.asarray(scales.values, np.float32), None, 4, block)
+        return QuantizedWeight(q.astype(np.uint8), np.asarray(scales.values, np.float32),
+                               (zp if zp is not None else np.zeros_like(np.asarray(scales.values), np.uint8))
+                               .astype(np.uint8), 4, block)
+    if kind in ("int8", "uint8") and axis in (1, -1) and not block:
+        scale = np.asarray(scales.values, np.float32).reshape(1, -1)
+        return QuantizedWeight(q, scale, None if zp is None else zp.reshape(1, -1), 8, q.shape[0])
+    return f"unsupported DequantizeLinear ({kind}, axis {axis}, block {block})"
+
+
+class QuantizeWeights(FusionPass):
+    """Quantize (or repack) MatMul weights."""
+
+    name = "WeightQuantizationPass"
+    anchor = "MatMul"
+
+    def __init__(self, bits: int | None = None, group_size: int = 128, symmetric: bool = True,
+                 skip: tuple[str, ...] = ("lm_head",)):
+        self.bits, self.group_size, self.symmetric, self.skip = bits, group_size, symmetric, skip
+        self.matched_patterns: set[str] = set()
+        self._head: gs.Node | None = None
+
+    def run(self, graph: gs.Graph):
+        self._head = lm_head(graph)
+        return super().run(graph)
+
+    def _skipped(self, node: gs.Node) -> str | None:
+        for pattern in self.skip:
+            if (pattern == "lm_head" and node is self._head) or any(
+                    fnmatch.fnmatchcase(name, pattern) for name in (node.name, node.inputs[1].name)):
+                self.matched_patterns.add(pattern)
+                return pattern
+        return None
+
+    def match(self, graph: gs.Graph, matmul: gs.Node) -> QuantMatch | str:
+        weight = matmul.inputs[1]
+        from_qdq = _qdq_weight(weight)
+        if isinstance(from_qdq, str):
+            return from_qdq
+        if from_qdq is not None:
+            return QuantMatch(matmul, from_qdq)
+        if self.bits is None:
+            return "weight compression is off"
+        if not isinstance(weight, gs.Constant) or len(weight.shape) != 2 or np.dtype(weight.dtype) != np.float32:
+            return "the weight is not a constant 2-D float32 matrix"
+        pattern = self._skipped(matmul)
+        if pattern is not None:
+            return f"skipped by pattern {pattern!r}"
+        block = self.group_size if self.bits == 4 else weight.shape[0]
+        return QuantMatch(matmul, quantize_blockwise(np.asarray(weight.values), self.bits, block, self.symmetric))
+
+    def rewrite(self, graph: gs.Graph, match: QuantMatch) -> None:
+        matmul, quantized = match.matmul, match.quantized
+        source = matmul.inputs[1]
+        rows, cols = quantized.values.shape
+        name = source.name
+        if quantized.bits == 4:
+            blob, scales, zero_points = pack_matmul_nbits(quantized)
+            inputs = [matmul.inputs[0], gs.Constant(f"{name}_int4", blob), gs.Constant(f"{name}_scales", scales)]
+            if zero_points is not None:
+                inputs.append(gs.Constant(f"{name}_zero_points", zero_points))
+            node = fused_node("MatMulInt4", inputs, [matmul.outputs[0]], f"{matmul.name}_int4", K=rows, N=cols,
+                              bits=4, block_size=quantized.block_size, accuracy_level=0)
+        else:
+            inputs = [matmul.inputs[0], gs.Constant(f"{name}_int8", quantized.values),
+                      gs.Constant(f"{name}_scales", quantized.scales.reshape(-1).astype(np.float32))]
+            if quantized.zero_points is not None:
+                inputs.append(gs.Constant(f"{name}_zero_points", quantized.zero_points.reshape(-1)))
+            node = fused_node("MatMulInt8", inputs, [matmul.outputs[0]], f"{matmul.name}_int8")
+        matmul.inputs.clear()
+        graph.nodes.append(node)

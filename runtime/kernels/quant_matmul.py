@@ -1,0 +1,26 @@
+"""Reference kernels of the weight-quantized matmuls (docs/ops.md is their specification)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from passes.quant_math import dequantize_matmul_nbits
+from runtime.kernels import register_kernel
+
+
+@register_kernel("MatMulInt4")
+def MatMulInt4(a: np.ndarray, b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None = None, *,
+               K: int, N: int, block_size: int, bits: int = 4, accuracy_level: int = 0) -> np.ndarray:
+    """a · W with W [K, N] stored in MatMulNBits' layout (b uint8 [N, n_blocks, block_size/2])."""
+    del N, bits, accuracy_level  # implied by the operands; accuracy_level is a fast-path choice
+    weight = dequantize_matmul_nbits(b, scales.reshape(b.shape[0], -1), zero_points, K, block_size)
+    return np.matmul(a.astype(np.float32), weight).astype(a.dtype)
+
+
+@register_kernel("MatMulInt8")
+def MatMulInt8(a: np.ndarray, b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None = None) -> np.ndarray:
+    """a · ((b - zero_points) · scales) with b int8/uint8 [K, N] and per-output-channel scales [N]."""
+    weight = b.astype(np.float32)
+    if zero_points is not None:
+        weight -= zero_points.astype(np.float32)
+    return np.matmul(a.astype(np.float32), weight * scales.astype(np.float32)).astype(a.dtype)
