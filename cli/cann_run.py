@@ -143,6 +143,33 @@ def run_command(model, input_files, output, output_dirname, outfmt, loop, warmup
         click.echo(f"[INFO] output path:{Path(output) / name}")
 
 
+@cli.command("eval-ppl")
+@click.option("--model", "-m", required=True, help="the .om to evaluate (with its tokenizer)")
+@click.option("--text", "text_file", required=True, type=click.Path(exists=True, dir_okay=False), help="a UTF-8 text file")
+@click.option("--window", type=click.IntRange(min=2), default=512, show_default=True)
+@click.option("--stride", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--max_tokens", type=click.IntRange(min=2), default=None, help="score only the first N tokens")
+@click.option("--backend", type=click.Choice(BACKENDS), default="onnxruntime", show_default=True)
+@click.option("--json", "json_path", default=None, help="also write the result here")
+def eval_ppl_command(model, text_file, window, stride, max_tokens, backend, json_path) -> None:
+    """Perplexity of the model on a text, sliding window."""
+    from runtime.perplexity import perplexity
+    from runtime.tokenizer import TextTokenizer
+
+    loaded = load_artifact(model)
+    ids = TextTokenizer(loaded.om.tokenizer_files()).encode(Path(text_file).read_text(encoding="utf-8"))
+    ids = ids[:max_tokens] if max_tokens else ids
+    start = time.perf_counter()
+    result = perplexity(Executor(loaded, backend), ids, window, min(stride, window))
+    seconds = time.perf_counter() - start
+    click.echo(f"perplexity {result.perplexity:.4f} over {result.tokens_scored} tokens "
+               f"({result.windows} windows of {window}, stride {stride}, {seconds:.1f} s)")
+    if json_path:
+        Path(json_path).write_text(json.dumps({"model": model, "text": text_file, "perplexity": result.perplexity,
+                                               "tokens": result.tokens_scored, "window": window, "stride": stride,
+                                               "seconds": seconds}, indent=2) + "\n")
+
+
 def main() -> None:
     """Console entry point."""
     main_with_codes(cli)
