@@ -17,12 +17,17 @@ import click
 import onnx
 import onnx_graphsurgeon as gs
 
-from compiler.compile import TOKENIZER_FILES
+from compiler.config import CompileConfig
+from compiler.pass_manager import run_passes
+from compiler.pipeline import build_pipeline, calibration_samples
+from compiler.tokenizer_files import TOKENIZER_FILES
 from cli.coded_errors import main_with_codes
 from compiler.errors import AtcError
 from compiler.loader import load_onnx
-from compiler.quant_config import BITS, METHODS, QuantConfig
+from compiler.quant_config import BITS, DEFAULT_CALIBRATION_TEXT, METHODS, QuantConfig
+from passes.calibration import collect_input_statistics
 from passes.infer_shapes import InferShapes
+from passes.quantize_weights import QuantizeWeights
 from passes.quantize_weights_qdq import QDQ_OPSET, QuantizeWeightsQDQ
 from passes.upgrade_opset import upgrade_opset
 
@@ -33,10 +38,13 @@ def quantize_to_qdq(model_path: Path, cfg: QuantConfig, out_dir: Path) -> dict:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise AtcError("E13004", out_dir, error.strerror) from None
-    graph = gs.import_onnx(load_onnx(model_path))
+    model = load_onnx(model_path)
+    statistics = _fused_statistics(model, model_path, cfg) if cfg.needs_calibration else None
+    graph = gs.import_onnx(model)
     InferShapes().run(graph)
     graph = upgrade_opset(graph, QDQ_OPSET)
-    quantizer = QuantizeWeightsQDQ(cfg.bits, cfg.group_size, cfg.symmetric, cfg.skip_layers)
+    quantizer = QuantizeWeightsQDQ(cfg.bits, cfg.group_size, cfg.symmetric, cfg.skip_layers, cfg.method, statistics,
+                                   cfg.act_order, cfg.damp)
     result = quantizer.run(graph)
     unmatched = [p for p in cfg.skip_layers if p not in quantizer.matched_patterns]
     if unmatched:
@@ -52,6 +60,19 @@ def quantize_to_qdq(model_path: Path, cfg: QuantConfig, out_dir: Path) -> dict:
         if (model_path.parent / name).is_file():
             shutil.copyfile(model_path.parent / name, out_dir / name)
     return report
+
+
+def _fused_statistics(model: onnx.ModelProto, model_path: Path, cfg: QuantConfig) -> dict:
+    """Calibration statistics taken on the graph atc would compile (fused), so that compiling the QDQ
+    model gives the same integers as compressing inside atc: fusions keep the names of the values that
+    MatMuls read."""
+    compile_cfg = CompileConfig(model=str(model_path), framework=5, output=str(model_path.with_suffix("")),
+                                soc_version="Ascend910B", quantization=cfg)
+    graph = gs.import_onnx(model)
+    passes = build_pipeline(compile_cfg)
+    run_passes(graph, [p for p in passes if not isinstance(p, QuantizeWeights)], {})
+    names = sorted({n.inputs[0].name for n in graph.nodes if n.op == "MatMul"})
+    return collect_input_statistics(graph, names, calibration_samples(compile_cfg))
 
 
 def _save(model: onnx.ModelProto, out_dir: Path) -> None:
@@ -76,11 +97,18 @@ def _save(model: onnx.ModelProto, out_dir: Path) -> None:
 @click.option("--symmetric/--asymmetric", default=True, show_default=True)
 @click.option("--skip", "skip", multiple=True, default=("lm_head",), show_default=True,
               help="node or weight name pattern to leave unquantized (fnmatch; lm_head = the logits MatMul)")
+@click.option("--act-order", is_flag=True, help="GPTQ: visit input channels by decreasing activation energy")
+@click.option("--calibration-text", default=DEFAULT_CALIBRATION_TEXT, show_default=False,
+              help="AWQ/GPTQ calibration text (default: the shipped models/data/calibration.txt)")
+@click.option("--num-samples", type=int, default=32, show_default=True, help="calibration windows")
+@click.option("--seq-len", type=int, default=512, show_default=True, help="tokens per calibration window")
 @click.option("--output", required=True, type=click.Path(path_type=Path), help="output directory")
-def cli(model, out_format, method, bits, group_size, symmetric, skip, output) -> None:
+def cli(model, out_format, method, bits, group_size, symmetric, skip, act_order, calibration_text, num_samples,
+        seq_len, output) -> None:
     """Quantize an ONNX LLM's weights into a standard QDQ ONNX model."""
     del out_format  # ONNX is the only format; the flag is there for the command lines users already have
-    cfg = QuantConfig(method=method, bits=bits, group_size=group_size, symmetric=symmetric, skip_layers=skip)
+    cfg = QuantConfig(method=method, bits=bits, group_size=group_size, symmetric=symmetric, skip_layers=skip,
+                      act_order=act_order, calibration_text=calibration_text, num_samples=num_samples, seq_len=seq_len)
     report = quantize_to_qdq(model, cfg, output)
     click.echo(f"[INFO] quantized {len(report['quantized'])} MatMul weights ({cfg.method}, {cfg.bits}-bit), "
                f"skipped {len(report['skipped'])}; wrote {output / 'model.onnx'}")

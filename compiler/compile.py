@@ -20,12 +20,10 @@ from compiler.pass_manager import PassReport, run_passes
 from compiler.pipeline import build_pipeline
 from compiler.precheck import check_ops, unsupported_types
 from compiler.signature import io_signature, is_dynamic, llm_dimensions
+from compiler.tokenizer_files import tokenizer_files
 from models.recipes import detect_family
 
 log = logging.getLogger("atc")
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json")
 
 
 @dataclass
@@ -81,16 +79,6 @@ def lower(graph: gs.Graph, source: onnx.ModelProto) -> onnx.ModelProto:
     model.producer_name, model.producer_version = "atc", __version__
     del model.metadata_props[:]
     return model
-
-
-def tokenizer_files(cfg: CompileConfig) -> dict[str, str]:
-    """Tokenizer files from `--tokenizer`, else from beside the model, else none."""
-    folder = Path(cfg.tokenizer) if cfg.tokenizer else Path(cfg.model).parent
-    if not (folder / "tokenizer.json").is_file():
-        if cfg.tokenizer:
-            raise AtcError("E10001", cfg.tokenizer, "--tokenizer", "The directory has no tokenizer.json.")
-        return {}
-    return {name: (folder / name).read_text(encoding="utf-8") for name in TOKENIZER_FILES if (folder / name).is_file()}
 
 
 def _check_writable(output: Path) -> None:

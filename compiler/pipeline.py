@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from compiler.config import CompileConfig
+from compiler.errors import AtcError
+from compiler.tokenizer_files import tokenizer_files
+from passes.calibration import text_samples
 from compiler.pass_manager import Pass
 from passes.eliminate_dead_code import EliminateDeadCode
 from passes.eliminate_identity import EliminateIdentity
@@ -14,6 +19,24 @@ from passes.fuse_rms_norm import FuseRmsNorm
 from passes.fuse_swiglu import FuseSwiGlu
 from passes.infer_shapes import InferShapes
 from passes.quantize_weights import QuantizeWeights
+
+
+def calibration_samples(cfg: CompileConfig) -> list[np.ndarray]:
+    """Token windows of the calibration text, tokenized with the model's own tokenizer."""
+    from runtime.tokenizer import TextTokenizer
+
+    quant = cfg.quantization
+    files = tokenizer_files(cfg)
+    if not files:
+        raise AtcError("E10001", "calibration", "--compress_weight_conf",
+                       f"{quant.method} calibrates on text and needs the model's tokenizer: give --tokenizer=DIR.")
+    with open(quant.calibration_text, encoding="utf-8") as handle:
+        ids = TextTokenizer(files).encode(handle.read())
+    samples = text_samples(ids, quant.num_samples, quant.seq_len)
+    if not samples:
+        raise AtcError("E10001", quant.calibration_text, "calibration text_file",
+                       f"The text has {len(ids)} tokens, fewer than one sample of {quant.seq_len}.")
+    return samples
 
 
 def build_pipeline(cfg: CompileConfig | None) -> list[Pass]:
@@ -38,5 +61,5 @@ def build_pipeline(cfg: CompileConfig | None) -> list[Pass]:
         FuseQkv(),
         FuseSwiGlu(),
         # Phase 3: weights (QDQ weights are repacked whether or not compression was asked for)
-        QuantizeWeights(quant.bits, quant.group_size, quant.symmetric, quant.skip_layers) if quant else QuantizeWeights(),
+        QuantizeWeights(quant, calibration_samples(cfg) if quant and quant.needs_calibration else None),
     ]

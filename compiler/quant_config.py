@@ -6,13 +6,17 @@ Built from `cann-llm-quant`'s flags today; the JSON form of `--compress_weight_c
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from compiler.errors import AtcError, invalid_value, not_in_range
 from passes.quant_math import SUPPORTED_BLOCKS
 
 METHODS = ("rtn", "awq", "gptq", "smooth_quant")
-IMPLEMENTED_METHODS = ("rtn",)
+IMPLEMENTED_METHODS = ("rtn", "awq", "gptq")
+CALIBRATED_METHODS = ("awq", "gptq")
+DEFAULT_CALIBRATION_TEXT = str(Path(__file__).resolve().parent.parent / "models" / "data" / "calibration.txt")
 BITS = (4, 8)
 QUANT_MODES = {"INT4": 4, "INT8": 8, "W8A8": None}
 _JSON_KEYS = ("quant_mode", "group_size", "symmetric", "algorithms", "skip_layers", "calibration")
@@ -27,6 +31,15 @@ class QuantConfig:
     group_size: int = 128
     symmetric: bool = True
     skip_layers: tuple[str, ...] = ("lm_head",)
+    act_order: bool = False
+    damp: float = 0.01
+    calibration_text: str = DEFAULT_CALIBRATION_TEXT
+    num_samples: int = 32
+    seq_len: int = 512
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.method in CALIBRATED_METHODS
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -38,6 +51,13 @@ class QuantConfig:
             raise not_in_range(self.bits, "bits", BITS)
         if self.bits == 4 and self.group_size not in SUPPORTED_BLOCKS:
             raise not_in_range(self.group_size, "group-size", SUPPORTED_BLOCKS)
+        if self.needs_calibration and self.bits != 4:
+            raise invalid_value(self.method, "quant-method", f"{self.method} quantizes INT4 weights only.")
+        if self.needs_calibration and not os.path.isfile(self.calibration_text):
+            raise invalid_value(self.calibration_text, "calibration text_file", "The file is not found.")
+        if self.num_samples < 1 or self.seq_len < 16:
+            raise invalid_value(f"{self.num_samples}x{self.seq_len}", "calibration",
+                                "num_samples must be >= 1 and seq_len >= 16.")
 
     @classmethod
     def from_json(cls, path: str, default_group_size: int = 128) -> "QuantConfig":
@@ -66,5 +86,13 @@ class QuantConfig:
         group = document.get("group_size", default_group_size)
         if not isinstance(group, int) or isinstance(group, bool):
             raise not_in_range(group, "compress_weight_conf group_size", SUPPORTED_BLOCKS)
+        params = algorithms[0].get("params") or {}
+        calibration = document.get("calibration") or {}
+        if not isinstance(params, dict) or not isinstance(calibration, dict):
+            raise AtcError("E10032", path, "params and calibration must be objects")
+        extra = {"act_order": bool(params.get("act_order", False)), "damp": float(params.get("damp", 0.01)),
+                 "num_samples": int(calibration.get("num_samples", 32)), "seq_len": int(calibration.get("seq_len", 512))}
+        if "text_file" in calibration:
+            extra["calibration_text"] = str(calibration["text_file"])
         return cls(method=algorithms[0]["name"], bits=QUANT_MODES[mode], group_size=group,
-                   symmetric=bool(document.get("symmetric", True)), skip_layers=tuple(skip))
+                   symmetric=bool(document.get("symmetric", True)), skip_layers=tuple(skip), **extra)

@@ -73,12 +73,27 @@ def build_tiny_model(family: str, seed: int = 0):
     return model.eval()
 
 
+def byte_tokenizer_json() -> str:
+    """A real tokenizer for the 256-token tiny models: byte-level BPE without merges (one token a byte)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {symbol: index for index, symbol in enumerate(sorted(alphabet))}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer.to_str()
+
+
 def tiny_onnx(family: str, *, dynamo: bool, with_past: bool, seed: int = 0) -> Path:
-    """Path of the exported tiny model, exporting it on first use."""
+    """Path of the exported tiny model (its byte tokenizer beside it), exporting it on first use."""
     from models.export import export_causal_lm
 
     tag = f"{family}-{'dynamo' if dynamo else 'ts'}-{'kv' if with_past else 'nokv'}-s{seed}"
     path = cache_dir() / "tiny" / tag / "model.onnx"
     if not path.exists():
         export_causal_lm(build_tiny_model(family, seed), path, dynamo=dynamo, with_past=with_past)
+    tokenizer = path.with_name("tokenizer.json")
+    if not tokenizer.exists():
+        tokenizer.write_text(byte_tokenizer_json(), encoding="utf-8")
     return path

@@ -6,6 +6,8 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from passes.pattern import producer
+
 LIGHT_WEIGHT_LIMIT = 4096
 
 
@@ -68,3 +70,35 @@ def packed_constant(name: str, array: np.ndarray) -> gs.Constant:
     from onnx_graphsurgeon.ir.tensor import LazyValues
 
     return gs.Constant(name, LazyValues(numpy_helper.from_array(array, name)))
+
+
+_LOGITS_PASS_THROUGH = ("Reshape", "Cast", "Identity", "Add")
+
+
+def lm_head(graph: gs.Graph, output_name: str = "logits") -> gs.Node | None:
+    """The MatMul that computes `logits` (through reshapes, casts and a bias add), if any."""
+    tensor = next((t for t in graph.outputs if t.name == output_name), None)
+    while tensor is not None and tensor.inputs:
+        node = tensor.inputs[0]
+        if node.op == "MatMul":
+            return node
+        if node.op not in _LOGITS_PASS_THROUGH:
+            return None
+        tensor = node.inputs[0]
+    return None
+
+
+def scale_input(graph: gs.Graph, x: gs.Tensor, scale: np.ndarray, name: str) -> gs.Tensor:
+    """x · scale per channel: folded into the weight of the RmsNorm/AddRmsNorm that produces x when x has
+    no other reader, otherwise computed by a Mul."""
+    norm = producer(x, "RmsNorm", "AddRmsNorm")
+    if norm is not None and norm.outputs[0] is x and len(x.outputs) == 1 and not any(t is x for t in graph.outputs):
+        index = 1 if norm.op == "RmsNorm" else 2
+        gamma = norm.inputs[index]
+        if isinstance(gamma, gs.Constant):
+            norm.inputs[index] = gs.Constant(f"{name}_norm_weight", (np.asarray(gamma.values) * scale).astype(np.float32))
+            return x
+    scaled = gs.Variable(f"{name}_scaled", dtype=x.dtype, shape=x.shape)
+    graph.nodes.append(gs.Node("Mul", name=f"{name}/Mul", inputs=[x, gs.Constant(f"{name}_scale", scale)],
+                               outputs=[scaled]))
+    return scaled

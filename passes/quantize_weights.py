@@ -1,7 +1,9 @@
 """WeightQuantizationPass: constant-weight MatMuls → cann::MatMulInt4 (MatMulNBits layout) or MatMulInt8.
 
 Two sources of quantized weights:
-- a float weight, when `--enable_compress_weight` asks for it: quantized here (RTN: round to nearest);
+- a float weight, when `--enable_compress_weight` asks for it: quantized here, by round-to-nearest, GPTQ
+  or AWQ (the last two from calibration statistics of each MatMul's input over real text; AWQ's input
+  scaling is folded into the RmsNorm before the MatMul where it alone reads the norm, else a Mul);
 - a DequantizeLinear feeding the MatMul (a QDQ model, e.g. from `cann-llm-quant`): its integers are
   repacked as they are, never quantized again, so both routes give the same bytes for the same method.
 INT4 is blocked along K (block = the group size); INT8 is per output channel. Names matching the skip
@@ -17,15 +19,19 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from compiler.quant_config import QuantConfig
+from passes.calibration import InputStatistics, collect_input_statistics
 from passes.pattern import FusionPass, fused_node, producer
-from passes.quant_math import QuantizedWeight, pack_matmul_nbits, quantize_blockwise
-from passes.quantize_weights_qdq import lm_head
+from passes.quant_math import QuantizedWeight, pack_matmul_nbits
+from passes.quant_search import quantize_weights_together
+from passes.graph_utils import lm_head, scale_input
 
 
 @dataclass
 class QuantMatch:
     matmul: gs.Node
     quantized: QuantizedWeight
+    input_scale: np.ndarray | None = None  # AWQ: the activations are multiplied by this first
 
 
 def _qdq_weight(weight: gs.Tensor) -> QuantizedWeight | str | None:
@@ -60,20 +66,33 @@ def _qdq_weight(weight: gs.Tensor) -> QuantizedWeight | str | None:
     return f"unsupported DequantizeLinear ({kind}, axis {axis}, block {block})"
 
 
+def _float_weight(weight: gs.Tensor) -> bool:
+    return isinstance(weight, gs.Constant) and len(weight.shape) == 2 and np.dtype(weight.dtype) == np.float32
+
+
 class QuantizeWeights(FusionPass):
     """Quantize (or repack) MatMul weights."""
 
     name = "WeightQuantizationPass"
     anchor = "MatMul"
 
-    def __init__(self, bits: int | None = None, group_size: int = 128, symmetric: bool = True,
-                 skip: tuple[str, ...] = ("lm_head",)):
-        self.bits, self.group_size, self.symmetric, self.skip = bits, group_size, symmetric, skip
+    def __init__(self, config: QuantConfig | None = None, samples: list[np.ndarray] | None = None):
+        self.config, self.samples = config, samples
+        self.bits = config.bits if config else None
+        self.group_size = config.group_size if config else 128
+        self.symmetric = config.symmetric if config else True
+        self.skip = config.skip_layers if config else ()
         self.matched_patterns: set[str] = set()
         self._head: gs.Node | None = None
+        self._statistics: dict[str, InputStatistics] = {}
 
     def run(self, graph: gs.Graph):
         self._head = lm_head(graph)
+        if self.config is not None and self.config.needs_calibration:
+            inputs = sorted({n.inputs[0].name for n in graph.nodes if n.op == "MatMul" and _float_weight(n.inputs[1])
+                             and not self._skipped(n)})
+            self._statistics = collect_input_statistics(graph, inputs, self.samples or [])
+            self.matched_patterns.clear()
         return super().run(graph)
 
     def _skipped(self, node: gs.Node) -> str | None:
@@ -93,17 +112,25 @@ class QuantizeWeights(FusionPass):
             return QuantMatch(matmul, from_qdq)
         if self.bits is None:
             return "weight compression is off"
-        if not isinstance(weight, gs.Constant) or len(weight.shape) != 2 or np.dtype(weight.dtype) != np.float32:
+        if not _float_weight(weight):
             return "the weight is not a constant 2-D float32 matrix"
         pattern = self._skipped(matmul)
         if pattern is not None:
             return f"skipped by pattern {pattern!r}"
+        values = np.asarray(weight.values)
         block = self.group_size if self.bits == 4 else weight.shape[0]
-        return QuantMatch(matmul, quantize_blockwise(np.asarray(weight.values), self.bits, block, self.symmetric))
+        config = self.config
+        stats = self._statistics.get(matmul.inputs[0].name)
+        (quantized,), input_scale = quantize_weights_together(
+            [values], config.method, self.bits, block, self.symmetric, stats and stats.hessian,
+            stats and stats.mean_abs, config.act_order, config.damp)
+        return QuantMatch(matmul, quantized, input_scale)
 
     def rewrite(self, graph: gs.Graph, match: QuantMatch) -> None:
         matmul, quantized = match.matmul, match.quantized
         source = matmul.inputs[1]
+        if match.input_scale is not None:
+            matmul.inputs[0] = scale_input(graph, matmul.inputs[0], match.input_scale, f"{matmul.name}_awq")
         rows, cols = quantized.values.shape
         name = source.name
         if quantized.bits == 4:

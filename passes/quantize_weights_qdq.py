@@ -15,25 +15,12 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from compiler.pass_manager import PassResult
-from passes.graph_utils import packed_constant
-from passes.quant_math import dequantize_blockwise, quantize_blockwise
+from passes.graph_utils import lm_head, packed_constant, scale_input
+from passes.quant_math import QuantizedWeight, dequantize_blockwise
+from passes.quant_search import quantize_weights_together
 
 QDQ_OPSET = 21
-_PASS_THROUGH = ("Reshape", "Cast", "Identity", "Add")
 _STORAGE = {(4, True): ml_dtypes.int4, (4, False): ml_dtypes.uint4, (8, True): np.int8, (8, False): np.uint8}
-
-
-def lm_head(graph: gs.Graph, output_name: str = "logits") -> gs.Node | None:
-    """The MatMul that computes `logits` (through reshapes, casts and a bias add), if any."""
-    tensor = next((t for t in graph.outputs if t.name == output_name), None)
-    while tensor is not None and tensor.inputs:
-        node = tensor.inputs[0]
-        if node.op == "MatMul":
-            return node
-        if node.op not in _PASS_THROUGH:
-            return None
-        tensor = node.inputs[0]
-    return None
 
 
 class QuantizeWeightsQDQ:
@@ -42,8 +29,10 @@ class QuantizeWeightsQDQ:
     name = "WeightQDQQuantizationPass"
     switchable = True
 
-    def __init__(self, bits: int, block_size: int, symmetric: bool = True, skip: tuple[str, ...] = ("lm_head",)):
+    def __init__(self, bits: int, block_size: int, symmetric: bool = True, skip: tuple[str, ...] = ("lm_head",),
+                 method: str = "rtn", statistics: dict | None = None, act_order: bool = False, damp: float = 0.01):
         self.bits, self.block_size, self.symmetric, self.skip = bits, block_size, symmetric, skip
+        self.method, self.statistics, self.act_order, self.damp = method, statistics or {}, act_order, damp
         self.layers: list[dict] = []
         self.matched_patterns: set[str] = set()
 
@@ -56,6 +45,7 @@ class QuantizeWeightsQDQ:
 
     def run(self, graph: gs.Graph) -> PassResult:
         result, head = PassResult(), lm_head(graph)
+        groups: dict[int, list[gs.Node]] = {}
         for node in [n for n in graph.nodes if n.op == "MatMul"]:
             pattern = self._skip_pattern(node, head)
             if pattern is not None:
@@ -67,16 +57,29 @@ class QuantizeWeightsQDQ:
             if pattern is not None:
                 result.rejections.append(f"{node.name}: skipped by pattern {pattern!r}")
                 continue
-            node.inputs[1] = self._dequantize(graph, node, weight)
-            result.effect_times += 1
+            groups.setdefault(id(node.inputs[0]), []).append(node)
+        for nodes in groups.values():
+            # MatMuls reading one input are quantized as one matrix, as the QKV and gate/up fusions merge them
+            x = nodes[0].inputs[0]
+            stats = self.statistics.get(x.name)
+            weights = [np.asarray(n.inputs[1].values) for n in nodes]
+            block = self.block_size if self.bits == 4 else weights[0].shape[0]
+            parts, input_scale = quantize_weights_together(
+                weights, self.method, self.bits, block, self.symmetric, stats and stats.hessian,
+                stats and stats.mean_abs, self.act_order, self.damp)
+            if input_scale is not None:
+                scaled = scale_input(graph, x, input_scale, f"{x.name}_awq")
+                for node in nodes:
+                    node.inputs[0] = scaled
+            for node, quantized, values in zip(nodes, parts, weights):
+                node.inputs[1] = self._dequantize(graph, node, node.inputs[1], values, quantized, input_scale)
+                result.effect_times += 1
         graph.cleanup(remove_unused_graph_inputs=False).toposort()
         return result
 
-    def _dequantize(self, graph: gs.Graph, node: gs.Node, weight: gs.Constant) -> gs.Variable:
-        values = weight.values
-        rows = values.shape[0]
-        block = self.block_size if self.bits == 4 else rows
-        quantized = quantize_blockwise(values, self.bits, block, self.symmetric)
+    def _dequantize(self, graph: gs.Graph, node: gs.Node, weight: gs.Constant, values: np.ndarray,
+                    quantized: QuantizedWeight, input_scale: np.ndarray | None) -> gs.Variable:
+        block = quantized.block_size
         storage = _STORAGE[(self.bits, self.symmetric)]
         if self.bits == 4:
             scales, zero_points, attrs = quantized.scales, quantized.zero_points, {"axis": 0, "block_size": block}
@@ -91,7 +94,10 @@ class QuantizeWeightsQDQ:
         output = gs.Variable(f"{weight.name}_dequantized", dtype=np.float32, shape=list(values.shape))
         graph.nodes.append(gs.Node("DequantizeLinear", name=f"{node.name}_DequantizeLinear", attrs=attrs,
                                    inputs=inputs, outputs=[output]))
-        error = np.abs(dequantize_blockwise(quantized) - values)
+        effective = dequantize_blockwise(quantized)
+        if input_scale is not None:
+            effective = effective * input_scale[:, None]
+        error = np.abs(effective - values)
         self.layers.append({"node": node.name, "weight": weight.name, "shape": list(values.shape),
                             "max_abs_error": float(error.max()),
                             "relative_error": float(np.linalg.norm(error) / max(np.linalg.norm(values), 1e-12))})

@@ -62,12 +62,17 @@ def test_input_files_give_onnxruntimes_outputs(om_path, tmp_path, tiny_llama_pat
         np.testing.assert_allclose(got, array, atol=1e-5, rtol=0, err_msg=name)
 
 
-def test_wrong_input_count_and_missing_tokenizer_are_clear_errors(om_path, tmp_path):
+def test_wrong_input_count_and_missing_tokenizer_are_clear_errors(om_path, tmp_path, tiny_llama_path):
+    import shutil
+
     np.save(tmp_path / "a.npy", np.zeros((1, 2), np.int64))
+    (tmp_path / "bare").mkdir()
+    shutil.copyfile(tiny_llama_path, tmp_path / "bare" / "model.onnx")  # no tokenizer beside this copy
+    bare = compile_to(tmp_path / "bare" / "model.onnx", tmp_path / "bare" / "m")
     proc = subprocess.run([sys.executable, "-m", "cli.cann_run", "--model", str(om_path), "--input",
                            str(tmp_path / "a.npy")], capture_output=True, text=True)
     assert proc.returncode == 1 and "E10001" in proc.stderr and "the model has 7 inputs" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "cli.cann_run", "--model", str(om_path), "--prompt", "hi"],
+    proc = subprocess.run([sys.executable, "-m", "cli.cann_run", "--model", str(bare), "--prompt", "hi"],
                           capture_output=True, text=True)
     assert proc.returncode == 1 and "compiled without a tokenizer" in proc.stderr and "Traceback" not in proc.stderr
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -82,7 +83,8 @@ def test_qdq_model_equals_the_original_with_dequantized_weights(tmp_path, dynamo
 
 @pytest.mark.parametrize("flags, code", [
     (("--bits", "3"), "E10001"), (("--group-size", "100"), "E10001"), (("--quant-method", "fp3"), "E10001"),
-    (("--quant-method", "gptq"), "E10055"), (("--skip", "no_such_layer*"), "E10001"),
+    (("--quant-method", "smooth_quant"), "E10055"), (("--skip", "no_such_layer*"), "E10001"),
+    (("--quant-method", "gptq", "--bits", "8"), "E10001"),
 ])
 def test_bad_settings_are_refused_without_output(tmp_path, tiny_llama_path, flags, code):
     import subprocess
@@ -94,15 +96,23 @@ def test_bad_settings_are_refused_without_output(tmp_path, tiny_llama_path, flag
     assert not (tmp_path / "q" / "model.onnx").exists()
 
 
+CALIBRATION = {"num_samples": 4, "seq_len": 64}
+
+
 @pytest.mark.parametrize("flags, conf", [
     (("--bits", "4", "--group-size", "32"), {"quant_mode": "INT4", "group_size": 32}),
     (("--bits", "4", "--group-size", "64", "--asymmetric"), {"quant_mode": "INT4", "group_size": 64, "symmetric": False}),
     (("--bits", "8"), {"quant_mode": "INT8"}),
-], ids=["int4-g32", "uint4-g64", "int8"])
+    (("--bits", "4", "--group-size", "32", "--quant-method", "gptq", "--num-samples", "4", "--seq-len", "64"),
+     {"quant_mode": "INT4", "group_size": 32, "algorithms": [{"name": "gptq"}], "calibration": CALIBRATION}),
+    (("--bits", "4", "--group-size", "32", "--quant-method", "awq", "--num-samples", "4", "--seq-len", "64"),
+     {"quant_mode": "INT4", "group_size": 32, "algorithms": [{"name": "awq"}], "calibration": CALIBRATION}),
+], ids=["int4-g32", "uint4-g64", "int8", "gptq-g32", "awq-g32"])
 def test_qdq_route_and_direct_compression_give_the_same_packed_bytes(tmp_path, tiny_llama_path, flags, conf):
-    assert _quantize(tiny_llama_path, tmp_path / "q", *flags).exit_code == 0
+    result = _quantize(tiny_llama_path, tmp_path / "q", *flags)
+    assert result.exit_code == 0, result.output
     config = tmp_path / "quant.json"
-    config.write_text(json.dumps({**conf, "algorithms": [{"name": "rtn"}], "skip_layers": ["lm_head"]}))
+    config.write_text(json.dumps({"algorithms": [{"name": "rtn"}], "skip_layers": ["lm_head"], **conf}))
     via_qdq = load_artifact(compile_to(tmp_path / "q" / "model.onnx", tmp_path / "via_qdq"))
     direct = load_artifact(compile_to(tiny_llama_path, tmp_path / "direct", enable_compress_weight=True,
                                       compress_weight_conf=str(config)))
@@ -115,3 +125,23 @@ def test_qdq_route_and_direct_compression_give_the_same_packed_bytes(tmp_path, t
     assert len(first) == len(second) == 2 * 4
     for a, b in zip(first, second):
         assert len(a) == len(b) and all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(a, b))
+
+
+def test_gptq_output_is_closer_to_the_float_model_than_rtn(tmp_path, tiny_llama_path):
+    from models.tiny import byte_tokenizer_json
+    from runtime.tokenizer import TextTokenizer
+
+    text = (Path(__file__).resolve().parents[2] / "models" / "data" / "eval.txt").read_text()[:2000]
+    ids = np.asarray([TextTokenizer({"tokenizer.json": byte_tokenizer_json()}).encode(text)[:256]], np.int64)
+    reference = load_artifact(compile_to(tiny_llama_path, tmp_path / "fp32"))
+    feeds = causal_lm_inputs(reference.metadata["signature"], reference.metadata["model"], ids)
+    expected = Executor(reference).run(feeds, ["logits"])["logits"]
+    errors = {}
+    for method in ("rtn", "gptq"):
+        config = tmp_path / f"{method}.json"
+        config.write_text(json.dumps({"quant_mode": "INT4", "group_size": 32, "algorithms": [{"name": method}],
+                                      "calibration": {"num_samples": 8, "seq_len": 128}}))
+        loaded = load_artifact(compile_to(tiny_llama_path, tmp_path / method, enable_compress_weight=True,
+                                          compress_weight_conf=str(config)))
+        errors[method] = float(np.mean((Executor(loaded).run(feeds, ["logits"])["logits"] - expected) ** 2))
+    assert errors["gptq"] < 0.8 * errors["rtn"], errors

@@ -1,0 +1,70 @@
+"""Calibration statistics of MatMul inputs: H = Σ xᵀx and Σ |x| per input channel, over real text.
+
+The fused float graph runs on onnxruntime with the tensors of interest added as outputs; statistics are
+accumulated in float64 sample by sample, so memory holds one sample's activations at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import onnxruntime as ort
+
+from compiler.signature import io_signature, llm_dimensions
+from runtime.feeds import causal_lm_inputs
+from runtime.lowering import lower_for_onnxruntime
+
+
+@dataclass
+class InputStatistics:
+    """What GPTQ and AWQ need to know about the activations entering one weight."""
+
+    hessian: np.ndarray
+    abs_sum: np.ndarray
+    rows: int = 0
+    samples: list = field(default_factory=list)
+
+    @property
+    def mean_abs(self) -> np.ndarray:
+        return self.abs_sum / max(self.rows, 1)
+
+
+def collect_input_statistics(graph: gs.Graph, names: list[str], samples: list[np.ndarray],
+                             threads: int | None = None) -> dict[str, InputStatistics]:
+    """Run the float graph on each token sample ([seq] ids) and accumulate statistics of `names`."""
+    model = gs.export_onnx(graph.copy(), do_type_check=False)
+    known = {v.name for v in model.graph.output}
+    tensors = graph.tensors()
+    for name in names:
+        if name not in known:
+            elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(tensors[name].dtype or np.float32))
+            model.graph.output.append(onnx.helper.make_tensor_value_info(name, elem, None))
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if threads:
+        options.intra_op_num_threads = threads
+    session = ort.InferenceSession(lower_for_onnxruntime(model).SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"])
+    signature = io_signature(model)
+    dims = llm_dimensions(signature)
+    statistics: dict[str, InputStatistics] = {}
+    for ids in samples:
+        outputs = session.run(names, causal_lm_inputs(signature, dims, np.asarray(ids, np.int64)[None]))
+        for name, value in zip(names, outputs):
+            rows = value.reshape(-1, value.shape[-1]).astype(np.float64)
+            stats = statistics.get(name)
+            if stats is None:
+                stats = statistics[name] = InputStatistics(np.zeros((rows.shape[1],) * 2), np.zeros(rows.shape[1]))
+            stats.hessian += rows.T @ rows
+            stats.abs_sum += np.abs(rows).sum(axis=0)
+            stats.rows += rows.shape[0]
+    return statistics
+
+
+def text_samples(token_ids: list[int], num_samples: int, seq_len: int) -> list[np.ndarray]:
+    """Consecutive, non-overlapping windows of `seq_len` tokens; as many as asked and the text allows."""
+    count = min(num_samples, len(token_ids) // seq_len)
+    return [np.asarray(token_ids[i * seq_len:(i + 1) * seq_len], np.int64) for i in range(count)]
