@@ -36,6 +36,7 @@ class Recipe:
 
 RECIPES: dict[str, Recipe] = {r.family: r for r in (
     Recipe("llama"),
+    Recipe("llama_tied"),
     Recipe("mistral"),
     Recipe("qwen2"),
     Recipe("qwen3", norms_per_layer=4),   # per-head q and k norms stay RmsNorms feeding the attention

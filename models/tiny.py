@@ -32,6 +32,8 @@ _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_a
 
 TINY_FAMILIES: dict[str, TinySpec] = {
     "llama": TinySpec("LlamaConfig", "LlamaForCausalLM", dict(_COMMON, rms_norm_eps=1e-6)),
+    # SmolLM2's shape: the lm_head is the embedding table, transposed
+    "llama_tied": TinySpec("LlamaConfig", "LlamaForCausalLM", dict(_COMMON, rms_norm_eps=1e-6, tie_word_embeddings=True)),
     "qwen2": TinySpec("Qwen2Config", "Qwen2ForCausalLM", dict(_COMMON, rms_norm_eps=1e-6, tie_word_embeddings=False)),
     "mistral": TinySpec("MistralConfig", "MistralForCausalLM", dict(_COMMON, num_key_value_heads=1, sliding_window=None)),
     "glm": TinySpec("GlmConfig", "GlmForCausalLM", dict(_COMMON, head_dim=16, partial_rotary_factor=0.5,

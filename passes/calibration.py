@@ -1,7 +1,8 @@
 """Calibration statistics of MatMul inputs: H = Σ xᵀx and Σ |x| per input channel, over real text.
 
 The fused float graph runs on onnxruntime with the tensors of interest added as outputs; statistics are
-accumulated in float64 sample by sample, so memory holds one sample's activations at a time.
+accumulated sample by sample (each sample's product in float32, the sums in float64), so memory holds
+one sample's activations at a time.
 """
 
 from __future__ import annotations
@@ -54,12 +55,13 @@ def collect_input_statistics(graph: gs.Graph, names: list[str], samples: list[np
     for ids in samples:
         outputs = session.run(names, causal_lm_inputs(signature, dims, np.asarray(ids, np.int64)[None]))
         for name, value in zip(names, outputs):
-            rows = value.reshape(-1, value.shape[-1]).astype(np.float64)
+            rows = value.reshape(-1, value.shape[-1]).astype(np.float32)
             stats = statistics.get(name)
             if stats is None:
                 stats = statistics[name] = InputStatistics(np.zeros((rows.shape[1],) * 2), np.zeros(rows.shape[1]))
+            # one sample's product in float32 (BLAS sgemm), the running sums in float64
             stats.hessian += rows.T @ rows
-            stats.abs_sum += np.abs(rows).sum(axis=0)
+            stats.abs_sum += np.abs(rows).sum(axis=0, dtype=np.float64)
             stats.rows += rows.shape[0]
     return statistics
 

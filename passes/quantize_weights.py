@@ -22,7 +22,7 @@ import onnx_graphsurgeon as gs
 from compiler.quant_config import QuantConfig
 from passes.calibration import InputStatistics, collect_input_statistics
 from passes.pattern import FusionPass, fused_node, producer
-from passes.quant_math import QuantizedWeight, pack_matmul_nbits
+from passes.quant_math import QuantizedWeight, pack_matmul_nbits, quantize_blockwise
 from passes.quant_search import quantize_weights_together
 from passes.graph_utils import lm_head, scale_input
 
@@ -70,6 +70,24 @@ def _float_weight(weight: gs.Tensor) -> bool:
     return isinstance(weight, gs.Constant) and len(weight.shape) == 2 and np.dtype(weight.dtype) == np.float32
 
 
+def _tied_table(graph: gs.Graph, head: gs.Node) -> gs.Constant | None:
+    """The embedding table E a lm_head MatMul reads as Eᵀ: through a Transpose (large tables, left unfolded)
+    or as a folded copy equal to Eᵀ (small ones)."""
+    weight = head.inputs[1]
+    transpose = producer(weight, "Transpose")
+    if transpose is not None and list(transpose.attrs.get("perm", [1, 0])) == [1, 0] \
+            and isinstance(transpose.inputs[0], gs.Constant) and len(transpose.inputs[0].shape) == 2:
+        return transpose.inputs[0]
+    if not isinstance(weight, gs.Constant) or len(weight.shape) != 2:
+        return None
+    for gather in (n for n in graph.nodes if n.op == "Gather" and isinstance(n.inputs[0], gs.Constant)):
+        table = gather.inputs[0]
+        if tuple(table.shape) == tuple(weight.shape)[::-1] and np.array_equal(np.asarray(table.values).T,
+                                                                              np.asarray(weight.values)):
+            return table
+    return None
+
+
 class QuantizeWeights(FusionPass):
     """Quantize (or repack) MatMul weights."""
 
@@ -88,12 +106,41 @@ class QuantizeWeights(FusionPass):
 
     def run(self, graph: gs.Graph):
         self._head = lm_head(graph)
+        if self.bits == 4 and "lm_head" not in self.skip:
+            self._quantize_tied_table(graph)
         if self.config is not None and self.config.needs_calibration:
             inputs = sorted({n.inputs[0].name for n in graph.nodes if n.op == "MatMul" and _float_weight(n.inputs[1])
                              and not self._skipped(n)})
             self._statistics = collect_input_statistics(graph, inputs, self.samples or [])
             self.matched_patterns.clear()
         return super().run(graph)
+
+    def _quantize_tied_table(self, graph: gs.Graph) -> None:
+        """lm_head = x · Eᵀ with E the embedding table: both read one INT4 copy of E (MatMulInt4 and GatherInt4),
+        blocked along the hidden size (by the group size, or the largest of 128…16 that divides it)."""
+        head = self._head
+        table = _tied_table(graph, head) if head is not None else None
+        if table is None:
+            return
+        vocab, hidden = table.shape
+        block = next((b for b in (self.group_size, 128, 64, 32, 16) if hidden % b == 0), None)
+        if block is None:
+            return
+        quantized = quantize_blockwise(np.asarray(table.values).T, 4, block, symmetric=True)
+        blob, scales, _ = pack_matmul_nbits(quantized)
+        packed = gs.Constant(f"{table.name}_int4", blob)
+        packed_scales = gs.Constant(f"{table.name}_int4_scales", scales)
+        graph.nodes.append(fused_node("MatMulInt4", [head.inputs[0], packed, packed_scales], [head.outputs[0]],
+                                      f"{head.name}_int4", K=hidden, N=vocab, bits=4, block_size=block,
+                                      accuracy_level=0))
+        head.inputs.clear()
+        for gather in [n for n in graph.nodes if n.op == "Gather" and n.inputs[0] is table]:
+            if gather.attrs.get("axis", 0) == 0:
+                graph.nodes.append(fused_node("GatherInt4", [packed, gather.inputs[1], packed_scales],
+                                              [gather.outputs[0]], f"{gather.name}_int4", K=hidden, block_size=block,
+                                              bits=4))
+                gather.inputs.clear()
+        self.matched_patterns.add("lm_head")
 
     def _skipped(self, node: gs.Node) -> str | None:
         for pattern in self.skip:

@@ -143,6 +143,17 @@ def _matmul_int8(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
     return b.nodes
 
 
+def _gather_int4(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
+    # GatherBlockQuantized reads uint8 data as [V, K/2] with MatMulNBits' conventions (default zero point 8);
+    # the Reshape of the constant table is folded by onnxruntime when the session is built
+    b = _Builder(node.name)
+    table, indices, scales = node.input[:3]
+    flat = b("Reshape", table, b.const([0, -1]))
+    b("GatherBlockQuantized", flat, indices, scales, out=node.output[0], domain=MICROSOFT_DOMAIN, gather_axis=0,
+      quantize_axis=1, block_size=_attr(node, "block_size", 128), bits=4)
+    return b.nodes
+
+
 LOWERINGS: dict[str, Callable[[onnx.NodeProto, int], list[onnx.NodeProto]]] = {
     "RmsNorm": _rms_norm,
     "AddRmsNorm": _add_rms_norm,
@@ -150,6 +161,7 @@ LOWERINGS: dict[str, Callable[[onnx.NodeProto, int], list[onnx.NodeProto]]] = {
     "FusedAttention": _fused_attention,
     "MatMulInt4": _matmul_int4,
     "MatMulInt8": _matmul_int8,
+    "GatherInt4": _gather_int4,
 }
 
 

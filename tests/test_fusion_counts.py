@@ -36,5 +36,5 @@ def test_fused_counts_follow_the_family_recipe(case, tmp_path):
         assert counts["Where"] == counts["Transpose"] == 0
     if recipe.norms_per_layer:
         assert counts["ReduceMean"] == 0 and counts["Sqrt"] == 0
-    expected_family = "llama" if family == "mistral" else family
+    expected_family = "llama" if family in ("mistral", "llama_tied") else family
     assert loaded.metadata["model"]["detected_family"] == expected_family

@@ -24,3 +24,15 @@ def MatMulInt8(a: np.ndarray, b: np.ndarray, scales: np.ndarray, zero_points: np
     if zero_points is not None:
         weight -= zero_points.astype(np.float32)
     return np.matmul(a.astype(np.float32), weight * scales.astype(np.float32)).astype(a.dtype)
+
+
+@register_kernel("GatherInt4")
+def GatherInt4(table: np.ndarray, indices: np.ndarray, scales: np.ndarray, *, K: int, block_size: int,
+               bits: int = 4) -> np.ndarray:
+    """Rows `indices` of a [V, K] table stored as MatMulNBits' B (uint8 [V, n_blocks, block_size/2], symmetric):
+    the embedding lookup that shares its bytes with a tied lm_head's MatMulInt4."""
+    del bits
+    rows = table[indices.reshape(-1)]
+    weight = dequantize_matmul_nbits(rows, scales.reshape(table.shape[0], -1)[indices.reshape(-1)], None, K,
+                                     block_size)
+    return weight.T.reshape(indices.shape + (K,)).astype(np.float32)

@@ -145,3 +145,26 @@ def test_gptq_output_is_closer_to_the_float_model_than_rtn(tmp_path, tiny_llama_
                                           compress_weight_conf=str(config)))
         errors[method] = float(np.mean((Executor(loaded).run(feeds, ["logits"])["logits"] - expected) ** 2))
     assert errors["gptq"] < 0.8 * errors["rtn"], errors
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["ts", "dynamo"])
+def test_a_tied_lm_head_and_its_embedding_share_one_int4_table_when_asked(tmp_path, dynamo):
+    from models.tiny import tiny_onnx
+
+    source = tiny_onnx("llama_tied", dynamo=dynamo, with_past=True)
+    config = tmp_path / "quant.json"
+    sizes, artifacts = {}, {}
+    for skip in ("lm_head", None):
+        config.write_text(json.dumps({"quant_mode": "INT4", "group_size": 32, "skip_layers": [skip] if skip else []}))
+        path = compile_to(source, tmp_path / f"skip-{skip}", enable_compress_weight=True, compress_weight_conf=str(config))
+        artifacts[skip], sizes[skip] = load_artifact(path), path.stat().st_size
+    kept, quantized = artifacts["lm_head"], artifacts[None]
+    assert [n.op_type for n in kept.model.graph.node].count("GatherInt4") == 0
+    nodes = {n.op_type: n for n in quantized.model.graph.node if n.op_type in ("GatherInt4",)}
+    heads = [n for n in quantized.model.graph.node if n.op_type == "MatMulInt4" and n.output[0] == "logits"]
+    assert len(heads) == 1 and nodes["GatherInt4"].input[0] == heads[0].input[1]  # one table, two readers
+    assert sizes[None] < sizes["lm_head"] - 256 * 64 * 4 // 2  # the FP32 table is gone, not duplicated
+    feeds = _feeds(quantized)
+    fast, reference = Executor(quantized).run(feeds), Executor(quantized, "reference").run(feeds)
+    for name in fast:
+        np.testing.assert_allclose(fast[name], reference[name], atol=1e-5, rtol=0, err_msg=name)

@@ -1,0 +1,101 @@
+"""The quantization table of issue 4 for one model: .om size, held-out perplexity, batch-1 decode step.
+
+    python benchmarks/quant_table.py --onnx .cache/smollm2-dynamo/model.onnx --out .cache/quant-table
+
+Compiles the model once per row with `atc --enable_compress_weight=1 --compress_weight_conf=...`, then
+measures every row in the same run: perplexity on models/data/eval.txt (sliding window), and the median
+latency of one decode step after 256 cached tokens, rows interleaved so machine noise hits them alike.
+Writes a Markdown table and a JSON file to --out.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+
+from runtime import Executor, load_artifact
+from runtime.feeds import causal_lm_inputs
+from runtime.perplexity import perplexity
+from runtime.tokenizer import TextTokenizer
+
+EVAL_TEXT = Path(__file__).resolve().parent.parent / "models" / "data" / "eval.txt"
+ROWS = {
+    "FP32": None,
+    "INT8": {"quant_mode": "INT8"},
+    "INT4-RTN g128": {"quant_mode": "INT4", "group_size": 128, "algorithms": [{"name": "rtn"}]},
+    "INT4-AWQ g128": {"quant_mode": "INT4", "group_size": 128, "algorithms": [{"name": "awq"}]},
+    "INT4-GPTQ g128": {"quant_mode": "INT4", "group_size": 128, "algorithms": [{"name": "gptq"}]},
+    "INT4-RTN g32": {"quant_mode": "INT4", "group_size": 32, "algorithms": [{"name": "rtn"}]},
+    "INT4-AWQ g32": {"quant_mode": "INT4", "group_size": 32, "algorithms": [{"name": "awq"}]},
+    "INT4-GPTQ g32": {"quant_mode": "INT4", "group_size": 32, "algorithms": [{"name": "gptq"}]},
+}
+
+
+def _compile(onnx_path: Path, out: Path, name: str, conf: dict | None) -> tuple[Path, float]:
+    stem = out / name.replace(" ", "-").lower()
+    command = [sys.executable, "-m", "cli.atc", f"--model={onnx_path}", "--framework=5", f"--output={stem}",
+               "--soc_version=Ascend910B"]
+    if conf is not None:
+        conf_path = stem.with_suffix(".json")
+        conf_path.write_text(json.dumps(conf))
+        command += ["--enable_compress_weight=1", f"--compress_weight_conf={conf_path}"]
+    start = time.perf_counter()
+    subprocess.run(command, check=True, capture_output=True)
+    return stem.with_suffix(".om"), time.perf_counter() - start
+
+
+@click.command()
+@click.option("--onnx", "onnx_path", required=True, type=click.Path(exists=True, path_type=Path))
+@click.option("--out", required=True, type=click.Path(path_type=Path))
+@click.option("--rows", default=",".join(ROWS), show_default=True)
+@click.option("--max_tokens", default=None, type=int, help="score only the first N tokens of the text")
+@click.option("--repeat", default=30, show_default=True)
+def main(onnx_path: Path, out: Path, rows: str, max_tokens: int | None, repeat: int) -> None:
+    """Build and measure the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    names = rows.split(",")
+    artifacts = {}
+    for name in names:
+        artifacts[name] = _compile(onnx_path, out, name, ROWS[name])
+        click.echo(f"compiled {name} in {artifacts[name][1]:.1f} s")
+    executors = {name: Executor(load_artifact(path), threads=2) for name, (path, _) in artifacts.items()}
+    first = next(iter(executors.values())).loaded
+    ids = TextTokenizer(first.om.tokenizer_files()).encode(EVAL_TEXT.read_text(encoding="utf-8"))
+    ids = ids[:max_tokens] if max_tokens else ids
+    signature, dims = first.metadata["signature"], first.metadata["model"]
+    step = causal_lm_inputs(signature, dims, np.asarray([[ids[0]]]), 256, np.random.default_rng(0))
+    latencies = {name: [] for name in names}
+    for _ in range(repeat):
+        for name, executor in executors.items():
+            start = time.perf_counter()
+            executor.run(step, ["logits"])
+            latencies[name].append((time.perf_counter() - start) * 1000)
+    fp32_size = artifacts[names[0]][0].stat().st_size
+    results = []
+    for name in names:
+        ppl = perplexity(executors[name], ids).perplexity
+        size = artifacts[name][0].stat().st_size
+        step_ms = statistics.median(latencies[name])
+        results.append({"row": name, "om_bytes": size, "size_vs_first": size / fp32_size, "perplexity": ppl,
+                        "decode_step_ms": step_ms, "decode_tokens_per_s": 1000 / step_ms,
+                        "compile_s": artifacts[name][1]})
+        click.echo(f"{name:<16} {size / 1e6:8.1f} MB  ×{size / fp32_size:.3f}  ppl {ppl:8.3f}  "
+                   f"step {step_ms:6.2f} ms ({1000 / step_ms:6.1f} tok/s)")
+    lines = ["| weights | .om size | vs first | perplexity (eval.txt) | decode step (ms) | tokens/s |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['row']} | {r['om_bytes'] / 1e6:.1f} MB | {r['size_vs_first']:.3f}× | {r['perplexity']:.3f} | "
+              f"{r['decode_step_ms']:.2f} | {r['decode_tokens_per_s']:.1f} |" for r in results]
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    (out / "table.json").write_text(json.dumps(results, indent=2) + "\n")
+    click.echo("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
