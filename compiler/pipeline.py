@@ -39,6 +39,19 @@ def calibration_samples(cfg: CompileConfig) -> list[np.ndarray]:
     return samples
 
 
+def _samples_if_useful(cfg: CompileConfig | None) -> list[np.ndarray] | None:
+    """Calibration samples when a method needs them, or when the accuracy level is chosen per layer and
+    the model's tokenizer is at hand (without one, the level stays 0: exact float activations)."""
+    quant = cfg.quantization if cfg is not None else None
+    if quant is None:
+        return None
+    if quant.needs_calibration:
+        return calibration_samples(cfg)
+    if quant.accuracy_level == "auto" and quant.bits == 4 and tokenizer_files(cfg):
+        return calibration_samples(cfg)
+    return None
+
+
 def build_pipeline(cfg: CompileConfig | None) -> list[Pass]:
     """The passes `cfg` asks for, in order; switched-off ones are skipped by the runner, not dropped here."""
     quant = cfg.quantization if cfg is not None else None
@@ -61,5 +74,5 @@ def build_pipeline(cfg: CompileConfig | None) -> list[Pass]:
         FuseQkv(),
         FuseSwiGlu(),
         # Phase 3: weights (QDQ weights are repacked whether or not compression was asked for)
-        QuantizeWeights(quant, calibration_samples(cfg) if quant and quant.needs_calibration else None),
+        QuantizeWeights(quant, _samples_if_useful(cfg)),
     ]

@@ -19,7 +19,8 @@ CALIBRATED_METHODS = ("awq", "gptq")
 DEFAULT_CALIBRATION_TEXT = str(Path(__file__).resolve().parent.parent / "models" / "data" / "calibration.txt")
 BITS = (4, 8)
 QUANT_MODES = {"INT4": 4, "INT8": 8, "W8A8": None}
-_JSON_KEYS = ("quant_mode", "group_size", "symmetric", "algorithms", "skip_layers", "calibration")
+ACCURACY_LEVELS = ("auto", "0", "4")
+_JSON_KEYS = ("quant_mode", "group_size", "symmetric", "algorithms", "skip_layers", "calibration", "accuracy_level")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class QuantConfig:
     calibration_text: str = DEFAULT_CALIBRATION_TEXT
     num_samples: int = 32
     seq_len: int = 512
+    accuracy_level: str = "auto"  # MatMulNBits' activation precision: "auto" (per layer, measured), "0", "4"
 
     @property
     def needs_calibration(self) -> bool:
@@ -55,6 +57,8 @@ class QuantConfig:
             raise invalid_value(self.method, "quant-method", f"{self.method} quantizes INT4 weights only.")
         if self.needs_calibration and not os.path.isfile(self.calibration_text):
             raise invalid_value(self.calibration_text, "calibration text_file", "The file is not found.")
+        if str(self.accuracy_level) not in ACCURACY_LEVELS:
+            raise not_in_range(self.accuracy_level, "compress_weight_conf accuracy_level", ACCURACY_LEVELS)
         if self.num_samples < 1 or self.seq_len < 16:
             raise invalid_value(f"{self.num_samples}x{self.seq_len}", "calibration",
                                 "num_samples must be >= 1 and seq_len >= 16.")
@@ -91,6 +95,7 @@ class QuantConfig:
         if not isinstance(params, dict) or not isinstance(calibration, dict):
             raise AtcError("E10032", path, "params and calibration must be objects")
         extra = {"act_order": bool(params.get("act_order", False)), "damp": float(params.get("damp", 0.01)),
+                 "accuracy_level": str(document.get("accuracy_level", "auto")),
                  "num_samples": int(calibration.get("num_samples", 32)), "seq_len": int(calibration.get("seq_len", 512))}
         if "text_file" in calibration:
             extra["calibration_text"] = str(calibration["text_file"])

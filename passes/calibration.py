@@ -19,14 +19,21 @@ from runtime.feeds import causal_lm_inputs
 from runtime.lowering import lower_for_onnxruntime
 
 
+KEPT_ROWS = 256
+
+
 @dataclass
 class InputStatistics:
-    """What GPTQ and AWQ need to know about the activations entering one weight."""
+    """What GPTQ, AWQ and the accuracy-level choice need to know about the activations entering one weight."""
 
     hessian: np.ndarray
     abs_sum: np.ndarray
     rows: int = 0
-    samples: list = field(default_factory=list)
+    kept: list = field(default_factory=list)  # a few activation rows from each sample, KEPT_ROWS in all
+
+    @property
+    def examples(self) -> np.ndarray:
+        return np.concatenate(self.kept)[:KEPT_ROWS]
 
     @property
     def mean_abs(self) -> np.ndarray:
@@ -63,6 +70,7 @@ def collect_input_statistics(graph: gs.Graph, names: list[str], samples: list[np
             stats.hessian += rows.T @ rows
             stats.abs_sum += np.abs(rows).sum(axis=0, dtype=np.float64)
             stats.rows += rows.shape[0]
+            stats.kept.append(rows[:: max(1, rows.shape[0] * len(samples) // KEPT_ROWS)][: KEPT_ROWS // len(samples) + 1])
     return statistics
 
 

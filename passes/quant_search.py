@@ -132,3 +132,17 @@ def quantize_weights_together(weights: list[np.ndarray], method: str, bits: int,
     else:
         quantized = quantize_blockwise(merged, bits, block_size, symmetric)
     return split_columns(quantized, [w.shape[1] for w in weights]), input_scale
+
+
+def int8_activation_error(examples: np.ndarray, weight: np.ndarray, block_size: int) -> float:
+    """Relative output error ‖(X − X̂)·W‖ / ‖X·W‖ when the activations X are quantized to int8 symmetrically
+    per row and per block of `block_size` input channels, as MatMulNBits' accuracy_level 4 does."""
+    rows, columns = examples.shape
+    padded = np.zeros((rows, -(-columns // block_size) * block_size), np.float32)
+    padded[:, :columns] = examples
+    blocks = padded.reshape(rows, -1, block_size)
+    scale = np.abs(blocks).max(axis=-1, keepdims=True) / 127.0
+    scale = np.where(scale == 0, 1.0, scale)
+    approximation = (np.rint(blocks / scale) * scale).reshape(rows, -1)[:, :columns]
+    exact = examples @ weight
+    return float(np.linalg.norm((examples - approximation) @ weight) / max(np.linalg.norm(exact), 1e-12))

@@ -22,9 +22,14 @@ import onnx_graphsurgeon as gs
 from compiler.quant_config import QuantConfig
 from passes.calibration import InputStatistics, collect_input_statistics
 from passes.pattern import FusionPass, fused_node, producer
-from passes.quant_math import QuantizedWeight, pack_matmul_nbits, quantize_blockwise
-from passes.quant_search import quantize_weights_together
+from passes.quant_math import QuantizedWeight, dequantize_blockwise, pack_matmul_nbits, quantize_blockwise
+from passes.quant_search import int8_activation_error, quantize_weights_together
 from passes.graph_utils import lm_head, scale_input
+
+
+# relative output error int8 activations may add to a layer before it keeps float activations; well
+# above the ~0.5% that rounding to 127 levels costs on ordinary activations, well below outlier layers'
+ACCURACY_THRESHOLD = 0.02
 
 
 @dataclass
@@ -101,6 +106,7 @@ class QuantizeWeights(FusionPass):
         self.symmetric = config.symmetric if config else True
         self.skip = config.skip_layers if config else ()
         self.matched_patterns: set[str] = set()
+        self.accuracy_levels: dict[str, int] = {}
         self._head: gs.Node | None = None
         self._statistics: dict[str, InputStatistics] = {}
 
@@ -108,10 +114,11 @@ class QuantizeWeights(FusionPass):
         self._head = lm_head(graph)
         if self.bits == 4 and "lm_head" not in self.skip:
             self._quantize_tied_table(graph)
-        if self.config is not None and self.config.needs_calibration:
-            inputs = sorted({n.inputs[0].name for n in graph.nodes if n.op == "MatMul" and _float_weight(n.inputs[1])
-                             and not self._skipped(n)})
-            self._statistics = collect_input_statistics(graph, inputs, self.samples or [])
+        if self.samples:
+            inputs = sorted({n.inputs[0].name for n in graph.nodes if n.op == "MatMul" and len(n.inputs) == 2
+                             and not self._skipped(n)
+                             and (_float_weight(n.inputs[1]) or producer(n.inputs[1], "DequantizeLinear"))})
+            self._statistics = collect_input_statistics(graph, inputs, self.samples)
             self.matched_patterns.clear()
         return super().run(graph)
 
@@ -141,6 +148,21 @@ class QuantizeWeights(FusionPass):
                                               bits=4))
                 gather.inputs.clear()
         self.matched_patterns.add("lm_head")
+
+    def _accuracy_level(self, x: gs.Tensor, quantized: QuantizedWeight, input_scale: np.ndarray | None) -> int:
+        """4 (int8 activations, faster) where the measured output error of doing so is below
+        ACCURACY_THRESHOLD, else 0 (float activations); fixed when the configuration says so."""
+        setting = str(self.config.accuracy_level) if self.config else "0"
+        source = x.inputs[0].inputs[0] if input_scale is not None and x.inputs else x  # before AWQ's Mul
+        stats = self._statistics.get(source.name) or self._statistics.get(x.name)
+        if setting != "auto" or stats is None:
+            level = 4 if setting == "4" else 0
+        else:
+            examples = stats.examples * (input_scale if input_scale is not None else 1.0)
+            error = int8_activation_error(examples, dequantize_blockwise(quantized), quantized.block_size)
+            level = 4 if error < ACCURACY_THRESHOLD else 0
+        self.accuracy_levels[x.name] = level
+        return level
 
     def _skipped(self, node: gs.Node) -> str | None:
         for pattern in self.skip:
@@ -185,8 +207,9 @@ class QuantizeWeights(FusionPass):
             inputs = [matmul.inputs[0], gs.Constant(f"{name}_int4", blob), gs.Constant(f"{name}_scales", scales)]
             if zero_points is not None:
                 inputs.append(gs.Constant(f"{name}_zero_points", zero_points))
+            level = self._accuracy_level(matmul.inputs[0], quantized, match.input_scale)
             node = fused_node("MatMulInt4", inputs, [matmul.outputs[0]], f"{matmul.name}_int4", K=rows, N=cols,
-                              bits=4, block_size=quantized.block_size, accuracy_level=0)
+                              bits=4, block_size=quantized.block_size, accuracy_level=level)
         else:
             inputs = [matmul.inputs[0], gs.Constant(f"{name}_int8", quantized.values),
                       gs.Constant(f"{name}_scales", quantized.scales.reshape(-1).astype(np.float32))]

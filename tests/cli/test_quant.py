@@ -155,7 +155,8 @@ def test_a_tied_lm_head_and_its_embedding_share_one_int4_table_when_asked(tmp_pa
     config = tmp_path / "quant.json"
     sizes, artifacts = {}, {}
     for skip in ("lm_head", None):
-        config.write_text(json.dumps({"quant_mode": "INT4", "group_size": 32, "skip_layers": [skip] if skip else []}))
+        config.write_text(json.dumps({"quant_mode": "INT4", "group_size": 32, "skip_layers": [skip] if skip else [],
+                                      "accuracy_level": "0"}))
         path = compile_to(source, tmp_path / f"skip-{skip}", enable_compress_weight=True, compress_weight_conf=str(config))
         artifacts[skip], sizes[skip] = load_artifact(path), path.stat().st_size
     kept, quantized = artifacts["lm_head"], artifacts[None]
@@ -168,3 +169,25 @@ def test_a_tied_lm_head_and_its_embedding_share_one_int4_table_when_asked(tmp_pa
     fast, reference = Executor(quantized).run(feeds), Executor(quantized, "reference").run(feeds)
     for name in fast:
         np.testing.assert_allclose(fast[name], reference[name], atol=1e-5, rtol=0, err_msg=name)
+
+
+def test_accuracy_level_is_chosen_per_layer_by_measured_error(tmp_path, tiny_llama_path):
+    from passes.quantize_weights import ACCURACY_THRESHOLD
+
+    levels = {}
+    for setting in ("0", "auto"):
+        config = tmp_path / f"{setting}.json"
+        config.write_text(json.dumps({"quant_mode": "INT4", "group_size": 32, "accuracy_level": setting,
+                                      "calibration": {"num_samples": 4, "seq_len": 64}}))
+        loaded = load_artifact(compile_to(tiny_llama_path, tmp_path / setting, enable_compress_weight=True,
+                                          compress_weight_conf=str(config)))
+        nodes = [n for n in loaded.model.graph.node if n.op_type == "MatMulInt4"]
+        levels[setting] = [next(a.i for a in n.attribute if a.name == "accuracy_level") for n in nodes]
+        if setting == "0":
+            exact = Executor(loaded).run(_feeds(loaded), ["logits"])["logits"]
+        else:
+            approximate = Executor(loaded).run(_feeds(loaded), ["logits"])["logits"]
+    assert set(levels["0"]) == {0} and len(levels["auto"]) == 8
+    assert 4 in levels["auto"]  # random tiny weights and byte-level text: ordinary activations
+    relative = np.linalg.norm(approximate - exact) / np.linalg.norm(exact)
+    assert relative < 4 * ACCURACY_THRESHOLD
