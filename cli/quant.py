@@ -97,7 +97,8 @@ def _save(model: onnx.ModelProto, out_dir: Path) -> None:
 @click.option("--symmetric/--asymmetric", default=True, show_default=True)
 @click.option("--skip", "skip", multiple=True, default=("lm_head",), show_default=True,
               help="node or weight name pattern to leave unquantized (fnmatch; lm_head = the logits MatMul)")
-@click.option("--act-order", is_flag=True, help="GPTQ: visit input channels by decreasing activation energy")
+@click.option("--act-order/--no-act-order", default=True, show_default=True,
+              help="GPTQ: visit input channels by decreasing activation energy")
 @click.option("--calibration-text", default=DEFAULT_CALIBRATION_TEXT, show_default=False,
               help="AWQ/GPTQ calibration text (default: the shipped models/data/calibration.txt)")
 @click.option("--num-samples", type=int, default=32, show_default=True, help="calibration windows")

