@@ -41,8 +41,9 @@ class InputStatistics:
 
 
 def collect_input_statistics(graph: gs.Graph, names: list[str], samples: list[np.ndarray],
-                             threads: int | None = None) -> dict[str, InputStatistics]:
-    """Run the float graph on each token sample ([seq] ids) and accumulate statistics of `names`."""
+                             threads: int | None = None, with_hessian: bool = True) -> dict[str, InputStatistics]:
+    """Run the float graph on each token sample ([seq] ids) and accumulate statistics of `names` (the
+    Hessians, the costly part, only when asked)."""
     model = gs.export_onnx(graph.copy(), do_type_check=False)
     known = {v.name for v in model.graph.output}
     tensors = graph.tensors()
@@ -65,9 +66,10 @@ def collect_input_statistics(graph: gs.Graph, names: list[str], samples: list[np
             rows = value.reshape(-1, value.shape[-1]).astype(np.float32)
             stats = statistics.get(name)
             if stats is None:
-                stats = statistics[name] = InputStatistics(np.zeros((rows.shape[1],) * 2), np.zeros(rows.shape[1]))
-            # one sample's product in float32 (BLAS sgemm), the running sums in float64
-            stats.hessian += rows.T @ rows
+                hessian = np.zeros((rows.shape[1],) * 2 if with_hessian else (0, 0))
+                stats = statistics[name] = InputStatistics(hessian, np.zeros(rows.shape[1]))
+            if with_hessian:  # one sample's product in float32 (BLAS sgemm), the running sums in float64
+                stats.hessian += rows.T @ rows
             stats.abs_sum += np.abs(rows).sum(axis=0, dtype=np.float64)
             stats.rows += rows.shape[0]
             stats.kept.append(rows[:: max(1, rows.shape[0] * len(samples) // KEPT_ROWS)][: KEPT_ROWS // len(samples) + 1])

@@ -118,7 +118,10 @@ class QuantizeWeights(FusionPass):
             inputs = sorted({n.inputs[0].name for n in graph.nodes if n.op == "MatMul" and len(n.inputs) == 2
                              and not self._skipped(n)
                              and (_float_weight(n.inputs[1]) or producer(n.inputs[1], "DequantizeLinear"))})
-            self._statistics = collect_input_statistics(graph, inputs, self.samples)
+            calibrating = self.config is not None and self.config.needs_calibration
+            # the accuracy-level choice alone needs a few activation rows, not Hessians over every sample
+            self._statistics = collect_input_statistics(graph, inputs, self.samples if calibrating else self.samples[:4],
+                                                        with_hessian=calibrating)
             self.matched_patterns.clear()
         return super().run(graph)
 

@@ -25,7 +25,8 @@ BACKENDS = ("onnxruntime", "reference")
 class Executor:
     """Runs a loaded artifact: `run(feeds) -> {output name: array}`."""
 
-    def __init__(self, loaded: LoadedModel, backend: str = "onnxruntime", threads: int | None = None):
+    def __init__(self, loaded: LoadedModel, backend: str = "onnxruntime", threads: int | None = None,
+                 spinning: bool = True):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
         self.loaded = loaded
@@ -33,7 +34,7 @@ class Executor:
         self.output_names = loaded.output_names
         model, weights = _inline_sub_byte(loaded.model, loaded.weights)
         if backend == "onnxruntime":
-            self._session = _ort_session(lower_for_onnxruntime(model), weights, threads)
+            self._session = _ort_session(lower_for_onnxruntime(model), weights, threads, spinning)
             self._weights_fed = {}
         else:
             self._session = ReferenceEvaluator(_weights_as_inputs(model), new_ops=reference_ops())
@@ -64,10 +65,14 @@ def _inline_sub_byte(model: onnx.ModelProto, weights: dict[str, np.ndarray]):
     return copy, {name: view for name, view in weights.items() if name not in packed}
 
 
-def _ort_session(model: onnx.ModelProto, weights: dict[str, np.ndarray], threads: int | None) -> ort.InferenceSession:
+def _ort_session(model: onnx.ModelProto, weights: dict[str, np.ndarray], threads: int | None,
+                 spinning: bool) -> ort.InferenceSession:
     options = ort.SessionOptions()
     if threads:
         options.intra_op_num_threads = threads
+    if not spinning:
+        # idle worker threads sleep instead of spinning: needed when several sessions share the cores
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.log_severity_level = 3
     # quantized weights are explicit ops here; onnxruntime's own QDQ rewrites would quantize activations
     options.add_session_config_entry("session.disable_quant_qdq", "1")
