@@ -65,7 +65,7 @@ def _qdq_weight(weight: gs.Tensor) -> QuantizedWeight | str | None:
         return QuantizedWeight(q.astype(np.uint8), np.asarray(scales.values, np.float32),
                                (zp if zp is not None else np.zeros_like(np.asarray(scales.values), np.uint8))
                                .astype(np.uint8), 4, block)
-    if kind in ("int8", "uint8") and axis in (1, -1) and not block:
+    if kind in ("int8", "uint8") and axis in (1, -1) and not block and np.asarray(scales.values).size == q.shape[1]:
         scale = np.asarray(scales.values, np.float32).reshape(1, -1)
         return QuantizedWeight(q, scale, None if zp is None else zp.reshape(1, -1), 8, q.shape[0])
     return f"unsupported DequantizeLinear ({kind}, axis {axis}, block {block})"

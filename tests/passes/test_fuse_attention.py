@@ -137,3 +137,80 @@ def test_qkv_refuses_projections_of_different_inputs():
     key_matmul.inputs[0] = shifted
     result = FuseQkv().run(graph)
     assert result.effect_times == 1 and any("different inputs" in r for r in result.rejections)
+
+
+def _head_split(graph, index=0):
+    """The (0, 2, 1, 3) Transposes that split projections into heads, in graph order."""
+    return [n for n in graph.nodes if n.op == "Transpose" and list(n.attrs.get("perm", [])) == [0, 2, 1, 3]
+            and producer(n.inputs[0], "Reshape") is not None][index]
+
+
+def _scores_not_matmul(graph):
+    _scores(graph).op = "Sub"
+
+
+def _context_not_merged(graph):
+    context = next(c for c in _softmax(graph).outputs[0].outputs if c.op == "MatMul")
+    context.outputs[0].outputs[0].attrs["perm"] = [0, 1, 2, 3]
+
+
+def _value_cache_missing(graph):
+    next(n for n in graph.nodes if n.op == "Concat" and n.outputs[0].name == "present.0.value").op = "Max"
+
+
+def _query_heads_not_transposed(graph):
+    _head_split(graph, 0).attrs["perm"] = [0, 2, 3, 1]
+
+
+def _query_heads_not_reshaped(graph):
+    producer(_head_split(graph, 0).inputs[0], "Reshape").op = "Flatten"
+
+
+def _ragged_projection(graph):
+    projection = producer(_head_split(graph, 0).inputs[0], "Reshape").inputs[0]
+    projection.shape = list(projection.shape[:-1]) + [63]
+
+
+def _unshareable_heads(graph):
+    key = producer(_head_split(graph, 1).inputs[0], "Reshape").inputs[0]
+    key.shape = list(key.shape[:-1]) + [48]
+
+
+@pytest.mark.parametrize("change, reason", [
+    (_scores_not_matmul, "not a (scaled, masked) MatMul"),
+    (_context_not_merged, "not merged back"),
+    (_value_cache_missing, "a cache for only one"),
+    (_query_heads_not_transposed, "not a (0, 2, 1, 3) transpose"),
+    (_query_heads_not_reshaped, "not reshaped from a projection"),
+    (_ragged_projection, "static multiple of the head size"),
+    (_unshareable_heads, "cannot share"),
+])
+def test_more_attention_refusals(change, reason):
+    graph = _before_attention(dynamo=True)
+    change(graph)
+    result = FuseAttention().run(graph)
+    assert result.effect_times == 1
+    assert any(reason in r for r in result.rejections), result.rejections
+
+
+def test_qkv_refusals():
+    graph = _before_attention(dynamo=True)
+    FuseAttention().run(graph)
+    attentions = [n for n in graph.nodes if n.op == "FusedAttention"]
+    value_matmul = producer(attentions[0].inputs[2], "MatMul")
+    value_matmul.inputs[1] = gs.Variable("value_weight", dtype=np.float32, shape=list(value_matmul.inputs[1].shape))
+    graph.inputs.append(value_matmul.inputs[1])
+    key_matmul = producer(attentions[1].inputs[1], "MatMul")
+    key_matmul.inputs[1] = gs.Constant("key_weight_fp16", np.asarray(key_matmul.inputs[1].values, np.float16))
+    first = FuseQkv().run(graph)
+    assert first.effect_times == 0
+    assert any("not all constant-weight" in r for r in first.rejections)
+    assert any("differ in kind, dtype" in r for r in first.rejections)
+
+
+def test_qkv_leaves_a_packed_projection_alone():
+    graph = _before_attention(dynamo=True)
+    FuseAttention().run(graph)
+    assert FuseQkv().run(graph).effect_times == 2
+    again = FuseQkv().run(graph)
+    assert again.effect_times == 0 and all("packed already" in r for r in again.rejections)

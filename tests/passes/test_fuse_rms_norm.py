@@ -127,3 +127,38 @@ def test_bias_and_broadcast_adds_are_not_residuals(second, reason):
     fused, (norm, add_norm) = apply_pass(model, FuseRmsNorm(), FuseAddRmsNorm())
     assert norm.effect_times == 1 and add_norm.effect_times == 0
     assert any(reason in r for r in add_norm.rejections), add_norm.rejections
+
+
+def _retype_input(model, name, dims):
+    for value in model.graph.input:
+        if value.name == name:
+            value.CopyFrom(helper.make_tensor_value_info(name, TensorProto.FLOAT, dims))
+
+
+@pytest.mark.parametrize("change, reason", [
+    (lambda m: m.graph.output.append(helper.make_tensor_value_info("sq", TensorProto.FLOAT, None)), "square used only"),
+    (lambda m: _retype_input(m, "x", [2, 3, "hidden"]), "not static"),
+    (lambda m: setattr(m.graph.node[3], "op_type", "Abs"), "not followed by Sqrt"),
+    (lambda m: m.graph.node[4].input.__setitem__(0, "two"), "neither x / rms nor 1 / rms"),
+    (lambda m: m.graph.node[5].input.__setitem__(0, "r"), "does not multiply the normalised input"),
+    (lambda m: m.graph.initializer[4].CopyFrom(numpy_helper.from_array(WEIGHT.astype(np.float16), "w")), "float16"),
+])
+def test_more_refusals(change, reason):
+    model = _model(_rms_nodes("x", "y"))
+    change(model)
+    fused, (result,) = apply_pass(model, FuseRmsNorm())
+    assert result.effect_times == 0 and "RmsNorm" not in op_counts(fused)
+    assert any(reason in r for r in result.rejections), result.rejections
+
+
+def test_square_as_mul_of_two_different_values_is_refused():
+    nodes = _rms_nodes("x", "y", square="mul")
+    nodes[0] = helper.make_node("Mul", ["x", "r"], ["sq"])
+    fused, (result,) = apply_pass(_model(nodes), FuseRmsNorm())
+    assert result.effect_times == 0 and any("not x·x" in r for r in result.rejections)
+
+
+def test_a_norm_of_a_graph_input_is_no_residual():
+    fused, (norm, add_norm) = apply_pass(_model(_rms_nodes("x", "y")), FuseRmsNorm(), FuseAddRmsNorm())
+    assert norm.effect_times == 1 and add_norm.effect_times == 0
+    assert any("not produced by an Add" in r for r in add_norm.rejections)

@@ -71,3 +71,56 @@ def test_refusals(nodes, extra, reason):
     fused, (result,) = apply_pass(_model(nodes, extra=extra), FuseSwiGlu())
     assert result.effect_times == 0 and "SwiGlu" not in op_counts(fused)
     assert any(reason in r for r in result.rejections), result.rejections
+
+
+def _slices(gate_bounds, up_bounds, axes="last", steps=None):
+    def bounds(values, label):
+        return numpy_helper.from_array(np.array(values, np.int64), label)
+
+    nodes = FUSED + [helper.make_node("Slice", ["gu", "gs", "ge", axes] + (["st"] if steps else []), ["g"]),
+                     helper.make_node("Slice", ["gu", "us", "ue", axes] + (["st"] if steps else []), ["u"])]
+    extra = [bounds([gate_bounds[0]], "gs"), bounds([gate_bounds[1]], "ge"), bounds([up_bounds[0]], "us"),
+             bounds([up_bounds[1]], "ue"), bounds([1], "axis1"), bounds([steps or 1], "st")]
+    return nodes + _silu_product(), extra
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("constant-up", "not multiplied by an up projection"),
+    ("variable-weight", "one shape and kind"),
+    ("up-read-twice", "up projection has other readers"),
+    ("split-axis", "not in two along the last axis"),
+    ("split-reversed", "up half comes first"),
+    ("split-unequal", "halves differ"),
+    ("not-halves", "neither MatMuls nor halves"),
+    ("slice-step", "has a step"),
+    ("slice-axis", "not on the last axis"),
+])
+def test_more_refusals(case, reason):
+    extra_outputs, extra_init, extra_inputs = (), [], []
+    if case == "constant-up":
+        nodes = SEPARATE[:1] + _silu_product(up="wd_row")
+        extra_init = [numpy_helper.from_array(np.ones(WIDE, np.float32), "wd_row")]
+    elif case == "variable-weight":
+        nodes = [helper.make_node("MatMul", ["x", "wg"], ["g"]), helper.make_node("MatMul", ["x", "wu_in"], ["u"])]
+        nodes += _silu_product()
+        extra_inputs = [helper.make_tensor_value_info("wu_in", TensorProto.FLOAT, [H, WIDE])]
+    elif case == "up-read-twice":
+        nodes, extra_outputs = SEPARATE + _silu_product(), ("u",)
+    elif case.startswith("split"):
+        outputs = ["u", "g"] if case == "split-reversed" else ["g", "u"]
+        sizes = "uneven" if case == "split-unequal" else "halves"
+        nodes = FUSED + [helper.make_node("Split", ["gu", sizes], outputs, axis=1 if case == "split-axis" else -1)]
+        nodes += _silu_product()
+        extra_init = [numpy_helper.from_array(np.array([WIDE - 8, WIDE + 8], np.int64), "uneven")]
+    elif case == "not-halves":
+        nodes = [helper.make_node("MatMul", ["x", "wg"], ["g"]), helper.make_node("MatMul", ["x", "wu"], ["u0"]),
+                 helper.make_node("Relu", ["u0"], ["u"])] + _silu_product()
+    else:
+        nodes, extra_init = _slices((0, WIDE), (WIDE, 2 * WIDE), "axis1" if case == "slice-axis" else "last",
+                                    2 if case == "slice-step" else None)
+    model = _model(nodes, extra=extra_outputs)
+    model.graph.initializer.extend(extra_init)
+    model.graph.input.extend(extra_inputs)
+    fused, (result,) = apply_pass(model, FuseSwiGlu())
+    assert result.effect_times == 0 and "SwiGlu" not in op_counts(fused)
+    assert any(reason in r for r in result.rejections), result.rejections

@@ -1,0 +1,67 @@
+"""WeightQuantizationPass alone: what it writes, its numbers, and each refusal."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from compiler.quant_config import QuantConfig
+from fusion_utils import apply_pass, assert_parity, op_counts
+from passes.quant_math import dequantize_blockwise, quantize_blockwise
+from passes.quantize_weights import QuantizeWeights
+
+K, N = 96, 40
+RNG = np.random.default_rng(5)
+WEIGHT = (0.1 * RNG.standard_normal((K, N))).astype(np.float32)
+FEEDS = {"x": RNG.standard_normal((2, 3, K)).astype(np.float32)}
+
+
+def _model(weight_inputs, weight_initializers, nodes=(), opset=21):
+    nodes = list(nodes) + [helper.make_node("MatMul", ["x", weight_inputs], ["y"], name="proj")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, K])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, N])], weight_initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+@pytest.mark.parametrize("bits, symmetric", [(4, True), (4, False), (8, True)])
+def test_a_float_weight_becomes_a_quantized_matmul_that_computes_its_dequantization(bits, symmetric, tmp_path):
+    config = QuantConfig(bits=bits, group_size=32, symmetric=symmetric, skip_layers=(), accuracy_level="0")
+    model = _model("w", [numpy_helper.from_array(WEIGHT, "w")])
+    fused, (result,) = apply_pass(model, QuantizeWeights(config))
+    op = "MatMulInt4" if bits == 4 else "MatMulInt8"
+    assert (result.match_times, result.effect_times) == (1, 1) and op_counts(fused)[op] == 1
+    assert "MatMul" not in op_counts(fused)
+    block = 32 if bits == 4 else K
+    dequantized = dequantize_blockwise(quantize_blockwise(WEIGHT, bits, block, symmetric))
+    assert_parity(_model("w", [numpy_helper.from_array(dequantized, "w")]), fused, FEEDS, tmp_path)
+
+
+def _qdq(values, scale, axis=0, block=32, constant_scale=True):
+    inputs = ["q", "s"]
+    initializers = [numpy_helper.from_array(values, "q")]
+    if constant_scale:
+        initializers.append(numpy_helper.from_array(scale, "s"))
+    attrs = {"axis": axis, "block_size": block} if block else {"axis": axis}
+    model = _model("w", initializers, [helper.make_node("DequantizeLinear", inputs, ["w"], **attrs)])
+    if not constant_scale:
+        model.graph.input.append(helper.make_tensor_value_info("s", TensorProto.FLOAT, list(scale.shape)))
+    return model
+
+
+@pytest.mark.parametrize("model, config, reason", [
+    (lambda: _model("w", [numpy_helper.from_array(WEIGHT, "w")]), None, "compression is off"),
+    (lambda: _model("w_in", []), QuantConfig(skip_layers=()), "not a constant 2-D float32"),
+    (lambda: _model("w", [numpy_helper.from_array(WEIGHT, "w")]), QuantConfig(skip_layers=("pro*",)), "skipped by"),
+    (lambda: _qdq(np.zeros((K, N), ml_dtypes.int4), np.ones((K // 32, N), np.float32), constant_scale=False),
+     None, "not constants"),
+    (lambda: _qdq(np.zeros((K, N), np.int8), np.ones((), np.float32), axis=1, block=0), None, "unsupported"),
+])
+def test_refusals(model, config, reason):
+    built = model()
+    if reason == "not a constant 2-D float32":
+        built.graph.input.append(helper.make_tensor_value_info("w_in", TensorProto.FLOAT, [K, N]))
+    fused, (result,) = apply_pass(built, QuantizeWeights(config))
+    assert result.effect_times == 0 and "MatMulInt4" not in op_counts(fused)
+    assert any(reason in r for r in result.rejections), result.rejections
