@@ -9,6 +9,7 @@ from compiler.errors import AtcError
 from compiler.tokenizer_files import tokenizer_files
 from passes.calibration import text_samples
 from compiler.pass_manager import Pass
+from passes.convert_rms_normalization import ConvertRmsNormalization
 from passes.eliminate_dead_code import EliminateDeadCode
 from passes.eliminate_identity import EliminateIdentity
 from passes.fold_constants import FoldConstants
@@ -67,6 +68,7 @@ def build_pipeline(cfg: CompileConfig | None) -> list[Pass]:
         EliminateDeadCode(),
         InferShapes(),
         # Phase 1: normalisation
+        ConvertRmsNormalization(),
         FuseRmsNorm(),
         FuseAddRmsNorm(),
         # Phase 2: attention and MLP

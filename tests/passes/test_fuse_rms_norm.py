@@ -162,3 +162,30 @@ def test_a_norm_of_a_graph_input_is_no_residual():
     fused, (norm, add_norm) = apply_pass(_model(_rms_nodes("x", "y")), FuseRmsNorm(), FuseAddRmsNorm())
     assert norm.effect_times == 1 and add_norm.effect_times == 0
     assert any("not produced by an Add" in r for r in add_norm.rejections)
+
+
+def _standard_rms(axis=-1, stash=1, scale_shape=(H,)):
+    node = helper.make_node("RMSNormalization", ["x", "w"], ["y"], axis=axis, epsilon=1e-5, stash_type=stash)
+    weight = numpy_helper.from_array(np.resize(WEIGHT, scale_shape).astype(np.float32), "w")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, H])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, H])], [weight])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+
+
+def test_the_standard_rms_normalization_op_becomes_rms_norm(tmp_path):
+    from passes.convert_rms_normalization import ConvertRmsNormalization
+
+    model = _standard_rms()
+    fused, (result,) = apply_pass(model, ConvertRmsNormalization())
+    assert (result.match_times, result.effect_times) == (1, 1)
+    assert op_counts(fused) == {"RmsNorm": 1}
+    assert_parity(model, fused, {"x": FEEDS["x"]}, tmp_path)
+
+
+@pytest.mark.parametrize("kwargs, reason", [(dict(axis=1), "last axis"), (dict(stash=10), "float32"),
+                                            (dict(scale_shape=(3, H)), "one value per")])
+def test_standard_rms_normalization_refusals(kwargs, reason):
+    from passes.convert_rms_normalization import ConvertRmsNormalization
+
+    fused, (result,) = apply_pass(_standard_rms(**kwargs), ConvertRmsNormalization())
+    assert result.effect_times == 0 and any(reason in r for r in result.rejections), result.rejections
