@@ -9,6 +9,7 @@ from compiler.errors import AtcError
 from compiler.tokenizer_files import tokenizer_files
 from passes.calibration import text_samples
 from compiler.pass_manager import Pass
+from passes.convert_attention import ConvertAttention
 from passes.convert_rms_normalization import ConvertRmsNormalization
 from passes.eliminate_dead_code import EliminateDeadCode
 from passes.eliminate_identity import EliminateIdentity
@@ -72,6 +73,7 @@ def build_pipeline(cfg: CompileConfig | None) -> list[Pass]:
         FuseRmsNorm(),
         FuseAddRmsNorm(),
         # Phase 2: attention and MLP
+        ConvertAttention(),
         FuseAttention(),
         FuseQkv(),
         FuseSwiGlu(),

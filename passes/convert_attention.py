@@ -1,0 +1,148 @@
+"""AttentionConversionPass: ONNX's own Attention (opset 23), with the RotaryEmbedding (opset 23) nodes that
+rotate its query and key, → cann::FusedAttention.
+
+The forms FusedAttention expresses are taken: 3-D [B, S, H·D] or 4-D [B, H, S, D] q/k/v (4-D ones are
+flattened by a Transpose + Reshape, and the output turned back); no attn_mask (a general [.., S, T] mask
+says more than FusedAttention's padding mask); is_causal with the bottom-right alignment the op uses when
+there is a past cache; no softcap; no requested qk output. Rotary caches [max_position, R/2] gathered by position_ids (or already
+[B, S, R/2]) become FusedAttention's full-width cos/sin. Anything else stays a standard Attention node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from passes.pattern import FusionPass, fused_node, producer
+
+
+@dataclass
+class Rotation:
+    cos_cache: gs.Tensor
+    sin_cache: gs.Tensor
+    position_ids: gs.Tensor | None
+    rotary_dim: int
+    interleaved: int
+
+
+@dataclass
+class StandardAttentionMatch:
+    node: gs.Node
+    q: gs.Tensor
+    k: gs.Tensor
+    v: gs.Tensor
+    heads: int
+    kv_heads: int
+    head_dim: int
+    four_d: bool
+    rotation: Rotation | None
+
+
+def _rotation(tensor: gs.Tensor, head_dim: int) -> tuple[gs.Tensor, Rotation] | None:
+    node = producer(tensor, "RotaryEmbedding")
+    if node is None or (node.domain or "") not in ("", "ai.onnx") or len(node.outputs[0].outputs) != 1:
+        return None
+    position_ids = node.inputs[3] if len(node.inputs) > 3 and node.inputs[3].name else None
+    rotary_dim = int(node.attrs.get("rotary_embedding_dim", 0)) or head_dim
+    return node.inputs[0], Rotation(node.inputs[1], node.inputs[2], position_ids, rotary_dim,
+                                    int(node.attrs.get("interleaved", 0)))
+
+
+class ConvertAttention(FusionPass):
+    """Bring the standard attention ops into the cann op set."""
+
+    name = "AttentionConversionPass"
+    anchor = "Attention"
+
+    def match(self, graph: gs.Graph, node: gs.Node) -> StandardAttentionMatch | str:
+        if (node.domain or "") not in ("", "ai.onnx"):
+            return "not the standard Attention op"
+        inputs = list(node.inputs) + [gs.Variable.empty()] * (7 - len(node.inputs))
+        q, k, v, mask, past_key, past_value, nonpad = inputs[:7]
+        if nonpad.name:
+            return "nonpad_kv_seqlen is not supported"
+        if float(node.attrs.get("softcap", 0.0)) != 0.0:
+            return "softcap is not supported"
+        if len(node.outputs) > 3 and node.outputs[3].outputs:
+            return "the qk output is read"
+        if bool(past_key.name) != bool(past_value.name):
+            return "a cache for only one of keys and values"
+        rank = len(q.shape or [])
+        if rank == 4:
+            heads, kv_heads, head_dim = q.shape[1], (k.shape or [None, None])[1], q.shape[3]
+        elif rank == 3:
+            heads, kv_heads = node.attrs.get("q_num_heads"), node.attrs.get("kv_num_heads")
+            head_dim = q.shape[2] // heads if isinstance(q.shape[2], int) and heads else None
+        else:
+            return "q is neither 3-D nor 4-D"
+        if not all(isinstance(d, int) and d > 0 for d in (heads, kv_heads, head_dim)) or heads % kv_heads:
+            return "the head counts or the head size are not static and compatible"
+        if mask.name:
+            # a general [.., S, T] mask (boolean or additive) says more than a padding mask can
+            return "an explicit attn_mask is not supported"
+        rotation = None
+        rotated_q, rotated_k = _rotation(q, head_dim), _rotation(k, head_dim)
+        if rotated_q is not None and rotated_k is not None:
+            (q, rotation), (k, key_rotation) = rotated_q, rotated_k
+            same = (key_rotation.cos_cache is rotation.cos_cache and key_rotation.sin_cache is rotation.sin_cache
+                    and key_rotation.position_ids is rotation.position_ids
+                    and (key_rotation.rotary_dim, key_rotation.interleaved) == (rotation.rotary_dim, rotation.interleaved))
+            if not same:
+                return "q and k rotate with different tables"
+        elif (rotated_q is None) != (rotated_k is None):
+            return "rotary embedding on only one of q and k"
+        return StandardAttentionMatch(node, q, k, v, heads, kv_heads, head_dim, rank == 4, rotation)
+
+    def rewrite(self, graph: gs.Graph, match: StandardAttentionMatch) -> None:
+        node, prefix = match.node, match.node.name or "attention"
+        counter = iter(range(1 << 30))
+
+        def add(op: str, inputs: list, attrs: dict | None = None, output: gs.Tensor | None = None, **kw) -> gs.Tensor:
+            out = output or gs.Variable(f"{prefix}/{op}_{next(counter)}", dtype=kw.get("dtype"))
+            graph.nodes.append(gs.Node(op, name=f"{out.name}/node", attrs=attrs or {}, inputs=inputs, outputs=[out]))
+            return out
+
+        def const(values, dtype=np.int64) -> gs.Constant:
+            return gs.Constant(f"{prefix}/const_{next(counter)}", np.asarray(values, dtype=dtype))
+
+        def flat(tensor: gs.Tensor) -> gs.Tensor:
+            if not match.four_d:
+                return tensor
+            moved = add("Transpose", [tensor], {"perm": [0, 2, 1, 3]}, dtype=tensor.dtype)
+            return add("Reshape", [moved, const([0, 0, -1])], dtype=tensor.dtype)
+
+        cos = sin = gs.Variable.empty()
+        rotation = match.rotation
+        if rotation is not None:
+            tables = []
+            for cache in (rotation.cos_cache, rotation.sin_cache):
+                half = add("Gather", [cache, rotation.position_ids], {"axis": 0}, dtype=cache.dtype) \
+                    if rotation.position_ids is not None else cache
+                if rotation.interleaved:
+                    pairs = add("Concat", [add("Unsqueeze", [half, const([-1])]), add("Unsqueeze", [half, const([-1])])],
+                                {"axis": -1}, dtype=cache.dtype)
+                    full = add("Reshape", [pairs, const([0, 0, -1])], dtype=cache.dtype)
+                else:
+                    full = add("Concat", [half, half], {"axis": -1}, dtype=cache.dtype)
+                tables.append(add("Unsqueeze", [full, const([1])], dtype=cache.dtype))
+            cos, sin = tables
+        inputs = list(node.inputs) + [gs.Variable.empty()] * (6 - len(node.inputs))
+        mask = gs.Variable.empty()
+        output = node.outputs[0]
+        fused_output = gs.Variable(f"{prefix}/fused", dtype=output.dtype) if match.four_d else output
+        outputs = [fused_output] + [t for t in node.outputs[1:3] if t.name]
+        scale = node.attrs.get("scale", 1.0 / np.sqrt(match.head_dim))
+        node.inputs.clear()
+        fused_inputs = [flat(match.q), flat(match.k), flat(match.v), inputs[4], inputs[5], mask, cos, sin]
+        while not fused_inputs[-1].name:
+            fused_inputs.pop()
+        graph.nodes.append(fused_node(
+            "FusedAttention", fused_inputs, outputs, f"{prefix}_FusedAttention", num_heads=match.heads,
+            kv_num_heads=match.kv_heads, head_dim=match.head_dim, scale=float(scale), causal=int(node.attrs.get("is_causal", 0)),
+            rotary_dim=rotation.rotary_dim if rotation else 0, rotary_interleaved=rotation.interleaved if rotation else 0))
+        if match.four_d:
+            output.inputs.clear()
+            split = add("Reshape", [fused_output, const([0, 0, match.heads, match.head_dim])], dtype=output.dtype)
+            add("Transpose", [split], {"perm": [0, 2, 1, 3]}, output=output)
