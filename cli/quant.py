@@ -108,6 +108,9 @@ def cli(model, out_format, method, bits, group_size, symmetric, skip, act_order,
         seq_len, output) -> None:
     """Quantize an ONNX LLM's weights into a standard QDQ ONNX model."""
     del out_format  # ONNX is the only format; the flag is there for the command lines users already have
+    if method == "smooth_quant":
+        raise AtcError("E10055", "W8A8 quantizes activations per token at run time, which has no standard QDQ "
+                                 "form; compile with atc --compress_weight_conf quant_mode W8A8 instead")
     cfg = QuantConfig(method=method, bits=bits, group_size=group_size, symmetric=symmetric, skip_layers=skip,
                       act_order=act_order, calibration_text=calibration_text, num_samples=num_samples, seq_len=seq_len)
     report = quantize_to_qdq(model, cfg, output)

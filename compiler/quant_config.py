@@ -14,11 +14,11 @@ from compiler.errors import AtcError, invalid_value, not_in_range
 from passes.quant_math import SUPPORTED_BLOCKS
 
 METHODS = ("rtn", "awq", "gptq", "smooth_quant")
-IMPLEMENTED_METHODS = ("rtn", "awq", "gptq")
-CALIBRATED_METHODS = ("awq", "gptq")
+IMPLEMENTED_METHODS = ("rtn", "awq", "gptq", "smooth_quant")
+CALIBRATED_METHODS = ("awq", "gptq", "smooth_quant")
 DEFAULT_CALIBRATION_TEXT = str(Path(__file__).resolve().parent.parent / "models" / "data" / "calibration.txt")
 BITS = (4, 8)
-QUANT_MODES = {"INT4": 4, "INT8": 8, "W8A8": None}
+QUANT_MODES = {"INT4": 4, "INT8": 8, "W8A8": 8}
 ACCURACY_LEVELS = ("auto", "0", "4")
 _JSON_KEYS = ("quant_mode", "group_size", "symmetric", "algorithms", "skip_layers", "calibration", "accuracy_level")
 
@@ -38,6 +38,8 @@ class QuantConfig:
     num_samples: int = 32
     seq_len: int = 512
     accuracy_level: str = "auto"  # MatMulNBits' activation precision: "auto" (per layer, measured), "0", "4"
+    activations: str = "float"  # "int8": W8A8, activations quantized per token at run time (SmoothQuant)
+    alpha: float = 0.5  # SmoothQuant's migration strength
 
     @property
     def needs_calibration(self) -> bool:
@@ -53,8 +55,12 @@ class QuantConfig:
             raise not_in_range(self.bits, "bits", BITS)
         if self.bits == 4 and self.group_size not in SUPPORTED_BLOCKS:
             raise not_in_range(self.group_size, "group-size", SUPPORTED_BLOCKS)
-        if self.needs_calibration and self.bits != 4:
+        if (self.method == "smooth_quant") != (self.activations == "int8"):
+            raise invalid_value(self.method, "quant-method", "smooth_quant goes with quant_mode W8A8, and W8A8 with it.")
+        if self.method in ("awq", "gptq") and self.bits != 4:
             raise invalid_value(self.method, "quant-method", f"{self.method} quantizes INT4 weights only.")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise invalid_value(self.alpha, "smooth_quant alpha", "alpha must lie in [0, 1].")
         if self.needs_calibration and not os.path.isfile(self.calibration_text):
             raise invalid_value(self.calibration_text, "calibration text_file", "The file is not found.")
         if str(self.accuracy_level) not in ACCURACY_LEVELS:
@@ -79,9 +85,7 @@ class QuantConfig:
         mode = document.get("quant_mode", "INT4")
         if mode not in QUANT_MODES:
             raise not_in_range(mode, "compress_weight_conf quant_mode", list(QUANT_MODES))
-        if QUANT_MODES[mode] is None:
-            raise AtcError("E10055", f"quant_mode {mode} (SmoothQuant W8A8) is not implemented yet")
-        algorithms = document.get("algorithms") or [{"name": "rtn"}]
+        algorithms = document.get("algorithms") or [{"name": "smooth_quant" if mode == "W8A8" else "rtn"}]
         if not isinstance(algorithms, list) or not all(isinstance(a, dict) and "name" in a for a in algorithms):
             raise AtcError("E10032", path, "algorithms must be a list of {\"name\": ..., \"params\": {...}}")
         skip = document.get("skip_layers", ["lm_head"])
@@ -96,6 +100,7 @@ class QuantConfig:
             raise AtcError("E10032", path, "params and calibration must be objects")
         extra = {"act_order": bool(params.get("act_order", True)), "damp": float(params.get("damp", 0.01)),
                  "accuracy_level": str(document.get("accuracy_level", "auto")),
+                 "activations": "int8" if mode == "W8A8" else "float", "alpha": float(params.get("alpha", 0.5)),
                  "num_samples": int(calibration.get("num_samples", 32)), "seq_len": int(calibration.get("seq_len", 512))}
         if "text_file" in calibration:
             extra["calibration_text"] = str(calibration["text_file"])

@@ -28,6 +28,7 @@ class InputStatistics:
 
     hessian: np.ndarray
     abs_sum: np.ndarray
+    abs_max: np.ndarray | None = None
     rows: int = 0
     kept: list = field(default_factory=list)  # a few activation rows from each sample, KEPT_ROWS in all
 
@@ -71,6 +72,8 @@ def collect_input_statistics(graph: gs.Graph, names: list[str], samples: list[np
             if with_hessian:  # one sample's product in float32 (BLAS sgemm), the running sums in float64
                 stats.hessian += rows.T @ rows
             stats.abs_sum += np.abs(rows).sum(axis=0, dtype=np.float64)
+            peak = np.abs(rows).max(axis=0)
+            stats.abs_max = peak if stats.abs_max is None else np.maximum(stats.abs_max, peak)
             stats.rows += rows.shape[0]
             stats.kept.append(rows[:: max(1, rows.shape[0] * len(samples) // KEPT_ROWS)][: KEPT_ROWS // len(samples) + 1])
     return statistics

@@ -117,14 +117,18 @@ def split_columns(quantized: QuantizedWeight, widths: list[int]) -> list[Quantiz
 
 def quantize_weights_together(weights: list[np.ndarray], method: str, bits: int, block_size: int, symmetric: bool,
                               hessian: np.ndarray | None = None, mean_abs: np.ndarray | None = None,
-                              act_order: bool = False, damp: float = 0.01
-                              ) -> tuple[list[QuantizedWeight], np.ndarray | None]:
+                              act_order: bool = False, damp: float = 0.01, abs_max: np.ndarray | None = None,
+                              alpha: float = 0.5) -> tuple[list[QuantizedWeight], np.ndarray | None]:
     """Quantize the weights of MatMuls that read one input as one [K, ΣN] matrix (as a QKV or gate/up fusion
     would merge them), so merged and unmerged graphs get the same integers; returns them and, for AWQ, the
     per-channel factor to multiply the shared input by."""
     merged = np.concatenate(weights, axis=1) if len(weights) > 1 else weights[0]
     input_scale = None
-    if method == "gptq":
+    if method == "smooth_quant":
+        scales = smooth_scales(abs_max, merged, alpha)
+        quantized = quantize_blockwise(merged * scales[:, None], bits, merged.shape[0], symmetric=True)
+        input_scale = (1.0 / scales).astype(np.float32)
+    elif method == "gptq":
         quantized = gptq_quantize(merged, hessian, bits, block_size, symmetric, act_order, damp)
     elif method == "awq":
         scales, quantized, _ = awq_search(merged, hessian, mean_abs, bits, block_size, symmetric)
@@ -146,3 +150,10 @@ def int8_activation_error(examples: np.ndarray, weight: np.ndarray, block_size: 
     approximation = (np.rint(blocks / scale) * scale).reshape(rows, -1)[:, :columns]
     exact = examples @ weight
     return float(np.linalg.norm((examples - approximation) @ weight) / max(np.linalg.norm(exact), 1e-12))
+
+
+def smooth_scales(abs_max: np.ndarray, weight: np.ndarray, alpha: float) -> np.ndarray:
+    """SmoothQuant (Xiao et al., 2023): s_k = max|x_k|^α / max|W_k|^(1−α); activations are divided by s and
+    weight rows multiplied by it, moving the activation outliers' range into the weights."""
+    weight_max = np.maximum(np.abs(weight).max(axis=1), 1e-5)
+    return (np.maximum(abs_max, 1e-5) ** alpha / weight_max ** (1.0 - alpha)).astype(np.float32)

@@ -119,9 +119,10 @@ class QuantizeWeights(FusionPass):
                              and not self._skipped(n)
                              and (_float_weight(n.inputs[1]) or producer(n.inputs[1], "DequantizeLinear"))})
             calibrating = self.config is not None and self.config.needs_calibration
+            hessians = calibrating and self.config.method in ("awq", "gptq")
             # the accuracy-level choice alone needs a few activation rows, not Hessians over every sample
             self._statistics = collect_input_statistics(graph, inputs, self.samples if calibrating else self.samples[:4],
-                                                        with_hessian=calibrating)
+                                                        with_hessian=hessians)
             self.matched_patterns.clear()
         return super().run(graph)
 
@@ -195,7 +196,7 @@ class QuantizeWeights(FusionPass):
         stats = self._statistics.get(matmul.inputs[0].name)
         (quantized,), input_scale = quantize_weights_together(
             [values], config.method, self.bits, block, self.symmetric, stats and stats.hessian,
-            stats and stats.mean_abs, config.act_order, config.damp)
+            stats and stats.mean_abs, config.act_order, config.damp, stats and stats.abs_max, config.alpha)
         return QuantMatch(matmul, quantized, input_scale)
 
     def rewrite(self, graph: gs.Graph, match: QuantMatch) -> None:
@@ -218,6 +219,8 @@ class QuantizeWeights(FusionPass):
                       gs.Constant(f"{name}_scales", quantized.scales.reshape(-1).astype(np.float32))]
             if quantized.zero_points is not None:
                 inputs.append(gs.Constant(f"{name}_zero_points", quantized.zero_points.reshape(-1)))
-            node = fused_node("MatMulInt8", inputs, [matmul.outputs[0]], f"{matmul.name}_int8")
+            dynamic = self.config is not None and self.config.activations == "int8"
+            node = fused_node("MatMulW8A8" if dynamic else "MatMulInt8", inputs, [matmul.outputs[0]],
+                              f"{matmul.name}_{'w8a8' if dynamic else 'int8'}")
         matmul.inputs.clear()
         graph.nodes.append(node)

@@ -36,3 +36,18 @@ def GatherInt4(table: np.ndarray, indices: np.ndarray, scales: np.ndarray, *, K:
     weight = dequantize_matmul_nbits(rows, scales.reshape(table.shape[0], -1)[indices.reshape(-1)], None, K,
                                      block_size)
     return weight.T.reshape(indices.shape + (K,)).astype(np.float32)
+
+
+def quantize_per_token(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 per row of the last axis: (q int8, scale float32 [..., 1]), q · scale ≈ a."""
+    scale = np.maximum(np.abs(a).max(axis=-1, keepdims=True) / np.float32(127.0), np.float32(1e-12))
+    return np.clip(np.rint(a / scale), -127, 127).astype(np.int8), scale.astype(np.float32)
+
+
+@register_kernel("MatMulW8A8")
+def MatMulW8A8(a: np.ndarray, b: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """SmoothQuant's W8A8 matmul: activations quantized to int8 per token at run time, int8 weights b [K, N]
+    with per-output-channel scales [N], int32 accumulation: y = (q_a · b) · scale_a · scales."""
+    q, scale = quantize_per_token(a.astype(np.float32))
+    accumulated = np.matmul(q.astype(np.int32), b.astype(np.int32))
+    return (accumulated.astype(np.float32) * scale * scales.astype(np.float32)).astype(a.dtype)

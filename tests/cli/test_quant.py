@@ -191,3 +191,32 @@ def test_accuracy_level_is_chosen_per_layer_by_measured_error(tmp_path, tiny_lla
     assert 4 in levels["auto"]  # random tiny weights and byte-level text: ordinary activations
     relative = np.linalg.norm(approximate - exact) / np.linalg.norm(exact)
     assert relative < 4 * ACCURACY_THRESHOLD
+
+
+def test_w8a8_smooth_quant_runs_integer_matmuls_close_to_the_float_model(tmp_path, tiny_llama_path):
+    config = tmp_path / "w8a8.json"
+    config.write_text(json.dumps({"quant_mode": "W8A8", "algorithms": [{"name": "smooth_quant", "params": {"alpha": 0.5}}],
+                                  "calibration": {"num_samples": 4, "seq_len": 64}}))
+    loaded = load_artifact(compile_to(tiny_llama_path, tmp_path / "w8a8", enable_compress_weight=True,
+                                      compress_weight_conf=str(config)))
+    ops = [n.op_type for n in loaded.model.graph.node]
+    assert ops.count("MatMulW8A8") == 2 * 4 and "MatMulInt8" not in ops
+    feeds = _feeds(loaded)
+    fast = Executor(loaded).run(feeds, ["logits"])["logits"]
+    reference = Executor(loaded, "reference").run(feeds, ["logits"])["logits"]
+    np.testing.assert_allclose(fast, reference, atol=1e-5, rtol=0)
+    exact = Executor(load_artifact(compile_to(tiny_llama_path, tmp_path / "fp32"))).run(feeds, ["logits"])["logits"]
+    assert np.linalg.norm(fast - exact) / np.linalg.norm(exact) < 0.05
+
+
+@pytest.mark.parametrize("conf", [{"quant_mode": "W8A8", "algorithms": [{"name": "gptq"}]},
+                                  {"quant_mode": "W8A8", "algorithms": [{"name": "smooth_quant", "params": {"alpha": 2}}]},
+                                  {"quant_mode": "INT8", "algorithms": [{"name": "smooth_quant"}]}])
+def test_w8a8_settings_are_checked(tmp_path, tiny_llama_path, conf):
+    from compiler.errors import AtcError
+
+    config = tmp_path / "bad.json"
+    config.write_text(json.dumps(conf))
+    with pytest.raises(AtcError) as caught:
+        compile_to(tiny_llama_path, tmp_path / "m", enable_compress_weight=True, compress_weight_conf=str(config))
+    assert caught.value.code == "E10001" and not (tmp_path / "m.om").exists()
