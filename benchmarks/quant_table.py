@@ -29,6 +29,7 @@ EVAL_TEXT = Path(__file__).resolve().parent.parent / "models" / "data" / "eval.t
 ROWS = {
     "FP32": None,
     "INT8": {"quant_mode": "INT8"},
+    "W8A8": {"quant_mode": "W8A8", "algorithms": [{"name": "smooth_quant", "params": {"alpha": 0.5}}]},
     "INT4-RTN g128": {"quant_mode": "INT4", "group_size": 128, "algorithms": [{"name": "rtn"}]},
     "INT4-AWQ g128": {"quant_mode": "INT4", "group_size": 128, "algorithms": [{"name": "awq"}]},
     "INT4-GPTQ g128": {"quant_mode": "INT4", "group_size": 128, "algorithms": [{"name": "gptq"}]},
