@@ -2,10 +2,11 @@
 rotate its query and key, → cann::FusedAttention.
 
 The forms FusedAttention expresses are taken: 3-D [B, S, H·D] or 4-D [B, H, S, D] q/k/v (4-D ones are
-flattened by a Transpose + Reshape, and the output turned back); no attn_mask (a general [.., S, T] mask
-says more than FusedAttention's padding mask); is_causal with the bottom-right alignment the op uses when
-there is a past cache; no softcap; no requested qk output. Rotary caches [max_position, R/2] gathered by position_ids (or already
-[B, S, R/2]) become FusedAttention's full-width cos/sin. Anything else stays a standard Attention node.
+flattened by a Transpose + Reshape, and the output turned back); an attn_mask of shape [B|1, H|1, S, T],
+boolean or additive, becomes FusedAttention's explicit bias input; is_causal with the bottom-right
+alignment the op uses when there is a past cache; no softcap; no requested qk output. Rotary caches
+[max_position, R/2] gathered by position_ids (or already [B, S, R/2]) become FusedAttention's full-width
+cos/sin. Anything else stays a standard Attention node.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class StandardAttentionMatch:
     head_dim: int
     four_d: bool
     rotation: Rotation | None
+    mask: gs.Tensor | None
 
 
 def _rotation(tensor: gs.Tensor, head_dim: int) -> tuple[gs.Tensor, Rotation] | None:
@@ -79,9 +81,8 @@ class ConvertAttention(FusionPass):
             return "q is neither 3-D nor 4-D"
         if not all(isinstance(d, int) and d > 0 for d in (heads, kv_heads, head_dim)) or heads % kv_heads:
             return "the head counts or the head size are not static and compatible"
-        if mask.name:
-            # a general [.., S, T] mask (boolean or additive) says more than a padding mask can
-            return "an explicit attn_mask is not supported"
+        if mask.name and (mask.shape is None or len(mask.shape) != 4 or mask.shape[1] not in (1, heads)):
+            return "the attn_mask is not [B|1, H|1, S, T]"
         rotation = None
         rotated_q, rotated_k = _rotation(q, head_dim), _rotation(k, head_dim)
         if rotated_q is not None and rotated_k is not None:
@@ -93,7 +94,8 @@ class ConvertAttention(FusionPass):
                 return "q and k rotate with different tables"
         elif (rotated_q is None) != (rotated_k is None):
             return "rotary embedding on only one of q and k"
-        return StandardAttentionMatch(node, q, k, v, heads, kv_heads, head_dim, rank == 4, rotation)
+        return StandardAttentionMatch(node, q, k, v, heads, kv_heads, head_dim, rank == 4, rotation,
+                                      mask if mask.name else None)
 
     def rewrite(self, graph: gs.Graph, match: StandardAttentionMatch) -> None:
         node, prefix = match.node, match.node.name or "attention"
@@ -129,19 +131,22 @@ class ConvertAttention(FusionPass):
                 tables.append(add("Unsqueeze", [full, const([1])], dtype=cache.dtype))
             cos, sin = tables
         inputs = list(node.inputs) + [gs.Variable.empty()] * (6 - len(node.inputs))
-        mask = gs.Variable.empty()
         output = node.outputs[0]
         fused_output = gs.Variable(f"{prefix}/fused", dtype=output.dtype) if match.four_d else output
         outputs = [fused_output] + [t for t in node.outputs[1:3] if t.name]
         scale = node.attrs.get("scale", 1.0 / np.sqrt(match.head_dim))
         node.inputs.clear()
-        fused_inputs = [flat(match.q), flat(match.k), flat(match.v), inputs[4], inputs[5], mask, cos, sin]
+        bias = match.mask if match.mask is not None else gs.Variable.empty()
+        fused_inputs = [flat(match.q), flat(match.k), flat(match.v), inputs[4], inputs[5], gs.Variable.empty(), cos,
+                        sin, bias]
         while not fused_inputs[-1].name:
             fused_inputs.pop()
         graph.nodes.append(fused_node(
             "FusedAttention", fused_inputs, outputs, f"{prefix}_FusedAttention", num_heads=match.heads,
             kv_num_heads=match.kv_heads, head_dim=match.head_dim, scale=float(scale), causal=int(node.attrs.get("is_causal", 0)),
-            rotary_dim=rotation.rotary_dim if rotation else 0, rotary_interleaved=rotation.interleaved if rotation else 0))
+            rotary_dim=rotation.rotary_dim if rotation else 0, rotary_interleaved=rotation.interleaved if rotation else 0,
+            bias_per_head=int(match.mask is not None and match.mask.shape[1] == match.heads and match.heads > 1),
+            bias_is_bool=int(match.mask is not None and np.dtype(match.mask.dtype or np.float32) == np.bool_)))
         if match.four_d:
             output.inputs.clear()
             split = add("Reshape", [fused_output, const([0, 0, match.heads, match.head_dim])], dtype=output.dtype)

@@ -86,7 +86,7 @@ def _rotary(b: _Builder, x: str, cos: str, sin: str, rotary_dim: int, head_dim: 
 
 def _fused_attention(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
     """Standard ops only: heads split, rotary, KV concat, grouped scores, causal + padding mask, softmax."""
-    query, key, value, past_key, past_value, mask, cos, sin = (list(node.input) + [""] * 8)[:8]
+    query, key, value, past_key, past_value, mask, cos, sin, bias = (list(node.input) + [""] * 9)[:9]
     outputs = list(node.output) + [""] * 2
     heads, kv_heads, dim = (_attr(node, n, 0) for n in ("num_heads", "kv_num_heads", "head_dim"))
     scale, causal, rotary_dim = _attr(node, "scale", 1.0), _attr(node, "causal", 1), _attr(node, "rotary_dim", 0)
@@ -121,9 +121,19 @@ def _fused_attention(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
     if mask:
         padding = b("Unsqueeze", b("Cast", mask, to=onnx.TensorProto.BOOL), b.const([1, 2, 3]))
         allowed = b("And", allowed, padding) if allowed else padding
+    minimum = b.const(np.finfo(np.float32).min, np.float32)
     if allowed:
-        bias = b("Where", allowed, b.const(0.0, np.float32), b.const(np.finfo(np.float32).min, np.float32))
-        scores = b("Add", scores, bias)
+        scores = b("Add", scores, b("Where", allowed, b.const(0.0, np.float32), minimum))
+    if bias:
+        additive = b("Where", bias, b.const(0.0, np.float32), minimum) if _attr(node, "bias_is_bool", 0) else bias
+        if _attr(node, "bias_per_head", 0):
+            shape = b("Shape", additive)
+            grouped = b("Concat", b("Slice", shape, b.const([0]), b.const([1])),
+                        b.const([kv_heads, heads // kv_heads]), b("Slice", shape, b.const([2]), b.const([4])), axis=0)
+            additive = b("Reshape", additive, grouped)
+        else:
+            additive = b("Unsqueeze", additive, b.const([2]))
+        scores = b("Add", scores, additive)
     context = b("MatMul", b("Softmax", scores, axis=-1), v5)
     merged = b("Transpose", b("Reshape", context, b.const([0, heads, -1, dim])), perm=perm)
     b("Reshape", merged, b.const([0, 0, heads * dim]), out=outputs[0])

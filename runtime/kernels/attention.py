@@ -50,15 +50,27 @@ def attention_mask_bias(seq: int, total: int, attention_mask: np.ndarray | None,
     return np.where(allowed, np.float32(0), np.finfo(dtype).min).astype(dtype)
 
 
+def explicit_bias(bias: np.ndarray, kv_num_heads: int, group: int, dtype=np.float32) -> np.ndarray:
+    """An [B|1, H|1, S, T] mask (boolean: True attends; float: added) as an additive [B|1, Hkv|1, G|1, S, T]."""
+    if bias.dtype == np.bool_:
+        bias = np.where(bias, np.float32(0), np.finfo(dtype).min).astype(dtype)
+    if bias.shape[1] == 1:
+        return bias[:, :, None]
+    return bias.reshape(bias.shape[0], kv_num_heads, group, *bias.shape[2:])
+
+
 @register_kernel("FusedAttention")
 def FusedAttention(query, key=None, value=None, past_key=None, past_value=None, attention_mask=None,
-                   cos=None, sin=None, *, num_heads: int, kv_num_heads: int, head_dim: int, scale: float,
-                   causal: int = 1, rotary_dim: int = 0, rotary_interleaved: int = 0):
-    """softmax(rope(q) · rope(k)ᵀ · scale + mask) · v over all heads; returns (output, present_key, present_value).
+                   cos=None, sin=None, attention_bias=None, *, num_heads: int, kv_num_heads: int, head_dim: int,
+                   scale: float, causal: int = 1, rotary_dim: int = 0, rotary_interleaved: int = 0,
+                   bias_per_head: int = 0, bias_is_bool: int = 0):
+    """softmax(rope(q) · rope(k)ᵀ · scale + mask [+ bias]) · v over all heads; returns (output, present_key,
+    present_value).
 
-    `rotary_dim` restates cos's last dimension for lowerings that need it before run time.
+    `rotary_dim` restates cos's last dimension, `bias_per_head` the bias's head axis (H, else 1) and
+    `bias_is_bool` its type, for lowerings that need them before run time.
     """
-    del rotary_dim
+    del rotary_dim, bias_per_head, bias_is_bool
     if key is None:
         query, key, value = split_packed(query, num_heads, kv_num_heads, head_dim)
     q = _heads(query, num_heads, head_dim)
@@ -75,6 +87,8 @@ def FusedAttention(query, key=None, value=None, past_key=None, past_value=None, 
     q5 = q.reshape(batch, kv_num_heads, group, seq, head_dim)
     scores = np.matmul(q5, np.swapaxes(k, -1, -2)[:, :, None]) * np.float32(scale)
     scores = scores + attention_mask_bias(seq, k.shape[2], attention_mask, causal, q.dtype)[:, :, None]
+    if attention_bias is not None:
+        scores = scores + explicit_bias(attention_bias, kv_num_heads, group, q.dtype)
     scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
     probs = scores / scores.sum(axis=-1, keepdims=True)
     context = np.matmul(probs, v[:, :, None]).reshape(batch, num_heads, seq, head_dim)

@@ -13,7 +13,7 @@ B, S, P, HIDDEN, HEADS, KV_HEADS, D = 2, 5, 3, 32, 4, 2, 8
 RNG = np.random.default_rng(7)
 
 
-def _model(four_d: bool, interleaved: int = 0, rotary_dim: int = 0, past: bool = True, mask: bool = False,
+def _model(four_d: bool, interleaved: int = 0, rotary_dim: int = 0, past: bool = True, mask: str = "",
            causal: int = 1, k_rotary_dim: int | None = None):
     half = (rotary_dim or D) // 2
     angles = np.arange(64)[:, None] * (0.1 + np.arange(half))[None, :] * 0.05
@@ -47,30 +47,40 @@ def _model(four_d: bool, interleaved: int = 0, rotary_dim: int = 0, past: bool =
     if past:
         graph_inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, [B, KV_HEADS, P, D])
                          for n in ("past_key", "past_value")]
-    if mask:
-        graph_inputs.append(helper.make_tensor_value_info("attention_mask", TensorProto.BOOL, [B, 1, 1, S + P]))
+    total = S + (P if past else 0)
+    if mask == "bool":
+        graph_inputs.append(helper.make_tensor_value_info("attention_mask", TensorProto.BOOL, [B, 1, S, total]))
+    elif mask == "float":
+        graph_inputs.append(helper.make_tensor_value_info("attention_mask", TensorProto.FLOAT, [B, HEADS, S, total]))
+    elif mask == "narrow":
+        graph_inputs.append(helper.make_tensor_value_info("attention_mask", TensorProto.FLOAT, [B, 2, S, total]))
     graph_outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs]
     graph = helper.make_graph(nodes, "g", graph_inputs, graph_outputs, init)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
 
 
-def _feeds(past: bool = True, mask: bool = False):
+def _feeds(past: bool = True, mask: str = ""):
     feeds = {"x": RNG.standard_normal((B, S, HIDDEN)).astype(np.float32),
              "position_ids": np.tile(np.arange(P, P + S), (B, 1)).astype(np.int64)}
     if past:
         feeds.update({n: RNG.standard_normal((B, KV_HEADS, P, D)).astype(np.float32) for n in ("past_key", "past_value")})
-    if mask:
-        allowed = np.ones((B, 1, 1, S + P), bool)
-        allowed[1, ..., 0] = False
+    total = S + (P if past else 0)
+    if mask == "bool":
+        allowed = np.ones((B, 1, S, total), bool)
+        allowed[1, ..., 0] = False  # a padded first key in the second row
         feeds["attention_mask"] = allowed
+    elif mask == "float":
+        feeds["attention_mask"] = (0.5 * RNG.standard_normal((B, HEADS, S, total))).astype(np.float32)
     return feeds
 
 
 @pytest.mark.parametrize("four_d", [False, True], ids=["3d", "4d"])
-@pytest.mark.parametrize("variant", ["half", "interleaved-partial", "no-past", "not-causal"])
+@pytest.mark.parametrize("variant", ["half", "interleaved-partial", "no-past", "not-causal", "bool-mask",
+                                     "float-mask-per-head"])
 def test_standard_attention_becomes_fused_attention(four_d, variant, tmp_path):
     options = {"half": {}, "interleaved-partial": dict(interleaved=1, rotary_dim=4),
-               "no-past": dict(past=False), "not-causal": dict(causal=0)}[variant]
+               "no-past": dict(past=False), "not-causal": dict(causal=0), "bool-mask": dict(mask="bool"),
+               "float-mask-per-head": dict(mask="float", causal=0)}[variant]
     model = _model(four_d, **options)
     fused, (result,) = apply_pass(model, ConvertAttention())
     counts = op_counts(fused)
@@ -82,7 +92,7 @@ def test_standard_attention_becomes_fused_attention(four_d, variant, tmp_path):
 
 @pytest.mark.parametrize("options, reason", [
     (dict(k_rotary_dim=4), "different tables"),
-    (dict(past=False, mask=True), "attn_mask"),
+    (dict(mask="narrow"), "attn_mask"),
 ])
 def test_refusals(options, reason):
     fused, (result,) = apply_pass(_model(False, **options), ConvertAttention())
