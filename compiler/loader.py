@@ -15,6 +15,7 @@ from google.protobuf.message import DecodeError
 from onnx import external_data_helper, helper
 
 from compiler.errors import AtcError
+from compiler.proto_utils import initializers_as_inputs
 
 
 def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
@@ -35,7 +36,7 @@ def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
     external_data_helper.load_external_data_for_model(model, str(path.parent))
     _check_tensor_sizes(model, path)
     try:
-        onnx.checker.check_model(_without_weights(model))
+        onnx.checker.check_model(initializers_as_inputs(model))
     except onnx.checker.ValidationError as error:
         raise AtcError("E10041", path, reason=f"the ONNX checker refused the model: {str(error).strip()}") from None
     return model
@@ -72,16 +73,3 @@ def _check_tensor_sizes(model: onnx.ModelProto, path: Path) -> None:
         if len(tensor.raw_data) != expected:
             raise AtcError("E10041", path, reason=f"tensor {tensor.name} holds {len(tensor.raw_data)} bytes, "
                                                   f"its shape {list(tensor.dims)} needs {expected}")
-
-
-def _without_weights(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy for the checker in which weights are typed inputs: small to serialise, whatever the model."""
-    graph = model.graph
-    light = onnx.ModelProto()
-    light.ir_version, light.producer_name = model.ir_version, model.producer_name
-    light.opset_import.extend(model.opset_import)
-    light.functions.extend(model.functions)
-    inputs = list(graph.input) + [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
-                                  for t in graph.initializer]
-    light.graph.CopyFrom(helper.make_graph(list(graph.node), graph.name, inputs, list(graph.output)))
-    return light

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fnmatch
+
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
@@ -102,3 +104,12 @@ def scale_input(graph: gs.Graph, x: gs.Tensor, scale: np.ndarray, name: str) -> 
     graph.nodes.append(gs.Node("Mul", name=f"{name}/Mul", inputs=[x, gs.Constant(f"{name}_scale", scale)],
                                outputs=[scaled]))
     return scaled
+
+
+def skip_pattern(matmul: gs.Node, head: gs.Node | None, patterns: tuple[str, ...]) -> str | None:
+    """The first skip pattern naming `matmul`: fnmatch on its node or weight name; "lm_head" is `head`."""
+    for pattern in patterns:
+        if (pattern == "lm_head" and matmul is head) or any(
+                fnmatch.fnmatchcase(name, pattern) for name in (matmul.name, matmul.inputs[1].name)):
+            return pattern
+    return None

@@ -13,7 +13,6 @@ Runs after the fusions, so merged QKV and gate/up weights are quantized as the m
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +23,7 @@ from passes.calibration import InputStatistics, collect_input_statistics
 from passes.pattern import FusionPass, fused_node, producer
 from passes.quant_math import QuantizedWeight, dequantize_blockwise, pack_matmul_nbits, quantize_blockwise
 from passes.quant_search import int8_activation_error, quantize_weights_together
-from passes.graph_utils import lm_head, scale_input
+from passes.graph_utils import lm_head, scale_input, skip_pattern
 
 
 # relative output error int8 activations may add to a layer before it keeps float activations; well
@@ -153,28 +152,26 @@ class QuantizeWeights(FusionPass):
                 gather.inputs.clear()
         self.matched_patterns.add("lm_head")
 
-    def _accuracy_level(self, x: gs.Tensor, quantized: QuantizedWeight, input_scale: np.ndarray | None) -> int:
+    def _accuracy_level(self, activations: str, quantized: QuantizedWeight, input_scale: np.ndarray | None) -> int:
         """4 (int8 activations, faster) where the measured output error of doing so is below
-        ACCURACY_THRESHOLD, else 0 (float activations); fixed when the configuration says so."""
+        ACCURACY_THRESHOLD, else 0 (float activations); fixed when the configuration says so.
+        `activations` names the MatMul's input before any AWQ scaling (the calibrated value)."""
         setting = str(self.config.accuracy_level) if self.config else "0"
-        source = x.inputs[0].inputs[0] if input_scale is not None and x.inputs else x  # before AWQ's Mul
-        stats = self._statistics.get(source.name) or self._statistics.get(x.name)
+        stats = self._statistics.get(activations)
         if setting != "auto" or stats is None:
             level = 4 if setting == "4" else 0
         else:
             examples = stats.examples * (input_scale if input_scale is not None else 1.0)
             error = int8_activation_error(examples, dequantize_blockwise(quantized), quantized.block_size)
             level = 4 if error < ACCURACY_THRESHOLD else 0
-        self.accuracy_levels[x.name] = level
+        self.accuracy_levels[activations] = level
         return level
 
     def _skipped(self, node: gs.Node) -> str | None:
-        for pattern in self.skip:
-            if (pattern == "lm_head" and node is self._head) or any(
-                    fnmatch.fnmatchcase(name, pattern) for name in (node.name, node.inputs[1].name)):
-                self.matched_patterns.add(pattern)
-                return pattern
-        return None
+        pattern = skip_pattern(node, self._head, self.skip)
+        if pattern is not None:
+            self.matched_patterns.add(pattern)
+        return pattern
 
     def match(self, graph: gs.Graph, matmul: gs.Node) -> QuantMatch | str:
         weight = matmul.inputs[1]
@@ -201,7 +198,7 @@ class QuantizeWeights(FusionPass):
 
     def rewrite(self, graph: gs.Graph, match: QuantMatch) -> None:
         matmul, quantized = match.matmul, match.quantized
-        source = matmul.inputs[1]
+        source, activations = matmul.inputs[1], matmul.inputs[0].name
         if match.input_scale is not None:
             matmul.inputs[0] = scale_input(graph, matmul.inputs[0], match.input_scale, f"{matmul.name}_awq")
         rows, cols = quantized.values.shape
@@ -211,7 +208,7 @@ class QuantizeWeights(FusionPass):
             inputs = [matmul.inputs[0], gs.Constant(f"{name}_int4", blob), gs.Constant(f"{name}_scales", scales)]
             if zero_points is not None:
                 inputs.append(gs.Constant(f"{name}_zero_points", zero_points))
-            level = self._accuracy_level(matmul.inputs[0], quantized, match.input_scale)
+            level = self._accuracy_level(activations, quantized, match.input_scale)
             node = fused_node("MatMulInt4", inputs, [matmul.outputs[0]], f"{matmul.name}_int4", K=rows, N=cols,
                               bits=4, block_size=quantized.block_size, accuracy_level=level)
         else:

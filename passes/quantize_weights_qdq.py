@@ -8,14 +8,13 @@ name and its weight's name, and `lm_head` names the MatMul that produces the log
 
 from __future__ import annotations
 
-import fnmatch
 
 import ml_dtypes
 import numpy as np
 import onnx_graphsurgeon as gs
 
 from compiler.pass_manager import PassResult
-from passes.graph_utils import lm_head, packed_constant, scale_input
+from passes.graph_utils import lm_head, packed_constant, scale_input, skip_pattern
 from passes.quant_math import QuantizedWeight, dequantize_blockwise
 from passes.quant_search import quantize_weights_together
 
@@ -36,18 +35,11 @@ class QuantizeWeightsQDQ:
         self.layers: list[dict] = []
         self.matched_patterns: set[str] = set()
 
-    def _skip_pattern(self, node: gs.Node, head: gs.Node | None) -> str | None:
-        for pattern in self.skip:
-            if (pattern == "lm_head" and node is head) or any(fnmatch.fnmatchcase(name, pattern)
-                                                               for name in (node.name, node.inputs[1].name)):
-                return pattern
-        return None
-
     def run(self, graph: gs.Graph) -> PassResult:
         result, head = PassResult(), lm_head(graph)
         groups: dict[int, list[gs.Node]] = {}
         for node in [n for n in graph.nodes if n.op == "MatMul"]:
-            pattern = self._skip_pattern(node, head)
+            pattern = skip_pattern(node, head, self.skip)
             if pattern is not None:
                 self.matched_patterns.add(pattern)
             weight = node.inputs[1]

@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
 from compiler.artifact import SUB_BYTE_TYPES
+from compiler.proto_utils import initializers_as_inputs
 from runtime.kernels import reference_ops
 from runtime.loader import LoadedModel
 from runtime.lowering import lower_for_onnxruntime
@@ -37,7 +37,7 @@ class Executor:
             self._session = _ort_session(lower_for_onnxruntime(model), weights, threads, spinning)
             self._weights_fed = {}
         else:
-            self._session = ReferenceEvaluator(_weights_as_inputs(model), new_ops=reference_ops())
+            self._session = ReferenceEvaluator(initializers_as_inputs(model, _is_external), new_ops=reference_ops())
             self._weights_fed = weights
 
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
@@ -82,14 +82,6 @@ def _ort_session(model: onnx.ModelProto, weights: dict[str, np.ndarray], threads
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def _weights_as_inputs(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The graph with external initializers turned into inputs, so weights are fed, not copied."""
-    light = onnx.ModelProto()
-    light.CopyFrom(model)
-    graph = light.graph
-    external = [t for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
-    graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in external)
-    kept = [t for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    return light
+def _is_external(tensor: onnx.TensorProto) -> bool:
+    # weights in the artifact are fed to the reference backend as inputs, never copied into the graph
+    return tensor.data_location == onnx.TensorProto.EXTERNAL

@@ -1,0 +1,25 @@
+"""ModelProto helpers shared by the compiler and the runtime."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import onnx
+from onnx import helper
+
+
+def initializers_as_inputs(model: onnx.ModelProto,
+                           which: Callable[[onnx.TensorProto], bool] = lambda tensor: True) -> onnx.ModelProto:
+    """A copy of `model` whose initializers chosen by `which` are typed graph inputs instead; nothing else
+    of the weights is copied, so the result serialises small whatever the model's size."""
+    graph = model.graph
+    moved = [t for t in graph.initializer if which(t)]
+    kept = [t for t in graph.initializer if not which(t)]
+    inputs = list(graph.input) + [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in moved]
+    light = onnx.ModelProto()
+    light.ir_version, light.producer_name = model.ir_version, model.producer_name
+    light.opset_import.extend(model.opset_import)
+    light.functions.extend(model.functions)
+    light.graph.CopyFrom(helper.make_graph(list(graph.node), graph.name, inputs, list(graph.output), kept,
+                                           value_info=list(graph.value_info)))
+    return light
