@@ -19,7 +19,7 @@ from compiler.loader import load_onnx
 from compiler.pass_manager import PassReport, run_passes
 from compiler.pipeline import build_pipeline
 from compiler.precheck import check_ops, unsupported_types
-from compiler.signature import io_signature, is_dynamic, llm_dimensions
+from compiler.signature import attention_dimensions, io_signature, is_dynamic, kv_cache_metadata, llm_dimensions
 from compiler.tokenizer_files import tokenizer_files
 from models.recipes import detect_family
 
@@ -62,7 +62,9 @@ def compile_model(cfg: CompileConfig) -> CompileResult:
         "config": cfg.effective(),
         "signature": signature,
         "is_dynamic": is_dynamic(signature),
-        "model": {**llm_dimensions(signature), "family": cfg.model_type or detected, "detected_family": detected},
+        "model": {**llm_dimensions(signature), **attention_dimensions(graph), "family": cfg.model_type or detected,
+                  "detected_family": detected},
+        "kv_cache": kv_cache_metadata(cfg),
         "source": {"file": Path(cfg.model).name, "producer": f"{model.producer_name} {model.producer_version}".strip(),
                    "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import}},
         "pass_report": report.as_dict(),

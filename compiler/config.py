@@ -12,6 +12,7 @@ from pathlib import Path
 
 from compiler.errors import AtcError, invalid_value, not_in_range
 from compiler.fusion_switch import parse_fusion_switch_file
+from compiler.paged_config import PagedConfig
 from compiler.quant_config import QuantConfig
 from compiler.soc import SOC_VERSIONS, SocProfile
 
@@ -68,6 +69,7 @@ class CompileConfig:
     cmdline: str = ""
     fusion_switches: dict[str, bool] = field(default_factory=dict, compare=False)
     quantization: QuantConfig | None = field(default=None, compare=False)
+    paging: PagedConfig | None = field(default=None, compare=False)
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -82,6 +84,10 @@ class CompileConfig:
             quantization = (QuantConfig.from_json(self.compress_weight_conf, group) if self.compress_weight_conf
                             else QuantConfig(group_size=group))
             object.__setattr__(self, "quantization", quantization)
+        if self.paging is None and self.enable_paged_attention:
+            page_size = self.soc.page_size if self.soc_version else PagedConfig.page_size
+            paging = PagedConfig.from_json(self.paged_config, page_size) if self.paged_config else PagedConfig(page_size)
+            object.__setattr__(self, "paging", paging)
         if self.auto_tune_mode:
             self._warn("W10001", "The Auto Tune function has been deprecated; --auto_tune_mode is ignored.")
 
@@ -111,6 +117,7 @@ class CompileConfig:
         out = asdict(self)
         out.pop("warnings")
         out["quantization"] = asdict(self.quantization) if self.quantization else None
+        out["paging"] = asdict(self.paging) if self.paging else None
         out["input_shape"] = {k: [list(d) if isinstance(d, tuple) else d for d in v] for k, v in self.input_shape.items()}
         return out
 

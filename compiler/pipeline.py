@@ -20,6 +20,8 @@ from passes.fuse_qkv import FuseQkv
 from passes.fuse_rms_norm import FuseRmsNorm
 from passes.fuse_swiglu import FuseSwiGlu
 from passes.infer_shapes import InferShapes
+from passes.paged_kv_cache import PagedKvCache
+from passes.prune_logits import PruneLogits
 from passes.quantize_weights import QuantizeWeights
 
 
@@ -57,7 +59,7 @@ def _samples_if_useful(cfg: CompileConfig | None) -> list[np.ndarray] | None:
 def build_pipeline(cfg: CompileConfig | None) -> list[Pass]:
     """The passes `cfg` asks for, in order; switched-off ones are skipped by the runner, not dropped here."""
     quant = cfg.quantization if cfg is not None else None
-    return [
+    passes: list[Pass] = [
         # Phase 0: canonical form, so that later patterns see one spelling of each structure. Folding
         # runs twice: shapes inferred after the first round make more Shape → Gather chains static.
         InferShapes(),
@@ -80,3 +82,7 @@ def build_pipeline(cfg: CompileConfig | None) -> list[Pass]:
         # Phase 3: weights (QDQ weights are repacked whether or not compression was asked for)
         QuantizeWeights(quant, _samples_if_useful(cfg)),
     ]
+    if cfg is not None and cfg.paging is not None:
+        # Phase 4: batches without padding over the runtime's page pool
+        passes += [PagedKvCache(cfg.paging.page_size), PruneLogits()]
+    return passes

@@ -77,12 +77,12 @@ def packed_constant(name: str, array: np.ndarray) -> gs.Constant:
 _LOGITS_PASS_THROUGH = ("Reshape", "Cast", "Identity", "Add")
 
 
-def lm_head(graph: gs.Graph, output_name: str = "logits") -> gs.Node | None:
-    """The MatMul that computes `logits` (through reshapes, casts and a bias add), if any."""
+def lm_head(graph: gs.Graph, output_name: str = "logits", ops: tuple[str, ...] = ("MatMul",)) -> gs.Node | None:
+    """The projection (one of `ops`) that computes `logits` (through reshapes, casts and a bias add), if any."""
     tensor = next((t for t in graph.outputs if t.name == output_name), None)
     while tensor is not None and tensor.inputs:
         node = tensor.inputs[0]
-        if node.op == "MatMul":
+        if node.op in ops:
             return node
         if node.op not in _LOGITS_PASS_THROUGH:
             return None

@@ -11,19 +11,28 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
 from compiler.artifact import SUB_BYTE_TYPES
 from compiler.proto_utils import initializers_as_inputs
 from runtime.kernels import reference_ops
+from runtime.kernels.paged_attention import is_paged_attention, paged_fused_attention
+from runtime.kv_cache import PagePool
 from runtime.loader import LoadedModel
 from runtime.lowering import lower_for_onnxruntime
+from runtime.segments import HostNode, Segment, split_at_host_nodes
 
 BACKENDS = ("onnxruntime", "reference")
 
 
 class Executor:
-    """Runs a loaded artifact: `run(feeds) -> {output name: array}`."""
+    """Runs a loaded artifact: `run(feeds) -> {output name: array}`.
+
+    The graph is cut at its host nodes (runtime/segments.py); each segment becomes one session of the
+    backend, built once. A paged artifact's attention nodes are host nodes reading and writing the page
+    pool passed to `run` as `kv_cache`.
+    """
 
     def __init__(self, loaded: LoadedModel, backend: str = "onnxruntime", threads: int | None = None,
                  spinning: bool = True):
@@ -33,18 +42,65 @@ class Executor:
         self.backend = backend
         self.output_names = loaded.output_names
         model, weights = _inline_sub_byte(loaded.model, loaded.weights)
+        self._steps = []
+        for step in split_at_host_nodes(model, is_paged_attention):
+            if isinstance(step, HostNode):
+                self._steps.append(_HostStep(step.node, fast=backend == "onnxruntime"))
+            else:
+                self._steps.append(_SegmentStep(step, weights, backend, threads, spinning))
+
+    @property
+    def num_segments(self) -> int:
+        """How many backend sessions one step runs."""
+        return sum(isinstance(step, _SegmentStep) for step in self._steps)
+
+    def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None,
+            kv_cache: PagePool | None = None) -> dict[str, np.ndarray]:
+        """Outputs named `output_names` (default all) for `feeds`; a paged artifact needs `kv_cache`."""
+        names = output_names or self.output_names
+        values = dict(feeds)
+        for step in self._steps:
+            values.update(step.run(values, kv_cache, names if len(self._steps) == 1 else None))
+        return {name: values[name] for name in names}
+
+
+class _SegmentStep:
+    def __init__(self, segment: Segment, weights: dict[str, np.ndarray], backend: str, threads: int | None,
+                 spinning: bool):
+        self.inputs, self.outputs = segment.inputs, segment.outputs
+        used = {t.name for t in segment.model.graph.initializer}
+        mine = {name: view for name, view in weights.items() if name in used}
         if backend == "onnxruntime":
-            self._session = _ort_session(lower_for_onnxruntime(model), weights, threads, spinning)
+            self._session = _ort_session(lower_for_onnxruntime(segment.model), mine, threads, spinning)
             self._weights_fed = {}
         else:
-            self._session = ReferenceEvaluator(initializers_as_inputs(model, _is_external), new_ops=reference_ops())
-            self._weights_fed = weights
+            light = initializers_as_inputs(segment.model, _is_external)
+            self._session = ReferenceEvaluator(light, new_ops=reference_ops())
+            self._weights_fed = mine
 
-    def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
-        """Outputs named `output_names` (default all) for `feeds`."""
-        names = output_names or self.output_names
-        outputs = self._session.run(names, {**feeds, **self._weights_fed})
-        return dict(zip(names, outputs))
+    def run(self, values: dict, kv_cache, names: list[str] | None) -> dict[str, np.ndarray]:
+        del kv_cache
+        names = names or self.outputs
+        feeds = {name: values[name] for name in self.inputs if name in values}
+        return dict(zip(names, self._session.run(names, {**feeds, **self._weights_fed})))
+
+
+class _HostStep:
+    def __init__(self, node: onnx.NodeProto, fast: bool):
+        self.inputs = list(node.input)
+        self.output = node.output[0]
+        self.attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        self.layer = self.attributes["layer"]
+        self.fast = fast
+
+    def run(self, values: dict, kv_cache: PagePool | None, names) -> dict[str, np.ndarray]:
+        del names
+        if kv_cache is None:
+            raise ValueError("a paged artifact runs with a page pool: pass kv_cache (runtime.kv_cache.PagePool)")
+        inputs = [values[name] if name else None for name in self.inputs]
+        out = paged_fused_attention(inputs, kv_cache.key[self.layer], kv_cache.value[self.layer],
+                                    fast=self.fast, **self.attributes)
+        return {self.output: out}
 
 
 def _inline_sub_byte(model: onnx.ModelProto, weights: dict[str, np.ndarray]):

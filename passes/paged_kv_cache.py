@@ -1,0 +1,94 @@
+"""PagedKvCachePass: rewrite a fused LLM graph into batches without padding over a runtime-owned paged cache.
+
+Before: `input_ids [B, S]`, `attention_mask`, `past_key_values.*` in and `present.*` out, each
+`FusedAttention` concatenating its layer's past. After (../shared/DESIGN.md "Batches without padding"):
+the scheduled sequences' tokens flattened into `input_ids [1, T]` and `position_ids [1, T]`, plus the
+attention metadata every `FusedAttention` reads (`query_start_loc [B+1]`, `seq_lens [B]`,
+`block_tables [B, M]`, `slot_mapping [T]`); each attention writes its new keys and values into the pages
+and reads the whole context from them. The cache leaves the graph's I/O: the runtime owns the pages.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from compiler.errors import AtcError
+from compiler.pass_manager import PassResult
+
+# name, dtype, shape: the attention metadata, in the order FusedAttention takes it (inputs 9..12)
+METADATA_INPUTS = (
+    ("query_start_loc", np.int32, ["num_seqs_plus_1"]),
+    ("seq_lens", np.int32, ["num_seqs"]),
+    ("block_tables", np.int32, ["num_seqs", "max_blocks"]),
+    ("slot_mapping", np.int64, ["num_tokens"]),
+)
+TOKEN_INPUTS = ("input_ids", "position_ids")
+_PAST, _PRESENT = (3, 4), (1, 2)
+_MASK, _BIAS = 5, 8
+
+
+class PagedKvCache:
+    """Move the KV cache out of the graph into pages addressed by attention metadata."""
+
+    name = "PagedKvCachePass"
+    switchable = False
+
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+
+    def run(self, graph: gs.Graph) -> PassResult:
+        attentions = [n for n in graph.toposort().nodes if n.op == "FusedAttention"]
+        self._check(graph, attentions)
+        inputs = {t.name: t for t in graph.inputs}
+        metadata = [gs.Variable(name, dtype=dtype, shape=shape) for name, dtype, shape in METADATA_INPUTS]
+        cache_io = set()
+        for layer, node in enumerate(attentions):
+            cache_io.update(node.inputs[i].name for i in _PAST + (_MASK,) if _present(node, i))
+            cache_io.update(node.outputs[i].name for i in _PRESENT if i < len(node.outputs))
+            empty = gs.Variable.empty()
+            kept = [node.inputs[i] if _present(node, i) else empty for i in range(3)]
+            rotary = [node.inputs[i] if _present(node, i) else empty for i in (6, 7)]
+            node.inputs.clear()
+            node.inputs.extend(kept + [empty, empty, empty] + rotary + [empty] + metadata)
+            while len(node.outputs) > 1:
+                node.outputs.pop()
+            node.attrs.update(paged=1, layer=layer, page_size=self.page_size)
+        for name in TOKEN_INPUTS:
+            inputs[name].shape = [1, "num_tokens"]
+        still_read = sorted(t.name for t in graph.inputs if t.name in cache_io and t.outputs)
+        if still_read:
+            raise AtcError("E10055", f"{', '.join(still_read)} also feed ops other than attention, which a paged "
+                                     "cache cannot serve; compile with --enable_paged_attention=0")
+        graph.inputs = [t for t in graph.inputs if t.name not in cache_io] + metadata
+        graph.outputs = [t for t in graph.outputs if t.name not in cache_io]
+        graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        return PassResult(match_times=len(attentions), effect_times=len(attentions))
+
+    @staticmethod
+    def _check(graph: gs.Graph, attentions: list[gs.Node]) -> None:
+        names = {t.name for t in graph.inputs}
+        if not attentions:
+            raise AtcError("E10055", "--enable_paged_attention=1 needs the attention fused into FusedAttention, "
+                                     "and this model has none (see fusion_result.json); compile it with "
+                                     "--enable_paged_attention=0")
+        missing = [name for name in TOKEN_INPUTS if name not in names]
+        if missing:
+            raise AtcError("E10055", f"--enable_paged_attention=1 needs the graph inputs {', '.join(TOKEN_INPUTS)}; "
+                                     f"{', '.join(missing)} missing")
+        for node in attentions:
+            if _present(node, _BIAS):
+                raise AtcError("E10055", f"{node.name} takes an explicit attention bias, which a paged cache "
+                                         "cannot address; compile with --enable_paged_attention=0")
+            for index in _PAST:
+                if _present(node, index) and node.inputs[index] not in graph.inputs:
+                    raise AtcError("E10055", f"{node.name} reads a KV cache that is not a graph input")
+        mask = next((t for t in graph.inputs if t.name == "attention_mask"), None)
+        if mask is not None and any(c.op != "FusedAttention" for c in mask.outputs):
+            users = sorted({c.op for c in mask.outputs if c.op != "FusedAttention"})
+            raise AtcError("E10055", f"attention_mask also feeds {', '.join(users)}, which a flattened batch "
+                                     "cannot express; compile with --enable_paged_attention=0")
+
+
+def _present(node: gs.Node, index: int) -> bool:
+    return index < len(node.inputs) and bool(node.inputs[index].name)

@@ -1,0 +1,112 @@
+"""Cut a graph into segments at its host nodes (../shared/DESIGN.md "The runtime").
+
+A host node is one the runtime executes itself between onnxruntime sessions (the paged FusedAttention,
+which reads and writes the runtime's page pool). Every other node goes to the earliest segment in which
+all its inputs exist, so segment k holds what can run once host nodes 0..k-1 have run; the plan is then
+segment 0, host 0, segment 1, ..., host n-1, segment n. A graph without host nodes is one segment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import onnx
+from onnx import helper
+
+from compiler.errors import AtcError
+
+
+@dataclass
+class Segment:
+    """A standalone sub-model: `inputs` come from the feeds or earlier steps, `outputs` are read later."""
+
+    model: onnx.ModelProto
+    inputs: list[str]
+    outputs: list[str]
+
+
+@dataclass
+class HostNode:
+    """A node the runtime runs itself."""
+
+    node: onnx.NodeProto
+
+
+def split_at_host_nodes(model: onnx.ModelProto, is_host: Callable[[onnx.NodeProto], bool]) -> list[Segment | HostNode]:
+    """The execution plan of `model`: segments and host nodes in run order (empty segments left out)."""
+    graph = model.graph
+    hosts = [n for n in graph.node if is_host(n)]
+    if not hosts:
+        names = [i.name for i in graph.input if i.name not in {t.name for t in graph.initializer}]
+        return [Segment(model, names, [o.name for o in graph.output])]
+    level: dict[str, int] = {}
+    buckets: list[list[onnx.NodeProto]] = [[] for _ in range(len(hosts) + 1)]
+    host_index = {id(n): k for k, n in enumerate(hosts)}
+    for node in graph.node:
+        needed = max((level.get(name, 0) for name in node.input if name), default=0)
+        if id(node) in host_index:
+            k = host_index[id(node)]
+            if needed > k:
+                raise AtcError("E13015", "the graph", f"host node {node.name} reads a value computed after it")
+            level.update((name, k + 1) for name in node.output)
+        else:
+            buckets[needed].append(node)
+            level.update((name, needed) for name in node.output)
+    types = _value_types(model)
+    consumers = _readers(graph, hosts)
+    plan: list[Segment | HostNode] = []
+    for k, nodes in enumerate(buckets):
+        if nodes:
+            plan.append(_segment(model, nodes, k, consumers, types))
+        if k < len(hosts):
+            plan.append(HostNode(hosts[k]))
+    return plan
+
+
+def _readers(graph: onnx.GraphProto, hosts: list[onnx.NodeProto]) -> dict[str, set]:
+    """tensor name → the steps that read it: a segment level (int), a host node ("host"), or the output."""
+    readers: dict[str, set] = {}
+    for node in hosts:
+        for name in node.input:
+            readers.setdefault(name, set()).add("host")
+    for output in graph.output:
+        readers.setdefault(output.name, set()).add("output")
+    return readers
+
+
+def _segment(model: onnx.ModelProto, nodes: list[onnx.NodeProto], k: int, readers: dict[str, set],
+             types: dict[str, onnx.TypeProto]) -> Segment:
+    graph = model.graph
+    initializers = {t.name: t for t in graph.initializer}
+    produced = {name for node in nodes for name in node.output if name}
+    read_here = [name for node in nodes for name in node.input if name]
+    inputs = list(dict.fromkeys(n for n in read_here if n not in produced and n not in initializers))
+    mine = {id(node) for node in nodes}
+    later = {name for node in graph.node if id(node) not in mine for name in node.input if name}
+    outputs = [name for name in dict.fromkeys(n for node in nodes for n in node.output if n)
+               if name in later or name in readers]
+    missing = [name for name in inputs + outputs if name not in types]
+    if missing:
+        raise AtcError("E13015", "the graph", f"no type is known for {', '.join(missing[:3])}")
+    sub = helper.make_graph(
+        nodes, f"{graph.name}_segment{k}",
+        [helper.make_value_info(n, types[n]) for n in inputs],
+        [helper.make_value_info(n, types[n]) for n in outputs],
+        [initializers[n] for n in dict.fromkeys(read_here) if n in initializers])
+    segment = helper.make_model(sub, opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    segment.producer_name = model.producer_name
+    return Segment(segment, inputs, outputs)
+
+
+def _value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+    """Every tensor's type, from the graph's I/O, its value_info (atc writes one for each tensor) and onnx's
+    inference."""
+    from compiler.proto_utils import initializers_as_inputs
+
+    inferred = onnx.shape_inference.infer_shapes(initializers_as_inputs(model), strict_mode=False)
+    types = {}
+    for value in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output):
+        if value.type.tensor_type.elem_type:
+            types[value.name] = value.type
+    return types
