@@ -1,8 +1,7 @@
-"""The public Python face of the project: `from cann_llm import ...`."""
+"""The public Python face of the runtime: `from cann_llm import LLMEngine`."""
 
-from compiler import __version__
-from compiler.compile import compile_model
-from compiler.config import CompileConfig
-from runtime import Executor, LoadedModel, load_artifact
+from runtime.engine import EngineStats, LLMEngine, Request
+from runtime.sampling import SamplingParams
+from runtime.sequence import RequestStats
 
-__all__ = ["CompileConfig", "Executor", "LoadedModel", "__version__", "compile_model", "load_artifact"]
+__all__ = ["EngineStats", "LLMEngine", "Request", "RequestStats", "SamplingParams"]

@@ -105,7 +105,7 @@ def causal_lm_inputs(signature: dict, dims: dict, ids: np.ndarray, past: int = 0
     if "position_ids" in names:
         positions = np.arange(past, past + seq, dtype=np.dtype(names["position_ids"]["dtype"]))
         feeds["position_ids"] = np.broadcast_to(positions, (batch, seq)).copy()
-    for layer in range(dims.get("num_layers", 0)):
+    for layer in range(dims.get("num_layers", 0) if dims.get("kv_cache_io") else 0):
         for kind in ("key", "value"):
             name = f"past_key_values.{layer}.{kind}"
             shape = (batch, dims["num_kv_heads"], past, dims["head_dim"])

@@ -19,11 +19,23 @@ class TextTokenizer:
         self._tokenizer = Tokenizer.from_str(files["tokenizer.json"])
         config = json.loads(files.get("tokenizer_config.json", "{}"))
         self.add_bos = bool(config.get("add_bos_token", False))
-        self.bos_token = config.get("bos_token")
+        self.bos_token = _content(config.get("bos_token"))
+        self.eos_token_ids = self._eos_ids(config, json.loads(files.get("generation_config.json", "{}")))
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, with BOS when the tokenizer's config asks for it."""
-        ids = self._tokenizer.encode(text, add_special_tokens=True).ids
+    def _eos_ids(self, config: dict, generation: dict) -> frozenset[int]:
+        """End-of-sequence ids: generation_config's list when there is one, else the tokenizer's eos_token."""
+        eos = generation.get("eos_token_id")
+        if eos is None:
+            token = _content(config.get("eos_token"))
+            eos = self._tokenizer.token_to_id(token) if token else None
+        ids = eos if isinstance(eos, list) else [eos]
+        return frozenset(int(i) for i in ids if i is not None)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, with BOS when the tokenizer's config asks for it (and special tokens are on)."""
+        ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        if not add_special_tokens:
+            return ids
         bos = self._tokenizer.token_to_id(self.bos_token) if isinstance(self.bos_token, str) else None
         if self.add_bos and bos is not None and (not ids or ids[0] != bos):
             ids = [bos] + ids
@@ -36,3 +48,8 @@ class TextTokenizer:
     def token_text(self, token_id: int) -> str:
         """One token as text, keeping leading spaces visible to a reader."""
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _content(token) -> str | None:
+    """A special token as text: tokenizer configs spell it as a string or as {"content": ...}."""
+    return token.get("content") if isinstance(token, dict) else token
