@@ -54,6 +54,7 @@ class PagedKvCache:
             while len(node.outputs) > 1:
                 node.outputs.pop()
             node.attrs.update(paged=1, layer=layer, page_size=self.page_size)
+        _batch_size_from_tokens(graph, inputs["input_ids"], cache_io)
         for name in TOKEN_INPUTS:
             inputs[name].shape = [1, "num_tokens"]
         still_read = sorted(t.name for t in graph.inputs if t.name in cache_io and t.outputs)
@@ -88,6 +89,16 @@ class PagedKvCache:
             users = sorted({c.op for c in mask.outputs if c.op != "FusedAttention"})
             raise AtcError("E10055", f"attention_mask also feeds {', '.join(users)}, which a flattened batch "
                                      "cannot express; compile with --enable_paged_attention=0")
+
+
+def _batch_size_from_tokens(graph: gs.Graph, input_ids: gs.Tensor, cache_io: set[str]) -> None:
+    """Dynamo exports read the batch size as `Shape(past, start=0, end=1)`; the tokens have it too."""
+    for tensor in graph.inputs:
+        if tensor.name not in cache_io:
+            continue
+        for node in list(tensor.outputs):
+            if node.op == "Shape" and node.attrs.get("start", 0) == 0 and node.attrs.get("end") == 1:
+                node.inputs[0] = input_ids
 
 
 def _present(node: gs.Node, index: int) -> bool:

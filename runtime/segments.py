@@ -1,9 +1,12 @@
 """Cut a graph into segments at its host nodes (../shared/DESIGN.md "The runtime").
 
 A host node is one the runtime executes itself between onnxruntime sessions (the paged FusedAttention,
-which reads and writes the runtime's page pool). Every other node goes to the earliest segment in which
-all its inputs exist, so segment k holds what can run once host nodes 0..k-1 have run; the plan is then
-segment 0, host 0, segment 1, ..., host n-1, segment n. A graph without host nodes is one segment.
+which reads and writes the runtime's page pool). The plan is segment 0, host 0, segment 1, ..., host
+n-1, segment n; segment k can only hold nodes whose inputs exist once host nodes 0..k-1 have run. Within
+that, a node goes to the latest segment that still feeds its readers in time: work that depends on
+weights alone (the transposed embedding a tied lm_head reads) then lands beside its reader, where
+onnxruntime folds it once, instead of being recomputed and handed across segments every step.
+A graph without host nodes is one segment.
 """
 
 from __future__ import annotations
@@ -36,32 +39,61 @@ class HostNode:
 def split_at_host_nodes(model: onnx.ModelProto, is_host: Callable[[onnx.NodeProto], bool]) -> list[Segment | HostNode]:
     """The execution plan of `model`: segments and host nodes in run order (empty segments left out)."""
     graph = model.graph
-    hosts = [n for n in graph.node if is_host(n)]
-    if not hosts:
+    # protobuf hands out a new wrapper per access, so nodes are known by their position in this list
+    nodes = list(graph.node)
+    host_index = {i: k for k, i in enumerate(i for i, n in enumerate(nodes) if is_host(n))}
+    if not host_index:
         names = [i.name for i in graph.input if i.name not in {t.name for t in graph.initializer}]
         return [Segment(model, names, [o.name for o in graph.output])]
-    level: dict[str, int] = {}
-    buckets: list[list[onnx.NodeProto]] = [[] for _ in range(len(hosts) + 1)]
-    host_index = {id(n): k for k, n in enumerate(hosts)}
-    for node in graph.node:
-        needed = max((level.get(name, 0) for name in node.input if name), default=0)
-        if id(node) in host_index:
-            k = host_index[id(node)]
-            if needed > k:
-                raise AtcError("E13015", "the graph", f"host node {node.name} reads a value computed after it")
-            level.update((name, k + 1) for name in node.output)
-        else:
-            buckets[needed].append(node)
-            level.update((name, needed) for name in node.output)
+    earliest = _earliest_segments(nodes, host_index)
+    latest = _latest_segments(nodes, host_index, [o.name for o in graph.output])
+    buckets: list[list[int]] = [[] for _ in range(len(host_index) + 1)]
+    for i in range(len(nodes)):
+        if i not in host_index:
+            buckets[max(earliest[i], latest[i])].append(i)
     types = _value_types(model)
-    consumers = _readers(graph, hosts)
+    hosts = [nodes[i] for i in host_index]
+    readers = _readers(graph, hosts)
     plan: list[Segment | HostNode] = []
-    for k, nodes in enumerate(buckets):
-        if nodes:
-            plan.append(_segment(model, nodes, k, consumers, types))
+    for k, members in enumerate(buckets):
+        if members:
+            mine = set(members)
+            outside = {name for i, node in enumerate(nodes) if i not in mine for name in node.input if name}
+            plan.append(_segment(model, [nodes[i] for i in members], k, outside, readers, types))
         if k < len(hosts):
             plan.append(HostNode(hosts[k]))
     return plan
+
+
+def _earliest_segments(nodes: list[onnx.NodeProto], host_index: dict[int, int]) -> list[int]:
+    """Per node: the first segment after every host node it depends on."""
+    level: dict[str, int] = {}
+    earliest = []
+    for i, node in enumerate(nodes):
+        needed = max((level.get(name, 0) for name in node.input if name), default=0)
+        if i in host_index:
+            if needed > host_index[i]:
+                raise AtcError("E13015", "the graph", f"host node {node.name} reads a value computed after it")
+            needed = host_index[i] + 1
+        earliest.append(needed)
+        level.update((name, needed) for name in node.output)
+    return earliest
+
+
+def _latest_segments(nodes: list[onnx.NodeProto], host_index: dict[int, int], outputs: list[str]) -> list[int]:
+    """Per node: the last segment that still runs before every reader of its outputs."""
+    last = len(host_index)
+    deadline = dict.fromkeys(outputs, last)
+    latest = [last] * len(nodes)
+    for i in reversed(range(len(nodes))):
+        node = nodes[i]
+        own = host_index.get(i)
+        level = own if own is not None else min((deadline.get(name, last) for name in node.output), default=last)
+        latest[i] = level
+        for name in node.input:
+            if name:
+                deadline[name] = min(deadline.get(name, last), level)
+    return latest
 
 
 def _readers(graph: onnx.GraphProto, hosts: list[onnx.NodeProto]) -> dict[str, set]:
@@ -75,17 +107,15 @@ def _readers(graph: onnx.GraphProto, hosts: list[onnx.NodeProto]) -> dict[str, s
     return readers
 
 
-def _segment(model: onnx.ModelProto, nodes: list[onnx.NodeProto], k: int, readers: dict[str, set],
-             types: dict[str, onnx.TypeProto]) -> Segment:
+def _segment(model: onnx.ModelProto, nodes: list[onnx.NodeProto], k: int, outside: set[str],
+             readers: dict[str, set], types: dict[str, onnx.TypeProto]) -> Segment:
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
     produced = {name for node in nodes for name in node.output if name}
     read_here = [name for node in nodes for name in node.input if name]
     inputs = list(dict.fromkeys(n for n in read_here if n not in produced and n not in initializers))
-    mine = {id(node) for node in nodes}
-    later = {name for node in graph.node if id(node) not in mine for name in node.input if name}
     outputs = [name for name in dict.fromkeys(n for node in nodes for n in node.output if n)
-               if name in later or name in readers]
+               if name in outside or name in readers]
     missing = [name for name in inputs + outputs if name not in types]
     if missing:
         raise AtcError("E13015", "the graph", f"no type is known for {', '.join(missing[:3])}")
