@@ -20,12 +20,12 @@ from pathlib import Path
 import click
 import numpy as np
 
+from models.data_files import EVAL_TEXT
 from runtime import Executor, load_artifact
 from runtime.feeds import causal_lm_inputs
 from runtime.perplexity import perplexity
 from runtime.tokenizer import TextTokenizer
 
-EVAL_TEXT = Path(__file__).resolve().parent.parent / "models" / "data" / "eval.txt"
 ROWS = {
     "FP32": None,
     "INT8": {"quant_mode": "INT8"},

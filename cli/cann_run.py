@@ -3,8 +3,11 @@
     cann-run --model x.om [--input a.npy,b.bin] [--output DIR] [--outfmt NPY|BIN|TXT] [--loop N]
     cann-run --model x.om --prompt "text" [--topk 5]       # next-token distribution of a prompt
 
-`cann-run --model ...` is `cann-run run --model ...`; later subcommands (generate, chat, serve, bench)
-sit beside `run`.
+    cann-run generate --model x.om --prompt "text"          # generate text (cli/llm_commands.py)
+    cann-run chat --model x.om                              # multi-turn, through the chat template
+    cann-run bench --model x.om [--onnx model.onnx]         # throughput and latency (cli/bench.py)
+
+`cann-run --model ...` is `cann-run run --model ...`.
 """
 
 from __future__ import annotations
@@ -168,6 +171,17 @@ def eval_ppl_command(model, text_file, window, stride, max_tokens, backend, json
         Path(json_path).write_text(json.dumps({"model": model, "text": text_file, "perplexity": result.perplexity,
                                                "tokens": result.tokens_scored, "window": window, "stride": stride,
                                                "seconds": seconds}, indent=2) + "\n")
+
+
+def _add_llm_commands() -> None:
+    from cli.bench import bench_command
+    from cli.llm_commands import chat_command, generate_command
+
+    for command in (generate_command, chat_command, bench_command):
+        cli.add_command(command)
+
+
+_add_llm_commands()
 
 
 def main() -> None:

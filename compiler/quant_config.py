@@ -8,15 +8,15 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from compiler.errors import AtcError, invalid_value, not_in_range
+from models.data_files import CALIBRATION_TEXT
 from passes.quant_math import SUPPORTED_BLOCKS
 
 METHODS = ("rtn", "awq", "gptq", "smooth_quant")
 IMPLEMENTED_METHODS = ("rtn", "awq", "gptq", "smooth_quant")
 CALIBRATED_METHODS = ("awq", "gptq", "smooth_quant")
-DEFAULT_CALIBRATION_TEXT = str(Path(__file__).resolve().parent.parent / "models" / "data" / "calibration.txt")
+DEFAULT_CALIBRATION_TEXT = str(CALIBRATION_TEXT)
 BITS = (4, 8)
 QUANT_MODES = {"INT4": 4, "INT8": 8, "W8A8": 8}
 ACCURACY_LEVELS = ("auto", "0", "4")

@@ -29,7 +29,8 @@ class PruneLogits:
         logits = next((t for t in graph.outputs if t.name == "logits"), None)
         head = lm_head(graph, ops=_PROJECTIONS)
         if head is None or (head.inputs[0].shape is not None and len(head.inputs[0].shape) != 3):
-            raise AtcError("E10055", "no lm_head MatMul on [batch, seq, hidden] computes the output 'logits', so logits cannot be pruned; "
+            raise AtcError("E10055", "no lm_head MatMul on [batch, seq, hidden] computes the output 'logits', so logits cannot "
+                                     "be pruned; "
                                      "compile with --enable_paged_attention=0")
         indices = gs.Variable(LOGITS_INDICES, dtype=np.int64, shape=["num_seqs"])
         hidden = head.inputs[0]
@@ -37,7 +38,8 @@ class PruneLogits:
         graph.nodes.append(gs.Node("Gather", name=f"{head.name}_prune", attrs={"axis": 1},
                                    inputs=[hidden, indices], outputs=[picked]))
         head.inputs[0] = picked
-        rows = gs.Variable("logits", dtype=logits.dtype, shape=["num_seqs", logits.shape[-1] if logits.shape else "vocab"])
+        vocab = logits.shape[-1] if logits.shape else "vocab"
+        rows = gs.Variable("logits", dtype=logits.dtype, shape=["num_seqs", vocab])
         logits.name = f"{logits.name}_batched"
         axes = gs.Constant("logits_squeeze_axes", np.array([0], dtype=np.int64))
         graph.nodes.append(gs.Node("Squeeze", name="logits_squeeze", inputs=[logits, axes], outputs=[rows]))

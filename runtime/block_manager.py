@@ -35,6 +35,7 @@ class BlockManager:
         self.pending_copies: list[tuple[int, int]] = []
         self.prefix_hits = 0
         self.prefix_queries = 0
+        self.peak_used = 0
 
     @property
     def num_free(self) -> int:
@@ -131,6 +132,7 @@ class BlockManager:
     def _take(self, page: int) -> None:
         if self._pages[page].ref_count == 0:
             del self._free[page]
+            self.peak_used = max(self.peak_used, self.num_used)
         self._pages[page].ref_count += 1
 
     def _allocate(self) -> int:
@@ -142,6 +144,7 @@ class BlockManager:
             del self._by_hash[entry.hash]
         entry.hash = None
         entry.ref_count = 1
+        self.peak_used = max(self.peak_used, self.num_used)
         return page
 
     def _release(self, page: int) -> None:

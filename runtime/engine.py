@@ -43,7 +43,7 @@ class Request:
     engine: "LLMEngine"
     text: str = ""
     future: Future = field(default_factory=Future)
-    pieces: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    _pieces: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
 
     @property
     def stats(self) -> RequestStats:
@@ -61,6 +61,11 @@ class Request:
         """Block until finished; the generated text."""
         return self.future.result(timeout)
 
+    def iter_text(self) -> Iterator[str]:
+        """Text pieces as they are generated, until the request ends (consumes them: one reader)."""
+        while (piece := self._pieces.get()) is not _DONE:
+            yield piece
+
     def cancel(self) -> None:
         """Stop generating; the pages the request held go back to the pool."""
         self.engine._post(("cancel", self))
@@ -68,7 +73,7 @@ class Request:
     def _emit(self, piece: str) -> None:
         if piece:
             self.text += piece
-            self.pieces.put(piece)
+            self._pieces.put(piece)
 
 
 @dataclass
@@ -165,8 +170,7 @@ class LLMEngine:
         request = self.submit(prompt, **kwargs)
         finished = False
         try:
-            while (piece := request.pieces.get()) is not _DONE:
-                yield piece
+            yield from request.iter_text()
             finished = True
         finally:
             if not finished:
@@ -285,7 +289,7 @@ class LLMEngine:
         self._requests.pop(request.seq.seq_id, None)
         if request.detokenizer is not None:
             request._emit(request.detokenizer.flush())
-        request.pieces.put(_DONE)
+        request._pieces.put(_DONE)
         if request.future.done():
             return
         if error is not None:

@@ -24,7 +24,7 @@ def smollm2_om(smollm2_path, tmp_path_factory):
 def test_metadata_describes_the_model(smollm2_om):
     loaded = load_artifact(smollm2_om)
     assert loaded.metadata["model"] == {"vocab_size": 49152, "kv_cache_io": True, "num_layers": 30,
-                                        "num_kv_heads": 3, "head_dim": 64, "family": "llama",
+                                        "num_heads": 9, "num_kv_heads": 3, "head_dim": 64, "family": "llama",
                                         "detected_family": "llama"}
     assert "tokenizer.json" in loaded.om.tokenizer_files()
     ops = [node.op_type for node in loaded.model.graph.node]

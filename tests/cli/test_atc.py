@@ -52,8 +52,9 @@ def test_compile_writes_om_and_fusion_result(capsys, tmp_path, tiny_llama_path):
     assert "============ Display Model Info start ============" in out and "layers[2], kv_heads[2]" in out
     meta = OmFile(tmp_path / "m.om").metadata
     assert meta["cmdline"].startswith("atc --model=") and meta["config"]["soc_version"] == "Ascend910B"
-    assert meta["model"] == {"vocab_size": 256, "kv_cache_io": True, "num_layers": 2, "num_kv_heads": 2, "head_dim": 16,
-                             "family": "llama", "detected_family": "llama"}
+    assert meta["model"] == {"vocab_size": 256, "kv_cache_io": True, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                             "head_dim": 16, "family": "llama", "detected_family": "llama"}
+    assert meta["kv_cache"] == {"layout": "contiguous"}
     result = json.loads((tmp_path / "fusion_result.json").read_text())["session_and_graph_id_0_0"]["graph_fusion"]
     folded = result["ConstantFoldingPass"]
     assert isinstance(folded["match_times"], str) and int(folded["effect_times"]) > 0

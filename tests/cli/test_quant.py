@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -12,6 +11,7 @@ from click.testing import CliRunner
 from onnx import numpy_helper
 
 from cli.quant import cli
+from models.data_files import EVAL_TEXT
 from conftest import compile_to, ort_reference
 from runtime import Executor, load_artifact
 from runtime.feeds import causal_lm_inputs
@@ -131,7 +131,7 @@ def test_gptq_output_is_closer_to_the_float_model_than_rtn(tmp_path, tiny_llama_
     from models.tiny import byte_tokenizer_json
     from runtime.tokenizer import TextTokenizer
 
-    text = (Path(__file__).resolve().parents[2] / "models" / "data" / "eval.txt").read_text()[:2000]
+    text = EVAL_TEXT.read_text()[:2000]
     ids = np.asarray([TextTokenizer({"tokenizer.json": byte_tokenizer_json()}).encode(text)[:256]], np.int64)
     reference = load_artifact(compile_to(tiny_llama_path, tmp_path / "fp32"))
     feeds = causal_lm_inputs(reference.metadata["signature"], reference.metadata["model"], ids)

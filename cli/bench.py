@@ -1,0 +1,229 @@
+"""`cann-run bench`: what the engine serves, measured, beside onnxruntime on the original export.
+
+    cann-run bench --model smollm2-paged.om --onnx model.onnx --json bench.json
+
+Batch-1 prefill and decode tokens/s; a closed loop of C clients (C = 1, 8, 32) over the same mixed-length
+requests (prompts are windows of real text), with aggregate tokens/s, TTFT and TPOT p50/p99, KV page
+utilisation and the sequences held for the KV memory used; host memory traced during long prefills.
+With --onnx, onnxruntime runs the original model (KV-cache I/O) in a greedy loop on the same prompts,
+in the same process, alternating with the engine so machine noise hits both alike.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+
+import click
+import numpy as np
+
+from cli.llm_commands import engine_options, open_engine
+from models.data_files import EVAL_TEXT
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def _windows(ids: list[int], lengths: list[int], rng: np.random.Generator) -> list[list[int]]:
+    """Token windows of the given lengths at random places in the text."""
+    out = []
+    for length in lengths:
+        start = int(rng.integers(0, max(1, len(ids) - length)))
+        out.append(ids[start:start + length])
+    return out
+
+
+class OnnxRuntimeLoop:
+    """onnxruntime on the original export with past/present I/O, driven by a greedy loop."""
+
+    def __init__(self, path: str):
+        import onnxruntime as ort
+
+        self.session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        self.inputs = {i.name: i for i in self.session.get_inputs()}
+        self.presents = [o.name for o in self.session.get_outputs() if o.name.startswith("present")]
+
+    def generate(self, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+        """Greedy generation; returns (time to first token, total time) in seconds."""
+        start = time.perf_counter()
+        ids = np.asarray([prompt], np.int64)
+        past = {name: np.zeros((1, v.shape[1], 0, v.shape[3]), np.float32)
+                for name, v in self.inputs.items() if name.startswith("past_key_values")}
+        length, first = 0, None
+        for _ in range(new_tokens):
+            feeds = {"input_ids": ids, **past}
+            if "attention_mask" in self.inputs:
+                feeds["attention_mask"] = np.ones((1, length + ids.shape[1]), np.int64)
+            if "position_ids" in self.inputs:
+                feeds["position_ids"] = np.arange(length, length + ids.shape[1], dtype=np.int64)[None]
+            outputs = self.session.run(["logits", *self.presents], feeds)
+            length += ids.shape[1]
+            ids = np.asarray([[int(np.argmax(outputs[0][0, -1]))]], np.int64)
+            past = {name.replace("present", "past_key_values", 1): value for name, value in zip(self.presents, outputs[1:])}
+            first = first or time.perf_counter() - start
+        return first, time.perf_counter() - start
+
+
+def _engine_generate(engine, prompt: list[int], new_tokens: int):
+    request = engine.submit(prompt, max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+    request.result()
+    return request.stats
+
+
+def _batch1(engine, ort_loop, prompts_prefill, prompts_decode, decode_tokens) -> dict:
+    """Prefill tokens/s (TTFT of a prompt) and decode tokens/s, alternating engine and onnxruntime."""
+    rows = {"engine": {"prefill": [], "decode": []}, "onnxruntime": {"prefill": [], "decode": []}}
+    for prefill_prompt, decode_prompt in zip(prompts_prefill, prompts_decode):
+        stats = _engine_generate(engine, prefill_prompt, 1)
+        rows["engine"]["prefill"].append(len(prefill_prompt) / stats.ttft_s)
+        stats = _engine_generate(engine, decode_prompt, decode_tokens + 1)
+        rows["engine"]["decode"].append(decode_tokens / (stats.total_s - stats.ttft_s))
+        if ort_loop is not None:
+            first, _ = ort_loop.generate(prefill_prompt, 1)
+            rows["onnxruntime"]["prefill"].append(len(prefill_prompt) / first)
+            first, total = ort_loop.generate(decode_prompt, decode_tokens + 1)
+            rows["onnxruntime"]["decode"].append(decode_tokens / (total - first))
+    return {side: {k: statistics.median(v) for k, v in parts.items() if v} for side, parts in rows.items()
+            if parts["prefill"]}
+
+
+def _closed_loop(engine, requests: list[tuple[list[int], int]], concurrency: int) -> dict:
+    """`concurrency` clients, each sending its next request when the previous one finishes."""
+    queue = list(reversed(requests))
+    lock = threading.Lock()
+    done = []
+    engine.stats.page_utilisation.clear()
+    engine.stats.token_utilisation.clear()
+    engine.stats.peak_running = 0
+    peak_pages = [0]
+
+    def client():
+        while True:
+            with lock:
+                if not queue:
+                    return
+                prompt, new_tokens = queue.pop()
+            stats = _engine_generate(engine, prompt, new_tokens)
+            with lock:
+                done.append(stats)
+                peak_pages[0] = max(peak_pages[0], engine.blocks.peak_used)
+
+    engine.blocks.peak_used = 0
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - start
+    ttft = [s.ttft_s * 1e3 for s in done]
+    tpot = [s.tpot_s * 1e3 for s in done if s.tpot_s is not None]
+    generated = sum(s.output_tokens for s in done)
+    return {"concurrency": concurrency, "requests": len(done), "seconds": seconds,
+            "output_tokens": generated, "tokens_per_s": generated / seconds,
+            "ttft_ms_p50": _percentile(ttft, 50), "ttft_ms_p99": _percentile(ttft, 99),
+            "tpot_ms_p50": _percentile(tpot, 50), "tpot_ms_p99": _percentile(tpot, 99),
+            "kv_page_utilisation": statistics.fmean(engine.stats.page_utilisation) if engine.stats.page_utilisation else None,
+            "kv_token_utilisation": statistics.fmean(engine.stats.token_utilisation) if engine.stats.token_utilisation else None,
+            "peak_sequences": engine.stats.peak_running, "peak_pages": engine.blocks.peak_used,
+            "preemptions": sum(s.preemptions for s in done)}
+
+
+def _long_prefills(engine, ids: list[int], lengths: list[int], num_heads: int) -> list[dict]:
+    """Host memory traced while prefilling `lengths` tokens, beside what one [H, S, S] score matrix needs."""
+    rows = []
+    for length in lengths:
+        prompt = (ids * (length // max(1, len(ids)) + 1))[:length]
+        tracemalloc.start()
+        stats = _engine_generate(engine, prompt, 1)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        rows.append({"tokens": length, "seconds": stats.ttft_s, "peak_traced_mb": peak / 2**20,
+                     "full_scores_mb_per_layer": num_heads * length * length * 4 / 2**20})
+    return rows
+
+
+def _print_table(report: dict) -> None:
+    click.echo("batch 1            prefill tok/s   decode tok/s")
+    for side, row in report["batch1"].items():
+        click.echo(f"{side:<18} {row['prefill']:>13.1f} {row['decode']:>14.1f}")
+    if "onnxruntime" in report["batch1"]:
+        eng, ref = report["batch1"]["engine"], report["batch1"]["onnxruntime"]
+        click.echo(f"{'ratio':<18} {eng['prefill'] / ref['prefill']:>12.2f}x {eng['decode'] / ref['decode']:>13.2f}x")
+    click.echo("")
+    click.echo("concurrency  requests  tok/s    TTFT p50/p99 ms   TPOT p50/p99 ms  KV pages live  peak seqs")
+    for row in report["serving"]:
+        util = row["kv_page_utilisation"]
+        click.echo(f"{row['concurrency']:>11} {row['requests']:>9} {row['tokens_per_s']:>6.1f} "
+                   f"{row['ttft_ms_p50']:>9.0f}/{row['ttft_ms_p99']:<7.0f} {row['tpot_ms_p50'] or 0:>8.1f}/"
+                   f"{row['tpot_ms_p99'] or 0:<7.1f} {util if util is None else f'{util:.3f}':>13} "
+                   f"{row['peak_sequences']:>10}")
+    memory = report["kv_memory"]
+    click.echo(f"\nKV memory: {memory['peak_sequences']} sequences in {memory['peak_pages']} pages; a contiguous "
+               f"{memory['max_context_len']}-token allocation per sequence fits {memory['contiguous_sequences']} "
+               f"in that memory ({memory['ratio']:.1f}x)")
+    if report["serving"] and len(report["serving"]) > 1:
+        click.echo(f"aggregate tok/s at concurrency {report['serving'][-1]['concurrency']} / concurrency 1: "
+                   f"{report['serving'][-1]['tokens_per_s'] / report['serving'][0]['tokens_per_s']:.2f}x")
+    for row in report["long_prefill"]:
+        click.echo(f"prefill {row['tokens']:>5} tokens: {row['seconds']:.2f} s, peak traced host memory "
+                   f"{row['peak_traced_mb']:.1f} MB (one full [H, S, S] score matrix: {row['full_scores_mb_per_layer']:.0f} MB)")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+@click.command("bench")
+@engine_options
+@click.option("--onnx", "onnx_path", default=None, help="the original export with KV cache, run by onnxruntime beside")
+@click.option("--text", "text_file", default=str(EVAL_TEXT), show_default=True, help="where prompts come from")
+@click.option("--requests", "num_requests", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--concurrency", default="1,8,32", show_default=True)
+@click.option("--prompt_lengths", default="32,512", show_default=True, help="min,max prompt tokens")
+@click.option("--output_lengths", default="32,128", show_default=True, help="min,max new tokens")
+@click.option("--prefill_tokens", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--decode_tokens", type=click.IntRange(min=2), default=128, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--long_prefill", default="1024,2048,4096", show_default=True, help="prefill lengths to trace; '' skips")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "json_path", default="bench.json", show_default=True)
+def bench_command(onnx_path, text_file, num_requests, concurrency, prompt_lengths, output_lengths, prefill_tokens,
+                  decode_tokens, repeats, long_prefill, seed, json_path, **engine_kwargs) -> None:
+    """Measure batch-1 latency, serving throughput and KV memory; print a table and write JSON."""
+    levels = _ints(concurrency)
+    engine_kwargs["max_batch_size"] = max([engine_kwargs["max_batch_size"], *levels])
+    rng = np.random.default_rng(seed)
+    with open_engine(**engine_kwargs) as engine:
+        ids = engine._require_tokenizer().encode(Path(text_file).read_text(encoding="utf-8"))
+        ort_loop = OnnxRuntimeLoop(onnx_path) if onnx_path else None
+        _engine_generate(engine, ids[:16], 2)  # compile the kernels and warm the sessions before timing
+        batch1 = _batch1(engine, ort_loop, _windows(ids, [prefill_tokens] * repeats, rng),
+                         _windows(ids, [128] * repeats, rng), decode_tokens)
+        low, high = _ints(prompt_lengths)
+        out_low, out_high = _ints(output_lengths)
+        requests = list(zip(_windows(ids, rng.integers(low, high + 1, num_requests).tolist(), rng),
+                            rng.integers(out_low, out_high + 1, num_requests).tolist()))
+        serving = [_closed_loop(engine, requests, level) for level in levels]
+        busiest = max(serving, key=lambda row: row["peak_sequences"])
+        memory_tokens = busiest["peak_pages"] * engine.page_size
+        fits = memory_tokens // engine.max_context_len
+        report = {
+            "model": engine_kwargs["model"], "onnx": onnx_path, "paged": engine.paged, "page_size": engine.page_size,
+            "settings": {**engine_kwargs, "requests": num_requests, "prompt_lengths": [low, high],
+                         "output_lengths": [out_low, out_high], "prefill_tokens": prefill_tokens,
+                         "decode_tokens": decode_tokens, "repeats": repeats, "seed": seed},
+            "batch1": batch1, "serving": serving,
+            "kv_memory": {"peak_sequences": busiest["peak_sequences"], "peak_pages": busiest["peak_pages"],
+                          "max_context_len": engine.max_context_len, "contiguous_sequences": fits,
+                          "ratio": busiest["peak_sequences"] / max(fits, 1)},
+            "long_prefill": _long_prefills(engine, ids, _ints(long_prefill), engine.dims.get("num_heads", 0)),
+        }
+    _print_table(report)
+    Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
+    click.echo(f"[INFO] wrote {json_path}")

@@ -1,0 +1,145 @@
+"""`cann-run generate` and `cann-run chat`: text generation with the LLMEngine from the command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from functools import wraps
+from pathlib import Path
+
+import click
+
+from compiler.errors import AtcError
+from runtime.executor import BACKENDS
+
+
+def engine_options(command):
+    """The LLMEngine's settings as options shared by generate, chat and bench."""
+    options = [
+        click.option("--model", "-m", required=True, help="the .om to run (paged or contiguous KV cache)"),
+        click.option("--max_batch_size", type=click.IntRange(min=1), default=8, show_default=True),
+        click.option("--max_context_len", type=click.IntRange(min=2), default=4096, show_default=True),
+        click.option("--kv_cache_pages", type=click.IntRange(min=1), default=1024, show_default=True,
+                     help="pages in the KV pool (paged artifacts)"),
+        click.option("--max_num_batched_tokens", type=click.IntRange(min=1), default=512, show_default=True,
+                     help="token budget of one step (longer prompts are prefilled in chunks)"),
+        click.option("--backend", type=click.Choice(BACKENDS), default="onnxruntime", show_default=True),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def sampling_options(command):
+    """Per-request sampling settings."""
+    options = [
+        click.option("--max_new_tokens", type=click.IntRange(min=1), default=128, show_default=True),
+        click.option("--temperature", type=click.FloatRange(min=0), default=0.7, show_default=True,
+                     help="0 is greedy"),
+        click.option("--top_p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True),
+        click.option("--top_k", type=click.IntRange(min=0), default=0, show_default=True),
+        click.option("--repetition_penalty", type=click.FloatRange(min=0, min_open=True), default=1.0,
+                     show_default=True),
+        click.option("--seed", type=int, default=None),
+        click.option("--stop", multiple=True, help="stop string (repeatable)"),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def open_engine(model, max_batch_size, max_context_len, kv_cache_pages, max_num_batched_tokens, backend):
+    """An LLMEngine from the shared options; AtcError for a file that is not a runnable artifact."""
+    from runtime.engine import LLMEngine
+
+    return LLMEngine(model, max_batch_size=max_batch_size, max_context_len=max_context_len,
+                     kv_cache_pages=kv_cache_pages, max_num_batched_tokens=max_num_batched_tokens, backend=backend)
+
+
+def _sampling(kwargs: dict) -> dict:
+    keys = ("max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop")
+    return {key: kwargs.pop(key) for key in keys}
+
+
+def _value_errors_as_codes(fn):
+    @wraps(fn)
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ValueError as error:
+            raise AtcError("E10001", "request", "--prompt", str(error)) from None
+    return run
+
+
+def _stream(engine, prompt, params: dict, out):
+    request = engine.submit(prompt, **params)
+    for piece in request.iter_text():
+        out.write(piece)
+        out.flush()
+    request.result()
+    return request
+
+
+def _stats_line(request) -> str:
+    stats = request.stats
+    rate = (stats.output_tokens - 1) / (stats.total_s - stats.ttft_s) if stats.tpot_s else 0.0
+    return (f"[INFO] prompt {stats.prompt_tokens} tokens ({stats.cached_tokens} from the prefix cache), "
+            f"{stats.output_tokens} generated ({request.finish_reason}); TTFT {stats.ttft_s * 1e3:.1f} ms, "
+            f"decode {rate:.1f} tokens/s")
+
+
+@click.command("generate")
+@engine_options
+@sampling_options
+@click.option("--prompt", "-p", required=True, help="the text to continue")
+@click.option("--chat_template/--no_chat_template", default=False, show_default=True,
+              help="wrap the prompt as one user message in the model's chat template")
+@click.option("--json", "json_path", default=None, help="write the text and the request's stats here")
+@_value_errors_as_codes
+def generate_command(prompt, chat_template, json_path, **kwargs) -> None:
+    """Generate a continuation of --prompt, streamed to stdout."""
+    params = _sampling(kwargs)
+    with open_engine(**kwargs) as engine:
+        text = engine.chat_prompt([{"role": "user", "content": prompt}]) if chat_template else prompt
+        request = _stream(engine, text, params, sys.stdout)
+    click.echo()
+    click.echo(_stats_line(request), err=True)
+    if json_path:
+        stats = request.stats
+        Path(json_path).write_text(json.dumps({
+            "text": request.text, "finish_reason": request.finish_reason, "prompt_tokens": stats.prompt_tokens,
+            "cached_tokens": stats.cached_tokens, "output_tokens": stats.output_tokens, "ttft_s": stats.ttft_s,
+            "total_s": stats.total_s, "output_ids": request.output_ids}, indent=2) + "\n")
+
+
+@click.command("chat")
+@engine_options
+@sampling_options
+@click.option("--system", default=None, help="a system message opening the conversation")
+@click.option("--message", multiple=True, help="user turns to send in order instead of reading stdin (repeatable)")
+@_value_errors_as_codes
+def chat_command(system, message, **kwargs) -> None:
+    """Talk with the model; each turn reuses the conversation so far through the prefix cache.
+
+    Reads one user turn per line from stdin (or takes --message turns); an empty line, `/exit` or end of
+    input ends the conversation.
+    """
+    params = _sampling(kwargs)
+    interactive = not message and sys.stdin.isatty()
+    history = [{"role": "system", "content": system}] if system else []
+    turns = iter(message) if message else (line.rstrip("\n") for line in sys.stdin)
+    with open_engine(**kwargs) as engine:
+        while True:
+            if interactive:
+                click.echo("user> ", nl=False)
+            turn = next(turns, None)
+            if turn is None or not turn.strip() or turn.strip() == "/exit":
+                break
+            if not interactive:
+                click.echo(f"user> {turn}")
+            history.append({"role": "user", "content": turn})
+            click.echo("assistant> ", nl=False)
+            request = _stream(engine, engine.chat_prompt(history), params, sys.stdout)
+            click.echo()
+            click.echo(_stats_line(request), err=True)
+            history.append({"role": "assistant", "content": request.text})
