@@ -8,12 +8,9 @@ numpy kernels as its custom ops, the executable spec the fast path is tested aga
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnxruntime.capi import _pybind_state
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
@@ -46,17 +43,17 @@ class Executor:
         self.output_names = loaded.output_names
         model, weights = _inline_sub_byte(loaded.model, loaded.weights)
         plan = split_at_host_nodes(model, is_paged_attention)
-        # Many sessions run in turn: with a pool each, the idle pools' spinning threads starve the busy
-        # one (measured: SmolLM2 paged decode 256 ms a token), so they share the process-wide pool.
-        shared = len(plan) > 1 and threads is None and _process_thread_pool()
+        # Many sessions run in turn, each with its own thread pool: a pool left spinning after its run
+        # starves the next session's (measured: SmolLM2 paged decode 256 ms a token), so their threads
+        # spin within a run and stop at its end. (onnxruntime's process-wide pool would do too, but once
+        # made, every session of the process must use it.)
+        stop_spinning = len(plan) > 1
         self._steps = []
         for step in plan:
             if isinstance(step, HostNode):
                 self._steps.append(_HostStep(step.node, fast=backend == "onnxruntime"))
             else:
-                # pools of their own must not spin between turns; the one shared pool should
-                own_pool_spins = spinning and len(plan) == 1
-                self._steps.append(_SegmentStep(step, weights, backend, threads, shared or own_pool_spins, shared))
+                self._steps.append(_SegmentStep(step, weights, backend, threads, spinning, stop_spinning))
 
     @property
     def num_segments(self) -> int:
@@ -75,12 +72,12 @@ class Executor:
 
 class _SegmentStep:
     def __init__(self, segment: Segment, weights: dict[str, np.ndarray], backend: str, threads: int | None,
-                 spinning: bool, shared_pool: bool):
+                 spinning: bool, stop_spinning: bool):
         self.inputs, self.outputs = segment.inputs, segment.outputs
         used = {t.name for t in segment.model.graph.initializer}
         mine = {name: view for name, view in weights.items() if name in used}
         if backend == "onnxruntime":
-            self._session = _ort_session(lower_for_onnxruntime(segment.model), mine, threads, spinning, shared_pool)
+            self._session = _ort_session(lower_for_onnxruntime(segment.model), mine, threads, spinning, stop_spinning)
             self._weights_fed = {}
         else:
             light = initializers_as_inputs(segment.model, _is_external)
@@ -130,30 +127,16 @@ def _inline_sub_byte(model: onnx.ModelProto, weights: dict[str, np.ndarray]):
     return copy, {name: view for name, view in weights.items() if name not in packed}
 
 
-_POOL_STATE: dict[str, bool] = {}
-
-
-def _process_thread_pool() -> bool:
-    """Create onnxruntime's process-wide thread pool once (one intra-op thread per core); False if refused."""
-    if "ready" not in _POOL_STATE:
-        try:
-            _pybind_state.set_global_thread_pool_sizes(os.cpu_count() or 1, 1)
-            _POOL_STATE["ready"] = True
-        except Exception:  # an onnxruntime build without global pools: sessions keep their own
-            _POOL_STATE["ready"] = False
-    return _POOL_STATE["ready"]
-
-
 def _ort_session(model: onnx.ModelProto, weights: dict[str, np.ndarray], threads: int | None,
-                 spinning: bool, shared_pool: bool = False) -> ort.InferenceSession:
+                 spinning: bool, stop_spinning: bool = False) -> ort.InferenceSession:
     options = ort.SessionOptions()
-    if shared_pool:
-        options.use_per_session_threads = False
-    elif threads:
+    if threads:
         options.intra_op_num_threads = threads
     if not spinning:
         # idle worker threads sleep instead of spinning: needed when several sessions share the cores
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    elif stop_spinning:
+        options.add_session_config_entry("session.force_spinning_stop", "1")
     options.log_severity_level = 3
     # quantized weights are explicit ops here; onnxruntime's own QDQ rewrites would quantize activations
     options.add_session_config_entry("session.disable_quant_qdq", "1")

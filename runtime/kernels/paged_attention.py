@@ -18,8 +18,18 @@ Three implementations of one contract, tested against each other:
 
 from __future__ import annotations
 
-import numba
-import numpy as np
+import os
+from functools import lru_cache
+
+# numba's parallel kernels run between onnxruntime sessions on the same cores; OpenMP threads that keep
+# spinning after a kernel slow the next session down (measured: a 512-token SmolLM2 prefill 654 → 506 ms).
+# libgomp reads this when numba first starts it, which is after this import.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numba  # noqa: E402
+import numpy as np  # noqa: E402
+
+from runtime.kernels.attention import apply_rotary  # noqa: E402
 
 QUERY_BLOCK = 32
 PARALLEL_WORK = 1 << 16  # query·key pairs per head from which numba's threads pay for their wake-up
@@ -35,61 +45,83 @@ def is_paged_attention(node) -> bool:
 
 # ---- rotary embedding and the cache write ----------------------------------------------------------
 
+def split_heads(query, key, value, num_heads: int, kv_num_heads: int, head_dim: int):
+    """The flattened projections `[1, T, ·]` as 2-D sources and column offsets of q, k and v (views only)."""
+    qsrc = query[0]
+    if key is None:
+        return qsrc, qsrc, num_heads * head_dim, qsrc, (num_heads + kv_num_heads) * head_dim
+    return qsrc, key[0], 0, value[0], 0
+
+
+def rotary_tables(cos, sin, tokens: int):
+    """cos and sin as `[T, R]` (R = 0 without rotary)."""
+    if cos is None:
+        empty = np.zeros((tokens, 0), np.float32)
+        return empty, empty
+    cos, sin = cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
+    if cos.shape[0] != tokens:
+        cos, sin = np.broadcast_to(cos, (tokens, cos.shape[1])), np.broadcast_to(sin, (tokens, sin.shape[1]))
+    return cos, sin
+
+
+def rotate_and_store_reference(query, key, value, cos, sin, slot_mapping, key_cache, value_cache, *,
+                               num_heads: int, kv_num_heads: int, head_dim: int, rotary_interleaved: int = 0):
+    """numpy: rotated q `[T, Hq, D]`; rotated k and v stored at their slots."""
+    qsrc, ksrc, kofs, vsrc, vofs = split_heads(query, key, value, num_heads, kv_num_heads, head_dim)
+    tokens = qsrc.shape[0]
+    q = qsrc[:, :num_heads * head_dim].reshape(1, tokens, num_heads, head_dim).transpose(0, 2, 1, 3)
+    k = ksrc[:, kofs:kofs + kv_num_heads * head_dim].reshape(1, tokens, kv_num_heads, head_dim).transpose(0, 2, 1, 3)
+    v = vsrc[:, vofs:vofs + kv_num_heads * head_dim].reshape(tokens, kv_num_heads, head_dim)
+    if cos is not None:
+        q = apply_rotary(q, cos, sin, rotary_interleaved)
+        k = apply_rotary(k, cos, sin, rotary_interleaved)
+    page_size = key_cache.shape[2]
+    pages, rows = slot_mapping // page_size, slot_mapping % page_size
+    key_cache[pages, :, rows] = k[0].transpose(1, 0, 2)
+    value_cache[pages, :, rows] = v
+    return np.ascontiguousarray(q[0].transpose(1, 0, 2))
+
+
 @numba.njit(fastmath=True, cache=True)
-def _rotate(src, offset, heads, head_dim, cos, sin, interleaved, out):
-    """out[t, h] = rotary(src[t, offset + h·D : offset + (h+1)·D]) for every token t and head h."""
+def _rotate_row(src, t, base, cos, sin, interleaved, dst):
+    """dst = rotary(src[t, base:base + D]) (dims from R on pass through)."""
     rotary = cos.shape[1]
     half = rotary // 2
-    for t in range(src.shape[0]):
-        for h in range(heads):
-            base = offset + h * head_dim
-            for d in range(head_dim):
-                x = src[t, base + d]
-                if d >= rotary:
-                    out[t, h, d] = x
-                elif interleaved:
-                    pair = src[t, base + (d ^ 1)]
-                    out[t, h, d] = x * cos[t, d] + (pair if d & 1 else -pair) * sin[t, d]
-                elif d < half:
-                    out[t, h, d] = x * cos[t, d] - src[t, base + d + half] * sin[t, d]
-                else:
-                    out[t, h, d] = x * cos[t, d] + src[t, base + d - half] * sin[t, d]
+    for d in range(dst.shape[0]):
+        x = src[t, base + d]
+        if d >= rotary:
+            dst[d] = x
+        elif interleaved:
+            pair = src[t, base + (d ^ 1)]
+            dst[d] = x * cos[t, d] + (pair if d & 1 else -pair) * sin[t, d]
+        elif d < half:
+            dst[d] = x * cos[t, d] - src[t, base + d + half] * sin[t, d]
+        else:
+            dst[d] = x * cos[t, d] + src[t, base + d - half] * sin[t, d]
 
 
-@numba.njit(cache=True)
-def _store(k, v, slot_mapping, key_cache, value_cache):
-    page_size = key_cache.shape[2]
-    for t in range(k.shape[0]):
+@numba.njit(fastmath=True, cache=True)
+def _rotate_and_store(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, slot_mapping, key_cache, value_cache, q):
+    page_size, kv_heads, head_dim = key_cache.shape[2], key_cache.shape[1], key_cache.shape[3]
+    for t in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            _rotate_row(qsrc, t, h * head_dim, cos, sin, interleaved, q[t, h])
         page, row = slot_mapping[t] // page_size, slot_mapping[t] % page_size
-        key_cache[page, :, row, :] = k[t]
-        value_cache[page, :, row, :] = v[t]
+        for h in range(kv_heads):
+            _rotate_row(ksrc, t, kofs + h * head_dim, cos, sin, interleaved, key_cache[page, h, row])
+            for d in range(head_dim):
+                value_cache[page, h, row, d] = vsrc[t, vofs + h * head_dim + d]
 
 
-def rotate_heads(query, key, value, cos, sin, *, num_heads: int, kv_num_heads: int, head_dim: int,
-                 rotary_interleaved: int = 0):
-    """Flattened projections `[1, T, ·]` (packed q|k|v when `key` is None) → rotated q `[T, Hq, D]`,
-    rotated k and v `[T, Hkv, D]`."""
-    tokens = query.shape[1]
-    qsrc = query[0]
-    ksrc, kofs = (qsrc, num_heads * head_dim) if key is None else (key[0], 0)
-    vsrc, vofs = (qsrc, (num_heads + kv_num_heads) * head_dim) if key is None else (value[0], 0)
-    if cos is None:
-        cos = sin = np.zeros((tokens, 0), np.float32)
-    else:
-        cos = np.broadcast_to(cos.reshape(-1, cos.shape[-1]), (tokens, cos.shape[-1]))
-        sin = np.broadcast_to(sin.reshape(-1, sin.shape[-1]), (tokens, sin.shape[-1]))
-    q = np.empty((tokens, num_heads, head_dim), np.float32)
-    k = np.empty((tokens, kv_num_heads, head_dim), np.float32)
-    _rotate(qsrc, 0, num_heads, head_dim, cos, sin, rotary_interleaved, q)
-    _rotate(ksrc, kofs, kv_num_heads, head_dim, cos, sin, rotary_interleaved, k)
-    v = np.ascontiguousarray(vsrc[:, vofs:vofs + kv_num_heads * head_dim]).reshape(tokens, kv_num_heads, head_dim)
-    return q, k, v
-
-
-def write_kv(key: np.ndarray, value: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray,
-             slot_mapping: np.ndarray) -> None:
-    """Store token t's `[Hkv, D]` key and value at its slot."""
-    _store(key, value, slot_mapping, key_cache, value_cache)
+def rotate_and_store(query, key, value, cos, sin, slot_mapping, key_cache, value_cache, *, num_heads: int,
+                     kv_num_heads: int, head_dim: int, rotary_interleaved: int = 0):
+    """numba: same contract as `rotate_and_store_reference`, keys rotated straight into their pages."""
+    qsrc, ksrc, kofs, vsrc, vofs = split_heads(query, key, value, num_heads, kv_num_heads, head_dim)
+    cos, sin = rotary_tables(cos, sin, qsrc.shape[0])
+    q = np.empty((qsrc.shape[0], num_heads, head_dim), np.float32)
+    _rotate_and_store(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, rotary_interleaved, slot_mapping, key_cache,
+                      value_cache, q)
+    return q
 
 
 # ---- the reference ---------------------------------------------------------------------------------
@@ -204,9 +236,41 @@ def paged_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_
 
 # ---- blockwise prefill -----------------------------------------------------------------------------
 
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def _online_softmax(scores, running_max, total, correction, rows, first_query, first_key):
+    """Fold one block of scores `[Hkv, G·rows, width]` into the running softmax, in place.
+
+    Row r of a head is query `first_query + r % rows`; key j is `first_key + j` and is visible when it is
+    not after the query. The scores become the block's unnormalised probabilities; `correction` is the
+    factor by which the rows' earlier accumulations must shrink.
+    """
+    heads, height, width = scores.shape
+    for flat in numba.prange(heads * height):
+        h, r = flat // height, flat % height
+        visible = min(width, first_query + r % rows - first_key + 1)
+        block_max = -np.inf
+        for j in range(visible):
+            block_max = max(block_max, scores[h, r, j])
+        new_max = max(running_max[h, r], block_max)
+        factor = np.exp(running_max[h, r] - new_max)
+        row_sum = 0.0
+        for j in range(visible):
+            p = np.exp(scores[h, r, j] - new_max)
+            scores[h, r, j] = p
+            row_sum += p
+        for j in range(max(visible, 0), width):
+            scores[h, r, j] = 0.0
+        total[h, r] = total[h, r] * factor + row_sum
+        running_max[h, r] = new_max
+        correction[h, r] = factor
+
+
 def flash_prefill(q, key_cache, value_cache, pages, length, scale, out):
     """One sequence's query rows q `[S, Hq, D]` (the last S of its `length` tokens) attend causally,
-    FLASH_QUERY_BLOCK queries × FLASH_KEY_BLOCK keys at a time with an online softmax; writes `out`."""
+    FLASH_QUERY_BLOCK queries × FLASH_KEY_BLOCK keys at a time with an online softmax; writes `out`.
+
+    Scratch memory is one block of scores, whatever the context length; the products are BLAS matmuls.
+    """
     kv_heads, page_size, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
     num_heads, seq = q.shape[1], q.shape[0]
     group = num_heads // kv_heads
@@ -216,9 +280,9 @@ def flash_prefill(q, key_cache, value_cache, pages, length, scale, out):
         q1 = min(q0 + FLASH_QUERY_BLOCK, seq)
         rows = q1 - q0
         queries = q[q0:q1].transpose(1, 0, 2).reshape(kv_heads, group * rows, head_dim) * np.float32(scale)
-        positions = np.tile(np.arange(offset + q0, offset + q1), group)
-        running_max = np.full((kv_heads, group * rows, 1), -np.inf, np.float32)
-        total = np.zeros((kv_heads, group * rows, 1), np.float32)
+        running_max = np.full((kv_heads, group * rows), -np.inf, np.float32)
+        total = np.zeros((kv_heads, group * rows), np.float32)
+        correction = np.empty((kv_heads, group * rows), np.float32)
         acc = np.zeros((kv_heads, group * rows, head_dim), np.float32)
         visible_end = offset + q1
         for p0 in range(0, -(-visible_end // page_size), key_pages):
@@ -228,17 +292,11 @@ def flash_prefill(q, key_cache, value_cache, pages, length, scale, out):
             keys = key_cache[chunk].transpose(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :width]
             values = value_cache[chunk].transpose(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :width]
             scores = np.matmul(queries, keys.swapaxes(1, 2))
-            if k0 + width - 1 > offset + q0:  # the block crosses the diagonal: mask the future
-                hidden = np.arange(k0, k0 + width)[None, :] > positions[:, None]
-                scores[:, hidden] = -np.inf
-            new_max = np.maximum(running_max, scores.max(axis=-1, keepdims=True))
-            correction = np.exp(running_max - new_max)
-            probs = np.exp(scores - new_max)
-            total = total * correction + probs.sum(axis=-1, keepdims=True)
-            acc = acc * correction + np.matmul(probs, values)
-            running_max = new_max
-        context = (acc / total).reshape(kv_heads, group, rows, head_dim).reshape(num_heads, rows, head_dim)
-        out[q0:q1] = context.transpose(1, 0, 2)
+            _online_softmax(scores, running_max, total, correction, rows, offset + q0, k0)
+            acc *= correction[..., None]
+            acc += np.matmul(scores, values)
+        acc /= total[..., None]
+        out[q0:q1] = acc.reshape(num_heads, rows, head_dim).transpose(1, 0, 2)
 
 
 # ---- the node --------------------------------------------------------------------------------------
@@ -250,18 +308,25 @@ def paged_fused_attention(inputs: list, key_cache: np.ndarray, value_cache: np.n
 
     `inputs` are the node's 13 inputs (None where absent); the other attributes (`causal`, `rotary_dim`,
     `layer`, `page_size`, ...) are facts the pool and the graph already hold. `fast=False` runs the
-    reference.
+    numpy references.
     """
     query, key, value, cos, sin = inputs[0], inputs[1], inputs[2], inputs[6], inputs[7]
     query_start_loc, seq_lens, block_tables, slot_mapping = inputs[9:13]
-    q, k, v = rotate_heads(query, key, value, cos, sin, num_heads=num_heads, kv_num_heads=kv_num_heads,
-                           head_dim=head_dim, rotary_interleaved=rotary_interleaved)
-    write_kv(k, v, key_cache, value_cache, slot_mapping)
-    if not fast:
-        out = paged_attention_reference(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale)
-    else:
+    heads = dict(num_heads=num_heads, kv_num_heads=kv_num_heads, head_dim=head_dim, rotary_interleaved=rotary_interleaved)
+    if fast:
+        q = rotate_and_store(query, key, value, cos, sin, slot_mapping, key_cache, value_cache, **heads)
         out = _fast_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale)
+    else:
+        q = rotate_and_store_reference(query, key, value, cos, sin, slot_mapping, key_cache, value_cache, **heads)
+        out = paged_attention_reference(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale)
     return out.reshape(1, q.shape[0], num_heads * head_dim)
+
+
+@lru_cache(maxsize=1)
+def _blas():
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController()
 
 
 def _fast_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale):
@@ -272,10 +337,13 @@ def _fast_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_
         return paged_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale)
     out = np.empty_like(q)
     page_size = key_cache.shape[2]
-    for b in long:
-        start, end, length = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(seq_lens[b])
-        flash_prefill(q[start:end], key_cache, value_cache, block_tables[b, :-(-length // page_size)], length,
-                      scale, out[start:end])
+    # one BLAS thread: its idle threads spin and starve numba's and onnxruntime's (measured: a 512-token
+    # SmolLM2 prefill 850-950 ms with OpenBLAS's default threads, 490-500 ms with one)
+    with _blas().limit(limits=1, user_api="blas"):
+        for b in long:
+            start, end, length = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(seq_lens[b])
+            flash_prefill(q[start:end], key_cache, value_cache, block_tables[b, :-(-length // page_size)], length,
+                          scale, out[start:end])
     short = np.flatnonzero(lengths < FLASH_MIN_QUERIES)
     if len(short):
         rows = np.concatenate([np.arange(query_start_loc[b], query_start_loc[b + 1]) for b in short])
