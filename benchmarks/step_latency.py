@@ -17,6 +17,7 @@ import onnxruntime as ort
 
 from runtime import Executor, load_artifact
 from runtime.feeds import causal_lm_inputs
+from runtime.ort_session import session_options
 
 
 def _median_ms(fn, repeat: int) -> float:
@@ -37,8 +38,7 @@ def _median_ms(fn, repeat: int) -> float:
 @click.option("--threads", default=2, show_default=True)
 def main(om_path: str, onnx_path: str, seq: int, past: int, repeat: int, threads: int) -> None:
     """Compare load time and step latency."""
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
+    options = session_options(threads)
     loads = {"om": [], "onnx": []}
     for _ in range(3):
         start = time.perf_counter()

@@ -22,6 +22,7 @@ import click
 import numpy as np
 
 from cli.llm_commands import engine_options, open_engine
+from runtime.ort_session import session_options
 from models.data_files import EVAL_TEXT
 
 
@@ -44,7 +45,8 @@ class OnnxRuntimeLoop:
     def __init__(self, path: str):
         import onnxruntime as ort
 
-        self.session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        # the same thread setup as the engine's sessions (runtime/ort_session.py)
+        self.session = ort.InferenceSession(path, session_options(), providers=["CPUExecutionProvider"])
         self.inputs = {i.name: i for i in self.session.get_inputs()}
         self.presents = [o.name for o in self.session.get_outputs() if o.name.startswith("present")]
 

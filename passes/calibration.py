@@ -17,6 +17,7 @@ import onnxruntime as ort
 from compiler.signature import io_signature, llm_dimensions
 from runtime.feeds import causal_lm_inputs
 from runtime.lowering import lower_for_onnxruntime
+from runtime.ort_session import session_options
 
 
 KEPT_ROWS = 256
@@ -52,11 +53,7 @@ def collect_input_statistics(graph: gs.Graph, names: list[str], samples: list[np
         if name not in known:
             elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(tensors[name].dtype or np.float32))
             model.graph.output.append(onnx.helper.make_tensor_value_info(name, elem, None))
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    if threads:
-        options.intra_op_num_threads = threads
-    session = ort.InferenceSession(lower_for_onnxruntime(model).SerializeToString(), options,
+    session = ort.InferenceSession(lower_for_onnxruntime(model).SerializeToString(), session_options(threads),
                                    providers=["CPUExecutionProvider"])
     signature = io_signature(model)
     dims = llm_dimensions(signature)

@@ -10,19 +10,12 @@ and reads the whole context from them. The cache leaves the graph's I/O: the run
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_graphsurgeon as gs
 
 from compiler.errors import AtcError
 from compiler.pass_manager import PassResult
+from runtime.kernels.paged_attention import METADATA_INPUTS
 
-# name, dtype, shape: the attention metadata, in the order FusedAttention takes it (inputs 9..12)
-METADATA_INPUTS = (
-    ("query_start_loc", np.int32, ["num_seqs_plus_1"]),
-    ("seq_lens", np.int32, ["num_seqs"]),
-    ("block_tables", np.int32, ["num_seqs", "max_blocks"]),
-    ("slot_mapping", np.int64, ["num_tokens"]),
-)
 TOKEN_INPUTS = ("input_ids", "position_ids")
 _PAST, _PRESENT = (3, 4), (1, 2)
 _MASK, _BIAS = 5, 8

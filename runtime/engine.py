@@ -25,6 +25,7 @@ from runtime.executor import Executor
 from runtime.kv_cache import PagePool
 from runtime.loader import load_artifact
 from runtime.model_runner import ContiguousRunner, PagedRunner
+from runtime.ort_session import enable_process_thread_pool
 from runtime.sampler import sample_token
 from runtime.sampling import SamplingParams
 from runtime.scheduler import ScheduledBatch, Scheduler
@@ -94,11 +95,16 @@ class LLMEngine:
 
     A paged artifact gets a pool of `kv_cache_pages` pages of its compiled page size; an artifact with
     contiguous past/present I/O reserves `max_context_len` tokens per sequence instead.
+
+    With `process_thread_pool` (the default) the engine makes onnxruntime's process-wide thread pool,
+    which its many sessions share (runtime/ort_session.py). onnxruntime then requires every session
+    created later in the process to use it: make yours with `runtime.ort_session.session_options()`, or
+    pass `process_thread_pool=False` to keep a pool per session (slower decode).
     """
 
     def __init__(self, model_path: str | os.PathLike, max_batch_size: int = 8, max_context_len: int = 4096,
                  kv_cache_pages: int = 1024, *, max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
-                 backend: str = "onnxruntime", threads: int | None = None):
+                 backend: str = "onnxruntime", threads: int | None = None, process_thread_pool: bool = True):
         if max_batch_size < 1 or max_context_len < 2 or kv_cache_pages < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_batch_size, kv_cache_pages and max_num_batched_tokens must be positive, "
                              "max_context_len at least 2")
@@ -109,6 +115,8 @@ class LLMEngine:
         files = self.loaded.om.tokenizer_files()
         self.tokenizer = TextTokenizer(files) if "tokenizer.json" in files else None
         self._files = files
+        if process_thread_pool and backend == "onnxruntime":
+            enable_process_thread_pool(threads)
         executor = Executor(self.loaded, backend, threads)
         kv = metadata.get("kv_cache", {"layout": "contiguous"})
         self.paged = kv["layout"] == "paged"

@@ -8,6 +8,8 @@ numpy kernels as its custom ops, the executable spec the fast path is tested aga
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -17,10 +19,11 @@ from onnx.reference import ReferenceEvaluator
 from compiler.artifact import SUB_BYTE_TYPES
 from compiler.proto_utils import initializers_as_inputs
 from runtime.kernels import reference_ops
-from runtime.kernels.paged_attention import is_paged_attention, paged_fused_attention
+from runtime.kernels.paged_attention import METADATA_INPUTS, PagedBatch, is_paged_attention, paged_fused_attention
 from runtime.kv_cache import PagePool
 from runtime.loader import LoadedModel
 from runtime.lowering import lower_for_onnxruntime
+from runtime.ort_session import process_thread_pool_enabled, session_options
 from runtime.segments import HostNode, Segment, split_at_host_nodes
 
 BACKENDS = ("onnxruntime", "reference")
@@ -43,10 +46,9 @@ class Executor:
         self.output_names = loaded.output_names
         model, weights = _inline_sub_byte(loaded.model, loaded.weights)
         plan = split_at_host_nodes(model, is_paged_attention)
-        # Many sessions run in turn, each with its own thread pool: a pool left spinning after its run
-        # starves the next session's (measured: SmolLM2 paged decode 256 ms a token), so their threads
-        # spin within a run and stop at its end. (onnxruntime's process-wide pool would do too, but once
-        # made, every session of the process must use it.)
+        # Many sessions run in turn. On pools of their own (no process-wide pool, runtime/ort_session.py),
+        # a pool left spinning after its run starves the next session's (measured: SmolLM2 paged decode
+        # 256 ms a token), so their threads spin within a run and stop at its end.
         stop_spinning = len(plan) > 1
         self._steps = []
         for step in plan:
@@ -54,6 +56,8 @@ class Executor:
                 self._steps.append(_HostStep(step.node, fast=backend == "onnxruntime"))
             else:
                 self._steps.append(_SegmentStep(step, weights, backend, threads, spinning, stop_spinning))
+        hosts = [step for step in self._steps if isinstance(step, _HostStep)]
+        self._num_heads = hosts[0].attributes["num_heads"] if hosts else 0
 
     @property
     def num_segments(self) -> int:
@@ -65,9 +69,21 @@ class Executor:
         """Outputs named `output_names` (default all) for `feeds`; a paged artifact needs `kv_cache`."""
         names = output_names or self.output_names
         values = dict(feeds)
+        context = _RunContext(kv_cache, names if len(self._steps) == 1 else None)
+        if self._num_heads:
+            context.batch = PagedBatch.of(*(feeds[name] for name, _, _ in METADATA_INPUTS), self._num_heads)
         for step in self._steps:
-            values.update(step.run(values, kv_cache, names if len(self._steps) == 1 else None))
+            values.update(step.run(values, context))
         return {name: values[name] for name in names}
+
+
+@dataclass
+class _RunContext:
+    """What the steps of one run share besides the values."""
+
+    kv_cache: PagePool | None
+    names: list[str] | None
+    batch: PagedBatch | None = None
 
 
 class _SegmentStep:
@@ -84,9 +100,8 @@ class _SegmentStep:
             self._session = ReferenceEvaluator(light, new_ops=reference_ops())
             self._weights_fed = mine
 
-    def run(self, values: dict, kv_cache, names: list[str] | None) -> dict[str, np.ndarray]:
-        del kv_cache
-        names = names or self.outputs
+    def run(self, values: dict, context: _RunContext) -> dict[str, np.ndarray]:
+        names = context.names or self.outputs
         feeds = {name: values[name] for name in self.inputs if name in values}
         return dict(zip(names, self._session.run(names, {**feeds, **self._weights_fed})))
 
@@ -99,13 +114,13 @@ class _HostStep:
         self.layer = self.attributes["layer"]
         self.fast = fast
 
-    def run(self, values: dict, kv_cache: PagePool | None, names) -> dict[str, np.ndarray]:
-        del names
-        if kv_cache is None:
+    def run(self, values: dict, context: _RunContext) -> dict[str, np.ndarray]:
+        pool = context.kv_cache
+        if pool is None:
             raise ValueError("a paged artifact runs with a page pool: pass kv_cache (runtime.kv_cache.PagePool)")
         inputs = [values[name] if name else None for name in self.inputs]
-        out = paged_fused_attention(inputs, kv_cache.key[self.layer], kv_cache.value[self.layer],
-                                    fast=self.fast, **self.attributes)
+        out = paged_fused_attention(inputs, pool.key[self.layer], pool.value[self.layer], fast=self.fast,
+                                    batch=context.batch, **self.attributes)
         return {self.output: out}
 
 
@@ -129,15 +144,14 @@ def _inline_sub_byte(model: onnx.ModelProto, weights: dict[str, np.ndarray]):
 
 def _ort_session(model: onnx.ModelProto, weights: dict[str, np.ndarray], threads: int | None,
                  spinning: bool, stop_spinning: bool = False) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    if threads:
-        options.intra_op_num_threads = threads
-    if not spinning:
+    options = session_options(threads)
+    if process_thread_pool_enabled():
+        pass  # the shared pool's workers spin between the sessions' turns: that is the point of sharing it
+    elif not spinning:
         # idle worker threads sleep instead of spinning: needed when several sessions share the cores
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     elif stop_spinning:
         options.add_session_config_entry("session.force_spinning_stop", "1")
-    options.log_severity_level = 3
     # quantized weights are explicit ops here; onnxruntime's own QDQ rewrites would quantize activations
     options.add_session_config_entry("session.disable_quant_qdq", "1")
     names = list(weights)

@@ -11,6 +11,7 @@ import pytest
 
 from compiler.compile import compile_model
 from compiler.config import CompileConfig
+from runtime.ort_session import session_options
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -58,7 +59,7 @@ def compile_to(model: Path, output: Path, **flags) -> Path:
 
 def ort_reference(model: Path, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """onnxruntime on the original model, graph optimisations off so nothing can hide a difference."""
-    options = ort.SessionOptions()
+    options = session_options()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]

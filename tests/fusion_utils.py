@@ -15,6 +15,7 @@ from compiler.signature import io_signature
 from passes.infer_shapes import InferShapes
 from runtime import Executor, load_artifact
 from runtime.lowering import lower_for_onnxruntime
+from runtime.ort_session import session_options
 
 
 def apply_pass(model: onnx.ModelProto, *passes):
@@ -31,7 +32,7 @@ def op_counts(model: onnx.ModelProto) -> Counter:
 
 def run_original(model: onnx.ModelProto, feeds) -> list[np.ndarray]:
     """onnxruntime on the unfused graph, optimisations off (`cann` ops fused earlier are lowered)."""
-    options = ort.SessionOptions()
+    options = session_options()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     model = lower_for_onnxruntime(model)
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, feeds)

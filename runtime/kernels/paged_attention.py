@@ -19,6 +19,7 @@ Three implementations of one contract, tested against each other:
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 # numba's parallel kernels run between onnxruntime sessions on the same cores; OpenMP threads that keep
@@ -31,6 +32,13 @@ import numpy as np  # noqa: E402
 
 from runtime.kernels.attention import apply_rotary  # noqa: E402
 
+# name, dtype, shape of the attention metadata a paged FusedAttention reads as inputs 9-12
+METADATA_INPUTS = (
+    ("query_start_loc", np.int32, ["num_seqs_plus_1"]),
+    ("seq_lens", np.int32, ["num_seqs"]),
+    ("block_tables", np.int32, ["num_seqs", "max_blocks"]),
+    ("slot_mapping", np.int64, ["num_tokens"]),
+)
 QUERY_BLOCK = 32
 PARALLEL_WORK = 1 << 16  # query·key pairs per head from which numba's threads pay for their wake-up
 FLASH_MIN_QUERIES = 64  # prompt chunks at least this long attend through flash_prefill
@@ -226,12 +234,56 @@ def _attend_parallel(q, key_cache, value_cache, query_start_loc, seq_lens, block
 
 def paged_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale):
     """The numba kernel: same contract as `paged_attention_reference`, pages read in place."""
+    batch = PagedBatch.of(query_start_loc, seq_lens, block_tables, np.zeros(0, np.int64), q.shape[1], flash=False)
     out = np.empty_like(q)
-    work = _work_items(query_start_loc, q.shape[1], QUERY_BLOCK)
-    pairs = int(np.dot(np.diff(query_start_loc).astype(np.int64), seq_lens.astype(np.int64)))
-    attend = _attend_parallel if pairs >= PARALLEL_WORK else _attend_serial
-    attend(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, np.float32(scale), work, out)
+    _attend(batch, q, key_cache, value_cache, scale, out)
     return out
+
+
+def _attend(batch: "PagedBatch", q, key_cache, value_cache, scale, out) -> None:
+    kernel = _attend_parallel if batch.parallel else _attend_serial
+    kernel(q, key_cache, value_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, np.float32(scale),
+           batch.work, out)
+
+
+@dataclass
+class PagedBatch:
+    """A step's attention metadata, converted and split once for all the layers of the step.
+
+    Sequences with at least FLASH_MIN_QUERIES new tokens (`flash`) attend through `flash_prefill`; the
+    others (decodes, short chunks) through the numba kernel, as the sub-batch `short` of rows `short_rows`.
+    """
+
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+    slot_mapping: np.ndarray
+    work: np.ndarray
+    parallel: bool
+    flash: list[int] = field(default_factory=list)
+    short: "PagedBatch | None" = None
+    short_rows: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, query_start_loc, seq_lens, block_tables, slot_mapping, num_heads: int,
+           flash: bool = True) -> "PagedBatch":
+        starts = np.asarray(query_start_loc, np.int64)
+        lengths = np.diff(starts)
+        seq_lens = np.asarray(seq_lens, np.int64)
+        tables = np.asarray(block_tables, np.int64)
+        slots = np.asarray(slot_mapping, np.int64)
+        long = np.flatnonzero(lengths >= FLASH_MIN_QUERIES).tolist() if flash else []
+        if not long:
+            parallel = int(np.dot(lengths, seq_lens)) >= PARALLEL_WORK
+            return cls(starts, seq_lens, tables, slots, _work_items(starts, num_heads, QUERY_BLOCK), parallel)
+        batch = cls(starts, seq_lens, tables, slots, np.zeros((0, 4), np.int64), False, flash=long)
+        short = np.flatnonzero(lengths < FLASH_MIN_QUERIES)
+        if len(short):
+            batch.short_rows = np.concatenate([np.arange(starts[b], starts[b + 1]) for b in short])
+            sub_starts = np.concatenate([[0], np.cumsum(lengths[short])])
+            batch.short = cls.of(sub_starts, seq_lens[short], tables[short], slots[batch.short_rows], num_heads,
+                                 flash=False)
+        return batch
 
 
 # ---- blockwise prefill -----------------------------------------------------------------------------
@@ -303,22 +355,25 @@ def flash_prefill(q, key_cache, value_cache, pages, length, scale, out):
 
 def paged_fused_attention(inputs: list, key_cache: np.ndarray, value_cache: np.ndarray, *, num_heads: int,
                           kv_num_heads: int, head_dim: int, scale: float, rotary_interleaved: int = 0,
-                          fast: bool = True, **_attributes) -> np.ndarray:
+                          fast: bool = True, batch: PagedBatch | None = None, **_attributes) -> np.ndarray:
     """One paged FusedAttention node: rotate, store the new keys and values, attend; returns `[1, T, Hq·D]`.
 
     `inputs` are the node's 13 inputs (None where absent); the other attributes (`causal`, `rotary_dim`,
-    `layer`, `page_size`, ...) are facts the pool and the graph already hold. `fast=False` runs the
-    numpy references.
+    `layer`, `page_size`, ...) are facts the pool and the graph already hold. `batch` is inputs 9-12
+    prepared (`PagedBatch.of`), shared by a step's layers. `fast=False` runs the numpy references.
     """
     query, key, value, cos, sin = inputs[0], inputs[1], inputs[2], inputs[6], inputs[7]
-    query_start_loc, seq_lens, block_tables, slot_mapping = inputs[9:13]
+    if batch is None:
+        batch = PagedBatch.of(*inputs[9:13], num_heads)
     heads = dict(num_heads=num_heads, kv_num_heads=kv_num_heads, head_dim=head_dim, rotary_interleaved=rotary_interleaved)
     if fast:
-        q = rotate_and_store(query, key, value, cos, sin, slot_mapping, key_cache, value_cache, **heads)
-        out = _fast_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale)
+        q = rotate_and_store(query, key, value, cos, sin, batch.slot_mapping, key_cache, value_cache, **heads)
+        out = _fast_attention(batch, q, key_cache, value_cache, scale)
     else:
-        q = rotate_and_store_reference(query, key, value, cos, sin, slot_mapping, key_cache, value_cache, **heads)
-        out = paged_attention_reference(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale)
+        q = rotate_and_store_reference(query, key, value, cos, sin, batch.slot_mapping, key_cache, value_cache,
+                                       **heads)
+        out = paged_attention_reference(q, key_cache, value_cache, batch.query_start_loc, batch.seq_lens,
+                                        batch.block_tables, scale)
     return out.reshape(1, q.shape[0], num_heads * head_dim)
 
 
@@ -329,24 +384,24 @@ def _blas():
     return ThreadpoolController()
 
 
-def _fast_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale):
+def _fast_attention(batch: PagedBatch, q, key_cache, value_cache, scale):
     """Long prompt chunks through flash_prefill, everything else (decodes, short chunks) through numba."""
-    lengths = np.diff(query_start_loc)
-    long = np.flatnonzero(lengths >= FLASH_MIN_QUERIES)
-    if not len(long):
-        return paged_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale)
     out = np.empty_like(q)
+    if not batch.flash:
+        _attend(batch, q, key_cache, value_cache, scale, out)
+        return out
     page_size = key_cache.shape[2]
+    starts, lengths, tables = batch.query_start_loc, batch.seq_lens, batch.block_tables
     # one BLAS thread: its idle threads spin and starve numba's and onnxruntime's (measured: a 512-token
     # SmolLM2 prefill 850-950 ms with OpenBLAS's default threads, 490-500 ms with one)
     with _blas().limit(limits=1, user_api="blas"):
-        for b in long:
-            start, end, length = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(seq_lens[b])
-            flash_prefill(q[start:end], key_cache, value_cache, block_tables[b, :-(-length // page_size)], length,
-                          scale, out[start:end])
-    short = np.flatnonzero(lengths < FLASH_MIN_QUERIES)
-    if len(short):
-        rows = np.concatenate([np.arange(query_start_loc[b], query_start_loc[b + 1]) for b in short])
-        starts = np.concatenate([[0], np.cumsum(lengths[short])]).astype(query_start_loc.dtype)
-        out[rows] = paged_attention(q[rows], key_cache, value_cache, starts, seq_lens[short], block_tables[short], scale)
+        for b in batch.flash:
+            start, end, length = int(starts[b]), int(starts[b + 1]), int(lengths[b])
+            flash_prefill(q[start:end], key_cache, value_cache, tables[b, :-(-length // page_size)], length, scale,
+                          out[start:end])
+    if batch.short is not None:
+        rows = batch.short_rows
+        part = np.empty((len(rows),) + q.shape[1:], q.dtype)
+        _attend(batch.short, np.ascontiguousarray(q[rows]), key_cache, value_cache, scale, part)
+        out[rows] = part
     return out

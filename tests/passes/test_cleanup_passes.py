@@ -12,6 +12,7 @@ from passes.eliminate_dead_code import EliminateDeadCode
 from passes.eliminate_identity import EliminateIdentity
 from passes.fold_constants import FoldConstants
 from passes.infer_shapes import InferShapes
+from runtime.ort_session import session_options
 
 X = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])
 
@@ -22,7 +23,7 @@ def _model(nodes, outputs, initializers=(), inputs=(X,)) -> onnx.ModelProto:
 
 
 def _run(model: onnx.ModelProto, feeds) -> list[np.ndarray]:
-    options = ort.SessionOptions()
+    options = session_options()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, feeds)
 
