@@ -52,8 +52,10 @@ def open_engine(model, max_batch_size, max_context_len, kv_cache_pages, max_num_
     """An LLMEngine from the shared options; AtcError for a file that is not a runnable artifact."""
     from runtime.engine import LLMEngine
 
+    # the command owns its process, so the engine's sessions may share onnxruntime's process-wide pool
     return LLMEngine(model, max_batch_size=max_batch_size, max_context_len=max_context_len,
-                     kv_cache_pages=kv_cache_pages, max_num_batched_tokens=max_num_batched_tokens, backend=backend)
+                     kv_cache_pages=kv_cache_pages, max_num_batched_tokens=max_num_batched_tokens, backend=backend,
+                     process_thread_pool=True)
 
 
 def _sampling(kwargs: dict) -> dict:

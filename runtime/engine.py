@@ -96,15 +96,15 @@ class LLMEngine:
     A paged artifact gets a pool of `kv_cache_pages` pages of its compiled page size; an artifact with
     contiguous past/present I/O reserves `max_context_len` tokens per sequence instead.
 
-    With `process_thread_pool` (the default) the engine makes onnxruntime's process-wide thread pool,
-    which its many sessions share (runtime/ort_session.py). onnxruntime then requires every session
-    created later in the process to use it: make yours with `runtime.ort_session.session_options()`, or
-    pass `process_thread_pool=False` to keep a pool per session (slower decode).
+    `process_thread_pool=True` makes onnxruntime's process-wide thread pool, which the engine's many
+    sessions then share: decode is faster (runtime/ort_session.py), but onnxruntime requires every
+    session created later in the process to use that pool too, which code outside this project (such
+    as onnx-graphsurgeon's constant folding) does not do. The CLI, which owns its process, turns it on.
     """
 
     def __init__(self, model_path: str | os.PathLike, max_batch_size: int = 8, max_context_len: int = 4096,
                  kv_cache_pages: int = 1024, *, max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
-                 backend: str = "onnxruntime", threads: int | None = None, process_thread_pool: bool = True):
+                 backend: str = "onnxruntime", threads: int | None = None, process_thread_pool: bool = False):
         if max_batch_size < 1 or max_context_len < 2 or kv_cache_pages < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_batch_size, kv_cache_pages and max_num_batched_tokens must be positive, "
                              "max_context_len at least 2")
