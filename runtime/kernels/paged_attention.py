@@ -281,7 +281,8 @@ class PagedBatch:
         if len(short):
             batch.short_rows = np.concatenate([np.arange(starts[b], starts[b + 1]) for b in short])
             sub_starts = np.concatenate([[0], np.cumsum(lengths[short])])
-            batch.short = cls.of(sub_starts, seq_lens[short], tables[short], slots[batch.short_rows], num_heads,
+            # the sub-batch only attends: the step's keys and values were stored through the whole batch
+            batch.short = cls.of(sub_starts, seq_lens[short], tables[short], np.zeros(0, np.int64), num_heads,
                                  flash=False)
         return batch
 

@@ -1,0 +1,119 @@
+"""The paged attention kernels (numba, flash) against their numpy references."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from runtime.kernels.paged_attention import (PagedBatch, flash_prefill, paged_attention, paged_attention_reference,
+                                             paged_fused_attention, rotate_and_store, rotate_and_store_reference)
+
+PAGE = 16
+HEADS, KV_HEADS, DIM = 8, 2, 32
+
+
+def _pool(pages: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    shape = (pages, KV_HEADS, PAGE, DIM)
+    return rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+
+
+def _scattered_tables(lengths: list[int], pages: int, seed: int = 0) -> np.ndarray:
+    """Each sequence's pages drawn without replacement from the pool, in no particular order."""
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(pages)
+    width = max(-(-n // PAGE) for n in lengths)
+    tables = np.zeros((len(lengths), width), np.int32)
+    used = 0
+    for row, n in enumerate(lengths):
+        count = -(-n // PAGE)
+        tables[row, :count] = order[used:used + count]
+        used += count
+    return tables
+
+
+# (new tokens, context length incl. them) per sequence: decodes deep in the cache, a prefill from zero,
+# a chunk continuing a cached prompt, a chunk ending exactly on a page boundary
+MIXES = [[(1, 300), (1, 17), (1, 1)], [(70, 70), (1, 129), (5, 130)], [(33, 64), (2, 2), (96, 200)]]
+
+
+@pytest.mark.parametrize("mix", MIXES, ids=["decodes", "prefill-and-decodes", "chunks"])
+def test_numba_and_flash_match_the_reference(mix):
+    lengths = [ctx for _, ctx in mix]
+    key_cache, value_cache = _pool(64)
+    tables = _scattered_tables(lengths, 64)
+    starts = np.concatenate([[0], np.cumsum([q for q, _ in mix])]).astype(np.int32)
+    q = np.random.default_rng(1).standard_normal((int(starts[-1]), HEADS, DIM)).astype(np.float32)
+    args = (q, key_cache, value_cache, starts, np.asarray(lengths, np.int32), tables, 0.17)
+    expected = paged_attention_reference(*args)
+    np.testing.assert_allclose(paged_attention(*args), expected, atol=2e-5, rtol=0)
+    batch = PagedBatch.of(starts, lengths, tables, np.zeros(0, np.int64), HEADS)
+    from runtime.kernels.paged_attention import _fast_attention
+
+    np.testing.assert_allclose(_fast_attention(batch, q, key_cache, value_cache, 0.17), expected, atol=2e-5, rtol=0)
+    assert bool(batch.flash) == any(n >= 64 for n, _ in mix)
+
+
+@pytest.mark.parametrize("rotary_dim,interleaved", [(DIM, 0), (DIM, 1), (DIM // 2, 0), (DIM // 2, 1), (0, 0)])
+@pytest.mark.parametrize("packed", [True, False])
+def test_rotate_and_store_matches_the_reference(rotary_dim, interleaved, packed):
+    rng = np.random.default_rng(2)
+    tokens = 7
+    width = (HEADS + 2 * KV_HEADS) * DIM
+    qkv = rng.standard_normal((1, tokens, width)).astype(np.float32)
+    if packed:
+        query, key, value = qkv, None, None
+    else:
+        query = np.ascontiguousarray(qkv[..., :HEADS * DIM])
+        key = np.ascontiguousarray(qkv[..., HEADS * DIM:(HEADS + KV_HEADS) * DIM])
+        value = np.ascontiguousarray(qkv[..., (HEADS + KV_HEADS) * DIM:])
+    angles = rng.uniform(0, 6.3, (1, 1, tokens, rotary_dim)).astype(np.float32)
+    cos, sin = (np.cos(angles), np.sin(angles)) if rotary_dim else (None, None)
+    slots = np.array([3, 4, 40, 41, 42, 17, 0], np.int64)
+    heads = dict(num_heads=HEADS, kv_num_heads=KV_HEADS, head_dim=DIM, rotary_interleaved=interleaved)
+    fast_pool, ref_pool = _pool(4), _pool(4)
+    q_fast = rotate_and_store(query, key, value, cos, sin, slots, *fast_pool, **heads)
+    q_ref = rotate_and_store_reference(query, key, value, cos, sin, slots, *ref_pool, **heads)
+    np.testing.assert_allclose(q_fast, q_ref, atol=1e-6, rtol=0)
+    for fast, ref in zip(fast_pool, ref_pool):
+        np.testing.assert_allclose(fast, ref, atol=1e-6, rtol=0)
+
+
+def test_node_kernel_fast_and_reference_agree_and_write_the_same_pages():
+    rng = np.random.default_rng(3)
+    mix = [(70, 70), (1, 45)]
+    lengths = [ctx for _, ctx in mix]
+    starts = np.array([0, 70, 71], np.int32)
+    tables = _scattered_tables(lengths, 16)
+    slots = np.concatenate([tables[0, np.arange(70) // PAGE] * PAGE + np.arange(70) % PAGE,
+                            [tables[1, 44 // PAGE] * PAGE + 44 % PAGE]]).astype(np.int64)
+    qkv = rng.standard_normal((1, 71, (HEADS + 2 * KV_HEADS) * DIM)).astype(np.float32)
+    inputs = [qkv, None, None, None, None, None, None, None, None, starts, np.asarray(lengths, np.int32), tables, slots]
+    attrs = dict(num_heads=HEADS, kv_num_heads=KV_HEADS, head_dim=DIM, scale=0.2)
+    fast_pool, ref_pool = _pool(16), _pool(16)
+    fast = paged_fused_attention(inputs, *fast_pool, fast=True, **attrs)
+    ref = paged_fused_attention(inputs, *ref_pool, fast=False, **attrs)
+    assert fast.shape == (1, 71, HEADS * DIM)
+    np.testing.assert_allclose(fast, ref, atol=2e-5, rtol=0)
+    np.testing.assert_array_equal(fast_pool[0], ref_pool[0])
+
+
+def _flash_peak_bytes(length: int) -> int:
+    pages = -(-length // PAGE)
+    key_cache, value_cache = _pool(pages)
+    q = np.random.default_rng(4).standard_normal((length, HEADS, DIM)).astype(np.float32)
+    out = np.empty_like(q)
+    tracemalloc.start()
+    flash_prefill(q, key_cache, value_cache, np.arange(pages), length, 0.2, out)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return peak
+
+
+def test_flash_prefill_scratch_memory_does_not_grow_with_the_square_of_the_context():
+    small, large = _flash_peak_bytes(1024), _flash_peak_bytes(4096)
+    full_scores_large = HEADS * 4096 * 4096 * 4
+    assert large < 2 * small  # 4x the context: a score matrix would grow 16x
+    assert large < full_scores_large / 8
