@@ -166,9 +166,10 @@ def _print_table(report: dict) -> None:
                    f"{row['tpot_ms_p99'] or 0:<7.1f} {util if util is None else f'{util:.3f}':>13} "
                    f"{row['peak_sequences']:>10}")
     memory = report["kv_memory"]
-    click.echo(f"\nKV memory: {memory['peak_sequences']} sequences in {memory['peak_pages']} pages; a contiguous "
-               f"{memory['max_context_len']}-token allocation per sequence fits {memory['contiguous_sequences']} "
-               f"in that memory ({memory['ratio']:.1f}x)")
+    if memory["ratio"]:
+        click.echo(f"\nKV memory: {memory['peak_sequences']} sequences in {memory['peak_pages']} pages; a contiguous "
+                   f"{memory['max_context_len']}-token allocation per sequence fits {memory['contiguous_sequences']:.2f} "
+                   f"in that memory ({memory['ratio']:.1f}x)")
     if report["serving"] and len(report["serving"]) > 1:
         click.echo(f"aggregate tok/s at concurrency {report['serving'][-1]['concurrency']} / concurrency 1: "
                    f"{report['serving'][-1]['tokens_per_s'] / report['serving'][0]['tokens_per_s']:.2f}x")
@@ -200,6 +201,8 @@ def bench_command(onnx_path, text_file, num_requests, concurrency, prompt_length
     """Measure batch-1 latency, serving throughput and KV memory; print a table and write JSON."""
     levels = _ints(concurrency)
     engine_kwargs["max_batch_size"] = max([engine_kwargs["max_batch_size"], *levels])
+    # a prompt of N tokens needs room for N + 1
+    engine_kwargs["max_context_len"] = max([engine_kwargs["max_context_len"], *(n + 1 for n in _ints(long_prefill))])
     rng = np.random.default_rng(seed)
     with open_engine(**engine_kwargs) as engine:
         ids = engine._require_tokenizer().encode(Path(text_file).read_text(encoding="utf-8"))
@@ -213,8 +216,7 @@ def bench_command(onnx_path, text_file, num_requests, concurrency, prompt_length
                             rng.integers(out_low, out_high + 1, num_requests).tolist()))
         serving = [_closed_loop(engine, requests, level) for level in levels]
         busiest = max(serving, key=lambda row: row["peak_sequences"])
-        memory_tokens = busiest["peak_pages"] * engine.page_size
-        fits = memory_tokens // engine.max_context_len
+        fits = busiest["peak_pages"] * engine.page_size / engine.max_context_len
         report = {
             "model": engine_kwargs["model"], "onnx": onnx_path, "paged": engine.paged, "page_size": engine.page_size,
             "settings": {**engine_kwargs, "requests": num_requests, "prompt_lengths": [low, high],
@@ -223,7 +225,7 @@ def bench_command(onnx_path, text_file, num_requests, concurrency, prompt_length
             "batch1": batch1, "serving": serving,
             "kv_memory": {"peak_sequences": busiest["peak_sequences"], "peak_pages": busiest["peak_pages"],
                           "max_context_len": engine.max_context_len, "contiguous_sequences": fits,
-                          "ratio": busiest["peak_sequences"] / max(fits, 1)},
+                          "ratio": busiest["peak_sequences"] / fits if fits else None},
             "long_prefill": _long_prefills(engine, ids, _ints(long_prefill), engine.dims.get("num_heads", 0)),
         }
     _print_table(report)

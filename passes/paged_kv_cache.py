@@ -32,8 +32,10 @@ class PagedKvCache:
 
     def run(self, graph: gs.Graph) -> PassResult:
         attentions = [n for n in graph.toposort().nodes if n.op == "FusedAttention"]
-        self._check(graph, attentions)
         inputs = {t.name: t for t in graph.inputs}
+        if "input_ids" in inputs:
+            _sizes_from_tokens(graph, inputs["input_ids"])
+        self._check(graph, attentions)
         metadata = [gs.Variable(name, dtype=dtype, shape=shape) for name, dtype, shape in METADATA_INPUTS]
         cache_io = set()
         for layer, node in enumerate(attentions):
@@ -47,7 +49,6 @@ class PagedKvCache:
             while len(node.outputs) > 1:
                 node.outputs.pop()
             node.attrs.update(paged=1, layer=layer, page_size=self.page_size)
-        _batch_size_from_tokens(graph, inputs["input_ids"], cache_io)
         for name in TOKEN_INPUTS:
             inputs[name].shape = [1, "num_tokens"]
         still_read = sorted(t.name for t in graph.inputs if t.name in cache_io and t.outputs)
@@ -84,13 +85,23 @@ class PagedKvCache:
                                      "cannot express; compile with --enable_paged_attention=0")
 
 
-def _batch_size_from_tokens(graph: gs.Graph, input_ids: gs.Tensor, cache_io: set[str]) -> None:
-    """Dynamo exports read the batch size as `Shape(past, start=0, end=1)`; the tokens have it too."""
+def _sizes_from_tokens(graph: gs.Graph, input_ids: gs.Tensor) -> None:
+    """Read sizes from the tokens instead of from the cache inputs that are going away.
+
+    Dynamo exports take the batch size as `Shape(past or mask, start=0, end=1)`, and without a past the
+    sequence length as the mask's `Shape(start=1, end=2)` (the two lengths are one symbol there);
+    `input_ids` has both.
+    """
+    names = [t.name for t in graph.inputs]
+    has_past = any(name.startswith("past_key_values") for name in names)
     for tensor in graph.inputs:
-        if tensor.name not in cache_io:
+        if not (tensor.name.startswith("past_key_values") or tensor.name == "attention_mask"):
             continue
         for node in list(tensor.outputs):
-            if node.op == "Shape" and node.attrs.get("start", 0) == 0 and node.attrs.get("end") == 1:
+            if node.op != "Shape":
+                continue
+            span = (node.attrs.get("start", 0), node.attrs.get("end"))
+            if span == (0, 1) or (tensor.name == "attention_mask" and not has_past and span in ((1, 2), (0, None))):
                 node.inputs[0] = input_ids
 
 

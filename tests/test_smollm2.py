@@ -65,3 +65,43 @@ def test_cann_run_prints_onnxruntimes_top_5(smollm2_om, smollm2_path):
     top5 = np.argsort(-logits["logits"][0, -1], kind="stable")[:5]
     printed = [int(line.split("id=")[1].split()[0]) for line in result.output.splitlines() if "id=" in line]
     assert printed == [int(t) for t in top5]
+
+
+GREEDY_PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
+                  "The three primary colours are", "Water boils at", "My favourite book is",
+                  "In 1969, astronauts", "The quick brown fox", "To make a cup of tea, first",
+                  "The largest planet in the solar system", "Photosynthesis is the process",
+                  "A haiku about autumn:", "The French word for cat is", "Machine learning is",
+                  "The speed of light is", "Here is a list of fruits:"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_greedy(smollm2_om):
+    """transformers' greedy continuation (64 tokens, eos ignored) of each prompt, one at a time."""
+    import torch
+
+    from models.prepare import load_smollm2_hf
+
+    model, _ = load_smollm2_hf()
+    tokenizer = TextTokenizer(load_artifact(smollm2_om).om.tokenizer_files())
+    prompts, outputs = [tokenizer.encode(p) for p in GREEDY_PROMPTS], []
+    for ids in prompts:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+        outputs.append(out[0, len(ids):].tolist())
+    return prompts, outputs
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_engine_greedy_equals_transformers(smollm2_path, smollm2_om, smollm2_greedy, layout, tmp_path):
+    from runtime.engine import LLMEngine
+
+    om = compile_to(smollm2_path, tmp_path / "paged", enable_paged_attention=True) if layout == "paged" else smollm2_om
+    prompts, expected = smollm2_greedy
+    with LLMEngine(om, max_batch_size=16, max_context_len=512, kv_cache_pages=32) as engine:
+        alone = engine.submit(prompts[0], max_new_tokens=64, temperature=0, ignore_eos=True)
+        assert alone.result() is not None and alone.output_ids == expected[0]
+        requests = [engine.submit(p, max_new_tokens=64, temperature=0, ignore_eos=True) for p in prompts]
+        assert [r.result() is not None and r.output_ids for r in requests] == expected
+        assert engine.blocks.num_free == engine.blocks.num_pages

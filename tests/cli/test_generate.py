@@ -1,0 +1,87 @@
+"""`cann-run generate`, `chat` and `bench` end to end, each in its own process (as users run them: the
+commands make onnxruntime's process-wide thread pool, which a test process must not inherit)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import compile_to
+from runtime.engine import LLMEngine
+
+CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+
+
+@pytest.fixture(scope="module")
+def chat_om(tmp_path_factory):
+    from models.tiny import tiny_onnx
+
+    source = tiny_onnx("llama", dynamo=False, with_past=True)
+    folder = tmp_path_factory.mktemp("tok")
+    shutil.copy(source.with_name("tokenizer.json"), folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    return compile_to(source, tmp_path_factory.mktemp("om") / "chat", enable_paged_attention=True, tokenizer=str(folder))
+
+
+def _cann_run(*argv: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli.cann_run", *argv], capture_output=True, text=True, input=stdin,
+                          timeout=300)
+
+
+def test_generate_prints_the_engines_greedy_text(chat_om, tmp_path):
+    result = _cann_run("generate", "--model", str(chat_om), "--prompt", "hello", "--temperature", "0",
+                       "--max_new_tokens", "24", "--kv_cache_pages", "16", "--json", str(tmp_path / "g.json"))
+    assert result.returncode == 0, result.stderr
+    with LLMEngine(chat_om, kv_cache_pages=16) as engine:
+        expected = engine.generate("hello", max_new_tokens=24, temperature=0)
+    assert result.stdout.rstrip("\n") == expected
+    report = json.loads((tmp_path / "g.json").read_text())
+    assert report["text"] == expected and report["output_tokens"] == 24 and report["finish_reason"] == "length"
+    assert "[INFO] prompt 5 tokens" in result.stderr
+
+
+def test_chat_keeps_the_conversation_and_reuses_it(chat_om):
+    result = _cann_run("chat", "--model", str(chat_om), "--temperature", "0", "--max_new_tokens", "8",
+                       "--kv_cache_pages", "16", "--system", "x" * 150, stdin="first question\nsecond one\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("assistant> ") == 2 and "user> second one" in result.stdout
+    stats = [line for line in result.stderr.splitlines() if line.startswith("[INFO] prompt")]
+    assert len(stats) == 2
+    assert "(0 from the prefix cache)" in stats[0] and "(128 from the prefix cache)" in stats[1]
+
+
+@pytest.mark.parametrize("argv,code", [(["--prompt", ""], "E10001"), (["--prompt", "x", "--top_p", "0"], None)])
+def test_bad_requests_exit_with_a_message(chat_om, argv, code):
+    result = _cann_run("generate", "--model", str(chat_om), *argv)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    if code:
+        assert code in result.stderr
+
+
+def test_a_missing_model_is_a_coded_error(tmp_path):
+    result = _cann_run("generate", "--model", str(tmp_path / "none.om"), "--prompt", "x")
+    assert result.returncode == 1 and "E13001" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_bench_measures_and_writes_json(chat_om, tmp_path):
+    from models.tiny import tiny_onnx
+
+    out = tmp_path / "bench.json"
+    result = _cann_run("bench", "--model", str(chat_om), "--onnx", str(tiny_onnx("llama", dynamo=False, with_past=True)),
+                       "--requests", "6", "--concurrency", "1,3", "--prompt_lengths", "8,40", "--output_lengths", "4,12",
+                       "--prefill_tokens", "32", "--decode_tokens", "8", "--repeats", "1", "--long_prefill", "256",
+                       "--kv_cache_pages", "16", "--max_context_len", "256", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert set(report["batch1"]) == {"engine", "onnxruntime"}
+    assert all(v > 0 for side in report["batch1"].values() for v in side.values())
+    assert [row["concurrency"] for row in report["serving"]] == [1, 3]
+    assert all(row["requests"] == 6 and row["output_tokens"] >= 6 * 4 for row in report["serving"])
+    assert report["serving"][1]["peak_sequences"] == 3
+    assert 0 < report["serving"][1]["kv_page_utilisation"] <= 1
+    assert report["long_prefill"][0]["tokens"] == 256
+    assert "aggregate tok/s at concurrency 3 / concurrency 1" in result.stdout
