@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 CACHE ?= .cache
-PROMPT ?= The capital of France is
+QUESTION ?= What is the capital of France?
+FOLLOW_UP ?= And of Germany?
 
 .PHONY: install demo test clean
 
@@ -19,8 +20,9 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/python -m models.prepare smollm2 --out $(CACHE)/smollm2-dynamo
 	$(BIN)/atc --model=$(CACHE)/smollm2-dynamo/model.onnx --framework=5 --output=$(CACHE)/smollm2 \
-		--soc_version=Ascend910B --display_model_info=1
-	$(BIN)/cann-run --model $(CACHE)/smollm2.om --prompt "$(PROMPT)" --topk 5
+		--soc_version=Ascend910B --enable_paged_attention=1 --kv_cache_layout=paged --display_model_info=1
+	$(BIN)/cann-run chat --model $(CACHE)/smollm2.om --temperature 0 --max_new_tokens 128 \
+		--message "$(QUESTION)" --message "$(FOLLOW_UP)"
 
 test: install
 	$(BIN)/python -m pytest -q
