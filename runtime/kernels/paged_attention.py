@@ -19,6 +19,7 @@ Three implementations of one contract, tested against each other:
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -43,7 +44,7 @@ QUERY_BLOCK = 32
 PARALLEL_WORK = 1 << 16  # query·key pairs per head from which numba's threads pay for their wake-up
 FLASH_MIN_QUERIES = 64  # prompt chunks at least this long attend through flash_prefill
 FLASH_KEY_BLOCK = 512
-FLASH_QUERY_BLOCK = 256
+FLASH_QUERY_BLOCK = 128
 
 
 def is_paged_attention(node) -> bool:
@@ -289,67 +290,60 @@ class PagedBatch:
 
 # ---- blockwise prefill -----------------------------------------------------------------------------
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def _online_softmax(scores, running_max, total, correction, rows, first_query, first_key):
-    """Fold one block of scores `[Hkv, G·rows, width]` into the running softmax, in place.
+def _flash_block(q, key_cache, value_cache, pages, kv, first, last, offset, scale, out) -> None:
+    """Queries `first:last` of one sequence, the query heads of KV head `kv`: causal attention over the
+    context, FLASH_KEY_BLOCK keys at a time with an online softmax (numpy; BLAS and ufuncs release the GIL,
+    so blocks run in parallel threads)."""
+    page_size, head_dim = key_cache.shape[2], key_cache.shape[3]
+    group = q.shape[1] // key_cache.shape[1]
+    rows = last - first
+    heads = slice(kv * group, (kv + 1) * group)
+    queries = q[first:last, heads].transpose(1, 0, 2).reshape(group * rows, head_dim) * np.float32(scale)
+    positions = np.tile(np.arange(offset + first, offset + last), group)
+    running_max = np.full(group * rows, -np.inf, np.float32)
+    total = np.zeros(group * rows, np.float32)
+    acc = np.zeros((group * rows, head_dim), np.float32)
+    visible_end = offset + last
+    key_pages = max(1, FLASH_KEY_BLOCK // page_size)
+    for p0 in range(0, -(-visible_end // page_size), key_pages):
+        chunk = pages[p0:p0 + key_pages]
+        k0 = p0 * page_size
+        width = min(len(chunk) * page_size, visible_end - k0)
+        keys = key_cache[chunk, kv].reshape(-1, head_dim)[:width]
+        values = value_cache[chunk, kv].reshape(-1, head_dim)[:width]
+        scores = queries @ keys.T
+        if k0 + width - 1 > offset + first:  # the block reaches past the first query: hide the future
+            np.copyto(scores, -np.inf, where=np.arange(k0, k0 + width)[None, :] > positions[:, None])
+        new_max = np.maximum(running_max, scores.max(axis=1))
+        scores -= new_max[:, None]
+        np.exp(scores, out=scores)
+        correction = np.exp(running_max - new_max)
+        total = total * correction + scores.sum(axis=1)
+        acc *= correction[:, None]
+        acc += scores @ values
+        running_max = new_max
+    acc /= total[:, None]
+    out[first:last, heads] = acc.reshape(group, rows, head_dim).transpose(1, 0, 2)
 
-    Row r of a head is query `first_query + r % rows`; key j is `first_key + j` and is visible when it is
-    not after the query. The scores become the block's unnormalised probabilities; `correction` is the
-    factor by which the rows' earlier accumulations must shrink.
-    """
-    heads, height, width = scores.shape
-    for flat in numba.prange(heads * height):
-        h, r = flat // height, flat % height
-        visible = min(width, first_query + r % rows - first_key + 1)
-        block_max = -np.inf
-        for j in range(visible):
-            block_max = max(block_max, scores[h, r, j])
-        new_max = max(running_max[h, r], block_max)
-        factor = np.exp(running_max[h, r] - new_max)
-        row_sum = 0.0
-        for j in range(visible):
-            p = np.exp(scores[h, r, j] - new_max)
-            scores[h, r, j] = p
-            row_sum += p
-        for j in range(max(visible, 0), width):
-            scores[h, r, j] = 0.0
-        total[h, r] = total[h, r] * factor + row_sum
-        running_max[h, r] = new_max
-        correction[h, r] = factor
+
+@lru_cache(maxsize=1)
+def _threads() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="flash")
 
 
 def flash_prefill(q, key_cache, value_cache, pages, length, scale, out):
-    """One sequence's query rows q `[S, Hq, D]` (the last S of its `length` tokens) attend causally,
-    FLASH_QUERY_BLOCK queries × FLASH_KEY_BLOCK keys at a time with an online softmax; writes `out`.
-
-    Scratch memory is one block of scores, whatever the context length; the products are BLAS matmuls.
-    """
-    kv_heads, page_size, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
-    num_heads, seq = q.shape[1], q.shape[0]
-    group = num_heads // kv_heads
-    offset = length - seq
-    key_pages = max(1, FLASH_KEY_BLOCK // page_size)
-    for q0 in range(0, seq, FLASH_QUERY_BLOCK):
-        q1 = min(q0 + FLASH_QUERY_BLOCK, seq)
-        rows = q1 - q0
-        queries = q[q0:q1].transpose(1, 0, 2).reshape(kv_heads, group * rows, head_dim) * np.float32(scale)
-        running_max = np.full((kv_heads, group * rows), -np.inf, np.float32)
-        total = np.zeros((kv_heads, group * rows), np.float32)
-        correction = np.empty((kv_heads, group * rows), np.float32)
-        acc = np.zeros((kv_heads, group * rows, head_dim), np.float32)
-        visible_end = offset + q1
-        for p0 in range(0, -(-visible_end // page_size), key_pages):
-            chunk = pages[p0:p0 + key_pages]
-            k0 = p0 * page_size
-            width = min(len(chunk) * page_size, visible_end - k0)
-            keys = key_cache[chunk].transpose(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :width]
-            values = value_cache[chunk].transpose(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :width]
-            scores = np.matmul(queries, keys.swapaxes(1, 2))
-            _online_softmax(scores, running_max, total, correction, rows, offset + q0, k0)
-            acc *= correction[..., None]
-            acc += np.matmul(scores, values)
-        acc /= total[..., None]
-        out[q0:q1] = acc.reshape(num_heads, rows, head_dim).transpose(1, 0, 2)
+    """One sequence's query rows q `[S, Hq, D]` (the last S of its `length` tokens) attend causally; writes
+    `out`. Work is cut into (KV head, FLASH_QUERY_BLOCK queries) blocks run on a thread per core, each
+    holding one block of scores whatever the context length; the products are BLAS matmuls."""
+    offset = length - q.shape[0]
+    blocks = [(kv, first, min(first + FLASH_QUERY_BLOCK, q.shape[0])) for first in range(0, q.shape[0], FLASH_QUERY_BLOCK)
+              for kv in range(key_cache.shape[1])]
+    # the most expensive blocks (latest queries, most keys) first, so the threads finish together
+    blocks.sort(key=lambda block: -block[2])
+    futures = [_threads().submit(_flash_block, q, key_cache, value_cache, pages, kv, first, last, offset, scale, out)
+               for kv, first, last in blocks]
+    for future in futures:
+        future.result()
 
 
 # ---- the node --------------------------------------------------------------------------------------
