@@ -20,7 +20,8 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/python -m models.prepare smollm2 --out $(CACHE)/smollm2-dynamo
 	$(BIN)/atc --model=$(CACHE)/smollm2-dynamo/model.onnx --framework=5 --output=$(CACHE)/smollm2 \
-		--soc_version=Ascend910B --enable_paged_attention=1 --kv_cache_layout=paged --display_model_info=1
+		--soc_version=Ascend910B --enable_paged_attention=1 --kv_cache_layout=paged --enable_flash_attention=1 \
+		--display_model_info=1
 	$(BIN)/cann-run chat --model $(CACHE)/smollm2.om --temperature 0 --max_new_tokens 128 \
 		--message "$(QUESTION)" --message "$(FOLLOW_UP)"
 

@@ -88,6 +88,9 @@ class CompileConfig:
             page_size = self.soc.page_size if self.soc_version else PagedConfig.page_size
             paging = PagedConfig.from_json(self.paged_config, page_size) if self.paged_config else PagedConfig(page_size)
             object.__setattr__(self, "paging", paging)
+        if self.enable_flash_attention and not self.enable_paged_attention:
+            self._warn("W10002", "--enable_flash_attention applies to paged attention (--enable_paged_attention=1); "
+                                 "a contiguous cache is lowered to onnxruntime's standard ops. Ignored.")
         if self.auto_tune_mode:
             self._warn("W10001", "The Auto Tune function has been deprecated; --auto_tune_mode is ignored.")
 

@@ -84,5 +84,5 @@ def build_pipeline(cfg: CompileConfig | None) -> list[Pass]:
     ]
     if cfg is not None and cfg.paging is not None:
         # Phase 4: batches without padding over the runtime's page pool
-        passes += [PagedKvCache(cfg.paging.page_size), PruneLogits()]
+        passes += [PagedKvCache(cfg.paging.page_size, cfg.enable_flash_attention), PruneLogits()]
     return passes

@@ -27,8 +27,8 @@ class PagedKvCache:
     name = "PagedKvCachePass"
     switchable = False
 
-    def __init__(self, page_size: int):
-        self.page_size = page_size
+    def __init__(self, page_size: int, flash: bool = False):
+        self.page_size, self.flash = page_size, flash
 
     def run(self, graph: gs.Graph) -> PassResult:
         attentions = [n for n in graph.toposort().nodes if n.op == "FusedAttention"]
@@ -48,7 +48,7 @@ class PagedKvCache:
             node.inputs.extend(kept + [empty, empty, empty] + rotary + [empty] + metadata)
             while len(node.outputs) > 1:
                 node.outputs.pop()
-            node.attrs.update(paged=1, layer=layer, page_size=self.page_size)
+            node.attrs.update(paged=1, layer=layer, page_size=self.page_size, flash=int(self.flash))
         for name in TOKEN_INPUTS:
             inputs[name].shape = [1, "num_tokens"]
         still_read = sorted(t.name for t in graph.inputs if t.name in cache_io and t.outputs)

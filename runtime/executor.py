@@ -58,6 +58,7 @@ class Executor:
                 self._steps.append(_SegmentStep(step, weights, backend, threads, spinning, stop_spinning))
         hosts = [step for step in self._steps if isinstance(step, _HostStep)]
         self._num_heads = hosts[0].attributes["num_heads"] if hosts else 0
+        self._flash = bool(hosts and hosts[0].attributes.get("flash", 0))
 
     @property
     def num_segments(self) -> int:
@@ -71,7 +72,8 @@ class Executor:
         values = dict(feeds)
         context = _RunContext(kv_cache, names if len(self._steps) == 1 else None)
         if self._num_heads:
-            context.batch = PagedBatch.of(*(feeds[name] for name, _, _ in METADATA_INPUTS), self._num_heads)
+            context.batch = PagedBatch.of(*(feeds[name] for name, _, _ in METADATA_INPUTS), self._num_heads,
+                                          flash=self._flash)
         for step in self._steps:
             values.update(step.run(values, context))
         return {name: values[name] for name in names}

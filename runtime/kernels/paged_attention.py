@@ -251,8 +251,9 @@ def _attend(batch: "PagedBatch", q, key_cache, value_cache, scale, out) -> None:
 class PagedBatch:
     """A step's attention metadata, converted and split once for all the layers of the step.
 
-    Sequences with at least FLASH_MIN_QUERIES new tokens (`flash`) attend through `flash_prefill`; the
-    others (decodes, short chunks) through the numba kernel, as the sub-batch `short` of rows `short_rows`.
+    With `flash` (the artifact's `--enable_flash_attention`), sequences with at least FLASH_MIN_QUERIES new
+    tokens attend through `flash_prefill`; the others (decodes, short chunks), and all without `flash`,
+    through the numba kernel, as the sub-batch `short` of rows `short_rows`.
     """
 
     query_start_loc: np.ndarray
@@ -267,7 +268,7 @@ class PagedBatch:
 
     @classmethod
     def of(cls, query_start_loc, seq_lens, block_tables, slot_mapping, num_heads: int,
-           flash: bool = True) -> "PagedBatch":
+           flash: bool = False) -> "PagedBatch":
         starts = np.asarray(query_start_loc, np.int64)
         lengths = np.diff(starts)
         seq_lens = np.asarray(seq_lens, np.int64)
@@ -349,17 +350,18 @@ def flash_prefill(q, key_cache, value_cache, pages, length, scale, out):
 # ---- the node --------------------------------------------------------------------------------------
 
 def paged_fused_attention(inputs: list, key_cache: np.ndarray, value_cache: np.ndarray, *, num_heads: int,
-                          kv_num_heads: int, head_dim: int, scale: float, rotary_interleaved: int = 0,
+                          kv_num_heads: int, head_dim: int, scale: float, rotary_interleaved: int = 0, flash: int = 0,
                           fast: bool = True, batch: PagedBatch | None = None, **_attributes) -> np.ndarray:
     """One paged FusedAttention node: rotate, store the new keys and values, attend; returns `[1, T, Hq·D]`.
 
     `inputs` are the node's 13 inputs (None where absent); the other attributes (`causal`, `rotary_dim`,
-    `layer`, `page_size`, ...) are facts the pool and the graph already hold. `batch` is inputs 9-12
+    `layer`, `page_size`, ...) are facts the pool and the graph already hold; `flash` sends long prompt
+    chunks through `flash_prefill`. `batch` is inputs 9-12
     prepared (`PagedBatch.of`), shared by a step's layers. `fast=False` runs the numpy references.
     """
     query, key, value, cos, sin = inputs[0], inputs[1], inputs[2], inputs[6], inputs[7]
     if batch is None:
-        batch = PagedBatch.of(*inputs[9:13], num_heads)
+        batch = PagedBatch.of(*inputs[9:13], num_heads, flash=bool(flash))
     heads = dict(num_heads=num_heads, kv_num_heads=kv_num_heads, head_dim=head_dim, rotary_interleaved=rotary_interleaved)
     if fast:
         q = rotate_and_store(query, key, value, cos, sin, batch.slot_mapping, key_cache, value_cache, **heads)

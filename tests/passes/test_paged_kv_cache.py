@@ -108,6 +108,18 @@ def test_bad_paged_configs_are_refused(tmp_path, content, code):
     assert refused.value.code == code
 
 
+def test_flash_attention_is_recorded_on_paged_nodes_and_ignored_with_a_warning_otherwise(tmp_path):
+    from models.tiny import tiny_onnx
+
+    source = tiny_onnx("llama", dynamo=True, with_past=True)
+    loaded = load_artifact(compile_to(source, tmp_path / "f", enable_paged_attention=True, enable_flash_attention=True))
+    flags = [next(a.i for a in n.attribute if a.name == "flash") for n in loaded.model.graph.node
+             if n.op_type == "FusedAttention"]
+    assert flags == [1, 1]
+    cfg = CompileConfig(model="m.onnx", framework=5, output="o", soc_version="Ascend910B", enable_flash_attention=True)
+    assert any(w.startswith("W10002") for w in cfg.warnings)
+
+
 def test_page_size_comes_from_the_soc_profile():
     for soc, size in (("Ascend910B", 128), ("Ascend310B1", 64)):
         cfg = CompileConfig(model="m.onnx", framework=5, output="o", soc_version=soc, kv_cache_layout="paged")

@@ -54,6 +54,17 @@ def test_preemption_by_recompute_keeps_greedy_output_and_frees_every_page(small_
         assert engine.blocks.num_free == engine.blocks.num_pages
 
 
+def test_flash_prefill_keeps_greedy_output(tmp_path):
+    from models.tiny import tiny_onnx
+
+    om = compile_to(tiny_onnx("qwen2", dynamo=True, with_past=True), tmp_path / "m", enable_paged_attention=True,
+                    enable_flash_attention=True)
+    prompts = mixed_prompts(6, seed=8, low=64, high=190)  # long enough for the flash path
+    with LLMEngine(om, max_batch_size=6, max_context_len=256, kv_cache_pages=16) as engine:
+        outputs, _ = _greedy(engine, prompts)
+    assert outputs == hf_greedy("qwen2", tuple(map(tuple, prompts)))
+
+
 def test_chunked_prefill_keeps_greedy_output(paged_om):
     prompts = mixed_prompts(4, seed=6, low=40, high=60)
     with LLMEngine(paged_om, max_batch_size=4, max_context_len=256, kv_cache_pages=16,

@@ -49,7 +49,7 @@ def test_numba_and_flash_match_the_reference(mix):
     args = (q, key_cache, value_cache, starts, np.asarray(lengths, np.int32), tables, 0.17)
     expected = paged_attention_reference(*args)
     np.testing.assert_allclose(paged_attention(*args), expected, atol=2e-5, rtol=0)
-    batch = PagedBatch.of(starts, lengths, tables, np.zeros(0, np.int64), HEADS)
+    batch = PagedBatch.of(starts, lengths, tables, np.zeros(0, np.int64), HEADS, flash=True)
     from runtime.kernels.paged_attention import _fast_attention
 
     np.testing.assert_allclose(_fast_attention(batch, q, key_cache, value_cache, 0.17), expected, atol=2e-5, rtol=0)
@@ -81,7 +81,8 @@ def test_rotate_and_store_matches_the_reference(rotary_dim, interleaved, packed)
         np.testing.assert_allclose(fast, ref, atol=1e-6, rtol=0)
 
 
-def test_node_kernel_fast_and_reference_agree_and_write_the_same_pages():
+@pytest.mark.parametrize("flash", [0, 1])
+def test_node_kernel_fast_and_reference_agree_and_write_the_same_pages(flash):
     rng = np.random.default_rng(3)
     mix = [(70, 70), (1, 45)]
     lengths = [ctx for _, ctx in mix]
@@ -91,7 +92,7 @@ def test_node_kernel_fast_and_reference_agree_and_write_the_same_pages():
                             [tables[1, 44 // PAGE] * PAGE + 44 % PAGE]]).astype(np.int64)
     qkv = rng.standard_normal((1, 71, (HEADS + 2 * KV_HEADS) * DIM)).astype(np.float32)
     inputs = [qkv, None, None, None, None, None, None, None, None, starts, np.asarray(lengths, np.int32), tables, slots]
-    attrs = dict(num_heads=HEADS, kv_num_heads=KV_HEADS, head_dim=DIM, scale=0.2)
+    attrs = dict(num_heads=HEADS, kv_num_heads=KV_HEADS, head_dim=DIM, scale=0.2, flash=flash)
     fast_pool, ref_pool = _pool(16), _pool(16)
     fast = paged_fused_attention(inputs, *fast_pool, fast=True, **attrs)
     ref = paged_fused_attention(inputs, *ref_pool, fast=False, **attrs)
