@@ -207,7 +207,10 @@ def bench_command(onnx_path, text_file, num_requests, concurrency, prompt_length
     with open_engine(**engine_kwargs) as engine:
         ids = engine._require_tokenizer().encode(Path(text_file).read_text(encoding="utf-8"))
         ort_loop = OnnxRuntimeLoop(onnx_path) if onnx_path else None
-        _engine_generate(engine, ids[:16], 2)  # compile the kernels and warm the sessions before timing
+        # load the kernels and warm the sessions (a prefill as long as the measured ones, then decodes)
+        _engine_generate(engine, ids[:prefill_tokens], 4)
+        if ort_loop is not None:
+            ort_loop.generate(ids[:prefill_tokens], 4)
         batch1 = _batch1(engine, ort_loop, _windows(ids, [prefill_tokens] * repeats, rng),
                          _windows(ids, [128] * repeats, rng), decode_tokens)
         low, high = _ints(prompt_lengths)

@@ -11,6 +11,7 @@ import numpy as np
 
 from runtime.executor import Executor
 from runtime.feeds import causal_lm_inputs
+from runtime.kv_cache import PagePool
 
 
 @dataclass
@@ -28,6 +29,23 @@ def _token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return log_norm - logits[np.arange(len(targets)), targets]
 
 
+def _window_logits(executor: Executor, signature: dict, dims: dict, ids: list[int]) -> np.ndarray:
+    """`[len(ids), vocab]`: every position's logits, from a contiguous artifact or from a paged one (a
+    pool just big enough for the window, every row's logits asked for)."""
+    kv = executor.loaded.metadata.get("kv_cache", {"layout": "contiguous"})
+    if kv["layout"] != "paged":
+        chunk = np.asarray([ids], dtype=np.int64)
+        return executor.run(causal_lm_inputs(signature, dims, chunk), ["logits"])["logits"][0]
+    count, page_size = len(ids), kv["page_size"]
+    pages = -(-count // page_size)
+    pool = PagePool(dims["num_layers"], pages, page_size, dims["num_kv_heads"], dims["head_dim"])
+    rows = np.arange(count, dtype=np.int64)
+    feeds = {"input_ids": np.asarray([ids], np.int64), "position_ids": rows[None],
+             "query_start_loc": np.array([0, count], np.int32), "seq_lens": np.array([count], np.int32),
+             "block_tables": np.arange(pages, dtype=np.int32)[None], "slot_mapping": rows, "logits_indices": rows}
+    return executor.run(feeds, ["logits"], kv_cache=pool)["logits"]
+
+
 def perplexity(executor: Executor, ids: list[int], window: int = 512, stride: int = 256) -> PerplexityResult:
     """exp(mean NLL) of `ids` scored window by window."""
     if window < 2 or not 0 < stride <= window:
@@ -37,8 +55,7 @@ def perplexity(executor: Executor, ids: list[int], window: int = 512, stride: in
     total, count, windows, scored_until = 0.0, 0, 0, 0
     for begin in range(0, max(len(ids) - 1, 1), stride):
         end = min(begin + window, len(ids))
-        chunk = np.asarray([ids[begin:end]], dtype=np.int64)
-        logits = executor.run(causal_lm_inputs(signature, dims, chunk), ["logits"])["logits"][0]
+        logits = _window_logits(executor, signature, dims, ids[begin:end])
         first = max(scored_until, begin + 1)  # the first position not yet scored (position 0 has no context)
         predictions = logits[first - 1 - begin:end - 1 - begin]
         targets = np.asarray(ids[first:end])

@@ -14,11 +14,12 @@ from runtime import Executor, load_artifact
 from runtime.perplexity import perplexity
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
+@pytest.fixture(scope="module", params=["contiguous", "paged"])
+def llama(tmp_path_factory, request):
     from models.tiny import build_tiny_model, tiny_onnx
 
-    om = compile_to(tiny_onnx("llama", dynamo=True, with_past=True), tmp_path_factory.mktemp("ppl") / "m")
+    om = compile_to(tiny_onnx("llama", dynamo=True, with_past=True), tmp_path_factory.mktemp("ppl") / "m",
+                    enable_paged_attention=request.param == "paged")
     return build_tiny_model("llama"), Executor(load_artifact(om))
 
 
