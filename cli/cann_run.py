@@ -6,6 +6,7 @@
     cann-run generate --model x.om --prompt "text"          # generate text (cli/llm_commands.py)
     cann-run chat --model x.om                              # multi-turn, through the chat template
     cann-run bench --model x.om [--onnx model.onnx]         # throughput and latency (cli/bench.py)
+    cann-run serve --model name=x.om [--port 8000]           # HTTP: /generate, OpenAI API (cli/serve.py)
 
 `cann-run --model ...` is `cann-run run --model ...`.
 """
@@ -176,8 +177,9 @@ def eval_ppl_command(model, text_file, window, stride, max_tokens, backend, json
 def _add_llm_commands() -> None:
     from cli.bench import bench_command
     from cli.llm_commands import chat_command, generate_command
+    from cli.serve import serve_command
 
-    for command in (generate_command, chat_command, bench_command):
+    for command in (generate_command, chat_command, bench_command, serve_command):
         cli.add_command(command)
 
 

@@ -13,18 +13,40 @@ from compiler.errors import AtcError
 from runtime.executor import BACKENDS
 
 
+_ENGINE_OPTIONS = [
+    click.option("--max_batch_size", type=click.IntRange(min=1), default=8, show_default=True),
+    click.option("--max_context_len", type=click.IntRange(min=2), default=4096, show_default=True),
+    click.option("--kv_cache_pages", type=click.IntRange(min=1), default=1024, show_default=True,
+                 help="pages in the KV pool (paged artifacts)"),
+    click.option("--max_num_batched_tokens", type=click.IntRange(min=1), default=512, show_default=True,
+                 help="token budget of one step (longer prompts are prefilled in chunks)"),
+    click.option("--backend", type=click.Choice(BACKENDS), default="onnxruntime", show_default=True),
+]
+
+
+def engine_options_without_model(command):
+    """The LLMEngine's settings as options (serve names its models its own way)."""
+    return _with(_ENGINE_OPTIONS, command)
+
+
 def engine_options(command):
-    """The LLMEngine's settings as options shared by generate, chat and bench."""
-    options = [
-        click.option("--model", "-m", required=True, help="the .om to run (paged or contiguous KV cache)"),
-        click.option("--max_batch_size", type=click.IntRange(min=1), default=8, show_default=True),
-        click.option("--max_context_len", type=click.IntRange(min=2), default=4096, show_default=True),
-        click.option("--kv_cache_pages", type=click.IntRange(min=1), default=1024, show_default=True,
-                     help="pages in the KV pool (paged artifacts)"),
-        click.option("--max_num_batched_tokens", type=click.IntRange(min=1), default=512, show_default=True,
-                     help="token budget of one step (longer prompts are prefilled in chunks)"),
-        click.option("--backend", type=click.Choice(BACKENDS), default="onnxruntime", show_default=True),
-    ]
+    """--model and the LLMEngine's settings, shared by generate, chat and bench."""
+    command = engine_options_without_model(command)
+    return click.option("--model", "-m", required=True, help="the .om to run (paged or contiguous KV cache)")(command)
+
+
+_SAMPLING_OPTIONS = [
+    click.option("--max_new_tokens", type=click.IntRange(min=1), default=128, show_default=True),
+    click.option("--temperature", type=click.FloatRange(min=0), default=0.7, show_default=True, help="0 is greedy"),
+    click.option("--top_p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True),
+    click.option("--top_k", type=click.IntRange(min=0), default=0, show_default=True),
+    click.option("--repetition_penalty", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True),
+    click.option("--seed", type=int, default=None),
+    click.option("--stop", multiple=True, help="stop string (repeatable)"),
+]
+
+
+def _with(options, command):
     for option in reversed(options):
         command = option(command)
     return command
@@ -32,20 +54,7 @@ def engine_options(command):
 
 def sampling_options(command):
     """Per-request sampling settings."""
-    options = [
-        click.option("--max_new_tokens", type=click.IntRange(min=1), default=128, show_default=True),
-        click.option("--temperature", type=click.FloatRange(min=0), default=0.7, show_default=True,
-                     help="0 is greedy"),
-        click.option("--top_p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True),
-        click.option("--top_k", type=click.IntRange(min=0), default=0, show_default=True),
-        click.option("--repetition_penalty", type=click.FloatRange(min=0, min_open=True), default=1.0,
-                     show_default=True),
-        click.option("--seed", type=int, default=None),
-        click.option("--stop", multiple=True, help="stop string (repeatable)"),
-    ]
-    for option in reversed(options):
-        command = option(command)
-    return command
+    return _with(_SAMPLING_OPTIONS, command)
 
 
 def open_engine(model, max_batch_size, max_context_len, kv_cache_pages, max_num_batched_tokens, backend):

@@ -23,6 +23,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
         self._holdback = max((len(s) for s in stop), default=1) - 1
+        self.matched_stop: str | None = None
 
     def add(self, output_ids: list[int]) -> tuple[str, bool]:
         """Take the whole output so far; returns (new text to emit, whether a stop string ended it)."""
@@ -35,6 +36,7 @@ class IncrementalDetokenizer:
             at = self.text.find(stop, max(0, self.emitted - len(stop)))
             if at >= 0:
                 self.text = self.text[:at]
+                self.matched_stop = stop
                 return self._take(len(self.text)), True
         return self._take(len(self.text) - self._holdback), False
 

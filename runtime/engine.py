@@ -14,7 +14,7 @@ import queue
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import AsyncIterator, Iterator
 
 import numpy as np
 
@@ -45,6 +45,7 @@ class Request:
     text: str = ""
     future: Future = field(default_factory=Future)
     _pieces: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    _wakers: list = field(default_factory=list)
 
     @property
     def stats(self) -> RequestStats:
@@ -62,6 +63,22 @@ class Request:
         """Block until finished; the generated text."""
         return self.future.result(timeout)
 
+    async def aiter_text(self) -> AsyncIterator[str]:
+        """`iter_text` for asyncio: the engine wakes the awaiting loop as pieces arrive."""
+        loop = asyncio.get_running_loop()
+        arrived = asyncio.Event()
+        self._wakers.append(lambda: loop.call_soon_threadsafe(arrived.set))
+        while True:
+            try:
+                piece = self._pieces.get_nowait()
+            except queue.Empty:
+                await arrived.wait()
+                arrived.clear()
+                continue
+            if piece is _DONE:
+                return
+            yield piece
+
     def iter_text(self) -> Iterator[str]:
         """Text pieces as they are generated, until the request ends (consumes them: one reader)."""
         while (piece := self._pieces.get()) is not _DONE:
@@ -74,7 +91,12 @@ class Request:
     def _emit(self, piece: str) -> None:
         if piece:
             self.text += piece
-            self._pieces.put(piece)
+            self._put(piece)
+
+    def _put(self, item) -> None:
+        self._pieces.put(item)
+        for wake in list(self._wakers):
+            wake()
 
 
 @dataclass
@@ -297,7 +319,7 @@ class LLMEngine:
         self._requests.pop(request.seq.seq_id, None)
         if request.detokenizer is not None:
             request._emit(request.detokenizer.flush())
-        request._pieces.put(_DONE)
+        request._put(_DONE)
         if request.future.done():
             return
         if error is not None:

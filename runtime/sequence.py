@@ -30,6 +30,7 @@ class RequestStats:
     ttft_s: float | None = None
     total_s: float | None = None
     preemptions: int = 0
+    token_times: list[float] = field(default_factory=list)  # seconds after arrival, one per output token
 
     @property
     def tpot_s(self) -> float | None:
@@ -75,6 +76,7 @@ class Sequence:
         now = time.perf_counter()
         if self.stats.ttft_s is None:
             self.stats.ttft_s = now - self.arrival
+        self.stats.token_times.append(now - self.arrival)
         self.token_ids.append(token)
         self.stats.output_tokens += 1
         if token in self.eos_token_ids and not self.params.ignore_eos:

@@ -1,0 +1,56 @@
+"""`cann-run serve`: the HTTP server (FastAPI on uvicorn) over one LLMEngine per model."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from cli.llm_commands import engine_options_without_model
+from compiler.errors import AtcError
+
+
+def _models(values: tuple[str, ...]) -> dict[str, str]:
+    models = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep:
+            name, path = os.path.splitext(os.path.basename(value))[0], value
+        if not name or not path:
+            raise AtcError("E10001", value, "--model", "expected NAME=path.om or path.om")
+        if not os.path.isfile(path):
+            raise AtcError("E13001", path, "No such file or directory")
+        models[name] = path
+    return models
+
+
+@click.command("serve")
+@click.option("--model", "-m", "model_specs", multiple=True, required=True,
+              help="NAME=path.om (repeatable; the same file served twice is mapped once)")
+@engine_options_without_model
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--api-key", "api_keys", multiple=True, help="accepted key (repeatable; or CANN_LLM_API_KEYS=a,b)")
+@click.option("--quota-tokens", type=click.IntRange(min=1), default=None, help="tokens in+out allowed per key")
+@click.option("--audit-log", default=None, help="append one JSON line per request here")
+@click.option("--blocklist", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="a file of terms (one a line) refused in prompts and cut from outputs")
+@click.option("--max-pending", type=click.IntRange(min=1), default=256, show_default=True,
+              help="requests admitted per model before 429")
+@click.option("--request-timeout", type=click.FloatRange(min=0.1), default=300.0, show_default=True)
+@click.option("--shutdown-grace", type=click.FloatRange(min=0), default=10.0, show_default=True)
+def serve_command(model_specs, host, port, api_keys, quota_tokens, audit_log, blocklist, max_pending, request_timeout,
+                  shutdown_grace, **engine_kwargs) -> None:
+    """Serve /generate, OpenAI's /v1/completions and /v1/chat/completions, /health and /metrics."""
+    import uvicorn
+
+    from runtime.serving.app import ServerSettings, create_app
+    from runtime.serving.guard import Guard
+
+    keys = list(api_keys) or [k for k in os.environ.get("CANN_LLM_API_KEYS", "").split(",") if k]
+    guard = Guard(keys, quota_tokens, audit_log, blocklist)
+    settings = ServerSettings(max_pending=max_pending, request_timeout_s=request_timeout, shutdown_grace_s=shutdown_grace)
+    # the server owns its process: the engines' sessions may share onnxruntime's process-wide pool
+    app = create_app(_models(model_specs), settings, guard, process_thread_pool=True, **engine_kwargs)
+    click.echo(f"[INFO] serving {', '.join(m.partition('=')[0] for m in model_specs)} on http://{host}:{port}", err=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=int(shutdown_grace) + 1)

@@ -1,0 +1,177 @@
+"""`cann-run serve` over real HTTP on 127.0.0.1: the official openai client, the seed's /generate,
+streaming, metrics, and every refusal (each server runs in its own process, as users start it)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from conftest import compile_to
+from runtime.engine import LLMEngine
+
+CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+
+
+@pytest.fixture(scope="module")
+def om(tmp_path_factory):
+    from models.tiny import tiny_onnx
+
+    source = tiny_onnx("llama", dynamo=False, with_past=True)
+    folder = tmp_path_factory.mktemp("tok")
+    shutil.copy(source.with_name("tokenizer.json"), folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    return compile_to(source, tmp_path_factory.mktemp("om") / "tiny", enable_paged_attention=True, tokenizer=str(folder))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *argv: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen([sys.executable, "-m", "cli.cann_run", "serve", "--port", str(self.port), *argv],
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert self.process.poll() is None, self.process.stderr.read()
+            time.sleep(0.2)
+        raise TimeoutError("the server did not become healthy")
+
+    def metric(self, name: str, **labels) -> float:
+        text = httpx.get(f"{self.url}/metrics").text
+        selector = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        for line in text.splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(f"{name}{{{selector}}}")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(om):
+    server = Server("--model", f"tiny={om}", "--kv_cache_pages", "32", "--max_context_len", "4096")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(om):
+    with LLMEngine(om, kv_cache_pages=32, max_context_len=256) as engine:
+        yield engine
+
+
+def test_openai_client_completes_chats_and_streams_like_the_engine(server, engine):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    expected = engine.generate("hello", max_new_tokens=16, temperature=0)
+    completion = client.completions.create(model="tiny", prompt="hello", max_tokens=16, temperature=0)
+    assert completion.choices[0].text == expected
+    assert completion.usage.completion_tokens == 16 and completion.choices[0].finish_reason == "length"
+    pieces = [c.choices[0].text for c in client.completions.create(model="tiny", prompt="hello", max_tokens=16,
+                                                                     temperature=0, stream=True)]
+    assert "".join(pieces) == expected and len(pieces) > 2
+
+    messages = [{"role": "user", "content": "Say something"}]
+    expected_chat = engine.chat(messages, max_new_tokens=12, temperature=0)
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    assert reply.choices[0].message.content == expected_chat and reply.choices[0].message.role == "assistant"
+    deltas = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=12, temperature=0, stream=True)]
+    assert "".join(deltas) == expected_chat
+
+
+def test_the_seeds_generate_endpoint(server, engine):
+    response = httpx.post(f"{server.url}/generate", json={"prompt": "abc", "max_length": 10, "temperature": 0})
+    body = response.json()
+    assert response.status_code == 200
+    assert body["text"] == engine.generate("abc", max_new_tokens=10, temperature=0)
+    assert body["inference_time_ms"] > 0 and body["completion_tokens"] == 10 and body["prompt_tokens"] == 3
+
+
+@pytest.mark.parametrize("path,payload,status", [
+    ("/v1/completions", {"model": "tiny", "prompt": "x" * 5000, "max_tokens": 4}, 400),    # longer than the context
+    ("/v1/completions", {"model": "nope", "prompt": "x"}, 404),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": "many"}, 422),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, 422),
+    ("/generate", {"max_length": 3}, 422),
+    ("/generate", "{not json", 422),
+])
+def test_bad_requests_are_refused_cleanly(server, path, payload, status):
+    kwargs = {"content": payload, "headers": {"content-type": "application/json"}} if isinstance(payload, str) \
+        else {"json": payload}
+    response = httpx.post(f"{server.url}{path}", **kwargs)
+    assert response.status_code == status
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_pages(server):
+    cancelled = server.metric("cann_llm:requests_total", model_name="tiny", outcome="cancelled")
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3000,
+                                                                     "temperature": 0, "stream": True}) as response:
+        next(response.iter_lines())
+    deadline = time.time() + 10
+    while server.metric("cann_llm:requests_total", model_name="tiny", outcome="cancelled") == cancelled:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    assert server.metric("cann_llm:kv_cache_usage_perc", model_name="tiny") == 0
+
+
+def test_metrics_add_up(server):
+    text = httpx.get(f"{server.url}/metrics").text
+    assert "cann_llm:time_to_first_token_seconds_bucket" in text and "cann_llm:num_requests_running" in text
+    outcomes = {o: server.metric("cann_llm:requests_total", model_name="tiny", outcome=o)
+                for o in ("completed", "rejected", "cancelled", "failed")}
+    assert outcomes["completed"] >= 1 and outcomes["failed"] == 0
+    assert server.metric("cann_llm:request_success_total", model_name="tiny", finished_reason="length") >= 1
+
+
+def test_keys_quotas_timeouts_capacity_filter_and_audit(om, tmp_path):
+    blocklist, audit = tmp_path / "block.txt", tmp_path / "audit.jsonl"
+    blocklist.write_text("forbidden\n")
+    server = Server("--model", f"tiny={om}", "--kv_cache_pages", "32", "--max_context_len", "4096", "--api-key", "k1",
+                    "--api-key", "k2", "--quota-tokens", "60", "--audit-log", str(audit), "--blocklist", str(blocklist),
+                    "--request-timeout", "0.1", "--max-pending", "2", "--max_num_batched_tokens", "1")
+    try:
+        url = f"{server.url}/v1/completions"
+        slow = {"prompt": "x" * 200, "max_tokens": 3000, "temperature": 0}  # a token a step: far beyond 0.1 s
+        assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}).status_code == 401
+        k1, k2 = {"Authorization": "Bearer k1"}, {"Authorization": "Bearer k2"}
+        assert httpx.post(url, json={"prompt": "a Forbidden word", "max_tokens": 2}, headers=k1).status_code == 400
+        with httpx.Client(timeout=30) as client:
+            import concurrent.futures
+
+            with concurrent.futures.ThreadPoolExecutor(6) as pool:
+                statuses = list(pool.map(lambda _: client.post(url, json=slow, headers=k2), range(6)))
+        codes = sorted(r.status_code for r in statuses)
+        assert 429 in codes and 504 in codes and set(codes) <= {429, 504}
+        assert all(r.headers["retry-after"] == "1" for r in statuses if r.status_code == 429)
+        assert httpx.post(url, json=slow, headers=k1, timeout=30).status_code == 504
+        assert server.metric("cann_llm:kv_cache_usage_perc", model_name="tiny") == 0
+        spent = httpx.post(url, json={"prompt": "hi", "max_tokens": 2}, headers=k1)
+        assert spent.status_code == 429 and "quota" in spent.json()["error"]["message"]
+        records = [json.loads(line) for line in audit.read_text().splitlines()]
+        assert records and all(r["key_id"].startswith("key-") and "k1" not in json.dumps(r) for r in records)
+        assert {r["status"] for r in records} == {504}
+        assert all(r["tokens_in"] == 200 for r in records)
+    finally:
+        server.stop()
