@@ -26,7 +26,8 @@ demo: install
 		--message "$(QUESTION)" --message "$(FOLLOW_UP)"
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m models.prepare smollm2 --out $(CACHE)/smollm2-dynamo
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) $(CACHE) fusion_result.json check_result.json

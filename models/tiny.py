@@ -96,6 +96,8 @@ def tiny_onnx(family: str, *, dynamo: bool, with_past: bool, seed: int = 0) -> P
     if not path.exists():
         export_causal_lm(build_tiny_model(family, seed), path, dynamo=dynamo, with_past=with_past)
     tokenizer = path.with_name("tokenizer.json")
-    if not tokenizer.exists():
-        tokenizer.write_text(byte_tokenizer_json(), encoding="utf-8")
+    if not tokenizer.exists():  # written atomically: parallel test workers may race to write it
+        partial = tokenizer.with_name(f"tokenizer.{os.getpid()}.partial")
+        partial.write_text(byte_tokenizer_json(), encoding="utf-8")
+        os.replace(partial, tokenizer)
     return path

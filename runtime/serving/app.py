@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 import uuid
@@ -48,9 +49,15 @@ class _Models:
         self.error: str | None = None
 
     def load(self) -> None:
+        # one engine per file, whatever it is called: the same artifact under two names is loaded once
+        by_file: dict[tuple[int, int], LLMEngine] = {}
         try:
             for name, path in self.paths.items():
-                self.engines[name] = LLMEngine(path, **self.engine_kwargs)
+                stat = os.stat(path)
+                identity = (stat.st_dev, stat.st_ino)
+                if identity not in by_file:
+                    by_file[identity] = LLMEngine(path, **self.engine_kwargs)
+                self.engines[name] = by_file[identity]
         except Exception as error:  # reported by /health; the process stays up to say so
             self.error = f"{type(error).__name__}: {error}"
         finally:
@@ -78,7 +85,7 @@ def create_app(model_paths: dict[str, str], settings: ServerSettings | None = No
         deadline = time.monotonic() + settings.shutdown_grace_s
         while sum(models.pending.values()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        for engine in models.engines.values():
+        for engine in set(models.engines.values()):
             engine.close()  # what is still running is cancelled, its pages freed
         guard.close()
 

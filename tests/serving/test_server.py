@@ -175,3 +175,31 @@ def test_keys_quotas_timeouts_capacity_filter_and_audit(om, tmp_path):
         assert all(r["tokens_in"] == 200 for r in records)
     finally:
         server.stop()
+
+
+def test_two_names_for_one_file_share_one_engine_and_health_waits_for_loading(om, engine):
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, "-m", "cli.cann_run", "serve", "--port", str(port), "--model", f"a={om}",
+                                "--model", f"b={om}", "--kv_cache_pages", "32"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        codes = []
+        deadline = time.time() + 120
+        while not codes or codes[-1] != 200:
+            assert time.time() < deadline and process.poll() is None
+            try:
+                codes.append(httpx.get(f"{url}/health", timeout=2).status_code)
+            except httpx.TransportError:
+                time.sleep(0.05)
+        assert set(codes) <= {503, 200}
+        assert httpx.get(f"{url}/health").json()["models"] == ["a", "b"]
+        expected = engine.generate("hey", max_new_tokens=8, temperature=0)
+        for name in ("a", "b"):
+            body = httpx.post(f"{url}/v1/completions", json={"model": name, "prompt": "hey", "max_tokens": 8,
+                                                             "temperature": 0}).json()
+            assert body["choices"][0]["text"] == expected and body["model"] == name
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert process.returncode == 0 or process.returncode == -15
