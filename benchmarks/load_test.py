@@ -5,8 +5,8 @@ oversized requests; then checks the server's own accounting.
 
 Each client loops: a streamed /v1/completions request of a random prompt length (windows of
 models/data/eval.txt, measured in characters) and random max_tokens; 10% of them close the stream after
-the first pieces. Every 20th request is instead malformed JSON, a wrong type, or a prompt longer than the
-context. Reports TTFT p50/p99 and aggregate tokens/s of the completed streams, counts every status, and
+the first pieces. A share of requests (--abuse-share) is instead malformed JSON, a wrong type, or a
+prompt longer than the context. Reports TTFT p50/p99 and aggregate tokens/s of the completed streams, counts every status, and
 checks: no 5xx, the KV pool back to empty, and the server's requests_total (completed + rejected +
 cancelled + failed) grown by exactly the number of admitted-or-refused generation requests sent.
 """
@@ -44,11 +44,11 @@ async def _metrics(client: httpx.AsyncClient, url: str, model: str) -> dict:
     return values
 
 
-async def _client(client, url, model, text, deadline, rng, results, statuses, abuse_every):
+async def _client(client, url, model, text, deadline, rng, results, statuses, abuse_share):
     sent = 0
     while time.monotonic() < deadline:
         sent += 1
-        if sent % abuse_every == 0:
+        if rng.random() < abuse_share:
             kind = rng.choice(["malformed", "wrong_type", "oversized"])
             if kind == "malformed":
                 response = await client.post(f"{url}/v1/completions", content="{oops",
@@ -100,15 +100,15 @@ async def _client(client, url, model, text, deadline, rng, results, statuses, ab
 @click.option("--model", required=True)
 @click.option("--clients", default=64, show_default=True)
 @click.option("--seconds", default=60.0, show_default=True)
-@click.option("--abuse-every", default=20, show_default=True, help="every Nth request of a client is a bad one")
+@click.option("--abuse-share", default=0.1, show_default=True, help="share of requests that are bad ones")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--json", "json_path", default=None)
-def main(url, model, clients, seconds, abuse_every, seed, json_path) -> None:
+def main(url, model, clients, seconds, abuse_share, seed, json_path) -> None:
     """Run the load and print what the server did."""
-    asyncio.run(_run(url, model, clients, seconds, abuse_every, seed, json_path))
+    asyncio.run(_run(url, model, clients, seconds, abuse_share, seed, json_path))
 
 
-async def _run(url, model, clients, seconds, abuse_every, seed, json_path):
+async def _run(url, model, clients, seconds, abuse_share, seed, json_path):
     text = EVAL_TEXT.read_text(encoding="utf-8")
     results = {"ttft": [], "tokens": 0, "left": 0, "generation_requests": 0}
     statuses: Counter = Counter()
@@ -118,12 +118,14 @@ async def _run(url, model, clients, seconds, abuse_every, seed, json_path):
         start = time.monotonic()
         deadline = start + seconds
         await asyncio.gather(*(_client(client, url, model, text, deadline, random.Random(seed + i), results, statuses,
-                                       abuse_every) for i in range(clients)))
+                                       abuse_share) for i in range(clients)))
         elapsed = time.monotonic() - start
         settle_deadline = time.monotonic() + 30
         while True:
             after = await _metrics(client, url, model)
-            if after.get("kv_cache_usage_perc", 1) == 0 and after.get("num_requests_running", 1) == 0:
+            settled = sum(after.get(f"requests_total:{o}", 0) - before.get(f"requests_total:{o}", 0)
+                          for o in ("completed", "rejected", "cancelled", "failed"))
+            if after.get("kv_cache_usage_perc", 1) == 0 and settled >= results["generation_requests"]:
                 break
             if time.monotonic() > settle_deadline:
                 break

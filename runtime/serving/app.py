@@ -210,9 +210,10 @@ def create_app(model_paths: dict[str, str], settings: ServerSettings | None = No
                     yield f"data: {opening}\n\n"
                 async for piece in request.aiter_text():
                     yield f"data: {chunk_of(piece, None)}\n\n"
+                # decided before the last yields: a client may close as soon as it reads [DONE]
+                outcome, status = ("completed", 200) if request.finish_reason != "cancelled" else ("cancelled", 499)
                 yield f"data: {chunk_of('', finish_reason(request))}\n\n"
                 yield "data: [DONE]\n\n"
-                outcome, status = ("completed", 200) if request.finish_reason != "cancelled" else ("cancelled", 499)
             except Exception:
                 outcome, status = "failed", 500
                 raise
