@@ -204,13 +204,14 @@ def create_app(model_paths: dict[str, str], settings: ServerSettings | None = No
 
     def stream(name, key, request, endpoint: str, chunk_of, first: list[str] | None = None):
         async def events():
-            outcome, status = "cancelled", 499
+            outcome, status, ended = "cancelled", 499, False
             try:
                 for opening in first or ():
                     yield f"data: {opening}\n\n"
                 async for piece in request.aiter_text():
                     yield f"data: {chunk_of(piece, None)}\n\n"
                 # decided before the last yields: a client may close as soon as it reads [DONE]
+                ended = True
                 outcome, status = ("completed", 200) if request.finish_reason != "cancelled" else ("cancelled", 499)
                 yield f"data: {chunk_of('', finish_reason(request))}\n\n"
                 yield "data: [DONE]\n\n"
@@ -218,12 +219,10 @@ def create_app(model_paths: dict[str, str], settings: ServerSettings | None = No
                 outcome, status = "failed", 500
                 raise
             finally:
-                if request.future.done():
-                    settle(name, key, request, endpoint, status, outcome)
-                else:  # the client went away mid-stream (this task is being cancelled: no awaiting here)
-                    request.future.add_done_callback(
-                        lambda _: settle(name, key, request, endpoint, 499, "cancelled"))
-                    request.cancel()
+                # no awaiting here (this task may be being cancelled): settle once the engine is done with it
+                request.future.add_done_callback(lambda _: settle(name, key, request, endpoint, status, outcome))
+                if not ended:
+                    request.cancel()  # the client went away mid-stream
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
