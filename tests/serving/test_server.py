@@ -205,3 +205,32 @@ def test_two_names_for_one_file_share_one_engine_and_health_waits_for_loading(om
         process.terminate()
         process.wait(timeout=30)
     assert process.returncode == 0 or process.returncode == -15
+
+
+def test_shutdown_ends_in_flight_streams_within_the_grace_period(om):
+    import signal
+    import threading
+
+    server = Server("--model", f"tiny={om}", "--kv_cache_pages", "32", "--shutdown-grace", "1")
+    got = []
+
+    def read():
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 3000, "temperature": 0, "stream": True}
+        try:
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    got.append(line)
+        except httpx.HTTPError:
+            got.append("cut")
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    while len(got) < 3:
+        time.sleep(0.01)
+    started = time.time()
+    server.process.send_signal(signal.SIGTERM)
+    # uvicorn shuts down gracefully, then re-raises the signal it caught: the exit status says SIGTERM
+    assert server.process.wait(timeout=20) in (0, -signal.SIGTERM)
+    reader.join(timeout=20)
+    assert not reader.is_alive() and time.time() - started < 10
+    assert "Traceback" not in server.process.stderr.read()
