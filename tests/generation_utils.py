@@ -41,3 +41,19 @@ def _hf_greedy(family: str, prompts: tuple[tuple[int, ...], ...], new_tokens: in
                                  do_sample=False, eos_token_id=None, pad_token_id=0)
         out.append(tuple(ids[0, len(prompt):].tolist()))
     return tuple(out)
+
+
+def compile_tiny_chat_model(tmp_path_factory, template: str, name: str = "tiny", **flags):
+    """Tiny Llama compiled paged, with its byte tokenizer and `template` as the chat template."""
+    import json
+    import shutil
+
+    from conftest import compile_to
+    from models.tiny import tiny_onnx
+
+    source = tiny_onnx("llama", dynamo=False, with_past=True)
+    folder = tmp_path_factory.mktemp("tokenizer")
+    shutil.copy(source.with_name("tokenizer.json"), folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return compile_to(source, tmp_path_factory.mktemp("om") / name, enable_paged_attention=True, tokenizer=str(folder),
+                      **flags)

@@ -4,13 +4,12 @@ commands make onnxruntime's process-wide thread pool, which a test process must 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from conftest import compile_to
+from generation_utils import compile_tiny_chat_model
 from runtime.engine import LLMEngine
 
 CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
@@ -18,13 +17,7 @@ CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{%
 
 @pytest.fixture(scope="module")
 def chat_om(tmp_path_factory):
-    from models.tiny import tiny_onnx
-
-    source = tiny_onnx("llama", dynamo=False, with_past=True)
-    folder = tmp_path_factory.mktemp("tok")
-    shutil.copy(source.with_name("tokenizer.json"), folder / "tokenizer.json")
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
-    return compile_to(source, tmp_path_factory.mktemp("om") / "chat", enable_paged_attention=True, tokenizer=str(folder))
+    return compile_tiny_chat_model(tmp_path_factory, CHAT_TEMPLATE, "chat")
 
 
 def _cann_run(*argv: str, stdin: str | None = None) -> subprocess.CompletedProcess:

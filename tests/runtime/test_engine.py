@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import time
 
 import pytest
 
 from conftest import compile_to
-from generation_utils import NEW_TOKENS, hf_greedy, mixed_prompts
+from generation_utils import NEW_TOKENS, compile_tiny_chat_model, hf_greedy, mixed_prompts
 from runtime.engine import LLMEngine
 
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -20,13 +19,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{%
 
 @pytest.fixture(scope="module")
 def paged_om(tmp_path_factory):
-    from models.tiny import tiny_onnx
-
-    source = tiny_onnx("llama", dynamo=False, with_past=True)
-    folder = tmp_path_factory.mktemp("tok")
-    shutil.copy(source.with_name("tokenizer.json"), folder / "tokenizer.json")
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
-    return compile_to(source, tmp_path_factory.mktemp("paged") / "m", enable_paged_attention=True, tokenizer=str(folder))
+    return compile_tiny_chat_model(tmp_path_factory, CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

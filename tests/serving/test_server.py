@@ -4,7 +4,6 @@ streaming, metrics, and every refusal (each server runs in its own process, as u
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from conftest import compile_to
+from generation_utils import compile_tiny_chat_model
 from runtime.engine import LLMEngine
 
 CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
@@ -21,13 +20,7 @@ CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{%
 
 @pytest.fixture(scope="module")
 def om(tmp_path_factory):
-    from models.tiny import tiny_onnx
-
-    source = tiny_onnx("llama", dynamo=False, with_past=True)
-    folder = tmp_path_factory.mktemp("tok")
-    shutil.copy(source.with_name("tokenizer.json"), folder / "tokenizer.json")
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
-    return compile_to(source, tmp_path_factory.mktemp("om") / "tiny", enable_paged_attention=True, tokenizer=str(folder))
+    return compile_tiny_chat_model(tmp_path_factory, CHAT_TEMPLATE)
 
 
 def _free_port() -> int:
