@@ -1,7 +1,12 @@
-"""The public Python face of the runtime: `from cann_llm import LLMEngine`."""
+"""The public Python face of the project: `from cann_llm import ...` (compile, run, generate)."""
 
+from compiler import __version__
+from compiler.compile import compile_model
+from compiler.config import CompileConfig
+from runtime import Executor, LoadedModel, load_artifact
 from runtime.engine import EngineStats, LLMEngine, Request
 from runtime.sampling import SamplingParams
 from runtime.sequence import RequestStats
 
-__all__ = ["EngineStats", "LLMEngine", "Request", "RequestStats", "SamplingParams"]
+__all__ = ["CompileConfig", "EngineStats", "Executor", "LLMEngine", "LoadedModel", "Request", "RequestStats",
+           "SamplingParams", "__version__", "compile_model", "load_artifact"]
