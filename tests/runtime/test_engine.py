@@ -11,7 +11,7 @@ import pytest
 
 from conftest import compile_to
 from generation_utils import NEW_TOKENS, compile_tiny_chat_model, hf_greedy, mixed_prompts
-from runtime.engine import LLMEngine
+from cann_llm import LLMEngine
 
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")

@@ -13,7 +13,7 @@ from conftest import compile_to
 from generation_utils import NEW_TOKENS, hf_greedy, mixed_prompts
 from models.recipes import RECIPES
 from models.tiny import TINY_FAMILIES
-from runtime.engine import LLMEngine
+from cann_llm import LLMEngine
 
 CASES = [(family, exporter, layout) for family in TINY_FAMILIES for exporter in RECIPES[family].exporters
          for layout in ("paged", "contiguous") if layout == "contiguous" or RECIPES[family].attention]
