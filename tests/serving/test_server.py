@@ -227,3 +227,18 @@ def test_shutdown_ends_in_flight_streams_within_the_grace_period(om):
     reader.join(timeout=20)
     assert not reader.is_alive() and time.time() - started < 10
     assert "Traceback" not in server.process.stderr.read()
+
+
+def test_block_listed_output_is_cut_with_finish_reason_content_filter(om, engine, tmp_path):
+    full = engine.generate("abc", max_new_tokens=30, temperature=0, ignore_eos=True)
+    term = next(full[i:i + 3] for i in range(5, len(full) - 3) if full[i:i + 3].strip() and full[i:i + 3] not in "abc")
+    (tmp_path / "block.txt").write_text(term + "\n")
+    server = Server("--model", f"tiny={om}", "--kv_cache_pages", "32", "--blocklist", str(tmp_path / "block.txt"))
+    try:
+        body = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 30,
+                                                                "temperature": 0}).json()
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "content_filter" and choice["text"] == full[:full.index(term)]
+        assert term not in choice["text"]
+    finally:
+        server.stop()
