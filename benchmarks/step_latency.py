@@ -1,8 +1,9 @@
 """Load time and one-step latency of a compiled `.om` beside onnxruntime on the original ONNX, in one run.
 
-    python benchmarks/step_latency.py --om .cache/smollm2.om --onnx .cache/smollm2-dynamo/model.onnx
+    python benchmarks/step_latency.py --om .cache/smollm2-contiguous.om --onnx .cache/smollm2-dynamo/model.onnx
 
-Both sides get identical inputs (a prefill of --seq tokens, and a one-token decode after --past cached
+The artifact must keep contiguous past/present I/O (compiled without --enable_paged_attention). Both sides
+get identical inputs (a prefill of --seq tokens, and a one-token decode after --past cached
 positions); runs alternate between the two so machine noise hits both alike. Prints medians and ratios.
 """
 
