@@ -12,6 +12,7 @@ import asyncio
 import os
 import queue
 import threading
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
@@ -33,6 +34,7 @@ from runtime.sequence import RequestStats, Sequence
 from runtime.tokenizer import TextTokenizer
 
 _DONE = object()
+UTILISATION_SAMPLES = 100_000
 
 
 @dataclass
@@ -108,8 +110,9 @@ class EngineStats:
     generated_tokens: int = 0
     preemptions: int = 0
     peak_running: int = 0
-    page_utilisation: list[float] = field(default_factory=list)
-    token_utilisation: list[float] = field(default_factory=list)
+    # per-step samples, the latest UTILISATION_SAMPLES kept (a server runs for days)
+    page_utilisation: deque = field(default_factory=lambda: deque(maxlen=UTILISATION_SAMPLES))
+    token_utilisation: deque = field(default_factory=lambda: deque(maxlen=UTILISATION_SAMPLES))
 
 
 class LLMEngine:
@@ -232,6 +235,8 @@ class LLMEngine:
 
     def _post(self, message) -> None:
         if self._closed:
+            if message[0] == "cancel":
+                return  # closing cancels every request still in flight
             raise RuntimeError("the engine is closed")
         self._inbox.put(message)
         self._ensure_worker()

@@ -146,3 +146,15 @@ def test_bad_requests_are_refused(paged_om, prompt, message):
             engine.submit(prompt)
         with pytest.raises(ValueError, match="temperature"):
             engine.submit("x", temperature=-1)
+
+
+def test_closing_cancels_what_is_in_flight(paged_om):
+    engine = LLMEngine(paged_om, max_context_len=256, kv_cache_pages=8)
+    request = engine.submit([5] * 20, max_new_tokens=200, temperature=0, ignore_eos=True)
+    while not request.output_ids:
+        time.sleep(0.01)
+    engine.close()
+    assert request.finish_reason == "cancelled" and request.future.done()
+    request.cancel()  # after close: nothing left to do, and no error
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit("x")
