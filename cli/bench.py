@@ -102,7 +102,6 @@ def _closed_loop(engine, requests: list[tuple[list[int], int]], concurrency: int
     engine.stats.page_utilisation.clear()
     engine.stats.token_utilisation.clear()
     engine.stats.peak_running = 0
-    peak_pages = [0]
 
     def client():
         while True:
@@ -113,7 +112,6 @@ def _closed_loop(engine, requests: list[tuple[list[int], int]], concurrency: int
             stats = _engine_generate(engine, prompt, new_tokens)
             with lock:
                 done.append(stats)
-                peak_pages[0] = max(peak_pages[0], engine.blocks.peak_used)
 
     engine.blocks.peak_used = 0
     start = time.perf_counter()

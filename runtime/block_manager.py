@@ -116,10 +116,6 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed = 0
 
-    def live_pages(self) -> int:
-        """Pages some sequence owns."""
-        return sum(page.ref_count > 0 for page in self._pages)
-
     def _hash(self, parent: int | None, tokens: list[int], index: int) -> int:
         return hash((parent, tuple(tokens[index * self.page_size:(index + 1) * self.page_size])))
 

@@ -17,7 +17,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
 
-import numpy as np
 
 from runtime.block_manager import BlockManager
 from runtime.chat_template import ChatTemplate
@@ -139,7 +138,7 @@ class LLMEngine:
         self.max_context_len = max_context_len
         files = self.loaded.om.tokenizer_files()
         self.tokenizer = TextTokenizer(files) if "tokenizer.json" in files else None
-        self._files = files
+        self._chat_template: ChatTemplate | None = None
         if process_thread_pool and backend == "onnxruntime":
             enable_process_thread_pool(threads)
         executor = Executor(self.loaded, backend, threads)
@@ -215,7 +214,7 @@ class LLMEngine:
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """`messages` rendered by the chat template and tokenized as the template spells special tokens."""
-        text = ChatTemplate(self._files).render(messages)
+        text = self._template().render(messages)
         return self._require_tokenizer().encode(text, add_special_tokens=False)
 
     def close(self) -> None:
@@ -303,7 +302,7 @@ class LLMEngine:
         for row, seq in enumerate(batch.seqs):
             if seq.num_uncomputed or seq.finished:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            seq.append(sample_token(logits[row], seq.params, np.asarray(seq.token_ids), seq.rng))
+            seq.append(sample_token(logits[row], seq.params, seq.token_ids, seq.rng))
             self.stats.generated_tokens += 1
             if len(seq.token_ids) >= self.max_context_len:
                 seq.finish("length")
@@ -348,6 +347,12 @@ class LLMEngine:
             live_tokens += tokens
         self.stats.page_utilisation.append(len(live_pages) / used)
         self.stats.token_utilisation.append(live_tokens / (used * self.page_size))
+
+    def _template(self) -> ChatTemplate:
+        """The chat template, compiled on first use and kept."""
+        if self._chat_template is None:
+            self._chat_template = ChatTemplate(self.loaded.om.tokenizer_files())
+        return self._chat_template
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -1,9 +1,10 @@
 """Execute a loaded artifact on one of two backends.
 
-`onnxruntime` (the fast path): `cann` ops lowered onto onnxruntime's kernels (runtime/lowering.py), one
-InferenceSession built once, weights fed zero-copy from the mapped artifact with
-`add_external_initializers`. `reference`: onnx's ReferenceEvaluator, with the registry's
-numpy kernels as its custom ops, the executable spec the fast path is tested against.
+`onnxruntime` (the fast path): `cann` ops lowered onto onnxruntime's kernels (runtime/lowering.py), an
+InferenceSession per segment built once (one for a graph without host nodes), weights fed zero-copy from
+the mapped artifact with `add_external_initializers`; paged attention on the numba kernels.
+`reference`: onnx's ReferenceEvaluator per segment, with the registry's numpy kernels as its custom ops,
+and the numpy references of the paged kernels: the executable spec the fast path is tested against.
 """
 
 from __future__ import annotations

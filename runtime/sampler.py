@@ -11,10 +11,11 @@ import numpy as np
 from runtime.sampling import SamplingParams
 
 
-def apply_repetition_penalty(logits: np.ndarray, seen: np.ndarray, penalty: float) -> np.ndarray:
+def apply_repetition_penalty(logits: np.ndarray, seen, penalty: float) -> np.ndarray:
     """CTRL's penalty over the tokens seen so far: positive logits divided by it, negative multiplied."""
     if penalty == 1.0 or not len(seen):
         return logits
+    seen = np.asarray(seen)  # the whole history: converted only when a penalty reads it
     out = logits.copy()
     picked = out[seen]
     out[seen] = np.where(picked > 0, picked / penalty, picked * penalty)
@@ -41,8 +42,8 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return probs
 
 
-def sample_token(logits: np.ndarray, params: SamplingParams, seen: np.ndarray, rng: np.random.Generator) -> int:
-    """One sequence's next token from its `[vocab]` logits."""
+def sample_token(logits: np.ndarray, params: SamplingParams, seen, rng: np.random.Generator) -> int:
+    """One sequence's next token from its `[vocab]` logits; `seen` is its token history (a list or array)."""
     logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     if params.greedy:
         return int(np.argmax(logits))

@@ -52,14 +52,21 @@ def split_at_host_nodes(model: onnx.ModelProto, is_host: Callable[[onnx.NodeProt
         if i not in host_index:
             buckets[max(earliest[i], latest[i])].append(i)
     types = _value_types(model)
+    initializers = {t.name: t for t in graph.initializer}
+    graph_outputs = {o.name for o in graph.output}
+    readers: dict[str, set[int]] = {}
+    for i, node in enumerate(nodes):
+        for name in node.input:
+            readers.setdefault(name, set()).add(i)
     hosts = [nodes[i] for i in host_index]
-    readers = _readers(graph, hosts)
     plan: list[Segment | HostNode] = []
     for k, members in enumerate(buckets):
         if members:
             mine = set(members)
-            outside = {name for i, node in enumerate(nodes) if i not in mine for name in node.input if name}
-            plan.append(_segment(model, [nodes[i] for i in members], k, outside, readers, types))
+            # what a later step or the caller reads: another bucket's node, a host node, a graph output
+            wanted = {name for i in members for name in nodes[i].output
+                      if name in graph_outputs or readers.get(name, set()) - mine}
+            plan.append(_segment(model, [nodes[i] for i in members], k, wanted, initializers, types))
         if k < len(hosts):
             plan.append(HostNode(hosts[k]))
     return plan
@@ -96,26 +103,13 @@ def _latest_segments(nodes: list[onnx.NodeProto], host_index: dict[int, int], ou
     return latest
 
 
-def _readers(graph: onnx.GraphProto, hosts: list[onnx.NodeProto]) -> dict[str, set]:
-    """tensor name → the steps that read it: a segment level (int), a host node ("host"), or the output."""
-    readers: dict[str, set] = {}
-    for node in hosts:
-        for name in node.input:
-            readers.setdefault(name, set()).add("host")
-    for output in graph.output:
-        readers.setdefault(output.name, set()).add("output")
-    return readers
-
-
-def _segment(model: onnx.ModelProto, nodes: list[onnx.NodeProto], k: int, outside: set[str],
-             readers: dict[str, set], types: dict[str, onnx.TypeProto]) -> Segment:
+def _segment(model: onnx.ModelProto, nodes: list[onnx.NodeProto], k: int, wanted: set[str],
+             initializers: dict[str, onnx.TensorProto], types: dict[str, onnx.TypeProto]) -> Segment:
     graph = model.graph
-    initializers = {t.name: t for t in graph.initializer}
     produced = {name for node in nodes for name in node.output if name}
     read_here = [name for node in nodes for name in node.input if name]
     inputs = list(dict.fromkeys(n for n in read_here if n not in produced and n not in initializers))
-    outputs = [name for name in dict.fromkeys(n for node in nodes for n in node.output if n)
-               if name in outside or name in readers]
+    outputs = [name for name in dict.fromkeys(n for node in nodes for n in node.output if n) if name in wanted]
     missing = [name for name in inputs + outputs if name not in types]
     if missing:
         raise AtcError("E13015", "the graph", f"no type is known for {', '.join(missing[:3])}")

@@ -356,8 +356,8 @@ def paged_fused_attention(inputs: list, key_cache: np.ndarray, value_cache: np.n
 
     `inputs` are the node's 13 inputs (None where absent); the other attributes (`causal`, `rotary_dim`,
     `layer`, `page_size`, ...) are facts the pool and the graph already hold; `flash` sends long prompt
-    chunks through `flash_prefill`. `batch` is inputs 9-12
-    prepared (`PagedBatch.of`), shared by a step's layers. `fast=False` runs the numpy references.
+    chunks through `flash_prefill`. `batch` is inputs 9-12 prepared (`PagedBatch.of`), shared by a step's
+    layers. `fast=False` runs the numpy references.
     """
     query, key, value, cos, sin = inputs[0], inputs[1], inputs[2], inputs[6], inputs[7]
     if batch is None:
@@ -388,12 +388,12 @@ def _fast_attention(batch: PagedBatch, q, key_cache, value_cache, scale):
         _attend(batch, q, key_cache, value_cache, scale, out)
         return out
     page_size = key_cache.shape[2]
-    starts, lengths, tables = batch.query_start_loc, batch.seq_lens, batch.block_tables
+    starts, contexts, tables = batch.query_start_loc, batch.seq_lens, batch.block_tables
     # one BLAS thread: its idle threads spin and starve numba's and onnxruntime's (measured: a 512-token
     # SmolLM2 prefill 850-950 ms with OpenBLAS's default threads, 490-500 ms with one)
     with _blas().limit(limits=1, user_api="blas"):
         for b in batch.flash:
-            start, end, length = int(starts[b]), int(starts[b + 1]), int(lengths[b])
+            start, end, length = int(starts[b]), int(starts[b + 1]), int(contexts[b])
             flash_prefill(q[start:end], key_cache, value_cache, tables[b, :-(-length // page_size)], length, scale,
                           out[start:end])
     if batch.short is not None:

@@ -47,6 +47,7 @@ class _Models:
         self.pending = dict.fromkeys(paths, 0)
         self.ready = threading.Event()
         self.error: str | None = None
+        self.metrics: ServerMetrics | None = None
 
     def load(self) -> None:
         # one engine per file, whatever it is called: the same artifact under two names is loaded once
@@ -58,6 +59,7 @@ class _Models:
                 if identity not in by_file:
                     by_file[identity] = LLMEngine(path, **self.engine_kwargs)
                 self.engines[name] = by_file[identity]
+            self.metrics = ServerMetrics(self.engines)
         except Exception as error:  # reported by /health; the process stays up to say so
             self.error = f"{type(error).__name__}: {error}"
         finally:
@@ -90,12 +92,9 @@ def create_app(model_paths: dict[str, str], settings: ServerSettings | None = No
         guard.close()
 
     app = FastAPI(title="cann-llm", lifespan=lifespan)
-    metrics_holder: dict[str, ServerMetrics] = {}
 
     def metrics() -> ServerMetrics:
-        if "m" not in metrics_holder:
-            metrics_holder["m"] = ServerMetrics(models.engines)
-        return metrics_holder["m"]
+        return models.metrics  # made with the engines; nothing reaches here before they are ready
 
     @app.get("/health")
     async def health():
@@ -236,13 +235,28 @@ def create_app(model_paths: dict[str, str], settings: ServerSettings | None = No
         return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.output_tokens,
                 "total_tokens": stats.prompt_tokens + stats.output_tokens}
 
+    def start(http: Request, name: str | None, prompt, params: dict, messages: list[dict] | None = None):
+        """Admit and submit one generation: (name, key, request, None) or (.., refusal)."""
+        name, key, refusal = admit(http, name)
+        if refusal:
+            return name, key, None, refusal
+        if messages is not None:
+            if guard.blocked(" ".join(m["content"] for m in messages)):
+                metrics().rejected(name)
+                return name, key, None, _error(400, "the prompt contains blocked content", "content_filter")
+            try:
+                prompt = models.engines[name].chat_prompt(messages)
+            except Exception as error:
+                metrics().rejected(name)
+                return name, key, None, _error(400, f"the chat template cannot render these messages: {error}",
+                                               "invalid_request_error")
+        request, refusal = submit(name, key, prompt, params)
+        return name, key, request, refusal
+
     @app.post("/generate")
     async def generate(body: GenerateBody, http: Request):
-        name, key, refusal = admit(http, body.model)
-        if refusal:
-            return refusal
-        request, refusal = submit(name, key, body.prompt, {"max_new_tokens": body.max_length,
-                                                           "temperature": body.temperature, "stop": None})
+        name, key, request, refusal = start(http, body.model, body.prompt, {
+            "max_new_tokens": body.max_length, "temperature": body.temperature, "stop": None})
         if refusal:
             return refusal
         return await respond(http, name, key, request, "/generate", lambda r: {
@@ -252,59 +266,40 @@ def create_app(model_paths: dict[str, str], settings: ServerSettings | None = No
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: Request):
-        name, key, refusal = admit(http, body.model)
-        if refusal:
-            return refusal
-        request, refusal = submit(name, key, body.prompt, {"max_new_tokens": body.max_tokens, **sampling(body)})
+        name, key, request, refusal = start(http, body.model, body.prompt,
+                                            {"max_new_tokens": body.max_tokens, **sampling(body)})
         if refusal:
             return refusal
         ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(text: str, reason):
-            return json.dumps({"id": ident, "object": "text_completion", "created": created, "model": name,
-                               "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]})
+        def completion(text: str, reason) -> dict:
+            return {"id": ident, "object": "text_completion", "created": created, "model": name,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
 
         if body.stream:
-            return stream(name, key, request, "/v1/completions", chunk)
-        return await respond(http, name, key, request, "/v1/completions", lambda r: {
-            "id": ident, "object": "text_completion", "created": created, "model": name,
-            "choices": [{"index": 0, "text": r.text, "logprobs": None, "finish_reason": finish_reason(r)}],
-            "usage": usage(r)})
+            return stream(name, key, request, "/v1/completions", lambda text, reason: json.dumps(completion(text, reason)))
+        return await respond(http, name, key, request, "/v1/completions",
+                             lambda r: {**completion(r.text, finish_reason(r)), "usage": usage(r)})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http: Request):
-        name, key, refusal = admit(http, body.model)
-        if refusal:
-            return refusal
-        messages = [m.model_dump() for m in body.messages]
-        if guard.blocked(" ".join(m["content"] for m in messages)):
-            metrics().rejected(name)
-            return _error(400, "the prompt contains blocked content", "content_filter")
-        try:
-            prompt = models.engines[name].chat_prompt(messages)
-        except Exception as error:
-            metrics().rejected(name)
-            return _error(400, f"the chat template cannot render these messages: {error}", "invalid_request_error")
         limit = body.max_completion_tokens or body.max_tokens or 256
-        request, refusal = submit(name, key, prompt, {"max_new_tokens": limit, **sampling(body)})
+        name, key, request, refusal = start(http, body.model, None, {"max_new_tokens": limit, **sampling(body)},
+                                            messages=[m.model_dump() for m in body.messages])
         if refusal:
             return refusal
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(text: str, reason):
-            delta = {"content": text} if text else {}
-            return json.dumps({"id": ident, "object": "chat.completion.chunk", "created": created, "model": name,
-                               "choices": [{"index": 0, "delta": delta, "finish_reason": reason}]})
+        def reply(kind: str, part: dict, reason) -> dict:
+            return {"id": ident, "object": kind, "created": created, "model": name,
+                    "choices": [{"index": 0, **part, "finish_reason": reason}]}
 
         if body.stream:
-            opening = json.dumps({"id": ident, "object": "chat.completion.chunk", "created": created, "model": name,
-                                  "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                               "finish_reason": None}]})
-            return stream(name, key, request, "/v1/chat/completions", chunk, [opening])
+            opening = json.dumps(reply("chat.completion.chunk", {"delta": {"role": "assistant", "content": ""}}, None))
+            return stream(name, key, request, "/v1/chat/completions", lambda text, reason: json.dumps(
+                reply("chat.completion.chunk", {"delta": {"content": text} if text else {}}, reason)), [opening])
         return await respond(http, name, key, request, "/v1/chat/completions", lambda r: {
-            "id": ident, "object": "chat.completion", "created": created, "model": name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
-                         "finish_reason": finish_reason(r)}],
+            **reply("chat.completion", {"message": {"role": "assistant", "content": r.text}}, finish_reason(r)),
             "usage": usage(r)})
 
     return app

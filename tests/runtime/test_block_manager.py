@@ -31,7 +31,7 @@ def test_pages_are_owned_once_and_all_return():
     assert len(owned) == len(set(owned)) == blocks.num_used == 7
     for seq in seqs:
         blocks.free(seq)
-    assert blocks.num_free == 8 and blocks.live_pages() == 0
+    assert blocks.num_free == 8 and blocks.num_used == 0
 
 
 def test_a_shared_prefix_is_computed_once():
