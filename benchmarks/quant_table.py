@@ -2,7 +2,8 @@
 
     python benchmarks/quant_table.py --onnx .cache/smollm2-dynamo/model.onnx --out .cache/quant-table
 
-Compiles the model once per row with `atc --enable_compress_weight=1 --compress_weight_conf=...`, then
+Compiles the model once per row with `atc --enable_compress_weight=1 --compress_weight_conf=...` or
+`--precision_mode=...` (recording the compiler's peak resident memory), then
 measures every row in the same run: perplexity on models/data/eval.txt (sliding window), and the median
 latency of one decode step after 256 cached tokens, rows interleaved so machine noise hits them alike.
 Writes a Markdown table and a JSON file to --out.
@@ -11,10 +12,12 @@ Writes a Markdown table and a JSON file to --out.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -26,35 +29,51 @@ from runtime.feeds import causal_lm_inputs
 from runtime.perplexity import perplexity
 from runtime.tokenizer import TextTokenizer
 
+
+@dataclass(frozen=True)
+class Row:
+    """One row's atc settings: a --compress_weight_conf document and a --precision_mode."""
+
+    conf: dict | None = None
+    precision: str | None = None
+
+
+def _int4(method: str, group: int, **extra) -> Row:
+    return Row({"quant_mode": "INT4", "group_size": group, "algorithms": [{"name": method}], **extra})
+
+
 ROWS = {
-    "FP32": None,
-    "INT8": {"quant_mode": "INT8"},
-    "W8A8": {"quant_mode": "W8A8", "algorithms": [{"name": "smooth_quant", "params": {"alpha": 0.5}}]},
-    "INT4-RTN g128": {"quant_mode": "INT4", "group_size": 128, "algorithms": [{"name": "rtn"}]},
-    "INT4-AWQ g128": {"quant_mode": "INT4", "group_size": 128, "algorithms": [{"name": "awq"}]},
-    "INT4-GPTQ g128": {"quant_mode": "INT4", "group_size": 128, "algorithms": [{"name": "gptq"}]},
-    "INT4-RTN g32": {"quant_mode": "INT4", "group_size": 32, "algorithms": [{"name": "rtn"}]},
-    "INT4-AWQ g32": {"quant_mode": "INT4", "group_size": 32, "algorithms": [{"name": "awq"}]},
-    "INT4-GPTQ g32": {"quant_mode": "INT4", "group_size": 32, "algorithms": [{"name": "gptq"}]},
+    "FP32": Row(),
+    "FP16 storage": Row(precision="force_fp16"),
+    "mixed FP16": Row(precision="allow_mix_precision"),
+    "mixed BF16": Row(precision="allow_mix_precision_bf16"),
+    "INT8": Row({"quant_mode": "INT8"}),
+    "W8A8": Row({"quant_mode": "W8A8", "algorithms": [{"name": "smooth_quant", "params": {"alpha": 0.5}}]}),
+    **{f"INT4-{method.upper()} g{group}": _int4(method, group) for group in (128, 32) for method in ("rtn", "awq", "gptq")},
+    **{f"INT4-{method.upper()} g32 asym": _int4(method, 32, symmetric=False) for method in ("rtn", "awq", "gptq")},
     # lm_head (the tied embedding table) quantized too, shared by the lookup: skip_layers empty
-    "INT4-GPTQ g128 +lm_head": {"quant_mode": "INT4", "group_size": 128, "algorithms": [{"name": "gptq"}],
-                                "skip_layers": []},
-    "INT4-AWQ g32 +lm_head": {"quant_mode": "INT4", "group_size": 32, "algorithms": [{"name": "awq"}],
-                              "skip_layers": []},
+    "INT4-GPTQ g128 +lm_head": _int4("gptq", 128, skip_layers=[]),
+    "INT4-AWQ g32 +lm_head": _int4("awq", 32, skip_layers=[]),
 }
 
 
-def _compile(onnx_path: Path, out: Path, name: str, conf: dict | None) -> tuple[Path, float]:
+def _compile(onnx_path: Path, out: Path, name: str, row: Row) -> tuple[Path, float, float]:
+    """The row's .om, compile seconds and the compiler's peak resident memory (GB)."""
     stem = out / name.replace(" ", "-").lower()
     command = [sys.executable, "-m", "cli.atc", f"--model={onnx_path}", "--framework=5", f"--output={stem}",
                "--soc_version=Ascend910B"]
-    if conf is not None:
+    if row.conf is not None:
         conf_path = stem.with_suffix(".json")
-        conf_path.write_text(json.dumps(conf))
+        conf_path.write_text(json.dumps(row.conf))
         command += ["--enable_compress_weight=1", f"--compress_weight_conf={conf_path}"]
+    if row.precision is not None:
+        command.append(f"--precision_mode={row.precision}")
     start = time.perf_counter()
-    subprocess.run(command, check=True, capture_output=True)
-    return stem.with_suffix(".om"), time.perf_counter() - start
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(process.pid, 0)
+    if status:
+        raise click.ClickException(f"atc failed for {name}: {process.stderr.read().decode()[-2000:]}")
+    return stem.with_suffix(".om"), time.perf_counter() - start, usage.ru_maxrss / 2**20
 
 
 @click.command()
@@ -71,10 +90,10 @@ def main(onnx_path: Path, out: Path, rows: str, max_tokens: int | None, repeat: 
     artifacts = {}
     for name in names:
         existing = (out / name.replace(" ", "-").lower()).with_suffix(".om")
-        artifacts[name] = (existing, 0.0) if reuse and existing.exists() else _compile(onnx_path, out, name, ROWS[name])
-        click.echo(f"compiled {name} in {artifacts[name][1]:.1f} s")
+        artifacts[name] = (existing, 0.0, 0.0) if reuse and existing.exists() else _compile(onnx_path, out, name, ROWS[name])
+        click.echo(f"compiled {name} in {artifacts[name][1]:.1f} s, peak {artifacts[name][2]:.2f} GB")
     # the sessions share two cores: their idle threads must sleep, not spin, or they slow each other down
-    executors = {name: Executor(load_artifact(path), threads=2, spinning=False) for name, (path, _) in artifacts.items()}
+    executors = {name: Executor(load_artifact(path), threads=2, spinning=False) for name, (path, _, _) in artifacts.items()}
     first = next(iter(executors.values())).loaded
     ids = TextTokenizer(first.om.tokenizer_files()).encode(EVAL_TEXT.read_text(encoding="utf-8"))
     ids = ids[:max_tokens] if max_tokens else ids
@@ -96,13 +115,14 @@ def main(onnx_path: Path, out: Path, rows: str, max_tokens: int | None, repeat: 
                         "accuracy_levels": sorted({a.i for n in executors[name].loaded.model.graph.node
                                                    for a in n.attribute if a.name == "accuracy_level"}),
                         "decode_step_ms": step_ms, "decode_tokens_per_s": 1000 / step_ms,
-                        "compile_s": artifacts[name][1]})
+                        "compile_s": artifacts[name][1], "compile_peak_gb": artifacts[name][2]})
         click.echo(f"{name:<16} {size / 1e6:8.1f} MB  ×{size / fp32_size:.3f}  ppl {ppl:8.3f}  "
                    f"step {step_ms:6.2f} ms ({1000 / step_ms:6.1f} tok/s)")
-    lines = ["| weights | .om size | vs first | perplexity (eval.txt) | decode step (ms) | tokens/s |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| weights | .om size | vs first | perplexity (eval.txt) | decode step (ms) | tokens/s | atc peak memory |",
+             "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['row']} | {r['om_bytes'] / 1e6:.1f} MB | {r['size_vs_first']:.3f}× | {r['perplexity']:.3f} | "
-              f"{r['decode_step_ms']:.2f} | {r['decode_tokens_per_s']:.1f} |" for r in results]
+              f"{r['decode_step_ms']:.2f} | {r['decode_tokens_per_s']:.1f} | {r['compile_peak_gb']:.2f} GB |"
+              for r in results]
     (out / "table.md").write_text("\n".join(lines) + "\n")
     (out / "table.json").write_text(json.dumps(results, indent=2) + "\n")
     click.echo("\n".join(lines))

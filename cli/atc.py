@@ -39,9 +39,10 @@ FLAGS: list[tuple[str, str, str]] = [
     ("output", "Output", "Output file path and name, without the .om suffix"),
     ("out_nodes", "Output", 'Outputs to keep: "name1;name2" or "node:0;node:1"'),
     ("soc_version", "Target", "Target profile (e.g. Ascend910B, Ascend310P3); execution is on the host CPU"),
-    ("precision_mode", "Feature", "force_fp16 (default), allow_fp32_to_fp16, must_keep_origin_dtype, "
-                                  "allow_mix_precision, force_fp32, ...; recorded, precision passes come later"),
-    ("keep_dtype", "Feature", "File of op names (or OpType::X) kept in their original dtype"),
+    ("precision_mode", "Feature", "Storage dtype of float weights (compute is float32 on the CPU): "
+                                  "must_keep_origin_dtype (default here), force_fp16, allow_mix_precision, "
+                                  "allow_mix_precision_bf16, force_fp32, allow_fp32_to_fp16, ..."),
+    ("keep_dtype", "Feature", "File of node or weight names (globs, lm_head) or OpType::X whose weights keep their dtype"),
     ("fusion_switch_file", "Feature", "Fusion switches: lines 'PassName:off' or ATC's JSON {\"Switch\": ...}"),
     ("enable_flash_attention", "LLM", "Blockwise prefill attention (true/false, 1/0)"),
     ("enable_paged_attention", "LLM", "Paged KV cache owned by the runtime (true/false, 1/0)"),

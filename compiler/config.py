@@ -12,6 +12,7 @@ from pathlib import Path
 
 from compiler.errors import AtcError, invalid_value, not_in_range
 from compiler.fusion_switch import parse_fusion_switch_file
+from compiler.precision_config import PrecisionPolicy
 from compiler.paged_config import PagedConfig
 from compiler.quant_config import QuantConfig
 from compiler.soc import SOC_VERSIONS, SocProfile
@@ -46,7 +47,7 @@ class CompileConfig:
     soc_version: str = ""
     input_shape: dict[str, tuple[Dim, ...]] = field(default_factory=dict)
     input_format: str = "NCHW"
-    precision_mode: str = "force_fp16"
+    precision_mode: str = "must_keep_origin_dtype"
     keep_dtype: str = ""
     fusion_switch_file: str = ""
     out_nodes: tuple[str, ...] = ()
@@ -70,6 +71,7 @@ class CompileConfig:
     fusion_switches: dict[str, bool] = field(default_factory=dict, compare=False)
     quantization: QuantConfig | None = field(default=None, compare=False)
     paging: PagedConfig | None = field(default=None, compare=False)
+    precision: PrecisionPolicy | None = field(default=None, compare=False)
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -88,6 +90,8 @@ class CompileConfig:
             page_size = self.soc.page_size if self.soc_version else PagedConfig.page_size
             paging = PagedConfig.from_json(self.paged_config, page_size) if self.paged_config else PagedConfig(page_size)
             object.__setattr__(self, "paging", paging)
+        if self.precision is None:
+            object.__setattr__(self, "precision", PrecisionPolicy.of(self.precision_mode, self.keep_dtype))
         if self.enable_flash_attention and not self.enable_paged_attention:
             self._warn("W10002", "--enable_flash_attention applies to paged attention (--enable_paged_attention=1); "
                                  "a contiguous cache is lowered to onnxruntime's standard ops. Ignored.")
@@ -121,6 +125,7 @@ class CompileConfig:
         out.pop("warnings")
         out["quantization"] = asdict(self.quantization) if self.quantization else None
         out["paging"] = asdict(self.paging) if self.paging else None
+        out["precision"] = asdict(self.precision)
         out["input_shape"] = {k: [list(d) if isinstance(d, tuple) else d for d in v] for k, v in self.input_shape.items()}
         return out
 

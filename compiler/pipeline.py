@@ -10,6 +10,7 @@ from compiler.tokenizer_files import tokenizer_files
 from passes.calibration import text_samples
 from compiler.pass_manager import Pass
 from passes.convert_attention import ConvertAttention
+from passes.convert_precision import ConvertPrecision
 from passes.convert_rms_normalization import ConvertRmsNormalization
 from passes.eliminate_dead_code import EliminateDeadCode
 from passes.eliminate_identity import EliminateIdentity
@@ -85,4 +86,7 @@ def build_pipeline(cfg: CompileConfig | None) -> list[Pass]:
     if cfg is not None and cfg.paging is not None:
         # Phase 4: batches without padding over the runtime's page pool
         passes += [PagedKvCache(cfg.paging.page_size, cfg.enable_flash_attention), PruneLogits()]
+    if cfg is not None:
+        # Phase 5: the dtype float weights are stored in (compiler/precision_config.py)
+        passes.append(ConvertPrecision(cfg.precision))
     return passes

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from compiler.errors import AtcError
 from compiler.quant_config import QuantConfig
 from passes.calibration import InputStatistics, collect_input_statistics
 from passes.pattern import FusionPass, fused_node, producer
@@ -123,7 +124,14 @@ class QuantizeWeights(FusionPass):
             self._statistics = collect_input_statistics(graph, inputs, self.samples if calibrating else self.samples[:4],
                                                         with_hessian=hessians)
             self.matched_patterns.clear()
-        return super().run(graph)
+        result = super().run(graph)
+        if self._head is not None:
+            self.matched_patterns.add("lm_head")
+        unmatched = [p for p in self.skip if p not in self.matched_patterns] if self.bits else []
+        if unmatched:
+            raise AtcError("E10001", ",".join(unmatched), "skip_layers",
+                           "The pattern matches no MatMul node or weight of the compiled graph.")
+        return result
 
     def _quantize_tied_table(self, graph: gs.Graph) -> None:
         """lm_head = x · Eᵀ with E the embedding table: both read one INT4 copy of E (MatMulInt4 and GatherInt4),

@@ -105,3 +105,16 @@ def test_engine_greedy_equals_transformers(smollm2_path, smollm2_om, smollm2_gre
         requests = [engine.submit(p, max_new_tokens=64, temperature=0, ignore_eos=True) for p in prompts]
         assert [r.result() is not None and r.output_ids for r in requests] == expected
         assert engine.blocks.num_free == engine.blocks.num_pages
+
+
+def test_force_fp16_stores_every_matmul_weight_and_the_tied_table_in_half_the_bytes(smollm2_om, smollm2_path, tmp_path):
+    half = load_artifact(compile_to(smollm2_path, tmp_path / "fp16", precision_mode="force_fp16"))
+    narrowed = [t for t in half.model.graph.initializer if t.data_type == 10 and len(t.dims) == 2]
+    assert len(narrowed) == 30 * 4 + 1  # QKV, O, gate-up and down of 30 layers; one table for lookup and lm_head
+    assert half.om.path.stat().st_size < 0.51 * smollm2_om.stat().st_size
+    tokenizer = TextTokenizer(half.om.tokenizer_files())
+    ids = np.asarray([tokenizer.encode(PROMPT)], np.int64)
+    feeds = causal_lm_inputs(half.metadata["signature"], half.metadata["model"], ids)
+    expected, got = ort_reference(smollm2_path, feeds)["logits"], Executor(half).run(feeds, ["logits"])["logits"]
+    assert np.abs(got - expected).max() <= 1e-2 * np.abs(expected).max()
+    assert (got[0].argmax(-1) == expected[0].argmax(-1)).mean() >= 0.95

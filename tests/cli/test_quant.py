@@ -211,8 +211,11 @@ def test_w8a8_smooth_quant_runs_integer_matmuls_close_to_the_float_model(tmp_pat
 
 @pytest.mark.parametrize("conf", [{"quant_mode": "W8A8", "algorithms": [{"name": "gptq"}]},
                                   {"quant_mode": "W8A8", "algorithms": [{"name": "smooth_quant", "params": {"alpha": 2}}]},
-                                  {"quant_mode": "INT8", "algorithms": [{"name": "smooth_quant"}]}])
-def test_w8a8_settings_are_checked(tmp_path, tiny_llama_path, conf):
+                                  {"quant_mode": "INT8", "algorithms": [{"name": "smooth_quant"}]},
+                                  {"quant_mode": "INT4", "skip_layers": ["lm_head", "no_such_layer*"]},
+                                  {"quant_mode": "INT4", "group_size": 100}, {"quant_mode": "INT3"},
+                                  {"quant_mode": "INT4", "algorithms": [{"name": "fp3"}]}])
+def test_bad_compression_configs_are_refused_without_output(tmp_path, tiny_llama_path, conf):
     from compiler.errors import AtcError
 
     config = tmp_path / "bad.json"
