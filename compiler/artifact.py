@@ -79,13 +79,19 @@ def _tensor_bytes(tensor: onnx.TensorProto) -> bytes:
     return tensor.raw_data if tensor.HasField("raw_data") else numpy_helper.to_array(tensor).tobytes()
 
 
-def _externalize(model: onnx.ModelProto) -> list[tuple[onnx.TensorProto, bytes, int]]:
-    """Move large initializers' bytes out of the graph; returns (tensor, bytes, offset) in file order."""
+def _array_bytes(array: np.ndarray) -> memoryview:
+    # through uint8: the buffer protocol does not know ml_dtypes' types (bfloat16)
+    return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+
+
+def _externalize(model: onnx.ModelProto, detached: dict[str, np.ndarray]) -> list[tuple[onnx.TensorProto, bytes, int]]:
+    """Move large initializers' bytes out of the graph; returns (tensor, bytes, offset) in file order. A
+    tensor named in `detached` is a stub whose bytes are that array's (borrowed, not copied)."""
     placed, offset = [], 0
     for tensor in model.graph.initializer:
         if tensor.data_type == onnx.TensorProto.STRING:
             continue
-        data = _tensor_bytes(tensor)
+        data = _array_bytes(detached[tensor.name]) if tensor.name in detached else _tensor_bytes(tensor)
         if len(data) < EXTERNAL_MIN_BYTES:
             continue
         offset = _align(offset)
@@ -102,13 +108,14 @@ def _externalize(model: onnx.ModelProto) -> list[tuple[onnx.TensorProto, bytes, 
 
 
 def write_artifact(path: str | os.PathLike, model: onnx.ModelProto, metadata: dict,
-                   tokenizer_files: dict[str, str] | None = None) -> int:
+                   tokenizer_files: dict[str, str] | None = None, detached: dict[str, np.ndarray] | None = None) -> int:
     """Write `model` (consumed: its initializers become external references) atomically to `path`.
 
-    Returns the file size. The bytes depend only on the inputs, so equal inputs give identical files.
+    `detached` holds the bytes of initializers exported as stubs (compiler/weight_memory.py). Returns the
+    file size. The bytes depend only on the inputs, so equal inputs give identical files.
     """
     path = Path(path)
-    placed = _externalize(model)
+    placed = _externalize(model, detached or {})
     weights_size = _align(placed[-1][2] + len(placed[-1][1])) if placed else 0
     blobs: list[tuple[Partition, bytes | None, int]] = [
         (Partition.MODEL_DEF, model.SerializeToString(deterministic=True), 0),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -12,10 +13,11 @@ import onnx_graphsurgeon as gs
 
 from compiler import __version__
 from compiler.artifact import write_artifact
+from compiler.weight_memory import detach_weights
 from compiler.config import CompileConfig
 from compiler.errors import AtcError
 from compiler.graph_io import apply_input_shape, apply_out_nodes
-from compiler.loader import load_onnx
+from compiler.loader import import_graph
 from compiler.pass_manager import PassReport, run_passes
 from compiler.pipeline import build_pipeline
 from compiler.precheck import check_ops, unsupported_types
@@ -40,8 +42,7 @@ def compile_model(cfg: CompileConfig) -> CompileResult:
     """Compile `cfg.model` into `cfg.output`.om; raises AtcError, leaving no output file, on failure."""
     output = cfg.output_path
     _check_writable(output)
-    model = load_onnx(cfg.model)
-    graph = gs.import_onnx(model)
+    model, graph = import_graph(cfg.model)
     if cfg.input_shape:
         apply_input_shape(graph, cfg.input_shape)
     if cfg.out_nodes:
@@ -49,8 +50,12 @@ def compile_model(cfg: CompileConfig) -> CompileResult:
     unsupported = unsupported_types(check_ops(graph))
     if unsupported:
         raise AtcError("E16002", ", ".join(unsupported))
-    report = run_passes(graph, build_pipeline(cfg), cfg.fusion_switches)
+    # weights a pass replaced hang in reference cycles with their old nodes; collecting after each pass frees
+    # them (or the copies graphsurgeon loaded them into) before the next pass makes more
+    report = run_passes(graph, build_pipeline(cfg), cfg.fusion_switches, after_each=gc.collect)
     detected = detect_family(graph)
+    dimensions = attention_dimensions(graph)
+    detached = detach_weights(graph)
     lowered = lower(graph, model)
     signature = io_signature(lowered)
     metadata = {
@@ -62,14 +67,14 @@ def compile_model(cfg: CompileConfig) -> CompileResult:
         "config": cfg.effective(),
         "signature": signature,
         "is_dynamic": is_dynamic(signature),
-        "model": {**llm_dimensions(signature), **attention_dimensions(graph), "family": cfg.model_type or detected,
+        "model": {**llm_dimensions(signature), **dimensions, "family": cfg.model_type or detected,
                   "detected_family": detected},
         "kv_cache": kv_cache_metadata(cfg),
         "source": {"file": Path(cfg.model).name, "producer": f"{model.producer_name} {model.producer_version}".strip(),
                    "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import}},
         "pass_report": report.as_dict(),
     }
-    size = write_artifact(output, lowered, metadata, tokenizer_files(cfg))
+    size = write_artifact(output, lowered, metadata, tokenizer_files(cfg), detached)
     report.write_fusion_result(output.parent / "fusion_result.json")
     return CompileResult(output=output, size=size, report=report, metadata=metadata)
 

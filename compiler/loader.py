@@ -1,25 +1,31 @@
 """Load an ONNX model and its external data, refusing broken input with ATC error codes.
 
-Weights stay in TensorProtos (external data read in place of raw_data); the model is never serialised
-whole, so models over protobuf's 2 GiB limit load like any other.
+`load_onnx` reads external data into the TensorProtos; `import_graph` (the compiler's) leaves it on disk
+and gives graphsurgeon read-only arrays over a memory map of each data file, so a compile holds only the
+weights it makes, not a second copy of the model's. The model is never serialised whole, so models over
+protobuf's 2 GiB limit load like any other.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_graphsurgeon as gs
 from google.protobuf.message import DecodeError
 from onnx import external_data_helper, helper
+from onnx_graphsurgeon.ir.tensor import LazyValues
 
+from compiler.artifact import SUB_BYTE_TYPES
 from compiler.errors import AtcError
 from compiler.proto_utils import initializers_as_inputs
 
 
-def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
-    """The checked model with all weights in memory."""
+def load_onnx(path: str | os.PathLike, external_data: bool = True) -> onnx.ModelProto:
+    """The checked model, with its external data read into memory unless `external_data` is False."""
     path = Path(path)
     if not path.is_file():
         reason = "the path is a directory" if path.is_dir() else "No such file or directory"
@@ -33,7 +39,8 @@ def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
             raise AtcError("E10041", path, reason="the file holds no ONNX model (empty or not a ModelProto)")
         raise AtcError("E16004")
     _check_external_data(model, path.parent)
-    external_data_helper.load_external_data_for_model(model, str(path.parent))
+    if external_data:
+        external_data_helper.load_external_data_for_model(model, str(path.parent))
     _check_tensor_sizes(model, path)
     try:
         onnx.checker.check_model(initializers_as_inputs(model))
@@ -55,21 +62,51 @@ def _check_external_data(model: onnx.ModelProto, base: Path) -> None:
         size = location.stat().st_size
         offset = info.offset or 0
         length = info.length if info.length is not None else size - offset
+        if length != _expected_bytes(tensor):
+            raise AtcError("E10041", location, reason=f"external data of tensor {tensor.name} holds {length} bytes, "
+                                                       f"its shape {list(tensor.dims)} needs {_expected_bytes(tensor)}")
         if offset + length > size:
             raise AtcError("E10041", location, reason=f"external data is truncated: tensor {tensor.name} needs bytes "
                                                        f"{offset}..{offset + length} of a {size}-byte file")
+
+
+def _expected_bytes(tensor: onnx.TensorProto) -> int:
+    count = int(np.prod(tensor.dims, dtype=np.int64))
+    if tensor.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
+        return (count + 1) // 2
+    return count * np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
 
 
 def _check_tensor_sizes(model: onnx.ModelProto, path: Path) -> None:
     for tensor in model.graph.initializer:
         if not tensor.HasField("raw_data") or tensor.data_type in (onnx.TensorProto.STRING,):
             continue
-        itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
-        count = int(np.prod(tensor.dims, dtype=np.int64))
-        if tensor.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
-            expected = (count + 1) // 2
-        else:
-            expected = count * itemsize
+        expected = _expected_bytes(tensor)
         if len(tensor.raw_data) != expected:
             raise AtcError("E10041", path, reason=f"tensor {tensor.name} holds {len(tensor.raw_data)} bytes, "
                                                   f"its shape {list(tensor.dims)} needs {expected}")
+
+
+def import_graph(path: str | os.PathLike) -> tuple[onnx.ModelProto, gs.Graph]:
+    """The checked model (external data left on disk) and its graph, whose externally stored constants are
+    read-only arrays over memory maps of the data files (pages read on first use, and reclaimable)."""
+    path = Path(path)
+    model = load_onnx(path, external_data=False)
+    graph = gs.import_onnx(model)
+    maps: dict[Path, mmap.mmap] = {}
+    for constant in (t for t in graph.tensors().values() if isinstance(t, gs.Constant)):
+        lazy = constant._values
+        if not isinstance(lazy, LazyValues) or not external_data_helper.uses_external_data(lazy.tensor):
+            continue
+        if lazy.tensor.data_type in SUB_BYTE_TYPES:  # no numpy type for packed nibbles: read into the proto
+            external_data_helper.load_external_data_for_tensor(lazy.tensor, str(path.parent))
+            continue
+        info = external_data_helper.ExternalDataInfo(lazy.tensor)
+        location = path.parent / info.location
+        if location not in maps:
+            with open(location, "rb") as handle:
+                maps[location] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(lazy.tensor.data_type))
+        count = int(np.prod(lazy.tensor.dims, dtype=np.int64))
+        constant.values = np.frombuffer(maps[location], dtype, count, info.offset or 0).reshape(tuple(lazy.tensor.dims))
+    return model, graph

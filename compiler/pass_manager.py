@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import onnx_graphsurgeon as gs
 
@@ -80,8 +80,10 @@ class PassReport:
         path.write_text(json.dumps(self.fusion_result(), indent=4) + "\n", encoding="utf-8")
 
 
-def run_passes(graph: gs.Graph, passes: list[Pass], switches: dict[str, bool]) -> PassReport:
-    """Run `passes` in order on `graph` (mutated in place), honouring the fusion switches."""
+def run_passes(graph: gs.Graph, passes: list[Pass], switches: dict[str, bool],
+               after_each: Callable[[], object] | None = None) -> PassReport:
+    """Run `passes` in order on `graph` (mutated in place), honouring the fusion switches; `after_each` is
+    called after every pass that ran."""
     report = PassReport(nodes_before=len(graph.nodes))
     for p in passes:
         enabled = not p.switchable or is_enabled(switches, p.name)
@@ -98,5 +100,7 @@ def run_passes(graph: gs.Graph, passes: list[Pass], switches: dict[str, bool]) -
                  result.effect_times, record.seconds, len(graph.nodes))
         for reason in result.rejections:
             log.debug("%s: candidate refused: %s", p.name, reason)
+        if after_each is not None:
+            after_each()
     report.nodes_after = len(graph.nodes)
     return report

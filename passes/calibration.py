@@ -14,7 +14,9 @@ import onnx
 import onnx_graphsurgeon as gs
 import onnxruntime as ort
 
+from compiler.proto_utils import initializers_as_inputs
 from compiler.signature import io_signature, llm_dimensions
+from compiler.weight_memory import detach_weights
 from runtime.feeds import causal_lm_inputs
 from runtime.lowering import lower_for_onnxruntime
 from runtime.ort_session import session_options
@@ -46,20 +48,25 @@ def collect_input_statistics(graph: gs.Graph, names: list[str], samples: list[np
                              threads: int | None = None, with_hessian: bool = True) -> dict[str, InputStatistics]:
     """Run the float graph on each token sample ([seq] ids) and accumulate statistics of `names` (the
     Hessians, the costly part, only when asked)."""
-    model = gs.export_onnx(graph.copy(), do_type_check=False)
+    copy = graph.copy()
+    weights = detach_weights(copy)
+    model = gs.export_onnx(copy, do_type_check=False)
     known = {v.name for v in model.graph.output}
     tensors = graph.tensors()
     for name in names:
         if name not in known:
             elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(tensors[name].dtype or np.float32))
             model.graph.output.append(onnx.helper.make_tensor_value_info(name, elem, None))
-    session = ort.InferenceSession(lower_for_onnxruntime(model).SerializeToString(), session_options(threads),
+    # the weights enter as inputs, fed the graph's own arrays: onnxruntime copies initializers, even
+    # external ones, and that copy would double the compile's memory
+    lowered = initializers_as_inputs(lower_for_onnxruntime(model), lambda tensor: tensor.name in weights)
+    session = ort.InferenceSession(lowered.SerializeToString(), session_options(threads),
                                    providers=["CPUExecutionProvider"])
     signature = io_signature(model)
     dims = llm_dimensions(signature)
     statistics: dict[str, InputStatistics] = {}
     for ids in samples:
-        outputs = session.run(names, causal_lm_inputs(signature, dims, np.asarray(ids, np.int64)[None]))
+        outputs = session.run(names, {**causal_lm_inputs(signature, dims, np.asarray(ids, np.int64)[None]), **weights})
         for name, value in zip(names, outputs):
             rows = value.reshape(-1, value.shape[-1]).astype(np.float32)
             stats = statistics.get(name)
@@ -72,7 +79,8 @@ def collect_input_statistics(graph: gs.Graph, names: list[str], samples: list[np
             peak = np.abs(rows).max(axis=0)
             stats.abs_max = peak if stats.abs_max is None else np.maximum(stats.abs_max, peak)
             stats.rows += rows.shape[0]
-            stats.kept.append(rows[:: max(1, rows.shape[0] * len(samples) // KEPT_ROWS)][: KEPT_ROWS // len(samples) + 1])
+            # a copy: a view would keep the whole sample's activations alive
+            stats.kept.append(rows[:: max(1, rows.shape[0] * len(samples) // KEPT_ROWS)][: KEPT_ROWS // len(samples) + 1].copy())
     return statistics
 
 

@@ -125,6 +125,7 @@ class QuantizeWeights(FusionPass):
                                                         with_hessian=hessians)
             self.matched_patterns.clear()
         result = super().run(graph)
+        self._statistics = {}
         if self._head is not None:
             self.matched_patterns.add("lm_head")
         unmatched = [p for p in self.skip if p not in self.matched_patterns] if self.bits else []

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -25,7 +24,7 @@ from runtime.kernels.paged_attention import METADATA_INPUTS, PagedBatch, is_page
 from runtime.kv_cache import PagePool
 from runtime.loader import LoadedModel
 from runtime.lowering import lower_for_onnxruntime
-from runtime.ort_session import process_thread_pool_enabled, session_options
+from runtime.ort_session import ort_value, process_thread_pool_enabled, session_options
 from runtime.segments import HostNode, Segment, split_at_host_nodes
 
 BACKENDS = ("onnxruntime", "reference")
@@ -160,16 +159,8 @@ def _ort_session(model: onnx.ModelProto, weights: dict[str, np.ndarray], threads
     options.add_session_config_entry("session.disable_quant_qdq", "1")
     names = list(weights)
     # the OrtValues borrow the mapped memory; the executor holds `loaded`, which keeps the mapping alive
-    options.add_external_initializers(names, [_ort_value(weights[n]) for n in names])
+    options.add_external_initializers(names, [ort_value(weights[n]) for n in names])
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
-def _ort_value(array: np.ndarray) -> ort.OrtValue:
-    """An OrtValue over `array`'s memory; bfloat16 (`--precision_mode=allow_mix_precision_bf16`) has no numpy
-    type onnxruntime knows, so its bits go in as uint16 labelled bfloat16."""
-    if array.dtype == ml_dtypes.bfloat16:
-        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16), onnx.TensorProto.BFLOAT16)
-    return ort.OrtValue.ortvalue_from_numpy(array)
 
 
 def _is_external(tensor: onnx.TensorProto) -> bool:

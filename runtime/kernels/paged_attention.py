@@ -10,7 +10,9 @@ Three implementations of one contract, tested against each other:
 - `paged_attention_reference` (numpy): gathers each context and masks a full score matrix. The spec.
 - `paged_attention` (numba): each (sequence, head, block of queries) reads the pages in place with an
   online softmax, so its scratch memory is one page of scores whatever the context length. Decode steps
-  (one query per sequence) run it serially, bigger steps in parallel over sequences × heads × blocks.
+  (one query per sequence) run serially, rotation, cache write and attention in one call (`_decode_step`:
+  the numba dispatches of a step are a measurable share of a batch-1 token); bigger steps run in parallel
+  over sequences × heads × blocks.
 - `flash_prefill` (numpy + BLAS): a long prompt chunk attends block by block (queries × a few pages of
   keys at a time) with the same online softmax, so scratch memory grows linearly with the context
   and the products run as matrix multiplications.
@@ -182,43 +184,72 @@ def _work_items(query_start_loc, num_heads, block):
 
 
 @numba.njit(fastmath=True, cache=True)
+def _attend_query(query, key_cache, value_cache, kv, pages, position, scale, scores, acc, out):
+    """out = attention of one query vector over cache positions 0..position of KV head `kv` (pages = the
+    sequence's block-table row), one page of scores at a time with an online softmax."""
+    head_dim, page_size = query.shape[0], key_cache.shape[2]
+    running_max = np.float32(-np.inf)
+    total = np.float32(0.0)
+    acc[:] = 0.0
+    for page_index in range(position // page_size + 1):
+        page = pages[page_index]
+        rows = min(page_size, position + 1 - page_index * page_size)
+        page_max = np.float32(-np.inf)
+        for r in range(rows):
+            s = np.float32(0.0)
+            for d in range(head_dim):
+                s += query[d] * key_cache[page, kv, r, d]
+            s *= scale
+            scores[r] = s
+            page_max = max(page_max, s)
+        new_max = max(running_max, page_max)
+        correction = np.exp(running_max - new_max)
+        total *= correction
+        for d in range(head_dim):
+            acc[d] *= correction
+        for r in range(rows):
+            p = np.exp(scores[r] - new_max)
+            total += p
+            for d in range(head_dim):
+                acc[d] += p * value_cache[page, kv, r, d]
+        running_max = new_max
+    for d in range(head_dim):
+        out[d] = acc[d] / total
+
+
+@numba.njit(fastmath=True, cache=True)
 def _attend_item(w, q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale, work, out):
-    head_dim, page_size = q.shape[2], key_cache.shape[2]
     b, h, first, last = work[w, 0], work[w, 1], work[w, 2], work[w, 3]
     kv = h // (q.shape[1] // key_cache.shape[1])
-    length = seq_lens[b]
     q_len = query_start_loc[b + 1] - query_start_loc[b]
+    scores = np.empty(key_cache.shape[2], dtype=np.float32)
+    acc = np.empty(q.shape[2], dtype=np.float32)
+    for t in range(first, last):
+        position = seq_lens[b] - q_len + (t - query_start_loc[b])
+        _attend_query(q[t, h], key_cache, value_cache, kv, block_tables[b], position, scale, scores, acc, out[t, h])
+
+
+@numba.njit(fastmath=True, cache=True)
+def _decode_step(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, slot_mapping, seq_lens, block_tables,
+                 key_cache, value_cache, scale, out):
+    """One query per sequence (a decode step), in one call: rotate, store the new key and value, attend.
+    out `[T, Hq, D]`."""
+    num_heads, head_dim = out.shape[1], out.shape[2]
+    page_size, kv_heads = key_cache.shape[2], key_cache.shape[1]
+    group = num_heads // kv_heads
+    query = np.empty(head_dim, dtype=np.float32)
     scores = np.empty(page_size, dtype=np.float32)
     acc = np.empty(head_dim, dtype=np.float32)
-    for t in range(first, last):
-        position = length - q_len + (t - query_start_loc[b])
-        running_max = np.float32(-np.inf)
-        total = np.float32(0.0)
-        acc[:] = 0.0
-        for page_index in range(position // page_size + 1):
-            page = block_tables[b, page_index]
-            rows = min(page_size, position + 1 - page_index * page_size)
-            page_max = np.float32(-np.inf)
-            for r in range(rows):
-                s = np.float32(0.0)
-                for d in range(head_dim):
-                    s += q[t, h, d] * key_cache[page, kv, r, d]
-                s *= scale
-                scores[r] = s
-                page_max = max(page_max, s)
-            new_max = max(running_max, page_max)
-            correction = np.exp(running_max - new_max)
-            total *= correction
+    for t in range(out.shape[0]):
+        page, row = slot_mapping[t] // page_size, slot_mapping[t] % page_size
+        for h in range(kv_heads):
+            _rotate_row(ksrc, t, kofs + h * head_dim, cos, sin, interleaved, key_cache[page, h, row])
             for d in range(head_dim):
-                acc[d] *= correction
-            for r in range(rows):
-                p = np.exp(scores[r] - new_max)
-                total += p
-                for d in range(head_dim):
-                    acc[d] += p * value_cache[page, kv, r, d]
-            running_max = new_max
-        for d in range(head_dim):
-            out[t, h, d] = acc[d] / total
+                value_cache[page, h, row, d] = vsrc[t, vofs + h * head_dim + d]
+        for h in range(num_heads):
+            _rotate_row(qsrc, t, h * head_dim, cos, sin, interleaved, query)
+            _attend_query(query, key_cache, value_cache, h // group, block_tables[t], seq_lens[t] - 1, scale, scores,
+                          acc, out[t, h])
 
 
 @numba.njit(cache=True)
@@ -251,7 +282,8 @@ def _attend(batch: "PagedBatch", q, key_cache, value_cache, scale, out) -> None:
 class PagedBatch:
     """A step's attention metadata, converted and split once for all the layers of the step.
 
-    With `flash` (the artifact's `--enable_flash_attention`), sequences with at least FLASH_MIN_QUERIES new
+    `decode` (one query per sequence, little enough work to run serially) sends a layer through one numba
+    call, `_decode_step`. With `flash` (the artifact's `--enable_flash_attention`), sequences with at least FLASH_MIN_QUERIES new
     tokens attend through `flash_prefill`; the others (decodes, short chunks), and all without `flash`,
     through the numba kernel, as the sub-batch `short` of rows `short_rows`.
     """
@@ -262,6 +294,7 @@ class PagedBatch:
     slot_mapping: np.ndarray
     work: np.ndarray
     parallel: bool
+    decode: bool = False
     flash: list[int] = field(default_factory=list)
     short: "PagedBatch | None" = None
     short_rows: np.ndarray | None = None
@@ -277,7 +310,8 @@ class PagedBatch:
         long = np.flatnonzero(lengths >= FLASH_MIN_QUERIES).tolist() if flash else []
         if not long:
             parallel = int(np.dot(lengths, seq_lens)) >= PARALLEL_WORK
-            return cls(starts, seq_lens, tables, slots, _work_items(starts, num_heads, QUERY_BLOCK), parallel)
+            decode = not parallel and len(lengths) > 0 and bool((lengths == 1).all())
+            return cls(starts, seq_lens, tables, slots, _work_items(starts, num_heads, QUERY_BLOCK), parallel, decode)
         batch = cls(starts, seq_lens, tables, slots, np.zeros((0, 4), np.int64), False, flash=long)
         short = np.flatnonzero(lengths < FLASH_MIN_QUERIES)
         if len(short):
@@ -362,6 +396,9 @@ def paged_fused_attention(inputs: list, key_cache: np.ndarray, value_cache: np.n
     query, key, value, cos, sin = inputs[0], inputs[1], inputs[2], inputs[6], inputs[7]
     if batch is None:
         batch = PagedBatch.of(*inputs[9:13], num_heads, flash=bool(flash))
+    if fast and batch.decode:
+        return _decode(query, key, value, cos, sin, batch, key_cache, value_cache, num_heads, kv_num_heads, head_dim,
+                       scale, rotary_interleaved)
     heads = dict(num_heads=num_heads, kv_num_heads=kv_num_heads, head_dim=head_dim, rotary_interleaved=rotary_interleaved)
     if fast:
         q = rotate_and_store(query, key, value, cos, sin, batch.slot_mapping, key_cache, value_cache, **heads)
@@ -372,6 +409,16 @@ def paged_fused_attention(inputs: list, key_cache: np.ndarray, value_cache: np.n
         out = paged_attention_reference(q, key_cache, value_cache, batch.query_start_loc, batch.seq_lens,
                                         batch.block_tables, scale)
     return out.reshape(1, q.shape[0], num_heads * head_dim)
+
+
+def _decode(query, key, value, cos, sin, batch, key_cache, value_cache, num_heads, kv_num_heads, head_dim, scale,
+            interleaved):
+    qsrc, ksrc, kofs, vsrc, vofs = split_heads(query, key, value, num_heads, kv_num_heads, head_dim)
+    cos, sin = rotary_tables(cos, sin, qsrc.shape[0])
+    out = np.empty((qsrc.shape[0], num_heads, head_dim), np.float32)
+    _decode_step(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, batch.slot_mapping, batch.seq_lens,
+                 batch.block_tables, key_cache, value_cache, np.float32(scale), out)
+    return out.reshape(1, qsrc.shape[0], num_heads * head_dim)
 
 
 @lru_cache(maxsize=1)

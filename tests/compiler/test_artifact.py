@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 
+import ml_dtypes
 import numpy as np
 import onnx
 import pytest
@@ -75,6 +76,30 @@ def test_same_inputs_give_identical_bytes(tmp_path):
     write_artifact(tmp_path / "a.om", _model(), meta)
     write_artifact(tmp_path / "b.om", _model(), meta)
     assert (tmp_path / "a.om").read_bytes() == (tmp_path / "b.om").read_bytes()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
+def test_weights_detached_from_the_graph_are_written_byte_for_byte_as_inline_ones(tmp_path, dtype):
+    import onnx_graphsurgeon as gs
+
+    from compiler.weight_memory import detach_weights
+
+    def graph():  # arrays of the compiler's making, as a pass leaves them
+        made = gs.import_onnx(_model())
+        for constant in made.tensors().values():
+            if isinstance(constant, gs.Constant):
+                constant.values = np.array(constant.values, dtype if constant.name == "weight" else None)
+        return made
+
+    meta = {"name": "m", "soc_version": "Ascend910B"}
+    write_artifact(tmp_path / "inline.om", gs.export_onnx(graph(), do_type_check=False), meta)
+    detached_graph = graph()
+    detached = detach_weights(detached_graph)
+    assert sorted(detached) == ["weight"]  # bias is under EXTERNAL_MIN_BYTES and stays inline
+    exported = gs.export_onnx(detached_graph, do_type_check=False)
+    assert not next(t for t in exported.graph.initializer if t.name == "weight").raw_data
+    write_artifact(tmp_path / "detached.om", exported, meta, detached=detached)
+    assert (tmp_path / "detached.om").read_bytes() == (tmp_path / "inline.om").read_bytes()
 
 
 def _damage(path, offset: int | None = None, truncate: int | None = None) -> None:

@@ -101,6 +101,28 @@ def test_node_kernel_fast_and_reference_agree_and_write_the_same_pages(flash):
     np.testing.assert_array_equal(fast_pool[0], ref_pool[0])
 
 
+@pytest.mark.parametrize("interleaved", [0, 1])
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_decode_step_in_one_call_equals_the_reference(interleaved, packed):
+    rng = np.random.default_rng(5)
+    lengths = [300, 17, 1, 16]
+    tables = _scattered_tables(lengths, 64)
+    slots = np.array([tables[b, (n - 1) // PAGE] * PAGE + (n - 1) % PAGE for b, n in enumerate(lengths)], np.int64)
+    qkv = rng.standard_normal((1, len(lengths), (HEADS + 2 * KV_HEADS) * DIM)).astype(np.float32)
+    qkv_inputs = [qkv, None, None] if packed else np.split(qkv, [HEADS * DIM, (HEADS + KV_HEADS) * DIM], axis=-1)
+    angles = rng.uniform(0, 6.3, (1, len(lengths), DIM)).astype(np.float32)
+    inputs = [*qkv_inputs, None, None, None, np.cos(angles), np.sin(angles), None,
+              np.arange(len(lengths) + 1, dtype=np.int32), np.asarray(lengths, np.int32), tables, slots]
+    attrs = dict(num_heads=HEADS, kv_num_heads=KV_HEADS, head_dim=DIM, scale=0.2, rotary_interleaved=interleaved)
+    assert PagedBatch.of(*inputs[9:13], HEADS).decode
+    fast_pool, ref_pool = _pool(64), _pool(64)
+    fast = paged_fused_attention(inputs, *fast_pool, fast=True, **attrs)
+    ref = paged_fused_attention(inputs, *ref_pool, fast=False, **attrs)
+    np.testing.assert_allclose(fast, ref, atol=2e-5, rtol=0)
+    for fast_cache, ref_cache in zip(fast_pool, ref_pool):
+        np.testing.assert_allclose(fast_cache, ref_cache, atol=1e-6, rtol=0)
+
+
 def _flash_peak_bytes(length: int) -> int:
     pages = -(-length // PAGE)
     key_cache, value_cache = _pool(pages)
