@@ -1,18 +1,23 @@
 """Where batch-1 decode time goes: a paged `.om`'s step, onnxruntime's step on the original export, and
-the floor under both, one session doing nothing but the model's matmuls (M = 1), in one process.
+the floor under both, one session doing nothing but the model's matmuls (M = 1), in one process; and
+under that, the memory: one read of those weights' bytes on every core (numba, no arithmetic).
 
     python benchmarks/decode_floor.py --om .cache/smollm2.om --onnx .cache/smollm2-dynamo/model.onnx
 
-The three alternate step by step (same weights, same thread pool), so machine noise hits them alike;
+The four alternate step by step (same weights, same thread pool), so machine noise hits them alike;
 medians and ratios to the floor are printed.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import click
+import numba
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -23,23 +28,56 @@ from runtime.kv_cache import PagePool
 from runtime.ort_session import enable_process_thread_pool, session_options
 
 
-def _floor_session(loaded) -> tuple[ort.InferenceSession, dict[str, np.ndarray]]:
-    """Every MatMul of the artifact with a weight initializer, alone, on a one-row input per width."""
-    weights = loaded.weights
-    nodes, inputs = [], {}
+@numba.njit(nogil=True, fastmath=True)
+def _touch(flat):
+    total = np.float32(0.0)
+    for i in range(flat.size):
+        total += flat[i]
+    return total
+
+
+def _matmul_weights(loaded) -> dict[str, np.ndarray]:
+    """Every MatMul's constant weight [K, N]: an initializer, or one read through a Transpose (a tied lm_head)."""
+    weights, transposed = loaded.weights, {}
     for node in loaded.model.graph.node:
-        if node.op_type == "MatMul" and node.input[1] in weights and weights[node.input[1]].ndim == 2:
-            width = weights[node.input[1]].shape[0]
-            inputs.setdefault(width, helper.make_tensor_value_info(f"x{width}", onnx.TensorProto.FLOAT, [1, width]))
-            nodes.append(helper.make_node("MatMul", [f"x{width}", node.input[1]], [f"y{len(nodes)}"]))
-    used = sorted({n.input[1] for n in nodes})
-    initializers = [helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, list(weights[name].shape)) for name in used]
-    graph = helper.make_graph(nodes, "floor", list(inputs.values()) + initializers,
+        if node.op_type == "Transpose" and node.input[0] in weights:
+            transposed[node.output[0]] = node.input[0]
+    found = {}
+    for node in loaded.model.graph.node:
+        if node.op_type != "MatMul":
+            continue
+        name = node.input[1]
+        if name in weights and weights[name].ndim == 2:
+            found[name] = weights[name]
+        elif name in transposed:
+            found[name] = np.ascontiguousarray(weights[transposed[name]].T)
+    return found
+
+
+def _weight_read(weights: dict[str, np.ndarray]) -> Callable[[], None]:
+    """A function reading the weights' bytes once, split between a thread per core."""
+    flat = np.concatenate([np.asarray(w, np.float32).reshape(-1) for w in weights.values()])
+    cores = os.cpu_count() or 1
+    parts = np.array_split(flat, cores)
+    pool = ThreadPoolExecutor(cores)
+    _touch(parts[0][:16])
+    return lambda: list(pool.map(_touch, parts))
+
+
+def _floor_session(weights: dict[str, np.ndarray]) -> tuple[ort.InferenceSession, dict[str, np.ndarray]]:
+    """Every MatMul weight alone, on a one-row input per width."""
+    nodes, inputs = [], {}
+    for name, weight in weights.items():
+        width = weight.shape[0]
+        inputs.setdefault(width, helper.make_tensor_value_info(f"x{width}", onnx.TensorProto.FLOAT, [1, width]))
+        nodes.append(helper.make_node("MatMul", [f"x{width}", name], [f"y{len(nodes)}"]))
+    typed = [helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, list(w.shape)) for name, w in weights.items()]
+    graph = helper.make_graph(nodes, "floor", list(inputs.values()) + typed,
                               [helper.make_tensor_value_info(n.output[0], onnx.TensorProto.FLOAT, None) for n in nodes])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     session = ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
     feeds = {f"x{w}": np.random.default_rng(0).standard_normal((1, w)).astype(np.float32) for w in inputs}
-    return session, {**feeds, **{name: weights[name] for name in used}}
+    return session, {**feeds, **weights}
 
 
 @click.command()
@@ -48,11 +86,12 @@ def _floor_session(loaded) -> tuple[ort.InferenceSession, dict[str, np.ndarray]]
 @click.option("--context", default=128, show_default=True, help="tokens cached before the measured steps")
 @click.option("--steps", default=60, show_default=True)
 def main(om_path: str, onnx_path: str, context: int, steps: int) -> None:
-    """Print the three medians and their ratios to the floor."""
+    """Print the four medians and their ratios to the floor."""
     enable_process_thread_pool()
     loaded = load_artifact(om_path)
     page_size, dims = loaded.metadata["kv_cache"]["page_size"], loaded.metadata["model"]
-    floor, floor_feeds = _floor_session(loaded)
+    weights = _matmul_weights(loaded)
+    floor, floor_feeds = _floor_session(weights)
     executor = Executor(loaded)
     pages = -(-(context + steps) // page_size)
     pool = PagePool(dims["num_layers"], pages, page_size, dims["num_kv_heads"], dims["head_dim"])
@@ -69,9 +108,13 @@ def main(om_path: str, onnx_path: str, context: int, steps: int) -> None:
                                       **{i.name: np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32)
                                          for i in original.get_inputs() if i.name.startswith("past")}})
     past = {name.replace("present", "past_key_values", 1): value for name, value in zip(presents, outputs)}
-    times = {"floor": [], "paged .om": [], "onnxruntime": []}
+    read = _weight_read(weights)
+    times = {"floor": [], "paged .om": [], "onnxruntime": [], "weight read": []}
     for step in range(steps):
         position = context + step
+        start = time.perf_counter()
+        read()
+        times["weight read"].append(time.perf_counter() - start)
         start = time.perf_counter()
         floor.run(None, floor_feeds)
         times["floor"].append(time.perf_counter() - start)

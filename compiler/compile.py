@@ -17,7 +17,7 @@ from compiler.weight_memory import detach_weights
 from compiler.config import CompileConfig
 from compiler.errors import AtcError
 from compiler.graph_io import apply_input_shape, apply_out_nodes
-from compiler.loader import import_graph
+from compiler.loader import import_graph, weight_bytes
 from compiler.pass_manager import PassReport, run_passes
 from compiler.pipeline import build_pipeline
 from compiler.precheck import check_ops, unsupported_types
@@ -38,6 +38,9 @@ class CompileResult:
     metadata: dict
 
 
+COLLECT_FROM_BYTES = 64 << 20
+
+
 def compile_model(cfg: CompileConfig) -> CompileResult:
     """Compile `cfg.model` into `cfg.output`.om; raises AtcError, leaving no output file, on failure."""
     output = cfg.output_path
@@ -51,8 +54,10 @@ def compile_model(cfg: CompileConfig) -> CompileResult:
     if unsupported:
         raise AtcError("E16002", ", ".join(unsupported))
     # weights a pass replaced hang in reference cycles with their old nodes; collecting after each pass frees
-    # them (or the copies graphsurgeon loaded them into) before the next pass makes more
-    report = run_passes(graph, build_pipeline(cfg), cfg.fusion_switches, after_each=gc.collect)
+    # them (or the copies graphsurgeon loaded them into) before the next pass makes more. A collection
+    # takes ~0.1 s, so small models, where the memory is no concern, skip it.
+    collect = gc.collect if weight_bytes(model) >= COLLECT_FROM_BYTES else None
+    report = run_passes(graph, build_pipeline(cfg), cfg.fusion_switches, after_each=collect)
     detected = detect_family(graph)
     dimensions = attention_dimensions(graph)
     detached = detach_weights(graph)

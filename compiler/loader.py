@@ -70,6 +70,11 @@ def _check_external_data(model: onnx.ModelProto, base: Path) -> None:
                                                        f"{offset}..{offset + length} of a {size}-byte file")
 
 
+def weight_bytes(model: onnx.ModelProto) -> int:
+    """The size of the model's initializers, inline or external, from their shapes."""
+    return sum(_expected_bytes(t) for t in model.graph.initializer if t.data_type != onnx.TensorProto.STRING)
+
+
 def _expected_bytes(tensor: onnx.TensorProto) -> int:
     count = int(np.prod(tensor.dims, dtype=np.int64))
     if tensor.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
