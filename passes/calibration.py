@@ -1,7 +1,8 @@
 """Calibration statistics of MatMul inputs: H = Σ xᵀx and Σ |x| per input channel, over real text.
 
 The fused float graph runs on onnxruntime with the tensors of interest added as outputs; statistics are
-accumulated sample by sample (each sample's product in float32, the sums in float64), so memory holds
+accumulated sample by sample in float32 (as GPTQ's reference does; a model's Hessians are its largest
+calibration state, and the methods widen one at a time to float64 where they factor it), so memory holds
 one sample's activations at a time.
 """
 
@@ -71,9 +72,9 @@ def collect_input_statistics(graph: gs.Graph, names: list[str], samples: list[np
             rows = value.reshape(-1, value.shape[-1]).astype(np.float32)
             stats = statistics.get(name)
             if stats is None:
-                hessian = np.zeros((rows.shape[1],) * 2 if with_hessian else (0, 0))
+                hessian = np.zeros((rows.shape[1],) * 2 if with_hessian else (0, 0), np.float32)
                 stats = statistics[name] = InputStatistics(hessian, np.zeros(rows.shape[1]))
-            if with_hessian:  # one sample's product in float32 (BLAS sgemm), the running sums in float64
+            if with_hessian:
                 stats.hessian += rows.T @ rows
             stats.abs_sum += np.abs(rows).sum(axis=0, dtype=np.float64)
             peak = np.abs(rows).max(axis=0)

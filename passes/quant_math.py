@@ -35,22 +35,25 @@ def _blocks(weight: np.ndarray, block_size: int) -> np.ndarray:
     return padded.reshape(n_blocks, block_size, cols)
 
 
-def quantize_blockwise(weight: np.ndarray, bits: int, block_size: int, symmetric: bool = True) -> QuantizedWeight:
-    """Round-to-nearest quantization of `weight` [K, N] in blocks of `block_size` rows."""
+def quantize_blockwise(weight: np.ndarray, bits: int, block_size: int, symmetric: bool = True,
+                       clip: np.ndarray | None = None) -> QuantizedWeight:
+    """Round-to-nearest quantization of `weight` [K, N] in blocks of `block_size` rows; `clip` [n_blocks, N]
+    (ratios in (0, 1]) shrinks each block's range, saturating its outliers."""
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits must be one of {SUPPORTED_BITS}, not {bits}")
     if weight.ndim != 2 or block_size < 1:
         raise ValueError(f"expected a 2-D weight and a positive block size, got {weight.shape}, {block_size}")
     blocks = _blocks(weight.astype(np.float32), block_size)
+    ratio = 1.0 if clip is None else np.asarray(clip, np.float32)
     if symmetric:
         q_max = 2 ** (bits - 1) - 1
-        scales = np.abs(blocks).max(axis=1) / q_max
+        scales = np.abs(blocks).max(axis=1) * ratio / q_max
         scales = np.where(scales == 0, 1.0, scales).astype(np.float32)
         values = np.clip(np.rint(blocks / scales[:, None]), -q_max - 1, q_max)
         zero_points = None
     else:
         q_max = 2 ** bits - 1
-        low, high = np.minimum(blocks.min(axis=1), 0), np.maximum(blocks.max(axis=1), 0)
+        low, high = np.minimum(blocks.min(axis=1), 0) * ratio, np.maximum(blocks.max(axis=1), 0) * ratio
         scales = (high - low) / q_max
         scales = np.where(scales == 0, 1.0, scales).astype(np.float32)
         zero_points = np.clip(np.rint(-low / scales), 0, q_max)

@@ -9,7 +9,9 @@ computed when the group is reached (with act_order: from the unupdated weights, 
 so the MatMulNBits block layout holds although rows are visited by decreasing activation energy).
 
 AWQ (Lin et al., 2023): scale input channel k of W by s_k = mean|x_k|^α (the activations by 1/s_k), which
-protects the weights that meet large activations; α is searched on a grid by the output error.
+protects the weights that meet large activations; α is searched on a grid by the output error. Then, as
+the paper's implementation does, each block of each column is clipped: its range shrunk by the ratio in
+{1, 0.95, …, 0.55} that minimises that block's output error (`clip_search`).
 """
 
 from __future__ import annotations
@@ -87,6 +89,40 @@ def gptq_quantize(weight: np.ndarray, hessian: np.ndarray, bits: int, block_size
                            block_size)
 
 
+CLIP_RATIOS = tuple(1 - step / 20 for step in range(10))
+
+
+def _block_hessians(hessian: np.ndarray, block_size: int) -> np.ndarray:
+    """The diagonal blocks of H [K, K] as [n_blocks, block, block], the tail's padding rows zero."""
+    rows = hessian.shape[0]
+    n_blocks = -(-rows // block_size)
+    padded = np.zeros((n_blocks * block_size,) * 2, np.float64)
+    padded[:rows, :rows] = hessian
+    index = np.arange(n_blocks)
+    return padded.reshape(n_blocks, block_size, n_blocks, block_size)[index, :, index, :]
+
+
+def clip_search(weight: np.ndarray, hessian: np.ndarray, bits: int, block_size: int, symmetric: bool = True,
+                ratios: tuple[float, ...] = CLIP_RATIOS) -> QuantizedWeight:
+    """RTN with each block of each column clipped by the ratio minimising that block's output error
+    Σ (H_bb Δ_b) ⊙ Δ_b (cross-block terms ignored, as AWQ's clipping does)."""
+    rows, cols = weight.shape
+    n_blocks = -(-rows // block_size)
+    pad = n_blocks * block_size - rows
+    blocks = np.concatenate([weight, np.zeros((pad, cols), weight.dtype)]).reshape(n_blocks, block_size, cols)
+    hessians = _block_hessians(hessian, block_size)
+    best_error, best_ratio = np.full((n_blocks, cols), np.inf), np.ones((n_blocks, cols), np.float32)
+    for ratio in ratios:
+        clip = np.full((n_blocks, cols), ratio, np.float32)
+        restored = dequantize_blockwise(quantize_blockwise(weight, bits, block_size, symmetric, clip))
+        delta = blocks - np.concatenate([restored, np.zeros((pad, cols), np.float32)]).reshape(blocks.shape)
+        delta = delta.astype(np.float64)
+        error = np.sum((hessians @ delta) * delta, axis=1)
+        better = error < best_error
+        best_error[better], best_ratio[better] = error[better], ratio
+    return quantize_blockwise(weight, bits, block_size, symmetric, best_ratio)
+
+
 def awq_search(weight: np.ndarray, hessian: np.ndarray, mean_abs: np.ndarray, bits: int, block_size: int,
                symmetric: bool = True, grid: int = 20) -> tuple[np.ndarray, QuantizedWeight, float]:
     """(s [K], quantized diag(s)·W, α) minimising ‖X·W − (X/s)·Q(diag(s)·W)‖² over α ∈ {0, 1/grid, …, 1}."""
@@ -100,7 +136,11 @@ def awq_search(weight: np.ndarray, hessian: np.ndarray, mean_abs: np.ndarray, bi
         error = output_error(weight, dequantize_blockwise(quantized) / scales[:, None], hessian)
         if best is None or error < best[0]:
             best = (error, scales, quantized, alpha)
-    return best[1], best[2], best[3]
+    _, scales, _, alpha = best
+    # the scaled weight meets the activations X / s, whose H is diag(1/s)·H·diag(1/s)
+    inverse = 1.0 / scales.astype(np.float64)
+    clipped = clip_search(weight * scales[:, None], hessian * np.outer(inverse, inverse), bits, block_size, symmetric)
+    return scales, clipped, alpha
 
 
 def split_columns(quantized: QuantizedWeight, widths: list[int]) -> list[QuantizedWeight]:
