@@ -39,7 +39,9 @@ class Row:
 
 
 def _int4(method: str, group: int, **extra) -> Row:
-    return Row({"quant_mode": "INT4", "group_size": group, "algorithms": [{"name": method}], **extra})
+    """An INT4 row; "awq+gptq" lists both algorithms (a chain)."""
+    algorithms = [{"name": name} for name in method.split("+")]
+    return Row({"quant_mode": "INT4", "group_size": group, "algorithms": algorithms, **extra})
 
 
 ROWS = {
@@ -51,6 +53,8 @@ ROWS = {
     "W8A8": Row({"quant_mode": "W8A8", "algorithms": [{"name": "smooth_quant", "params": {"alpha": 0.5}}]}),
     **{f"INT4-{method.upper()} g{group}": _int4(method, group) for group in (128, 32) for method in ("rtn", "awq", "gptq")},
     **{f"INT4-{method.upper()} g32 asym": _int4(method, 32, symmetric=False) for method in ("rtn", "awq", "gptq")},
+    **{f"INT4-AWQ+GPTQ g{group}": _int4("awq+gptq", group) for group in (128, 32)},
+    "INT4-AWQ+GPTQ g32 asym": _int4("awq+gptq", 32, symmetric=False),
     # lm_head (the tied embedding table) quantized too, shared by the lookup: skip_layers empty
     "INT4-GPTQ g128 +lm_head": _int4("gptq", 128, skip_layers=[]),
     "INT4-AWQ g32 +lm_head": _int4("awq", 32, skip_layers=[]),

@@ -13,9 +13,12 @@ from compiler.errors import AtcError, invalid_value, not_in_range
 from models.data_files import CALIBRATION_TEXT
 from passes.quant_math import SUPPORTED_BLOCKS
 
-METHODS = ("rtn", "awq", "gptq", "smooth_quant")
-IMPLEMENTED_METHODS = ("rtn", "awq", "gptq", "smooth_quant")
-CALIBRATED_METHODS = ("awq", "gptq", "smooth_quant")
+METHODS = ("rtn", "awq", "gptq", "awq+gptq", "smooth_quant")
+IMPLEMENTED_METHODS = METHODS
+HESSIAN_METHODS = ("awq", "gptq", "awq+gptq")  # INT4 only; they see the activations through H = XᵀX
+CALIBRATED_METHODS = (*HESSIAN_METHODS, "smooth_quant")
+# algorithms listed together in the JSON form run as one method: AWQ's input scaling, then GPTQ
+CHAINS = {("awq", "gptq"): "awq+gptq"}
 DEFAULT_CALIBRATION_TEXT = str(CALIBRATION_TEXT)
 BITS = (4, 8)
 QUANT_MODES = {"INT4": 4, "INT8": 8, "W8A8": 8}
@@ -57,7 +60,7 @@ class QuantConfig:
             raise not_in_range(self.group_size, "group-size", SUPPORTED_BLOCKS)
         if (self.method == "smooth_quant") != (self.activations == "int8"):
             raise invalid_value(self.method, "quant-method", "smooth_quant goes with quant_mode W8A8, and W8A8 with it.")
-        if self.method in ("awq", "gptq") and self.bits != 4:
+        if self.method in HESSIAN_METHODS and self.bits != 4:
             raise invalid_value(self.method, "quant-method", f"{self.method} quantizes INT4 weights only.")
         if not 0.0 <= self.alpha <= 1.0:
             raise invalid_value(self.alpha, "smooth_quant alpha", "alpha must lie in [0, 1].")
@@ -94,9 +97,17 @@ class QuantConfig:
         group = document.get("group_size", default_group_size)
         if not isinstance(group, int) or isinstance(group, bool):
             raise not_in_range(group, "compress_weight_conf group_size", SUPPORTED_BLOCKS)
-        params = algorithms[0].get("params") or {}
+        names = tuple(a["name"] for a in algorithms)
+        if len(names) > 1 and names not in CHAINS:
+            raise invalid_value(" + ".join(map(str, names)), "compress_weight_conf algorithms",
+                                f"Algorithms run alone, or chained as {', '.join(' + '.join(c) for c in CHAINS)}.")
+        params = {}
+        for algorithm in algorithms:
+            if not isinstance(algorithm.get("params") or {}, dict):
+                raise AtcError("E10032", path, "params and calibration must be objects")
+            params.update(algorithm.get("params") or {})
         calibration = document.get("calibration") or {}
-        if not isinstance(params, dict) or not isinstance(calibration, dict):
+        if not isinstance(calibration, dict):
             raise AtcError("E10032", path, "params and calibration must be objects")
         extra = {"act_order": bool(params.get("act_order", True)), "damp": float(params.get("damp", 0.01)),
                  "accuracy_level": str(document.get("accuracy_level", "auto")),
@@ -104,5 +115,5 @@ class QuantConfig:
                  "num_samples": int(calibration.get("num_samples", 32)), "seq_len": int(calibration.get("seq_len", 512))}
         if "text_file" in calibration:
             extra["calibration_text"] = str(calibration["text_file"])
-        return cls(method=algorithms[0]["name"], bits=QUANT_MODES[mode], group_size=group,
+        return cls(method=CHAINS.get(names, names[0]), bits=QUANT_MODES[mode], group_size=group,
                    symmetric=bool(document.get("symmetric", True)), skip_layers=tuple(skip), **extra)

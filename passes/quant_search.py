@@ -12,6 +12,9 @@ AWQ (Lin et al., 2023): scale input channel k of W by s_k = mean|x_k|^α (the ac
 protects the weights that meet large activations; α is searched on a grid by the output error. Then, as
 the paper's implementation does, each block of each column is clipped: its range shrunk by the ratio in
 {1, 0.95, …, 0.55} that minimises that block's output error (`clip_search`).
+
+AWQ + GPTQ (the JSON form's `"algorithms": [{"name": "awq"}, {"name": "gptq"}]`): AWQ's scaling, then
+GPTQ on the scaled weight against the scaled activations' Hessian.
 """
 
 from __future__ import annotations
@@ -123,9 +126,9 @@ def clip_search(weight: np.ndarray, hessian: np.ndarray, bits: int, block_size: 
     return quantize_blockwise(weight, bits, block_size, symmetric, best_ratio)
 
 
-def awq_search(weight: np.ndarray, hessian: np.ndarray, mean_abs: np.ndarray, bits: int, block_size: int,
-               symmetric: bool = True, grid: int = 20) -> tuple[np.ndarray, QuantizedWeight, float]:
-    """(s [K], quantized diag(s)·W, α) minimising ‖X·W − (X/s)·Q(diag(s)·W)‖² over α ∈ {0, 1/grid, …, 1}."""
+def awq_scales(weight: np.ndarray, hessian: np.ndarray, mean_abs: np.ndarray, bits: int, block_size: int,
+               symmetric: bool = True, grid: int = 20) -> tuple[np.ndarray, float]:
+    """(s [K], α) minimising ‖X·W − (X/s)·Q(diag(s)·W)‖² over α ∈ {0, 1/grid, …, 1}, s = mean|x|^α."""
     base = np.maximum(mean_abs.astype(np.float64), 1e-8)
     best = None
     for step in range(grid + 1):
@@ -135,11 +138,21 @@ def awq_search(weight: np.ndarray, hessian: np.ndarray, mean_abs: np.ndarray, bi
         quantized = quantize_blockwise(weight * scales[:, None], bits, block_size, symmetric)
         error = output_error(weight, dequantize_blockwise(quantized) / scales[:, None], hessian)
         if best is None or error < best[0]:
-            best = (error, scales, quantized, alpha)
-    _, scales, _, alpha = best
-    # the scaled weight meets the activations X / s, whose H is diag(1/s)·H·diag(1/s)
+            best = (error, scales, alpha)
+    return best[1], best[2]
+
+
+def scaled_hessian(hessian: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """H of the activations X / s that diag(s)·W meets: diag(1/s)·H·diag(1/s)."""
     inverse = 1.0 / scales.astype(np.float64)
-    clipped = clip_search(weight * scales[:, None], hessian * np.outer(inverse, inverse), bits, block_size, symmetric)
+    return hessian * np.outer(inverse, inverse)
+
+
+def awq_search(weight: np.ndarray, hessian: np.ndarray, mean_abs: np.ndarray, bits: int, block_size: int,
+               symmetric: bool = True, grid: int = 20) -> tuple[np.ndarray, QuantizedWeight, float]:
+    """AWQ: (s, the clipped quantization of diag(s)·W, α)."""
+    scales, alpha = awq_scales(weight, hessian, mean_abs, bits, block_size, symmetric, grid)
+    clipped = clip_search(weight * scales[:, None], scaled_hessian(hessian, scales), bits, block_size, symmetric)
     return scales, clipped, alpha
 
 
@@ -172,6 +185,11 @@ def quantize_weights_together(weights: list[np.ndarray], method: str, bits: int,
         quantized = gptq_quantize(merged, hessian, bits, block_size, symmetric, act_order, damp)
     elif method == "awq":
         scales, quantized, _ = awq_search(merged, hessian, mean_abs, bits, block_size, symmetric)
+        input_scale = (1.0 / scales).astype(np.float32)
+    elif method == "awq+gptq":  # AWQ's scaling protects the salient channels, GPTQ then rounds with feedback
+        scales, _ = awq_scales(merged, hessian, mean_abs, bits, block_size, symmetric)
+        quantized = gptq_quantize(merged * scales[:, None], scaled_hessian(hessian, scales), bits, block_size,
+                                  symmetric, act_order, damp)
         input_scale = (1.0 / scales).astype(np.float32)
     else:
         quantized = quantize_blockwise(merged, bits, block_size, symmetric)

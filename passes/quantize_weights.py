@@ -19,7 +19,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from compiler.errors import AtcError
-from compiler.quant_config import QuantConfig
+from compiler.quant_config import HESSIAN_METHODS, QuantConfig
 from passes.calibration import InputStatistics, collect_input_statistics
 from passes.pattern import FusionPass, fused_node, producer
 from passes.quant_math import QuantizedWeight, dequantize_blockwise, pack_matmul_nbits, quantize_blockwise
@@ -119,7 +119,7 @@ class QuantizeWeights(FusionPass):
                              and not self._skipped(n)
                              and (_float_weight(n.inputs[1]) or producer(n.inputs[1], "DequantizeLinear"))})
             calibrating = self.config is not None and self.config.needs_calibration
-            hessians = calibrating and self.config.method in ("awq", "gptq")
+            hessians = calibrating and self.config.method in HESSIAN_METHODS
             # the accuracy-level choice alone needs a few activation rows, not Hessians over every sample
             self._statistics = collect_input_statistics(graph, inputs, self.samples if calibrating else self.samples[:4],
                                                         with_hessian=hessians)

@@ -107,7 +107,9 @@ CALIBRATION = {"num_samples": 4, "seq_len": 64}
      {"quant_mode": "INT4", "group_size": 32, "algorithms": [{"name": "gptq"}], "calibration": CALIBRATION}),
     (("--bits", "4", "--group-size", "32", "--quant-method", "awq", "--num-samples", "4", "--seq-len", "64"),
      {"quant_mode": "INT4", "group_size": 32, "algorithms": [{"name": "awq"}], "calibration": CALIBRATION}),
-], ids=["int4-g32", "uint4-g64", "int8", "gptq-g32", "awq-g32"])
+    (("--bits", "4", "--group-size", "32", "--quant-method", "awq+gptq", "--num-samples", "4", "--seq-len", "64"),
+     {"quant_mode": "INT4", "group_size": 32, "algorithms": [{"name": "awq"}, {"name": "gptq"}], "calibration": CALIBRATION}),
+], ids=["int4-g32", "uint4-g64", "int8", "gptq-g32", "awq-g32", "awq-gptq-g32"])
 def test_qdq_route_and_direct_compression_give_the_same_packed_bytes(tmp_path, tiny_llama_path, flags, conf):
     result = _quantize(tiny_llama_path, tmp_path / "q", *flags)
     assert result.exit_code == 0, result.output
@@ -127,7 +129,7 @@ def test_qdq_route_and_direct_compression_give_the_same_packed_bytes(tmp_path, t
         assert len(a) == len(b) and all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(a, b))
 
 
-def test_gptq_output_is_closer_to_the_float_model_than_rtn(tmp_path, tiny_llama_path):
+def test_gptq_and_awq_then_gptq_outputs_are_closer_to_the_float_model_than_rtn(tmp_path, tiny_llama_path):
     from models.tiny import byte_tokenizer_json
     from runtime.tokenizer import TextTokenizer
 
@@ -137,14 +139,16 @@ def test_gptq_output_is_closer_to_the_float_model_than_rtn(tmp_path, tiny_llama_
     feeds = causal_lm_inputs(reference.metadata["signature"], reference.metadata["model"], ids)
     expected = Executor(reference).run(feeds, ["logits"])["logits"]
     errors = {}
-    for method in ("rtn", "gptq"):
-        config = tmp_path / f"{method}.json"
-        config.write_text(json.dumps({"quant_mode": "INT4", "group_size": 32, "algorithms": [{"name": method}],
+    for methods in (["rtn"], ["gptq"], ["awq", "gptq"]):
+        name = "+".join(methods)
+        config = tmp_path / f"{name}.json"
+        config.write_text(json.dumps({"quant_mode": "INT4", "group_size": 32, "algorithms": [{"name": m} for m in methods],
                                       "calibration": {"num_samples": 8, "seq_len": 128}}))
-        loaded = load_artifact(compile_to(tiny_llama_path, tmp_path / method, enable_compress_weight=True,
+        loaded = load_artifact(compile_to(tiny_llama_path, tmp_path / name, enable_compress_weight=True,
                                           compress_weight_conf=str(config)))
-        errors[method] = float(np.mean((Executor(loaded).run(feeds, ["logits"])["logits"] - expected) ** 2))
-    assert errors["gptq"] < 0.8 * errors["rtn"], errors
+        assert loaded.metadata["config"]["quantization"]["method"] == name
+        errors[name] = float(np.mean((Executor(loaded).run(feeds, ["logits"])["logits"] - expected) ** 2))
+    assert errors["gptq"] < 0.8 * errors["rtn"] and errors["awq+gptq"] < 0.8 * errors["rtn"], errors
 
 
 @pytest.mark.parametrize("dynamo", [False, True], ids=["ts", "dynamo"])
@@ -214,7 +218,8 @@ def test_w8a8_smooth_quant_runs_integer_matmuls_close_to_the_float_model(tmp_pat
                                   {"quant_mode": "INT8", "algorithms": [{"name": "smooth_quant"}]},
                                   {"quant_mode": "INT4", "skip_layers": ["lm_head", "no_such_layer*"]},
                                   {"quant_mode": "INT4", "group_size": 100}, {"quant_mode": "INT3"},
-                                  {"quant_mode": "INT4", "algorithms": [{"name": "fp3"}]}])
+                                  {"quant_mode": "INT4", "algorithms": [{"name": "fp3"}]},
+                                  {"quant_mode": "INT4", "algorithms": [{"name": "gptq"}, {"name": "awq"}]}])
 def test_bad_compression_configs_are_refused_without_output(tmp_path, tiny_llama_path, conf):
     from compiler.errors import AtcError
 
