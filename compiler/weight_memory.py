@@ -8,7 +8,6 @@ the arrays' own memory to the file.
 
 from __future__ import annotations
 
-
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
@@ -20,15 +19,11 @@ from compiler.artifact import EXTERNAL_MIN_BYTES
 DETACHED_LOCATION = "<detached>"
 
 
-def _constants(graph: gs.Graph) -> list[gs.Constant]:
-    return [t for t in graph.tensors().values() if isinstance(t, gs.Constant)]
-
-
 def detach_weights(graph: gs.Graph) -> dict[str, np.ndarray]:
     """Replace each large array-valued constant by a bytes-free stub of its name, shape and type; returns the
     arrays by name, for `write_artifact(..., detached=...)`. Constants are unreadable afterwards."""
     detached = {}
-    for constant in _constants(graph):
+    for constant in (t for t in graph.tensors().values() if isinstance(t, gs.Constant)):
         if isinstance(constant._values, LazyValues):
             continue  # exported as the TensorProto it already is, without a copy
         values = np.asarray(constant.values)
@@ -36,8 +31,8 @@ def detach_weights(graph: gs.Graph) -> dict[str, np.ndarray]:
             continue
         stub = onnx.TensorProto(name=constant.name, dims=values.shape, data_type=np_dtype_to_tensor_dtype(values.dtype),
                                 data_location=onnx.TensorProto.EXTERNAL)
-        # a location no file has: readers take the bytes from the returned arrays (onnxruntime through
-        # add_external_initializers, the artifact writer by streaming them)
+        # a location no file has: readers take the bytes from the returned arrays (calibration feeds them
+        # to onnxruntime as inputs, the artifact writer streams them)
         stub.external_data.add(key="location", value=DETACHED_LOCATION)
         constant._values = LazyValues(stub)
         detached[constant.name] = np.ascontiguousarray(values)
