@@ -13,7 +13,6 @@ import onnx_graphsurgeon as gs
 
 from compiler import __version__
 from compiler.artifact import write_artifact
-from compiler.weight_memory import detach_weights
 from compiler.config import CompileConfig
 from compiler.errors import AtcError
 from compiler.graph_io import apply_input_shape, apply_out_nodes
@@ -23,6 +22,7 @@ from compiler.pipeline import build_pipeline
 from compiler.precheck import check_ops, unsupported_types
 from compiler.signature import attention_dimensions, io_signature, is_dynamic, kv_cache_metadata, llm_dimensions
 from compiler.tokenizer_files import tokenizer_files
+from compiler.weight_memory import detach_weights
 from models.recipes import detect_family
 
 log = logging.getLogger("atc")

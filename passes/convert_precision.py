@@ -12,8 +12,6 @@ that the mixed modes keep in float32.
 
 from __future__ import annotations
 
-import fnmatch
-
 import ml_dtypes
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -21,7 +19,7 @@ import onnx_graphsurgeon as gs
 from compiler.errors import AtcError
 from compiler.pass_manager import PassResult
 from compiler.precision_config import OP_TYPE_PREFIX, PrecisionPolicy
-from passes.graph_utils import lm_head
+from passes.graph_utils import lm_head, naming_patterns
 
 _DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
@@ -100,10 +98,7 @@ class ConvertPrecision:
         """The `--keep_dtype` entries naming a reader of `constant`, or the weight itself."""
         entries = set()
         for node, _ in _readers(constant):
-            for pattern in self.policy.keep_names:
-                if (pattern == "lm_head" and node is head) or any(
-                        fnmatch.fnmatchcase(name, pattern) for name in (node.name, constant.name)):
-                    entries.add(pattern)
+            entries.update(naming_patterns(node, constant.name, head, self.policy.keep_names))
             if node.op in self.policy.keep_op_types:
                 entries.add(OP_TYPE_PREFIX + node.op)
         return entries

@@ -106,10 +106,8 @@ def scale_input(graph: gs.Graph, x: gs.Tensor, scale: np.ndarray, name: str) -> 
     return scaled
 
 
-def skip_pattern(matmul: gs.Node, head: gs.Node | None, patterns: tuple[str, ...]) -> str | None:
-    """The first skip pattern naming `matmul`: fnmatch on its node or weight name; "lm_head" is `head`."""
-    for pattern in patterns:
-        if (pattern == "lm_head" and matmul is head) or any(
-                fnmatch.fnmatchcase(name, pattern) for name in (matmul.name, matmul.inputs[1].name)):
-            return pattern
-    return None
+def naming_patterns(node: gs.Node, weight_name: str, head: gs.Node | None, patterns: tuple[str, ...]) -> list[str]:
+    """Every pattern naming `node` (`skip_layers`, `--keep_dtype`): fnmatch on its node name or the name of
+    the weight it reads; "lm_head" is `head`. All, not the first: each pattern must be known to match."""
+    return [pattern for pattern in patterns if (pattern == "lm_head" and node is head) or any(
+        fnmatch.fnmatchcase(name, pattern) for name in (node.name, weight_name))]

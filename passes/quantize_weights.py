@@ -24,7 +24,7 @@ from passes.calibration import InputStatistics, collect_input_statistics
 from passes.pattern import FusionPass, fused_node, producer
 from passes.quant_math import QuantizedWeight, dequantize_blockwise, pack_matmul_nbits, quantize_blockwise
 from passes.quant_search import int8_activation_error, quantize_weights_together
-from passes.graph_utils import lm_head, scale_input, skip_pattern
+from passes.graph_utils import lm_head, naming_patterns, scale_input
 
 
 # relative output error int8 activations may add to a layer before it keeps float activations; well
@@ -177,10 +177,9 @@ class QuantizeWeights(FusionPass):
         return level
 
     def _skipped(self, node: gs.Node) -> str | None:
-        pattern = skip_pattern(node, self._head, self.skip)
-        if pattern is not None:
-            self.matched_patterns.add(pattern)
-        return pattern
+        patterns = naming_patterns(node, node.inputs[1].name, self._head, self.skip)
+        self.matched_patterns.update(patterns)
+        return patterns[0] if patterns else None
 
     def match(self, graph: gs.Graph, matmul: gs.Node) -> QuantMatch | str:
         weight = matmul.inputs[1]

@@ -14,7 +14,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from compiler.pass_manager import PassResult
-from passes.graph_utils import lm_head, packed_constant, scale_input, skip_pattern
+from passes.graph_utils import lm_head, naming_patterns, packed_constant, scale_input
 from passes.quant_math import QuantizedWeight, dequantize_blockwise
 from passes.quant_search import quantize_weights_together
 
@@ -39,9 +39,9 @@ class QuantizeWeightsQDQ:
         result, head = PassResult(), lm_head(graph)
         groups: dict[int, list[gs.Node]] = {}
         for node in [n for n in graph.nodes if n.op == "MatMul"]:
-            pattern = skip_pattern(node, head, self.skip)
-            if pattern is not None:
-                self.matched_patterns.add(pattern)
+            patterns = naming_patterns(node, node.inputs[1].name, head, self.skip)
+            self.matched_patterns.update(patterns)
+            pattern = patterns[0] if patterns else None
             weight = node.inputs[1]
             if not isinstance(weight, gs.Constant) or weight.dtype != np.float32 or len(weight.shape) != 2:
                 continue

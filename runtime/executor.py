@@ -1,8 +1,9 @@
 """Execute a loaded artifact on one of two backends.
 
 `onnxruntime` (the fast path): `cann` ops lowered onto onnxruntime's kernels (runtime/lowering.py), an
-InferenceSession per segment built once (one for a graph without host nodes), weights fed zero-copy from
-the mapped artifact with `add_external_initializers`; paged attention on the numba kernels.
+InferenceSession per segment built once (one for a graph without host nodes), weights handed over from
+the mapped artifact with `add_external_initializers` (onnxruntime pre-packs them into its own memory);
+paged attention on the numba kernels.
 `reference`: onnx's ReferenceEvaluator per segment, with the registry's numpy kernels as its custom ops,
 and the numpy references of the paged kernels: the executable spec the fast path is tested against.
 """

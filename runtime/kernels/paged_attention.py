@@ -234,21 +234,14 @@ def _decode_step(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, slot_mappi
                  key_cache, value_cache, scale, out):
     """One query per sequence (a decode step), in one call: rotate, store the new key and value, attend.
     out `[T, Hq, D]`."""
-    num_heads, head_dim = out.shape[1], out.shape[2]
-    page_size, kv_heads = key_cache.shape[2], key_cache.shape[1]
-    group = num_heads // kv_heads
-    query = np.empty(head_dim, dtype=np.float32)
-    scores = np.empty(page_size, dtype=np.float32)
-    acc = np.empty(head_dim, dtype=np.float32)
+    q = np.empty_like(out)
+    _rotate_and_store(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, slot_mapping, key_cache, value_cache, q)
+    group = out.shape[1] // key_cache.shape[1]
+    scores = np.empty(key_cache.shape[2], dtype=np.float32)
+    acc = np.empty(out.shape[2], dtype=np.float32)
     for t in range(out.shape[0]):
-        page, row = slot_mapping[t] // page_size, slot_mapping[t] % page_size
-        for h in range(kv_heads):
-            _rotate_row(ksrc, t, kofs + h * head_dim, cos, sin, interleaved, key_cache[page, h, row])
-            for d in range(head_dim):
-                value_cache[page, h, row, d] = vsrc[t, vofs + h * head_dim + d]
-        for h in range(num_heads):
-            _rotate_row(qsrc, t, h * head_dim, cos, sin, interleaved, query)
-            _attend_query(query, key_cache, value_cache, h // group, block_tables[t], seq_lens[t] - 1, scale, scores,
+        for h in range(out.shape[1]):
+            _attend_query(q[t, h], key_cache, value_cache, h // group, block_tables[t], seq_lens[t] - 1, scale, scores,
                           acc, out[t, h])
 
 
@@ -283,9 +276,9 @@ class PagedBatch:
     """A step's attention metadata, converted and split once for all the layers of the step.
 
     `decode` (one query per sequence, little enough work to run serially) sends a layer through one numba
-    call, `_decode_step`. With `flash` (the artifact's `--enable_flash_attention`), sequences with at least FLASH_MIN_QUERIES new
-    tokens attend through `flash_prefill`; the others (decodes, short chunks), and all without `flash`,
-    through the numba kernel, as the sub-batch `short` of rows `short_rows`.
+    call, `_decode_step`. With `flash` (the artifact's `--enable_flash_attention`), sequences with at
+    least FLASH_MIN_QUERIES new tokens attend through `flash_prefill`; the others (decodes, short chunks),
+    and all without `flash`, through the numba kernel, as the sub-batch `short` of rows `short_rows`.
     """
 
     query_start_loc: np.ndarray

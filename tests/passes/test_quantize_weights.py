@@ -65,3 +65,10 @@ def test_refusals(model, config, reason):
     fused, (result,) = apply_pass(built, QuantizeWeights(config))
     assert result.effect_times == 0 and "MatMulInt4" not in op_counts(fused)
     assert any(reason in r for r in result.rejections), result.rejections
+
+
+def test_every_skip_pattern_naming_a_matmul_counts_as_matched_not_only_the_first():
+    # "pro*" names the MatMul node, "w" its weight: neither may be refused as matching nothing
+    quantizer = QuantizeWeights(QuantConfig(skip_layers=("pro*", "w")))
+    fused, (result,) = apply_pass(_model("w", [numpy_helper.from_array(WEIGHT, "w")]), quantizer)
+    assert quantizer.matched_patterns >= {"pro*", "w"} and result.effect_times == 0
