@@ -39,7 +39,7 @@ def quantize_to_qdq(model_path: Path, cfg: QuantConfig, out_dir: Path) -> dict:
     except OSError as error:
         raise AtcError("E13004", out_dir, error.strerror) from None
     model = load_onnx(model_path)
-    statistics = _fused_statistics(model, model_path, cfg) if cfg.needs_calibration else None
+    statistics = _fused_statistics(model_path, cfg) if cfg.needs_calibration else None
     graph = gs.import_onnx(model)
     InferShapes().run(graph)
     graph = upgrade_opset(graph, QDQ_OPSET)
@@ -62,15 +62,20 @@ def quantize_to_qdq(model_path: Path, cfg: QuantConfig, out_dir: Path) -> dict:
     return report
 
 
-def _fused_statistics(model: onnx.ModelProto, model_path: Path, cfg: QuantConfig) -> dict:
+def fused_graph(cfg: CompileConfig) -> gs.Graph:
+    """The graph atc's weight quantization would see: every pass of the pipeline before it."""
+    graph = gs.import_onnx(load_onnx(cfg.model))
+    run_passes(graph, [p for p in build_pipeline(cfg) if not isinstance(p, QuantizeWeights)], {})
+    return graph
+
+
+def _fused_statistics(model_path: Path, cfg: QuantConfig) -> dict:
     """Calibration statistics taken on the graph atc would compile (fused), so that compiling the QDQ
     model gives the same integers as compressing inside atc: fusions keep the names of the values that
     MatMuls read."""
     compile_cfg = CompileConfig(model=str(model_path), framework=5, output=str(model_path.with_suffix("")),
                                 soc_version="Ascend910B", quantization=cfg)
-    graph = gs.import_onnx(model)
-    passes = build_pipeline(compile_cfg)
-    run_passes(graph, [p for p in passes if not isinstance(p, QuantizeWeights)], {})
+    graph = fused_graph(compile_cfg)
     names = sorted({n.inputs[0].name for n in graph.nodes if n.op == "MatMul"})
     return collect_input_statistics(graph, names, calibration_samples(compile_cfg))
 

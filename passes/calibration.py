@@ -69,20 +69,26 @@ def collect_input_statistics(graph: gs.Graph, names: list[str], samples: list[np
     for ids in samples:
         outputs = session.run(names, {**causal_lm_inputs(signature, dims, np.asarray(ids, np.int64)[None]), **weights})
         for name, value in zip(names, outputs):
-            rows = value.reshape(-1, value.shape[-1]).astype(np.float32)
-            stats = statistics.get(name)
-            if stats is None:
-                hessian = np.zeros((rows.shape[1],) * 2 if with_hessian else (0, 0), np.float32)
-                stats = statistics[name] = InputStatistics(hessian, np.zeros(rows.shape[1]))
-            if with_hessian:
-                stats.hessian += rows.T @ rows
-            stats.abs_sum += np.abs(rows).sum(axis=0, dtype=np.float64)
-            peak = np.abs(rows).max(axis=0)
-            stats.abs_max = peak if stats.abs_max is None else np.maximum(stats.abs_max, peak)
-            stats.rows += rows.shape[0]
-            # a copy: a view would keep the whole sample's activations alive
-            stats.kept.append(rows[:: max(1, rows.shape[0] * len(samples) // KEPT_ROWS)][: KEPT_ROWS // len(samples) + 1].copy())
+            accumulate(statistics, name, value, len(samples), with_hessian)
     return statistics
+
+
+def accumulate(statistics: dict[str, InputStatistics], name: str, value: np.ndarray, samples: int,
+               with_hessian: bool) -> None:
+    """Add one sample's values of tensor `name` ([..., K]) to its statistics (created on first use)."""
+    rows = value.reshape(-1, value.shape[-1]).astype(np.float32)
+    stats = statistics.get(name)
+    if stats is None:
+        hessian = np.zeros((rows.shape[1],) * 2 if with_hessian else (0, 0), np.float32)
+        stats = statistics[name] = InputStatistics(hessian, np.zeros(rows.shape[1]))
+    if with_hessian:
+        stats.hessian += rows.T @ rows
+    stats.abs_sum += np.abs(rows).sum(axis=0, dtype=np.float64)
+    peak = np.abs(rows).max(axis=0)
+    stats.abs_max = peak if stats.abs_max is None else np.maximum(stats.abs_max, peak)
+    stats.rows += rows.shape[0]
+    # a copy: a view would keep the whole sample's activations alive
+    stats.kept.append(rows[:: max(1, rows.shape[0] * samples // KEPT_ROWS)][: KEPT_ROWS // samples + 1].copy())
 
 
 def text_samples(token_ids: list[int], num_samples: int, seq_len: int) -> list[np.ndarray]:

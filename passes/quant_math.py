@@ -87,40 +87,45 @@ def _unpack_nibbles(packed: np.ndarray) -> np.ndarray:
 
 
 def pack_matmul_nbits(quantized: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """(B, scales, zero_points) in onnxruntime's MatMulNBits layout for a 4-bit `quantized` [K, N].
+    """(B, scales, zero_points) in onnxruntime's MatMulNBits layout for a 4- or 8-bit `quantized` [K, N].
 
-    B is uint8 [N, n_blocks, block/2]: row n holds output feature n along K, K zero-padded to whole
-    blocks. Stored values are unsigned: symmetric int4 q is stored as q + 8 with the default zero point
-    8 (zero_points None); asymmetric keeps its uint4 values and packs its zero points [N, ceil(n_blocks/2)].
+    B is uint8 [N, n_blocks, block·bits/8]: row n holds output feature n along K, K zero-padded to whole
+    blocks, two 4-bit values per byte. Stored values are unsigned: symmetric q is stored as q + 2^(bits-1)
+    with the default zero point 2^(bits-1) (zero_points None); asymmetric keeps its unsigned values and
+    its zero points [N, ceil(n_blocks·bits/8)], packed like B.
     """
-    if quantized.bits != 4:
-        raise ValueError("MatMulNBits packing here is for 4-bit weights")
+    bits = quantized.bits
     rows, cols = quantized.values.shape
     block = quantized.block_size
     n_blocks = quantized.scales.shape[0]
-    stored = quantized.values.astype(np.int16) + (8 if quantized.zero_points is None else 0)
+    stored = quantized.values.astype(np.int16) + (2 ** (bits - 1) if quantized.zero_points is None else 0)
     padded = np.zeros((n_blocks * block, cols), dtype=np.uint8)
     padded[:rows] = stored.astype(np.uint8)
-    blob = _pack_nibbles(padded.T.reshape(cols, n_blocks, block))
+    blob = padded.T.reshape(cols, n_blocks, block)
+    blob = _pack_nibbles(blob) if bits == 4 else blob
     scales = np.ascontiguousarray(quantized.scales.T).astype(np.float32)
     zero_points = None
     if quantized.zero_points is not None:
         zp = quantized.zero_points.T.astype(np.uint8)
-        if n_blocks % 2:
+        if bits == 4 and n_blocks % 2:
             zp = np.concatenate([zp, np.zeros((cols, 1), np.uint8)], axis=1)
-        zero_points = _pack_nibbles(zp)
+        zero_points = np.ascontiguousarray(_pack_nibbles(zp) if bits == 4 else zp)
     return np.ascontiguousarray(blob), scales, zero_points
 
 
 def unpack_matmul_nbits(blob: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, rows: int,
                         block_size: int) -> QuantizedWeight:
-    """The inverse of `pack_matmul_nbits` (symmetric weights come back signed)."""
-    cols, n_blocks, _ = blob.shape
-    stored = _unpack_nibbles(blob).reshape(cols, n_blocks * block_size)[:, :rows].T
+    """The inverse of `pack_matmul_nbits` (symmetric weights come back signed); the bit width is implied by
+    B's bytes per block."""
+    cols, n_blocks, width = blob.shape
+    bits = 8 * width // block_size
+    unpack = _unpack_nibbles if bits == 4 else np.asarray
+    stored = unpack(blob).reshape(cols, n_blocks * block_size)[:, :rows].T
     if zero_points is None:
-        return QuantizedWeight((stored.astype(np.int16) - 8).astype(np.int8), scales.T.copy(), None, 4, block_size)
-    zp = _unpack_nibbles(zero_points)[:, :n_blocks].T
-    return QuantizedWeight(stored.astype(np.uint8), scales.T.copy(), zp.astype(np.uint8), 4, block_size)
+        values = (stored.astype(np.int16) - 2 ** (bits - 1)).astype(np.int8)
+        return QuantizedWeight(values, scales.T.copy(), None, bits, block_size)
+    zp = unpack(zero_points.reshape(cols, -1))[:, :n_blocks].T
+    return QuantizedWeight(stored.astype(np.uint8), scales.T.copy(), zp.astype(np.uint8), bits, block_size)
 
 
 def dequantize_matmul_nbits(blob: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, rows: int,

@@ -171,13 +171,13 @@ def _matmul_w8a8(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
 
 
 def _gather_int4(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
-    # GatherBlockQuantized reads uint8 data as [V, K/2] with MatMulNBits' conventions (default zero point 8);
-    # the Reshape of the constant table is folded by onnxruntime when the session is built
+    # GatherBlockQuantized reads uint8 data as [V, K·bits/8] with MatMulNBits' conventions (default zero point
+    # 2^(bits-1)); the Reshape of the constant table is folded by onnxruntime when the session is built
     b = _Builder(node.name)
     table, indices, scales = node.input[:3]
     flat = b("Reshape", table, b.const([0, -1]))
     b("GatherBlockQuantized", flat, indices, scales, out=node.output[0], domain=MICROSOFT_DOMAIN, gather_axis=0,
-      quantize_axis=1, block_size=_attr(node, "block_size", 128), bits=4)
+      quantize_axis=1, block_size=_attr(node, "block_size", 128), bits=_attr(node, "bits", 4))
     return b.nodes
 
 

@@ -11,7 +11,7 @@ from runtime.kernels import register_kernel
 @register_kernel("MatMulInt4")
 def MatMulInt4(a: np.ndarray, b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None = None, *,
                K: int, N: int, block_size: int, bits: int = 4, accuracy_level: int = 0) -> np.ndarray:
-    """a · W with W [K, N] stored in MatMulNBits' layout (b uint8 [N, n_blocks, block_size/2])."""
+    """a · W with W [K, N] stored in MatMulNBits' layout (b uint8 [N, n_blocks, block_size·bits/8])."""
     del N, bits, accuracy_level  # implied by the operands; accuracy_level is a fast-path choice
     weight = dequantize_matmul_nbits(b, scales.reshape(b.shape[0], -1), zero_points, K, block_size)
     return np.matmul(a.astype(np.float32), weight).astype(a.dtype)
@@ -29,9 +29,9 @@ def MatMulInt8(a: np.ndarray, b: np.ndarray, scales: np.ndarray, zero_points: np
 @register_kernel("GatherInt4")
 def GatherInt4(table: np.ndarray, indices: np.ndarray, scales: np.ndarray, *, K: int, block_size: int,
                bits: int = 4) -> np.ndarray:
-    """Rows `indices` of a [V, K] table stored as MatMulNBits' B (uint8 [V, n_blocks, block_size/2], symmetric):
-    the embedding lookup that shares its bytes with a tied lm_head's MatMulInt4."""
-    del bits
+    """Rows `indices` of a [V, K] table stored as MatMulNBits' B (uint8 [V, n_blocks, block_size·bits/8],
+    symmetric): the embedding lookup that shares its bytes with a tied lm_head's MatMulInt4."""
+    del bits  # implied by the table's bytes per block
     rows = table[indices.reshape(-1)]
     weight = dequantize_matmul_nbits(rows, scales.reshape(table.shape[0], -1)[indices.reshape(-1)], None, K,
                                      block_size)

@@ -152,7 +152,8 @@ def test_gptq_and_awq_then_gptq_outputs_are_closer_to_the_float_model_than_rtn(t
 
 
 @pytest.mark.parametrize("dynamo", [False, True], ids=["ts", "dynamo"])
-def test_a_tied_lm_head_and_its_embedding_share_one_int4_table_when_asked(tmp_path, dynamo):
+@pytest.mark.parametrize("head_bits", [4, 8])
+def test_a_tied_lm_head_and_its_embedding_share_one_quantized_table_when_asked(tmp_path, dynamo, head_bits):
     from models.tiny import tiny_onnx
 
     source = tiny_onnx("llama_tied", dynamo=dynamo, with_past=True)
@@ -160,7 +161,7 @@ def test_a_tied_lm_head_and_its_embedding_share_one_int4_table_when_asked(tmp_pa
     sizes, artifacts = {}, {}
     for skip in ("lm_head", None):
         config.write_text(json.dumps({"quant_mode": "INT4", "group_size": 32, "skip_layers": [skip] if skip else [],
-                                      "accuracy_level": "0"}))
+                                      "accuracy_level": "0", "lm_head_bits": head_bits}))
         path = compile_to(source, tmp_path / f"skip-{skip}", enable_compress_weight=True, compress_weight_conf=str(config))
         artifacts[skip], sizes[skip] = load_artifact(path), path.stat().st_size
     kept, quantized = artifacts["lm_head"], artifacts[None]
@@ -168,11 +169,18 @@ def test_a_tied_lm_head_and_its_embedding_share_one_int4_table_when_asked(tmp_pa
     nodes = {n.op_type: n for n in quantized.model.graph.node if n.op_type in ("GatherInt4",)}
     heads = [n for n in quantized.model.graph.node if n.op_type == "MatMulInt4" and n.output[0] == "logits"]
     assert len(heads) == 1 and nodes["GatherInt4"].input[0] == heads[0].input[1]  # one table, two readers
-    assert sizes[None] < sizes["lm_head"] - 256 * 64 * 4 // 2  # the FP32 table is gone, not duplicated
+    assert {a.name: a.i for a in heads[0].attribute}["bits"] == head_bits
+    assert {a.name: a.i for a in nodes["GatherInt4"].attribute}["bits"] == head_bits
+    table_bytes = 256 * 64  # vocab × hidden of the tiny model, float32 when kept
+    assert sizes["lm_head"] - sizes[None] > table_bytes * (4 - head_bits / 8 - 0.5)  # one narrow copy replaced it
     feeds = _feeds(quantized)
     fast, reference = Executor(quantized).run(feeds), Executor(quantized, "reference").run(feeds)
     for name in fast:
-        np.testing.assert_allclose(fast[name], reference[name], atol=1e-5, rtol=0, err_msg=name)
+        if name == "logits" and head_bits == 8:  # the 8-bit head runs with int8 activations (level 4)
+            error = np.linalg.norm(fast[name] - reference[name]) / np.linalg.norm(reference[name])
+            assert 0 < error < 0.01, error
+        else:
+            np.testing.assert_allclose(fast[name], reference[name], atol=1e-5, rtol=0, err_msg=name)
 
 
 def test_accuracy_level_is_chosen_per_layer_by_measured_error(tmp_path, tiny_llama_path):
@@ -219,7 +227,8 @@ def test_w8a8_smooth_quant_runs_integer_matmuls_close_to_the_float_model(tmp_pat
                                   {"quant_mode": "INT4", "skip_layers": ["lm_head", "no_such_layer*"]},
                                   {"quant_mode": "INT4", "group_size": 100}, {"quant_mode": "INT3"},
                                   {"quant_mode": "INT4", "algorithms": [{"name": "fp3"}]},
-                                  {"quant_mode": "INT4", "algorithms": [{"name": "gptq"}, {"name": "awq"}]}])
+                                  {"quant_mode": "INT4", "algorithms": [{"name": "gptq"}, {"name": "awq"}]},
+                                  {"quant_mode": "INT4", "skip_layers": [], "lm_head_bits": 2}])
 def test_bad_compression_configs_are_refused_without_output(tmp_path, tiny_llama_path, conf):
     from compiler.errors import AtcError
 
@@ -228,3 +237,20 @@ def test_bad_compression_configs_are_refused_without_output(tmp_path, tiny_llama
     with pytest.raises(AtcError) as caught:
         compile_to(tiny_llama_path, tmp_path / "m", enable_compress_weight=True, compress_weight_conf=str(config))
     assert caught.value.code == "E10001" and not (tmp_path / "m.om").exists()
+
+
+@pytest.mark.parametrize("head_bits", [4, 8])
+def test_an_untied_lm_head_is_quantized_to_lm_head_bits_when_not_skipped(tmp_path, tiny_llama_path, head_bits):
+    config = tmp_path / "quant.json"
+    config.write_text(json.dumps({"quant_mode": "INT4", "group_size": 32, "skip_layers": [], "accuracy_level": "0",
+                                  "lm_head_bits": head_bits}))
+    loaded = load_artifact(compile_to(tiny_llama_path, tmp_path / "m", enable_compress_weight=True,
+                                      compress_weight_conf=str(config)))
+    (head,) = [n for n in loaded.model.graph.node if n.output[0] == "logits"]
+    attributes = {a.name: a.i for a in head.attribute}
+    assert head.op_type == "MatMulInt4" and attributes["bits"] == head_bits
+    assert attributes["accuracy_level"] == (0 if head_bits == 4 else 4)
+    feeds = _feeds(loaded)
+    fast = Executor(loaded).run(feeds, ["logits"])["logits"]
+    reference = Executor(loaded, "reference").run(feeds, ["logits"])["logits"]
+    assert np.linalg.norm(fast - reference) / np.linalg.norm(reference) < (1e-5 if head_bits == 4 else 1e-2)

@@ -1,11 +1,13 @@
-"""Block-wise quantization arithmetic: ranges, round trip within half a step, short last blocks."""
+"""Block-wise quantization arithmetic: ranges, round trip within half a step, short last blocks, MatMulNBits
+packing and the kernels that read it."""
 
 from __future__ import annotations
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 
-from passes.quant_math import dequantize_blockwise, quantize_blockwise
+from passes.quant_math import dequantize_blockwise, pack_matmul_nbits, quantize_blockwise, unpack_matmul_nbits
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -49,3 +51,56 @@ def test_clipping_lowers_the_output_error_of_heavy_tailed_weights(symmetric):
     if symmetric:  # every block's scale is its own range times one of the searched ratios
         ratios = clipped.scales * 7 / ranges.max(axis=1)
         assert np.all(np.min(np.abs(ratios[..., None] - np.asarray(CLIP_RATIOS)), axis=-1) < 1e-5)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("rows, block", [(96, 32), (100, 32), (576, 64)])
+def test_matmul_nbits_packing_round_trips_exactly(bits, symmetric, rows, block):
+    weight = np.random.default_rng(rows).standard_normal((rows, 12)).astype(np.float32)
+    quantized = quantize_blockwise(weight, bits, block, symmetric)
+    blob, scales, zero_points = pack_matmul_nbits(quantized)
+    n_blocks = -(-rows // block)
+    assert blob.dtype == np.uint8 and blob.shape == (12, n_blocks, block * bits // 8)
+    back = unpack_matmul_nbits(blob, scales, zero_points, rows, block)
+    assert back.bits == bits and np.array_equal(back.values, quantized.values)
+    assert np.array_equal(back.scales, quantized.scales)
+    assert (back.zero_points is None) == symmetric
+    if not symmetric:
+        assert np.array_equal(back.zero_points, quantized.zero_points)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_matmul_int4_and_gather_int4_kernels_match_onnxruntime_on_the_same_bytes(bits, symmetric):
+    from onnx import TensorProto, helper, numpy_helper
+
+    from runtime.kernels.quant_matmul import GatherInt4, MatMulInt4
+    from runtime.lowering import lower_for_onnxruntime
+
+    rows, cols, block = 96, 40, 32
+    rng = np.random.default_rng(bits)
+    blob, scales, zero_points = pack_matmul_nbits(quantize_blockwise(
+        rng.standard_normal((rows, cols)).astype(np.float32), bits, block, symmetric))
+    a, indices = rng.standard_normal((3, rows)).astype(np.float32), np.array([0, 7, 39], np.int64)
+    weights = [numpy_helper.from_array(blob, "b"), numpy_helper.from_array(scales, "s")]
+    names = ["a", "b", "s"]
+    if zero_points is not None:
+        weights.append(numpy_helper.from_array(zero_points, "zp"))
+        names.append("zp")
+    nodes = [helper.make_node("MatMulInt4", names, ["y"], domain="cann", K=rows, N=cols, bits=bits, block_size=block,
+                              accuracy_level=0)]
+    if symmetric:  # the table lookup is written for symmetric tables only
+        nodes.append(helper.make_node("GatherInt4", ["b", "i", "s"], ["g"], domain="cann", K=rows, block_size=block,
+                                      bits=bits))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [3, rows]),
+                                           helper.make_tensor_value_info("i", TensorProto.INT64, [3])],
+                              [helper.make_tensor_value_info(n.output[0], TensorProto.FLOAT, None) for n in nodes], weights)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("cann", 1)])
+    session = ort.InferenceSession(lower_for_onnxruntime(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    outputs = session.run(None, {"a": a, "i": indices})
+    expected = MatMulInt4(a, blob, scales, zero_points, K=rows, N=cols, block_size=block, bits=bits)
+    np.testing.assert_allclose(outputs[0], expected, rtol=1e-5, atol=1e-5)
+    if symmetric:
+        np.testing.assert_allclose(outputs[1], GatherInt4(blob, indices, scales, K=rows, block_size=block, bits=bits),
+                                   rtol=0, atol=1e-6)

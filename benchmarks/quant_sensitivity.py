@@ -1,0 +1,115 @@
+"""Where INT4 loses perplexity: each group of layers quantized alone, the rest kept float.
+
+    python benchmarks/quant_sensitivity.py --onnx .cache/smollm2-dynamo/model.onnx --conf quant.json
+
+Compiles the float graph as atc would (every pass before weight quantization), calibrates once, quantizes
+every MatMul with the configuration's method, and then scores the held-out text with float weights
+swapped for what the quantized ones compute (onnxruntime, float activations): all of them, each kind of
+projection alone, and each transformer block alone. The perplexity increase of a group alone says how
+much of the total it causes (the increases roughly add up when they are small).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+import numpy as np
+import onnx_graphsurgeon as gs
+import onnxruntime as ort
+
+from cli.quant import fused_graph
+from compiler.config import CompileConfig
+from compiler.proto_utils import initializers_as_inputs
+from compiler.quant_config import QuantConfig
+from compiler.signature import io_signature, llm_dimensions
+from compiler.weight_memory import detach_weights
+from models.data_files import EVAL_TEXT
+from passes.calibration import collect_input_statistics
+from passes.graph_utils import lm_head
+from passes.quant_math import dequantize_blockwise
+from passes.quant_search import quantize_weights_together
+from compiler.pipeline import calibration_samples, tokenizer_files
+from runtime.lowering import lower_for_onnxruntime
+from runtime.ort_session import session_options
+from runtime.perplexity import perplexity
+from runtime.tokenizer import TextTokenizer
+
+
+class _Session:
+    """The slice of `Executor` that `perplexity` uses, over a float graph whose weights are fed."""
+
+    def __init__(self, model, signature: dict, dims: dict, weights: dict[str, np.ndarray]):
+        lowered = initializers_as_inputs(lower_for_onnxruntime(model), lambda t: t.name in weights)
+        self.session = ort.InferenceSession(lowered.SerializeToString(), session_options(),
+                                            providers=["CPUExecutionProvider"])
+        self.loaded = type("Loaded", (), {"metadata": {"signature": signature, "model": dims}})()
+        self.weights = weights
+
+    def run(self, feeds: dict, outputs: list[str]) -> dict[str, np.ndarray]:
+        return dict(zip(outputs, self.session.run(outputs, {**feeds, **self.weights})))
+
+
+def _kind(node: gs.Node, previous: str | None) -> str:
+    """The projection a fused MatMul is: qkv and gate_up by their fusion's name, then o after qkv and down
+    after gate_up (a block's MatMuls come in that order)."""
+    if "FusedAttention_qkv" in node.name:
+        return "qkv"
+    if "GateUp" in node.name:
+        return "gate_up"
+    return "o" if previous == "qkv" else "down"
+
+
+@click.command()
+@click.option("--onnx", "onnx_path", required=True, type=click.Path(exists=True, path_type=Path))
+@click.option("--conf", required=True, type=click.Path(exists=True), help="a --compress_weight_conf JSON")
+@click.option("--max_tokens", default=4096, show_default=True, help="score the first N tokens of the text")
+@click.option("--out", default=None, type=click.Path(path_type=Path), help="write the results as JSON")
+def main(onnx_path: Path, conf: str, max_tokens: int, out: Path | None) -> None:
+    """Print perplexity with each group of layers quantized alone."""
+    quant = QuantConfig.from_json(conf)
+    cfg = CompileConfig(model=str(onnx_path), framework=5, output="/tmp/unused", soc_version="Ascend910B",
+                        quantization=quant)
+    graph = fused_graph(cfg)
+    head = lm_head(graph)
+    matmuls = [n for n in graph.nodes if n.op == "MatMul" and n is not head and isinstance(n.inputs[1], gs.Constant)]
+    statistics = collect_input_statistics(graph, sorted({n.inputs[0].name for n in matmuls}), calibration_samples(cfg),
+                                          with_hessian=quant.needs_calibration)
+    groups: dict[str, list[str]] = {}
+    block, kind = -1, None
+    quantized: dict[str, np.ndarray] = {}
+    for node in matmuls:
+        stats = statistics.get(node.inputs[0].name)
+        values = np.asarray(node.inputs[1].values)
+        (q,), scale = quantize_weights_together([values], quant.method, quant.bits, quant.group_size, quant.symmetric,
+                                                stats and stats.hessian, stats and stats.mean_abs, quant.act_order,
+                                                quant.damp)
+        effective = dequantize_blockwise(q)
+        quantized[node.inputs[1].name] = effective if scale is None else effective * scale[:, None]
+        kind = _kind(node, kind)
+        block += kind == "qkv"
+        groups.setdefault(f"all {kind}", []).append(node.inputs[1].name)
+        groups.setdefault(f"block {block:02d}", []).append(node.inputs[1].name)
+    copy = graph.copy()
+    weights = detach_weights(copy)
+    model = gs.export_onnx(copy, do_type_check=False)
+    signature = io_signature(model)
+    dims = llm_dimensions(signature)
+    ids = TextTokenizer(tokenizer_files(cfg)).encode(EVAL_TEXT.read_text(encoding="utf-8"))[:max_tokens]
+    session = _Session(model, signature, dims, dict(weights))
+    base = perplexity(session, ids).perplexity
+    results = {"float": base}
+    click.echo(f"{'float':<14} {base:8.3f}")
+    for name, members in [("all", list(quantized)), *sorted(groups.items())]:
+        session.weights = {**weights, **{m: quantized[m] for m in members}}
+        value = perplexity(session, ids).perplexity
+        results[name] = value
+        click.echo(f"{name:<14} {value:8.3f}  {100 * (value / base - 1):+6.2f}%")
+    if out:
+        out.write_text(json.dumps({"conf": json.loads(Path(conf).read_text()), "max_tokens": max_tokens,
+                                   "perplexity": results}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
