@@ -53,6 +53,7 @@ ROWS = {
     "mixed BF16": Row(precision="allow_mix_precision_bf16"),
     "INT8": Row({"quant_mode": "INT8"}),
     "W8A8": Row({"quant_mode": "W8A8", "algorithms": [{"name": "smooth_quant", "params": {"alpha": 0.5}}]}),
+    "W8A8 (8-bit head)": Row({"quant_mode": "W8A8", "algorithms": [{"name": "smooth_quant"}], "skip_layers": []}),
     **{f"INT4-{method.upper()} g{group}{' asym' if not symmetric else ''}": _int4(method, group, symmetric=symmetric)
        for group, symmetric in ((128, True), (32, True), (32, False)) for method in ("rtn", "awq", "gptq", "awq+gptq")},
     "INT4-AWQ+GPTQ g32 asym (float head)": _int4("awq+gptq", 32, symmetric=False, skip_layers=["lm_head"]),

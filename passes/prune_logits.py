@@ -16,7 +16,7 @@ from compiler.pass_manager import PassResult
 from passes.graph_utils import lm_head
 
 LOGITS_INDICES = "logits_indices"
-_PROJECTIONS = ("MatMul", "MatMulInt4", "MatMulInt8", "MatMulW8A8")
+_PROJECTIONS = ("MatMul", "MatMulInt4", "MatMulInt8")
 
 
 class PruneLogits:

@@ -63,6 +63,18 @@ def quantize_blockwise(weight: np.ndarray, bits: int, block_size: int, symmetric
     return QuantizedWeight(values, scales, None if zero_points is None else zero_points.astype(dtype), bits, block_size)
 
 
+def int8_blocks(a: np.ndarray, block_size: int) -> np.ndarray:
+    """`a` [..., K] as MatMulNBits' accuracy_level 4 sees it: quantized to int8 symmetrically per row and per
+    block of `block_size` channels (scale = max|a| / 127), then dequantized."""
+    columns = a.shape[-1]
+    padded = np.zeros(a.shape[:-1] + (-(-columns // block_size) * block_size,), np.float32)
+    padded[..., :columns] = a
+    blocks = padded.reshape(a.shape[:-1] + (-1, block_size))
+    scale = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127.0)
+    scale = np.where(scale == 0, np.float32(1.0), scale)
+    return (np.rint(blocks / scale) * scale).reshape(padded.shape)[..., :columns]
+
+
 def dequantize_blockwise(quantized: QuantizedWeight) -> np.ndarray:
     """The float weight [K, N] that `quantized` stands for."""
     rows = quantized.values.shape[0]

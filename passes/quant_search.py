@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from passes.quant_math import QuantizedWeight, dequantize_blockwise, quantize_blockwise
+from passes.quant_math import QuantizedWeight, dequantize_blockwise, int8_blocks, quantize_blockwise
 
 
 def output_error(weight: np.ndarray, approximation: np.ndarray, hessian: np.ndarray) -> float:
@@ -199,15 +199,9 @@ def quantize_weights_together(weights: list[np.ndarray], method: str, bits: int,
 def int8_activation_error(examples: np.ndarray, weight: np.ndarray, block_size: int) -> float:
     """Relative output error ‖(X − X̂)·W‖ / ‖X·W‖ when the activations X are quantized to int8 symmetrically
     per row and per block of `block_size` input channels, as MatMulNBits' accuracy_level 4 does."""
-    rows, columns = examples.shape
-    padded = np.zeros((rows, -(-columns // block_size) * block_size), np.float32)
-    padded[:, :columns] = examples
-    blocks = padded.reshape(rows, -1, block_size)
-    scale = np.abs(blocks).max(axis=-1, keepdims=True) / 127.0
-    scale = np.where(scale == 0, 1.0, scale)
-    approximation = (np.rint(blocks / scale) * scale).reshape(rows, -1)[:, :columns]
     exact = examples @ weight
-    return float(np.linalg.norm((examples - approximation) @ weight) / max(np.linalg.norm(exact), 1e-12))
+    error = (examples - int8_blocks(examples, block_size)) @ weight
+    return float(np.linalg.norm(error) / max(np.linalg.norm(exact), 1e-12))
 
 
 def smooth_scales(abs_max: np.ndarray, weight: np.ndarray, alpha: float) -> np.ndarray:

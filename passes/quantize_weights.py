@@ -33,6 +33,17 @@ ACCURACY_THRESHOLD = 0.02
 # 8-bit MatMulNBits runs with int8 activations: onnxruntime's float-activation 8-bit path is a slow
 # fallback here ([1,576]×[576,49152]: 71 ms at level 0, 0.52 ms at level 4; 4-bit level 0 0.63 ms)
 EIGHT_BIT_ACCURACY_LEVEL = 4
+EIGHT_BIT_BLOCKS = (128, 64, 32, 16)  # the first dividing K; 128 with K padded when none does
+
+
+def _in_blocks(quantized: QuantizedWeight) -> QuantizedWeight:
+    """A per-output-channel 8-bit weight in MatMulNBits' blocked form: the same integers, each column's
+    scale (and zero point) repeated for every block along K."""
+    rows = quantized.values.shape[0]
+    block = next((b for b in EIGHT_BIT_BLOCKS if rows % b == 0), EIGHT_BIT_BLOCKS[0])
+    n_blocks = -(-rows // block)
+    zero_points = None if quantized.zero_points is None else np.repeat(quantized.zero_points, n_blocks, axis=0)
+    return QuantizedWeight(quantized.values, np.repeat(quantized.scales, n_blocks, axis=0), zero_points, 8, block)
 
 
 @dataclass
@@ -142,7 +153,7 @@ class QuantizeWeights(FusionPass):
     def _head_block(self, hidden: int) -> int | None:
         """lm_head's block along the hidden size: the group size at 4 bits, else the largest of 128…16 that
         divides it (the embedding lookup reads whole blocks)."""
-        sizes = (self.group_size, 128, 64, 32, 16) if self.head_bits == 4 else (128, 64, 32, 16)
+        sizes = (self.group_size, 128, 64, 32, 16) if self.head_bits == 4 else EIGHT_BIT_BLOCKS
         return next((b for b in sizes if hidden % b == 0), None)
 
     def _quantize_tied_table(self, graph: gs.Graph) -> None:
@@ -225,7 +236,11 @@ class QuantizeWeights(FusionPass):
             matmul.inputs[0] = scale_input(graph, matmul.inputs[0], match.input_scale, f"{matmul.name}_awq")
         rows, cols = quantized.values.shape
         name = source.name
-        if quantized.bits == 4 or match.blocked:
+        # W8A8 runs on onnxruntime's int8 kernels, which are MatMulNBits' 8-bit path with int8 activations
+        dynamic = self.config is not None and self.config.activations == "int8"
+        if dynamic and quantized.bits == 8 and not match.blocked:
+            quantized = _in_blocks(quantized)
+        if quantized.bits == 4 or match.blocked or dynamic:
             bits = quantized.bits
             blob, scales, zero_points = pack_matmul_nbits(quantized)
             inputs = [matmul.inputs[0], gs.Constant(f"{name}_int{bits}", blob), gs.Constant(f"{name}_scales", scales)]
@@ -240,8 +255,6 @@ class QuantizeWeights(FusionPass):
                       gs.Constant(f"{name}_scales", quantized.scales.reshape(-1).astype(np.float32))]
             if quantized.zero_points is not None:
                 inputs.append(gs.Constant(f"{name}_zero_points", quantized.zero_points.reshape(-1)))
-            dynamic = self.config is not None and self.config.activations == "int8"
-            node = fused_node("MatMulW8A8" if dynamic else "MatMulInt8", inputs, [matmul.outputs[0]],
-                              f"{matmul.name}_{'w8a8' if dynamic else 'int8'}")
+            node = fused_node("MatMulInt8", inputs, [matmul.outputs[0]], f"{matmul.name}_int8")
         matmul.inputs.clear()
         graph.nodes.append(node)

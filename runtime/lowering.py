@@ -153,23 +153,6 @@ def _matmul_int8(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
     return b.nodes
 
 
-def _matmul_w8a8(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
-    # per-token dynamic int8 quantization in standard ops, then onnxruntime's integer MatMul (S8S8)
-    b = _Builder(node.name)
-    a, weight, scales = node.input[:3]
-    magnitude = b("Abs", a)
-    if opset >= 18:
-        peak = b("ReduceMax", magnitude, b.const([-1]), keepdims=1)
-    else:
-        peak = b("ReduceMax", magnitude, axes=[-1], keepdims=1)
-    scale = b("Max", b("Div", peak, b.const(127.0, np.float32)), b.const(1e-12, np.float32))
-    rounded = b("Clip", b("Round", b("Div", a, scale)), b.const(-127.0, np.float32), b.const(127.0, np.float32))
-    accumulated = b("MatMulInteger", b("Cast", rounded, to=onnx.TensorProto.INT8), weight)
-    restored = b("Mul", b("Cast", accumulated, to=onnx.TensorProto.FLOAT), scale)
-    b("Mul", restored, scales, out=node.output[0])
-    return b.nodes
-
-
 def _gather_int4(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
     # GatherBlockQuantized reads uint8 data as [V, K·bits/8] with MatMulNBits' conventions (default zero point
     # 2^(bits-1)); the Reshape of the constant table is folded by onnxruntime when the session is built
@@ -189,7 +172,6 @@ LOWERINGS: dict[str, Callable[[onnx.NodeProto, int], list[onnx.NodeProto]]] = {
     "MatMulInt4": _matmul_int4,
     "MatMulInt8": _matmul_int8,
     "GatherInt4": _gather_int4,
-    "MatMulW8A8": _matmul_w8a8,
 }
 
 

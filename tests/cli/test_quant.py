@@ -175,12 +175,8 @@ def test_a_tied_lm_head_and_its_embedding_share_one_quantized_table_when_asked(t
     assert sizes["lm_head"] - sizes[None] > table_bytes * (4 - head_bits / 8 - 0.5)  # one narrow copy replaced it
     feeds = _feeds(quantized)
     fast, reference = Executor(quantized).run(feeds), Executor(quantized, "reference").run(feeds)
-    for name in fast:
-        if name == "logits" and head_bits == 8:  # the 8-bit head runs with int8 activations (level 4)
-            error = np.linalg.norm(fast[name] - reference[name]) / np.linalg.norm(reference[name])
-            assert 0 < error < 0.01, error
-        else:
-            np.testing.assert_allclose(fast[name], reference[name], atol=1e-5, rtol=0, err_msg=name)
+    for name in fast:  # the 8-bit head rounds its activations to int8 (level 4), in both backends alike
+        np.testing.assert_allclose(fast[name], reference[name], atol=1e-5, rtol=0, err_msg=name)
 
 
 def test_accuracy_level_is_chosen_per_layer_by_measured_error(tmp_path, tiny_llama_path):
@@ -211,12 +207,15 @@ def test_w8a8_smooth_quant_runs_integer_matmuls_close_to_the_float_model(tmp_pat
                                   "calibration": {"num_samples": 4, "seq_len": 64}}))
     loaded = load_artifact(compile_to(tiny_llama_path, tmp_path / "w8a8", enable_compress_weight=True,
                                       compress_weight_conf=str(config)))
-    ops = [n.op_type for n in loaded.model.graph.node]
-    assert ops.count("MatMulW8A8") == 2 * 4 and "MatMulInt8" not in ops
+    ops = [n for n in loaded.model.graph.node if n.op_type.startswith("MatMul")]
+    # onnxruntime's int8 kernels: 8-bit MatMulNBits with int8 activations (accuracy_level 4)
+    assert [n.op_type for n in ops].count("MatMulInt4") == 2 * 4 and len(ops) == 2 * 4 + 1  # and the float lm_head
+    assert all({a.name: a.i for a in n.attribute}.get("bits") == 8 and
+               {a.name: a.i for a in n.attribute}["accuracy_level"] == 4 for n in ops if n.op_type == "MatMulInt4")
     feeds = _feeds(loaded)
     fast = Executor(loaded).run(feeds, ["logits"])["logits"]
-    reference = Executor(loaded, "reference").run(feeds, ["logits"])["logits"]
-    np.testing.assert_allclose(fast, reference, atol=1e-5, rtol=0)
+    reference = Executor(loaded, "reference").run(feeds, ["logits"])["logits"]  # rounds activations the same way
+    np.testing.assert_allclose(fast, reference, atol=1e-4, rtol=0)
     exact = Executor(load_artifact(compile_to(tiny_llama_path, tmp_path / "fp32"))).run(feeds, ["logits"])["logits"]
     assert np.linalg.norm(fast - exact) / np.linalg.norm(exact) < 0.05
 
@@ -253,4 +252,4 @@ def test_an_untied_lm_head_is_quantized_to_lm_head_bits_when_not_skipped(tmp_pat
     feeds = _feeds(loaded)
     fast = Executor(loaded).run(feeds, ["logits"])["logits"]
     reference = Executor(loaded, "reference").run(feeds, ["logits"])["logits"]
-    assert np.linalg.norm(fast - reference) / np.linalg.norm(reference) < (1e-5 if head_bits == 4 else 1e-2)
+    np.testing.assert_allclose(fast, reference, atol=1e-5, rtol=0)
