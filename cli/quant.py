@@ -44,7 +44,7 @@ def quantize_to_qdq(model_path: Path, cfg: QuantConfig, out_dir: Path) -> dict:
     InferShapes().run(graph)
     graph = upgrade_opset(graph, QDQ_OPSET)
     quantizer = QuantizeWeightsQDQ(cfg.bits, cfg.group_size, cfg.symmetric, cfg.skip_layers, cfg.method, statistics,
-                                   cfg.act_order, cfg.damp)
+                                   cfg.act_order, cfg.damp, cfg.lm_head_bits)
     result = quantizer.run(graph)
     unmatched = [p for p in cfg.skip_layers if p not in quantizer.matched_patterns]
     if unmatched:
@@ -100,8 +100,12 @@ def _save(model: onnx.ModelProto, out_dir: Path) -> None:
 @click.option("--bits", type=int, default=4, show_default=True, help=" | ".join(map(str, BITS)))
 @click.option("--group-size", type=int, default=128, show_default=True, help="INT4 block size (32, 64, 128)")
 @click.option("--symmetric/--asymmetric", default=True, show_default=True)
-@click.option("--skip", "skip", multiple=True, default=("lm_head",), show_default=True,
+@click.option("--skip", "skip", multiple=True,
               help="node or weight name pattern to leave unquantized (fnmatch; lm_head = the logits MatMul)")
+@click.option("--keep-lm-head/--quantize-lm-head", default=True, show_default=True,
+              help="leave the MatMul giving the logits float (as --skip lm_head), or quantize it to --lm-head-bits")
+@click.option("--lm-head-bits", type=click.Choice(["4", "8"]), default="8", show_default=True,
+              help="lm_head's bits when it is quantized (8: blocked int8, as atc's lm_head_bits)")
 @click.option("--act-order/--no-act-order", default=True, show_default=True,
               help="GPTQ: visit input channels by decreasing activation energy")
 @click.option("--calibration-text", default=DEFAULT_CALIBRATION_TEXT, show_default=False,
@@ -109,15 +113,17 @@ def _save(model: onnx.ModelProto, out_dir: Path) -> None:
 @click.option("--num-samples", type=int, default=32, show_default=True, help="calibration windows")
 @click.option("--seq-len", type=int, default=512, show_default=True, help="tokens per calibration window")
 @click.option("--output", required=True, type=click.Path(path_type=Path), help="output directory")
-def cli(model, out_format, method, bits, group_size, symmetric, skip, act_order, calibration_text, num_samples,
-        seq_len, output) -> None:
+def cli(model, out_format, method, bits, group_size, symmetric, skip, keep_lm_head, lm_head_bits, act_order,
+        calibration_text, num_samples, seq_len, output) -> None:
     """Quantize an ONNX LLM's weights into a standard QDQ ONNX model."""
     del out_format  # ONNX is the only format; the flag is there for the command lines users already have
     if method == "smooth_quant":
         raise AtcError("E10055", "W8A8 quantizes activations per token at run time, which has no standard QDQ "
                                  "form; compile with atc --compress_weight_conf quant_mode W8A8 instead")
+    skip = tuple(dict.fromkeys((*skip, "lm_head") if keep_lm_head else skip))
     cfg = QuantConfig(method=method, bits=bits, group_size=group_size, symmetric=symmetric, skip_layers=skip,
-                      act_order=act_order, calibration_text=calibration_text, num_samples=num_samples, seq_len=seq_len)
+                      lm_head_bits=int(lm_head_bits), act_order=act_order, calibration_text=calibration_text,
+                      num_samples=num_samples, seq_len=seq_len)
     report = quantize_to_qdq(model, cfg, output)
     click.echo(f"[INFO] quantized {len(report['quantized'])} MatMul weights ({cfg.method}, {cfg.bits}-bit), "
                f"skipped {len(report['skipped'])}; wrote {output / 'model.onnx'}")

@@ -13,6 +13,12 @@ import numpy as np
 
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_BLOCKS = (32, 64, 128)
+EIGHT_BIT_BLOCKS = (128, 64, 32, 16)
+
+
+def eight_bit_block(rows: int) -> int:
+    """The block along K of a blocked 8-bit weight: the largest of 128…16 that divides K, else 128 (K padded)."""
+    return next((b for b in EIGHT_BIT_BLOCKS if rows % b == 0), EIGHT_BIT_BLOCKS[0])
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ from compiler.errors import AtcError
 from compiler.quant_config import HESSIAN_METHODS, QuantConfig
 from passes.calibration import InputStatistics, collect_input_statistics
 from passes.pattern import FusionPass, fused_node, producer
-from passes.quant_math import QuantizedWeight, dequantize_blockwise, pack_matmul_nbits, quantize_blockwise
+from passes.quant_math import (EIGHT_BIT_BLOCKS, QuantizedWeight, dequantize_blockwise, eight_bit_block,
+                               pack_matmul_nbits, quantize_blockwise)
 from passes.quant_search import int8_activation_error, quantize_weights_together
 from passes.graph_utils import lm_head, naming_patterns, scale_input
 
@@ -33,14 +34,13 @@ ACCURACY_THRESHOLD = 0.02
 # 8-bit MatMulNBits runs with int8 activations: onnxruntime's float-activation 8-bit path is a slow
 # fallback here ([1,576]×[576,49152]: 71 ms at level 0, 0.52 ms at level 4; 4-bit level 0 0.63 ms)
 EIGHT_BIT_ACCURACY_LEVEL = 4
-EIGHT_BIT_BLOCKS = (128, 64, 32, 16)  # the first dividing K; 128 with K padded when none does
 
 
 def _in_blocks(quantized: QuantizedWeight) -> QuantizedWeight:
     """A per-output-channel 8-bit weight in MatMulNBits' blocked form: the same integers, each column's
     scale (and zero point) repeated for every block along K."""
     rows = quantized.values.shape[0]
-    block = next((b for b in EIGHT_BIT_BLOCKS if rows % b == 0), EIGHT_BIT_BLOCKS[0])
+    block = eight_bit_block(rows)
     n_blocks = -(-rows // block)
     zero_points = None if quantized.zero_points is None else np.repeat(quantized.zero_points, n_blocks, axis=0)
     return QuantizedWeight(quantized.values, np.repeat(quantized.scales, n_blocks, axis=0), zero_points, 8, block)
@@ -69,17 +69,16 @@ def _qdq_weight(weight: gs.Tensor) -> QuantizedWeight | str | None:
     kind = np.dtype(q.dtype).name
     block, axis = dequantize.attrs.get("block_size", 0), dequantize.attrs.get("axis", 1)
     zp = None if zero_points is None else np.asarray(zero_points.values)
-    if kind in ("int4", "uint4") and axis == 0 and block in (16, 32, 64, 128, 256):
-        signed = kind == "int4"
-        if signed and zp is not None and np.any(zp.astype(np.int8) != 0):
-            zp = (zp.astype(np.int16) + 8).astype(np.uint8)
-            return QuantizedWeight((q.astype(np.int16) + 8).astype(np.uint8), np.asarray(scales.values, np.float32),
-                                   zp, 4, block)
-        if signed:
-            return QuantizedWeight(q.astype(np.int8), np.asarray(scales.values, np.float32), None, 4, block)
-        return QuantizedWeight(q.astype(np.uint8), np.asarray(scales.values, np.float32),
-                               (zp if zp is not None else np.zeros_like(np.asarray(scales.values), np.uint8))
-                               .astype(np.uint8), 4, block)
+    blocked_bits = {"int4": 4, "uint4": 4, "int8": 8, "uint8": 8}.get(kind)
+    if blocked_bits and axis == 0 and block in (16, 32, 64, 128, 256):  # INT4, or an 8-bit lm_head
+        offset, scale_values = 2 ** (blocked_bits - 1), np.asarray(scales.values, np.float32)
+        if kind.startswith("int") and zp is not None and np.any(zp.astype(np.int16) != 0):
+            return QuantizedWeight((q.astype(np.int16) + offset).astype(np.uint8), scale_values,
+                                   (zp.astype(np.int16) + offset).astype(np.uint8), blocked_bits, block)
+        if kind.startswith("int"):
+            return QuantizedWeight(q.astype(np.int8), scale_values, None, blocked_bits, block)
+        zero = zp if zp is not None else np.zeros_like(scale_values, np.uint8)
+        return QuantizedWeight(q.astype(np.uint8), scale_values, zero.astype(np.uint8), blocked_bits, block)
     if kind in ("int8", "uint8") and axis in (1, -1) and not block and np.asarray(scales.values).size == q.shape[1]:
         scale = np.asarray(scales.values, np.float32).reshape(1, -1)
         return QuantizedWeight(q, scale, None if zp is None else zp.reshape(1, -1), 8, q.shape[0])
@@ -151,8 +150,8 @@ class QuantizeWeights(FusionPass):
         return result
 
     def _head_block(self, hidden: int) -> int | None:
-        """lm_head's block along the hidden size: the group size at 4 bits, else the largest of 128…16 that
-        divides it (the embedding lookup reads whole blocks)."""
+        """A tied table's block along the hidden size, which it must divide (the embedding lookup reads whole
+        blocks): the group size at 4 bits, else the largest of 128…16."""
         sizes = (self.group_size, 128, 64, 32, 16) if self.head_bits == 4 else EIGHT_BIT_BLOCKS
         return next((b for b in sizes if hidden % b == 0), None)
 
@@ -210,7 +209,8 @@ class QuantizeWeights(FusionPass):
         if isinstance(from_qdq, str):
             return from_qdq
         if from_qdq is not None:
-            return QuantMatch(matmul, from_qdq)
+            return QuantMatch(matmul, from_qdq, blocked=producer(weight, "DequantizeLinear").attrs.get("block_size", 0) > 0
+                              and from_qdq.bits == 8)
         if self.bits is None:
             return "weight compression is off"
         if not _float_weight(weight):
@@ -219,8 +219,8 @@ class QuantizeWeights(FusionPass):
         if pattern is not None:
             return f"skipped by pattern {pattern!r}"
         values = np.asarray(weight.values)
-        if matmul is self._head and self.bits == 4 and self.head_bits == 8 and self._head_block(values.shape[0]):
-            return QuantMatch(matmul, quantize_blockwise(values, 8, self._head_block(values.shape[0])), blocked=True)
+        if matmul is self._head and self.bits == 4 and self.head_bits == 8:
+            return QuantMatch(matmul, quantize_blockwise(values, 8, eight_bit_block(values.shape[0])), blocked=True)
         block = self.group_size if self.bits == 4 else weight.shape[0]
         config = self.config
         stats = self._statistics.get(matmul.inputs[0].name)

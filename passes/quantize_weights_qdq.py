@@ -15,7 +15,7 @@ import onnx_graphsurgeon as gs
 
 from compiler.pass_manager import PassResult
 from passes.graph_utils import lm_head, naming_patterns, packed_constant, scale_input
-from passes.quant_math import QuantizedWeight, dequantize_blockwise
+from passes.quant_math import QuantizedWeight, dequantize_blockwise, eight_bit_block, quantize_blockwise
 from passes.quant_search import quantize_weights_together
 
 QDQ_OPSET = 21
@@ -29,8 +29,10 @@ class QuantizeWeightsQDQ:
     switchable = True
 
     def __init__(self, bits: int, block_size: int, symmetric: bool = True, skip: tuple[str, ...] = ("lm_head",),
-                 method: str = "rtn", statistics: dict | None = None, act_order: bool = False, damp: float = 0.01):
+                 method: str = "rtn", statistics: dict | None = None, act_order: bool = False, damp: float = 0.01,
+                 head_bits: int = 8):
         self.bits, self.block_size, self.symmetric, self.skip = bits, block_size, symmetric, skip
+        self.head_bits = head_bits
         self.method, self.statistics, self.act_order, self.damp = method, statistics or {}, act_order, damp
         self.layers: list[dict] = []
         self.matched_patterns: set[str] = set()
@@ -48,6 +50,12 @@ class QuantizeWeightsQDQ:
             result.match_times += 1
             if pattern is not None:
                 result.rejections.append(f"{node.name}: skipped by pattern {pattern!r}")
+                continue
+            if node is head and self.bits == 4 and self.head_bits == 8:  # as atc packs it: blocked int8, RTN
+                values = np.asarray(weight.values)
+                quantized = quantize_blockwise(values, 8, eight_bit_block(values.shape[0]))
+                node.inputs[1] = self._dequantize(graph, node, weight, values, quantized, None, blocked=True)
+                result.effect_times += 1
                 continue
             groups.setdefault(id(node.inputs[0]), []).append(node)
         for nodes in groups.values():
@@ -70,10 +78,10 @@ class QuantizeWeightsQDQ:
         return result
 
     def _dequantize(self, graph: gs.Graph, node: gs.Node, weight: gs.Constant, values: np.ndarray,
-                    quantized: QuantizedWeight, input_scale: np.ndarray | None) -> gs.Variable:
+                    quantized: QuantizedWeight, input_scale: np.ndarray | None, blocked: bool = False) -> gs.Variable:
         block = quantized.block_size
-        storage = _STORAGE[(self.bits, self.symmetric)]
-        if self.bits == 4:
+        storage = _STORAGE[(quantized.bits, quantized.zero_points is None)]
+        if quantized.bits == 4 or blocked:
             scales, zero_points, attrs = quantized.scales, quantized.zero_points, {"axis": 0, "block_size": block}
         else:
             scales = quantized.scales[0]
