@@ -51,7 +51,7 @@ class QuantMatch:
     matmul: gs.Node
     quantized: QuantizedWeight
     input_scale: np.ndarray | None = None  # AWQ: the activations are multiplied by this first
-    blocked: bool = False  # 8-bit in MatMulNBits' blocked layout (lm_head), not MatMulInt8's per channel
+    blocked: bool = False  # 8-bit in MatMulNBits' blocked layout (lm_head, W8A8), not MatMulInt8's per channel
 
 
 def _qdq_weight(weight: gs.Tensor) -> QuantizedWeight | str | None:
@@ -208,9 +208,9 @@ class QuantizeWeights(FusionPass):
         from_qdq = _qdq_weight(weight)
         if isinstance(from_qdq, str):
             return from_qdq
-        if from_qdq is not None:
-            return QuantMatch(matmul, from_qdq, blocked=producer(weight, "DequantizeLinear").attrs.get("block_size", 0) > 0
-                              and from_qdq.bits == 8)
+        if from_qdq is not None:  # a blocked 8-bit DequantizeLinear is an lm_head packed as atc packs it
+            blocked = from_qdq.bits == 8 and producer(weight).attrs.get("block_size", 0) > 0
+            return QuantMatch(matmul, from_qdq, blocked=blocked)
         if self.bits is None:
             return "weight compression is off"
         if not _float_weight(weight):
