@@ -24,11 +24,12 @@ from compiler.tokenizer_files import TOKENIZER_FILES
 from cli.coded_errors import main_with_codes
 from compiler.errors import AtcError
 from compiler.loader import load_onnx
-from compiler.quant_config import BITS, DEFAULT_CALIBRATION_TEXT, METHODS, QuantConfig
+from compiler.quant_config import BITS, DEFAULT_CALIBRATION_TEXT, HESSIAN_METHODS, METHODS, QuantConfig
 from passes.calibration import collect_input_statistics
 from passes.infer_shapes import InferShapes
 from passes.quantize_weights import QuantizeWeights
 from passes.quantize_weights_qdq import QDQ_OPSET, QuantizeWeightsQDQ
+from passes.staged_calibration import StagedStatistics
 from passes.upgrade_opset import upgrade_opset
 
 
@@ -69,13 +70,15 @@ def fused_graph(cfg: CompileConfig) -> gs.Graph:
     return graph
 
 
-def _fused_statistics(model_path: Path, cfg: QuantConfig) -> dict:
-    """Calibration statistics taken on the graph atc would compile (fused), so that compiling the QDQ
-    model gives the same integers as compressing inside atc: fusions keep the names of the values that
-    MatMuls read."""
+def _fused_statistics(model_path: Path, cfg: QuantConfig) -> dict | StagedStatistics:
+    """Calibration statistics taken on the graph atc would compile (fused), and the same way, so that
+    compiling the QDQ model gives the same integers as compressing inside atc: fusions keep the names of
+    the values that MatMuls read."""
     compile_cfg = CompileConfig(model=str(model_path), framework=5, output=str(model_path.with_suffix("")),
                                 soc_version="Ascend910B", quantization=cfg)
     graph = fused_graph(compile_cfg)
+    if cfg.method in HESSIAN_METHODS:
+        return StagedStatistics(graph, calibration_samples(compile_cfg))
     names = sorted({n.inputs[0].name for n in graph.nodes if n.op == "MatMul"})
     return collect_input_statistics(graph, names, calibration_samples(compile_cfg))
 

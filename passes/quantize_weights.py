@@ -25,6 +25,7 @@ from passes.pattern import FusionPass, fused_node, producer
 from passes.quant_math import (EIGHT_BIT_BLOCKS, QuantizedWeight, dequantize_blockwise, eight_bit_block,
                                pack_matmul_nbits, quantize_blockwise)
 from passes.quant_search import int8_activation_error, quantize_weights_together
+from passes.staged_calibration import StagedStatistics
 from passes.graph_utils import lm_head, naming_patterns, scale_input
 
 
@@ -123,7 +124,7 @@ class QuantizeWeights(FusionPass):
         self.matched_patterns: set[str] = set()
         self.accuracy_levels: dict[str, int] = {}
         self._head: gs.Node | None = None
-        self._statistics: dict[str, InputStatistics] = {}
+        self._statistics: dict[str, InputStatistics] | StagedStatistics = {}
 
     def run(self, graph: gs.Graph):
         self._head = lm_head(graph)
@@ -135,9 +136,11 @@ class QuantizeWeights(FusionPass):
                              and (_float_weight(n.inputs[1]) or producer(n.inputs[1], "DequantizeLinear"))})
             calibrating = self.config is not None and self.config.needs_calibration
             hessians = calibrating and self.config.method in HESSIAN_METHODS
-            # the accuracy-level choice alone needs a few activation rows, not Hessians over every sample
-            self._statistics = collect_input_statistics(graph, inputs, self.samples if calibrating else self.samples[:4],
-                                                        with_hessian=hessians)
+            if hessians:  # taken layer by layer as the quantizer reaches each, then released
+                self._statistics = StagedStatistics(graph, self.samples)
+            else:  # the accuracy-level choice alone needs a few activation rows, not Hessians over every sample
+                self._statistics = collect_input_statistics(graph, inputs, self.samples if calibrating
+                                                            else self.samples[:4], with_hessian=False)
             self.matched_patterns.clear()
         result = super().run(graph)
         self._statistics = {}
@@ -258,3 +261,4 @@ class QuantizeWeights(FusionPass):
             node = fused_node("MatMulInt8", inputs, [matmul.outputs[0]], f"{matmul.name}_int8")
         matmul.inputs.clear()
         graph.nodes.append(node)
+        self._statistics.pop(activations, None)

@@ -74,6 +74,7 @@ class QuantizeWeightsQDQ:
             for node, quantized, values in zip(nodes, parts, weights):
                 node.inputs[1] = self._dequantize(graph, node, node.inputs[1], values, quantized, input_scale)
                 result.effect_times += 1
+            self.statistics.pop(x.name, None)
         graph.cleanup(remove_unused_graph_inputs=False).toposort()
         return result
 
