@@ -23,7 +23,7 @@ from compiler.pipeline import build_pipeline, calibration_samples
 from compiler.tokenizer_files import TOKENIZER_FILES
 from cli.coded_errors import main_with_codes
 from compiler.errors import AtcError
-from compiler.loader import load_onnx
+from compiler.loader import import_graph, load_onnx
 from compiler.quant_config import BITS, DEFAULT_CALIBRATION_TEXT, HESSIAN_METHODS, METHODS, QuantConfig
 from passes.calibration import collect_input_statistics
 from passes.infer_shapes import InferShapes
@@ -65,7 +65,7 @@ def quantize_to_qdq(model_path: Path, cfg: QuantConfig, out_dir: Path) -> dict:
 
 def fused_graph(cfg: CompileConfig) -> gs.Graph:
     """The graph atc's weight quantization would see: every pass of the pipeline before it."""
-    graph = gs.import_onnx(load_onnx(cfg.model))
+    _, graph = import_graph(cfg.model)  # weights memory-mapped, as atc reads them
     run_passes(graph, [p for p in build_pipeline(cfg) if not isinstance(p, QuantizeWeights)], {})
     return graph
 
