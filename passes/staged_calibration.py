@@ -93,8 +93,10 @@ class StagedStatistics:
         model = onnx.helper.make_model(onnx.helper.make_graph([self._nodes[i] for i in stage], "stage", inputs,
                                                               outputs, initializers),
                                        opset_imports=self._model.opset_import, ir_version=self._model.ir_version)
-        session = ort.InferenceSession(model.SerializeToString(), session_options(self._threads),
-                                       providers=["CPUExecutionProvider"])
+        options = session_options(self._threads)
+        # numpy's Hessian products follow every run: a pool left spinning would hold the cores they need
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         weight_feeds = {name: self._weights[name] for name in weights}
         for frontier in self._frontier:
             values = session.run(keep, {**{name: frontier[name] for name in cached}, **weight_feeds})
