@@ -46,8 +46,8 @@ class StagedStatistics:
                 self._consumers.setdefault(name, set()).add(i)
         self._initializers = {t.name: t for t in graph_proto.initializer}
         self._executed: set[int] = set()
-        self._feeds = [causal_lm_inputs(signature, dims, np.asarray(ids, np.int64)[None]) for ids in samples]
-        self._frontier: list[dict[str, np.ndarray]] = [dict(feeds) for feeds in self._feeds]
+        self._frontier: list[dict[str, np.ndarray]] = [causal_lm_inputs(signature, dims, np.asarray(ids, np.int64)[None])
+                                                       for ids in samples]
         self._samples, self._with_hessian, self._threads = len(samples), with_hessian, threads
         self._statistics: dict[str, InputStatistics] = {}
 
