@@ -69,6 +69,12 @@ def quantize_blockwise(weight: np.ndarray, bits: int, block_size: int, symmetric
     return QuantizedWeight(values, scales, None if zero_points is None else zero_points.astype(dtype), bits, block_size)
 
 
+def quantize_8bit_blocked(weight: np.ndarray) -> QuantizedWeight:
+    """A lm_head's 8-bit quantization (RTN, symmetric, blocks of `eight_bit_block`), the same in atc and the
+    QDQ route so that both give the same bytes."""
+    return quantize_blockwise(weight, 8, eight_bit_block(weight.shape[0]))
+
+
 def int8_blocks(a: np.ndarray, block_size: int) -> np.ndarray:
     """`a` [..., K] as MatMulNBits' accuracy_level 4 sees it: quantized to int8 symmetrically per row and per
     block of `block_size` channels (scale = max|a| / 127), then dequantized."""

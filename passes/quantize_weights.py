@@ -23,7 +23,7 @@ from compiler.quant_config import HESSIAN_METHODS, QuantConfig
 from passes.calibration import InputStatistics, collect_input_statistics
 from passes.pattern import FusionPass, fused_node, producer
 from passes.quant_math import (EIGHT_BIT_BLOCKS, QuantizedWeight, dequantize_blockwise, eight_bit_block,
-                               pack_matmul_nbits, quantize_blockwise)
+                               pack_matmul_nbits, quantize_8bit_blocked, quantize_blockwise)
 from passes.quant_search import int8_activation_error, quantize_weights_together
 from passes.staged_calibration import StagedStatistics
 from passes.graph_utils import lm_head, naming_patterns, scale_input
@@ -130,17 +130,16 @@ class QuantizeWeights(FusionPass):
         self._head = lm_head(graph)
         if self.bits and "lm_head" not in self.skip:
             self._quantize_tied_table(graph)
-        if self.samples:
+        calibrating = self.config is not None and self.config.needs_calibration
+        if self.samples and calibrating and self.config.method in HESSIAN_METHODS:
+            # taken layer by layer as the quantizer reaches each, then released
+            self._statistics = StagedStatistics(graph, self.samples)
+        elif self.samples:  # SmoothQuant's ranges, or the accuracy-level choice's few activation rows
             inputs = sorted({n.inputs[0].name for n in graph.nodes if n.op == "MatMul" and len(n.inputs) == 2
                              and not self._skipped(n)
                              and (_float_weight(n.inputs[1]) or producer(n.inputs[1], "DequantizeLinear"))})
-            calibrating = self.config is not None and self.config.needs_calibration
-            hessians = calibrating and self.config.method in HESSIAN_METHODS
-            if hessians:  # taken layer by layer as the quantizer reaches each, then released
-                self._statistics = StagedStatistics(graph, self.samples)
-            else:  # the accuracy-level choice alone needs a few activation rows, not Hessians over every sample
-                self._statistics = collect_input_statistics(graph, inputs, self.samples if calibrating
-                                                            else self.samples[:4], with_hessian=False)
+            self._statistics = collect_input_statistics(graph, inputs, self.samples if calibrating
+                                                        else self.samples[:4], with_hessian=False)
             self.matched_patterns.clear()
         result = super().run(graph)
         self._statistics = {}
@@ -223,7 +222,7 @@ class QuantizeWeights(FusionPass):
             return f"skipped by pattern {pattern!r}"
         values = np.asarray(weight.values)
         if matmul is self._head and self.bits == 4 and self.head_bits == 8:
-            return QuantMatch(matmul, quantize_blockwise(values, 8, eight_bit_block(values.shape[0])), blocked=True)
+            return QuantMatch(matmul, quantize_8bit_blocked(values), blocked=True)
         block = self.group_size if self.bits == 4 else weight.shape[0]
         config = self.config
         stats = self._statistics.get(matmul.inputs[0].name)

@@ -15,7 +15,7 @@ import onnx_graphsurgeon as gs
 
 from compiler.pass_manager import PassResult
 from passes.graph_utils import lm_head, naming_patterns, packed_constant, scale_input
-from passes.quant_math import QuantizedWeight, dequantize_blockwise, eight_bit_block, quantize_blockwise
+from passes.quant_math import QuantizedWeight, dequantize_blockwise, quantize_8bit_blocked
 from passes.quant_search import quantize_weights_together
 
 QDQ_OPSET = 21
@@ -53,8 +53,8 @@ class QuantizeWeightsQDQ:
                 continue
             if node is head and self.bits == 4 and self.head_bits == 8:  # as atc packs it: blocked int8, RTN
                 values = np.asarray(weight.values)
-                quantized = quantize_blockwise(values, 8, eight_bit_block(values.shape[0]))
-                node.inputs[1] = self._dequantize(graph, node, weight, values, quantized, None, blocked=True)
+                node.inputs[1] = self._dequantize(graph, node, weight, values, quantize_8bit_blocked(values), None,
+                                                  blocked=True)
                 result.effect_times += 1
                 continue
             groups.setdefault(id(node.inputs[0]), []).append(node)
