@@ -6,7 +6,8 @@ Batch-1 prefill and decode tokens/s; a closed loop of C clients (C = 1, 8, 32) o
 requests (prompts are windows of real text), with aggregate tokens/s, TTFT and TPOT p50/p99, KV page
 utilisation and the sequences held for the KV memory used; host memory traced during long prefills.
 With --onnx, onnxruntime runs the original model (KV-cache I/O) in a greedy loop on the same prompts,
-in the same process, alternating with the engine so machine noise hits both alike.
+in the same process, alternating with the engine so machine noise hits both alike. With
+--num_speculative_tokens K, batch-1 decode is measured with prompt lookup as well as without it.
 """
 
 from __future__ import annotations
@@ -78,20 +79,41 @@ def _engine_generate(engine, prompt: list[int], new_tokens: int):
 
 
 def _batch1(engine, ort_loop, prompts_prefill, prompts_decode, decode_tokens) -> dict:
-    """Prefill tokens/s (TTFT of a prompt) and decode tokens/s, alternating engine and onnxruntime."""
-    rows = {"engine": {"prefill": [], "decode": []}, "onnxruntime": {"prefill": [], "decode": []}}
-    for prefill_prompt, decode_prompt in zip(prompts_prefill, prompts_decode):
-        stats = _engine_generate(engine, prefill_prompt, 1)
-        rows["engine"]["prefill"].append(len(prefill_prompt) / stats.ttft_s)
-        stats = _engine_generate(engine, decode_prompt, decode_tokens + 1)
-        rows["engine"]["decode"].append(decode_tokens / (stats.total_s - stats.ttft_s))
-        if ort_loop is not None:
-            first, _ = ort_loop.generate(prefill_prompt, 1)
-            rows["onnxruntime"]["prefill"].append(len(prefill_prompt) / first)
-            first, total = ort_loop.generate(decode_prompt, decode_tokens + 1)
-            rows["onnxruntime"]["decode"].append(decode_tokens / (total - first))
-    return {side: {k: statistics.median(v) for k, v in parts.items() if v} for side, parts in rows.items()
-            if parts["prefill"]}
+    """Prefill tokens/s (TTFT of a prompt) and decode tokens/s, alternating engine and onnxruntime.
+
+    With speculation configured, the engine's decode is measured both without it ("engine") and with it
+    ("engine+lookup", with the share of draft tokens accepted), on the same prompts.
+    """
+    lookup = engine.proposer.num_tokens
+    rows = {"engine": {"prefill": [], "decode": []}, "engine+lookup": {"decode": []},
+            "onnxruntime": {"prefill": [], "decode": []}}
+    drafted = accepted = 0
+    try:
+        for prefill_prompt, decode_prompt in zip(prompts_prefill, prompts_decode):
+            engine.proposer.num_tokens = 0
+            stats = _engine_generate(engine, prefill_prompt, 1)
+            rows["engine"]["prefill"].append(len(prefill_prompt) / stats.ttft_s)
+            stats = _engine_generate(engine, decode_prompt, decode_tokens + 1)
+            rows["engine"]["decode"].append(decode_tokens / (stats.total_s - stats.ttft_s))
+            if lookup:
+                engine.proposer.num_tokens = lookup
+                before = engine.stats.draft_tokens, engine.stats.accepted_tokens
+                stats = _engine_generate(engine, decode_prompt, decode_tokens + 1)
+                rows["engine+lookup"]["decode"].append(decode_tokens / (stats.total_s - stats.ttft_s))
+                drafted += engine.stats.draft_tokens - before[0]
+                accepted += engine.stats.accepted_tokens - before[1]
+            if ort_loop is not None:
+                first, _ = ort_loop.generate(prefill_prompt, 1)
+                rows["onnxruntime"]["prefill"].append(len(prefill_prompt) / first)
+                first, total = ort_loop.generate(decode_prompt, decode_tokens + 1)
+                rows["onnxruntime"]["decode"].append(decode_tokens / (total - first))
+    finally:
+        engine.proposer.num_tokens = lookup
+    report = {side: {k: statistics.median(v) for k, v in parts.items()} for side, parts in rows.items() if parts["decode"]}
+    if lookup:
+        report["engine+lookup"].update(num_speculative_tokens=lookup, draft_tokens=drafted,
+                                       accepted_share=accepted / drafted if drafted else 0.0)
+    return report
 
 
 def _closed_loop(engine, requests: list[tuple[list[int], int]], concurrency: int) -> dict:
@@ -149,12 +171,20 @@ def _long_prefills(engine, ids: list[int], lengths: list[int], num_heads: int) -
 
 
 def _print_table(report: dict) -> None:
+    batch1 = report["batch1"]
     click.echo("batch 1            prefill tok/s   decode tok/s")
-    for side, row in report["batch1"].items():
-        click.echo(f"{side:<18} {row['prefill']:>13.1f} {row['decode']:>14.1f}")
-    if "onnxruntime" in report["batch1"]:
-        eng, ref = report["batch1"]["engine"], report["batch1"]["onnxruntime"]
+    for side, row in batch1.items():
+        prefill = f"{row['prefill']:>13.1f}" if "prefill" in row else f"{'-':>13}"
+        click.echo(f"{side:<18} {prefill} {row['decode']:>14.1f}")
+    if "onnxruntime" in batch1:
+        eng, ref = batch1["engine"], batch1["onnxruntime"]
         click.echo(f"{'ratio':<18} {eng['prefill'] / ref['prefill']:>12.2f}x {eng['decode'] / ref['decode']:>13.2f}x")
+        if "engine+lookup" in batch1:
+            click.echo(f"{'ratio with lookup':<18} {'-':>13} {batch1['engine+lookup']['decode'] / ref['decode']:>13.2f}x")
+    if "engine+lookup" in batch1:
+        row = batch1["engine+lookup"]
+        click.echo(f"prompt lookup: {row['num_speculative_tokens']} draft tokens a step, "
+                   f"{row['accepted_share']:.0%} of {row['draft_tokens']} accepted")
     click.echo("")
     click.echo("concurrency  requests  tok/s    TTFT p50/p99 ms   TPOT p50/p99 ms  KV pages live  peak seqs")
     for row in report["serving"]:

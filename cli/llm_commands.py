@@ -21,6 +21,10 @@ _ENGINE_OPTIONS = [
     click.option("--max_num_batched_tokens", type=click.IntRange(min=1), default=512, show_default=True,
                  help="token budget of one step (longer prompts are prefilled in chunks)"),
     click.option("--backend", type=click.Choice(BACKENDS), default="onnxruntime", show_default=True),
+    click.option("--num_speculative_tokens", type=click.IntRange(min=0), default=0, show_default=True,
+                 help="draft tokens per decode step by prompt lookup, verified in the same step; 0 is off"),
+    click.option("--speculative_max_batch", type=click.IntRange(min=1), default=4, show_default=True,
+                 help="draft only while at most this many sequences run"),
 ]
 
 
@@ -57,14 +61,12 @@ def sampling_options(command):
     return _with(_SAMPLING_OPTIONS, command)
 
 
-def open_engine(model, max_batch_size, max_context_len, kv_cache_pages, max_num_batched_tokens, backend):
+def open_engine(model, **settings):
     """An LLMEngine from the shared options; AtcError for a file that is not a runnable artifact."""
     from runtime.engine import LLMEngine
 
     # the command owns its process, so the engine's sessions may share onnxruntime's process-wide pool
-    return LLMEngine(model, max_batch_size=max_batch_size, max_context_len=max_context_len,
-                     kv_cache_pages=kv_cache_pages, max_num_batched_tokens=max_num_batched_tokens, backend=backend,
-                     process_thread_pool=True)
+    return LLMEngine(model, **settings, process_thread_pool=True)
 
 
 def _sampling(kwargs: dict) -> dict:

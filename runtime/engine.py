@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
 
+import numpy as np
 
 from runtime.block_manager import BlockManager
 from runtime.chat_template import ChatTemplate
@@ -30,6 +31,7 @@ from runtime.sampler import sample_token
 from runtime.sampling import SamplingParams
 from runtime.scheduler import ScheduledBatch, Scheduler
 from runtime.sequence import RequestStats, Sequence
+from runtime.speculation import NgramProposer
 from runtime.tokenizer import TextTokenizer
 
 _DONE = object()
@@ -109,6 +111,8 @@ class EngineStats:
     generated_tokens: int = 0
     preemptions: int = 0
     peak_running: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
     # per-step samples, the latest UTILISATION_SAMPLES kept (a server runs for days)
     page_utilisation: deque = field(default_factory=lambda: deque(maxlen=UTILISATION_SAMPLES))
     token_utilisation: deque = field(default_factory=lambda: deque(maxlen=UTILISATION_SAMPLES))
@@ -120,6 +124,11 @@ class LLMEngine:
     A paged artifact gets a pool of `kv_cache_pages` pages of its compiled page size; an artifact with
     contiguous past/present I/O reserves `max_context_len` tokens per sequence instead.
 
+    `num_speculative_tokens=k` drafts up to k tokens per decoding sequence by prompt lookup and verifies
+    them in the same step (runtime/speculation.py), while at most `speculative_max_batch` sequences run:
+    beyond that a step is no longer bound by reading the weights, and drafts would cost more than they save.
+    Outputs are unchanged by it.
+
     `process_thread_pool=True` makes onnxruntime's process-wide thread pool, which the engine's many
     sessions then share: decode is faster (runtime/ort_session.py), but onnxruntime requires every
     session created later in the process to use that pool too, which code outside this project (such
@@ -128,7 +137,8 @@ class LLMEngine:
 
     def __init__(self, model_path: str | os.PathLike, max_batch_size: int = 8, max_context_len: int = 4096,
                  kv_cache_pages: int = 1024, *, max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
-                 backend: str = "onnxruntime", threads: int | None = None, process_thread_pool: bool = False):
+                 backend: str = "onnxruntime", threads: int | None = None, process_thread_pool: bool = False,
+                 num_speculative_tokens: int = 0, speculative_max_batch: int = 4):
         if max_batch_size < 1 or max_context_len < 2 or kv_cache_pages < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_batch_size, kv_cache_pages and max_num_batched_tokens must be positive, "
                              "max_context_len at least 2")
@@ -156,6 +166,8 @@ class LLMEngine:
             blocks = BlockManager(max_batch_size, max_context_len, enable_prefix_caching=False)
         self.blocks = blocks
         self.scheduler = Scheduler(blocks, max_batch_size, max_num_batched_tokens)
+        self.proposer = NgramProposer(num_speculative_tokens)
+        self.speculative_max_batch = speculative_max_batch
         self.stats = EngineStats()
         self._requests: dict[int, Request] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -284,7 +296,8 @@ class LLMEngine:
         self._complete(request)
 
     def step(self) -> None:
-        """One scheduling step: schedule, run the batch, sample, stream, retire."""
+        """One scheduling step: draft, schedule, run the batch, sample (verifying drafts), stream, retire."""
+        self._draft()
         batch = self.scheduler.schedule()
         for seq in batch.preempted:
             self.runner.release(seq)
@@ -297,19 +310,48 @@ class LLMEngine:
         self.blocks.pending_copies.clear()
         self._sample_utilisation(batch)
         logits = self.runner.run(batch)
-        self.scheduler.account(batch)
         self.stats.steps += 1
-        for row, seq in enumerate(batch.seqs):
-            if seq.num_uncomputed or seq.finished:
+        row = 0
+        for seq, count in zip(batch.seqs, batch.num_tokens):
+            rows = logits[row:row + 1 + len(seq.draft)]
+            row += len(rows)
+            if seq.finished or seq.num_computed + count < len(seq.token_ids):
                 continue  # a prefill chunk that did not reach the end of the prompt
-            seq.append(sample_token(logits[row], seq.params, seq.token_ids, seq.rng))
-            self.stats.generated_tokens += 1
-            if len(seq.token_ids) >= self.max_context_len:
-                seq.finish("length")
-            self._stream(self._requests[seq.seq_id])
+            self._sample(seq, rows)
+        self.scheduler.account(batch)
         for seq in self.scheduler.retire():
             self.runner.release(seq)
             self._complete(self._requests[seq.seq_id])
+
+    def _draft(self) -> None:
+        """Give each decoding sequence a draft to verify, while the batch is small enough to gain from it."""
+        running = self.scheduler.running
+        if not self.proposer.num_tokens or len(running) > self.speculative_max_batch:
+            return
+        for seq in running:
+            if seq.num_uncomputed == 1:
+                limit = min(self.max_context_len - len(seq.token_ids), seq.remaining_tokens) - 1
+                seq.draft = self.proposer.propose(seq.seq_id, seq.token_ids, limit)
+
+    def _sample(self, seq: Sequence, rows: np.ndarray) -> None:
+        """Sample row after row, each after the draft token before it; stop at the first that differs.
+
+        Every kept token is drawn from the model's distribution given the tokens before it, one draw each,
+        exactly as without a draft.
+        """
+        draft, seq.draft = seq.draft, []
+        request = self._requests[seq.seq_id]
+        for position, row in enumerate(rows):
+            token = sample_token(row, seq.params, seq.token_ids, seq.rng)
+            seq.append(token)
+            self.stats.generated_tokens += 1
+            if len(seq.token_ids) >= self.max_context_len:
+                seq.finish("length")
+            self._stream(request)
+            if seq.finished or position == len(draft) or token != draft[position]:
+                break
+        self.stats.draft_tokens += len(draft)
+        self.stats.accepted_tokens += position
 
     def _stream(self, request: Request) -> None:
         if request.detokenizer is None:
@@ -321,6 +363,7 @@ class LLMEngine:
 
     def _complete(self, request: Request, error: Exception | None = None) -> None:
         self._requests.pop(request.seq.seq_id, None)
+        self.proposer.forget(request.seq.seq_id)
         if request.detokenizer is not None:
             request._emit(request.detokenizer.flush())
         request._put(_DONE)

@@ -62,7 +62,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            count = min(seq.num_uncomputed, budget)
+            count = self._count(seq, budget)
+            if seq.draft and not self.blocks.can_hold(seq, seq.num_computed + count):
+                seq.draft.clear()  # a draft never costs another sequence its pages
+                count = self._count(seq, budget)
             while not self.blocks.can_hold(seq, seq.num_computed + count):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -100,9 +103,13 @@ class Scheduler:
         return batch
 
     def account(self, batch: ScheduledBatch) -> None:
-        """The batch's tokens are in the cache now: count them and offer full pages to the prefix cache."""
+        """After sampling: count the tokens now in the cache, offer full pages to the prefix cache.
+
+        Everything but the newest token is computed; a rejected draft's keys and values lie beyond that
+        and are overwritten by the next step.
+        """
         for seq, count in zip(batch.seqs, batch.num_tokens):
-            seq.num_computed += count
+            seq.num_computed = min(seq.num_computed + count, len(seq.token_ids) - 1)
             self.blocks.register_full_pages(seq)
 
     def retire(self) -> list[Sequence]:
@@ -113,7 +120,15 @@ class Scheduler:
             self.blocks.free(seq)
         return done
 
+    @staticmethod
+    def _count(seq: Sequence, budget: int) -> int:
+        """Tokens to compute for a running sequence: what is uncomputed, then its draft, within `budget`."""
+        count = min(seq.num_uncomputed + len(seq.draft), budget)
+        del seq.draft[max(0, count - seq.num_uncomputed):]
+        return count
+
     def _preempt(self, seq: Sequence) -> None:
+        seq.draft.clear()
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.status = Status.WAITING

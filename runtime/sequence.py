@@ -51,6 +51,7 @@ class Sequence:
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
+    draft: list[int] = field(default_factory=list)  # speculative tokens to verify after the last one
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
 
@@ -64,12 +65,24 @@ class Sequence:
         return self.token_ids[self.num_prompt:]
 
     @property
+    def remaining_tokens(self) -> int:
+        """New tokens it may still generate."""
+        return self.params.max_new_tokens - self.stats.output_tokens
+
+    @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
 
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    def window(self, start: int, stop: int) -> list[int]:
+        """Positions `start..stop-1` of the token ids followed by the draft (what a step computes)."""
+        ids = self.token_ids[start:stop]
+        if stop > len(self.token_ids):
+            ids += self.draft[:stop - len(self.token_ids)]
+        return ids
 
     def append(self, token: int) -> None:
         """Add a sampled token; finishes on eos or the length limit."""

@@ -93,18 +93,20 @@ def smollm2_greedy(smollm2_om):
     return prompts, outputs
 
 
-@pytest.mark.parametrize("layout", ["paged", "contiguous"])
-def test_engine_greedy_equals_transformers(smollm2_path, smollm2_om, smollm2_greedy, layout, tmp_path):
+@pytest.mark.parametrize("layout,drafts", [("paged", 0), ("contiguous", 0), ("paged", 4)])
+def test_engine_greedy_equals_transformers(smollm2_path, smollm2_om, smollm2_greedy, layout, drafts, tmp_path):
     from runtime.engine import LLMEngine
 
     om = compile_to(smollm2_path, tmp_path / "paged", enable_paged_attention=True) if layout == "paged" else smollm2_om
     prompts, expected = smollm2_greedy
-    with LLMEngine(om, max_batch_size=16, max_context_len=512, kv_cache_pages=32) as engine:
+    with LLMEngine(om, max_batch_size=16, max_context_len=512, kv_cache_pages=32, num_speculative_tokens=drafts,
+                   speculative_max_batch=16) as engine:
         alone = engine.submit(prompts[0], max_new_tokens=64, temperature=0, ignore_eos=True)
         assert alone.result() is not None and alone.output_ids == expected[0]
         requests = [engine.submit(p, max_new_tokens=64, temperature=0, ignore_eos=True) for p in prompts]
         assert [r.result() is not None and r.output_ids for r in requests] == expected
         assert engine.blocks.num_free == engine.blocks.num_pages
+        assert (engine.stats.accepted_tokens > 0) == bool(drafts)
 
 
 def test_force_fp16_stores_every_matmul_weight_and_the_tied_table_in_half_the_bytes(smollm2_om, smollm2_path, tmp_path):

@@ -37,13 +37,16 @@ def _greedy(engine, prompts, **kwargs):
     return [r.result() and r.output_ids for r in requests], requests
 
 
-def test_preemption_by_recompute_keeps_greedy_output_and_frees_every_page(small_pages_om):
+@pytest.mark.parametrize("drafts", [0, 4])
+def test_preemption_by_recompute_keeps_greedy_output_and_frees_every_page(small_pages_om, drafts):
     prompts = mixed_prompts(8, seed=5, low=20, high=60)
     # 12 pages of 16 tokens: the admitted sequences outgrow them while they decode
-    with LLMEngine(small_pages_om, max_batch_size=8, max_context_len=256, kv_cache_pages=12) as engine:
+    with LLMEngine(small_pages_om, max_batch_size=8, max_context_len=256, kv_cache_pages=12,
+                   num_speculative_tokens=drafts, speculative_max_batch=8) as engine:
         outputs, requests = _greedy(engine, prompts)
         assert outputs == hf_greedy("llama", tuple(map(tuple, prompts)))
         assert engine.stats.preemptions > 0 and sum(r.stats.preemptions for r in requests) > 0
+        assert (engine.stats.accepted_tokens > 0) == bool(drafts)
         assert engine.blocks.num_free == engine.blocks.num_pages
 
 
@@ -124,6 +127,21 @@ def test_stop_strings_and_per_request_stats(paged_om):
         stats.result()
         assert stats.stats.prompt_tokens == 3 and stats.stats.output_tokens == 10
         assert 0 < stats.stats.ttft_s <= stats.stats.total_s
+
+
+def test_drafts_change_no_request_output(paged_om):
+    requests = [("abc", {"temperature": 0}), ("hello there", {"temperature": 0, "repetition_penalty": 1.3}),
+                ("abc", {"temperature": 0.9, "seed": 3}), ("xyz", {"temperature": 1.2, "top_k": 20, "top_p": 0.9, "seed": 1})]
+    texts = {}
+    for drafts in (0, 4):
+        with LLMEngine(paged_om, max_context_len=256, kv_cache_pages=16, num_speculative_tokens=drafts) as engine:
+            handles = [engine.submit(prompt, max_new_tokens=40, ignore_eos=True, **params) for prompt, params in requests]
+            texts[drafts] = [(h.result(), h.output_ids) for h in handles]
+            stop = texts[drafts][0][0][9:12]
+            stopped = engine.submit("abc", max_new_tokens=40, temperature=0, ignore_eos=True, stop=[stop])
+            texts[drafts].append((stopped.result(), stopped.finish_reason))
+            assert (engine.stats.accepted_tokens > 0) == bool(drafts)
+    assert texts[4] == texts[0]
 
 
 def test_chat_renders_the_template_and_reuses_history(paged_om):

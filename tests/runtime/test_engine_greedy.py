@@ -2,7 +2,7 @@
 
 For every tiny family the fusion issue covers, both exporters, paged and contiguous artifacts: one
 request alone, then 16 concurrent requests of different lengths (so each request's batch-mates and
-chunking differ from its solo run).
+chunking differ from its solo run); then both again with prompt-lookup drafts verified in every step.
 """
 
 from __future__ import annotations
@@ -34,9 +34,11 @@ def test_greedy_equals_transformers(family, exporter, layout, tmp_path):
     om = compile_to(source, tmp_path / "m", enable_paged_attention=layout == "paged")
     prompts = mixed_prompts(16)
     expected = hf_greedy(family, tuple(map(tuple, prompts)))
-    with LLMEngine(om, max_batch_size=16, max_context_len=256, kv_cache_pages=64,
-                   max_num_batched_tokens=96) as engine:
-        assert _greedy(engine, prompts[:1]) == expected[:1]
-        assert _greedy(engine, prompts) == expected
-        assert engine.blocks.num_free == engine.blocks.num_pages
-    assert engine.paged == (layout == "paged")
+    for drafts in (0, 4):
+        with LLMEngine(om, max_batch_size=16, max_context_len=256, kv_cache_pages=64, max_num_batched_tokens=96,
+                       num_speculative_tokens=drafts, speculative_max_batch=16) as engine:
+            assert _greedy(engine, prompts[:1]) == expected[:1]
+            assert _greedy(engine, prompts) == expected
+            assert engine.blocks.num_free == engine.blocks.num_pages
+        assert engine.paged == (layout == "paged")
+        assert (engine.stats.accepted_tokens > 0) == bool(drafts)

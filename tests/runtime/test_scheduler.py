@@ -16,10 +16,10 @@ def _drive(scheduler: Scheduler, seqs: list[Sequence], max_steps: int = 10_000) 
     while scheduler.has_work():
         batch = scheduler.schedule()
         batches.append(batch)
-        scheduler.account(batch)
-        for seq in batch.seqs:
-            if not seq.num_uncomputed and not seq.finished:
+        for seq, count in zip(batch.seqs, batch.num_tokens):
+            if seq.num_computed + count >= len(seq.token_ids) and not seq.finished:
                 seq.append(7)
+        scheduler.account(batch)
         scheduler.retire()
         assert len(batches) < max_steps
     return batches
@@ -72,3 +72,38 @@ def test_abort_frees_a_running_sequence():
     assert blocks.num_used == 2
     scheduler.abort(seq)
     assert blocks.num_free == 8 and seq.finish_reason == "cancelled" and not scheduler.has_work()
+
+
+def test_a_draft_is_dropped_rather_than_preempting_another_sequence():
+    blocks = BlockManager(2, 4)
+    scheduler = Scheduler(blocks, max_batch_size=2, max_num_batched_tokens=64)
+    first, second = Sequence([1, 2, 3], SamplingParams()), Sequence([4, 5, 6], SamplingParams())
+    scheduler.add(first)
+    scheduler.add(second)
+    batch = scheduler.schedule()
+    for seq in batch.seqs:
+        seq.append(9)
+    scheduler.account(batch)
+    assert first.num_computed == 3 and first.num_uncomputed == 1
+    first.draft = [1, 2, 3]  # positions 3..6: a second page, and none is free
+    batch = scheduler.schedule()
+    assert batch.seqs == [first, second] and batch.num_tokens == [1, 1] and not batch.preempted
+    assert first.draft == []
+
+
+def test_a_draft_is_trimmed_to_the_token_budget_and_its_kv_rolls_back():
+    blocks = BlockManager(8, 4)
+    scheduler = Scheduler(blocks, max_batch_size=1, max_num_batched_tokens=3)
+    seq = Sequence([1, 2], SamplingParams())
+    scheduler.add(seq)
+    batch = scheduler.schedule()
+    seq.append(3)  # sampled from the prompt's last row
+    scheduler.account(batch)
+    seq.draft = [4, 5, 6, 7]
+    batch = scheduler.schedule()
+    assert batch.num_tokens == [3] and seq.draft == [4, 5]
+    assert seq.window(seq.num_computed, seq.num_computed + 3) == [3, 4, 5]
+    seq.append(4)  # the first draft token accepted, the second rejected and replaced
+    seq.append(8)
+    scheduler.account(batch)
+    assert seq.num_computed == 4 and seq.token_ids == [1, 2, 3, 4, 8] and seq.num_uncomputed == 1
