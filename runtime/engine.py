@@ -343,6 +343,8 @@ class LLMEngine:
         request = self._requests[seq.seq_id]
         for position, row in enumerate(rows):
             token = sample_token(row, seq.params, seq.token_ids, seq.rng)
+            if not position:
+                self.proposer.observe(seq.seq_id, token)
             seq.append(token)
             self.stats.generated_tokens += 1
             if len(seq.token_ids) >= self.max_context_len:

@@ -1,4 +1,5 @@
-"""Prompt-lookup drafts: the latest earlier match of the longest n-gram, checked against a brute-force search."""
+"""Prompt-lookup drafts: the latest earlier match of the longest n-gram, checked against a brute-force search;
+draft lengths that follow how often the lookup guesses right."""
 
 from __future__ import annotations
 
@@ -32,10 +33,10 @@ def test_the_longest_ngram_wins_and_its_latest_match_is_taken():
 def test_incremental_index_equals_a_fresh_search_at_every_length(max_ngram, min_ngram):
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 6, 300).tolist()  # a small alphabet: many repeats
-    proposer = NgramProposer(5, max_ngram, min_ngram)
+    proposer = NgramProposer(4, max_ngram, min_ngram)  # a new sequence's hit rate allows 4 tokens
     for length in range(1, len(tokens) + 1, 3):
         prefix = tokens[:length]
-        assert proposer.propose(7, prefix, 5) == _brute_force(prefix, 5, max_ngram, min_ngram), length
+        assert proposer.propose(7, prefix, 9) == _brute_force(prefix, 4, max_ngram, min_ngram), length
 
 
 def test_forgetting_a_sequence_drops_its_index():
@@ -50,3 +51,19 @@ def test_bad_settings_are_refused():
         NgramProposer(-1)
     with pytest.raises(ValueError):
         NgramProposer(2, max_ngram=1, min_ngram=2)
+
+
+def test_draft_length_follows_the_hit_rate_of_the_first_guess():
+    proposer = NgramProposer(8)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9] * 3 + [1]  # the lookup always has 8 tokens to offer
+    lengths = []
+    for _ in range(12):  # every first guess wrong
+        lengths.append(len(proposer.propose(0, tokens, 8)))
+        proposer.observe(0, -1)
+    assert lengths[0] == 4 and lengths == sorted(lengths, reverse=True) and lengths[-1] == 0
+    for _ in range(30):  # every first guess right, drafted or not
+        draft = proposer.propose(0, tokens, 8)
+        proposer.observe(0, tokens[1])
+    assert len(draft) == 8
+    proposer.observe(0, -1)  # a token with no lookup before it changes nothing
+    assert len(proposer.propose(0, tokens, 8)) == 8
