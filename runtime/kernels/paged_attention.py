@@ -318,40 +318,44 @@ class PagedBatch:
 
 # ---- blockwise prefill -----------------------------------------------------------------------------
 
-def _flash_block(q, key_cache, value_cache, pages, kv, first, last, offset, scale, out) -> None:
-    """Queries `first:last` of one sequence, the query heads of KV head `kv`: causal attention over the
-    context, FLASH_KEY_BLOCK keys at a time with an online softmax (numpy; BLAS and ufuncs release the GIL,
-    so blocks run in parallel threads)."""
-    page_size, head_dim = key_cache.shape[2], key_cache.shape[3]
-    group = q.shape[1] // key_cache.shape[1]
+def _flash_block(q, key_cache, value_cache, pages, first, last, offset, scale, out) -> None:
+    """Queries `first:last` of one sequence, every head at once: causal attention over the context,
+    FLASH_KEY_BLOCK keys at a time with an online softmax. Query heads are grouped under their KV head,
+    so each product is one batched matmul over the KV heads (numpy; BLAS and ufuncs release the GIL, so
+    blocks run in parallel threads)."""
+    kv_heads, page_size, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
+    group = q.shape[1] // kv_heads
     rows = last - first
-    heads = slice(kv * group, (kv + 1) * group)
-    queries = q[first:last, heads].transpose(1, 0, 2).reshape(group * rows, head_dim) * np.float32(scale)
-    positions = np.tile(np.arange(offset + first, offset + last), group)
-    running_max = np.full(group * rows, -np.inf, np.float32)
-    total = np.zeros(group * rows, np.float32)
-    acc = np.zeros((group * rows, head_dim), np.float32)
+    # [rows, Hq, D] -> [KV, group·rows, D]: query head h reads KV head h // group
+    queries = (q[first:last] * np.float32(scale)).transpose(1, 0, 2).reshape(kv_heads, group * rows, head_dim)
+    running_max = np.full((kv_heads, group * rows, 1), -np.inf, np.float32)
+    total = np.zeros((kv_heads, group * rows, 1), np.float32)
+    acc = np.zeros((kv_heads, group * rows, head_dim), np.float32)
+    diagonal = offset + first  # keys from here on are hidden from some of the block's queries
     visible_end = offset + last
     key_pages = max(1, FLASH_KEY_BLOCK // page_size)
     for p0 in range(0, -(-visible_end // page_size), key_pages):
         chunk = pages[p0:p0 + key_pages]
         k0 = p0 * page_size
         width = min(len(chunk) * page_size, visible_end - k0)
-        keys = key_cache[chunk, kv].reshape(-1, head_dim)[:width]
-        values = value_cache[chunk, kv].reshape(-1, head_dim)[:width]
-        scores = queries @ keys.T
-        if k0 + width - 1 > offset + first:  # the block reaches past the first query: hide the future
-            np.copyto(scores, -np.inf, where=np.arange(k0, k0 + width)[None, :] > positions[:, None])
-        new_max = np.maximum(running_max, scores.max(axis=1))
-        scores -= new_max[:, None]
+        keys = key_cache[chunk].transpose(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :width]
+        values = value_cache[chunk].transpose(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :width]
+        scores = np.matmul(queries, keys.transpose(0, 2, 1))
+        if k0 + width - 1 > diagonal:  # the block reaches past the first query: hide each query's future
+            begin = max(diagonal - k0, 0)
+            hidden = np.arange(k0 + begin, k0 + width)[None, :] > np.arange(diagonal, visible_end)[:, None]
+            view = scores.reshape(kv_heads, group, rows, width)[..., begin:]
+            np.copyto(view, -np.inf, where=hidden)
+        new_max = np.maximum(running_max, scores.max(axis=2, keepdims=True))
+        scores -= new_max
         np.exp(scores, out=scores)
         correction = np.exp(running_max - new_max)
-        total = total * correction + scores.sum(axis=1)
-        acc *= correction[:, None]
-        acc += scores @ values
+        total = total * correction + scores.sum(axis=2, keepdims=True)
+        acc *= correction
+        acc += np.matmul(scores, values)
         running_max = new_max
-    acc /= total[:, None]
-    out[first:last, heads] = acc.reshape(group, rows, head_dim).transpose(1, 0, 2)
+    acc /= total
+    out[first:last] = acc.reshape(q.shape[1], rows, head_dim).transpose(1, 0, 2)
 
 
 @lru_cache(maxsize=1)
@@ -361,15 +365,13 @@ def _threads() -> ThreadPoolExecutor:
 
 def flash_prefill(q, key_cache, value_cache, pages, length, scale, out):
     """One sequence's query rows q `[S, Hq, D]` (the last S of its `length` tokens) attend causally; writes
-    `out`. Work is cut into (KV head, FLASH_QUERY_BLOCK queries) blocks run on a thread per core, each
-    holding one block of scores whatever the context length; the products are BLAS matmuls."""
+    `out`. Work is cut into blocks of FLASH_QUERY_BLOCK queries run on a thread per core, each holding one
+    block of scores per head whatever the context length; the products are BLAS matmuls."""
     offset = length - q.shape[0]
-    blocks = [(kv, first, min(first + FLASH_QUERY_BLOCK, q.shape[0])) for first in range(0, q.shape[0], FLASH_QUERY_BLOCK)
-              for kv in range(key_cache.shape[1])]
+    blocks = [(first, min(first + FLASH_QUERY_BLOCK, q.shape[0])) for first in range(0, q.shape[0], FLASH_QUERY_BLOCK)]
     # the most expensive blocks (latest queries, most keys) first, so the threads finish together
-    blocks.sort(key=lambda block: -block[2])
-    futures = [_threads().submit(_flash_block, q, key_cache, value_cache, pages, kv, first, last, offset, scale, out)
-               for kv, first, last in blocks]
+    futures = [_threads().submit(_flash_block, q, key_cache, value_cache, pages, first, last, offset, scale, out)
+               for first, last in reversed(blocks)]
     for future in futures:
         future.result()
 
