@@ -7,7 +7,8 @@ requests (prompts are windows of real text), with aggregate tokens/s, TTFT and T
 utilisation and the sequences held for the KV memory used; host memory traced during long prefills.
 With --onnx, onnxruntime runs the original model (KV-cache I/O) in a greedy loop on the same prompts,
 in the same process, alternating with the engine so machine noise hits both alike. With
---num_speculative_tokens K, batch-1 decode is measured with prompt lookup as well as without it.
+--num_speculative_tokens K, batch-1 decode is measured with prompt lookup as well as without it, and the
+lowest concurrency is served once more without it.
 """
 
 from __future__ import annotations
@@ -72,7 +73,10 @@ class OnnxRuntimeLoop:
         return first, time.perf_counter() - start
 
 
-def _engine_generate(engine, prompt: list[int], new_tokens: int):
+def _engine_generate(engine, prompt: list[int], new_tokens: int, cold: bool = True):
+    """One greedy request; `cold` first empties the prefix cache, so no run reuses another's prompt pages."""
+    if cold:
+        engine.reset_prefix_cache()
     request = engine.submit(prompt, max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
     request.result()
     return request.stats
@@ -131,11 +135,12 @@ def _closed_loop(engine, requests: list[tuple[list[int], int]], concurrency: int
                 if not queue:
                     return
                 prompt, new_tokens = queue.pop()
-            stats = _engine_generate(engine, prompt, new_tokens)
+            stats = _engine_generate(engine, prompt, new_tokens, cold=False)
             with lock:
                 done.append(stats)
 
     engine.blocks.peak_used = 0
+    engine.reset_prefix_cache()  # each level starts cold, not with the pages of the one before
     start = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
     for thread in threads:
@@ -146,7 +151,7 @@ def _closed_loop(engine, requests: list[tuple[list[int], int]], concurrency: int
     ttft = [s.ttft_s * 1e3 for s in done]
     tpot = [s.tpot_s * 1e3 for s in done if s.tpot_s is not None]
     generated = sum(s.output_tokens for s in done)
-    return {"concurrency": concurrency, "requests": len(done), "seconds": seconds,
+    return {"concurrency": concurrency, "lookup": engine.proposer.num_tokens, "requests": len(done), "seconds": seconds,
             "output_tokens": generated, "tokens_per_s": generated / seconds,
             "ttft_ms_p50": _percentile(ttft, 50), "ttft_ms_p99": _percentile(ttft, 99),
             "tpot_ms_p50": _percentile(tpot, 50), "tpot_ms_p99": _percentile(tpot, 99),
@@ -186,10 +191,10 @@ def _print_table(report: dict) -> None:
         click.echo(f"prompt lookup: {row['num_speculative_tokens']} draft tokens a step, "
                    f"{row['accepted_share']:.0%} of {row['draft_tokens']} accepted")
     click.echo("")
-    click.echo("concurrency  requests  tok/s    TTFT p50/p99 ms   TPOT p50/p99 ms  KV pages live  peak seqs")
+    click.echo("concurrency lookup requests  tok/s    TTFT p50/p99 ms   TPOT p50/p99 ms  KV pages live  peak seqs")
     for row in report["serving"]:
         util = row["kv_page_utilisation"]
-        click.echo(f"{row['concurrency']:>11} {row['requests']:>9} {row['tokens_per_s']:>6.1f} "
+        click.echo(f"{row['concurrency']:>11} {row['lookup']:>6} {row['requests']:>8} {row['tokens_per_s']:>6.1f} "
                    f"{row['ttft_ms_p50']:>9.0f}/{row['ttft_ms_p99']:<7.0f} {row['tpot_ms_p50'] or 0:>8.1f}/"
                    f"{row['tpot_ms_p99'] or 0:<7.1f} {util if util is None else f'{util:.3f}':>13} "
                    f"{row['peak_sequences']:>10}")
@@ -198,9 +203,12 @@ def _print_table(report: dict) -> None:
         click.echo(f"\nKV memory: {memory['peak_sequences']} sequences in {memory['peak_pages']} pages; a contiguous "
                    f"{memory['max_context_len']}-token allocation per sequence fits {memory['contiguous_sequences']:.2f} "
                    f"in that memory ({memory['ratio']:.1f}x)")
-    if report["serving"] and len(report["serving"]) > 1:
-        click.echo(f"aggregate tok/s at concurrency {report['serving'][-1]['concurrency']} / concurrency 1: "
-                   f"{report['serving'][-1]['tokens_per_s'] / report['serving'][0]['tokens_per_s']:.2f}x")
+    serving = report["serving"]
+    busiest = max(serving, key=lambda row: row["concurrency"], default=None)
+    for base in serving:
+        if base["concurrency"] < busiest["concurrency"]:
+            click.echo(f"aggregate tok/s at concurrency {busiest['concurrency']} / concurrency {base['concurrency']} "
+                       f"(lookup {base['lookup']}): {busiest['tokens_per_s'] / base['tokens_per_s']:.2f}x")
     for row in report["long_prefill"]:
         click.echo(f"prefill {row['tokens']:>5} tokens: {row['seconds']:.2f} s, peak traced host memory "
                    f"{row['peak_traced_mb']:.1f} MB (one full [H, S, S] score matrix: {row['full_scores_mb_per_layer']:.0f} MB)")
@@ -246,6 +254,10 @@ def bench_command(onnx_path, text_file, num_requests, concurrency, prompt_length
         requests = list(zip(_windows(ids, rng.integers(low, high + 1, num_requests).tolist(), rng),
                             rng.integers(out_low, out_high + 1, num_requests).tolist()))
         serving = [_closed_loop(engine, requests, level) for level in levels]
+        if engine.proposer.num_tokens:  # the lowest concurrency again, one token a step
+            lookup, engine.proposer.num_tokens = engine.proposer.num_tokens, 0
+            serving.append(_closed_loop(engine, requests, min(levels)))
+            engine.proposer.num_tokens = lookup
         busiest = max(serving, key=lambda row: row["peak_sequences"])
         fits = busiest["peak_pages"] * engine.page_size / engine.max_context_len
         report = {

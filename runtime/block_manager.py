@@ -116,6 +116,14 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed = 0
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the contents of every page no sequence holds (measurements that must start cold)."""
+        for index, page in enumerate(self._pages):
+            if page.ref_count == 0 and page.hash is not None:
+                if self._by_hash.get(page.hash) == index:
+                    del self._by_hash[page.hash]
+                page.hash = None
+
     def _hash(self, parent: int | None, tokens: list[int], index: int) -> int:
         return hash((parent, tuple(tokens[index * self.page_size:(index + 1) * self.page_size])))
 

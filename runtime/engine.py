@@ -229,6 +229,10 @@ class LLMEngine:
         text = self._template().render(messages)
         return self._require_tokenizer().encode(text, add_special_tokens=False)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prompt pages not in use, before the next request is admitted."""
+        self._post(("reset", None))
+
     def close(self) -> None:
         """Stop the worker; requests still in flight are cancelled."""
         self._closed = True
@@ -287,6 +291,8 @@ class LLMEngine:
                 self._requests[request.seq.seq_id] = request
                 self.scheduler.add(request.seq)
                 self.stats.prompt_tokens += request.seq.num_prompt
+            elif kind == "reset":
+                self.blocks.reset_prefix_cache()
             elif request.seq.seq_id in self._requests:
                 self._cancel(request)
 

@@ -34,6 +34,7 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
 from runtime.kernels.attention import apply_rotary  # noqa: E402
+from runtime.kernels.fast_math import fast_exp  # noqa: E402
 
 # name, dtype, shape of the attention metadata a paged FusedAttention reads as inputs 9-12
 METADATA_INPUTS = (
@@ -203,18 +204,71 @@ def _attend_query(query, key_cache, value_cache, kv, pages, position, scale, sco
             scores[r] = s
             page_max = max(page_max, s)
         new_max = max(running_max, page_max)
-        correction = np.exp(running_max - new_max)
+        correction = fast_exp(running_max - new_max)
         total *= correction
         for d in range(head_dim):
             acc[d] *= correction
         for r in range(rows):
-            p = np.exp(scores[r] - new_max)
+            p = fast_exp(scores[r] - new_max)
+            scores[r] = p
             total += p
+        for r in range(rows):
+            p = scores[r]
             for d in range(head_dim):
                 acc[d] += p * value_cache[page, kv, r, d]
         running_max = new_max
     for d in range(head_dim):
         out[d] = acc[d] / total
+
+
+@numba.njit(fastmath=True, cache=True)
+def _attend_group(q, t, key_cache, value_cache, kv, pages, position, scale, scores, acc, state, out):
+    """`_attend_query` for the query heads of token `t` that share KV head `kv`, at once: each key and value
+    row is read once per group rather than once per head, and the exponentials run as a loop of their own
+    (vectorized). q and out are `[T, Hq, D]`; scratch: scores `[G, page_size]`, acc `[G, D]`, state `[3, G]`."""
+    group = scores.shape[0]
+    page_size, head_dim = key_cache.shape[2], key_cache.shape[3]
+    first = kv * group
+    running_max, total, page_max = state[0], state[1], state[2]
+    running_max[:] = -np.inf
+    total[:] = 0.0
+    acc[:] = 0.0
+    for page_index in range(position // page_size + 1):
+        page = pages[page_index]
+        rows = min(page_size, position + 1 - page_index * page_size)
+        page_max[:] = -np.inf
+        for r in range(rows):
+            key = key_cache[page, kv, r]
+            for g in range(group):
+                query = q[t, first + g]
+                s = np.float32(0.0)
+                for d in range(head_dim):
+                    s += query[d] * key[d]
+                s *= scale
+                scores[g, r] = s
+                page_max[g] = max(page_max[g], s)
+        for g in range(group):
+            new_max = max(running_max[g], page_max[g])
+            correction = fast_exp(running_max[g] - new_max)
+            for d in range(head_dim):
+                acc[g, d] *= correction
+            page_total = np.float32(0.0)
+            for r in range(rows):
+                p = fast_exp(scores[g, r] - new_max)
+                scores[g, r] = p
+                page_total += p
+            total[g] = total[g] * correction + page_total
+            running_max[g] = new_max
+        for r in range(rows):
+            value = value_cache[page, kv, r]
+            for g in range(group):
+                p = scores[g, r]
+                row = acc[g]
+                for d in range(head_dim):
+                    row[d] += p * value[d]
+    for g in range(group):
+        for d in range(head_dim):
+            out[t, first + g, d] = acc[g, d] / total[g]
 
 
 @numba.njit(fastmath=True, cache=True)
@@ -237,12 +291,13 @@ def _decode_step(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, slot_mappi
     q = np.empty_like(out)
     _rotate_and_store(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, slot_mapping, key_cache, value_cache, q)
     group = out.shape[1] // key_cache.shape[1]
-    scores = np.empty(key_cache.shape[2], dtype=np.float32)
-    acc = np.empty(out.shape[2], dtype=np.float32)
+    scores = np.empty((group, key_cache.shape[2]), dtype=np.float32)
+    acc = np.empty((group, out.shape[2]), dtype=np.float32)
+    state = np.empty((3, group), dtype=np.float32)
     for t in range(out.shape[0]):
-        for h in range(out.shape[1]):
-            _attend_query(q[t, h], key_cache, value_cache, h // group, block_tables[t], seq_lens[t] - 1, scale, scores,
-                          acc, out[t, h])
+        for kv in range(key_cache.shape[1]):
+            _attend_group(q, t, key_cache, value_cache, kv, block_tables[t], seq_lens[t] - 1, scale, scores, acc, state,
+                          out)
 
 
 @numba.njit(cache=True)

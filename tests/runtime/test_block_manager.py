@@ -68,6 +68,17 @@ def test_freed_pages_stay_findable_until_the_pool_needs_them():
     assert blocks.claim_prefix(_seq(range(40))) == 0
 
 
+def test_resetting_the_prefix_cache_forgets_free_pages_only():
+    blocks = BlockManager(8, PAGE)
+    held, freed = _seq(range(40)), _seq(range(500, 540))
+    _run_prompt(blocks, held)
+    _run_prompt(blocks, freed)
+    blocks.free(freed)
+    blocks.reset_prefix_cache()
+    assert blocks.claim_prefix(_seq(range(500, 540))) == 0
+    assert blocks.claim_prefix(_seq(range(40))) == 32  # still held by a running sequence
+
+
 def test_a_forked_sequence_copies_the_shared_page_it_writes():
     blocks = BlockManager(8, PAGE)
     parent = _seq(range(20))
