@@ -4,7 +4,7 @@
 
 Batch-1 prefill and decode tokens/s; a closed loop of C clients (C = 1, 8, 32) over the same mixed-length
 requests (prompts are windows of real text), with aggregate tokens/s, TTFT and TPOT p50/p99, KV page
-utilisation and the sequences held for the KV memory used; host memory traced during long prefills.
+utilisation and the sequences held for the KV memory used; resident memory added by long prefills.
 With --onnx, onnxruntime runs the original model (KV-cache I/O) in a greedy loop on the same prompts,
 in the same process, alternating with the engine so machine noise hits both alike. With
 --num_speculative_tokens K, batch-1 decode is measured with prompt lookup as well as without it, and the
@@ -17,7 +17,6 @@ import json
 import statistics
 import threading
 import time
-import tracemalloc
 from pathlib import Path
 
 import click
@@ -161,17 +160,28 @@ def _closed_loop(engine, requests: list[tuple[list[int], int]], concurrency: int
             "preemptions": sum(s.preemptions for s in done)}
 
 
+def _resident_kib(field: str) -> int:
+    return next(int(line.split()[1]) for line in Path("/proc/self/status").open() if line.startswith(field))
+
+
 def _long_prefills(engine, ids: list[int], lengths: list[int], num_heads: int) -> list[dict]:
-    """Host memory traced while prefilling `lengths` tokens, beside what one [H, S, S] score matrix needs."""
+    """Peak resident memory added while prefilling `lengths` tokens (Linux's high-water mark, reset first:
+    onnxruntime's allocations count too), the KV pages' share of it, and what one [H, S, S] score matrix
+    would need."""
     rows = []
     for length in lengths:
         prompt = (ids * (length // max(1, len(ids)) + 1))[:length]
-        tracemalloc.start()
+        engine.reset_prefix_cache()
+        before = _resident_kib("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # the high-water mark starts again from here
         stats = _engine_generate(engine, prompt, 1)
-        _, peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-        rows.append({"tokens": length, "seconds": stats.ttft_s, "peak_traced_mb": peak / 2**20,
-                     "full_scores_mb_per_layer": num_heads * length * length * 4 / 2**20})
+        added = (_resident_kib("VmHWM") - before) * 1024
+        kv = None
+        if engine.paged:
+            pool = engine.runner.pool
+            kv = -(-length // engine.page_size) * pool.nbytes / pool.num_pages / 2**20
+        rows.append({"tokens": length, "seconds": stats.ttft_s, "peak_rss_added_mb": added / 2**20,
+                     "kv_pages_mb": kv, "full_scores_mb_per_layer": num_heads * length * length * 4 / 2**20})
     return rows
 
 
@@ -210,8 +220,9 @@ def _print_table(report: dict) -> None:
             click.echo(f"aggregate tok/s at concurrency {busiest['concurrency']} / concurrency {base['concurrency']} "
                        f"(lookup {base['lookup']}): {busiest['tokens_per_s'] / base['tokens_per_s']:.2f}x")
     for row in report["long_prefill"]:
-        click.echo(f"prefill {row['tokens']:>5} tokens: {row['seconds']:.2f} s, peak traced host memory "
-                   f"{row['peak_traced_mb']:.1f} MB (one full [H, S, S] score matrix: {row['full_scores_mb_per_layer']:.0f} MB)")
+        click.echo(f"prefill {row['tokens']:>5} tokens: {row['seconds']:.2f} s, peak resident memory added "
+                   f"{row['peak_rss_added_mb']:.0f} MB, of which KV pages {row['kv_pages_mb'] or 0:.0f} MB (one full "
+                   f"[H, S, S] score matrix: {row['full_scores_mb_per_layer']:.0f} MB)")
 
 
 def _ints(text: str) -> list[int]:
@@ -229,7 +240,7 @@ def _ints(text: str) -> list[int]:
 @click.option("--prefill_tokens", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--decode_tokens", type=click.IntRange(min=2), default=128, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
-@click.option("--long_prefill", default="1024,2048,4096", show_default=True, help="prefill lengths to trace; '' skips")
+@click.option("--long_prefill", default="1024,2048,4096", show_default=True, help="prefill lengths to measure; '' skips")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", default="bench.json", show_default=True)
 def bench_command(onnx_path, text_file, num_requests, concurrency, prompt_lengths, output_lengths, prefill_tokens,

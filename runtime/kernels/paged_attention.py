@@ -13,17 +13,15 @@ Three implementations of one contract, tested against each other:
   (one query per sequence) run serially, rotation, cache write and attention in one call (`_decode_step`:
   the numba dispatches of a step are a measurable share of a batch-1 token); bigger steps run in parallel
   over sequences × heads × blocks.
-- `flash_prefill` (numpy + BLAS): a long prompt chunk attends block by block (queries × a few pages of
-  keys at a time) with the same online softmax, so scratch memory grows linearly with the context
-  and the products run as matrix multiplications.
+- `flash_prefill` (runtime/kernels/flash_prefill.py, on onnxruntime's kernels): a long prompt chunk
+  attends block by block (queries × a block of keys at a time) with the same online softmax, so scratch
+  memory grows linearly with the context and the products run as matrix multiplications.
 """
 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 # numba's parallel kernels run between onnxruntime sessions on the same cores; OpenMP threads that keep
 # spinning after a kernel slow the next session down (measured: a 512-token SmolLM2 prefill 654 → 506 ms).
@@ -35,6 +33,7 @@ import numpy as np  # noqa: E402
 
 from runtime.kernels.attention import apply_rotary  # noqa: E402
 from runtime.kernels.fast_math import fast_exp  # noqa: E402
+from runtime.kernels.flash_prefill import flash_prefill  # noqa: E402
 
 # name, dtype, shape of the attention metadata a paged FusedAttention reads as inputs 9-12
 METADATA_INPUTS = (
@@ -46,8 +45,6 @@ METADATA_INPUTS = (
 QUERY_BLOCK = 32
 PARALLEL_WORK = 1 << 16  # query·key pairs per head from which numba's threads pay for their wake-up
 FLASH_MIN_QUERIES = 64  # prompt chunks at least this long attend through flash_prefill
-FLASH_KEY_BLOCK = 512
-FLASH_QUERY_BLOCK = 128
 
 
 def is_paged_attention(node) -> bool:
@@ -371,66 +368,6 @@ class PagedBatch:
         return batch
 
 
-# ---- blockwise prefill -----------------------------------------------------------------------------
-
-def _flash_block(q, key_cache, value_cache, pages, first, last, offset, scale, out) -> None:
-    """Queries `first:last` of one sequence, every head at once: causal attention over the context,
-    FLASH_KEY_BLOCK keys at a time with an online softmax. Query heads are grouped under their KV head,
-    so each product is one batched matmul over the KV heads (numpy; BLAS and ufuncs release the GIL, so
-    blocks run in parallel threads)."""
-    kv_heads, page_size, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
-    group = q.shape[1] // kv_heads
-    rows = last - first
-    # [rows, Hq, D] -> [KV, group·rows, D]: query head h reads KV head h // group
-    queries = (q[first:last] * np.float32(scale)).transpose(1, 0, 2).reshape(kv_heads, group * rows, head_dim)
-    running_max = np.full((kv_heads, group * rows, 1), -np.inf, np.float32)
-    total = np.zeros((kv_heads, group * rows, 1), np.float32)
-    acc = np.zeros((kv_heads, group * rows, head_dim), np.float32)
-    diagonal = offset + first  # keys from here on are hidden from some of the block's queries
-    visible_end = offset + last
-    key_pages = max(1, FLASH_KEY_BLOCK // page_size)
-    for p0 in range(0, -(-visible_end // page_size), key_pages):
-        chunk = pages[p0:p0 + key_pages]
-        k0 = p0 * page_size
-        width = min(len(chunk) * page_size, visible_end - k0)
-        keys = key_cache[chunk].transpose(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :width]
-        values = value_cache[chunk].transpose(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :width]
-        scores = np.matmul(queries, keys.transpose(0, 2, 1))
-        if k0 + width - 1 > diagonal:  # the block reaches past the first query: hide each query's future
-            begin = max(diagonal - k0, 0)
-            hidden = np.arange(k0 + begin, k0 + width)[None, :] > np.arange(diagonal, visible_end)[:, None]
-            view = scores.reshape(kv_heads, group, rows, width)[..., begin:]
-            np.copyto(view, -np.inf, where=hidden)
-        new_max = np.maximum(running_max, scores.max(axis=2, keepdims=True))
-        scores -= new_max
-        np.exp(scores, out=scores)
-        correction = np.exp(running_max - new_max)
-        total = total * correction + scores.sum(axis=2, keepdims=True)
-        acc *= correction
-        acc += np.matmul(scores, values)
-        running_max = new_max
-    acc /= total
-    out[first:last] = acc.reshape(q.shape[1], rows, head_dim).transpose(1, 0, 2)
-
-
-@lru_cache(maxsize=1)
-def _threads() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="flash")
-
-
-def flash_prefill(q, key_cache, value_cache, pages, length, scale, out):
-    """One sequence's query rows q `[S, Hq, D]` (the last S of its `length` tokens) attend causally; writes
-    `out`. Work is cut into blocks of FLASH_QUERY_BLOCK queries run on a thread per core, each holding one
-    block of scores per head whatever the context length; the products are BLAS matmuls."""
-    offset = length - q.shape[0]
-    blocks = [(first, min(first + FLASH_QUERY_BLOCK, q.shape[0])) for first in range(0, q.shape[0], FLASH_QUERY_BLOCK)]
-    # the most expensive blocks (latest queries, most keys) first, so the threads finish together
-    futures = [_threads().submit(_flash_block, q, key_cache, value_cache, pages, first, last, offset, scale, out)
-               for first, last in reversed(blocks)]
-    for future in futures:
-        future.result()
-
-
 # ---- the node --------------------------------------------------------------------------------------
 
 def paged_fused_attention(inputs: list, key_cache: np.ndarray, value_cache: np.ndarray, *, num_heads: int,
@@ -471,13 +408,6 @@ def _decode(query, key, value, cos, sin, batch, key_cache, value_cache, num_head
     return out.reshape(1, qsrc.shape[0], num_heads * head_dim)
 
 
-@lru_cache(maxsize=1)
-def _blas():
-    from threadpoolctl import ThreadpoolController
-
-    return ThreadpoolController()
-
-
 def _fast_attention(batch: PagedBatch, q, key_cache, value_cache, scale):
     """Long prompt chunks through flash_prefill, everything else (decodes, short chunks) through numba."""
     out = np.empty_like(q)
@@ -486,13 +416,10 @@ def _fast_attention(batch: PagedBatch, q, key_cache, value_cache, scale):
         return out
     page_size = key_cache.shape[2]
     starts, contexts, tables = batch.query_start_loc, batch.seq_lens, batch.block_tables
-    # one BLAS thread: its idle threads spin and starve numba's and onnxruntime's (measured: a 512-token
-    # SmolLM2 prefill 850-950 ms with OpenBLAS's default threads, 490-500 ms with one)
-    with _blas().limit(limits=1, user_api="blas"):
-        for b in batch.flash:
-            start, end, length = int(starts[b]), int(starts[b + 1]), int(contexts[b])
-            flash_prefill(q[start:end], key_cache, value_cache, tables[b, :-(-length // page_size)], length, scale,
-                          out[start:end])
+    for b in batch.flash:
+        start, end, length = int(starts[b]), int(starts[b + 1]), int(contexts[b])
+        flash_prefill(q[start:end], key_cache, value_cache, tables[b, :-(-length // page_size)], length, scale,
+                      out[start:end])
     if batch.short is not None:
         rows = batch.short_rows
         part = np.empty((len(rows),) + q.shape[1:], q.dtype)

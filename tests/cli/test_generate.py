@@ -67,14 +67,19 @@ def test_bench_measures_and_writes_json(chat_om, tmp_path):
     result = _cann_run("bench", "--model", str(chat_om), "--onnx", str(tiny_onnx("llama", dynamo=False, with_past=True)),
                        "--requests", "6", "--concurrency", "1,3", "--prompt_lengths", "8,40", "--output_lengths", "4,12",
                        "--prefill_tokens", "32", "--decode_tokens", "8", "--repeats", "1", "--long_prefill", "256",
-                       "--kv_cache_pages", "16", "--max_context_len", "256", "--json", str(out))
+                       "--kv_cache_pages", "16", "--max_context_len", "256", "--num_speculative_tokens", "4",
+                       "--json", str(out))
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
-    assert set(report["batch1"]) == {"engine", "onnxruntime"}
-    assert all(v > 0 for side in report["batch1"].values() for v in side.values())
-    assert [row["concurrency"] for row in report["serving"]] == [1, 3]
+    assert set(report["batch1"]) == {"engine", "engine+lookup", "onnxruntime"}
+    assert all(report["batch1"][side][key] > 0 for side in ("engine", "onnxruntime") for key in ("prefill", "decode"))
+    lookup = report["batch1"]["engine+lookup"]
+    assert lookup["decode"] > 0 and lookup["num_speculative_tokens"] == 4 and 0 <= lookup["accepted_share"] <= 1
+    # the lowest concurrency is served again without drafts
+    assert [(row["concurrency"], row["lookup"]) for row in report["serving"]] == [(1, 4), (3, 4), (1, 0)]
     assert all(row["requests"] == 6 and row["output_tokens"] >= 6 * 4 for row in report["serving"])
     assert 1 <= report["serving"][1]["peak_sequences"] <= 3  # how many overlap depends on timing
     assert 0 < report["serving"][1]["kv_page_utilisation"] <= 1
-    assert report["long_prefill"][0]["tokens"] == 256
-    assert "aggregate tok/s at concurrency 3 / concurrency 1" in result.stdout
+    prefill = report["long_prefill"][0]
+    assert prefill["tokens"] == 256 and prefill["kv_pages_mb"] > 0 and prefill["peak_rss_added_mb"] >= 0
+    assert "aggregate tok/s at concurrency 3 / concurrency 1 (lookup 0)" in result.stdout

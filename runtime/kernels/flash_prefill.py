@@ -1,0 +1,102 @@
+"""`flash_prefill`: a long prompt chunk's causal attention, block by block, on onnxruntime's kernels.
+
+Queries are cut into blocks of FLASH_QUERY_BLOCK, the context into blocks of FLASH_KEY_BLOCK keys read
+from the pages; one onnxruntime run per (query block, key block) computes every head's scores with
+MLAS's matmul, hides each query's future, and returns the block's row maxima, exponential sums and
+weighted values, which are merged across key blocks with the online-softmax rescaling. Scratch memory is
+one block of scores per head, whatever the context length. `paged_attention_reference` is its spec.
+
+Why onnxruntime and not numpy: numpy's OpenBLAS here runs AVX2 kernels at half the speed of MLAS's
+AVX-512 ones, and its elementwise passes (mask, max, exp, sum) ran one after another in Python; on
+SmolLM2 the 512-token prefill's attention took 0.17-0.19 s that way, 0.12 s this way, and the
+sessions of a step share onnxruntime's thread pool instead of competing with it.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from runtime.ort_session import session_options
+
+FLASH_QUERY_BLOCK = 128
+FLASH_KEY_BLOCK = 1024
+_HIDDEN = -1e9  # a score no query can see; finite, so a row hidden from a whole block stays a number
+
+
+@lru_cache(maxsize=1)
+def _session() -> ort.InferenceSession:
+    """q [KV, M, D] (scaled), k and v [KV, W, D], qpos [M, 1], kpos [1, W] -> per row: max m [KV, M, 1],
+    sum of exp(s - m) l [KV, M, 1], and o = exp(s - m) @ v [KV, M, D]."""
+    f = TensorProto.FLOAT
+    nodes = [
+        helper.make_node("Transpose", ["k"], ["k_t"], perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["q", "k_t"], ["scores"]),
+        helper.make_node("Greater", ["kpos", "qpos"], ["future"]),
+        helper.make_node("Where", ["future", "hidden", "scores"], ["visible"]),
+        helper.make_node("ReduceMax", ["visible"], ["m"], axes=[2], keepdims=1),
+        helper.make_node("Sub", ["visible", "m"], ["shifted"]),
+        helper.make_node("Exp", ["shifted"], ["p"]),
+        helper.make_node("ReduceSum", ["p", "last_axis"], ["l"], keepdims=1),
+        helper.make_node("MatMul", ["p", "v"], ["o"]),
+    ]
+    inputs = [helper.make_tensor_value_info("q", f, ["kv", "m", "d"]),
+              helper.make_tensor_value_info("k", f, ["kv", "w", "d"]),
+              helper.make_tensor_value_info("v", f, ["kv", "w", "d"]),
+              helper.make_tensor_value_info("qpos", f, ["m", 1]),
+              helper.make_tensor_value_info("kpos", f, [1, "w"])]
+    outputs = [helper.make_tensor_value_info(name, f, None) for name in ("m", "l", "o")]
+    constants = [helper.make_tensor("hidden", f, [], [_HIDDEN]), helper.make_tensor("last_axis", TensorProto.INT64, [1], [2])]
+    graph = helper.make_graph(nodes, "flash_block", inputs, outputs, constants)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    options = session_options()
+    # blocks come and go in sizes that depend on the context: give their memory back after each run
+    options.enable_cpu_mem_arena = False
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _context_block(cache: np.ndarray, pages: np.ndarray, width: int) -> np.ndarray:
+    """`[KV, width, D]`: the first `width` rows of `pages`, per KV head, contiguous."""
+    kv_heads, head_dim = cache.shape[1], cache.shape[3]
+    return np.ascontiguousarray(cache[pages].transpose(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :width])
+
+
+def flash_prefill(q, key_cache, value_cache, pages, length, scale, out):
+    """One sequence's query rows q `[S, Hq, D]` (the last S of its `length` tokens) attend causally over
+    its pages (`pages`: its block-table row); writes `out` `[S, Hq, D]`."""
+    kv_heads, page_size, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
+    queries_total, num_heads = q.shape[0], q.shape[1]
+    group = num_heads // kv_heads
+    offset = length - queries_total
+    key_pages = max(1, FLASH_KEY_BLOCK // page_size)
+    session = _session()
+    for first in range(0, queries_total, FLASH_QUERY_BLOCK):
+        last = min(first + FLASH_QUERY_BLOCK, queries_total)
+        rows = last - first
+        # [rows, Hq, D] -> [KV, group·rows, D]: query head h reads KV head h // group
+        queries = np.ascontiguousarray((q[first:last] * np.float32(scale)).transpose(1, 0, 2))
+        queries = queries.reshape(kv_heads, group * rows, head_dim)
+        qpos = np.tile(np.arange(offset + first, offset + last, dtype=np.float32), group)[:, None]
+        visible_end = offset + last  # keys past the block's last query are nobody's
+        running_max = total = acc = None
+        for p0 in range(0, -(-visible_end // page_size), key_pages):
+            k0 = p0 * page_size
+            chunk = pages[p0:p0 + key_pages]
+            width = min(len(chunk) * page_size, visible_end - k0)
+            feeds = {"q": queries, "k": _context_block(key_cache, chunk, width),
+                     "v": _context_block(value_cache, chunk, width), "qpos": qpos,
+                     "kpos": np.arange(k0, k0 + width, dtype=np.float32)[None]}
+            block_max, block_total, block_acc = session.run(None, feeds)
+            if acc is None:  # the first key block: every query sees key 0, so no row is all hidden
+                running_max, total, acc = block_max, block_total, block_acc
+                continue
+            new_max = np.maximum(running_max, block_max)
+            old_weight, new_weight = np.exp(running_max - new_max), np.exp(block_max - new_max)
+            total = total * old_weight + block_total * new_weight
+            acc = acc * old_weight + block_acc * new_weight
+            running_max = new_max
+        acc /= total
+        out[first:last] = acc.reshape(num_heads, rows, head_dim).transpose(1, 0, 2)
