@@ -221,8 +221,9 @@ def _print_table(report: dict) -> None:
                        f"(lookup {base['lookup']}): {busiest['tokens_per_s'] / base['tokens_per_s']:.2f}x")
     for row in report["long_prefill"]:
         click.echo(f"prefill {row['tokens']:>5} tokens: {row['seconds']:.2f} s, peak resident memory added "
-                   f"{row['peak_rss_added_mb']:.0f} MB, of which KV pages {row['kv_pages_mb'] or 0:.0f} MB (one full "
-                   f"[H, S, S] score matrix: {row['full_scores_mb_per_layer']:.0f} MB)")
+                   f"{row['peak_rss_added_mb']:.0f} MB (the prompt's KV pages: {row['kv_pages_mb'] or 0:.0f} MB, less "
+                   f"where reused pages were resident; one full [H, S, S] score matrix: "
+                   f"{row['full_scores_mb_per_layer']:.0f} MB)")
 
 
 def _ints(text: str) -> list[int]:
