@@ -332,10 +332,10 @@ class LLMEngine:
     def _draft(self) -> None:
         """Give each decoding sequence a draft to verify, while the batch is small enough to gain from it."""
         running = self.scheduler.running
-        if not self.proposer.num_tokens or len(running) > self.speculative_max_batch:
-            return
+        drafting = self.proposer.num_tokens and len(running) <= self.speculative_max_batch
         for seq in running:
-            if seq.num_uncomputed == 1:
+            seq.draft = []  # one the last step's budget left unscheduled is not carried over
+            if drafting and seq.num_uncomputed == 1:
                 limit = min(self.max_context_len - len(seq.token_ids), seq.remaining_tokens) - 1
                 seq.draft = self.proposer.propose(seq.seq_id, seq.token_ids, limit)
 

@@ -11,8 +11,8 @@ Three implementations of one contract, tested against each other:
 - `paged_attention` (numba): each (sequence, head, block of queries) reads the pages in place with an
   online softmax, so its scratch memory is one page of scores whatever the context length. Decode steps
   (one query per sequence) run serially, rotation, cache write and attention in one call (`_decode_step`:
-  the numba dispatches of a step are a measurable share of a batch-1 token); bigger steps run in parallel
-  over sequences × heads × blocks.
+  the numba dispatches of a step are a measurable share of a batch-1 token), the query heads sharing a
+  KV head attending together; bigger steps run in parallel over sequences × heads × blocks.
 - `flash_prefill` (runtime/kernels/flash_prefill.py, on onnxruntime's kernels): a long prompt chunk
   attends block by block (queries × a block of keys at a time) with the same online softmax, so scratch
   memory grows linearly with the context and the products run as matrix multiplications.
@@ -182,50 +182,14 @@ def _work_items(query_start_loc, num_heads, block):
 
 
 @numba.njit(fastmath=True, cache=True)
-def _attend_query(query, key_cache, value_cache, kv, pages, position, scale, scores, acc, out):
-    """out = attention of one query vector over cache positions 0..position of KV head `kv` (pages = the
-    sequence's block-table row), one page of scores at a time with an online softmax."""
-    head_dim, page_size = query.shape[0], key_cache.shape[2]
-    running_max = np.float32(-np.inf)
-    total = np.float32(0.0)
-    acc[:] = 0.0
-    for page_index in range(position // page_size + 1):
-        page = pages[page_index]
-        rows = min(page_size, position + 1 - page_index * page_size)
-        page_max = np.float32(-np.inf)
-        for r in range(rows):
-            s = np.float32(0.0)
-            for d in range(head_dim):
-                s += query[d] * key_cache[page, kv, r, d]
-            s *= scale
-            scores[r] = s
-            page_max = max(page_max, s)
-        new_max = max(running_max, page_max)
-        correction = fast_exp(running_max - new_max)
-        total *= correction
-        for d in range(head_dim):
-            acc[d] *= correction
-        for r in range(rows):
-            p = fast_exp(scores[r] - new_max)
-            scores[r] = p
-            total += p
-        for r in range(rows):
-            p = scores[r]
-            for d in range(head_dim):
-                acc[d] += p * value_cache[page, kv, r, d]
-        running_max = new_max
-    for d in range(head_dim):
-        out[d] = acc[d] / total
-
-
-@numba.njit(fastmath=True, cache=True)
-def _attend_group(q, t, key_cache, value_cache, kv, pages, position, scale, scores, acc, state, out):
-    """`_attend_query` for the query heads of token `t` that share KV head `kv`, at once: each key and value
-    row is read once per group rather than once per head, and the exponentials run as a loop of their own
-    (vectorized). q and out are `[T, Hq, D]`; scratch: scores `[G, page_size]`, acc `[G, D]`, state `[3, G]`."""
+def _attend_heads(q, t, first, key_cache, value_cache, kv, pages, position, scale, scores, acc, state, out):
+    """out[t, first:first+n] = attention of query heads `first..first+n-1` of token `t` (all reading KV head
+    `kv`) over cache positions 0..position (pages = the sequence's block-table row), one page of scores at
+    a time with an online softmax. Heads sharing a KV head go together, so each key and value row is read
+    once for all of them; the exponentials run as a loop of their own (vectorized). q and out are
+    `[T, Hq, D]`; scratch: scores `[n, page_size]`, acc `[n, D]`, state `[3, n]`."""
     group = scores.shape[0]
     page_size, head_dim = key_cache.shape[2], key_cache.shape[3]
-    first = kv * group
     running_max, total, page_max = state[0], state[1], state[2]
     running_max[:] = -np.inf
     total[:] = 0.0
@@ -273,11 +237,12 @@ def _attend_item(w, q, key_cache, value_cache, query_start_loc, seq_lens, block_
     b, h, first, last = work[w, 0], work[w, 1], work[w, 2], work[w, 3]
     kv = h // (q.shape[1] // key_cache.shape[1])
     q_len = query_start_loc[b + 1] - query_start_loc[b]
-    scores = np.empty(key_cache.shape[2], dtype=np.float32)
-    acc = np.empty(q.shape[2], dtype=np.float32)
+    scores = np.empty((1, key_cache.shape[2]), dtype=np.float32)
+    acc = np.empty((1, q.shape[2]), dtype=np.float32)
+    state = np.empty((3, 1), dtype=np.float32)
     for t in range(first, last):
         position = seq_lens[b] - q_len + (t - query_start_loc[b])
-        _attend_query(q[t, h], key_cache, value_cache, kv, block_tables[b], position, scale, scores, acc, out[t, h])
+        _attend_heads(q, t, h, key_cache, value_cache, kv, block_tables[b], position, scale, scores, acc, state, out)
 
 
 @numba.njit(fastmath=True, cache=True)
@@ -293,8 +258,8 @@ def _decode_step(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, slot_mappi
     state = np.empty((3, group), dtype=np.float32)
     for t in range(out.shape[0]):
         for kv in range(key_cache.shape[1]):
-            _attend_group(q, t, key_cache, value_cache, kv, block_tables[t], seq_lens[t] - 1, scale, scores, acc, state,
-                          out)
+            _attend_heads(q, t, kv * group, key_cache, value_cache, kv, block_tables[t], seq_lens[t] - 1, scale, scores,
+                          acc, state, out)
 
 
 @numba.njit(cache=True)
