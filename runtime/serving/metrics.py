@@ -34,6 +34,8 @@ class ServerMetrics:
             "prefix_cache_queries": ("Full prompt pages looked up in the prefix cache", lambda e: e.blocks.prefix_queries),
             "prefix_cache_hits": ("Prompt pages found in the prefix cache", lambda e: e.blocks.prefix_hits),
             "num_preemptions": ("Sequences preempted by recompute", lambda e: e.stats.preemptions),
+            "spec_decode_num_draft_tokens": ("Draft tokens proposed by prompt lookup", lambda e: e.stats.draft_tokens),
+            "spec_decode_num_accepted_tokens": ("Draft tokens the model agreed with", lambda e: e.stats.accepted_tokens),
         }
         for name, (text, read) in gauges.items():
             gauge = Gauge(f"cann_llm:{name}", text, label, registry=self.registry)

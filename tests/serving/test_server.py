@@ -61,7 +61,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(om):
-    server = Server("--model", f"tiny={om}", "--kv_cache_pages", "32", "--max_context_len", "4096")
+    """Serving with prompt-lookup drafts, against an engine without them: the answers must not differ."""
+    server = Server("--model", f"tiny={om}", "--kv_cache_pages", "32", "--max_context_len", "4096",
+                    "--num_speculative_tokens", "4")
     yield server
     server.stop()
 
@@ -138,6 +140,8 @@ def test_metrics_add_up(server):
     # 1 over-long prompt, 1 stream left mid-way; unknown models and malformed bodies never reach an engine
     assert outcomes == {"completed": 5, "rejected": 1, "cancelled": 1, "failed": 0}
     assert server.metric("cann_llm:request_success_total", model_name="tiny", finished_reason="length") >= 1
+    drafted = server.metric("cann_llm:spec_decode_num_draft_tokens", model_name="tiny")
+    assert drafted > 0 and 0 <= server.metric("cann_llm:spec_decode_num_accepted_tokens", model_name="tiny") <= drafted
 
 
 def test_keys_quotas_timeouts_capacity_filter_and_audit(om, tmp_path):
