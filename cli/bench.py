@@ -166,8 +166,8 @@ def _resident_kib(field: str) -> int:
 
 def _long_prefills(engine, ids: list[int], lengths: list[int], num_heads: int) -> list[dict]:
     """Peak resident memory added while prefilling `lengths` tokens (Linux's high-water mark, reset first:
-    onnxruntime's allocations count too), the KV pages' share of it, and what one [H, S, S] score matrix
-    would need."""
+    onnxruntime's allocations count too), the size of the prompt's KV pages (resident already where the
+    pool reuses pages), and what one [H, S, S] score matrix would need."""
     rows = []
     for length in lengths:
         prompt = (ids * (length // max(1, len(ids)) + 1))[:length]
