@@ -44,6 +44,7 @@ METADATA_INPUTS = (
 )
 QUERY_BLOCK = 32
 PARALLEL_WORK = 1 << 16  # query·key pairs per head from which numba's threads pay for their wake-up
+DECODE_PARALLEL_WORK = 2048  # the same for a decode step (one call a layer): context tokens over the batch
 FLASH_MIN_QUERIES = 64  # prompt chunks at least this long attend through flash_prefill
 
 
@@ -246,20 +247,37 @@ def _attend_item(w, q, key_cache, value_cache, query_start_loc, seq_lens, block_
 
 
 @numba.njit(fastmath=True, cache=True)
+def _decode_sequence(q, t, key_cache, value_cache, block_tables, seq_lens, scale, out):
+    """Token t's attention, its query heads one KV group at a time."""
+    group = out.shape[1] // key_cache.shape[1]
+    scores = np.empty((group, key_cache.shape[2]), dtype=np.float32)
+    acc = np.empty((group, out.shape[2]), dtype=np.float32)
+    state = np.empty((3, group), dtype=np.float32)
+    for kv in range(key_cache.shape[1]):
+        _attend_heads(q, t, kv * group, key_cache, value_cache, kv, block_tables[t], seq_lens[t] - 1, scale, scores, acc,
+                      state, out)
+
+
+@numba.njit(fastmath=True, cache=True)
 def _decode_step(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, slot_mapping, seq_lens, block_tables,
                  key_cache, value_cache, scale, out):
     """One query per sequence (a decode step), in one call: rotate, store the new key and value, attend.
     out `[T, Hq, D]`."""
     q = np.empty_like(out)
     _rotate_and_store(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, slot_mapping, key_cache, value_cache, q)
-    group = out.shape[1] // key_cache.shape[1]
-    scores = np.empty((group, key_cache.shape[2]), dtype=np.float32)
-    acc = np.empty((group, out.shape[2]), dtype=np.float32)
-    state = np.empty((3, group), dtype=np.float32)
     for t in range(out.shape[0]):
-        for kv in range(key_cache.shape[1]):
-            _attend_heads(q, t, kv * group, key_cache, value_cache, kv, block_tables[t], seq_lens[t] - 1, scale, scores,
-                          acc, state, out)
+        _decode_sequence(q, t, key_cache, value_cache, block_tables, seq_lens, scale, out)
+
+
+@numba.njit(fastmath=True, parallel=True, cache=True)
+def _decode_step_parallel(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, slot_mapping, seq_lens, block_tables,
+                          key_cache, value_cache, scale, out):
+    """`_decode_step` with the sequences spread over numba's threads (a function of its own: numba's
+    cache keys a compiled function by its source, so one body compiled both ways would share one entry)."""
+    q = np.empty_like(out)
+    _rotate_and_store(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, slot_mapping, key_cache, value_cache, q)
+    for t in numba.prange(out.shape[0]):
+        _decode_sequence(q, t, key_cache, value_cache, block_tables, seq_lens, scale, out)
 
 
 @numba.njit(cache=True)
@@ -319,8 +337,9 @@ class PagedBatch:
         slots = np.asarray(slot_mapping, np.int64)
         long = np.flatnonzero(lengths >= FLASH_MIN_QUERIES).tolist() if flash else []
         if not long:
-            parallel = int(np.dot(lengths, seq_lens)) >= PARALLEL_WORK
-            decode = not parallel and len(lengths) > 0 and bool((lengths == 1).all())
+            decode = len(lengths) > 0 and bool((lengths == 1).all())
+            parallel = len(lengths) > 1 and int(np.dot(lengths, seq_lens)) >= (DECODE_PARALLEL_WORK if decode
+                                                                               else PARALLEL_WORK)
             return cls(starts, seq_lens, tables, slots, _work_items(starts, num_heads, QUERY_BLOCK), parallel, decode)
         batch = cls(starts, seq_lens, tables, slots, np.zeros((0, 4), np.int64), False, flash=long)
         short = np.flatnonzero(lengths < FLASH_MIN_QUERIES)
@@ -368,8 +387,9 @@ def _decode(query, key, value, cos, sin, batch, key_cache, value_cache, num_head
     qsrc, ksrc, kofs, vsrc, vofs = split_heads(query, key, value, num_heads, kv_num_heads, head_dim)
     cos, sin = rotary_tables(cos, sin, qsrc.shape[0])
     out = np.empty((qsrc.shape[0], num_heads, head_dim), np.float32)
-    _decode_step(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, batch.slot_mapping, batch.seq_lens,
-                 batch.block_tables, key_cache, value_cache, np.float32(scale), out)
+    kernel = _decode_step_parallel if batch.parallel else _decode_step
+    kernel(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, batch.slot_mapping, batch.seq_lens, batch.block_tables,
+           key_cache, value_cache, np.float32(scale), out)
     return out.reshape(1, qsrc.shape[0], num_heads * head_dim)
 
 

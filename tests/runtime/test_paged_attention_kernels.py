@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from runtime.kernels.paged_attention import (PagedBatch, paged_attention, paged_attention_reference, paged_fused_attention,
-                                             rotate_and_store, rotate_and_store_reference)
+from runtime.kernels.paged_attention import (DECODE_PARALLEL_WORK, PagedBatch, paged_attention, paged_attention_reference,
+                                             paged_fused_attention, rotate_and_store, rotate_and_store_reference)
 
 PAGE = 16
 HEADS, KV_HEADS, DIM = 8, 2, 32
@@ -102,12 +102,16 @@ def test_node_kernel_fast_and_reference_agree_and_write_the_same_pages(flash):
     np.testing.assert_array_equal(fast_pool[0], ref_pool[0])
 
 
+# a batch small enough for the serial decode kernel, and one with enough context for the parallel one
+DECODE_BATCHES = [[300, 17, 1, 16], [1500, 17, 700, 1, 64, 129]]
+
+
 @pytest.mark.parametrize("interleaved", [0, 1])
 @pytest.mark.parametrize("packed", [True, False])
-def test_a_decode_step_in_one_call_equals_the_reference(interleaved, packed):
+@pytest.mark.parametrize("lengths", DECODE_BATCHES, ids=["serial", "parallel"])
+def test_a_decode_step_in_one_call_equals_the_reference(interleaved, packed, lengths):
     rng = np.random.default_rng(5)
-    lengths = [300, 17, 1, 16]
-    tables = _scattered_tables(lengths, 64)
+    tables = _scattered_tables(lengths, 256)
     slots = np.array([tables[b, (n - 1) // PAGE] * PAGE + (n - 1) % PAGE for b, n in enumerate(lengths)], np.int64)
     qkv = rng.standard_normal((1, len(lengths), (HEADS + 2 * KV_HEADS) * DIM)).astype(np.float32)
     qkv_inputs = [qkv, None, None] if packed else np.split(qkv, [HEADS * DIM, (HEADS + KV_HEADS) * DIM], axis=-1)
@@ -115,8 +119,9 @@ def test_a_decode_step_in_one_call_equals_the_reference(interleaved, packed):
     inputs = [*qkv_inputs, None, None, None, np.cos(angles), np.sin(angles), None,
               np.arange(len(lengths) + 1, dtype=np.int32), np.asarray(lengths, np.int32), tables, slots]
     attrs = dict(num_heads=HEADS, kv_num_heads=KV_HEADS, head_dim=DIM, scale=0.2, rotary_interleaved=interleaved)
-    assert PagedBatch.of(*inputs[9:13], HEADS).decode
-    fast_pool, ref_pool = _pool(64), _pool(64)
+    batch = PagedBatch.of(*inputs[9:13], HEADS)
+    assert batch.decode and batch.parallel == (sum(lengths) >= DECODE_PARALLEL_WORK)
+    fast_pool, ref_pool = _pool(256), _pool(256)
     fast = paged_fused_attention(inputs, *fast_pool, fast=True, **attrs)
     ref = paged_fused_attention(inputs, *ref_pool, fast=False, **attrs)
     np.testing.assert_allclose(fast, ref, atol=2e-5, rtol=0)
