@@ -27,7 +27,8 @@ def enable_process_thread_pool(threads: int | None = None) -> bool:
     cannot switch that off for this pool, so between sessions they would hold cores the host kernels
     need (a 32-sequence decode step's attention: 45 ms on two numba threads, 25 ms with the workers out
     of the way). They are made SCHED_IDLE: they still run whenever a core is free, as it is during the
-    sessions' own runs, and yield it to any other thread of the process at once.
+    sessions' own runs, and yield it to any other thread at once, this process's or another's (so on a
+    machine loaded by other processes the sessions get fewer threads).
     """
     if not _STATE["process_pool"]:
         before = _thread_ids()
