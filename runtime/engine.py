@@ -347,6 +347,7 @@ class LLMEngine:
         """
         draft, seq.draft = seq.draft, []
         request = self._requests[seq.seq_id]
+        self.stats.draft_tokens += len(draft)
         for position, row in enumerate(rows):
             token = sample_token(row, seq.params, seq.token_ids, seq.rng)
             if not position:
@@ -356,10 +357,11 @@ class LLMEngine:
             if len(seq.token_ids) >= self.max_context_len:
                 seq.finish("length")
             self._stream(request)
-            if seq.finished or position == len(draft) or token != draft[position]:
+            if position == len(draft) or token != draft[position]:
                 break
-        self.stats.draft_tokens += len(draft)
-        self.stats.accepted_tokens += position
+            self.stats.accepted_tokens += 1
+            if seq.finished:
+                break
 
     def _stream(self, request: Request) -> None:
         if request.detokenizer is None:

@@ -93,11 +93,16 @@ def smollm2_greedy(smollm2_om):
     return prompts, outputs
 
 
+@pytest.fixture(scope="module")
+def smollm2_paged_om(smollm2_path, tmp_path_factory):
+    return compile_to(smollm2_path, tmp_path_factory.mktemp("smollm2-paged") / "paged", enable_paged_attention=True)
+
+
 @pytest.mark.parametrize("layout,drafts", [("paged", 0), ("contiguous", 0), ("paged", 4)])
-def test_engine_greedy_equals_transformers(smollm2_path, smollm2_om, smollm2_greedy, layout, drafts, tmp_path):
+def test_engine_greedy_equals_transformers(request, smollm2_greedy, layout, drafts):
     from runtime.engine import LLMEngine
 
-    om = compile_to(smollm2_path, tmp_path / "paged", enable_paged_attention=True) if layout == "paged" else smollm2_om
+    om = request.getfixturevalue("smollm2_paged_om" if layout == "paged" else "smollm2_om")
     prompts, expected = smollm2_greedy
     with LLMEngine(om, max_batch_size=16, max_context_len=512, kv_cache_pages=32, num_speculative_tokens=drafts,
                    speculative_max_batch=16) as engine:

@@ -8,7 +8,7 @@ one block of scores per head, whatever the context length. `paged_attention_refe
 
 Why onnxruntime and not numpy: numpy's OpenBLAS here runs AVX2 kernels at half the speed of MLAS's
 AVX-512 ones, and its elementwise passes (mask, max, exp, sum) ran one after another in Python; on
-SmolLM2 the 512-token prefill's attention took 0.17-0.19 s that way, 0.12 s this way, and the
+SmolLM2 the 512-token prefill's attention took 0.17-0.18 s that way, 0.09-0.12 s this way, and the
 sessions of a step share onnxruntime's thread pool instead of competing with it.
 """
 

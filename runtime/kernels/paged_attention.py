@@ -338,8 +338,9 @@ class PagedBatch:
         long = np.flatnonzero(lengths >= FLASH_MIN_QUERIES).tolist() if flash else []
         if not long:
             decode = len(lengths) > 0 and bool((lengths == 1).all())
-            parallel = len(lengths) > 1 and int(np.dot(lengths, seq_lens)) >= (DECODE_PARALLEL_WORK if decode
-                                                                               else PARALLEL_WORK)
+            work = int(np.dot(lengths, seq_lens))
+            # a decode step is parallel over its sequences, so one sequence alone gains nothing
+            parallel = len(lengths) > 1 and work >= DECODE_PARALLEL_WORK if decode else work >= PARALLEL_WORK
             return cls(starts, seq_lens, tables, slots, _work_items(starts, num_heads, QUERY_BLOCK), parallel, decode)
         batch = cls(starts, seq_lens, tables, slots, np.zeros((0, 4), np.int64), False, flash=long)
         short = np.flatnonzero(lengths < FLASH_MIN_QUERIES)
