@@ -36,7 +36,7 @@ def _touch(flat):
     return total
 
 
-def _matmul_weights(loaded) -> dict[str, np.ndarray]:
+def matmul_weights(loaded) -> dict[str, np.ndarray]:
     """Every MatMul's constant weight [K, N]: an initializer, or one read through a Transpose (a tied lm_head)."""
     weights, transposed = loaded.weights, {}
     for node in loaded.model.graph.node:
@@ -54,7 +54,7 @@ def _matmul_weights(loaded) -> dict[str, np.ndarray]:
     return found
 
 
-def _weight_read(weights: dict[str, np.ndarray]) -> Callable[[], None]:
+def weight_read(weights: dict[str, np.ndarray]) -> Callable[[], None]:
     """A function reading the weights' bytes once, split between a thread per core."""
     flat = np.concatenate([np.asarray(w, np.float32).reshape(-1) for w in weights.values()])
     cores = os.cpu_count() or 1
@@ -64,19 +64,19 @@ def _weight_read(weights: dict[str, np.ndarray]) -> Callable[[], None]:
     return lambda: list(pool.map(_touch, parts))
 
 
-def _floor_session(weights: dict[str, np.ndarray]) -> tuple[ort.InferenceSession, dict[str, np.ndarray]]:
-    """Every MatMul weight alone, on a one-row input per width."""
+def matmul_session(weights: dict[str, np.ndarray], rows: int = 1) -> tuple[ort.InferenceSession, dict[str, np.ndarray]]:
+    """Every MatMul weight alone, on an input of `rows` rows per width; returns the session and its feeds."""
     nodes, inputs = [], {}
     for name, weight in weights.items():
         width = weight.shape[0]
-        inputs.setdefault(width, helper.make_tensor_value_info(f"x{width}", onnx.TensorProto.FLOAT, [1, width]))
+        inputs.setdefault(width, helper.make_tensor_value_info(f"x{width}", onnx.TensorProto.FLOAT, [rows, width]))
         nodes.append(helper.make_node("MatMul", [f"x{width}", name], [f"y{len(nodes)}"]))
     typed = [helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, list(w.shape)) for name, w in weights.items()]
     graph = helper.make_graph(nodes, "floor", list(inputs.values()) + typed,
                               [helper.make_tensor_value_info(n.output[0], onnx.TensorProto.FLOAT, None) for n in nodes])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     session = ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
-    feeds = {f"x{w}": np.random.default_rng(0).standard_normal((1, w)).astype(np.float32) for w in inputs}
+    feeds = {f"x{w}": np.random.default_rng(0).standard_normal((rows, w)).astype(np.float32) for w in inputs}
     return session, {**feeds, **weights}
 
 
@@ -90,8 +90,8 @@ def main(om_path: str, onnx_path: str, context: int, steps: int) -> None:
     enable_process_thread_pool()
     loaded = load_artifact(om_path)
     page_size, dims = loaded.metadata["kv_cache"]["page_size"], loaded.metadata["model"]
-    weights = _matmul_weights(loaded)
-    floor, floor_feeds = _floor_session(weights)
+    weights = matmul_weights(loaded)
+    floor, floor_feeds = matmul_session(weights)
     executor = Executor(loaded)
     pages = -(-(context + steps) // page_size)
     pool = PagePool(dims["num_layers"], pages, page_size, dims["num_kv_heads"], dims["head_dim"])
@@ -108,7 +108,7 @@ def main(om_path: str, onnx_path: str, context: int, steps: int) -> None:
                                       **{i.name: np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32)
                                          for i in original.get_inputs() if i.name.startswith("past")}})
     past = {name.replace("present", "past_key_values", 1): value for name, value in zip(presents, outputs)}
-    read = _weight_read(weights)
+    read = weight_read(weights)
     times = {"floor": [], "paged .om": [], "onnxruntime": [], "weight read": []}
     for step in range(steps):
         position = context + step

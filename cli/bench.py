@@ -151,7 +151,8 @@ def _closed_loop(engine, requests: list[tuple[list[int], int]], concurrency: int
     tpot = [s.tpot_s * 1e3 for s in done if s.tpot_s is not None]
     generated = sum(s.output_tokens for s in done)
     return {"concurrency": concurrency, "lookup": engine.proposer.num_tokens, "requests": len(done), "seconds": seconds,
-            "output_tokens": generated, "tokens_per_s": generated / seconds,
+            "prompt_tokens": sum(s.prompt_tokens for s in done), "output_tokens": generated,
+            "tokens_per_s": generated / seconds,
             "ttft_ms_p50": _percentile(ttft, 50), "ttft_ms_p99": _percentile(ttft, 99),
             "tpot_ms_p50": _percentile(tpot, 50), "tpot_ms_p99": _percentile(tpot, 99),
             "kv_page_utilisation": statistics.fmean(engine.stats.page_utilisation) if engine.stats.page_utilisation else None,
