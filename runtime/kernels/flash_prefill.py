@@ -20,7 +20,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from runtime.ort_session import session_options
+from runtime.ort_session import process_thread_pool_enabled, session_options
 
 FLASH_QUERY_BLOCK = 128
 FLASH_KEY_BLOCK = 1024
@@ -58,6 +58,9 @@ def _session() -> ort.InferenceSession:
     options = session_options()
     # blocks come and go in sizes that depend on the context: give their memory back after each run
     options.enable_cpu_mem_arena = False
+    if not process_thread_pool_enabled():
+        # a pool of its own that kept spinning after its run would hold a core the next segment needs
+        options.add_session_config_entry("session.force_spinning_stop", "1")
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
