@@ -17,6 +17,7 @@ import json
 import statistics
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -81,6 +82,16 @@ def _engine_generate(engine, prompt: list[int], new_tokens: int, cold: bool = Tr
     return request.stats
 
 
+@contextmanager
+def _lookup(engine, num_tokens: int):
+    """The engine drafts `num_tokens` tokens a step inside the block (0: none), its own setting after."""
+    configured, engine.proposer.num_tokens = engine.proposer.num_tokens, num_tokens
+    try:
+        yield
+    finally:
+        engine.proposer.num_tokens = configured
+
+
 def _batch1(engine, ort_loop, prompts_prefill, prompts_decode, decode_tokens) -> dict:
     """Prefill tokens/s (TTFT of a prompt) and decode tokens/s, alternating engine and onnxruntime.
 
@@ -91,27 +102,23 @@ def _batch1(engine, ort_loop, prompts_prefill, prompts_decode, decode_tokens) ->
     rows = {"engine": {"prefill": [], "decode": []}, "engine+lookup": {"decode": []},
             "onnxruntime": {"prefill": [], "decode": []}}
     drafted = accepted = 0
-    try:
-        for prefill_prompt, decode_prompt in zip(prompts_prefill, prompts_decode):
-            engine.proposer.num_tokens = 0
+    for prefill_prompt, decode_prompt in zip(prompts_prefill, prompts_decode):
+        with _lookup(engine, 0):
             stats = _engine_generate(engine, prefill_prompt, 1)
             rows["engine"]["prefill"].append(len(prefill_prompt) / stats.ttft_s)
             stats = _engine_generate(engine, decode_prompt, decode_tokens + 1)
             rows["engine"]["decode"].append(decode_tokens / (stats.total_s - stats.ttft_s))
-            if lookup:
-                engine.proposer.num_tokens = lookup
-                before = engine.stats.draft_tokens, engine.stats.accepted_tokens
-                stats = _engine_generate(engine, decode_prompt, decode_tokens + 1)
-                rows["engine+lookup"]["decode"].append(decode_tokens / (stats.total_s - stats.ttft_s))
-                drafted += engine.stats.draft_tokens - before[0]
-                accepted += engine.stats.accepted_tokens - before[1]
-            if ort_loop is not None:
-                first, _ = ort_loop.generate(prefill_prompt, 1)
-                rows["onnxruntime"]["prefill"].append(len(prefill_prompt) / first)
-                first, total = ort_loop.generate(decode_prompt, decode_tokens + 1)
-                rows["onnxruntime"]["decode"].append(decode_tokens / (total - first))
-    finally:
-        engine.proposer.num_tokens = lookup
+        if lookup:
+            before = engine.stats.draft_tokens, engine.stats.accepted_tokens
+            stats = _engine_generate(engine, decode_prompt, decode_tokens + 1)
+            rows["engine+lookup"]["decode"].append(decode_tokens / (stats.total_s - stats.ttft_s))
+            drafted += engine.stats.draft_tokens - before[0]
+            accepted += engine.stats.accepted_tokens - before[1]
+        if ort_loop is not None:
+            first, _ = ort_loop.generate(prefill_prompt, 1)
+            rows["onnxruntime"]["prefill"].append(len(prefill_prompt) / first)
+            first, total = ort_loop.generate(decode_prompt, decode_tokens + 1)
+            rows["onnxruntime"]["decode"].append(decode_tokens / (total - first))
     report = {side: {k: statistics.median(v) for k, v in parts.items()} for side, parts in rows.items() if parts["decode"]}
     if lookup:
         report["engine+lookup"].update(num_speculative_tokens=lookup, draft_tokens=drafted,
@@ -268,9 +275,8 @@ def bench_command(onnx_path, text_file, num_requests, concurrency, prompt_length
                             rng.integers(out_low, out_high + 1, num_requests).tolist()))
         serving = [_closed_loop(engine, requests, level) for level in levels]
         if engine.proposer.num_tokens:  # the lowest concurrency again, one token a step
-            lookup, engine.proposer.num_tokens = engine.proposer.num_tokens, 0
-            serving.append(_closed_loop(engine, requests, min(levels)))
-            engine.proposer.num_tokens = lookup
+            with _lookup(engine, 0):
+                serving.append(_closed_loop(engine, requests, min(levels)))
         busiest = max(serving, key=lambda row: row["peak_sequences"])
         fits = busiest["peak_pages"] * engine.page_size / engine.max_context_len
         report = {

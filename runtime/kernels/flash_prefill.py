@@ -82,6 +82,10 @@ def flash_prefill(q, key_cache, value_cache, pages, length, scale, out):
     offset = length - queries_total
     key_pages = max(1, FLASH_KEY_BLOCK // page_size)
     session = _session()
+    # every key block gathered from the pages once, for all the query blocks that read it
+    blocks = [(_context_block(key_cache, pages[p0:p0 + key_pages], length - p0 * page_size, transposed=True),
+               _context_block(value_cache, pages[p0:p0 + key_pages], length - p0 * page_size))
+              for p0 in range(0, -(-length // page_size), key_pages)]
     for first in range(0, queries_total, FLASH_QUERY_BLOCK):
         last = min(first + FLASH_QUERY_BLOCK, queries_total)
         rows = last - first
@@ -91,12 +95,14 @@ def flash_prefill(q, key_cache, value_cache, pages, length, scale, out):
         qpos = np.tile(np.arange(offset + first, offset + last, dtype=np.float32), group)[:, None]
         visible_end = offset + last  # keys past the block's last query are nobody's
         running_max = total = acc = None
-        for p0 in range(0, -(-visible_end // page_size), key_pages):
-            k0 = p0 * page_size
-            chunk = pages[p0:p0 + key_pages]
-            width = min(len(chunk) * page_size, visible_end - k0)
-            feeds = {"q": queries, "k_t": _context_block(key_cache, chunk, width, transposed=True),
-                     "v": _context_block(value_cache, chunk, width), "qpos": qpos,
+        for index, (keys, values) in enumerate(blocks):
+            k0 = index * key_pages * page_size
+            if k0 >= visible_end:
+                break
+            width = min(values.shape[1], visible_end - k0)
+            if width < values.shape[1]:
+                keys, values = np.ascontiguousarray(keys[:, :, :width]), np.ascontiguousarray(values[:, :width])
+            feeds = {"q": queries, "k_t": keys, "v": values, "qpos": qpos,
                      "kpos": np.arange(k0, k0 + width, dtype=np.float32)[None]}
             block_max, block_total, block_acc = session.run(None, feeds)
             if acc is None:  # the first key block: every query sees key 0, so no row is all hidden
