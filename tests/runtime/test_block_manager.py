@@ -68,6 +68,24 @@ def test_freed_pages_stay_findable_until_the_pool_needs_them():
     assert blocks.claim_prefix(_seq(range(40))) == 0
 
 
+def test_new_tokens_take_blank_freed_pages_then_unused_ones_then_cached_ones():
+    blocks = BlockManager(6, PAGE)
+    first = _seq(range(40))  # two full pages cached, the third partly filled
+    _run_prompt(blocks, first)
+    cached, partial = first.block_table[:2], first.block_table[2]
+    blocks.free(first)
+    second = _seq(range(1000, 1016))  # one page
+    _run_prompt(blocks, second)
+    assert second.block_table == [partial]  # resident already, nothing cached in it
+    third = _seq(range(2000, 2048))  # three pages: the three never used
+    _run_prompt(blocks, third)
+    assert not set(third.block_table) & {*cached, partial}
+    fourth = _seq(range(3000, 3016))
+    _run_prompt(blocks, fourth)
+    assert fourth.block_table == [cached[1]]  # only now is a cached page given up: a prefix's end first
+    assert blocks.claim_prefix(_seq(range(40))) == 16
+
+
 def test_resetting_the_prefix_cache_forgets_free_pages_only():
     blocks = BlockManager(8, PAGE)
     held, freed = _seq(range(40)), _seq(range(500, 540))
