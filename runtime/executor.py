@@ -59,7 +59,7 @@ class Executor:
             else:
                 self._steps.append(_SegmentStep(step, weights, backend, threads, spinning, stop_spinning))
         hosts = [step for step in self._steps if isinstance(step, _HostStep)]
-        self._num_heads = hosts[0].attributes["num_heads"] if hosts else 0
+        self._paged = bool(hosts)
         self._flash = bool(hosts and hosts[0].attributes.get("flash", 0))
 
     @property
@@ -73,9 +73,8 @@ class Executor:
         names = output_names or self.output_names
         values = dict(feeds)
         context = _RunContext(kv_cache, names if len(self._steps) == 1 else None)
-        if self._num_heads:
-            context.batch = PagedBatch.of(*(feeds[name] for name, _, _ in METADATA_INPUTS), self._num_heads,
-                                          flash=self._flash)
+        if self._paged:
+            context.batch = PagedBatch.of(*(feeds[name] for name, _, _ in METADATA_INPUTS), flash=self._flash)
         for step in self._steps:
             values.update(step.run(values, context))
         return {name: values[name] for name in names}

@@ -8,8 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from runtime.kernels.paged_attention import (DECODE_PARALLEL_WORK, PagedBatch, paged_attention, paged_attention_reference,
-                                             paged_fused_attention, rotate_and_store, rotate_and_store_reference)
+from runtime.kernels.paged_attention import (PARALLEL_ROTATE_TOKENS, PARALLEL_WORK, PagedBatch, paged_attention,
+                                             paged_attention_reference, paged_fused_attention, rotate_and_store,
+                                             rotate_and_store_reference)
 
 PAGE = 16
 HEADS, KV_HEADS, DIM = 8, 2, 32
@@ -50,7 +51,7 @@ def test_numba_and_flash_match_the_reference(mix):
     args = (q, key_cache, value_cache, starts, np.asarray(lengths, np.int32), tables, 0.17)
     expected = paged_attention_reference(*args)
     np.testing.assert_allclose(paged_attention(*args), expected, atol=2e-5, rtol=0)
-    batch = PagedBatch.of(starts, lengths, tables, np.zeros(0, np.int64), HEADS, flash=True)
+    batch = PagedBatch.of(starts, lengths, tables, np.zeros(0, np.int64), flash=True)
     from runtime.kernels.paged_attention import _fast_attention
 
     np.testing.assert_allclose(_fast_attention(batch, q, key_cache, value_cache, 0.17), expected, atol=2e-5, rtol=0)
@@ -59,9 +60,9 @@ def test_numba_and_flash_match_the_reference(mix):
 
 @pytest.mark.parametrize("rotary_dim,interleaved", [(DIM, 0), (DIM, 1), (DIM // 2, 0), (DIM // 2, 1), (0, 0)])
 @pytest.mark.parametrize("packed", [True, False])
-def test_rotate_and_store_matches_the_reference(rotary_dim, interleaved, packed):
+@pytest.mark.parametrize("tokens", [7, PARALLEL_ROTATE_TOKENS + 6], ids=["serial", "parallel"])
+def test_rotate_and_store_matches_the_reference(rotary_dim, interleaved, packed, tokens):
     rng = np.random.default_rng(2)
-    tokens = 7
     width = (HEADS + 2 * KV_HEADS) * DIM
     qkv = rng.standard_normal((1, tokens, width)).astype(np.float32)
     if packed:
@@ -72,9 +73,9 @@ def test_rotate_and_store_matches_the_reference(rotary_dim, interleaved, packed)
         value = np.ascontiguousarray(qkv[..., (HEADS + KV_HEADS) * DIM:])
     angles = rng.uniform(0, 6.3, (1, 1, tokens, rotary_dim)).astype(np.float32)
     cos, sin = (np.cos(angles), np.sin(angles)) if rotary_dim else (None, None)
-    slots = np.array([3, 4, 40, 41, 42, 17, 0], np.int64)
+    slots = rng.permutation(8 * PAGE)[:tokens].astype(np.int64)  # scattered over the pages
     heads = dict(num_heads=HEADS, kv_num_heads=KV_HEADS, head_dim=DIM, rotary_interleaved=interleaved)
-    fast_pool, ref_pool = _pool(4), _pool(4)
+    fast_pool, ref_pool = _pool(8), _pool(8)
     q_fast = rotate_and_store(query, key, value, cos, sin, slots, *fast_pool, **heads)
     q_ref = rotate_and_store_reference(query, key, value, cos, sin, slots, *ref_pool, **heads)
     np.testing.assert_allclose(q_fast, q_ref, atol=1e-6, rtol=0)
@@ -119,8 +120,8 @@ def test_a_decode_step_in_one_call_equals_the_reference(interleaved, packed, len
     inputs = [*qkv_inputs, None, None, None, np.cos(angles), np.sin(angles), None,
               np.arange(len(lengths) + 1, dtype=np.int32), np.asarray(lengths, np.int32), tables, slots]
     attrs = dict(num_heads=HEADS, kv_num_heads=KV_HEADS, head_dim=DIM, scale=0.2, rotary_interleaved=interleaved)
-    batch = PagedBatch.of(*inputs[9:13], HEADS)
-    assert batch.decode and batch.parallel == (sum(lengths) >= DECODE_PARALLEL_WORK)
+    batch = PagedBatch.of(*inputs[9:13])
+    assert batch.decode and batch.parallel == (sum(lengths) >= PARALLEL_WORK)
     fast_pool, ref_pool = _pool(256), _pool(256)
     fast = paged_fused_attention(inputs, *fast_pool, fast=True, **attrs)
     ref = paged_fused_attention(inputs, *ref_pool, fast=False, **attrs)
