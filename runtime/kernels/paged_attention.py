@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 from runtime.kernels.attention import apply_rotary  # noqa: E402
 from runtime.kernels.fast_math import fast_exp  # noqa: E402
 from runtime.kernels.flash_prefill import flash_prefill  # noqa: E402
+from runtime.kernels.prefetch import prefetch  # noqa: E402
 
 # name, dtype, shape of the attention metadata a paged FusedAttention reads as inputs 9-12
 METADATA_INPUTS = (
@@ -183,14 +184,24 @@ def paged_attention_reference(q, key_cache, value_cache, query_start_loc, seq_le
 
 # The two products below take four key or value rows at a time: a dot product's sum across vector lanes and
 # an accumulator's trip through memory (numba cannot tell it from the cache) then serve four rows, not one
-# (32 sequences x 300 tokens, one layer's decode: 0.45-0.51 ms one row at a time, 0.31-0.33 ms so).
+# (32 sequences x 300 tokens, one layer's decode: 0.45-0.51 ms one row at a time, 0.31-0.33 ms so, with
+# the pages in L3). Each also prefetches the same rows of the page read next (runtime/kernels/prefetch.py).
 
 @numba.njit(fastmath=True, cache=True)
-def _page_scores(queries, first, key_cache, kv, page, rows, scale, scores):
+def _prefetch_rows(cache, page, kv, first, count):
+    """Prefetch rows first..first+count-1 of cache[page, kv], a cache line (16 floats) at a time."""
+    for r in range(first, first + count):
+        for d in range(0, cache.shape[3], 16):
+            prefetch(cache, page, kv, r, d)
+
+
+@numba.njit(fastmath=True, cache=True)
+def _page_scores(queries, first, key_cache, kv, page, rows, scale, scores, next_page, next_kv):
     """scores[g, r] = scale * queries[first + g] . key_cache[page, kv, r] for r < rows."""
     group, head_dim = scores.shape[0], key_cache.shape[3]
     r = 0
     while r + 4 <= rows:
+        _prefetch_rows(key_cache, next_page, next_kv, r, 4)
         k0, k1, k2, k3 = (key_cache[page, kv, r], key_cache[page, kv, r + 1], key_cache[page, kv, r + 2],
                           key_cache[page, kv, r + 3])
         for g in range(group):
@@ -215,11 +226,12 @@ def _page_scores(queries, first, key_cache, kv, page, rows, scale, scores):
 
 
 @numba.njit(fastmath=True, cache=True)
-def _accumulate_values(weights, value_cache, kv, page, rows, acc):
+def _accumulate_values(weights, value_cache, kv, page, rows, acc, next_page, next_kv):
     """acc[g] += sum over r < rows of weights[g, r] * value_cache[page, kv, r]."""
     group, head_dim = weights.shape[0], value_cache.shape[3]
     r = 0
     while r + 4 <= rows:
+        _prefetch_rows(value_cache, next_page, next_kv, r, 4)
         v0, v1, v2, v3 = (value_cache[page, kv, r], value_cache[page, kv, r + 1], value_cache[page, kv, r + 2],
                           value_cache[page, kv, r + 3])
         for g in range(group):
@@ -250,10 +262,16 @@ def _attend_heads(q, t, first, key_cache, value_cache, kv, pages, position, scal
     running_max[:] = -np.inf
     total[:] = 0.0
     acc[:] = 0.0
-    for page_index in range(position // page_size + 1):
+    last = position // page_size
+    for page_index in range(last + 1):
         page = pages[page_index]
         rows = min(page_size, position + 1 - page_index * page_size)
-        _page_scores(q[t], first, key_cache, kv, page, rows, scale, scores)
+        # the page read next: this head's next one, or the next KV head's first (the caller's next call)
+        if page_index < last:
+            next_page, next_kv = pages[page_index + 1], kv
+        else:
+            next_page, next_kv = pages[0], min(kv + 1, key_cache.shape[1] - 1)
+        _page_scores(q[t], first, key_cache, kv, page, rows, scale, scores, next_page, next_kv)
         for g in range(group):
             new_max = max(running_max[g], scores[g, :rows].max())
             correction = fast_exp(running_max[g] - new_max)
@@ -266,7 +284,7 @@ def _attend_heads(q, t, first, key_cache, value_cache, kv, pages, position, scal
                 page_total += p
             total[g] = total[g] * correction + page_total
             running_max[g] = new_max
-        _accumulate_values(scores, value_cache, kv, page, rows, acc)
+        _accumulate_values(scores, value_cache, kv, page, rows, acc, next_page, next_kv)
     for g in range(group):
         for d in range(head_dim):
             out[t, first + g, d] = acc[g, d] / total[g]
