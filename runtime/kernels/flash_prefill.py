@@ -29,29 +29,30 @@ _HIDDEN = -1e9  # a score no query can see; finite, so a row hidden from a whole
 
 @lru_cache(maxsize=1)
 def _session() -> ort.InferenceSession:
-    """q [KV, M, D] (scaled), k_t [KV, D, W], v [KV, W, D], bias [M, W] (0 where a query sees the key,
-    _HIDDEN where it does not) -> per row: max m [KV, M, 1], sum of exp(s - m) l [KV, M, 1], and
-    o = exp(s - m) @ v [KV, M, D]. The mask comes in as a bias made with numpy: onnxruntime's broadcasting
-    Where took 1.76 of 4.04 ms of a 512-token prompt's runs (its profiler), and building the bias in the
-    graph left intermediates that raised the peak resident memory of an 8,192-token prefill from 44-67 MB
-    to 56-121 MB (six fresh processes each). Keys come transposed from the pages' gather, which copies
-    them anyway: the two products took 1.64 ms so, 1.73 ms with the transpose fused into the first."""
+    """q [KV, G, M, D] (scaled), k_t [KV, 1, D, W], v [KV, 1, W, D], bias [M, W] (0 where a query sees the
+    key, _HIDDEN where it does not; every head's the same) -> per row: max m [KV, G, M, 1], sum of
+    exp(s - m) l [KV, G, M, 1], and o = exp(s - m) @ v [KV, G, M, D]. The mask comes in as a bias: onnxruntime's
+    broadcasting Where took 1.76 of 4.04 ms of a 512-token prompt's runs (its profiler), and building the
+    bias in the graph left intermediates that raised the peak resident memory of an 8,192-token prefill
+    from 44-67 MB to 56-121 MB (six fresh processes each). Keys come transposed from the pages' gather,
+    which copies them anyway: the two products took 1.64 ms so, 1.73 ms with the transpose fused into the
+    first."""
     f = TensorProto.FLOAT
     nodes = [
         helper.make_node("MatMul", ["q", "k_t"], ["scores"]),
         helper.make_node("Add", ["scores", "bias"], ["visible"]),
-        helper.make_node("ReduceMax", ["visible"], ["m"], axes=[2], keepdims=1),
+        helper.make_node("ReduceMax", ["visible"], ["m"], axes=[3], keepdims=1),
         helper.make_node("Sub", ["visible", "m"], ["shifted"]),
         helper.make_node("Exp", ["shifted"], ["p"]),
         helper.make_node("ReduceSum", ["p", "last_axis"], ["l"], keepdims=1),
         helper.make_node("MatMul", ["p", "v"], ["o"]),
     ]
-    inputs = [helper.make_tensor_value_info("q", f, ["kv", "m", "d"]),
-              helper.make_tensor_value_info("k_t", f, ["kv", "d", "w"]),
-              helper.make_tensor_value_info("v", f, ["kv", "w", "d"]),
+    inputs = [helper.make_tensor_value_info("q", f, ["kv", "g", "m", "d"]),
+              helper.make_tensor_value_info("k_t", f, ["kv", 1, "d", "w"]),
+              helper.make_tensor_value_info("v", f, ["kv", 1, "w", "d"]),
               helper.make_tensor_value_info("bias", f, ["m", "w"])]
     outputs = [helper.make_tensor_value_info(name, f, None) for name in ("m", "l", "o")]
-    constants = [helper.make_tensor("last_axis", TensorProto.INT64, [1], [2])]
+    constants = [helper.make_tensor("last_axis", TensorProto.INT64, [1], [3])]
     graph = helper.make_graph(nodes, "flash_block", inputs, outputs, constants)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     options = session_options()
@@ -61,6 +62,23 @@ def _session() -> ort.InferenceSession:
         # a pool of its own that kept spinning after its run would hold a core the next segment needs
         options.add_session_config_entry("session.force_spinning_stop", "1")
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+@lru_cache(maxsize=1)
+def _bias_source() -> np.ndarray:
+    """`[FLASH_QUERY_BLOCK, 2·FLASH_KEY_BLOCK + FLASH_QUERY_BLOCK]`: _HIDDEN where column > row + FLASH_KEY_BLOCK.
+    Every block's causal bias is a window of it (`_causal_bias`), so none is computed per block (np.where
+    over a block took ~0.1 ms, a fifth of a 272-token prompt's flash time)."""
+    rows = np.arange(FLASH_QUERY_BLOCK)[:, None]
+    columns = np.arange(2 * FLASH_KEY_BLOCK + FLASH_QUERY_BLOCK)[None]
+    return np.where(columns > rows + FLASH_KEY_BLOCK, np.float32(_HIDDEN), np.float32(0))
+
+
+def _causal_bias(rows: int, width: int, shift: int) -> np.ndarray:
+    """`[rows, width]`: query i sees key k iff k <= i + shift (contiguous, as onnxruntime takes it)."""
+    shift = min(shift, width)  # from here on every key is seen anyway
+    start = FLASH_KEY_BLOCK - shift
+    return np.ascontiguousarray(_bias_source()[:rows, start:start + width])
 
 
 def _context_block(cache: np.ndarray, pages: np.ndarray, width: int, transposed: bool = False) -> np.ndarray:
@@ -87,10 +105,9 @@ def flash_prefill(q, key_cache, value_cache, pages, length, scale, out):
     for first in range(0, queries_total, FLASH_QUERY_BLOCK):
         last = min(first + FLASH_QUERY_BLOCK, queries_total)
         rows = last - first
-        # [rows, Hq, D] -> [KV, group·rows, D]: query head h reads KV head h // group
+        # [rows, Hq, D] -> [KV, G, rows, D]: query head h reads KV head h // G
         queries = np.ascontiguousarray((q[first:last] * np.float32(scale)).transpose(1, 0, 2))
-        queries = queries.reshape(kv_heads, group * rows, head_dim)
-        qpos = np.tile(np.arange(offset + first, offset + last), group)[:, None]
+        queries = queries.reshape(kv_heads, group, rows, head_dim)
         visible_end = offset + last  # keys past the block's last query are nobody's
         running_max = total = acc = None
         for p0 in range(0, -(-visible_end // page_size), key_pages):
@@ -104,8 +121,9 @@ def flash_prefill(q, key_cache, value_cache, pages, length, scale, out):
                 keys, values = first_block
                 if width < values.shape[1]:
                     keys, values = np.ascontiguousarray(keys[:, :, :width]), np.ascontiguousarray(values[:, :width])
-            bias = np.where(np.arange(k0, k0 + width)[None] > qpos, np.float32(_HIDDEN), np.float32(0))
-            feeds = {"q": queries, "k_t": keys, "v": values, "bias": bias}
+            # query i of the block (position offset + first + i) sees key k0 + k iff k0 + k <= offset + first + i
+            bias = _causal_bias(rows, width, offset + first - k0)
+            feeds = {"q": queries, "k_t": keys[:, None], "v": values[:, None], "bias": bias}
             block_max, block_total, block_acc = session.run(None, feeds)
             if acc is None:  # the first key block: every query sees key 0, so no row is all hidden
                 running_max, total, acc = block_max, block_total, block_acc
