@@ -5,6 +5,9 @@
 Batch-1 prefill and decode tokens/s; a closed loop of C clients (C = 1, 8, 32) over the same mixed-length
 requests (prompts are windows of real text), with aggregate tokens/s, TTFT and TPOT p50/p99, KV page
 utilisation and the sequences held for the KV memory used; resident memory added by long prefills.
+There are 128 requests by default, four per client at concurrency 32, so the batch holds C sequences for
+most of a run; with as many requests as clients, each sends one, and the run measures a burst draining
+(its first step has C prompts, its last one sequence), not C requests served concurrently.
 With --onnx, onnxruntime runs the original model (KV-cache I/O) in a greedy loop on the same prompts,
 in the same process, alternating with the engine so machine noise hits both alike. With
 --num_speculative_tokens K, batch-1 decode is measured with prompt lookup as well as without it, and the
@@ -242,7 +245,8 @@ def _ints(text: str) -> list[int]:
 @engine_options
 @click.option("--onnx", "onnx_path", default=None, help="the original export with KV cache, run by onnxruntime beside")
 @click.option("--text", "text_file", default=str(EVAL_TEXT), show_default=True, help="where prompts come from")
-@click.option("--requests", "num_requests", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--requests", "num_requests", type=click.IntRange(min=1), default=128, show_default=True,
+              help="requests per concurrency level, the same ones at every level")
 @click.option("--concurrency", default="1,8,32", show_default=True)
 @click.option("--prompt_lengths", default="32,512", show_default=True, help="min,max prompt tokens")
 @click.option("--output_lengths", default="32,128", show_default=True, help="min,max new tokens")
