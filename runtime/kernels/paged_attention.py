@@ -356,10 +356,11 @@ def _attend(batch: "PagedBatch", q, key_cache, value_cache, scale, out) -> None:
 class PagedBatch:
     """A step's attention metadata, converted and split once for all the layers of the step.
 
-    `decode` (one query per sequence, little enough work to run serially) sends a layer through one numba
-    call, `_decode_step`. With `flash` (the artifact's `--enable_flash_attention`), sequences with at
-    least FLASH_MIN_QUERIES new tokens attend through `flash_prefill`; the others (decodes, short chunks),
-    and all without `flash`, through the numba kernel, as the sub-batch `short` of rows `short_rows`.
+    `decode` (one query per sequence) sends a layer through one numba call, `_decode_step` (or its
+    parallel twin, with `parallel`: enough work to pay for numba's threads). With `flash` (the artifact's
+    `--enable_flash_attention`), sequences with at least FLASH_MIN_QUERIES new tokens attend through
+    `flash_prefill`; the others (decodes, short chunks), and all without `flash`, through the numba
+    kernel, as the sub-batch `short` of rows `short_rows`.
     """
 
     query_start_loc: np.ndarray
