@@ -58,6 +58,24 @@ def test_numba_and_flash_match_the_reference(mix):
     assert bool(batch.flash) == any(n >= 64 for n, _ in mix)
 
 
+@pytest.mark.parametrize("queries,context", [(200, 1300), (1100, 1100), (130, 2049)],
+                         ids=["chunk-after-a-key-block", "prompt-over-two-key-blocks", "chunk-over-three"])
+def test_flash_prefill_merges_key_blocks_as_the_reference_attends(queries, context):
+    """Contexts longer than one key block (FLASH_KEY_BLOCK): the blocks' partial softmaxes are merged."""
+    from runtime.kernels.flash_prefill import FLASH_KEY_BLOCK, flash_prefill
+
+    assert context > FLASH_KEY_BLOCK
+    pages = -(-context // PAGE)
+    key_cache, value_cache = _pool(pages + 3, seed=4)
+    table = np.random.default_rng(4).permutation(pages + 3)[:pages]
+    q = np.random.default_rng(5).standard_normal((queries, HEADS, DIM)).astype(np.float32)
+    out = np.empty_like(q)
+    flash_prefill(q, key_cache, value_cache, table, context, 0.17, out)
+    expected = paged_attention_reference(q, key_cache, value_cache, np.array([0, queries]), np.array([context]),
+                                         table[None], 0.17)
+    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=0)
+
+
 @pytest.mark.parametrize("rotary_dim,interleaved", [(DIM, 0), (DIM, 1), (DIM // 2, 0), (DIM // 2, 1), (0, 0)])
 @pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("tokens", [7, PARALLEL_ROTATE_TOKENS + 6], ids=["serial", "parallel"])
