@@ -16,6 +16,7 @@ from pathlib import Path
 
 import click
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 import onnxruntime as ort
 
@@ -37,7 +38,7 @@ from runtime.perplexity import perplexity
 from runtime.tokenizer import TextTokenizer
 
 
-class _Session:
+class FedWeightsSession:
     """The slice of `Executor` that `perplexity` uses, over a float graph whose weights are fed."""
 
     def __init__(self, model, signature: dict, dims: dict, weights: dict[str, np.ndarray]):
@@ -51,7 +52,7 @@ class _Session:
         return dict(zip(outputs, self.session.run(outputs, {**feeds, **self.weights})))
 
 
-def _kind(node: gs.Node, previous: str | None) -> str:
+def projection_kind(node: gs.Node, previous: str | None) -> str:
     """The projection a fused MatMul is: qkv and gate_up by their fusion's name, then o after qkv and down
     after gate_up (a block's MatMuls come in that order)."""
     if "FusedAttention_qkv" in node.name:
@@ -59,6 +60,27 @@ def _kind(node: gs.Node, previous: str | None) -> str:
     if "GateUp" in node.name:
         return "gate_up"
     return "o" if previous == "qkv" else "down"
+
+
+def quantize_matmul(node: gs.Node, quant: QuantConfig, statistics: dict):
+    """A MatMul's weight quantized as `quant` says: (QuantizedWeight, per-input-channel scale or None)."""
+    stats = statistics.get(node.inputs[0].name)
+    (q,), scale = quantize_weights_together([np.asarray(node.inputs[1].values)], quant.method, quant.bits,
+                                            quant.group_size, quant.symmetric, stats and stats.hessian,
+                                            stats and stats.mean_abs, quant.act_order, quant.damp)
+    return q, scale
+
+
+def scoring_session(graph: gs.Graph, extra_outputs: list[str] = ()) -> tuple[FedWeightsSession, dict[str, np.ndarray]]:
+    """A session over a copy of the float graph whose weights are fed (swap them in `session.weights`),
+    and the float weights; `extra_outputs` names inner values it returns too."""
+    copy = graph.copy()
+    weights = detach_weights(copy)
+    model = gs.export_onnx(copy, do_type_check=False)
+    signature = io_signature(model)
+    for name in extra_outputs:
+        model.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+    return FedWeightsSession(model, signature, llm_dimensions(signature), dict(weights)), weights
 
 
 @click.command()
@@ -80,24 +102,15 @@ def main(onnx_path: Path, conf: str, max_tokens: int, out: Path | None) -> None:
     block, kind = -1, None
     quantized: dict[str, np.ndarray] = {}
     for node in matmuls:
-        stats = statistics.get(node.inputs[0].name)
-        values = np.asarray(node.inputs[1].values)
-        (q,), scale = quantize_weights_together([values], quant.method, quant.bits, quant.group_size, quant.symmetric,
-                                                stats and stats.hessian, stats and stats.mean_abs, quant.act_order,
-                                                quant.damp)
+        q, scale = quantize_matmul(node, quant, statistics)
         effective = dequantize_blockwise(q)
         quantized[node.inputs[1].name] = effective if scale is None else effective * scale[:, None]
-        kind = _kind(node, kind)
+        kind = projection_kind(node, kind)
         block += kind == "qkv"
         groups.setdefault(f"all {kind}", []).append(node.inputs[1].name)
         groups.setdefault(f"block {block:02d}", []).append(node.inputs[1].name)
-    copy = graph.copy()
-    weights = detach_weights(copy)
-    model = gs.export_onnx(copy, do_type_check=False)
-    signature = io_signature(model)
-    dims = llm_dimensions(signature)
+    session, weights = scoring_session(graph)
     ids = TextTokenizer(tokenizer_files(cfg)).encode(EVAL_TEXT.read_text(encoding="utf-8"))[:max_tokens]
-    session = _Session(model, signature, dims, dict(weights))
     base = perplexity(session, ids).perplexity
     results = {"float": base}
     click.echo(f"{'float':<14} {base:8.3f}")
