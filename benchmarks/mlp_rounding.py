@@ -19,20 +19,10 @@ from pathlib import Path
 
 import click
 import numpy as np
-import onnx_graphsurgeon as gs
 
-from quant_sensitivity import projection_kind, quantize_matmul, scoring_session
-from cli.quant import fused_graph
-from compiler.config import CompileConfig
-from compiler.pipeline import calibration_samples, tokenizer_files
-from compiler.quant_config import QuantConfig
-from models.data_files import EVAL_TEXT
-from passes.calibration import collect_input_statistics
-from passes.graph_utils import lm_head
-from passes.quant_math import dequantize_blockwise
+from quant_sensitivity import eval_ids, quantize_float_graph, scoring_session
 from runtime.feeds import causal_lm_inputs
 from runtime.perplexity import perplexity
-from runtime.tokenizer import TextTokenizer
 
 
 class _Rounding:
@@ -102,33 +92,23 @@ def learn_mlp(x: np.ndarray, gate_up: _Rounding, down: _Rounding, steps: int, ba
 @click.option("--max_tokens", default=4096, show_default=True, help="score the first N tokens of the text")
 def main(onnx_path: Path, conf: str, steps: int, batch: int, samples: int, max_tokens: int) -> None:
     """Print perplexity: float, quantized as configured, and with the MLPs' rounding learned."""
-    quant = QuantConfig.from_json(conf)
-    cfg = CompileConfig(model=str(onnx_path), framework=5, output="/tmp/unused", soc_version="Ascend910B",
-                        quantization=quant)
-    graph = fused_graph(cfg)
-    head = lm_head(graph)
-    matmuls = [n for n in graph.nodes if n.op == "MatMul" and n is not head and isinstance(n.inputs[1], gs.Constant)]
-    calibration = calibration_samples(cfg)
-    statistics = collect_input_statistics(graph, sorted({n.inputs[0].name for n in matmuls}), calibration,
-                                          with_hessian=quant.needs_calibration)
-    quantized, roundings, kind, mlps = {}, {}, None, []
-    for node in matmuls:
-        q, scale = quantize_matmul(node, quant, statistics)
-        effective = dequantize_blockwise(q)
-        quantized[node.inputs[1].name] = effective if scale is None else effective * scale[:, None]
-        kind = projection_kind(node, kind)
-        if kind in ("gate_up", "down"):
-            roundings[node.inputs[1].name] = _Rounding(np.asarray(node.inputs[1].values), q, scale)
-            if kind == "gate_up":
-                mlps.append([node])
+    cfg, graph, calibration, matmuls = quantize_float_graph(onnx_path, conf)
+    quantized = {matmul.name: matmul.effective() for matmul in matmuls}
+    roundings, mlps = {}, []
+    for matmul in matmuls:
+        if matmul.kind in ("gate_up", "down"):
+            roundings[matmul.name] = _Rounding(np.asarray(matmul.node.inputs[1].values), matmul.weight,
+                                               matmul.input_scale)
+            if matmul.kind == "gate_up":
+                mlps.append([matmul.node])
             else:
-                mlps[-1].append(node)
-    del statistics
-    probe, weights = scoring_session(graph, [gate_up.inputs[0].name for gate_up, _ in mlps])
-    signature, dims = probe.loaded.metadata["signature"], probe.loaded.metadata["model"]
+                mlps[-1].append(matmul.node)
+    # one session both returns the MLPs' inputs and scores the text (it runs only the outputs asked for)
+    session, weights = scoring_session(graph, [gate_up.inputs[0].name for gate_up, _ in mlps])
+    signature, dims = session.loaded.metadata["signature"], session.loaded.metadata["model"]
     inputs = {gate_up.inputs[0].name: [] for gate_up, _ in mlps}
     for ids in calibration[:samples]:
-        out = probe.run(causal_lm_inputs(signature, dims, np.asarray(ids)[None]), list(inputs))
+        out = session.run(causal_lm_inputs(signature, dims, np.asarray(ids)[None]), list(inputs))
         for name, value in out.items():
             inputs[name].append(value.reshape(-1, value.shape[-1]))
     learned = {}
@@ -140,8 +120,7 @@ def main(onnx_path: Path, conf: str, steps: int, batch: int, samples: int, max_t
             learned[gate_up.inputs[1].name], learned[down.inputs[1].name] = pair[0].weight()[0], pair[1].weight()[0]
         click.echo(f"block {index:02d}: MLP output error {before:.3e} -> {after:.3e}"
                    f"{'' if after < before else ' (kept the method rounding)'}")
-    session, _ = scoring_session(graph)
-    ids = TextTokenizer(tokenizer_files(cfg)).encode(EVAL_TEXT.read_text(encoding="utf-8"))[:max_tokens]
+    ids = eval_ids(cfg, max_tokens)
     for label, chosen in [("float", {}), ("quantized", quantized), ("MLP rounding learned", {**quantized, **learned})]:
         session.weights = {**weights, **chosen}
         click.echo(f"{label:<22} {perplexity(session, ids).perplexity:8.3f}")

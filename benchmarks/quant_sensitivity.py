@@ -12,6 +12,7 @@ much of the total it causes (the increases roughly add up when they are small).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -29,7 +30,7 @@ from compiler.weight_memory import detach_weights
 from models.data_files import EVAL_TEXT
 from passes.calibration import collect_input_statistics
 from passes.graph_utils import lm_head
-from passes.quant_math import dequantize_blockwise
+from passes.quant_math import QuantizedWeight, dequantize_blockwise
 from passes.quant_search import quantize_weights_together
 from compiler.pipeline import calibration_samples, tokenizer_files
 from runtime.lowering import lower_for_onnxruntime
@@ -62,13 +63,51 @@ def projection_kind(node: gs.Node, previous: str | None) -> str:
     return "o" if previous == "qkv" else "down"
 
 
-def quantize_matmul(node: gs.Node, quant: QuantConfig, statistics: dict):
-    """A MatMul's weight quantized as `quant` says: (QuantizedWeight, per-input-channel scale or None)."""
-    stats = statistics.get(node.inputs[0].name)
-    (q,), scale = quantize_weights_together([np.asarray(node.inputs[1].values)], quant.method, quant.bits,
-                                            quant.group_size, quant.symmetric, stats and stats.hessian,
-                                            stats and stats.mean_abs, quant.act_order, quant.damp)
-    return q, scale
+@dataclass
+class QuantizedMatMul:
+    """One MatMul of the float graph, quantized as the configuration says."""
+
+    node: gs.Node
+    kind: str  # qkv, o, gate_up or down
+    weight: QuantizedWeight
+    input_scale: np.ndarray | None  # AWQ's per-input-channel scale, None without one
+
+    @property
+    def name(self) -> str:
+        return self.node.inputs[1].name
+
+    def effective(self) -> np.ndarray:
+        """The float weight the quantized one computes."""
+        values = dequantize_blockwise(self.weight)
+        return values if self.input_scale is None else values * self.input_scale[:, None]
+
+
+def quantize_float_graph(onnx_path: Path, conf: str) -> tuple[CompileConfig, gs.Graph, list, list[QuantizedMatMul]]:
+    """The graph as atc fuses it before quantizing, its calibration samples, and every MatMul with a
+    constant weight but the lm_head quantized with the configuration's method (calibrated once)."""
+    quant = QuantConfig.from_json(conf)
+    cfg = CompileConfig(model=str(onnx_path), framework=5, output="/tmp/unused", soc_version="Ascend910B",
+                        quantization=quant)
+    graph = fused_graph(cfg)
+    head = lm_head(graph)
+    matmuls = [n for n in graph.nodes if n.op == "MatMul" and n is not head and isinstance(n.inputs[1], gs.Constant)]
+    samples = calibration_samples(cfg)
+    statistics = collect_input_statistics(graph, sorted({n.inputs[0].name for n in matmuls}), samples,
+                                          with_hessian=quant.needs_calibration)
+    quantized, kind = [], None
+    for node in matmuls:
+        stats = statistics.get(node.inputs[0].name)
+        (q,), scale = quantize_weights_together([np.asarray(node.inputs[1].values)], quant.method, quant.bits,
+                                                quant.group_size, quant.symmetric, stats and stats.hessian,
+                                                stats and stats.mean_abs, quant.act_order, quant.damp)
+        kind = projection_kind(node, kind)
+        quantized.append(QuantizedMatMul(node, kind, q, scale))
+    return cfg, graph, samples, quantized
+
+
+def eval_ids(cfg: CompileConfig, max_tokens: int) -> list[int]:
+    """The first `max_tokens` tokens of the held-out text, in the model's tokenizer."""
+    return TextTokenizer(tokenizer_files(cfg)).encode(EVAL_TEXT.read_text(encoding="utf-8"))[:max_tokens]
 
 
 def scoring_session(graph: gs.Graph, extra_outputs: list[str] = ()) -> tuple[FedWeightsSession, dict[str, np.ndarray]]:
@@ -90,27 +129,17 @@ def scoring_session(graph: gs.Graph, extra_outputs: list[str] = ()) -> tuple[Fed
 @click.option("--out", default=None, type=click.Path(path_type=Path), help="write the results as JSON")
 def main(onnx_path: Path, conf: str, max_tokens: int, out: Path | None) -> None:
     """Print perplexity with each group of layers quantized alone."""
-    quant = QuantConfig.from_json(conf)
-    cfg = CompileConfig(model=str(onnx_path), framework=5, output="/tmp/unused", soc_version="Ascend910B",
-                        quantization=quant)
-    graph = fused_graph(cfg)
-    head = lm_head(graph)
-    matmuls = [n for n in graph.nodes if n.op == "MatMul" and n is not head and isinstance(n.inputs[1], gs.Constant)]
-    statistics = collect_input_statistics(graph, sorted({n.inputs[0].name for n in matmuls}), calibration_samples(cfg),
-                                          with_hessian=quant.needs_calibration)
+    cfg, graph, _, matmuls = quantize_float_graph(onnx_path, conf)
     groups: dict[str, list[str]] = {}
-    block, kind = -1, None
+    block = -1
     quantized: dict[str, np.ndarray] = {}
-    for node in matmuls:
-        q, scale = quantize_matmul(node, quant, statistics)
-        effective = dequantize_blockwise(q)
-        quantized[node.inputs[1].name] = effective if scale is None else effective * scale[:, None]
-        kind = projection_kind(node, kind)
-        block += kind == "qkv"
-        groups.setdefault(f"all {kind}", []).append(node.inputs[1].name)
-        groups.setdefault(f"block {block:02d}", []).append(node.inputs[1].name)
+    for matmul in matmuls:
+        quantized[matmul.name] = matmul.effective()
+        block += matmul.kind == "qkv"
+        groups.setdefault(f"all {matmul.kind}", []).append(matmul.name)
+        groups.setdefault(f"block {block:02d}", []).append(matmul.name)
     session, weights = scoring_session(graph)
-    ids = TextTokenizer(tokenizer_files(cfg)).encode(EVAL_TEXT.read_text(encoding="utf-8"))[:max_tokens]
+    ids = eval_ids(cfg, max_tokens)
     base = perplexity(session, ids).perplexity
     results = {"float": base}
     click.echo(f"{'float':<14} {base:8.3f}")
