@@ -56,6 +56,8 @@ ROWS = {
     "W8A8 (8-bit head)": Row({"quant_mode": "W8A8", "algorithms": [{"name": "smooth_quant"}], "skip_layers": []}),
     **{f"INT4-{method.upper()} g{group}{' asym' if not symmetric else ''}": _int4(method, group, symmetric=symmetric)
        for group, symmetric in ((128, True), (32, True), (32, False)) for method in ("rtn", "awq", "gptq", "awq+gptq")},
+    **{f"INT4-{method.upper()} g{group} float zp": _int4(method, group, symmetric=False, zero_points="float")
+       for group in (128, 32) for method in ("rtn", "awq", "gptq", "awq+gptq")},
     "INT4-AWQ+GPTQ g32 asym (float head)": _int4("awq+gptq", 32, symmetric=False, skip_layers=["lm_head"]),
     "INT4-AWQ+GPTQ g32 asym (INT4 head)": _int4("awq+gptq", 32, symmetric=False, lm_head_bits=4),
 }

@@ -23,8 +23,9 @@ DEFAULT_CALIBRATION_TEXT = str(CALIBRATION_TEXT)
 BITS = (4, 8)
 QUANT_MODES = {"INT4": 4, "INT8": 8, "W8A8": 8}
 ACCURACY_LEVELS = ("auto", "0", "4")
-_JSON_KEYS = ("quant_mode", "group_size", "symmetric", "algorithms", "skip_layers", "calibration", "accuracy_level",
-              "lm_head_bits")
+_JSON_KEYS = ("quant_mode", "group_size", "symmetric", "zero_points", "algorithms", "skip_layers", "calibration",
+              "accuracy_level", "lm_head_bits")
+ZERO_POINTS = ("integer", "float")
 LM_HEAD_BITS = (4, 8)
 
 
@@ -36,6 +37,9 @@ class QuantConfig:
     bits: int = 4
     group_size: int = 128
     symmetric: bool = True
+    # asymmetric INT4's zero points: "integer" (4-bit, the range widened to hold 0) or "float" (each group
+    # spans exactly [min, max], GGUF Q4_1's form; run as integer zero points plus a per-group offset term)
+    zero_points: str = "integer"
     skip_layers: tuple[str, ...] = ("lm_head",)
     # lm_head (and the embedding table tied to it), when not skipped: 8-bit blocks by default, because at
     # INT4 SmolLM2's 49k-row head alone cost more perplexity than all its INT4 layers (README)
@@ -52,6 +56,10 @@ class QuantConfig:
     @property
     def needs_calibration(self) -> bool:
         return self.method in CALIBRATED_METHODS
+
+    @property
+    def float_zeros(self) -> bool:
+        return self.zero_points == "float"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -75,6 +83,11 @@ class QuantConfig:
             raise not_in_range(self.lm_head_bits, "compress_weight_conf lm_head_bits", LM_HEAD_BITS)
         if str(self.accuracy_level) not in ACCURACY_LEVELS:
             raise not_in_range(self.accuracy_level, "compress_weight_conf accuracy_level", ACCURACY_LEVELS)
+        if self.zero_points not in ZERO_POINTS:
+            raise not_in_range(self.zero_points, "compress_weight_conf zero_points", ZERO_POINTS)
+        if self.float_zeros and (self.bits != 4 or self.symmetric):
+            raise invalid_value(self.zero_points, "compress_weight_conf zero_points",
+                                "Float zero points apply to asymmetric INT4 only (\"symmetric\": false).")
         if self.num_samples < 1 or self.seq_len < 16:
             raise invalid_value(f"{self.num_samples}x{self.seq_len}", "calibration",
                                 "num_samples must be >= 1 and seq_len >= 16.")
@@ -124,4 +137,5 @@ class QuantConfig:
         if "text_file" in calibration:
             extra["calibration_text"] = str(calibration["text_file"])
         return cls(method=CHAINS.get(names, names[0]), bits=QUANT_MODES[mode], group_size=group,
-                   symmetric=bool(document.get("symmetric", True)), skip_layers=tuple(skip), **extra)
+                   symmetric=bool(document.get("symmetric", True)), zero_points=str(document.get("zero_points", "integer")),
+                   skip_layers=tuple(skip), **extra)

@@ -23,7 +23,8 @@ def eight_bit_block(rows: int) -> int:
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """Integer weights [K, N], scales [n_blocks, N] and zero points [n_blocks, N] (None when symmetric)."""
+    """Integer weights [K, N], scales [n_blocks, N] and zero points [n_blocks, N] (None when symmetric; float
+    with `float_zeros`)."""
 
     values: np.ndarray
     scales: np.ndarray
@@ -42,9 +43,13 @@ def _blocks(weight: np.ndarray, block_size: int) -> np.ndarray:
 
 
 def quantize_blockwise(weight: np.ndarray, bits: int, block_size: int, symmetric: bool = True,
-                       clip: np.ndarray | None = None) -> QuantizedWeight:
+                       clip: np.ndarray | None = None, float_zeros: bool = False) -> QuantizedWeight:
     """Round-to-nearest quantization of `weight` [K, N] in blocks of `block_size` rows; `clip` [n_blocks, N]
-    (ratios in (0, 1]) shrinks each block's range, saturating its outliers."""
+    (ratios in (0, 1]) shrinks each block's range, saturating its outliers.
+
+    `float_zeros` (asymmetric only): each block spans exactly [min, max] with a float zero point, the
+    "scale and minimum" form of GGUF's Q4_1 and HQQ, instead of a range widened to hold 0 and an integer
+    zero point; `split_float_zeros` turns it into what the kernels run."""
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits must be one of {SUPPORTED_BITS}, not {bits}")
     if weight.ndim != 2 or block_size < 1:
@@ -57,6 +62,13 @@ def quantize_blockwise(weight: np.ndarray, bits: int, block_size: int, symmetric
         scales = np.where(scales == 0, 1.0, scales).astype(np.float32)
         values = np.clip(np.rint(blocks / scales[:, None]), -q_max - 1, q_max)
         zero_points = None
+    elif float_zeros:
+        q_max = 2 ** bits - 1
+        low, high = blocks.min(axis=1) * ratio, blocks.max(axis=1) * ratio
+        scales = (high - low) / q_max
+        scales = np.where(scales == 0, 1.0, scales).astype(np.float32)
+        zero_points = (-low / scales).astype(np.float32)
+        values = np.clip(np.rint(blocks / scales[:, None] + zero_points[:, None]), 0, q_max)
     else:
         q_max = 2 ** bits - 1
         low, high = np.minimum(blocks.min(axis=1), 0) * ratio, np.maximum(blocks.max(axis=1), 0) * ratio
@@ -66,7 +78,23 @@ def quantize_blockwise(weight: np.ndarray, bits: int, block_size: int, symmetric
         values = np.clip(np.rint(blocks / scales[:, None]) + zero_points[:, None], 0, q_max)
     dtype = np.int8 if symmetric else np.uint8
     values = values.reshape(-1, weight.shape[1])[: weight.shape[0]].astype(dtype)
-    return QuantizedWeight(values, scales, None if zero_points is None else zero_points.astype(dtype), bits, block_size)
+    if zero_points is not None:
+        zero_points = zero_points.astype(np.float32 if float_zeros else dtype)
+    return QuantizedWeight(values, scales, zero_points, bits, block_size)
+
+
+def split_float_zeros(quantized: QuantizedWeight) -> tuple[QuantizedWeight, np.ndarray | None]:
+    """A weight with float zero points as MatMulNBits' default zero point 2^(bits-1) plus per-block offsets
+    [n_blocks, N] = scale·(2^(bits-1) − zp), since scale·(q − zp) = scale·(q − 2^(bits-1)) + offset:
+    MatMulNBits' fast kernels take 4-bit zero points only (a float zero point ran 12-50x slower here), and
+    x·W is then MatMulNBits(x) + (x's sums over each block)·offsets. Other weights pass through."""
+    zero_points = quantized.zero_points
+    if zero_points is None or not np.issubdtype(zero_points.dtype, np.floating):
+        return quantized, None
+    middle = 2 ** (quantized.bits - 1)
+    offsets = (quantized.scales * (middle - zero_points)).astype(np.float32)
+    values = (quantized.values.astype(np.int16) - middle).astype(np.int8)
+    return QuantizedWeight(values, quantized.scales, None, quantized.bits, quantized.block_size), offsets
 
 
 def quantize_8bit_blocked(weight: np.ndarray) -> QuantizedWeight:

@@ -30,9 +30,9 @@ def output_error(weight: np.ndarray, approximation: np.ndarray, hessian: np.ndar
     return float(np.sum((hessian @ delta) * delta))
 
 
-def _group_params(rows: np.ndarray, bits: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray | None]:
+def _group_params(rows: np.ndarray, bits: int, symmetric: bool, float_zeros: bool) -> tuple[np.ndarray, np.ndarray | None]:
     """Scales (and zero points) [N] for one group of rows [g, N], as quantize_blockwise computes them."""
-    q = quantize_blockwise(rows, bits, rows.shape[0], symmetric)
+    q = quantize_blockwise(rows, bits, rows.shape[0], symmetric, float_zeros=float_zeros)
     return q.scales[0], None if q.zero_points is None else q.zero_points[0]
 
 
@@ -40,11 +40,12 @@ def _quantize_row(row: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, b
     if zero is None:
         q_max = 2 ** (bits - 1) - 1
         return np.clip(np.rint(row / scale), -q_max - 1, q_max)
-    return np.clip(np.rint(row / scale) + zero, 0, 2 ** bits - 1)
+    return np.clip(np.rint(row / scale + zero), 0, 2 ** bits - 1)
 
 
 def gptq_quantize(weight: np.ndarray, hessian: np.ndarray, bits: int, block_size: int, symmetric: bool = True,
-                  act_order: bool = False, damp: float = 0.01, lazy_batch: int = 128) -> QuantizedWeight:
+                  act_order: bool = False, damp: float = 0.01, lazy_batch: int = 128,
+                  float_zeros: bool = False) -> QuantizedWeight:
     """GPTQ of `weight` [K, N] given H [K, K]; the result has the layout of quantize_blockwise's."""
     w = weight.astype(np.float64).copy()
     rows, cols = w.shape
@@ -58,7 +59,8 @@ def gptq_quantize(weight: np.ndarray, hessian: np.ndarray, bits: int, block_size
     zeros = None if symmetric else np.zeros((n_blocks, cols), np.float32)
     if act_order:
         for group in range(n_blocks):
-            scales[group], zero = _group_params(w[group * block_size:(group + 1) * block_size], bits, symmetric)
+            scales[group], zero = _group_params(w[group * block_size:(group + 1) * block_size], bits, symmetric,
+                                                float_zeros)
             if zeros is not None:
                 zeros[group] = zero
         order = np.argsort(-np.diag(h), kind="stable")
@@ -74,7 +76,7 @@ def gptq_quantize(weight: np.ndarray, hessian: np.ndarray, bits: int, block_size
             original = order[i]
             group = original // block_size
             if not act_order and original % block_size == 0:
-                scales[group], zero = _group_params(w[i:i + block_size], bits, symmetric)
+                scales[group], zero = _group_params(w[i:i + block_size], bits, symmetric, float_zeros)
                 if zeros is not None:
                     zeros[group] = zero
             zero = None if zeros is None else zeros[group]
@@ -88,8 +90,9 @@ def gptq_quantize(weight: np.ndarray, hessian: np.ndarray, bits: int, block_size
     restored = np.empty_like(values)
     restored[order] = values
     dtype = np.int8 if symmetric else np.uint8
-    return QuantizedWeight(restored.astype(dtype), scales, None if zeros is None else zeros.astype(dtype), bits,
-                           block_size)
+    if zeros is not None and not float_zeros:
+        zeros = zeros.astype(dtype)
+    return QuantizedWeight(restored.astype(dtype), scales, zeros, bits, block_size)
 
 
 CLIP_RATIOS = tuple(1 - step / 20 for step in range(10))
@@ -106,7 +109,7 @@ def _block_hessians(hessian: np.ndarray, block_size: int) -> np.ndarray:
 
 
 def clip_search(weight: np.ndarray, hessian: np.ndarray, bits: int, block_size: int, symmetric: bool = True,
-                ratios: tuple[float, ...] = CLIP_RATIOS) -> QuantizedWeight:
+                ratios: tuple[float, ...] = CLIP_RATIOS, float_zeros: bool = False) -> QuantizedWeight:
     """RTN with each block of each column clipped by the ratio minimising that block's output error
     Σ (H_bb Δ_b) ⊙ Δ_b (cross-block terms ignored, as AWQ's clipping does)."""
     rows, cols = weight.shape
@@ -117,17 +120,17 @@ def clip_search(weight: np.ndarray, hessian: np.ndarray, bits: int, block_size: 
     best_error, best_ratio = np.full((n_blocks, cols), np.inf), np.ones((n_blocks, cols), np.float32)
     for ratio in ratios:
         clip = np.full((n_blocks, cols), ratio, np.float32)
-        restored = dequantize_blockwise(quantize_blockwise(weight, bits, block_size, symmetric, clip))
+        restored = dequantize_blockwise(quantize_blockwise(weight, bits, block_size, symmetric, clip, float_zeros))
         delta = blocks - np.concatenate([restored, np.zeros((pad, cols), np.float32)]).reshape(blocks.shape)
         delta = delta.astype(np.float64)
         error = np.sum((hessians @ delta) * delta, axis=1)
         better = error < best_error
         best_error[better], best_ratio[better] = error[better], ratio
-    return quantize_blockwise(weight, bits, block_size, symmetric, best_ratio)
+    return quantize_blockwise(weight, bits, block_size, symmetric, best_ratio, float_zeros)
 
 
 def awq_scales(weight: np.ndarray, hessian: np.ndarray, mean_abs: np.ndarray, bits: int, block_size: int,
-               symmetric: bool = True, grid: int = 20) -> tuple[np.ndarray, float]:
+               symmetric: bool = True, grid: int = 20, float_zeros: bool = False) -> tuple[np.ndarray, float]:
     """(s [K], α) minimising ‖X·W − (X/s)·Q(diag(s)·W)‖² over α ∈ {0, 1/grid, …, 1}, s = mean|x|^α."""
     base = np.maximum(mean_abs.astype(np.float64), 1e-8)
     best = None
@@ -135,7 +138,7 @@ def awq_scales(weight: np.ndarray, hessian: np.ndarray, mean_abs: np.ndarray, bi
         alpha = step / grid
         scales = base ** alpha
         scales = (scales / np.sqrt(scales.max() * scales.min())).astype(np.float32)
-        quantized = quantize_blockwise(weight * scales[:, None], bits, block_size, symmetric)
+        quantized = quantize_blockwise(weight * scales[:, None], bits, block_size, symmetric, float_zeros=float_zeros)
         error = output_error(weight, dequantize_blockwise(quantized) / scales[:, None], hessian)
         if best is None or error < best[0]:
             best = (error, scales, alpha)
@@ -149,10 +152,11 @@ def scaled_hessian(hessian: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 
 def awq_search(weight: np.ndarray, hessian: np.ndarray, mean_abs: np.ndarray, bits: int, block_size: int,
-               symmetric: bool = True, grid: int = 20) -> tuple[np.ndarray, QuantizedWeight, float]:
+               symmetric: bool = True, grid: int = 20, float_zeros: bool = False) -> tuple[np.ndarray, QuantizedWeight, float]:
     """AWQ: (s, the clipped quantization of diag(s)·W, α)."""
-    scales, alpha = awq_scales(weight, hessian, mean_abs, bits, block_size, symmetric, grid)
-    clipped = clip_search(weight * scales[:, None], scaled_hessian(hessian, scales), bits, block_size, symmetric)
+    scales, alpha = awq_scales(weight, hessian, mean_abs, bits, block_size, symmetric, grid, float_zeros)
+    clipped = clip_search(weight * scales[:, None], scaled_hessian(hessian, scales), bits, block_size, symmetric,
+                          float_zeros=float_zeros)
     return scales, clipped, alpha
 
 
@@ -171,7 +175,7 @@ def split_columns(quantized: QuantizedWeight, widths: list[int]) -> list[Quantiz
 def quantize_weights_together(weights: list[np.ndarray], method: str, bits: int, block_size: int, symmetric: bool,
                               hessian: np.ndarray | None = None, mean_abs: np.ndarray | None = None,
                               act_order: bool = False, damp: float = 0.01, abs_max: np.ndarray | None = None,
-                              alpha: float = 0.5) -> tuple[list[QuantizedWeight], np.ndarray | None]:
+                              alpha: float = 0.5, float_zeros: bool = False) -> tuple[list[QuantizedWeight], np.ndarray | None]:
     """Quantize the weights of MatMuls that read one input as one [K, ΣN] matrix (as a QKV or gate/up fusion
     would merge them), so merged and unmerged graphs get the same integers; returns them and, for AWQ, the
     per-channel factor to multiply the shared input by."""
@@ -182,17 +186,19 @@ def quantize_weights_together(weights: list[np.ndarray], method: str, bits: int,
         quantized = quantize_blockwise(merged * scales[:, None], bits, merged.shape[0], symmetric=True)
         input_scale = (1.0 / scales).astype(np.float32)
     elif method == "gptq":
-        quantized = gptq_quantize(merged, hessian, bits, block_size, symmetric, act_order, damp)
+        quantized = gptq_quantize(merged, hessian, bits, block_size, symmetric, act_order, damp,
+                                  float_zeros=float_zeros)
     elif method == "awq":
-        scales, quantized, _ = awq_search(merged, hessian, mean_abs, bits, block_size, symmetric)
+        scales, quantized, _ = awq_search(merged, hessian, mean_abs, bits, block_size, symmetric,
+                                          float_zeros=float_zeros)
         input_scale = (1.0 / scales).astype(np.float32)
     elif method == "awq+gptq":  # AWQ's scaling protects the salient channels, GPTQ then rounds with feedback
-        scales, _ = awq_scales(merged, hessian, mean_abs, bits, block_size, symmetric)
+        scales, _ = awq_scales(merged, hessian, mean_abs, bits, block_size, symmetric, float_zeros=float_zeros)
         quantized = gptq_quantize(merged * scales[:, None], scaled_hessian(hessian, scales), bits, block_size,
-                                  symmetric, act_order, damp)
+                                  symmetric, act_order, damp, float_zeros=float_zeros)
         input_scale = (1.0 / scales).astype(np.float32)
     else:
-        quantized = quantize_blockwise(merged, bits, block_size, symmetric)
+        quantized = quantize_blockwise(merged, bits, block_size, symmetric, float_zeros=float_zeros)
     return split_columns(quantized, [w.shape[1] for w in weights]), input_scale
 
 

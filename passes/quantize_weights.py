@@ -23,10 +23,10 @@ from compiler.quant_config import HESSIAN_METHODS, QuantConfig
 from passes.calibration import InputStatistics, collect_input_statistics
 from passes.pattern import FusionPass, fused_node, producer
 from passes.quant_math import (EIGHT_BIT_BLOCKS, QuantizedWeight, dequantize_blockwise, eight_bit_block,
-                               pack_matmul_nbits, quantize_8bit_blocked, quantize_blockwise)
+                               pack_matmul_nbits, quantize_8bit_blocked, quantize_blockwise, split_float_zeros)
 from passes.quant_search import int8_activation_error, quantize_weights_together
 from passes.staged_calibration import StagedStatistics
-from passes.graph_utils import lm_head, naming_patterns, scale_input
+from passes.graph_utils import lm_head, naming_patterns, scale_input, widened
 
 
 # relative output error int8 activations may add to a layer before it keeps float activations; well
@@ -125,6 +125,7 @@ class QuantizeWeights(FusionPass):
         self.accuracy_levels: dict[str, int] = {}
         self._head: gs.Node | None = None
         self._statistics: dict[str, InputStatistics] | StagedStatistics = {}
+        self._block_sums: dict[tuple[int, int], gs.Constant] = {}
 
     def run(self, graph: gs.Graph):
         self._head = lm_head(graph)
@@ -228,7 +229,8 @@ class QuantizeWeights(FusionPass):
         stats = self._statistics.get(matmul.inputs[0].name)
         (quantized,), input_scale = quantize_weights_together(
             [values], config.method, self.bits, block, self.symmetric, stats and stats.hessian,
-            stats and stats.mean_abs, config.act_order, config.damp, stats and stats.abs_max, config.alpha)
+            stats and stats.mean_abs, config.act_order, config.damp, stats and stats.abs_max, config.alpha,
+            config.float_zeros)
         return QuantMatch(matmul, quantized, input_scale)
 
     def rewrite(self, graph: gs.Graph, match: QuantMatch) -> None:
@@ -244,13 +246,18 @@ class QuantizeWeights(FusionPass):
             quantized = _in_blocks(quantized)
         if quantized.bits == 4 or match.blocked or dynamic:
             bits = quantized.bits
+            quantized, offsets = split_float_zeros(quantized)
             blob, scales, zero_points = pack_matmul_nbits(quantized)
             inputs = [matmul.inputs[0], gs.Constant(f"{name}_int{bits}", blob), gs.Constant(f"{name}_scales", scales)]
             if zero_points is not None:
                 inputs.append(gs.Constant(f"{name}_zero_points", zero_points))
             level = self._accuracy_level(activations, quantized, match.input_scale) if bits == 4 \
                 else EIGHT_BIT_ACCURACY_LEVEL
-            node = fused_node("MatMulInt4", inputs, [matmul.outputs[0]], f"{matmul.name}_int{bits}", K=rows, N=cols,
+            output = matmul.outputs[0]
+            if offsets is not None:
+                output = self._add_block_offsets(graph, matmul.inputs[0], rows, offsets, quantized.block_size, output,
+                                                 f"{matmul.name}_int{bits}")
+            node = fused_node("MatMulInt4", inputs, [output], f"{matmul.name}_int{bits}", K=rows, N=cols,
                               bits=bits, block_size=quantized.block_size, accuracy_level=level)
         else:
             inputs = [matmul.inputs[0], gs.Constant(f"{name}_int8", quantized.values),
@@ -261,3 +268,27 @@ class QuantizeWeights(FusionPass):
         matmul.inputs.clear()
         graph.nodes.append(node)
         self._statistics.pop(activations, None)
+
+    def _add_block_offsets(self, graph: gs.Graph, x: gs.Tensor, rows: int, offsets: np.ndarray, block: int,
+                           output: gs.Tensor, name: str) -> gs.Variable:
+        """output = product + (x's sums over each block of K) · offsets, as standard MatMuls; returns the
+        tensor `product` the MatMulInt4 is to write. One 0/1 block-sum matrix per (K, block), shared: a
+        MatMul against it cost ~4x less here than Reshape + ReduceSum."""
+        key = (rows, block)
+        if key not in self._block_sums:
+            sums = np.zeros((rows, offsets.shape[0]), np.float32)
+            sums[np.arange(rows), np.arange(rows) // block] = 1.0
+            self._block_sums[key] = gs.Constant(f"block_sums_{rows}x{block}", sums)
+        # float16 storage: an offset is at most a few quantization steps, so 11 bits keep it to ~1/250 step
+        offsets16 = gs.Constant(f"{name}_offsets", offsets.astype(np.float16))
+        block_sums = gs.Variable(f"{name}_block_sums", dtype=np.float32)
+        correction = gs.Variable(f"{name}_offset", dtype=np.float32)
+        product = gs.Variable(f"{name}_product", dtype=np.float32)
+        output.inputs.clear()  # the Add takes it over from the MatMul being replaced
+        graph.nodes += [
+            gs.Node("MatMul", f"{name}/BlockSums", inputs=[x, self._block_sums[key]], outputs=[block_sums]),
+            gs.Node("MatMul", f"{name}/Offsets", inputs=[block_sums, widened(graph, offsets16, f"{name}_offsets_float")],
+                    outputs=[correction]),
+            gs.Node("Add", f"{name}/AddOffsets", inputs=[product, correction], outputs=[output]),
+        ]
+        return product

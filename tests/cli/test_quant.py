@@ -233,7 +233,10 @@ def test_w8a8_smooth_quant_runs_integer_matmuls_close_to_the_float_model(tmp_pat
                                   {"quant_mode": "INT4", "group_size": 100}, {"quant_mode": "INT3"},
                                   {"quant_mode": "INT4", "algorithms": [{"name": "fp3"}]},
                                   {"quant_mode": "INT4", "algorithms": [{"name": "gptq"}, {"name": "awq"}]},
-                                  {"quant_mode": "INT4", "skip_layers": [], "lm_head_bits": 2}])
+                                  {"quant_mode": "INT4", "skip_layers": [], "lm_head_bits": 2},
+                                  {"quant_mode": "INT4", "zero_points": "float"},  # symmetric by default
+                                  {"quant_mode": "INT8", "symmetric": False, "zero_points": "float"},
+                                  {"quant_mode": "INT4", "symmetric": False, "zero_points": "fp8"}])
 def test_bad_compression_configs_are_refused_without_output(tmp_path, tiny_llama_path, conf):
     from compiler.errors import AtcError
 
@@ -259,3 +262,29 @@ def test_an_untied_lm_head_is_quantized_to_lm_head_bits_when_not_skipped(tmp_pat
     fast = Executor(loaded).run(feeds, ["logits"])["logits"]
     reference = Executor(loaded, "reference").run(feeds, ["logits"])["logits"]
     np.testing.assert_allclose(fast, reference, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("method", [["rtn"], ["awq", "gptq"]], ids=["rtn", "awq-gptq"])
+def test_float_zero_points_are_closer_to_the_float_model_than_integer_ones(tmp_path, tiny_llama_path, method):
+    # a block's range is [min, max] instead of one widened to hold 0: a finer step for the same 4 bits
+    loaded, errors = {}, {}
+    exact_artifact = load_artifact(compile_to(tiny_llama_path, tmp_path / "fp32"))
+    feeds = _feeds(exact_artifact)
+    exact = Executor(exact_artifact).run(feeds, ["logits"])["logits"]
+    for zero_points in ("integer", "float"):
+        config = tmp_path / f"{zero_points}.json"
+        config.write_text(json.dumps({"quant_mode": "INT4", "group_size": 32, "symmetric": False,
+                                      "zero_points": zero_points, "accuracy_level": "0",
+                                      "algorithms": [{"name": m} for m in method],
+                                      "calibration": {"num_samples": 4, "seq_len": 64}}))
+        loaded[zero_points] = load_artifact(compile_to(tiny_llama_path, tmp_path / zero_points,
+                                                       enable_compress_weight=True, compress_weight_conf=str(config)))
+        fast = Executor(loaded[zero_points]).run(feeds, ["logits"])["logits"]
+        errors[zero_points] = float(np.mean((fast - exact) ** 2))
+    nodes = [n.op_type for n in loaded["float"].model.graph.node]
+    assert nodes.count("MatMulInt4") == 2 * 4 and nodes.count("Add") >= 2 * 4  # an offset term each
+    assert not [n for n in loaded["float"].model.graph.node if n.op_type == "MatMulInt4" and len(n.input) > 3]
+    reference = Executor(loaded["float"], "reference").run(feeds, ["logits"])["logits"]
+    fast = Executor(loaded["float"]).run(feeds, ["logits"])["logits"]
+    np.testing.assert_allclose(fast, reference, atol=1e-4, rtol=0)
+    assert errors["float"] < 0.8 * errors["integer"], errors

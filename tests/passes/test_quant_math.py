@@ -7,7 +7,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from passes.quant_math import dequantize_blockwise, pack_matmul_nbits, quantize_blockwise, unpack_matmul_nbits
+from passes.quant_math import (dequantize_blockwise, pack_matmul_nbits, quantize_blockwise, split_float_zeros,
+                               unpack_matmul_nbits)
+from passes.quant_search import gptq_quantize
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -24,6 +26,38 @@ def test_dequantized_error_is_at_most_half_a_step(bits, symmetric, rows, block):
     step = np.repeat(quantized.scales, block, axis=0)[:rows]
     error = np.abs(dequantize_blockwise(quantized) - weight)
     assert np.all(error <= step / 2 + 1e-6)
+
+
+@pytest.mark.parametrize("rows, block", [(128, 32), (100, 64)])
+def test_float_zero_points_fit_each_block_to_its_range_and_split_into_the_kernel_form(rows, block):
+    rng = np.random.default_rng(rows)
+    weight = rng.standard_normal((rows, 24)).astype(np.float32)
+    weight[:, :12] += 4.0  # blocks whose range does not hold 0
+    quantized = quantize_blockwise(weight, 4, block, symmetric=False, float_zeros=True)
+    assert quantized.zero_points.dtype == np.float32 and quantized.values.max() <= 15
+    step = np.repeat(quantized.scales, block, axis=0)[:rows]
+    error = np.abs(dequantize_blockwise(quantized) - weight)
+    assert np.all(error <= step / 2 + 1e-6)
+    integer = quantize_blockwise(weight, 4, block, symmetric=False)  # its range must also hold 0
+    assert np.all(quantized.scales <= integer.scales + 1e-7) and np.any(quantized.scales < 0.9 * integer.scales)
+    split, offsets = split_float_zeros(quantized)
+    assert split.zero_points is None and split.values.min() >= -8 and split.values.max() <= 7
+    restored = dequantize_blockwise(split) + np.repeat(offsets, block, axis=0)[:rows]
+    np.testing.assert_allclose(restored, dequantize_blockwise(quantized), atol=1e-6, rtol=0)
+    assert split_float_zeros(integer) == (integer, None)
+
+
+def test_float_zero_points_recover_a_gguf_q4_1_grid_exactly_by_rtn_and_gptq():
+    rng = np.random.default_rng(7)
+    blocks = rng.standard_normal((4, 32, 16)).astype(np.float32)
+    low, scale = blocks.min(axis=1, keepdims=True), np.ptp(blocks, axis=1, keepdims=True) / 15
+    weight = (low + scale * rng.integers(0, 16, blocks.shape)).reshape(128, 16).astype(np.float32)
+    weight.reshape(4, 32, 16)[:, 0], weight.reshape(4, 32, 16)[:, 1] = low[:, 0], (low + 15 * scale)[:, 0]
+    x = rng.standard_normal((256, 128))
+    for quantized in (quantize_blockwise(weight, 4, 32, symmetric=False, float_zeros=True),
+                      gptq_quantize(weight, x.T @ x, 4, 32, symmetric=False, act_order=True, float_zeros=True)):
+        np.testing.assert_allclose(dequantize_blockwise(quantized), weight, atol=1e-6, rtol=0)
+    assert np.abs(dequantize_blockwise(quantize_blockwise(weight, 4, 32, symmetric=False)) - weight).max() > 1e-2
 
 
 def test_zero_blocks_and_bad_arguments():

@@ -8,7 +8,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from compiler.quant_config import QuantConfig
-from fusion_utils import apply_pass, assert_parity, op_counts
+from fusion_utils import apply_pass, assert_parity, op_counts, run_fused, run_original
 from passes.quant_math import dequantize_blockwise, quantize_blockwise
 from passes.quantize_weights import QuantizeWeights
 
@@ -36,6 +36,30 @@ def test_a_float_weight_becomes_a_quantized_matmul_that_computes_its_dequantizat
     block = 32 if bits == 4 else K
     dequantized = dequantize_blockwise(quantize_blockwise(WEIGHT, bits, block, symmetric))
     assert_parity(_model("w", [numpy_helper.from_array(dequantized, "w")]), fused, FEEDS, tmp_path)
+
+
+def _gguf_q4_1(weight, block=32):
+    """`weight` moved onto GGUF Q4_1's grid: per block of K, min + scale·q with q in 0..15."""
+    blocks = weight.reshape(-1, block, weight.shape[1])
+    low, scale = blocks.min(axis=1, keepdims=True), np.ptp(blocks, axis=1, keepdims=True) / 15
+    return (low + scale * np.rint((blocks - low) / scale)).reshape(weight.shape).astype(np.float32)
+
+
+def test_float_zero_points_reproduce_a_q4_1_weight_exactly_where_integer_ones_cannot(tmp_path):
+    model = _model("w", [numpy_helper.from_array(_gguf_q4_1(WEIGHT), "w")])
+    fused = {}
+    for zero_points in ("integer", "float"):
+        config = QuantConfig(group_size=32, symmetric=False, zero_points=zero_points, skip_layers=(), accuracy_level="0")
+        fused[zero_points], (result,) = apply_pass(model, QuantizeWeights(config))
+        assert result.effect_times == 1
+    # MatMulInt4 on its default zero point, plus x's block sums times the per-block offsets (float16, cast)
+    assert op_counts(fused["float"]) == {"MatMulInt4": 1, "MatMul": 2, "Add": 1, "Cast": 1}
+    expected = run_original(model, FEEDS)[0]
+    error = {name: np.abs(run_fused(graph, FEEDS, "onnxruntime", tmp_path)[0] - expected).max()
+             for name, graph in fused.items()}
+    # float16 offsets leave ~1e-4 of outputs of magnitude ~1; integer zero points move whole groups
+    assert error["float"] < 1e-3 and error["integer"] > 100 * error["float"], error
+    assert_parity(model, fused["float"], FEEDS, tmp_path, atol=1e-3)
 
 
 def _qdq(values, scale, axis=0, block=32, constant_scale=True):
