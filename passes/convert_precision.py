@@ -19,7 +19,7 @@ import onnx_graphsurgeon as gs
 from compiler.errors import AtcError
 from compiler.pass_manager import PassResult
 from compiler.precision_config import OP_TYPE_PREFIX, PrecisionPolicy
-from passes.graph_utils import lm_head, naming_patterns, widened
+from passes.graph_utils import lm_head, naming_patterns
 
 _DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
@@ -104,8 +104,10 @@ class ConvertPrecision:
         return entries
 
     def _convert(self, graph: gs.Graph, constant: gs.Constant, stored: np.ndarray) -> None:
-        wide = widened(graph, gs.Constant(f"{constant.name}_{self.policy.weight_dtype}", stored), f"{constant.name}_float")
+        narrow = gs.Constant(f"{constant.name}_{self.policy.weight_dtype}", stored)
+        wide = gs.Variable(f"{constant.name}_float", dtype=np.float32, shape=list(constant.shape))
         for node in list(constant.outputs):
             for index, tensor in enumerate(node.inputs):
                 if tensor is constant:
                     node.inputs[index] = wide
+        graph.nodes.append(gs.Node("Cast", name=f"{constant.name}/Cast", attrs={"to": 1}, inputs=[narrow], outputs=[wide]))

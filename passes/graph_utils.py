@@ -111,11 +111,3 @@ def naming_patterns(node: gs.Node, weight_name: str, head: gs.Node | None, patte
     the weight it reads; "lm_head" is `head`. All, not the first: each pattern must be known to match."""
     return [pattern for pattern in patterns if (pattern == "lm_head" and node is head) or any(
         fnmatch.fnmatchcase(name, pattern) for name in (node.name, weight_name))]
-
-
-def widened(graph: gs.Graph, narrow: gs.Constant, name: str) -> gs.Variable:
-    """A float16 (or bfloat16) constant read as float32 through a Cast, which onnxruntime folds when its
-    session loads: the artifact stores the narrow bytes, the arithmetic stays float32."""
-    wide = gs.Variable(name, dtype=np.float32, shape=list(narrow.shape))
-    graph.nodes.append(gs.Node("Cast", name=f"{narrow.name}/Cast", attrs={"to": 1}, inputs=[narrow], outputs=[wide]))
-    return wide

@@ -84,17 +84,19 @@ def quantize_blockwise(weight: np.ndarray, bits: int, block_size: int, symmetric
 
 
 def split_float_zeros(quantized: QuantizedWeight) -> tuple[QuantizedWeight, np.ndarray | None]:
-    """A weight with float zero points as MatMulNBits' default zero point 2^(bits-1) plus per-block offsets
-    [n_blocks, N] = scale·(2^(bits-1) − zp), since scale·(q − zp) = scale·(q − 2^(bits-1)) + offset:
-    MatMulNBits' fast kernels take 4-bit zero points only (a float zero point ran 12-50x slower here), and
-    x·W is then MatMulNBits(x) + (x's sums over each block)·offsets. Other weights pass through."""
+    """A weight with float zero points zp as integer zero points z = round(zp) (clipped to the 4-bit range)
+    and the remainders [n_blocks, N] z − zp, since scale·(q − zp) = scale·(q − z) + scale·(z − zp):
+    MatMulNBits' fast kernels take integer zero points only (a float zero point ran 12-50x slower here),
+    so x·W runs as MatMulNBits(x) + (x's sums over each block)·(scale·remainder). Keeping z in the kernel
+    leaves the remainder term at most half a step, like an integer zero point's own rounding, so its
+    activations' int8 rounding (accuracy_level 4) costs what it costs without float zero points.
+    Other weights pass through with None."""
     zero_points = quantized.zero_points
     if zero_points is None or not np.issubdtype(zero_points.dtype, np.floating):
         return quantized, None
-    middle = 2 ** (quantized.bits - 1)
-    offsets = (quantized.scales * (middle - zero_points)).astype(np.float32)
-    values = (quantized.values.astype(np.int16) - middle).astype(np.int8)
-    return QuantizedWeight(values, quantized.scales, None, quantized.bits, quantized.block_size), offsets
+    rounded = np.clip(np.rint(zero_points), 0, 2 ** quantized.bits - 1)
+    return (QuantizedWeight(quantized.values, quantized.scales, rounded.astype(np.uint8), quantized.bits,
+                            quantized.block_size), (rounded - zero_points).astype(np.float32))
 
 
 def quantize_8bit_blocked(weight: np.ndarray) -> QuantizedWeight:

@@ -26,7 +26,7 @@ from passes.quant_math import (EIGHT_BIT_BLOCKS, QuantizedWeight, dequantize_blo
                                pack_matmul_nbits, quantize_8bit_blocked, quantize_blockwise, split_float_zeros)
 from passes.quant_search import int8_activation_error, quantize_weights_together
 from passes.staged_calibration import StagedStatistics
-from passes.graph_utils import lm_head, naming_patterns, scale_input, widened
+from passes.graph_utils import lm_head, naming_patterns, scale_input
 
 
 # relative output error int8 activations may add to a layer before it keeps float activations; well
@@ -246,17 +246,18 @@ class QuantizeWeights(FusionPass):
             quantized = _in_blocks(quantized)
         if quantized.bits == 4 or match.blocked or dynamic:
             bits = quantized.bits
-            quantized, offsets = split_float_zeros(quantized)
+            quantized, remainders = split_float_zeros(quantized)
             blob, scales, zero_points = pack_matmul_nbits(quantized)
-            inputs = [matmul.inputs[0], gs.Constant(f"{name}_int{bits}", blob), gs.Constant(f"{name}_scales", scales)]
+            scales = gs.Constant(f"{name}_scales", scales)
+            inputs = [matmul.inputs[0], gs.Constant(f"{name}_int{bits}", blob), scales]
             if zero_points is not None:
                 inputs.append(gs.Constant(f"{name}_zero_points", zero_points))
             level = self._accuracy_level(activations, quantized, match.input_scale) if bits == 4 \
                 else EIGHT_BIT_ACCURACY_LEVEL
             output = matmul.outputs[0]
-            if offsets is not None:
-                output = self._add_block_offsets(graph, matmul.inputs[0], rows, offsets, quantized.block_size, output,
-                                                 f"{matmul.name}_int{bits}")
+            if remainders is not None:
+                output = self._add_block_offsets(graph, matmul.inputs[0], rows, scales, remainders,
+                                                 quantized.block_size, output, f"{matmul.name}_int{bits}")
             node = fused_node("MatMulInt4", inputs, [output], f"{matmul.name}_int{bits}", K=rows, N=cols,
                               bits=bits, block_size=quantized.block_size, accuracy_level=level)
         else:
@@ -269,26 +270,35 @@ class QuantizeWeights(FusionPass):
         graph.nodes.append(node)
         self._statistics.pop(activations, None)
 
-    def _add_block_offsets(self, graph: gs.Graph, x: gs.Tensor, rows: int, offsets: np.ndarray, block: int,
-                           output: gs.Tensor, name: str) -> gs.Variable:
-        """output = product + (x's sums over each block of K) · offsets, as standard MatMuls; returns the
-        tensor `product` the MatMulInt4 is to write. One 0/1 block-sum matrix per (K, block), shared: a
-        MatMul against it cost ~4x less here than Reshape + ReduceSum."""
+    def _add_block_offsets(self, graph: gs.Graph, x: gs.Tensor, rows: int, scales: gs.Constant, remainders: np.ndarray,
+                           block: int, output: gs.Tensor, name: str) -> gs.Variable:
+        """output = product + (x's sums over each block of K) · offsets, offsets = scale · remainder per block
+        and column; returns the tensor `product` the MatMulInt4 is to write. The remainders are stored as
+        int8 (|remainder| <= 0.5 when the zero point lies in the 4-bit range, so 1/254 of a step) and the
+        offsets built from them by constant nodes, which onnxruntime folds once when the session loads.
+        One 0/1 block-sum matrix per (K, block), shared: a MatMul against it cost ~4x less here than
+        Reshape + ReduceSum."""
         key = (rows, block)
         if key not in self._block_sums:
-            sums = np.zeros((rows, offsets.shape[0]), np.float32)
+            sums = np.zeros((rows, remainders.shape[0]), np.float32)
             sums[np.arange(rows), np.arange(rows) // block] = 1.0
             self._block_sums[key] = gs.Constant(f"block_sums_{rows}x{block}", sums)
-        # float16 storage: an offset is at most a few quantization steps, so 11 bits keep it to ~1/250 step
-        offsets16 = gs.Constant(f"{name}_offsets", offsets.astype(np.float16))
-        block_sums = gs.Variable(f"{name}_block_sums", dtype=np.float32)
-        correction = gs.Variable(f"{name}_offset", dtype=np.float32)
-        product = gs.Variable(f"{name}_product", dtype=np.float32)
+        unit = max(0.5, float(np.abs(remainders).max())) / 127
+        stored = gs.Constant(f"{name}_remainders", np.rint(remainders.T / unit).astype(np.int8))
+        variable = {part: gs.Variable(f"{name}_{part}", dtype=np.float32)
+                    for part in ("remainders_float", "steps", "offsets_nk", "offsets", "block_sums", "offset", "product")}
         output.inputs.clear()  # the Add takes it over from the MatMul being replaced
         graph.nodes += [
-            gs.Node("MatMul", f"{name}/BlockSums", inputs=[x, self._block_sums[key]], outputs=[block_sums]),
-            gs.Node("MatMul", f"{name}/Offsets", inputs=[block_sums, widened(graph, offsets16, f"{name}_offsets_float")],
-                    outputs=[correction]),
-            gs.Node("Add", f"{name}/AddOffsets", inputs=[product, correction], outputs=[output]),
+            gs.Node("Cast", f"{name}/CastRemainders", attrs={"to": 1}, inputs=[stored],
+                    outputs=[variable["remainders_float"]]),
+            gs.Node("Mul", f"{name}/Steps", inputs=[scales, variable["remainders_float"]], outputs=[variable["steps"]]),
+            gs.Node("Mul", f"{name}/Unit", inputs=[variable["steps"], gs.Constant(f"{name}_unit", np.array(unit, np.float32))],
+                    outputs=[variable["offsets_nk"]]),
+            gs.Node("Transpose", f"{name}/Transpose", attrs={"perm": [1, 0]}, inputs=[variable["offsets_nk"]],
+                    outputs=[variable["offsets"]]),
+            gs.Node("MatMul", f"{name}/BlockSums", inputs=[x, self._block_sums[key]], outputs=[variable["block_sums"]]),
+            gs.Node("MatMul", f"{name}/Offsets", inputs=[variable["block_sums"], variable["offsets"]],
+                    outputs=[variable["offset"]]),
+            gs.Node("Add", f"{name}/AddOffsets", inputs=[variable["product"], variable["offset"]], outputs=[output]),
         ]
-        return product
+        return variable["product"]

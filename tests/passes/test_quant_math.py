@@ -40,9 +40,10 @@ def test_float_zero_points_fit_each_block_to_its_range_and_split_into_the_kernel
     assert np.all(error <= step / 2 + 1e-6)
     integer = quantize_blockwise(weight, 4, block, symmetric=False)  # its range must also hold 0
     assert np.all(quantized.scales <= integer.scales + 1e-7) and np.any(quantized.scales < 0.9 * integer.scales)
-    split, offsets = split_float_zeros(quantized)
-    assert split.zero_points is None and split.values.min() >= -8 and split.values.max() <= 7
-    restored = dequantize_blockwise(split) + np.repeat(offsets, block, axis=0)[:rows]
+    split, remainders = split_float_zeros(quantized)
+    inside = (quantized.zero_points >= 0) & (quantized.zero_points <= 15)
+    assert split.zero_points.dtype == np.uint8 and np.all(np.abs(remainders[inside]) <= 0.5) and not inside.all()
+    restored = dequantize_blockwise(split) + np.repeat(quantized.scales * remainders, block, axis=0)[:rows]
     np.testing.assert_allclose(restored, dequantize_blockwise(quantized), atol=1e-6, rtol=0)
     assert split_float_zeros(integer) == (integer, None)
 

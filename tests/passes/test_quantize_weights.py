@@ -52,12 +52,12 @@ def test_float_zero_points_reproduce_a_q4_1_weight_exactly_where_integer_ones_ca
         config = QuantConfig(group_size=32, symmetric=False, zero_points=zero_points, skip_layers=(), accuracy_level="0")
         fused[zero_points], (result,) = apply_pass(model, QuantizeWeights(config))
         assert result.effect_times == 1
-    # MatMulInt4 on its default zero point, plus x's block sums times the per-block offsets (float16, cast)
-    assert op_counts(fused["float"]) == {"MatMulInt4": 1, "MatMul": 2, "Add": 1, "Cast": 1}
+    # MatMulInt4 on integer zero points, plus x's block sums times the offsets (built from int8 remainders)
+    assert op_counts(fused["float"]) == {"MatMulInt4": 1, "MatMul": 2, "Add": 1, "Cast": 1, "Mul": 2, "Transpose": 1}
     expected = run_original(model, FEEDS)[0]
     error = {name: np.abs(run_fused(graph, FEEDS, "onnxruntime", tmp_path)[0] - expected).max()
              for name, graph in fused.items()}
-    # float16 offsets leave ~1e-4 of outputs of magnitude ~1; integer zero points move whole groups
+    # int8 remainders leave ~1e-5 of outputs of magnitude ~1; integer zero points move whole groups
     assert error["float"] < 1e-3 and error["integer"] > 100 * error["float"], error
     assert_parity(model, fused["float"], FEEDS, tmp_path, atol=1e-3)
 
