@@ -266,7 +266,7 @@ def test_an_untied_lm_head_is_quantized_to_lm_head_bits_when_not_skipped(tmp_pat
 
 @pytest.mark.parametrize("method", [["rtn"], ["awq", "gptq"]], ids=["rtn", "awq-gptq"])
 def test_float_zero_points_are_closer_to_the_float_model_than_integer_ones(tmp_path, tiny_llama_path, method):
-    # a block's range is [min, max] instead of one widened to hold 0: a finer step for the same 4 bits
+    # a block's range is [min, max] and its zero point is not rounded: never a coarser grid
     loaded, errors = {}, {}
     exact_artifact = load_artifact(compile_to(tiny_llama_path, tmp_path / "fp32"))
     feeds = _feeds(exact_artifact)
@@ -282,9 +282,11 @@ def test_float_zero_points_are_closer_to_the_float_model_than_integer_ones(tmp_p
         fast = Executor(loaded[zero_points]).run(feeds, ["logits"])["logits"]
         errors[zero_points] = float(np.mean((fast - exact) ** 2))
     nodes = [n.op_type for n in loaded["float"].model.graph.node]
-    assert nodes.count("MatMulInt4") == 2 * 4 and nodes.count("Add") >= 2 * 4  # an offset term each
-    assert not [n for n in loaded["float"].model.graph.node if n.op_type == "MatMulInt4" and len(n.input) > 3]
+    # each projection: MatMulInt4 with integer zero points, plus its offset term (block sums · offsets, Add)
+    assert nodes.count("MatMulInt4") == 2 * 4 and nodes.count("Transpose") == 2 * 4
+    assert all(len(n.input) == 4 for n in loaded["float"].model.graph.node if n.op_type == "MatMulInt4")
     reference = Executor(loaded["float"], "reference").run(feeds, ["logits"])["logits"]
     fast = Executor(loaded["float"]).run(feeds, ["logits"])["logits"]
     np.testing.assert_allclose(fast, reference, atol=1e-4, rtol=0)
-    assert errors["float"] < 0.8 * errors["integer"], errors
+    # random tiny weights: nearly every block holds 0 already, so only the zero point's rounding is saved
+    assert errors["float"] < errors["integer"], errors
