@@ -112,9 +112,12 @@ def int8_blocks(a: np.ndarray, block_size: int) -> np.ndarray:
     padded = np.zeros(a.shape[:-1] + (-(-columns // block_size) * block_size,), np.float32)
     padded[..., :columns] = a
     blocks = padded.reshape(a.shape[:-1] + (-1, block_size))
-    scale = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127.0)
-    scale = np.where(scale == 0, np.float32(1.0), scale)
-    return (np.rint(blocks / scale) * scale).reshape(padded.shape)[..., :columns]
+    largest = np.abs(blocks).max(axis=-1, keepdims=True)
+    scale = np.where(largest == 0, np.float32(1.0), largest / np.float32(127.0))
+    # as onnxruntime's kernel: values times 127 / max|a| (not divided by the scale, which rounds near-ties
+    # differently), rounded half to even
+    inverse = np.float32(127.0) / np.where(largest == 0, np.float32(1.0), largest)
+    return (np.rint(blocks * inverse) * scale).reshape(padded.shape)[..., :columns]
 
 
 def dequantize_blockwise(quantized: QuantizedWeight) -> np.ndarray:

@@ -139,3 +139,34 @@ def test_matmul_int4_and_gather_int4_kernels_match_onnxruntime_on_the_same_bytes
     if symmetric:
         np.testing.assert_allclose(outputs[1], GatherInt4(blob, indices, scales, K=rows, block_size=block, bits=bits),
                                    rtol=0, atol=1e-6)
+
+
+def test_int8_activation_rounding_is_onnxruntimes_level_4_rounding_at_near_ties():
+    from onnx import TensorProto, helper, numpy_helper
+
+    from passes.quant_math import int8_blocks
+
+    # a 4-bit identity weight (scale 1, value 1 on the diagonal): MatMulNBits at level 4 returns its
+    # int8-rounded activations themselves
+    block = 32
+    identity = np.eye(block, dtype=np.float32)
+    blob, scales, _ = pack_matmul_nbits(quantize_blockwise(identity, 4, block))
+    node = helper.make_node("MatMulNBits", ["a", "b", "s"], ["y"], domain="com.microsoft", K=block, N=block, bits=4,
+                            block_size=block, accuracy_level=4)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [None, block])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(blob, "b"), numpy_helper.from_array(scales, "s")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    rng = np.random.default_rng(3)
+    # rows of integers times a scale with an even largest integer (126): 127·q/126 lands on ties, as rows
+    # of an 8-bit embedding table do
+    levels = rng.integers(-125, 126, (4096, block)).astype(np.float32)
+    levels[:, 0] = 126
+    a = levels * rng.uniform(0.001, 0.1, (4096, 1)).astype(np.float32)
+    largest = np.abs(a).max(axis=-1, keepdims=True)
+    by_division = np.rint(a / (largest / np.float32(127)))
+    by_product = np.rint(a * (np.float32(127) / largest))
+    assert np.any(by_division != by_product)  # the data holds near-ties the two spellings round apart
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"a": a})[0]
+    step = largest / np.float32(127)  # compared as int8 levels: the kernel's float products differ by ulps
+    assert np.array_equal(np.rint(int8_blocks(a, block) / step), np.rint(got / step))
