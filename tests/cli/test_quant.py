@@ -290,3 +290,24 @@ def test_float_zero_points_are_closer_to_the_float_model_than_integer_ones(tmp_p
     np.testing.assert_allclose(fast, reference, atol=1e-4, rtol=0)
     # random tiny weights: nearly every block holds 0 already, so only the zero point's rounding is saved
     assert errors["float"] < errors["integer"], errors
+
+
+def test_a_float_zero_point_artifact_generates_alike_paged_and_contiguous(tmp_path, tiny_llama_path):
+    # the offset terms sit between the projections and the paged attention; the engine must not care
+    from cann_llm import LLMEngine
+    from generation_utils import mixed_prompts
+
+    config = tmp_path / "float.json"
+    config.write_text(json.dumps({"quant_mode": "INT4", "group_size": 32, "symmetric": False, "zero_points": "float",
+                                  "accuracy_level": "0"}))
+    prompts, outputs = mixed_prompts(6), {}
+    for paged in (False, True):
+        om = compile_to(tiny_llama_path, tmp_path / f"paged-{paged}", enable_paged_attention=paged,
+                        enable_compress_weight=True, compress_weight_conf=str(config))
+        with LLMEngine(om, max_batch_size=6, max_context_len=256, kv_cache_pages=32) as engine:
+            requests = [engine.submit(p, max_new_tokens=24, temperature=0, ignore_eos=True) for p in prompts]
+            for request in requests:
+                request.result()
+            outputs[paged] = [request.output_ids for request in requests]
+            assert engine.paged == paged
+    assert outputs[True] == outputs[False] and all(len(ids) == 24 for ids in outputs[True])
