@@ -88,8 +88,8 @@ def split_float_zeros(quantized: QuantizedWeight) -> tuple[QuantizedWeight, np.n
     and the remainders [n_blocks, N] z − zp, since scale·(q − zp) = scale·(q − z) + scale·(z − zp):
     MatMulNBits' fast kernels take integer zero points only (a float zero point ran 12-50x slower here),
     so x·W runs as MatMulNBits(x) + (x's sums over each block)·(scale·remainder). Keeping z in the kernel
-    leaves the remainder term at most half a step, like an integer zero point's own rounding, so its
-    activations' int8 rounding (accuracy_level 4) costs what it costs without float zero points.
+    leaves the remainder at most half a step (small to store) and the kernel's weight within half a step
+    of W, as with integer zero points, where accuracy_level 4 rounds the activations it meets.
     Other weights pass through with None."""
     zero_points = quantized.zero_points
     if zero_points is None or not np.issubdtype(zero_points.dtype, np.floating):
