@@ -8,6 +8,7 @@ from compiler.config import CompileConfig
 from compiler.errors import AtcError
 from compiler.tokenizer_files import tokenizer_files
 from passes.calibration import text_samples
+from passes.canonicalize_layout import CanonicalizeLayout
 from compiler.pass_manager import Pass
 from passes.convert_attention import ConvertAttention
 from passes.convert_precision import ConvertPrecision
@@ -69,6 +70,7 @@ def build_pipeline(cfg: CompileConfig | None) -> list[Pass]:
         InferShapes(),
         FoldConstants(),
         EliminateIdentity(),
+        CanonicalizeLayout(),
         EliminateDeadCode(),
         InferShapes(),
         # Phase 1: normalisation

@@ -1,15 +1,14 @@
 """AttentionFusionPass: the whole attention block → cann::FusedAttention.
 
-Anchored at the Softmax; from it the matcher walks to the parts an exporter leaves behind:
+Anchored at the Softmax; the parts around it are matched by the small matchers of
+passes/match_attention.py and passes/match_rotary.py, on the graph LayoutCanonicalizationPass left:
 
-    scores  = MatMul(q·a, Transpose(k_rep, 0,1,3,2)·b) · c   (scale: any product of scalar Mul/Div)
-    probs   = Softmax(scores [+ mask], axis=-1)
-    output  = Reshape(Transpose(MatMul(probs, v_rep), 0,2,1,3), [B, S, H·D])
-    q       = rope?(Transpose(Reshape(q_proj, [B, S, H, D]), 0,2,1,3))
-    k_rep   = repeat?(present_k),  present_k = Concat(past_k, rope?(heads(k_proj)), axis=-2) or the new keys
+    scores  = MatMul(scale(q), scale(Transpose(k_rep, 0,1,3,2)))       the factors multiply into one scale
+    probs   = softmax(scale(scores) [+ mask])                           Casts and sdpa's NaN guard included
+    output  = merge(MatMul(probs, v_rep))                               → [B, S, H·D]
+    q       = rope?(heads(q_proj))
+    k_rep   = repeat?(present_k),  present_k = Concat(past_k, rope?(heads(k_proj))) or the new keys
     v_rep   = repeat?(present_v),  present_v likewise without rope
-    repeat  = Reshape(Expand(Unsqueeze(x, 2)))  (GQA/MQA)
-    rope(x) = x·cos + Concat(-x[h:R], x[:h])·sin, optionally on x[:R] with x[R:] passed through
 
 The mask is kept by meaning, not spelling: the graph input whose values it reads (a 2-D attention_mask)
 becomes the fused op's padding mask, and a position comparison in its construction makes it causal.
@@ -18,31 +17,22 @@ The mask subgraph, the KV repetition and the rotations are left without readers 
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from passes.pattern import FusionPass, fused_node, producer, scalar, sole_consumer
-from runtime.kernels import CUSTOM_DOMAIN
-
-_CAUSAL_OPS = ("LessOrEqual", "GreaterOrEqual", "Less", "Greater", "Trilu")
-
-
-@dataclass
-class Rotary:
-    cos: gs.Tensor
-    sin: gs.Tensor
-    rotary_dim: int
-    interleaved: int = 0
+from passes.match_attention import (Projection, is_transpose, match_gqa_repeat, match_head_merge, match_head_split,
+                                    match_kv_concat, match_mask_source, match_probabilities, match_scale, split_mask)
+from passes.match_rotary import Rotary, match_rotary
+from passes.pattern import FusionPass, fused_node, producer, sole_consumer
 
 
 @dataclass
 class AttentionMatch:
-    query: "Projection"
-    key: "Projection"
-    value: "Projection"
+    query: Projection
+    key: Projection
+    value: Projection
     past_key: gs.Tensor | None
     past_value: gs.Tensor | None
     present_key: gs.Tensor | None
@@ -58,202 +48,19 @@ class AttentionMatch:
     name: str
 
 
-def _const_ints(tensor: gs.Tensor) -> list[int] | None:
-    if not isinstance(tensor, gs.Constant):
+def _transposed_keys(tensor: gs.Tensor) -> tuple[gs.Tensor, float] | None:
+    """(the keys, a scale) of kᵀ, a (0, 1, 3, 2) transpose with scalar factors on either side of it."""
+    outer, factor = match_scale(tensor)
+    transpose = producer(outer, "Transpose")
+    if not is_transpose(transpose, [0, 1, 3, 2]):
         return None
-    return [int(v) for v in np.asarray(tensor.values).reshape(-1)]
+    keys, inner = match_scale(transpose.inputs[0])
+    return keys, factor * inner
 
 
-def _peel_scale(tensor: gs.Tensor) -> tuple[gs.Tensor, float]:
-    """Strip Mul/Div by scalar constants; returns the inner tensor and the product of the factors."""
-    factor = 1.0
-    while True:
-        node = producer(tensor, "Mul", "Div")
-        if node is None:
-            return tensor, factor
-        value = scalar(node.inputs[1])
-        if value is not None:
-            factor *= value if node.op == "Mul" else 1.0 / value
-            tensor = node.inputs[0]
-        elif node.op == "Mul" and scalar(node.inputs[0]) is not None:
-            factor *= scalar(node.inputs[0])
-            tensor = node.inputs[1]
-        else:
-            return tensor, factor
-
-
-def _is_transpose(node: gs.Node | None, perm: list[int]) -> bool:
-    return node is not None and node.op == "Transpose" and list(node.attrs.get("perm", [])) == perm
-
-
-def _slice_bounds(node: gs.Node | None, source: gs.Tensor, rank_last: int, step: int = 1) -> tuple[int, int] | None:
-    """(start, end) of a Slice of `source` along its last axis with the given step; None otherwise."""
-    if node is None or node.op != "Slice" or node.inputs[0] is not source:
-        return None
-    starts, ends = _const_ints(node.inputs[1]), _const_ints(node.inputs[2])
-    axes = _const_ints(node.inputs[3]) if len(node.inputs) > 3 else [rank_last]
-    steps = _const_ints(node.inputs[4]) if len(node.inputs) > 4 else [1]
-    if None in (starts, ends, axes, steps) or len(starts) != 1 or steps != [step] or axes[0] not in (-1, rank_last):
-        return None
-    return starts[0], ends[0]
-
-
-def _half_rotation(turned: gs.Tensor) -> gs.Tensor | None:
-    """x when `turned` = Concat(-x[R/2:], x[:R/2]) (NeoX / Llama style)."""
-    rotation = producer(turned, "Concat")
-    if rotation is None or len(rotation.inputs) != 2 or producer(rotation.inputs[0], "Neg") is None:
-        return None
-    first_node = producer(rotation.inputs[1], "Slice")
-    second_node = producer(producer(rotation.inputs[0], "Neg").inputs[0], "Slice")
-    if first_node is None or second_node is None or first_node.inputs[0] is not second_node.inputs[0]:
-        return None
-    x = first_node.inputs[0]
-    if x.shape is None or not isinstance(x.shape[-1], int):
-        return None
-    width, last = x.shape[-1], len(x.shape) - 1
-    bounds = _slice_bounds(second_node, x, last)
-    if _slice_bounds(first_node, x, last) != (0, width // 2) or bounds is None or bounds[0] != width // 2 \
-            or bounds[1] < width:
-        return None
-    return x
-
-
-def _pair_rotation(turned: gs.Tensor) -> gs.Tensor | None:
-    """x when `turned` interleaves (-x[1::2], x[0::2]) pairwise (GPT-J / GLM style)."""
-    reshape = producer(turned, "Reshape")
-    stack = producer(reshape.inputs[0], "Concat") if reshape is not None else None
-    if stack is None or len(stack.inputs) != 2:
-        return None
-    negated, kept = (producer(t, "Unsqueeze") for t in stack.inputs)
-    if negated is None or kept is None or producer(negated.inputs[0], "Neg") is None:
-        return None
-    odd_node = producer(producer(negated.inputs[0], "Neg").inputs[0], "Slice")
-    even_node = producer(kept.inputs[0], "Slice")
-    if odd_node is None or even_node is None or odd_node.inputs[0] is not even_node.inputs[0]:
-        return None
-    x = odd_node.inputs[0]
-    last = len(x.shape or []) - 1
-    odd, even = _slice_bounds(odd_node, x, last, step=2), _slice_bounds(even_node, x, last, step=2)
-    if odd is None or even is None or odd[0] != 1 or even[0] != 0:
-        return None
-    return x
-
-
-def _rope(tensor: gs.Tensor) -> tuple[gs.Tensor, Rotary] | None:
-    """(the un-rotated input, its rotary parameters) if `tensor` is a RoPE output (half or pairwise)."""
-    passed_through = None
-    concat = producer(tensor, "Concat")
-    if concat is not None and len(concat.inputs) == 2 and producer(concat.inputs[1], "Slice") is not None:
-        tensor, passed_through = concat.inputs  # partial rotary: [rope(x[:R]), x[R:]]
-    add = producer(tensor, "Add")
-    if add is None:
-        return None
-    muls = [producer(t, "Mul") for t in add.inputs]
-    if any(m is None for m in muls):
-        return None
-    for cos_mul, sin_mul in (muls, muls[::-1]):
-        for turned_index in (0, 1):
-            turned, sin = sin_mul.inputs[turned_index], sin_mul.inputs[1 - turned_index]
-            interleaved = 0
-            rotated = _half_rotation(turned)
-            if rotated is None:
-                rotated, interleaved = _pair_rotation(turned), 1
-            if rotated is None or not any(t is rotated for t in cos_mul.inputs):
-                continue
-            width = rotated.shape[-1] if rotated.shape else None
-            if not isinstance(width, int):
-                continue
-            cos = cos_mul.inputs[1] if cos_mul.inputs[0] is rotated else cos_mul.inputs[0]
-            source = rotated
-            if passed_through is not None:
-                head, tail = producer(rotated, "Slice"), producer(passed_through, "Slice")
-                if head is None or tail is None or head.inputs[0] is not tail.inputs[0]:
-                    return None
-                source = head.inputs[0]
-                last = len(source.shape or []) - 1
-                if _slice_bounds(head, source, last) != (0, width) or (_slice_bounds(tail, source, last) or (0,))[0] != width:
-                    return None
-            return source, Rotary(cos, sin, width, interleaved)
-    return None
-
-
-@dataclass
-class Projection:
-    """A [B, S, H·D] input of the fused op; `per_head` is a [B, S, H, D] value to flatten first (the
-    output of a per-head q/k RmsNorm, as in Qwen3)."""
-
-    tensor: gs.Tensor
-    heads: int
-    per_head: bool = False
-
-
-def _projection(heads4: gs.Tensor) -> Projection | str:
-    """From [B, H, S, D] back to the [B, S, H·D] projection it was split from."""
-    transpose = producer(heads4, "Transpose")
-    if not _is_transpose(transpose, [0, 2, 1, 3]):
-        return "the heads are not a (0, 2, 1, 3) transpose"
-    split = transpose.inputs[0]
-    norm = producer(split, "RmsNorm")
-    if norm is not None and norm.domain == CUSTOM_DOMAIN:
-        split = norm.inputs[0]
-    reshape = producer(split, "Reshape")
-    if reshape is None:
-        return "the heads are not reshaped from a projection"
-    projection = reshape.inputs[0]
-    dims = heads4.shape
-    if projection.shape is None or len(projection.shape) != 3 or dims is None or not isinstance(dims[-1], int) \
-            or not isinstance(projection.shape[-1], int) or projection.shape[-1] % dims[-1]:
-        return "the projection's width is not a static multiple of the head size"
-    heads = projection.shape[-1] // dims[-1]
-    return Projection(norm.outputs[0], heads, True) if norm is not None else Projection(projection, heads)
-
-
-def _unrepeat(tensor: gs.Tensor) -> gs.Tensor:
-    """Undo GQA's Unsqueeze(2) → Expand → Reshape head repetition, if present."""
-    reshape = producer(tensor, "Reshape")
-    expand = producer(reshape.inputs[0], "Expand") if reshape is not None else None
-    unsqueeze = producer(expand.inputs[0], "Unsqueeze") if expand is not None else None
-    if unsqueeze is None:
-        return tensor
-    axes = unsqueeze.attrs.get("axes") or _const_ints(unsqueeze.inputs[1]) if len(unsqueeze.inputs) > 1 \
-        else unsqueeze.attrs.get("axes")
-    return unsqueeze.inputs[0] if list(axes or []) == [2] else tensor
-
-
-def _cache(graph: gs.Graph, present: gs.Tensor) -> tuple[gs.Tensor | None, gs.Tensor, gs.Tensor | None]:
-    """(past, new, present-to-take-over) for a KV tensor that may be Concat(past, new) on the sequence axis."""
-    concat = producer(present, "Concat")
-    if concat is not None and len(concat.inputs) == 2 and concat.attrs.get("axis") in (-2, 2) \
-            and any(t is concat.inputs[0] for t in graph.inputs):
-        return concat.inputs[0], concat.inputs[1], present
-    return None, present, None
-
-
-def _mask_source(graph: gs.Graph, mask: gs.Tensor) -> tuple[gs.Tensor | None, int] | str:
-    """The graph input whose values the mask reads (values behind a Shape do not count), and causality."""
-    readers: dict[int, gs.Tensor] = {}
-    causal, seen, queue = 0, set(), deque([mask])
-    inputs = {id(t): t for t in graph.inputs}
-    while queue:
-        tensor = queue.popleft()
-        if id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
-        if id(tensor) in inputs:
-            readers[id(tensor)] = tensor
-            continue
-        node = producer(tensor)
-        if node is None or node.op == "Shape":
-            continue
-        causal |= node.op in _CAUSAL_OPS
-        queue.extend(node.inputs)
-    candidates = [t for t in readers.values() if t.shape is not None and len(t.shape) == 2
-                  and np.dtype(t.dtype).kind in "iub"]
-    if len(candidates) > 1:
-        return f"the mask reads several inputs ({', '.join(t.name for t in candidates)})"
-    if not candidates and not causal:
-        return "the mask reads no 2-D integer input and compares no positions"
-    return (candidates[0] if candidates else None), int(causal)
+def _repeated(tensor: gs.Tensor) -> tuple[gs.Tensor, int | None]:
+    found = match_gqa_repeat(tensor)
+    return found if found is not None else (tensor, 1)
 
 
 class FuseAttention(FusionPass):
@@ -266,34 +73,29 @@ class FuseAttention(FusionPass):
         rank = len(softmax.inputs[0].shape or [])
         if softmax.attrs.get("axis", -1) not in (-1, rank - 1) or rank != 4:
             return "not a softmax over the last axis of [B, H, S, T] scores"
-        logits, mask = softmax.inputs[0], None
-        add = producer(logits, "Add")
-        if add is not None:
-            for scored, candidate in (add.inputs, add.inputs[::-1]):
-                if producer(_peel_scale(scored)[0], "MatMul") is not None and not isinstance(candidate, gs.Constant):
-                    logits, mask = scored, candidate
-                    break
-        scores_tensor, scale = _peel_scale(logits)
+        logits, mask = split_mask(softmax.inputs[0])
+        scores_tensor, scale = match_scale(logits)
         scores = producer(scores_tensor, "MatMul")
         if scores is None:
             return "the softmax input is not a (scaled, masked) MatMul"
-        query4, query_scale = _peel_scale(scores.inputs[0])
-        key_t, key_scale = _peel_scale(scores.inputs[1])
-        scale *= query_scale * key_scale
-        transpose = producer(key_t, "Transpose")
-        if not _is_transpose(transpose, [0, 1, 3, 2]):
+        query4, query_scale = match_scale(scores.inputs[0])
+        keys = _transposed_keys(scores.inputs[1])
+        if keys is None:
             return "the keys are not transposed with (0, 1, 3, 2)"
-        context = sole_consumer(graph, softmax.outputs[0], "MatMul")
-        if context is None or context.inputs[0] is not softmax.outputs[0]:
+        key_rep, key_scale = keys
+        scale *= query_scale * key_scale
+        probabilities = match_probabilities(graph, softmax)
+        context = sole_consumer(graph, probabilities, "MatMul")
+        if context is None or context.inputs[0] is not probabilities:
             return "the probabilities do not multiply the values"
-        merge = sole_consumer(graph, context.outputs[0], "Transpose")
-        reshape = sole_consumer(graph, merge.outputs[0], "Reshape") if _is_transpose(merge, [0, 2, 1, 3]) else None
-        if reshape is None or reshape.outputs[0].shape is None or len(reshape.outputs[0].shape) != 3:
-            return "the context is not merged back to [B, S, H·D]"
+        output = match_head_merge(graph, context.outputs[0])
+        if isinstance(output, str):
+            return output
 
-        query_rope = _rope(query4)
-        past_key, key4, present_key = _cache(graph, _unrepeat(transpose.inputs[0]))
-        key_rope = _rope(key4)
+        query_rope = match_rotary(query4)
+        key_present, key_repeats = _repeated(key_rep)
+        past_key, key4, present_key = match_kv_concat(graph, key_present)
+        key_rope = match_rotary(key4)
         if (query_rope is None) != (key_rope is None):
             return "rotary embedding on only one of q and k"
         rotary = None
@@ -302,10 +104,11 @@ class FuseAttention(FusionPass):
             if key_rotary.cos is not rotary.cos or key_rotary.sin is not rotary.sin \
                     or (key_rotary.rotary_dim, key_rotary.interleaved) != (rotary.rotary_dim, rotary.interleaved):
                 return "q and k rotate with different tables"
-        past_value, value4, present_value = _cache(graph, _unrepeat(context.inputs[1]))
+        value_present, value_repeats = _repeated(context.inputs[1])
+        past_value, value4, present_value = match_kv_concat(graph, value_present)
         if (past_key is None) != (past_value is None):
             return "a cache for only one of keys and values"
-        found = [_projection(t) for t in (query4, key4, value4)]
+        found = [match_head_split(t) for t in (query4, key4, value4)]
         for item in found:
             if isinstance(item, str):
                 return item
@@ -314,14 +117,16 @@ class FuseAttention(FusionPass):
         head_dim = query4.shape[-1]
         if kv_heads != value_heads or heads % kv_heads:
             return f"{heads} query heads cannot share {kv_heads} key and {value_heads} value heads"
+        if any(r is not None and r * kv_heads != heads for r in (key_repeats, value_repeats)):
+            return f"the keys and values are repeated {key_repeats} and {value_repeats} times for {heads} heads"
         mask_input, causal = None, 0
         if mask is not None:
-            source = _mask_source(graph, mask)
+            source = match_mask_source(graph, mask)
             if isinstance(source, str):
                 return source
             mask_input, causal = source
         return AttentionMatch(query, key, value, past_key, past_value, present_key, present_value, mask_input,
-                              causal, rotary, heads, kv_heads, head_dim, scale, reshape.outputs[0],
+                              causal, rotary, heads, kv_heads, head_dim, scale, output,
                               softmax.name.rsplit("/", 1)[0] + "/FusedAttention")
 
     def rewrite(self, graph: gs.Graph, match: AttentionMatch) -> None:

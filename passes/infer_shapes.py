@@ -1,10 +1,19 @@
 """ShapeInferencePass: give every intermediate value its dtype and (symbolic) shape.
 
-onnx's inference serialises the model, and a protobuf cannot exceed 2 GiB, so it runs on a light copy
+Two inferences run: onnx's (data propagation on, strict off), then onnxruntime's symbolic one, which
+follows Shape → Gather → Concat → Reshape chains with sympy. TorchScript exports compute every reshape
+target at run time that way, and onnx's inference leaves their results as fresh unknown dims; the
+symbolic one names them `batch`, `seq`, `past_seq + seq`, so a matcher can tell that two values have the
+same shape. The symbolic result is taken where it fixes more dims than onnx's; when it cannot run (an op
+it does not know), onnx's result stands alone.
+
+Both serialise the model, and a protobuf cannot exceed 2 GiB, so they run on a light copy
 (`light_model`) in which large weights are graph inputs of the same type and shape.
 """
 
 from __future__ import annotations
+
+import logging
 
 import onnx
 import onnx_graphsurgeon as gs
@@ -12,6 +21,8 @@ from onnx import helper
 
 from compiler.pass_manager import PassResult
 from passes.graph_utils import light_model
+
+log = logging.getLogger("atc")
 
 
 def _dims(value: onnx.ValueInfoProto) -> list | None:
@@ -21,8 +32,24 @@ def _dims(value: onnx.ValueInfoProto) -> list | None:
     return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor_type.shape.dim]
 
 
+def _symbolic(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
+    """onnxruntime's symbolic inference, or nothing when it refuses the graph."""
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    try:
+        inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+    except Exception as error:  # noqa: BLE001 - any refusal leaves onnx's shapes, which are complete enough to go on
+        log.debug("ShapeInferencePass: symbolic inference skipped: %s", str(error).splitlines()[0] if str(error) else error)
+        return {}
+    if inferred is None:
+        return {}
+    found = {v.name: v for v in inferred.graph.value_info}
+    found.update({v.name: v for v in inferred.graph.output})
+    return found
+
+
 class InferShapes:
-    """Annotate tensors with onnx's shape inference (data propagation on, strict off)."""
+    """Annotate tensors with onnx's shape inference, refined by onnxruntime's symbolic one."""
 
     name = "ShapeInferencePass"
     switchable = False
@@ -31,6 +58,7 @@ class InferShapes:
         inferred = onnx.shape_inference.infer_shapes(light_model(graph)[0], data_prop=True)
         found = {v.name: v for v in inferred.graph.value_info}
         found.update({v.name: v for v in inferred.graph.output})
+        symbolic = _symbolic(inferred) if not _has_custom_ops(inferred) else {}
         result = PassResult()
         for name, tensor in graph.tensors().items():
             value = found.get(name)
@@ -42,11 +70,21 @@ class InferShapes:
             if elem_type:
                 tensor.dtype = helper.tensor_dtype_to_np_dtype(elem_type)
             dims = _dims(value)
-            if dims is not None and (tensor.shape is None or _more_static(dims, tensor.shape)):
+            better = symbolic.get(name)
+            if better is not None and better.type.HasField("tensor_type"):
+                refined = _dims(better)
+                if refined is not None and (dims is None or _more_static(refined, dims) or _fewer_unknowns(refined, dims)):
+                    dims = refined
+            if dims is not None and (tensor.shape is None or _more_static(dims, tensor.shape) or _fewer_unknowns(dims, tensor.shape)):
                 tensor.shape = dims
             if (tensor.dtype, tensor.shape) != before:
                 result.effect_times += 1
         return result
+
+
+def _has_custom_ops(model: onnx.ModelProto) -> bool:
+    # the symbolic inference knows onnx's ops and onnxruntime's contrib ops, not ours
+    return any(node.domain not in ("", "ai.onnx", "com.microsoft") for node in model.graph.node)
 
 
 def _more_static(new: list, old) -> bool:
@@ -54,3 +92,13 @@ def _more_static(new: list, old) -> bool:
     if len(new) != len(old):
         return True
     return sum(isinstance(d, int) for d in new) > sum(isinstance(d, int) for d in old)
+
+
+def _is_unknown(dim) -> bool:
+    return dim is None or (isinstance(dim, str) and dim.startswith("unk__"))
+
+
+def _fewer_unknowns(new: list, old) -> bool:
+    """As many fixed dims, and fewer dims that are only placeholders (`unk__N`, None)."""
+    return len(new) == len(old) and sum(isinstance(d, int) for d in new) >= sum(isinstance(d, int) for d in old) \
+        and sum(map(_is_unknown, new)) < sum(map(_is_unknown, old))

@@ -1,0 +1,112 @@
+"""LayoutCanonicalizationPass: one spelling for the moves of data between axes.
+
+Exporters spell one transpose several ways; the fusions that follow read one. Each rule below is exact
+(it computes the same tensor), checked on the inferred (symbolic) shapes, never on names:
+
+- `Transpose(Transpose(x, p), q)` → `Transpose(x, p∘q)`, or x when the composition is the identity.
+- `Reshape(x, [-1, *x.shape[-k:]]) → Transpose(p) → Reshape(lead + permuted)`, a transpose of the last
+  k axes written on a 3-D view (PyTorch's dynamo exporter writes `kᵀ` of a 4-D key this way), → one
+  `Transpose` of x.
+- `Reshape(x)` to the shape x already has (every dim known, symbolically equal) → x.
+"""
+
+from __future__ import annotations
+
+import onnx_graphsurgeon as gs
+
+from compiler.pass_manager import PassResult
+from passes.graph_utils import bypass_node
+from passes.pattern import producer, sole_consumer
+from passes.shape_values import is_dim, reshape_target
+
+
+def _known(shape) -> bool:
+    return shape is not None and all(isinstance(d, int) or (isinstance(d, str) and not d.startswith("unk__")) for d in shape)
+
+
+def _perm(node: gs.Node) -> list[int] | None:
+    perm = node.attrs.get("perm")
+    return list(perm) if perm is not None else None
+
+
+def compose_transposes(graph: gs.Graph, node: gs.Node) -> bool:
+    """Transpose of a Transpose → one Transpose (or none)."""
+    inner = producer(node.inputs[0], "Transpose")
+    outer_perm = _perm(node)
+    if inner is None or outer_perm is None or _perm(inner) is None or len(inner.outputs[0].outputs) != 1:
+        return False
+    perm = [_perm(inner)[axis] for axis in outer_perm]
+    source = inner.inputs[0]
+    if perm == list(range(len(perm))):
+        return bypass_node(graph, node, source)
+    node.inputs[0] = source
+    node.attrs["perm"] = perm
+    return True
+
+
+def _keeps(reshape: gs.Node, dims: list[tuple[gs.Tensor, int] | None]) -> bool:
+    """Whether Reshape's output dims are `dims` (pairs (tensor, axis); None: anything), read from its target
+    or, where the target cannot be read, from the inferred shapes."""
+    target = reshape_target(reshape)
+    result = reshape.outputs[0].shape
+    if target is not None and len(target) == len(dims):
+        return all(want is None or is_dim(element, *want) for element, want in zip(target, dims))
+    return _known(result) and len(result) == len(dims) and all(
+        want is None or want[0].shape[want[1]] == dim for dim, want in zip(result, dims))
+
+
+def merge_viewed_transpose(graph: gs.Graph, node: gs.Node) -> bool:
+    """Reshape → Transpose → Reshape that only swaps trailing axes of the first Reshape's input → Transpose."""
+    perm = _perm(node)
+    before = producer(node.inputs[0], "Reshape")
+    after = sole_consumer(graph, node.outputs[0], "Reshape")
+    if perm is None or before is None or after is None or perm[0] != 0 or len(before.outputs[0].outputs) != 1:
+        return False
+    source, result = before.inputs[0], after.outputs[0]
+    trailing = len(perm) - 1
+    if source.shape is None or len(source.shape) <= trailing:
+        return False
+    lead = len(source.shape) - trailing
+    if not _keeps(before, [None] + [(source, axis) for axis in range(lead, len(source.shape))]):
+        return False  # the view does not keep the trailing axes whole
+    moved = [lead + axis - 1 for axis in perm[1:]]
+    if not _keeps(after, [(source, axis) for axis in range(lead)] + [(source, axis) for axis in moved]):
+        return False
+    after.outputs.clear()
+    graph.nodes.append(gs.Node("Transpose", name=f"{node.name}/Canonical", attrs={"perm": list(range(lead)) + moved},
+                               inputs=[source], outputs=[result]))
+    return True
+
+
+def drop_same_shape_reshape(graph: gs.Graph, node: gs.Node) -> bool:
+    """A Reshape whose output has its input's shape, dim for dim."""
+    source, result = node.inputs[0], node.outputs[0]
+    if not _known(source.shape) or not _known(result.shape) or list(source.shape) != list(result.shape):
+        return False
+    return bypass_node(graph, node, source)
+
+
+RULES = (("Transpose", compose_transposes), ("Transpose", merge_viewed_transpose), ("Reshape", drop_same_shape_reshape))
+
+
+class CanonicalizeLayout:
+    """Apply the layout rules until none applies."""
+
+    name = "LayoutCanonicalizationPass"
+    switchable = False
+
+    def run(self, graph: gs.Graph) -> PassResult:
+        result = PassResult()
+        changed = True
+        while changed:
+            changed = False
+            for op, rule in RULES:
+                for node in [n for n in graph.nodes if n.op == op]:
+                    if not node.outputs or not any(node in t.inputs for t in node.outputs):
+                        continue  # already replaced in this round
+                    if rule(graph, node):
+                        result.match_times += 1
+                        result.effect_times += 1
+                        changed = True
+            graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        return result

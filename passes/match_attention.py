@@ -1,0 +1,253 @@
+"""The parts of an attention block, each a small matcher on the canonicalised graph.
+
+AttentionFusionPass (passes/fuse_attention.py) composes them from the Softmax outwards. Each returns what
+it found, or None (or a reason string) when the tensor is not that part; each has its own tests.
+
+    scale      x · a, x / b, a · x (scalar constants), nested: the product of the factors
+    mask       scores + mask (either order), or Where(allowed, scores, -big) (masked_fill)
+    softmax    Softmax(Cast?(logits)) → Cast? → NaN guard Where(IsNaN(p), 0, p)?
+    heads      Transpose(0, 2, 1, 3)(Reshape([B, S, H, D])(projection)), an optional per-head RmsNorm
+    merge      Transpose(0, 2, 1, 3) → Reshape([B, S, H·D])
+    kv cache   Concat(past, new) on the sequence axis (2 or -2), past a graph input
+    repeat     GQA/MQA head repetition: Unsqueeze(2) or Reshape([B, KV, 1, T, D]), then Expand, Tile or a
+               Concat of copies on axis 2, then Reshape([B, KV·n, T, D]); or Gather(axis 1) of heads
+               [0, 0, 1, 1, ...]
+    mask source the 2-D integer graph input the mask reads (values behind Shape do not count), and
+               whether it compares positions (causal)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from passes.pattern import producer, scalar, sole_consumer
+from runtime.kernels import CUSTOM_DOMAIN
+
+CAUSAL_OPS = ("LessOrEqual", "GreaterOrEqual", "Less", "Greater", "Trilu")
+MASKED_BELOW = -1e4  # a masked_fill value at most this is a mask (float16's minimum is -65504)
+
+
+def _const_ints(tensor: gs.Tensor) -> list[int] | None:
+    if not isinstance(tensor, gs.Constant):
+        return None
+    return [int(v) for v in np.asarray(tensor.values).reshape(-1)]
+
+
+def _axes(node: gs.Node) -> list[int] | None:
+    """Unsqueeze's axes, as an attribute (opset < 13) or an input."""
+    if len(node.inputs) > 1:
+        return _const_ints(node.inputs[1])
+    axes = node.attrs.get("axes")
+    return list(axes) if axes is not None else None
+
+
+def is_transpose(node: gs.Node | None, perm: list[int]) -> bool:
+    return node is not None and node.op == "Transpose" and list(node.attrs.get("perm", [])) == perm
+
+
+# ---- scale ------------------------------------------------------------------------------------------
+
+def match_scale(tensor: gs.Tensor) -> tuple[gs.Tensor, float]:
+    """Strip Mul/Div by scalar constants; the inner tensor and the product of the factors (1.0: none)."""
+    factor = 1.0
+    while True:
+        node = producer(tensor, "Mul", "Div")
+        if node is None:
+            return tensor, factor
+        value = scalar(node.inputs[1])
+        if value is not None and value != 0.0:
+            factor *= value if node.op == "Mul" else 1.0 / value
+            tensor = node.inputs[0]
+        elif node.op == "Mul" and scalar(node.inputs[0]) is not None:
+            factor *= scalar(node.inputs[0])
+            tensor = node.inputs[1]
+        else:
+            return tensor, factor
+
+
+# ---- softmax and the mask ---------------------------------------------------------------------------
+
+def _peel_cast(tensor: gs.Tensor) -> gs.Tensor:
+    node = producer(tensor, "Cast")
+    return node.inputs[0] if node is not None and np.dtype(node.inputs[0].dtype or np.float32).kind == "f" else tensor
+
+
+def split_mask(logits: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor | None]:
+    """(scaled scores, additive or boolean mask) of a softmax input; the mask None when there is none.
+
+    A boolean mask (True attends) comes from masked_fill, `Where(allowed, scores, -big)`.
+    """
+    logits = _peel_cast(logits)
+    add = producer(logits, "Add")
+    if add is not None:
+        for scored, candidate in (add.inputs, add.inputs[::-1]):
+            if producer(match_scale(scored)[0], "MatMul") is not None and not isinstance(candidate, gs.Constant):
+                return scored, candidate
+    where = producer(logits, "Where")
+    if where is not None and producer(match_scale(where.inputs[1])[0], "MatMul") is not None:
+        fill = scalar(where.inputs[2])
+        if fill is not None and fill <= MASKED_BELOW:
+            return where.inputs[1], where.inputs[0]
+    return logits, None
+
+
+def match_probabilities(graph: gs.Graph, softmax: gs.Node) -> gs.Tensor:
+    """The tensor that carries the softmax's probabilities to the values: past a Cast back to the model's
+    dtype and sdpa's NaN guard `Where(IsNaN(p), 0, p)`.
+
+    The guard only acts on rows whose every score is -inf; FusedAttention masks with the dtype's minimum,
+    so it has no NaN to guard against, and such rows (left padding) are implementation-defined anyway.
+    """
+    probabilities = softmax.outputs[0]
+    cast = sole_consumer(graph, probabilities, "Cast")
+    if cast is not None:
+        probabilities = cast.outputs[0]
+    readers = probabilities.outputs
+    isnan = next((n for n in readers if n.op == "IsNaN"), None)
+    where = next((n for n in readers if n.op == "Where"), None)
+    if len(readers) != 2 or isnan is None or where is None or where.inputs[0] is not isnan.outputs[0] \
+            or where.inputs[2] is not probabilities or scalar(where.inputs[1]) != 0.0 or len(isnan.outputs[0].outputs) != 1:
+        return probabilities
+    return where.outputs[0]
+
+
+def match_mask_source(graph: gs.Graph, mask: gs.Tensor) -> tuple[gs.Tensor | None, int] | str:
+    """The graph input whose values the mask reads (values behind a Shape do not count), and causality."""
+    readers: dict[int, gs.Tensor] = {}
+    causal, seen, queue = 0, set(), deque([mask])
+    inputs = {id(t): t for t in graph.inputs}
+    while queue:
+        tensor = queue.popleft()
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        if id(tensor) in inputs:
+            readers[id(tensor)] = tensor
+            continue
+        node = producer(tensor)
+        if node is None or node.op == "Shape":
+            continue
+        causal |= node.op in CAUSAL_OPS
+        queue.extend(node.inputs)
+    candidates = [t for t in readers.values() if t.shape is not None and len(t.shape) == 2
+                  and np.dtype(t.dtype).kind in "iub"]
+    if len(candidates) > 1:
+        return f"the mask reads several inputs ({', '.join(t.name for t in candidates)})"
+    if not candidates and not causal:
+        return "the mask reads no 2-D integer input and compares no positions"
+    return (candidates[0] if candidates else None), int(causal)
+
+
+# ---- heads ------------------------------------------------------------------------------------------
+
+@dataclass
+class Projection:
+    """A [B, S, H·D] input of the fused op; `per_head` is a [B, S, H, D] value to flatten first (the
+    output of a per-head q/k RmsNorm, as in Qwen3)."""
+
+    tensor: gs.Tensor
+    heads: int
+    per_head: bool = False
+
+
+def match_head_split(heads4: gs.Tensor) -> Projection | str:
+    """From [B, H, S, D] back to the [B, S, H·D] projection it was split from."""
+    transpose = producer(heads4, "Transpose")
+    if not is_transpose(transpose, [0, 2, 1, 3]):
+        return "the heads are not a (0, 2, 1, 3) transpose"
+    split = transpose.inputs[0]
+    norm = producer(split, "RmsNorm")
+    if norm is not None and norm.domain == CUSTOM_DOMAIN:
+        split = norm.inputs[0]
+    reshape = producer(split, "Reshape")
+    if reshape is None:
+        return "the heads are not reshaped from a projection"
+    projection = reshape.inputs[0]
+    dims = heads4.shape
+    if projection.shape is None or len(projection.shape) != 3 or dims is None or not isinstance(dims[-1], int) \
+            or not isinstance(projection.shape[-1], int) or projection.shape[-1] % dims[-1]:
+        return "the projection's width is not a static multiple of the head size"
+    heads = projection.shape[-1] // dims[-1]
+    return Projection(norm.outputs[0], heads, True) if norm is not None else Projection(projection, heads)
+
+
+def match_head_merge(graph: gs.Graph, context: gs.Tensor) -> gs.Tensor | str:
+    """The [B, S, H·D] output that `context` [B, H, S, D] is merged into."""
+    merge = sole_consumer(graph, context, "Transpose")
+    reshape = sole_consumer(graph, merge.outputs[0], "Reshape") if is_transpose(merge, [0, 2, 1, 3]) else None
+    if reshape is None or reshape.outputs[0].shape is None or len(reshape.outputs[0].shape) != 3:
+        return "the context is not merged back to [B, S, H·D]"
+    return reshape.outputs[0]
+
+
+# ---- the KV cache and its repetition ------------------------------------------------------------------
+
+def match_kv_concat(graph: gs.Graph, present: gs.Tensor) -> tuple[gs.Tensor | None, gs.Tensor, gs.Tensor | None]:
+    """(past, new, present-to-take-over) for a KV tensor that may be Concat(past, new) on the sequence axis."""
+    concat = producer(present, "Concat")
+    rank = len(present.shape) if present.shape is not None else 4
+    if concat is not None and len(concat.inputs) == 2 and concat.attrs.get("axis") in (rank - 2, -2) \
+            and any(t is concat.inputs[0] for t in graph.inputs):
+        return concat.inputs[0], concat.inputs[1], present
+    return None, present, None
+
+
+def _inserted_group_axis(tensor: gs.Tensor) -> gs.Tensor | None:
+    """x when `tensor` is x [B, KV, T, D] with a unit axis inserted at 2 (Unsqueeze or Reshape)."""
+    node = producer(tensor, "Unsqueeze", "Reshape")
+    if node is None:
+        return None
+    source = node.inputs[0]
+    if node.op == "Unsqueeze":
+        return source if _axes(node) == [2] else None
+    shape, inner = tensor.shape, source.shape
+    if shape is None or inner is None or len(shape) != 5 or len(inner) != 4 or shape[2] != 1:
+        return None
+    return source if [shape[0], shape[1], shape[3], shape[4]] == list(inner) else None
+
+
+def match_gqa_repeat(tensor: gs.Tensor) -> tuple[gs.Tensor, int | None] | None:
+    """(the KV heads, the repetition factor) when `tensor` repeats each KV head n times in place
+    (head h reads KV head h // n); the factor is None when only run-time shapes tell it (an Expand
+    whose shape was not inferred). None when `tensor` is not such a repetition."""
+    gather = producer(tensor, "Gather")
+    if gather is not None and gather.attrs.get("axis", 0) == 1:
+        indices = _const_ints(gather.inputs[1])
+        source = gather.inputs[0]
+        kv = source.shape[1] if source.shape is not None and len(source.shape) == 4 else None
+        if indices and isinstance(kv, int) and len(indices) % kv == 0:
+            repeats = len(indices) // kv
+            if indices == [h // repeats for h in range(len(indices))]:
+                return source, repeats
+        return None
+    reshape = producer(tensor, "Reshape")
+    if reshape is None or tensor.shape is None or len(tensor.shape) != 4:
+        return None
+    copies = producer(reshape.inputs[0], "Expand", "Tile", "Concat")
+    if copies is None:
+        return None
+    if copies.op == "Concat":
+        if copies.attrs.get("axis") not in (2, -3) or any(t is not copies.inputs[0] for t in copies.inputs):
+            return None
+        source, repeats = _inserted_group_axis(copies.inputs[0]), len(copies.inputs)
+    else:
+        source = _inserted_group_axis(copies.inputs[0])
+        grouped = copies.outputs[0].shape
+        repeats = grouped[2] if grouped is not None and len(grouped) == 5 else None
+        if copies.op == "Tile":
+            multiples = _const_ints(copies.inputs[1])
+            repeats = multiples[2] if multiples is not None and len(multiples) == 5 and \
+                multiples[:2] + multiples[3:] == [1, 1, 1] else None
+    if source is None or (copies.op != "Expand" and not isinstance(repeats, int)):
+        return None
+    return source, repeats if isinstance(repeats, int) else None
+
+
+def unrepeat(tensor: gs.Tensor) -> gs.Tensor:
+    """The KV heads behind a GQA repetition, or `tensor` itself."""
+    found = match_gqa_repeat(tensor)
+    return found[0] if found is not None else tensor

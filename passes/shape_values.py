@@ -1,0 +1,99 @@
+"""What a computed shape tensor holds, element by element: a number, or "dim i of tensor T".
+
+Exporters compute reshape targets at run time (`Concat(Unsqueeze(Gather(Shape(x), 0)), [-1], [16])`).
+Reading such a chain back lets a rule prove that a Reshape keeps the axes it claims to keep without
+trusting symbolic shape inference, which names one run-time length differently in different places
+(each past input of a dynamo export carries its own symbol).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from passes.pattern import producer
+
+
+@dataclass(frozen=True)
+class DimOf:
+    """Dimension `axis` of `tensor`, read by a Shape op."""
+
+    tensor: gs.Tensor
+    axis: int
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, DimOf) and other.tensor is self.tensor and other.axis == self.axis
+
+    def __hash__(self) -> int:
+        return hash((id(self.tensor), self.axis))
+
+
+Element = int | DimOf
+
+
+def _ints(tensor: gs.Tensor) -> list[int] | None:
+    if not isinstance(tensor, gs.Constant):
+        return None
+    return [int(v) for v in np.asarray(tensor.values).reshape(-1)]
+
+
+def shape_elements(tensor: gs.Tensor, depth: int = 8) -> list[Element] | None:
+    """The elements of a 1-D int64 shape tensor, or None when the chain is not one we can read."""
+    constant = _ints(tensor)
+    if constant is not None:
+        return constant
+    node = producer(tensor)
+    if node is None or depth == 0:
+        return None
+    if node.op == "Shape":
+        rank = len(node.inputs[0].shape) if node.inputs[0].shape is not None else None
+        if rank is None:
+            return None
+        start, end = node.attrs.get("start", 0), node.attrs.get("end", rank)
+        return [DimOf(node.inputs[0], axis) for axis in range(rank)][slice(start, end)]
+    if node.op in ("Cast", "Identity", "Squeeze", "Unsqueeze") or (node.op == "Reshape" and _ints(node.inputs[1]) in ([-1], [1])):
+        inner = shape_elements(node.inputs[0], depth - 1)
+        return inner if inner is not None and len(inner) == 1 or node.op in ("Cast", "Identity") else None
+    if node.op == "Concat" and node.attrs.get("axis", 0) in (0, -1):
+        parts = [shape_elements(t, depth - 1) for t in node.inputs]
+        return None if any(p is None for p in parts) else [e for p in parts for e in p]
+    if node.op == "Gather" and node.attrs.get("axis", 0) == 0:
+        source, indices = shape_elements(node.inputs[0], depth - 1), _ints(node.inputs[1])
+        if source is None or indices is None or any(not -len(source) <= i < len(source) for i in indices):
+            return None
+        return [source[i] for i in indices]
+    if node.op == "Slice":
+        source = shape_elements(node.inputs[0], depth - 1)
+        starts, ends = _ints(node.inputs[1]), _ints(node.inputs[2])
+        axes = _ints(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3].name else [0]
+        steps = _ints(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4].name else [1]
+        if source is None or None in (starts, ends, axes, steps) or axes not in ([0], [-1]) or len(starts) != 1:
+            return None
+        return source[slice(starts[0], ends[0], steps[0])]
+    return None
+
+
+def reshape_target(node: gs.Node) -> list[Element] | None:
+    """A Reshape's target with 0 entries (copy the input's dim) resolved, when it can be read."""
+    target = shape_elements(node.inputs[1])
+    if target is None:
+        return None
+    if node.attrs.get("allowzero", 0):
+        return target
+    return [DimOf(node.inputs[0], axis) if element == 0 else element for axis, element in enumerate(target)]
+
+
+def is_dim(element: Element, tensor: gs.Tensor, axis: int) -> bool:
+    """Whether `element` is known to equal dimension `axis` of `tensor`."""
+    dims = tensor.shape
+    static = dims[axis] if dims is not None and -len(dims) <= axis < len(dims) else None
+    if isinstance(element, int):
+        return isinstance(static, int) and static == element
+    rank = len(dims) if dims is not None else None
+    if element.tensor is tensor and rank is not None and element.axis % rank == axis % rank:
+        return True
+    other = element.tensor.shape
+    theirs = other[element.axis] if other is not None and -len(other) <= element.axis < len(other) else None
+    return isinstance(static, int) and theirs == static
