@@ -28,7 +28,7 @@ PRECISION_MODES = ("force_fp16", "force_fp32", "cube_fp16in_fp32out", "allow_mix
                    "allow_fp32_to_bf16")
 INPUT_FORMATS = ("NCHW", "ND", "NCDHW")
 KV_CACHE_LAYOUTS = ("contiguous", "paged")
-MODEL_TYPES = ("llama", "glm", "qwen", "qwen2", "qwen3", "qwen2_moe", "baichuan", "internlm", "mistral", "phi3",
+MODEL_TYPES = ("llama", "glm", "qwen", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "baichuan", "internlm", "mistral", "phi3",
                "gemma", "gpt2")
 _TRUE = ("1", "t", "true", "y", "yes")
 _FALSE = ("0", "f", "false", "n", "no")

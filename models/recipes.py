@@ -44,6 +44,7 @@ RECIPES: dict[str, Recipe] = {r.family: r for r in (
     Recipe("phi3"),
     Recipe("gemma", gated_mlp=False),     # GELU MLP stays as exported
     Recipe("qwen2_moe", moe=True),        # shared expert fuses; routed experts may too
+    Recipe("qwen3_moe", norms_per_layer=4, moe=True),
     Recipe("gpt2", rotary="learned", norms_per_layer=0, gated_mlp=False, attention=False),
 )}
 
@@ -58,7 +59,7 @@ def detect_family(graph: gs.Graph) -> str:
         return "glm"
     merged = producer(attention.inputs[0], "Reshape")
     if merged is not None and producer(merged.inputs[0], "RmsNorm") is not None:
-        return "qwen3"
+        return "qwen3_moe" if ops["TopK"] else "qwen3"
     if ops["TopK"]:
         return "qwen2_moe"
     if not ops["SwiGlu"]:

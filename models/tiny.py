@@ -1,7 +1,8 @@
 """Tiny, seeded, randomly initialised Hugging Face models, exported to ONNX and cached on disk.
 
 `tiny_onnx("llama", dynamo=True, with_past=True)` returns the path of an exported model, building it the
-first time. The cache lives in `$CANN_LLM_CACHE` (default `<repo>/.cache`), which git ignores.
+first time. Attention is transformers' default implementation (`sdpa`), as users export it;
+`attention="eager"` gives the other spelling. The cache lives in `$CANN_LLM_CACHE` (default `<repo>/.cache`), which git ignores.
 """
 
 from __future__ import annotations
@@ -44,12 +45,17 @@ TINY_FAMILIES: dict[str, TinySpec] = {
     "qwen2_moe": TinySpec("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                           dict(_COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                shared_expert_intermediate_size=64)),
+    "qwen3_moe": TinySpec("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                          dict(_COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
     "gpt2": TinySpec("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, vocab_size=256,
                                                           n_positions=256)),
 }
 
 
-def build_tiny_model(family: str, seed: int = 0):
+ATTENTIONS = ("sdpa", "eager")  # transformers' default first
+
+
+def build_tiny_model(family: str, seed: int = 0, attention: str = "sdpa"):
     """A randomly initialised model whose norm weights and biases are re-drawn too.
 
     transformers initialises norm weights to 1 and biases to 0, and a fusion that drops them would still
@@ -60,7 +66,7 @@ def build_tiny_model(family: str, seed: int = 0):
 
     spec = TINY_FAMILIES[family]
     config = getattr(transformers, spec.config_class)(**spec.sizes)
-    config._attn_implementation = "eager"
+    config._attn_implementation = attention
     torch.manual_seed(seed)
     model = getattr(transformers, spec.model_class)(config)
     if hasattr(model, "set_experts_implementation"):
@@ -87,14 +93,14 @@ def byte_tokenizer_json() -> str:
     return tokenizer.to_str()
 
 
-def tiny_onnx(family: str, *, dynamo: bool, with_past: bool, seed: int = 0) -> Path:
+def tiny_onnx(family: str, *, dynamo: bool, with_past: bool, seed: int = 0, attention: str = "sdpa") -> Path:
     """Path of the exported tiny model (its byte tokenizer beside it), exporting it on first use."""
     from models.export import export_causal_lm
 
-    tag = f"{family}-{'dynamo' if dynamo else 'ts'}-{'kv' if with_past else 'nokv'}-s{seed}"
+    tag = f"{family}-{'dynamo' if dynamo else 'ts'}-{'kv' if with_past else 'nokv'}-{attention}-s{seed}"
     path = cache_dir() / "tiny" / tag / "model.onnx"
     if not path.exists():
-        export_causal_lm(build_tiny_model(family, seed), path, dynamo=dynamo, with_past=with_past)
+        export_causal_lm(build_tiny_model(family, seed, attention), path, dynamo=dynamo, with_past=with_past)
     tokenizer = path.with_name("tokenizer.json")
     if not tokenizer.exists():  # written atomically: parallel test workers may race to write it
         partial = tokenizer.with_name(f"tokenizer.{os.getpid()}.partial")

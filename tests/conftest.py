@@ -17,18 +17,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def _exports():
     from models.recipes import RECIPES
-    from models.tiny import TINY_FAMILIES
+    from models.tiny import ATTENTIONS, TINY_FAMILIES
 
-    return [(family, dynamo, with_past) for family in TINY_FAMILIES for dynamo in (False, True)
-            for with_past in (False, True) if ("dynamo" if dynamo else "ts") in RECIPES[family].exporters]
+    return [(family, dynamo, with_past, attention) for family in TINY_FAMILIES for dynamo in (False, True)
+            for with_past in (False, True) for attention in ATTENTIONS
+            if ("dynamo" if dynamo else "ts") in RECIPES[family].exporters]
 
 
+# every tiny family × exporter × {prefill, KV cache} × {sdpa, eager}
 EXPORTS = _exports()
 
 
 def export_id(case) -> str:
-    family, dynamo, with_past = case
-    return f"{family}-{'dynamo' if dynamo else 'ts'}-{'kv' if with_past else 'nokv'}"
+    family, dynamo, with_past, attention = case
+    return f"{family}-{'dynamo' if dynamo else 'ts'}-{'kv' if with_past else 'nokv'}-{attention}"
 
 
 @pytest.fixture(scope="session")

@@ -17,8 +17,9 @@ LAYERS = 2
 def test_fused_counts_follow_the_family_recipe(case, tmp_path):
     from models.tiny import tiny_onnx
 
-    family, dynamo, with_past = case
-    loaded = load_artifact(compile_to(tiny_onnx(family, dynamo=dynamo, with_past=with_past), tmp_path / "m"))
+    family, dynamo, with_past, attention = case
+    loaded = load_artifact(compile_to(tiny_onnx(family, dynamo=dynamo, with_past=with_past, attention=attention),
+                                      tmp_path / "m"))
     counts = Counter(node.op_type for node in loaded.model.graph.node)
     recipe = RECIPES[family]
     expected = recipe.expected_counts(LAYERS)

@@ -1,0 +1,73 @@
+"""../shared/corpus: real exports made by others (transformers' default attention; PyTorch's TorchScript
+and dynamo exporters and Optimum) fuse completely, reproduce their torch reference and generate through
+the paged engine. Nothing here is keyed on their node names: they are what a user brings."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cann_llm import LLMEngine
+from conftest import compile_to
+from generation_utils import mixed_prompts, ort_greedy
+from models.tiny import REPO_ROOT
+from runtime import Executor, load_artifact
+
+CORPUS = Path(os.environ.get("CANN_LLM_CORPUS", REPO_ROOT.parent / "shared" / "corpus"))
+MODELS = sorted(p.name for p in CORPUS.iterdir() if (p / "model.onnx").is_file()) if CORPUS.is_dir() else []
+TOLERANCE = 1e-4
+NEW_TOKENS = 32
+
+
+def _meta(name: str) -> dict:
+    return json.loads((CORPUS / name / "meta.json").read_text())
+
+
+def _cases(reference) -> list[tuple[dict, dict, np.ndarray]]:
+    """(inputs, outputs, valid query rows) of the reference case and its second, differently shaped one."""
+    cases = []
+    for prefix in ("", "alt_"):
+        inputs = {k[len(prefix) + 6:]: reference[k] for k in reference.files if k.startswith(prefix + "input.")}
+        outputs = {k[len(prefix) + 7:]: reference[k] for k in reference.files if k.startswith(prefix + "output.")}
+        cases.append((inputs, outputs, reference[prefix + "valid_query_rows"]))
+    return cases
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_corpus_model_fuses_and_matches_its_torch_reference(name, tmp_path):
+    meta = _meta(name)
+    loaded = load_artifact(compile_to(CORPUS / name / "model.onnx", tmp_path / "m"))
+    counts = Counter(node.op_type for node in loaded.model.graph.node)
+    layers = meta["num_layers"]
+    assert counts["FusedAttention"] == meta["expected"]["attention_blocks"] == layers
+    assert counts["RmsNorm"] + counts["AddRmsNorm"] == meta["expected"]["rmsnorm"] == 2 * layers + 1
+    assert counts["Softmax"] == 0
+    reference = np.load(CORPUS / name / "reference.npz")
+    for backend in ("onnxruntime", "reference"):
+        executor = Executor(loaded, backend)
+        for inputs, outputs, valid in _cases(reference):
+            got = executor.run(inputs)
+            for output, expected in outputs.items():
+                actual = got[output]
+                if output == "logits":
+                    actual, expected = actual[valid], expected[valid]
+                np.testing.assert_allclose(actual, expected, rtol=0, atol=TOLERANCE, err_msg=f"{backend} {output}")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_corpus_model_generates_through_the_paged_engine(name, tmp_path):
+    source = CORPUS / name / "model.onnx"
+    om = compile_to(source, tmp_path / "m", enable_paged_attention=True)
+    prompts = mixed_prompts(3, seed=7, high=40)  # token ids below 256, inside every corpus vocabulary
+    expected = [ort_greedy(source, prompt, NEW_TOKENS) for prompt in prompts]
+    with LLMEngine(om, max_batch_size=4, max_context_len=128, kv_cache_pages=16) as engine:
+        assert engine.paged
+        requests = [engine.submit(p, max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True) for p in prompts]
+        for request in requests:
+            request.result()
+        assert [request.output_ids for request in requests] == expected
