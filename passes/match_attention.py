@@ -241,7 +241,7 @@ def match_gqa_repeat(tensor: gs.Tensor) -> tuple[gs.Tensor, int | None] | None:
         if copies.op == "Tile":
             multiples = _const_ints(copies.inputs[1])
             repeats = multiples[2] if multiples is not None and len(multiples) == 5 and \
-                multiples[:2] + multiples[3:] == [1, 1, 1] else None
+                multiples[:2] + multiples[3:] == [1, 1, 1, 1] else None
     if source is None or (copies.op != "Expand" and not isinstance(repeats, int)):
         return None
     return source, repeats if isinstance(repeats, int) else None

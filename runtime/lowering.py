@@ -48,7 +48,7 @@ def _swiglu(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
             helper.make_node("Mul", [silu, up], [y], name=f"{node.name}/MulUp")]
 
 
-class _Builder:
+class Builder:
     """Emits the standard-op nodes of one lowering, with names under the fused node's."""
 
     def __init__(self, prefix: str):
@@ -64,7 +64,9 @@ class _Builder:
         return self("Constant", value=numpy_helper.from_array(np.asarray(values, dtype=dtype)))
 
 
-def _rotary(b: _Builder, x: str, cos: str, sin: str, rotary_dim: int, head_dim: int, interleaved: int) -> str:
+def rotary_embedding(b: Builder, x: str, cos: str, sin: str, rotary_dim: int, head_dim: int, interleaved: int) -> str:
+    """Rotate the first `rotary_dim` dims of each head of x [B, H, S, D]: the spelling that
+    passes/match_rotary.py reads back (a test holds the two together)."""
     last = b.const([-1])
     rotated = b("Slice", x, b.const([0]), b.const([rotary_dim]), last) if rotary_dim < head_dim else x
     if interleaved:
@@ -91,7 +93,7 @@ def _fused_attention(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
     heads, kv_heads, dim = (_attr(node, n, 0) for n in ("num_heads", "kv_num_heads", "head_dim"))
     scale, causal, rotary_dim = _attr(node, "scale", 1.0), _attr(node, "causal", 1), _attr(node, "rotary_dim", 0)
     interleaved = _attr(node, "rotary_interleaved", 0)
-    b = _Builder(node.name)
+    b = Builder(node.name)
     if not key:
         query, key, value = b("Split", query, b.const([heads * dim, kv_heads * dim, kv_heads * dim]), outputs=3, axis=-1)
     perm = [0, 2, 1, 3]
@@ -99,8 +101,8 @@ def _fused_attention(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
     k = b("Transpose", b("Reshape", key, b.const([0, 0, kv_heads, dim])), perm=perm)
     v = b("Transpose", b("Reshape", value, b.const([0, 0, kv_heads, dim])), perm=perm)
     if cos:
-        q = _rotary(b, q, cos, sin, rotary_dim or dim, dim, interleaved)
-        k = _rotary(b, k, cos, sin, rotary_dim or dim, dim, interleaved)
+        q = rotary_embedding(b, q, cos, sin, rotary_dim or dim, dim, interleaved)
+        k = rotary_embedding(b, k, cos, sin, rotary_dim or dim, dim, interleaved)
     if past_key:
         k = b("Concat", past_key, k, axis=2, out=outputs[1] or None)
         v = b("Concat", past_value, v, axis=2, out=outputs[2] or None)
@@ -147,7 +149,7 @@ def _matmul_int4(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
 
 
 def _matmul_int8(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
-    b = _Builder(node.name)
+    b = Builder(node.name)
     weight = b("DequantizeLinear", *node.input[1:], axis=1)
     b("MatMul", node.input[0], weight, out=node.output[0])
     return b.nodes
@@ -156,7 +158,7 @@ def _matmul_int8(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
 def _gather_int4(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
     # GatherBlockQuantized reads uint8 data as [V, K·bits/8] with MatMulNBits' conventions (default zero point
     # 2^(bits-1)); the Reshape of the constant table is folded by onnxruntime when the session is built
-    b = _Builder(node.name)
+    b = Builder(node.name)
     table, indices, scales = node.input[:3]
     flat = b("Reshape", table, b.const([0, -1]))
     b("GatherBlockQuantized", flat, indices, scales, out=node.output[0], domain=MICROSOFT_DOMAIN, gather_axis=0,

@@ -1,0 +1,316 @@
+"""The attention sub-matchers alone (passes/match_attention.py, passes/match_rotary.py), each on small
+graphs of the spellings exporters write, one negative case per refusal; every spelling a matcher accepts
+is also run in onnxruntime and compared with what the matcher claims it computes."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from passes.infer_shapes import InferShapes
+from passes.match_attention import (match_gqa_repeat, match_head_merge, match_head_split, match_kv_concat,
+                                    match_mask_source, match_probabilities, match_scale, split_mask)
+from passes.match_rotary import match_rotary
+from runtime.lowering import Builder, rotary_embedding
+
+B, KV, T, D = 2, 2, 5, 4
+RNG = np.random.default_rng(0)
+
+
+def _graph(nodes, inputs, outputs, initializers=()) -> gs.Graph:
+    model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, list(initializers)),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    graph = gs.import_onnx(model)
+    InferShapes().run(graph)
+    return graph
+
+
+def _run(graph: gs.Graph, feeds: dict) -> dict[str, np.ndarray]:
+    model = gs.export_onnx(graph.copy(), do_type_check=False)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, feeds)))
+
+
+def _value(name, shape, dtype=TensorProto.FLOAT):
+    return helper.make_tensor_value_info(name, dtype, shape)
+
+
+def _const(name, values, dtype=np.int64):
+    return numpy_helper.from_array(np.asarray(values, dtype=dtype), name)
+
+
+def _tensor(graph: gs.Graph, name: str) -> gs.Tensor:
+    return graph.tensors()[name]
+
+
+# ---- scale ------------------------------------------------------------------------------------------
+
+def test_scale_multiplies_every_scalar_factor_in_the_chain():
+    nodes = [helper.make_node("Mul", ["x", "half"], ["a"]), helper.make_node("Div", ["a", "two"], ["b"]),
+             helper.make_node("Mul", ["three", "b"], ["y"])]
+    graph = _graph(nodes, [_value("x", [2, 3])], [_value("y", [2, 3])],
+                   [_const("half", 0.5, np.float32), _const("two", 2.0, np.float32), _const("three", 3.0, np.float32)])
+    inner, factor = match_scale(_tensor(graph, "y"))
+    assert inner.name == "x" and factor == pytest.approx(0.75)
+    x = RNG.standard_normal((2, 3)).astype(np.float32)
+    np.testing.assert_allclose(_run(graph, {"x": x})["y"], x * factor, rtol=1e-6)
+
+
+def test_scale_stops_at_a_factor_that_is_not_a_scalar():
+    graph = _graph([helper.make_node("Mul", ["x", "w"], ["y"])], [_value("x", [2, 3])], [_value("y", [2, 3])],
+                   [_const("w", [1.0, 2.0, 3.0], np.float32)])
+    inner, factor = match_scale(_tensor(graph, "y"))
+    assert inner.name == "y" and factor == 1.0
+
+
+# ---- the softmax's input and output ------------------------------------------------------------------
+
+def _scores_nodes():
+    return [helper.make_node("MatMul", ["q", "k"], ["scores"]), helper.make_node("Mul", ["scores", "scale"], ["scaled"])]
+
+
+SCORE_INPUTS = [_value("q", [B, 2, T, D]), _value("k", [B, 2, D, T])]
+
+
+@pytest.mark.parametrize("order", ["scores_first", "mask_first"])
+def test_an_additive_mask_is_split_from_the_scores_in_either_order(order):
+    operands = ["scaled", "mask"] if order == "scores_first" else ["mask", "scaled"]
+    nodes = _scores_nodes() + [helper.make_node("Add", operands, ["logits"])]
+    graph = _graph(nodes, SCORE_INPUTS + [_value("mask", [B, 1, T, T])], [_value("logits", [B, 2, T, T])],
+                   [_const("scale", 0.5, np.float32)])
+    scored, mask = split_mask(_tensor(graph, "logits"))
+    assert (scored.name, mask.name) == ("scaled", "mask")
+
+
+def test_masked_fill_is_a_boolean_mask():
+    nodes = _scores_nodes() + [helper.make_node("Where", ["allowed", "scaled", "fill"], ["logits"])]
+    graph = _graph(nodes, SCORE_INPUTS + [_value("allowed", [B, 1, T, T], TensorProto.BOOL)],
+                   [_value("logits", [B, 2, T, T])], [_const("scale", 0.5, np.float32),
+                                                      _const("fill", np.finfo(np.float32).min, np.float32)])
+    scored, mask = split_mask(_tensor(graph, "logits"))
+    assert (scored.name, mask.name) == ("scaled", "allowed")
+
+
+@pytest.mark.parametrize("fill", [-1.0, 0.0])
+def test_a_where_that_fills_with_an_ordinary_value_is_not_a_mask(fill):
+    nodes = _scores_nodes() + [helper.make_node("Where", ["allowed", "scaled", "fill"], ["logits"])]
+    graph = _graph(nodes, SCORE_INPUTS + [_value("allowed", [B, 1, T, T], TensorProto.BOOL)],
+                   [_value("logits", [B, 2, T, T])], [_const("scale", 0.5, np.float32), _const("fill", fill, np.float32)])
+    scored, mask = split_mask(_tensor(graph, "logits"))
+    assert scored.name == "logits" and mask is None
+
+
+def _softmax_graph(guard_value: float, cast: bool = False):
+    nodes = [helper.make_node("Softmax", ["logits"], ["p"], axis=-1)]
+    probabilities = "p"
+    if cast:
+        nodes.append(helper.make_node("Cast", ["p"], ["p16"], to=TensorProto.FLOAT16))
+        probabilities = "p16"
+    zero_type = TensorProto.FLOAT16 if cast else TensorProto.FLOAT
+    nodes += [helper.make_node("IsNaN", [probabilities], ["nan"]),
+              helper.make_node("Where", ["nan", "zero", probabilities], ["guarded"])]
+    zero = numpy_helper.from_array(np.array(guard_value, helper.tensor_dtype_to_np_dtype(zero_type)), "zero")
+    graph = _graph(nodes, [_value("logits", [B, 2, T, T])], [_value("guarded", [B, 2, T, T], zero_type)], [zero])
+    softmax = next(n for n in graph.nodes if n.op == "Softmax")
+    return graph, softmax
+
+
+@pytest.mark.parametrize("cast", [False, True], ids=["float32", "cast_to_float16"])
+def test_the_nan_guard_after_a_softmax_is_part_of_the_probabilities(cast):
+    graph, softmax = _softmax_graph(0.0, cast)
+    assert match_probabilities(graph, softmax).name == "guarded"
+
+
+def test_a_guard_that_replaces_nan_by_something_else_is_not_passed():
+    graph, softmax = _softmax_graph(1.0)
+    assert match_probabilities(graph, softmax).name == "p"
+
+
+# ---- heads ------------------------------------------------------------------------------------------
+
+def _split_merge_graph(perm):
+    nodes = [helper.make_node("Reshape", ["proj", "heads_shape"], ["split"]),
+             helper.make_node("Transpose", ["split"], ["heads"], perm=perm),
+             helper.make_node("Transpose", ["heads"], ["back"], perm=perm),
+             helper.make_node("Reshape", ["back", "merged_shape"], ["merged"])]
+    return _graph(nodes, [_value("proj", [B, T, 8])], [_value("merged", [B, T, 8])],
+                  [_const("heads_shape", [0, 0, 2, D]), _const("merged_shape", [0, 0, 8])])
+
+
+def test_heads_split_from_and_merged_into_a_projection():
+    graph = _split_merge_graph([0, 2, 1, 3])
+    projection = match_head_split(_tensor(graph, "heads"))
+    assert projection.tensor.name == "proj" and projection.heads == 2 and not projection.per_head
+    assert match_head_merge(graph, _tensor(graph, "heads")).name == "merged"
+
+
+def test_heads_moved_by_another_transpose_are_refused():
+    graph = _split_merge_graph([0, 1, 3, 2])
+    assert match_head_split(_tensor(graph, "heads")) == "the heads are not a (0, 2, 1, 3) transpose"
+    assert isinstance(match_head_merge(graph, _tensor(graph, "heads")), str)
+
+
+# ---- the KV cache -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("axis", [2, -2])
+def test_a_cache_concatenated_on_the_sequence_axis(axis):
+    graph = _graph([helper.make_node("Concat", ["past", "new"], ["present"], axis=axis)],
+                   [_value("past", [B, KV, 3, D]), _value("new", [B, KV, T, D])], [_value("present", [B, KV, 3 + T, D])])
+    past, new, present = match_kv_concat(graph, _tensor(graph, "present"))
+    assert (past.name, new.name, present.name) == ("past", "new", "present")
+
+
+def test_a_concatenation_on_another_axis_or_of_a_computed_past_is_not_a_cache():
+    graph = _graph([helper.make_node("Concat", ["past", "new"], ["wide"], axis=3),
+                    helper.make_node("Neg", ["past"], ["computed"]),
+                    helper.make_node("Concat", ["computed", "new"], ["present"], axis=2)],
+                   [_value("past", [B, KV, T, D]), _value("new", [B, KV, T, D])],
+                   [_value("wide", [B, KV, T, 2 * D]), _value("present", [B, KV, 2 * T, D])])
+    for name in ("wide", "present"):
+        past, new, present = match_kv_concat(graph, _tensor(graph, name))
+        assert past is None and present is None and new.name == name
+
+
+# ---- GQA head repetition ----------------------------------------------------------------------------
+
+REPEATS = 3
+
+
+def _repeat(kind: str) -> gs.Graph:
+    grouped = [B, KV, REPEATS, T, D]
+    insert = helper.make_node("Unsqueeze", ["kv", "axis2"], ["one"])
+    if kind == "reshape_insert":
+        insert = helper.make_node("Reshape", ["kv", "grouped_one"], ["one"])
+    copies = {
+        "expand": helper.make_node("Expand", ["one", "grouped"], ["copies"]),
+        "tile": helper.make_node("Tile", ["one", "multiples"], ["copies"]),
+        "concat": helper.make_node("Concat", ["one"] * REPEATS, ["copies"], axis=2),
+        "reshape_insert": helper.make_node("Expand", ["one", "grouped"], ["copies"]),
+        "wrong_axis": helper.make_node("Expand", ["one", "grouped"], ["copies"]),
+    }[kind]
+    if kind == "wrong_axis":  # each head repeated in order (h % KV), not in place (h // KV)
+        insert = helper.make_node("Unsqueeze", ["kv", "axis1"], ["one"])
+        copies = helper.make_node("Expand", ["one", "outer"], ["copies"])
+    nodes = [insert, copies, helper.make_node("Reshape", ["copies", "merged"], ["repeated"])]
+    initializers = [_const("axis2", [2]), _const("axis1", [1]), _const("grouped", grouped),
+                    _const("grouped_one", [B, KV, 1, T, D]), _const("multiples", [1, 1, REPEATS, 1, 1]),
+                    _const("outer", [B, REPEATS, KV, T, D]), _const("merged", [B, KV * REPEATS, T, D])]
+    return _graph(nodes, [_value("kv", [B, KV, T, D])], [_value("repeated", [B, KV * REPEATS, T, D])], initializers)
+
+
+@pytest.mark.parametrize("kind", ["expand", "tile", "concat", "reshape_insert"])
+def test_gqa_repetition_is_undone_in_each_spelling(kind):
+    graph = _repeat(kind)
+    source, repeats = match_gqa_repeat(_tensor(graph, "repeated"))
+    assert source.name == "kv" and repeats == REPEATS
+    kv = RNG.standard_normal((B, KV, T, D)).astype(np.float32)
+    np.testing.assert_array_equal(_run(graph, {"kv": kv})["repeated"], np.repeat(kv, REPEATS, axis=1))
+
+
+def test_repetition_in_the_other_head_order_is_not_gqa():
+    graph = _repeat("wrong_axis")
+    assert match_gqa_repeat(_tensor(graph, "repeated")) is None
+    kv = RNG.standard_normal((B, KV, T, D)).astype(np.float32)
+    assert not np.array_equal(_run(graph, {"kv": kv})["repeated"], np.repeat(kv, REPEATS, axis=1))
+
+
+@pytest.mark.parametrize("indices,expected", [([0, 0, 0, 1, 1, 1], REPEATS), ([0, 1, 0, 1, 0, 1], None)])
+def test_gqa_repetition_by_gather(indices, expected):
+    graph = _graph([helper.make_node("Gather", ["kv", "heads"], ["repeated"], axis=1)], [_value("kv", [B, KV, T, D])],
+                   [_value("repeated", [B, len(indices), T, D])], [_const("heads", indices)])
+    found = match_gqa_repeat(_tensor(graph, "repeated"))
+    assert (found[1] if found else None) == expected
+
+
+# ---- the mask's source ------------------------------------------------------------------------------
+
+def _mask_graph(extra_input: bool = False, compare: bool = True) -> gs.Graph:
+    nodes = [helper.make_node("Cast", ["attention_mask"], ["keep"], to=TensorProto.BOOL),
+             helper.make_node("Unsqueeze", ["keep", "axes"], ["keep4"])]
+    if compare:
+        nodes += [helper.make_node("LessOrEqual", ["cols", "rows"], ["causal"]),
+                  helper.make_node("And", ["causal", "keep4"], ["allowed"])]
+    else:
+        nodes.append(helper.make_node("Identity", ["keep4"], ["allowed"]))
+    if extra_input:
+        nodes += [helper.make_node("Cast", ["segments"], ["segment_keep"], to=TensorProto.BOOL),
+                  helper.make_node("Unsqueeze", ["segment_keep", "axes"], ["segment4"]),
+                  helper.make_node("And", ["allowed", "segment4"], ["both"])]
+    nodes.append(helper.make_node("Where", ["both" if extra_input else "allowed", "zero", "minimum"], ["mask"]))
+    inputs = [_value("attention_mask", ["batch", "total"], TensorProto.INT64)]
+    if extra_input:
+        inputs.append(_value("segments", ["batch", "total"], TensorProto.INT64))
+    return _graph(nodes, inputs, [_value("mask", None)],
+                  [_const("axes", [1, 2]), _const("cols", np.arange(T)[None, None, None, :]),
+                   _const("rows", np.arange(T)[None, None, :, None]), _const("zero", 0.0, np.float32),
+                   _const("minimum", -np.inf, np.float32)])
+
+
+def test_the_mask_reads_the_attention_mask_and_compares_positions():
+    graph = _mask_graph()
+    source, causal = match_mask_source(graph, _tensor(graph, "mask"))
+    assert source.name == "attention_mask" and causal == 1
+
+
+def test_a_padding_only_mask_is_not_causal():
+    graph = _mask_graph(compare=False)
+    source, causal = match_mask_source(graph, _tensor(graph, "mask"))
+    assert source.name == "attention_mask" and causal == 0
+
+
+def test_a_mask_that_reads_two_inputs_is_refused():
+    graph = _mask_graph(extra_input=True)
+    assert match_mask_source(graph, _tensor(graph, "mask")).startswith("the mask reads several inputs")
+
+
+# ---- rotary embedding: what the lowering writes, the pattern reads back -----------------------------
+
+def _lowered_rotary(rotary_dim: int, interleaved: int) -> onnx.ModelProto:
+    b = Builder("rope")
+    rotary_embedding(b, "x", "cos", "sin", rotary_dim, D * 2, interleaved)
+    b.nodes[-1].output[0] = "y"
+    inputs = [_value("x", [B, 2, T, D * 2]), _value("cos", [B, 1, T, rotary_dim]), _value("sin", [B, 1, T, rotary_dim])]
+    model = helper.make_model(helper.make_graph(b.nodes, "g", inputs, [_value("y", [B, 2, T, D * 2])]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    return model
+
+
+def _numpy_rotary(x, cos, sin, rotary_dim, interleaved):
+    rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
+    if interleaved:
+        turned = np.stack([-rotated[..., 1::2], rotated[..., 0::2]], axis=-1).reshape(rotated.shape)
+    else:
+        half = rotary_dim // 2
+        turned = np.concatenate([-rotated[..., half:], rotated[..., :half]], axis=-1)
+    return np.concatenate([rotated * cos + turned * sin, passed], axis=-1)
+
+
+@pytest.mark.parametrize("rotary_dim,interleaved", [(8, 0), (8, 1), (4, 0), (4, 1)],
+                         ids=["half", "pairs", "partial_half", "partial_pairs"])
+def test_the_lowerings_rotation_is_read_back_by_the_pattern(rotary_dim, interleaved):
+    graph = gs.import_onnx(_lowered_rotary(rotary_dim, interleaved))
+    graph.fold_constants()
+    graph.cleanup()
+    InferShapes().run(graph)
+    source, rotary = match_rotary(_tensor(graph, "y"))
+    assert source.name == "x" and (rotary.cos.name, rotary.sin.name) == ("cos", "sin")
+    assert (rotary.rotary_dim, rotary.interleaved) == (rotary_dim, interleaved)
+    feeds = {"x": RNG.standard_normal((B, 2, T, D * 2)).astype(np.float32),
+             "cos": RNG.standard_normal((B, 1, T, rotary_dim)).astype(np.float32),
+             "sin": RNG.standard_normal((B, 1, T, rotary_dim)).astype(np.float32)}
+    np.testing.assert_allclose(_run(graph, feeds)["y"], _numpy_rotary(*feeds.values(), rotary_dim, interleaved), atol=1e-6)
+
+
+def test_a_rotation_that_turns_the_wrong_way_is_not_rope():
+    graph = gs.import_onnx(_lowered_rotary(8, 0))
+    graph.fold_constants()
+    graph.cleanup()
+    InferShapes().run(graph)
+    concat = next(n for n in graph.nodes if n.op == "Concat")
+    concat.inputs[0], concat.inputs[1] = concat.inputs[1], concat.inputs[0]  # Concat(x1, -x2): the inverse turn
+    assert match_rotary(_tensor(graph, "y")) is None
