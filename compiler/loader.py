@@ -43,9 +43,25 @@ def load_onnx(path: str | os.PathLike, external_data: bool = True) -> onnx.Model
         external_data_helper.load_external_data_for_model(model, str(path.parent))
     _check_tensor_sizes(model, path)
     try:
-        onnx.checker.check_model(initializers_as_inputs(model))
+        onnx.checker.check_model(_without_onnxruntime_default_ops(initializers_as_inputs(model)))
     except onnx.checker.ValidationError as error:
         raise AtcError("E10041", path, reason=f"the ONNX checker refused the model: {str(error).strip()}") from None
+    return model
+
+
+def _without_onnxruntime_default_ops(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` (a copy, changed in place) with the ops onnxruntime registers in the default domain but onnx
+    does not define (SimplifiedLayerNormalization, which its tools write) moved to com.microsoft: the
+    checker has no schema to hold them to, and refuses the default domain's unknown ops but not a contrib
+    domain's."""
+    from runtime.kernels import supports
+
+    moved = False
+    for node in model.graph.node:
+        if node.domain in ("", "ai.onnx") and not onnx.defs.has(node.op_type) and supports("", node.op_type):
+            node.domain, moved = "com.microsoft", True
+    if moved and not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     return model
 
 
@@ -114,4 +130,7 @@ def import_graph(path: str | os.PathLike) -> tuple[onnx.ModelProto, gs.Graph]:
         dtype = np.dtype(helper.tensor_dtype_to_np_dtype(lazy.tensor.data_type))
         count = int(np.prod(lazy.tensor.dims, dtype=np.int64))
         constant.values = np.frombuffer(maps[location], dtype, count, info.offset or 0).reshape(tuple(lazy.tensor.dims))
+        # graphsurgeon would export the array still marked external (with no location): small constants
+        # that no pass replaces are written inline, and must not point anywhere
+        constant.data_location = None
     return model, graph
