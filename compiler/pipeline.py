@@ -18,6 +18,7 @@ from passes.eliminate_identity import EliminateIdentity
 from passes.fold_constants import FoldConstants
 from passes.fuse_add_rms_norm import FuseAddRmsNorm
 from passes.fuse_attention import FuseAttention
+from passes.fuse_moe import FuseMoe
 from passes.fuse_qkv import FuseQkv
 from passes.fuse_rms_norm import FuseRmsNorm
 from passes.fuse_swiglu import FuseSwiGlu
@@ -81,6 +82,7 @@ def build_pipeline(cfg: CompileConfig | None) -> list[Pass]:
         ConvertAttention(),
         FuseAttention(),
         FuseQkv(),
+        FuseMoe(),  # before SwiGlu: the routed experts' SiLU is the op's, the shared expert's SwiGlu's
         FuseSwiGlu(),
         # Phase 3: weights (QDQ weights are repacked whether or not compression was asked for)
         QuantizeWeights(quant, _samples_if_useful(cfg)),

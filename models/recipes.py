@@ -24,14 +24,15 @@ class Recipe:
     norms_per_layer: int = 2      # RMSNorms per layer; the final norm adds one
     gated_mlp: bool = True        # SiLU-gated MLP → SwiGlu
     attention: bool = True        # FusedAttention per layer
-    moe: bool = False             # expert MLPs (the router's Softmax stays)
+    moe: bool = False             # routed SwiGLU experts → one MoE per layer (router Softmax/TopK inside)
     exporters: tuple[str, ...] = ("ts", "dynamo")  # torch exporters that can export it
 
     def expected_counts(self, layers: int) -> dict[str, int]:
-        """Fused-op counts a compile of a `layers`-layer model of this family must give (SwiGlu: at least)."""
+        """Fused-op counts a compile of a `layers`-layer model of this family must give."""
         return {"FusedAttention": layers if self.attention else 0,
                 "norms": self.norms_per_layer * layers + 1 if self.norms_per_layer else 0,
-                "SwiGlu": layers if self.gated_mlp else 0}
+                "SwiGlu": layers if self.gated_mlp else 0,
+                "MoE": layers if self.moe else 0}
 
 
 RECIPES: dict[str, Recipe] = {r.family: r for r in (
@@ -43,8 +44,8 @@ RECIPES: dict[str, Recipe] = {r.family: r for r in (
     Recipe("glm", rotary="interleaved", exporters=("dynamo",)),  # TorchScript fails on its repeat_interleave
     Recipe("phi3"),
     Recipe("gemma", gated_mlp=False),     # GELU MLP stays as exported
-    Recipe("qwen2_moe", moe=True),        # shared expert fuses; routed experts may too
-    Recipe("qwen3_moe", norms_per_layer=4, moe=True),
+    Recipe("qwen2_moe", moe=True),        # the shared expert (outside the MoE op) is the SwiGlu
+    Recipe("qwen3_moe", norms_per_layer=4, gated_mlp=False, moe=True),  # no shared expert: experts only
     Recipe("gpt2", rotary="learned", norms_per_layer=0, gated_mlp=False, attention=False),
 )}
 
@@ -59,8 +60,8 @@ def detect_family(graph: gs.Graph) -> str:
         return "glm"
     merged = producer(attention.inputs[0], "Reshape")
     if merged is not None and producer(merged.inputs[0], "RmsNorm") is not None:
-        return "qwen3_moe" if ops["TopK"] else "qwen3"
-    if ops["TopK"]:
+        return "qwen3_moe" if ops["MoE"] or ops["TopK"] else "qwen3"
+    if ops["MoE"] or ops["TopK"]:
         return "qwen2_moe"
     if not ops["SwiGlu"]:
         return "gemma"

@@ -55,8 +55,9 @@ TINY_FAMILIES: dict[str, TinySpec] = {
 ATTENTIONS = ("sdpa", "eager")  # transformers' default first
 
 
-def build_tiny_model(family: str, seed: int = 0, attention: str = "sdpa"):
-    """A randomly initialised model whose norm weights and biases are re-drawn too.
+def build_tiny_model(family: str, seed: int = 0, attention: str = "sdpa", overrides: dict | None = None):
+    """A randomly initialised model whose norm weights and biases are re-drawn too; `overrides` replaces
+    config fields of the family's sizes (e.g. `norm_topk_prob=True`, or a bigger MoE for a benchmark).
 
     transformers initialises norm weights to 1 and biases to 0, and a fusion that drops them would still
     match such a reference; re-drawing them from the seed makes every parameter count.
@@ -65,7 +66,7 @@ def build_tiny_model(family: str, seed: int = 0, attention: str = "sdpa"):
     import transformers
 
     spec = TINY_FAMILIES[family]
-    config = getattr(transformers, spec.config_class)(**spec.sizes)
+    config = getattr(transformers, spec.config_class)(**{**spec.sizes, **(overrides or {})})
     config._attn_implementation = attention
     torch.manual_seed(seed)
     model = getattr(transformers, spec.model_class)(config)
@@ -93,14 +94,17 @@ def byte_tokenizer_json() -> str:
     return tokenizer.to_str()
 
 
-def tiny_onnx(family: str, *, dynamo: bool, with_past: bool, seed: int = 0, attention: str = "sdpa") -> Path:
+def tiny_onnx(family: str, *, dynamo: bool, with_past: bool, seed: int = 0, attention: str = "sdpa",
+              overrides: dict | None = None) -> Path:
     """Path of the exported tiny model (its byte tokenizer beside it), exporting it on first use."""
     from models.export import export_causal_lm
 
     tag = f"{family}-{'dynamo' if dynamo else 'ts'}-{'kv' if with_past else 'nokv'}-{attention}-s{seed}"
+    tag += "".join(f"-{key}={value}" for key, value in sorted((overrides or {}).items()))
     path = cache_dir() / "tiny" / tag / "model.onnx"
     if not path.exists():
-        export_causal_lm(build_tiny_model(family, seed, attention), path, dynamo=dynamo, with_past=with_past)
+        export_causal_lm(build_tiny_model(family, seed, attention, overrides), path, dynamo=dynamo,
+                         with_past=with_past)
     tokenizer = path.with_name("tokenizer.json")
     if not tokenizer.exists():  # written atomically: parallel test workers may race to write it
         partial = tokenizer.with_name(f"tokenizer.{os.getpid()}.partial")

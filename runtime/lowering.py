@@ -166,6 +166,17 @@ def _gather_int4(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
     return b.nodes
 
 
+def _moe(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
+    # the artifact stores gate_up interleaved, the only SwiGLU layout onnxruntime's CPU MoE takes
+    # (swiglu_fusion=1), so the kernel reads the mapped weights as they are; it routes as Qwen does: softmax
+    # over all experts, top k, optional renormalisation
+    x, logits, gate_up, down = node.input[:4]
+    return [helper.make_node("MoE", [x, logits, gate_up, "", down], list(node.output), name=node.name,
+                             domain=MICROSOFT_DOMAIN, k=_attr(node, "top_k", 1), activation_type="swiglu",
+                             swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
+                             normalize_routing_weights=_attr(node, "normalize_routing_weights", 0))]
+
+
 LOWERINGS: dict[str, Callable[[onnx.NodeProto, int], list[onnx.NodeProto]]] = {
     "RmsNorm": _rms_norm,
     "AddRmsNorm": _add_rms_norm,
@@ -174,6 +185,7 @@ LOWERINGS: dict[str, Callable[[onnx.NodeProto, int], list[onnx.NodeProto]]] = {
     "MatMulInt4": _matmul_int4,
     "MatMulInt8": _matmul_int8,
     "GatherInt4": _gather_int4,
+    "MoE": _moe,
 }
 
 

@@ -25,12 +25,14 @@ def test_fused_counts_follow_the_family_recipe(case, tmp_path):
     expected = recipe.expected_counts(LAYERS)
     assert counts["FusedAttention"] == expected["FusedAttention"]
     assert counts["RmsNorm"] + counts["AddRmsNorm"] == expected["norms"]
+    assert counts["SwiGlu"] == expected["SwiGlu"]
+    assert counts["MoE"] == expected["MoE"]
     if recipe.moe:
-        assert counts["SwiGlu"] >= expected["SwiGlu"]
-    else:
-        assert counts["SwiGlu"] == expected["SwiGlu"]
-    softmaxes = counts["Softmax"]
-    assert softmaxes == (LAYERS if recipe.moe or not recipe.attention else 0)  # MoE routers', GPT-2's own
+        # the routers' Softmax and TopK, and every per-token copy of the experts' weights, are in the MoE op
+        assert counts["TopK"] == counts["GatherND"] == 0
+        experts = {t.name for t in loaded.model.graph.initializer if len(t.dims) == 3}
+        assert not [n.name for n in loaded.model.graph.node if n.op_type == "Gather" and n.input[0] in experts]
+    assert counts["Softmax"] == (0 if recipe.attention else LAYERS)  # GPT-2's own
     if recipe.attention:
         # the mask construction and the head split/merge are gone with the attention (GLM's rotary
         # tables and MoE's experts keep Expands of their own)

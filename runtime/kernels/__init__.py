@@ -60,4 +60,4 @@ def supports(domain: str | None, op_type: str) -> bool:
 
 
 # kernels register themselves on import
-from runtime.kernels import attention, norms, quant_matmul  # noqa: E402,F401
+from runtime.kernels import attention, moe, norms, quant_matmul  # noqa: E402,F401
