@@ -7,6 +7,7 @@
     cann-run chat --model x.om                              # multi-turn, through the chat template
     cann-run bench --model x.om [--onnx model.onnx]         # throughput and latency (cli/bench.py)
     cann-run serve --model name=x.om [--port 8000]           # HTTP: /generate, OpenAI API (cli/serve.py)
+    cann-run export --model HF_DIR|x.gguf --output DIR       # a checkpoint → DIR/model.onnx for atc (cli/export.py)
 
 `cann-run --model ...` is `cann-run run --model ...`.
 """
@@ -36,7 +37,7 @@ class _RunByDefault(click.Group):
         return super().parse_args(ctx, args)
 
 
-@click.group(cls=_RunByDefault)
+@click.group(cls=_RunByDefault, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="cann-llm")
 def cli() -> None:
     """Run models compiled by atc (execution is on the host CPU)."""
@@ -176,10 +177,11 @@ def eval_ppl_command(model, text_file, window, stride, max_tokens, backend, json
 
 def _add_llm_commands() -> None:
     from cli.bench import bench_command
+    from cli.export import export_command
     from cli.llm_commands import chat_command, generate_command
     from cli.serve import serve_command
 
-    for command in (generate_command, chat_command, bench_command, serve_command):
+    for command in (generate_command, chat_command, bench_command, serve_command, export_command):
         cli.add_command(command)
 
 

