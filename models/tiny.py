@@ -7,6 +7,8 @@ first time. Attention is transformers' default implementation (`sdpa`), as users
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +38,8 @@ TINY_FAMILIES: dict[str, TinySpec] = {
     # SmolLM2's shape: the lm_head is the embedding table, transposed
     "llama_tied": TinySpec("LlamaConfig", "LlamaForCausalLM", dict(_COMMON, rms_norm_eps=1e-6, tie_word_embeddings=True)),
     "qwen2": TinySpec("Qwen2Config", "Qwen2ForCausalLM", dict(_COMMON, rms_norm_eps=1e-6, tie_word_embeddings=False)),
-    "mistral": TinySpec("MistralConfig", "MistralForCausalLM", dict(_COMMON, num_key_value_heads=1, sliding_window=None)),
+    # transformers' default sliding window (4,096), as users export Mistral
+    "mistral": TinySpec("MistralConfig", "MistralForCausalLM", dict(_COMMON, num_key_value_heads=1)),
     "glm": TinySpec("GlmConfig", "GlmForCausalLM", dict(_COMMON, head_dim=16, partial_rotary_factor=0.5,
                                                         pad_token_id=0, eos_token_id=1)),
     "phi3": TinySpec("Phi3Config", "Phi3ForCausalLM", dict(_COMMON, pad_token_id=0)),
@@ -101,6 +104,9 @@ def tiny_onnx(family: str, *, dynamo: bool, with_past: bool, seed: int = 0, atte
 
     tag = f"{family}-{'dynamo' if dynamo else 'ts'}-{'kv' if with_past else 'nokv'}-{attention}-s{seed}"
     tag += "".join(f"-{key}={value}" for key, value in sorted((overrides or {}).items()))
+    # the sizes are part of the name, so a changed TinySpec never reads a stale export
+    sizes = json.dumps(TINY_FAMILIES[family].sizes, sort_keys=True, default=str)
+    tag += "-" + hashlib.sha1(sizes.encode()).hexdigest()[:8]
     path = cache_dir() / "tiny" / tag / "model.onnx"
     if not path.exists():
         export_causal_lm(build_tiny_model(family, seed, attention, overrides), path, dynamo=dynamo,

@@ -11,7 +11,9 @@ passes/match_attention.py and passes/match_rotary.py, on the graph LayoutCanonic
     v_rep   = repeat?(present_v),  present_v likewise without rope
 
 The mask is kept by meaning, not spelling: the graph input whose values it reads (a 2-D attention_mask)
-becomes the fused op's padding mask, and a position comparison in its construction makes it causal.
+becomes the fused op's padding mask, a position comparison in its construction makes it causal, and a
+position moved back by a constant W before a comparison (or a cache that keeps W - 1 tokens) gives it a
+sliding window of W.
 The mask subgraph, the KV repetition and the rotations are left without readers and cleaned away.
 """
 
@@ -22,8 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from passes.match_attention import (Projection, is_transpose, match_gqa_repeat, match_head_merge, match_head_split,
-                                    match_kv_concat, match_mask_source, match_probabilities, match_scale, split_mask)
+from passes.match_attention import (MaskSource, Projection, is_transpose, match_gqa_repeat, match_head_merge,
+                                    match_head_split, match_kv_concat, match_mask_source, match_probabilities,
+                                    match_scale, split_mask)
 from passes.match_rotary import Rotary, match_rotary
 from passes.pattern import FusionPass, fused_node, producer, sole_consumer
 
@@ -39,6 +42,7 @@ class AttentionMatch:
     present_value: gs.Tensor | None
     mask: gs.Tensor | None
     causal: int
+    window: int
     rotary: Rotary | None
     heads: int
     kv_heads: int
@@ -94,7 +98,8 @@ class FuseAttention(FusionPass):
 
         query_rope = match_rotary(query4)
         key_present, key_repeats = _repeated(key_rep)
-        past_key, key4, present_key = match_kv_concat(graph, key_present)
+        key_cache = match_kv_concat(graph, key_present)
+        key4 = key_cache.new
         key_rope = match_rotary(key4)
         if (query_rope is None) != (key_rope is None):
             return "rotary embedding on only one of q and k"
@@ -105,9 +110,12 @@ class FuseAttention(FusionPass):
                     or (key_rotary.rotary_dim, key_rotary.interleaved) != (rotary.rotary_dim, rotary.interleaved):
                 return "q and k rotate with different tables"
         value_present, value_repeats = _repeated(context.inputs[1])
-        past_value, value4, present_value = match_kv_concat(graph, value_present)
-        if (past_key is None) != (past_value is None):
+        value_cache = match_kv_concat(graph, value_present)
+        value4 = value_cache.new
+        if (key_cache.past is None) != (value_cache.past is None):
             return "a cache for only one of keys and values"
+        if key_cache.window != value_cache.window:
+            return f"the key and value caches keep {key_cache.window - 1} and {value_cache.window - 1} tokens"
         found = [match_head_split(t) for t in (query4, key4, value4)]
         for item in found:
             if isinstance(item, str):
@@ -119,15 +127,19 @@ class FuseAttention(FusionPass):
             return f"{heads} query heads cannot share {kv_heads} key and {value_heads} value heads"
         if any(r is not None and r * kv_heads != heads for r in (key_repeats, value_repeats)):
             return f"the keys and values are repeated {key_repeats} and {value_repeats} times for {heads} heads"
-        mask_input, causal = None, 0
+        source = MaskSource(None, 0)
         if mask is not None:
             source = match_mask_source(graph, mask)
             if isinstance(source, str):
                 return source
-            mask_input, causal = source
-        return AttentionMatch(query, key, value, past_key, past_value, present_key, present_value, mask_input,
-                              causal, rotary, heads, kv_heads, head_dim, scale, output,
-                              softmax.name.rsplit("/", 1)[0] + "/FusedAttention")
+        window = source.window or key_cache.window
+        if key_cache.window and source.window and key_cache.window != source.window:
+            return f"the mask's window ({source.window}) is not the cache's ({key_cache.window})"
+        if window and not source.causal:
+            return "a sliding window without a causal mask"
+        return AttentionMatch(query, key, value, key_cache.past, value_cache.past, key_cache.present,
+                              value_cache.present, source.attention_mask, source.causal, window, rotary, heads,
+                              kv_heads, head_dim, scale, output, softmax.name.rsplit("/", 1)[0] + "/FusedAttention")
 
     def rewrite(self, graph: gs.Graph, match: AttentionMatch) -> None:
         def optional(tensor):
@@ -152,4 +164,5 @@ class FuseAttention(FusionPass):
         graph.nodes.append(fused_node(
             "FusedAttention", inputs, outputs, match.name, num_heads=match.heads, kv_num_heads=match.kv_heads,
             head_dim=match.head_dim, scale=float(match.scale), causal=match.causal,
-            rotary_dim=rotary.rotary_dim if rotary else 0, rotary_interleaved=rotary.interleaved if rotary else 0))
+            rotary_dim=rotary.rotary_dim if rotary else 0, rotary_interleaved=rotary.interleaved if rotary else 0,
+            **({"sliding_window": match.window} if match.window else {})))

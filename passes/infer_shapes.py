@@ -60,6 +60,8 @@ class InferShapes:
         found.update({v.name: v for v in inferred.graph.output})
         symbolic = _symbolic(inferred) if not _has_custom_ops(inferred) else {}
         result = PassResult()
+        # the graph's signature is what the exporter declared; inference may only fill what it left open
+        declared = {id(t) for t in list(graph.inputs) + list(graph.outputs) if t.shape is not None}
         for name, tensor in graph.tensors().items():
             value = found.get(name)
             if isinstance(tensor, gs.Constant) or value is None or not value.type.HasField("tensor_type"):
@@ -69,6 +71,9 @@ class InferShapes:
             before = (tensor.dtype, tensor.shape)
             if elem_type:
                 tensor.dtype = helper.tensor_dtype_to_np_dtype(elem_type)
+            if id(tensor) in declared:
+                result.effect_times += int(tensor.dtype != before[0])
+                continue
             dims = _dims(value)
             better = symbolic.get(name)
             if better is not None and better.type.HasField("tensor_type"):

@@ -8,12 +8,13 @@ it found, or None (or a reason string) when the tensor is not that part; each ha
     softmax    Softmax(Cast?(logits)) → Cast? → NaN guard Where(IsNaN(p), 0, p)?
     heads      Transpose(0, 2, 1, 3)(Reshape([B, S, H, D])(projection)), an optional per-head RmsNorm
     merge      Transpose(0, 2, 1, 3) → Reshape([B, S, H·D])
-    kv cache   Concat(past, new) on the sequence axis (2 or -2), past a graph input
+    kv cache   Concat(past, new) on the sequence axis (2 or -2), past a graph input; a sliding-window
+               cache slices past and present to their last W - 1 rows
     repeat     GQA/MQA head repetition: Unsqueeze(2) or Reshape([B, KV, 1, T, D]), then Expand, Tile or a
                Concat of copies on axis 2, then Reshape([B, KV·n, T, D]); or Gather(axis 1) of heads
                [0, 0, 1, 1, ...]
-    mask source the 2-D integer graph input the mask reads (values behind Shape do not count), and
-               whether it compares positions (causal)
+    mask source the 2-D integer graph input the mask reads (values behind Shape do not count),
+               whether it compares positions (causal), and a sliding window (a position moved back by W)
 """
 
 from __future__ import annotations
@@ -115,10 +116,37 @@ def match_probabilities(graph: gs.Graph, softmax: gs.Node) -> gs.Tensor:
     return where.outputs[0]
 
 
-def match_mask_source(graph: gs.Graph, mask: gs.Tensor) -> tuple[gs.Tensor | None, int] | str:
-    """The graph input whose values the mask reads (values behind a Shape do not count), and causality."""
+@dataclass
+class MaskSource:
+    """What a mask is made of: the 2-D padding mask it reads (None: none), whether it compares positions,
+    and a sliding window W (0: none) when it also hides keys W or more positions back."""
+
+    attention_mask: gs.Tensor | None
+    causal: int
+    window: int = 0
+
+
+def _window_offset(node: gs.Node) -> int | None:
+    """c when `node` is x - c or x + (-c) for a positive scalar integer constant c."""
+    if node.op not in ("Sub", "Add") or len(node.inputs) != 2:
+        return None
+    for index, constant in enumerate(node.inputs):
+        if not isinstance(constant, gs.Constant) or np.dtype(constant.dtype).kind not in "iu":
+            continue
+        value = scalar(constant)
+        if value is None or (node.op == "Sub" and index == 0):
+            continue
+        offset = int(value) if node.op == "Sub" else -int(value)
+        return offset if offset > 0 else None
+    return None
+
+
+def match_mask_source(graph: gs.Graph, mask: gs.Tensor) -> MaskSource | str:
+    """The graph input whose values the mask reads (values behind a Shape do not count), causality, and a
+    sliding window: a position moved back by a constant W (`q_idx - W`) and compared, as transformers'
+    sliding-window overlay writes `kv_idx > q_idx - W`."""
     readers: dict[int, gs.Tensor] = {}
-    causal, seen, queue = 0, set(), deque([mask])
+    causal, windows, seen, queue = 0, set(), set(), deque([mask])
     inputs = {id(t): t for t in graph.inputs}
     while queue:
         tensor = queue.popleft()
@@ -131,7 +159,15 @@ def match_mask_source(graph: gs.Graph, mask: gs.Tensor) -> tuple[gs.Tensor | Non
         node = producer(tensor)
         if node is None or node.op == "Shape":
             continue
-        causal |= node.op in CAUSAL_OPS
+        if node.op in CAUSAL_OPS:
+            causal = 1
+            for operand in node.inputs:
+                moved = producer(operand, "Sub", "Add", "Unsqueeze", "Cast")
+                while moved is not None and moved.op in ("Unsqueeze", "Cast"):
+                    moved = producer(moved.inputs[0], "Sub", "Add", "Unsqueeze", "Cast")
+                offset = _window_offset(moved) if moved is not None else None
+                if offset is not None:
+                    windows.add(offset)
         queue.extend(node.inputs)
     candidates = [t for t in readers.values() if t.shape is not None and len(t.shape) == 2
                   and np.dtype(t.dtype).kind in "iub"]
@@ -139,7 +175,9 @@ def match_mask_source(graph: gs.Graph, mask: gs.Tensor) -> tuple[gs.Tensor | Non
         return f"the mask reads several inputs ({', '.join(t.name for t in candidates)})"
     if not candidates and not causal:
         return "the mask reads no 2-D integer input and compares no positions"
-    return (candidates[0] if candidates else None), int(causal)
+    if len(windows) > 1:
+        return f"the mask compares positions moved back by several constants ({sorted(windows)})"
+    return MaskSource(candidates[0] if candidates else None, causal, windows.pop() if windows else 0)
 
 
 # ---- heads ------------------------------------------------------------------------------------------
@@ -186,14 +224,49 @@ def match_head_merge(graph: gs.Graph, context: gs.Tensor) -> gs.Tensor | str:
 
 # ---- the KV cache and its repetition ------------------------------------------------------------------
 
-def match_kv_concat(graph: gs.Graph, present: gs.Tensor) -> tuple[gs.Tensor | None, gs.Tensor, gs.Tensor | None]:
-    """(past, new, present-to-take-over) for a KV tensor that may be Concat(past, new) on the sequence axis."""
-    concat = producer(present, "Concat")
-    rank = len(present.shape) if present.shape is not None else 4
-    if concat is not None and len(concat.inputs) == 2 and concat.attrs.get("axis") in (rank - 2, -2) \
-            and any(t is concat.inputs[0] for t in graph.inputs):
-        return concat.inputs[0], concat.inputs[1], present
-    return None, present, None
+@dataclass
+class KvCache:
+    """Keys (or values) as a cache holds them: `past` (a graph input) + `new`; `present` is the graph output
+    the fused op's present takes over. A sliding-window layer's cache (transformers'
+    DynamicSlidingWindowLayer) keeps only the last W - 1 tokens: its past and present are sliced so, and
+    `window` is W; the fused op keeps the whole cache and hides the old keys by the window instead."""
+
+    past: gs.Tensor | None
+    new: gs.Tensor
+    present: gs.Tensor | None
+    window: int = 0
+
+
+def _kept_tail(node: gs.Node | None, rank: int) -> int | None:
+    """n when `node` is Slice(x, [-n], [to the end]) on the sequence axis: x's last n rows."""
+    if node is None or node.op != "Slice" or len(node.inputs) < 4:
+        return None
+    starts, ends, axes = (_const_ints(t) for t in node.inputs[1:4])
+    steps = _const_ints(node.inputs[4]) if len(node.inputs) > 4 else [1]
+    if None in (starts, ends, axes, steps) or len(starts) != 1 or axes[0] not in (rank - 2, -2) or steps != [1]:
+        return None
+    return -starts[0] if starts[0] < 0 and ends[0] >= 2 ** 31 - 1 else None
+
+
+def match_kv_concat(graph: gs.Graph, keys: gs.Tensor) -> KvCache:
+    """The cache that `keys` [B, KV, T, D] is, or `KvCache(None, keys, None)` when it is only the new keys."""
+    concat = producer(keys, "Concat")
+    rank = len(keys.shape) if keys.shape is not None else 4
+    outputs = {id(t) for t in graph.outputs}
+    inputs = {id(t) for t in graph.inputs}
+    if concat is None or len(concat.inputs) != 2 or concat.attrs.get("axis") not in (rank - 2, -2):
+        return KvCache(None, keys, None)
+    past, new = concat.inputs
+    kept = _kept_tail(producer(past, "Slice"), rank)
+    if kept is not None:
+        past = producer(past, "Slice").inputs[0]
+    if id(past) not in inputs:
+        return KvCache(None, keys, None)
+    if kept is None:
+        return KvCache(past, new, keys)
+    present = next((reader.outputs[0] for reader in keys.outputs
+                    if _kept_tail(reader, rank) == kept and id(reader.outputs[0]) in outputs), None)
+    return KvCache(past, new, present, kept + 1)
 
 
 def _inserted_group_axis(tensor: gs.Tensor) -> gs.Tensor | None:

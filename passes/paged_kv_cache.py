@@ -48,7 +48,9 @@ class PagedKvCache:
             node.inputs.extend(kept + [empty, empty, empty] + rotary + [empty] + metadata)
             while len(node.outputs) > 1:
                 node.outputs.pop()
-            node.attrs.update(paged=1, layer=layer, page_size=self.page_size, flash=int(self.flash))
+            # flash_prefill attends causally only: sliding-window layers attend through the numba kernel
+            flash = self.flash and not node.attrs.get("sliding_window", 0)
+            node.attrs.update(paged=1, layer=layer, page_size=self.page_size, flash=int(flash))
         for name in TOKEN_INPUTS:
             inputs[name].shape = [1, "num_tokens"]
         still_read = sorted(t.name for t in graph.inputs if t.name in cache_io and t.outputs)

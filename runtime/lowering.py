@@ -113,13 +113,18 @@ def _fused_attention(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
     k5, v5 = b("Unsqueeze", k, b.const([2])), b("Unsqueeze", v, b.const([2]))
     scores = b("Mul", b("MatMul", q5, b("Transpose", k5, perm=[0, 1, 2, 4, 3])), b.const(scale, np.float32))
     allowed = None
-    if causal:
+    window = _attr(node, "sliding_window", 0)
+    if causal or window:
         seq = b("Squeeze", b("Shape", q, start=2, end=3), b.const([0]))
         total = b("Squeeze", b("Shape", k, start=2, end=3), b.const([0]))
         zero, one = b.const(0), b.const(1)
-        rows = b("Add", b("Range", zero, seq, one), b("Sub", total, seq))
-        cols = b("Range", zero, total, one)
-        allowed = b("LessOrEqual", b("Unsqueeze", cols, b.const([0])), b("Unsqueeze", rows, b.const([1])))
+        rows = b("Unsqueeze", b("Add", b("Range", zero, seq, one), b("Sub", total, seq)), b.const([1]))
+        cols = b("Unsqueeze", b("Range", zero, total, one), b.const([0]))
+        if causal:
+            allowed = b("LessOrEqual", cols, rows)
+        if window:
+            recent = b("Greater", cols, b("Sub", rows, b.const(window)))
+            allowed = b("And", allowed, recent) if allowed else recent
     if mask:
         padding = b("Unsqueeze", b("Cast", mask, to=onnx.TensorProto.BOOL), b.const([1, 2, 3]))
         allowed = b("And", allowed, padding) if allowed else padding

@@ -16,24 +16,27 @@ def mixed_prompts(count: int, seed: int = 1, low: int = 2, high: int = 60) -> li
 
 
 @lru_cache(maxsize=None)
-def _model(family: str):
+def _model(family: str, overrides: tuple = ()):
     from models.tiny import build_tiny_model
 
-    model = build_tiny_model(family)
+    model = build_tiny_model(family, overrides=dict(overrides))
     model.generation_config.eos_token_id = None
     return model
 
 
-def hf_greedy(family: str, prompts: tuple[tuple[int, ...], ...], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, one at a time (no padding), eos ignored."""
-    return [list(t) for t in _hf_greedy(family, prompts, new_tokens)]
+def hf_greedy(family: str, prompts: tuple[tuple[int, ...], ...], new_tokens: int = NEW_TOKENS,
+              overrides: dict | None = None) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, one at a time (no padding), eos ignored;
+    `overrides` as models.tiny.build_tiny_model takes them."""
+    return [list(t) for t in _hf_greedy(family, prompts, new_tokens, tuple(sorted((overrides or {}).items())))]
 
 
 @lru_cache(maxsize=None)
-def _hf_greedy(family: str, prompts: tuple[tuple[int, ...], ...], new_tokens: int) -> tuple[tuple[int, ...], ...]:
+def _hf_greedy(family: str, prompts: tuple[tuple[int, ...], ...], new_tokens: int,
+               overrides: tuple = ()) -> tuple[tuple[int, ...], ...]:
     import torch
 
-    model = _model(family)
+    model = _model(family, overrides)
     out = []
     for prompt in prompts:
         with torch.no_grad():

@@ -37,14 +37,18 @@ def split_packed(qkv: np.ndarray, num_heads: int, kv_num_heads: int, head_dim: i
 
 
 def attention_mask_bias(seq: int, total: int, attention_mask: np.ndarray | None, causal: int,
-                        dtype=np.float32) -> np.ndarray:
+                        dtype=np.float32, sliding_window: int = 0) -> np.ndarray:
     """[B|1, 1, S, T]: 0 where query i may see key j, the dtype's minimum elsewhere.
 
-    Query i sits at absolute position T - S + i; causal attention sees keys at positions ≤ that.
+    Query i sits at absolute position p = T - S + i; causal attention sees keys at positions ≤ p, and
+    with a sliding window W only the last W of them (positions > p - W).
     """
     allowed = np.ones((1, 1, seq, total), dtype=bool)
+    positions = np.arange(seq)[:, None] + (total - seq)
     if causal:
-        allowed &= (np.arange(total)[None, :] <= np.arange(seq)[:, None] + (total - seq))[None, None]
+        allowed &= (np.arange(total)[None, :] <= positions)[None, None]
+    if sliding_window:
+        allowed &= (np.arange(total)[None, :] > positions - sliding_window)[None, None]
     if attention_mask is not None:
         allowed = allowed & (attention_mask != 0)[:, None, None, :]
     return np.where(allowed, np.float32(0), np.finfo(dtype).min).astype(dtype)
@@ -63,7 +67,7 @@ def explicit_bias(bias: np.ndarray, kv_num_heads: int, group: int, dtype=np.floa
 def FusedAttention(query, key=None, value=None, past_key=None, past_value=None, attention_mask=None,
                    cos=None, sin=None, attention_bias=None, *, num_heads: int, kv_num_heads: int, head_dim: int,
                    scale: float, causal: int = 1, rotary_dim: int = 0, rotary_interleaved: int = 0,
-                   bias_per_head: int = 0, bias_is_bool: int = 0):
+                   bias_per_head: int = 0, bias_is_bool: int = 0, sliding_window: int = 0):
     """softmax(rope(q) · rope(k)ᵀ · scale + mask [+ bias]) · v over all heads; returns (output, present_key,
     present_value).
 
@@ -86,7 +90,7 @@ def FusedAttention(query, key=None, value=None, past_key=None, past_value=None, 
     group = num_heads // kv_num_heads
     q5 = q.reshape(batch, kv_num_heads, group, seq, head_dim)
     scores = np.matmul(q5, np.swapaxes(k, -1, -2)[:, :, None]) * np.float32(scale)
-    scores = scores + attention_mask_bias(seq, k.shape[2], attention_mask, causal, q.dtype)[:, :, None]
+    scores = scores + attention_mask_bias(seq, k.shape[2], attention_mask, causal, q.dtype, sliding_window)[:, :, None]
     if attention_bias is not None:
         scores = scores + explicit_bias(attention_bias, kv_num_heads, group, q.dtype)
     scores = np.exp(scores - scores.max(axis=-1, keepdims=True))

@@ -159,8 +159,10 @@ def _context(cache: np.ndarray, pages: np.ndarray, length: int) -> np.ndarray:
     return cache[pages].transpose(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :length]
 
 
-def paged_attention_reference(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale):
-    """Causal attention of each sequence's queries over its paged context; q `[T, Hq, D]` → `[T, Hq, D]`."""
+def paged_attention_reference(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale,
+                              sliding_window: int = 0):
+    """Causal attention of each sequence's queries over its paged context (with a sliding window W > 0,
+    over the last W positions up to each query's own); q `[T, Hq, D]` → `[T, Hq, D]`."""
     kv_heads, page_size = key_cache.shape[1], key_cache.shape[2]
     group = q.shape[1] // kv_heads
     out = np.empty_like(q)
@@ -172,6 +174,8 @@ def paged_attention_reference(q, key_cache, value_cache, query_start_loc, seq_le
         scores = np.matmul(queries, keys[:, None].swapaxes(-1, -2)) * np.float32(scale)
         positions = np.arange(length - (end - start), length)
         visible = np.arange(length)[None, :] <= positions[:, None]
+        if sliding_window:
+            visible &= np.arange(length)[None, :] > positions[:, None] - sliding_window
         scores = np.where(visible, scores, np.finfo(np.float32).min)
         scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
         probs = scores / scores.sum(axis=-1, keepdims=True)
@@ -250,10 +254,10 @@ def _accumulate_values(weights, value_cache, kv, page, rows, acc, next_page, nex
 
 
 @numba.njit(fastmath=True, cache=True)
-def _attend_heads(q, t, first, key_cache, value_cache, kv, pages, position, scale, scores, acc, state, out):
+def _attend_heads(q, t, first, key_cache, value_cache, kv, pages, position, window, scale, scores, acc, state, out):
     """out[t, first:first+n] = attention of query heads `first..first+n-1` of token `t` (all reading KV head
-    `kv`) over cache positions 0..position (pages = the sequence's block-table row), one page of scores at
-    a time with an online softmax. Heads sharing a KV head go together, so each key and value row is read
+    `kv`) over cache positions 0..position (with window > 0: the last `window` of them; pages = the
+    sequence's block-table row), one page of scores at a time with an online softmax. Heads sharing a KV head go together, so each key and value row is read
     once for all of them; the exponentials run as a loop of their own (vectorized). q and out are
     `[T, Hq, D]`; scratch: scores `[n, page_size]`, acc `[n, D]`, state `[2, n]`."""
     group = scores.shape[0]
@@ -263,15 +267,20 @@ def _attend_heads(q, t, first, key_cache, value_cache, kv, pages, position, scal
     total[:] = 0.0
     acc[:] = 0.0
     last = position // page_size
-    for page_index in range(last + 1):
+    oldest = max(0, position - window + 1) if window > 0 else 0
+    for page_index in range(oldest // page_size, last + 1):
         page = pages[page_index]
         rows = min(page_size, position + 1 - page_index * page_size)
+        hidden = oldest - page_index * page_size  # rows before the window, in its first page
         # the page read next: this head's next one, or the next KV head's first (the caller's next call)
         if page_index < last:
             next_page, next_kv = pages[page_index + 1], kv
         else:
             next_page, next_kv = pages[0], min(kv + 1, key_cache.shape[1] - 1)
         _page_scores(q[t], first, key_cache, kv, page, rows, scale, scores, next_page, next_kv)
+        for r in range(max(hidden, 0)):
+            for g in range(group):
+                scores[g, r] = -np.inf
         for g in range(group):
             new_max = max(running_max[g], scores[g, :rows].max())
             correction = fast_exp(running_max[g] - new_max)
@@ -291,65 +300,68 @@ def _attend_heads(q, t, first, key_cache, value_cache, kv, pages, position, scal
 
 
 @numba.njit(fastmath=True, cache=True)
-def _attend_token(q, t, key_cache, value_cache, pages, position, scale, out):
-    """Token t's attention over cache positions 0..position, its query heads one KV group at a time."""
+def _attend_token(q, t, key_cache, value_cache, pages, position, window, scale, out):
+    """Token t's attention over cache positions 0..position (the last `window` with window > 0), its query
+    heads one KV group at a time."""
     group = out.shape[1] // key_cache.shape[1]
     scores = np.empty((group, key_cache.shape[2]), dtype=np.float32)
     acc = np.empty((group, out.shape[2]), dtype=np.float32)
     state = np.empty((2, group), dtype=np.float32)
     for kv in range(key_cache.shape[1]):
-        _attend_heads(q, t, kv * group, key_cache, value_cache, kv, pages, position, scale, scores, acc, state, out)
+        _attend_heads(q, t, kv * group, key_cache, value_cache, kv, pages, position, window, scale, scores, acc, state,
+                      out)
 
 
 @numba.njit(fastmath=True, cache=True)
 def _decode_step(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, slot_mapping, seq_lens, block_tables,
-                 key_cache, value_cache, scale, out):
+                 key_cache, value_cache, window, scale, out):
     """One query per sequence (a decode step), in one call: rotate, store the new key and value, attend.
     out `[T, Hq, D]`."""
     q = np.empty_like(out)
     _rotate_and_store(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, slot_mapping, key_cache, value_cache, q)
     for t in range(out.shape[0]):
-        _attend_token(q, t, key_cache, value_cache, block_tables[t], seq_lens[t] - 1, scale, out)
+        _attend_token(q, t, key_cache, value_cache, block_tables[t], seq_lens[t] - 1, window, scale, out)
 
 
 @numba.njit(fastmath=True, parallel=True, cache=True)
 def _decode_step_parallel(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, slot_mapping, seq_lens, block_tables,
-                          key_cache, value_cache, scale, out):
+                          key_cache, value_cache, window, scale, out):
     """`_decode_step` with the sequences spread over numba's threads (a function of its own: numba's
     cache keys a compiled function by its source, so one body compiled both ways would share one entry)."""
     q = np.empty_like(out)
     _rotate_and_store(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, slot_mapping, key_cache, value_cache, q)
     for t in numba.prange(out.shape[0]):
-        _attend_token(q, t, key_cache, value_cache, block_tables[t], seq_lens[t] - 1, scale, out)
+        _attend_token(q, t, key_cache, value_cache, block_tables[t], seq_lens[t] - 1, window, scale, out)
 
 
 @numba.njit(fastmath=True, cache=True)
-def _attend_serial(q, key_cache, value_cache, block_tables, token_seq, positions, scale, out):
+def _attend_serial(q, key_cache, value_cache, block_tables, token_seq, positions, window, scale, out):
     for t in range(q.shape[0]):
-        _attend_token(q, t, key_cache, value_cache, block_tables[token_seq[t]], positions[t], scale, out)
+        _attend_token(q, t, key_cache, value_cache, block_tables[token_seq[t]], positions[t], window, scale, out)
 
 
 @numba.njit(fastmath=True, parallel=True, cache=True)
-def _attend_parallel(q, key_cache, value_cache, block_tables, token_seq, positions, scale, out):
+def _attend_parallel(q, key_cache, value_cache, block_tables, token_seq, positions, window, scale, out):
     n = q.shape[0]
     for i in numba.prange(n):
         # numba hands each thread a contiguous range of i: pairing early tokens (short causal contexts)
         # with late ones (long) gives the threads equal work
         t = i // 2 if i % 2 == 0 else n - 1 - i // 2
-        _attend_token(q, t, key_cache, value_cache, block_tables[token_seq[t]], positions[t], scale, out)
+        _attend_token(q, t, key_cache, value_cache, block_tables[token_seq[t]], positions[t], window, scale, out)
 
 
-def paged_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale):
+def paged_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window: int = 0):
     """The numba kernel: same contract as `paged_attention_reference`, pages read in place."""
     batch = PagedBatch.of(query_start_loc, seq_lens, block_tables, np.zeros(0, np.int64))
     out = np.empty_like(q)
-    _attend(batch, q, key_cache, value_cache, scale, out)
+    _attend(batch, q, key_cache, value_cache, scale, out, sliding_window)
     return out
 
 
-def _attend(batch: "PagedBatch", q, key_cache, value_cache, scale, out) -> None:
+def _attend(batch: "PagedBatch", q, key_cache, value_cache, scale, out, window: int = 0) -> None:
     kernel = _attend_parallel if batch.parallel else _attend_serial
-    kernel(q, key_cache, value_cache, batch.block_tables, batch.token_seq, batch.positions, np.float32(scale), out)
+    kernel(q, key_cache, value_cache, batch.block_tables, batch.token_seq, batch.positions, np.int64(window),
+           np.float32(scale), out)
 
 
 @dataclass
@@ -405,12 +417,13 @@ class PagedBatch:
 
 def paged_fused_attention(inputs: list, key_cache: np.ndarray, value_cache: np.ndarray, *, num_heads: int,
                           kv_num_heads: int, head_dim: int, scale: float, rotary_interleaved: int = 0, flash: int = 0,
-                          fast: bool = True, batch: PagedBatch | None = None, **_attributes) -> np.ndarray:
+                          sliding_window: int = 0, fast: bool = True, batch: PagedBatch | None = None,
+                          **_attributes) -> np.ndarray:
     """One paged FusedAttention node: rotate, store the new keys and values, attend; returns `[1, T, Hq·D]`.
 
     `inputs` are the node's 13 inputs (None where absent); the other attributes (`causal`, `rotary_dim`,
     `layer`, `page_size`, ...) are facts the pool and the graph already hold; `flash` sends long prompt
-    chunks through `flash_prefill`. `batch` is inputs 9-12 prepared (`PagedBatch.of`), shared by a step's
+    chunks through `flash_prefill` (never set with a `sliding_window`: flash_prefill attends causally only). `batch` is inputs 9-12 prepared (`PagedBatch.of`), shared by a step's
     layers. `fast=False` runs the numpy references.
     """
     query, key, value, cos, sin = inputs[0], inputs[1], inputs[2], inputs[6], inputs[7]
@@ -418,35 +431,35 @@ def paged_fused_attention(inputs: list, key_cache: np.ndarray, value_cache: np.n
         batch = PagedBatch.of(*inputs[9:13], flash=bool(flash))
     if fast and batch.decode:
         return _decode(query, key, value, cos, sin, batch, key_cache, value_cache, num_heads, kv_num_heads, head_dim,
-                       scale, rotary_interleaved)
+                       scale, rotary_interleaved, sliding_window)
     heads = dict(num_heads=num_heads, kv_num_heads=kv_num_heads, head_dim=head_dim, rotary_interleaved=rotary_interleaved)
     if fast:
         q = rotate_and_store(query, key, value, cos, sin, batch.slot_mapping, key_cache, value_cache, **heads)
-        out = _fast_attention(batch, q, key_cache, value_cache, scale)
+        out = _fast_attention(batch, q, key_cache, value_cache, scale, sliding_window)
     else:
         q = rotate_and_store_reference(query, key, value, cos, sin, batch.slot_mapping, key_cache, value_cache,
                                        **heads)
         out = paged_attention_reference(q, key_cache, value_cache, batch.query_start_loc, batch.seq_lens,
-                                        batch.block_tables, scale)
+                                        batch.block_tables, scale, sliding_window)
     return out.reshape(1, q.shape[0], num_heads * head_dim)
 
 
 def _decode(query, key, value, cos, sin, batch, key_cache, value_cache, num_heads, kv_num_heads, head_dim, scale,
-            interleaved):
+            interleaved, window):
     qsrc, ksrc, kofs, vsrc, vofs = split_heads(query, key, value, num_heads, kv_num_heads, head_dim)
     cos, sin = rotary_tables(cos, sin, qsrc.shape[0])
     out = np.empty((qsrc.shape[0], num_heads, head_dim), np.float32)
     kernel = _decode_step_parallel if batch.parallel else _decode_step
     kernel(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, batch.slot_mapping, batch.seq_lens, batch.block_tables,
-           key_cache, value_cache, np.float32(scale), out)
+           key_cache, value_cache, np.int64(window), np.float32(scale), out)
     return out.reshape(1, qsrc.shape[0], num_heads * head_dim)
 
 
-def _fast_attention(batch: PagedBatch, q, key_cache, value_cache, scale):
+def _fast_attention(batch: PagedBatch, q, key_cache, value_cache, scale, window: int = 0):
     """Long prompt chunks through flash_prefill, everything else (decodes, short chunks) through numba."""
     out = np.empty_like(q)
     if not batch.flash:
-        _attend(batch, q, key_cache, value_cache, scale, out)
+        _attend(batch, q, key_cache, value_cache, scale, out, window)
         return out
     page_size = key_cache.shape[2]
     starts, contexts, tables = batch.query_start_loc, batch.seq_lens, batch.block_tables
@@ -457,6 +470,6 @@ def _fast_attention(batch: PagedBatch, q, key_cache, value_cache, scale):
     if batch.short is not None:
         rows = batch.short_rows
         part = np.empty((len(rows),) + q.shape[1:], q.dtype)
-        _attend(batch.short, np.ascontiguousarray(q[rows]), key_cache, value_cache, scale, part)
+        _attend(batch.short, np.ascontiguousarray(q[rows]), key_cache, value_cache, scale, part, window)
         out[rows] = part
     return out

@@ -161,8 +161,8 @@ def test_heads_moved_by_another_transpose_are_refused():
 def test_a_cache_concatenated_on_the_sequence_axis(axis):
     graph = _graph([helper.make_node("Concat", ["past", "new"], ["present"], axis=axis)],
                    [_value("past", [B, KV, 3, D]), _value("new", [B, KV, T, D])], [_value("present", [B, KV, 3 + T, D])])
-    past, new, present = match_kv_concat(graph, _tensor(graph, "present"))
-    assert (past.name, new.name, present.name) == ("past", "new", "present")
+    cache = match_kv_concat(graph, _tensor(graph, "present"))
+    assert (cache.past.name, cache.new.name, cache.present.name, cache.window) == ("past", "new", "present", 0)
 
 
 def test_a_concatenation_on_another_axis_or_of_a_computed_past_is_not_a_cache():
@@ -172,8 +172,8 @@ def test_a_concatenation_on_another_axis_or_of_a_computed_past_is_not_a_cache():
                    [_value("past", [B, KV, T, D]), _value("new", [B, KV, T, D])],
                    [_value("wide", [B, KV, T, 2 * D]), _value("present", [B, KV, 2 * T, D])])
     for name in ("wide", "present"):
-        past, new, present = match_kv_concat(graph, _tensor(graph, name))
-        assert past is None and present is None and new.name == name
+        cache = match_kv_concat(graph, _tensor(graph, name))
+        assert cache.past is None and cache.present is None and cache.new.name == name
 
 
 # ---- GQA head repetition ----------------------------------------------------------------------------
@@ -253,14 +253,14 @@ def _mask_graph(extra_input: bool = False, compare: bool = True) -> gs.Graph:
 
 def test_the_mask_reads_the_attention_mask_and_compares_positions():
     graph = _mask_graph()
-    source, causal = match_mask_source(graph, _tensor(graph, "mask"))
-    assert source.name == "attention_mask" and causal == 1
+    source = match_mask_source(graph, _tensor(graph, "mask"))
+    assert (source.attention_mask.name, source.causal, source.window) == ("attention_mask", 1, 0)
 
 
 def test_a_padding_only_mask_is_not_causal():
     graph = _mask_graph(compare=False)
-    source, causal = match_mask_source(graph, _tensor(graph, "mask"))
-    assert source.name == "attention_mask" and causal == 0
+    source = match_mask_source(graph, _tensor(graph, "mask"))
+    assert (source.attention_mask.name, source.causal) == ("attention_mask", 0)
 
 
 def test_a_mask_that_reads_two_inputs_is_refused():

@@ -185,3 +185,35 @@ def test_flash_prefill_scratch_memory_does_not_grow_with_the_square_of_the_conte
     # 4x the context: a score matrix would grow 16x (the slack is the allocator's, a few blocks of scratch)
     assert large < 2 * small + (32 << 20)
     assert large < full_scores_large / 16
+
+
+@pytest.mark.parametrize("window", [1, 5, PAGE, PAGE + 1, 40])
+@pytest.mark.parametrize("mix", MIXES + [[(1, 300), (1, 41), (1, 7), (1, 16)]],
+                         ids=["decodes", "prefill-and-decodes", "chunks", "decode-step"])
+def test_a_sliding_window_hides_the_same_keys_in_every_kernel(window, mix):
+    """Each query sees the last `window` positions up to its own: the numba kernels (per row and the
+    one-call decode step) against the reference, and the reference against the contiguous kernel's mask."""
+    from runtime.kernels.attention import attention_mask_bias
+
+    lengths = [ctx for _, ctx in mix]
+    key_cache, value_cache = _pool(64)
+    tables = _scattered_tables(lengths, 64)
+    starts = np.concatenate([[0], np.cumsum([q for q, _ in mix])]).astype(np.int32)
+    q = np.random.default_rng(1).standard_normal((int(starts[-1]), HEADS, DIM)).astype(np.float32)
+    args = (q, key_cache, value_cache, starts, np.asarray(lengths, np.int32), tables, 0.17)
+    expected = paged_attention_reference(*args, sliding_window=window)
+    assert not np.allclose(expected, paged_attention_reference(*args), atol=1e-3)  # the window hides something
+    np.testing.assert_allclose(paged_attention(*args, sliding_window=window), expected, atol=2e-5, rtol=0)
+    new, context = mix[0]
+    hidden = attention_mask_bias(new, context, None, 1, sliding_window=window)[0, 0] < 0
+    positions = np.arange(context - new, context)[:, None]
+    np.testing.assert_array_equal(~hidden, (np.arange(context) <= positions) & (np.arange(context) > positions - window))
+    if all(n == 1 for n, _ in mix):  # the decode step's own kernel, through the node
+        slots = np.array([tables[b, (n - 1) // PAGE] * PAGE + (n - 1) % PAGE for b, n in enumerate(lengths)], np.int64)
+        k_new = np.stack([key_cache[tables[b, (n - 1) // PAGE], :, (n - 1) % PAGE] for b, n in enumerate(lengths)])
+        v_new = np.stack([value_cache[tables[b, (n - 1) // PAGE], :, (n - 1) % PAGE] for b, n in enumerate(lengths)])
+        inputs = [q.reshape(1, len(mix), -1), k_new.reshape(1, len(mix), -1), v_new.reshape(1, len(mix), -1), None,
+                  None, None, None, None, None, starts, np.asarray(lengths, np.int32), tables, slots]
+        got = paged_fused_attention(inputs, key_cache.copy(), value_cache.copy(), num_heads=HEADS,
+                                    kv_num_heads=KV_HEADS, head_dim=DIM, scale=0.17, sliding_window=window)
+        np.testing.assert_allclose(got.reshape(q.shape), expected, atol=2e-5, rtol=0)
