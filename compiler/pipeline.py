@@ -11,6 +11,10 @@ from passes.calibration import text_samples
 from passes.canonicalize_layout import CanonicalizeLayout
 from compiler.pass_manager import Pass
 from passes.convert_attention import ConvertAttention
+from passes.convert_group_query_attention import ConvertGroupQueryAttention
+from passes.convert_layer_norms import ConvertSimplifiedLayerNorm, ConvertSkipSimplifiedLayerNorm
+from passes.convert_matmul_nbits import ConvertMatMulNBits
+from passes.convert_multi_head_attention import ConvertMultiHeadAttention
 from passes.convert_precision import ConvertPrecision
 from passes.convert_rms_normalization import ConvertRmsNormalization
 from passes.eliminate_dead_code import EliminateDeadCode
@@ -74,12 +78,17 @@ def build_pipeline(cfg: CompileConfig | None) -> list[Pass]:
         CanonicalizeLayout(),
         EliminateDeadCode(),
         InferShapes(),
-        # Phase 1: normalisation
+        # Phase 1: normalisation (and onnxruntime's quantized matmul, whose layout MatMulInt4 shares)
+        ConvertMatMulNBits(),
         ConvertRmsNormalization(),
+        ConvertSimplifiedLayerNorm(),
+        ConvertSkipSimplifiedLayerNorm(),
         FuseRmsNorm(),
         FuseAddRmsNorm(),
         # Phase 2: attention and MLP
         ConvertAttention(),
+        ConvertGroupQueryAttention(paged=cfg is not None and cfg.paging is not None),
+        ConvertMultiHeadAttention(),
         FuseAttention(),
         FuseQkv(),
         FuseMoe(),  # before SwiGlu: the routed experts' SiLU is the op's, the shared expert's SwiGlu's

@@ -17,15 +17,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from passes.pattern import FusionPass, fused_node, producer
-
-
-@dataclass
-class Rotation:
-    cos_cache: gs.Tensor
-    sin_cache: gs.Tensor
-    position_ids: gs.Tensor | None
-    rotary_dim: int
-    interleaved: int
+from passes.rotary_tables import NodeBuilder, Rotation, rotary_tables
 
 
 @dataclass
@@ -87,10 +79,7 @@ class ConvertAttention(FusionPass):
         rotated_q, rotated_k = _rotation(q, head_dim), _rotation(k, head_dim)
         if rotated_q is not None and rotated_k is not None:
             (q, rotation), (k, key_rotation) = rotated_q, rotated_k
-            same = (key_rotation.cos_cache is rotation.cos_cache and key_rotation.sin_cache is rotation.sin_cache
-                    and key_rotation.position_ids is rotation.position_ids
-                    and (key_rotation.rotary_dim, key_rotation.interleaved) == (rotation.rotary_dim, rotation.interleaved))
-            if not same:
+            if not key_rotation.same_as(rotation):
                 return "q and k rotate with different tables"
         elif (rotated_q is None) != (rotated_k is None):
             return "rotary embedding on only one of q and k"
@@ -99,15 +88,8 @@ class ConvertAttention(FusionPass):
 
     def rewrite(self, graph: gs.Graph, match: StandardAttentionMatch) -> None:
         node, prefix = match.node, match.node.name or "attention"
-        counter = iter(range(1 << 30))
-
-        def add(op: str, inputs: list, attrs: dict | None = None, output: gs.Tensor | None = None, **kw) -> gs.Tensor:
-            out = output or gs.Variable(f"{prefix}/{op}_{next(counter)}", dtype=kw.get("dtype"))
-            graph.nodes.append(gs.Node(op, name=f"{out.name}/node", attrs=attrs or {}, inputs=inputs, outputs=[out]))
-            return out
-
-        def const(values, dtype=np.int64) -> gs.Constant:
-            return gs.Constant(f"{prefix}/const_{next(counter)}", np.asarray(values, dtype=dtype))
+        add = NodeBuilder(graph, prefix)
+        const = add.const
 
         def flat(tensor: gs.Tensor) -> gs.Tensor:
             if not match.four_d:
@@ -115,21 +97,11 @@ class ConvertAttention(FusionPass):
             moved = add("Transpose", [tensor], {"perm": [0, 2, 1, 3]}, dtype=tensor.dtype)
             return add("Reshape", [moved, const([0, 0, -1])], dtype=tensor.dtype)
 
+        query, key, value = flat(match.q), flat(match.k), flat(match.v)
         cos = sin = gs.Variable.empty()
         rotation = match.rotation
         if rotation is not None:
-            tables = []
-            for cache in (rotation.cos_cache, rotation.sin_cache):
-                half = add("Gather", [cache, rotation.position_ids], {"axis": 0}, dtype=cache.dtype) \
-                    if rotation.position_ids is not None else cache
-                if rotation.interleaved:
-                    pairs = add("Concat", [add("Unsqueeze", [half, const([-1])]), add("Unsqueeze", [half, const([-1])])],
-                                {"axis": -1}, dtype=cache.dtype)
-                    full = add("Reshape", [pairs, const([0, 0, -1])], dtype=cache.dtype)
-                else:
-                    full = add("Concat", [half, half], {"axis": -1}, dtype=cache.dtype)
-                tables.append(add("Unsqueeze", [full, const([1])], dtype=cache.dtype))
-            cos, sin = tables
+            cos, sin = rotary_tables(add, rotation, query)
         inputs = list(node.inputs) + [gs.Variable.empty()] * (6 - len(node.inputs))
         output = node.outputs[0]
         fused_output = gs.Variable(f"{prefix}/fused", dtype=output.dtype) if match.four_d else output
@@ -137,7 +109,7 @@ class ConvertAttention(FusionPass):
         scale = node.attrs.get("scale", 1.0 / np.sqrt(match.head_dim))
         node.inputs.clear()
         bias = match.mask if match.mask is not None else gs.Variable.empty()
-        fused_inputs = [flat(match.q), flat(match.k), flat(match.v), inputs[4], inputs[5], gs.Variable.empty(), cos,
+        fused_inputs = [query, key, value, inputs[4], inputs[5], gs.Variable.empty(), cos,
                         sin, bias]
         while not fused_inputs[-1].name:
             fused_inputs.pop()

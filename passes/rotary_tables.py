@@ -1,0 +1,79 @@
+"""FusedAttention's cos/sin inputs from the half-width caches rotary ops take, and the node builder the
+conversion passes share.
+
+onnx's RotaryEmbedding (opset 23), onnxruntime's RotaryEmbedding and GroupQueryAttention hold
+`cos_cache`/`sin_cache` [max_position, R/2] read at each token's position; FusedAttention takes the
+full-width tables [B, 1, S, R] of the tokens at hand (docs/ops.md), which `rotary_tables` builds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import count
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+
+class NodeBuilder:
+    """Appends standard-op nodes to `graph`, each output named under `prefix`."""
+
+    def __init__(self, graph: gs.Graph, prefix: str):
+        self.graph, self.prefix, self._counter = graph, prefix, count()
+
+    def __call__(self, op: str, inputs: list[gs.Tensor], attrs: dict | None = None, output: gs.Tensor | None = None,
+                 dtype=None) -> gs.Tensor:
+        out = output or gs.Variable(f"{self.prefix}/{op}_{next(self._counter)}", dtype=dtype)
+        self.graph.nodes.append(gs.Node(op, name=f"{out.name}/node", attrs=attrs or {}, inputs=inputs, outputs=[out]))
+        return out
+
+    def const(self, values, dtype=np.int64) -> gs.Constant:
+        return gs.Constant(f"{self.prefix}/const_{next(self._counter)}", np.asarray(values, dtype=dtype))
+
+
+@dataclass
+class Rotation:
+    """A rotation as a rotary op states it: half-width caches, where to read them, R and the pairing.
+
+    `positions` is None when the caches are already the tokens' own rows ([B, S, R/2]); `offset` marks a
+    one-element `positions` that is the first token's position (onnxruntime's RotaryEmbedding), the others
+    following it one by one.
+    """
+
+    cos_cache: gs.Tensor
+    sin_cache: gs.Tensor
+    positions: gs.Tensor | None
+    rotary_dim: int
+    interleaved: int
+    offset: bool = False
+
+    def same_as(self, other: "Rotation") -> bool:
+        return (self.cos_cache is other.cos_cache and self.sin_cache is other.sin_cache
+                and self.positions is other.positions and self.offset == other.offset
+                and (self.rotary_dim, self.interleaved) == (other.rotary_dim, other.interleaved))
+
+
+def offset_positions(b: NodeBuilder, offset: gs.Tensor, x: gs.Tensor) -> gs.Tensor:
+    """[1, S] positions offset, offset + 1, ... for the S tokens of x [B, S, ...]."""
+    start = b("Reshape", [b("Cast", [offset], {"to": 7}, dtype=np.int64), b.const([])], dtype=np.int64)
+    length = b("Squeeze", [b("Shape", [x], {"start": 1, "end": 2}, dtype=np.int64), b.const([0])], dtype=np.int64)
+    steps = b("Range", [b.const(0), length, b.const(1)], dtype=np.int64)
+    return b("Unsqueeze", [b("Add", [steps, start], dtype=np.int64), b.const([0])], dtype=np.int64)
+
+
+def rotary_tables(b: NodeBuilder, rotation: Rotation, x: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor]:
+    """FusedAttention's cos and sin [B|1, 1, S, R] for the tokens of x [B, S, ...]."""
+    positions = rotation.positions
+    if positions is not None and rotation.offset:
+        positions = offset_positions(b, positions, x)
+    tables = []
+    for cache in (rotation.cos_cache, rotation.sin_cache):
+        half = b("Gather", [cache, positions], {"axis": 0}, dtype=cache.dtype) if positions is not None else cache
+        if rotation.interleaved:
+            pair = b("Unsqueeze", [half, b.const([-1])], dtype=cache.dtype)
+            pairs = b("Concat", [pair, pair], {"axis": -1}, dtype=cache.dtype)
+            full = b("Reshape", [pairs, b.const([0, 0, -1])], dtype=cache.dtype)
+        else:
+            full = b("Concat", [half, half], {"axis": -1}, dtype=cache.dtype)
+        tables.append(b("Unsqueeze", [full, b.const([1])], dtype=cache.dtype))
+    return tables[0], tables[1]
