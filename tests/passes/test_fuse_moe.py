@@ -209,3 +209,19 @@ def test_weight_compression_quantizes_the_2d_matmuls_and_keeps_the_experts_float
         assert np.isfinite(logits).all()
         # 4-bit weights move the logits, but they still follow the float model's
         assert np.corrcoef(logits.reshape(-1), expected.reshape(-1))[0, 1] > 0.95
+
+
+def test_fp16_storage_converts_the_2d_weights_and_keeps_the_experts_float32(tmp_path):
+    from models.tiny import tiny_onnx
+
+    source = tiny_onnx("qwen3_moe", dynamo=True, with_past=True)
+    loaded, counts = _moe_counts(compile_to(source, tmp_path / "m", precision_mode="force_fp16"))
+    types = Counter((len(t.dims), t.data_type) for t in loaded.model.graph.initializer if len(t.dims) >= 2)
+    assert counts["MoE"] == 2 and types[(3, TensorProto.FLOAT)] == 4 and types[(3, TensorProto.FLOAT16)] == 0
+    assert types[(2, TensorProto.FLOAT16)] > 0
+    rng = np.random.default_rng(1)
+    dims = loaded.metadata["model"]
+    feeds = causal_lm_inputs(loaded.metadata["signature"], dims, rng.integers(0, 256, (1, 4), dtype=np.int64), 2, rng)
+    expected = ort_reference(source, feeds)["logits"]
+    for backend in ("onnxruntime", "reference"):
+        np.testing.assert_allclose(Executor(loaded, backend).run(feeds)["logits"], expected, atol=2e-3, rtol=0)
