@@ -6,7 +6,7 @@ import time
 
 import click
 
-from models.hf_export import DTYPES, EXPORTERS, ExportConfig
+from models.hf_export import EXPORTERS, ExportConfig
 
 
 @click.command("export")
@@ -17,13 +17,12 @@ from models.hf_export import DTYPES, EXPORTERS, ExportConfig
               help="torch.onnx.export(dynamo=True) or the TorchScript exporter")
 @click.option("--past/--no-past", "with_past", default=True, show_default=True,
               help="KV-cache inputs and outputs; --no-past gives a prefill-only graph")
-@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True, help="weights' dtype")
-def export_command(model, output, exporter, with_past, dtype) -> None:
+def export_command(model, output, exporter, with_past) -> None:
     """Export a causal LM to ONNX as users do (transformers' default attention), for `atc --model=OUTPUT/model.onnx`."""
     from models.hf_export import export_checkpoint
 
     start = time.perf_counter()
-    cfg = ExportConfig(model=model, output=output, exporter=exporter, with_past=with_past, dtype=dtype)
+    cfg = ExportConfig(model=model, output=output, exporter=exporter, with_past=with_past)
     path = export_checkpoint(cfg, log=lambda message: click.echo(f"[INFO] {message}", err=True))
     click.echo(f"[INFO] wrote {path} in {time.perf_counter() - start:.1f} s", err=True)
     click.echo(f"next: atc --model={path} --framework=5 --output={path.parent / 'model'} --soc_version=Ascend910B "

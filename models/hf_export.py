@@ -21,7 +21,6 @@ from typing import Callable
 from compiler.errors import AtcError
 
 EXPORTERS = ("dynamo", "torchscript")
-DTYPES = ("float32", "float16", "bfloat16")
 # protobuf cannot hold a model over 2 GiB; well below that, one file is easier to carry around
 EXTERNAL_DATA_BYTES = 256 << 20
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
@@ -37,13 +36,10 @@ class ExportConfig:
     output: str                   # the folder that receives model.onnx
     exporter: str = "dynamo"      # dynamo | torchscript
     with_past: bool = True        # KV-cache inputs and outputs
-    dtype: str = "float32"
 
     def __post_init__(self):
         if self.exporter not in EXPORTERS:
             raise AtcError("E10001", self.exporter, "--exporter", f"The value must be one of {', '.join(EXPORTERS)}.")
-        if self.dtype not in DTYPES:
-            raise AtcError("E10001", self.dtype, "--dtype", f"The value must be one of {', '.join(DTYPES)}.")
 
 
 @dataclass
@@ -61,31 +57,31 @@ def is_gguf(path: Path) -> bool:
         return handle.read(4) == GGUF_MAGIC
 
 
-def load_checkpoint(source: str | os.PathLike, dtype: str = "float32") -> LoadedCheckpoint:
-    """The causal LM of a checkpoint folder or a GGUF file, with transformers' default attention."""
+def load_checkpoint(source: str | os.PathLike) -> LoadedCheckpoint:
+    """The causal LM (float32) of a checkpoint folder or a GGUF file, with transformers' default attention."""
     path = Path(source)
     if not path.exists():
         raise AtcError("E13001", path, "No such file or directory")
     if path.is_file():
         if not is_gguf(path):
             raise _not_a_checkpoint(path, "it is a file but not a GGUF file")
-        return load_gguf(path, dtype)
+        return load_gguf(path)
     if not (path / "config.json").is_file():
         raise _not_a_checkpoint(path, "the folder has no config.json")
     if not any(any(path.glob(pattern)) for pattern in WEIGHT_FILES):
         raise _not_a_checkpoint(path, "the folder has a config.json but no weights (*.safetensors or pytorch_model*.bin)")
     config = _causal_lm_config(path)
-    model = _from_pretrained(str(path), dtype, config=config)
+    model = _from_pretrained(str(path), config=config)
     if (path / "tokenizer.json").is_file():
         return LoadedCheckpoint(model, tokenizer_folder=path)
     return LoadedCheckpoint(model, tokenizer=_auto_tokenizer(str(path)))
 
 
-def load_gguf(path: Path, dtype: str = "float32") -> LoadedCheckpoint:
+def load_gguf(path: Path) -> LoadedCheckpoint:
     """A GGUF file through transformers (weights dequantised), checked against the file's own rope theta."""
     from transformers import AutoTokenizer
 
-    model = _from_pretrained(str(path.parent), dtype, gguf_file=path.name)
+    model = _from_pretrained(str(path.parent), gguf_file=path.name)
     check_rope_theta(model.config, gguf_rope_theta(path))
     return LoadedCheckpoint(model, tokenizer=AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name))
 
@@ -138,12 +134,13 @@ def _causal_lm_config(path: Path):
     return config
 
 
-def _from_pretrained(location: str, dtype: str, **kwargs):
+def _from_pretrained(location: str, **kwargs):
     import torch
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=getattr(torch, dtype), **kwargs)
+        # float32 whatever the checkpoint stores: the paged kernels and the fusions work on float32 graphs
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, **kwargs)
     except ValueError as error:  # e.g. "GGUF model with architecture x is not supported yet."
         raise AtcError("E10055", f"transformers cannot load {kwargs.get('gguf_file', location)}",
                        reason=str(error)) from None
@@ -172,8 +169,9 @@ def export_checkpoint(cfg: ExportConfig, log: Callable[[str], None] = lambda mes
     if output.exists() and not output.is_dir():
         raise AtcError("E13004", output, "it exists and is not a folder")
     log(f"loading {cfg.model} ...")
-    loaded = load_checkpoint(cfg.model, cfg.dtype)
+    loaded = load_checkpoint(cfg.model)
     architecture = type(loaded.model).__name__
+    created = not output.exists()
     try:
         output.mkdir(parents=True, exist_ok=True)
         # a private staging folder inside the output, so the final renames stay on one file system
@@ -184,8 +182,8 @@ def export_checkpoint(cfg: ExportConfig, log: Callable[[str], None] = lambda mes
         _write_tokenizer(loaded, staging)
         loaded.model.generation_config.save_pretrained(str(staging))
         large = sum(p.numel() * p.element_size() for p in loaded.model.parameters()) >= EXTERNAL_DATA_BYTES
-        log(f"exporting {architecture} with the {cfg.exporter} exporter ({'with' if cfg.with_past else 'without'} "
-            f"KV cache, {cfg.dtype}) ...")
+        log(f"exporting {architecture} with the {cfg.exporter} exporter "
+            f"({'with' if cfg.with_past else 'without'} KV cache) ...")
         try:
             export_causal_lm(loaded.model, staging / "model.onnx", dynamo=cfg.exporter == "dynamo",
                              with_past=cfg.with_past, external_data=large)
@@ -196,8 +194,12 @@ def export_checkpoint(cfg: ExportConfig, log: Callable[[str], None] = lambda mes
         # model.onnx last: a folder holding it holds everything it needs
         for item in sorted(staging.iterdir(), key=lambda p: p.name == "model.onnx"):
             item.replace(output / item.name)
-    finally:
+    except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        if created:
+            shutil.rmtree(output, ignore_errors=True)
+        raise
+    staging.rmdir()
     return output / "model.onnx"
 
 

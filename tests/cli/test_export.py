@@ -1,0 +1,122 @@
+"""`cann-run export` on real checkpoint folders, as a user runs it: the export compiles paged and generates
+what transformers generates; every refusal carries its ATC code and leaves no output behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import onnx
+import pytest
+
+from cann_llm import LLMEngine
+from conftest import compile_to
+from generation_utils import hf_greedy, mixed_prompts
+from runtime import load_artifact
+
+FAMILY = "qwen2"  # q/k/v biases and a separate lm_head: a lost weight would show
+NEW_TOKENS = 32
+
+
+def _cann_run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli.cann_run", *argv], capture_output=True, text=True)
+
+
+def _save_checkpoint(family: str, folder):
+    from models.tiny import build_tiny_model, byte_tokenizer_json
+
+    build_tiny_model(family).save_pretrained(str(folder))
+    (folder / "tokenizer.json").write_text(byte_tokenizer_json(), encoding="utf-8")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny Hugging Face checkpoint folder: config.json, model.safetensors, tokenizer.json."""
+    return _save_checkpoint(FAMILY, tmp_path_factory.mktemp("checkpoint") / FAMILY)
+
+
+def _assert_refused(proc: subprocess.CompletedProcess, code: str) -> None:
+    assert proc.returncode == 1, proc.stderr
+    assert f"[ERROR] {code}: " in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_exported_checkpoint_compiles_paged_and_generates_like_transformers(checkpoint, exporter, tmp_path):
+    out = tmp_path / "out"
+    proc = _cann_run("export", "--model", str(checkpoint), "--output", str(out), "--exporter", exporter)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["generation_config.json", "model.onnx", "tokenizer.json"]
+    om = compile_to(out / "model.onnx", tmp_path / "m", enable_paged_attention=True)
+    assert {"tokenizer.json", "generation_config.json"} <= set(load_artifact(om).om.tokenizer_files())
+    prompts = mixed_prompts(4)
+    expected = hf_greedy(FAMILY, tuple(map(tuple, prompts)), NEW_TOKENS)
+    with LLMEngine(om, max_batch_size=4, max_context_len=128, kv_cache_pages=16) as engine:
+        assert engine.paged
+        requests = [engine.submit(p, max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True) for p in prompts]
+        assert [r.result() is not None and r.output_ids for r in requests] == expected
+
+
+def test_no_past_gives_a_prefill_graph_that_fuses(checkpoint, tmp_path):
+    proc = _cann_run("export", "--model", str(checkpoint), "--output", str(tmp_path / "out"), "--no-past",
+                     "--exporter", "torchscript")
+    assert proc.returncode == 0, proc.stderr
+    graph = onnx.load(str(tmp_path / "out" / "model.onnx")).graph
+    assert [i.name for i in graph.input] == ["input_ids", "attention_mask", "position_ids"]
+    assert [o.name for o in graph.output] == ["logits"]
+    ops = [n.op_type for n in load_artifact(compile_to(tmp_path / "out" / "model.onnx", tmp_path / "m")).model.graph.node]
+    assert ops.count("FusedAttention") == 2 and "Softmax" not in ops
+
+
+def test_a_missing_model_is_e13001(tmp_path):
+    proc = _cann_run("export", "--model", str(tmp_path / "absent"), "--output", str(tmp_path / "out"))
+    _assert_refused(proc, "E13001")
+    assert "absent" in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_folder_without_config_json_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "model.safetensors").write_bytes(b"")
+    proc = _cann_run("export", "--model", str(tmp_path / "weights"), "--output", str(tmp_path / "out"))
+    _assert_refused(proc, "E10001")
+    assert "no config.json" in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_config_without_weights_is_not_a_checkpoint(checkpoint, tmp_path):
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "config.json").write_text((checkpoint / "config.json").read_text())
+    proc = _cann_run("export", "--model", str(tmp_path / "bare"), "--output", str(tmp_path / "out"))
+    _assert_refused(proc, "E10001")
+    assert "no weights" in proc.stderr
+
+
+def test_a_file_that_is_not_gguf_is_refused(checkpoint, tmp_path):
+    proc = _cann_run("export", "--model", str(checkpoint / "config.json"), "--output", str(tmp_path / "out"))
+    _assert_refused(proc, "E10001")
+    assert "not a GGUF file" in proc.stderr
+
+
+@pytest.mark.parametrize("model_type,why", [("no_such_architecture", "unknown to transformers"),
+                                            ("vit", "not a causal language model")])
+def test_an_unsupported_architecture_is_e10055(model_type, why, tmp_path):
+    folder = tmp_path / model_type
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
+    (folder / "model.safetensors").write_bytes(b"")
+    proc = _cann_run("export", "--model", str(folder), "--output", str(tmp_path / "out"))
+    _assert_refused(proc, "E10055")
+    assert why in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_an_exporter_failure_is_e10055_and_leaves_the_output_folder_as_it_was(tmp_path):
+    # torch 2.13's TorchScript exporter cannot export GLM (its repeat_interleave of cos/sin)
+    glm = _save_checkpoint("glm", tmp_path / "glm")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    proc = _cann_run("export", "--model", str(glm), "--output", str(out), "--exporter", "torchscript")
+    _assert_refused(proc, "E10055")
+    assert "the torchscript exporter cannot export GlmForCausalLM" in proc.stderr
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
