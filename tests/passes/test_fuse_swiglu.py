@@ -124,3 +124,28 @@ def test_more_refusals(case, reason):
     fused, (result,) = apply_pass(model, FuseSwiGlu())
     assert result.effect_times == 0 and "SwiGlu" not in op_counts(fused)
     assert any(reason in r for r in result.rejections), result.rejections
+
+
+def _gemm_model(**gate_attrs):
+    """A 2-D MLP as dynamo writes one (Qwen2-MoE's shared expert): Gemm projections, gate with transB."""
+    initializers = [numpy_helper.from_array(0.25 * RNG.standard_normal((WIDE, H)).astype(np.float32), "wg_t"),
+                    numpy_helper.from_array(0.25 * RNG.standard_normal((H, WIDE)).astype(np.float32), "wu"),
+                    numpy_helper.from_array(0.25 * RNG.standard_normal((WIDE, H)).astype(np.float32), "wd")]
+    nodes = [helper.make_node("Gemm", ["x", "wg_t"], ["g"], transB=1, **gate_attrs),
+             helper.make_node("Gemm", ["x", "wu"], ["u"])] + _silu_product()
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6, H])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_plain_gemm_projections_merge_like_matmuls(tmp_path):
+    model = _gemm_model()
+    fused, (result,) = apply_pass(model, FuseSwiGlu())
+    assert result.effect_times == 1 and op_counts(fused) == {"MatMul": 2, "SwiGlu": 1}
+    assert_parity(model, fused, {"x": RNG.standard_normal((6, H)).astype(np.float32)}, tmp_path)
+
+
+def test_a_scaled_gemm_is_not_a_projection():
+    fused, (result,) = apply_pass(_gemm_model(alpha=2.0), FuseSwiGlu())
+    assert result.effect_times == 0 and "SwiGlu" not in op_counts(fused)
+    assert any("neither MatMuls nor halves" in r for r in result.rejections), result.rejections
