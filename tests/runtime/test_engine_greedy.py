@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import compile_to
+from conftest import EXPORTS, compile_to, export_id
 from generation_utils import NEW_TOKENS, hf_greedy, mixed_prompts
 from models.recipes import RECIPES
 from models.tiny import TINY_FAMILIES
@@ -42,3 +42,25 @@ def test_greedy_equals_transformers(family, exporter, layout, tmp_path):
             assert engine.blocks.num_free == engine.blocks.num_pages
         assert engine.paged == (layout == "paged")
         assert (engine.stats.accepted_tokens > 0) == bool(drafts)
+
+
+PAGED_EXPORTS = [case for case in EXPORTS if RECIPES[case[0]].attention]
+
+
+@pytest.mark.parametrize("case", PAGED_EXPORTS, ids=export_id)
+def test_every_export_compiles_paged_and_generates_as_transformers(case, tmp_path):
+    """Each tiny export as users make them (sdpa or eager, either exporter, with or without a KV cache)
+    compiles paged, and four concurrent requests generate transformers' greedy tokens (32 new)."""
+    from models.tiny import tiny_onnx
+
+    family, dynamo, with_past, attention = case
+    om = compile_to(tiny_onnx(family, dynamo=dynamo, with_past=with_past, attention=attention), tmp_path / "m",
+                    enable_paged_attention=True)
+    prompts = mixed_prompts(4, seed=5)
+    expected = hf_greedy(family, tuple(map(tuple, prompts)), 32)
+    with LLMEngine(om, max_batch_size=4, max_context_len=128, kv_cache_pages=32) as engine:
+        assert engine.paged
+        requests = [engine.submit(p, max_new_tokens=32, temperature=0, ignore_eos=True) for p in prompts]
+        for request in requests:
+            request.result()
+        assert [request.output_ids for request in requests] == expected
