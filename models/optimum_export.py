@@ -1,0 +1,177 @@
+"""Optimum's ONNX export of the tiny test models, in a venv of its own.
+
+optimum-onnx needs transformers<4.58 and fails to import beside transformers 5, so it is installed into
+`cache_dir()/optimum-venv` on first use (`python -m venv` + pip; about 30 s from this machine's wheel
+cache). `optimum_onnx("llama")` returns the path of Optimum's `text-generation-with-past` export of the
+tiny model `models.tiny.build_tiny_model("llama")` — the same weights, saved by this venv and loaded by
+transformers 4.57 in the other — exporting it the first time; `export_families()` does several in one
+process. The export runs in the optimum venv through `models/optimum_worker.py`.
+
+    python -m models.optimum_export [FAMILY ...]      # create the venv and export (all families by default)
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from models.tiny import REPO_ROOT, byte_tokenizer_json, cache_dir
+
+# optimum-onnx 0.1.0 was released against transformers 4.57; torch stays at the project's pin
+REQUIREMENTS = ("optimum-onnx==0.1.0", "optimum==2.1.0", "transformers==4.57.6", "torch==2.13.0", "accelerate",
+                "onnx", "onnxruntime")
+# the tiny families Optimum can export with `text-generation-with-past`; it has no ONNX config for
+# qwen2_moe, and gpt2 is no RoPE family
+OPTIMUM_FAMILIES = ("llama", "qwen2", "mistral", "phi3", "gemma", "qwen3", "glm", "qwen3_moe")
+# transformers 5 saves MoE experts as fused 3-D tensors that 4.57 cannot load: these are built in the
+# optimum venv by the same build_tiny_model (same sizes and seed, other initial weights)
+BUILT_IN_OPTIMUM_VENV = frozenset({"qwen3_moe"})
+
+
+class OptimumUnavailable(RuntimeError):
+    """The optimum venv could not be created (no package registry, say)."""
+
+
+def venv_dir() -> Path:
+    """Where the optimum venv lives."""
+    return cache_dir() / "optimum-venv"
+
+
+def venv_python() -> Path:
+    """The optimum venv's interpreter."""
+    return venv_dir() / "bin" / "python"
+
+
+def export_dir(family: str, seed: int = 0) -> Path:
+    """The folder of one family's Optimum export."""
+    return cache_dir() / "optimum" / f"{family}-s{seed}"
+
+
+@contextmanager
+def _locked(name: str):
+    """One process at a time (parallel test workers share the cache)."""
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / f".{name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def ensure_optimum_venv(log=print) -> Path:
+    """The optimum venv's python, creating the venv if it is missing or was made for other requirements.
+
+    Idempotent: a marker inside the venv records what was installed. Raises OptimumUnavailable if pip fails.
+    """
+    marker = venv_dir() / ".installed"
+    wanted = "\n".join(REQUIREMENTS) + "\n"
+    if marker.is_file() and marker.read_text() == wanted and venv_python().exists():
+        return venv_python()
+    with _locked("optimum-venv"):
+        if marker.is_file() and marker.read_text() == wanted and venv_python().exists():
+            return venv_python()
+        start = time.perf_counter()
+        log(f"creating {venv_dir()} for Optimum ({', '.join(REQUIREMENTS)}) ...")
+        shutil.rmtree(venv_dir(), ignore_errors=True)
+        _run([sys.executable, "-m", "venv", str(venv_dir())], "python -m venv")
+        _run([str(venv_python()), "-m", "pip", "install", "--progress-bar", "off", *REQUIREMENTS], "pip install",
+             log)
+        marker.write_text(wanted)
+        log(f"created {venv_dir()} in {time.perf_counter() - start:.0f} s")
+    return venv_python()
+
+
+def _run(command: list[str], what: str, log=None) -> None:
+    """Run a set-up step, echoing pip's 'Collecting'/'Installing' lines as progress."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in process.stdout:
+        lines.append(line.rstrip())
+        if log is not None and line.startswith(("Collecting", "Installing", "Successfully")):
+            log("  " + line.rstrip())
+    if process.wait() != 0:
+        shutil.rmtree(venv_dir(), ignore_errors=True)
+        errors = [line for line in lines if line.startswith("ERROR")] or lines[-1:]
+        raise OptimumUnavailable(f"{what} failed (exit {process.returncode}): {errors[-1] if errors else 'no output'}")
+
+
+def optimum_onnx(family: str, seed: int = 0) -> Path:
+    """Path of Optimum's export of the tiny `family` model (its byte tokenizer beside it), made on first use."""
+    return export_families([family], seed)[family]
+
+
+def export_families(families, seed: int = 0, log=print) -> dict[str, Path]:
+    """Optimum's exports of several tiny families, the missing ones made in one run of the optimum venv."""
+    unknown = [f for f in families if f not in OPTIMUM_FAMILIES]
+    if unknown:
+        raise ValueError(f"Optimum does not export {', '.join(unknown)} here; it exports {', '.join(OPTIMUM_FAMILIES)}")
+    paths = {family: export_dir(family, seed) / "model.onnx" for family in families}
+    if all(path.exists() for path in paths.values()):
+        return paths
+    python = ensure_optimum_venv(log)
+    with _locked("optimum-export"):
+        missing = [family for family, path in paths.items() if not path.exists()]
+        if missing:
+            _export(python, missing, seed, log)
+    return paths
+
+
+def _export(python: Path, families: list[str], seed: int, log) -> None:
+    root = cache_dir() / "optimum"
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root, prefix=".staging-") as staging:
+        staging = Path(staging)
+        jobs = []
+        for family in families:
+            checkpoint = "build"
+            if family not in BUILT_IN_OPTIMUM_VENV:
+                from models.tiny import build_tiny_model
+
+                checkpoint = str(staging / "checkpoints" / family)
+                build_tiny_model(family, seed).save_pretrained(checkpoint)
+            jobs += [family, checkpoint, str(staging / family)]
+        start = time.perf_counter()
+        log(f"exporting {', '.join(families)} with Optimum ...")
+        result = subprocess.run([str(python), "-m", "models.optimum_worker", str(seed), *jobs], cwd=REPO_ROOT,
+                                env=_worker_env(), capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"Optimum's export failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        log(f"exported {len(families)} families with Optimum in {time.perf_counter() - start:.1f} s")
+        for family in families:
+            (staging / family / "tokenizer.json").write_text(byte_tokenizer_json(), encoding="utf-8")
+            final = export_dir(family, seed)
+            shutil.rmtree(final, ignore_errors=True)
+            (staging / family).replace(final)
+
+
+def _worker_env() -> dict[str, str]:
+    """The optimum venv must see this repository (models.tiny) and nothing of the main venv."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    return env
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Create the optimum venv and export FAMILY ... (default: every family Optimum exports)."""
+    families = (argv if argv is not None else sys.argv[1:]) or list(OPTIMUM_FAMILIES)
+    try:
+        paths = export_families(families)
+    except OptimumUnavailable as error:
+        # the tests that need it skip and say why; the rest of the suite still runs
+        print(f"warning: the optimum venv cannot be created, its tests will be skipped: {error}", file=sys.stderr)
+        return
+    for family, path in paths.items():
+        print(f"{family}: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Optimum's exports (optimum-onnx `text-generation-with-past`, transformers 4.57, in a venv of its own) of
+the tiny families: they fuse completely, reproduce onnxruntime on the original and generate through the
+paged engine what onnxruntime generates on the original. Exports are cached (models/optimum_export.py)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from cann_llm import LLMEngine
+from compiler.errors import AtcError
+from conftest import compile_to, ort_reference
+from generation_utils import mixed_prompts, ort_greedy
+from models.optimum_export import OPTIMUM_FAMILIES, OptimumUnavailable, ensure_optimum_venv, export_families
+from models.recipes import RECIPES
+from models.tiny import TINY_FAMILIES
+from runtime import Executor, load_artifact
+from runtime.feeds import causal_lm_inputs
+
+TOLERANCE = 1e-4
+NEW_TOKENS = 32
+
+# what atc does not do yet on these exports (atc --log=debug gives the refusal); strict, so a fix shows
+NOT_FUSED = {"glm": "AttentionFusionPass refuses Optimum's GLM attention: 'the heads are not a (0, 2, 1, 3) transpose'"}
+NOT_PAGED = dict(NOT_FUSED, gemma="Optimum's Gemma graph has no position_ids input (positions are computed from "
+                                  "the past length inside it); the paged rewrite needs one (E10055)")
+
+
+def _cases(known: dict[str, str], raises: type[Exception]):
+    return [pytest.param(f, marks=pytest.mark.xfail(strict=True, raises=raises, reason=known[f])) if f in known else f
+            for f in OPTIMUM_FAMILIES]
+
+
+@pytest.fixture(scope="module")
+def optimum_exports():
+    """Every family's export; the tests skip only if the optimum venv cannot be created (no registry)."""
+    try:
+        ensure_optimum_venv()
+    except OptimumUnavailable as error:
+        pytest.skip(f"the optimum venv cannot be created: {error}")
+    return export_families(OPTIMUM_FAMILIES)
+
+
+def _rows_with_a_visible_key(mask: np.ndarray, seq: int) -> np.ndarray:
+    """[B, S] query rows that attend to at least one key (a row with none is implementation-defined)."""
+    return np.cumsum(mask, axis=1)[:, mask.shape[1] - seq:] > 0
+
+
+@pytest.mark.parametrize("family", _cases(NOT_FUSED, AssertionError))
+def test_optimum_export_fuses_and_matches_onnxruntime(optimum_exports, family, tmp_path):
+    source = optimum_exports[family]
+    loaded = load_artifact(compile_to(source, tmp_path / "m"))
+    counts = Counter(node.op_type for node in loaded.model.graph.node)
+    layers = TINY_FAMILIES[family].sizes["num_hidden_layers"]
+    expected = RECIPES[family].expected_counts(layers)
+    assert counts["FusedAttention"] == expected["FusedAttention"]
+    assert counts["RmsNorm"] + counts["AddRmsNorm"] == expected["norms"]
+    assert counts["Softmax"] == (layers if RECIPES[family].moe else 0)  # an MoE router's Softmax stays
+    dims = loaded.metadata["model"]
+    for backend in ("onnxruntime", "reference"):
+        executor = Executor(loaded, backend)
+        for batch, seq, past, seed in ((2, 6, 3, 0), (1, 1, 7, 1), (3, 4, 0, 2)):
+            rng = np.random.default_rng(seed)
+            ids = rng.integers(0, dims["vocab_size"], (batch, seq), dtype=np.int64)
+            feeds = causal_lm_inputs(loaded.metadata["signature"], dims, ids, past, rng)
+            feeds["attention_mask"][-1, -1] = 0  # a padded position, so the mask path is exercised
+            want, got = ort_reference(source, feeds), executor.run(feeds)
+            rows = _rows_with_a_visible_key(feeds["attention_mask"], seq)
+            for name in want:
+                a, b = (got[name], want[name]) if name != "logits" else (got[name][rows], want[name][rows])
+                np.testing.assert_allclose(a, b, rtol=0, atol=TOLERANCE, err_msg=f"{backend} {name} {batch}x{seq}+{past}")
+
+
+@pytest.mark.parametrize("family", _cases(NOT_PAGED, AtcError))
+def test_optimum_export_generates_through_the_paged_engine(optimum_exports, family, tmp_path):
+    source = optimum_exports[family]
+    om = compile_to(source, tmp_path / "m", enable_paged_attention=True)
+    prompts = mixed_prompts(3, seed=7, high=40)
+    expected = [ort_greedy(source, prompt, NEW_TOKENS) for prompt in prompts]
+    with LLMEngine(om, max_batch_size=4, max_context_len=128, kv_cache_pages=16) as engine:
+        assert engine.paged
+        requests = [engine.submit(p, max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True) for p in prompts]
+        assert [r.result() is not None and r.output_ids for r in requests] == expected
