@@ -18,6 +18,7 @@ from passes.convert_multi_head_attention import ConvertMultiHeadAttention
 from passes.convert_precision import ConvertPrecision
 from passes.convert_rms_normalization import ConvertRmsNormalization
 from passes.eliminate_dead_code import EliminateDeadCode
+from passes.expand_rotary_embedding import ExpandRotaryEmbedding
 from passes.eliminate_identity import EliminateIdentity
 from passes.fold_constants import FoldConstants
 from passes.fuse_add_rms_norm import FuseAddRmsNorm
@@ -89,6 +90,7 @@ def build_pipeline(cfg: CompileConfig | None) -> list[Pass]:
         ConvertAttention(),
         ConvertGroupQueryAttention(paged=cfg is not None and cfg.paging is not None),
         ConvertMultiHeadAttention(),
+        ExpandRotaryEmbedding(),  # the rotary ops the conversions left, in the spelling attention fusion reads
         FuseAttention(),
         FuseQkv(),
         FuseMoe(),  # before SwiGlu: the routed experts' SiLU is the op's, the shared expert's SwiGlu's

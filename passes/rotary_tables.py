@@ -53,19 +53,20 @@ class Rotation:
                 and (self.rotary_dim, self.interleaved) == (other.rotary_dim, other.interleaved))
 
 
-def offset_positions(b: NodeBuilder, offset: gs.Tensor, x: gs.Tensor) -> gs.Tensor:
-    """[1, S] positions offset, offset + 1, ... for the S tokens of x [B, S, ...]."""
+def offset_positions(b: NodeBuilder, offset: gs.Tensor, x: gs.Tensor, seq_axis: int = 1) -> gs.Tensor:
+    """[1, S] positions offset, offset + 1, ... for the S tokens of x (on `seq_axis`)."""
     start = b("Reshape", [b("Cast", [offset], {"to": 7}, dtype=np.int64), b.const([])], dtype=np.int64)
-    length = b("Squeeze", [b("Shape", [x], {"start": 1, "end": 2}, dtype=np.int64), b.const([0])], dtype=np.int64)
+    span = {"start": seq_axis, "end": seq_axis + 1}
+    length = b("Squeeze", [b("Shape", [x], span, dtype=np.int64), b.const([0])], dtype=np.int64)
     steps = b("Range", [b.const(0), length, b.const(1)], dtype=np.int64)
     return b("Unsqueeze", [b("Add", [steps, start], dtype=np.int64), b.const([0])], dtype=np.int64)
 
 
-def rotary_tables(b: NodeBuilder, rotation: Rotation, x: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor]:
-    """FusedAttention's cos and sin [B|1, 1, S, R] for the tokens of x [B, S, ...]."""
+def rotary_tables(b: NodeBuilder, rotation: Rotation, x: gs.Tensor, seq_axis: int = 1) -> tuple[gs.Tensor, gs.Tensor]:
+    """FusedAttention's cos and sin [B|1, 1, S, R] for the tokens of x (on `seq_axis`)."""
     positions = rotation.positions
     if positions is not None and rotation.offset:
-        positions = offset_positions(b, positions, x)
+        positions = offset_positions(b, positions, x, seq_axis)
     tables = []
     for cache in (rotation.cos_cache, rotation.sin_cache):
         half = b("Gather", [cache, positions], {"axis": 0}, dtype=cache.dtype) if positions is not None else cache
