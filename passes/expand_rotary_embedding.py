@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import onnx_graphsurgeon as gs
 
 from compiler.pass_manager import PassResult
-from passes.pattern import FusionPass, producer
+from passes.pattern import FusionPass
 from passes.rotary_tables import NodeBuilder, Rotation, rotary_tables
 
 MICROSOFT_DOMAIN = "com.microsoft"
@@ -34,14 +34,6 @@ def _optional(node: gs.Node, index: int) -> gs.Tensor | None:
     return node.inputs[index] if index < len(node.inputs) and node.inputs[index].name else None
 
 
-def _computation(tensor: gs.Tensor | None) -> tuple:
-    """A key equal for tensors computed by the same op, attributes and inputs (or for the same tensor)."""
-    node = producer(tensor) if tensor is not None else None
-    if node is None or len(node.outputs) != 1:
-        return ("tensor", id(tensor))
-    return (node.op, node.domain, tuple(id(t) for t in node.inputs), repr(sorted(node.attrs.items())))
-
-
 class ExpandRotaryEmbedding(FusionPass):
     """Spell out the rotary ops left on attention heads, for the attention fusion."""
 
@@ -53,8 +45,7 @@ class ExpandRotaryEmbedding(FusionPass):
         return super().run(graph)
 
     def _shared_tables(self, b: NodeBuilder, rotation: Rotation, x: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor]:
-        key = (_computation(rotation.cos_cache), _computation(rotation.sin_cache), _computation(rotation.positions),
-               rotation.rotary_dim, rotation.interleaved, rotation.offset)
+        key = rotation.key()
         if key not in self._tables:
             self._tables[key] = rotary_tables(b, rotation, x, seq_axis=2)
         return self._tables[key]

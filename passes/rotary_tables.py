@@ -47,10 +47,22 @@ class Rotation:
     interleaved: int
     offset: bool = False
 
+    def key(self) -> tuple:
+        """Equal for rotations by equal tables: the same tensors, or tensors computed alike (onnxscript's
+        opset-23 fusion computes `Cos(freqs)` once for q and once more for k)."""
+        return (computation(self.cos_cache), computation(self.sin_cache), computation(self.positions),
+                self.rotary_dim, self.interleaved, self.offset)
+
     def same_as(self, other: "Rotation") -> bool:
-        return (self.cos_cache is other.cos_cache and self.sin_cache is other.sin_cache
-                and self.positions is other.positions and self.offset == other.offset
-                and (self.rotary_dim, self.interleaved) == (other.rotary_dim, other.interleaved))
+        return self.key() == other.key()
+
+
+def computation(tensor: gs.Tensor | None) -> tuple:
+    """A key equal for tensors computed by the same op, attributes and inputs (or for the same tensor)."""
+    node = tensor.inputs[0] if tensor is not None and not isinstance(tensor, gs.Constant) and tensor.inputs else None
+    if node is None or len(node.outputs) != 1:
+        return ("tensor", id(tensor))
+    return (node.op, node.domain, tuple(id(t) for t in node.inputs), repr(sorted(node.attrs.items())))
 
 
 def offset_positions(b: NodeBuilder, offset: gs.Tensor, x: gs.Tensor, seq_axis: int = 1) -> gs.Tensor:

@@ -105,3 +105,27 @@ def test_softcap_and_float_masks_stay_standard():
     attention.attribute.append(helper.make_attribute("softcap", 30.0))
     _, (result,) = apply_pass(model, ConvertAttention())
     assert result.effect_times == 0 and any("softcap" in r for r in result.rejections)
+
+
+def test_tables_computed_once_per_rotation_count_as_one(tmp_path):
+    """onnxscript's opset-23 rotary fusion computes Cos(freqs) and Sin(freqs) again for each rotation, the
+    tables read at each token already ([B, S, R/2], no position_ids)."""
+    model = _model(False, past=False)
+    half = D // 2
+    model.graph.input.append(helper.make_tensor_value_info("freqs", TensorProto.FLOAT, [B, S, half]))
+    for node in list(model.graph.node):
+        if node.op_type == "RotaryEmbedding":
+            side = node.output[0][0]
+            model.graph.node.extend([helper.make_node("Cos", ["freqs"], [f"cos_{side}"]),
+                                     helper.make_node("Sin", ["freqs"], [f"sin_{side}"])])
+            del node.input[1:]
+            node.input.extend([f"cos_{side}", f"sin_{side}"])
+    nodes = sorted(model.graph.node, key=lambda n: n.op_type not in ("Cos", "Sin", "MatMul"))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    fused, (result,) = apply_pass(model, ConvertAttention())
+    assert result.effect_times == 1, result.rejections
+    assert op_counts(fused)["FusedAttention"] == 1
+    feeds = _feeds(past=False)
+    feeds["freqs"] = RNG.uniform(0, 3, (B, S, half)).astype(np.float32)
+    assert_parity(model, fused, feeds, tmp_path, atol=2e-5)
