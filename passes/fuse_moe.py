@@ -140,7 +140,7 @@ class FuseMoe(FusionPass):
     anchor = "TopK"
 
     def match(self, graph: gs.Graph, topk: gs.Node) -> MoeMatch | str:
-        top_k = scalar(topk.inputs[1])
+        top_k = scalar(topk.inputs[1]) if len(topk.inputs) > 1 else None
         softmax = producer(topk.inputs[0], "Softmax")
         if top_k is None or not topk.attrs.get("largest", 1) or softmax is None:
             return "not the k largest of a Softmax"
@@ -148,7 +148,8 @@ class FuseMoe(FusionPass):
         rank = _rank(logits)
         if rank != 2 or not isinstance(logits.shape[-1], int):
             return "the router's logits are not [tokens, experts]"
-        if not _is_axis(-1, [topk.attrs.get("axis", -1)], rank) or not _is_axis(-1, [softmax.attrs.get("axis", -1)], rank):
+        axes = [topk.attrs.get("axis", -1)], [softmax.attrs.get("axis", -1)]
+        if not all(_is_axis(-1, axis, rank) for axis in axes):
             return "the Softmax or TopK is not over the experts axis"
         top_k, num_experts = int(top_k), logits.shape[-1]
         values, indices = topk.outputs

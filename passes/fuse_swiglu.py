@@ -1,9 +1,9 @@
 """SwiGluFusionPass: SiLU(x·Wg) · (x·Wu) → cann::SwiGlu(x·[Wg | Wu]), one MatMul for both projections.
 
 Anchored at the Sigmoid of SiLU = g · sigmoid(g). The gate and up halves come either from two MatMuls (or
-plain Gemms, dynamo's spelling for 2-D inputs) of the same input with constant weights (merged here into one [K, 2I] weight: one GEMM instead of two), or
-already from one fused projection (Phi-3's gate_up_proj) cut by Split or two Slices of the last axis,
-gate half first. Gemma's GELU MLP has no Sigmoid-gated product and is left alone.
+plain Gemms, dynamo's spelling for 2-D inputs) of the same input with constant weights (merged here into
+one [K, 2I] weight: one GEMM instead of two), or already from one fused projection (Phi-3's gate_up_proj)
+cut by Split or two Slices of the last axis, gate half first. Gemma's GELU MLP has no Sigmoid-gated product and is left alone.
 """
 
 from __future__ import annotations

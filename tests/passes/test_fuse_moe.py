@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
