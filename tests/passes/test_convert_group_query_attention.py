@@ -36,14 +36,18 @@ def _model(head_dim: int = 16, packed: bool = True, past: bool = True, rotary: b
         nodes = [helper.make_node("MatMul", ["x", f"w{name}"], [name]) for name in widths]
         qkv = ["q", "k", "v"]
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", HIDDEN])]
-    if lengths == "mask":
+    if lengths in ("mask", "mask-longest"):
         inputs.append(helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["b", "t"]))
         nodes += [helper.make_node("ReduceSum", ["attention_mask", "one"], ["summed"], keepdims=0),
                   helper.make_node("Sub", ["summed", "one"], ["last"]),
-                  helper.make_node("Cast", ["last"], ["seqlens_k"], to=TensorProto.INT32),
-                  helper.make_node("Shape", ["attention_mask"], ["mask_shape"]),
-                  helper.make_node("Gather", ["mask_shape", "one_scalar"], ["width"], axis=0),
-                  helper.make_node("Cast", ["width"], ["total"], to=TensorProto.INT32)]
+                  helper.make_node("Cast", ["last"], ["seqlens_k"], to=TensorProto.INT32)]
+        if lengths == "mask":
+            nodes += [helper.make_node("Shape", ["attention_mask"], ["mask_shape"]),
+                      helper.make_node("Gather", ["mask_shape", "one_scalar"], ["width"], axis=0),
+                      helper.make_node("Cast", ["width"], ["total"], to=TensorProto.INT32)]
+        else:  # the longest sequence, not the mask's width
+            nodes += [helper.make_node("ReduceMax", ["seqlens_k", "zero"], ["longest"], keepdims=0),
+                      helper.make_node("Add", ["longest", "one_int32"], ["total"])]
     elif lengths == "positions":
         nodes += [helper.make_node("ReduceMax", ["position_ids", "one"], ["newest"], keepdims=0),
                   helper.make_node("Cast", ["newest"], ["seqlens_k"], to=TensorProto.INT32),
@@ -149,6 +153,9 @@ def test_paged_compile_reads_positions_from_the_runtime():
     (dict(softcap=30.0), "softcap"),
     (dict(smooth_softmax=1), "smooth softmax"),
     (dict(lengths="inputs"), "seqlens_k is derived neither"),
+    (dict(lengths="mask-longest"), "not the attention mask's width"),
+    (dict(causal=0), "causal=0"),
+    (dict(qk_output=1), "the qk output"),
 ])
 def test_refusals(options, reason):
     _, (result,) = apply_pass(_model(**options), ConvertGroupQueryAttention())
