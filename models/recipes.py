@@ -46,7 +46,7 @@ RECIPES: dict[str, Recipe] = {r.family: r for r in (
     Recipe("gemma", gated_mlp=False),     # GELU MLP stays as exported
     Recipe("qwen2_moe", moe=True),        # the shared expert (outside the MoE op) is the SwiGlu
     Recipe("qwen3_moe", norms_per_layer=4, gated_mlp=False, moe=True),  # no shared expert: experts only
-    Recipe("gpt2", rotary="learned", norms_per_layer=0, gated_mlp=False, attention=False),
+    Recipe("gpt2", rotary="learned", norms_per_layer=0, gated_mlp=False),  # LayerNorm, learned positions
 )}
 
 
@@ -54,8 +54,10 @@ def detect_family(graph: gs.Graph) -> str:
     """The family a fused graph looks like (see the module note on llama and mistral)."""
     ops = Counter(node.op for node in graph.nodes)
     attention = next((node for node in graph.nodes if node.op == "FusedAttention"), None)
+    if ops["LayerNormalization"] and not ops["RmsNorm"]:
+        return "gpt2"
     if attention is None:
-        return "gpt2" if ops["LayerNormalization"] else "unknown"
+        return "unknown"
     if attention.attrs.get("rotary_interleaved"):
         return "glm"
     merged = producer(attention.inputs[0], "Reshape")

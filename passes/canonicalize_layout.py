@@ -8,6 +8,8 @@ Exporters spell one transpose several ways; the fusions that follow read one. Ea
   k axes written on a 3-D view (PyTorch's dynamo exporter writes `kᵀ` of a 4-D key this way), → one
   `Transpose` of x.
 - `Reshape(x)` to the shape x already has (every dim known, symbolically equal) → x.
+- `Transpose(0, 2, 3, 1)` of [B, S, H, D] keys into the scores' MatMul → the head split, then kᵀ; a head
+  split followed by kᵀ is never composed back.
 """
 
 from __future__ import annotations
@@ -29,8 +31,12 @@ def _perm(node: gs.Node) -> list[int] | None:
     return list(perm) if perm is not None else None
 
 
+HEADS, KEYS_T, HEADS_KEYS_T = [0, 2, 1, 3], [0, 1, 3, 2], [0, 2, 3, 1]
+
+
 def compose_transposes(graph: gs.Graph, node: gs.Node) -> bool:
-    """Transpose of a Transpose → one Transpose (or none)."""
+    """Transpose of a Transpose → one Transpose (or none). A head split followed by kᵀ stays two: that
+    is the canonical spelling of the keys (see split_key_transpose)."""
     inner = producer(node.inputs[0], "Transpose")
     outer_perm = _perm(node)
     if inner is None or outer_perm is None or _perm(inner) is None or len(inner.outputs[0].outputs) != 1:
@@ -39,6 +45,8 @@ def compose_transposes(graph: gs.Graph, node: gs.Node) -> bool:
     source = inner.inputs[0]
     if perm == list(range(len(perm))):
         return bypass_node(graph, node, source)
+    if (_perm(inner), outer_perm) == (HEADS, KEYS_T):
+        return False
     node.inputs[0] = source
     node.attrs["perm"] = perm
     return True
@@ -86,7 +94,33 @@ def drop_same_shape_reshape(graph: gs.Graph, node: gs.Node) -> bool:
     return bypass_node(graph, node, source)
 
 
-RULES = (("Transpose", compose_transposes), ("Transpose", merge_viewed_transpose), ("Reshape", drop_same_shape_reshape))
+def split_key_transpose(graph: gs.Graph, node: gs.Node) -> bool:
+    """Transpose(0, 2, 3, 1) of [B, S, H, D] keys that a MatMul multiplies from the right (kᵀ taken straight
+    from the head split, as GPT-2's exports write it) → the head split (0, 2, 1, 3), then kᵀ (0, 1, 3, 2)."""
+    if _perm(node) != HEADS_KEYS_T:
+        return False
+    reader = node.outputs[0]
+    while True:  # through the scalar factors of a split scale
+        consumer = sole_consumer(graph, reader, "Mul", "Div", "MatMul")
+        if consumer is None:
+            return False
+        if consumer.op == "MatMul":
+            break
+        reader = consumer.outputs[0]
+    if consumer.inputs[1] is not reader:
+        return False
+    source = node.inputs[0]
+    heads = gs.Variable(f"{node.name}/heads", dtype=source.dtype,
+                        shape=None if source.shape is None else [source.shape[i] for i in HEADS])
+    graph.nodes.append(gs.Node("Transpose", name=f"{node.name}/Heads", attrs={"perm": HEADS}, inputs=[source],
+                               outputs=[heads]))
+    node.inputs[0] = heads
+    node.attrs["perm"] = KEYS_T
+    return True
+
+
+RULES = (("Transpose", split_key_transpose), ("Transpose", compose_transposes), ("Transpose", merge_viewed_transpose),
+         ("Reshape", drop_same_shape_reshape))
 
 
 class CanonicalizeLayout:

@@ -160,7 +160,16 @@ class FuseAttention(FusionPass):
                   optional(match.mask), optional(rotary and rotary.cos), optional(rotary and rotary.sin)]
         while inputs and inputs[-1].name == "":
             inputs.pop()
-        outputs = [match.output] + [t for t in (match.present_key, match.present_value) if t is not None]
+        output = match.output
+        if len(output.shape) == 2:  # rows for a 2-D projection: the op writes [B, S, H·D], a Reshape flattens it
+            query = inputs[0]
+            output = gs.Variable(f"{match.name}_output", dtype=match.output.dtype,
+                                 shape=None if query.shape is None else list(query.shape[:2]) + [match.output.shape[-1]])
+            match.output.inputs.clear()
+            graph.nodes.append(gs.Node("Reshape", name=f"{match.name}/Rows", inputs=[
+                output, gs.Constant(f"{match.name}_rows", np.array([-1, match.output.shape[-1]], np.int64))],
+                outputs=[match.output]))
+        outputs = [output] + [t for t in (match.present_key, match.present_value) if t is not None]
         graph.nodes.append(fused_node(
             "FusedAttention", inputs, outputs, match.name, num_heads=match.heads, kv_num_heads=match.kv_heads,
             head_dim=match.head_dim, scale=float(match.scale), causal=match.causal,

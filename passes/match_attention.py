@@ -7,7 +7,7 @@ it found, or None (or a reason string) when the tensor is not that part; each ha
     mask       scores + mask (either order), or Where(allowed, scores, -big) (masked_fill)
     softmax    Softmax(Cast?(logits)) → Cast? → NaN guard Where(IsNaN(p), 0, p)?
     heads      Transpose(0, 2, 1, 3)(Reshape([B, S, H, D])(projection)), an optional per-head RmsNorm
-    merge      Transpose(0, 2, 1, 3) → Reshape([B, S, H·D])
+    merge      Transpose(0, 2, 1, 3) → Reshape([B, S, H·D]) (or [B·S, H·D] rows)
     kv cache   Concat(past, new) on the sequence axis (2 or -2), past a graph input; a sliding-window
                cache slices past and present to their last W - 1 rows
     repeat     GQA/MQA head repetition: Unsqueeze(2) or Reshape([B, KV, 1, T, D]), then Expand, Tile or a
@@ -214,12 +214,20 @@ def match_head_split(heads4: gs.Tensor) -> Projection | str:
 
 
 def match_head_merge(graph: gs.Graph, context: gs.Tensor) -> gs.Tensor | str:
-    """The [B, S, H·D] output that `context` [B, H, S, D] is merged into."""
+    """The output that `context` [B, H, S, D] is merged into: [B, S, H·D], or [B·S, H·D] rows for a 2-D
+    projection (GPT-2's Conv1D is a Gemm)."""
     merge = sole_consumer(graph, context, "Transpose")
-    reshape = sole_consumer(graph, merge.outputs[0], "Reshape") if is_transpose(merge, [0, 2, 1, 3]) else None
-    if reshape is None or reshape.outputs[0].shape is None or len(reshape.outputs[0].shape) != 3:
+    reshape = None
+    if is_transpose(merge, [0, 2, 1, 3]) and not any(t is merge.outputs[0] for t in graph.outputs):
+        # Shapes that read the merged heads only compute the Reshape's target, which goes with it
+        readers = [n for n in merge.outputs[0].outputs if n.op != "Shape"]
+        reshape = readers[0] if len(readers) == 1 and readers[0].op == "Reshape" else None
+    merged = reshape.outputs[0] if reshape is not None else None
+    width = context.shape[1] * context.shape[3] if context.shape is not None and len(context.shape) == 4 \
+        and all(isinstance(d, int) for d in (context.shape[1], context.shape[3])) else None
+    if merged is None or merged.shape is None or len(merged.shape) not in (2, 3) or merged.shape[-1] != width:
         return "the context is not merged back to [B, S, H·D]"
-    return reshape.outputs[0]
+    return merged
 
 
 # ---- the KV cache and its repetition ------------------------------------------------------------------

@@ -181,9 +181,14 @@ def test_one_pass_switched_off_by_name_and_debug_says_why_nothing_fused(capsys, 
 
 
 def test_debug_log_gives_the_reason_a_candidate_was_refused(capsys, tmp_path):
-    from models.tiny import tiny_onnx
-
-    gpt2 = tiny_onnx("gpt2", dynamo=True, with_past=False)
-    status, _, err = _atc(capsys, f"--model={gpt2}", "--framework=5", f"--output={tmp_path / 'm'}", SOC, "--log=debug")
+    """Scores of q·k with no transposed keys (not attention as any exporter writes it) stay unfused."""
+    shape = [1, 2, 4, 4]
+    nodes = [helper.make_node("MatMul", ["q", "k"], ["scores"]), helper.make_node("Softmax", ["scores"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["y"])]
+    values = [helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape) for name in ("q", "k", "v", "y")]
+    path = tmp_path / "scores.onnx"
+    onnx.save(helper.make_model(helper.make_graph(nodes, "g", values[:3], values[3:]),
+                                opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    status, _, err = _atc(capsys, f"--model={path}", "--framework=5", f"--output={tmp_path / 'm'}", SOC, "--log=debug")
     assert status == 0
     assert "AttentionFusionPass: candidate refused:" in err and "the keys are not transposed" in err
