@@ -108,6 +108,8 @@ def match_probabilities(graph: gs.Graph, softmax: gs.Node) -> gs.Tensor:
     if cast is not None:
         probabilities = cast.outputs[0]
     readers = probabilities.outputs
+    if any(t is probabilities for t in graph.outputs):
+        return probabilities  # read as a model output too: not only the values' weights
     isnan = next((n for n in readers if n.op == "IsNaN"), None)
     where = next((n for n in readers if n.op == "Where"), None)
     if len(readers) != 2 or isnan is None or where is None or where.inputs[0] is not isnan.outputs[0] \

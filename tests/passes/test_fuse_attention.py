@@ -63,9 +63,23 @@ def _softmax(graph):
     return next(n for n in graph.nodes if n.op == "Softmax")
 
 
+def _unscaled(tensor):
+    """The tensor behind Muls by a constant (a scale on q, on kᵀ or on the scores)."""
+    while (mul := producer(tensor, "Mul")) is not None and isinstance(mul.inputs[1], gs.Constant):
+        tensor = mul.inputs[0]
+    return tensor
+
+
 def _scores(graph):
     add = producer(_softmax(graph).inputs[0], "Add")
-    return producer(producer(add.inputs[0], "Mul").inputs[0], "MatMul")
+    return producer(_unscaled(add.inputs[0]), "MatMul")
+
+
+def _context(graph):
+    """The MatMul of the probabilities (past sdpa's NaN guard) with the values."""
+    readers = _softmax(graph).outputs[0].outputs
+    guard = next((n for n in readers if n.op == "Where"), None)
+    return next(c for c in (guard.outputs[0].outputs if guard else readers) if c.op == "MatMul")
 
 
 def _set_axis(graph):
@@ -73,12 +87,12 @@ def _set_axis(graph):
 
 
 def _untranspose_keys(graph):
-    producer(_scores(graph).inputs[1], "Transpose").attrs["perm"] = [1, 0, 3, 2]
+    producer(_unscaled(_scores(graph).inputs[1]), "Transpose").attrs["perm"] = [1, 0, 3, 2]
 
 
 def _unrotate_query(graph):
     scores = _scores(graph)
-    cos_mul = producer(producer(scores.inputs[0], "Add").inputs[0], "Mul")
+    cos_mul = producer(producer(_unscaled(scores.inputs[0]), "Add").inputs[0], "Mul")
     scores.inputs[0] = cos_mul.inputs[0]  # q·cos + rot(q)·sin → q
 
 
@@ -133,8 +147,7 @@ def _scores_not_matmul(graph):
 
 
 def _context_not_merged(graph):
-    context = next(c for c in _softmax(graph).outputs[0].outputs if c.op == "MatMul")
-    context.outputs[0].outputs[0].attrs["perm"] = [0, 1, 2, 3]
+    _context(graph).outputs[0].outputs[0].attrs["perm"] = [0, 1, 2, 3]
 
 
 def _value_cache_missing(graph):
