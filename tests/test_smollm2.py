@@ -125,3 +125,42 @@ def test_force_fp16_stores_every_matmul_weight_and_the_tied_table_in_half_the_by
     expected, got = ort_reference(smollm2_path, feeds)["logits"], Executor(half).run(feeds, ["logits"])["logits"]
     assert np.abs(got - expected).max() <= 1e-2 * np.abs(expected).max()
     assert (got[0].argmax(-1) == expected[0].argmax(-1)).mean() >= 0.95
+
+
+@pytest.fixture(scope="module")
+def smollm2_ts_path():
+    """SmolLM2 exported by `cann-run export --exporter torchscript` (about 7,400 nodes), once per cache."""
+    import subprocess
+    import sys
+
+    from models.prepare import find_smollm2_gguf
+    from models.tiny import cache_dir
+
+    path = cache_dir() / "smollm2-ts" / "model.onnx"
+    if not path.exists():
+        proc = subprocess.run([sys.executable, "-m", "cli.cann_run", "export", "--model", str(find_smollm2_gguf()),
+                               "--output", str(path.parent), "--exporter", "torchscript"], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return path
+
+
+@pytest.fixture(scope="module")
+def smollm2_ts_paged_om(smollm2_ts_path, tmp_path_factory):
+    return compile_to(smollm2_ts_path, tmp_path_factory.mktemp("smollm2-ts") / "paged", enable_paged_attention=True)
+
+
+@pytest.mark.parametrize("om", ["smollm2_paged_om", "smollm2_ts_paged_om"], ids=["dynamo", "torchscript"])
+def test_cann_run_exports_compile_paged_with_every_layer_fused(request, om):
+    """Both exporters' `cann-run export` of SmolLM2 (smollm2_path is one: models.prepare runs its code)."""
+    ops = [node.op_type for node in load_artifact(request.getfixturevalue(om)).model.graph.node]
+    assert ops.count("FusedAttention") == 30 and ops.count("RmsNorm") + ops.count("AddRmsNorm") == 61
+    assert "Softmax" not in ops
+
+
+def test_torchscript_export_generates_like_transformers(smollm2_ts_paged_om, smollm2_greedy):
+    from runtime.engine import LLMEngine
+
+    prompts, expected = smollm2_greedy
+    with LLMEngine(smollm2_ts_paged_om, max_batch_size=1, max_context_len=256, kv_cache_pages=8) as engine:
+        generation = engine.submit(prompts[0], max_new_tokens=64, temperature=0, ignore_eos=True)
+        assert generation.result() is not None and generation.output_ids == expected[0]
