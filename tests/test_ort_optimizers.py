@@ -19,9 +19,8 @@ import numpy as np
 import onnx
 import pytest
 
-from cann_llm import LLMEngine
 from conftest import compile_to, ort_reference
-from generation_utils import mixed_prompts, ort_greedy
+from generation_utils import assert_paged_greedy_equals_onnxruntime
 from models.tiny import TINY_FAMILIES, tiny_onnx
 from runtime import Executor, load_artifact
 
@@ -108,11 +107,4 @@ def test_compiles_fused_and_matches_onnxruntime(optimized, tmp_path):
 def test_paged_engine_greedy_equals_onnxruntime(optimized, tmp_path):
     path, _ = optimized
     om = compile_to(path, tmp_path / "m", enable_paged_attention=True)
-    prompts = mixed_prompts(3, seed=7, high=40)
-    expected = [ort_greedy(path, prompt, NEW_TOKENS) for prompt in prompts]
-    with LLMEngine(om, max_batch_size=4, max_context_len=128, kv_cache_pages=16) as engine:
-        assert engine.paged
-        requests = [engine.submit(p, max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True) for p in prompts]
-        for request in requests:
-            request.result()
-        assert [request.output_ids for request in requests] == expected
+    assert_paged_greedy_equals_onnxruntime(path, om, NEW_TOKENS)
