@@ -33,16 +33,24 @@ def _dims(value: onnx.ValueInfoProto) -> list | None:
 
 
 def _symbolic(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
-    """onnxruntime's symbolic inference, or nothing when it refuses the graph."""
+    """onnxruntime's symbolic inference, as far as it gets; nothing when it refuses the graph.
+
+    Its `infer_shapes` entry point saves the model into the working directory (`sym_shape_infer_temp.onnx`
+    and a data file) whenever some value stays unknown, then raises; its loop is run here instead, so a
+    partial result is kept and nothing is written.
+    """
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
     try:
-        inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+        inference = SymbolicShapeInference(2**31 - 1, auto_merge=True, guess_output_rank=False, verbose=0)
+        inference._preprocess(model)
+        while inference.run_:
+            inference._infer_impl()
+        inference._update_output_from_vi()
     except Exception as error:  # noqa: BLE001 - any refusal leaves onnx's shapes, which are complete enough to go on
         log.debug("ShapeInferencePass: symbolic inference skipped: %s", str(error).splitlines()[0] if str(error) else error)
         return {}
-    if inferred is None:
-        return {}
+    inferred = inference.out_mp_
     found = {v.name: v for v in inferred.graph.value_info}
     found.update({v.name: v for v in inferred.graph.output})
     return found
