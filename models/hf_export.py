@@ -6,7 +6,7 @@ writes out/model.onnx (external data beside it when the weights are large) with 
 tokenizer files and the generation config, so that `atc --model=out/model.onnx` finds the tokenizer.
 Attention is transformers' default implementation (`sdpa`), as users export. Everything is written into
 a staging folder inside the output folder and moved into place at the end, model.onnx last: a failed
-export leaves nothing behind. Failures the user can cause are `AtcError`s with ATC's codes.
+export leaves the output folder as it was. Failures the user can cause are `AtcError`s with ATC's codes.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Callable
 
 from compiler.errors import AtcError
+from compiler.tokenizer_files import TOKENIZER_FILES  # what atc packs into the artifact
 
 EXPORTERS = ("dynamo", "torchscript")
 # protobuf cannot hold a model over 2 GiB; well below that, one file is easier to carry around
 EXTERNAL_DATA_BYTES = 256 << 20
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 GGUF_MAGIC = b"GGUF"
 
 

@@ -48,13 +48,13 @@ def load_smollm2_hf():
     return loaded.model, loaded.tokenizer
 
 
-def prepare_smollm2(out_dir: Path, *, dynamo: bool = True, with_past: bool = True) -> Path:
+def prepare_smollm2(out_dir: Path, *, dynamo: bool = True, with_past: bool = True, log=lambda message: None) -> Path:
     """Export SmolLM2 to `out_dir/model.onnx` with its tokenizer, as `cann-run export` does; returns the model path."""
     from models.hf_export import ExportConfig, export_checkpoint
 
     cfg = ExportConfig(model=str(find_smollm2_gguf()), output=str(out_dir),
                        exporter="dynamo" if dynamo else "torchscript", with_past=with_past)
-    return export_checkpoint(cfg)
+    return export_checkpoint(cfg, log)
 
 
 @click.command()
@@ -71,7 +71,7 @@ def main(name: str, out_dir: Path | None, dynamo: bool, with_past: bool, force: 
         click.echo(f"{path} exists (use --force to export again)")
         return
     click.echo(f"exporting {name} to {path} ...")
-    prepare_smollm2(out_dir, dynamo=dynamo, with_past=with_past)
+    prepare_smollm2(out_dir, dynamo=dynamo, with_past=with_past, log=click.echo)
     click.echo(f"wrote {path}")
 
 
