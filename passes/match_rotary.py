@@ -17,6 +17,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from passes.pattern import producer
+from passes.shape_values import static_ints
 
 
 @dataclass
@@ -36,11 +37,12 @@ def _const_ints(tensor: gs.Tensor) -> list[int] | None:
 
 
 def slice_bounds(node: gs.Node | None, source: gs.Tensor, step: int = 1) -> tuple[int, int] | None:
-    """(start, end) of a Slice of `source` along its last axis with the given step; None otherwise."""
+    """(start, end) of a Slice of `source` along its last axis with the given step; None otherwise. The
+    bounds may be computed from static dims (`Shape(cos)[-1]`)."""
     if node is None or node.op != "Slice" or node.inputs[0] is not source:
         return None
     last = len(source.shape or []) - 1
-    starts, ends = _const_ints(node.inputs[1]), _const_ints(node.inputs[2])
+    starts, ends = static_ints(node.inputs[1]), static_ints(node.inputs[2])
     axes = _const_ints(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3].name else [last]
     steps = _const_ints(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4].name else [1]
     if None in (starts, ends, axes, steps) or len(starts) != 1 or steps != [step] or axes[0] not in (-1, last):

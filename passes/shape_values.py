@@ -97,3 +97,21 @@ def is_dim(element: Element, tensor: gs.Tensor, axis: int) -> bool:
     other = element.tensor.shape
     theirs = other[element.axis] if other is not None and -len(other) <= element.axis < len(other) else None
     return isinstance(static, int) and theirs == static
+
+
+def static_ints(tensor: gs.Tensor) -> list[int] | None:
+    """The values of a 1-D integer tensor known at compile time: constants, and dims of values whose
+    inferred shape fixes them (`Shape(cos)[-1]`, the rotary width TorchScript and Optimum exports read at
+    run time); None when some element is only known at run time."""
+    elements = shape_elements(tensor)
+    if elements is None:
+        return None
+    values = []
+    for element in elements:
+        if isinstance(element, DimOf):
+            dims = element.tensor.shape
+            element = dims[element.axis] if dims is not None and -len(dims) <= element.axis < len(dims) else None
+            if not isinstance(element, int):
+                return None
+        values.append(element)
+    return values
