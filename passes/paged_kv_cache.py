@@ -10,10 +10,12 @@ and reads the whole context from them. The cache leaves the graph's I/O: the run
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_graphsurgeon as gs
 
 from compiler.errors import AtcError
 from compiler.pass_manager import PassResult
+from passes.graph_utils import replace_all_uses
 from runtime.kernels.paged_attention import METADATA_INPUTS
 
 TOKEN_INPUTS = ("input_ids", "position_ids")
@@ -35,6 +37,9 @@ class PagedKvCache:
         inputs = {t.name: t for t in graph.inputs}
         if "input_ids" in inputs:
             _sizes_from_tokens(graph, inputs["input_ids"])
+        if "position_ids" not in inputs and attentions:
+            _positions_from_an_input(graph, attentions[0])
+            inputs = {t.name: t for t in graph.inputs}
         self._check(graph, attentions)
         metadata = [gs.Variable(name, dtype=dtype, shape=shape) for name, dtype, shape in METADATA_INPUTS]
         cache_io = set()
@@ -53,6 +58,7 @@ class PagedKvCache:
             node.attrs.update(paged=1, layer=layer, page_size=self.page_size, flash=int(flash))
         for name in TOKEN_INPUTS:
             inputs[name].shape = [1, "num_tokens"]
+        graph.cleanup(remove_unused_graph_inputs=False)  # what only fed the replaced cache reads no input now
         still_read = sorted(t.name for t in graph.inputs if t.name in cache_io and t.outputs)
         if still_read:
             raise AtcError("E10055", f"{', '.join(still_read)} also feed ops other than attention, which a paged "
@@ -85,6 +91,50 @@ class PagedKvCache:
             users = sorted({c.op for c in mask.outputs if c.op != "FusedAttention"})
             raise AtcError("E10055", f"attention_mask also feeds {', '.join(users)}, which a flattened batch "
                                      "cannot express; compile with --enable_paged_attention=0")
+
+
+def _positions_from_an_input(graph: gs.Graph, attention: gs.Node) -> None:
+    """Give a graph that counts its positions from the past's length (Optimum's Gemma has no position_ids
+    input: `Range(past, past + S)`) a `position_ids` input in their place, as a flattened batch needs.
+
+    The Range is looked for among what the rotary tables are computed from, and must start at a length
+    read from a past KV input; otherwise the graph is left alone (and refused for want of position_ids).
+    """
+    if not _present(attention, 6):
+        return
+    seen, queue = set(), [attention.inputs[6]]
+    while queue:
+        tensor = queue.pop()
+        node = tensor.inputs[0] if tensor.inputs and not isinstance(tensor, gs.Constant) else None
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.op == "Range" and _reads_past_length(node.inputs[0]):
+            positions = gs.Variable("position_ids", dtype=np.int64, shape=[1, "num_tokens"])
+            flat = gs.Variable("position_ids_flat", dtype=np.int64, shape=["num_tokens"])
+            graph.nodes.append(gs.Node("Reshape", name="position_ids/Flatten", outputs=[flat], inputs=[
+                positions, gs.Constant("position_ids_flat_shape", np.array([-1], np.int64))]))
+            replace_all_uses(graph, node.outputs[0], flat)
+            graph.inputs.append(positions)
+            return
+        queue.extend(node.inputs)
+
+
+def _reads_past_length(tensor: gs.Tensor) -> bool:
+    """Whether `tensor` is computed from the shape of a past KV input (and nothing else that varies)."""
+    stack, found = [tensor], False
+    while stack:
+        current = stack.pop()
+        if isinstance(current, gs.Constant):
+            continue
+        if not current.inputs:
+            return False  # a graph input read by value
+        node = current.inputs[0]
+        if node.op == "Shape":
+            found |= bool(node.inputs[0].name.startswith("past_key_values"))
+            continue
+        stack.extend(node.inputs)
+    return found
 
 
 def _sizes_from_tokens(graph: gs.Graph, input_ids: gs.Tensor) -> None:

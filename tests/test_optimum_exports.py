@@ -9,10 +9,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from cann_llm import LLMEngine
-from compiler.errors import AtcError
 from conftest import compile_to, ort_reference
-from generation_utils import mixed_prompts, ort_greedy
+from generation_utils import assert_paged_greedy_equals_onnxruntime
 from models.optimum_export import OPTIMUM_FAMILIES, OptimumUnavailable, ensure_optimum_venv, export_families
 from models.recipes import RECIPES
 from models.tiny import TINY_FAMILIES
@@ -21,17 +19,6 @@ from runtime.feeds import causal_lm_inputs
 
 TOLERANCE = 1e-4
 NEW_TOKENS = 32
-
-# what atc does not do yet on these exports (atc --log=debug gives the refusal); strict, so a fix shows
-NOT_FUSED = {"glm": "AttentionFusionPass refuses Optimum's GLM attention: 'the heads are not a (0, 2, 1, 3) transpose'"}
-NOT_PAGED = dict(NOT_FUSED, gemma="Optimum's Gemma graph has no position_ids input (positions are computed from "
-                                  "the past length inside it); the paged rewrite needs one (E10055)")
-
-
-def _cases(known: dict[str, str], raises: type[Exception]):
-    return [pytest.param(f, marks=pytest.mark.xfail(strict=True, raises=raises, reason=known[f])) if f in known else f
-            for f in OPTIMUM_FAMILIES]
-
 
 @pytest.fixture(scope="module")
 def optimum_exports():
@@ -48,7 +35,7 @@ def _rows_with_a_visible_key(mask: np.ndarray, seq: int) -> np.ndarray:
     return np.cumsum(mask, axis=1)[:, mask.shape[1] - seq:] > 0
 
 
-@pytest.mark.parametrize("family", _cases(NOT_FUSED, AssertionError))
+@pytest.mark.parametrize("family", OPTIMUM_FAMILIES)
 def test_optimum_export_fuses_and_matches_onnxruntime(optimum_exports, family, tmp_path):
     source = optimum_exports[family]
     loaded = load_artifact(compile_to(source, tmp_path / "m"))
@@ -73,13 +60,9 @@ def test_optimum_export_fuses_and_matches_onnxruntime(optimum_exports, family, t
                 np.testing.assert_allclose(a, b, rtol=0, atol=TOLERANCE, err_msg=f"{backend} {name} {batch}x{seq}+{past}")
 
 
-@pytest.mark.parametrize("family", _cases(NOT_PAGED, AtcError))
+@pytest.mark.parametrize("family", OPTIMUM_FAMILIES)
 def test_optimum_export_generates_through_the_paged_engine(optimum_exports, family, tmp_path):
     source = optimum_exports[family]
     om = compile_to(source, tmp_path / "m", enable_paged_attention=True)
-    prompts = mixed_prompts(3, seed=7, high=40)
-    expected = [ort_greedy(source, prompt, NEW_TOKENS) for prompt in prompts]
-    with LLMEngine(om, max_batch_size=4, max_context_len=128, kv_cache_pages=16) as engine:
-        assert engine.paged
-        requests = [engine.submit(p, max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True) for p in prompts]
-        assert [r.result() is not None and r.output_ids for r in requests] == expected
+    assert load_artifact(om).metadata["kv_cache"]["layout"] == "paged"
+    assert_paged_greedy_equals_onnxruntime(source, om, NEW_TOKENS)
