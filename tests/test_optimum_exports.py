@@ -44,7 +44,8 @@ def test_optimum_export_fuses_and_matches_onnxruntime(optimum_exports, family, t
     expected = RECIPES[family].expected_counts(layers)
     assert counts["FusedAttention"] == expected["FusedAttention"]
     assert counts["RmsNorm"] + counts["AddRmsNorm"] == expected["norms"]
-    assert counts["Softmax"] == (layers if RECIPES[family].moe else 0)  # an MoE router's Softmax stays
+    assert counts["MoE"] == expected["MoE"]  # one per layer for RECIPES[family].moe
+    assert counts["Softmax"] == 0  # an MoE router's Softmax is inside the op
     dims = loaded.metadata["model"]
     for backend in ("onnxruntime", "reference"):
         executor = Executor(loaded, backend)

@@ -1,4 +1,5 @@
-"""MoeFusionPass and the cann::MoE op: both exporters' spellings, renormalised routing, refusals, the kernel
+"""MoeFusionPass and the cann::MoE op: both exporters' spellings of batched_mm experts and the unrolled
+per-expert loop of transformers 4.57, renormalised routing, refusals, the kernel
 against every expert run on every token, the onnxruntime lowering against the kernel, the switch, and
 weight quantization of a fused MoE model."""
 
@@ -96,6 +97,90 @@ def test_expert_block_becomes_one_moe(spelling, normalize, tmp_path):
 ])
 def test_other_structures_are_refused(change, reason):
     model = _expert_block(normalize=change.startswith("renormalised"), change=change)
+    fused, (result,) = apply_pass(model, FuseMoe())
+    assert result.effect_times == 0 and op_counts(fused) == op_counts(model)
+    assert len(result.rejections) == 1 and reason in result.rejections[0]
+
+
+def _expert_loop(normalize=False, change=None):
+    """transformers 4.57's loop over every expert, unrolled as its TorchScript export writes it (see
+    passes/fuse_moe.py), on the same weights as `_expert_block`; `change` names a difference to refuse."""
+    n = helper.make_node
+    nodes = [n("MatMul", ["x", "router"], ["logits"]), n("Softmax", ["logits"], ["probs"], axis=1),
+             n("TopK", ["probs", "k"], ["values", "indices"], axis=-1, largest=1)]
+    weights = "values"
+    if normalize:
+        nodes += [n("ReduceSum", ["values", "last"], ["total"], keepdims=1), n("Div", ["values", "total"], ["normed"])]
+        weights = "normed"
+    perm = [2, 0, 1] if change == "token-major-mask" else [2, 1, 0]
+    nodes += [n("OneHot", ["indices", "depth", "off_on"], ["onehot"], axis=-1),
+              n("Transpose", ["onehot"], ["mask"], perm=perm), n("Unsqueeze", [weights, "axis2"], ["w3"]),
+              n("Unsqueeze", ["x", "axis0"], ["x3"]), n("Shape", ["x"], ["x_shape"]),
+              n("ConstantOfShape", ["x_shape"], ["acc_start"])]
+    initializers, total = [], "acc_start"
+    for e in range(E - 1 if change == "missing-expert" else E):
+        p = f"e{e}_"
+        strided, offset = ("slot", "token") if change == "slot-major-weights" else ("token", "slot")
+        nodes += [n("Gather", ["mask", p + "index"], [p + "mask"], axis=0), n("Cast", [p + "mask"], [p + "bool"], to=9),
+                  n("NonZero", [p + "bool"], [p + "nz"]), n("Transpose", [p + "nz"], [p + "pairs"], perm=[1, 0]),
+                  n("Split", [p + "pairs", "ones"], [p + "s0", p + "s1"], axis=1),
+                  n("Squeeze", [p + "s0", "axis1"], [p + "slot"]), n("Squeeze", [p + "s1", "axis1"], [p + "token"]),
+                  n("Gather", ["x3", p + "token"], [p + "picked"], axis=1),
+                  n("Reshape", [p + "picked", "rows"], [p + "rows"]),
+                  n("MatMul", [p + "rows", p + "gate"], [p + "g"]), n("MatMul", [p + "rows", p + "up"], [p + "u"]),
+                  n("Sigmoid", [p + "g"], [p + "sig"]), n("Mul", [p + "g", p + "sig"], [p + "silu"]),
+                  n("Mul", [p + "silu", p + "u"], [p + "act"]), n("MatMul", [p + "act", p + "down"], [p + "o"]),
+                  n("Mul", [p + strided, "k"], [p + "stride"]), n("Add", [p + offset, p + "stride"], [p + "flat"]),
+                  n("Flatten", ["w3"], [p + "w_flat"], axis=2), n("Gather", [p + "w_flat", p + "flat"], [p + "w"], axis=0),
+                  n("Reshape", [p + "w", "column"], [p + "w_col"]), n("Mul", [p + "o", p + "w_col"], [p + "upd"]),
+                  n("Unsqueeze", [p + "token", "axis1"], [p + "tok_col"]), n("Shape", [p + "upd"], [p + "upd_shape"]),
+                  n("Expand", [p + "tok_col", p + "upd_shape"], [p + "ind"]),
+                  n("ConstantOfShape", ["x_shape"], [p + "zeros"]),
+                  n("ScatterElements", [p + "zeros", p + "ind", p + "upd"], [p + "scattered"], axis=0),
+                  n("Add", [total, p + "scattered"], [p + "acc"])]
+        total = p + "acc"
+        initializers += [numpy_helper.from_array(np.asarray(e, np.int64), p + "index"),
+                         numpy_helper.from_array(np.ascontiguousarray(WEIGHTS["gate_up"][e, :I].T), p + "gate"),
+                         numpy_helper.from_array(np.ascontiguousarray(WEIGHTS["gate_up"][e, I:].T), p + "up"),
+                         numpy_helper.from_array(np.ascontiguousarray(WEIGHTS["down"][e].T), p + "down")]
+    nodes.append(n("Identity", [total], ["y"]))
+    initializers += [numpy_helper.from_array(WEIGHTS["router"], "router"), _ints("k", [K]), _ints("last", [-1]),
+                     _ints("depth", [E]), _ints("off_on", [0, 1]), _ints("axis0", [0]), _ints("axis1", [1]),
+                     _ints("axis2", [2]), _ints("ones", [1, 1]), _ints("rows", [-1, H]), _ints("column", [-1, 1])]
+    graph = helper.make_graph(nodes, "moe_loop", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", H])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def _moe_weights(model):
+    node = next(n for n in model.graph.node if n.op_type == "MoE")
+    initializers = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return attributes, initializers[node.input[2]], initializers[node.input[3]]
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["softmax", "renormalised"])
+def test_expert_loop_becomes_the_same_moe(normalize, tmp_path):
+    model = _expert_loop(normalize)
+    fused, (result,) = apply_pass(model, FuseMoe())
+    assert (result.match_times, result.effect_times) == (1, 1)
+    assert op_counts(fused) == Counter({"MatMul": 1, "MoE": 1, "Identity": 1})
+    attributes, gate_up, down = _moe_weights(fused)
+    batched = apply_pass(_expert_block("ts", normalize), FuseMoe())[0]
+    batched_attributes, batched_gate_up, batched_down = _moe_weights(batched)
+    assert attributes == batched_attributes == {"num_experts": E, "top_k": K, "normalize_routing_weights": int(normalize)}
+    np.testing.assert_array_equal(gate_up, batched_gate_up)  # the per-expert weights stacked as the batched rule's
+    np.testing.assert_array_equal(down, batched_down)
+    assert_parity(model, fused, FEEDS, tmp_path)
+
+
+@pytest.mark.parametrize("change, reason", [
+    ("missing-expert", f"experts [{E - 1}] of {E} have no block"),
+    ("token-major-mask", "not permuted to [experts, slots, tokens]"),
+    ("slot-major-weights", "not a down projection scaled by their routing weights"),
+])
+def test_other_expert_loops_are_refused(change, reason):
+    model = _expert_loop(change=change)
     fused, (result,) = apply_pass(model, FuseMoe())
     assert result.effect_times == 0 and op_counts(fused) == op_counts(model)
     assert len(result.rejections) == 1 and reason in result.rejections[0]
