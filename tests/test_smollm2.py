@@ -129,7 +129,7 @@ def test_force_fp16_stores_every_matmul_weight_and_the_tied_table_in_half_the_by
 
 @pytest.fixture(scope="module")
 def smollm2_ts_path():
-    """SmolLM2 exported by `cann-run export --exporter torchscript` (about 7,400 nodes), once per cache."""
+    """SmolLM2 exported by `cann-run export --exporter torchscript` (7,612 nodes), once per cache."""
     import subprocess
     import sys
 
