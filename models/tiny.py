@@ -7,6 +7,7 @@ first time. Attention is transformers' default implementation (`sdpa`), as users
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -109,8 +110,13 @@ def tiny_onnx(family: str, *, dynamo: bool, with_past: bool, seed: int = 0, atte
     tag += "-" + hashlib.sha1(sizes.encode()).hexdigest()[:8]
     path = cache_dir() / "tiny" / tag / "model.onnx"
     if not path.exists():
-        export_causal_lm(build_tiny_model(family, seed, attention, overrides), path, dynamo=dynamo,
-                         with_past=with_past)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # parallel test workers want the same exports at the same time: one exports, the others wait for it
+        with open(path.with_name("export.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not path.exists():
+                export_causal_lm(build_tiny_model(family, seed, attention, overrides), path, dynamo=dynamo,
+                                 with_past=with_past)
     tokenizer = path.with_name("tokenizer.json")
     if not tokenizer.exists():  # written atomically: parallel test workers may race to write it
         partial = tokenizer.with_name(f"tokenizer.{os.getpid()}.partial")
