@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from passes.pattern import FusionPass, fused_node, producer
+from passes.pattern import FusionPass, const_ints, fused_node, producer
 from passes.rotary_tables import NodeBuilder, Rotation, rotary_tables
 
 POSITIONS = "position_ids"
@@ -60,18 +60,12 @@ def _through(tensor: gs.Tensor, *ops: str) -> gs.Tensor:
     return tensor
 
 
-def _ints(tensor: gs.Tensor) -> list[int] | None:
-    if not isinstance(tensor, gs.Constant):
-        return None
-    return [int(v) for v in np.asarray(tensor.values).reshape(-1)]
-
-
 def _reduced(tensor: gs.Tensor, op: str, axis: int) -> gs.Tensor | None:
     """x when `tensor` = op(x) over `axis` alone of a 2-D x, keepdims 0 (axes as attribute or input)."""
     node = producer(_through(tensor, "Cast"), op)
     if node is None or node.attrs.get("keepdims", 1) != 0:
         return None
-    axes = node.attrs.get("axes") or (_ints(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1].name else None)
+    axes = node.attrs.get("axes") or (const_ints(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1].name else None)
     source = _through(node.inputs[0], "Cast")
     rank = len(source.shape) if source.shape is not None else None
     if rank is None or axes is None or [a % rank for a in axes] != [axis % rank]:
@@ -85,7 +79,7 @@ def _minus_one(tensor: gs.Tensor, plus: bool = False) -> gs.Tensor | None:
     if node is None:
         return None
     operands = [node.inputs[0], node.inputs[1]] if not plus else sorted(node.inputs, key=lambda t: isinstance(t, gs.Constant))
-    if _ints(operands[1]) != [1]:
+    if const_ints(operands[1]) != [1]:
         return None
     return operands[0]
 
@@ -93,11 +87,11 @@ def _minus_one(tensor: gs.Tensor, plus: bool = False) -> gs.Tensor | None:
 def _is_width_of(total: gs.Tensor, mask: gs.Tensor) -> bool:
     """Whether `total` is dim 1 of `mask`: Gather(Shape(M), 1), Shape(M)[1:2], or that number folded."""
     source = _through(total, "Cast", "Squeeze", "Reshape", "Unsqueeze")
-    folded = _ints(source)
+    folded = const_ints(source)
     if folded is not None:
         return len(folded) == 1 and mask.shape is not None and folded[0] == mask.shape[1]
     gather = producer(source, "Gather")
-    if gather is not None and gather.attrs.get("axis", 0) == 0 and _ints(gather.inputs[1]) == [1]:
+    if gather is not None and gather.attrs.get("axis", 0) == 0 and const_ints(gather.inputs[1]) == [1]:
         shape = producer(gather.inputs[0], "Shape")
         return shape is not None and shape.inputs[0] is mask and shape.attrs.get("start", 0) == 0
     shape = producer(source, "Shape")

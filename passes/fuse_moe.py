@@ -33,7 +33,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from passes.fuse_swiglu import gate_up_halves
-from passes.pattern import FusionPass, fused_node, other_input, producer, scalar, sole_consumer
+from passes.pattern import FusionPass, axes_of, const_ints, fused_node, other_input, producer, scalar, sole_consumer
 
 
 @dataclass
@@ -46,20 +46,6 @@ class MoeMatch:
     normalize: int
     output: gs.Tensor
     name: str
-
-
-def _ints(tensor: gs.Tensor | None) -> list[int] | None:
-    if not isinstance(tensor, gs.Constant):
-        return None
-    return [int(v) for v in np.asarray(tensor.values).reshape(-1)]
-
-
-def _axes(node: gs.Node) -> list[int] | None:
-    """Unsqueeze/Squeeze/ReduceSum axes, an attribute before opset 13 and an input from it on."""
-    if len(node.inputs) > 1:
-        return _ints(node.inputs[1])
-    axes = node.attrs.get("axes")
-    return None if axes is None else list(axes)
 
 
 def _is_axis(axis: int, axes: list[int] | None, rank: int | None) -> bool:
@@ -76,13 +62,13 @@ def _through(tensor: gs.Tensor, op: str, axis: int) -> gs.Tensor | None:
     if node is None:
         return None
     rank = _rank(node.outputs[0]) if op == "Unsqueeze" else _rank(node.inputs[0])
-    return node.inputs[0] if _is_axis(axis, _axes(node), rank) else None
+    return node.inputs[0] if _is_axis(axis, axes_of(node), rank) else None
 
 
 def _flattened(graph: gs.Graph, tensor: gs.Tensor) -> gs.Tensor | None:
     """The sole `Reshape(tensor, [-1])` reader of `tensor`, whose output is the flat [T·k] routing slots."""
     node = sole_consumer(graph, tensor, "Reshape")
-    return node.outputs[0] if node is not None and _ints(node.inputs[1]) == [-1] else None
+    return node.outputs[0] if node is not None and const_ints(node.inputs[1]) == [-1] else None
 
 
 def _expert_weights(gathered: gs.Tensor, slots: gs.Tensor) -> gs.Constant | None:
@@ -105,12 +91,12 @@ def _repeated_tokens(tensor: gs.Tensor, top_k: int) -> gs.Tensor | None:
     if flat.op == "Flatten" and flat.attrs.get("axis", 1) != 2:
         return None
     repeat = producer(flat.inputs[0], "Expand", "Tile")
-    if repeat is None or _ints(repeat.inputs[1]) != [1, top_k, 1]:
+    if repeat is None or const_ints(repeat.inputs[1]) != [1, top_k, 1]:
         return None
     x = _through(repeat.inputs[0], "Unsqueeze", 1)
     if x is None or _rank(x) != 2:
         return None
-    if flat.op == "Reshape" and _ints(flat.inputs[1]) != [-1, x.shape[-1]]:
+    if flat.op == "Reshape" and const_ints(flat.inputs[1]) != [-1, x.shape[-1]]:
         return None
     return x
 
@@ -179,7 +165,7 @@ def _routing(graph: gs.Graph, topk: gs.Node) -> Routing | str:
     if total is not None:
         divide = sole_consumer(graph, total.outputs[0], "Div")
         if (len(values.outputs) != 2 or divide is None or divide.inputs[0] is not values
-                or not _is_axis(-1, _axes(total), rank) or not total.attrs.get("keepdims", 1)):
+                or not _is_axis(-1, axes_of(total), rank) or not total.attrs.get("keepdims", 1)):
             return "the top-k probabilities are summed but not renormalised by that sum"
         weights, normalize = divide.outputs[0], 1
     return Routing(logits, int(top_k), logits.shape[-1], indices, weights, normalize)
@@ -190,7 +176,7 @@ def _match_batched(graph: gs.Graph, routing: Routing) -> MoeMatch | str:
     top_k, num_experts = routing.top_k, routing.num_experts
     flat_weights, slots = _flattened(graph, routing.weights), _flattened(graph, routing.indices)
     scale_node = sole_consumer(graph, flat_weights, "Unsqueeze") if flat_weights is not None else None
-    if slots is None or scale_node is None or not _is_axis(-1, _axes(scale_node), 2):
+    if slots is None or scale_node is None or not _is_axis(-1, axes_of(scale_node), 2):
         return "the routing weights and experts are not flattened to one slot per row"
     scale = scale_node.outputs[0]
     weighting = sole_consumer(graph, scale, "Mul")
@@ -216,11 +202,11 @@ def _match_batched(graph: gs.Graph, routing: Routing) -> MoeMatch | str:
                 f"experts of hidden size {hidden}")
     grouped = sole_consumer(graph, weighting.outputs[0], "Reshape")
     reduce = sole_consumer(graph, grouped.outputs[0], "ReduceSum") if grouped is not None else None
-    target = _ints(grouped.inputs[1]) if grouped is not None else None
+    target = const_ints(grouped.inputs[1]) if grouped is not None else None
     shape = grouped.outputs[0].shape if grouped is not None else None
     per_token = (target is not None and target[1:] == [top_k, hidden]) or (
         shape is not None and len(shape) == 3 and list(shape[1:]) == [top_k, hidden])
-    if reduce is None or not per_token or not _is_axis(1, _axes(reduce), 3) or reduce.attrs.get("keepdims", 1):
+    if reduce is None or not per_token or not _is_axis(1, axes_of(reduce), 3) or reduce.attrs.get("keepdims", 1):
         return "the weighted outputs are not summed over each token's k slots"
     return MoeMatch(x, routing.logits, np.asarray(gate_up_weights.values), down_weights, top_k, routing.normalize,
                     reduce.outputs[0], reduce.name.rsplit("/", 1)[0] + "/MoE")
@@ -247,10 +233,10 @@ def _mask_positions(graph: gs.Graph, mask: gs.Tensor) -> tuple[gs.Tensor, gs.Ten
         return None
     split = sole_consumer(graph, pairs.outputs[0], "Split")
     if (split is None or len(split.outputs) != 2 or not _is_axis(1, [split.attrs.get("axis", 0)], 2)
-            or (len(split.inputs) > 1 and _ints(split.inputs[1]) != [1, 1])):
+            or (len(split.inputs) > 1 and const_ints(split.inputs[1]) != [1, 1])):
         return None
     columns = [sole_consumer(graph, column, "Squeeze") for column in split.outputs]
-    if any(c is None or not _is_axis(1, _axes(c), 2) for c in columns):
+    if any(c is None or not _is_axis(1, axes_of(c), 2) for c in columns):
         return None
     return columns[0].outputs[0], columns[1].outputs[0]
 
@@ -271,7 +257,7 @@ def _gathered_rows(tensor: gs.Tensor, token: gs.Tensor) -> gs.Tensor | None:
     if gather is None or gather.attrs.get("axis", 0) != 1 or gather.inputs[1] is not token:
         return None
     x = _through(gather.inputs[0], "Unsqueeze", 0)
-    if x is None or _rank(x) != 2 or _ints(reshape.inputs[1]) != [-1, x.shape[-1]]:
+    if x is None or _rank(x) != 2 or const_ints(reshape.inputs[1]) != [-1, x.shape[-1]]:
         return None
     return x
 
@@ -300,7 +286,7 @@ def _looped_expert(graph: gs.Graph, mask: gs.Tensor, routing: Routing) -> Looped
         return "its mask is not read as NonZero (slot, token) pairs"
     slot, token = positions
     index = next((sole_consumer(graph, n.outputs[0], "Expand") for n in token.outputs
-                  if n.op == "Unsqueeze" and _is_axis(1, _axes(n), 2)), None)
+                  if n.op == "Unsqueeze" and _is_axis(1, axes_of(n), 2)), None)
     scatter = sole_consumer(graph, index.outputs[0], "ScatterElements") if index is not None else None
     # ONNX makes the indices the updates' shape: the expanded token column indexes every feature of its row
     if (scatter is None or scatter.inputs[1] is not index.outputs[0] or not _is_zeros(scatter.inputs[0])
@@ -359,7 +345,7 @@ def _summed(experts: list[LoopedExpert]) -> gs.Tensor | None:
 def _match_loop(graph: gs.Graph, routing: Routing, onehot: gs.Node) -> MoeMatch | str:
     """transformers 4.57's loop over every expert, unrolled: each runs on the rows its one-hot mask selects."""
     num_experts = routing.num_experts
-    if (_ints(onehot.inputs[1]) != [num_experts] or _ints(onehot.inputs[2]) != [0, 1]
+    if (const_ints(onehot.inputs[1]) != [num_experts] or const_ints(onehot.inputs[2]) != [0, 1]
             or not _is_axis(-1, [onehot.attrs.get("axis", -1)], 3)):
         return f"the expert mask is not a one-hot of the {num_experts} experts"
     permute = sole_consumer(graph, onehot.outputs[0], "Transpose")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from passes.pattern import FusionPass, fused_node, other_input, producer, scalar, sole_consumer
+from passes.pattern import FusionPass, axes_of, fused_node, other_input, producer, scalar, sole_consumer
 
 
 @dataclass
@@ -24,14 +24,6 @@ class RmsNormMatch:
     epsilon: float
     output: gs.Tensor
     name: str
-
-
-def _axes(mean: gs.Node) -> list[int] | None:
-    if "axes" in mean.attrs:
-        return list(mean.attrs["axes"])
-    if len(mean.inputs) > 1 and isinstance(mean.inputs[1], gs.Constant):
-        return [int(a) for a in np.asarray(mean.inputs[1].values).reshape(-1)]
-    return None
 
 
 def _normalized(graph: gs.Graph, x: gs.Tensor, sqrt_out: gs.Tensor) -> gs.Tensor | str:
@@ -68,8 +60,8 @@ class FuseRmsNorm(FusionPass):
         if square.op == "Mul" and square.inputs[1] is not x:
             return "the Mul is not x·x"
         rank = len(x.shape) if x.shape is not None else None
-        if rank is None or _axes(mean) not in ([-1], [rank - 1]):
-            return f"the mean is not over the last axis (axes {_axes(mean)}, rank {rank})"
+        if rank is None or axes_of(mean) not in ([-1], [rank - 1]):
+            return f"the mean is not over the last axis (axes {axes_of(mean)}, rank {rank})"
         hidden = x.shape[-1]
         if not isinstance(hidden, int):
             return "the normalised size is not static"

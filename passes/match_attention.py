@@ -25,25 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from passes.pattern import producer, scalar, sole_consumer
+from passes.pattern import axes_of, const_ints, producer, scalar, sole_consumer
 from runtime.kernels import CUSTOM_DOMAIN
 
 CAUSAL_OPS = ("LessOrEqual", "GreaterOrEqual", "Less", "Greater", "Trilu")
 MASKED_BELOW = -1e4  # a masked_fill value at most this is a mask (float16's minimum is -65504)
-
-
-def _const_ints(tensor: gs.Tensor) -> list[int] | None:
-    if not isinstance(tensor, gs.Constant):
-        return None
-    return [int(v) for v in np.asarray(tensor.values).reshape(-1)]
-
-
-def _axes(node: gs.Node) -> list[int] | None:
-    """Unsqueeze's axes, as an attribute (opset < 13) or an input."""
-    if len(node.inputs) > 1:
-        return _const_ints(node.inputs[1])
-    axes = node.attrs.get("axes")
-    return list(axes) if axes is not None else None
 
 
 def is_transpose(node: gs.Node | None, perm: list[int]) -> bool:
@@ -251,8 +237,8 @@ def _kept_tail(node: gs.Node | None, rank: int) -> int | None:
     """n when `node` is Slice(x, [-n], [to the end]) on the sequence axis: x's last n rows."""
     if node is None or node.op != "Slice" or len(node.inputs) < 4:
         return None
-    starts, ends, axes = (_const_ints(t) for t in node.inputs[1:4])
-    steps = _const_ints(node.inputs[4]) if len(node.inputs) > 4 else [1]
+    starts, ends, axes = (const_ints(t) for t in node.inputs[1:4])
+    steps = const_ints(node.inputs[4]) if len(node.inputs) > 4 else [1]
     if None in (starts, ends, axes, steps) or len(starts) != 1 or axes[0] not in (rank - 2, -2) or steps != [1]:
         return None
     return -starts[0] if starts[0] < 0 and ends[0] >= 2 ** 31 - 1 else None
@@ -286,7 +272,7 @@ def _inserted_group_axis(tensor: gs.Tensor) -> gs.Tensor | None:
         return None
     source = node.inputs[0]
     if node.op == "Unsqueeze":
-        return source if _axes(node) == [2] else None
+        return source if axes_of(node) == [2] else None
     shape, inner = tensor.shape, source.shape
     if shape is None or inner is None or len(shape) != 5 or len(inner) != 4 or shape[2] != 1:
         return None
@@ -299,7 +285,7 @@ def match_gqa_repeat(tensor: gs.Tensor) -> tuple[gs.Tensor, int | None] | None:
     whose shape was not inferred). None when `tensor` is not such a repetition."""
     gather = producer(tensor, "Gather")
     if gather is not None and gather.attrs.get("axis", 0) == 1:
-        indices = _const_ints(gather.inputs[1])
+        indices = const_ints(gather.inputs[1])
         source = gather.inputs[0]
         kv = source.shape[1] if source.shape is not None and len(source.shape) == 4 else None
         if indices and isinstance(kv, int) and len(indices) % kv == 0:
@@ -322,7 +308,7 @@ def match_gqa_repeat(tensor: gs.Tensor) -> tuple[gs.Tensor, int | None] | None:
         grouped = copies.outputs[0].shape
         repeats = grouped[2] if grouped is not None and len(grouped) == 5 else None
         if copies.op == "Tile":
-            multiples = _const_ints(copies.inputs[1])
+            multiples = const_ints(copies.inputs[1])
             repeats = multiples[2] if multiples is not None and len(multiples) == 5 and \
                 multiples[:2] + multiples[3:] == [1, 1, 1, 1] else None
     if source is None or (copies.op != "Expand" and not isinstance(repeats, int)):

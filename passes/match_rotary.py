@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import onnx_graphsurgeon as gs
 
-from passes.pattern import producer
+from passes.pattern import const_ints, producer
 from passes.shape_values import static_ints
 
 
@@ -30,12 +29,6 @@ class Rotary:
     interleaved: int = 0
 
 
-def _const_ints(tensor: gs.Tensor) -> list[int] | None:
-    if not isinstance(tensor, gs.Constant):
-        return None
-    return [int(v) for v in np.asarray(tensor.values).reshape(-1)]
-
-
 def slice_bounds(node: gs.Node | None, source: gs.Tensor, step: int = 1) -> tuple[int, int] | None:
     """(start, end) of a Slice of `source` along its last axis with the given step; None otherwise. The
     bounds may be computed from static dims (`Shape(cos)[-1]`)."""
@@ -43,8 +36,8 @@ def slice_bounds(node: gs.Node | None, source: gs.Tensor, step: int = 1) -> tupl
         return None
     last = len(source.shape or []) - 1
     starts, ends = static_ints(node.inputs[1]), static_ints(node.inputs[2])
-    axes = _const_ints(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3].name else [last]
-    steps = _const_ints(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4].name else [1]
+    axes = const_ints(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3].name else [last]
+    steps = const_ints(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4].name else [1]
     if None in (starts, ends, axes, steps) or len(starts) != 1 or steps != [step] or axes[0] not in (-1, last):
         return None
     return starts[0], ends[0]

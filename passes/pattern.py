@@ -39,6 +39,21 @@ def scalar(tensor: gs.Tensor) -> float | None:
     return float(np.asarray(tensor.values).reshape(-1)[0])
 
 
+def const_ints(tensor: gs.Tensor | None) -> list[int] | None:
+    """The values of a constant, flattened to ints, else None."""
+    if not isinstance(tensor, gs.Constant):
+        return None
+    return [int(v) for v in np.asarray(tensor.values).reshape(-1)]
+
+
+def axes_of(node: gs.Node) -> list[int] | None:
+    """The axes of an Unsqueeze, Squeeze or Reduce op: an attribute before opset 13 (18 for reductions),
+    an input from then on; None when they are not constant."""
+    if "axes" in node.attrs:
+        return list(node.attrs["axes"])
+    return const_ints(node.inputs[1]) if len(node.inputs) > 1 else None
+
+
 def other_input(node: gs.Node, tensor: gs.Tensor) -> gs.Tensor | None:
     """For a two-input node reading `tensor`, its other input."""
     if len(node.inputs) != 2 or tensor not in node.inputs:

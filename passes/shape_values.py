@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import onnx_graphsurgeon as gs
 
-from passes.pattern import producer
+from passes.pattern import const_ints, producer
 
 
 @dataclass(frozen=True)
@@ -33,15 +32,9 @@ class DimOf:
 Element = int | DimOf
 
 
-def _ints(tensor: gs.Tensor) -> list[int] | None:
-    if not isinstance(tensor, gs.Constant):
-        return None
-    return [int(v) for v in np.asarray(tensor.values).reshape(-1)]
-
-
 def shape_elements(tensor: gs.Tensor, depth: int = 8) -> list[Element] | None:
     """The elements of a 1-D int64 shape tensor, or None when the chain is not one we can read."""
-    constant = _ints(tensor)
+    constant = const_ints(tensor)
     if constant is not None:
         return constant
     node = producer(tensor)
@@ -53,22 +46,22 @@ def shape_elements(tensor: gs.Tensor, depth: int = 8) -> list[Element] | None:
             return None
         start, end = node.attrs.get("start", 0), node.attrs.get("end", rank)
         return [DimOf(node.inputs[0], axis) for axis in range(rank)][slice(start, end)]
-    if node.op in ("Cast", "Identity", "Squeeze", "Unsqueeze") or (node.op == "Reshape" and _ints(node.inputs[1]) in ([-1], [1])):
+    if node.op in ("Cast", "Identity", "Squeeze", "Unsqueeze") or (node.op == "Reshape" and const_ints(node.inputs[1]) in ([-1], [1])):
         inner = shape_elements(node.inputs[0], depth - 1)
         return inner if inner is not None and len(inner) == 1 or node.op in ("Cast", "Identity") else None
     if node.op == "Concat" and node.attrs.get("axis", 0) in (0, -1):
         parts = [shape_elements(t, depth - 1) for t in node.inputs]
         return None if any(p is None for p in parts) else [e for p in parts for e in p]
     if node.op == "Gather" and node.attrs.get("axis", 0) == 0:
-        source, indices = shape_elements(node.inputs[0], depth - 1), _ints(node.inputs[1])
+        source, indices = shape_elements(node.inputs[0], depth - 1), const_ints(node.inputs[1])
         if source is None or indices is None or any(not -len(source) <= i < len(source) for i in indices):
             return None
         return [source[i] for i in indices]
     if node.op == "Slice":
         source = shape_elements(node.inputs[0], depth - 1)
-        starts, ends = _ints(node.inputs[1]), _ints(node.inputs[2])
-        axes = _ints(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3].name else [0]
-        steps = _ints(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4].name else [1]
+        starts, ends = const_ints(node.inputs[1]), const_ints(node.inputs[2])
+        axes = const_ints(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3].name else [0]
+        steps = const_ints(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4].name else [1]
         if source is None or None in (starts, ends, axes, steps) or axes not in ([0], [-1]) or len(starts) != 1:
             return None
         return source[slice(starts[0], ends[0], steps[0])]
