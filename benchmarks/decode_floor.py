@@ -80,7 +80,7 @@ def matmul_session(weights: dict[str, np.ndarray], rows: int = 1) -> tuple[ort.I
     return session, {**feeds, **weights}
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--om", "om_path", required=True, help="a paged artifact")
 @click.option("--onnx", "onnx_path", required=True, help="the original export with KV-cache I/O")
 @click.option("--context", default=128, show_default=True, help="tokens cached before the measured steps")

@@ -39,7 +39,7 @@ def _session(weight: np.ndarray) -> ort.InferenceSession:
     return ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--repeat", default=50, show_default=True)
 def main(repeat: int) -> None:
     """Print one line per shape."""

@@ -95,7 +95,7 @@ async def _client(client, url, model, text, deadline, rng, results, statuses, ab
             results["tokens"] += pieces
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--url", default="http://127.0.0.1:8000", show_default=True)
 @click.option("--model", required=True)
 @click.option("--clients", default=64, show_default=True)

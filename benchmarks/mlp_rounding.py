@@ -83,7 +83,7 @@ def learn_mlp(x: np.ndarray, gate_up: _Rounding, down: _Rounding, steps: int, ba
     return before, error()
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--onnx", "onnx_path", required=True, type=click.Path(exists=True, path_type=Path))
 @click.option("--conf", required=True, type=click.Path(exists=True), help="a --compress_weight_conf JSON")
 @click.option("--steps", default=200, show_default=True, help="SignSGD steps per MLP")

@@ -42,7 +42,7 @@ def _compile(source: Path, output: Path, **flags) -> Path:
     return compile_model(cfg).output
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--family", type=click.Choice(["qwen3_moe", "qwen2_moe"]), default="qwen3_moe", show_default=True)
 @click.option("--experts", default=16, show_default=True)
 @click.option("--top-k", default=2, show_default=True)

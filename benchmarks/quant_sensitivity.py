@@ -122,7 +122,7 @@ def scoring_session(graph: gs.Graph, extra_outputs: list[str] = ()) -> tuple[Fed
     return FedWeightsSession(model, signature, llm_dimensions(signature), dict(weights)), weights
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--onnx", "onnx_path", required=True, type=click.Path(exists=True, path_type=Path))
 @click.option("--conf", required=True, type=click.Path(exists=True), help="a --compress_weight_conf JSON")
 @click.option("--max_tokens", default=4096, show_default=True, help="score the first N tokens of the text")

@@ -82,7 +82,7 @@ def _compile(onnx_path: Path, out: Path, name: str, row: Row) -> tuple[Path, flo
     return stem.with_suffix(".om"), time.perf_counter() - start, usage.ru_maxrss / 2**20
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--onnx", "onnx_path", required=True, type=click.Path(exists=True, path_type=Path))
 @click.option("--out", required=True, type=click.Path(path_type=Path))
 @click.option("--rows", default=",".join(ROWS), show_default=True)

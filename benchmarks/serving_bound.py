@@ -42,7 +42,7 @@ def _median_s(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--om", "om_path", required=True, help="the artifact the bench ran")
 @click.option("--bench", "bench_path", required=True, help="the JSON `cann-run bench` wrote")
 @click.option("--repeat", default=15, show_default=True)

@@ -30,7 +30,7 @@ def _median_ms(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--om", "om_path", required=True)
 @click.option("--onnx", "onnx_path", required=True)
 @click.option("--seq", default=128, show_default=True, help="prefill length")

@@ -57,7 +57,7 @@ def prepare_smollm2(out_dir: Path, *, dynamo: bool = True, with_past: bool = Tru
     return export_checkpoint(cfg, log)
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("name", type=click.Choice(["smollm2"]))
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None, help="output folder")
 @click.option("--dynamo/--no-dynamo", default=True, help="torch exporter: dynamo=True (default) or TorchScript")
