@@ -28,8 +28,8 @@ from models.tiny import REPO_ROOT, byte_tokenizer_json, cache_dir
 REQUIREMENTS = ("optimum-onnx==0.1.0", "optimum==2.1.0", "transformers==4.57.6", "torch==2.13.0", "accelerate",
                 "onnx", "onnxruntime")
 # the tiny families Optimum can export with `text-generation-with-past`; it has no ONNX config for
-# qwen2_moe, and gpt2 is no RoPE family
-OPTIMUM_FAMILIES = ("llama", "qwen2", "mistral", "phi3", "gemma", "qwen3", "glm", "qwen3_moe")
+# qwen2_moe
+OPTIMUM_FAMILIES = ("llama", "qwen2", "mistral", "phi3", "gemma", "qwen3", "glm", "qwen3_moe", "gpt2")
 # transformers 5 saves MoE experts as fused 3-D tensors that 4.57 cannot load: these are built in the
 # optimum venv by the same build_tiny_model (same sizes and seed, other initial weights)
 BUILT_IN_OPTIMUM_VENV = frozenset({"qwen3_moe"})

@@ -40,7 +40,8 @@ def test_optimum_export_fuses_and_matches_onnxruntime(optimum_exports, family, t
     source = optimum_exports[family]
     loaded = load_artifact(compile_to(source, tmp_path / "m"))
     counts = Counter(node.op_type for node in loaded.model.graph.node)
-    layers = TINY_FAMILIES[family].sizes["num_hidden_layers"]
+    sizes = TINY_FAMILIES[family].sizes
+    layers = sizes.get("num_hidden_layers", sizes.get("n_layer"))  # GPT2Config names it n_layer
     expected = RECIPES[family].expected_counts(layers)
     assert counts["FusedAttention"] == expected["FusedAttention"]
     assert counts["RmsNorm"] + counts["AddRmsNorm"] == expected["norms"]
