@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import click
@@ -26,15 +25,7 @@ from compiler.compile import compile_model
 from compiler.config import CompileConfig
 from runtime import Executor, load_artifact
 from runtime.feeds import causal_lm_inputs
-
-
-def _median_ms(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
+from step_latency import median_ms  # benchmarks/ is the script's folder, so on its path
 
 
 def _compile(source: Path, output: Path, **flags) -> Path:
@@ -87,7 +78,7 @@ def main(family: str, experts: int, top_k: int, past: int, batch: int, prefill: 
             medians = {k: [] for k in executors}
             for _ in range(rounds):
                 for key, executor in executors.items():
-                    medians[key].append(_median_ms(lambda: executor.run(feeds, ["logits"]), repeat))
+                    medians[key].append(median_ms(lambda: executor.run(feeds, ["logits"]), repeat))
             fused, unfused = statistics.median(medians["fused"]), statistics.median(medians["unfused"])
             click.echo(f"{name:<22}{fused:>12.3f}{unfused:>14.3f}{unfused / fused:>15.2f}"
                        f"   (max |logit difference| {gap:.1e})")

@@ -21,7 +21,8 @@ from runtime.feeds import causal_lm_inputs
 from runtime.ort_session import session_options
 
 
-def _median_ms(fn, repeat: int) -> float:
+def median_ms(fn, repeat: int) -> float:
+    """The median wall time of `repeat` calls of fn, in milliseconds."""
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
@@ -62,8 +63,8 @@ def main(om_path: str, onnx_path: str, seq: int, past: int, repeat: int, threads
     for name, feeds in cases.items():
         medians = {"om": [], "onnx": []}
         for _ in range(3):
-            medians["om"].append(_median_ms(lambda: executor.run(feeds, ["logits"]), repeat // 3 + 1))
-            medians["onnx"].append(_median_ms(lambda: session.run(["logits"], feeds), repeat // 3 + 1))
+            medians["om"].append(median_ms(lambda: executor.run(feeds, ["logits"]), repeat // 3 + 1))
+            medians["onnx"].append(median_ms(lambda: session.run(["logits"], feeds), repeat // 3 + 1))
         om_ms, onnx_ms = statistics.median(medians["om"]), statistics.median(medians["onnx"])
         click.echo(f"{name:<22}{om_ms:>10.1f}{onnx_ms:>11.1f}{om_ms / onnx_ms:>9.2f}")
 

@@ -17,7 +17,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from passes.pattern import FusionPass, fused_node, producer
-from passes.rotary_tables import NodeBuilder, Rotation, rotary_tables
+from passes.rotary_tables import NodeBuilder, Rotation, paired_rotation, rotary_tables
 
 
 @dataclass
@@ -76,13 +76,11 @@ class ConvertAttention(FusionPass):
         if mask.name and (mask.shape is None or len(mask.shape) != 4 or mask.shape[1] not in (1, heads)):
             return "the attn_mask is not [B|1, H|1, S, T]"
         rotation = None
-        rotated_q, rotated_k = _rotation(q, head_dim), _rotation(k, head_dim)
-        if rotated_q is not None and rotated_k is not None:
-            (q, rotation), (k, key_rotation) = rotated_q, rotated_k
-            if not key_rotation.same_as(rotation):
-                return "q and k rotate with different tables"
-        elif (rotated_q is None) != (rotated_k is None):
-            return "rotary embedding on only one of q and k"
+        paired = paired_rotation(_rotation(q, head_dim), _rotation(k, head_dim))
+        if isinstance(paired, str):
+            return paired
+        if paired is not None:
+            q, k, rotation = paired
         return StandardAttentionMatch(node, q, k, v, heads, kv_heads, head_dim, rank == 4, rotation,
                                       mask if mask.name else None)
 

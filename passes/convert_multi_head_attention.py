@@ -19,7 +19,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from passes.pattern import FusionPass, fused_node, producer
-from passes.rotary_tables import NodeBuilder, Rotation, rotary_tables
+from passes.rotary_tables import NodeBuilder, Rotation, paired_rotation, rotary_tables
 
 MICROSOFT_DOMAIN = "com.microsoft"
 _UNSUPPORTED_INPUTS = {3: "the packed q/k/v bias", 8: "past_sequence_length", 9: "cache_indirection"}
@@ -105,12 +105,11 @@ class ConvertMultiHeadAttention(FusionPass):
             if isinstance(found, str):
                 return found
         rotation = None
-        if rotated_q is not None and rotated_k is not None:
-            (q, rotation), (k, key_rotation) = rotated_q, rotated_k
-            if not key_rotation.same_as(rotation):
-                return "q and k rotate with different tables"
-        elif (rotated_q is None) != (rotated_k is None):
-            return "rotary embedding on only one of q and k"
+        paired = paired_rotation(rotated_q, rotated_k)
+        if isinstance(paired, str):
+            return paired
+        if paired is not None:
+            q, k, rotation = paired
         return MultiHeadAttentionMatch(node, q, k, heads, head_dim, rotation, mask, bias)
 
     def rewrite(self, graph: gs.Graph, match: MultiHeadAttentionMatch) -> None:

@@ -57,6 +57,19 @@ class Rotation:
         return self.key() == other.key()
 
 
+def paired_rotation(rotated_q, rotated_k):
+    """Given what a rotary matcher found on q and on k ((source, Rotation) or None each): (q, k, the shared
+    Rotation or None), or why the pair is refused. Both rotate with one table, or neither rotates."""
+    if rotated_q is None and rotated_k is None:
+        return None
+    if rotated_q is None or rotated_k is None:
+        return "rotary embedding on only one of q and k"
+    (q, rotation), (k, key_rotation) = rotated_q, rotated_k
+    if not key_rotation.same_as(rotation):
+        return "q and k rotate with different tables"
+    return q, k, rotation
+
+
 def computation(tensor: gs.Tensor | None) -> tuple:
     """A key equal for tensors computed by the same op, attributes and inputs (or for the same tensor)."""
     node = tensor.inputs[0] if tensor is not None and not isinstance(tensor, gs.Constant) and tensor.inputs else None

@@ -41,14 +41,20 @@ def _scattered_tables(lengths: list[int], pages: int, seed: int = 0) -> np.ndarr
 MIXES = [[(1, 300), (1, 17), (1, 1)], [(70, 70), (1, 129), (5, 130)], [(33, 64), (2, 2), (96, 200)]]
 
 
-@pytest.mark.parametrize("mix", MIXES, ids=["decodes", "prefill-and-decodes", "chunks"])
-def test_numba_and_flash_match_the_reference(mix):
+def _batch(mix):
+    """(q, key cache, value cache, query_start_loc, seq_lens, block tables, scale) of a step of
+    (new tokens, context length) per sequence, over a scattered pool."""
     lengths = [ctx for _, ctx in mix]
     key_cache, value_cache = _pool(64)
-    tables = _scattered_tables(lengths, 64)
     starts = np.concatenate([[0], np.cumsum([q for q, _ in mix])]).astype(np.int32)
     q = np.random.default_rng(1).standard_normal((int(starts[-1]), HEADS, DIM)).astype(np.float32)
-    args = (q, key_cache, value_cache, starts, np.asarray(lengths, np.int32), tables, 0.17)
+    return q, key_cache, value_cache, starts, np.asarray(lengths, np.int32), _scattered_tables(lengths, 64), 0.17
+
+
+@pytest.mark.parametrize("mix", MIXES, ids=["decodes", "prefill-and-decodes", "chunks"])
+def test_numba_and_flash_match_the_reference(mix):
+    args = _batch(mix)
+    q, key_cache, value_cache, starts, lengths, tables = args[:6]
     expected = paged_attention_reference(*args)
     np.testing.assert_allclose(paged_attention(*args), expected, atol=2e-5, rtol=0)
     batch = PagedBatch.of(starts, lengths, tables, np.zeros(0, np.int64), flash=True)
@@ -195,12 +201,8 @@ def test_a_sliding_window_hides_the_same_keys_in_every_kernel(window, mix):
     one-call decode step) against the reference, and the reference against the contiguous kernel's mask."""
     from runtime.kernels.attention import attention_mask_bias
 
-    lengths = [ctx for _, ctx in mix]
-    key_cache, value_cache = _pool(64)
-    tables = _scattered_tables(lengths, 64)
-    starts = np.concatenate([[0], np.cumsum([q for q, _ in mix])]).astype(np.int32)
-    q = np.random.default_rng(1).standard_normal((int(starts[-1]), HEADS, DIM)).astype(np.float32)
-    args = (q, key_cache, value_cache, starts, np.asarray(lengths, np.int32), tables, 0.17)
+    args = _batch(mix)
+    q, key_cache, value_cache, starts, lengths, tables = args[:6]
     expected = paged_attention_reference(*args, sliding_window=window)
     assert not np.allclose(expected, paged_attention_reference(*args), atol=1e-3)  # the window hides something
     np.testing.assert_allclose(paged_attention(*args, sliding_window=window), expected, atol=2e-5, rtol=0)
