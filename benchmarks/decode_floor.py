@@ -24,7 +24,7 @@ import onnxruntime as ort
 from onnx import helper
 
 from runtime import Executor, load_artifact
-from runtime.kv_cache import PagePool
+from runtime.engine.kv_cache import PagePool
 from runtime.ort_session import enable_process_thread_pool, session_options
 
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import click
 import numpy as np
-
 from quant_sensitivity import eval_ids, quantize_float_graph, scoring_session
+
 from runtime.feeds import causal_lm_inputs
 from runtime.perplexity import perplexity
 

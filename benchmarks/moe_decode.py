@@ -20,12 +20,12 @@ from pathlib import Path
 
 import click
 import numpy as np
+from step_latency import median_ms  # benchmarks/ is the script's folder, so on its path
 
 from compiler.compile import compile_model
 from compiler.config import CompileConfig
 from runtime import Executor, load_artifact
 from runtime.feeds import causal_lm_inputs
-from step_latency import median_ms  # benchmarks/ is the script's folder, so on its path
 
 
 def _compile(source: Path, output: Path, **flags) -> Path:

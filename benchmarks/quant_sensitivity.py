@@ -23,19 +23,19 @@ import onnxruntime as ort
 
 from cli.quant import fused_graph
 from compiler.config import CompileConfig
-from compiler.proto_utils import initializers_as_inputs
-from compiler.quant_config import QuantConfig
-from compiler.signature import io_signature, llm_dimensions
-from compiler.weight_memory import detach_weights
-from models.data_files import EVAL_TEXT
-from passes.calibration import collect_input_statistics
-from passes.graph_utils import lm_head
-from passes.quant_math import QuantizedWeight, dequantize_blockwise
-from passes.quant_search import quantize_weights_together
 from compiler.pipeline import calibration_samples, tokenizer_files
+from models.data_files import EVAL_TEXT
+from passes.graph_utils import lm_head
+from passes.quant.calibration import collect_input_statistics
+from passes.quant.config import QuantConfig
+from passes.quant.search import quantize_weights_together
+from passes.weight_memory import detach_weights
+from runtime.kernels.matmul_nbits_layout import QuantizedWeight, dequantize_blockwise
 from runtime.lowering import lower_for_onnxruntime
 from runtime.ort_session import session_options
 from runtime.perplexity import perplexity
+from runtime.proto_utils import initializers_as_inputs
+from runtime.signature import io_signature, llm_dimensions
 from runtime.tokenizer import TextTokenizer
 
 

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 import click
-
 from decode_floor import matmul_session, matmul_weights, weight_read
+
 from runtime import load_artifact
 from runtime.ort_session import enable_process_thread_pool
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import click
 
-from compiler.artifact import OmFile
 from compiler.config import CompileConfig
-from compiler.errors import AtcError
+from runtime.artifact import OmFile
+from runtime.errors import AtcError
 
 START = "ATC start working now, please wait for a moment."
 SUCCESS = "ATC run success, welcome to the next use."

@@ -27,8 +27,8 @@ import click
 import numpy as np
 
 from cli.llm_commands import engine_options, open_engine
-from runtime.ort_session import session_options
 from models.data_files import EVAL_TEXT
+from runtime.ort_session import session_options
 
 
 def _percentile(values: list[float], q: float) -> float | None:

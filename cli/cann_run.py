@@ -22,7 +22,7 @@ import click
 import numpy as np
 
 from cli.coded_errors import main_with_codes
-from compiler.errors import AtcError
+from runtime.errors import AtcError
 from runtime.executor import BACKENDS, Executor
 from runtime.feeds import causal_lm_inputs, made_up_inputs, parse_shapes, read_input_files
 from runtime.loader import LoadedModel, load_artifact

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from compiler.errors import AtcError
+from runtime.errors import AtcError
 
 EXIT_FAILURE = 1
 

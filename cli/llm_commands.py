@@ -9,9 +9,8 @@ from pathlib import Path
 
 import click
 
-from compiler.errors import AtcError
+from runtime.errors import AtcError
 from runtime.executor import BACKENDS
-
 
 _ENGINE_OPTIONS = [
     click.option("--max_batch_size", type=click.IntRange(min=1), default=8, show_default=True),
@@ -63,7 +62,7 @@ def sampling_options(command):
 
 def open_engine(model, **settings):
     """An LLMEngine from the shared options; AtcError for a file that is not a runnable artifact."""
-    from runtime.engine import LLMEngine
+    from runtime.engine.engine import LLMEngine
 
     # the command owns its process, so the engine's sessions may share onnxruntime's process-wide pool
     return LLMEngine(model, **settings, process_thread_pool=True)

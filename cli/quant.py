@@ -17,20 +17,20 @@ import click
 import onnx
 import onnx_graphsurgeon as gs
 
+from cli.coded_errors import main_with_codes
 from compiler.config import CompileConfig
+from compiler.loader import import_graph, load_onnx
 from compiler.pass_manager import run_passes
 from compiler.pipeline import build_pipeline, calibration_samples
 from compiler.tokenizer_files import TOKENIZER_FILES
-from cli.coded_errors import main_with_codes
-from compiler.errors import AtcError
-from compiler.loader import import_graph, load_onnx
-from compiler.quant_config import BITS, DEFAULT_CALIBRATION_TEXT, HESSIAN_METHODS, METHODS, QuantConfig
-from passes.calibration import collect_input_statistics
 from passes.infer_shapes import InferShapes
-from passes.quantize_weights import QuantizeWeights
-from passes.quantize_weights_qdq import QDQ_OPSET, QuantizeWeightsQDQ
-from passes.staged_calibration import StagedStatistics
+from passes.quant.calibration import collect_input_statistics
+from passes.quant.config import BITS, DEFAULT_CALIBRATION_TEXT, HESSIAN_METHODS, METHODS, QuantConfig
+from passes.quant.quantize_weights import QuantizeWeights
+from passes.quant.quantize_weights_qdq import QDQ_OPSET, QuantizeWeightsQDQ
+from passes.quant.staged_calibration import StagedStatistics
 from passes.upgrade_opset import upgrade_opset
+from runtime.errors import AtcError
 
 
 def quantize_to_qdq(model_path: Path, cfg: QuantConfig, out_dir: Path) -> dict:

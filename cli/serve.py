@@ -7,7 +7,7 @@ import os
 import click
 
 from cli.llm_commands import engine_options_without_model
-from compiler.errors import AtcError
+from runtime.errors import AtcError
 
 
 def _models(values: tuple[str, ...]) -> dict[str, str]:

@@ -12,18 +12,19 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from compiler import __version__
-from compiler.artifact import write_artifact
 from compiler.config import CompileConfig
-from compiler.errors import AtcError
+from compiler.graph_metadata import attention_dimensions, kv_cache_metadata
 from compiler.graph_io import apply_input_shape, apply_out_nodes
 from compiler.loader import import_graph, weight_bytes
 from compiler.pass_manager import PassReport, run_passes
 from compiler.pipeline import build_pipeline
 from compiler.precheck import check_ops, unsupported_types
-from compiler.signature import attention_dimensions, io_signature, is_dynamic, kv_cache_metadata, llm_dimensions
 from compiler.tokenizer_files import tokenizer_files
-from compiler.weight_memory import detach_weights
 from models.recipes import detect_family
+from passes.weight_memory import detach_weights
+from runtime.artifact import write_artifact
+from runtime.errors import AtcError
+from runtime.signature import io_signature, is_dynamic, llm_dimensions
 
 log = logging.getLogger("atc")
 

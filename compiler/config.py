@@ -10,12 +10,12 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from compiler.errors import AtcError, invalid_value, not_in_range
 from compiler.fusion_switch import parse_fusion_switch_file
-from compiler.precision_config import PrecisionPolicy
 from compiler.paged_config import PagedConfig
-from compiler.quant_config import QuantConfig
 from compiler.soc import SOC_VERSIONS, SocProfile
+from passes.precision_config import PrecisionPolicy
+from passes.quant.config import QuantConfig
+from runtime.errors import AtcError, invalid_value, not_in_range
 
 MODES = {0: "model to framework model", 1: "framework model to json", 3: "only pre-check",
          5: "pbtxt to json", 6: "display model info", 7: "convert a model to the OM2 format",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from compiler.errors import AtcError, invalid_value
+from runtime.errors import AtcError, invalid_value
 
 _STATES = {"on": True, "off": False}
 

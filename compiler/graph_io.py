@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx_graphsurgeon as gs
 
 from compiler.config import Dim
-from compiler.errors import AtcError
+from runtime.errors import AtcError
 
 
 def apply_input_shape(graph: gs.Graph, shapes: dict[str, tuple[Dim, ...]]) -> None:

@@ -19,9 +19,9 @@ from google.protobuf.message import DecodeError
 from onnx import external_data_helper, helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from compiler.artifact import SUB_BYTE_TYPES
-from compiler.errors import AtcError
-from compiler.proto_utils import initializers_as_inputs
+from runtime.artifact import SUB_BYTE_TYPES
+from runtime.errors import AtcError
+from runtime.proto_utils import initializers_as_inputs
 
 
 def load_onnx(path: str | os.PathLike, external_data: bool = True) -> onnx.ModelProto:

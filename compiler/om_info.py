@@ -9,7 +9,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from compiler.artifact import OmFile, Partition
+from runtime.artifact import OmFile, Partition
 
 _DTYPES = {
     onnx.TensorProto.FLOAT: "DT_FLOAT", onnx.TensorProto.FLOAT16: "DT_FLOAT16", onnx.TensorProto.INT8: "DT_INT8",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from compiler.errors import AtcError, invalid_value
+from runtime.errors import AtcError, invalid_value
 
 PAGE_SIZE_RANGE = (16, 512)
 _JSON_KEYS = ("page_size",)

@@ -1,9 +1,4 @@
-"""The pass interface, the pass runner and the pass report (ATC's fusion_result.json).
-
-A pass is an object with a `name` (ATC style, `<Thing>FusionPass`), a `switchable` flag (whether
-`--fusion_switch_file` may turn it off) and `run(graph) -> PassResult`. Passes never print; they return
-counts and, when they matched nothing, the reasons their candidates failed.
-"""
+"""The pass runner and the pass report (ATC's fusion_result.json); the pass interface is passes/base.py."""
 
 from __future__ import annotations
 
@@ -17,24 +12,9 @@ from typing import Callable, Protocol
 import onnx_graphsurgeon as gs
 
 from compiler.fusion_switch import is_enabled
+from passes.base import Pass
 
 log = logging.getLogger("atc")
-
-
-@dataclass
-class PassResult:
-    """What one pass did: candidates matched, rewrites applied, and why candidates were refused."""
-
-    match_times: int = 0
-    effect_times: int = 0
-    rejections: list[str] = field(default_factory=list)
-
-
-class Pass(Protocol):
-    name: str
-    switchable: bool
-
-    def run(self, graph: gs.Graph) -> PassResult: ...
 
 
 @dataclass

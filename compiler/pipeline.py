@@ -5,11 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from compiler.config import CompileConfig
-from compiler.errors import AtcError
-from compiler.tokenizer_files import tokenizer_files
-from passes.calibration import text_samples
-from passes.canonicalize_layout import CanonicalizeLayout
 from compiler.pass_manager import Pass
+from compiler.tokenizer_files import tokenizer_files
+from passes.canonicalize_layout import CanonicalizeLayout
 from passes.convert_attention import ConvertAttention
 from passes.convert_group_query_attention import ConvertGroupQueryAttention
 from passes.convert_layer_norms import ConvertSimplifiedLayerNorm, ConvertSkipSimplifiedLayerNorm
@@ -18,8 +16,8 @@ from passes.convert_multi_head_attention import ConvertMultiHeadAttention
 from passes.convert_precision import ConvertPrecision
 from passes.convert_rms_normalization import ConvertRmsNormalization
 from passes.eliminate_dead_code import EliminateDeadCode
-from passes.expand_rotary_embedding import ExpandRotaryEmbedding
 from passes.eliminate_identity import EliminateIdentity
+from passes.expand_rotary_embedding import ExpandRotaryEmbedding
 from passes.fold_constants import FoldConstants
 from passes.fuse_add_rms_norm import FuseAddRmsNorm
 from passes.fuse_attention import FuseAttention
@@ -30,7 +28,9 @@ from passes.fuse_swiglu import FuseSwiGlu
 from passes.infer_shapes import InferShapes
 from passes.paged_kv_cache import PagedKvCache
 from passes.prune_logits import PruneLogits
-from passes.quantize_weights import QuantizeWeights
+from passes.quant.calibration import text_samples
+from passes.quant.quantize_weights import QuantizeWeights
+from runtime.errors import AtcError
 
 
 def calibration_samples(cfg: CompileConfig) -> list[np.ndarray]:
@@ -102,6 +102,6 @@ def build_pipeline(cfg: CompileConfig | None) -> list[Pass]:
         # Phase 4: batches without padding over the runtime's page pool
         passes += [PagedKvCache(cfg.paging.page_size, cfg.enable_flash_attention), PruneLogits()]
     if cfg is not None:
-        # Phase 5: the dtype float weights are stored in (compiler/precision_config.py)
+        # Phase 5: the dtype float weights are stored in (passes/precision_config.py)
         passes.append(ConvertPrecision(cfg.precision))
     return passes

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from compiler.config import CompileConfig
-from compiler.errors import AtcError
+from runtime.errors import AtcError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from compiler.errors import AtcError
 from compiler.tokenizer_files import TOKENIZER_FILES  # what atc packs into the artifact
+from runtime.errors import AtcError
 
 EXPORTERS = ("dynamo", "torchscript")
 # protobuf cannot hold a model over 2 GiB; well below that, one file is easier to carry around

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import onnx_graphsurgeon as gs
 
-from compiler.pass_manager import PassResult
+from passes.base import PassResult
 from passes.graph_utils import bypass_node
 from passes.pattern import producer, sole_consumer
 from passes.shape_values import is_dim, reshape_target

@@ -1,6 +1,6 @@
 """PrecisionConversionPass: store float weights in the dtype `--precision_mode` asks for.
 
-compiler/precision_config.py says why a mode changes storage only. A converted weight becomes a
+passes/precision_config.py says why a mode changes storage only. A converted weight becomes a
 float16 (or bfloat16) initializer followed by a Cast to float32, so the graph keeps its float32
 arithmetic and any ONNX runner reads it; onnxruntime folds the Cast when its session loads.
 
@@ -16,10 +16,10 @@ import ml_dtypes
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from compiler.errors import AtcError
-from compiler.pass_manager import PassResult
-from compiler.precision_config import OP_TYPE_PREFIX, PrecisionPolicy
+from passes.base import PassResult
 from passes.graph_utils import lm_head, naming_patterns
+from passes.precision_config import OP_TYPE_PREFIX, PrecisionPolicy
+from runtime.errors import AtcError
 
 _DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import onnx_graphsurgeon as gs
 
-from compiler.pass_manager import PassResult
+from passes.base import PassResult
 
 
 class EliminateDeadCode:

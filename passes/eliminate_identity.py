@@ -13,7 +13,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from onnx.helper import np_dtype_to_tensor_dtype
 
-from compiler.pass_manager import PassResult
+from passes.base import PassResult
 from passes.graph_utils import bypass_node
 from passes.pattern import scalar
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import onnx_graphsurgeon as gs
 
-from compiler.pass_manager import PassResult
+from passes.base import PassResult
 from passes.pattern import FusionPass
 from passes.rotary_tables import NodeBuilder, Rotation, rotary_tables
 

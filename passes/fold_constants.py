@@ -10,7 +10,7 @@ import onnx_graphsurgeon as gs
 import onnxruntime as ort
 from onnx_graphsurgeon.logger import G_LOGGER
 
-from compiler.pass_manager import PassResult
+from passes.base import PassResult
 
 DEFAULT_SIZE_THRESHOLD = 16 << 20
 

@@ -24,9 +24,19 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from passes.match_attention import (MaskSource, Projection, is_transpose, match_gqa_repeat, match_head_merge,
-                                    match_head_split, match_kv_concat, match_mask_source, match_probabilities,
-                                    match_scale, split_mask)
+from passes.match_attention import (
+    MaskSource,
+    Projection,
+    is_transpose,
+    match_gqa_repeat,
+    match_head_merge,
+    match_head_split,
+    match_kv_concat,
+    match_mask_source,
+    match_probabilities,
+    match_scale,
+    split_mask,
+)
 from passes.match_rotary import Rotary, match_rotary
 from passes.pattern import FusionPass, fused_node, producer, sole_consumer
 

@@ -19,7 +19,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import helper
 
-from compiler.pass_manager import PassResult
+from passes.base import PassResult
 from passes.graph_utils import light_model
 
 log = logging.getLogger("atc")

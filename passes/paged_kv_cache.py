@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from compiler.errors import AtcError
-from compiler.pass_manager import PassResult
+from passes.base import PassResult
 from passes.graph_utils import replace_all_uses
+from runtime.errors import AtcError
 from runtime.kernels.paged_attention import METADATA_INPUTS
 
 TOKEN_INPUTS = ("input_ids", "position_ids")

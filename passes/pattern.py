@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from compiler.pass_manager import PassResult
+from passes.base import PassResult
 from runtime.kernels import CUSTOM_DOMAIN
 
 

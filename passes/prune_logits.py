@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from compiler.errors import AtcError
-from compiler.pass_manager import PassResult
+from passes.base import PassResult
 from passes.graph_utils import lm_head
+from runtime.errors import AtcError
 
 LOGITS_INDICES = "logits_indices"
 _PROJECTIONS = ("MatMul", "MatMulInt4", "MatMulInt8")

@@ -7,7 +7,7 @@ import json
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from compiler.errors import AtcError
+from runtime.errors import AtcError
 
 
 def _raise(message: str):

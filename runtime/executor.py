@@ -18,14 +18,14 @@ import onnxruntime as ort
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
-from compiler.artifact import SUB_BYTE_TYPES
-from compiler.proto_utils import initializers_as_inputs
+from runtime.artifact import SUB_BYTE_TYPES
+from runtime.engine.kv_cache import PagePool
 from runtime.kernels import reference_ops
 from runtime.kernels.paged_attention import METADATA_INPUTS, PagedBatch, is_paged_attention, paged_fused_attention
-from runtime.kv_cache import PagePool
 from runtime.loader import LoadedModel
 from runtime.lowering import lower_for_onnxruntime
 from runtime.ort_session import ort_value, process_thread_pool_enabled, session_options
+from runtime.proto_utils import initializers_as_inputs
 from runtime.segments import HostNode, Segment, split_at_host_nodes
 
 BACKENDS = ("onnxruntime", "reference")
@@ -120,7 +120,7 @@ class _HostStep:
     def run(self, values: dict, context: _RunContext) -> dict[str, np.ndarray]:
         pool = context.kv_cache
         if pool is None:
-            raise ValueError("a paged artifact runs with a page pool: pass kv_cache (runtime.kv_cache.PagePool)")
+            raise ValueError("a paged artifact runs with a page pool: pass kv_cache (runtime.engine.kv_cache.PagePool)")
         inputs = [values[name] if name else None for name in self.inputs]
         out = paged_fused_attention(inputs, pool.key[self.layer], pool.value[self.layer], fast=self.fast,
                                     batch=context.batch, **self.attributes)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from compiler.errors import AtcError
+from runtime.errors import AtcError
 
 DEFAULT_DIM = 1
 DEFAULT_SEQ = 16

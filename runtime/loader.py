@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from compiler.artifact import OmFile
-from compiler.errors import AtcError
+from runtime.artifact import OmFile
+from runtime.errors import AtcError
 from runtime.kernels import supports
 
 

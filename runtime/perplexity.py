@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from runtime.engine.kv_cache import PagePool
 from runtime.executor import Executor
 from runtime.feeds import causal_lm_inputs
-from runtime.kv_cache import PagePool
 
 
 @dataclass

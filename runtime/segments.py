@@ -17,7 +17,7 @@ from typing import Callable
 import onnx
 from onnx import helper
 
-from compiler.errors import AtcError
+from runtime.errors import AtcError
 
 
 @dataclass
@@ -126,7 +126,7 @@ def _segment(model: onnx.ModelProto, nodes: list[onnx.NodeProto], k: int, wanted
 def _value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     """Every tensor's type, from the graph's I/O, its value_info (atc writes one for each tensor) and onnx's
     inference."""
-    from compiler.proto_utils import initializers_as_inputs
+    from runtime.proto_utils import initializers_as_inputs
 
     inferred = onnx.shape_inference.infer_shapes(initializers_as_inputs(model), strict_mode=False)
     types = {}

@@ -6,7 +6,7 @@ import json
 
 from tokenizers import Tokenizer
 
-from compiler.errors import AtcError
+from runtime.errors import AtcError
 
 
 class TextTokenizer:

@@ -10,12 +10,12 @@ import onnx
 import onnx_graphsurgeon as gs
 import onnxruntime as ort
 
-from compiler.artifact import write_artifact
-from compiler.signature import io_signature
 from passes.infer_shapes import InferShapes
 from runtime import Executor, load_artifact
+from runtime.artifact import write_artifact
 from runtime.lowering import lower_for_onnxruntime
 from runtime.ort_session import session_options
+from runtime.signature import io_signature
 
 
 def apply_pass(model: onnx.ModelProto, *passes):

@@ -52,6 +52,7 @@ def compile_tiny_chat_model(tmp_path_factory, template: str, name: str = "tiny",
     import shutil
 
     from conftest import compile_to
+
     from models.tiny import tiny_onnx
 
     source = tiny_onnx("llama", dynamo=False, with_past=True)

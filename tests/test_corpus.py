@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import compile_to
 from generation_utils import assert_paged_greedy_equals_onnxruntime
+
 from models.tiny import REPO_ROOT
 from runtime import Executor, load_artifact
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-
 from conftest import EXPORTS, compile_to, export_id
+
 from models.recipes import RECIPES
 from runtime import load_artifact
 

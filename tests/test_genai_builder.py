@@ -9,10 +9,10 @@ from collections import Counter
 import numpy as np
 import onnx
 import pytest
-
-from cann_llm import LLMEngine
 from conftest import compile_to, ort_reference
 from generation_utils import mixed_prompts
+
+from cann_llm import LLMEngine
 from models.genai_builder import PRECISIONS, builder_available, genai_model
 from models.tiny import TINY_FAMILIES
 from runtime import Executor, load_artifact

@@ -8,9 +8,9 @@ from collections import Counter
 
 import numpy as np
 import pytest
-
 from conftest import compile_to, ort_reference
 from generation_utils import assert_paged_greedy_equals_onnxruntime
+
 from models.optimum_export import OPTIMUM_FAMILIES, OptimumUnavailable, ensure_optimum_venv, export_families
 from models.recipes import RECIPES
 from models.tiny import TINY_FAMILIES

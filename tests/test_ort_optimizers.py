@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-
 from conftest import compile_to, ort_reference
 from generation_utils import assert_paged_greedy_equals_onnxruntime
+
 from models.tiny import TINY_FAMILIES, tiny_onnx
 from runtime import Executor, load_artifact
 

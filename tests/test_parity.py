@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import EXPORTS, compile_to, export_id, ort_reference
+
 from models.recipes import RECIPES
 from runtime import Executor, load_artifact
 from runtime.feeds import causal_lm_inputs

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from conftest import compile_to
+
 from runtime import Executor, load_artifact
 from runtime.perplexity import perplexity
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import compile_to, ort_reference
 
 from cli.cann_run import cli
-from conftest import compile_to, ort_reference
 from runtime import Executor, load_artifact
 from runtime.feeds import causal_lm_inputs
 from runtime.tokenizer import TextTokenizer
@@ -100,7 +100,7 @@ def smollm2_paged_om(smollm2_path, tmp_path_factory):
 
 @pytest.mark.parametrize("layout,drafts", [("paged", 0), ("contiguous", 0), ("paged", 4)])
 def test_engine_greedy_equals_transformers(request, smollm2_greedy, layout, drafts):
-    from runtime.engine import LLMEngine
+    from runtime.engine.engine import LLMEngine
 
     om = request.getfixturevalue("smollm2_paged_om" if layout == "paged" else "smollm2_om")
     prompts, expected = smollm2_greedy
@@ -158,7 +158,7 @@ def test_cann_run_exports_compile_paged_with_every_layer_fused(request, om):
 
 
 def test_torchscript_export_generates_like_transformers(smollm2_ts_paged_om, smollm2_greedy):
-    from runtime.engine import LLMEngine
+    from runtime.engine.engine import LLMEngine
 
     prompts, expected = smollm2_greedy
     with LLMEngine(smollm2_ts_paged_om, max_batch_size=1, max_context_len=256, kv_cache_pages=8) as engine:

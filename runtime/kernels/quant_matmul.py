@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from passes.quant_math import dequantize_matmul_nbits, int8_blocks
 from runtime.kernels import register_kernel
+from runtime.kernels.matmul_nbits_layout import dequantize_matmul_nbits, int8_blocks
 
 
 @register_kernel("MatMulInt4")

@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from runtime.engine import LLMEngine
+from runtime.engine.engine import LLMEngine
 from runtime.serving.guard import Guard
 from runtime.serving.metrics import ServerMetrics
 from runtime.serving.schemas import ChatBody, CompletionBody, GenerateBody

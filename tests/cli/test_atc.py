@@ -12,7 +12,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from cli.atc import run
-from compiler.artifact import OmFile
+from runtime.artifact import OmFile
 
 SOC = "--soc_version=Ascend910B"
 

@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from conftest import compile_to, ort_reference
 
 from cli.cann_run import cli
-from conftest import compile_to, ort_reference
 from runtime import Executor, load_artifact
 from runtime.feeds import causal_lm_inputs
 

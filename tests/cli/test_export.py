@@ -9,10 +9,10 @@ import sys
 
 import onnx
 import pytest
-
-from cann_llm import LLMEngine
 from conftest import compile_to
 from generation_utils import hf_greedy, mixed_prompts
+
+from cann_llm import LLMEngine
 from runtime import load_artifact
 
 FAMILY = "qwen2"  # q/k/v biases and a separate lm_head: a lost weight would show

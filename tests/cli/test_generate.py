@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
-
 from generation_utils import compile_tiny_chat_model
-from runtime.engine import LLMEngine
+
+from runtime.engine.engine import LLMEngine
 
 CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
 

@@ -8,11 +8,11 @@ import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
+from conftest import compile_to, ort_reference
 from onnx import numpy_helper
 
 from cli.quant import cli
 from models.data_files import EVAL_TEXT
-from conftest import compile_to, ort_reference
 from runtime import Executor, load_artifact
 from runtime.feeds import causal_lm_inputs
 
@@ -186,7 +186,7 @@ def test_a_tied_lm_head_and_its_embedding_share_one_quantized_table_when_asked(t
 
 
 def test_accuracy_level_is_chosen_per_layer_by_measured_error(tmp_path, tiny_llama_path):
-    from passes.quantize_weights import ACCURACY_THRESHOLD
+    from passes.quant.quantize_weights import ACCURACY_THRESHOLD
 
     levels = {}
     for setting in ("0", "auto"):
@@ -238,7 +238,7 @@ def test_w8a8_smooth_quant_runs_integer_matmuls_close_to_the_float_model(tmp_pat
                                   {"quant_mode": "INT8", "symmetric": False, "zero_points": "float"},
                                   {"quant_mode": "INT4", "symmetric": False, "zero_points": "fp8"}])
 def test_bad_compression_configs_are_refused_without_output(tmp_path, tiny_llama_path, conf):
-    from compiler.errors import AtcError
+    from runtime.errors import AtcError
 
     config = tmp_path / "bad.json"
     config.write_text(json.dumps(conf))
@@ -294,8 +294,9 @@ def test_float_zero_points_are_closer_to_the_float_model_than_integer_ones(tmp_p
 
 def test_a_float_zero_point_artifact_generates_alike_paged_and_contiguous(tmp_path, tiny_llama_path):
     # the offset terms sit between the projections and the paged attention; the engine must not care
-    from cann_llm import LLMEngine
     from generation_utils import mixed_prompts
+
+    from cann_llm import LLMEngine
 
     config = tmp_path / "float.json"
     config.write_text(json.dumps({"quant_mode": "INT4", "group_size": 32, "symmetric": False, "zero_points": "float",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from compiler.config import CompileConfig, parse_input_shape
-from compiler.errors import AtcError
 from compiler.fusion_switch import is_enabled, parse_fusion_switch_file
+from runtime.errors import AtcError
 
 BASE = dict(model="m.onnx", framework="5", output="out", soc_version="Ascend910B")
 

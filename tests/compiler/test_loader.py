@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
+from conftest import compile_to
 
 from compiler.loader import import_graph
-from conftest import compile_to
 from runtime import load_artifact
 
 

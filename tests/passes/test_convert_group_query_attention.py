@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fusion_utils import apply_pass, assert_parity, op_counts, run_fused, run_original
 from onnx import TensorProto, helper, numpy_helper
 
-from fusion_utils import apply_pass, assert_parity, op_counts, run_fused, run_original
 from passes.convert_group_query_attention import ConvertGroupQueryAttention
 
 B, S, P, HIDDEN, HEADS, KV_HEADS = 2, 5, 3, 32, 4, 2

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fusion_utils import apply_pass, assert_parity, op_counts
 from onnx import TensorProto, helper, numpy_helper
 
-from fusion_utils import apply_pass, assert_parity, op_counts
 from passes.convert_matmul_nbits import ConvertMatMulNBits
 
 N = 24

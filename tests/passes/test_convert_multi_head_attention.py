@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fusion_utils import apply_pass, assert_parity, op_counts
 from onnx import TensorProto, helper, numpy_helper
 
-from fusion_utils import apply_pass, assert_parity, op_counts
 from passes.convert_multi_head_attention import ConvertMultiHeadAttention
 
 B, S, P, HIDDEN, HEADS, D = 2, 4, 3, 32, 2, 16

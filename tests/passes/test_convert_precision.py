@@ -8,9 +8,9 @@ import json
 import numpy as np
 import onnx
 import pytest
+from conftest import compile_to
 
 from cli.atc import run as atc
-from conftest import compile_to
 from runtime import Executor, load_artifact
 from runtime.feeds import causal_lm_inputs
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 import pytest
+from fusion_utils import apply_pass, assert_parity, op_counts
 from onnx import TensorProto, helper, numpy_helper
 
-from fusion_utils import apply_pass, assert_parity, op_counts
 from passes.expand_rotary_embedding import ExpandRotaryEmbedding
 from passes.match_rotary import match_rotary
 

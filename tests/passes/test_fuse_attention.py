@@ -10,16 +10,16 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 import pytest
+from fusion_utils import assert_parity, op_counts
 
 from compiler.loader import load_onnx
 from compiler.pass_manager import run_passes
 from compiler.pipeline import build_pipeline
-from fusion_utils import assert_parity, op_counts
 from passes.fuse_attention import FuseAttention
 from passes.fuse_qkv import FuseQkv
 from passes.pattern import producer
 from runtime.feeds import causal_lm_inputs
-from compiler.signature import io_signature, llm_dimensions
+from runtime.signature import io_signature, llm_dimensions
 
 
 def _before_attention(dynamo: bool, with_past: bool = True) -> gs.Graph:

@@ -10,10 +10,10 @@ from collections import Counter
 import numpy as np
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
-
 from conftest import compile_to, ort_reference
 from fusion_utils import apply_pass, assert_parity, op_counts
+from onnx import TensorProto, helper, numpy_helper
+
 from passes.fuse_moe import FuseMoe
 from runtime import Executor, load_artifact
 from runtime.feeds import causal_lm_inputs

@@ -12,8 +12,16 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from passes.infer_shapes import InferShapes
-from passes.match_attention import (match_gqa_repeat, match_head_merge, match_head_split, match_kv_concat,
-                                    match_mask_source, match_probabilities, match_scale, split_mask)
+from passes.match_attention import (
+    match_gqa_repeat,
+    match_head_merge,
+    match_head_split,
+    match_kv_concat,
+    match_mask_source,
+    match_probabilities,
+    match_scale,
+    split_mask,
+)
 from passes.match_rotary import match_rotary
 from runtime.lowering import Builder, rotary_embedding
 

@@ -8,15 +8,15 @@ import json
 import numpy as np
 import onnx
 import pytest
+from conftest import EXPORTS, compile_to, export_id, ort_reference
 
 from cli.atc import run
 from compiler.config import CompileConfig
-from compiler.errors import AtcError
-from conftest import EXPORTS, compile_to, export_id, ort_reference
 from models.recipes import RECIPES
 from runtime import Executor, load_artifact
+from runtime.engine.kv_cache import PagePool
+from runtime.errors import AtcError
 from runtime.feeds import causal_lm_inputs
-from runtime.kv_cache import PagePool
 
 # sdpa exports (what users have); eager ones generate through the paged engine in test_engine_greedy
 PAGED_EXPORTS = [case for case in EXPORTS if RECIPES[case[0]].attention and case[3] == "sdpa"]

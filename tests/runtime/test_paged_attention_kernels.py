@@ -8,9 +8,16 @@ import sys
 import numpy as np
 import pytest
 
-from runtime.kernels.paged_attention import (PARALLEL_ROTATE_TOKENS, PARALLEL_WORK, PagedBatch, paged_attention,
-                                             paged_attention_reference, paged_fused_attention, rotate_and_store,
-                                             rotate_and_store_reference)
+from runtime.kernels.paged_attention import (
+    PARALLEL_ROTATE_TOKENS,
+    PARALLEL_WORK,
+    PagedBatch,
+    paged_attention,
+    paged_attention_reference,
+    paged_fused_attention,
+    rotate_and_store,
+    rotate_and_store_reference,
+)
 
 PAGE = 16
 HEADS, KV_HEADS, DIM = 8, 2, 32

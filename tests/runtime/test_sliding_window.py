@@ -11,10 +11,10 @@ from collections import Counter
 
 import onnx
 import pytest
-
-from cann_llm import LLMEngine
 from conftest import compile_to
 from generation_utils import hf_greedy, mixed_prompts
+
+from cann_llm import LLMEngine
 from runtime import load_artifact
 
 WINDOW = {"sliding_window": 8}

@@ -1,0 +1,20 @@
+"""What the compiler records about the optimised graph beside its I/O signature (runtime/signature.py)."""
+
+from __future__ import annotations
+
+
+def attention_dimensions(graph) -> dict:
+    """Layers and head shape from the graph's FusedAttention nodes (empty when attention is not fused)."""
+    attentions = [n for n in graph.nodes if n.op == "FusedAttention"]
+    if not attentions:
+        return {}
+    attrs = attentions[0].attrs
+    return {"num_layers": len(attentions), "num_heads": attrs["num_heads"], "num_kv_heads": attrs["kv_num_heads"],
+            "head_dim": attrs["head_dim"]}
+
+
+def kv_cache_metadata(cfg) -> dict:
+    """The KV layout the runtime must provide: contiguous graph I/O, or pages of `page_size` tokens."""
+    if cfg.paging is None:
+        return {"layout": "contiguous"}
+    return {"layout": "paged", "page_size": cfg.paging.page_size}

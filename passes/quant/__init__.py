@@ -1,0 +1,1 @@
+"""Weight quantization: its settings, arithmetic, calibration, clipping search and the passes that rewrite MatMuls."""

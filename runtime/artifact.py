@@ -1,0 +1,288 @@
+"""The `.om` artifact: ATC's header and partition table around an ONNX graph, raw weights and metadata.
+
+Layout (little-endian; shared/reference/ATC.md §2.1):
+
+    [256-byte ModelFileHeader: magic "IMOD", headsize 256, version 0x20000000, ...]
+    [partition table: u32 count, 4 pad, count × {u32 type, u32 crc32, u64 offset, u64 size}]
+    [MODEL_DEF: ONNX ModelProto, initializers ≥ 1 KiB stored as external data at "@weights"]
+    [WEIGHTS_DATA: raw tensor bytes, each 64-byte aligned]
+    [METADATA: JSON]  [TOKENIZER: JSON {file name: text}, optional]
+
+Offsets are relative to the end of the table, as in ATC; every partition starts 64-byte aligned in the
+file so weights can be mapped as numpy views. ATC's 4 padding bytes in a table entry hold the partition's
+CRC32, and the header's checksum field holds the SHA-256 of the table, which covers every CRC. The file
+is written to a temporary name and renamed, so a failed compile never leaves a partial `.om`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from runtime.errors import AtcError
+
+MAGIC = 0x444F4D49
+HEADER_SIZE = 256
+MODEL_VERSION = 0x20000000
+FORMAT_VERSION = 1
+ALIGN = 64
+WEIGHTS_LOCATION = "@weights"
+EXTERNAL_MIN_BYTES = 1024
+
+# packed two (or four) to a byte: no numpy dtype describes their storage, so views of them are raw bytes
+SUB_BYTE_TYPES = frozenset(getattr(onnx.TensorProto, name) for name in ("INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
+                           if hasattr(onnx.TensorProto, name))
+
+_HEADER = struct.Struct("<III64sIBBBB32sI32sII20sB3xQBB62s")
+_TABLE_HEAD = struct.Struct("<I4x")
+_ENTRY = struct.Struct("<IIQQ")
+assert _HEADER.size == HEADER_SIZE and _ENTRY.size == 24
+
+
+class Partition(IntEnum):
+    """Partition types: ATC's numbers where ATC has the concept, ours from 100 up."""
+
+    MODEL_DEF = 0
+    WEIGHTS_DATA = 1
+    METADATA = 100
+    TOKENIZER = 101
+
+
+@dataclass(frozen=True)
+class Header:
+    """The fields of the 256-byte header that mean something here."""
+
+    name: str
+    model_length: int
+    checksum: bytes
+    soc_version: str
+    is_dynamic: bool
+    format_version: int
+
+
+def _align(value: int) -> int:
+    return (value + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _tensor_bytes(tensor: onnx.TensorProto) -> bytes:
+    return tensor.raw_data if tensor.HasField("raw_data") else numpy_helper.to_array(tensor).tobytes()
+
+
+def _array_bytes(array: np.ndarray) -> memoryview:
+    # through uint8: the buffer protocol does not know ml_dtypes' types (bfloat16)
+    return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+
+
+def _externalize(model: onnx.ModelProto, detached: dict[str, np.ndarray]) -> list[tuple[onnx.TensorProto, bytes, int]]:
+    """Move large initializers' bytes out of the graph; returns (tensor, bytes, offset) in file order. A
+    tensor named in `detached` is a stub whose bytes are that array's (borrowed, not copied)."""
+    placed, offset = [], 0
+    for tensor in model.graph.initializer:
+        if tensor.data_type == onnx.TensorProto.STRING:
+            continue
+        data = _array_bytes(detached[tensor.name]) if tensor.name in detached else _tensor_bytes(tensor)
+        if len(data) < EXTERNAL_MIN_BYTES:
+            continue
+        offset = _align(offset)
+        for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+            tensor.ClearField(field)
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        del tensor.external_data[:]
+        for key, value in (("location", WEIGHTS_LOCATION), ("offset", str(offset)), ("length", str(len(data)))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, value
+        placed.append((tensor, data, offset))
+        offset += len(data)
+    return placed
+
+
+def write_artifact(path: str | os.PathLike, model: onnx.ModelProto, metadata: dict,
+                   tokenizer_files: dict[str, str] | None = None, detached: dict[str, np.ndarray] | None = None) -> int:
+    """Write `model` (consumed: its initializers become external references) atomically to `path`.
+
+    `detached` holds the bytes of initializers exported as stubs (passes/weight_memory.py). Returns the
+    file size. The bytes depend only on the inputs, so equal inputs give identical files.
+    """
+    path = Path(path)
+    placed = _externalize(model, detached or {})
+    weights_size = _align(placed[-1][2] + len(placed[-1][1])) if placed else 0
+    blobs: list[tuple[Partition, bytes | None, int]] = [
+        (Partition.MODEL_DEF, model.SerializeToString(deterministic=True), 0),
+        (Partition.WEIGHTS_DATA, None, weights_size),
+        (Partition.METADATA, json.dumps(metadata, sort_keys=True, ensure_ascii=False).encode(), 0),
+    ]
+    if tokenizer_files:
+        blobs.append((Partition.TOKENIZER, json.dumps(tokenizer_files, sort_keys=True, ensure_ascii=False).encode(), 0))
+    table_end = HEADER_SIZE + _TABLE_HEAD.size + _ENTRY.size * len(blobs)
+    data_start = _align(table_end)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(b"\0" * data_start)
+            entries = []
+            for kind, data, size in blobs:
+                start = _align(handle.tell())
+                handle.write(b"\0" * (start - handle.tell()))
+                if data is None:
+                    crc = _write_weights(handle, placed, start, size)
+                else:
+                    handle.write(data)
+                    crc, size = zlib.crc32(data), len(data)
+                entries.append(_ENTRY.pack(kind, crc, start - table_end, size))
+            end = handle.tell()
+            table = _TABLE_HEAD.pack(len(entries)) + b"".join(entries)
+            header = _pack_header(metadata, end - HEADER_SIZE, hashlib.sha256(table).digest())
+            handle.seek(0)
+            handle.write(header + table)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path.stat().st_size
+
+
+def _write_weights(handle, placed, start: int, size: int) -> int:
+    crc, position = 0, 0
+    for _, data, offset in placed:
+        pad = b"\0" * (offset - position)
+        crc = zlib.crc32(data, zlib.crc32(pad, crc))
+        handle.write(pad)
+        handle.write(data)
+        position = offset + len(data)
+    tail = b"\0" * (size - position)
+    handle.write(tail)
+    return zlib.crc32(tail, crc)
+
+
+def _pack_header(metadata: dict, model_length: int, checksum: bytes) -> bytes:
+    name = metadata.get("name", "")[:31].encode()
+    soc = metadata.get("soc_version", "")[:19].encode()
+    return _HEADER.pack(
+        MAGIC, HEADER_SIZE, MODEL_VERSION, checksum.ljust(64, b"\0"), model_length & 0xFFFFFFFF,
+        0, 1, 1, 0,  # is_encrypt, is_checksum, modeltype (standard), genmode (offline)
+        name, 0, b"cann-llm".ljust(32, b"\0"), FORMAT_VERSION, 1, soc, 0, model_length,
+        0, 1 if metadata.get("is_dynamic") else 0, b"",
+    )
+
+
+class OmFile:
+    """A `.om` opened for reading: memory-mapped, validated, partitions exposed as zero-copy views."""
+
+    def __init__(self, path: str | os.PathLike, verify_weights: bool = True):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise AtcError("E13001", self.path, "No such file or directory")
+        with open(self.path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size < HEADER_SIZE:
+                raise AtcError("E13015", self.path, f"the file has {size} bytes, less than the {HEADER_SIZE}-byte header")
+            self._mm = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        # the weights are about to be read in full (CRC, then onnxruntime's pre-packing): read ahead
+        self._mm.madvise(mmap.MADV_WILLNEED)
+        self.header = self._read_header(size)
+        self._partitions = self._read_table(size)
+        for kind in (Partition.MODEL_DEF, Partition.WEIGHTS_DATA, Partition.METADATA):
+            if kind not in self._partitions:
+                raise AtcError("E13015", self.path, f"the {kind.name} partition is missing")
+        for kind, (start, length, crc) in self._partitions.items():
+            if kind == Partition.WEIGHTS_DATA and not verify_weights:
+                continue
+            with memoryview(self._mm) as view:
+                actual = zlib.crc32(view[start:start + length])
+            if actual != crc:
+                raise AtcError("E13015", self.path, f"the {kind.name} partition is corrupted (CRC32 mismatch)")
+
+    def _read_header(self, size: int) -> Header:
+        fields = _HEADER.unpack_from(self._mm, 0)
+        magic, headsize, version = fields[:3]
+        if magic != MAGIC:
+            raise AtcError("E13015", self.path, f"it is not an offline model: magic {magic:#010x}, expected {MAGIC:#010x}")
+        if headsize != HEADER_SIZE or version != MODEL_VERSION:
+            raise AtcError("E13015", self.path, f"unsupported header (size {headsize}, version {version:#x})")
+        format_version, model_length = fields[12], fields[16]
+        if format_version != FORMAT_VERSION:
+            raise AtcError("E13015", self.path, f"format version {format_version} is not {FORMAT_VERSION}; recompile it")
+        if HEADER_SIZE + model_length != size:
+            raise AtcError("E13015", self.path, f"the file is truncated or extended: the header says "
+                                                f"{HEADER_SIZE + model_length} bytes, the file has {size}")
+        return Header(name=fields[9].rstrip(b"\0").decode(errors="replace"), model_length=model_length,
+                      checksum=fields[3][:32], soc_version=fields[14].rstrip(b"\0").decode(errors="replace"),
+                      is_dynamic=bool(fields[18]), format_version=format_version)
+
+    def _read_table(self, size: int) -> dict[Partition, tuple[int, int, int]]:
+        (count,) = _TABLE_HEAD.unpack_from(self._mm, HEADER_SIZE)
+        table_end = HEADER_SIZE + _TABLE_HEAD.size + _ENTRY.size * count
+        if count == 0 or count > 64 or table_end > size:
+            raise AtcError("E13015", self.path, f"the partition table is invalid ({count} partitions)")
+        if hashlib.sha256(self._mm[HEADER_SIZE:table_end]).digest() != self.header.checksum:
+            raise AtcError("E13015", self.path, "the partition table is corrupted (checksum mismatch)")
+        partitions = {}
+        for index in range(count):
+            kind, crc, offset, length = _ENTRY.unpack_from(self._mm, HEADER_SIZE + _TABLE_HEAD.size + _ENTRY.size * index)
+            start = table_end + offset
+            if start + length > size:
+                raise AtcError("E13015", self.path, f"partition {kind} runs past the end of the file")
+            if kind in Partition._value2member_map_:
+                partitions[Partition(kind)] = (start, length, crc)
+        return partitions
+
+    def partition(self, kind: Partition) -> memoryview:
+        """The bytes of one partition, without copying."""
+        start, length, _ = self._partitions[kind]
+        return memoryview(self._mm)[start:start + length]
+
+    def partition_sizes(self) -> dict[str, int]:
+        """Size in bytes of each partition present."""
+        return {kind.name: length for kind, (_, length, _) in self._partitions.items()}
+
+    @property
+    def metadata(self) -> dict:
+        """The metadata partition, parsed."""
+        return json.loads(bytes(self.partition(Partition.METADATA)))
+
+    def graph(self) -> onnx.ModelProto:
+        """The graph with weights still external (references into the weights partition)."""
+        model = onnx.ModelProto()
+        model.ParseFromString(bytes(self.partition(Partition.MODEL_DEF)))
+        return model
+
+    def tokenizer_files(self) -> dict[str, str]:
+        """The tokenizer partition (file name → text); empty if the model was compiled without one."""
+        if Partition.TOKENIZER not in self._partitions:
+            return {}
+        return json.loads(bytes(self.partition(Partition.TOKENIZER)))
+
+    def weights(self, model: onnx.ModelProto) -> dict[str, np.ndarray]:
+        """Read-only numpy views into the mapped weights for every external initializer of `model`.
+
+        Sub-byte tensors (SUB_BYTE_TYPES) come as flat uint8 views of their packed bytes.
+        """
+        base, length, _ = self._partitions[Partition.WEIGHTS_DATA]
+        views = {}
+        for tensor in model.graph.initializer:
+            if tensor.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            info = {entry.key: entry.value for entry in tensor.external_data}
+            offset, nbytes = int(info["offset"]), int(info["length"])
+            if info.get("location") != WEIGHTS_LOCATION or offset + nbytes > length:
+                raise AtcError("E13015", self.path, f"tensor {tensor.name} points outside the weights partition")
+            if tensor.data_type in SUB_BYTE_TYPES:
+                views[tensor.name] = np.frombuffer(self._mm, dtype=np.uint8, count=nbytes, offset=base + offset)
+                continue
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+            views[tensor.name] = np.frombuffer(self._mm, dtype=dtype, count=nbytes // dtype.itemsize,
+                                               offset=base + offset).reshape(tuple(tensor.dims))
+        return views

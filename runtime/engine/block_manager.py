@@ -1,0 +1,173 @@
+"""The block manager: which KV pages each sequence owns, shared pages, and the prefix cache.
+
+Pages have reference counts. A page full of computed tokens is registered under a hash chained from its
+predecessor's (so equal hashes mean equal whole prefixes); a new sequence whose prompt starts with
+registered pages takes them instead of recomputing them. A page freed by its last owner keeps its
+contents and hash and goes to the back of the free queue: it can still be found by a later request until
+the pool needs it for new tokens (least recently freed first). A write into a shared page first copies
+it (copy on write), as forked sequences need.
+
+New tokens go first to freed pages that hold nothing worth keeping (most recently freed first), then to
+pages never used, and only then to cached ones. The pool's memory is mapped lazily (runtime/engine/kv_cache.py):
+a page never written costs a page fault per 4 KB on its first write (SmolLM2: ~1,400 for a 128-token
+page across its 30 layers), and a freed page is resident and likely still in the CPU's caches.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from runtime.engine.sequence import Sequence
+
+
+@dataclass
+class _Page:
+    ref_count: int = 0
+    hash: int | None = None
+
+
+class BlockManager:
+    """Pages `0 .. num_pages-1` of `page_size` tokens each."""
+
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.enable_prefix_caching = enable_prefix_caching
+        self._pages = [_Page() for _ in range(num_pages)]
+        # free pages without contents, taken from the end (page 0 first, then the latest freed)
+        self._blank: OrderedDict[int, None] = OrderedDict.fromkeys(reversed(range(num_pages)))
+        # free pages holding cached prefixes, least recently freed first
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        self._by_hash: dict[int, int] = {}
+        self.pending_copies: list[tuple[int, int]] = []
+        self.prefix_hits = 0
+        self.prefix_queries = 0
+        self.peak_used = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._blank) + len(self._cached)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - self.num_free
+
+    def pages_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New pages `seq` needs to hold its first `num_tokens` tokens (a shared last page counts once more)."""
+        needed = max(0, -(-num_tokens // self.page_size) - len(seq.block_table))
+        if self._needs_copy(seq, num_tokens):
+            needed += 1
+        return needed
+
+    def can_hold(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.pages_needed(seq, num_tokens) <= self.num_free
+
+    def claim_prefix(self, seq: Sequence) -> int:
+        """Give a new sequence the cached pages its prompt starts with; returns the tokens they cover.
+
+        The last prompt token is never taken from the cache: its logits are needed, so it is computed.
+        """
+        assert not seq.block_table and seq.num_computed == 0
+        if not self.enable_prefix_caching:
+            return 0
+        parent = None
+        for index in range((seq.num_prompt - 1) // self.page_size):
+            self.prefix_queries += 1
+            key = self._hash(parent, seq.token_ids, index)
+            page = self._by_hash.get(key)
+            if page is None:
+                break
+            self.prefix_hits += 1
+            self._take(page)
+            seq.block_table.append(page)
+            parent = key
+        seq.num_computed = len(seq.block_table) * self.page_size
+        seq.stats.cached_tokens = seq.num_computed
+        return seq.num_computed
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> None:
+        """Make `seq` own pages for its first `num_tokens` tokens, copying a shared page it will write."""
+        if self._needs_copy(seq, num_tokens):
+            old = seq.block_table[-1]
+            new = self._allocate()
+            self.pending_copies.append((old, new))
+            self._release(old)
+            seq.block_table[-1] = new
+        while len(seq.block_table) * self.page_size < num_tokens:
+            seq.block_table.append(self._allocate())
+
+    def register_full_pages(self, seq: Sequence) -> None:
+        """After a step: put `seq`'s pages that are now full of computed tokens into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        parent = None
+        for index in range(seq.num_computed // self.page_size):
+            key = self._hash(parent, seq.token_ids, index)
+            page = self._pages[seq.block_table[index]]
+            if page.hash is None:
+                page.hash = key
+                self._by_hash.setdefault(key, seq.block_table[index])
+            parent = key
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` shares every page of `parent` (a later write into a shared page copies it first)."""
+        child.block_table = list(parent.block_table)
+        child.num_computed = parent.num_computed
+        for page in child.block_table:
+            self._pages[page].ref_count += 1
+
+    def free(self, seq: Sequence) -> None:
+        """Drop `seq`'s pages; unshared ones return to the free queue (keeping their cached contents)."""
+        for page in reversed(seq.block_table):
+            self._release(page)
+        seq.block_table = []
+        seq.num_computed = 0
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the contents of every page no sequence holds (measurements that must start cold)."""
+        for index, page in enumerate(self._pages):
+            if page.ref_count == 0 and page.hash is not None:
+                if self._by_hash.get(page.hash) == index:
+                    del self._by_hash[page.hash]
+                page.hash = None
+                if index in self._cached:
+                    del self._cached[index]
+                    self._blank[index] = None
+
+    def _hash(self, parent: int | None, tokens: list[int], index: int) -> int:
+        return hash((parent, tuple(tokens[index * self.page_size:(index + 1) * self.page_size])))
+
+    def _needs_copy(self, seq: Sequence, num_tokens: int) -> bool:
+        if not seq.block_table or num_tokens <= seq.num_computed:
+            return False
+        last = seq.num_computed // self.page_size
+        return last < len(seq.block_table) and self._pages[seq.block_table[last]].ref_count > 1
+
+    def _take(self, page: int) -> None:
+        if self._pages[page].ref_count == 0:
+            del self._cached[page]
+            self.peak_used = max(self.peak_used, self.num_used)
+        self._pages[page].ref_count += 1
+
+    def _allocate(self) -> int:
+        if self._blank:
+            page, _ = self._blank.popitem()
+        elif self._cached:
+            page, _ = self._cached.popitem(last=False)
+        else:
+            raise RuntimeError("no free KV page: the scheduler must check can_hold first")
+        entry = self._pages[page]
+        if entry.hash is not None and self._by_hash.get(entry.hash) == page:
+            del self._by_hash[entry.hash]
+        entry.hash = None
+        entry.ref_count = 1
+        self.peak_used = max(self.peak_used, self.num_used)
+        return page
+
+    def _release(self, page: int) -> None:
+        entry = self._pages[page]
+        entry.ref_count -= 1
+        if entry.ref_count == 0:
+            findable = entry.hash is not None and self._by_hash.get(entry.hash) == page
+            (self._cached if findable else self._blank)[page] = None

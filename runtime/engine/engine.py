@@ -1,0 +1,419 @@
+"""`LLMEngine`: a compiled artifact as a text generator serving many requests at once.
+
+One worker thread owns the model: each step it lets the scheduler pick tokens from every request in
+flight (continuous batching), runs them as one batch, samples, and hands text pieces back. Callers on
+any thread or event loop submit requests and wait for them: `generate`, `generate_batch`, `stream`,
+`generate_async` and `chat` are all `submit` plus a way of waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import threading
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterator
+
+import numpy as np
+
+from runtime.chat_template import ChatTemplate
+from runtime.engine.block_manager import BlockManager
+from runtime.engine.detokenizer import IncrementalDetokenizer
+from runtime.engine.kv_cache import PagePool
+from runtime.engine.runner import ContiguousRunner, PagedRunner
+from runtime.engine.sampler import sample_token
+from runtime.engine.sampling import SamplingParams
+from runtime.engine.scheduler import ScheduledBatch, Scheduler
+from runtime.engine.sequence import RequestStats, Sequence
+from runtime.engine.speculation import NgramProposer
+from runtime.executor import Executor
+from runtime.loader import load_artifact
+from runtime.ort_session import enable_process_thread_pool
+from runtime.tokenizer import TextTokenizer
+
+_DONE = object()
+UTILISATION_SAMPLES = 100_000
+
+
+@dataclass
+class Request:
+    """A submitted request: its sequence, the text so far, and ways to wait for it or cancel it."""
+
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer | None
+    engine: "LLMEngine"
+    text: str = ""
+    future: Future = field(default_factory=Future)
+    _pieces: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    _wakers: list = field(default_factory=list)
+
+    @property
+    def stats(self) -> RequestStats:
+        return self.seq.stats
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.seq.output_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.seq.finish_reason
+
+    def result(self, timeout: float | None = None) -> str:
+        """Block until finished; the generated text."""
+        return self.future.result(timeout)
+
+    async def aiter_text(self) -> AsyncIterator[str]:
+        """`iter_text` for asyncio: the engine wakes the awaiting loop as pieces arrive."""
+        loop = asyncio.get_running_loop()
+        arrived = asyncio.Event()
+        self._wakers.append(lambda: loop.call_soon_threadsafe(arrived.set))
+        while True:
+            try:
+                piece = self._pieces.get_nowait()
+            except queue.Empty:
+                await arrived.wait()
+                arrived.clear()
+                continue
+            if piece is _DONE:
+                return
+            yield piece
+
+    def iter_text(self) -> Iterator[str]:
+        """Text pieces as they are generated, until the request ends (consumes them: one reader)."""
+        while (piece := self._pieces.get()) is not _DONE:
+            yield piece
+
+    def cancel(self) -> None:
+        """Stop generating; the pages the request held go back to the pool."""
+        self.engine._post(("cancel", self))
+
+    def _emit(self, piece: str) -> None:
+        if piece:
+            self.text += piece
+            self._put(piece)
+
+    def _put(self, item) -> None:
+        self._pieces.put(item)
+        for wake in list(self._wakers):
+            wake()
+
+
+@dataclass
+class EngineStats:
+    """Counters over the engine's life, and the KV utilisation samples of its steps."""
+
+    steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    peak_running: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    # per-step samples, the latest UTILISATION_SAMPLES kept (a server runs for days)
+    page_utilisation: deque = field(default_factory=lambda: deque(maxlen=UTILISATION_SAMPLES))
+    token_utilisation: deque = field(default_factory=lambda: deque(maxlen=UTILISATION_SAMPLES))
+
+
+class LLMEngine:
+    """`LLMEngine("model.om", max_batch_size=8, max_context_len=4096, kv_cache_pages=1024)`.
+
+    A paged artifact gets a pool of `kv_cache_pages` pages of its compiled page size; an artifact with
+    contiguous past/present I/O reserves `max_context_len` tokens per sequence instead.
+
+    `num_speculative_tokens=k` drafts up to k tokens per decoding sequence by prompt lookup and verifies
+    them in the same step (runtime/engine/speculation.py), while at most `speculative_max_batch` sequences run:
+    beyond that a step is no longer bound by reading the weights, and drafts would cost more than they save.
+    Outputs are unchanged by it.
+
+    `process_thread_pool=True` makes onnxruntime's process-wide thread pool, which the engine's many
+    sessions then share: decode is faster (runtime/ort_session.py), but onnxruntime requires every
+    session created later in the process to use that pool too, which code outside this project (such
+    as onnx-graphsurgeon's constant folding) does not do. The CLI, which owns its process, turns it on.
+    """
+
+    def __init__(self, model_path: str | os.PathLike, max_batch_size: int = 8, max_context_len: int = 4096,
+                 kv_cache_pages: int = 1024, *, max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
+                 backend: str = "onnxruntime", threads: int | None = None, process_thread_pool: bool = False,
+                 num_speculative_tokens: int = 0, speculative_max_batch: int = 4):
+        if max_batch_size < 1 or max_context_len < 2 or kv_cache_pages < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_batch_size, kv_cache_pages and max_num_batched_tokens must be positive, "
+                             "max_context_len at least 2")
+        self.loaded = load_artifact(model_path)
+        metadata = self.loaded.metadata
+        self.dims = metadata["model"]
+        self.max_context_len = max_context_len
+        files = self.loaded.om.tokenizer_files()
+        self.tokenizer = TextTokenizer(files) if "tokenizer.json" in files else None
+        self._chat_template: ChatTemplate | None = None
+        if process_thread_pool and backend == "onnxruntime":
+            enable_process_thread_pool(threads)
+        executor = Executor(self.loaded, backend, threads)
+        kv = metadata.get("kv_cache", {"layout": "contiguous"})
+        self.paged = kv["layout"] == "paged"
+        if self.paged:
+            self.page_size = kv["page_size"]
+            pool = PagePool(self.dims["num_layers"], kv_cache_pages, self.page_size, self.dims["num_kv_heads"],
+                            self.dims["head_dim"])
+            self.runner = PagedRunner(executor, pool)
+            blocks = BlockManager(kv_cache_pages, self.page_size, enable_prefix_caching)
+        else:
+            self.page_size = max_context_len
+            self.runner = ContiguousRunner(executor, metadata["signature"], self.dims)
+            blocks = BlockManager(max_batch_size, max_context_len, enable_prefix_caching=False)
+        self.blocks = blocks
+        self.scheduler = Scheduler(blocks, max_batch_size, max_num_batched_tokens)
+        self.proposer = NgramProposer(num_speculative_tokens)
+        self.speculative_max_batch = speculative_max_batch
+        self.stats = EngineStats()
+        self._requests: dict[int, Request] = {}
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._worker: threading.Thread | None = None
+        self._closed = False
+        self._start_lock = threading.Lock()
+
+    # ---- submitting -------------------------------------------------------------------------------
+
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None, **kwargs) -> Request:
+        """Queue one request (text, or token ids); returns its handle at once."""
+        params = params or SamplingParams(**kwargs)
+        ids = self._encode(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_context_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_context_len is {self.max_context_len}")
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
+        seq = Sequence(list(ids), params, eos)
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer else None
+        request = Request(seq, detok, self)
+        self._post(("add", request))
+        return request
+
+    def generate(self, prompt: str | list[int], max_new_tokens: int = 256, temperature: float = 0.7,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=None, **kwargs) -> str:
+        """The completion of `prompt`."""
+        return self.submit(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                           top_k=top_k, seed=seed, stop=stop or (), **kwargs).result()
+
+    def generate_batch(self, prompts: list[str | list[int]], **kwargs) -> list[str]:
+        """Completions of all `prompts`, computed together."""
+        requests = [self.submit(prompt, **kwargs) for prompt in prompts]
+        return [request.result() for request in requests]
+
+    async def generate_async(self, prompt: str | list[int], **kwargs) -> str:
+        """`generate` for asyncio: concurrent callers share the engine's batches."""
+        request = self.submit(prompt, **kwargs)
+        return await asyncio.wrap_future(request.future)
+
+    def stream(self, prompt: str | list[int], **kwargs) -> Iterator[str]:
+        """Text pieces as they are generated; closing the iterator early cancels the request."""
+        request = self.submit(prompt, **kwargs)
+        finished = False
+        try:
+            yield from request.iter_text()
+            finished = True
+        finally:
+            if not finished:
+                request.cancel()
+
+    def chat(self, messages: list[dict], **kwargs) -> str:
+        """The assistant's reply to `messages`, through the model's chat template."""
+        return self.submit(self.chat_prompt(messages), **kwargs).result()
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """`messages` rendered by the chat template and tokenized as the template spells special tokens."""
+        text = self._template().render(messages)
+        return self._require_tokenizer().encode(text, add_special_tokens=False)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prompt pages not in use, before the next request is admitted."""
+        self._post(("reset", None))
+
+    def close(self) -> None:
+        """Stop the worker; requests still in flight are cancelled."""
+        self._closed = True
+        self._wake.set()
+        if self._worker is not None:
+            self._worker.join()
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- the worker -------------------------------------------------------------------------------
+
+    def _post(self, message) -> None:
+        if self._closed:
+            if message[0] == "cancel":
+                return  # closing cancels every request still in flight
+            raise RuntimeError("the engine is closed")
+        self._inbox.put(message)
+        self._ensure_worker()
+        self._wake.set()
+
+    def _ensure_worker(self) -> None:
+        with self._start_lock:
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
+                self._worker.start()
+
+    def _loop(self) -> None:
+        while True:
+            self._drain_inbox()
+            if self._closed:
+                for request in list(self._requests.values()):
+                    self._cancel(request)
+                return
+            if not self.scheduler.has_work():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                self.step()
+            except Exception as error:  # a failed step fails its requests, never the caller's thread
+                for request in list(self._requests.values()):
+                    self.scheduler.abort(request.seq, "error")
+                    self._complete(request, error)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, request = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._requests[request.seq.seq_id] = request
+                self.scheduler.add(request.seq)
+                self.stats.prompt_tokens += request.seq.num_prompt
+            elif kind == "reset":
+                self.blocks.reset_prefix_cache()
+            elif request.seq.seq_id in self._requests:
+                self._cancel(request)
+
+    def _cancel(self, request: Request) -> None:
+        self.scheduler.abort(request.seq, "cancelled")
+        self.runner.release(request.seq)
+        self._complete(request)
+
+    def step(self) -> None:
+        """One scheduling step: draft, schedule, run the batch, sample (verifying drafts), stream, retire."""
+        self._draft()
+        batch = self.scheduler.schedule()
+        for seq in batch.preempted:
+            self.runner.release(seq)
+        self.stats.preemptions += len(batch.preempted)
+        for seq in batch.finished:
+            self._complete(self._requests[seq.seq_id])
+        if not batch.seqs:
+            return
+        self.runner.copy_pages(self.blocks.pending_copies)
+        self.blocks.pending_copies.clear()
+        self._sample_utilisation(batch)
+        logits = self.runner.run(batch)
+        self.stats.steps += 1
+        row = 0
+        for seq, count in zip(batch.seqs, batch.num_tokens):
+            rows = logits[row:row + 1 + len(seq.draft)]
+            row += len(rows)
+            if seq.finished or seq.num_computed + count < len(seq.token_ids):
+                continue  # a prefill chunk that did not reach the end of the prompt
+            self._sample(seq, rows)
+        self.scheduler.account(batch)
+        for seq in self.scheduler.retire():
+            self.runner.release(seq)
+            self._complete(self._requests[seq.seq_id])
+
+    def _draft(self) -> None:
+        """Give each decoding sequence a draft to verify, while the batch is small enough to gain from it."""
+        running = self.scheduler.running
+        drafting = self.proposer.num_tokens and len(running) <= self.speculative_max_batch
+        for seq in running:
+            seq.draft = []  # one the last step's budget left unscheduled is not carried over
+            if drafting and seq.num_uncomputed == 1:
+                limit = min(self.max_context_len - len(seq.token_ids), seq.remaining_tokens) - 1
+                seq.draft = self.proposer.propose(seq.seq_id, seq.token_ids, limit)
+
+    def _sample(self, seq: Sequence, rows: np.ndarray) -> None:
+        """Sample row after row, each after the draft token before it; stop at the first that differs.
+
+        Every kept token is drawn from the model's distribution given the tokens before it, one draw each,
+        exactly as without a draft.
+        """
+        draft, seq.draft = seq.draft, []
+        request = self._requests[seq.seq_id]
+        self.stats.draft_tokens += len(draft)
+        for position, row in enumerate(rows):
+            token = sample_token(row, seq.params, seq.token_ids, seq.rng)
+            if not position:
+                self.proposer.observe(seq.seq_id, token)
+            seq.append(token)
+            self.stats.generated_tokens += 1
+            if len(seq.token_ids) >= self.max_context_len:
+                seq.finish("length")
+            self._stream(request)
+            if position == len(draft) or token != draft[position]:
+                break
+            self.stats.accepted_tokens += 1
+            if seq.finished:
+                break
+
+    def _stream(self, request: Request) -> None:
+        if request.detokenizer is None:
+            return
+        piece, stopped = request.detokenizer.add(request.seq.output_ids)
+        request._emit(piece)
+        if stopped:
+            request.seq.finish("stop")
+
+    def _complete(self, request: Request, error: Exception | None = None) -> None:
+        self._requests.pop(request.seq.seq_id, None)
+        self.proposer.forget(request.seq.seq_id)
+        if request.detokenizer is not None:
+            request._emit(request.detokenizer.flush())
+        request._put(_DONE)
+        if request.future.done():
+            return
+        if error is not None:
+            request.future.set_exception(error)
+        else:
+            request.future.set_result(request.text)
+
+    def _sample_utilisation(self, batch: ScheduledBatch) -> None:
+        """Pages holding live tokens / pages allocated, and live tokens / allocated slots, for this step."""
+        running = self.scheduler.running
+        self.stats.peak_running = max(self.stats.peak_running, len(running))
+        used = self.blocks.num_used
+        if not self.paged or not used:
+            return
+        scheduled = {id(s): c for s, c in zip(batch.seqs, batch.num_tokens)}
+        live_pages: set[int] = set()
+        live_tokens = 0
+        for seq in running:
+            tokens = seq.num_computed + scheduled.get(id(seq), 0)
+            live_pages.update(seq.block_table[:-(-tokens // self.page_size)])
+            live_tokens += tokens
+        self.stats.page_utilisation.append(len(live_pages) / used)
+        self.stats.token_utilisation.append(live_tokens / (used * self.page_size))
+
+    def _template(self) -> ChatTemplate:
+        """The chat template, compiled on first use and kept."""
+        if self._chat_template is None:
+            self._chat_template = ChatTemplate(self.loaded.om.tokenizer_files())
+        return self._chat_template
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self._require_tokenizer().encode(prompt)
+        return [int(t) for t in prompt]
+
+    def _require_tokenizer(self) -> TextTokenizer:
+        if self.tokenizer is None:
+            raise ValueError("the model was compiled without a tokenizer: pass token ids, or recompile with "
+                             "atc --tokenizer=DIR")
+        return self.tokenizer

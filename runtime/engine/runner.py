@@ -1,0 +1,90 @@
+"""Model runners: a scheduled batch in, logits out: one row per sequence, and one more per draft token.
+
+`PagedRunner` drives a paged artifact: the batch's tokens flattened into one row with the attention
+metadata, keys and values in the page pool. `ContiguousRunner` drives an artifact with past/present I/O
+(what any ONNX-style runner can use): each sequence runs on its own with its own growing cache arrays.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from runtime.engine.kv_cache import PagePool
+from runtime.engine.scheduler import ScheduledBatch
+from runtime.engine.sequence import Sequence
+from runtime.executor import Executor
+from runtime.feeds import causal_lm_inputs
+
+
+class PagedRunner:
+    """Runs batches without padding over `pool`."""
+
+    def __init__(self, executor: Executor, pool: PagePool):
+        self.executor, self.pool = executor, pool
+        self.page_size = pool.page_size
+
+    def feeds(self, batch: ScheduledBatch) -> dict[str, np.ndarray]:
+        """The paged graph's inputs for `batch` (see passes/paged_kv_cache.py)."""
+        ids, positions, slots, lengths, wanted = [], [], [], [], []
+        width = max(len(seq.block_table) for seq in batch.seqs)
+        tables = np.zeros((len(batch.seqs), width), np.int32)
+        end = 0
+        for row, (seq, count) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            span = np.arange(seq.num_computed, seq.num_computed + count)
+            table = np.asarray(seq.block_table, np.int64)
+            tables[row, :len(table)] = table
+            ids.append(np.asarray(seq.window(seq.num_computed, seq.num_computed + count), np.int64))
+            positions.append(span)
+            slots.append(table[span // self.page_size] * self.page_size + span % self.page_size)
+            lengths.append(seq.num_computed + count)
+            end += count
+            wanted.append(np.arange(end - 1 - len(seq.draft), end))
+        starts = np.concatenate([[0], np.cumsum(batch.num_tokens)]).astype(np.int32)
+        return {"input_ids": np.concatenate(ids)[None], "position_ids": np.concatenate(positions)[None].astype(np.int64),
+                "query_start_loc": starts, "seq_lens": np.asarray(lengths, np.int32), "block_tables": tables,
+                "slot_mapping": np.concatenate(slots).astype(np.int64),
+                "logits_indices": np.concatenate(wanted).astype(np.int64)}
+
+    def run(self, batch: ScheduledBatch) -> np.ndarray:
+        return self.executor.run(self.feeds(batch), ["logits"], kv_cache=self.pool)["logits"]
+
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        """Apply the block manager's copy-on-write copies."""
+        for source, target in copies:
+            self.pool.key[:, target] = self.pool.key[:, source]
+            self.pool.value[:, target] = self.pool.value[:, source]
+
+    def release(self, seq: Sequence) -> None:
+        del seq  # the pages are the block manager's
+
+
+class ContiguousRunner:
+    """Runs each sequence of a batch alone with its own past; an export without a cache recomputes it all."""
+
+    def __init__(self, executor: Executor, signature: dict, dims: dict):
+        self.executor, self.signature, self.dims = executor, signature, dims
+        self.has_past = bool(dims.get("kv_cache_io"))
+        self.present_names = [n for n in executor.output_names if n.startswith("present")]
+        self._past: dict[int, dict[str, np.ndarray]] = {}
+
+    def run(self, batch: ScheduledBatch) -> np.ndarray:
+        rows = []
+        for seq, count in zip(batch.seqs, batch.num_tokens):
+            past = seq.num_computed if self.has_past else 0
+            ids = np.asarray(seq.window(past, seq.num_computed + count), np.int64)[None]
+            feeds = causal_lm_inputs(self.signature, self.dims, ids, past)
+            if self.has_past and past:
+                # the cache may run past `past` by a rejected draft: only the first `past` positions are kept
+                feeds.update({name: value[:, :, :past] for name, value in self._past[seq.seq_id].items()})
+            outputs = self.executor.run(feeds, ["logits"] + self.present_names)
+            if self.has_past:
+                self._past[seq.seq_id] = {name.replace("present", "past_key_values", 1): outputs[name]
+                                          for name in self.present_names}
+            rows.append(outputs["logits"][0, -1 - len(seq.draft):])
+        return np.concatenate(rows)
+
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        del copies  # one private cache per sequence: nothing is shared
+
+    def release(self, seq: Sequence) -> None:
+        self._past.pop(seq.seq_id, None)

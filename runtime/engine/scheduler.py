@@ -1,0 +1,136 @@
+"""The scheduler: continuous batching under a per-step token budget, chunked prefill, preemption.
+
+Each step it first serves the running sequences in arrival order (a decode needs one token, an unfinished
+prefill its next chunk), then admits waiting ones while the budget, `max_batch_size` and free pages
+allow. When pages run out, the most recently admitted running sequence is preempted by recompute: its
+pages are freed and it goes back to the front of the queue (its full pages may still be found in the
+prefix cache when it returns). A sequence alone in the batch that still cannot get a page is finished
+with reason "length"; nothing waits on pages that can never come.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from runtime.engine.block_manager import BlockManager
+from runtime.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: each sequence with the number of its tokens to compute now."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+
+class Scheduler:
+    """Decides which tokens of which sequences each step computes."""
+
+    def __init__(self, blocks: BlockManager, max_batch_size: int, max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.max_batch_size = max_batch_size
+        self.token_budget = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, seq: Sequence, reason: str = "cancelled") -> None:
+        """Take `seq` out wherever it is and free its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.finish(reason)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.token_budget
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            count = self._count(seq, budget)
+            if seq.draft and not self.blocks.can_hold(seq, seq.num_computed + count):
+                seq.draft.clear()  # a draft never costs another sequence its pages
+                count = self._count(seq, budget)
+            while not self.blocks.can_hold(seq, seq.num_computed + count):
+                victim = self.running[-1]
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.reserve(seq, seq.num_computed + count)
+                batch.seqs.append(seq)
+                batch.num_tokens.append(count)
+                budget -= count
+                index += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                self.blocks.claim_prefix(seq)
+            count = min(seq.num_uncomputed, budget)
+            if not self.blocks.can_hold(seq, seq.num_computed + count):
+                if not self.running and not batch.seqs:
+                    # alone with the whole pool and still too long: it can never run
+                    self.waiting.popleft()
+                    self.blocks.free(seq)
+                    seq.finish("length")
+                    batch.finished.append(seq)
+                    continue
+                self.blocks.free(seq)
+                break
+            self.waiting.popleft()
+            self.blocks.reserve(seq, seq.num_computed + count)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(count)
+            budget -= count
+        return batch
+
+    def account(self, batch: ScheduledBatch) -> None:
+        """After sampling: count the tokens now in the cache, offer full pages to the prefix cache.
+
+        Everything but the newest token is computed; a rejected draft's keys and values lie beyond that
+        and are overwritten by the next step.
+        """
+        for seq, count in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed = min(seq.num_computed + count, len(seq.token_ids) - 1)
+            self.blocks.register_full_pages(seq)
+
+    def retire(self) -> list[Sequence]:
+        """Drop finished sequences from the running set, freeing their pages; returns them."""
+        done = [s for s in self.running if s.finished]
+        for seq in done:
+            self.running.remove(seq)
+            self.blocks.free(seq)
+        return done
+
+    @staticmethod
+    def _count(seq: Sequence, budget: int) -> int:
+        """Tokens to compute for a running sequence: what is uncomputed, then its draft, within `budget`."""
+        count = min(seq.num_uncomputed + len(seq.draft), budget)
+        del seq.draft[max(0, count - seq.num_uncomputed):]
+        return count
+
+    def _preempt(self, seq: Sequence) -> None:
+        seq.draft.clear()
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.status = Status.WAITING
+        seq.stats.preemptions += 1
+        self.waiting.appendleft(seq)

@@ -1,0 +1,42 @@
+"""What the artifact's metadata says about a graph: its I/O signature and LLM dimensions."""
+
+from __future__ import annotations
+
+import re
+
+import onnx
+from onnx import helper
+
+_PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+
+
+def _value(value: onnx.ValueInfoProto) -> dict:
+    tensor_type = value.type.tensor_type
+    dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or -1) for d in tensor_type.shape.dim]
+    return {"name": value.name, "dtype": helper.tensor_dtype_to_np_dtype(tensor_type.elem_type).name, "shape": dims}
+
+
+def io_signature(model: onnx.ModelProto) -> dict:
+    """Inputs and outputs in order, with dtype and shape (a name for a symbolic dim)."""
+    initializers = {t.name for t in model.graph.initializer}
+    return {"inputs": [_value(v) for v in model.graph.input if v.name not in initializers],
+            "outputs": [_value(v) for v in model.graph.output]}
+
+
+def is_dynamic(signature: dict) -> bool:
+    """ATC's is_unknow_model: some input has a dimension not fixed at compile time."""
+    return any(not isinstance(d, int) or d < 0 for value in signature["inputs"] for d in value["shape"])
+
+
+def llm_dimensions(signature: dict) -> dict:
+    """Layers, KV heads, head size and vocabulary of a causal LM with Optimum-style I/O (empty if not one)."""
+    inputs = {v["name"]: v for v in signature["inputs"]}
+    outputs = {v["name"]: v for v in signature["outputs"]}
+    if "input_ids" not in inputs or "logits" not in outputs:
+        return {}
+    layers = {int(m.group(1)) for name in inputs if (m := _PAST.match(name))}
+    dims = {"vocab_size": outputs["logits"]["shape"][-1], "kv_cache_io": bool(layers)}
+    if layers:
+        past = inputs["past_key_values.0.key"]["shape"]
+        dims.update(num_layers=len(layers), num_kv_heads=past[1], head_dim=past[3])
+    return dims

@@ -1,0 +1,99 @@
+"""WeightQuantizationPass alone: what it writes, its numbers, and each refusal."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from fusion_utils import apply_pass, assert_parity, op_counts, run_fused, run_original
+from onnx import TensorProto, helper, numpy_helper
+
+from passes.quant.config import QuantConfig
+from passes.quant.math import quantize_blockwise
+from passes.quant.quantize_weights import QuantizeWeights
+from runtime.kernels.matmul_nbits_layout import dequantize_blockwise
+
+K, N = 96, 40
+RNG = np.random.default_rng(5)
+WEIGHT = (0.1 * RNG.standard_normal((K, N))).astype(np.float32)
+FEEDS = {"x": RNG.standard_normal((2, 3, K)).astype(np.float32)}
+
+
+def _model(weight_inputs, weight_initializers, nodes=(), opset=21):
+    nodes = list(nodes) + [helper.make_node("MatMul", ["x", weight_inputs], ["y"], name="proj")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, K])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, N])], weight_initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+@pytest.mark.parametrize("bits, symmetric", [(4, True), (4, False), (8, True)])
+def test_a_float_weight_becomes_a_quantized_matmul_that_computes_its_dequantization(bits, symmetric, tmp_path):
+    config = QuantConfig(bits=bits, group_size=32, symmetric=symmetric, skip_layers=(), accuracy_level="0")
+    model = _model("w", [numpy_helper.from_array(WEIGHT, "w")])
+    fused, (result,) = apply_pass(model, QuantizeWeights(config))
+    op = "MatMulInt4" if bits == 4 else "MatMulInt8"
+    assert (result.match_times, result.effect_times) == (1, 1) and op_counts(fused)[op] == 1
+    assert "MatMul" not in op_counts(fused)
+    block = 32 if bits == 4 else K
+    dequantized = dequantize_blockwise(quantize_blockwise(WEIGHT, bits, block, symmetric))
+    assert_parity(_model("w", [numpy_helper.from_array(dequantized, "w")]), fused, FEEDS, tmp_path)
+
+
+def _gguf_q4_1(weight, block=32):
+    """`weight` moved onto GGUF Q4_1's grid: per block of K, min + scale·q with q in 0..15."""
+    blocks = weight.reshape(-1, block, weight.shape[1])
+    low, scale = blocks.min(axis=1, keepdims=True), np.ptp(blocks, axis=1, keepdims=True) / 15
+    return (low + scale * np.rint((blocks - low) / scale)).reshape(weight.shape).astype(np.float32)
+
+
+def test_float_zero_points_reproduce_a_q4_1_weight_exactly_where_integer_ones_cannot(tmp_path):
+    model = _model("w", [numpy_helper.from_array(_gguf_q4_1(WEIGHT), "w")])
+    fused = {}
+    for zero_points in ("integer", "float"):
+        config = QuantConfig(group_size=32, symmetric=False, zero_points=zero_points, skip_layers=(), accuracy_level="0")
+        fused[zero_points], (result,) = apply_pass(model, QuantizeWeights(config))
+        assert result.effect_times == 1
+    # MatMulInt4 on integer zero points, plus x's block sums times the offsets (built from int8 remainders)
+    assert op_counts(fused["float"]) == {"MatMulInt4": 1, "MatMul": 2, "Add": 1, "Cast": 1, "Mul": 2, "Transpose": 1}
+    expected = run_original(model, FEEDS)[0]
+    error = {name: np.abs(run_fused(graph, FEEDS, "onnxruntime", tmp_path)[0] - expected).max()
+             for name, graph in fused.items()}
+    # int8 remainders leave ~1e-5 of outputs of magnitude ~1; integer zero points move whole groups
+    assert error["float"] < 1e-3 and error["integer"] > 100 * error["float"], error
+    assert_parity(model, fused["float"], FEEDS, tmp_path, atol=1e-3)
+
+
+def _qdq(values, scale, axis=0, block=32, constant_scale=True):
+    inputs = ["q", "s"]
+    initializers = [numpy_helper.from_array(values, "q")]
+    if constant_scale:
+        initializers.append(numpy_helper.from_array(scale, "s"))
+    attrs = {"axis": axis, "block_size": block} if block else {"axis": axis}
+    model = _model("w", initializers, [helper.make_node("DequantizeLinear", inputs, ["w"], **attrs)])
+    if not constant_scale:
+        model.graph.input.append(helper.make_tensor_value_info("s", TensorProto.FLOAT, list(scale.shape)))
+    return model
+
+
+@pytest.mark.parametrize("model, config, reason", [
+    (lambda: _model("w", [numpy_helper.from_array(WEIGHT, "w")]), None, "compression is off"),
+    (lambda: _model("w_in", []), QuantConfig(skip_layers=()), "not a constant 2-D float32"),
+    (lambda: _model("w", [numpy_helper.from_array(WEIGHT, "w")]), QuantConfig(skip_layers=("pro*",)), "skipped by"),
+    (lambda: _qdq(np.zeros((K, N), ml_dtypes.int4), np.ones((K // 32, N), np.float32), constant_scale=False),
+     None, "not constants"),
+    (lambda: _qdq(np.zeros((K, N), np.int8), np.ones((), np.float32), axis=1, block=0), None, "unsupported"),
+])
+def test_refusals(model, config, reason):
+    built = model()
+    if reason == "not a constant 2-D float32":
+        built.graph.input.append(helper.make_tensor_value_info("w_in", TensorProto.FLOAT, [K, N]))
+    fused, (result,) = apply_pass(built, QuantizeWeights(config))
+    assert result.effect_times == 0 and "MatMulInt4" not in op_counts(fused)
+    assert any(reason in r for r in result.rejections), result.rejections
+
+
+def test_every_skip_pattern_naming_a_matmul_counts_as_matched_not_only_the_first():
+    # "pro*" names the MatMul node, "w" its weight: neither may be refused as matching nothing
+    quantizer = QuantizeWeights(QuantConfig(skip_layers=("pro*", "w")))
+    fused, (result,) = apply_pass(_model("w", [numpy_helper.from_array(WEIGHT, "w")]), quantizer)
+    assert quantizer.matched_patterns >= {"pro*", "w"} and result.effect_times == 0

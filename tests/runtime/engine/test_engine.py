@@ -1,0 +1,178 @@
+"""LLMEngine's behaviour beyond greedy equality: pages come back, preemption, chunking, the prefix cache,
+streaming, asyncio, chat templates, and refusals."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+from conftest import compile_to
+from generation_utils import NEW_TOKENS, compile_tiny_chat_model, hf_greedy, mixed_prompts
+
+from cann_llm import LLMEngine
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def paged_om(tmp_path_factory):
+    return compile_tiny_chat_model(tmp_path_factory, CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def small_pages_om(tmp_path_factory):
+    """The same model with 16-token pages, so sequences cross page boundaries while they decode."""
+    from models.tiny import tiny_onnx
+
+    folder = tmp_path_factory.mktemp("paged16")
+    return compile_to(tiny_onnx("llama", dynamo=False, with_past=True), folder / "m", enable_paged_attention=True,
+                      paged_config=_paged_config(folder, 16))
+
+
+def _greedy(engine, prompts, **kwargs):
+    requests = [engine.submit(p, max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, **kwargs) for p in prompts]
+    return [r.result() and r.output_ids for r in requests], requests
+
+
+@pytest.mark.parametrize("drafts", [0, 4])
+def test_preemption_by_recompute_keeps_greedy_output_and_frees_every_page(small_pages_om, drafts):
+    prompts = mixed_prompts(8, seed=5, low=20, high=60)
+    # 12 pages of 16 tokens: the admitted sequences outgrow them while they decode
+    with LLMEngine(small_pages_om, max_batch_size=8, max_context_len=256, kv_cache_pages=12,
+                   num_speculative_tokens=drafts, speculative_max_batch=8) as engine:
+        outputs, requests = _greedy(engine, prompts)
+        assert outputs == hf_greedy("llama", tuple(map(tuple, prompts)))
+        assert engine.stats.preemptions > 0 and sum(r.stats.preemptions for r in requests) > 0
+        assert (engine.stats.accepted_tokens > 0) == bool(drafts)
+        assert engine.blocks.num_free == engine.blocks.num_pages
+
+
+def test_flash_prefill_keeps_greedy_output(tmp_path):
+    from models.tiny import tiny_onnx
+
+    om = compile_to(tiny_onnx("qwen2", dynamo=True, with_past=True), tmp_path / "m", enable_paged_attention=True,
+                    enable_flash_attention=True)
+    prompts = mixed_prompts(6, seed=8, low=64, high=190)  # long enough for the flash path
+    with LLMEngine(om, max_batch_size=6, max_context_len=256, kv_cache_pages=16) as engine:
+        outputs, _ = _greedy(engine, prompts)
+    assert outputs == hf_greedy("qwen2", tuple(map(tuple, prompts)))
+
+
+def test_chunked_prefill_keeps_greedy_output(paged_om):
+    prompts = mixed_prompts(4, seed=6, low=40, high=60)
+    with LLMEngine(paged_om, max_batch_size=4, max_context_len=256, kv_cache_pages=16,
+                   max_num_batched_tokens=7) as engine:
+        outputs, _ = _greedy(engine, prompts)
+    assert outputs == hf_greedy("llama", tuple(map(tuple, prompts)))
+
+
+def test_a_shared_prefix_is_taken_from_the_cache(small_pages_om):
+    system = mixed_prompts(1, seed=7, low=50, high=51)[0]
+    first, second = system + [5, 6, 7], system + [9, 10]
+    with LLMEngine(small_pages_om, kv_cache_pages=32, max_context_len=256) as engine:
+        outputs, requests = _greedy(engine, [first])
+        later, later_requests = _greedy(engine, [second])
+    assert requests[0].stats.cached_tokens == 0 and later_requests[0].stats.cached_tokens == 48
+    assert outputs + later == hf_greedy("llama", (tuple(first), tuple(second)))
+
+
+def _paged_config(folder, page_size: int) -> str:
+    path = folder / "paged.json"
+    path.write_text(json.dumps({"page_size": page_size}))
+    return str(path)
+
+
+def test_cancelled_requests_return_their_pages(paged_om):
+    with LLMEngine(paged_om, max_context_len=256, kv_cache_pages=8) as engine:
+        requests = [engine.submit([5] * 30, max_new_tokens=200, temperature=0, ignore_eos=True) for _ in range(3)]
+        while not all(r.output_ids for r in requests):
+            time.sleep(0.01)
+        for request in requests:
+            request.cancel()
+        assert [r.result() is not None for r in requests] == [True] * 3
+        assert {r.finish_reason for r in requests} == {"cancelled"}
+        assert all(len(r.output_ids) < 200 for r in requests)
+        deadline = time.time() + 5
+        while engine.blocks.num_free != 8 and time.time() < deadline:
+            time.sleep(0.01)
+        assert engine.blocks.num_free == 8
+
+
+def test_stream_async_and_batch_agree_with_generate(paged_om):
+    prompt = "hello there"
+    with LLMEngine(paged_om, max_context_len=256, kv_cache_pages=16) as engine:
+        text = engine.generate(prompt, max_new_tokens=20, temperature=0, ignore_eos=True)
+        assert "".join(engine.stream(prompt, max_new_tokens=20, temperature=0, ignore_eos=True)) == text
+        assert engine.generate_batch([prompt, prompt], max_new_tokens=20, temperature=0, ignore_eos=True) == [text] * 2
+
+        async def together():
+            return await asyncio.gather(*(engine.generate_async(prompt, max_new_tokens=20, temperature=0,
+                                                                ignore_eos=True) for _ in range(4)))
+
+        assert asyncio.run(together()) == [text] * 4
+        sampled = {engine.generate(prompt, max_new_tokens=20, temperature=1.0, seed=3, ignore_eos=True) for _ in range(2)}
+        assert len(sampled) == 1
+
+
+def test_stop_strings_and_per_request_stats(paged_om):
+    with LLMEngine(paged_om, max_context_len=256, kv_cache_pages=16) as engine:
+        full = engine.generate("abc", max_new_tokens=30, temperature=0, ignore_eos=True)
+        stop = full[5:8]
+        request = engine.submit("abc", max_new_tokens=30, temperature=0, ignore_eos=True, stop=[stop])
+        assert request.result() == full[:full.index(stop)] and request.finish_reason == "stop"
+        stats = engine.submit("abc", max_new_tokens=10, temperature=0, ignore_eos=True)
+        stats.result()
+        assert stats.stats.prompt_tokens == 3 and stats.stats.output_tokens == 10
+        assert 0 < stats.stats.ttft_s <= stats.stats.total_s
+
+
+def test_drafts_change_no_request_output(paged_om):
+    requests = [("abc", {"temperature": 0}), ("hello there", {"temperature": 0, "repetition_penalty": 1.3}),
+                ("abc", {"temperature": 0.9, "seed": 3}), ("xyz", {"temperature": 1.2, "top_k": 20, "top_p": 0.9, "seed": 1})]
+    texts = {}
+    for drafts in (0, 4):
+        with LLMEngine(paged_om, max_context_len=256, kv_cache_pages=16, num_speculative_tokens=drafts) as engine:
+            handles = [engine.submit(prompt, max_new_tokens=40, ignore_eos=True, **params) for prompt, params in requests]
+            texts[drafts] = [(h.result(), h.output_ids) for h in handles]
+            stop = texts[drafts][0][0][9:12]
+            stopped = engine.submit("abc", max_new_tokens=40, temperature=0, ignore_eos=True, stop=[stop])
+            texts[drafts].append((stopped.result(), stopped.finish_reason))
+            assert (engine.stats.accepted_tokens > 0) == bool(drafts)
+    assert texts[4] == texts[0]
+
+
+def test_chat_renders_the_template_and_reuses_history(paged_om):
+    with LLMEngine(paged_om, max_context_len=512, kv_cache_pages=16) as engine:
+        messages = [{"role": "system", "content": "be brief " * 20}, {"role": "user", "content": "hi"}]
+        ids = engine.chat_prompt(messages)
+        assert engine.tokenizer.decode(ids) == "<system>" + "be brief " * 20 + "\n<user>hi\n<assistant>"
+        reply = engine.chat(messages, max_new_tokens=8, temperature=0, ignore_eos=True)
+        turn = engine.submit(engine.chat_prompt(messages + [{"role": "assistant", "content": reply},
+                                                            {"role": "user", "content": "more"}]),
+                             max_new_tokens=8, temperature=0, ignore_eos=True)
+        turn.result()
+        assert turn.stats.cached_tokens >= 128  # the first page of history came from the prefix cache
+
+
+@pytest.mark.parametrize("prompt,message", [("", "empty"), ([1] * 300, "max_context_len")])
+def test_bad_requests_are_refused(paged_om, prompt, message):
+    with LLMEngine(paged_om, max_context_len=256, kv_cache_pages=16) as engine:
+        with pytest.raises(ValueError, match=message):
+            engine.submit(prompt)
+        with pytest.raises(ValueError, match="temperature"):
+            engine.submit("x", temperature=-1)
+
+
+def test_closing_cancels_what_is_in_flight(paged_om):
+    engine = LLMEngine(paged_om, max_context_len=256, kv_cache_pages=8)
+    request = engine.submit([5] * 20, max_new_tokens=200, temperature=0, ignore_eos=True)
+    while not request.output_ids:
+        time.sleep(0.01)
+    engine.close()
+    assert request.finish_reason == "cancelled" and request.future.done()
+    request.cancel()  # after close: nothing left to do, and no error
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit("x")

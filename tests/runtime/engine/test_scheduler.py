@@ -1,0 +1,109 @@
+"""Continuous batching: the token budget, chunked prefill, preemption by recompute, no page leaks."""
+
+from __future__ import annotations
+
+from runtime.engine.block_manager import BlockManager
+from runtime.engine.sampling import SamplingParams
+from runtime.engine.scheduler import Scheduler
+from runtime.engine.sequence import Sequence
+
+
+def _drive(scheduler: Scheduler, seqs: list[Sequence], max_steps: int = 10_000) -> list:
+    """Run the scheduler as the engine does, 'sampling' token 7 whenever a sequence's chunk completes it."""
+    for seq in seqs:
+        scheduler.add(seq)
+    batches = []
+    while scheduler.has_work():
+        batch = scheduler.schedule()
+        batches.append(batch)
+        for seq, count in zip(batch.seqs, batch.num_tokens):
+            if seq.num_computed + count >= len(seq.token_ids) and not seq.finished:
+                seq.append(7)
+        scheduler.account(batch)
+        scheduler.retire()
+        assert len(batches) < max_steps
+    return batches
+
+
+def test_the_token_budget_holds_and_long_prompts_are_chunked():
+    blocks = BlockManager(64, 16)
+    scheduler = Scheduler(blocks, max_batch_size=4, max_num_batched_tokens=32)
+    seqs = [Sequence(list(range(100 * i, 100 * i + 100)), SamplingParams(max_new_tokens=5)) for i in range(3)]
+    batches = _drive(scheduler, seqs)
+    assert all(b.total_tokens <= 32 for b in batches)
+    assert any(len(b.seqs) > 1 and max(b.num_tokens) > 1 and min(b.num_tokens) == 1 for b in batches)  # mixed
+    assert all(s.output_ids == [7] * 5 and s.finish_reason == "length" for s in seqs)
+    assert blocks.num_free == 64
+
+
+def test_running_out_of_pages_preempts_and_every_request_still_finishes():
+    blocks = BlockManager(6, 16)
+    scheduler = Scheduler(blocks, max_batch_size=8, max_num_batched_tokens=256)
+    seqs = [Sequence(list(range(20 * i, 20 * i + 20)), SamplingParams(max_new_tokens=30)) for i in range(4)]
+    _drive(scheduler, seqs)
+    assert sum(s.stats.preemptions for s in seqs) > 0
+    assert all(len(s.output_ids) == 30 for s in seqs)
+    assert blocks.num_free == 6
+
+
+def test_a_request_larger_than_the_whole_pool_ends_instead_of_waiting_forever():
+    blocks = BlockManager(2, 16)
+    scheduler = Scheduler(blocks, max_batch_size=2, max_num_batched_tokens=64)
+    too_long, fits = Sequence(list(range(40)), SamplingParams()), Sequence(list(range(5)), SamplingParams(max_new_tokens=3))
+    _drive(scheduler, [too_long, fits])
+    assert too_long.finish_reason == "length" and not too_long.output_ids
+    assert fits.output_ids == [7, 7, 7]
+    assert blocks.num_free == 2
+
+
+def test_max_batch_size_caps_the_running_set():
+    blocks = BlockManager(64, 16)
+    scheduler = Scheduler(blocks, max_batch_size=2, max_num_batched_tokens=512)
+    batches = _drive(scheduler, [Sequence([1, 2, 3], SamplingParams(max_new_tokens=4)) for _ in range(5)])
+    assert max(len(b.seqs) for b in batches) == 2
+
+
+def test_abort_frees_a_running_sequence():
+    blocks = BlockManager(8, 16)
+    scheduler = Scheduler(blocks, max_batch_size=2, max_num_batched_tokens=64)
+    seq = Sequence(list(range(30)), SamplingParams())
+    scheduler.add(seq)
+    scheduler.account(scheduler.schedule())
+    assert blocks.num_used == 2
+    scheduler.abort(seq)
+    assert blocks.num_free == 8 and seq.finish_reason == "cancelled" and not scheduler.has_work()
+
+
+def test_a_draft_is_dropped_rather_than_preempting_another_sequence():
+    blocks = BlockManager(2, 4)
+    scheduler = Scheduler(blocks, max_batch_size=2, max_num_batched_tokens=64)
+    first, second = Sequence([1, 2, 3], SamplingParams()), Sequence([4, 5, 6], SamplingParams())
+    scheduler.add(first)
+    scheduler.add(second)
+    batch = scheduler.schedule()
+    for seq in batch.seqs:
+        seq.append(9)
+    scheduler.account(batch)
+    assert first.num_computed == 3 and first.num_uncomputed == 1
+    first.draft = [1, 2, 3]  # positions 3..6: a second page, and none is free
+    batch = scheduler.schedule()
+    assert batch.seqs == [first, second] and batch.num_tokens == [1, 1] and not batch.preempted
+    assert first.draft == []
+
+
+def test_a_draft_is_trimmed_to_the_token_budget_and_its_kv_rolls_back():
+    blocks = BlockManager(8, 4)
+    scheduler = Scheduler(blocks, max_batch_size=1, max_num_batched_tokens=3)
+    seq = Sequence([1, 2], SamplingParams())
+    scheduler.add(seq)
+    batch = scheduler.schedule()
+    seq.append(3)  # sampled from the prompt's last row
+    scheduler.account(batch)
+    seq.draft = [4, 5, 6, 7]
+    batch = scheduler.schedule()
+    assert batch.num_tokens == [3] and seq.draft == [4, 5]
+    assert seq.window(seq.num_computed, seq.num_computed + 3) == [3, 4, 5]
+    seq.append(4)  # the first draft token accepted, the second rejected and replaced
+    seq.append(8)
+    scheduler.account(batch)
+    assert seq.num_computed == 4 and seq.token_ids == [1, 2, 3, 4, 8] and seq.num_uncomputed == 1
