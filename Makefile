@@ -6,7 +6,7 @@ CACHE ?= .cache
 QUESTION ?= What is the capital of France?
 FOLLOW_UP ?= And of Germany?
 
-.PHONY: install demo test clean optimum
+.PHONY: install demo test test-fast clean optimum
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ optimum: install
 test: install optimum
 	$(BIN)/python -m models.prepare smollm2 --out $(CACHE)/smollm2-dynamo
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+
+# the unit tier: tests that need no exported model, compiled artifact or server (marked `unit`), in seconds
+test-fast: install
+	$(BIN)/python -m pytest -q -n 2 -m unit
 
 clean:
 	rm -rf $(VENV) $(CACHE) fusion_result.json check_result.json

@@ -13,6 +13,8 @@ from onnx import helper, numpy_helper
 from runtime.artifact import ALIGN, HEADER_SIZE, OmFile, write_artifact
 from runtime.errors import AtcError
 
+pytestmark = pytest.mark.unit
+
 
 def _model() -> onnx.ModelProto:
     rng = np.random.default_rng(0)

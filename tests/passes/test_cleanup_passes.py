@@ -6,6 +6,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 import onnxruntime as ort
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from passes.eliminate_dead_code import EliminateDeadCode
@@ -13,6 +14,8 @@ from passes.eliminate_identity import EliminateIdentity
 from passes.fold_constants import FoldConstants
 from passes.infer_shapes import InferShapes
 from runtime.ort_session import session_options
+
+pytestmark = pytest.mark.unit
 
 X = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])
 

@@ -10,6 +10,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from passes.convert_layer_norms import ConvertSimplifiedLayerNorm, ConvertSkipSimplifiedLayerNorm
 
+pytestmark = pytest.mark.unit
+
 H = 16
 RNG = np.random.default_rng(2)
 

@@ -9,6 +9,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from passes.convert_matmul_nbits import ConvertMatMulNBits
 
+pytestmark = pytest.mark.unit
+
 N = 24
 RNG = np.random.default_rng(3)
 

@@ -12,6 +12,8 @@ from onnx import TensorProto, helper, numpy_helper
 from passes.expand_rotary_embedding import ExpandRotaryEmbedding
 from passes.match_rotary import match_rotary
 
+pytestmark = pytest.mark.unit
+
 B, H, S, D = 2, 3, 5, 16
 RNG = np.random.default_rng(4)
 

@@ -10,6 +10,8 @@ from onnx import TensorProto, helper, numpy_helper
 from passes.fuse_add_rms_norm import FuseAddRmsNorm
 from passes.fuse_rms_norm import FuseRmsNorm
 
+pytestmark = pytest.mark.unit
+
 H = 16
 RNG = np.random.default_rng(0)
 WEIGHT = (1 + 0.3 * RNG.standard_normal(H)).astype(np.float32)

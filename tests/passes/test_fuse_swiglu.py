@@ -9,6 +9,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from passes.fuse_swiglu import FuseSwiGlu
 
+pytestmark = pytest.mark.unit
+
 H, WIDE = 16, 24
 RNG = np.random.default_rng(1)
 FEEDS = {"x": RNG.standard_normal((2, 3, H)).astype(np.float32)}

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from runtime.kernels.fast_math import fast_exp_array
+
+pytestmark = pytest.mark.unit
 
 
 def test_fast_exp_matches_numpy_within_its_stated_error():

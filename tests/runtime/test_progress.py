@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import io
 
+import pytest
+
 from runtime import progress as progress_module
 from runtime.progress import Progress, progress
+
+pytestmark = pytest.mark.unit
 
 
 def test_a_log_gets_a_start_line_and_an_end_line_with_the_count():

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.sequence import Sequence
+
+pytestmark = pytest.mark.unit
 
 PAGE = 16
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from models.tiny import byte_tokenizer_json
 from runtime.engine.detokenizer import IncrementalDetokenizer
 from runtime.tokenizer import TextTokenizer
+
+pytestmark = pytest.mark.unit
 
 TEXT = "naïve café, 日本語 and emoji 🙂 end"
 

@@ -8,6 +8,8 @@ import pytest
 from runtime.engine.sampler import apply_repetition_penalty, probabilities, sample_token
 from runtime.engine.sampling import SamplingParams
 
+pytestmark = pytest.mark.unit
+
 LOGITS = np.array([2.0, 1.0, 0.5, -1.0, 3.0, -0.5], np.float32)
 
 

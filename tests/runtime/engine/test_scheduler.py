@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.scheduler import Scheduler
 from runtime.engine.sequence import Sequence
+
+pytestmark = pytest.mark.unit
 
 
 def _drive(scheduler: Scheduler, seqs: list[Sequence], max_steps: int = 10_000) -> list:

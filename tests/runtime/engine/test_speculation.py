@@ -8,6 +8,8 @@ import pytest
 
 from runtime.engine.speculation import NgramProposer
 
+pytestmark = pytest.mark.unit
+
 
 def _brute_force(tokens: list[int], count: int, max_ngram: int, min_ngram: int) -> list[int]:
     for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
