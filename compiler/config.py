@@ -1,7 +1,9 @@
-"""`CompileConfig`: the one typed object that carries atc's flags into the compiler.
+"""`CompileConfig`: atc's flags as given, and the settings the compiler resolves from them.
 
-`CompileConfig.from_flags(**strings)` turns command-line strings into typed values with ATC's error codes;
-constructing `CompileConfig(...)` directly (the Python API) runs the same checks in `__post_init__`.
+`CompileConfig.from_flags(**strings)` turns command-line strings into typed flags with ATC's error codes;
+constructing `CompileConfig(...)` directly (the Python API) takes the same flags. `__post_init__` checks them
+and resolves the settings the compiler reads (`paging`, `quantization`, `precision`, `fusion_switches`); the
+flags themselves are kept as given and nothing past this module reads the ones a setting was resolved from.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ Dim = int | tuple[int, int]  # a size, -1 for dynamic, or a (low, high) range wr
 
 @dataclass(frozen=True)
 class CompileConfig:
-    """Every atc flag that means something here, typed and checked; names are ATC's flag names."""
+    """atc's flags (ATC's names, as given) and the settings resolved from them, checked with ATC's codes."""
 
+    # ---- the flags, as given ------------------------------------------------------------------------
     mode: int = 0
     model: str = ""
     framework: int | None = None
@@ -57,7 +60,7 @@ class CompileConfig:
     check_report: str = "check_result.json"
     display_model_info: bool = False
     enable_flash_attention: bool = False
-    enable_paged_attention: bool | None = None
+    enable_paged_attention: bool | None = None  # None: not given, paged only if --kv_cache_layout=paged
     kv_cache_layout: str = ""
     paged_config: str = ""
     large_model_compilation: bool = False
@@ -68,40 +71,30 @@ class CompileConfig:
     tokenizer: str = ""
     model_type: str = ""
     cmdline: str = ""
-    fusion_switches: dict[str, bool] = field(default_factory=dict, compare=False)
+    # the Python API may give the quantization settings themselves instead of --compress_weight_conf
     quantization: QuantConfig | None = field(default=None, compare=False)
-    paging: PagedConfig | None = field(default=None, compare=False)
-    precision: PrecisionPolicy | None = field(default=None, compare=False)
-    warnings: tuple[str, ...] = field(default=(), compare=False)
+
+    # ---- resolved from the flags; the compiler reads these ------------------------------------------
+    paging: PagedConfig | None = field(init=False, compare=False)  # THE paging decision: None is contiguous
+    precision: PrecisionPolicy = field(init=False, compare=False)
+    fusion_switches: dict[str, bool] = field(init=False, compare=False)
+    warnings: tuple[str, ...] = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
         self._check_choices()
         self._check_required()
         self._check_files()
-        self._resolve_kv_layout()
-        if self.fusion_switch_file and not self.fusion_switches:
-            object.__setattr__(self, "fusion_switches", parse_fusion_switch_file(self.fusion_switch_file))
-        if self.quantization is None and (self.enable_compress_weight or self.compress_weight_conf):
-            group = self.soc.quant_group_size if self.soc_version else 128
-            quantization = (QuantConfig.from_json(self.compress_weight_conf, group) if self.compress_weight_conf
-                            else QuantConfig(group_size=group))
-            object.__setattr__(self, "quantization", quantization)
-        if self.paging is None and self.enable_paged_attention:
-            page_size = self.soc.page_size if self.soc_version else PagedConfig.page_size
-            paging = PagedConfig.from_json(self.paged_config, page_size) if self.paged_config else PagedConfig(page_size)
-            object.__setattr__(self, "paging", paging)
-        if self.precision is None:
-            object.__setattr__(self, "precision", PrecisionPolicy.of(self.precision_mode, self.keep_dtype))
-        if self.enable_flash_attention and not self.enable_paged_attention:
-            self._warn("W10002", "--enable_flash_attention applies to paged attention (--enable_paged_attention=1); "
-                                 "a contiguous cache is lowered to onnxruntime's standard ops. Ignored.")
-        if self.auto_tune_mode:
-            self._warn("W10001", "The Auto Tune function has been deprecated; --auto_tune_mode is ignored.")
+        object.__setattr__(self, "paging", self._resolve_paging())
+        object.__setattr__(self, "precision", PrecisionPolicy.of(self.precision_mode, self.keep_dtype))
+        object.__setattr__(self, "fusion_switches",
+                           parse_fusion_switch_file(self.fusion_switch_file) if self.fusion_switch_file else {})
+        object.__setattr__(self, "quantization", self._resolve_quantization())
+        object.__setattr__(self, "warnings", self._warnings())
 
     @classmethod
     def from_flags(cls, **flags: str | None) -> "CompileConfig":
         """Build from the command line's strings; missing flags keep their defaults."""
-        known = {f.name: f for f in fields(cls)}
+        known = {f.name for f in fields(cls) if f.init}
         values: dict[str, object] = {}
         for name, raw in flags.items():
             if raw is None or name not in known:
@@ -120,17 +113,40 @@ class CompileConfig:
         return Path(self.output + ".om")
 
     def effective(self) -> dict:
-        """The flags as the compiler used them, for the artifact's metadata."""
-        out = asdict(self)
-        out.pop("warnings")
+        """The flags and resolved settings as the compiler used them, for the artifact's metadata.
+
+        Paging is left out: the metadata's `kv_cache` section (compiler/graph_metadata.py) is its one record."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_IN_METADATA}
         out["quantization"] = asdict(self.quantization) if self.quantization else None
-        out["paging"] = asdict(self.paging) if self.paging else None
         out["precision"] = asdict(self.precision)
         out["input_shape"] = {k: [list(d) if isinstance(d, tuple) else d for d in v] for k, v in self.input_shape.items()}
         return out
 
-    def _warn(self, code: str, text: str) -> None:
-        object.__setattr__(self, "warnings", self.warnings + (f"{code}: {text}",))
+    def _resolve_paging(self) -> PagedConfig | None:
+        paged, layout = self.enable_paged_attention, self.kv_cache_layout
+        if paged is False and layout == "paged":
+            raise invalid_value(layout, "kv_cache_layout", "A paged KV cache needs --enable_paged_attention=1.")
+        if paged and layout == "contiguous":
+            raise invalid_value(layout, "kv_cache_layout", "--enable_paged_attention=1 needs --kv_cache_layout=paged.")
+        if not (paged or layout == "paged"):
+            return None
+        page_size = self.soc.page_size if self.soc_version else PagedConfig.page_size
+        return PagedConfig.from_json(self.paged_config, page_size) if self.paged_config else PagedConfig(page_size)
+
+    def _resolve_quantization(self) -> QuantConfig | None:
+        if self.quantization is not None or not (self.enable_compress_weight or self.compress_weight_conf):
+            return self.quantization
+        group = self.soc.quant_group_size if self.soc_version else 128
+        return QuantConfig.from_json(self.compress_weight_conf, group) if self.compress_weight_conf else QuantConfig(group_size=group)
+
+    def _warnings(self) -> tuple[str, ...]:
+        warnings = []
+        if self.enable_flash_attention and self.paging is None:
+            warnings.append("W10002: --enable_flash_attention applies to paged attention (--enable_paged_attention=1); "
+                            "a contiguous cache is lowered to onnxruntime's standard ops. Ignored.")
+        if self.auto_tune_mode:
+            warnings.append("W10001: The Auto Tune function has been deprecated; --auto_tune_mode is ignored.")
+        return tuple(warnings)
 
     def _check_choices(self) -> None:
         if self.mode not in MODES:
@@ -174,17 +190,9 @@ class CompileConfig:
         if self.tokenizer and not os.path.isdir(self.tokenizer):
             raise invalid_value(self.tokenizer, "tokenizer", "The tokenizer directory is not found.")
 
-    def _resolve_kv_layout(self) -> None:
-        paged, layout = self.enable_paged_attention, self.kv_cache_layout
-        if paged is False and layout == "paged":
-            raise invalid_value(layout, "kv_cache_layout", "A paged KV cache needs --enable_paged_attention=1.")
-        if paged and layout == "contiguous":
-            raise invalid_value(layout, "kv_cache_layout", "--enable_paged_attention=1 needs --kv_cache_layout=paged.")
-        paged = bool(paged) or layout == "paged"
-        object.__setattr__(self, "enable_paged_attention", paged)
-        object.__setattr__(self, "kv_cache_layout", "paged" if paged else "contiguous")
 
-
+# the paging flags are recorded as the kv_cache section; warnings are printed, not stored
+_NOT_IN_METADATA = ("enable_paged_attention", "kv_cache_layout", "paged_config", "paging", "warnings")
 _BOOL_FLAGS_01 = ("display_model_info",)
 _BOOL_FLAGS = ("enable_flash_attention", "enable_paged_attention", "large_model_compilation", "enable_compress_weight")
 _INT_FLAGS = ("mode", "framework")

@@ -26,7 +26,8 @@ def display_model_info(om: OmFile) -> str:
     meta, sizes = om.metadata, om.partition_sizes()
     weights, graph = sizes.get("WEIGHTS_DATA", 0), sizes.get("MODEL_DEF", 0)
     dims = meta.get("model", {})
-    config = meta.get("config", {})
+    kv = meta.get("kv_cache", {})
+    page = f"({kv['page_size']} tokens a page)" if "page_size" in kv else ""
     lines = [
         "============ Display Model Info start ============",
         f"Original Atc command line: {meta.get('cmdline', '')}",
@@ -37,7 +38,7 @@ def display_model_info(om: OmFile) -> str:
         f"cust_aicpu_kernel_store_size[0 B], task_info_size[0 B], so_store_size[0 B].",
         f"llm      info: layers[{dims.get('num_layers', '-')}], kv_heads[{dims.get('num_kv_heads', '-')}], "
         f"head_dim[{dims.get('head_dim', '-')}], vocab_size[{dims.get('vocab_size', '-')}], "
-        f"kv_cache_layout[{config.get('kv_cache_layout', '-')}], tokenizer[{'yes' if om.tokenizer_files() else 'no'}].",
+        f"kv_cache_layout[{kv.get('layout', '-')}{page}], tokenizer[{'yes' if om.tokenizer_files() else 'no'}].",
         "============ Display Model Info end   ============",
     ]
     return "\n".join(lines)

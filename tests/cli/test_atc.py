@@ -54,7 +54,8 @@ def test_compile_writes_om_and_fusion_result(capsys, tmp_path, tiny_llama_path):
     assert meta["cmdline"].startswith("atc --model=") and meta["config"]["soc_version"] == "Ascend910B"
     assert meta["model"] == {"vocab_size": 256, "kv_cache_io": True, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
                              "head_dim": 16, "family": "llama", "detected_family": "llama"}
-    assert meta["kv_cache"] == {"layout": "contiguous"}
+    assert meta["kv_cache"] == {"layout": "contiguous"} and "kv_cache_layout[contiguous]" in out
+    assert not {"enable_paged_attention", "kv_cache_layout", "paged_config", "paging"} & set(meta["config"])
     result = json.loads((tmp_path / "fusion_result.json").read_text())["session_and_graph_id_0_0"]["graph_fusion"]
     folded = result["ConstantFoldingPass"]
     assert isinstance(folded["match_times"], str) and int(folded["effect_times"]) > 0

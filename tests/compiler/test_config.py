@@ -20,7 +20,7 @@ def _code(**flags) -> str:
 def test_defaults_are_atcs():
     cfg = CompileConfig.from_flags(**BASE)
     assert (cfg.mode, cfg.precision_mode, cfg.log, cfg.check_report) == (0, "must_keep_origin_dtype", "null", "check_result.json")
-    assert cfg.framework == 5 and cfg.kv_cache_layout == "contiguous" and cfg.enable_paged_attention is False
+    assert cfg.framework == 5 and cfg.paging is None
 
 
 @pytest.mark.parametrize("flags, code", [
@@ -54,7 +54,7 @@ def test_framework_is_required_for_compiling():
 @pytest.mark.parametrize("text", ["true", "1", "T", "yes", "Y"])
 def test_booleans_take_atcs_spellings(text):
     cfg = CompileConfig.from_flags(**BASE, enable_paged_attention=text, enable_flash_attention=text)
-    assert cfg.enable_paged_attention is True and cfg.kv_cache_layout == "paged" and cfg.enable_flash_attention
+    assert cfg.paging is not None and cfg.enable_flash_attention and not cfg.warnings
 
 
 def test_input_shape_grammar():
@@ -90,3 +90,17 @@ def test_bad_fusion_switch_files(tmp_path, content, code):
     path = tmp_path / "switch"
     path.write_text(content)
     assert _code(fusion_switch_file=str(path)) == code
+
+
+def test_flags_stay_as_given_and_paging_is_resolved_once():
+    cfg = CompileConfig.from_flags(**BASE, kv_cache_layout="paged")
+    assert cfg.enable_paged_attention is None and cfg.kv_cache_layout == "paged"  # the flags, untouched
+    assert cfg.paging.page_size == cfg.soc.page_size
+    recorded = cfg.effective()
+    assert not {"enable_paged_attention", "kv_cache_layout", "paged_config", "paging"} & set(recorded)
+    assert recorded["soc_version"] == "Ascend910B" and recorded["precision"]["mode"] == "must_keep_origin_dtype"
+
+
+def test_resolved_settings_are_not_flags():
+    with pytest.raises(TypeError):
+        CompileConfig(**{**BASE, "framework": 5}, paging=None)
