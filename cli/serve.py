@@ -38,19 +38,20 @@ def _models(values: tuple[str, ...]) -> dict[str, str]:
 @click.option("--max-pending", type=click.IntRange(min=1), default=256, show_default=True,
               help="requests admitted per model before 429")
 @click.option("--request-timeout", type=click.FloatRange(min=0.1), default=300.0, show_default=True)
-@click.option("--shutdown-grace", type=click.FloatRange(min=0), default=10.0, show_default=True)
+@click.option("--shutdown-grace", type=click.FloatRange(min=0), default=10.0, show_default=True,
+              help="seconds in-flight requests get to finish on SIGTERM; the rest end with a 503")
+@click.option("--stats-interval", type=click.FloatRange(min=0), default=10.0, show_default=True,
+              help="seconds between stats lines (running, waiting, tokens/s, KV pages); 0 is none")
 def serve_command(model_specs, host, port, api_keys, quota_tokens, audit_log, blocklist, max_pending, request_timeout,
-                  shutdown_grace, **engine_kwargs) -> None:
+                  shutdown_grace, stats_interval, **engine_kwargs) -> None:
     """Serve /generate, OpenAI's /v1/completions and /v1/chat/completions, /health and /metrics."""
-    import uvicorn
-
-    from runtime.serving.app import ServerSettings, create_app
     from runtime.serving.guard import Guard
+    from runtime.serving.lifecycle import serve
+    from runtime.serving.server import Server, ServerSettings
 
     keys = list(api_keys) or [k for k in os.environ.get("CANN_LLM_API_KEYS", "").split(",") if k]
     guard = Guard(keys, quota_tokens, audit_log, blocklist)
     settings = ServerSettings(max_pending=max_pending, request_timeout_s=request_timeout, shutdown_grace_s=shutdown_grace)
     # the server owns its process: the engines' sessions may share onnxruntime's process-wide pool
-    app = create_app(_models(model_specs), settings, guard, process_thread_pool=True, **engine_kwargs)
-    click.echo(f"[INFO] serving {', '.join(m.partition('=')[0] for m in model_specs)} on http://{host}:{port}", err=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=int(shutdown_grace) + 1)
+    server = Server(_models(model_specs), settings, guard, process_thread_pool=True, **engine_kwargs)
+    serve(server, host, port, stats_interval, lambda line: click.echo(line, err=True))

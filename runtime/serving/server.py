@@ -1,0 +1,283 @@
+"""`Server`: the engines behind the HTTP routes, and everything about a request that is not HTTP.
+
+Every request is admitted or refused before any work (`Refusal`: 401 without a valid key, 404 for an
+unknown model, 429 when its key's quota is spent or the model's queue is full, 400 for a blocked or
+over-long prompt, 503 while loading or shutting down). Once admitted it is a `Generation`, which ends
+as completed, cancelled (the client gone: 499, the timeout: 504, the shutdown: 503) or failed (500); its
+accounting (metrics, quota, audit, the pending count) happens once, when the engine is done with it,
+however it ended. `drain` stops admitting, lets what is in flight finish within the grace period and ends
+the rest. All of it runs from plain Python and asyncio: the routes only parse, call and serialise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable
+
+from runtime.engine.engine import LLMEngine, Request
+from runtime.serving.guard import Guard
+from runtime.serving.metrics import ServerMetrics
+
+_POLL_S = 0.05  # how often a drain looks at what is still in flight
+
+
+@dataclass
+class ServerSettings:
+    """Limits of the service."""
+
+    max_pending: int = 256          # requests admitted per model (running + waiting) before 429
+    request_timeout_s: float = 300.0
+    shutdown_grace_s: float = 10.0
+    retry_after_s: int = 1
+
+
+class Refusal(Exception):
+    """Why a request gets no answer: an HTTP status and OpenAI's error fields (`Retry-After` for a 429)."""
+
+    def __init__(self, status: int, message: str, kind: str, retry_after_s: int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.retry_after_s = status, message, kind, retry_after_s
+
+
+@dataclass(eq=False)
+class Generation:
+    """One admitted request: the model, the caller's key, the endpoint, and the engine's request."""
+
+    model: str
+    key: str | None
+    endpoint: str
+    request: Request
+    blocked_terms: tuple[str, ...]
+    ended_by: str | None = None     # who cancelled it: "client", "timeout" or "shutdown"
+
+    @property
+    def text(self) -> str:
+        return self.request.text
+
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's finish reason: `content_filter` when a block-listed term stopped it."""
+        detok = self.request.detokenizer
+        if detok is not None and detok.matched_stop in self.blocked_terms:
+            return "content_filter"
+        return "length" if self.request.finish_reason == "length" else "stop"
+
+    def outcome(self) -> tuple[int, str]:
+        """(HTTP status, metrics outcome) of a request the engine is done with."""
+        future = self.request.future
+        if self.request.finish_reason == "error" or (future.done() and future.exception() is not None):
+            return 500, "failed"
+        if self.request.finish_reason != "cancelled":
+            return 200, "completed"
+        return {"timeout": 504, "shutdown": 503}.get(self.ended_by, 499), "cancelled"
+
+
+class Server:
+    """`Server({"name": "model.om"}, settings, guard, **engine_kwargs)`: `load()`, then `start` requests and
+    `complete` or `stream` them; `drain` at the end."""
+
+    def __init__(self, model_paths: dict[str, str], settings: ServerSettings | None = None,
+                 guard: Guard | None = None, **engine_kwargs):
+        self.model_paths, self.engine_kwargs = model_paths, engine_kwargs
+        self.settings = settings or ServerSettings()
+        self.guard = guard or Guard()
+        self.engines: dict[str, LLMEngine] = {}
+        self.metrics: ServerMetrics | None = None
+        self.pending = dict.fromkeys(model_paths, 0)
+        self.ready = threading.Event()
+        self.error: str | None = None
+        self.closing = False
+        self._in_flight: set[Generation] = set()
+        self._lock = threading.Lock()  # accounting happens on the engines' threads
+        self._closed = False
+
+    # ---- the engines ---------------------------------------------------------------------------------
+
+    def load(self, on_loading: Callable[[list[str], str], None] | None = None) -> None:
+        """Load one engine per file (the same artifact under two names is loaded once); `on_loading(names,
+        path)` is told before each. A failure is kept in `error`, for /health to report."""
+        by_file: dict[tuple[int, int], list[str]] = {}
+        try:
+            for name, path in self.model_paths.items():
+                stat = os.stat(path)
+                by_file.setdefault((stat.st_dev, stat.st_ino), []).append(name)
+            for names in by_file.values():
+                if self.closing:
+                    return
+                path = self.model_paths[names[0]]
+                if on_loading is not None:
+                    on_loading(names, path)
+                engine = LLMEngine(path, **self.engine_kwargs)
+                self.engines.update(dict.fromkeys(names, engine))
+            self.metrics = ServerMetrics(self.engines)
+        except Exception as error:  # reported by /health; the process stays up to say so
+            self.error = f"{type(error).__name__}: {error}"
+        finally:
+            self.ready.set()
+
+    def status(self) -> str:
+        """`loading`, `error`, `shutting down` or `ok`."""
+        if not self.ready.is_set():
+            return "loading"
+        if self.error:
+            return "error"
+        return "shutting down" if self.closing else "ok"
+
+    def model_names(self) -> list[str]:
+        return sorted(self.engines)
+
+    # ---- admission -----------------------------------------------------------------------------------
+
+    def authorise(self, authorization: str | None) -> str | None:
+        """The caller's key (None without keys configured); Refusal 401 without a valid one."""
+        key, refusal = self.guard.authorise(authorization)
+        if refusal:
+            raise Refusal(401, refusal, "authentication_error")
+        return key
+
+    def start(self, authorization: str | None, model: str | None, endpoint: str, params: dict, *,
+              prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> Generation:
+        """Admit one request and submit it (a `prompt`, or chat `messages` through the model's template);
+        `params` are the engine's sampling settings. Refusal when it may not run."""
+        if self.closing:
+            raise Refusal(503, "the server is shutting down", "unavailable")
+        if self.status() != "ok":
+            raise Refusal(503, "the models are still loading", "unavailable")
+        key = self.authorise(authorization)
+        name = model or next(iter(self.engines))
+        if name not in self.engines:
+            raise Refusal(404, f"model {name!r} is not served; see /v1/models", "invalid_request_error")
+        if not self.guard.quota_left(key):
+            self._reject(name, Refusal(429, "the token quota of this key is spent", "quota_exceeded",
+                                       self.settings.retry_after_s))
+        if self.pending[name] >= self.settings.max_pending:
+            self._reject(name, Refusal(429, "the server is at capacity; retry shortly", "rate_limit_exceeded",
+                                       self.settings.retry_after_s))
+        engine = self.engines[name]
+        said = " ".join(m["content"] for m in messages) if messages is not None else prompt
+        if isinstance(said, str) and self.guard.blocked(said):
+            self._reject(name, Refusal(400, "the prompt contains blocked content", "content_filter"))
+        if messages is not None:
+            try:
+                prompt = engine.chat_prompt(messages)
+            except Exception as error:
+                self._reject(name, Refusal(400, f"the chat template cannot render these messages: {error}",
+                                           "invalid_request_error"))
+        blocked = self.guard.blocked_terms
+        try:
+            request = engine.submit(prompt, **{**params, "stop": list(params["stop"]) + list(blocked)})
+        except ValueError as error:
+            self._reject(name, Refusal(400, str(error), "invalid_request_error"))
+        generation = Generation(name, key, endpoint, request, blocked)
+        with self._lock:
+            self.pending[name] += 1
+            self._in_flight.add(generation)
+        # accounted when the engine is done with it, however it ends (even if nobody is left waiting)
+        request.future.add_done_callback(lambda _: self._settle(generation))
+        return generation
+
+    def _reject(self, name: str, refusal: Refusal):
+        self.metrics.rejected(name)
+        raise refusal
+
+    # ---- waiting -------------------------------------------------------------------------------------
+
+    async def complete(self, generation: Generation,
+                       disconnected: Callable[[], Awaitable[bool]] | None = None) -> Generation:
+        """Wait for the whole answer; `disconnected()` is asked now and then whether the caller is gone.
+        Refusal unless it completed (499 client gone, 504 timeout, 503 shutdown, 500 failed)."""
+        future = asyncio.wrap_future(generation.request.future)
+        deadline = time.monotonic() + self.settings.request_timeout_s
+        try:
+            while not future.done():
+                await asyncio.wait({future}, timeout=0.25)
+                if future.done() or generation.ended_by:
+                    continue
+                if disconnected is not None and await disconnected():
+                    self.end(generation, "client")
+                elif time.monotonic() > deadline:
+                    self.end(generation, "timeout")
+        except asyncio.CancelledError:
+            self.end(generation, "client")
+            raise
+        self._raise_unless_completed(generation)
+        return generation
+
+    async def stream(self, generation: Generation) -> AsyncIterator[str]:
+        """The answer's text pieces as they come; Refusal at the end unless it completed (503 when the
+        shutdown ended it, 500 when it failed). Leaving early cancels it."""
+        finished = False
+        try:
+            async for piece in generation.request.aiter_text():
+                yield piece
+            finished = True
+        finally:
+            if not finished:
+                self.end(generation, "client")
+        if generation.ended_by == "shutdown" or generation.request.finish_reason == "error":
+            self._raise_unless_completed(generation)
+
+    def end(self, generation: Generation, by: str) -> None:
+        """Cancel a request (`by` the client, the timeout or the shutdown); its pages go back to the pool."""
+        if generation.ended_by is None:
+            generation.ended_by = by
+        generation.request.cancel()
+
+    def _raise_unless_completed(self, generation: Generation) -> None:
+        status, _ = generation.outcome()
+        if status == 500:
+            raise Refusal(500, "generation failed", "server_error")
+        if status == 504:
+            raise Refusal(504, f"the request took longer than {self.settings.request_timeout_s:g} s", "timeout")
+        if status == 503:
+            raise Refusal(503, "the server shut down before the request finished", "unavailable")
+        if status == 499:
+            raise Refusal(499, "the client closed the request", "cancelled")
+
+    def _settle(self, generation: Generation) -> None:
+        status, outcome = generation.outcome()
+        stats = generation.request.stats
+        self.metrics.finished(generation.model, stats, generation.finish_reason, outcome)
+        self.guard.charge(generation.key, stats.prompt_tokens + stats.output_tokens)
+        self.guard.audit(generation.key, generation.model, generation.endpoint, status, stats.prompt_tokens,
+                         stats.output_tokens, stats.total_s or 0.0)
+        with self._lock:
+            self.pending[generation.model] -= 1
+            self._in_flight.discard(generation)
+
+    # ---- the end -------------------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not yet accounted."""
+        return len(self._in_flight)
+
+    async def drain(self, grace_s: float | None = None) -> None:
+        """Stop admitting; give what is in flight `grace_s` (the settings' by default) to finish, end the
+        rest (503), wait until the engines are done with every request, then close."""
+        self.closing = True
+        deadline = time.monotonic() + (self.settings.shutdown_grace_s if grace_s is None else grace_s)
+        while self._in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(_POLL_S)
+        with self._lock:
+            left = list(self._in_flight)
+        for generation in left:
+            self.end(generation, "shutdown")
+        # each engine ends its cancelled requests before its next step: bounded by one step
+        while self._in_flight:
+            await asyncio.sleep(_POLL_S)
+        self.close()
+
+    def close(self) -> None:
+        """Close the engines (what still runs is cancelled, its pages freed) and the audit log."""
+        self.closing = True
+        if self._closed:
+            return
+        self._closed = True
+        for engine in set(self.engines.values()):
+            engine.close()
+        self.guard.close()

@@ -1,0 +1,157 @@
+"""`Server` from plain asyncio, no HTTP: admission and its refusals, the accounting of a completed and a
+cancelled request, and the shutdown drain, over a real engine on the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from served_model import om  # noqa: F401 (a fixture)
+
+from runtime.serving.guard import Guard
+from runtime.serving.server import Refusal, Server, ServerSettings
+from runtime.serving.stats_line import StatsLines
+
+GREEDY = {"temperature": 0, "top_p": 1.0, "top_k": 0, "seed": None, "repetition_penalty": 1.0, "stop": []}
+# a token a step and thousands of steps to go: nothing this long ends by itself while a test looks at it
+ENDLESS = {**GREEDY, "max_new_tokens": 3000}
+LONG_PROMPT = "x" * 1000
+
+
+def _server(om, tmp_path=None, settings=None, **guard) -> Server:
+    audit = str(tmp_path / "audit.jsonl") if tmp_path else None
+    server = Server({"tiny": str(om)}, settings or ServerSettings(), Guard(audit_log=audit, **guard),
+                    kv_cache_pages=64, max_context_len=4096, max_num_batched_tokens=1)
+    server.load()
+    assert server.status() == "ok", server.error
+    return server
+
+
+def _count(server: Server, outcome: str) -> float:
+    return server.metrics.requests.labels("tiny", outcome)._value.get()
+
+
+def _refused(call) -> Refusal:
+    with pytest.raises(Refusal) as refusal:
+        call()
+    return refusal.value
+
+
+def test_refusals_before_any_work(om, tmp_path):
+    unloaded = Server({"tiny": str(om)})
+    assert _refused(lambda: unloaded.start(None, None, "/v1/completions", GREEDY, prompt="hi")).status == 503
+    block = tmp_path / "block.txt"
+    block.write_text("forbidden\n")
+    server = _server(om, api_keys=["k"], blocklist=str(block), settings=ServerSettings(max_pending=1))
+    try:
+        key = "Bearer k"
+        assert _refused(lambda: server.start(None, None, "/x", GREEDY, prompt="hi")).status == 401
+        assert _refused(lambda: server.start("Bearer nope", None, "/x", GREEDY, prompt="hi")).status == 401
+        assert _refused(lambda: server.start(key, "other", "/x", GREEDY, prompt="hi")).status == 404
+        blocked = _refused(lambda: server.start(key, None, "/x", GREEDY, messages=[
+            {"role": "user", "content": "a Forbidden word"}]))
+        assert (blocked.status, blocked.kind) == (400, "content_filter")
+        assert _refused(lambda: server.start(key, None, "/x", GREEDY, prompt="x" * 5000)).status == 400
+        running = server.start(key, None, "/x", ENDLESS, prompt=LONG_PROMPT)
+        full = _refused(lambda: server.start(key, None, "/x", GREEDY, prompt="hi"))
+        assert (full.status, full.retry_after_s) == (429, 1)
+        # unknown keys and models never reach an engine; the rest count as rejected
+        assert _count(server, "rejected") == 3 and server.pending == {"tiny": 1}
+        server.end(running, "client")
+        assert _refused(lambda: asyncio.run(server.complete(running))).status == 499
+        assert server.pending == {"tiny": 0}
+    finally:
+        server.close()
+
+
+def test_a_completed_request_is_accounted_once(om, tmp_path):
+    server = _server(om, tmp_path, api_keys=["k"], quota_tokens=1000)
+    try:
+        generation = server.start("Bearer k", None, "/v1/completions", {**GREEDY, "max_new_tokens": 8}, prompt="abc")
+        done = asyncio.run(server.complete(generation))
+        assert done.finish_reason == "length" and len(done.request.output_ids) == 8
+        assert server.pending == {"tiny": 0} and server.in_flight == 0
+        assert _count(server, "completed") == 1 and _count(server, "cancelled") == 0
+        assert server.guard.used == {"k": 3 + 8}
+        [record] = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+        assert (record["status"], record["tokens_in"], record["tokens_out"]) == (200, 3, 8)
+    finally:
+        server.close()
+
+
+def test_a_request_whose_client_left_is_cancelled_and_its_pages_freed(om):
+    server = _server(om)
+    try:
+        generation = server.start(None, None, "/v1/completions", ENDLESS, prompt=LONG_PROMPT)
+
+        async def gone() -> bool:
+            return True
+
+        refusal = _refused(lambda: asyncio.run(server.complete(generation, gone)))
+        assert refusal.status == 499 and generation.request.finish_reason == "cancelled"
+        assert server.pending == {"tiny": 0} and _count(server, "cancelled") == 1
+        assert server.engines["tiny"].blocks.num_used == 0
+    finally:
+        server.close()
+
+
+def test_a_request_past_its_timeout_gets_504(om):
+    server = _server(om, settings=ServerSettings(request_timeout_s=0.01))
+    try:
+        generation = server.start(None, None, "/v1/completions", ENDLESS, prompt=LONG_PROMPT)
+        assert _refused(lambda: asyncio.run(server.complete(generation))).status == 504
+        assert server.pending == {"tiny": 0} and _count(server, "cancelled") == 1
+    finally:
+        server.close()
+
+
+def test_drain_waits_for_what_finishes_within_the_grace_period(om, tmp_path):
+    server = _server(om, tmp_path)
+    short = server.start(None, None, "/v1/completions", {**GREEDY, "max_new_tokens": 4}, prompt="hi")
+
+    async def shut_down():
+        waiting = asyncio.ensure_future(server.complete(short))
+        await server.drain(grace_s=600)  # returns as soon as nothing is in flight
+        return await waiting
+
+    assert asyncio.run(shut_down()) is short and short.finish_reason == "length"
+    assert server.pending == {"tiny": 0} and _count(server, "completed") == 1
+    assert [json.loads(line)["status"] for line in (tmp_path / "audit.jsonl").read_text().splitlines()] == [200]
+    assert server.status() == "shutting down"
+    assert _refused(lambda: server.start(None, None, "/x", GREEDY, prompt="hi")).status == 503
+
+
+def test_drain_ends_what_is_left_after_the_grace_period_with_503(om, tmp_path):
+    server = _server(om, tmp_path)
+    endless = server.start(None, None, "/v1/completions", ENDLESS, prompt=LONG_PROMPT)
+    streamed = server.start(None, None, "/v1/completions", ENDLESS, prompt=LONG_PROMPT)
+
+    async def read(generation):
+        return [piece async for piece in server.stream(generation)]
+
+    async def shut_down():
+        waits = [asyncio.ensure_future(server.complete(endless)), asyncio.ensure_future(read(streamed))]
+        await server.drain(grace_s=0)
+        return await asyncio.gather(*waits, return_exceptions=True)
+
+    ended, stream_end = asyncio.run(shut_down())
+    assert isinstance(ended, Refusal) and ended.status == 503 and ended.kind == "unavailable"
+    assert isinstance(stream_end, Refusal) and stream_end.status == 503
+    assert server.pending == {"tiny": 0} and server.in_flight == 0 and _count(server, "cancelled") == 2
+    assert [json.loads(line)["status"] for line in (tmp_path / "audit.jsonl").read_text().splitlines()] == [503, 503]
+
+
+def test_stats_lines_say_what_changed_and_nothing_when_idle(om):
+    server = _server(om)
+    try:
+        clock = iter(range(100)).__next__
+        lines = StatsLines(server.engines, clock=lambda: float(clock()))
+        assert lines.lines() == []
+        generation = server.start(None, None, "/v1/completions", {**GREEDY, "max_new_tokens": 8}, prompt="abc")
+        generation.request.result(timeout=60)
+        # 8 tokens between two looks one (fake) second apart
+        assert lines.lines() == ["tiny: 0 running, 0 waiting, 8.0 tokens/s, KV pages 0/64"]
+        assert lines.lines() == []
+    finally:
+        server.close()
