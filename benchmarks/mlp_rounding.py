@@ -1,5 +1,5 @@
 """Learned rounding for the MLPs (AutoRound's idea, numpy): does optimising INT4 rounding against each MLP's
-output close group 32's perplexity gap? Measured: not by much.
+output close group 32's perplexity gap? (The answer: docs/performance.md#quantization-choices.)
 
     python benchmarks/mlp_rounding.py --onnx .cache/smollm2-dynamo/model.onnx --conf quant.json
 

@@ -1,8 +1,8 @@
 """`PrecisionPolicy`: what `--precision_mode` and `--keep_dtype` mean on this target (a CPU).
 
 onnxruntime's CPU kernels for everything an LLM graph runs (MatMul, the norms, attention) compute in
-float32: given float16 or bfloat16 weights it casts them to float32 when the session loads (measured:
-a float16 MatMul takes the float32 time and has float32-level error). So a mode chooses the dtype the
+float32: given float16 or bfloat16 weights it casts them to float32 when the session loads, so a float16
+MatMul takes the float32 time (docs/performance.md#precision-modes). So a mode chooses the dtype the
 float weights are *stored* in, in the artifact, never the arithmetic:
 
 | mode | MatMul weights | token-embedding table (and a tied lm_head) |

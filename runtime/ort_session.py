@@ -1,9 +1,8 @@
 """onnxruntime session options for this process, with its optional process-wide thread pool.
 
 A paged artifact runs as ~30 sessions taking turns. With a thread pool each, every turn wakes the next
-session's sleeping worker; with one process-wide pool the workers stay warm across turns (measured on
-SmolLM2 paged decode: step time 1.27-1.66× the bare matmul time with pools per session, 1.15-1.26×
-with the shared pool). onnxruntime allows the shared pool only if *every* session made afterwards in
+session's sleeping worker; with one process-wide pool the workers stay warm across turns, and a step
+comes closer to its bare matmul time (docs/performance.md#thread-pools). onnxruntime allows the shared pool only if *every* session made afterwards in
 the process uses it, so all sessions here get their options from `session_options()`.
 """
 
@@ -23,10 +22,9 @@ _STATE = {"process_pool": False}
 def enable_process_thread_pool(threads: int | None = None) -> bool:
     """Make the process-wide pool (once); False if this onnxruntime refuses. Sessions made before keep theirs.
 
-    The pool's workers spin for tens of milliseconds after each run (measured: 37 ms of CPU), and Python
-    cannot switch that off for this pool, so between sessions they would hold cores the host kernels
-    need (a 32-sequence decode step's attention: 45 ms on two numba threads, 25 ms with the workers out
-    of the way). They are made SCHED_IDLE: they still run whenever a core is free, as it is during the
+    The pool's workers spin for tens of milliseconds after each run, and Python cannot switch that off for
+    this pool, so between sessions they would hold cores the host kernels need and slow their attention
+    (docs/performance.md#thread-pools). They are made SCHED_IDLE: they still run whenever a core is free, as it is during the
     sessions' own runs, and yield it to any other thread at once, this process's or another's (so on a
     machine loaded by other processes the sessions get fewer threads).
     """

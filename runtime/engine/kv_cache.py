@@ -4,7 +4,7 @@ The pool is sized for the most the engine may ever hold (SmolLM2, 1,024 pages of
 its memory is mapped lazily and a page costs RAM only once written. It is an anonymous mapping rather
 than a numpy allocation: numpy asks for transparent huge pages on large arrays, and on a machine whose
 memory is fragmented the kernel then compacts memory inside the page fault of the first write to each
-2 MB (measured: a 512-token SmolLM2 prefill stalled 0.3 s in every third request or so).
+2 MB, stalling a prefill for a fraction of a second (docs/performance.md#page-pool).
 """
 
 from __future__ import annotations

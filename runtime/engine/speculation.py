@@ -8,8 +8,8 @@ and propose the tokens that followed there. The engine samples each verified row
 only while the sample equals the draft (runtime/engine/engine.py), so a request's tokens, greedy or seeded, are
 those it would get one step at a time.
 
-A draft token that is rejected still costs its row in the step (about 3% of a SmolLM2 decode step each:
-at temperature 1, where 4% of guesses hold, four-token drafts made decode 13% slower). So the draft's
+A draft token that is rejected still costs its row in the step, so at temperatures where few guesses hold,
+fixed-length drafts make decode slower than none (docs/performance.md#speculation). So the draft's
 length adapts per sequence: the lookup's first guess is checked against the token actually sampled
 every step, drafted or not, and a draft gets as many tokens as keep the chance of reaching the last one
 (hit rate to that power, tokens taken as independent) at least MIN_REACH.
