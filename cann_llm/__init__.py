@@ -4,9 +4,10 @@ from compiler import __version__
 from compiler.compile import compile_model
 from compiler.config import CompileConfig
 from runtime import Executor, LoadedModel, load_artifact
+from runtime.engine.config import EngineConfig
 from runtime.engine.engine import EngineStats, LLMEngine, Request
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.sequence import RequestStats
 
-__all__ = ["CompileConfig", "EngineStats", "Executor", "LLMEngine", "LoadedModel", "Request", "RequestStats",
+__all__ = ["CompileConfig", "EngineConfig", "EngineStats", "Executor", "LLMEngine", "LoadedModel", "Request", "RequestStats",
            "SamplingParams", "__version__", "compile_model", "load_artifact"]

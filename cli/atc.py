@@ -34,7 +34,8 @@ FLAGS: list[tuple[str, str, str]] = [
     ("model", "Input", "Model file (.onnx; external data beside it)"),
     ("framework", "Input", "Framework type. 5: ONNX (0 Caffe, 1 MindSpore, 3 TensorFlow are not supported)"),
     ("input_shape", "Input", 'Input shapes, e.g. "input_ids:1,-1;position_ids:1,-1"; -1 dynamic, "1~128" range'),
-    ("input_format", "Input", "Input format: NCHW (default), ND, NCDHW; recorded only"),
+    ("input_format", "Input", "Input format: NCHW (default), ND, NCDHW; accepted for compatibility, no effect "
+                              "here (recorded in the artifact)"),
     ("tokenizer", "Input", "Folder with tokenizer.json (+ chat template) to embed; default: beside --model"),
     ("output", "Output", "Output file path and name, without the .om suffix"),
     ("out_nodes", "Output", 'Outputs to keep: "name1;name2" or "node:0;node:1"'),
@@ -44,22 +45,28 @@ FLAGS: list[tuple[str, str, str]] = [
                                   "allow_mix_precision_bf16, force_fp32, allow_fp32_to_fp16, ..."),
     ("keep_dtype", "Feature", "File of node or weight names (globs, lm_head) or OpType::X whose weights keep their dtype"),
     ("fusion_switch_file", "Feature", "Fusion switches: lines 'PassName:off' or ATC's JSON {\"Switch\": ...}"),
-    ("enable_flash_attention", "LLM", "Blockwise prefill attention (true/false, 1/0)"),
+    ("enable_flash_attention", "LLM", "Blockwise prefill attention in the paged kernel (true/false, 1/0); "
+                                      "without a paged KV cache ignored with warning W10002"),
     ("enable_paged_attention", "LLM", "Paged KV cache owned by the runtime (true/false, 1/0)"),
-    ("kv_cache_layout", "LLM", "contiguous (past/present graph I/O) or paged"),
-    ("paged_config", "LLM", "JSON with paged-attention settings (page size, ...)"),
-    ("large_model_compilation", "LLM", "Stream weights tensor by tensor while compiling (true/false)"),
+    ("kv_cache_layout", "LLM", "contiguous (past/present graph I/O) or paged (the same as --enable_paged_attention=1)"),
+    ("paged_config", "LLM", 'JSON with the paged KV cache\'s settings: {"page_size": 128}; used only when paged'),
+    ("large_model_compilation", "LLM", "Accepted for compatibility; no effect here (weights in external data "
+                                       "files are always memory-mapped, not read whole)"),
     ("enable_compress_weight", "LLM", "Quantize weights (true/false)"),
-    ("compress_weight_conf", "LLM", "Quantization config (JSON)"),
-    ("compression_optimize_conf", "LLM", "Calibration config for quantization"),
+    ("compress_weight_conf", "LLM", "Quantization config (JSON; its \"calibration\" object sets calibration)"),
+    ("compression_optimize_conf", "LLM", "Accepted for compatibility; no effect here (calibration is set in "
+                                         "--compress_weight_conf)"),
     ("model_type", "LLM", "Model family (llama, glm, qwen, ...); default: detected from the graph"),
-    ("auto_tune_mode", "Model Tuning", "Deprecated in ATC; accepted and ignored with a warning"),
+    ("auto_tune_mode", "Model Tuning", "Deprecated in ATC; accepted for compatibility, no effect here "
+                                       "(warning W10001)"),
     ("om", "Debug", "The .om to read in modes 1 and 6 (an .onnx in mode 1 with --framework=5)"),
     ("json", "Debug", "JSON output path of mode 1 (a path ending in .onnx writes the graph as ONNX)"),
     ("check_report", "Debug", "Pre-check report path (default check_result.json)"),
     ("display_model_info", "Debug", "Print the model info block after compiling (0/1)"),
-    ("log", "Debug", "Log level: debug, info, warning, error, null (default)"),
+    ("log", "Debug", "Log level: debug, info, warning, error, null (default); --log-level is the same flag"),
 ]
+# other spellings of a flag, beside its dashed form
+_ALIASES = {"log": ("log_level",)}
 _LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR,
                "null": logging.CRITICAL + 1}
 
@@ -68,7 +75,8 @@ def usage() -> str:
     """ATC-style usage text."""
     lines = ["usage: atc <args>", "example:",
              "  atc --model=./model.onnx --framework=5 --output=./model --soc_version=Ascend910B",
-             "  atc --mode=6 --om=./model.om", ""]
+             "  atc --mode=6 --om=./model.om",
+             "flags: --flag=value or --flag value; dashes or underscores (--soc-version = --soc_version)", ""]
     for section in dict.fromkeys(s for _, s, _ in FLAGS):
         lines.append(f"[{section}]")
         lines += [f"  --{name:<28}{text}" for name, s, text in FLAGS if s == section]
@@ -76,9 +84,15 @@ def usage() -> str:
     return "\n".join(lines)
 
 
-def _parse(argv: list[str]) -> dict[str, str | None]:
-    params = [click.Option([f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else []), type=str)
-              for name, _, _ in FLAGS]
+def _spellings(name: str) -> list[str]:
+    names = [name, *_ALIASES.get(name, ())]
+    return list(dict.fromkeys(f"--{spelling}" for n in names for spelling in (n, n.replace("_", "-"))))
+
+
+def parse_flags(argv: list[str]) -> dict[str, str | None]:
+    """atc's command line (no program name) → {flag: string or None}; any flag spelled with dashes or
+    underscores; `_FlagError` for what ATC refuses with its `ERROR:` lines."""
+    params = [click.Option(_spellings(name), name, type=str) for name, _, _ in FLAGS]
     params.append(click.Argument(["positional"], nargs=-1))
     command = click.Command("atc", params=params, add_help_option=False)
     try:
@@ -122,7 +136,7 @@ def run(argv: list[str]) -> int:
     click.echo(START)
     debug = False
     try:
-        flags = _parse(argv)
+        flags = parse_flags(argv)
         debug = flags.get("log") == "debug"
         flags["cmdline"] = "atc " + " ".join(shlex.quote(word) for word in argv)
         cfg = CompileConfig.from_flags(**flags)

@@ -16,19 +16,22 @@ lowest concurrency is served once more without it.
 
 from __future__ import annotations
 
-import json
 import statistics
 import threading
 import time
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import click
 import numpy as np
 
+from cli.common_options import shows_progress
+from cli.json_output import write_json
 from cli.llm_commands import engine_options, open_engine
 from models.data_files import EVAL_TEXT
 from runtime.ort_session import session_options
+from runtime.progress import Progress, progress
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -105,7 +108,8 @@ def _batch1(engine, ort_loop, prompts_prefill, prompts_decode, decode_tokens) ->
     rows = {"engine": {"prefill": [], "decode": []}, "engine+lookup": {"decode": []},
             "onnxruntime": {"prefill": [], "decode": []}}
     drafted = accepted = 0
-    for prefill_prompt, decode_prompt in zip(prompts_prefill, prompts_decode):
+    rounds = progress(list(zip(prompts_prefill, prompts_decode)), "batch-1", unit="round", enabled=shows_progress())
+    for prefill_prompt, decode_prompt in rounds:
         with _lookup(engine, 0):
             stats = _engine_generate(engine, prefill_prompt, 1)
             rows["engine"]["prefill"].append(len(prefill_prompt) / stats.ttft_s)
@@ -147,15 +151,17 @@ def _closed_loop(engine, requests: list[tuple[list[int], int]], concurrency: int
             stats = _engine_generate(engine, prompt, new_tokens, cold=False)
             with lock:
                 done.append(stats)
+                bar.update()
 
     engine.blocks.peak_used = 0
     engine.reset_prefix_cache()  # each level starts cold, not with the pages of the one before
     start = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    with Progress(f"concurrency {concurrency}", len(requests), unit="request", enabled=shows_progress()) as bar:
+        threads = [threading.Thread(target=client) for _ in range(concurrency)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
     seconds = time.perf_counter() - start
     ttft = [s.ttft_s * 1e3 for s in done]
     tpot = [s.tpot_s * 1e3 for s in done if s.tpot_s is not None]
@@ -180,7 +186,7 @@ def _long_prefills(engine, ids: list[int], lengths: list[int], num_heads: int) -
     onnxruntime's allocations count too), the size of the prompt's KV pages (resident already where the
     pool reuses pages), and what one [H, S, S] score matrix would need."""
     rows = []
-    for length in lengths:
+    for length in progress(lengths, "long prefills", unit="prefill", enabled=shows_progress()):
         prompt = (ids * (length // max(1, len(ids)) + 1))[:length]
         engine.reset_prefix_cache()
         before = _resident_kib("VmRSS")
@@ -196,42 +202,44 @@ def _long_prefills(engine, ids: list[int], lengths: list[int], num_heads: int) -
     return rows
 
 
-def _print_table(report: dict) -> None:
+def _print_table(report: dict, err: bool) -> None:
+    """The report as tables, on stderr when `err` (stdout then carries the JSON)."""
+    echo = partial(click.echo, err=err)
     batch1 = report["batch1"]
-    click.echo("batch 1            prefill tok/s   decode tok/s")
+    echo("batch 1            prefill tok/s   decode tok/s")
     for side, row in batch1.items():
         prefill = f"{row['prefill']:>13.1f}" if "prefill" in row else f"{'-':>13}"
-        click.echo(f"{side:<18} {prefill} {row['decode']:>14.1f}")
+        echo(f"{side:<18} {prefill} {row['decode']:>14.1f}")
     if "onnxruntime" in batch1:
         eng, ref = batch1["engine"], batch1["onnxruntime"]
-        click.echo(f"{'ratio':<18} {eng['prefill'] / ref['prefill']:>12.2f}x {eng['decode'] / ref['decode']:>13.2f}x")
+        echo(f"{'ratio':<18} {eng['prefill'] / ref['prefill']:>12.2f}x {eng['decode'] / ref['decode']:>13.2f}x")
         if "engine+lookup" in batch1:
-            click.echo(f"{'ratio with lookup':<18} {'-':>13} {batch1['engine+lookup']['decode'] / ref['decode']:>13.2f}x")
+            echo(f"{'ratio with lookup':<18} {'-':>13} {batch1['engine+lookup']['decode'] / ref['decode']:>13.2f}x")
     if "engine+lookup" in batch1:
         row = batch1["engine+lookup"]
-        click.echo(f"prompt lookup: {row['num_speculative_tokens']} draft tokens a step, "
+        echo(f"prompt lookup: {row['num_speculative_tokens']} draft tokens a step, "
                    f"{row['accepted_share']:.0%} of {row['draft_tokens']} accepted")
-    click.echo("")
-    click.echo("concurrency lookup requests  tok/s    TTFT p50/p99 ms   TPOT p50/p99 ms  KV pages live  peak seqs")
+    echo("")
+    echo("concurrency lookup requests  tok/s    TTFT p50/p99 ms   TPOT p50/p99 ms  KV pages live  peak seqs")
     for row in report["serving"]:
         util = row["kv_page_utilisation"]
-        click.echo(f"{row['concurrency']:>11} {row['lookup']:>6} {row['requests']:>8} {row['tokens_per_s']:>6.1f} "
+        echo(f"{row['concurrency']:>11} {row['lookup']:>6} {row['requests']:>8} {row['tokens_per_s']:>6.1f} "
                    f"{row['ttft_ms_p50']:>9.0f}/{row['ttft_ms_p99']:<7.0f} {row['tpot_ms_p50'] or 0:>8.1f}/"
                    f"{row['tpot_ms_p99'] or 0:<7.1f} {util if util is None else f'{util:.3f}':>13} "
                    f"{row['peak_sequences']:>10}")
     memory = report["kv_memory"]
     if memory["ratio"]:
-        click.echo(f"\nKV memory: {memory['peak_sequences']} sequences in {memory['peak_pages']} pages; a contiguous "
+        echo(f"\nKV memory: {memory['peak_sequences']} sequences in {memory['peak_pages']} pages; a contiguous "
                    f"{memory['max_context_len']}-token allocation per sequence fits {memory['contiguous_sequences']:.2f} "
                    f"in that memory ({memory['ratio']:.1f}x)")
     serving = report["serving"]
     busiest = max(serving, key=lambda row: row["concurrency"], default=None)
     for base in serving:
         if base["concurrency"] < busiest["concurrency"]:
-            click.echo(f"aggregate tok/s at concurrency {busiest['concurrency']} / concurrency {base['concurrency']} "
+            echo(f"aggregate tok/s at concurrency {busiest['concurrency']} / concurrency {base['concurrency']} "
                        f"(lookup {base['lookup']}): {busiest['tokens_per_s'] / base['tokens_per_s']:.2f}x")
     for row in report["long_prefill"]:
-        click.echo(f"prefill {row['tokens']:>5} tokens: {row['seconds']:.2f} s, peak resident memory added "
+        echo(f"prefill {row['tokens']:>5} tokens: {row['seconds']:.2f} s, peak resident memory added "
                    f"{row['peak_rss_added_mb']:.0f} MB (the prompt's KV pages: {row['kv_pages_mb'] or 0:.0f} MB, less "
                    f"where reused pages were resident; one full [H, S, S] score matrix: "
                    f"{row['full_scores_mb_per_layer']:.0f} MB)")
@@ -255,7 +263,8 @@ def _ints(text: str) -> list[int]:
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--long_prefill", default="1024,2048,4096", show_default=True, help="prefill lengths to measure; '' skips")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--json", "json_path", default="bench.json", show_default=True)
+@click.option("--json", "json_path", default="bench.json", show_default=True,
+              help="where the report goes; - is stdout (the table then goes to stderr)")
 def bench_command(onnx_path, text_file, num_requests, concurrency, prompt_lengths, output_lengths, prefill_tokens,
                   decode_tokens, repeats, long_prefill, seed, json_path, **engine_kwargs) -> None:
     """Measure batch-1 latency, serving throughput and KV memory; print a table and write JSON."""
@@ -294,6 +303,8 @@ def bench_command(onnx_path, text_file, num_requests, concurrency, prompt_length
                           "ratio": busiest["peak_sequences"] / fits if fits else None},
             "long_prefill": _long_prefills(engine, ids, _ints(long_prefill), engine.dims.get("num_heads", 0)),
         }
-    _print_table(report)
-    Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
-    click.echo(f"[INFO] wrote {json_path}")
+    to_stdout = json_path == "-"
+    _print_table(report, err=to_stdout)
+    write_json(json_path, report)
+    if not to_stdout:
+        click.echo(f"[INFO] wrote {json_path}")

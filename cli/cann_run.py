@@ -22,6 +22,9 @@ import click
 import numpy as np
 
 from cli.coded_errors import main_with_codes
+from cli.common_options import CONTEXT_SETTINGS, dashes_for_underscores, log_level_option, shows_progress
+from cli.json_output import write_json
+from cli.loading import loading
 from runtime.errors import AtcError
 from runtime.executor import BACKENDS, Executor
 from runtime.feeds import causal_lm_inputs, made_up_inputs, parse_shapes, read_input_files
@@ -29,15 +32,21 @@ from runtime.loader import LoadedModel, load_artifact
 
 
 class _RunByDefault(click.Group):
-    """msame-style calls (`cann-run --model x.om`) go to the `run` subcommand."""
+    """msame-style calls (`cann-run --model x.om`) go to the `run` subcommand; every subcommand gets
+    `--log-level`, `-h` and both spellings of its long options."""
 
     def parse_args(self, ctx, args):
-        if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
+        if args and dashes_for_underscores(args[0]) not in self.commands and args[0] not in ("--help", "-h", "--version"):
             args = ["run", *args]
         return super().parse_args(ctx, args)
 
+    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        # the settings too, not only through the group's context: a subcommand's own context has them then
+        cmd.context_settings = {**CONTEXT_SETTINGS, **cmd.context_settings}
+        super().add_command(log_level_option(cmd), name)
 
-@click.group(cls=_RunByDefault, context_settings={"help_option_names": ["-h", "--help"]})
+
+@click.group(cls=_RunByDefault, context_settings=CONTEXT_SETTINGS)
 @click.version_option(package_name="cann-llm")
 def cli() -> None:
     """Run models compiled by atc (execution is on the host CPU)."""
@@ -108,7 +117,8 @@ def _top_tokens(loaded: LoadedModel, executor: Executor, prompt: str, topk: int)
 @click.option("--backend", type=click.Choice(BACKENDS), default="onnxruntime", show_default=True)
 @click.option("--prompt", default=None, help="tokenize this text and print the most likely next tokens")
 @click.option("--topk", type=click.IntRange(min=1), default=5, show_default=True)
-@click.option("--device", "-d", default="0", help="accepted for msame compatibility; execution is on the CPU")
+@click.option("--device", "-d", default="0",
+              help="accepted for msame compatibility; no effect here: execution is on the host CPU")
 def run_command(model, input_files, output, output_dirname, outfmt, loop, warmup_count, pure_data_type,
                 dym_shape, batchsize, backend, prompt, topk, device) -> None:
     """Execute a compiled model once or in a loop and report its timing."""
@@ -155,24 +165,26 @@ def run_command(model, input_files, output, output_dirname, outfmt, loop, warmup
 @click.option("--stride", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--max_tokens", type=click.IntRange(min=2), default=None, help="score only the first N tokens")
 @click.option("--backend", type=click.Choice(BACKENDS), default="onnxruntime", show_default=True)
-@click.option("--json", "json_path", default=None, help="also write the result here")
+@click.option("--json", "json_path", default=None,
+              help="also write the result here; - is stdout (the summary line then goes to stderr)")
 def eval_ppl_command(model, text_file, window, stride, max_tokens, backend, json_path) -> None:
     """Perplexity of the model on a text, sliding window."""
     from runtime.perplexity import perplexity
     from runtime.tokenizer import TextTokenizer
 
-    loaded = load_artifact(model)
+    with loading(model):
+        loaded = load_artifact(model)
+        executor = Executor(loaded, backend)
     ids = TextTokenizer(loaded.om.tokenizer_files()).encode(Path(text_file).read_text(encoding="utf-8"))
     ids = ids[:max_tokens] if max_tokens else ids
     start = time.perf_counter()
-    result = perplexity(Executor(loaded, backend), ids, window, min(stride, window))
+    result = perplexity(executor, ids, window, min(stride, window), show_progress=shows_progress())
     seconds = time.perf_counter() - start
     click.echo(f"perplexity {result.perplexity:.4f} over {result.tokens_scored} tokens "
-               f"({result.windows} windows of {window}, stride {stride}, {seconds:.1f} s)")
+               f"({result.windows} windows of {window}, stride {stride}, {seconds:.1f} s)", err=json_path == "-")
     if json_path:
-        Path(json_path).write_text(json.dumps({"model": model, "text": text_file, "perplexity": result.perplexity,
-                                               "tokens": result.tokens_scored, "window": window, "stride": stride,
-                                               "seconds": seconds}, indent=2) + "\n")
+        write_json(json_path, {"model": model, "text": text_file, "perplexity": result.perplexity,
+                               "tokens": result.tokens_scored, "window": window, "stride": stride, "seconds": seconds})
 
 
 def _add_llm_commands() -> None:

@@ -4,27 +4,31 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import fields
 from functools import wraps
 from pathlib import Path
 
 import click
 
+from cli.loading import loading
+from runtime.engine.config import EngineConfig
 from runtime.errors import AtcError
-from runtime.executor import BACKENDS
 
-_ENGINE_OPTIONS = [
-    click.option("--max_batch_size", type=click.IntRange(min=1), default=8, show_default=True),
-    click.option("--max_context_len", type=click.IntRange(min=2), default=4096, show_default=True),
-    click.option("--kv_cache_pages", type=click.IntRange(min=1), default=1024, show_default=True,
-                 help="pages in the KV pool (paged artifacts)"),
-    click.option("--max_num_batched_tokens", type=click.IntRange(min=1), default=512, show_default=True,
-                 help="token budget of one step (longer prompts are prefilled in chunks)"),
-    click.option("--backend", type=click.Choice(BACKENDS), default="onnxruntime", show_default=True),
-    click.option("--num_speculative_tokens", type=click.IntRange(min=0), default=0, show_default=True,
-                 help="draft tokens per decode step by prompt lookup, verified in the same step; 0 is off"),
-    click.option("--speculative_max_batch", type=click.IntRange(min=1), default=4, show_default=True,
-                 help="draft only while at most this many sequences run"),
-]
+
+def _engine_option(item):
+    """The option decorator of one `EngineConfig` field: the field's default, help, bounds or choices."""
+    meta = item.metadata
+    if "choices" in meta:
+        kind = click.Choice(meta["choices"])
+    elif item.type in (bool, "bool"):
+        return click.option(f"--{item.name}/--no_{item.name}", default=item.default, show_default=True, help=meta["help"])
+    else:
+        kind = click.IntRange(min=meta.get("min"))
+    return click.option(f"--{item.name}", type=kind, default=item.default, show_default=item.default is not None,
+                        help=meta["help"])
+
+
+_ENGINE_OPTIONS = [_engine_option(item) for item in fields(EngineConfig) if item.metadata.get("cli", True)]
 
 
 def engine_options_without_model(command):
@@ -61,11 +65,14 @@ def sampling_options(command):
 
 
 def open_engine(model, **settings):
-    """An LLMEngine from the shared options; AtcError for a file that is not a runnable artifact."""
+    """An LLMEngine from the shared options (`EngineConfig`'s fields); AtcError for a file that is not a
+    runnable artifact."""
     from runtime.engine.engine import LLMEngine
 
     # the command owns its process, so the engine's sessions may share onnxruntime's process-wide pool
-    return LLMEngine(model, **settings, process_thread_pool=True)
+    config = EngineConfig(**settings, process_thread_pool=True)
+    with loading(model):
+        return LLMEngine(model, config)
 
 
 def _sampling(kwargs: dict) -> dict:

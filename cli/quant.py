@@ -18,6 +18,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from cli.coded_errors import main_with_codes
+from cli.common_options import CONTEXT_SETTINGS, log_level_option
 from compiler.config import CompileConfig
 from compiler.loader import import_graph, load_onnx
 from compiler.pass_manager import run_passes
@@ -96,7 +97,8 @@ def _save(model: onnx.ModelProto, out_dir: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(context_settings=CONTEXT_SETTINGS)
+@log_level_option
 @click.option("--model", required=True, type=click.Path(path_type=Path), help="input ONNX model")
 @click.option("--format", "out_format", type=click.Choice(["onnx"]), default="onnx", show_default=True)
 @click.option("--quant-method", "method", default="rtn", show_default=True, help=" | ".join(METHODS))

@@ -12,6 +12,7 @@ import numpy as np
 from runtime.engine.kv_cache import PagePool
 from runtime.executor import Executor
 from runtime.feeds import causal_lm_inputs
+from runtime.progress import Progress
 
 
 @dataclass
@@ -46,23 +47,30 @@ def _window_logits(executor: Executor, signature: dict, dims: dict, ids: list[in
     return executor.run(feeds, ["logits"], kv_cache=pool)["logits"]
 
 
-def perplexity(executor: Executor, ids: list[int], window: int = 512, stride: int = 256) -> PerplexityResult:
-    """exp(mean NLL) of `ids` scored window by window."""
+def perplexity(executor: Executor, ids: list[int], window: int = 512, stride: int = 256, *,
+               show_progress: bool = False) -> PerplexityResult:
+    """exp(mean NLL) of `ids` scored window by window; `show_progress` reports each window on stderr with
+    the perplexity so far."""
     if window < 2 or not 0 < stride <= window:
         raise ValueError("need window >= 2 and 0 < stride <= window")
     metadata = executor.loaded.metadata
     signature, dims = metadata["signature"], metadata["model"]
     total, count, windows, scored_until = 0.0, 0, 0, 0
-    for begin in range(0, max(len(ids) - 1, 1), stride):
-        end = min(begin + window, len(ids))
-        logits = _window_logits(executor, signature, dims, ids[begin:end])
-        first = max(scored_until, begin + 1)  # the first position not yet scored (position 0 has no context)
-        predictions = logits[first - 1 - begin:end - 1 - begin]
-        targets = np.asarray(ids[first:end])
-        total += float(_token_nll(predictions, targets).sum())
-        count += len(targets)
-        windows += 1
-        scored_until = end
-        if end == len(ids):
-            break
+    starts = range(0, max(len(ids) - 1, 1), stride)
+    # the loop stops at the first window reaching the end of the text
+    planned = next((n for n, begin in enumerate(starts, 1) if begin + window >= len(ids)), len(starts))
+    with Progress("perplexity", planned, unit="window", enabled=show_progress) as bar:
+        for begin in starts:
+            end = min(begin + window, len(ids))
+            logits = _window_logits(executor, signature, dims, ids[begin:end])
+            first = max(scored_until, begin + 1)  # the first position not yet scored (position 0 has no context)
+            predictions = logits[first - 1 - begin:end - 1 - begin]
+            targets = np.asarray(ids[first:end])
+            total += float(_token_nll(predictions, targets).sum())
+            count += len(targets)
+            windows += 1
+            scored_until = end
+            bar.update(status=f"perplexity {math.exp(total / count):.3f}")
+            if end == len(ids):
+                break
     return PerplexityResult(math.exp(total / count), count, windows)

@@ -14,13 +14,14 @@ import queue
 import threading
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Iterator
 
 import numpy as np
 
 from runtime.chat_template import ChatTemplate
 from runtime.engine.block_manager import BlockManager
+from runtime.engine.config import EngineConfig
 from runtime.engine.detokenizer import IncrementalDetokenizer
 from runtime.engine.kv_cache import PagePool
 from runtime.engine.runner import ContiguousRunner, PagedRunner
@@ -119,10 +120,12 @@ class EngineStats:
 
 
 class LLMEngine:
-    """`LLMEngine("model.om", max_batch_size=8, max_context_len=4096, kv_cache_pages=1024)`.
+    """`LLMEngine("model.om", EngineConfig(max_batch_size=8))`, or `LLMEngine("model.om", max_batch_size=8)`.
 
-    A paged artifact gets a pool of `kv_cache_pages` pages of its compiled page size; an artifact with
-    contiguous past/present I/O reserves `max_context_len` tokens per sequence instead.
+    The settings and their defaults are `EngineConfig`'s (runtime/engine/config.py); keyword arguments
+    override fields of `config`. A paged artifact gets a pool of `kv_cache_pages` pages of its compiled
+    page size; an artifact with contiguous past/present I/O reserves `max_context_len` tokens per
+    sequence instead.
 
     `num_speculative_tokens=k` drafts up to k tokens per decoding sequence by prompt lookup and verifies
     them in the same step (runtime/engine/speculation.py), while at most `speculative_max_batch` sequences run:
@@ -135,13 +138,10 @@ class LLMEngine:
     as onnx-graphsurgeon's constant folding) does not do. The CLI, which owns its process, turns it on.
     """
 
-    def __init__(self, model_path: str | os.PathLike, max_batch_size: int = 8, max_context_len: int = 4096,
-                 kv_cache_pages: int = 1024, *, max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
-                 backend: str = "onnxruntime", threads: int | None = None, process_thread_pool: bool = False,
-                 num_speculative_tokens: int = 0, speculative_max_batch: int = 4):
-        if max_batch_size < 1 or max_context_len < 2 or kv_cache_pages < 1 or max_num_batched_tokens < 1:
-            raise ValueError("max_batch_size, kv_cache_pages and max_num_batched_tokens must be positive, "
-                             "max_context_len at least 2")
+    def __init__(self, model_path: str | os.PathLike, config: EngineConfig | None = None, **overrides):
+        self.config = config = replace(config or EngineConfig(), **overrides)
+        max_batch_size, max_context_len, kv_cache_pages = config.max_batch_size, config.max_context_len, config.kv_cache_pages
+        backend, threads = config.backend, config.threads
         self.loaded = load_artifact(model_path)
         metadata = self.loaded.metadata
         self.dims = metadata["model"]
@@ -149,7 +149,7 @@ class LLMEngine:
         files = self.loaded.om.tokenizer_files()
         self.tokenizer = TextTokenizer(files) if "tokenizer.json" in files else None
         self._chat_template: ChatTemplate | None = None
-        if process_thread_pool and backend == "onnxruntime":
+        if config.process_thread_pool and backend == "onnxruntime":
             enable_process_thread_pool(threads)
         executor = Executor(self.loaded, backend, threads)
         kv = metadata.get("kv_cache", {"layout": "contiguous"})
@@ -159,15 +159,15 @@ class LLMEngine:
             pool = PagePool(self.dims["num_layers"], kv_cache_pages, self.page_size, self.dims["num_kv_heads"],
                             self.dims["head_dim"])
             self.runner = PagedRunner(executor, pool)
-            blocks = BlockManager(kv_cache_pages, self.page_size, enable_prefix_caching)
+            blocks = BlockManager(kv_cache_pages, self.page_size, config.enable_prefix_caching)
         else:
             self.page_size = max_context_len
             self.runner = ContiguousRunner(executor, metadata["signature"], self.dims)
             blocks = BlockManager(max_batch_size, max_context_len, enable_prefix_caching=False)
         self.blocks = blocks
-        self.scheduler = Scheduler(blocks, max_batch_size, max_num_batched_tokens)
-        self.proposer = NgramProposer(num_speculative_tokens)
-        self.speculative_max_batch = speculative_max_batch
+        self.scheduler = Scheduler(blocks, max_batch_size, config.max_num_batched_tokens)
+        self.proposer = NgramProposer(config.num_speculative_tokens)
+        self.speculative_max_batch = config.speculative_max_batch
         self.stats = EngineStats()
         self._requests: dict[int, Request] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -90,3 +90,30 @@ def test_damaged_om_is_refused(om_path, tmp_path, damage):
     assert proc.returncode == 1
     assert "E13015" in proc.stderr and ("truncated" in proc.stderr or "corrupted" in proc.stderr)
     assert "Traceback" not in proc.stderr
+
+
+def _eval_ppl(om, text, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli.cann_run", "eval-ppl", "--model", str(om), "--text", str(text),
+                           "--window", "64", "--stride", "32", *argv], capture_output=True, text=True, timeout=300)
+
+
+def test_eval_ppl_shows_loading_and_window_progress_on_stderr_and_json_on_stdout(om_path, tmp_path):
+    from runtime.perplexity import perplexity
+    from runtime.tokenizer import TextTokenizer
+
+    text = tmp_path / "text.txt"
+    text.write_text("Once upon a time there was a tiny model that counted bytes. " * 4)
+    proc = _eval_ppl(om_path, text, "--json", "-")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)  # stdout is the JSON alone
+    loaded = load_artifact(om_path)
+    ids = TextTokenizer(loaded.om.tokenizer_files()).encode(text.read_text())
+    expected = perplexity(Executor(loaded), ids, 64, 32)
+    assert abs(report["perplexity"] - expected.perplexity) < 1e-6 * expected.perplexity
+    lines = proc.stderr.splitlines()
+    assert lines[0] == f"loading {om_path} …" and lines[1].startswith("loaded in ") and lines[1].endswith(" s")
+    assert f"perplexity: started, {expected.windows} windows" in lines
+    assert any(line.startswith(f"perplexity: {expected.windows} windows in ") for line in lines)
+    assert f"perplexity {report['perplexity']:.4f} over {expected.tokens_scored} tokens" in proc.stderr
+    quiet = _eval_ppl(om_path, text, "--log-level", "error")
+    assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout.startswith("perplexity ")

@@ -1,0 +1,17 @@
+"""`write_json(path, document)`: a command's machine-read report, to a file or (`-`) to stdout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+
+def write_json(path: str, document: dict) -> None:
+    """`document` as indented JSON at `path`; `-` writes it to stdout, which the command then keeps for it."""
+    text = json.dumps(document, indent=2) + "\n"
+    if path == "-":
+        click.echo(text, nl=False)
+    else:
+        Path(path).write_text(text)

@@ -1,0 +1,42 @@
+"""`EngineConfig`: every setting of an `LLMEngine`, with the one set of defaults the CLI's options take too."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from runtime.executor import BACKENDS
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an `LLMEngine` batches, pages and drafts; each field's `help` metadata is its CLI option's help.
+
+    A paged artifact gets a pool of `kv_cache_pages` pages of its compiled page size; an artifact with
+    contiguous past/present I/O reserves `max_context_len` tokens per sequence instead.
+    """
+
+    max_batch_size: int = field(default=8, metadata={"help": "sequences running at once", "min": 1})
+    max_context_len: int = field(default=4096, metadata={"help": "tokens of prompt and output per sequence", "min": 2})
+    kv_cache_pages: int = field(default=1024, metadata={"help": "pages in the KV pool (paged artifacts)", "min": 1})
+    max_num_batched_tokens: int = field(default=512, metadata={
+        "help": "token budget of one step (longer prompts are prefilled in chunks)", "min": 1})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "reuse the KV pages of a prompt prefix seen before (paged artifacts)"})
+    backend: str = field(default="onnxruntime", metadata={"help": "kernels that run the graph",
+                                                          "choices": BACKENDS})
+    threads: int | None = field(default=None, metadata={
+        "help": "intra-op threads of onnxruntime (default: its own choice)", "min": 1})
+    # not an option: only a process the CLI owns may share onnxruntime's process-wide pool (see LLMEngine)
+    process_thread_pool: bool = field(default=False, metadata={"cli": False})
+    num_speculative_tokens: int = field(default=0, metadata={
+        "help": "draft tokens per decode step by prompt lookup, verified in the same step; 0 is off", "min": 0})
+    speculative_max_batch: int = field(default=4, metadata={
+        "help": "draft only while at most this many sequences run", "min": 1})
+
+    def __post_init__(self) -> None:
+        for item in fields(self):
+            value, low = getattr(self, item.name), item.metadata.get("min")
+            if low is not None and value is not None and value < low:
+                raise ValueError(f"{item.name} must be at least {low}, not {value}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {self.backend!r}")
