@@ -64,6 +64,8 @@ class _Process(uvicorn.Server):
 
     async def _announce(self, loaded: asyncio.Event) -> None:
         await loaded.wait()
+        if self.server.closing:  # told to stop while loading: it never was ready
+            return
         if self.server.error:
             self.say(f"the models could not be loaded ({self.server.error}); /health reports it")
             return

@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable, NoReturn
 
 from runtime.engine.engine import LLMEngine, Request
 from runtime.serving.guard import Guard
@@ -180,7 +180,7 @@ class Server:
         request.future.add_done_callback(lambda _: self._settle(generation))
         return generation
 
-    def _reject(self, name: str, refusal: Refusal):
+    def _reject(self, name: str, refusal: Refusal) -> NoReturn:
         self.metrics.rejected(name)
         raise refusal
 

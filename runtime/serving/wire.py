@@ -26,11 +26,12 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     repetition_penalty: float = Field(1.0, gt=0)
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says (benchmarks)
 
     def sampling(self) -> dict:
         """The engine's sampling settings this body asks for."""
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
-                "repetition_penalty": self.repetition_penalty,
+                "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos,
                 "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or ())}
 
 

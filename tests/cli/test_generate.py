@@ -35,6 +35,8 @@ def test_generate_prints_the_engines_greedy_text(chat_om, tmp_path):
     report = json.loads((tmp_path / "g.json").read_text())
     assert report["text"] == expected and report["output_tokens"] == 24 and report["finish_reason"] == "length"
     assert "[INFO] prompt 5 tokens" in result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[0] == f"loading {chat_om} …" and lines[1].startswith("loaded in ")
 
 
 def test_chat_keeps_the_conversation_and_reuses_it(chat_om):
@@ -83,3 +85,20 @@ def test_bench_measures_and_writes_json(chat_om, tmp_path):
     prefill = report["long_prefill"][0]
     assert prefill["tokens"] == 256 and prefill["kv_pages_mb"] > 0 and prefill["peak_rss_added_mb"] >= 0
     assert "aggregate tok/s at concurrency 3 / concurrency 1 (lookup 0)" in result.stdout
+    lines = result.stderr.splitlines()
+    assert lines[0] == f"loading {chat_om} …" and lines[1].startswith("loaded in ")
+    for desc, count, unit in (("batch-1", 1, "round"), ("concurrency 1", 6, "request"), ("concurrency 3", 6, "request"),
+                              ("long prefills", 1, "prefill")):
+        assert f"{desc}: started, {count} {unit}s" in lines
+        assert any(line.startswith(f"{desc}: {count} {unit}s in ") for line in lines)
+
+
+def test_bench_json_to_stdout_keeps_the_table_on_stderr(chat_om):
+    result = _cann_run("bench", "--model", str(chat_om), "--requests", "2", "--concurrency", "1",
+                       "--prompt_lengths", "8,16", "--output_lengths", "2,4", "--prefill_tokens", "16",
+                       "--decode_tokens", "4", "--repeats", "1", "--long_prefill", "", "--kv_cache_pages", "16",
+                       "--max_context_len", "128", "--json", "-", "--log-level", "error")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["serving"][0]["requests"] == 2 and report["settings"]["max_context_len"] == 128
+    assert "batch 1            prefill tok/s" in result.stderr and "loading" not in result.stderr

@@ -4,9 +4,12 @@ streaming, metrics, and every refusal (each server runs in its own process, as u
 from __future__ import annotations
 
 import json
+import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -197,33 +200,99 @@ def test_two_names_for_one_file_share_one_engine_and_health_waits_for_loading(om
     assert process.returncode == 0 or process.returncode == -15
 
 
-def test_shutdown_ends_in_flight_streams_within_the_grace_period(om):
-    import signal
-    import threading
+def test_sigterm_answers_every_request_in_flight_and_accounts_for_it(om, tmp_path):
+    """SIGTERM with requests in flight that need thousands of steps, one running at a time, and no grace:
+    each gets a whole answer or OpenAI's 503 error (a stream, as its last event), is audited with the
+    status it got, and nothing is cut or logged as a traceback."""
+    audit = tmp_path / "audit.jsonl"
+    server = Server("--model", f"tiny={om}", "--kv_cache_pages", "300", "--max_context_len", "4096",
+                    "--max_batch_size", "1", "--shutdown-grace", "0", "--audit-log", str(audit))
+    url = f"{server.url}/v1/completions"
+    endless = {"model": "tiny", "prompt": "x" * 1000, "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+    answers, events = [], []
 
-    server = Server("--model", f"tiny={om}", "--kv_cache_pages", "32", "--shutdown-grace", "1")
-    got = []
+    def post() -> None:
+        answers.append(httpx.post(url, json=endless, timeout=120))
 
-    def read():
-        body = {"model": "tiny", "prompt": "hi", "max_tokens": 3000, "temperature": 0, "stream": True}
-        try:
-            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
-                for line in response.iter_lines():
-                    got.append(line)
-        except httpx.HTTPError:
-            got.append("cut")
+    def stream() -> None:
+        with httpx.stream("POST", url, json={**endless, "stream": True}, timeout=120) as response:
+            events.extend(line for line in response.iter_lines() if line)
 
-    reader = threading.Thread(target=read)
-    reader.start()
-    while len(got) < 3:
-        time.sleep(0.01)
-    started = time.time()
+    clients = [threading.Thread(target=post) for _ in range(2)] + [threading.Thread(target=stream)]
+    for client in clients:
+        client.start()
+    deadline = time.time() + 120
+    while server.metric("cann_llm:num_requests_running", model_name="tiny") + \
+            server.metric("cann_llm:num_requests_waiting", model_name="tiny") < 3:
+        assert time.time() < deadline, "the requests never reached the engine"
+        time.sleep(0.05)
     server.process.send_signal(signal.SIGTERM)
-    # uvicorn shuts down gracefully, then re-raises the signal it caught: the exit status says SIGTERM
-    assert server.process.wait(timeout=20) in (0, -signal.SIGTERM)
-    reader.join(timeout=20)
-    assert not reader.is_alive() and time.time() - started < 10
-    assert "Traceback" not in server.process.stderr.read()
+    # uvicorn re-raises the signal it caught once it is done: the exit status says SIGTERM
+    assert server.process.wait(timeout=120) in (0, -signal.SIGTERM)
+    for client in clients:
+        client.join(timeout=120)
+        assert not client.is_alive()
+    statuses = [answer.status_code for answer in answers]
+    for answer in answers:
+        if answer.status_code == 200:
+            assert answer.json()["usage"]["completion_tokens"] == 3000
+        else:
+            assert answer.json() == {"error": {"message": "the server shut down before the request finished",
+                                               "type": "unavailable", "code": 503}}
+    assert events[-1] == "data: [DONE]"
+    last = json.loads(events[-2].removeprefix("data: "))
+    statuses.append(last["error"]["code"] if "error" in last else 200)
+    # run one at a time, the last of the three still had 12,000 steps to go when the signal could be sent
+    assert 503 in statuses and set(statuses) <= {200, 503}
+    assert sorted(json.loads(line)["status"] for line in audit.read_text().splitlines()) == sorted(statuses)
+    log = server.process.stderr.read()
+    assert "Traceback" not in log and "Cancel" not in log, log
+
+
+class StderrLines:
+    """A process's stderr line by line as it comes (read in a thread, so the pipe never fills)."""
+
+    def __init__(self, stream):
+        self.lines: list[str] = []
+        self._arrived = threading.Condition()
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            with self._arrived:
+                self.lines.append(line.rstrip("\n"))
+                self._arrived.notify_all()
+
+    def wait_for(self, wanted, timeout: float = 120) -> str:
+        """The first line `wanted(line)` accepts, once it has been printed."""
+        with self._arrived:
+            found = self._arrived.wait_for(lambda: next((line for line in self.lines if wanted(line)), None),
+                                           timeout)
+        assert found, f"no such line in {self.lines}"
+        return found
+
+
+def test_serve_says_ready_only_once_its_engines_are_loaded_then_reports_stats(om, engine):
+    process = subprocess.Popen([sys.executable, "-m", "cli.cann_run", "serve", "--port", "0", "--model", f"a={om}",
+                                "--model", f"b={om}", "--kv_cache_pages", "32", "--stats-interval", "0.1"],
+                               stderr=subprocess.PIPE, text=True, encoding="utf-8")
+    stderr = StderrLines(process.stderr)
+    try:
+        ready = stderr.wait_for(lambda line: line.startswith("ready in "))
+        before = stderr.lines[:stderr.lines.index(ready)]
+        assert before == [f"loading a, b ({om}) …"]  # one engine for the one file; nothing says "serving" early
+        address = re.fullmatch(r"ready in \d+\.\d s: (http://127\.0\.0\.1:\d+) \(models: a, b\)", ready)
+        assert address, ready
+        # sent the moment the line is out, no /health polling: the engine is loaded by then
+        answer = httpx.post(f"{address[1]}/v1/completions", json={"model": "b", "prompt": "hey", "max_tokens": 8,
+                                                                  "temperature": 0})
+        assert answer.status_code == 200
+        assert answer.json()["choices"][0]["text"] == engine.generate("hey", max_new_tokens=8, temperature=0)
+        stats = stderr.wait_for(lambda line: line.startswith("a, b: ") and " 0.0 tokens/s" not in line)
+        assert re.fullmatch(r"a, b: \d+ running, \d+ waiting, \d+\.\d tokens/s, KV pages \d+/32", stats), stats
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
 
 
 def test_block_listed_output_is_cut_with_finish_reason_content_filter(om, engine, tmp_path):

@@ -15,7 +15,7 @@ from runtime.serving.stats_line import StatsLines
 
 GREEDY = {"temperature": 0, "top_p": 1.0, "top_k": 0, "seed": None, "repetition_penalty": 1.0, "stop": []}
 # a token a step and thousands of steps to go: nothing this long ends by itself while a test looks at it
-ENDLESS = {**GREEDY, "max_new_tokens": 3000}
+ENDLESS = {**GREEDY, "max_new_tokens": 3000, "ignore_eos": True}
 LONG_PROMPT = "x" * 1000
 
 
