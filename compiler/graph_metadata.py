@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 
+from runtime.ops import ATTENTION_OPS
+
+
 def attention_dimensions(graph) -> dict:
-    """Layers and head shape from the graph's FusedAttention nodes (empty when attention is not fused)."""
-    attentions = [n for n in graph.nodes if n.op == "FusedAttention"]
+    """Layers and head shape from the graph's attention nodes, FusedAttention or PagedAttention (empty when
+    attention is not fused)."""
+    attentions = [n for n in graph.nodes if n.op in ATTENTION_OPS]
     if not attentions:
         return {}
     attrs = attentions[0].attrs

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import onnx_graphsurgeon as gs
 
 from passes.pattern import producer
+from runtime.ops import ATTENTION_OPS
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ RECIPES: dict[str, Recipe] = {r.family: r for r in (
 def detect_family(graph: gs.Graph) -> str:
     """The family a fused graph looks like (see the module note on llama and mistral)."""
     ops = Counter(node.op for node in graph.nodes)
-    attention = next((node for node in graph.nodes if node.op == "FusedAttention"), None)
+    attention = next((node for node in graph.nodes if node.op in ATTENTION_OPS), None)
     if ops["LayerNormalization"] and not ops["RmsNorm"]:
         return "gpt2"
     if attention is None:

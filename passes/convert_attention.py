@@ -18,6 +18,7 @@ import onnx_graphsurgeon as gs
 
 from passes.pattern import FusionPass, fused_node, producer
 from passes.rotary_tables import NodeBuilder, Rotation, paired_rotation, rotary_tables
+from runtime.ops import FUSED_ATTENTION, FusedAttentionInput, FusedAttentionOutput, input_at, positional
 
 
 @dataclass
@@ -96,23 +97,27 @@ class ConvertAttention(FusionPass):
             return add("Reshape", [moved, const([0, 0, -1])], dtype=tensor.dtype)
 
         query, key, value = flat(match.q), flat(match.k), flat(match.v)
-        cos = sin = gs.Variable.empty()
+        cos = sin = None
         rotation = match.rotation
         if rotation is not None:
             cos, sin = rotary_tables(add, rotation, query)
+        # the standard Attention's own inputs (ONNX spec): q, k, v, attn_mask, past_key, past_value
         inputs = list(node.inputs) + [gs.Variable.empty()] * (6 - len(node.inputs))
+        past_key, past_value = input_at(inputs, 4), input_at(inputs, 5)
+        # and outputs: Y, present_key, present_value
         output = node.outputs[0]
         fused_output = gs.Variable(f"{prefix}/fused", dtype=output.dtype) if match.four_d else output
-        outputs = [fused_output] + [t for t in node.outputs[1:3] if t.name]
+        outputs = positional(FusedAttentionOutput, {
+            FusedAttentionOutput.OUTPUT: fused_output, FusedAttentionOutput.PRESENT_KEY: input_at(node.outputs, 1),
+            FusedAttentionOutput.PRESENT_VALUE: input_at(node.outputs, 2)}, gs.Variable.empty())
         scale = node.attrs.get("scale", 1.0 / np.sqrt(match.head_dim))
         node.inputs.clear()
-        bias = match.mask if match.mask is not None else gs.Variable.empty()
-        fused_inputs = [query, key, value, inputs[4], inputs[5], gs.Variable.empty(), cos,
-                        sin, bias]
-        while not fused_inputs[-1].name:
-            fused_inputs.pop()
+        slot = FusedAttentionInput
+        fused_inputs = positional(slot, {
+            slot.QUERY: query, slot.KEY: key, slot.VALUE: value, slot.PAST_KEY: past_key, slot.PAST_VALUE: past_value,
+            slot.COS: cos, slot.SIN: sin, slot.ATTENTION_BIAS: match.mask}, gs.Variable.empty())
         graph.nodes.append(fused_node(
-            "FusedAttention", fused_inputs, outputs, f"{prefix}_FusedAttention", num_heads=match.heads,
+            FUSED_ATTENTION.name, fused_inputs, outputs, f"{prefix}_{FUSED_ATTENTION.name}", num_heads=match.heads,
             kv_num_heads=match.kv_heads, head_dim=match.head_dim, scale=float(scale), causal=int(node.attrs.get("is_causal", 0)),
             rotary_dim=rotation.rotary_dim if rotation else 0, rotary_interleaved=rotation.interleaved if rotation else 0,
             bias_per_head=int(match.mask is not None and match.mask.shape[1] == match.heads and match.heads > 1),

@@ -30,6 +30,7 @@ import onnx_graphsurgeon as gs
 
 from passes.pattern import FusionPass, const_ints, fused_node, producer
 from passes.rotary_tables import NodeBuilder, Rotation, rotary_tables
+from runtime.ops import FUSED_ATTENTION, FusedAttentionInput, FusedAttentionOutput, input_at, positional
 
 POSITIONS = "position_ids"
 _UNSUPPORTED_INPUTS = {10: "an attention bias", 11: "head sinks", 12: "a k scale (quantized cache)",
@@ -45,10 +46,6 @@ class GroupQueryAttentionMatch:
     mask: gs.Tensor | None
     rotation: Rotation | None
     derive_positions: bool
-
-
-def _input(node: gs.Node, index: int) -> gs.Tensor | None:
-    return node.inputs[index] if index < len(node.inputs) and node.inputs[index].name else None
 
 
 def _through(tensor: gs.Tensor, *ops: str) -> gs.Tensor:
@@ -135,19 +132,19 @@ class ConvertGroupQueryAttention(FusionPass):
             if attrs.get(name, default) != default:
                 return f"{what} is not supported"
         for index, what in _UNSUPPORTED_INPUTS.items():
-            if _input(node, index) is not None:
+            if input_at(node.inputs, index) is not None:
                 return f"{what} is not supported"
         if len(node.outputs) > 3 and node.outputs[3].name:
             return "the qk output is requested"
-        if (_input(node, 3) is None) != (_input(node, 4) is None):
+        if (input_at(node.inputs, 3) is None) != (input_at(node.inputs, 4) is None):
             return "a cache for only one of keys and values"
         if any(t is not None and t.dtype is not None and np.dtype(t.dtype) != np.float32
-               for t in (_input(node, 3), node.inputs[0])):
+               for t in (input_at(node.inputs, 3), node.inputs[0])):
             return "not float32 (a quantized or half-precision cache)"
         heads, kv_heads = int(attrs.get("num_heads", 0)), int(attrs.get("kv_num_heads", 0))
         query = node.inputs[0]
         width = query.shape[-1] if query.shape is not None and len(query.shape) == 3 else None
-        packed = _input(node, 1) is None
+        packed = input_at(node.inputs, 1) is None
         if not isinstance(width, int) or heads <= 0 or kv_heads <= 0 or heads % kv_heads:
             return "the head counts or the query width are not static and compatible"
         head_dim = width // (heads + 2 * kv_heads) if packed else width // heads
@@ -157,10 +154,10 @@ class ConvertGroupQueryAttention(FusionPass):
         kind, tensor = source
         rotation, derive = None, False
         if attrs.get("do_rotary", 0):
-            cos, sin = _input(node, 7), _input(node, 8)
+            cos, sin = input_at(node.inputs, 7), input_at(node.inputs, 8)
             if cos is None or sin is None or cos.shape is None or not isinstance(cos.shape[-1], int):
                 return "do_rotary without cos_cache and sin_cache of a static width"
-            positions = _input(node, 9) or (tensor if kind == "positions" else None)
+            positions = input_at(node.inputs, 9) or (tensor if kind == "positions" else None)
             derive = positions is None and not self.paged
             if positions is None and self.paged:
                 positions = _positions_input(graph)
@@ -172,22 +169,26 @@ class ConvertGroupQueryAttention(FusionPass):
         node = match.node
         b = NodeBuilder(graph, node.name or "gqa")
         query = node.inputs[0]
-        empty = gs.Variable.empty()
-        cos = sin = empty
+        cos = sin = None
         if match.rotation is not None:
             if match.derive_positions:
                 match.rotation.positions = _derived_positions(b, query, node.inputs[5], node.inputs[6])
             cos, sin = rotary_tables(b, match.rotation, query)
-        key, value = (_input(node, i) or empty for i in (1, 2))
-        past_key, past_value = (_input(node, i) or empty for i in (3, 4))
-        inputs = [query, key, value, past_key, past_value, match.mask or empty, cos, sin]
-        while not inputs[-1].name:
-            inputs.pop()
-        outputs = [node.outputs[0]] + [t for t in node.outputs[1:3] if t.name]
+        # GroupQueryAttention's own slots (com.microsoft's spec): query, key, value, past_key, past_value, ...
+        slot = FusedAttentionInput
+        inputs = positional(slot, {
+            slot.QUERY: query, slot.KEY: input_at(node.inputs, 1), slot.VALUE: input_at(node.inputs, 2),
+            slot.PAST_KEY: input_at(node.inputs, 3), slot.PAST_VALUE: input_at(node.inputs, 4),
+            slot.ATTENTION_MASK: match.mask, slot.COS: cos, slot.SIN: sin},
+            gs.Variable.empty())
+        # and its outputs: output, present_key, present_value
+        outputs = positional(FusedAttentionOutput, {
+            FusedAttentionOutput.OUTPUT: node.outputs[0], FusedAttentionOutput.PRESENT_KEY: input_at(node.outputs, 1),
+            FusedAttentionOutput.PRESENT_VALUE: input_at(node.outputs, 2)}, gs.Variable.empty())
         scale = float(node.attrs.get("scale", 0.0)) or 1.0 / float(np.sqrt(match.head_dim))
         node.inputs.clear()
         graph.nodes.append(fused_node(
-            "FusedAttention", inputs, outputs, f"{node.name}_FusedAttention", num_heads=match.heads,
+            FUSED_ATTENTION.name, inputs, outputs, f"{node.name}_{FUSED_ATTENTION.name}", num_heads=match.heads,
             kv_num_heads=match.kv_heads, head_dim=match.head_dim, scale=scale, causal=1,
             rotary_dim=match.rotation.rotary_dim if match.rotation else 0,
             rotary_interleaved=match.rotation.interleaved if match.rotation else 0, bias_per_head=0, bias_is_bool=0))

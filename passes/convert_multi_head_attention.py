@@ -20,6 +20,7 @@ import onnx_graphsurgeon as gs
 
 from passes.pattern import FusionPass, fused_node, producer
 from passes.rotary_tables import NodeBuilder, Rotation, paired_rotation, rotary_tables
+from runtime.ops import FUSED_ATTENTION, FusedAttentionInput, FusedAttentionOutput, input_at, positional
 
 MICROSOFT_DOMAIN = "com.microsoft"
 _UNSUPPORTED_INPUTS = {3: "the packed q/k/v bias", 8: "past_sequence_length", 9: "cache_indirection"}
@@ -35,10 +36,6 @@ class MultiHeadAttentionMatch:
     rotation: Rotation | None
     mask: gs.Tensor | None
     bias: gs.Tensor | None
-
-
-def _input(node: gs.Node, index: int) -> gs.Tensor | None:
-    return node.inputs[index] if index < len(node.inputs) and node.inputs[index].name else None
 
 
 def _unrotated(tensor: gs.Tensor) -> gs.Tensor:
@@ -78,24 +75,24 @@ class ConvertMultiHeadAttention(FusionPass):
         if node.domain != MICROSOFT_DOMAIN:
             return "not com.microsoft's MultiHeadAttention"
         for index, what in _UNSUPPORTED_INPUTS.items():
-            if _input(node, index) is not None:
+            if input_at(node.inputs, index) is not None:
                 return f"{what} is not supported"
         if len(node.outputs) > 3 and node.outputs[3].name:
             return "the qk output is requested"
-        q, k, v = (_input(node, i) for i in range(3))
+        q, k, v = (input_at(node.inputs, i) for i in range(3))
         if k is None or v is None:
             return "packed query, key and value"
         # shape inference may not know a contrib RotaryEmbedding's output: its input's shape is the same
         shapes = [(_unrotated(t).shape) for t in (q, k, v)]
         if any(shape is None or len(shape) != 3 for shape in shapes):
             return "query, key and value are not all [B, S, N·H] (packed or cross-attention)"
-        if (_input(node, 6) is None) != (_input(node, 7) is None):
+        if (input_at(node.inputs, 6) is None) != (input_at(node.inputs, 7) is None):
             return "a cache for only one of keys and values"
         heads, width = int(node.attrs.get("num_heads", 0)), shapes[0][-1]
         if heads <= 0 or not isinstance(width, int) or width % heads or any(shape[-1] != width for shape in shapes):
             return "the head count or the widths are not static and equal"
         head_dim = width // heads
-        mask, bias = _input(node, 4), _input(node, 5)
+        mask, bias = input_at(node.inputs, 4), input_at(node.inputs, 5)
         if mask is not None and (mask.shape is None or len(mask.shape) != 2):
             return "the key_padding_mask is not [B, P + S] (lengths or 3-D)"
         if bias is not None and (bias.shape is None or len(bias.shape) != 4 or bias.shape[1] not in (1, heads)):
@@ -115,21 +112,24 @@ class ConvertMultiHeadAttention(FusionPass):
     def rewrite(self, graph: gs.Graph, match: MultiHeadAttentionMatch) -> None:
         node = match.node
         b = NodeBuilder(graph, node.name or "mha")
-        empty = gs.Variable.empty()
-        cos = sin = empty
+        cos = sin = None
         if match.rotation is not None:
             cos, sin = rotary_tables(b, match.rotation, match.q)
-        past_key, past_value = (_input(node, i) or empty for i in (6, 7))
-        inputs = [match.q, match.k, node.inputs[2], past_key, past_value, match.mask or empty, cos, sin,
-                  match.bias or empty]
-        while not inputs[-1].name:
-            inputs.pop()
-        outputs = [node.outputs[0]] + [t for t in node.outputs[1:3] if t.name]
+        # MultiHeadAttention's own slots (com.microsoft's spec): value 2, past_key 6, past_value 7
+        slot = FusedAttentionInput
+        inputs = positional(slot, {
+            slot.QUERY: match.q, slot.KEY: match.k, slot.VALUE: node.inputs[2], slot.PAST_KEY: input_at(node.inputs, 6),
+            slot.PAST_VALUE: input_at(node.inputs, 7), slot.ATTENTION_MASK: match.mask, slot.COS: cos, slot.SIN: sin,
+            slot.ATTENTION_BIAS: match.bias}, gs.Variable.empty())
+        # and its outputs: output, present_key, present_value
+        outputs = positional(FusedAttentionOutput, {
+            FusedAttentionOutput.OUTPUT: node.outputs[0], FusedAttentionOutput.PRESENT_KEY: input_at(node.outputs, 1),
+            FusedAttentionOutput.PRESENT_VALUE: input_at(node.outputs, 2)}, gs.Variable.empty())
         scale = float(node.attrs.get("scale", 0.0)) or 1.0 / float(np.sqrt(match.head_dim))
         node.inputs.clear()
         bias = match.bias
         graph.nodes.append(fused_node(
-            "FusedAttention", inputs, outputs, f"{node.name}_FusedAttention", num_heads=match.heads,
+            FUSED_ATTENTION.name, inputs, outputs, f"{node.name}_{FUSED_ATTENTION.name}", num_heads=match.heads,
             kv_num_heads=match.heads, head_dim=match.head_dim, scale=scale,
             causal=int(node.attrs.get("unidirectional", 0)),
             rotary_dim=match.rotation.rotary_dim if match.rotation else 0,

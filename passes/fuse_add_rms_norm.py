@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import onnx_graphsurgeon as gs
 
 from passes.pattern import FusionPass, fused_node, producer
-from runtime.kernels import CUSTOM_DOMAIN
+from runtime.ops import CUSTOM_DOMAIN
 
 
 @dataclass

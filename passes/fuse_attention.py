@@ -39,6 +39,7 @@ from passes.match_attention import (
 )
 from passes.match_rotary import Rotary, match_rotary
 from passes.pattern import FusionPass, fused_node, producer, sole_consumer
+from runtime.ops import FUSED_ATTENTION, FusedAttentionInput, FusedAttentionOutput, positional
 
 
 @dataclass
@@ -149,12 +150,9 @@ class FuseAttention(FusionPass):
             return "a sliding window without a causal mask"
         return AttentionMatch(query, key, value, key_cache.past, value_cache.past, key_cache.present,
                               value_cache.present, source.attention_mask, source.causal, window, rotary, heads,
-                              kv_heads, head_dim, scale, output, softmax.name.rsplit("/", 1)[0] + "/FusedAttention")
+                              kv_heads, head_dim, scale, output, softmax.name.rsplit("/", 1)[0] + "/" + FUSED_ATTENTION.name)
 
     def rewrite(self, graph: gs.Graph, match: AttentionMatch) -> None:
-        def optional(tensor):
-            return tensor if tensor is not None else gs.Variable.empty()
-
         def flat(projection: Projection) -> gs.Tensor:
             if not projection.per_head:
                 return projection.tensor
@@ -166,22 +164,25 @@ class FuseAttention(FusionPass):
             return merged
 
         rotary = match.rotary
-        inputs = [flat(match.query), flat(match.key), flat(match.value), optional(match.past_key), optional(match.past_value),
-                  optional(match.mask), optional(rotary and rotary.cos), optional(rotary and rotary.sin)]
-        while inputs and inputs[-1].name == "":
-            inputs.pop()
+        slot = FusedAttentionInput
+        query = flat(match.query)
+        inputs = positional(slot, {
+            slot.QUERY: query, slot.KEY: flat(match.key), slot.VALUE: flat(match.value), slot.PAST_KEY: match.past_key,
+            slot.PAST_VALUE: match.past_value, slot.ATTENTION_MASK: match.mask, slot.COS: rotary and rotary.cos,
+            slot.SIN: rotary and rotary.sin}, gs.Variable.empty())
         output = match.output
         if len(output.shape) == 2:  # rows for a 2-D projection: the op writes [B, S, H·D], a Reshape flattens it
-            query = inputs[0]
             output = gs.Variable(f"{match.name}_output", dtype=match.output.dtype,
                                  shape=None if query.shape is None else list(query.shape[:2]) + [match.output.shape[-1]])
             match.output.inputs.clear()
             graph.nodes.append(gs.Node("Reshape", name=f"{match.name}/Rows", inputs=[
                 output, gs.Constant(f"{match.name}_rows", np.array([-1, match.output.shape[-1]], np.int64))],
                 outputs=[match.output]))
-        outputs = [output] + [t for t in (match.present_key, match.present_value) if t is not None]
+        outputs = positional(FusedAttentionOutput, {
+            FusedAttentionOutput.OUTPUT: output, FusedAttentionOutput.PRESENT_KEY: match.present_key,
+            FusedAttentionOutput.PRESENT_VALUE: match.present_value}, gs.Variable.empty())
         graph.nodes.append(fused_node(
-            "FusedAttention", inputs, outputs, match.name, num_heads=match.heads, kv_num_heads=match.kv_heads,
+            FUSED_ATTENTION.name, inputs, outputs, match.name, num_heads=match.heads, kv_num_heads=match.kv_heads,
             head_dim=match.head_dim, scale=float(match.scale), causal=match.causal,
             rotary_dim=rotary.rotary_dim if rotary else 0, rotary_interleaved=rotary.interleaved if rotary else 0,
             **({"sliding_window": match.window} if match.window else {})))

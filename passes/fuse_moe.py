@@ -34,6 +34,7 @@ import onnx_graphsurgeon as gs
 
 from passes.fuse_swiglu import gate_up_halves
 from passes.pattern import FusionPass, axes_of, const_ints, fused_node, other_input, producer, scalar, sole_consumer
+from runtime.ops import MOE, MoEInput, positional
 
 
 @dataclass
@@ -405,6 +406,7 @@ class FuseMoe(FusionPass):
             match.gate_up.reshape(experts, 2, width // 2, hidden).transpose(0, 2, 1, 3)
         ).reshape(experts, width, hidden)
         gate_up = gs.Constant(f"{match.name}_gate_up_weight", interleaved)
-        graph.nodes.append(fused_node("MoE", [match.x, match.router_logits, gate_up, match.down], [match.output],
-                                      match.name, num_experts=experts, top_k=match.top_k,
+        inputs = positional(MoEInput, {MoEInput.X: match.x, MoEInput.ROUTER_LOGITS: match.router_logits,
+                                       MoEInput.GATE_UP: gate_up, MoEInput.DOWN: match.down}, gs.Variable.empty())
+        graph.nodes.append(fused_node(MOE.name, inputs, [match.output], match.name, num_experts=experts, top_k=match.top_k,
                                       normalize_routing_weights=match.normalize))

@@ -15,7 +15,8 @@ import onnx_graphsurgeon as gs
 
 from passes.merge_weights import WeightSource, can_merge, merge_weights, weight_source
 from passes.pattern import FusionPass, producer
-from runtime.kernels import CUSTOM_DOMAIN
+from runtime.ops import CUSTOM_DOMAIN, FUSED_ATTENTION, input_at
+from runtime.ops import FusedAttentionInput as Slot
 
 
 @dataclass
@@ -75,14 +76,14 @@ class FuseQkv(FusionPass):
     """Pack FusedAttention's three projections into one."""
 
     name = "QkvFusionPass"
-    anchor = "FusedAttention"
+    anchor = FUSED_ATTENTION.name
 
     def match(self, graph: gs.Graph, attention: gs.Node) -> QkvMatch | str:
         if attention.domain != CUSTOM_DOMAIN:
             return "not a cann::FusedAttention"
-        if len(attention.inputs) < 3 or not attention.inputs[1].name:
+        if input_at(attention.inputs, Slot.KEY) is None:
             return "the projection is packed already"
-        q, k, v = attention.inputs[:3]
+        q, k, v = (attention.inputs[slot] for slot in (Slot.QUERY, Slot.KEY, Slot.VALUE))
         packed = _packed_source(q, k, v)
         if packed is not None:
             return QkvMatch(attention, None, [], None, packed)
@@ -96,7 +97,7 @@ class FuseQkv(FusionPass):
             return "the projection weights differ in kind, dtype, input size or quantization"
         biases = None
         if any(f[2] is not None for f in found):
-            dtype = attention.inputs[0].dtype or np.float32
+            dtype = q.dtype or np.float32
             biases = [f[2] if f[2] is not None else np.zeros(f[1].shape[1], dtype) for f in found]
         return QkvMatch(attention, found[0][0], weights, biases, None)
 
@@ -108,13 +109,13 @@ class FuseQkv(FusionPass):
             merged = merge_weights(graph, match.weights, f"{name}_weight")
             width = sum(w.shape[1] for w in match.weights)
             shape = None if match.x.shape is None else list(match.x.shape[:-1]) + [width]
-            packed = gs.Variable(f"{name}_matmul", dtype=attention.inputs[0].dtype, shape=shape)
+            packed = gs.Variable(f"{name}_matmul", dtype=attention.inputs[Slot.QUERY].dtype, shape=shape)
             graph.nodes.append(gs.Node("MatMul", name=f"{name}/MatMul", inputs=[match.x, merged], outputs=[packed]))
             if match.biases is not None:
                 biased = gs.Variable(f"{name}_bias", dtype=packed.dtype, shape=shape)
                 bias = gs.Constant(f"{name}_bias_values", np.concatenate(match.biases))
                 graph.nodes.append(gs.Node("Add", name=f"{name}/Add", inputs=[packed, bias], outputs=[biased]))
                 packed = biased
-        attention.inputs[0] = packed
-        attention.inputs[1] = gs.Variable.empty()
-        attention.inputs[2] = gs.Variable.empty()
+        attention.inputs[Slot.QUERY] = packed
+        attention.inputs[Slot.KEY] = gs.Variable.empty()
+        attention.inputs[Slot.VALUE] = gs.Variable.empty()

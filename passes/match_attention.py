@@ -26,7 +26,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from passes.pattern import axes_of, const_ints, producer, scalar, sole_consumer
-from runtime.kernels import CUSTOM_DOMAIN
+from runtime.ops import CUSTOM_DOMAIN, RMS_NORM, RmsNormInput
 
 CAUSAL_OPS = ("LessOrEqual", "GreaterOrEqual", "Less", "Greater", "Trilu")
 MASKED_BELOW = -1e4  # a masked_fill value at most this is a mask (float16's minimum is -65504)
@@ -186,9 +186,9 @@ def match_head_split(heads4: gs.Tensor) -> Projection | str:
     if not is_transpose(transpose, [0, 2, 1, 3]):
         return "the heads are not a (0, 2, 1, 3) transpose"
     split = transpose.inputs[0]
-    norm = producer(split, "RmsNorm")
+    norm = producer(split, RMS_NORM.name)
     if norm is not None and norm.domain == CUSTOM_DOMAIN:
-        split = norm.inputs[0]
+        split = norm.inputs[RmsNormInput.X]
     reshape = producer(split, "Reshape")
     if reshape is None:
         return "the heads are not reshaped from a projection"

@@ -3,9 +3,10 @@
 Before: `input_ids [B, S]`, `attention_mask`, `past_key_values.*` in and `present.*` out, each
 `FusedAttention` concatenating its layer's past. After (../shared/DESIGN.md "Batches without padding"):
 the scheduled sequences' tokens flattened into `input_ids [1, T]` and `position_ids [1, T]`, plus the
-attention metadata every `FusedAttention` reads (`query_start_loc [B+1]`, `seq_lens [B]`,
-`block_tables [B, M]`, `slot_mapping [T]`); each attention writes its new keys and values into the pages
-and reads the whole context from them. The cache leaves the graph's I/O: the runtime owns the pages.
+attention metadata (runtime/ops.py PAGED_METADATA: `query_start_loc [B+1]`, `seq_lens [B]`,
+`block_tables [B, M]`, `slot_mapping [T]`); each FusedAttention becomes a `PagedAttention` that writes
+its new keys and values into the pages and reads the whole context from them. The cache leaves the
+graph's I/O: the runtime owns the pages.
 """
 
 from __future__ import annotations
@@ -15,12 +16,18 @@ import onnx_graphsurgeon as gs
 
 from passes.base import PassResult
 from passes.graph_utils import replace_all_uses
+from passes.pattern import fused_node
 from runtime.errors import AtcError
-from runtime.kernels.paged_attention import METADATA_INPUTS
+from runtime.ops import FUSED_ATTENTION, PAGED_ATTENTION, PAGED_METADATA, input_at, positional
+from runtime.ops import FusedAttentionInput as Fused
+from runtime.ops import FusedAttentionOutput as FusedOutput
+from runtime.ops import PagedAttentionInput as Paged
 
 TOKEN_INPUTS = ("input_ids", "position_ids")
-_PAST, _PRESENT = (3, 4), (1, 2)
-_MASK, _BIAS = 5, 8
+# what a PagedAttention keeps of its FusedAttention: the projections and the rotary tables
+_KEPT = {Paged.QUERY: Fused.QUERY, Paged.KEY: Fused.KEY, Paged.VALUE: Fused.VALUE, Paged.COS: Fused.COS,
+         Paged.SIN: Fused.SIN}
+_KEPT_ATTRIBUTES = ("num_heads", "kv_num_heads", "head_dim", "scale", "rotary_interleaved", "sliding_window")
 
 
 class PagedKvCache:
@@ -33,7 +40,7 @@ class PagedKvCache:
         self.page_size, self.flash = page_size, flash
 
     def run(self, graph: gs.Graph) -> PassResult:
-        attentions = [n for n in graph.toposort().nodes if n.op == "FusedAttention"]
+        attentions = [n for n in graph.toposort().nodes if n.op == FUSED_ATTENTION.name]
         inputs = {t.name: t for t in graph.inputs}
         if "input_ids" in inputs:
             _sizes_from_tokens(graph, inputs["input_ids"])
@@ -41,21 +48,25 @@ class PagedKvCache:
             _positions_from_an_input(graph, attentions[0])
             inputs = {t.name: t for t in graph.inputs}
         self._check(graph, attentions)
-        metadata = [gs.Variable(name, dtype=dtype, shape=shape) for name, dtype, shape in METADATA_INPUTS]
+        metadata = {m.slot: gs.Variable(m.name, dtype=m.dtype, shape=list(m.shape)) for m in PAGED_METADATA}
         cache_io = set()
         for layer, node in enumerate(attentions):
-            cache_io.update(node.inputs[i].name for i in _PAST + (_MASK,) if _present(node, i))
-            cache_io.update(node.outputs[i].name for i in _PRESENT if i < len(node.outputs))
-            empty = gs.Variable.empty()
-            kept = [node.inputs[i] if _present(node, i) else empty for i in range(3)]
-            rotary = [node.inputs[i] if _present(node, i) else empty for i in (6, 7)]
-            node.inputs.clear()
-            node.inputs.extend(kept + [empty, empty, empty] + rotary + [empty] + metadata)
-            while len(node.outputs) > 1:
-                node.outputs.pop()
+            cache_io.update(t.name for t in (input_at(node.inputs, slot) for slot in
+                                             (Fused.PAST_KEY, Fused.PAST_VALUE, Fused.ATTENTION_MASK)) if t is not None)
+            cache_io.update(node.outputs[slot].name for slot in (FusedOutput.PRESENT_KEY, FusedOutput.PRESENT_VALUE)
+                            if slot < len(node.outputs))
+            operands = positional(Paged, {**{paged: input_at(node.inputs, fused) for paged, fused in _KEPT.items()},
+                                          **metadata}, gs.Variable.empty())
+            defaults = {**FUSED_ATTENTION.defaults, **node.attrs}
             # flash_prefill attends causally only: sliding-window layers attend through the numba kernel
-            flash = self.flash and not node.attrs.get("sliding_window", 0)
-            node.attrs.update(paged=1, layer=layer, page_size=self.page_size, flash=int(flash))
+            flash = self.flash and not defaults["sliding_window"]
+            name = node.name.removesuffix(FUSED_ATTENTION.name) + PAGED_ATTENTION.name
+            graph.nodes.append(fused_node(
+                PAGED_ATTENTION.name, operands, [node.outputs[FusedOutput.OUTPUT]], name,
+                **{key: defaults[key] for key in _KEPT_ATTRIBUTES}, layer=layer, page_size=self.page_size,
+                flash=int(flash)))
+            node.inputs.clear()
+            node.outputs.clear()
         for name in TOKEN_INPUTS:
             inputs[name].shape = [1, "num_tokens"]
         graph.cleanup(remove_unused_graph_inputs=False)  # what only fed the replaced cache reads no input now
@@ -63,7 +74,7 @@ class PagedKvCache:
         if still_read:
             raise AtcError("E10055", f"{', '.join(still_read)} also feed ops other than attention, which a paged "
                                      "cache cannot serve; compile with --enable_paged_attention=0")
-        graph.inputs = [t for t in graph.inputs if t.name not in cache_io] + metadata
+        graph.inputs = [t for t in graph.inputs if t.name not in cache_io] + list(metadata.values())
         graph.outputs = [t for t in graph.outputs if t.name not in cache_io]
         graph.cleanup(remove_unused_graph_inputs=False).toposort()
         return PassResult(match_times=len(attentions), effect_times=len(attentions))
@@ -80,15 +91,19 @@ class PagedKvCache:
             raise AtcError("E10055", f"--enable_paged_attention=1 needs the graph inputs {', '.join(TOKEN_INPUTS)}; "
                                      f"{', '.join(missing)} missing")
         for node in attentions:
-            if _present(node, _BIAS):
+            if input_at(node.inputs, Fused.ATTENTION_BIAS) is not None:
                 raise AtcError("E10055", f"{node.name} takes an explicit attention bias, which a paged cache "
                                          "cannot address; compile with --enable_paged_attention=0")
-            for index in _PAST:
-                if _present(node, index) and node.inputs[index] not in graph.inputs:
+            if not node.attrs.get("causal", FUSED_ATTENTION.defaults["causal"]):
+                raise AtcError("E10055", f"{node.name} attends without a causal mask, and paged attention is causal; "
+                                         "compile with --enable_paged_attention=0")
+            for slot in (Fused.PAST_KEY, Fused.PAST_VALUE):
+                past = input_at(node.inputs, slot)
+                if past is not None and past not in graph.inputs:
                     raise AtcError("E10055", f"{node.name} reads a KV cache that is not a graph input")
         mask = next((t for t in graph.inputs if t.name == "attention_mask"), None)
-        if mask is not None and any(c.op != "FusedAttention" for c in mask.outputs):
-            users = sorted({c.op for c in mask.outputs if c.op != "FusedAttention"})
+        if mask is not None and any(c.op != FUSED_ATTENTION.name for c in mask.outputs):
+            users = sorted({c.op for c in mask.outputs if c.op != FUSED_ATTENTION.name})
             raise AtcError("E10055", f"attention_mask also feeds {', '.join(users)}, which a flattened batch "
                                      "cannot express; compile with --enable_paged_attention=0")
 
@@ -100,9 +115,10 @@ def _positions_from_an_input(graph: gs.Graph, attention: gs.Node) -> None:
     The Range is looked for among what the rotary tables are computed from, and must start at a length
     read from a past KV input; otherwise the graph is left alone (and refused for want of position_ids).
     """
-    if not _present(attention, 6):
+    cos = input_at(attention.inputs, Fused.COS)
+    if cos is None:
         return
-    seen, queue = set(), [attention.inputs[6]]
+    seen, queue = set(), [cos]
     while queue:
         tensor = queue.pop()
         node = tensor.inputs[0] if tensor.inputs and not isinstance(tensor, gs.Constant) else None
@@ -155,7 +171,3 @@ def _sizes_from_tokens(graph: gs.Graph, input_ids: gs.Tensor) -> None:
             span = (node.attrs.get("start", 0), node.attrs.get("end"))
             if span == (0, 1) or (tensor.name == "attention_mask" and not has_past and span in ((1, 2), (0, None))):
                 node.inputs[0] = input_ids
-
-
-def _present(node: gs.Node, index: int) -> bool:
-    return index < len(node.inputs) and bool(node.inputs[index].name)

@@ -13,7 +13,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from passes.base import PassResult
-from runtime.kernels import CUSTOM_DOMAIN
+from runtime.ops import CUSTOM_DOMAIN
 
 
 def producer(tensor: gs.Tensor, *ops: str) -> gs.Node | None:

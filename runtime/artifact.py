@@ -35,7 +35,7 @@ from runtime.errors import AtcError
 MAGIC = 0x444F4D49
 HEADER_SIZE = 256
 MODEL_VERSION = 0x20000000
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: paged attention is cann::PagedAttention, not FusedAttention(paged=1)
 ALIGN = 64
 WEIGHTS_LOCATION = "@weights"
 EXTERNAL_MIN_BYTES = 1024

@@ -3,9 +3,9 @@
 `onnxruntime` (the fast path): `cann` ops lowered onto onnxruntime's kernels (runtime/lowering.py), an
 InferenceSession per segment built once (one for a graph without host nodes), weights handed over from
 the mapped artifact with `add_external_initializers` (onnxruntime pre-packs them into its own memory);
-paged attention on the numba kernels.
+the host kernels (paged attention) on their fast paths (numba).
 `reference`: onnx's ReferenceEvaluator per segment, with the registry's numpy kernels as its custom ops,
-and the numpy references of the paged kernels: the executable spec the fast path is tested against.
+and the host kernels' numpy references: the executable spec the fast path is tested against.
 """
 
 from __future__ import annotations
@@ -15,15 +15,14 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
 from runtime.artifact import SUB_BYTE_TYPES
 from runtime.engine.kv_cache import PagePool
-from runtime.kernels import reference_ops
-from runtime.kernels.paged_attention import METADATA_INPUTS, PagedBatch, is_paged_attention, paged_fused_attention
+from runtime.kernels import HostRun, host_kernel, is_host_node, reference_ops
 from runtime.loader import LoadedModel
 from runtime.lowering import lower_for_onnxruntime
+from runtime.ops import attributes
 from runtime.ort_session import ort_value, process_thread_pool_enabled, session_options
 from runtime.proto_utils import initializers_as_inputs
 from runtime.segments import HostNode, Segment, split_at_host_nodes
@@ -35,8 +34,8 @@ class Executor:
     """Runs a loaded artifact: `run(feeds) -> {output name: array}`.
 
     The graph is cut at its host nodes (runtime/segments.py); each segment becomes one session of the
-    backend, built once. A paged artifact's attention nodes are host nodes reading and writing the page
-    pool passed to `run` as `kv_cache`.
+    backend, built once. A paged artifact's PagedAttention nodes are host nodes (the kernel registry's
+    `host=True`), reading and writing the page pool passed to `run` as `kv_cache`.
     """
 
     def __init__(self, loaded: LoadedModel, backend: str = "onnxruntime", threads: int | None = None,
@@ -47,7 +46,7 @@ class Executor:
         self.backend = backend
         self.output_names = loaded.output_names
         model, weights = _inline_sub_byte(loaded.model, loaded.weights)
-        plan = split_at_host_nodes(model, is_paged_attention)
+        plan = split_at_host_nodes(model, is_host_node)
         # Many sessions run in turn. On pools of their own (no process-wide pool, runtime/ort_session.py),
         # a pool left spinning after its run starves the next session's (measured: SmolLM2 paged decode
         # 256 ms a token), so their threads spin within a run and stop at its end.
@@ -55,12 +54,16 @@ class Executor:
         self._steps = []
         for step in plan:
             if isinstance(step, HostNode):
-                self._steps.append(_HostStep(step.node, fast=backend == "onnxruntime"))
+                self._steps.append(_HostStep(step.node))
             else:
                 self._steps.append(_SegmentStep(step, weights, backend, threads, spinning, stop_spinning))
-        hosts = [step for step in self._steps if isinstance(step, _HostStep)]
-        self._paged = bool(hosts)
-        self._flash = bool(hosts and hosts[0].attributes.get("flash", 0))
+        self._fast = backend == "onnxruntime"
+        if self._fast and len(plan) > 1:
+            # imported here, not at the top: `python -m runtime.kernels.warmup` must find it not yet imported
+            from runtime.kernels.warmup import warm_up_in_background
+
+            # the numba kernels compile (or load from numba's cache) while the sessions are built
+            warm_up_in_background()
 
     @property
     def num_segments(self) -> int:
@@ -72,9 +75,8 @@ class Executor:
         """Outputs named `output_names` (default all) for `feeds`; a paged artifact needs `kv_cache`."""
         names = output_names or self.output_names
         values = dict(feeds)
-        context = _RunContext(kv_cache, names if len(self._steps) == 1 else None)
-        if self._paged:
-            context.batch = PagedBatch.of(*(feeds[name] for name, _, _ in METADATA_INPUTS), flash=self._flash)
+        host = HostRun(kv_cache, self._fast) if kv_cache is not None else None
+        context = _RunContext(host, names if len(self._steps) == 1 else None)
         for step in self._steps:
             values.update(step.run(values, context))
         return {name: values[name] for name in names}
@@ -84,9 +86,8 @@ class Executor:
 class _RunContext:
     """What the steps of one run share besides the values."""
 
-    kv_cache: PagePool | None
+    host: HostRun | None
     names: list[str] | None
-    batch: PagedBatch | None = None
 
 
 class _SegmentStep:
@@ -110,21 +111,17 @@ class _SegmentStep:
 
 
 class _HostStep:
-    def __init__(self, node: onnx.NodeProto, fast: bool):
-        self.inputs = list(node.input)
-        self.output = node.output[0]
-        self.attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        self.layer = self.attributes["layer"]
-        self.fast = fast
+    def __init__(self, node: onnx.NodeProto):
+        self.kernel = host_kernel(node)
+        self.inputs, self.outputs = list(node.input), list(node.output)
+        self.attributes = attributes(node)
 
     def run(self, values: dict, context: _RunContext) -> dict[str, np.ndarray]:
-        pool = context.kv_cache
-        if pool is None:
+        if context.host is None:
             raise ValueError("a paged artifact runs with a page pool: pass kv_cache (runtime.engine.kv_cache.PagePool)")
         inputs = [values[name] if name else None for name in self.inputs]
-        out = paged_fused_attention(inputs, pool.key[self.layer], pool.value[self.layer], fast=self.fast,
-                                    batch=context.batch, **self.attributes)
-        return {self.output: out}
+        outputs = self.kernel(*inputs, run=context.host, **self.attributes)
+        return dict(zip(self.outputs, outputs if isinstance(outputs, tuple) else (outputs,)))
 
 
 def _inline_sub_byte(model: onnx.ModelProto, weights: dict[str, np.ndarray]):

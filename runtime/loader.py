@@ -30,6 +30,17 @@ class LoadedModel:
     def output_names(self) -> list[str]:
         return [value["name"] for value in self.metadata["signature"]["outputs"]]
 
+    @property
+    def kv_cache(self) -> dict:
+        """The KV layout the artifact was compiled for: `{"layout": "contiguous"}` (past/present graph I/O)
+        or `{"layout": "paged", "page_size": P}` (the runtime's page pool, PagedAttention nodes)."""
+        return self.metadata.get("kv_cache", {"layout": "contiguous"})
+
+    @property
+    def paged(self) -> bool:
+        """Whether the artifact runs over a page pool the runtime owns."""
+        return self.kv_cache["layout"] == "paged"
+
 
 def load_artifact(path: str | os.PathLike, verify_weights: bool = True) -> LoadedModel:
     """Open and validate `path`; refuses truncated, corrupted, foreign or unrunnable files (AtcError)."""

@@ -13,32 +13,43 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from runtime.kernels import CUSTOM_DOMAIN
+from runtime.ops import (
+    ADD_RMS_NORM,
+    CUSTOM_DOMAIN,
+    FUSED_ATTENTION,
+    GATHER_INT4,
+    MATMUL_INT4,
+    MATMUL_INT8,
+    MOE,
+    RMS_NORM,
+    SWIGLU,
+    AddRmsNormOutput,
+    FusedAttentionInput,
+    FusedAttentionOutput,
+    GatherInt4Input,
+    MatMulQuantInput,
+    MoEInput,
+    attributes,
+)
 
 MICROSOFT_DOMAIN = "com.microsoft"
-
-
-def _attr(node: onnx.NodeProto, name: str, default):
-    for attribute in node.attribute:
-        if attribute.name == name:
-            return helper.get_attribute_value(attribute)
-    return default
 
 
 def _rms_norm(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
     # ORT registers SimplifiedLayerNormalization in the default domain; stash_type=1 computes in float32
     return [helper.make_node("SimplifiedLayerNormalization", list(node.input), list(node.output), name=node.name,
-                             axis=-1, epsilon=_attr(node, "epsilon", 1e-6), stash_type=1)]
+                             axis=-1, epsilon=attributes(node)["epsilon"], stash_type=1)]
 
 
 def _add_rms_norm(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
-    y, total = (list(node.output) + [""])[:2]
+    outputs = list(node.output) + [""] * (len(AddRmsNormOutput) - len(node.output))
+    y, total = outputs[AddRmsNormOutput.Y], outputs[AddRmsNormOutput.SUM]
     return [helper.make_node("SkipSimplifiedLayerNormalization", list(node.input), [y, "", "", total],
-                             name=node.name, domain=MICROSOFT_DOMAIN, epsilon=_attr(node, "epsilon", 1e-6))]
+                             name=node.name, domain=MICROSOFT_DOMAIN, epsilon=attributes(node)["epsilon"])]
 
 
 def _swiglu(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
-    x, y = node.input[0], node.output[0]
+    x, y = node.input[0], node.output[0]  # SwiGlu's one input and output
     gate, up, sig, silu = (f"{node.name}/{part}" for part in ("gate", "up", "sigmoid", "silu"))
     # equal halves: implicit before opset 18, spelled with num_outputs from 18 on
     halves = {"num_outputs": 2} if opset >= 18 else {}
@@ -88,11 +99,13 @@ def rotary_embedding(b: Builder, x: str, cos: str, sin: str, rotary_dim: int, he
 
 def _fused_attention(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
     """Standard ops only: heads split, rotary, KV concat, grouped scores, causal + padding mask, softmax."""
-    query, key, value, past_key, past_value, mask, cos, sin, bias = (list(node.input) + [""] * 9)[:9]
-    outputs = list(node.output) + [""] * 2
-    heads, kv_heads, dim = (_attr(node, n, 0) for n in ("num_heads", "kv_num_heads", "head_dim"))
-    scale, causal, rotary_dim = _attr(node, "scale", 1.0), _attr(node, "causal", 1), _attr(node, "rotary_dim", 0)
-    interleaved = _attr(node, "rotary_interleaved", 0)
+    padded = list(node.input) + [""] * (len(FusedAttentionInput) - len(node.input))
+    query, key, value, past_key, past_value, mask, cos, sin, bias = (padded[slot] for slot in FusedAttentionInput)
+    output, present_key, present_value = list(node.output) + [""] * (len(FusedAttentionOutput) - len(node.output))
+    attrs = attributes(node)
+    heads, kv_heads, dim = attrs["num_heads"], attrs["kv_num_heads"], attrs["head_dim"]
+    scale, causal, rotary_dim = attrs["scale"], attrs["causal"], attrs["rotary_dim"]
+    interleaved = attrs["rotary_interleaved"]
     b = Builder(node.name)
     if not key:
         query, key, value = b("Split", query, b.const([heads * dim, kv_heads * dim, kv_heads * dim]), outputs=3, axis=-1)
@@ -104,16 +117,16 @@ def _fused_attention(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
         q = rotary_embedding(b, q, cos, sin, rotary_dim or dim, dim, interleaved)
         k = rotary_embedding(b, k, cos, sin, rotary_dim or dim, dim, interleaved)
     if past_key:
-        k = b("Concat", past_key, k, axis=2, out=outputs[1] or None)
-        v = b("Concat", past_value, v, axis=2, out=outputs[2] or None)
+        k = b("Concat", past_key, k, axis=2, out=present_key or None)
+        v = b("Concat", past_value, v, axis=2, out=present_value or None)
     else:
-        k = b("Identity", k, out=outputs[1]) if outputs[1] else k
-        v = b("Identity", v, out=outputs[2]) if outputs[2] else v
+        k = b("Identity", k, out=present_key) if present_key else k
+        v = b("Identity", v, out=present_value) if present_value else v
     q5 = b("Reshape", q, b.const([0, kv_heads, heads // kv_heads, -1, dim]))
     k5, v5 = b("Unsqueeze", k, b.const([2])), b("Unsqueeze", v, b.const([2]))
     scores = b("Mul", b("MatMul", q5, b("Transpose", k5, perm=[0, 1, 2, 4, 3])), b.const(scale, np.float32))
     allowed = None
-    window = _attr(node, "sliding_window", 0)
+    window = attrs["sliding_window"]
     if causal or window:
         seq = b("Squeeze", b("Shape", q, start=2, end=3), b.const([0]))
         total = b("Squeeze", b("Shape", k, start=2, end=3), b.const([0]))
@@ -132,8 +145,8 @@ def _fused_attention(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
     if allowed:
         scores = b("Add", scores, b("Where", allowed, b.const(0.0, np.float32), minimum))
     if bias:
-        additive = b("Where", bias, b.const(0.0, np.float32), minimum) if _attr(node, "bias_is_bool", 0) else bias
-        if _attr(node, "bias_per_head", 0):
+        additive = b("Where", bias, b.const(0.0, np.float32), minimum) if attrs["bias_is_bool"] else bias
+        if attrs["bias_per_head"]:
             shape = b("Shape", additive)
             grouped = b("Concat", b("Slice", shape, b.const([0]), b.const([1])),
                         b.const([kv_heads, heads // kv_heads]), b("Slice", shape, b.const([2]), b.const([4])), axis=0)
@@ -143,20 +156,20 @@ def _fused_attention(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
         scores = b("Add", scores, additive)
     context = b("MatMul", b("Softmax", scores, axis=-1), v5)
     merged = b("Transpose", b("Reshape", context, b.const([0, heads, -1, dim])), perm=perm)
-    b("Reshape", merged, b.const([0, 0, heads * dim]), out=outputs[0])
+    b("Reshape", merged, b.const([0, 0, heads * dim]), out=output)
     return b.nodes
 
 
 def _matmul_int4(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
     # the same operands and attributes, by design: the artifact stores MatMulNBits' layout
     return [helper.make_node("MatMulNBits", list(node.input), list(node.output), name=node.name,
-                             domain=MICROSOFT_DOMAIN, **{a.name: helper.get_attribute_value(a) for a in node.attribute})]
+                             domain=MICROSOFT_DOMAIN, **attributes(node))]
 
 
 def _matmul_int8(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
     b = Builder(node.name)
-    weight = b("DequantizeLinear", *node.input[1:], axis=1)
-    b("MatMul", node.input[0], weight, out=node.output[0])
+    weight = b("DequantizeLinear", *node.input[MatMulQuantInput.B:], axis=1)
+    b("MatMul", node.input[MatMulQuantInput.A], weight, out=node.output[0])
     return b.nodes
 
 
@@ -164,10 +177,11 @@ def _gather_int4(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
     # GatherBlockQuantized reads uint8 data as [V, K·bits/8] with MatMulNBits' conventions (default zero point
     # 2^(bits-1)); the Reshape of the constant table is folded by onnxruntime when the session is built
     b = Builder(node.name)
-    table, indices, scales = node.input[:3]
+    table, indices, scales = (node.input[slot] for slot in GatherInt4Input)
+    attrs = attributes(node)
     flat = b("Reshape", table, b.const([0, -1]))
     b("GatherBlockQuantized", flat, indices, scales, out=node.output[0], domain=MICROSOFT_DOMAIN, gather_axis=0,
-      quantize_axis=1, block_size=_attr(node, "block_size", 128), bits=_attr(node, "bits", 4))
+      quantize_axis=1, block_size=attrs["block_size"], bits=attrs["bits"])
     return b.nodes
 
 
@@ -175,22 +189,23 @@ def _moe(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
     # the artifact stores gate_up interleaved, the only SwiGLU layout onnxruntime's CPU MoE takes
     # (swiglu_fusion=1), so the kernel reads the mapped weights as they are; it routes as Qwen does: softmax
     # over all experts, top k, optional renormalisation
-    x, logits, gate_up, down = node.input[:4]
+    x, logits, gate_up, down = (node.input[slot] for slot in MoEInput)
+    attrs = attributes(node)
     return [helper.make_node("MoE", [x, logits, gate_up, "", down], list(node.output), name=node.name,
-                             domain=MICROSOFT_DOMAIN, k=_attr(node, "top_k", 1), activation_type="swiglu",
+                             domain=MICROSOFT_DOMAIN, k=attrs["top_k"], activation_type="swiglu",
                              swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
-                             normalize_routing_weights=_attr(node, "normalize_routing_weights", 0))]
+                             normalize_routing_weights=attrs["normalize_routing_weights"])]
 
 
 LOWERINGS: dict[str, Callable[[onnx.NodeProto, int], list[onnx.NodeProto]]] = {
-    "RmsNorm": _rms_norm,
-    "AddRmsNorm": _add_rms_norm,
-    "SwiGlu": _swiglu,
-    "FusedAttention": _fused_attention,
-    "MatMulInt4": _matmul_int4,
-    "MatMulInt8": _matmul_int8,
-    "GatherInt4": _gather_int4,
-    "MoE": _moe,
+    RMS_NORM.name: _rms_norm,
+    ADD_RMS_NORM.name: _add_rms_norm,
+    SWIGLU.name: _swiglu,
+    FUSED_ATTENTION.name: _fused_attention,
+    MATMUL_INT4.name: _matmul_int4,
+    MATMUL_INT8.name: _matmul_int8,
+    GATHER_INT4.name: _gather_int4,
+    MOE.name: _moe,
 }
 
 

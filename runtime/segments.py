@@ -1,11 +1,12 @@
 """Cut a graph into segments at its host nodes (../shared/DESIGN.md "The runtime").
 
-A host node is one the runtime executes itself between onnxruntime sessions (the paged FusedAttention,
-which reads and writes the runtime's page pool). The plan is segment 0, host 0, segment 1, ..., host
-n-1, segment n; segment k can only hold nodes whose inputs exist once host nodes 0..k-1 have run. Within
-that, a node goes to the latest segment that still feeds its readers in time: work that depends on
-weights alone (the transposed embedding a tied lm_head reads) then lands beside its reader, where
-onnxruntime folds it once, instead of being recomputed and handed across segments every step.
+A host node is one the runtime executes itself between onnxruntime sessions (a host kernel of the
+registry in runtime/kernels: PagedAttention, which reads and writes the runtime's page pool). The plan
+is segment 0, host 0, segment 1, ..., host n-1, segment n; segment k can only hold nodes whose inputs
+exist once host nodes 0..k-1 have run. Within that, a node goes to the latest segment that still feeds
+its readers in time: work that depends on weights alone (the transposed embedding a tied lm_head reads)
+then lands beside its reader, where onnxruntime folds it once, instead of being recomputed and handed
+across segments every step.
 A graph without host nodes is one segment.
 """
 

@@ -153,7 +153,7 @@ def smollm2_ts_paged_om(smollm2_ts_path, tmp_path_factory):
 def test_cann_run_exports_compile_paged_with_every_layer_fused(request, om):
     """Both exporters' `cann-run export` of SmolLM2 (smollm2_path is one: models.prepare runs its code)."""
     ops = [node.op_type for node in load_artifact(request.getfixturevalue(om)).model.graph.node]
-    assert ops.count("FusedAttention") == 30 and ops.count("RmsNorm") + ops.count("AddRmsNorm") == 61
+    assert ops.count("PagedAttention") == 30 and ops.count("RmsNorm") + ops.count("AddRmsNorm") == 61
     assert "Softmax" not in ops
 
 

@@ -14,6 +14,7 @@ from runtime.engine.scheduler import ScheduledBatch
 from runtime.engine.sequence import Sequence
 from runtime.executor import Executor
 from runtime.feeds import causal_lm_inputs
+from runtime.ops import paged_metadata_feeds
 
 
 class PagedRunner:
@@ -41,8 +42,7 @@ class PagedRunner:
             wanted.append(np.arange(end - 1 - len(seq.draft), end))
         starts = np.concatenate([[0], np.cumsum(batch.num_tokens)]).astype(np.int32)
         return {"input_ids": np.concatenate(ids)[None], "position_ids": np.concatenate(positions)[None].astype(np.int64),
-                "query_start_loc": starts, "seq_lens": np.asarray(lengths, np.int32), "block_tables": tables,
-                "slot_mapping": np.concatenate(slots).astype(np.int64),
+                **paged_metadata_feeds(starts, lengths, tables, np.concatenate(slots)),
                 "logits_indices": np.concatenate(wanted).astype(np.int64)}
 
     def run(self, batch: ScheduledBatch) -> np.ndarray:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.kernels import register_kernel
+from runtime.ops import FUSED_ATTENTION
 
 
 def _heads(x: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
@@ -63,11 +64,11 @@ def explicit_bias(bias: np.ndarray, kv_num_heads: int, group: int, dtype=np.floa
     return bias.reshape(bias.shape[0], kv_num_heads, group, *bias.shape[2:])
 
 
-@register_kernel("FusedAttention")
+@register_kernel(FUSED_ATTENTION)
 def FusedAttention(query, key=None, value=None, past_key=None, past_value=None, attention_mask=None,
                    cos=None, sin=None, attention_bias=None, *, num_heads: int, kv_num_heads: int, head_dim: int,
-                   scale: float, causal: int = 1, rotary_dim: int = 0, rotary_interleaved: int = 0,
-                   bias_per_head: int = 0, bias_is_bool: int = 0, sliding_window: int = 0):
+                   scale: float, causal: int, rotary_dim: int, rotary_interleaved: int, bias_per_head: int,
+                   bias_is_bool: int, sliding_window: int):
     """softmax(rope(q) · rope(k)ᵀ · scale + mask [+ bias]) · v over all heads; returns (output, present_key,
     present_value).
 

@@ -47,7 +47,7 @@ def fast_exp(x):
     return p * _float32_from_bits(np.int32(n + np.float32(127.0)) << 23)
 
 
-@numba.njit(fastmath=True)
+@numba.njit(fastmath=True, cache=True)
 def fast_exp_array(x: np.ndarray, out: np.ndarray) -> None:
     """`fast_exp` over a 1-D array (what the tests hold against np.exp)."""
     for i in range(x.shape[0]):

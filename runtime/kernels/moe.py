@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.kernels import register_kernel
+from runtime.ops import MOE
 
 
 def route(router_logits: np.ndarray, top_k: int, normalize: int) -> tuple[np.ndarray, np.ndarray]:
@@ -31,9 +32,9 @@ def swiglu_expert(x: np.ndarray, gate_up: np.ndarray, down: np.ndarray) -> np.nd
     return (gate / (np.float32(1.0) + np.exp(-gate)) * up) @ down.T
 
 
-@register_kernel("MoE")
+@register_kernel(MOE)
 def MoE(x: np.ndarray, router_logits: np.ndarray, gate_up: np.ndarray, down: np.ndarray, *,
-        num_experts: int, top_k: int, normalize_routing_weights: int = 0) -> np.ndarray:
+        num_experts: int, top_k: int, normalize_routing_weights: int) -> np.ndarray:
     """Σ over each token's k routed experts of weight · SwiGLU expert(token)."""
     hidden = x.shape[-1]
     tokens = x.reshape(-1, hidden).astype(np.float32)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.kernels import register_kernel
+from runtime.ops import ADD_RMS_NORM, RMS_NORM, SWIGLU
 
 
 def _rms_normalize(x: np.ndarray, epsilon: float) -> np.ndarray:
@@ -17,21 +18,21 @@ def _rms_normalize(x: np.ndarray, epsilon: float) -> np.ndarray:
     return x32 * inverse_rms
 
 
-@register_kernel("RmsNorm")
-def RmsNorm(x: np.ndarray, weight: np.ndarray, *, epsilon: float = 1e-6) -> np.ndarray:
+@register_kernel(RMS_NORM)
+def RmsNorm(x: np.ndarray, weight: np.ndarray, *, epsilon: float) -> np.ndarray:
     """y = x / sqrt(mean(x², last axis) + epsilon) · weight."""
     return (_rms_normalize(x, epsilon).astype(x.dtype) * weight).astype(x.dtype)
 
 
-@register_kernel("AddRmsNorm")
+@register_kernel(ADD_RMS_NORM)
 def AddRmsNorm(x1: np.ndarray, x2: np.ndarray, weight: np.ndarray, *,
-               epsilon: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
+               epsilon: float) -> tuple[np.ndarray, np.ndarray]:
     """(RmsNorm(x1 + x2), x1 + x2): the residual sum is an output, for the next residual add."""
     total = x1 + x2
     return RmsNorm(total, weight, epsilon=epsilon), total
 
 
-@register_kernel("SwiGlu")
+@register_kernel(SWIGLU)
 def SwiGlu(x: np.ndarray) -> np.ndarray:
     """Last axis split in halves [gate, up]: SiLU(gate) · up."""
     gate, up = np.split(x, 2, axis=-1)

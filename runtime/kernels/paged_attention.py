@@ -1,4 +1,4 @@
-"""cann::FusedAttention in paged mode (`paged=1`): the host kernels over the runtime's page pool.
+"""cann::PagedAttention: the host kernels over the runtime's page pool (runtime/ops.py is its contract).
 
 Each layer's cache is a pair of arrays `[num_pages, kv_heads, page_size, head_dim]`, so one head's page is
 a contiguous `[page_size, head_dim]` tile. A step's tokens come flattened (`[1, T, ·]`), sequence b
@@ -32,26 +32,16 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
+from runtime.kernels import HostRun, register_kernel  # noqa: E402
 from runtime.kernels.attention import apply_rotary  # noqa: E402
 from runtime.kernels.fast_math import fast_exp  # noqa: E402
 from runtime.kernels.flash_prefill import flash_prefill  # noqa: E402
 from runtime.kernels.prefetch import prefetch  # noqa: E402
+from runtime.ops import PAGED_ATTENTION  # noqa: E402
 
-# name, dtype, shape of the attention metadata a paged FusedAttention reads as inputs 9-12
-METADATA_INPUTS = (
-    ("query_start_loc", np.int32, ["num_seqs_plus_1"]),
-    ("seq_lens", np.int32, ["num_seqs"]),
-    ("block_tables", np.int32, ["num_seqs", "max_blocks"]),
-    ("slot_mapping", np.int64, ["num_tokens"]),
-)
 PARALLEL_WORK = 2048  # query·key pairs in a layer's call from which numba's threads pay for their wake-up
 PARALLEL_ROTATE_TOKENS = 64  # the same for rotating and storing a step's tokens
 FLASH_MIN_QUERIES = 64  # prompt chunks at least this long attend through flash_prefill
-
-
-def is_paged_attention(node) -> bool:
-    """Whether an ONNX node is a paged FusedAttention (a host node of the executor)."""
-    return node.op_type == "FusedAttention" and any(a.name == "paged" and a.i == 1 for a in node.attribute)
 
 
 # ---- rotary embedding and the cache write ----------------------------------------------------------
@@ -415,25 +405,28 @@ class PagedBatch:
 
 # ---- the node --------------------------------------------------------------------------------------
 
-def paged_fused_attention(inputs: list, key_cache: np.ndarray, value_cache: np.ndarray, *, num_heads: int,
-                          kv_num_heads: int, head_dim: int, scale: float, rotary_interleaved: int = 0, flash: int = 0,
-                          sliding_window: int = 0, fast: bool = True, batch: PagedBatch | None = None,
-                          **_attributes) -> np.ndarray:
-    """One paged FusedAttention node: rotate, store the new keys and values, attend; returns `[1, T, Hq·D]`.
+@register_kernel(PAGED_ATTENTION, host=True)
+def PagedAttention(query, key, value, cos, sin, query_start_loc, seq_lens, block_tables, slot_mapping, *,
+                   num_heads: int, kv_num_heads: int, head_dim: int, scale: float, rotary_interleaved: int,
+                   sliding_window: int, layer: int, page_size: int, flash: int, run: HostRun) -> np.ndarray:
+    """Rotate, store the new keys and values in layer `layer` of `run.kv_cache`, attend; returns `[1, T, Hq·D]`.
 
-    `inputs` are the node's 13 inputs (None where absent); the other attributes (`causal`, `rotary_dim`,
-    `layer`, `page_size`, ...) are facts the pool and the graph already hold; `flash` sends long prompt
-    chunks through `flash_prefill` (never set with a `sliding_window`: flash_prefill attends causally only). `batch` is inputs 9-12 prepared (`PagedBatch.of`), shared by a step's
-    layers. `fast=False` runs the numpy references.
+    `flash` sends long prompt chunks through `flash_prefill` (never set with a `sliding_window`:
+    flash_prefill attends causally only). The metadata is prepared once per run (`PagedBatch.of`) for all
+    the layers; `run.fast=False` runs the numpy references. `page_size` is the pool's, restated.
     """
-    query, key, value, cos, sin = inputs[0], inputs[1], inputs[2], inputs[6], inputs[7]
+    del page_size
+    key_cache, value_cache = run.kv_cache.key[layer], run.kv_cache.value[layer]
+    memo = ("PagedBatch", bool(flash))
+    batch = run.shared.get(memo)
     if batch is None:
-        batch = PagedBatch.of(*inputs[9:13], flash=bool(flash))
-    if fast and batch.decode:
+        batch = run.shared[memo] = PagedBatch.of(query_start_loc, seq_lens, block_tables, slot_mapping,
+                                                 flash=bool(flash))
+    if run.fast and batch.decode:
         return _decode(query, key, value, cos, sin, batch, key_cache, value_cache, num_heads, kv_num_heads, head_dim,
                        scale, rotary_interleaved, sliding_window)
     heads = dict(num_heads=num_heads, kv_num_heads=kv_num_heads, head_dim=head_dim, rotary_interleaved=rotary_interleaved)
-    if fast:
+    if run.fast:
         q = rotate_and_store(query, key, value, cos, sin, batch.slot_mapping, key_cache, value_cache, **heads)
         out = _fast_attention(batch, q, key_cache, value_cache, scale, sliding_window)
     else:

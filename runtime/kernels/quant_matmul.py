@@ -6,11 +6,12 @@ import numpy as np
 
 from runtime.kernels import register_kernel
 from runtime.kernels.matmul_nbits_layout import dequantize_matmul_nbits, int8_blocks
+from runtime.ops import GATHER_INT4, MATMUL_INT4, MATMUL_INT8
 
 
-@register_kernel("MatMulInt4")
+@register_kernel(MATMUL_INT4)
 def MatMulInt4(a: np.ndarray, b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None = None, *,
-               K: int, N: int, block_size: int, bits: int = 4, accuracy_level: int = 0) -> np.ndarray:
+               K: int, N: int, block_size: int, bits: int, accuracy_level: int) -> np.ndarray:
     """a · W with W [K, N] stored in MatMulNBits' layout (b uint8 [N, n_blocks, block_size·bits/8]); with
     accuracy_level 4, `a` is first rounded to int8 per block of K, as onnxruntime's kernel does."""
     del N, bits  # implied by the operands
@@ -19,7 +20,7 @@ def MatMulInt4(a: np.ndarray, b: np.ndarray, scales: np.ndarray, zero_points: np
     return np.matmul(activations, weight).astype(a.dtype)
 
 
-@register_kernel("MatMulInt8")
+@register_kernel(MATMUL_INT8)
 def MatMulInt8(a: np.ndarray, b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None = None) -> np.ndarray:
     """a · ((b - zero_points) · scales) with b int8/uint8 [K, N] and per-output-channel scales [N]."""
     weight = b.astype(np.float32)
@@ -28,9 +29,9 @@ def MatMulInt8(a: np.ndarray, b: np.ndarray, scales: np.ndarray, zero_points: np
     return np.matmul(a.astype(np.float32), weight * scales.astype(np.float32)).astype(a.dtype)
 
 
-@register_kernel("GatherInt4")
+@register_kernel(GATHER_INT4)
 def GatherInt4(table: np.ndarray, indices: np.ndarray, scales: np.ndarray, *, K: int, block_size: int,
-               bits: int = 4) -> np.ndarray:
+               bits: int) -> np.ndarray:
     """Rows `indices` of a [V, K] table stored as MatMulNBits' B (uint8 [V, n_blocks, block_size·bits/8],
     symmetric): the embedding lookup that shares its bytes with a tied lm_head's MatMulInt4."""
     del bits  # implied by the table's bytes per block

@@ -17,6 +17,7 @@ from runtime import Executor, load_artifact
 from runtime.engine.kv_cache import PagePool
 from runtime.errors import AtcError
 from runtime.feeds import causal_lm_inputs
+from runtime.ops import FUSED_ATTENTION, PAGED_ATTENTION, PAGED_METADATA, PagedAttentionInput
 
 # sdpa exports (what users have); eager ones generate through the paged engine in test_engine_greedy
 PAGED_EXPORTS = [case for case in EXPORTS if RECIPES[case[0]].attention and case[3] == "sdpa"]
@@ -39,10 +40,17 @@ def test_the_cache_leaves_the_graph_and_metadata_comes_in(tmp_path):
     assert loaded.input_names == ["input_ids", "position_ids", "query_start_loc", "seq_lens", "block_tables",
                                   "slot_mapping", "logits_indices"]
     assert loaded.output_names == ["logits"]
-    attentions = [n for n in loaded.model.graph.node if n.op_type == "FusedAttention"]
+    ops = [n.op_type for n in loaded.model.graph.node]
+    assert FUSED_ATTENTION.name not in ops
+    attentions = [n for n in loaded.model.graph.node if n.op_type == PAGED_ATTENTION.name]
     layers = sorted(next(a.i for a in n.attribute if a.name == "layer") for n in attentions)
-    assert layers == [0, 1] and all(len(n.input) == 13 and len(n.output) == 1 for n in attentions)
-    assert loaded.metadata["kv_cache"] == {"layout": "paged", "page_size": PAGE}
+    assert layers == [0, 1] and all(len(n.input) == len(PagedAttentionInput) and len(n.output) == 1 for n in attentions)
+    metadata = [n.input[m.slot] for n in attentions for m in PAGED_METADATA]
+    assert metadata == [m.name for m in PAGED_METADATA] * 2
+    assert {a.name for a in attentions[0].attribute} == {"num_heads", "kv_num_heads", "head_dim", "scale",
+                                                         "rotary_interleaved", "sliding_window", "layer", "page_size",
+                                                         "flash"}
+    assert loaded.metadata["kv_cache"] == {"layout": "paged", "page_size": PAGE} and loaded.paged
     assert Executor(loaded).num_segments == len(attentions) + 1
 
 
@@ -117,7 +125,7 @@ def test_flash_attention_is_recorded_on_paged_nodes_and_ignored_with_a_warning_o
     source = tiny_onnx("llama", dynamo=True, with_past=True)
     loaded = load_artifact(compile_to(source, tmp_path / "f", enable_paged_attention=True, enable_flash_attention=True))
     flags = [next(a.i for a in n.attribute if a.name == "flash") for n in loaded.model.graph.node
-             if n.op_type == "FusedAttention"]
+             if n.op_type == PAGED_ATTENTION.name]
     assert flags == [1, 1]
     cfg = CompileConfig(model="m.onnx", framework=5, output="o", soc_version="Ascend910B", enable_flash_attention=True)
     assert any(w.startswith("W10002") for w in cfg.warnings)

@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from runtime.kernels import HostRun, host_kernel, is_host_node
 from runtime.kernels.paged_attention import (
     PARALLEL_ROTATE_TOKENS,
     PARALLEL_WORK,
+    PagedAttention,
     PagedBatch,
     paged_attention,
     paged_attention_reference,
-    paged_fused_attention,
     rotate_and_store,
     rotate_and_store_reference,
 )
+from runtime.ops import PAGED_ATTENTION, PAGED_METADATA, PagedAttentionInput
 
 PAGE = 16
 HEADS, KV_HEADS, DIM = 8, 2, 32
@@ -46,6 +49,20 @@ def _scattered_tables(lengths: list[int], pages: int, seed: int = 0) -> np.ndarr
 # (new tokens, context length incl. them) per sequence: decodes deep in the cache, a prefill from zero,
 # a chunk continuing a cached prompt, a chunk ending exactly on a page boundary
 MIXES = [[(1, 300), (1, 17), (1, 1)], [(70, 70), (1, 129), (5, 130)], [(33, 64), (2, 2), (96, 200)]]
+
+
+def _node(inputs, key_cache, value_cache, fast: bool = True, **attrs):
+    """The PagedAttention kernel on one layer's pages (written in place), its attributes' defaults filled."""
+    pool = SimpleNamespace(key=key_cache[None], value=value_cache[None])
+    return PagedAttention(*inputs, run=HostRun(pool, fast), layer=0, page_size=key_cache.shape[2], **attrs)
+
+
+def test_paged_attention_is_a_host_kernel_of_the_registry():
+    from onnx import helper
+
+    node = helper.make_node(PAGED_ATTENTION.name, [m.name for m in PAGED_METADATA], ["y"], domain="cann")
+    assert is_host_node(node) and host_kernel(node).__wrapped__ is PagedAttention.__wrapped__
+    assert [m.slot for m in PAGED_METADATA] == list(PagedAttentionInput)[-len(PAGED_METADATA):]
 
 
 def _batch(mix):
@@ -124,11 +141,11 @@ def test_node_kernel_fast_and_reference_agree_and_write_the_same_pages(flash):
     slots = np.concatenate([tables[0, np.arange(70) // PAGE] * PAGE + np.arange(70) % PAGE,
                             [tables[1, 44 // PAGE] * PAGE + 44 % PAGE]]).astype(np.int64)
     qkv = rng.standard_normal((1, 71, (HEADS + 2 * KV_HEADS) * DIM)).astype(np.float32)
-    inputs = [qkv, None, None, None, None, None, None, None, None, starts, np.asarray(lengths, np.int32), tables, slots]
+    inputs = [qkv, None, None, None, None, starts, np.asarray(lengths, np.int32), tables, slots]
     attrs = dict(num_heads=HEADS, kv_num_heads=KV_HEADS, head_dim=DIM, scale=0.2, flash=flash)
     fast_pool, ref_pool = _pool(16), _pool(16)
-    fast = paged_fused_attention(inputs, *fast_pool, fast=True, **attrs)
-    ref = paged_fused_attention(inputs, *ref_pool, fast=False, **attrs)
+    fast = _node(inputs, *fast_pool, fast=True, **attrs)
+    ref = _node(inputs, *ref_pool, fast=False, **attrs)
     assert fast.shape == (1, 71, HEADS * DIM)
     np.testing.assert_allclose(fast, ref, atol=2e-5, rtol=0)
     np.testing.assert_array_equal(fast_pool[0], ref_pool[0])
@@ -148,14 +165,14 @@ def test_a_decode_step_in_one_call_equals_the_reference(interleaved, packed, len
     qkv = rng.standard_normal((1, len(lengths), (HEADS + 2 * KV_HEADS) * DIM)).astype(np.float32)
     qkv_inputs = [qkv, None, None] if packed else np.split(qkv, [HEADS * DIM, (HEADS + KV_HEADS) * DIM], axis=-1)
     angles = rng.uniform(0, 6.3, (1, len(lengths), DIM)).astype(np.float32)
-    inputs = [*qkv_inputs, None, None, None, np.cos(angles), np.sin(angles), None,
-              np.arange(len(lengths) + 1, dtype=np.int32), np.asarray(lengths, np.int32), tables, slots]
+    metadata = [np.arange(len(lengths) + 1, dtype=np.int32), np.asarray(lengths, np.int32), tables, slots]
+    inputs = [*qkv_inputs, np.cos(angles), np.sin(angles), *metadata]
     attrs = dict(num_heads=HEADS, kv_num_heads=KV_HEADS, head_dim=DIM, scale=0.2, rotary_interleaved=interleaved)
-    batch = PagedBatch.of(*inputs[9:13])
+    batch = PagedBatch.of(*metadata)
     assert batch.decode and batch.parallel == (sum(lengths) >= PARALLEL_WORK)
     fast_pool, ref_pool = _pool(256), _pool(256)
-    fast = paged_fused_attention(inputs, *fast_pool, fast=True, **attrs)
-    ref = paged_fused_attention(inputs, *ref_pool, fast=False, **attrs)
+    fast = _node(inputs, *fast_pool, fast=True, **attrs)
+    ref = _node(inputs, *ref_pool, fast=False, **attrs)
     np.testing.assert_allclose(fast, ref, atol=2e-5, rtol=0)
     for fast_cache, ref_cache in zip(fast_pool, ref_pool):
         np.testing.assert_allclose(fast_cache, ref_cache, atol=1e-6, rtol=0)
@@ -222,7 +239,7 @@ def test_a_sliding_window_hides_the_same_keys_in_every_kernel(window, mix):
         k_new = np.stack([key_cache[tables[b, (n - 1) // PAGE], :, (n - 1) % PAGE] for b, n in enumerate(lengths)])
         v_new = np.stack([value_cache[tables[b, (n - 1) // PAGE], :, (n - 1) % PAGE] for b, n in enumerate(lengths)])
         inputs = [q.reshape(1, len(mix), -1), k_new.reshape(1, len(mix), -1), v_new.reshape(1, len(mix), -1), None,
-                  None, None, None, None, None, starts, np.asarray(lengths, np.int32), tables, slots]
-        got = paged_fused_attention(inputs, key_cache.copy(), value_cache.copy(), num_heads=HEADS,
-                                    kv_num_heads=KV_HEADS, head_dim=DIM, scale=0.17, sliding_window=window)
+                  None, starts, np.asarray(lengths, np.int32), tables, slots]
+        got = _node(inputs, key_cache.copy(), value_cache.copy(), num_heads=HEADS, kv_num_heads=KV_HEADS, head_dim=DIM,
+                    scale=0.17, sliding_window=window)
         np.testing.assert_allclose(got.reshape(q.shape), expected, atol=2e-5, rtol=0)

@@ -16,13 +16,14 @@ from generation_utils import hf_greedy, mixed_prompts
 
 from cann_llm import LLMEngine
 from runtime import load_artifact
+from runtime.ops import ATTENTION_OPS
 
 WINDOW = {"sliding_window": 8}
 NEW_TOKENS = 32
 
 
 def _windows(om) -> list[int]:
-    nodes = [n for n in load_artifact(om).model.graph.node if n.op_type == "FusedAttention"]
+    nodes = [n for n in load_artifact(om).model.graph.node if n.op_type in ATTENTION_OPS]
     return [next((onnx.helper.get_attribute_value(a) for a in n.attribute if a.name == "sliding_window"), 0)
             for n in nodes]
 
