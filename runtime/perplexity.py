@@ -12,6 +12,7 @@ import numpy as np
 from runtime.engine.kv_cache import PagePool
 from runtime.executor import Executor
 from runtime.feeds import causal_lm_inputs
+from runtime.ops import paged_metadata_feeds
 from runtime.progress import Progress
 
 
@@ -33,17 +34,15 @@ def _token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 def _window_logits(executor: Executor, signature: dict, dims: dict, ids: list[int]) -> np.ndarray:
     """`[len(ids), vocab]`: every position's logits, from a contiguous artifact or from a paged one (a
     pool just big enough for the window, every row's logits asked for)."""
-    kv = executor.loaded.metadata.get("kv_cache", {"layout": "contiguous"})
-    if kv["layout"] != "paged":
+    if not executor.loaded.paged:
         chunk = np.asarray([ids], dtype=np.int64)
         return executor.run(causal_lm_inputs(signature, dims, chunk), ["logits"])["logits"][0]
-    count, page_size = len(ids), kv["page_size"]
+    count, page_size = len(ids), executor.loaded.kv_cache["page_size"]
     pages = -(-count // page_size)
     pool = PagePool(dims["num_layers"], pages, page_size, dims["num_kv_heads"], dims["head_dim"])
     rows = np.arange(count, dtype=np.int64)
     feeds = {"input_ids": np.asarray([ids], np.int64), "position_ids": rows[None],
-             "query_start_loc": np.array([0, count], np.int32), "seq_lens": np.array([count], np.int32),
-             "block_tables": np.arange(pages, dtype=np.int32)[None], "slot_mapping": rows, "logits_indices": rows}
+             **paged_metadata_feeds([0, count], [count], np.arange(pages)[None], rows), "logits_indices": rows}
     return executor.run(feeds, ["logits"], kv_cache=pool)["logits"]
 
 

@@ -152,10 +152,9 @@ class LLMEngine:
         if config.process_thread_pool and backend == "onnxruntime":
             enable_process_thread_pool(threads)
         executor = Executor(self.loaded, backend, threads)
-        kv = metadata.get("kv_cache", {"layout": "contiguous"})
-        self.paged = kv["layout"] == "paged"
+        self.paged = self.loaded.paged
         if self.paged:
-            self.page_size = kv["page_size"]
+            self.page_size = self.loaded.kv_cache["page_size"]
             pool = PagePool(self.dims["num_layers"], kv_cache_pages, self.page_size, self.dims["num_kv_heads"],
                             self.dims["head_dim"])
             self.runner = PagedRunner(executor, pool)
