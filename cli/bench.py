@@ -33,6 +33,8 @@ from models.data_files import EVAL_TEXT
 from runtime.ort_session import session_options
 from runtime.progress import Progress, progress
 
+DECODE_PROMPT_TOKENS = 128  # the prompt of each batch-1 decode measurement
+
 
 def _percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
@@ -270,8 +272,9 @@ def bench_command(onnx_path, text_file, num_requests, concurrency, prompt_length
     """Measure batch-1 latency, serving throughput and KV memory; print a table and write JSON."""
     levels = _ints(concurrency)
     engine_kwargs["max_batch_size"] = max([engine_kwargs["max_batch_size"], *levels])
-    # a prompt of N tokens needs room for N + 1
-    engine_kwargs["max_context_len"] = max([engine_kwargs["max_context_len"], *(n + 1 for n in _ints(long_prefill))])
+    # a prompt of N tokens needs room for N + 1: every prompt the bench sends must fit
+    prompts = [prefill_tokens, DECODE_PROMPT_TOKENS, max(_ints(prompt_lengths)), *_ints(long_prefill)]
+    engine_kwargs["max_context_len"] = max([engine_kwargs["max_context_len"], *(n + 1 for n in prompts)])
     rng = np.random.default_rng(seed)
     with open_engine(**engine_kwargs) as engine:
         ids = engine._require_tokenizer().encode(Path(text_file).read_text(encoding="utf-8"))
@@ -281,7 +284,7 @@ def bench_command(onnx_path, text_file, num_requests, concurrency, prompt_length
         if ort_loop is not None:
             ort_loop.generate(ids[:prefill_tokens], 4)
         batch1 = _batch1(engine, ort_loop, _windows(ids, [prefill_tokens] * repeats, rng),
-                         _windows(ids, [128] * repeats, rng), decode_tokens)
+                         _windows(ids, [DECODE_PROMPT_TOKENS] * repeats, rng), decode_tokens)
         low, high = _ints(prompt_lengths)
         out_low, out_high = _ints(output_lengths)
         requests = list(zip(_windows(ids, rng.integers(low, high + 1, num_requests).tolist(), rng),
