@@ -6,6 +6,7 @@ import os
 
 import click
 
+from cli.common_options import shows_progress
 from cli.llm_commands import engine_options_without_model
 from runtime.errors import AtcError
 
@@ -45,6 +46,7 @@ def _models(values: tuple[str, ...]) -> dict[str, str]:
 def serve_command(model_specs, host, port, api_keys, quota_tokens, audit_log, blocklist, max_pending, request_timeout,
                   shutdown_grace, stats_interval, **engine_kwargs) -> None:
     """Serve /generate, OpenAI's /v1/completions and /v1/chat/completions, /health and /metrics."""
+    from runtime.engine.config import EngineConfig
     from runtime.serving.guard import Guard
     from runtime.serving.lifecycle import serve
     from runtime.serving.server import Server, ServerSettings
@@ -53,5 +55,11 @@ def serve_command(model_specs, host, port, api_keys, quota_tokens, audit_log, bl
     guard = Guard(keys, quota_tokens, audit_log, blocklist)
     settings = ServerSettings(max_pending=max_pending, request_timeout_s=request_timeout, shutdown_grace_s=shutdown_grace)
     # the server owns its process: the engines' sessions may share onnxruntime's process-wide pool
-    server = Server(_models(model_specs), settings, guard, process_thread_pool=True, **engine_kwargs)
-    serve(server, host, port, stats_interval, lambda line: click.echo(line, err=True))
+    server = Server(_models(model_specs), EngineConfig(**engine_kwargs, process_thread_pool=True), settings, guard)
+    serve(server, host, port, stats_interval, _say)
+
+
+def _say(line: str) -> None:
+    """A line on stderr, unless `--log-level error` asked for errors only."""
+    if shows_progress():
+        click.echo(line, err=True)

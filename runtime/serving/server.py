@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, NoReturn
 
+from runtime.engine.config import EngineConfig
 from runtime.engine.engine import LLMEngine, Request
 from runtime.serving.guard import Guard
 from runtime.serving.metrics import ServerMetrics
@@ -77,12 +78,12 @@ class Generation:
 
 
 class Server:
-    """`Server({"name": "model.om"}, settings, guard, **engine_kwargs)`: `load()`, then `start` requests and
-    `complete` or `stream` them; `drain` at the end."""
+    """`Server({"name": "model.om"}, EngineConfig(...), settings, guard)`: `load()`, then `start` requests
+    and `complete` or `stream` them; `drain` at the end."""
 
-    def __init__(self, model_paths: dict[str, str], settings: ServerSettings | None = None,
-                 guard: Guard | None = None, **engine_kwargs):
-        self.model_paths, self.engine_kwargs = model_paths, engine_kwargs
+    def __init__(self, model_paths: dict[str, str], engine_config: EngineConfig | None = None,
+                 settings: ServerSettings | None = None, guard: Guard | None = None):
+        self.model_paths, self.engine_config = model_paths, engine_config or EngineConfig()
         self.settings = settings or ServerSettings()
         self.guard = guard or Guard()
         self.engines: dict[str, LLMEngine] = {}
@@ -111,7 +112,7 @@ class Server:
                 path = self.model_paths[names[0]]
                 if on_loading is not None:
                     on_loading(names, path)
-                engine = LLMEngine(path, **self.engine_kwargs)
+                engine = LLMEngine(path, self.engine_config)
                 self.engines.update(dict.fromkeys(names, engine))
             self.metrics = ServerMetrics(self.engines)
         except Exception as error:  # reported by /health; the process stays up to say so

@@ -9,6 +9,7 @@ import json
 import pytest
 from served_model import om  # noqa: F401 (a fixture)
 
+from runtime.engine.config import EngineConfig
 from runtime.serving.guard import Guard
 from runtime.serving.server import Refusal, Server, ServerSettings
 from runtime.serving.stats_line import StatsLines
@@ -21,8 +22,8 @@ LONG_PROMPT = "x" * 1000
 
 def _server(om, tmp_path=None, settings=None, **guard) -> Server:
     audit = str(tmp_path / "audit.jsonl") if tmp_path else None
-    server = Server({"tiny": str(om)}, settings or ServerSettings(), Guard(audit_log=audit, **guard),
-                    kv_cache_pages=64, max_context_len=4096, max_num_batched_tokens=1)
+    engine = EngineConfig(kv_cache_pages=64, max_context_len=4096, max_num_batched_tokens=1)
+    server = Server({"tiny": str(om)}, engine, settings or ServerSettings(), Guard(audit_log=audit, **guard))
     server.load()
     assert server.status() == "ok", server.error
     return server
