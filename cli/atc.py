@@ -17,6 +17,7 @@ from pathlib import Path
 
 import click
 
+from cli.common_options import LOG_LEVELS
 from compiler.config import CompileConfig
 from runtime.artifact import OmFile
 from runtime.errors import AtcError
@@ -67,8 +68,7 @@ FLAGS: list[tuple[str, str, str]] = [
 ]
 # other spellings of a flag, beside its dashed form
 _ALIASES = {"log": ("log_level",)}
-_LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR,
-               "null": logging.CRITICAL + 1}
+_LOG_LEVELS = {**LOG_LEVELS, "null": logging.CRITICAL + 1}  # ATC's null: nothing logged
 
 
 def usage() -> str:

@@ -92,3 +92,13 @@ def test_engine_options_take_engine_configs_defaults():
     context = cann_run.commands["generate"].make_context("generate", ["--model", "m.om", "--prompt", "p"])
     assert {k: context.params[k] for k in ("max_batch_size", "kv_cache_pages", "backend")} == \
         {"max_batch_size": defaults.max_batch_size, "kv_cache_pages": defaults.kv_cache_pages, "backend": defaults.backend}
+
+
+def test_atc_log_level_logs_as_log_does(capsys, tmp_path, tiny_llama_path):
+    argv = [f"--model={tiny_llama_path}", "--framework=5", f"--output={tmp_path / 'm'}", "--soc_version=Ascend910B"]
+    for spelling in ("--log=info", "--log-level=info"):
+        assert run([*argv, spelling]) == 0
+        info = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[INFO] ATC(")]
+        assert any("wrote" in line for line in info), spelling
+    assert run(argv) == 0  # --log=null, ATC's default: no detail log
+    assert "[INFO] ATC(" not in capsys.readouterr().err
