@@ -165,7 +165,8 @@ def _dispatch(cfg: CompileConfig) -> None:
     if cfg.mode == 0:
         from compiler.compile import compile_model
 
-        result = compile_model(cfg)
+        # ATC's console progress, whatever --log says: that sets the level of the detail log
+        result = compile_model(cfg, progress=True)
         logging.getLogger("atc").info("wrote %s (%d bytes)", result.output, result.size)
         if cfg.display_model_info:
             click.echo(display_model_info(OmFile(result.output, verify_weights=False)))

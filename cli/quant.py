@@ -8,17 +8,20 @@ model.onnx + model.onnx.data, quant_report.json, and the tokenizer files found b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import time
 from pathlib import Path
+from typing import ContextManager
 
 import click
 import onnx
 import onnx_graphsurgeon as gs
 
 from cli.coded_errors import main_with_codes
-from cli.common_options import CONTEXT_SETTINGS, log_level_option
+from cli.common_options import CONTEXT_SETTINGS, log_level_option, shows_progress
 from compiler.config import CompileConfig
 from compiler.loader import import_graph, load_onnx
 from compiler.pass_manager import run_passes
@@ -32,22 +35,26 @@ from passes.quant.quantize_weights_qdq import QDQ_OPSET, QuantizeWeightsQDQ
 from passes.quant.staged_calibration import StagedStatistics
 from passes.upgrade_opset import upgrade_opset
 from runtime.errors import AtcError
+from runtime.progress import note
 
 
-def quantize_to_qdq(model_path: Path, cfg: QuantConfig, out_dir: Path) -> dict:
-    """Quantize `model_path` into `out_dir`; returns the report (also written as quant_report.json)."""
+def quantize_to_qdq(model_path: Path, cfg: QuantConfig, out_dir: Path, progress: bool = False) -> dict:
+    """Quantize `model_path` into `out_dir`; returns the report (also written as quant_report.json).
+    `progress` shows each stage on stderr: load, calibration, quantization, save."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise AtcError("E13004", out_dir, error.strerror) from None
+    start = time.perf_counter()
     model = load_onnx(model_path)
-    statistics = _fused_statistics(model_path, cfg) if cfg.needs_calibration else None
-    graph = gs.import_onnx(model)
-    InferShapes().run(graph)
-    graph = upgrade_opset(graph, QDQ_OPSET)
-    quantizer = QuantizeWeightsQDQ(cfg.bits, cfg.group_size, cfg.symmetric, cfg.skip_layers, cfg.method, statistics,
-                                   cfg.act_order, cfg.damp, cfg.lm_head_bits)
-    result = quantizer.run(graph)
+    note(f"load: {model_path.name}, {len(model.graph.node)} nodes, {time.perf_counter() - start:.2f} s",
+         enabled=progress)
+    with _fused_statistics(model_path, cfg, progress) as statistics:
+        graph = gs.import_onnx(model)
+        InferShapes().run(graph)
+        graph = upgrade_opset(graph, QDQ_OPSET)
+        quantizer = QuantizeWeightsQDQ(cfg, statistics, progress=progress)
+        result = quantizer.run(graph)
     unmatched = [p for p in cfg.skip_layers if p not in quantizer.matched_patterns]
     if unmatched:
         raise AtcError("E10001", ",".join(unmatched), "--skip", "The pattern matches no MatMul node or weight.")
@@ -56,11 +63,13 @@ def quantize_to_qdq(model_path: Path, cfg: QuantConfig, out_dir: Path) -> dict:
     report = {"source": model_path.name, "method": cfg.method, "bits": cfg.bits, "symmetric": cfg.symmetric,
               "group_size": cfg.group_size if cfg.bits == 4 else None, "opset": QDQ_OPSET,
               "quantized": quantizer.layers, "skipped": result.rejections}
+    start = time.perf_counter()
     _save(gs.export_onnx(graph), out_dir)
     (out_dir / "quant_report.json").write_text(json.dumps(report, indent=2) + "\n")
     for name in TOKENIZER_FILES:
         if (model_path.parent / name).is_file():
             shutil.copyfile(model_path.parent / name, out_dir / name)
+    note(f"save: {out_dir / 'model.onnx'}, {time.perf_counter() - start:.2f} s", enabled=progress)
     return report
 
 
@@ -71,17 +80,22 @@ def fused_graph(cfg: CompileConfig) -> gs.Graph:
     return graph
 
 
-def _fused_statistics(model_path: Path, cfg: QuantConfig) -> dict | StagedStatistics:
+def _fused_statistics(model_path: Path, cfg: QuantConfig, progress: bool) -> ContextManager[dict | StagedStatistics]:
     """Calibration statistics taken on the graph atc would compile (fused), and the same way, so that
     compiling the QDQ model gives the same integers as compressing inside atc: fusions keep the names of
-    the values that MatMuls read."""
+    the values that MatMuls read. A context: staged statistics report their progress until it ends."""
+    if not cfg.needs_calibration:
+        return contextlib.nullcontext({})
     compile_cfg = CompileConfig(model=str(model_path), framework=5, output=str(model_path.with_suffix("")),
                                 soc_version="Ascend910B", quantization=cfg)
+    start = time.perf_counter()
     graph = fused_graph(compile_cfg)
+    note(f"fusions: {len(graph.nodes)} nodes, {time.perf_counter() - start:.2f} s", enabled=progress)
     if cfg.method in HESSIAN_METHODS:
-        return StagedStatistics(graph, calibration_samples(compile_cfg))
+        return StagedStatistics(graph, calibration_samples(compile_cfg), progress=progress)
     names = sorted({n.inputs[0].name for n in graph.nodes if n.op == "MatMul"})
-    return collect_input_statistics(graph, names, calibration_samples(compile_cfg))
+    return contextlib.nullcontext(collect_input_statistics(graph, names, calibration_samples(compile_cfg),
+                                                           progress=progress))
 
 
 def _save(model: onnx.ModelProto, out_dir: Path) -> None:
@@ -129,7 +143,7 @@ def cli(model, out_format, method, bits, group_size, symmetric, skip, keep_lm_he
     cfg = QuantConfig(method=method, bits=bits, group_size=group_size, symmetric=symmetric, skip_layers=skip,
                       lm_head_bits=int(lm_head_bits), act_order=act_order, calibration_text=calibration_text,
                       num_samples=num_samples, seq_len=seq_len)
-    report = quantize_to_qdq(model, cfg, output)
+    report = quantize_to_qdq(model, cfg, output, progress=shows_progress())
     click.echo(f"[INFO] quantized {len(report['quantized'])} MatMul weights ({cfg.method}, {cfg.bits}-bit), "
                f"skipped {len(report['skipped'])}; wrote {output / 'model.onnx'}")
 

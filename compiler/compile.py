@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from models.recipes import detect_family
 from passes.weight_memory import detach_weights
 from runtime.artifact import write_artifact
 from runtime.errors import AtcError
+from runtime.progress import note
 from runtime.signature import io_signature, is_dynamic, llm_dimensions
 
 log = logging.getLogger("atc")
@@ -42,10 +44,12 @@ class CompileResult:
 COLLECT_FROM_BYTES = 64 << 20
 
 
-def compile_model(cfg: CompileConfig) -> CompileResult:
-    """Compile `cfg.model` into `cfg.output`.om; raises AtcError, leaving no output file, on failure."""
+def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResult:
+    """Compile `cfg.model` into `cfg.output`.om; raises AtcError, leaving no output file, on failure.
+    `progress` prints the load, each pass (calibration and quantization included) and the write on stderr."""
     output = cfg.output_path
     _check_writable(output)
+    start = time.perf_counter()
     model, graph = import_graph(cfg.model)
     if cfg.input_shape:
         apply_input_shape(graph, cfg.input_shape)
@@ -57,8 +61,13 @@ def compile_model(cfg: CompileConfig) -> CompileResult:
     # weights a pass replaced hang in reference cycles with their old nodes; collecting after each pass frees
     # them (or the copies graphsurgeon loaded them into) before the next pass makes more. A collection
     # takes ~0.1 s, so small models, where the memory is no concern, skip it.
-    collect = gc.collect if weight_bytes(model) >= COLLECT_FROM_BYTES else None
-    report = run_passes(graph, build_pipeline(cfg), cfg.fusion_switches, after_each=collect)
+    weights = weight_bytes(model)
+    note(f"load: {Path(cfg.model).name}, {len(graph.nodes)} nodes, {weights / 2**20:.1f} MiB of weights, "
+         f"{time.perf_counter() - start:.2f} s", enabled=progress)
+    collect = gc.collect if weights >= COLLECT_FROM_BYTES else None
+    report = run_passes(graph, build_pipeline(cfg, progress=progress), cfg.fusion_switches, after_each=collect,
+                        progress=progress)
+    start = time.perf_counter()
     detected = detect_family(graph)
     dimensions = attention_dimensions(graph)
     detached = detach_weights(graph)
@@ -82,6 +91,7 @@ def compile_model(cfg: CompileConfig) -> CompileResult:
     }
     size = write_artifact(output, lowered, metadata, tokenizer_files(cfg), detached)
     report.write_fusion_result(output.parent / "fusion_result.json")
+    note(f"write: {output.name}, {size / 2**20:.1f} MiB, {time.perf_counter() - start:.2f} s", enabled=progress)
     return CompileResult(output=output, size=size, report=report, metadata=metadata)
 
 

@@ -7,12 +7,13 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable
 
 import onnx_graphsurgeon as gs
 
 from compiler.fusion_switch import is_enabled
 from passes.base import Pass
+from runtime.progress import note
 
 log = logging.getLogger("atc")
 
@@ -61,16 +62,18 @@ class PassReport:
 
 
 def run_passes(graph: gs.Graph, passes: list[Pass], switches: dict[str, bool],
-               after_each: Callable[[], object] | None = None) -> PassReport:
+               after_each: Callable[[], object] | None = None, progress: bool = False) -> PassReport:
     """Run `passes` in order on `graph` (mutated in place), honouring the fusion switches; `after_each` is
-    called after every pass that ran."""
+    called after every pass that ran; `progress` prints a line per pass on stderr as it ends (`pass_line`)."""
     report = PassReport(nodes_before=len(graph.nodes))
-    for p in passes:
+    width = max((len(p.name) for p in passes), default=0)
+    for index, p in enumerate(passes, 1):
         enabled = not p.switchable or is_enabled(switches, p.name)
         record = PassRecord(p.name, enabled)
         report.records.append(record)
         if not enabled:
             log.info("%s: switched off", p.name)
+            note(pass_line(index, len(passes), width, record), enabled=progress)
             continue
         start = time.perf_counter()
         result = p.run(graph)
@@ -78,9 +81,19 @@ def run_passes(graph: gs.Graph, passes: list[Pass], switches: dict[str, bool],
         record.match_times, record.effect_times = result.match_times, result.effect_times
         log.info("%s: matched %d, applied %d, %.2f s, %d nodes", p.name, result.match_times,
                  result.effect_times, record.seconds, len(graph.nodes))
+        note(pass_line(index, len(passes), width, record), enabled=progress)
         for reason in result.rejections:
             log.debug("%s: candidate refused: %s", p.name, reason)
         if after_each is not None:
             after_each()
     report.nodes_after = len(graph.nodes)
     return report
+
+
+def pass_line(index: int, total: int, width: int, record: PassRecord) -> str:
+    """`[ 3/27] FusedAttentionFusionPass  matched 2, applied 2  0.41 s`, or `... switched off`."""
+    counter = f"[{index:>{len(str(total))}}/{total}]"
+    if not record.enabled:
+        return f"{counter} {record.name:<{width}}  switched off"
+    return (f"{counter} {record.name:<{width}}  matched {record.match_times}, applied {record.effect_times}  "
+            f"{record.seconds:.2f} s")

@@ -64,8 +64,9 @@ def _samples_if_useful(cfg: CompileConfig | None) -> list[np.ndarray] | None:
     return None
 
 
-def build_pipeline(cfg: CompileConfig | None) -> list[Pass]:
-    """The passes `cfg` asks for, in order; switched-off ones are skipped by the runner, not dropped here."""
+def build_pipeline(cfg: CompileConfig | None, progress: bool = False) -> list[Pass]:
+    """The passes `cfg` asks for, in order; switched-off ones are skipped by the runner, not dropped here.
+    `progress`: the weight quantization shows its calibration and quantization on stderr."""
     quant = cfg.quantization if cfg is not None else None
     passes: list[Pass] = [
         # Phase 0: canonical form, so that later patterns see one spelling of each structure. Folding
@@ -96,7 +97,7 @@ def build_pipeline(cfg: CompileConfig | None) -> list[Pass]:
         FuseMoe(),  # before SwiGlu: the routed experts' SiLU is the op's, the shared expert's SwiGlu's
         FuseSwiGlu(),
         # Phase 3: weights (QDQ weights are repacked whether or not compression was asked for)
-        QuantizeWeights(quant, _samples_if_useful(cfg)),
+        QuantizeWeights(quant, _samples_if_useful(cfg), progress=progress),
     ]
     if cfg is not None and cfg.paging is not None:
         # Phase 4: batches without padding over the runtime's page pool

@@ -83,6 +83,18 @@ def progress(items: Iterable[T], desc: str, total: int | None = None, unit: str 
             bar.update()
 
 
+def note(text: str, *, stream: TextIO | None = None, enabled: bool = True) -> None:
+    """One line of progress, a step done (`[ 3/27] SomePass  matched 2, applied 2  0.41 s`): printed above
+    any bar running on a terminal, as a plain line in logs."""
+    if not enabled:
+        return
+    stream = stream or sys.stderr
+    if _is_terminal(stream):
+        tqdm.write(text, file=stream)
+    else:
+        print(text, file=stream, flush=True)
+
+
 def _is_terminal(stream: TextIO) -> bool:
     isatty = getattr(stream, "isatty", None)
     return bool(isatty and isatty())

@@ -19,6 +19,7 @@ from passes.weight_memory import detach_weights
 from runtime.feeds import causal_lm_inputs
 from runtime.lowering import lower_for_onnxruntime
 from runtime.ort_session import session_options
+from runtime.progress import progress as progress_of
 from runtime.proto_utils import initializers_as_inputs
 from runtime.signature import io_signature, llm_dimensions
 
@@ -45,9 +46,10 @@ class InputStatistics:
 
 
 def collect_input_statistics(graph: gs.Graph, names: list[str], samples: list[np.ndarray],
-                             threads: int | None = None, with_hessian: bool = True) -> dict[str, InputStatistics]:
+                             threads: int | None = None, with_hessian: bool = True,
+                             progress: bool = False) -> dict[str, InputStatistics]:
     """Run the float graph on each token sample ([seq] ids) and accumulate statistics of `names` (the
-    Hessians, the costly part, only when asked)."""
+    Hessians, the costly part, only when asked); `progress` reports each sample on stderr."""
     copy = graph.copy()
     weights = detach_weights(copy)
     model = gs.export_onnx(copy, do_type_check=False)
@@ -65,7 +67,7 @@ def collect_input_statistics(graph: gs.Graph, names: list[str], samples: list[np
     signature = io_signature(model)
     dims = llm_dimensions(signature)
     statistics: dict[str, InputStatistics] = {}
-    for ids in samples:
+    for ids in progress_of(samples, "calibration", unit="sample", enabled=progress):
         outputs = session.run(names, {**causal_lm_inputs(signature, dims, np.asarray(ids, np.int64)[None]), **weights})
         for name, value in zip(names, outputs):
             accumulate(statistics, name, value, len(samples), with_hessian)

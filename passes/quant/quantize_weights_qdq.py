@@ -2,8 +2,8 @@
 
 What `cann-llm-quant --format onnx` writes: a standard ONNX model any onnxruntime runs. INT4 is blocked
 along K (opset 21 `block_size`, int4 or uint4 storage); INT8 is per output channel (axis 1). Only 2-D
-float constant weights are candidates; `skip` holds fnmatch patterns tested against the MatMul's node
-name and its weight's name, and `lm_head` names the MatMul that produces the logits.
+float constant weights are candidates; the config's `skip_layers` are fnmatch patterns tested against the
+MatMul's node name and its weight's name, and `lm_head` names the MatMul that produces the logits.
 """
 
 from __future__ import annotations
@@ -13,70 +13,76 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from passes.base import PassResult
-from passes.graph_utils import lm_head, naming_patterns, packed_constant, scale_input
+from passes.graph_utils import lm_head, packed_constant
+from passes.quant.calibration import InputStatistics
+from passes.quant.config import QuantConfig
+from passes.quant.configured_method import quantize_configured
+from passes.quant.input_scale import scale_input
 from passes.quant.math import quantize_8bit_blocked
-from passes.quant.search import quantize_weights_together
+from passes.quant.staged_calibration import StagedStatistics
+from passes.quant.weight_selection import float_weight, lm_head_bits, skip_patterns
 from runtime.kernels.matmul_nbits_layout import QuantizedWeight, dequantize_blockwise
+from runtime.progress import Progress
 
 QDQ_OPSET = 21
 _STORAGE = {(4, True): ml_dtypes.int4, (4, False): ml_dtypes.uint4, (8, True): np.int8, (8, False): np.uint8}
 
 
 class QuantizeWeightsQDQ:
-    """Quantize MatMul weights into DequantizeLinear nodes; `layers` and `matched_patterns` report it."""
+    """Quantize MatMul weights into DequantizeLinear nodes as `config` says, from the calibration
+    `statistics` of the MatMuls' inputs when the method needs them; `layers` and `matched_patterns` report
+    it, `progress` shows it on stderr."""
 
     name = "WeightQDQQuantizationPass"
     switchable = True
 
-    def __init__(self, bits: int, block_size: int, symmetric: bool = True, skip: tuple[str, ...] = ("lm_head",),
-                 method: str = "rtn", statistics: dict | None = None, act_order: bool = False, damp: float = 0.01,
-                 head_bits: int = 8):
-        self.bits, self.block_size, self.symmetric, self.skip = bits, block_size, symmetric, skip
-        self.head_bits = head_bits
-        self.method, self.statistics, self.act_order, self.damp = method, statistics or {}, act_order, damp
+    def __init__(self, config: QuantConfig, statistics: dict[str, InputStatistics] | StagedStatistics | None = None,
+                 progress: bool = False):
+        self.config, self.statistics, self.progress = config, statistics or {}, progress
         self.layers: list[dict] = []
         self.matched_patterns: set[str] = set()
 
     def run(self, graph: gs.Graph) -> PassResult:
-        result, head = PassResult(), lm_head(graph)
+        result, head, config = PassResult(), lm_head(graph), self.config
         groups: dict[int, list[gs.Node]] = {}
         for node in [n for n in graph.nodes if n.op == "MatMul"]:
-            patterns = naming_patterns(node, node.inputs[1].name, head, self.skip)
+            patterns = skip_patterns(config, node, head)
             self.matched_patterns.update(patterns)
-            pattern = patterns[0] if patterns else None
             weight = node.inputs[1]
-            if not isinstance(weight, gs.Constant) or weight.dtype != np.float32 or len(weight.shape) != 2:
+            if not float_weight(weight):
                 continue
             result.match_times += 1
-            if pattern is not None:
-                result.rejections.append(f"{node.name}: skipped by pattern {pattern!r}")
+            if patterns:
+                result.rejections.append(f"{node.name}: skipped by pattern {patterns[0]!r}")
                 continue
-            if node is head and self.bits == 4 and self.head_bits == 8:  # as atc packs it: blocked int8, RTN
+            if node is head and config.bits == 4 and lm_head_bits(config) == 8:  # as atc packs it: blocked int8, RTN
                 values = np.asarray(weight.values)
                 node.inputs[1] = self._dequantize(graph, node, weight, values, quantize_8bit_blocked(values), None,
                                                   blocked=True)
                 result.effect_times += 1
                 continue
             groups.setdefault(id(node.inputs[0]), []).append(node)
-        for nodes in groups.values():
-            # MatMuls reading one input are quantized as one matrix, as the QKV and gate/up fusions merge them
-            x = nodes[0].inputs[0]
-            stats = self.statistics.get(x.name)
-            weights = [np.asarray(n.inputs[1].values) for n in nodes]
-            block = self.block_size if self.bits == 4 else weights[0].shape[0]
-            parts, input_scale = quantize_weights_together(
-                weights, self.method, self.bits, block, self.symmetric, stats and stats.hessian,
-                stats and stats.mean_abs, self.act_order, self.damp)
-            if input_scale is not None:
-                scaled = scale_input(graph, x, input_scale, f"{x.name}_awq")
-                for node in nodes:
-                    node.inputs[0] = scaled
-            for node, quantized, values in zip(nodes, parts, weights):
-                node.inputs[1] = self._dequantize(graph, node, node.inputs[1], values, quantized, input_scale)
-                result.effect_times += 1
-            self.statistics.pop(x.name, None)
+        with Progress("quantization", total=sum(map(len, groups.values())), unit="weight",
+                      enabled=self.progress and bool(groups)) as bar:
+            for nodes in groups.values():
+                self._quantize_group(graph, nodes)
+                result.effect_times += len(nodes)
+                bar.update(len(nodes), status=nodes[0].name)
         graph.cleanup(remove_unused_graph_inputs=False).toposort()
         return result
+
+    def _quantize_group(self, graph: gs.Graph, nodes: list[gs.Node]) -> None:
+        """MatMuls reading one input are quantized as one matrix, as the QKV and gate/up fusions merge them."""
+        x = nodes[0].inputs[0]
+        weights = [np.asarray(n.inputs[1].values) for n in nodes]
+        parts, input_scale = quantize_configured(weights, self.config, self.statistics.get(x.name))
+        if input_scale is not None:
+            scaled = scale_input(graph, x, input_scale, f"{x.name}_awq")
+            for node in nodes:
+                node.inputs[0] = scaled
+        for node, quantized, values in zip(nodes, parts, weights):
+            node.inputs[1] = self._dequantize(graph, node, node.inputs[1], values, quantized, input_scale)
+        self.statistics.pop(x.name, None)
 
     def _dequantize(self, graph: gs.Graph, node: gs.Node, weight: gs.Constant, values: np.ndarray,
                     quantized: QuantizedWeight, input_scale: np.ndarray | None, blocked: bool = False) -> gs.Variable:

@@ -22,15 +22,17 @@ from passes.weight_memory import detach_weights
 from runtime.feeds import causal_lm_inputs
 from runtime.lowering import lower_for_onnxruntime
 from runtime.ort_session import session_options
+from runtime.progress import Progress
 from runtime.signature import io_signature, llm_dimensions
 
 
 class StagedStatistics:
     """`get(name)`: the statistics of one tensor over the samples, computed on first request; `pop(name)`:
-    release them."""
+    release them. Used as a context (`with StagedStatistics(...) as stats:`), it reports each stage run
+    as a unit of `Progress("calibration")` when `progress` is set."""
 
     def __init__(self, graph: gs.Graph, samples: list[np.ndarray], with_hessian: bool = True,
-                 threads: int | None = None):
+                 threads: int | None = None, progress: bool = False):
         copy = graph.copy()
         self._weights = detach_weights(copy)
         exported = gs.export_onnx(copy, do_type_check=False)
@@ -50,6 +52,15 @@ class StagedStatistics:
                                                        for ids in samples]
         self._samples, self._with_hessian, self._threads = len(samples), with_hessian, threads
         self._statistics: dict[str, InputStatistics] = {}
+        # the stages run as the quantizer asks, so their number is known only at the end
+        self._progress = Progress(f"calibration ({len(samples)} samples, staged)", unit="stage", enabled=progress)
+
+    def __enter__(self) -> "StagedStatistics":
+        self._progress.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._progress.__exit__(exc_type, exc, tb)
 
     def get(self, name: str) -> InputStatistics | None:
         """The statistics of `name` (computed now if they were not); None when the graph has no such tensor."""
@@ -103,6 +114,7 @@ class StagedStatistics:
             frontier.update(zip(keep, values))
             accumulate(self._statistics, target, frontier[target], self._samples, self._with_hessian)
         self._executed |= inside
+        self._progress.update(status=target)
         for name in [n for n in self._frontier[0] if all(c in self._executed for c in self._consumers.get(n, ()))]:
             for frontier in self._frontier:
                 del frontier[name]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -193,3 +194,59 @@ def test_debug_log_gives_the_reason_a_candidate_was_refused(capsys, tmp_path):
     status, _, err = _atc(capsys, f"--model={path}", "--framework=5", f"--output={tmp_path / 'm'}", SOC, "--log=debug")
     assert status == 0
     assert "AttentionFusionPass: candidate refused:" in err and "the keys are not transposed" in err
+
+
+PASS_LINE = re.compile(r"^\[ *(\d+)/(\d+)\] (\w+) +(?:matched (\d+), applied (\d+)  (\d+\.\d\d) s|switched off)$")
+
+
+def _atc_process(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli.atc", "--framework=5", SOC, *argv], capture_output=True, text=True)
+
+
+def test_atc_prints_a_line_per_pass_in_pipeline_order_with_its_counts_and_time(tmp_path, tiny_llama_path):
+    switch = tmp_path / "switch.cfg"
+    switch.write_text("AttentionFusionPass:off\n")
+    proc = _atc_process(f"--model={tiny_llama_path}", f"--output={tmp_path / 'm'}", f"--fusion_switch_file={switch}")
+    assert proc.returncode == 0, proc.stderr
+    # stdout keeps ATC's own lines; the progress is on stderr, at the default --log=null
+    assert proc.stdout.splitlines() == ["ATC start working now, please wait for a moment.",
+                                        "ATC run success, welcome to the next use."]
+    lines = proc.stderr.splitlines()
+    assert lines[0].startswith("load: model.onnx, ") and lines[0].endswith(" s")
+    assert lines[-1].startswith("write: m.om, ") and lines[-1].endswith(" s")
+    matches = [PASS_LINE.match(line) for line in lines[1:-1]]
+    assert all(matches), lines
+    records = OmFile(tmp_path / "m.om").metadata["pass_report"]["passes"]
+    assert [int(m[1]) for m in matches] == list(range(1, len(records) + 1))
+    assert {int(m[2]) for m in matches} == {len(records)}
+    assert [m[3] for m in matches] == [r["name"] for r in records]
+    for match, record in zip(matches, records):
+        if record["enabled"]:
+            assert (int(match[4]), int(match[5])) == (record["match_times"], record["effect_times"])
+            assert float(match[6]) >= 0
+        else:
+            assert match[0].endswith("switched off") and record["name"] == "AttentionFusionPass"
+
+
+@pytest.mark.parametrize("algorithm, calibration", [
+    ("awq", "calibration (4 samples, staged): "),  # taken layer by layer as the quantizer reaches each
+    ("smooth_quant", "calibration: ")])  # all at once, before quantizing
+def test_atc_shows_calibration_and_quantization_progress_inside_the_quantization_pass(tmp_path, tiny_llama_path,
+                                                                                      algorithm, calibration):
+    mode = "W8A8" if algorithm == "smooth_quant" else "INT4"
+    config = tmp_path / "quant.json"
+    config.write_text(json.dumps({"quant_mode": mode, "group_size": 32, "algorithms": [{"name": algorithm}],
+                                  "calibration": {"num_samples": 4, "seq_len": 64}}))
+    proc = _atc_process(f"--model={tiny_llama_path}", f"--output={tmp_path / 'm'}", "--enable_compress_weight=1",
+                        f"--compress_weight_conf={config}", "--log=null")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    quantization = next(i for i, line in enumerate(lines) if "WeightQuantizationPass" in line)
+    previous = next(i for i, line in enumerate(lines) if "SwiGluFusionPass" in line)
+    inside = lines[previous + 1:quantization]  # printed while the pass ran, before its own line
+    assert PASS_LINE.match(lines[quantization]).group(4, 5) == ("8", "8")  # 2 layers × (QKV, o, gate/up, down)
+    assert inside[0] == calibration + ("started" if algorithm == "awq" else "started, 4 samples")
+    assert "quantization: started, 8 weights" in inside
+    assert any(line.startswith("quantization: 8 weights in ") for line in inside)
+    done = [line for line in inside if line.startswith(calibration) and line.endswith(" s")]
+    assert done and done[0].startswith(calibration + ("8 stages in " if algorithm == "awq" else "4 samples in "))

@@ -186,7 +186,7 @@ def test_a_tied_lm_head_and_its_embedding_share_one_quantized_table_when_asked(t
 
 
 def test_accuracy_level_is_chosen_per_layer_by_measured_error(tmp_path, tiny_llama_path):
-    from passes.quant.quantize_weights import ACCURACY_THRESHOLD
+    from passes.quant.accuracy_level import ACCURACY_THRESHOLD
 
     levels = {}
     for setting in ("0", "auto"):
@@ -312,3 +312,20 @@ def test_a_float_zero_point_artifact_generates_alike_paged_and_contiguous(tmp_pa
             outputs[paged] = [request.output_ids for request in requests]
             assert engine.paged == paged
     assert outputs[True] == outputs[False] and all(len(ids) == 24 for ids in outputs[True])
+
+
+def test_cann_llm_quant_shows_each_stage_on_stderr_unless_only_errors_are_asked_for(tmp_path, tiny_llama_path):
+    flags = ("--quant-method", "awq", "--group-size", "32", "--num-samples", "4", "--seq-len", "64")
+    quiet = _quantize(tiny_llama_path, tmp_path / "quiet", *flags, "--log-level", "error")
+    assert quiet.exit_code == 0 and quiet.stderr == ""
+    result = _quantize(tiny_llama_path, tmp_path / "q", *flags)  # the default level, warning, as it was
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == [f"[INFO] quantized 14 MatMul weights (awq, 4-bit), skipped 1; "
+                                          f"wrote {tmp_path / 'q' / 'model.onnx'}"]
+    lines = result.stderr.splitlines()
+    stages = ["load: model.onnx, ", "fusions: ", "calibration (4 samples, staged): started",
+              "quantization: started, 14 weights", "quantization: 14 weights in ",
+              "calibration (4 samples, staged): 8 stages in ",
+              f"save: {tmp_path / 'q' / 'model.onnx'}, "]
+    found = [next((i for i, line in enumerate(lines) if line.startswith(stage)), None) for stage in stages]
+    assert None not in found and found == sorted(found), lines

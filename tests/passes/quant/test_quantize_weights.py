@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+import onnx_graphsurgeon as gs
 import pytest
 from fusion_utils import apply_pass, assert_parity, op_counts, run_fused, run_original
 from onnx import TensorProto, helper, numpy_helper
@@ -97,3 +98,18 @@ def test_every_skip_pattern_naming_a_matmul_counts_as_matched_not_only_the_first
     quantizer = QuantizeWeights(QuantConfig(skip_layers=("pro*", "w")))
     fused, (result,) = apply_pass(_model("w", [numpy_helper.from_array(WEIGHT, "w")]), quantizer)
     assert quantizer.matched_patterns >= {"pro*", "w"} and result.effect_times == 0
+
+
+def test_match_only_chooses_and_rewrite_quantizes_reporting_each_weight(capsys):
+    graph = gs.import_onnx(_model("w", [numpy_helper.from_array(WEIGHT, "w")]))
+    quantizer = QuantizeWeights(QuantConfig(group_size=32, skip_layers=(), accuracy_level="0"), progress=True)
+    (matmul,) = [n for n in graph.nodes if n.op == "MatMul"]
+    choice = quantizer.match(graph, matmul)
+    assert choice.matmul is matmul and choice.qdq is None and [n.op for n in graph.nodes] == ["MatMul"]
+    quantizer.rewrite(graph, choice)
+    assert "MatMulInt4" in [n.op for n in graph.nodes] and not matmul.inputs
+    assert capsys.readouterr().err == ""  # progress belongs to a run, not to one rewrite
+    result = quantizer.run(gs.import_onnx(_model("w", [numpy_helper.from_array(WEIGHT, "w")])))
+    lines = capsys.readouterr().err.splitlines()
+    assert result.effect_times == 1 and lines[0] == "quantization: started, 1 weights"
+    assert lines[-1].startswith("quantization: 1 weights in ")

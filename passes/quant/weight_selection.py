@@ -1,0 +1,67 @@
+"""Which MatMuls quantize, and how: the constant 2-D float32 weights not named by a skip pattern (fnmatch on
+node and weight names; `lm_head` = the MatMul producing the logits), at the configured bits, except an
+INT4 model's lm_head, which takes `lm_head_bits`; and a DequantizeLinear weight (a QDQ model), which is
+repacked as it is whether or not compression was asked for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from passes.graph_utils import naming_patterns
+from passes.pattern import producer
+from passes.quant.config import QuantConfig
+from passes.quant.qdq_weight import QdqWeight, read_qdq_weight
+
+
+@dataclass
+class WeightChoice:
+    """A MatMul chosen for quantization: its QDQ integers to repack, or (`qdq` None) its float weight to
+    quantize, by the configured method or (`head_blocks`) as an INT4 model's 8-bit lm_head."""
+
+    matmul: gs.Node
+    qdq: QdqWeight | None = None
+    head_blocks: bool = False
+
+
+def float_weight(weight: gs.Tensor) -> bool:
+    """Whether `weight` is a constant 2-D float32 matrix, the only kind quantized."""
+    return isinstance(weight, gs.Constant) and len(weight.shape) == 2 and np.dtype(weight.dtype) == np.float32
+
+
+def lm_head_bits(config: QuantConfig) -> int:
+    """The lm_head's bits when it is quantized: `lm_head_bits` in an INT4 model, 8 in an INT8 one."""
+    return config.lm_head_bits if config.bits == 4 else 8
+
+
+def skip_patterns(config: QuantConfig, matmul: gs.Node, head: gs.Node | None) -> list[str]:
+    """The skip patterns naming `matmul`."""
+    return naming_patterns(matmul, matmul.inputs[1].name, head, config.skip_layers)
+
+
+def choose_weight(config: QuantConfig | None, matmul: gs.Node, head: gs.Node | None,
+                  matched_patterns: set[str]) -> WeightChoice | str:
+    """How `matmul`'s weight quantizes, or why it does not; the skip patterns naming a float weight are
+    added to `matched_patterns` (a pattern naming nothing is the user's mistake)."""
+    weight = matmul.inputs[1]
+    qdq = read_qdq_weight(weight)
+    if qdq is not None:
+        return qdq if isinstance(qdq, str) else WeightChoice(matmul, qdq=qdq)
+    if config is None:
+        return "weight compression is off"
+    if not float_weight(weight):
+        return "the weight is not a constant 2-D float32 matrix"
+    patterns = skip_patterns(config, matmul, head)
+    matched_patterns.update(patterns)
+    if patterns:
+        return f"skipped by pattern {patterns[0]!r}"
+    return WeightChoice(matmul, head_blocks=matmul is head and config.bits == 4 and lm_head_bits(config) == 8)
+
+
+def calibrated_inputs(graph: gs.Graph, config: QuantConfig, head: gs.Node | None) -> list[str]:
+    """The MatMul inputs whose activations calibration measures: those of every weight that may quantize."""
+    return sorted({n.inputs[0].name for n in graph.nodes if n.op == "MatMul" and len(n.inputs) == 2
+                   and not skip_patterns(config, n, head)
+                   and (float_weight(n.inputs[1]) or producer(n.inputs[1], "DequantizeLinear"))})
