@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import onnx_graphsurgeon as gs
 
 from passes.pattern import producer
-from runtime.ops import ATTENTION_OPS
+from runtime.ops import ATTENTION_OPS, OPS
 
 
 @dataclass(frozen=True)
@@ -61,14 +61,15 @@ def detect_family(graph: gs.Graph) -> str:
         return "unknown"
     if attention.attrs.get("rotary_interleaved"):
         return "glm"
-    merged = producer(attention.inputs[0], "Reshape")
+    query = attention.inputs[OPS[attention.op].inputs.QUERY]
+    merged = producer(query, "Reshape")
     if merged is not None and producer(merged.inputs[0], "RmsNorm") is not None:
         return "qwen3_moe" if ops["MoE"] or ops["TopK"] else "qwen3"
     if ops["MoE"] or ops["TopK"]:
         return "qwen2_moe"
     if not ops["SwiGlu"]:
         return "gemma"
-    projection = producer(attention.inputs[0], "Add", "MatMul")
+    projection = producer(query, "Add", "MatMul")
     if projection is not None and projection.op == "Add":
         return "qwen2"
     if projection is not None and not projection.name.endswith("_qkv/MatMul"):

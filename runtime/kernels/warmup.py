@@ -36,9 +36,10 @@ def _signatures() -> list[tuple[numba.core.registry.CPUDispatcher, tuple]]:
     decode = projections + (ints1, ints2, pages, pages, window, scale, heads)
     attend = (heads, pages, pages, ints2, ints1, ints1, window, scale, heads)
     kernels = paged_attention
-    return [(kernels._rotate_and_store, rotate), (kernels._rotate_and_store_parallel, rotate),
-            (kernels._decode_step, decode), (kernels._decode_step_parallel, decode),
-            (kernels._attend_serial, attend), (kernels._attend_parallel, attend)]
+    # in the order a first request needs them: its short prompt, its decode steps, then bigger batches
+    return [(kernels._rotate_and_store, rotate), (kernels._attend_serial, attend), (kernels._decode_step, decode),
+            (kernels._rotate_and_store_parallel, rotate), (kernels._attend_parallel, attend),
+            (kernels._decode_step_parallel, decode)]
 
 
 def warm_up() -> int:

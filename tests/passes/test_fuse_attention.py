@@ -19,6 +19,7 @@ from passes.fuse_attention import FuseAttention
 from passes.fuse_qkv import FuseQkv
 from passes.pattern import producer
 from runtime.feeds import causal_lm_inputs
+from runtime.ops import FusedAttentionInput
 from runtime.signature import io_signature, llm_dimensions
 
 
@@ -128,7 +129,7 @@ def test_qkv_refuses_projections_of_different_inputs():
     graph = _before_attention(dynamo=True)
     FuseAttention().run(graph)
     attention = next(n for n in graph.nodes if n.op == "FusedAttention")
-    key_matmul = attention.inputs[1].inputs[0]
+    key_matmul = attention.inputs[FusedAttentionInput.KEY].inputs[0]
     shifted = gs.Variable("shifted", dtype=np.float32, shape=key_matmul.inputs[0].shape)
     graph.nodes.append(gs.Node("Neg", inputs=[key_matmul.inputs[0]], outputs=[shifted]))
     key_matmul.inputs[0] = shifted
@@ -200,10 +201,10 @@ def test_qkv_refusals():
     graph = _before_attention(dynamo=True)
     FuseAttention().run(graph)
     attentions = [n for n in graph.nodes if n.op == "FusedAttention"]
-    value_matmul = producer(attentions[0].inputs[2], "MatMul")
+    value_matmul = producer(attentions[0].inputs[FusedAttentionInput.VALUE], "MatMul")
     value_matmul.inputs[1] = gs.Variable("value_weight", dtype=np.float32, shape=list(value_matmul.inputs[1].shape))
     graph.inputs.append(value_matmul.inputs[1])
-    key_matmul = producer(attentions[1].inputs[1], "MatMul")
+    key_matmul = producer(attentions[1].inputs[FusedAttentionInput.KEY], "MatMul")
     key_matmul.inputs[1] = gs.Constant("key_weight_fp16", np.asarray(key_matmul.inputs[1].values, np.float16))
     first = FuseQkv().run(graph)
     assert first.effect_times == 0

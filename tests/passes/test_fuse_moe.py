@@ -19,6 +19,7 @@ from runtime import Executor, load_artifact
 from runtime.feeds import causal_lm_inputs
 from runtime.kernels.moe import MoE, swiglu_expert
 from runtime.lowering import lower_for_onnxruntime
+from runtime.ops import MoEInput
 
 E, H, I, K = 6, 16, 8, 2
 RNG = np.random.default_rng(3)
@@ -156,7 +157,7 @@ def _moe_weights(model):
     node = next(n for n in model.graph.node if n.op_type == "MoE")
     initializers = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    return attributes, initializers[node.input[2]], initializers[node.input[3]]
+    return attributes, initializers[node.input[MoEInput.GATE_UP]], initializers[node.input[MoEInput.DOWN]]
 
 
 @pytest.mark.parametrize("normalize", [False, True], ids=["softmax", "renormalised"])

@@ -136,3 +136,19 @@ def test_page_size_comes_from_the_soc_profile():
         cfg = CompileConfig(model="m.onnx", framework=5, output="o", soc_version=soc, kv_cache_layout="paged")
         assert cfg.paging.page_size == size
     assert CompileConfig(model="m.onnx", framework=5, output="o", soc_version="Ascend910B").paging is None
+
+
+def test_an_attention_without_a_causal_mask_is_refused():
+    import onnx_graphsurgeon as gs
+
+    from passes.paged_kv_cache import PagedKvCache
+    from passes.pattern import fused_node
+
+    ids, positions = (gs.Variable(name, dtype=np.int64, shape=[1, "s"]) for name in ("input_ids", "position_ids"))
+    qkv, out = gs.Variable("qkv", dtype=np.float32, shape=[1, "s", 96]), gs.Variable("out", dtype=np.float32)
+    attention = fused_node(FUSED_ATTENTION.name, [qkv], [out], "layer/FusedAttention", num_heads=2, kv_num_heads=1,
+                           head_dim=24, scale=0.2, causal=0)
+    graph = gs.Graph(nodes=[attention], inputs=[ids, positions, qkv], outputs=[out])
+    with pytest.raises(AtcError) as refused:
+        PagedKvCache(PAGE).run(graph)
+    assert refused.value.code == "E10055" and "causal" in str(refused.value)

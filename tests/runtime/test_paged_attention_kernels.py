@@ -243,3 +243,37 @@ def test_a_sliding_window_hides_the_same_keys_in_every_kernel(window, mix):
         got = _node(inputs, key_cache.copy(), value_cache.copy(), num_heads=HEADS, kv_num_heads=KV_HEADS, head_dim=DIM,
                     scale=0.17, sliding_window=window)
         np.testing.assert_allclose(got.reshape(q.shape), expected, atol=2e-5, rtol=0)
+
+
+_STEPS_SCRIPT = """
+import numpy as np
+from runtime.engine.kv_cache import PagePool
+from runtime.kernels import HostRun
+from runtime.kernels.paged_attention import PagedAttention
+from runtime.kernels.warmup import _signatures
+
+heads, kv_heads, dim, page = 8, 2, 32, 16
+pool = PagePool(1, 1024, page, kv_heads, dim)
+rng = np.random.default_rng(0)
+for new, lengths, flash in [([5], [5], 0), ([100], [100], 0), ([100, 1], [100, 40], 1), ([1, 1], [6, 9], 0),
+                            ([1] * 6, [1500, 17, 700, 1, 64, 129], 0)]:
+    tables = np.arange(len(lengths) * 100, dtype=np.int32).reshape(len(lengths), 100)
+    slots = np.concatenate([tables[b, np.arange(n - q, n) // page] * page + np.arange(n - q, n) % page
+                            for b, (q, n) in enumerate(zip(new, lengths))])
+    starts = np.concatenate([[0], np.cumsum(new)])
+    qkv = rng.standard_normal((1, sum(new), (heads + 2 * kv_heads) * dim)).astype(np.float32)
+    cos = rng.standard_normal((1, sum(new), dim)).astype(np.float32)
+    PagedAttention(qkv, None, None, cos, cos, starts.astype(np.int32), np.asarray(lengths, np.int32), tables,
+                   slots.astype(np.int64), num_heads=heads, kv_num_heads=kv_heads, head_dim=dim, scale=0.2, layer=0,
+                   page_size=page, flash=flash, run=HostRun(pool))
+for kernel, types in _signatures():
+    assert kernel.signatures, kernel  # every step kind above reached it
+    assert kernel.signatures == [types], (kernel, kernel.signatures, types)
+print("ok")
+"""
+
+
+def test_the_warm_up_compiles_the_signatures_a_step_dispatches():
+    """A fresh process running every kind of step compiles exactly the warm-up's signatures, no other."""
+    done = subprocess.run([sys.executable, "-c", _STEPS_SCRIPT], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.split()[-1] == "ok", done.stderr[-2000:]
