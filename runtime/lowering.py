@@ -23,6 +23,7 @@ from runtime.ops import (
     MOE,
     RMS_NORM,
     SWIGLU,
+    SwiGluInput,
     AddRmsNormOutput,
     FusedAttentionInput,
     FusedAttentionOutput,
@@ -49,7 +50,7 @@ def _add_rms_norm(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
 
 
 def _swiglu(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
-    x, y = node.input[0], node.output[0]  # SwiGlu's one input and output
+    x, y = node.input[SwiGluInput.X], node.output[0]
     gate, up, sig, silu = (f"{node.name}/{part}" for part in ("gate", "up", "sigmoid", "silu"))
     # equal halves: implicit before opset 18, spelled with num_outputs from 18 on
     halves = {"num_outputs": 2} if opset >= 18 else {}
