@@ -28,7 +28,7 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/metrics")
     async def scrape():
-        if server.status() in ("loading", "error"):
+        if server.metrics is None:  # not loaded (yet)
             return PlainTextResponse("", status_code=503)
         return PlainTextResponse(generate_latest(server.metrics.registry).decode(), media_type=CONTENT_TYPE_LATEST)
 

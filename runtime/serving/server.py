@@ -108,6 +108,7 @@ class Server:
                 by_file.setdefault((stat.st_dev, stat.st_ino), []).append(name)
             for names in by_file.values():
                 if self.closing:
+                    self.error = "the server was stopped before its models were loaded"
                     return
                 path = self.model_paths[names[0]]
                 if on_loading is not None:
@@ -121,12 +122,12 @@ class Server:
             self.ready.set()
 
     def status(self) -> str:
-        """`loading`, `error`, `shutting down` or `ok`."""
+        """`shutting down`, `loading`, `error` (the load failed) or `ok`."""
+        if self.closing:
+            return "shutting down"
         if not self.ready.is_set():
             return "loading"
-        if self.error:
-            return "error"
-        return "shutting down" if self.closing else "ok"
+        return "error" if self.error else "ok"
 
     def model_names(self) -> list[str]:
         return sorted(self.engines)
@@ -144,10 +145,11 @@ class Server:
               prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> Generation:
         """Admit one request and submit it (a `prompt`, or chat `messages` through the model's template);
         `params` are the engine's sampling settings. Refusal when it may not run."""
-        if self.closing:
-            raise Refusal(503, "the server is shutting down", "unavailable")
-        if self.status() != "ok":
-            raise Refusal(503, "the models are still loading", "unavailable")
+        status = self.status()
+        if status != "ok":
+            why = {"loading": "the models are still loading", "shutting down": "the server is shutting down",
+                   "error": f"the models could not be loaded: {self.error}"}[status]
+            raise Refusal(503, why, "unavailable")
         key = self.authorise(authorization)
         name = model or next(iter(self.engines))
         if name not in self.engines:

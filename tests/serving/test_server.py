@@ -14,9 +14,16 @@ import time
 
 import httpx
 import pytest
-from served_model import om  # noqa: F401 (a fixture)
+from generation_utils import compile_tiny_chat_model
 
 from runtime.engine.engine import LLMEngine
+
+CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+
+
+@pytest.fixture(scope="module")
+def om(tmp_path_factory):
+    return compile_tiny_chat_model(tmp_path_factory, CHAT_TEMPLATE)
 
 
 def _free_port() -> int:

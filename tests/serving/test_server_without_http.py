@@ -7,7 +7,7 @@ import asyncio
 import json
 
 import pytest
-from served_model import om  # noqa: F401 (a fixture)
+from generation_utils import compile_tiny_chat_model
 
 from runtime.engine.config import EngineConfig
 from runtime.serving.guard import Guard
@@ -18,6 +18,11 @@ GREEDY = {"temperature": 0, "top_p": 1.0, "top_k": 0, "seed": None, "repetition_
 # a token a step and thousands of steps to go: nothing this long ends by itself while a test looks at it
 ENDLESS = {**GREEDY, "max_new_tokens": 3000, "ignore_eos": True}
 LONG_PROMPT = "x" * 1000
+
+
+@pytest.fixture(scope="module")
+def om(tmp_path_factory):
+    return compile_tiny_chat_model(tmp_path_factory, "{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
 
 
 def _server(om, tmp_path=None, settings=None, **guard) -> Server:
@@ -64,6 +69,15 @@ def test_refusals_before_any_work(om, tmp_path):
         assert server.pending == {"tiny": 0}
     finally:
         server.close()
+
+
+def test_a_model_that_fails_to_load_is_reported_not_raised(tmp_path):
+    (tmp_path / "broken.om").write_bytes(b"not an artifact")
+    server = Server({"broken": str(tmp_path / "broken.om")})
+    server.load()
+    assert server.status() == "error" and "E13015" in server.error
+    refusal = _refused(lambda: server.start(None, None, "/x", GREEDY, prompt="hi"))
+    assert refusal.status == 503 and server.error in refusal.message
 
 
 def test_a_completed_request_is_accounted_once(om, tmp_path):
