@@ -12,12 +12,14 @@ only then is uvicorn told to exit, when every request has its answer and only th
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from typing import Callable
 
 import uvicorn
 
+from runtime.errors import AtcError
 from runtime.serving.routes import create_app
 from runtime.serving.server import Server
 from runtime.serving.stats_line import StatsLines
@@ -30,10 +32,19 @@ def serve(server: Server, host: str, port: int, stats_interval_s: float, say: Ca
 
     Says `loading <models> (<path>) …` as each engine starts loading, `ready in N.N s: http://HOST:PORT
     (models: …)` once every engine has loaded and the socket listens, then every `stats_interval_s`
-    seconds (0: never) a stats line per engine whose state changed."""
+    seconds (0: never) a stats line per engine whose state changed. AtcError E10001 when HOST:PORT
+    cannot be listened on, before anything loads."""
+    listener = _listen(host, port)
     config = uvicorn.Config(create_app(server), host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=FLUSH_TIMEOUT_S)
-    _Process(config, server, stats_interval_s, say).run()
+    _Process(config, server, stats_interval_s, say).run(sockets=[listener])
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    try:
+        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as error:  # taken, not ours to take, or no such address
+        raise AtcError("E10001", f"{host}:{port}", "--host/--port", error.strerror or str(error)) from None
 
 
 class _Process(uvicorn.Server):

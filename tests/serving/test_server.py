@@ -315,3 +315,13 @@ def test_block_listed_output_is_cut_with_finish_reason_content_filter(om, engine
         assert term not in choice["text"]
     finally:
         server.stop()
+
+
+def test_a_port_in_use_is_a_coded_error_before_anything_loads(om):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "cli.cann_run", "serve", "--port", str(port), "--model",
+                                 f"tiny={om}"], capture_output=True, text=True, encoding="utf-8", timeout=120)
+    assert result.returncode == 1
+    assert "E10001" in result.stderr and f"Value 127.0.0.1:{port} for parameter --host/--port" in result.stderr
+    assert "loading" not in result.stderr and "Traceback" not in result.stderr
