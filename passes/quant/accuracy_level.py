@@ -13,7 +13,7 @@ from runtime.kernels.matmul_nbits_layout import QuantizedWeight, dequantize_bloc
 # above the ~0.5% that rounding to 127 levels costs on ordinary activations, well below outlier layers'
 ACCURACY_THRESHOLD = 0.02
 # 8-bit MatMulNBits runs with int8 activations: onnxruntime's float-activation 8-bit path is a slow
-# fallback here ([1,576]×[576,49152]: 71 ms at level 0, 0.52 ms at level 4; 4-bit level 0 0.63 ms)
+# fallback here, two orders of magnitude slower than level 4 (docs/performance.md#quantization-choices)
 EIGHT_BIT_ACCURACY_LEVEL = 4
 
 

@@ -42,9 +42,9 @@ class QuantConfig:
     zero_points: str = "integer"
     skip_layers: tuple[str, ...] = ("lm_head",)
     # lm_head (and the embedding table tied to it), when not skipped: 8-bit blocks by default, because at
-    # INT4 SmolLM2's 49k-row head alone cost more perplexity than all its INT4 layers (README)
+    # INT4 SmolLM2's 49k-row head alone cost more perplexity than all its INT4 layers (docs/performance.md#quantization-on-smollm2)
     lm_head_bits: int = 8
-    act_order: bool = True  # measured on SmolLM2 (g128): perplexity 35.7 with it, 44.6 without
+    act_order: bool = True  # GPTQ in descending Hessian order: far lower perplexity (docs/performance.md#quantization-choices)
     damp: float = 0.01
     calibration_text: str = DEFAULT_CALIBRATION_TEXT
     num_samples: int = 32

@@ -31,12 +31,10 @@ _HIDDEN = -1e9  # a score no query can see; finite, so a row hidden from a whole
 def _session() -> ort.InferenceSession:
     """q [KV, G, M, D] (scaled), k_t [KV, 1, D, W], v [KV, 1, W, D], bias [M, W] (0 where a query sees the
     key, _HIDDEN where it does not; every head's the same) -> per row: max m [KV, G, M, 1], sum of
-    exp(s - m) l [KV, G, M, 1], and o = exp(s - m) @ v [KV, G, M, D]. The mask comes in as a bias: onnxruntime's
-    broadcasting Where took 1.76 of 4.04 ms of a 512-token prompt's runs (its profiler), and building the
-    bias in the graph left intermediates that raised the peak resident memory of an 8,192-token prefill
-    from 44-67 MB to 56-121 MB (six fresh processes each). Keys come transposed from the pages' gather,
-    which copies them anyway: the two products took 1.64 ms so, 1.73 ms with the transpose fused into the
-    first."""
+    exp(s - m) l [KV, G, M, 1], and o = exp(s - m) @ v [KV, G, M, D]. The mask comes in as a bias, built outside the graph:
+    onnxruntime's broadcasting Where took much of a prompt's time, and a bias built in the graph raised a long
+    prefill's peak memory. Keys come transposed from the pages' gather, which copies them anyway, which is
+    faster than fusing the transpose into the first product (docs/performance.md#flash-prefill)."""
     f = TensorProto.FLOAT
     nodes = [
         helper.make_node("MatMul", ["q", "k_t"], ["scores"]),
@@ -68,7 +66,7 @@ def _session() -> ort.InferenceSession:
 def _bias_source() -> np.ndarray:
     """`[FLASH_QUERY_BLOCK, 2·FLASH_KEY_BLOCK + FLASH_QUERY_BLOCK]`: _HIDDEN where column > row + FLASH_KEY_BLOCK.
     Every block's causal bias is a window of it (`_causal_bias`), so none is computed per block (np.where
-    over a block took ~0.1 ms, a fifth of a 272-token prompt's flash time)."""
+    over each block cost a fifth of a short prompt's flash time: docs/performance.md#flash-prefill)."""
     rows = np.arange(FLASH_QUERY_BLOCK)[:, None]
     columns = np.arange(2 * FLASH_KEY_BLOCK + FLASH_QUERY_BLOCK)[None]
     return np.where(columns > rows + FLASH_KEY_BLOCK, np.float32(_HIDDEN), np.float32(0))

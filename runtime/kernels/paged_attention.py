@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass, field
 
 # numba's parallel kernels run between onnxruntime sessions on the same cores; OpenMP threads that keep
-# spinning after a kernel slow the next session down (measured: a 512-token SmolLM2 prefill 654 → 506 ms).
+# spinning after a kernel slow the next session down (docs/performance.md#thread-pools).
 # libgomp reads this when numba first starts it, which is after this import.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -135,7 +135,7 @@ def rotate_and_store(query, key, value, cos, sin, slot_mapping, key_cache, value
     qsrc, ksrc, kofs, vsrc, vofs = split_heads(query, key, value, num_heads, kv_num_heads, head_dim)
     cos, sin = rotary_tables(cos, sin, qsrc.shape[0])
     q = np.empty((qsrc.shape[0], num_heads, head_dim), np.float32)
-    # a 512-token prompt chunk of SmolLM2: 0.47 ms on one thread, 0.28 ms on two
+    # long chunks run faster on two threads, short ones pay more to start them (docs/performance.md#paged-attention-kernels)
     kernel = _rotate_and_store_parallel if qsrc.shape[0] >= PARALLEL_ROTATE_TOKENS else _rotate_and_store
     kernel(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, rotary_interleaved, slot_mapping, key_cache, value_cache, q)
     return q
@@ -178,8 +178,7 @@ def paged_attention_reference(q, key_cache, value_cache, query_start_loc, seq_le
 
 # The two products below take four key or value rows at a time: a dot product's sum across vector lanes and
 # an accumulator's trip through memory (numba cannot tell it from the cache) then serve four rows, not one
-# (32 sequences x 300 tokens, one layer's decode: 0.45-0.51 ms one row at a time, 0.31-0.33 ms so, with
-# the pages in L3). Each also prefetches the same rows of the page read next (runtime/kernels/prefetch.py).
+# (docs/performance.md#paged-attention-kernels). Each also prefetches the same rows of the page read next (runtime/kernels/prefetch.py).
 
 @numba.njit(fastmath=True, cache=True)
 def _prefetch_rows(cache, page, kv, first, count):
