@@ -1,4 +1,5 @@
-"""The quantization table for one model (docs/performance.md#quantization-on-smollm2): .om size, held-out perplexity, batch-1 decode step.
+"""The quantization table for one model: .om size, held-out perplexity, batch-1 decode step
+(docs/performance.md#quantization-on-smollm2).
 
     python benchmarks/quant_table.py --onnx .cache/smollm2-dynamo/model.onnx --out .cache/quant-table
 

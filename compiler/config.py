@@ -137,7 +137,9 @@ class CompileConfig:
         if self.quantization is not None or not (self.enable_compress_weight or self.compress_weight_conf):
             return self.quantization
         group = self.soc.quant_group_size if self.soc_version else 128
-        return QuantConfig.from_json(self.compress_weight_conf, group) if self.compress_weight_conf else QuantConfig(group_size=group)
+        if self.compress_weight_conf:
+            return QuantConfig.from_json(self.compress_weight_conf, group)
+        return QuantConfig(group_size=group)
 
     def _warnings(self) -> tuple[str, ...]:
         warnings = []

@@ -88,7 +88,8 @@ class InferShapes:
                 refined = _dims(better)
                 if refined is not None and (dims is None or _more_static(refined, dims) or _fewer_unknowns(refined, dims)):
                     dims = refined
-            if dims is not None and (tensor.shape is None or _more_static(dims, tensor.shape) or _fewer_unknowns(dims, tensor.shape)):
+            if dims is not None and (tensor.shape is None or _more_static(dims, tensor.shape)
+                                     or _fewer_unknowns(dims, tensor.shape)):
                 tensor.shape = dims
             if (tensor.dtype, tensor.shape) != before:
                 result.effect_times += 1

@@ -46,7 +46,8 @@ def shape_elements(tensor: gs.Tensor, depth: int = 8) -> list[Element] | None:
             return None
         start, end = node.attrs.get("start", 0), node.attrs.get("end", rank)
         return [DimOf(node.inputs[0], axis) for axis in range(rank)][slice(start, end)]
-    if node.op in ("Cast", "Identity", "Squeeze", "Unsqueeze") or (node.op == "Reshape" and const_ints(node.inputs[1]) in ([-1], [1])):
+    flattening = node.op == "Reshape" and const_ints(node.inputs[1]) in ([-1], [1])
+    if node.op in ("Cast", "Identity", "Squeeze", "Unsqueeze") or flattening:
         inner = shape_elements(node.inputs[0], depth - 1)
         return inner if inner is not None and len(inner) == 1 or node.op in ("Cast", "Identity") else None
     if node.op == "Concat" and node.attrs.get("axis", 0) in (0, -1):

@@ -48,7 +48,8 @@ class Executor:
         model, weights = _inline_sub_byte(loaded.model, loaded.weights)
         plan = split_at_host_nodes(model, is_host_node)
         # Many sessions run in turn. On pools of their own (no process-wide pool, runtime/ort_session.py),
-        # a pool left spinning after its run starves the next session's (docs/performance.md#thread-pools), so their threads spin within a run and stop at its end.
+        # a pool left spinning after its run starves the next session's (docs/performance.md#thread-pools), so
+        # their threads spin within a run and stop at its end.
         stop_spinning = len(plan) > 1
         self._steps = []
         for step in plan:

@@ -2,8 +2,8 @@
 
 A paged artifact runs as ~30 sessions taking turns. With a thread pool each, every turn wakes the next
 session's sleeping worker; with one process-wide pool the workers stay warm across turns, and a step
-comes closer to its bare matmul time (docs/performance.md#thread-pools). onnxruntime allows the shared pool only if *every* session made afterwards in
-the process uses it, so all sessions here get their options from `session_options()`.
+comes closer to its bare matmul time (docs/performance.md#thread-pools). onnxruntime allows the shared pool
+only if *every* session made afterwards in the process uses it, so all sessions here get their options from `session_options()`.
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ class QuantConfig:
     zero_points: str = "integer"
     skip_layers: tuple[str, ...] = ("lm_head",)
     # lm_head (and the embedding table tied to it), when not skipped: 8-bit blocks by default, because at
-    # INT4 SmolLM2's 49k-row head alone cost more perplexity than all its INT4 layers (docs/performance.md#quantization-on-smollm2)
+    # INT4 SmolLM2's 49k-row head alone cost more perplexity than all its INT4 layers
+    # (docs/performance.md#quantization-on-smollm2)
     lm_head_bits: int = 8
     act_order: bool = True  # GPTQ in descending Hessian order: far lower perplexity (docs/performance.md#quantization-choices)
     damp: float = 0.01

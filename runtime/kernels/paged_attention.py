@@ -178,7 +178,8 @@ def paged_attention_reference(q, key_cache, value_cache, query_start_loc, seq_le
 
 # The two products below take four key or value rows at a time: a dot product's sum across vector lanes and
 # an accumulator's trip through memory (numba cannot tell it from the cache) then serve four rows, not one
-# (docs/performance.md#paged-attention-kernels). Each also prefetches the same rows of the page read next (runtime/kernels/prefetch.py).
+# (docs/performance.md#paged-attention-kernels). Each also prefetches the same rows of the page read next
+# (runtime/kernels/prefetch.py).
 
 @numba.njit(fastmath=True, cache=True)
 def _prefetch_rows(cache, page, kv, first, count):
@@ -245,10 +246,11 @@ def _accumulate_values(weights, value_cache, kv, page, rows, acc, next_page, nex
 @numba.njit(fastmath=True, cache=True)
 def _attend_heads(q, t, first, key_cache, value_cache, kv, pages, position, window, scale, scores, acc, state, out):
     """out[t, first:first+n] = attention of query heads `first..first+n-1` of token `t` (all reading KV head
-    `kv`) over cache positions 0..position (with window > 0: the last `window` of them; pages = the
-    sequence's block-table row), one page of scores at a time with an online softmax. Heads sharing a KV head go together, so each key and value row is read
-    once for all of them; the exponentials run as a loop of their own (vectorized). q and out are
-    `[T, Hq, D]`; scratch: scores `[n, page_size]`, acc `[n, D]`, state `[2, n]`."""
+    `kv`) over cache positions 0..position (with window > 0: the last `window` of them; pages = the sequence's
+    block-table row), one page of scores at a time with an online softmax. Heads sharing a KV head go
+    together, so each key and value row is read once for all of them; the exponentials run as a loop of their
+    own (vectorized). q and out are `[T, Hq, D]`; scratch: scores `[n, page_size]`, acc `[n, D]`, state `[2,
+    n]`."""
     group = scores.shape[0]
     page_size, head_dim = key_cache.shape[2], key_cache.shape[3]
     running_max, total = state[0], state[1]

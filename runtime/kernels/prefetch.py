@@ -3,8 +3,8 @@
 Decode attention reads each sequence's pages once, from memory rather than the caches (30 layers of KV
 pages do not fit in them). The hardware's prefetcher follows a page's rows but loses the stream at every
 jump to the next page, so the kernel alternates between waiting for memory and computing. Prefetching
-the next page's rows while computing on this one overlaps the two (docs/performance.md#paged-attention-kernels). numba has no prefetch of its own; this is
-LLVM's `llvm.prefetch` intrinsic (read, highest locality).
+the next page's rows while computing on this one overlaps the two (docs/performance.md#paged-attention-kernels).
+numba has no prefetch of its own; this is LLVM's `llvm.prefetch` intrinsic (read, highest locality).
 """
 
 from __future__ import annotations

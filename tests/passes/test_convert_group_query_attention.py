@@ -27,7 +27,8 @@ def _model(head_dim: int = 16, packed: bool = True, past: bool = True, rotary: b
             numpy_helper.from_array(np.array(1, np.int64), "one_scalar"),
             numpy_helper.from_array(np.array(1, np.int32), "one_int32")]
     if packed:
-        init.append(numpy_helper.from_array((0.3 * RNG.standard_normal((HIDDEN, sum(widths.values())))).astype(np.float32), "wqkv"))
+        packed_weight = (0.3 * RNG.standard_normal((HIDDEN, sum(widths.values())))).astype(np.float32)
+        init.append(numpy_helper.from_array(packed_weight, "wqkv"))
         nodes = [helper.make_node("MatMul", ["x", "wqkv"], ["qkv"])]
         qkv = ["qkv", "", ""]
     else:
