@@ -12,6 +12,8 @@ from cli.cann_run import cli as cann_run
 from cli.quant import cli as quant
 from runtime.engine.config import EngineConfig
 
+pytestmark = pytest.mark.unit
+
 SUBCOMMANDS = sorted(cann_run.commands)
 
 

@@ -8,6 +8,8 @@ from compiler.config import CompileConfig, parse_input_shape
 from compiler.fusion_switch import is_enabled, parse_fusion_switch_file
 from runtime.errors import AtcError
 
+pytestmark = pytest.mark.unit
+
 BASE = dict(model="m.onnx", framework="5", output="out", soc_version="Ascend910B")
 
 

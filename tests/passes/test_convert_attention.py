@@ -9,6 +9,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from passes.convert_attention import ConvertAttention
 
+pytestmark = pytest.mark.unit
+
 B, S, P, HIDDEN, HEADS, KV_HEADS, D = 2, 5, 3, 32, 4, 2, 8
 RNG = np.random.default_rng(7)
 

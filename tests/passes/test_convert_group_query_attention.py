@@ -10,6 +10,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from passes.convert_group_query_attention import ConvertGroupQueryAttention
 
+pytestmark = pytest.mark.unit
+
 B, S, P, HIDDEN, HEADS, KV_HEADS = 2, 5, 3, 32, 4, 2
 RNG = np.random.default_rng(11)
 

@@ -10,6 +10,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from passes.convert_multi_head_attention import ConvertMultiHeadAttention
 
+pytestmark = pytest.mark.unit
+
 B, S, P, HIDDEN, HEADS, D = 2, 4, 3, 32, 2, 16
 RNG = np.random.default_rng(5)
 

@@ -25,6 +25,8 @@ from passes.match_attention import (
 from passes.match_rotary import match_rotary
 from runtime.lowering import Builder, rotary_embedding
 
+pytestmark = pytest.mark.unit
+
 B, KV, T, D = 2, 2, 5, 4
 RNG = np.random.default_rng(0)
 

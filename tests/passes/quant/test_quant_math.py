@@ -11,6 +11,8 @@ from passes.quant.math import quantize_blockwise, split_float_zeros
 from passes.quant.search import gptq_quantize
 from runtime.kernels.matmul_nbits_layout import dequantize_blockwise, pack_matmul_nbits, unpack_matmul_nbits
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("symmetric", [True, False])

@@ -14,6 +14,8 @@ from passes.quant.math import quantize_blockwise
 from passes.quant.quantize_weights import QuantizeWeights
 from runtime.kernels.matmul_nbits_layout import dequantize_blockwise
 
+pytestmark = pytest.mark.unit
+
 K, N = 96, 40
 RNG = np.random.default_rng(5)
 WEIGHT = (0.1 * RNG.standard_normal((K, N))).astype(np.float32)
