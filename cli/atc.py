@@ -21,6 +21,7 @@ from cli.common_options import LOG_LEVELS
 from compiler.config import CompileConfig
 from runtime.artifact import OmFile
 from runtime.errors import AtcError
+from runtime.safe_files import write_bytes
 
 START = "ATC start working now, please wait for a moment."
 SUCCESS = "ATC run success, welcome to the next use."
@@ -192,10 +193,10 @@ def _dump_json(cfg: CompileConfig) -> None:
     else:
         om = OmFile(cfg.om)
         if target.suffix == ".onnx":
-            _write_atomic(target, om.graph().SerializeToString())
+            write_bytes(target, om.graph().SerializeToString())
             return
         document = om_json(om)
-    _write_atomic(target, (json.dumps(document, indent=2, ensure_ascii=False) + "\n").encode())
+    write_bytes(target, (json.dumps(document, indent=2, ensure_ascii=False) + "\n").encode())
 
 
 def _precheck(cfg: CompileConfig) -> None:
@@ -209,18 +210,6 @@ def _precheck(cfg: CompileConfig) -> None:
     unsupported = unsupported_types(records)
     if unsupported:
         raise AtcError("E16002", ", ".join(unsupported), reason=f"details in {cfg.check_report}")
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    if not path.parent.is_dir():
-        raise AtcError("E13004", path, f"the directory {path.parent} does not exist")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except OSError as error:
-        tmp.unlink(missing_ok=True)
-        raise AtcError("E13004", path, error.strerror) from None
 
 
 def main() -> None:

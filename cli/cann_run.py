@@ -29,6 +29,7 @@ from runtime.errors import AtcError
 from runtime.executor import BACKENDS, Executor
 from runtime.feeds import causal_lm_inputs, made_up_inputs, parse_shapes, read_input_files
 from runtime.loader import LoadedModel, load_artifact
+from runtime.safe_files import atomic_writer, make_dir, write_text
 
 
 class _RunByDefault(click.Group):
@@ -69,16 +70,17 @@ def _summary_lines(stats: dict, batch: int) -> list[str]:
 
 
 def _save_outputs(outputs: dict[str, np.ndarray], folder: Path, prefix: str, outfmt: str) -> list[str]:
-    folder.mkdir(parents=True, exist_ok=True)
+    make_dir(folder)
     written = []
     for index, array in enumerate(outputs.values()):
         path = folder / f"{prefix}_{index}.{outfmt.lower()}"
-        if outfmt == "NPY":
-            np.save(path, array)
-        elif outfmt == "BIN":
-            array.tofile(path)
-        else:
-            np.savetxt(path, array.reshape(-1, array.shape[-1]) if array.ndim > 1 else array.reshape(1, -1))
+        with atomic_writer(path) as handle:
+            if outfmt == "NPY":
+                np.save(handle, array)
+            elif outfmt == "BIN":
+                array.tofile(handle)
+            else:
+                np.savetxt(handle, array.reshape(-1, array.shape[-1]) if array.ndim > 1 else array.reshape(1, -1))
         written.append(str(path))
     return written
 
@@ -154,7 +156,7 @@ def run_command(model, input_files, output, output_dirname, outfmt, loop, warmup
         summary = {"model": model, "backend": backend, "loop": loop, "warmup_count": warmup_count,
                    "batchsize": batchsize, "NPU_compute_time": stats, "throughput": 1000 * batchsize / stats["mean"],
                    "outputs": {k: list(v.shape) for k, v in outputs.items()}, "files": files}
-        (Path(output) / f"{name}_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_text(Path(output) / f"{name}_summary.json", json.dumps(summary, indent=2) + "\n")
         click.echo(f"[INFO] output path:{Path(output) / name}")
 
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import click
+
+from runtime.safe_files import write_text
 
 
 def write_json(path: str, document: dict) -> None:
@@ -14,4 +15,4 @@ def write_json(path: str, document: dict) -> None:
     if path == "-":
         click.echo(text, nl=False)
     else:
-        Path(path).write_text(text)
+        write_text(path, text)

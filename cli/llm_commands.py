@@ -6,13 +6,13 @@ import json
 import sys
 from dataclasses import fields
 from functools import wraps
-from pathlib import Path
 
 import click
 
 from cli.loading import loading
 from runtime.engine.config import EngineConfig
 from runtime.errors import AtcError
+from runtime.safe_files import write_text
 
 
 def _engine_option(item):
@@ -125,7 +125,7 @@ def generate_command(prompt, chat_template, json_path, **kwargs) -> None:
     click.echo(_stats_line(request), err=True)
     if json_path:
         stats = request.stats
-        Path(json_path).write_text(json.dumps({
+        write_text(json_path, json.dumps({
             "text": request.text, "finish_reason": request.finish_reason, "prompt_tokens": stats.prompt_tokens,
             "cached_tokens": stats.cached_tokens, "output_tokens": stats.output_tokens, "ttft_s": stats.ttft_s,
             "total_s": stats.total_s, "output_ids": request.output_ids}, indent=2) + "\n")

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import ContextManager
@@ -36,6 +37,7 @@ from passes.quant.staged_calibration import StagedStatistics
 from passes.upgrade_opset import upgrade_opset
 from runtime.errors import AtcError
 from runtime.progress import note
+from runtime.safe_files import refuse_symlink, write_text
 
 
 def quantize_to_qdq(model_path: Path, cfg: QuantConfig, out_dir: Path, progress: bool = False) -> dict:
@@ -65,7 +67,7 @@ def quantize_to_qdq(model_path: Path, cfg: QuantConfig, out_dir: Path, progress:
               "quantized": quantizer.layers, "skipped": result.rejections}
     start = time.perf_counter()
     _save(gs.export_onnx(graph), out_dir)
-    (out_dir / "quant_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_text(out_dir / "quant_report.json", json.dumps(report, indent=2) + "\n")
     for name in TOKENIZER_FILES:
         if (model_path.parent / name).is_file():
             shutil.copyfile(model_path.parent / name, out_dir / name)
@@ -100,13 +102,13 @@ def _fused_statistics(model_path: Path, cfg: QuantConfig, progress: bool) -> Con
 
 def _save(model: onnx.ModelProto, out_dir: Path) -> None:
     """model.onnx + model.onnx.data, written under temporary names and then renamed."""
-    tmp = out_dir / f".quant-{os.getpid()}"
-    tmp.mkdir()
+    targets = [refuse_symlink(out_dir / name) for name in ("model.onnx.data", "model.onnx")]
+    tmp = Path(tempfile.mkdtemp(dir=out_dir, prefix=".quant-"))
     try:
         onnx.save(model, str(tmp / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
                   location="model.onnx.data", size_threshold=1024)
-        os.replace(tmp / "model.onnx.data", out_dir / "model.onnx.data")
-        os.replace(tmp / "model.onnx", out_dir / "model.onnx")
+        for target in targets:
+            os.replace(tmp / target.name, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

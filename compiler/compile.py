@@ -26,6 +26,7 @@ from passes.weight_memory import detach_weights
 from runtime.artifact import write_artifact
 from runtime.errors import AtcError
 from runtime.progress import note
+from runtime.safe_files import refuse_symlink
 from runtime.signature import io_signature, is_dynamic, llm_dimensions
 
 log = logging.getLogger("atc")
@@ -42,6 +43,7 @@ class CompileResult:
 
 
 COLLECT_FROM_BYTES = 64 << 20
+FUSION_RESULT = "fusion_result.json"
 
 
 def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResult:
@@ -89,8 +91,14 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
                    "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import}},
         "pass_report": report.as_dict(),
     }
-    size = write_artifact(output, lowered, metadata, tokenizer_files(cfg), detached)
-    report.write_fusion_result(output.parent / "fusion_result.json")
+    # the side output first: a run that cannot write it fails before a new .om exists
+    fusion_result = output.parent / FUSION_RESULT
+    report.write_fusion_result(fusion_result)
+    try:
+        size = write_artifact(output, lowered, metadata, tokenizer_files(cfg), detached)
+    except BaseException:
+        fusion_result.unlink(missing_ok=True)
+        raise
     note(f"write: {output.name}, {size / 2**20:.1f} MiB, {time.perf_counter() - start:.2f} s", enabled=progress)
     return CompileResult(output=output, size=size, report=report, metadata=metadata)
 
@@ -105,7 +113,10 @@ def lower(graph: gs.Graph, source: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _check_writable(output: Path) -> None:
+    """Refuse, before any work, an output the write would refuse at the end."""
     folder = output.parent
+    refuse_symlink(output)
+    refuse_symlink(folder / FUSION_RESULT)
     if not folder.is_dir():
         raise AtcError("E13004", output, f"the directory {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):

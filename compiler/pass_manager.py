@@ -14,6 +14,7 @@ import onnx_graphsurgeon as gs
 from compiler.fusion_switch import is_enabled
 from passes.base import Pass
 from runtime.progress import note
+from runtime.safe_files import write_text
 
 log = logging.getLogger("atc")
 
@@ -58,7 +59,7 @@ class PassReport:
         return {"session_and_graph_id_0_0": {"graph_fusion": graph_fusion, "ub_fusion": {}}}
 
     def write_fusion_result(self, path: Path) -> None:
-        path.write_text(json.dumps(self.fusion_result(), indent=4) + "\n", encoding="utf-8")
+        write_text(path, json.dumps(self.fusion_result(), indent=4) + "\n")
 
 
 def run_passes(graph: gs.Graph, passes: list[Pass], switches: dict[str, bool],

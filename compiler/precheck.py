@@ -12,6 +12,7 @@ from pathlib import Path
 import onnx_graphsurgeon as gs
 
 from runtime.kernels import supports
+from runtime.safe_files import write_text
 
 OK, TYPE_UNSUPPORTED = 0, 1
 
@@ -41,4 +42,4 @@ def write_check_report(path: Path, model_name: str, records: list[dict]) -> None
     failed = sum(r["result"] != "success" for r in records)
     report = {"name": model_name, "result": "failed" if failed else "success", "total": len(records),
               "pass": len(records) - failed, "fail": failed, "op": records}
-    path.write_text(json.dumps(report, indent=4) + "\n", encoding="utf-8")
+    write_text(path, json.dumps(report, indent=4) + "\n")

@@ -1,7 +1,12 @@
-"""The tokenizer files that travel with a model: found by `--tokenizer` or beside the ONNX file."""
+"""The tokenizer files that travel with a model: found by `--tokenizer` or beside the ONNX file.
+
+Each file must resolve inside that folder: a `tokenizer.json` symlinked to a file elsewhere (another
+user's, or /etc/shadow) would otherwise be read and embedded in an artifact that is then handed on.
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from compiler.config import CompileConfig
@@ -9,13 +14,34 @@ from runtime.errors import AtcError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
+JSON_FILES = frozenset(name for name in TOKENIZER_FILES if name.endswith(".json"))
 
 
 def tokenizer_files(cfg: CompileConfig) -> dict[str, str]:
-    """Tokenizer files from `--tokenizer`, else from beside the model, else none."""
+    """Tokenizer files from `--tokenizer`, else from beside the model, else none; each read as UTF-8 from
+    inside the folder (E13001 otherwise) and, for the JSON ones, parsed (E10032 otherwise)."""
     folder = Path(cfg.tokenizer) if cfg.tokenizer else Path(cfg.model).parent
     if not (folder / "tokenizer.json").is_file():
         if cfg.tokenizer:
             raise AtcError("E10001", cfg.tokenizer, "--tokenizer", "The directory has no tokenizer.json.")
         return {}
-    return {name: (folder / name).read_text(encoding="utf-8") for name in TOKENIZER_FILES if (folder / name).is_file()}
+    return {name: _read_inside(folder, name) for name in TOKENIZER_FILES if (folder / name).is_file()}
+
+
+def _read_inside(folder: Path, name: str) -> str:
+    path = folder / name
+    real = path.resolve()
+    if real.parent != folder.resolve():
+        raise AtcError("E13001", path, f"the file resolves to {real}, outside the model folder {folder}")
+    try:
+        text = real.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise AtcError("E13001", path, f"the file is not UTF-8 text: {error}") from None
+    except OSError as error:
+        raise AtcError("E13001", path, error.strerror) from None
+    if name in JSON_FILES:
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as error:
+            raise AtcError("E10032", path, error) from None
+    return text

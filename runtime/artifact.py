@@ -31,6 +31,7 @@ import onnx
 from onnx import numpy_helper
 
 from runtime.errors import AtcError
+from runtime.safe_files import atomic_writer
 
 MAGIC = 0x444F4D49
 HEADER_SIZE = 256
@@ -126,31 +127,23 @@ def write_artifact(path: str | os.PathLike, model: onnx.ModelProto, metadata: di
         blobs.append((Partition.TOKENIZER, json.dumps(tokenizer_files, sort_keys=True, ensure_ascii=False).encode(), 0))
     table_end = HEADER_SIZE + _TABLE_HEAD.size + _ENTRY.size * len(blobs)
     data_start = _align(table_end)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as handle:
-            handle.write(b"\0" * data_start)
-            entries = []
-            for kind, data, size in blobs:
-                start = _align(handle.tell())
-                handle.write(b"\0" * (start - handle.tell()))
-                if data is None:
-                    crc = _write_weights(handle, placed, start, size)
-                else:
-                    handle.write(data)
-                    crc, size = zlib.crc32(data), len(data)
-                entries.append(_ENTRY.pack(kind, crc, start - table_end, size))
-            end = handle.tell()
-            table = _TABLE_HEAD.pack(len(entries)) + b"".join(entries)
-            header = _pack_header(metadata, end - HEADER_SIZE, hashlib.sha256(table).digest())
-            handle.seek(0)
-            handle.write(header + table)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_writer(path) as handle:
+        handle.write(b"\0" * data_start)
+        entries = []
+        for kind, data, size in blobs:
+            start = _align(handle.tell())
+            handle.write(b"\0" * (start - handle.tell()))
+            if data is None:
+                crc = _write_weights(handle, placed, start, size)
+            else:
+                handle.write(data)
+                crc, size = zlib.crc32(data), len(data)
+            entries.append(_ENTRY.pack(kind, crc, start - table_end, size))
+        end = handle.tell()
+        table = _TABLE_HEAD.pack(len(entries)) + b"".join(entries)
+        header = _pack_header(metadata, end - HEADER_SIZE, hashlib.sha256(table).digest())
+        handle.seek(0)
+        handle.write(header + table)
     return path.stat().st_size
 
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Callable
 
+# first: numba reads its cache directory when it is first imported
+from runtime.kernels import numba_cache  # noqa: F401
 from runtime.ops import CUSTOM_DOMAIN, Op
 
 Kernel = Callable[..., object]

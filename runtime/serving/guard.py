@@ -9,6 +9,8 @@ import threading
 import time
 from pathlib import Path
 
+from runtime.safe_files import open_append
+
 
 def key_id(key: str | None) -> str:
     """A stable, non-reversible name for a key in logs (never the key itself)."""
@@ -25,7 +27,7 @@ class Guard:
         self.used: dict[str, int] = {}
         self.blocked_terms = tuple(line.strip() for line in Path(blocklist).read_text(encoding="utf-8").splitlines()
                                    if line.strip()) if blocklist else ()
-        self._audit = open(audit_log, "a", encoding="utf-8") if audit_log else None
+        self._audit = open_append(audit_log) if audit_log else None
         self._lock = threading.Lock()
 
     def authorise(self, header: str | None) -> tuple[str | None, str | None]:

@@ -162,6 +162,6 @@ def test_a_missing_file_is_refused(tmp_path):
 def test_a_failed_write_leaves_no_partial_file(tmp_path):
     target = tmp_path / "m.om"
     target.mkdir()  # the final rename fails after every byte was written
-    with pytest.raises(OSError):
+    with pytest.raises(AtcError, match="E13004"):
         write_artifact(target, _model(), {"name": "m"})
     assert [p.name for p in tmp_path.iterdir()] == ["m.om"] and target.is_dir()
