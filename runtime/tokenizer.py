@@ -17,6 +17,7 @@ class TextTokenizer:
             raise AtcError("E10001", "tokenizer", "--model",
                            "The model was compiled without a tokenizer; recompile with atc --tokenizer=DIR.")
         self._tokenizer = Tokenizer.from_str(files["tokenizer.json"])
+        self._max_token_chars: int | None = None
         config = json.loads(files.get("tokenizer_config.json", "{}"))
         self.add_bos = bool(config.get("add_bos_token", False))
         self.bos_token = _content(config.get("bos_token"))
@@ -40,6 +41,13 @@ class TextTokenizer:
         if self.add_bos and bos is not None and (not ids or ids[0] != bos):
             ids = [bos] + ids
         return ids
+
+    @property
+    def max_token_chars(self) -> int:
+        """Characters of the longest string in the vocabulary: a text has at least len(text) / this tokens."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(map(len, self._tokenizer.get_vocab()), default=1)
+        return self._max_token_chars
 
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`, special tokens dropped."""

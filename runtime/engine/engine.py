@@ -39,6 +39,10 @@ _DONE = object()
 UTILISATION_SAMPLES = 100_000
 
 
+class GenerationFailed(RuntimeError):
+    """A request the engine could not finish: its step failed for it (its batch-mates went on)."""
+
+
 @dataclass
 class Request:
     """A submitted request: its sequence, the text so far, and ways to wait for it or cancel it."""
@@ -146,6 +150,7 @@ class LLMEngine:
         metadata = self.loaded.metadata
         self.dims = metadata["model"]
         self.max_context_len = max_context_len
+        self.vocab_size = int(self.dims["vocab_size"])
         files = self.loaded.om.tokenizer_files()
         self.tokenizer = TextTokenizer(files) if "tokenizer.json" in files else None
         self._chat_template: ChatTemplate | None = None
@@ -180,11 +185,7 @@ class LLMEngine:
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, **kwargs) -> Request:
         """Queue one request (text, or token ids); returns its handle at once."""
         params = params or SamplingParams(**kwargs)
-        ids = self._encode(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if len(ids) >= self.max_context_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; max_context_len is {self.max_context_len}")
+        ids = self.encode(prompt)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         seq = Sequence(list(ids), params, eos)
         detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer else None
@@ -275,10 +276,9 @@ class LLMEngine:
                 continue
             try:
                 self.step()
-            except Exception as error:  # a failed step fails its requests, never the caller's thread
-                for request in list(self._requests.values()):
-                    self.scheduler.abort(request.seq, "error")
-                    self._complete(request, error)
+            except Exception as error:  # no one sequence's fault (step isolates those): fail the step's
+                for seq in list(self.scheduler.running) or list(self.scheduler.waiting)[:1]:
+                    self._fail(seq, error)  # the one being admitted, if none ran: the next step progresses
 
     def _drain_inbox(self) -> None:
         while True:
@@ -314,19 +314,51 @@ class LLMEngine:
         self.runner.copy_pages(self.blocks.pending_copies)
         self.blocks.pending_copies.clear()
         self._sample_utilisation(batch)
-        logits = self.runner.run(batch)
+        outcomes = self._run(batch)
         self.stats.steps += 1
-        row = 0
-        for seq, count in zip(batch.seqs, batch.num_tokens):
-            rows = logits[row:row + 1 + len(seq.draft)]
-            row += len(rows)
-            if seq.finished or seq.num_computed + count < len(seq.token_ids):
-                continue  # a prefill chunk that did not reach the end of the prompt
-            self._sample(seq, rows)
-        self.scheduler.account(batch)
+        done = ScheduledBatch()
+        for seq, count, outcome in zip(batch.seqs, batch.num_tokens, outcomes):
+            try:
+                if isinstance(outcome, Exception):
+                    raise outcome
+                if not seq.finished and seq.num_computed + count >= len(seq.token_ids):
+                    self._sample(seq, outcome)  # not for a prefill chunk short of the prompt's end
+            except Exception as error:  # this sequence's inputs or settings: only it fails
+                self._fail(seq, error)
+                continue
+            done.seqs.append(seq)
+            done.num_tokens.append(count)
+        self.scheduler.account(done)
         for seq in self.scheduler.retire():
             self.runner.release(seq)
             self._complete(self._requests[seq.seq_id])
+
+    def _run(self, batch: ScheduledBatch) -> list[np.ndarray | Exception]:
+        """Each sequence's logits rows (one, plus one per draft token), or the error that running it raised.
+
+        A batch that fails is run again one sequence at a time, so the one that broke it fails alone:
+        each rerun writes the same keys and values to the same slots, and the others go on unchanged.
+        """
+        try:
+            logits = self.runner.run(batch)
+        except Exception as error:
+            if len(batch.seqs) == 1:
+                return [error]
+            return [self._run(ScheduledBatch([seq], [count]))[0] for seq, count in zip(batch.seqs, batch.num_tokens)]
+        rows, start = [], 0
+        for seq in batch.seqs:
+            rows.append(logits[start:start + 1 + len(seq.draft)])
+            start += len(rows[-1])
+        return rows
+
+    def _fail(self, seq: Sequence, error: Exception) -> None:
+        """End `seq` with finish reason "error": its pages freed, its caller given a `GenerationFailed`."""
+        self.scheduler.abort(seq, "error")
+        self.runner.release(seq)
+        request = self._requests.get(seq.seq_id)
+        if request is not None:
+            failure = GenerationFailed(f"request {seq.seq_id} failed: {type(error).__name__}: {error}")
+            self._complete(request, failure)
 
     def _draft(self) -> None:
         """Give each decoding sequence a draft to verify, while the batch is small enough to gain from it."""
@@ -406,10 +438,35 @@ class LLMEngine:
             self._chat_template = ChatTemplate(self.loaded.om.tokenizer_files())
         return self._chat_template
 
-    def _encode(self, prompt: str | list[int]) -> list[int]:
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """The token ids `submit` would run for `prompt`; ValueError for one it would refuse: empty, not
+        valid UTF-8, ids outside [0, vocab_size), or not shorter than `max_context_len` (a text is bounded
+        by its length in characters before it is tokenized)."""
         if isinstance(prompt, str):
-            return self._require_tokenizer().encode(prompt)
-        return [int(t) for t in prompt]
+            ids = self._encode_text(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_context_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_context_len is {self.max_context_len}")
+        return ids
+
+    def _encode_text(self, text: str) -> list[int]:
+        tokenizer = self._require_tokenizer()
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ValueError(f"the prompt is not valid UTF-8 (a lone surrogate at character {error.start})") from None
+        # no token is longer than the longest string of the vocabulary: a longer text cannot fit
+        most = self.max_context_len * tokenizer.max_token_chars
+        if len(text) > most:
+            raise ValueError(f"the prompt has {len(text)} characters; at most {most} can fit in max_context_len "
+                             f"({self.max_context_len}) tokens")
+        return tokenizer.encode(text)
 
     def _require_tokenizer(self) -> TextTokenizer:
         if self.tokenizer is None:

@@ -18,7 +18,8 @@ def apply_repetition_penalty(logits: np.ndarray, seen, penalty: float) -> np.nda
     seen = np.asarray(seen)  # the whole history: converted only when a penalty reads it
     out = logits.copy()
     picked = out[seen]
-    out[seen] = np.where(picked > 0, picked / penalty, picked * penalty)
+    with np.errstate(all="ignore"):  # an overflow to inf is the caller's to refuse (see sample_token)
+        out[seen] = np.where(picked > 0, picked / penalty, picked * penalty)
     return out
 
 
@@ -47,5 +48,8 @@ def sample_token(logits: np.ndarray, params: SamplingParams, seen, rng: np.rando
     logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     if params.greedy:
         return int(np.argmax(logits))
-    probs = probabilities(logits, params)
+    with np.errstate(all="ignore"):  # a distribution that overflowed is refused below, not warned about
+        probs = probabilities(logits, params)
+    if not np.isfinite(probs).all():
+        raise ValueError("the sampling distribution is not finite (the logits overflowed under these settings)")
     return int(rng.choice(len(probs), p=probs))
