@@ -8,6 +8,7 @@ protobuf's 2 GiB limit load like any other.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from pathlib import Path
@@ -19,6 +20,7 @@ from google.protobuf.message import DecodeError
 from onnx import external_data_helper, helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
+from compiler.model_checks import check_model
 from runtime.artifact import SUB_BYTE_TYPES
 from runtime.errors import AtcError
 from runtime.proto_utils import initializers_as_inputs
@@ -38,14 +40,13 @@ def load_onnx(path: str | os.PathLike, external_data: bool = True) -> onnx.Model
         if model.ByteSize() == 0 or not model.HasField("graph"):
             raise AtcError("E10041", path, reason="the file holds no ONNX model (empty or not a ModelProto)")
         raise AtcError("E16004")
+    # checked before the external data is read: the proto stays small (under protobuf's 2 GiB) whatever the
+    # weights weigh, and no size below is computed from an unchecked shape
+    check_model(model, _without_onnxruntime_default_ops(initializers_as_inputs(model)), path)
     _check_external_data(model, path.parent)
     if external_data:
         external_data_helper.load_external_data_for_model(model, str(path.parent))
     _check_tensor_sizes(model, path)
-    try:
-        onnx.checker.check_model(_without_onnxruntime_default_ops(initializers_as_inputs(model)))
-    except onnx.checker.ValidationError as error:
-        raise AtcError("E10041", path, reason=f"the ONNX checker refused the model: {str(error).strip()}") from None
     return model
 
 
@@ -92,7 +93,7 @@ def weight_bytes(model: onnx.ModelProto) -> int:
 
 
 def _expected_bytes(tensor: onnx.TensorProto) -> int:
-    count = int(np.prod(tensor.dims, dtype=np.int64))
+    count = math.prod(tensor.dims)  # Python ints: a product of hostile dims must not wrap around
     if tensor.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
         return (count + 1) // 2
     return count * np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize

@@ -1,0 +1,110 @@
+"""What a model must satisfy before any pass sees it: onnx's checker with strict shape inference, and the
+limits of what we can run. Each violation is E10041 naming the tensor, the opset or the node.
+
+Limits, and why these numbers:
+- ai.onnx opsets from 7 (the oldest onnxruntime loads) to the newest both onnx and onnxruntime know: an
+  opset beyond them has no schema to check against and no kernel to run (opset 99 once compiled).
+- rank at most 64: numpy's NPY_MAXDIMS, so a tensor of higher rank cannot even become an array.
+- a dimension at most 2^31 - 1: no real model comes near it (vocabularies ~2^18, contexts ~2^20), and
+  a few such dimensions multiplied for a size overflow int64, where a size check would then pass.
+- no negative dimension: ONNX writes an unknown size as a named dim_param, never as a number.
+- no string tensors as weights or inputs, and integer `input_ids`: no kernel of ours takes anything else.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterator
+
+import onnx
+from onnx import TensorProto
+
+from runtime.errors import AtcError
+
+MIN_OPSET = 7
+MAX_RANK = 64
+MAX_DIM = 2**31 - 1
+UNRUNNABLE_TYPES = {TensorProto.UNDEFINED: "undefined", TensorProto.STRING: "string"}
+INTEGER_INPUTS = {"input_ids": (TensorProto.INT32, TensorProto.INT64)}
+
+
+@lru_cache(maxsize=1)
+def supported_opsets() -> dict[str, tuple[int, int]]:
+    """{domain: (lowest, highest)} opset of the default domain: from 7 to onnx's newest, capped by the
+    newest onnxruntime registers a CPU kernel for."""
+    from onnxruntime.capi import _pybind_state
+
+    newest = max(kernel.version_range[0] for kernel in _pybind_state.get_all_opkernel_def()
+                 if kernel.provider == "CPUExecutionProvider" and kernel.domain == "")
+    return {"ai.onnx": (MIN_OPSET, min(onnx.defs.onnx_opset_version(), newest))}
+
+
+def check_model(model: onnx.ModelProto, checked: onnx.ModelProto, path: Path) -> None:
+    """Refuse `model` (as loaded, external data left on disk) with E10041 when it breaks a limit above or
+    when `checked` (the form onnx's checker can read: initializers as inputs, onnxruntime's default-domain
+    extras moved aside) fails `onnx.checker.check_model(full_check=True)`."""
+    _check_opsets(model, path)
+    _check_tensors(model.graph, path)
+    # value_info holds an exporter's shape hints, which we infer again; onnxruntime-genai's builder writes
+    # some that disagree with the ops (a scalar annotation on a [1] constant), and they change nothing run
+    del checked.graph.value_info[:]
+    try:
+        onnx.checker.check_model(checked, full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
+        raise AtcError("E10041", path, reason=f"the ONNX checker refused the model: {str(error).strip()}") from None
+
+
+def _check_opsets(model: onnx.ModelProto, path: Path) -> None:
+    ranges = supported_opsets()
+    for opset in model.opset_import:
+        domain = opset.domain or "ai.onnx"
+        if domain in ranges and not ranges[domain][0] <= opset.version <= ranges[domain][1]:
+            low, high = ranges[domain]
+            raise AtcError("E10041", path, reason=f"the model imports {domain} opset {opset.version}; "
+                                                  f"supported are opsets {low} to {high}")
+
+
+def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    yield graph
+    for node in graph.node:
+        for attribute in node.attribute:
+            for sub in (attribute.g,) if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs:
+                yield from _graphs(sub)
+
+
+def _check_tensors(graph: onnx.GraphProto, path: Path) -> None:
+    for g in _graphs(graph):
+        for tensor in g.initializer:
+            _check_dims(path, f"weight {tensor.name}", list(tensor.dims))
+            if tensor.data_type in UNRUNNABLE_TYPES:
+                raise AtcError("E10041", path, reason=f"weight {tensor.name} is a {UNRUNNABLE_TYPES[tensor.data_type]} "
+                                                      "tensor, which no kernel takes")
+        for info in (*g.input, *g.output, *g.value_info):
+            if info.type.HasField("tensor_type") and info.type.tensor_type.HasField("shape"):
+                dims = info.type.tensor_type.shape.dim
+                _check_dims(path, f"tensor {info.name}", [d.dim_value for d in dims if d.HasField("dim_value")],
+                            len(dims))
+    for info in graph.input:
+        if info.type.HasField("tensor_type"):
+            _check_input_type(path, info.name, info.type.tensor_type.elem_type)
+
+
+def _check_input_type(path: Path, name: str, elem_type: int) -> None:
+    if elem_type in UNRUNNABLE_TYPES:
+        raise AtcError("E10041", path, reason=f"input {name} is a {UNRUNNABLE_TYPES[elem_type]} tensor, "
+                                              "which no kernel takes")
+    allowed = INTEGER_INPUTS.get(name)
+    if allowed and elem_type not in allowed:
+        raise AtcError("E10041", path, reason=f"input {name} is {TensorProto.DataType.Name(elem_type).lower()}; "
+                                              "token ids must be int32 or int64")
+
+
+def _check_dims(path: Path, what: str, dims: list[int], rank: int | None = None) -> None:
+    rank = len(dims) if rank is None else rank
+    if rank > MAX_RANK:
+        raise AtcError("E10041", path, reason=f"{what} has rank {rank}; at most {MAX_RANK} is supported")
+    for dim in dims:
+        if dim < 0 or dim > MAX_DIM:
+            raise AtcError("E10041", path, reason=f"{what} has dimension {dim}; dimensions must be between 0 and "
+                                                  f"{MAX_DIM}")
