@@ -27,7 +27,8 @@ from cli.json_output import write_json
 from cli.loading import loading
 from runtime.errors import AtcError
 from runtime.executor import BACKENDS, Executor
-from runtime.feeds import causal_lm_inputs, made_up_inputs, parse_shapes, read_input_files
+from runtime.feeds import causal_lm_inputs, made_up_inputs, page_pool, parse_shapes, read_input_files
+from runtime.kernels.paged_attention import PagedInputError
 from runtime.loader import LoadedModel, load_artifact
 from runtime.safe_files import atomic_writer, make_dir, write_text
 
@@ -93,7 +94,12 @@ def _top_tokens(loaded: LoadedModel, executor: Executor, prompt: str, topk: int)
         raise AtcError("E10001", "--prompt", "--model", "the model is not a causal LM with input_ids and logits")
     tokenizer = TextTokenizer(loaded.om.tokenizer_files())
     ids = np.asarray([tokenizer.encode(prompt)], dtype=np.int64)
-    logits = executor.run(causal_lm_inputs(loaded.metadata["signature"], dims, ids), ["logits"])["logits"][0, -1]
+    page_size = loaded.kv_cache.get("page_size")
+    feeds = causal_lm_inputs(loaded.metadata["signature"], dims, ids, page_size=page_size)
+    kv_cache = page_pool(loaded.metadata, feeds) if loaded.paged else None
+    logits = executor.run(feeds, ["logits"], kv_cache=kv_cache)["logits"]
+    # the last position's row: [1, S, V] from a contiguous artifact, [1, V] (one sequence) from a paged one
+    logits = logits.reshape(-1, logits.shape[-1])[-1]
     probs = np.exp(logits - logits.max())
     probs /= probs.sum()
     order = np.argsort(-logits, kind="stable")[:topk]
@@ -101,6 +107,14 @@ def _top_tokens(loaded: LoadedModel, executor: Executor, prompt: str, topk: int)
     lines += [f"  {rank}. {tokenizer.token_text(int(t))!r:<16} id={int(t):<6} p={probs[t]:.4f} logit={logits[t]:.3f}"
               for rank, t in enumerate(order, 1)]
     return lines
+
+
+def _run_once(executor: Executor, feeds: dict[str, np.ndarray], kv_cache) -> dict[str, np.ndarray]:
+    """One forward pass; attention metadata the kernels refuse (from --input files) is the user's error."""
+    try:
+        return executor.run(feeds, kv_cache=kv_cache)
+    except PagedInputError as error:
+        raise AtcError("E10001", "attention metadata", "--input", str(error)) from None
 
 
 @cli.command("run")
@@ -136,15 +150,18 @@ def run_command(model, input_files, output, output_dirname, outfmt, loop, warmup
     if input_files:
         feeds = read_input_files(input_files.split(","), signature, shapes)
     else:
-        feeds = made_up_inputs(signature, loaded.metadata.get("model", {}), shapes, pure_data_type)
+        feeds = made_up_inputs(signature, loaded.metadata.get("model", {}), shapes, pure_data_type,
+                               page_size=loaded.kv_cache.get("page_size"))
+    # a paged artifact's keys and values live in a pool the runtime owns: one sized for the feeds' pages
+    kv_cache = page_pool(loaded.metadata, feeds) if loaded.paged else None
     for _ in range(warmup_count):
-        executor.run(feeds)
+        _run_once(executor, feeds, kv_cache)
     if warmup_count:
         click.echo(f"[INFO] warm up {warmup_count} done")
     times_ms = []
     for _ in range(loop):
         start = time.perf_counter()
-        outputs = executor.run(feeds)
+        outputs = _run_once(executor, feeds, kv_cache)
         times_ms.append((time.perf_counter() - start) * 1000)
     stats = _stats(times_ms)
     for line in _summary_lines(stats, batchsize):

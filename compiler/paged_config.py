@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass
 
 from runtime.errors import AtcError, invalid_value
+from runtime.ops import PAGE_SIZE_RANGE
 
-PAGE_SIZE_RANGE = (16, 512)
 _JSON_KEYS = ("page_size",)
 
 

@@ -18,8 +18,8 @@ import onnx_graphsurgeon as gs
 
 from passes.pattern import FusionPass, fused_node
 from passes.rotary_tables import NodeBuilder
+from runtime.ops import BLOCK_SIZES
 
-BLOCK_SIZES = (16, 32, 64, 128, 256)
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 INT8_ACTIVATIONS = 4
 

@@ -222,14 +222,24 @@ class OmFile:
             raise AtcError("E13015", self.path, f"the partition table is invalid ({count} partitions)")
         if hashlib.sha256(self._mm[HEADER_SIZE:table_end]).digest() != self.header.checksum:
             raise AtcError("E13015", self.path, "the partition table is corrupted (checksum mismatch)")
-        partitions = {}
+        partitions, spans = {}, []
         for index in range(count):
             kind, crc, offset, length = _ENTRY.unpack_from(self._mm, HEADER_SIZE + _TABLE_HEAD.size + _ENTRY.size * index)
             start = table_end + offset
             if start + length > size:
-                raise AtcError("E13015", self.path, f"partition {kind} runs past the end of the file")
+                raise AtcError("E13015", self.path, f"partition {kind} runs past the end of the file "
+                                                    f"(offset {offset}, size {length}, file {size} bytes)")
+            if start % ALIGN:
+                raise AtcError("E13015", self.path, f"partition {kind} starts at byte {start}, not {ALIGN}-byte aligned")
+            spans.append((start, start + length, kind))
             if kind in Partition._value2member_map_:
+                if Partition(kind) in partitions:
+                    raise AtcError("E13015", self.path, f"the {Partition(kind).name} partition appears twice")
                 partitions[Partition(kind)] = (start, length, crc)
+        spans.sort()
+        for (_, end, kind), (start, _, other) in zip(spans, spans[1:]):
+            if start < end:
+                raise AtcError("E13015", self.path, f"partitions {kind} and {other} overlap")
         return partitions
 
     def partition(self, kind: Partition) -> memoryview:
@@ -243,20 +253,32 @@ class OmFile:
 
     @property
     def metadata(self) -> dict:
-        """The metadata partition, parsed."""
-        return json.loads(bytes(self.partition(Partition.METADATA)))
+        """The metadata partition, parsed (its schema is runtime/artifact_schema.py's, checked by the loader)."""
+        return self._json(Partition.METADATA)
 
     def graph(self) -> onnx.ModelProto:
         """The graph with weights still external (references into the weights partition)."""
         model = onnx.ModelProto()
-        model.ParseFromString(bytes(self.partition(Partition.MODEL_DEF)))
+        try:
+            model.ParseFromString(bytes(self.partition(Partition.MODEL_DEF)))
+        except Exception as error:  # protobuf's DecodeError, or a RuntimeWarning-turned-error on recursion
+            raise AtcError("E13015", self.path, f"the MODEL_DEF partition is not an ONNX model ({error})") from None
         return model
 
     def tokenizer_files(self) -> dict[str, str]:
         """The tokenizer partition (file name → text); empty if the model was compiled without one."""
         if Partition.TOKENIZER not in self._partitions:
             return {}
-        return json.loads(bytes(self.partition(Partition.TOKENIZER)))
+        files = self._json(Partition.TOKENIZER)
+        if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+            raise AtcError("E13015", self.path, "the TOKENIZER partition is not an object of file names to texts")
+        return files
+
+    def _json(self, kind: Partition):
+        try:
+            return json.loads(bytes(self.partition(kind)))
+        except (ValueError, RecursionError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise AtcError("E13015", self.path, f"the {kind.name} partition is not JSON ({error})") from None
 
     def weights(self, model: onnx.ModelProto) -> dict[str, np.ndarray]:
         """Read-only numpy views into the mapped weights for every external initializer of `model`.
@@ -268,14 +290,44 @@ class OmFile:
         for tensor in model.graph.initializer:
             if tensor.data_location != onnx.TensorProto.EXTERNAL:
                 continue
-            info = {entry.key: entry.value for entry in tensor.external_data}
-            offset, nbytes = int(info["offset"]), int(info["length"])
-            if info.get("location") != WEIGHTS_LOCATION or offset + nbytes > length:
-                raise AtcError("E13015", self.path, f"tensor {tensor.name} points outside the weights partition")
-            if tensor.data_type in SUB_BYTE_TYPES:
-                views[tensor.name] = np.frombuffer(self._mm, dtype=np.uint8, count=nbytes, offset=base + offset)
-                continue
-            dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
-            views[tensor.name] = np.frombuffer(self._mm, dtype=dtype, count=nbytes // dtype.itemsize,
-                                               offset=base + offset).reshape(tuple(tensor.dims))
+            offset, nbytes, dtype = self._external_reference(tensor, length)
+            views[tensor.name] = np.frombuffer(self._mm, dtype=dtype, count=nbytes // dtype.itemsize, offset=base + offset)
+            if tensor.data_type not in SUB_BYTE_TYPES:
+                views[tensor.name] = views[tensor.name].reshape(tuple(tensor.dims))
         return views
+
+    def _external_reference(self, tensor: onnx.TensorProto, partition_length: int) -> tuple[int, int, np.dtype]:
+        """(offset, length, storage dtype) of an external tensor, each checked against the tensor and the
+        weights partition; sub-byte tensors are stored as packed uint8."""
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        where = f"tensor {tensor.name}"
+        if info.get("location") != WEIGHTS_LOCATION:
+            raise AtcError("E13015", self.path, f"{where}: external data location {info.get('location')!r} is not "
+                                                f"{WEIGHTS_LOCATION}")
+        try:
+            offset, nbytes = int(info["offset"]), int(info["length"])
+        except (KeyError, ValueError):
+            raise AtcError("E13015", self.path, f"{where}: external data offset and length must be integers") from None
+        if offset < 0 or nbytes < 0 or offset + nbytes > partition_length:
+            raise AtcError("E13015", self.path, f"{where}: external data [{offset}, {offset + nbytes}) is outside the "
+                                                f"weights partition ({partition_length} bytes)")
+        if offset % ALIGN:
+            raise AtcError("E13015", self.path, f"{where}: external data offset {offset} is not {ALIGN}-byte aligned")
+        if any(d < 0 for d in tensor.dims):
+            raise AtcError("E13015", self.path, f"{where}: negative dims {list(tensor.dims)}")
+        count = int(np.prod(tensor.dims, dtype=object)) if tensor.dims else 1
+        if tensor.data_type in SUB_BYTE_TYPES:
+            bits = 2 if "2" in onnx.TensorProto.DataType.Name(tensor.data_type) else 4
+            dtype, expected = np.dtype(np.uint8), -(-count * bits // 8)
+        else:
+            try:
+                dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
+            except (KeyError, TypeError, ValueError):
+                raise AtcError("E13015", self.path, f"{where}: data_type {tensor.data_type} has no storage") from None
+            if dtype.kind == "O":  # strings: no fixed-size storage to map
+                raise AtcError("E13015", self.path, f"{where}: data_type {tensor.data_type} cannot be external")
+            expected = count * dtype.itemsize
+        if nbytes != expected:
+            raise AtcError("E13015", self.path, f"{where}: external data length {nbytes} is not the {expected} bytes "
+                                                f"of dims {list(tensor.dims)}")
+        return offset, nbytes, dtype

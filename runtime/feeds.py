@@ -11,10 +11,13 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.engine.kv_cache import PagePool
 from runtime.errors import AtcError
+from runtime.ops import paged_metadata_feeds
 
 DEFAULT_DIM = 1
 DEFAULT_SEQ = 16
+MAX_POOL_BYTES = 1 << 36  # a pool for `cann-run run`: virtual memory, backed only where pages are written
 
 
 def parse_shapes(text: str) -> dict[str, list[int]]:
@@ -69,8 +72,9 @@ def read_input_files(paths: list[str], signature: dict, shapes: dict[str, list[i
 
 
 def made_up_inputs(signature: dict, dims: dict, shapes: dict[str, list[int]], kind: str,
-                   seed: int = 0) -> dict[str, np.ndarray]:
-    """Zero or random inputs; a causal LM (non-empty `dims`) gets a consistent set."""
+                   seed: int = 0, page_size: int | None = None) -> dict[str, np.ndarray]:
+    """Zero or random inputs; a causal LM (non-empty `dims`) gets a consistent set. For a paged artifact
+    (`page_size`), `input_ids:B,S` in `shapes` means B sequences of S tokens each."""
     rng = np.random.default_rng(seed)
     if dims:
         batch, seq = shapes.get("input_ids", [DEFAULT_DIM, DEFAULT_SEQ])
@@ -79,7 +83,7 @@ def made_up_inputs(signature: dict, dims: dict, shapes: dict[str, list[int]], ki
             ids = np.zeros((batch, seq), np.int64)
         else:
             ids = rng.integers(0, dims["vocab_size"], (batch, seq), dtype=np.int64)
-        return causal_lm_inputs(signature, dims, ids, past, rng if kind == "random" else None)
+        return causal_lm_inputs(signature, dims, ids, past, rng if kind == "random" else None, page_size)
     feeds = {}
     for value in signature["inputs"]:
         shape, dtype = _shape(value, shapes), np.dtype(value["dtype"])
@@ -95,8 +99,14 @@ def made_up_inputs(signature: dict, dims: dict, shapes: dict[str, list[int]], ki
 
 
 def causal_lm_inputs(signature: dict, dims: dict, ids: np.ndarray, past: int = 0,
-                     rng: np.random.Generator | None = None) -> dict[str, np.ndarray]:
-    """Feeds for token `ids` [batch, seq] after `past` cached positions (zeros, or random with `rng`)."""
+                     rng: np.random.Generator | None = None, page_size: int | None = None) -> dict[str, np.ndarray]:
+    """Feeds for token `ids` [batch, seq] after `past` cached positions (zeros, or random with `rng`).
+
+    A paged artifact (`page_size` given) takes each row as one sequence of its flattened step, with the
+    attention metadata for pages numbered from 0 (`page_pool` makes a pool that holds them).
+    """
+    if page_size is not None:
+        return _paged_inputs(signature, ids, past, page_size)
     batch, seq = ids.shape
     names = {value["name"]: value for value in signature["inputs"]}
     feeds = {"input_ids": ids}
@@ -112,3 +122,31 @@ def causal_lm_inputs(signature: dict, dims: dict, ids: np.ndarray, past: int = 0
             dtype = np.dtype(names[name]["dtype"])
             feeds[name] = (rng.standard_normal(shape).astype(dtype) if rng is not None else np.zeros(shape, dtype))
     return feeds
+
+
+def _paged_inputs(signature: dict, ids: np.ndarray, past: int, page_size: int) -> dict[str, np.ndarray]:
+    batch, seq = ids.shape
+    context = past + seq
+    pages = -(-context // page_size)
+    tables = np.arange(batch * pages, dtype=np.int64).reshape(batch, pages)
+    positions = np.arange(past, context)
+    slots = (tables[:, positions // page_size] * page_size + positions % page_size).reshape(-1)
+    feeds = {"input_ids": ids.reshape(1, -1).astype(np.int64),
+             "position_ids": np.tile(positions, batch)[None].astype(np.int64),
+             **paged_metadata_feeds(np.arange(batch + 1) * seq, np.full(batch, context), tables, slots)}
+    if "logits_indices" in {value["name"] for value in signature["inputs"]}:
+        feeds["logits_indices"] = np.arange(1, batch + 1, dtype=np.int64) * seq - 1
+    return feeds
+
+
+def page_pool(metadata: dict, feeds: dict[str, np.ndarray]) -> PagePool:
+    """A page pool for a paged artifact just large enough for the pages `feeds` address (at least one)."""
+    dims, page_size = metadata["model"], metadata["kv_cache"]["page_size"]
+    tables, slots = feeds.get("block_tables"), feeds.get("slot_mapping")
+    highest = max([int(a.max()) + 1 for a in (tables,) if a is not None and a.size] +
+                  [int(a.max()) // page_size + 1 for a in (slots,) if a is not None and a.size] + [1])
+    per_page = PagePool.bytes_per_page(dims["num_layers"], page_size, dims["num_kv_heads"], dims["head_dim"])
+    if highest * per_page > MAX_POOL_BYTES:
+        raise AtcError("E10001", highest - 1, "--input", f"the block tables or slots address page {highest - 1}; "
+                                                         f"a pool that large ({highest * per_page} bytes) is refused")
+    return PagePool(dims["num_layers"], highest, page_size, dims["num_kv_heads"], dims["head_dim"])

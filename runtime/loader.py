@@ -1,16 +1,29 @@
-"""Load a `.om` for execution: map the file, check every op has a kernel, hand out zero-copy weights."""
+"""Load a `.om` for execution: map the file, validate everything in it, hand out zero-copy weights.
+
+Nothing in a file is trusted before it is checked: the container (runtime/artifact.py: header, table,
+CRCs, weight references), the metadata (runtime/artifact_schema.py), every `cann` node against its op's
+contract and the shapes the file states (runtime/ops.py `check_node`), the metadata against the graph,
+and the tokenizer files (parsed, the chat template compiled). A violation is E13015 naming the field.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
+from jinja2 import TemplateError
 
 from runtime.artifact import OmFile
+from runtime.artifact_schema import SchemaViolation, check_metadata
+from runtime.chat_template import ChatTemplate
 from runtime.errors import AtcError
 from runtime.kernels import supports
+from runtime.ops import (ATTENTION_OPS, CUSTOM_DOMAIN, PAGED_ATTENTION, PAGED_METADATA, ContractViolation, attributes,
+                         check_node)
+from runtime.tokenizer import TextTokenizer
 
 
 @dataclass
@@ -43,10 +56,111 @@ class LoadedModel:
 
 
 def load_artifact(path: str | os.PathLike, verify_weights: bool = True) -> LoadedModel:
-    """Open and validate `path`; refuses truncated, corrupted, foreign or unrunnable files (AtcError)."""
+    """Open and validate `path`; refuses truncated, corrupted, foreign, inconsistent or unrunnable files
+    (AtcError: E13015 naming the field, E16002 for an op without a kernel)."""
     om = OmFile(path, verify_weights=verify_weights)
+    metadata = om.metadata
+    try:
+        check_metadata(metadata)
+    except SchemaViolation as error:
+        raise AtcError("E13015", om.path, str(error)) from None
     model = om.graph()
     missing = sorted({f"{n.domain or 'ai.onnx'}::{n.op_type}" for n in model.graph.node if not supports(n.domain, n.op_type)})
     if missing:
         raise AtcError("E16002", ", ".join(missing))
-    return LoadedModel(om=om, model=model, weights=om.weights(model), metadata=om.metadata)
+    weights = om.weights(model)
+    try:
+        _check_graph(model, metadata)
+    except ContractViolation as error:
+        raise AtcError("E13015", om.path, str(error)) from None
+    _check_tokenizer(om)
+    return LoadedModel(om=om, model=model, weights=weights, metadata=metadata)
+
+
+def _check_graph(model: onnx.ModelProto, metadata: dict) -> None:
+    """The `cann` nodes against their contract, the signature and the paged layout against the graph."""
+    graph = model.graph
+    inputs, outputs = {v.name for v in graph.input}, {v.name for v in graph.output}
+    for side, names in (("inputs", inputs), ("outputs", outputs)):
+        for value in metadata["signature"][side]:
+            if value["name"] not in names:
+                raise ContractViolation(f"metadata.signature.{side}: {value['name']} is not one of the graph's {side}")
+    shape_of = _known_shapes(graph)
+    attentions = []
+    for node in graph.node:
+        if node.domain != CUSTOM_DOMAIN:
+            continue
+        check_node(node, shape_of)
+        if node.op_type in ATTENTION_OPS:
+            attentions.append((node, attributes(node)))
+    if metadata.get("kv_cache", {}).get("layout") == "paged":
+        _check_paged(metadata, attentions)
+
+
+def _check_paged(metadata: dict, attentions: list[tuple[onnx.NodeProto, dict]]) -> None:
+    """Every PagedAttention addresses the page pool the runtime builds from the metadata."""
+    model, page_size = metadata["model"], metadata["kv_cache"]["page_size"]
+    signature = {value["name"]: value for value in metadata["signature"]["inputs"]}
+    for meta in PAGED_METADATA:
+        if meta.name not in signature or np.dtype(signature[meta.name]["dtype"]) != np.dtype(meta.dtype):
+            raise ContractViolation(f"metadata.signature.inputs: a paged model needs {meta.name} of "
+                                    f"{np.dtype(meta.dtype)}")
+    layers = set()
+    for node, attrs in attentions:
+        if node.op_type != PAGED_ATTENTION.name:
+            raise ContractViolation(f"node {node.name}: a {node.op_type} in a paged model")
+        for attr, field in (("kv_num_heads", "num_kv_heads"), ("head_dim", "head_dim")):
+            if attrs[attr] != model[field]:
+                raise ContractViolation(f"node {node.name}: {attr} {attrs[attr]} is not the page pool's "
+                                        f"{model[field]} (metadata.model.{field})")
+        if attrs["page_size"] != page_size:
+            raise ContractViolation(f"node {node.name}: page_size {attrs['page_size']} is not the page pool's "
+                                    f"{page_size} (metadata.kv_cache.page_size)")
+        if not attrs["layer"] < model["num_layers"] or attrs["layer"] in layers:
+            raise ContractViolation(f"node {node.name}: layer {attrs['layer']} is outside the pool's "
+                                    f"{model['num_layers']} layers or taken by another node")
+        layers.add(attrs["layer"])
+
+
+def _known_shapes(graph: onnx.GraphProto):
+    """`shape_of(name)`: a tensor's dims as the file states them (None where a dim or the tensor is unknown):
+    initializers, the graph's typed values, and MatMul products of a constant weight (their last dim)."""
+    shapes: dict[str, tuple] = {}
+    for value in (*graph.input, *graph.output, *graph.value_info):
+        if value.type.HasField("tensor_type") and value.type.tensor_type.HasField("shape"):
+            dims = value.type.tensor_type.shape.dim
+            shapes[value.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in dims)
+    for tensor in graph.initializer:
+        shapes[tensor.name] = tuple(tensor.dims)
+    for node in graph.node:
+        if node.op_type == "MatMul" and not node.domain and len(node.input) == 2 and node.output:
+            weight = shapes.get(node.input[1])
+            if weight and len(weight) == 2 and node.output[0] not in shapes:
+                shapes[node.output[0]] = (None, None, weight[1])
+    return shapes.get
+
+
+def _check_tokenizer(om: OmFile) -> None:
+    """The tokenizer files parse and the chat template compiles, so nothing fails on first use."""
+    files = om.tokenizer_files()
+    if not files:
+        return
+    for name in ("tokenizer_config.json", "generation_config.json"):
+        if name in files:
+            try:
+                config = json.loads(files[name])
+            except ValueError as error:
+                raise AtcError("E13015", om.path, f"tokenizer file {name} is not JSON ({error})") from None
+            if not isinstance(config, dict):
+                raise AtcError("E13015", om.path, f"tokenizer file {name} is not a JSON object")
+    if "tokenizer.json" in files:
+        try:
+            TextTokenizer(files)
+        except Exception as error:  # tokenizers raises plain Exceptions; a bad eos id a TypeError or ValueError
+            raise AtcError("E13015", om.path, f"tokenizer file tokenizer.json is invalid ({error})") from None
+    try:
+        ChatTemplate(files)
+    except AtcError:
+        pass  # no chat template: `chat` refuses the model when asked, with its own message
+    except (TemplateError, KeyError, TypeError, AttributeError) as error:
+        raise AtcError("E13015", om.path, f"the chat template does not compile ({error})") from None

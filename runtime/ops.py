@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 from types import MappingProxyType
-from typing import Any, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 import onnx
@@ -178,3 +178,184 @@ def input_at(inputs: Sequence, slot: IntEnum):
 def attributes(node: onnx.NodeProto) -> dict[str, Any]:
     """A `cann` node's attributes, the op's defaults filled in."""
     return {**OPS[node.op_type].defaults, **{a.name: helper.get_attribute_value(a) for a in node.attribute}}
+
+
+# ---- the contract's checks: what the loader holds every `cann` node of an artifact to -----------------
+
+PAGE_SIZE_RANGE = (16, 512)  # tokens per page: a multiple of 16 in this range
+BLOCK_SIZES = (16, 32, 64, 128, 256)  # MatMulInt4 / GatherInt4 quantization blocks (MatMulNBits' set)
+MAX_HEADS = 4096
+MAX_HEAD_DIM = 1024
+MAX_DIM = 2**31 - 1
+
+
+class ContractViolation(ValueError):
+    """A `cann` node that breaks its op's contract; the message names the node and the field."""
+
+
+@dataclass(frozen=True)
+class Attr:
+    """One attribute's rule: an int in [low, high] (or one of `choices`), or a finite float."""
+
+    kind: type = int
+    low: float = 0
+    high: float = MAX_DIM
+    choices: tuple = ()
+
+    def check(self, value) -> str | None:
+        """Why `value` breaks the rule, or None."""
+        if self.kind is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+                return f"{value!r} is not a finite number"
+            return None if self.low <= value <= self.high else f"{value} is outside [{self.low}, {self.high}]"
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"{value!r} is not an integer"
+        if self.choices:
+            return None if value in self.choices else f"{value} is not one of {', '.join(map(str, self.choices))}"
+        return None if self.low <= value <= self.high else f"{value} is outside [{self.low}, {self.high}]"
+
+
+_FLAG = Attr(choices=(0, 1))
+_HEADS = Attr(low=1, high=MAX_HEADS)
+_ATTENTION_ATTRS = {"num_heads": _HEADS, "kv_num_heads": _HEADS, "head_dim": Attr(low=1, high=MAX_HEAD_DIM),
+                    "scale": Attr(float, low=0, high=1e6), "rotary_interleaved": _FLAG,
+                    "sliding_window": Attr(low=0)}
+_QUANT_ATTRS = {"K": Attr(low=1), "bits": Attr(choices=(4, 8)), "block_size": Attr(choices=BLOCK_SIZES)}
+ATTRIBUTE_RULES: dict[str, dict[str, Attr]] = {
+    RMS_NORM.name: {"epsilon": Attr(float, low=0, high=1)},
+    ADD_RMS_NORM.name: {"epsilon": Attr(float, low=0, high=1)},
+    SWIGLU.name: {},
+    MOE.name: {"num_experts": Attr(low=1, high=MAX_HEADS), "top_k": Attr(low=1, high=MAX_HEADS),
+               "normalize_routing_weights": _FLAG},
+    FUSED_ATTENTION.name: {**_ATTENTION_ATTRS, "causal": _FLAG, "rotary_dim": Attr(low=0, high=MAX_HEAD_DIM),
+                           "bias_per_head": _FLAG, "bias_is_bool": _FLAG},
+    PAGED_ATTENTION.name: {**_ATTENTION_ATTRS, "layer": Attr(low=0, high=MAX_HEADS),
+                           "page_size": Attr(low=PAGE_SIZE_RANGE[0], high=PAGE_SIZE_RANGE[1]), "flash": _FLAG},
+    MATMUL_INT4.name: {**_QUANT_ATTRS, "N": Attr(low=1), "accuracy_level": Attr(choices=(0, 1, 2, 3, 4))},
+    MATMUL_INT8.name: {},
+    GATHER_INT4.name: _QUANT_ATTRS,
+}
+
+Shape = tuple  # a tensor's dims as the loader knows them: ints, or None where a dim is not known
+
+
+def check_node(node: onnx.NodeProto, shape_of: Callable[[str], Shape | None]) -> None:
+    """Hold `node` (a `cann` node) to its op's contract: every attribute present, of its type and in its
+    range, none unknown; the attributes consistent with each other and with the shapes of its operands that
+    `shape_of(name)` knows (None: unknown). Raises ContractViolation naming the node and the field."""
+    op, rules = OPS.get(node.op_type), ATTRIBUTE_RULES.get(node.op_type)
+    if op is None or rules is None:
+        raise ContractViolation(f"node {node.name}: {node.op_type} is not a cann op")
+    if len(node.input) > len(op.inputs) or len(node.output) > len(op.outputs):
+        raise ContractViolation(f"node {node.name}: {len(node.input)} inputs and {len(node.output)} outputs, "
+                                f"the op has {len(op.inputs)} and {len(op.outputs)}")
+    try:
+        attrs = attributes(node)
+    except Exception as error:  # an attribute proto onnx itself cannot read
+        raise ContractViolation(f"node {node.name}: unreadable attribute ({error})") from None
+    for name in sorted(set(attrs) - set(rules)):
+        raise ContractViolation(f"node {node.name}: unknown attribute {name}")
+    for name, rule in rules.items():
+        if name not in attrs:
+            raise ContractViolation(f"node {node.name}: attribute {name} is missing")
+        problem = rule.check(attrs[name])
+        if problem:
+            raise ContractViolation(f"node {node.name}: {name} {problem}")
+    check = _CROSS_CHECKS.get(node.op_type)
+    if check:
+        problem = check(node, attrs, shape_of)
+        if problem:
+            raise ContractViolation(f"node {node.name}: {problem}")
+
+
+def _dim(shape: Shape | None, axis: int) -> int | None:
+    """One known dim of a shape (None when the shape, the axis or the dim is unknown)."""
+    if shape is None or not -len(shape) <= axis < len(shape):
+        return None
+    value = shape[axis]
+    return value if isinstance(value, int) else None
+
+
+def _operand(node: onnx.NodeProto, slot: IntEnum, shape_of) -> Shape | None:
+    name = input_at(list(node.input), slot)
+    return shape_of(name) if name else None
+
+
+def _attention_checks(node, attrs, shape_of, slots) -> str | None:
+    heads, kv_heads, head_dim = attrs["num_heads"], attrs["kv_num_heads"], attrs["head_dim"]
+    if heads % kv_heads:
+        return f"kv_num_heads {kv_heads} does not divide num_heads {heads}"
+    if attrs.get("rotary_dim", 0) > head_dim or attrs.get("rotary_dim", 0) % 2:
+        return f"rotary_dim {attrs['rotary_dim']} is odd or larger than head_dim {head_dim}"
+    if head_dim % 2 and attrs["rotary_interleaved"]:
+        return f"head_dim {head_dim} is odd, rotary_interleaved needs pairs"
+    packed = input_at(list(node.input), slots.KEY) is None
+    if packed != (input_at(list(node.input), slots.VALUE) is None):
+        return "key and value are given one without the other"
+    query_width = (heads + 2 * kv_heads) * head_dim if packed else heads * head_dim
+    widths = [(slots.QUERY, "query", query_width)]
+    if not packed:
+        widths += [(slots.KEY, "key", kv_heads * head_dim), (slots.VALUE, "value", kv_heads * head_dim)]
+    for slot, label, width in widths:
+        actual = _dim(_operand(node, slot, shape_of), -1)
+        if actual is not None and actual != width:
+            return (f"{label} has {actual} columns, num_heads {heads}, kv_num_heads {kv_heads} and head_dim "
+                    f"{head_dim} make {width}")
+    for slot in (slots.COS, slots.SIN):
+        rotary = _dim(_operand(node, slot, shape_of), -1)
+        if rotary is not None and rotary > head_dim:
+            return f"{slot.name.lower()} has {rotary} columns, more than head_dim {head_dim} takes"
+    return None
+
+
+def _fused_attention_checks(node, attrs, shape_of) -> str | None:
+    problem = _attention_checks(node, attrs, shape_of, FusedAttentionInput)
+    if problem:
+        return problem
+    for slot in (FusedAttentionInput.PAST_KEY, FusedAttentionInput.PAST_VALUE):
+        shape = _operand(node, slot, shape_of)
+        for axis, expected, label in ((1, attrs["kv_num_heads"], "kv_num_heads"), (3, attrs["head_dim"], "head_dim")):
+            actual = _dim(shape, axis)
+            if actual is not None and actual != expected:
+                return f"{slot.name.lower()} has {actual} in dim {axis}, {label} is {expected}"
+    return None
+
+
+def _paged_attention_checks(node, attrs, shape_of) -> str | None:
+    if attrs["page_size"] % 16:
+        return f"page_size {attrs['page_size']} is not a multiple of 16"
+    if attrs["flash"] and attrs["sliding_window"]:
+        return "flash is set with a sliding_window (flash_prefill attends causally only)"
+    for slot in (PagedAttentionInput.QUERY_START_LOC, PagedAttentionInput.SEQ_LENS, PagedAttentionInput.BLOCK_TABLES,
+                 PagedAttentionInput.SLOT_MAPPING):
+        if input_at(list(node.input), slot) != slot.name.lower():
+            return f"input {slot.name.lower()} is not the graph's {slot.name.lower()}"
+    return _attention_checks(node, attrs, shape_of, PagedAttentionInput)
+
+
+def _quantized_table_checks(node, attrs, shape_of, columns: int | None, table: IntEnum, scale_slot: IntEnum) -> str | None:
+    """The packed weight `[N, ceil(K / block), block·bits/8]` and its scales (MatMulNBits' layout)."""
+    blocks = -(-attrs["K"] // attrs["block_size"])
+    blob = attrs["block_size"] * attrs["bits"] // 8
+    weight = _operand(node, table, shape_of)
+    if weight is not None:
+        expected = (columns, blocks, blob)
+        if len(weight) != 3 or any(isinstance(a, int) and e is not None and a != e for a, e in zip(weight, expected)):
+            return (f"the packed weight has shape {list(weight)}, K {attrs['K']}, block_size {attrs['block_size']} "
+                    f"and bits {attrs['bits']} make [{columns if columns is not None else 'N'}, {blocks}, {blob}]")
+        columns = columns if columns is not None else _dim(weight, 0)
+    scales = _operand(node, scale_slot, shape_of)
+    if scales is not None and columns is not None and all(isinstance(d, int) for d in scales):
+        if int(np.prod(scales)) != columns * blocks:
+            return f"the scales hold {int(np.prod(scales))} values, N·ceil(K/block_size) is {columns * blocks}"
+    return None
+
+
+_CROSS_CHECKS: dict[str, Callable[[onnx.NodeProto, dict, Callable], str | None]] = {
+    FUSED_ATTENTION.name: _fused_attention_checks,
+    PAGED_ATTENTION.name: _paged_attention_checks,
+    MATMUL_INT4.name: lambda node, attrs, shape_of: _quantized_table_checks(
+        node, attrs, shape_of, attrs["N"], MatMulQuantInput.B, MatMulQuantInput.SCALES),
+    GATHER_INT4.name: lambda node, attrs, shape_of: _quantized_table_checks(
+        node, attrs, shape_of, None, GatherInt4Input.TABLE, GatherInt4Input.SCALES),
+}

@@ -89,9 +89,18 @@ def _context_block(cache: np.ndarray, pages: np.ndarray, width: int, transposed:
 
 def flash_prefill(q, key_cache, value_cache, pages, length, scale, out):
     """One sequence's query rows q `[S, Hq, D]` (the last S of its `length` tokens) attend causally over
-    its pages (`pages`: its block-table row); writes `out` `[S, Hq, D]`."""
+    its pages (`pages`: its block-table row); writes `out` `[S, Hq, D]`. Raises ValueError for operands that
+    do not fit each other (numpy and onnxruntime would refuse them too, less clearly)."""
     kv_heads, page_size, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
     queries_total, num_heads = q.shape[0], q.shape[1]
+    if q.ndim != 3 or num_heads % kv_heads or q.shape[2] != head_dim or out.shape != q.shape:
+        raise ValueError(f"queries {list(q.shape)} and out {list(out.shape)} do not fit the cache's {kv_heads} KV heads "
+                         f"of {head_dim}")
+    used = np.asarray(pages[:-(-length // page_size)])
+    if not queries_total <= length <= len(pages) * page_size or (used.size and not 0 <= used.min() <= used.max()
+                                                                  < key_cache.shape[0]):
+        raise ValueError(f"a context of {length} tokens ({queries_total} new) does not fit its {len(pages)} pages "
+                         f"of the pool's {key_cache.shape[0]}")
     group = num_heads // kv_heads
     offset = length - queries_total
     key_pages = max(1, FLASH_KEY_BLOCK // page_size)

@@ -343,6 +343,9 @@ def _attend_parallel(q, key_cache, value_cache, block_tables, token_seq, positio
 
 def paged_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window: int = 0):
     """The numba kernel: same contract as `paged_attention_reference`, pages read in place."""
+    check_paged_metadata(query_start_loc, seq_lens, block_tables, (), key_cache.shape[0], key_cache.shape[2], q.shape[0],
+                         stores=False)
+    check_heads(q.shape[1], key_cache, q.shape[2])
     batch = PagedBatch.of(query_start_loc, seq_lens, block_tables, np.zeros(0, np.int64))
     out = np.empty_like(q)
     _attend(batch, q, key_cache, value_cache, scale, out, sliding_window)
@@ -404,6 +407,76 @@ class PagedBatch:
         return batch
 
 
+def check_paged_metadata(query_start_loc, seq_lens, block_tables, slot_mapping, num_pages: int, page_size: int,
+                         tokens: int, stores: bool = True) -> None:
+    """Hold a step's metadata to a pool of `num_pages` pages and a step of `tokens` query rows, so no kernel
+    indexes outside the arrays it is given: every row in one sequence, each sequence's context covering its
+    new rows and covered by its block-table row, the pages it reads and the slots the step writes (with
+    `stores`) inside the pool. Raises PagedInputError. Once per step, for all its layers."""
+    starts, contexts = np.asarray(query_start_loc, np.int64), np.asarray(seq_lens, np.int64)
+    tables, slots = np.asarray(block_tables, np.int64), np.asarray(slot_mapping, np.int64)
+    if starts.ndim != 1 or len(starts) < 1 or starts[0] != 0 or starts[-1] != tokens:
+        raise PagedInputError(f"query_start_loc must run from 0 to the step's {tokens} tokens")
+    lengths = np.diff(starts)
+    if (lengths < 0).any():
+        raise PagedInputError("query_start_loc decreases")
+    if contexts.shape != lengths.shape or tables.ndim != 2 or tables.shape[0] != len(lengths):
+        raise PagedInputError(f"{len(lengths)} sequences, seq_lens {list(contexts.shape)} and block_tables "
+                              f"{list(tables.shape)} do not match")
+    if (contexts < lengths).any():
+        raise PagedInputError("a sequence's seq_lens is shorter than its new tokens")
+    needed = -(-contexts // page_size)
+    if len(needed) and int(needed.max()) > tables.shape[1]:
+        raise PagedInputError(f"a context of {int(contexts.max())} tokens needs {int(needed.max())} pages, the "
+                              f"block tables have {tables.shape[1]}")
+    used = tables[np.arange(tables.shape[1])[None, :] < needed[:, None]]
+    if used.size and (int(used.min()) < 0 or int(used.max()) >= num_pages):
+        raise PagedInputError(f"a block table names a page outside the pool's {num_pages}")
+    if stores:
+        if slots.shape != (tokens,):
+            raise PagedInputError(f"slot_mapping has shape {list(slots.shape)}, the step has {tokens} tokens")
+        if tokens and (int(slots.min()) < 0 or int(slots.max()) >= num_pages * page_size):
+            raise PagedInputError(f"a slot is outside the pool's {num_pages * page_size}")
+
+
+class PagedInputError(ValueError):
+    """Attention metadata or operands the kernels cannot take without reading or writing out of bounds."""
+
+
+def check_heads(num_heads: int, key_cache: np.ndarray, head_dim: int) -> None:
+    """The query heads group evenly over the cache's KV heads, of the cache's head size."""
+    kv_heads = key_cache.shape[1]
+    if num_heads % kv_heads or head_dim != key_cache.shape[3]:
+        raise PagedInputError(f"{num_heads} query heads of {head_dim} do not group over the cache's {kv_heads} KV "
+                              f"heads of {key_cache.shape[3]}")
+
+
+def _check_operands(query, key, value, cos, sin, kv_cache, layer, num_heads, kv_num_heads, head_dim) -> None:
+    """The projections, rotary tables and the pool's layer as the node's attributes describe them."""
+    if not 0 <= layer < kv_cache.key.shape[0]:
+        raise PagedInputError(f"layer {layer} is outside the pool's {kv_cache.key.shape[0]}")
+    key_cache = kv_cache.key[layer]
+    if key_cache.shape[1] != kv_num_heads:
+        raise PagedInputError(f"kv_num_heads {kv_num_heads} is not the pool's {key_cache.shape[1]}")
+    check_heads(num_heads, key_cache, head_dim)
+    if query.ndim != 3 or query.shape[0] != 1:
+        raise PagedInputError(f"query has shape {list(query.shape)}, not [1, tokens, width]")
+    packed = key is None
+    width = (num_heads + 2 * kv_num_heads) * head_dim if packed else num_heads * head_dim
+    operands = [("query", query, width)] if packed else [("query", query, width), ("key", key, kv_num_heads * head_dim),
+                                                          ("value", value, kv_num_heads * head_dim)]
+    for name, array, columns in operands:
+        if array is None or array.shape != (1, query.shape[1], columns):
+            raise PagedInputError(f"{name} has shape {None if array is None else list(array.shape)}, the node's heads "
+                                  f"make [1, {query.shape[1]}, {columns}]")
+    if cos is not None:
+        rotary = cos.shape[-1]
+        rows = cos.size // rotary if rotary else 0
+        if sin is None or sin.shape != cos.shape or rotary > head_dim or rotary % 2 or rows not in (1, query.shape[1]):
+            raise PagedInputError(f"cos/sin of shape {list(cos.shape)} do not fit {query.shape[1]} tokens of head_dim "
+                                  f"{head_dim}")
+
+
 # ---- the node --------------------------------------------------------------------------------------
 
 @register_kernel(PAGED_ATTENTION, host=True)
@@ -417,10 +490,13 @@ def PagedAttention(query, key, value, cos, sin, query_start_loc, seq_lens, block
     the layers; `run.fast=False` runs the numpy references. `page_size` is the pool's, restated.
     """
     del page_size
+    _check_operands(query, key, value, cos, sin, run.kv_cache, layer, num_heads, kv_num_heads, head_dim)
     key_cache, value_cache = run.kv_cache.key[layer], run.kv_cache.value[layer]
     memo = ("PagedBatch", bool(flash))
     batch = run.shared.get(memo)
     if batch is None:
+        check_paged_metadata(query_start_loc, seq_lens, block_tables, slot_mapping, key_cache.shape[0],
+                             key_cache.shape[2], query.shape[1])
         batch = run.shared[memo] = PagedBatch.of(query_start_loc, seq_lens, block_tables, slot_mapping,
                                                  flash=bool(flash))
     if run.fast and batch.decode:

@@ -39,13 +39,23 @@ class Guard:
             return None, "a valid API key is required (Authorization: Bearer <key>)"
         return key, None
 
-    def quota_left(self, key: str | None) -> bool:
-        return self.quota_tokens is None or key is None or self.used.get(key, 0) < self.quota_tokens
+    def reserve(self, key: str | None, tokens: int) -> int | None:
+        """Set `tokens` of `key`'s quota aside for a request, unless fewer are left: then the number left
+        (and nothing reserved). Checked and taken in one step, so concurrent requests cannot overdraw it."""
+        if self.quota_tokens is None or key is None:
+            return None
+        with self._lock:
+            left = self.quota_tokens - self.used.get(key, 0)
+            if tokens > left:
+                return max(0, left)
+            self.used[key] = self.used.get(key, 0) + tokens
+        return None
 
-    def charge(self, key: str | None, tokens: int) -> None:
-        if key is not None:
+    def refund(self, key: str | None, tokens: int) -> None:
+        """Give back reserved tokens a request did not use."""
+        if self.quota_tokens is not None and key is not None:
             with self._lock:
-                self.used[key] = self.used.get(key, 0) + tokens
+                self.used[key] -= tokens
 
     def blocked(self, text: str) -> str | None:
         """The first block-listed term in `text` (case-insensitive), if any."""

@@ -1,22 +1,33 @@
 """The HTTP routes over a `Server`: the seed's `/generate`, OpenAI's completions and chat completions (with
-SSE streaming), `/v1/models`, `/health` and Prometheus `/metrics`. Each parses its body (422 when it is
-malformed), calls the Server, and serialises what it returns or the `Refusal` it raises."""
+SSE streaming), `/v1/models`, `/health` and Prometheus `/metrics`. Each parses its body (400 when it is
+malformed, 413 past `--max-body-bytes`), calls the Server, and serialises what it returns or the `Refusal`
+it raises. Admission (tokenizing the prompt included) runs on a worker thread, so a long prompt never holds
+up the event loop and /health."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from runtime.serving.body_limit import BodyLimit
 from runtime.serving.server import Generation, Refusal, Server
 from runtime.serving.wire import (ChatBody, ChatCompletion, Completion, CompletionBody, GenerateBody, error_body,
-                                  generate_response, usage)
+                                  generate_response, usage, validation_error_body)
 
 
 def create_app(server: Server) -> FastAPI:
     """The application answering for `server` (which its owner loads and drains)."""
     app = FastAPI(title="cann-llm")
+    app.add_middleware(BodyLimit, max_bytes=server.settings.max_body_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def malformed(_, error: RequestValidationError):
+        return _json(validation_error_body(list(error.errors())), 400)
 
     @app.get("/health")
     async def health():
@@ -44,7 +55,7 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/generate")
     async def generate(body: GenerateBody, http: Request):
         try:
-            generation = _start(server, http, body.model, "/generate", body.sampling(), prompt=body.prompt)
+            generation = await _start(server, http, body.model, "/generate", body.sampling(), prompt=body.prompt)
             done = await server.complete(generation, http.is_disconnected)
         except Refusal as refusal:
             return _refused(refusal)
@@ -55,7 +66,8 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: Request):
         try:
-            generation = _start(server, http, body.model, "/v1/completions", body.sampling(), prompt=body.prompt)
+            generation = await _start(server, http, body.model, "/v1/completions", body.sampling(),
+                                      prompt=body.prompt)
         except Refusal as refusal:
             return _refused(refusal)
         return await _answer(server, http, generation, Completion(generation.model), body.stream)
@@ -63,8 +75,8 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http: Request):
         try:
-            generation = _start(server, http, body.model, "/v1/chat/completions", body.sampling(),
-                                messages=body.message_dicts())
+            generation = await _start(server, http, body.model, "/v1/chat/completions", body.sampling(),
+                                      messages=body.message_dicts())
         except Refusal as refusal:
             return _refused(refusal)
         return await _answer(server, http, generation, ChatCompletion(generation.model), body.stream)
@@ -72,14 +84,19 @@ def create_app(server: Server) -> FastAPI:
     return app
 
 
-def _start(server: Server, http: Request, model: str | None, endpoint: str, params: dict, **prompt) -> Generation:
-    return server.start(http.headers.get("authorization"), model, endpoint, params, **prompt)
+async def _start(server: Server, http: Request, model: str | None, endpoint: str, params: dict,
+                 **prompt) -> Generation:
+    return await asyncio.to_thread(server.start, http.headers.get("authorization"), model, endpoint, params, **prompt)
 
 
-def _refused(refusal: Refusal) -> JSONResponse:
+def _refused(refusal: Refusal) -> Response:
     headers = {"Retry-After": str(refusal.retry_after_s)} if refusal.retry_after_s is not None else None
-    return JSONResponse(error_body(refusal.status, refusal.message, refusal.kind), status_code=refusal.status,
-                        headers=headers)
+    return _json(error_body(refusal.status, refusal.message, refusal.kind), refusal.status, headers)
+
+
+def _json(body: dict, status: int, headers: dict | None = None) -> Response:
+    """JSON escaped to ASCII: an error may quote what the client sent, which need not be encodable."""
+    return Response(json.dumps(body), status_code=status, headers=headers, media_type="application/json")
 
 
 async def _answer(server: Server, http: Request, generation: Generation, shape: Completion | ChatCompletion,

@@ -20,6 +20,7 @@ from typing import AsyncIterator, Awaitable, Callable, NoReturn
 
 from runtime.engine.config import EngineConfig
 from runtime.engine.engine import LLMEngine, Request
+from runtime.engine.sampling import SamplingParams
 from runtime.serving.guard import Guard
 from runtime.serving.metrics import ServerMetrics
 
@@ -34,6 +35,7 @@ class ServerSettings:
     request_timeout_s: float = 300.0
     shutdown_grace_s: float = 10.0
     retry_after_s: int = 1
+    max_body_bytes: int = 4 * 1024 * 1024
 
 
 class Refusal(Exception):
@@ -53,6 +55,7 @@ class Generation:
     endpoint: str
     request: Request
     blocked_terms: tuple[str, ...]
+    reserved: int = 0               # quota tokens held for it: its prompt and all it may generate
     ended_by: str | None = None     # who cancelled it: "client", "timeout" or "shutdown"
 
     @property
@@ -154,30 +157,46 @@ class Server:
         name = model or next(iter(self.engines))
         if name not in self.engines:
             raise Refusal(404, f"model {name!r} is not served; see /v1/models", "invalid_request_error")
-        if not self.guard.quota_left(key):
-            self._reject(name, Refusal(429, "the token quota of this key is spent", "quota_exceeded",
-                                       self.settings.retry_after_s))
-        if self.pending[name] >= self.settings.max_pending:
-            self._reject(name, Refusal(429, "the server is at capacity; retry shortly", "rate_limit_exceeded",
-                                       self.settings.retry_after_s))
         engine = self.engines[name]
         said = " ".join(m["content"] for m in messages) if messages is not None else prompt
         if isinstance(said, str) and self.guard.blocked(said):
             self._reject(name, Refusal(400, "the prompt contains blocked content", "content_filter"))
-        if messages is not None:
-            try:
-                prompt = engine.chat_prompt(messages)
-            except Exception as error:
-                self._reject(name, Refusal(400, f"the chat template cannot render these messages: {error}",
-                                           "invalid_request_error"))
         blocked = self.guard.blocked_terms
         try:
-            request = engine.submit(prompt, **{**params, "stop": list(params["stop"]) + list(blocked)})
+            sampling = SamplingParams(**{**params, "stop": list(params["stop"]) + list(blocked)})
+            ids = engine.encode(engine.chat_prompt(messages) if messages is not None else prompt)
         except ValueError as error:
             self._reject(name, Refusal(400, str(error), "invalid_request_error"))
-        generation = Generation(name, key, endpoint, request, blocked)
+        except Exception as error:  # the chat template's own errors (jinja's), or a prompt it cannot tokenize
+            self._reject(name, Refusal(400, f"the prompt cannot be rendered or tokenized: {error}",
+                                       "invalid_request_error"))
+        return self._admit(name, key, endpoint, blocked, ids, sampling)
+
+    def _admit(self, name: str, key: str | None, endpoint: str, blocked: tuple[str, ...], ids: list[int],
+               sampling: SamplingParams) -> Generation:
+        """Take a place in the model's queue and reserve the quota the request may use, both at once (so
+        concurrent requests cannot all pass one check), then submit it."""
+        engine = self.engines[name]
+        reserved = len(ids) + min(sampling.max_new_tokens, engine.max_context_len - len(ids))
         with self._lock:
+            if self.pending[name] >= self.settings.max_pending:
+                self._reject(name, Refusal(429, "the server is at capacity; retry shortly", "rate_limit_exceeded",
+                                           self.settings.retry_after_s))
+            left = self.guard.reserve(key, reserved)
+            if left is not None:
+                self._reject(name, Refusal(429, f"the token quota of this key is spent: this request may use "
+                                                f"{reserved} tokens, {left} are left", "quota_exceeded",
+                                           self.settings.retry_after_s))
             self.pending[name] += 1
+        try:
+            request = engine.submit(ids, sampling)
+        except Exception:  # the engine closed under it
+            with self._lock:
+                self.pending[name] -= 1
+            self.guard.refund(key, reserved)
+            raise
+        generation = Generation(name, key, endpoint, request, blocked, reserved)
+        with self._lock:
             self._in_flight.add(generation)
         # accounted when the engine is done with it, however it ends (even if nobody is left waiting)
         request.future.add_done_callback(lambda _: self._settle(generation))
@@ -245,7 +264,7 @@ class Server:
         status, outcome = generation.outcome()
         stats = generation.request.stats
         self.metrics.finished(generation.model, stats, generation.finish_reason, outcome)
-        self.guard.charge(generation.key, stats.prompt_tokens + stats.output_tokens)
+        self.guard.refund(generation.key, max(0, generation.reserved - stats.prompt_tokens - stats.output_tokens))
         self.guard.audit(generation.key, generation.model, generation.endpoint, status, stats.prompt_tokens,
                          stats.output_tokens, stats.total_s or 0.0)
         with self._lock:

@@ -1,7 +1,10 @@
 """OpenAI's wire shapes (and the seed's `/generate`): request bodies, what they ask of the engine, and the
 response bodies, stream chunks and error bodies the routes send back.
 
-Bodies are pydantic models, so a wrong type is a 422 before any work is done.
+Bodies are pydantic models checked before any work is done: a wrong type, a number that is not finite, a
+string that is not valid UTF-8 (a lone surrogate, which JSON can spell) or a stop list past its bounds is a
+400 in OpenAI's error shape (`validation_error_body`). What needs the model (token ids within its
+vocabulary, a prompt within its context) is the engine's to check.
 """
 
 from __future__ import annotations
@@ -9,21 +12,37 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+
+MAX_STOPS, MAX_STOP_CHARS = 16, 256  # each stop string is looked for after every token
 
 # ---- requests ---------------------------------------------------------------------------------------
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+def _utf8(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"not valid UTF-8 (a lone surrogate at character {error.start})") from None
+    return text
 
-    model: str | None = None
+
+Text = Annotated[str, AfterValidator(_utf8)]
+_Stop = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_utf8)]
+_BODY = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class _Sampling(BaseModel):
+    model_config = _BODY
+
+    model: Text | None = None
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: _Stop | Annotated[list[_Stop], Field(max_length=MAX_STOPS)] | None = None
     stream: bool = False
     repetition_penalty: float = Field(1.0, gt=0)
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says (benchmarks)
@@ -38,12 +57,12 @@ class _Sampling(BaseModel):
 class GenerateBody(BaseModel):
     """The seed's `/generate`: `{prompt, max_length, temperature}`."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _BODY
 
-    prompt: str
+    prompt: Text
     max_length: int = Field(128, ge=1)
     temperature: float = Field(0.7, ge=0)
-    model: str | None = None
+    model: Text | None = None
 
     def sampling(self) -> dict:
         """The engine's settings for this body."""
@@ -53,7 +72,7 @@ class GenerateBody(BaseModel):
 class CompletionBody(_Sampling):
     """OpenAI `/v1/completions` (one prompt)."""
 
-    prompt: str | list[int]
+    prompt: Text | list[int]
     max_tokens: int = Field(16, ge=1)
 
     def sampling(self) -> dict:
@@ -61,8 +80,10 @@ class CompletionBody(_Sampling):
 
 
 class Message(BaseModel):
-    role: str
-    content: str
+    model_config = _BODY
+
+    role: Text
+    content: Text
 
 
 class ChatBody(_Sampling):
@@ -86,6 +107,17 @@ class ChatBody(_Sampling):
 def error_body(status: int, message: str, kind: str) -> dict:
     """OpenAI's error shape."""
     return {"error": {"message": message, "type": kind, "code": status}}
+
+
+def validation_error_body(errors: list[dict]) -> dict:
+    """OpenAI's 400 for a body pydantic refused: where and why, never the input itself (it may not even
+    be encodable)."""
+    said = {}
+    for error in errors:  # pydantic names a union's members in the location: only fields and indices are kept
+        where = ".".join(str(p) for p in error["loc"][1:] if isinstance(p, int) or str(p).isidentifier())
+        said.setdefault(where or "body", []).append(error["msg"])
+    said = "; ".join(f"{where}: {' or '.join(why)}" for where, why in list(said.items())[:5])
+    return error_body(400, f"invalid request: {said}", "invalid_request_error")
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

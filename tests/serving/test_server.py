@@ -109,17 +109,61 @@ def test_the_seeds_generate_endpoint(server, engine):
 
 @pytest.mark.parametrize("path,payload,status", [
     ("/v1/completions", {"model": "tiny", "prompt": "x" * 5000, "max_tokens": 4}, 400),    # longer than the context
+    ("/v1/completions", {"model": "tiny", "prompt": [5, 1_000_000], "max_tokens": 4}, 400),  # outside the vocabulary
+    ("/v1/completions", {"model": "tiny", "prompt": [-1], "max_tokens": 4}, 400),
     ("/v1/completions", {"model": "nope", "prompt": "x"}, 404),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": "many"}, 422),
-    ("/v1/chat/completions", {"model": "tiny", "messages": []}, 422),
-    ("/generate", {"max_length": 3}, 422),
-    ("/generate", "{not json", 422),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": "many"}, 400),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "temperature": NaN}', 400),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "top_p": Infinity}', 400),
+    ("/v1/completions", '{"model": "tiny", "prompt": "a \\ud800 lone surrogate"}', 400),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}', 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": ["s"] * 17}, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": "s" * 257}, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "repetition_penalty": 1e-308}, 400),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400),
+    ("/generate", {"max_length": 3}, 400),
+    ("/generate", "{not json", 400),
 ])
 def test_bad_requests_are_refused_cleanly(server, path, payload, status):
     kwargs = {"content": payload, "headers": {"content-type": "application/json"}} if isinstance(payload, str) \
         else {"json": payload}
     response = httpx.post(f"{server.url}{path}", **kwargs)
     assert response.status_code == status
+    error = response.json()["error"]
+    assert error["code"] == status and error["type"] == ("invalid_request_error" if status == 400 else error["type"])
+
+
+def test_a_body_over_the_limit_is_413_whether_or_not_its_length_is_declared(server):
+    body = json.dumps({"model": "tiny", "prompt": "x" * (4 * 1024 * 1024)}).encode()
+    declared = httpx.post(f"{server.url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    chunked = httpx.post(f"{server.url}/v1/completions", headers={"content-type": "application/json"},
+                         content=(body[i:i + 65536] for i in range(0, len(body), 65536)))
+    for response in (declared, chunked):
+        assert response.status_code == 413
+        assert response.json()["error"]["message"] == "the request body is larger than 4194304 bytes (--max-body-bytes)"
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_a_hostile_request_does_not_hurt_one_running_beside_it(server, engine):
+    """Out-of-vocabulary ids, NaN and a lone surrogate sent while a good request streams: each is a 400,
+    and the good one's text is exactly what it gets alone."""
+    expected = engine.generate("good", max_new_tokens=60, temperature=0, ignore_eos=True)
+    url = f"{server.url}/v1/completions"
+    with httpx.stream("POST", url, json={"model": "tiny", "prompt": "good", "max_tokens": 60, "temperature": 0,
+                                         "ignore_eos": True, "stream": True}, timeout=120) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line)
+        hostile = [httpx.post(url, json={"model": "tiny", "prompt": [3, 10 ** 9], "max_tokens": 8}),
+                   httpx.post(url, json={"model": "tiny", "prompt": [-5, 3], "max_tokens": 8}),
+                   httpx.post(url, content='{"model": "tiny", "prompt": "x", "temperature": NaN}',
+                              headers={"content-type": "application/json"}),
+                   httpx.post(url, content='{"model": "tiny", "prompt": "\\ud800"}',
+                              headers={"content-type": "application/json"})]
+        events = [first] + [line for line in lines if line]
+    assert [r.status_code for r in hostile] == [400] * 4
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: "))["choices"][0] for e in events[:-1]]
+    assert "".join(c["text"] for c in chunks) == expected and chunks[-1]["finish_reason"] == "length"
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_pages(server):
@@ -139,9 +183,11 @@ def test_metrics_add_up(server):
     assert "cann_llm:time_to_first_token_seconds_bucket" in text and "cann_llm:num_requests_running" in text
     outcomes = {o: server.metric("cann_llm:requests_total", model_name="tiny", outcome=o)
                 for o in ("completed", "rejected", "cancelled", "failed")}
-    # what the tests above sent: 5 answered (a completion and a chat, each also streamed, and /generate),
-    # 1 over-long prompt, 1 stream left mid-way; unknown models and malformed bodies never reach an engine
-    assert outcomes == {"completed": 5, "rejected": 1, "cancelled": 1, "failed": 0}
+    # what the tests above sent: 6 answered (a completion and a chat, each also streamed, /generate, and the
+    # stream beside hostile ones), 6 refused by the engine's checks (an over-long prompt, 4 with ids outside
+    # the vocabulary, an overflowing penalty), 1 stream left mid-way; unknown models and bodies that fail
+    # validation never reach an engine
+    assert outcomes == {"completed": 6, "rejected": 6, "cancelled": 1, "failed": 0}
     assert server.metric("cann_llm:request_success_total", model_name="tiny", finished_reason="length") >= 1
     drafted = server.metric("cann_llm:spec_decode_num_draft_tokens", model_name="tiny")
     assert drafted > 0 and 0 <= server.metric("cann_llm:spec_decode_num_accepted_tokens", model_name="tiny") <= drafted
@@ -151,11 +197,11 @@ def test_keys_quotas_timeouts_capacity_filter_and_audit(om, tmp_path):
     blocklist, audit = tmp_path / "block.txt", tmp_path / "audit.jsonl"
     blocklist.write_text("forbidden\n")
     server = Server("--model", f"tiny={om}", "--kv_cache_pages", "32", "--max_context_len", "4096", "--api-key", "k1",
-                    "--api-key", "k2", "--quota-tokens", "60", "--audit-log", str(audit), "--blocklist", str(blocklist),
+                    "--api-key", "k2", "--quota-tokens", "4000", "--audit-log", str(audit), "--blocklist", str(blocklist),
                     "--request-timeout", "0.1", "--max-pending", "2", "--max_num_batched_tokens", "1")
     try:
         url = f"{server.url}/v1/completions"
-        slow = {"prompt": "x" * 200, "max_tokens": 3000, "temperature": 0}  # a token a step: far beyond 0.1 s
+        slow = {"prompt": "x" * 200, "max_tokens": 1000, "temperature": 0}  # a token a step: far beyond 0.1 s
         assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}).status_code == 401
         k1, k2 = {"Authorization": "Bearer k1"}, {"Authorization": "Bearer k2"}
         assert httpx.post(url, json={"prompt": "a Forbidden word", "max_tokens": 2}, headers=k1).status_code == 400
@@ -169,12 +215,15 @@ def test_keys_quotas_timeouts_capacity_filter_and_audit(om, tmp_path):
         assert all(r.headers["retry-after"] == "1" for r in statuses if r.status_code == 429)
         assert httpx.post(url, json=slow, headers=k1, timeout=30).status_code == 504
         assert server.metric("cann_llm:kv_cache_usage_perc", model_name="tiny") == 0
-        spent = httpx.post(url, json={"prompt": "hi", "max_tokens": 2}, headers=k1)
+        # a slow request reserves its prompt and all it may generate (1200 tokens) and is refunded what it did
+        # not use: k1 has about 3800 left, not enough for a request that may use 3902
+        spent = httpx.post(url, json={"prompt": "hi", "max_tokens": 3900}, headers=k1)
         assert spent.status_code == 429 and "quota" in spent.json()["error"]["message"]
+        assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}, headers=k1).status_code == 200
         records = [json.loads(line) for line in audit.read_text().splitlines()]
         assert records and all(r["key_id"].startswith("key-") and "k1" not in json.dumps(r) for r in records)
-        assert {r["status"] for r in records} == {504}
-        assert all(r["tokens_in"] == 200 for r in records)
+        assert [r["status"] for r in records][-1] == 200 and {r["status"] for r in records[:-1]} == {504}
+        assert all(r["tokens_in"] == 200 for r in records[:-1])
     finally:
         server.stop()
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import pytest
 from generation_utils import compile_tiny_chat_model
 
 from runtime.engine.config import EngineConfig
+from runtime.engine.sampling import SamplingParams
 from runtime.serving.guard import Guard
 from runtime.serving.server import Refusal, Server, ServerSettings
 from runtime.serving.stats_line import StatsLines
@@ -91,6 +93,88 @@ def test_a_completed_request_is_accounted_once(om, tmp_path):
         assert server.guard.used == {"k": 3 + 8}
         [record] = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
         assert (record["status"], record["tokens_in"], record["tokens_out"]) == (200, 3, 8)
+    finally:
+        server.close()
+
+
+def test_concurrent_requests_cannot_overdraw_a_quota(om):
+    """12 requests at once, each of which may use 10 tokens (a 2-token prompt and 8 to generate), against a
+    60-token quota: exactly 6 are admitted, whatever the interleaving, and what they used is what is charged."""
+    server = _server(om, api_keys=["k"], quota_tokens=60)
+    at_once = threading.Barrier(12)
+    admitted, refused = [], []
+
+    def ask() -> None:
+        at_once.wait()
+        try:
+            admitted.append(server.start("Bearer k", None, "/v1/completions",
+                                         {**GREEDY, "max_new_tokens": 8, "ignore_eos": True}, prompt="hi"))
+        except Refusal as refusal:
+            refused.append(refusal)
+
+    try:
+        askers = [threading.Thread(target=ask) for _ in range(12)]
+        for asker in askers:
+            asker.start()
+        for asker in askers:
+            asker.join(timeout=120)
+        assert len(admitted) == 6 and sum(g.reserved for g in admitted) == 60
+        assert {(r.status, r.kind) for r in refused} == {(429, "quota_exceeded")} and len(refused) == 6
+        for generation in admitted:
+            asyncio.run(server.complete(generation))
+        assert server.guard.used == {"k": 60} and _count(server, "rejected") == 6 and _count(server, "completed") == 6
+    finally:
+        server.close()
+
+
+def test_unused_reserved_tokens_are_refunded(om):
+    server = _server(om, api_keys=["k"], quota_tokens=5000)
+    try:
+        generation = server.start("Bearer k", None, "/v1/completions", ENDLESS, prompt="abc")
+        assert generation.reserved == 3 + 3000 and server.guard.used == {"k": 3003}
+        _refused(lambda: asyncio.run(server.complete(generation, _gone_after(generation, 5))))
+        assert server.guard.used == {"k": 3 + generation.request.stats.output_tokens}
+    finally:
+        server.close()
+
+
+def _gone_after(generation, tokens: int):
+    async def gone() -> bool:
+        return len(generation.request.output_ids) >= tokens
+    return gone
+
+
+def test_a_request_that_fails_in_a_step_is_a_500_counted_failed_and_hurts_no_other(om):
+    server = _server(om)
+    try:
+        good = server.start(None, None, "/v1/completions", {**GREEDY, "max_new_tokens": 40, "ignore_eos": True},
+                            prompt="hello")
+        alone = server.engines["tiny"].generate("hello", max_new_tokens=40, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_new_tokens=8, temperature=1.0)
+        object.__setattr__(params, "repetition_penalty", 1e-308)  # past the checks: inf - inf in the sampler
+        bad = server._admit("tiny", None, "/v1/completions", (), [5, 6, 7], params)
+        failed = _refused(lambda: asyncio.run(server.complete(bad)))
+        assert (failed.status, failed.kind) == (500, "server_error") and bad.request.finish_reason == "error"
+        assert asyncio.run(server.complete(good)).text == alone
+        assert _count(server, "failed") == 1 and _count(server, "completed") == 1
+        assert server.pending == {"tiny": 0} and server.engines["tiny"].blocks.num_used == 0
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("prompt,params,message", [
+    ([5, 100_000], GREEDY, "token id 100000 is outside the vocabulary"),
+    ([-3], GREEDY, "token id -3 is outside the vocabulary"),
+    ("a \udc80", GREEDY, "lone surrogate"),
+    ("hi", {**GREEDY, "temperature": float("nan")}, "temperature must be a finite number"),
+    ("hi", {**GREEDY, "repetition_penalty": 1e-308}, "repetition_penalty must be in"),
+])
+def test_hostile_inputs_are_400s_before_any_work(om, prompt, params, message):
+    server = _server(om)
+    try:
+        refusal = _refused(lambda: server.start(None, None, "/v1/completions", params, prompt=prompt))
+        assert (refusal.status, refusal.kind) == (400, "invalid_request_error") and message in refusal.message
+        assert _count(server, "rejected") == 1 and server.pending == {"tiny": 0}
     finally:
         server.close()
 
