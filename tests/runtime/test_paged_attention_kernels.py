@@ -15,6 +15,7 @@ from runtime.kernels.paged_attention import (
     PARALLEL_WORK,
     PagedAttention,
     PagedBatch,
+    PagedInputError,
     paged_attention,
     paged_attention_reference,
     rotate_and_store,
@@ -149,6 +150,86 @@ def test_node_kernel_fast_and_reference_agree_and_write_the_same_pages(flash):
     assert fast.shape == (1, 71, HEADS * DIM)
     np.testing.assert_allclose(fast, ref, atol=2e-5, rtol=0)
     np.testing.assert_array_equal(fast_pool[0], ref_pool[0])
+
+
+def _decode_inputs(lengths, pages: int, seed: int = 6):
+    rng = np.random.default_rng(seed)
+    tables = _scattered_tables(lengths, pages)
+    slots = np.array([tables[b, (n - 1) // PAGE] * PAGE + (n - 1) % PAGE for b, n in enumerate(lengths)], np.int64)
+    qkv = rng.standard_normal((1, len(lengths), (HEADS + 2 * KV_HEADS) * DIM)).astype(np.float32)
+    return [qkv, None, None, None, None, np.arange(len(lengths) + 1, dtype=np.int32), np.asarray(lengths, np.int32),
+            tables, slots]
+
+
+def _spoil(inputs, slot: PagedAttentionInput, value):
+    spoilt = list(inputs)
+    spoilt[slot] = value
+    return spoilt
+
+
+# each a step's metadata that would send a kernel outside the pool (8 pages of 16): the message it gets
+BAD_METADATA = {
+    "slot past the pool": (PagedAttentionInput.SLOT_MAPPING, np.array([8 * PAGE, 3], np.int64), "a slot is outside"),
+    "negative slot": (PagedAttentionInput.SLOT_MAPPING, np.array([-1, 3], np.int64), "a slot is outside"),
+    "page past the pool": (PagedAttentionInput.BLOCK_TABLES, np.array([[9, 1], [2, 3]], np.int32), "names a page outside"),
+    "negative page": (PagedAttentionInput.BLOCK_TABLES, np.array([[0, 1], [-2, 3]], np.int32), "names a page outside"),
+    "context past its table": (PagedAttentionInput.SEQ_LENS, np.array([20, 33], np.int32), "needs 3 pages"),
+    "context shorter than its tokens": (PagedAttentionInput.SEQ_LENS, np.array([20, 0], np.int32), "shorter than"),
+    "rows past the step": (PagedAttentionInput.QUERY_START_LOC, np.array([0, 1, 3], np.int32), "from 0 to the step's 2"),
+    "rows running backwards": (PagedAttentionInput.QUERY_START_LOC, np.array([0, 3, 2], np.int32), "decreases"),
+}
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["numba", "reference"])
+@pytest.mark.parametrize("case", BAD_METADATA, ids=list(BAD_METADATA))
+def test_metadata_outside_the_pool_is_refused_before_any_page_is_touched(case, fast):
+    slot, value, message = BAD_METADATA[case]
+    inputs = _spoil(_decode_inputs([20, 17], 8), slot, value)
+    key_cache, value_cache = _pool(8)
+    before = key_cache.copy(), value_cache.copy()
+    with pytest.raises(PagedInputError, match=message):
+        _node(inputs, key_cache, value_cache, fast=fast, num_heads=HEADS, kv_num_heads=KV_HEADS, head_dim=DIM, scale=0.2)
+    np.testing.assert_array_equal(key_cache, before[0])
+    np.testing.assert_array_equal(value_cache, before[1])
+
+
+# heads the node's attributes claim against the pool's [pages, 2, 16, 32] and a projection of 8·32 + 2·2·32 columns
+BAD_HEADS = {
+    "kv heads not the pool's": (dict(kv_num_heads=5), "kv_num_heads 5 is not the pool's 2"),
+    "head size not the pool's": (dict(head_dim=16), "do not group over"),
+    "query heads not grouping": (dict(num_heads=7), "do not group over"),
+    "projection too narrow": (dict(num_heads=10), "query has shape"),
+    "layer past the pool": (dict(layer=1), "layer 1 is outside"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_HEADS, ids=list(BAD_HEADS))
+def test_attributes_that_do_not_fit_the_arrays_are_refused(case):
+    changes, message = BAD_HEADS[case]
+    key_cache, value_cache = _pool(8)
+    pool = SimpleNamespace(key=key_cache[None], value=value_cache[None])
+    attrs = {**dict(num_heads=HEADS, kv_num_heads=KV_HEADS, head_dim=DIM, scale=0.2, layer=0), **changes}
+    with pytest.raises(PagedInputError, match=message):
+        PagedAttention(*_decode_inputs([20, 17], 8), run=HostRun(pool), page_size=PAGE, **attrs)
+
+
+def test_the_numba_kernel_refuses_a_block_table_past_the_pool():
+    q, key_cache, value_cache, starts, lengths, tables, scale = _batch(MIXES[0])
+    tables = tables.copy()
+    tables[0, 0] = key_cache.shape[0]
+    with pytest.raises(PagedInputError, match="names a page outside"):
+        paged_attention(q, key_cache, value_cache, starts, lengths, tables, scale)
+
+
+def test_flash_prefill_refuses_pages_outside_the_pool():
+    from runtime.kernels.flash_prefill import flash_prefill
+
+    key_cache, value_cache = _pool(4)
+    q = np.zeros((70, HEADS, DIM), np.float32)
+    with pytest.raises(ValueError, match="does not fit its"):
+        flash_prefill(q, key_cache, value_cache, np.array([0, 1, 4, 2, 3]), 70, 0.2, np.empty_like(q))
+    with pytest.raises(ValueError, match="does not fit its"):
+        flash_prefill(q, key_cache, value_cache, np.array([0, 1]), 70, 0.2, np.empty_like(q))
 
 
 # a batch small enough for the serial decode kernel, and one with enough context for the parallel one
