@@ -1,0 +1,237 @@
+"""Crafted `.om` files, every checksum valid, are refused by the loader with E13015 naming the field.
+
+Each case takes a real compiled artifact apart (runtime/artifact.py's reader), changes one thing and puts it
+back together through the writer or, for the container itself, a packer that lays partitions out as the
+writer does and recomputes their CRCs and the table's SHA-256: what the loader sees is a file only a
+deliberate hand could have made.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import onnx
+import pytest
+from conftest import compile_to
+from onnx import helper
+
+from runtime.artifact import (
+    _ENTRY, _TABLE_HEAD, HEADER_SIZE, OmFile, Partition, _align, _pack_header, write_artifact,
+)
+from runtime.errors import AtcError
+from runtime.loader import load_artifact
+
+
+@pytest.fixture(scope="module")
+def contiguous_om(tmp_path_factory, tiny_llama_path) -> Path:
+    return compile_to(tiny_llama_path, tmp_path_factory.mktemp("om") / "contiguous")
+
+
+@pytest.fixture(scope="module")
+def paged_om(tmp_path_factory, tiny_llama_path) -> Path:
+    return compile_to(tiny_llama_path, tmp_path_factory.mktemp("om") / "paged", enable_paged_attention=True)
+
+
+def _rewrite(source: Path, target: Path, edit) -> Path:
+    """`source` with `edit(model, metadata, tokenizer_files)` applied, written by the artifact writer."""
+    om = OmFile(source)
+    model, metadata, files = om.graph(), om.metadata, om.tokenizer_files()
+    weights = {name: view.copy() for name, view in om.weights(model).items()}
+    edit(model, metadata, files)
+    write_artifact(target, model, metadata, files, detached=weights)
+    return target
+
+
+def _set_attribute(op_type: str, name: str, value, index: int = 0):
+    def edit(model, metadata, files):
+        node = [n for n in model.graph.node if n.op_type == op_type][index]
+        kept = [a for a in node.attribute if a.name != name]
+        del node.attribute[:]
+        node.attribute.extend(kept + [helper.make_attribute(name, value)])
+    return edit
+
+
+def _set_metadata(path: tuple, value):
+    def edit(model, metadata, files):
+        target = metadata
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+    return edit
+
+
+def _set_tokenizer(name: str, text: str):
+    def edit(model, metadata, files):
+        files[name] = text
+    return edit
+
+
+def _pack(target: Path, parts: list[tuple[int, bytes]], offsets: dict[int, int] | None = None) -> Path:
+    """Partitions laid out as the writer lays them, CRCs and the table's SHA-256 recomputed; `offsets`
+    overrides the table's offset of a partition kind."""
+    table_end = HEADER_SIZE + _TABLE_HEAD.size + _ENTRY.size * len(parts)
+    out, entries = bytearray(_align(table_end)), []
+    for kind, data in parts:
+        start = _align(len(out))
+        out += b"\0" * (start - len(out)) + data
+        offset = (offsets or {}).get(kind, start - table_end)
+        entries.append(_ENTRY.pack(kind, zlib.crc32(data), offset, len(data)))
+    table = _TABLE_HEAD.pack(len(entries)) + b"".join(entries)
+    header = _pack_header({"name": "crafted"}, len(out) - HEADER_SIZE, hashlib.sha256(table).digest())
+    out[:len(header) + len(table)] = header + table
+    target.write_bytes(bytes(out))
+    return target
+
+
+def _parts(source: Path) -> list[tuple[int, bytes]]:
+    om = OmFile(source)
+    return [(kind, bytes(om.partition(kind))) for kind in Partition if kind in om._partitions]
+
+
+def _with_model(source: Path, edit) -> list[tuple[int, bytes]]:
+    """The partitions of `source` with its MODEL_DEF edited in place (external references kept as they are)."""
+    parts = []
+    for kind, data in _parts(source):
+        if kind == Partition.MODEL_DEF:
+            model = onnx.ModelProto()
+            model.ParseFromString(data)
+            edit(model)
+            data = model.SerializeToString()
+        parts.append((kind, data))
+    return parts
+
+
+def _external_offset(value: str):
+    def edit(model):
+        tensor = next(t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL)
+        next(e for e in tensor.external_data if e.key == "offset").value = value
+    return edit
+
+
+# case: (artifact, how it is crafted, a phrase the reason must hold)
+ATTRIBUTE_CASES = {
+    "kv_num_heads 2^31": ("contiguous", _set_attribute("FusedAttention", "kv_num_heads", 2**31),
+                          "kv_num_heads 2147483648 is outside [1, 4096]"),
+    "kv_num_heads not dividing": ("contiguous", _set_attribute("FusedAttention", "kv_num_heads", 5),
+                                  "kv_num_heads 5 does not divide num_heads 4"),
+    "kv_num_heads not the projection's": ("contiguous", _set_attribute("FusedAttention", "kv_num_heads", 1),
+                                          "query has 128 columns"),
+    "head_dim 0": ("contiguous", _set_attribute("FusedAttention", "head_dim", 0), "head_dim 0 is outside"),
+    "sliding_window -1": ("contiguous", _set_attribute("FusedAttention", "sliding_window", -1),
+                          "sliding_window -1 is outside"),
+    "a float head count": ("contiguous", _set_attribute("FusedAttention", "num_heads", 4.0),
+                           "num_heads 4.0 is not an integer"),
+    "an unknown attribute": ("contiguous", _set_attribute("RmsNorm", "gamma", 1), "unknown attribute gamma"),
+    "a NaN epsilon": ("contiguous", _set_attribute("RmsNorm", "epsilon", float("nan")), "epsilon nan is not a finite"),
+    "paged kv_num_heads not the pool's": ("paged", _set_attribute("PagedAttention", "kv_num_heads", 1),
+                                          "query has 128 columns"),
+    "paged kv_num_heads 5": ("paged", _set_attribute("PagedAttention", "kv_num_heads", 5),
+                             "kv_num_heads 5 does not divide num_heads 4"),
+    "negative page_size on a node": ("paged", _set_attribute("PagedAttention", "page_size", -16),
+                                     "page_size -16 is outside [16, 512]"),
+    "page_size not the pool's": ("paged", _set_attribute("PagedAttention", "page_size", 64),
+                                 "page_size 64 is not the page pool's 128"),
+    "layer past the pool": ("paged", _set_attribute("PagedAttention", "layer", 2), "layer 2 is outside"),
+    "two nodes on one layer": ("paged", _set_attribute("PagedAttention", "layer", 0, index=1),
+                               "layer 0 is outside the pool's 2 layers or taken"),
+    "negative page_size in metadata": ("paged", _set_metadata(("kv_cache", "page_size"), -16),
+                                       "metadata.kv_cache.page_size: -16 is outside [16, 512]"),
+    "a layer count of the wrong type": ("paged", _set_metadata(("model", "num_layers"), "2"),
+                                        "metadata.model.num_layers: '2' is not an integer"),
+    "a signature that is not a list": ("contiguous", _set_metadata(("signature", "inputs"), {"input_ids": 1}),
+                                       "metadata.signature.inputs: {'input_ids': 1} is not a list"),
+    "an unknown layout": ("contiguous", _set_metadata(("kv_cache", "layout"), "ring"),
+                          "metadata.kv_cache.layout: 'ring' is not one of"),
+    "a dtype that is not one": ("contiguous", _set_metadata(("signature", "outputs", 0, "dtype"), "float99"),
+                                "metadata.signature.outputs[0].dtype: 'float99' is not a dtype"),
+    "a signature input the graph lacks": ("contiguous", _set_metadata(("signature", "inputs", 0, "name"), "tokens"),
+                                          "tokens is not one of the graph's inputs"),
+    "a tokenizer.json that is not JSON": ("contiguous", _set_tokenizer("tokenizer.json", "{not json"),
+                                          "tokenizer file tokenizer.json is invalid"),
+    "a tokenizer_config.json that is a list": ("contiguous", _set_tokenizer("tokenizer_config.json", "[1]"),
+                                               "tokenizer_config.json is not a JSON object"),
+    "a chat template that does not compile": ("contiguous", _set_tokenizer("chat_template.jinja", "{% if %}"),
+                                              "the chat template does not compile"),
+}
+
+
+@pytest.mark.parametrize("case", ATTRIBUTE_CASES, ids=list(ATTRIBUTE_CASES))
+def test_a_crafted_artifact_is_refused_naming_the_field(case, contiguous_om, paged_om, tmp_path):
+    artifact, edit, phrase = ATTRIBUTE_CASES[case]
+    bad = _rewrite(contiguous_om if artifact == "contiguous" else paged_om, tmp_path / "bad.om", edit)
+    OmFile(bad)  # the container is sound: every CRC and the table's checksum match
+    with pytest.raises(AtcError) as error:
+        load_artifact(bad)
+    assert error.value.code == "E13015"
+    assert phrase in error.value.message
+
+
+CONTAINER_CASES = {
+    "a partition offset past the end": (lambda om: _pack_offsets(om, {Partition.METADATA: 1 << 40}),
+                                        "runs past the end of the file"),
+    "a partition offset inside another": (lambda om: _pack_offsets(om, {Partition.METADATA: _inside_the_graph(om)}),
+                                          "overlap"),
+    "an unaligned partition": (lambda om: _pack_offsets(om, {Partition.METADATA: 8}), "not 64-byte aligned"),
+    "a partition twice": (lambda om: _parts(om) + [(Partition.METADATA, b"{}")], "appears twice"),
+    "metadata that is not JSON": (lambda om: _replace(om, Partition.METADATA, b"\xff{"), "METADATA partition is not JSON"),
+    "a graph that is not ONNX": (lambda om: _replace(om, Partition.MODEL_DEF, b"\x0a\xff\xff\xff"),
+                                 "MODEL_DEF partition is not an ONNX model"),
+    "a tokenizer partition of numbers": (lambda om: _replace(om, Partition.TOKENIZER, b'{"tokenizer.json": 3}'),
+                                         "not an object of file names to texts"),
+    "an external-data offset outside the weights": (lambda om: _with_model(om, _external_offset(str(1 << 40))),
+                                                    "is outside the weights partition"),
+    "a negative external-data offset": (lambda om: _with_model(om, _external_offset("-64")),
+                                        "is outside the weights partition"),
+    "an external-data offset that is not a number": (lambda om: _with_model(om, _external_offset("0x40")),
+                                                     "offset and length must be integers"),
+}
+
+
+def _pack_offsets(source: Path, offsets: dict[int, int]):
+    return _parts(source), offsets
+
+
+def _inside_the_graph(source: Path) -> int:
+    """A table offset 64 bytes into the MODEL_DEF partition (the first one), aligned as partitions are."""
+    table_end = HEADER_SIZE + _TABLE_HEAD.size + _ENTRY.size * len(_parts(source))
+    return _align(table_end) - table_end + 64
+
+
+def _replace(source: Path, kind: int, data: bytes):
+    return [(k, data if k == kind else d) for k, d in _parts(source)]
+
+
+@pytest.mark.parametrize("case", CONTAINER_CASES, ids=list(CONTAINER_CASES))
+def test_a_crafted_container_with_valid_checksums_is_refused(case, contiguous_om, tmp_path):
+    craft, phrase = CONTAINER_CASES[case]
+    crafted = craft(contiguous_om)
+    parts, offsets = crafted if isinstance(crafted, tuple) else (crafted, None)
+    bad = _pack(tmp_path / "bad.om", parts, offsets)
+    with pytest.raises(AtcError) as error:
+        load_artifact(bad)
+    assert error.value.code == "E13015"
+    assert phrase in error.value.message
+
+
+def test_the_packer_alone_makes_a_loadable_file(contiguous_om, paged_om, tmp_path):
+    # the cases above differ from a good file only in what each changes
+    for source in (contiguous_om, paged_om):
+        assert load_artifact(_pack(tmp_path / "good.om", _parts(source))).model.graph.node
+
+
+@pytest.mark.parametrize("case", ["kv_num_heads 2^31", "paged kv_num_heads 5", "a tokenizer.json that is not JSON"])
+def test_cann_run_refuses_a_crafted_artifact_with_a_coded_error_and_no_traceback(case, contiguous_om, paged_om,
+                                                                                  tmp_path):
+    artifact, edit, phrase = ATTRIBUTE_CASES[case]
+    bad = _rewrite(contiguous_om if artifact == "contiguous" else paged_om, tmp_path / "bad.om", edit)
+    done = subprocess.run([sys.executable, "-m", "cli.cann_run", "run", "--model", str(bad)], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "NUMBA_BOUNDSCHECK": "1"})
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    assert "[ERROR] E13015" in done.stderr and phrase in done.stderr
+
