@@ -89,7 +89,8 @@ def main(onnx_count: int, om_count: int, workers: int, seed: int, seconds: float
                             shutil.copytree(Path(case["path"]).parent, Path(keep) / f"{kind}-{case['seed']}", dirs_exist_ok=True)
                 shutil.rmtree(Path(case["path"]).parent, ignore_errors=True)
                 if done % 200 == 0:
-                    print(f"{done} cases, {time.monotonic() - ready:.0f} s, {sum(f['count'] for f in failures.values())} failures",
+                    failed = sum(f["count"] for f in failures.values())
+                    print(f"{done} cases, {time.monotonic() - ready:.0f} s, {failed} failures",
                           file=sys.stderr, flush=True)
         finally:
             pool.close()

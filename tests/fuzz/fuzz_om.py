@@ -76,8 +76,9 @@ class OmImage:
                     start, size = table_end + entries[index][2], entries[index][3]
                     if start + size <= len(blob):
                         entries[index][1] = zlib.crc32(blob[start:start + size])
-        table = TABLE_HEAD.pack(len(entries)) + b"".join(ENTRY.pack(*(v & m for v, m in zip(e, (2**32 - 1, 2**32 - 1, 2**64 - 1, 2**64 - 1))))
-                                                         for e in entries)
+        # a hostile override is cut to the field's width, as a crafted file would carry it
+        widths = (2**32 - 1, 2**32 - 1, 2**64 - 1, 2**64 - 1)
+        table = TABLE_HEAD.pack(len(entries)) + b"".join(ENTRY.pack(*(v & m for v, m in zip(e, widths))) for e in entries)
         header = dict(self.header, checksum=hashlib.sha256(table).digest().ljust(64, b"\0"),
                       model_length=len(blob) - HEADER_SIZE, length32=(len(blob) - HEADER_SIZE) & 0xFFFFFFFF)
         header.update(self.header_overrides)

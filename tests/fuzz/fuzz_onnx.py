@@ -218,7 +218,8 @@ def nest_in_ifs(model: onnx.ModelProto, c: Choices) -> None:
         inner.output[0] = branch_output
         branch = helper.make_graph([inner], f"branch{level}", [], [helper.make_tensor_value_info(branch_output, elem_type, None)])
         cond = f"{output}__cond{level}"
-        graph.node.insert(index, helper.make_node("Constant", [], [cond], value=helper.make_tensor(cond, TensorProto.BOOL, [], [True])))
+        constant = helper.make_tensor(cond, TensorProto.BOOL, [], [True])
+        graph.node.insert(index, helper.make_node("Constant", [], [cond], value=constant))
         index += 1
         inner = helper.make_node("If", [cond], [output], then_branch=branch, else_branch=branch, name=f"{output}__If{level}")
     graph.node[index].CopyFrom(inner)

@@ -8,21 +8,44 @@ import json
 
 import onnx
 import pytest
-from conftest import describe
 from fuzz_choices import HypothesisChoices
-from fuzz_corpus import failure_class, om_case, onnx_case
+from fuzz_corpus import failure_class, om_bases, om_case, onnx_bases, onnx_case
 from fuzz_om import METADATA, MODEL_DEF, OmImage
-from hypothesis import given, settings
+from fuzz_pool import Pool
+from fuzz_report import describe
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 ONNX_CASES = 40
 OM_CASES = 200
 
+# CI runs the same cases every time (derandomized, no example database), and does not shrink: a failing case
+# is reported with what its mutation did (its log), and the run goes on, so one run lists every class
+CI_SETTINGS = settings(derandomize=True, database=None, deadline=None, phases=(Phase.explicit, Phase.generate),
+                       suppress_health_check=list(HealthCheck), print_blob=False)
+
+
+@pytest.fixture(scope="module")
+def fuzz_onnx_bases():
+    return onnx_bases()
+
+
+@pytest.fixture(scope="module")
+def fuzz_om_bases(tmp_path_factory, fuzz_onnx_bases):
+    return om_bases(tmp_path_factory.mktemp("fuzz-bases"), fuzz_onnx_bases)
+
+
+@pytest.fixture(scope="module")
+def fuzz_pool(tmp_path_factory):
+    pool = Pool(tmp_path_factory.mktemp("fuzz-pool"), workers=1)
+    yield pool
+    pool.close()
+
 
 def _fuzz(pool, make_case, examples: int, folder) -> list:
     failures, counter = [], iter(range(10**9))
 
-    @settings(settings.get_profile("fuzz-ci"), max_examples=examples)
+    @settings(CI_SETTINGS, max_examples=examples)
     @given(st.data())
     def one(data):
         case = make_case(HypothesisChoices(data), folder / str(next(counter)))
