@@ -21,6 +21,11 @@ def om_path(tmp_path_factory, tiny_llama_path):
     return compile_to(tiny_llama_path, tmp_path_factory.mktemp("om") / "llama")
 
 
+@pytest.fixture(scope="module")
+def paged_om_path(tmp_path_factory, tiny_llama_path):
+    return compile_to(tiny_llama_path, tmp_path_factory.mktemp("om") / "paged", enable_paged_attention=True)
+
+
 def _invoke(*argv: str):
     return CliRunner().invoke(cli, list(argv), catch_exceptions=False)
 
@@ -75,6 +80,48 @@ def test_wrong_input_count_and_missing_tokenizer_are_clear_errors(om_path, tmp_p
     proc = subprocess.run([sys.executable, "-m", "cli.cann_run", "--model", str(bare), "--prompt", "hi"],
                           capture_output=True, text=True)
     assert proc.returncode == 1 and "compiled without a tokenizer" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_paged_artifact_runs_msame_style_with_one_sequence_per_input_row(paged_om_path, om_path, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "cli.cann_run", "--model", str(paged_om_path), "--loop", "2"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "NPU_compute_time (ms): min = " in proc.stdout and "Traceback" not in proc.stderr
+    result = _invoke("--model", str(paged_om_path), "--dymShape", "input_ids:2,5", "--output", str(tmp_path),
+                     "--output_dirname", "r", "--outfmt", "NPY", "--pure_data_type", "random")
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "r_summary.json").read_text())
+    assert summary["outputs"] == {"logits": [2, 256]}
+    # the same tokens through the contiguous artifact: each sequence's last position
+    ids = np.random.default_rng(0).integers(0, 256, (2, 5), dtype=np.int64)
+    loaded = load_artifact(om_path)
+    expected = Executor(loaded).run(causal_lm_inputs(loaded.metadata["signature"], loaded.metadata["model"], ids))
+    np.testing.assert_allclose(np.load(tmp_path / "r" / "pure_infer_data_0.npy"), expected["logits"][:, -1],
+                               atol=1e-4, rtol=0)
+
+
+def test_a_paged_artifact_ranks_a_prompts_next_tokens_as_the_contiguous_one(paged_om_path, om_path):
+    paged = _invoke("--model", str(paged_om_path), "--prompt", "hello there", "--topk", "3")
+    contiguous = _invoke("--model", str(om_path), "--prompt", "hello there", "--topk", "3")
+    assert paged.exit_code == 0, paged.output
+    ranks = [line.split("id=")[1].split()[0] for line in paged.output.splitlines() if "id=" in line]
+    assert len(ranks) == 3
+    assert ranks == [line.split("id=")[1].split()[0] for line in contiguous.output.splitlines() if "id=" in line]
+
+
+def test_paged_input_files_addressing_no_page_are_a_coded_error(paged_om_path, tmp_path):
+    loaded = load_artifact(paged_om_path)
+    feeds = causal_lm_inputs(loaded.metadata["signature"], loaded.metadata["model"], np.zeros((1, 4), np.int64),
+                             page_size=loaded.kv_cache["page_size"])
+    feeds["slot_mapping"] = np.array([0, 1, -7, 3], np.int64)
+    files = []
+    for name, array in feeds.items():
+        np.save(tmp_path / f"{name}.npy", array)
+        files.append(str(tmp_path / f"{name}.npy"))
+    proc = subprocess.run([sys.executable, "-m", "cli.cann_run", "--model", str(paged_om_path), "--input",
+                           ",".join(files)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1 and "E10001" in proc.stderr and "a slot is outside" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("damage", ["truncate", "corrupt"])
