@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import sys
 import time
@@ -47,7 +48,14 @@ def classify(error: BaseException) -> dict:
     root = _root(error)
     if isinstance(root, AtcError) and root.code != "E19999":
         return {"outcome": "refused", "code": root.code}
-    return {"outcome": "error", "type": type(root).__name__, "where": _where(root), "message": str(root)[:300]}
+    kind = type(root).__name__
+    # a failed step names the exception it ended with in its message: "request 3 failed: ValueError: ..."
+    inner = re.match(r"request \d+ failed: (\w+): (E\d{5})?", str(root)) if kind == "GenerationFailed" else None
+    if inner and inner.group(1) == "AtcError" and inner.group(2) not in (None, "E19999"):
+        return {"outcome": "refused", "code": inner.group(2)}
+    if inner:
+        kind = f"{kind}({inner.group(1)})"
+    return {"outcome": "error", "type": kind, "where": _where(root), "message": str(root)[:300]}
 
 
 def run_om(path: str) -> dict:
