@@ -413,8 +413,10 @@ def check_paged_metadata(query_start_loc, seq_lens, block_tables, slot_mapping, 
     indexes outside the arrays it is given: every row in one sequence, each sequence's context covering its
     new rows and covered by its block-table row, the pages it reads and the slots the step writes (with
     `stores`) inside the pool. Raises PagedInputError. Once per step, for all its layers."""
-    starts, contexts = np.asarray(query_start_loc, np.int64), np.asarray(seq_lens, np.int64)
-    tables, slots = np.asarray(block_tables, np.int64), np.asarray(slot_mapping, np.int64)
+    # as given (int32 or int64): a conversion would copy, and the checks only compare
+    starts, contexts, tables, slots = (np.asarray(a) for a in (query_start_loc, seq_lens, block_tables, slot_mapping))
+    if any(a.dtype.kind not in "iu" for a in (starts, contexts, tables)) or (stores and slots.dtype.kind not in "iu"):
+        raise PagedInputError("attention metadata must be integers")
     if starts.ndim != 1 or len(starts) < 1 or starts[0] != 0 or starts[-1] != tokens:
         raise PagedInputError(f"query_start_loc must run from 0 to the step's {tokens} tokens")
     lengths = np.diff(starts)
