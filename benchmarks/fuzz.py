@@ -29,6 +29,7 @@ from fuzz_corpus import failure_class, om_bases, om_case, onnx_bases, onnx_case 
 from fuzz_pool import Pool  # noqa: E402
 
 KEEP_PER_CLASS = 3
+SUMMARY_EVERY = 200  # cases: an interrupted run still leaves its figures in --json
 
 
 def _cases(kinds: dict[str, int], seed: int, bases, oms, folder: Path, deadline: float):
@@ -47,6 +48,61 @@ def _cases(kinds: dict[str, int], seed: int, bases, oms, folder: Path, deadline:
         yield {**case, "seed": case_seed, "step": step}
 
 
+class Tally:
+    """The outcomes so far, and the summary they make."""
+
+    def __init__(self, workers: int, seed: int, timeout: float, keep: str):
+        self.settings = {"workers": workers, "seed": seed, "timeout": timeout}
+        self.keep = keep
+        self.outcomes, self.codes, self.time = Counter(), Counter(), Counter()
+        self.slowest: dict[str, dict] = {}
+        self.failures: dict[str, dict] = {}
+        self.started = time.monotonic()
+
+    def add(self, case: dict, outcome: dict) -> None:
+        kind = case["kind"]
+        self.outcomes[f"{kind} {outcome['outcome']}"] += 1
+        self.time[kind] += outcome["seconds"]
+        if outcome["outcome"] == "refused":
+            self.codes[f"{kind} {outcome['code']}"] += 1
+        if outcome["seconds"] > self.slowest.get(kind, {}).get("seconds", -1):
+            self.slowest[kind] = {"seconds": outcome["seconds"], "seed": case["seed"], "outcome": outcome["outcome"]}
+        name = failure_class(outcome)
+        if not name:
+            return
+        entry = self.failures.setdefault(name, {"count": 0, "cases": []})
+        entry["count"] += 1
+        if len(entry["cases"]) < KEEP_PER_CLASS:
+            entry["cases"].append({"kind": kind, "seed": case["seed"], "mutation": " | ".join(case["log"]),
+                                   "message": outcome.get("message", "")})
+            if self.keep:
+                shutil.copytree(Path(case["path"]).parent, Path(self.keep) / f"{kind}-{case['seed']}", dirs_exist_ok=True)
+
+    def summary(self, setup_seconds: float) -> dict:
+        elapsed = time.monotonic() - self.started
+        counts = Counter()
+        for key, value in self.outcomes.items():
+            counts[key.split()[0]] += value
+        return {
+            "date": time.strftime("%Y-%m-%d %H:%M"), **self.settings,
+            "cases": dict(counts), "outcomes": dict(sorted(self.outcomes.items())),
+            "refusal_codes": dict(sorted(self.codes.items())),
+            "failures": dict(sorted(self.failures.items(), key=lambda item: -item[1]["count"])),
+            "failed_cases": sum(entry["count"] for entry in self.failures.values()),
+            "slowest": self.slowest,
+            "mean_case_seconds": {kind: round(self.time[kind] / count, 3) for kind, count in counts.items()},
+            "seconds": round(elapsed, 1), "setup_seconds": round(setup_seconds, 1),
+            "cases_per_second": round(sum(counts.values()) / elapsed, 2) if elapsed else 0.0,
+        }
+
+
+def _write(summary: dict, json_path: str) -> None:
+    if json_path:
+        partial = Path(json_path).with_name(Path(json_path).name + ".partial")
+        partial.write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+        partial.replace(json_path)
+
+
 @click.command()
 @click.option("--onnx", "onnx_count", default=100, show_default=True, help="mutated ONNX models")
 @click.option("--om", "om_count", default=100, show_default=True, help="mutated .om files")
@@ -54,7 +110,7 @@ def _cases(kinds: dict[str, int], seed: int, bases, oms, folder: Path, deadline:
 @click.option("--seed", default=0, show_default=True, help="seed of the first case of each kind")
 @click.option("--seconds", default=0.0, help="stop making new cases after this long (0: no limit)")
 @click.option("--timeout", default=30.0, show_default=True, help="seconds one case may take")
-@click.option("--json", "json_path", default="", help="write the summary here too")
+@click.option("--json", "json_path", default="", help=f"write the summary here too (and every {SUMMARY_EVERY} cases)")
 @click.option("--keep", default="", help="copy the inputs of failing cases here (3 per failure class)")
 def main(onnx_count: int, om_count: int, workers: int, seed: int, seconds: float, timeout: float, json_path: str,
          keep: str) -> None:
@@ -66,51 +122,25 @@ def main(onnx_count: int, om_count: int, workers: int, seed: int, seconds: float
         bases = onnx_bases()
         oms = om_bases(folder / "bases", bases)
         pool = Pool(folder / "pool", workers=workers, timeout=timeout)
-        ready = time.monotonic()
-        outcomes, codes, slowest = Counter(), Counter(), {}
-        failures: dict[str, dict] = {}
-        deadline = ready + seconds if seconds else float("inf")
+        tally = Tally(workers, seed, timeout, keep)
+        setup = tally.started - start
+        deadline = tally.started + seconds if seconds else float("inf")
         try:
             for done, (case, outcome) in enumerate(pool.imap(_cases(kinds, seed, bases, oms, folder, deadline)), 1):
-                kind = case["kind"]
-                outcomes[f"{kind} {outcome['outcome']}"] += 1
-                if outcome["outcome"] == "refused":
-                    codes[f"{kind} {outcome['code']}"] += 1
-                if outcome["seconds"] > slowest.get(kind, {}).get("seconds", -1):
-                    slowest[kind] = {"seconds": outcome["seconds"], "seed": case["seed"], "outcome": outcome["outcome"]}
-                name = failure_class(outcome)
-                if name:
-                    entry = failures.setdefault(name, {"count": 0, "cases": []})
-                    entry["count"] += 1
-                    if len(entry["cases"]) < KEEP_PER_CLASS:
-                        entry["cases"].append({"kind": kind, "seed": case["seed"], "mutation": " | ".join(case["log"]),
-                                               "message": outcome.get("message", "")})
-                        if keep:
-                            shutil.copytree(Path(case["path"]).parent, Path(keep) / f"{kind}-{case['seed']}", dirs_exist_ok=True)
+                tally.add(case, outcome)
                 shutil.rmtree(Path(case["path"]).parent, ignore_errors=True)
-                if done % 200 == 0:
-                    failed = sum(f["count"] for f in failures.values())
-                    print(f"{done} cases, {time.monotonic() - ready:.0f} s, {failed} failures",
+                if done % SUMMARY_EVERY == 0:
+                    summary = tally.summary(setup)
+                    _write(summary, json_path)
+                    print(f"{done} cases, {summary['seconds']:.0f} s, {summary['failed_cases']} failures",
                           file=sys.stderr, flush=True)
         finally:
             pool.close()
-        elapsed = time.monotonic() - ready
-        counts = Counter()
-        for key, value in outcomes.items():
-            counts[key.split()[0]] += value
-        summary = {
-            "date": time.strftime("%Y-%m-%d"), "workers": workers, "seed": seed, "timeout": timeout,
-            "cases": dict(counts), "outcomes": dict(sorted(outcomes.items())), "refusal_codes": dict(sorted(codes.items())),
-            "failures": dict(sorted(failures.items(), key=lambda item: -item[1]["count"])), "slowest": slowest,
-            "seconds": round(elapsed, 1), "setup_seconds": round(ready - start, 1),
-            "cases_per_second": {kind: round(count / elapsed, 2) for kind, count in counts.items()} if elapsed else {},
-        }
+        summary = tally.summary(setup)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    text = json.dumps(summary, indent=2, ensure_ascii=False)
-    print(text)
-    if json_path:
-        Path(json_path).write_text(text + "\n")
+    print(json.dumps(summary, indent=2, ensure_ascii=False))
+    _write(summary, json_path)
     sys.exit(1 if summary["failures"] else 0)
 
 
