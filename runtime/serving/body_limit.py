@@ -1,11 +1,17 @@
 """`BodyLimit`: an ASGI middleware that answers 413 (OpenAI's error shape) to a request body over the limit,
-told by its Content-Length before any of it is read, or counted as it arrives when it is chunked."""
+told by its Content-Length before any of it is kept, or counted as it arrives when it is chunked.
+
+The rest of the body is read and dropped before the answer (up to `DRAIN_BYTES`): a server that answers
+and closes while the client is still sending resets the connection, and the client sees a broken pipe
+instead of the 413."""
 
 from __future__ import annotations
 
 import json
 
 from runtime.serving.wire import error_body
+
+DRAIN_BYTES = 64 * 1024 * 1024
 
 
 class BodyLimit:
@@ -20,7 +26,7 @@ class BodyLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(send)
+            await self._refuse(receive, send)
             return
         received = 0
         answered = False  # by us, with the 413: what the app sends after that is dropped
@@ -33,7 +39,10 @@ class BodyLimit:
                 if received > self.max_bytes:
                     # the app sees the client leave (raising inside its body reader would be its own 400)
                     answered = True
-                    await self._refuse(send)
+                    if message.get("more_body", False):
+                        await self._refuse(receive, send)
+                    else:
+                        await self._answer(send)
                     return {"type": "http.disconnect"}
             return message
 
@@ -43,7 +52,19 @@ class BodyLimit:
 
         await self.app(scope, counted_receive, guarded_send)
 
-    async def _refuse(self, send) -> None:
+    async def _refuse(self, receive, send) -> None:
+        """Drop what is left of the body (within `DRAIN_BYTES`), then answer 413."""
+        dropped = 0
+        while dropped < DRAIN_BYTES:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left: nobody to answer
+            dropped += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        await self._answer(send)
+
+    async def _answer(self, send) -> None:
         body = json.dumps(error_body(413, f"the request body is larger than {self.max_bytes} bytes (--max-body-bytes)",
                                      "invalid_request_error")).encode()
         await send({"type": "http.response.start", "status": 413,

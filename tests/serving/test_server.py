@@ -305,6 +305,23 @@ def test_sigterm_answers_every_request_in_flight_and_accounts_for_it(om, tmp_pat
     assert "Traceback" not in log and "Cancel" not in log, log
 
 
+def test_sigterm_during_32_streaming_and_plain_requests_with_a_core_busy(tmp_path):
+    """One round of benchmarks/sigterm_soak.py (docs/reliability.md runs 20): 32 requests in flight, half
+    streamed, another process spinning on a core; every client gets its whole answer or the 503 error, the
+    log has no traceback and the audit log has every request with the status its client got."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "sigterm_soak.py"
+    report_path = tmp_path / "report.json"
+    result = subprocess.run([sys.executable, str(script), "--rounds", "1", "--json", str(report_path)],
+                            capture_output=True, text=True, encoding="utf-8", timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(report_path.read_text())
+    [round_] = report["results"]
+    assert round_["problems"] == [] and sum(round_["statuses"].values()) == 32
+    assert set(round_["statuses"]) <= {"200", "503"}
+
+
 class StderrLines:
     """A process's stderr line by line as it comes (read in a thread, so the pipe never fills)."""
 
