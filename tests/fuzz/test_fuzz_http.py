@@ -8,6 +8,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -92,9 +93,31 @@ def _check(client: httpx.Client, url: str, path: str, body: bytes, stream: bool)
     return None
 
 
+class _Bystander(threading.Thread):
+    """A well-formed client asking for 32 tokens again and again while the fuzz runs: every answer must be
+    whole, whatever the requests beside it in the batch carried."""
+
+    BODY = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+
+    def __init__(self, url: str):
+        super().__init__(daemon=True)
+        self.url, self.stop, self.answers, self.wrong = url, threading.Event(), 0, []
+
+    def run(self) -> None:
+        with httpx.Client(timeout=120) as client:
+            while not self.stop.is_set():
+                response = client.post(f"{self.url}/v1/completions", json=self.BODY)
+                tokens = response.json().get("usage", {}).get("completion_tokens") if response.status_code == 200 else None
+                if tokens != 32:
+                    self.wrong.append(f"{response.status_code}: {response.text[:200]}")
+                self.answers += 1
+
+
 def test_hostile_requests_get_openai_errors_and_never_a_server_fault(server):
     url, process, log = server
     failures = []
+    bystander = _Bystander(url)
+    bystander.start()
 
     @settings(derandomize=True, database=None, deadline=None, phases=(Phase.explicit, Phase.generate),
               suppress_health_check=list(HealthCheck), max_examples=HTTP_CASES)
@@ -110,7 +133,10 @@ def test_hostile_requests_get_openai_errors_and_never_a_server_fault(server):
             failures.append(f"POST {path} {body[:160]!r}: {wrong}")
 
     one()
+    bystander.stop.set()
+    bystander.join(timeout=120)
     assert process.poll() is None, log.read_text()[-3000:]
+    assert bystander.answers > 0 and not bystander.wrong, bystander.wrong[:5]
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200
     assert not failures, f"{len(failures)} of {HTTP_CASES} requests answered wrongly:\n" + "\n".join(failures[:20])
     assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
