@@ -155,8 +155,14 @@ def test_a_request_that_fails_in_a_step_is_a_500_counted_failed_and_hurts_no_oth
         bad = server._admit("tiny", None, "/v1/completions", (), [5, 6, 7], params)
         failed = _refused(lambda: asyncio.run(server.complete(bad)))
         assert (failed.status, failed.kind) == (500, "server_error") and bad.request.finish_reason == "error"
+        streamed = server._admit("tiny", None, "/v1/completions", (), [5, 6, 7], params)
+
+        async def read():
+            return [piece async for piece in server.stream(streamed)]
+
+        assert _refused(lambda: asyncio.run(read())).status == 500  # the route sends it as the last event
         assert asyncio.run(server.complete(good)).text == alone
-        assert _count(server, "failed") == 1 and _count(server, "completed") == 1
+        assert _count(server, "failed") == 2 and _count(server, "completed") == 1
         assert server.pending == {"tiny": 0} and server.engines["tiny"].blocks.num_used == 0
     finally:
         server.close()
