@@ -407,13 +407,14 @@ class LLMEngine:
         self.proposer.forget(request.seq.seq_id)
         if request.detokenizer is not None:
             request._emit(request.detokenizer.flush())
+        # the future first: whoever is told when it is done (a server's accounting) is done before a
+        # reader of the stream sees its end
+        if not request.future.done():
+            if error is not None:
+                request.future.set_exception(error)
+            else:
+                request.future.set_result(request.text)
         request._put(_DONE)
-        if request.future.done():
-            return
-        if error is not None:
-            request.future.set_exception(error)
-        else:
-            request.future.set_result(request.text)
 
     def _sample_utilisation(self, batch: ScheduledBatch) -> None:
         """Pages holding live tokens / pages allocated, and live tokens / allocated slots, for this step."""

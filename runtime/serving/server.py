@@ -226,6 +226,7 @@ class Server:
         except asyncio.CancelledError:
             self.end(generation, "client")
             raise
+        future.exception()  # seen here, so asyncio does not log it as never retrieved: the outcome reports it
         self._raise_unless_completed(generation)
         return generation
 
