@@ -1,0 +1,67 @@
+"""The request bodies' validation (runtime/serving/wire.py) and the quota's reservations (guard.py), on
+their own: no model, no server."""
+
+from __future__ import annotations
+
+import threading
+
+import pydantic
+import pytest
+
+from runtime.serving.guard import Guard
+from runtime.serving.wire import ChatBody, CompletionBody, GenerateBody, validation_error_body
+
+pytestmark = pytest.mark.unit
+
+
+def _refusal(body_type, body: dict) -> str:
+    with pytest.raises(pydantic.ValidationError) as error:
+        body_type(**body)
+    # FastAPI puts "body" first in each location, as the route's handler sees it
+    errors = [{**e, "loc": ("body", *e["loc"])} for e in error.value.errors()]
+    return validation_error_body(errors)["error"]["message"]
+
+
+@pytest.mark.parametrize("model,body,message", [
+    (CompletionBody, {"prompt": "x", "temperature": float("nan")}, "temperature: Input should be a finite number"),
+    (CompletionBody, {"prompt": "x", "top_p": float("inf")}, "top_p: Input should be a finite number"),
+    (CompletionBody, {"prompt": "a\ud800"}, "prompt: Value error, not valid UTF-8 (a lone surrogate at character 1)"),
+    (ChatBody, {"messages": [{"role": "user", "content": "\udfff"}]}, "messages.0.content: Value error, not valid UTF-8"),
+    (GenerateBody, {"prompt": "ok", "model": "\ud800"}, "model: Value error, not valid UTF-8"),
+    (CompletionBody, {"prompt": "x", "stop": ["s"] * 17}, "List should have at most 16 items"),
+    (CompletionBody, {"prompt": "x", "stop": "s" * 257}, "String should have at most 256 characters"),
+    (CompletionBody, {"prompt": "x", "stop": [""]}, "String should have at least 1 character"),
+])
+def test_bodies_that_would_break_a_step_are_refused_saying_where(model, body, message):
+    said = _refusal(model, body)
+    assert said.startswith("invalid request: ") and message in said
+    assert "\ud800" not in said and "\udfff" not in said  # never the input itself
+
+
+def test_bounded_stop_lists_pass():
+    body = CompletionBody(prompt="x", stop=["s" * 256] * 16)
+    assert body.sampling()["stop"] == ["s" * 256] * 16
+
+
+def test_concurrent_reservations_never_overdraw_a_quota():
+    guard = Guard(["k"], quota_tokens=60)
+    at_once = threading.Barrier(12)
+    answers = []
+
+    def reserve():
+        at_once.wait()
+        answers.append(guard.reserve("k", 10))
+
+    threads = [threading.Thread(target=reserve) for _ in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert answers.count(None) == 6 and sorted(a for a in answers if a is not None) == [0] * 6
+    assert guard.used == {"k": 60}
+    guard.refund("k", 25)
+    assert guard.reserve("k", 26) == 25 and guard.reserve("k", 25) is None and guard.used == {"k": 60}
+
+
+def test_without_a_quota_or_a_key_nothing_is_reserved():
+    assert Guard(["k"]).reserve("k", 10 ** 9) is None and Guard(quota_tokens=5).reserve(None, 10) is None
