@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 from generation_utils import compile_tiny_chat_model
 
