@@ -1,11 +1,12 @@
 """`Server`: the engines behind the HTTP routes, and everything about a request that is not HTTP.
 
 Every request is admitted or refused before any work (`Refusal`: 401 without a valid key, 404 for an
-unknown model, 429 when its key's quota is spent or the model's queue is full, 400 for a blocked or
-over-long prompt, 503 while loading or shutting down). Once admitted it is a `Generation`, which ends
-as completed, cancelled (the client gone: 499, the timeout: 504, the shutdown: 503) or failed (500); its
-accounting (metrics, quota, audit, the pending count) happens once, when the engine is done with it,
-however it ended. `drain` stops admitting, lets what is in flight finish within the grace period and ends
+unknown model, 429 when its key's quota cannot cover all it may use or the model's queue is full, 400 for
+a blocked prompt or one the engine refuses, 503 while loading or shutting down). Admission reserves the
+quota and the queue place in one step, so concurrent requests cannot all pass one check. Once admitted it is a `Generation`, which ends
+as completed, cancelled (the client gone: 499, the timeout: 504, the shutdown: 503) or failed (500: a
+fault in its step, which fails it alone); its accounting (metrics, the quota's refund of what it did not
+use, audit, the pending count) happens once, when the engine is done with it, however it ended. `drain` stops admitting, lets what is in flight finish within the grace period and ends
 the rest. All of it runs from plain Python and asyncio: the routes only parse, call and serialise.
 """
 
@@ -179,6 +180,8 @@ class Server:
         engine = self.engines[name]
         reserved = len(ids) + min(sampling.max_new_tokens, engine.max_context_len - len(ids))
         with self._lock:
+            if self.closing:  # the drain began while this one was being tokenized
+                raise Refusal(503, "the server is shutting down", "unavailable")
             if self.pending[name] >= self.settings.max_pending:
                 self._reject(name, Refusal(429, "the server is at capacity; retry shortly", "rate_limit_exceeded",
                                            self.settings.retry_after_s))
@@ -286,12 +289,13 @@ class Server:
         deadline = time.monotonic() + (self.settings.shutdown_grace_s if grace_s is None else grace_s)
         while self._in_flight and time.monotonic() < deadline:
             await asyncio.sleep(_POLL_S)
-        with self._lock:
-            left = list(self._in_flight)
-        for generation in left:
-            self.end(generation, "shutdown")
-        # each engine ends its cancelled requests before its next step: bounded by one step
+        # each engine ends its cancelled requests before its next step: bounded by one step. Ended again
+        # each round: one admitted while the signal came (past the closing check) is ended too
         while self._in_flight:
+            with self._lock:
+                left = [generation for generation in self._in_flight if generation.ended_by is None]
+            for generation in left:
+                self.end(generation, "shutdown")
             await asyncio.sleep(_POLL_S)
         self.close()
 
