@@ -54,7 +54,7 @@ class DType:
         Of(str).check(value, where)
         try:
             dtype = np.dtype(value)
-        except TypeError:
+        except (TypeError, ValueError):  # lone surrogates make a UnicodeEncodeError, a ValueError
             raise SchemaViolation(f"{where}: {value!r} is not a dtype") from None
         if dtype.kind not in "biuf":
             raise SchemaViolation(f"{where}: {value!r} is not a tensor dtype")
@@ -62,12 +62,12 @@ class DType:
 
 @dataclass(frozen=True)
 class Dim:
-    """A dim of a signature shape: a non-negative int or a symbolic name."""
+    """A dim of a signature shape: an int (-1: unknown and unnamed) or a symbolic name."""
 
     def check(self, value, where: str) -> None:
         if isinstance(value, str):
             return
-        Int().check(value, where)
+        Int(-1).check(value, where)
 
 
 @dataclass(frozen=True)

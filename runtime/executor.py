@@ -16,9 +16,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx.reference import ReferenceEvaluator
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from runtime.artifact import SUB_BYTE_TYPES
 from runtime.engine.kv_cache import PagePool
+from runtime.errors import AtcError
 from runtime.kernels import HostRun, host_kernel, is_host_node, reference_ops
 from runtime.loader import LoadedModel
 from runtime.lowering import lower_for_onnxruntime
@@ -28,6 +30,9 @@ from runtime.proto_utils import initializers_as_inputs
 from runtime.segments import HostNode, Segment, split_at_host_nodes
 
 BACKENDS = ("onnxruntime", "reference")
+# what onnxruntime raises for a model it will not build (its pybind exceptions derive from Exception only)
+_ORT_REFUSALS = tuple(getattr(ort_state, name) for name in ("Fail", "InvalidGraph", "InvalidArgument", "NotImplemented",
+                                                            "InvalidProtobuf", "RuntimeException"))
 
 
 class Executor:
@@ -55,8 +60,13 @@ class Executor:
         for step in plan:
             if isinstance(step, HostNode):
                 self._steps.append(_HostStep(step.node))
-            else:
+                continue
+            try:
                 self._steps.append(_SegmentStep(step, weights, backend, threads, spinning, stop_spinning))
+            except _ORT_REFUSALS as error:
+                # a graph the loader's checks let through but onnxruntime will not build: the file is invalid
+                reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+                raise AtcError("E13015", loaded.om.path, f"onnxruntime refuses the graph: {reason}") from None
         self._fast = backend == "onnxruntime"
         if self._fast and len(plan) > 1:
             # imported here, not at the top: `python -m runtime.kernels.warmup` must find it not yet imported

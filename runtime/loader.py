@@ -23,6 +23,7 @@ from runtime.errors import AtcError
 from runtime.kernels import supports
 from runtime.ops import (ATTENTION_OPS, CUSTOM_DOMAIN, PAGED_ATTENTION, PAGED_METADATA, ContractViolation, attributes,
                          check_node)
+from runtime.signature import io_signature, llm_dimensions
 from runtime.tokenizer import TextTokenizer
 
 
@@ -80,11 +81,9 @@ def load_artifact(path: str | os.PathLike, verify_weights: bool = True) -> Loade
 def _check_graph(model: onnx.ModelProto, metadata: dict) -> None:
     """The `cann` nodes against their contract, the signature and the paged layout against the graph."""
     graph = model.graph
-    inputs, outputs = {v.name for v in graph.input}, {v.name for v in graph.output}
-    for side, names in (("inputs", inputs), ("outputs", outputs)):
-        for value in metadata["signature"][side]:
-            if value["name"] not in names:
-                raise ContractViolation(f"metadata.signature.{side}: {value['name']} is not one of the graph's {side}")
+    _check_opsets(model)
+    _check_signature(model, metadata["signature"])
+    _check_wiring(graph)
     shape_of = _known_shapes(graph)
     attentions = []
     for node in graph.node:
@@ -93,8 +92,88 @@ def _check_graph(model: onnx.ModelProto, metadata: dict) -> None:
         check_node(node, shape_of)
         if node.op_type in ATTENTION_OPS:
             attentions.append((node, attributes(node)))
+    _check_dimensions(metadata, attentions)
     if metadata.get("kv_cache", {}).get("layout") == "paged":
         _check_paged(metadata, attentions)
+
+
+def _check_dimensions(metadata: dict, attentions: list[tuple[onnx.NodeProto, dict]]) -> None:
+    """metadata.model (what runners size their caches by) agrees with the signature and the attention nodes."""
+    dims = llm_dimensions(metadata["signature"])
+    if dims and "model" not in metadata:
+        raise ContractViolation("metadata.model: missing for a causal LM (input_ids in, logits out)")
+    model = metadata.get("model", {})
+    for key, value in dims.items():
+        if model.get(key) != value:
+            raise ContractViolation(f"metadata.model.{key}: {model.get(key)!r}, the signature makes it {value!r}")
+    if attentions and "num_layers" in model and model["num_layers"] != len(attentions):
+        raise ContractViolation(f"metadata.model.num_layers: {model['num_layers']}, the graph has {len(attentions)} "
+                                f"attention nodes")
+    for node, attrs in attentions:
+        for attr, key in (("num_heads", "num_heads"), ("kv_num_heads", "num_kv_heads"), ("head_dim", "head_dim")):
+            if key in model and attrs[attr] != model[key]:
+                raise ContractViolation(f"node {node.name}: {attr} {attrs[attr]} is not metadata.model.{key} "
+                                        f"{model[key]}")
+
+
+def _check_opsets(model: onnx.ModelProto) -> None:
+    """Every node's domain imported once, at a version a backend can take."""
+    versions = {}
+    for opset in model.opset_import:
+        domain = opset.domain or "ai.onnx"
+        if domain in versions:
+            raise ContractViolation(f"opset_import: {domain} is imported twice")
+        versions[domain] = opset.version
+    if not 1 <= versions.get("ai.onnx", 0) <= onnx.defs.onnx_opset_version():
+        raise ContractViolation(f"opset_import: ai.onnx version {versions.get('ai.onnx')} is not one onnx knows "
+                                f"(1 to {onnx.defs.onnx_opset_version()})")
+    for node in model.graph.node:
+        if (node.domain or "ai.onnx") not in versions:
+            raise ContractViolation(f"node {node.name}: domain {node.domain or 'ai.onnx'} is not imported")
+
+
+def _check_signature(model: onnx.ModelProto, signature: dict) -> None:
+    """The metadata's signature is the graph's own I/O (as the compiler recorded it): names, dtypes, shapes."""
+    try:
+        actual = io_signature(model)
+    except (KeyError, TypeError, ValueError) as error:  # an elem_type without a numpy dtype
+        raise ContractViolation(f"graph: an input or output has no tensor type ({error})") from None
+    for side in ("inputs", "outputs"):
+        stated = {value["name"]: value for value in signature[side]}
+        for value in actual[side]:
+            if value["name"] not in stated:
+                raise ContractViolation(f"metadata.signature.{side}: the graph's {value['name']} is missing")
+            if stated[value["name"]] != value:
+                raise ContractViolation(f"metadata.signature.{side}: {value['name']} is {stated[value['name']]}, the "
+                                        f"graph's is {value}")
+        extra = sorted(set(stated) - {value["name"] for value in actual[side]})
+        if extra:
+            raise ContractViolation(f"metadata.signature.{side}: {extra[0]} is not one of the graph's {side}")
+
+
+def _check_wiring(graph: onnx.GraphProto) -> None:
+    """Every value defined once (a graph input, an initializer or one node's output) and before any node
+    reads it; every graph output defined. Names a subgraph reads from the enclosing graph are its own
+    business: its node is checked by the backend that runs it."""
+    inputs, initializers = [v.name for v in graph.input], [t.name for t in graph.initializer]
+    for kind, names in (("input", inputs), ("initializer", initializers)):
+        if len(set(names)) != len(names):
+            raise ContractViolation(f"graph: two {kind}s share a name")
+    # an initializer may also be listed as an input (IR < 4 style): the one value, defined once
+    defined = set(inputs) | set(initializers)
+    for node in graph.node:
+        for name in node.input:
+            if name and name not in defined:
+                raise ContractViolation(f"node {node.name}: input {name} is defined by no input, initializer or "
+                                        f"earlier node")
+        for name in node.output:
+            if name in defined:
+                raise ContractViolation(f"node {node.name}: output {name} is defined twice")
+            if name:
+                defined.add(name)
+    for value in graph.output:
+        if value.name not in defined:
+            raise ContractViolation(f"graph: output {value.name} is defined by no node")
 
 
 def _check_paged(metadata: dict, attentions: list[tuple[onnx.NodeProto, dict]]) -> None:
@@ -106,13 +185,9 @@ def _check_paged(metadata: dict, attentions: list[tuple[onnx.NodeProto, dict]]) 
             raise ContractViolation(f"metadata.signature.inputs: a paged model needs {meta.name} of "
                                     f"{np.dtype(meta.dtype)}")
     layers = set()
-    for node, attrs in attentions:
+    for node, attrs in attentions:  # heads and head size: _check_dimensions, against metadata.model
         if node.op_type != PAGED_ATTENTION.name:
             raise ContractViolation(f"node {node.name}: a {node.op_type} in a paged model")
-        for attr, field in (("kv_num_heads", "num_kv_heads"), ("head_dim", "head_dim")):
-            if attrs[attr] != model[field]:
-                raise ContractViolation(f"node {node.name}: {attr} {attrs[attr]} is not the page pool's "
-                                        f"{model[field]} (metadata.model.{field})")
         if attrs["page_size"] != page_size:
             raise ContractViolation(f"node {node.name}: page_size {attrs['page_size']} is not the page pool's "
                                     f"{page_size} (metadata.kv_cache.page_size)")

@@ -15,7 +15,7 @@ from runtime import Executor, load_artifact
 from runtime.artifact import write_artifact
 from runtime.lowering import lower_for_onnxruntime
 from runtime.ort_session import session_options
-from runtime.signature import io_signature
+from runtime.signature import io_signature, llm_dimensions
 
 
 def apply_pass(model: onnx.ModelProto, *passes):
@@ -45,7 +45,8 @@ def run_fused(model: onnx.ModelProto, feeds, backend: str, folder: Path) -> list
     path = folder / f"fused-{backend}.om"
     copy = onnx.ModelProto()
     copy.CopyFrom(model)  # write_artifact consumes the model it is given
-    write_artifact(path, copy, {"name": "fused", "signature": io_signature(copy)})
+    signature = io_signature(copy)
+    write_artifact(path, copy, {"name": "fused", "signature": signature, "model": llm_dimensions(signature)})
     return list(Executor(load_artifact(path), backend).run(feeds).values())
 
 

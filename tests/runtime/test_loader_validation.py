@@ -9,6 +9,7 @@ deliberate hand could have made.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -145,12 +146,16 @@ ATTRIBUTE_CASES = {
                                         "metadata.model.num_layers: '2' is not an integer"),
     "a signature that is not a list": ("contiguous", _set_metadata(("signature", "inputs"), {"input_ids": 1}),
                                        "metadata.signature.inputs: {'input_ids': 1} is not a list"),
+    "a model without its dimensions": ("contiguous", lambda model, metadata, files: metadata.pop("model"),
+                                       "metadata.model: missing for a causal LM"),
+    "a cache layout the signature does not have": ("contiguous", _set_metadata(("model", "kv_cache_io"), False),
+                                                   "metadata.model.kv_cache_io: False, the signature makes it True"),
     "an unknown layout": ("contiguous", _set_metadata(("kv_cache", "layout"), "ring"),
                           "metadata.kv_cache.layout: 'ring' is not one of"),
     "a dtype that is not one": ("contiguous", _set_metadata(("signature", "outputs", 0, "dtype"), "float99"),
                                 "metadata.signature.outputs[0].dtype: 'float99' is not a dtype"),
     "a signature input the graph lacks": ("contiguous", _set_metadata(("signature", "inputs", 0, "name"), "tokens"),
-                                          "tokens is not one of the graph's inputs"),
+                                          "the graph's input_ids is missing"),
     "a tokenizer.json that is not JSON": ("contiguous", _set_tokenizer("tokenizer.json", "{not json"),
                                           "tokenizer file tokenizer.json is invalid"),
     "a tokenizer_config.json that is a list": ("contiguous", _set_tokenizer("tokenizer_config.json", "[1]"),
@@ -179,6 +184,8 @@ CONTAINER_CASES = {
     "an unaligned partition": (lambda om: _pack_offsets(om, {Partition.METADATA: 8}), "not 64-byte aligned"),
     "a partition twice": (lambda om: _parts(om) + [(Partition.METADATA, b"{}")], "appears twice"),
     "metadata that is not JSON": (lambda om: _replace(om, Partition.METADATA, b"\xff{"), "METADATA partition is not JSON"),
+    "a lone surrogate for a dtype": (lambda om: _replace(om, Partition.METADATA, _escaped_metadata(
+        om, _set_metadata(("signature", "inputs", 0, "dtype"), "\ud800"))), r"inputs[0].dtype: '\ud800' is not a dtype"),
     "a graph that is not ONNX": (lambda om: _replace(om, Partition.MODEL_DEF, b"\x0a\xff\xff\xff"),
                                  "MODEL_DEF partition is not an ONNX model"),
     "a tokenizer partition of numbers": (lambda om: _replace(om, Partition.TOKENIZER, b'{"tokenizer.json": 3}'),
@@ -200,6 +207,14 @@ def _inside_the_graph(source: Path) -> int:
     """A table offset 64 bytes into the MODEL_DEF partition (the first one), aligned as partitions are."""
     table_end = HEADER_SIZE + _TABLE_HEAD.size + _ENTRY.size * len(_parts(source))
     return _align(table_end) - table_end + 64
+
+
+def _escaped_metadata(source: Path, edit) -> bytes:
+    """The metadata of `source` edited and encoded with JSON's escapes, which can spell what UTF-8 cannot
+    (a lone surrogate)."""
+    metadata = OmFile(source).metadata
+    edit(None, metadata, None)
+    return json.dumps(metadata).encode()
 
 
 def _replace(source: Path, kind: int, data: bytes):
