@@ -124,7 +124,7 @@ def _check_opsets(model: onnx.ModelProto) -> None:
         if domain in versions:
             raise ContractViolation(f"opset_import: {domain} is imported twice")
         versions[domain] = opset.version
-    if not 1 <= versions.get("ai.onnx", 0) <= onnx.defs.onnx_opset_version():
+    if "ai.onnx" in versions and not 1 <= versions["ai.onnx"] <= onnx.defs.onnx_opset_version():
         raise ContractViolation(f"opset_import: ai.onnx version {versions.get('ai.onnx')} is not one onnx knows "
                                 f"(1 to {onnx.defs.onnx_opset_version()})")
     for node in model.graph.node:

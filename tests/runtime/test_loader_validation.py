@@ -25,6 +25,7 @@ from runtime.artifact import (
     _ENTRY, _TABLE_HEAD, HEADER_SIZE, OmFile, Partition, _align, _pack_header, write_artifact,
 )
 from runtime.errors import AtcError
+from runtime.executor import Executor
 from runtime.loader import load_artifact
 
 
@@ -140,6 +141,14 @@ ATTRIBUTE_CASES = {
     "layer past the pool": ("paged", _set_attribute("PagedAttention", "layer", 2), "layer 2 is outside"),
     "two nodes on one layer": ("paged", _set_attribute("PagedAttention", "layer", 0, index=1),
                                "layer 0 is outside the pool's 2 layers or taken"),
+    "a node dropped": ("contiguous", lambda model, metadata, files: model.graph.node.remove(
+        next(n for n in model.graph.node if n.op_type == "AddRmsNorm")), "is defined by no input, initializer or earlier"),
+    "an output defined twice": ("contiguous", lambda model, metadata, files: model.graph.node[3].output.__setitem__(
+        0, model.graph.node[1].output[0]), "is defined twice"),
+    "no ai.onnx opset": ("contiguous", lambda model, metadata, files: model.opset_import.remove(
+        next(o for o in model.opset_import if o.domain == "")), "domain ai.onnx is not imported"),
+    "opset 99": ("contiguous", lambda model, metadata, files: setattr(
+        next(o for o in model.opset_import if o.domain == ""), "version", 99), "ai.onnx version 99 is not one onnx"),
     "negative page_size in metadata": ("paged", _set_metadata(("kv_cache", "page_size"), -16),
                                        "metadata.kv_cache.page_size: -16 is outside [16, 512]"),
     "a layer count of the wrong type": ("paged", _set_metadata(("model", "num_layers"), "2"),
@@ -250,3 +259,18 @@ def test_cann_run_refuses_a_crafted_artifact_with_a_coded_error_and_no_traceback
     assert "Traceback" not in done.stdout + done.stderr
     assert "[ERROR] E13015" in done.stderr and phrase in done.stderr
 
+
+
+def test_a_graph_onnxruntime_will_not_build_is_a_coded_error(contiguous_om, tmp_path):
+    def string_constant(model, metadata, files):
+        # a small constant (stored inline) of a type its consumer does not take: the loader's checks pass it
+        tensor = next(t for t in model.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL
+                      and t.data_type == onnx.TensorProto.INT64 and t.dims == [1])
+        tensor.data_type = onnx.TensorProto.FLOAT
+        tensor.ClearField("int64_data")
+        tensor.raw_data = b"\0" * 4
+
+    loaded = load_artifact(_rewrite(contiguous_om, tmp_path / "bad.om", string_constant))
+    with pytest.raises(AtcError) as error:
+        Executor(loaded)
+    assert error.value.code == "E13015" and "onnxruntime refuses the graph" in error.value.message
