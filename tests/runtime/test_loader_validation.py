@@ -39,6 +39,11 @@ def paged_om(tmp_path_factory, tiny_llama_path) -> Path:
     return compile_to(tiny_llama_path, tmp_path_factory.mktemp("om") / "paged", enable_paged_attention=True)
 
 
+@pytest.fixture(scope="module")
+def int4_om(tmp_path_factory, tiny_llama_path) -> Path:
+    return compile_to(tiny_llama_path, tmp_path_factory.mktemp("om") / "int4", enable_compress_weight=True)
+
+
 def _rewrite(source: Path, target: Path, edit) -> Path:
     """`source` with `edit(model, metadata, tokenizer_files)` applied, written by the artifact writer."""
     om = OmFile(source)
@@ -149,6 +154,11 @@ ATTRIBUTE_CASES = {
         next(o for o in model.opset_import if o.domain == "")), "domain ai.onnx is not imported"),
     "opset 99": ("contiguous", lambda model, metadata, files: setattr(
         next(o for o in model.opset_import if o.domain == ""), "version", 99), "ai.onnx version 99 is not one onnx"),
+    "a block size the packed weight does not have": ("int4", _set_attribute("MatMulInt4", "block_size", 32),
+                                                     "K 64, block_size 32 and bits 4 make [128, 2, 16]"),
+    "an N the packed weight does not have": ("int4", _set_attribute("MatMulInt4", "N", 64),
+                                             "the packed weight has shape [128, 1, 64]"),
+    "3-bit weights": ("int4", _set_attribute("MatMulInt4", "bits", 3), "bits 3 is not one of 4, 8"),
     "negative page_size in metadata": ("paged", _set_metadata(("kv_cache", "page_size"), -16),
                                        "metadata.kv_cache.page_size: -16 is outside [16, 512]"),
     "a layer count of the wrong type": ("paged", _set_metadata(("model", "num_layers"), "2"),
@@ -175,9 +185,10 @@ ATTRIBUTE_CASES = {
 
 
 @pytest.mark.parametrize("case", ATTRIBUTE_CASES, ids=list(ATTRIBUTE_CASES))
-def test_a_crafted_artifact_is_refused_naming_the_field(case, contiguous_om, paged_om, tmp_path):
+def test_a_crafted_artifact_is_refused_naming_the_field(case, contiguous_om, paged_om, int4_om, tmp_path):
     artifact, edit, phrase = ATTRIBUTE_CASES[case]
-    bad = _rewrite(contiguous_om if artifact == "contiguous" else paged_om, tmp_path / "bad.om", edit)
+    source = {"contiguous": contiguous_om, "paged": paged_om, "int4": int4_om}[artifact]
+    bad = _rewrite(source, tmp_path / "bad.om", edit)
     OmFile(bad)  # the container is sound: every CRC and the table's checksum match
     with pytest.raises(AtcError) as error:
         load_artifact(bad)
