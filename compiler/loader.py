@@ -21,6 +21,7 @@ from onnx import external_data_helper, helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from compiler.model_checks import check_model
+from passes.constant_conditionals import flatten_constant_conditionals
 from runtime.artifact import SUB_BYTE_TYPES
 from runtime.errors import AtcError
 from runtime.proto_utils import initializers_as_inputs
@@ -111,10 +112,12 @@ def _check_tensor_sizes(model: onnx.ModelProto, path: Path) -> None:
 
 def import_graph(path: str | os.PathLike) -> tuple[onnx.ModelProto, gs.Graph]:
     """The checked model (external data left on disk) and its graph, whose externally stored constants are
-    read-only arrays over memory maps of the data files (pages read on first use, and reclaimable)."""
+    read-only arrays over memory maps of the data files (pages read on first use, and reclaimable), and
+    whose `If`s on constant conditions are already replaced by the branch they take."""
     path = Path(path)
     model = load_onnx(path, external_data=False)
     graph = gs.import_onnx(model)
+    flatten_constant_conditionals(graph)
     maps: dict[Path, mmap.mmap] = {}
     for constant in (t for t in graph.tensors().values() if isinstance(t, gs.Constant)):
         lazy = constant._values

@@ -1,28 +1,54 @@
-"""ConstantFoldingPass: evaluate what depends only on constants and on static shapes.
+"""ConstantFoldingPass: evaluate what depends only on constants and on static shapes, within a budget.
 
 Results larger than `size_threshold` bytes stay computed at run time: folding a causal mask built from
 max_position_embeddings would store hundreds of MB in the artifact.
+
+The budget keeps a hostile or odd model from holding the compiler for minutes (a 3.5 MB model of nested
+`If`s once folded for over 90 s): before onnxruntime evaluates anything, each foldable node's work is
+estimated from its inferred shapes, and a node whose output would exceed `evaluation_bytes`, or whose work
+would take the pass past `work_budget`, stays in the graph (so do its consumers) and is reported. The
+estimate, not a clock, decides: the same model always folds the same way, so two compiles still give
+identical bytes, and an onnxruntime run in progress cannot be interrupted anyway. `If`, `Loop` and `Scan`
+are never evaluated (a loop's cost is its trip count), nor their subgraphs folded (both branches of nested
+conditionals cost 2^depth evaluations); an `If` whose condition is constant from the start was replaced by
+its taken branch at import (passes/constant_conditionals.py), one whose condition folding made constant is
+inlined by graphsurgeon after the fold.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+
+import numpy as np
 import onnx_graphsurgeon as gs
 import onnxruntime as ort
 from onnx_graphsurgeon.logger import G_LOGGER
 
 from passes.base import PassResult
 
+log = logging.getLogger("atc")
+
 DEFAULT_SIZE_THRESHOLD = 16 << 20
+EVALUATION_BYTES = 64 << 20
+# multiply-adds for MatMul-like ops, elements for the rest: onnxruntime does ~1e9 a second on one core
+# here, so a few seconds (docs/reliability.md, "Constant folding budget")
+WORK_BUDGET = 4 << 30
+CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
+CONTRACTIONS = frozenset({"MatMul", "Gemm", "MatMulInteger", "Conv", "ConvTranspose", "Einsum"})
 
 
 class FoldConstants:
-    """Fold constant subgraphs (onnxruntime evaluates them)."""
+    """Fold constant subgraphs (onnxruntime evaluates them), within a work and size budget."""
 
     name = "ConstantFoldingPass"
     switchable = False
 
-    def __init__(self, size_threshold: int = DEFAULT_SIZE_THRESHOLD):
+    def __init__(self, size_threshold: int = DEFAULT_SIZE_THRESHOLD, evaluation_bytes: int = EVALUATION_BYTES,
+                 work_budget: int = WORK_BUDGET):
         self.size_threshold = size_threshold
+        self.evaluation_bytes = evaluation_bytes
+        self.work_budget = work_budget
 
     def run(self, graph: gs.Graph) -> PassResult:
         before = len(graph.nodes)
@@ -32,15 +58,89 @@ class FoldConstants:
         ort.set_default_logger_severity(3)
         try:
             graph.toposort()
+            budget = _Budget(self.evaluation_bytes, self.work_budget)
             try:
-                graph.fold_constants(size_threshold=self.size_threshold, error_ok=False)
+                graph.fold_constants(size_threshold=self.size_threshold, error_ok=False, recurse_subgraphs=False,
+                                     should_exclude_node=budget.excludes)
             except Exception:  # noqa: BLE001 - onnxruntime refused the constant subgraph as a whole
                 # partitioned folding evaluates each constant subgraph alone, so one that onnxruntime cannot
                 # run leaves the others folded; it costs a session per partition (SmolLM2's TorchScript
                 # export: 51 s against 0.9 s folded whole), so it is only the fallback
-                graph.fold_constants(partitioning="basic", size_threshold=self.size_threshold)
+                budget = _Budget(self.evaluation_bytes, self.work_budget)
+                graph.fold_constants(partitioning="basic", size_threshold=self.size_threshold,
+                                     recurse_subgraphs=False, should_exclude_node=budget.excludes)
         finally:
             G_LOGGER.severity = level
+        for reason in budget.rejections:
+            log.warning("%s: not folded: %s", self.name, reason)
         graph.cleanup(remove_unused_graph_inputs=False).toposort()
         removed = before - len(graph.nodes)
-        return PassResult(match_times=removed, effect_times=removed)
+        return PassResult(match_times=removed, effect_times=removed, rejections=budget.rejections)
+
+
+class _Budget:
+    """graphsurgeon's `should_exclude_node`: which foldable nodes are too big or too costly to evaluate.
+    It may ask about a node more than once; the first answer stands, and its work is counted once."""
+
+    def __init__(self, evaluation_bytes: int, work_budget: int):
+        self.evaluation_bytes = evaluation_bytes
+        self.work_left = work_budget
+        self.decided: dict[int, bool] = {}
+        self.rejections: list[str] = []
+
+    def excludes(self, node: gs.Node) -> bool:
+        if id(node) not in self.decided:
+            reason = self._reason(node)
+            if reason:
+                self.rejections.append(f"{node.op} {node.name}: {reason}")
+            self.decided[id(node)] = reason is not None
+        return self.decided[id(node)]
+
+    def _reason(self, node: gs.Node) -> str | None:
+        if node.op in CONTROL_FLOW:
+            return "control flow is evaluated at run time"
+        for tensor in node.outputs:
+            size = _static_bytes(tensor)
+            if size is not None and size > self.evaluation_bytes:
+                return f"its output {tensor.name} would hold {size} bytes (budget {self.evaluation_bytes})"
+        work = _work(node)
+        if work is None:
+            return f"its shapes are unknown, so its cost cannot be bounded (a {node.op})"
+        if work > self.work_left:
+            return f"its cost ({work} operations) exceeds what is left of the folding budget ({self.work_left})"
+        self.work_left -= work
+        return None
+
+
+def _static_shape(tensor: gs.Tensor) -> tuple[int, ...] | None:
+    shape = tensor.shape
+    if shape is None or any(not isinstance(dim, (int, np.integer)) or dim < 0 for dim in shape):
+        return None
+    return tuple(int(dim) for dim in shape)
+
+
+def _static_bytes(tensor: gs.Tensor) -> int | None:
+    shape = _static_shape(tensor)
+    if shape is None or tensor.dtype is None:
+        return None
+    try:
+        itemsize = np.dtype(tensor.dtype).itemsize
+    except TypeError:  # a type numpy does not name (onnx's float8 and int4 kinds): a byte at most
+        itemsize = 1
+    return math.prod(shape) * itemsize
+
+
+def _work(node: gs.Node) -> int | None:
+    """Multiply-adds of a contraction (None when its shapes are unknown), elements of anything else (the
+    larger of its inputs' and outputs' known sizes)."""
+    if node.op in CONTRACTIONS:
+        shapes = [_static_shape(t) for t in node.inputs[:2]]
+        if len(shapes) < 2 or None in shapes or not shapes[0]:
+            return None
+        first, second = shapes
+        # each output element sums over the contracted axis (the last of a MatMul's first input, the channels
+        # of a convolution's); with the batch axes of both counted, an overestimate, never an under one
+        contracted = first[1] if node.op.startswith("Conv") and len(first) > 1 else first[-1]
+        return math.prod(first) * math.prod(second) // max(contracted, 1)
+    sizes = [math.prod(shape) for shape in (_static_shape(t) for t in node.inputs + node.outputs) if shape is not None]
+    return max(sizes, default=0)
