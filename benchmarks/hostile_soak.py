@@ -109,6 +109,7 @@ async def _client(client: httpx.AsyncClient, url: str, rng: random.Random, deadl
     while time.monotonic() < deadline:
         draw = rng.random()
         kind = "malformed" if draw < 0.1 else "oversized" if draw < 0.2 else "hostile" if draw < 0.3 else "good"
+        name = ""
         try:
             if kind == "good":
                 await _good(client, url, rng, expected, tally)
@@ -121,7 +122,7 @@ async def _client(client: httpx.AsyncClient, url: str, rng: random.Random, deadl
             if response.status_code != 413 and not message.startswith("invalid request:"):
                 tally["admitted"] += 1  # reached the engine's checks: the server counts it
         except httpx.HTTPError as error:
-            tally["statuses"][f"{kind}:transport {type(error).__name__}"] += 1
+            tally["statuses"][f"{kind} {name}:transport {type(error).__name__}: {error}"] += 1
 
 
 async def _health(url: str, deadline: float, tally: dict) -> None:
@@ -137,7 +138,9 @@ async def _health(url: str, deadline: float, tally: dict) -> None:
 
 async def _soak(server: ServeProcess, clients: int, seconds: float, seed: int) -> dict:
     url = server.url
-    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
+    # idle connections are dropped before uvicorn's 5 s keep-alive timeout (httpx's default is 5 s too: a
+    # request sent on a connection the server is closing that moment fails in transport, not in the server)
+    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8, keepalive_expiry=1.0)
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
         expected = {}
         for index, prompt in enumerate(GOOD_PROMPTS):  # each alone first: what every later answer must be
