@@ -95,6 +95,11 @@ def _check_graph(model: onnx.ModelProto, metadata: dict) -> None:
     _check_dimensions(metadata, attentions)
     if metadata.get("kv_cache", {}).get("layout") == "paged":
         _check_paged(metadata, attentions)
+    else:
+        paged = next((node for node, _ in attentions if node.op_type == PAGED_ATTENTION.name), None)
+        if paged is not None:
+            raise ContractViolation(f"node {paged.name}: a PagedAttention, but metadata.kv_cache does not say "
+                                    f"the layout is paged")
 
 
 def _check_dimensions(metadata: dict, attentions: list[tuple[onnx.NodeProto, dict]]) -> None:

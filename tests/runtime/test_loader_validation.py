@@ -159,6 +159,8 @@ ATTRIBUTE_CASES = {
     "an N the packed weight does not have": ("int4", _set_attribute("MatMulInt4", "N", 64),
                                              "the packed weight has shape [128, 1, 64]"),
     "3-bit weights": ("int4", _set_attribute("MatMulInt4", "bits", 3), "bits 3 is not one of 4, 8"),
+    "a paged graph without its layout": ("paged", lambda model, metadata, files: metadata.pop("kv_cache"),
+                                         "a PagedAttention, but metadata.kv_cache does not say"),
     "negative page_size in metadata": ("paged", _set_metadata(("kv_cache", "page_size"), -16),
                                        "metadata.kv_cache.page_size: -16 is outside [16, 512]"),
     "a layer count of the wrong type": ("paged", _set_metadata(("model", "num_layers"), "2"),
