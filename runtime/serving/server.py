@@ -3,11 +3,12 @@
 Every request is admitted or refused before any work (`Refusal`: 401 without a valid key, 404 for an
 unknown model, 429 when its key's quota cannot cover all it may use or the model's queue is full, 400 for
 a blocked prompt or one the engine refuses, 503 while loading or shutting down). Admission reserves the
-quota and the queue place in one step, so concurrent requests cannot all pass one check. Once admitted it is a `Generation`, which ends
-as completed, cancelled (the client gone: 499, the timeout: 504, the shutdown: 503) or failed (500: a
-fault in its step, which fails it alone); its accounting (metrics, the quota's refund of what it did not
-use, audit, the pending count) happens once, when the engine is done with it, however it ended. `drain` stops admitting, lets what is in flight finish within the grace period and ends
-the rest. All of it runs from plain Python and asyncio: the routes only parse, call and serialise.
+quota and the queue place in one step, so concurrent requests cannot all pass one check. Once admitted it
+is a `Generation`, which ends as completed, cancelled (the client gone: 499, the timeout: 504, the
+shutdown: 503) or failed (500: a fault in its step, which fails it alone); its accounting (metrics, the
+quota's refund of what it did not use, audit, the pending count) happens once, when the engine is done
+with it, however it ended. `drain` stops admitting, lets what is in flight finish within the grace period
+and ends the rest. All of it runs from plain Python and asyncio: the routes only parse, call and serialise.
 """
 
 from __future__ import annotations

@@ -228,6 +228,32 @@ def test_keys_quotas_timeouts_capacity_filter_and_audit(om, tmp_path):
         server.stop()
 
 
+def test_twelve_concurrent_requests_cannot_overdraw_a_60_token_quota(om, tmp_path):
+    """Each may use 10 tokens (a 2-token prompt, 8 to generate): 6 fit the quota, whatever the interleaving."""
+    audit = tmp_path / "audit.jsonl"
+    server = Server("--model", f"tiny={om}", "--kv_cache_pages", "32", "--api-key", "k", "--quota-tokens", "60",
+                    "--audit-log", str(audit))
+    try:
+        at_once = threading.Barrier(12)
+
+        def ask(_):
+            at_once.wait()
+            return httpx.post(f"{server.url}/v1/completions", headers={"Authorization": "Bearer k"}, timeout=120,
+                              json={"prompt": "hi", "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(ask, range(12)))
+        assert sorted(a.status_code for a in answers) == [200] * 6 + [429] * 6
+        assert all(a.json()["usage"]["total_tokens"] == 10 for a in answers if a.status_code == 200)
+        assert {a.json()["error"]["type"] for a in answers if a.status_code == 429} == {"quota_exceeded"}
+        records = [json.loads(line) for line in audit.read_text().splitlines()]
+        assert sum(r["tokens_in"] + r["tokens_out"] for r in records) == 60
+    finally:
+        server.stop()
+
+
 def test_two_names_for_one_file_share_one_engine_and_health_waits_for_loading(om, engine):
     port = _free_port()
     process = subprocess.Popen([sys.executable, "-m", "cli.cann_run", "serve", "--port", str(port), "--model", f"a={om}",
