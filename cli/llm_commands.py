@@ -11,6 +11,7 @@ import click
 
 from cli.loading import loading
 from runtime.engine.config import EngineConfig
+from runtime.engine.engine import GenerationFailed
 from runtime.errors import AtcError
 from runtime.safe_files import write_text
 
@@ -87,6 +88,8 @@ def _value_errors_as_codes(fn):
             return fn(*args, **kwargs)
         except ValueError as error:
             raise AtcError("E10001", "request", "--prompt", str(error)) from None
+        except GenerationFailed as error:  # a fault inside the engine's step: ours, not the request's
+            raise AtcError("E19999", reason=str(error)) from None
     return run
 
 
