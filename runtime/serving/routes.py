@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 from runtime.serving.body_limit import BodyLimit
 from runtime.serving.server import Generation, Refusal, Server
@@ -28,6 +29,12 @@ def create_app(server: Server) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def malformed(_, error: RequestValidationError):
         return _json(validation_error_body(list(error.errors())), 400)
+
+    @app.exception_handler(HTTPException)
+    async def refused_by_the_framework(_, error: HTTPException):
+        # a body that cannot be decoded at all (bad encoding, nesting past the parser), an unknown route
+        kind = "invalid_request_error" if error.status_code < 500 else "server_error"
+        return _json(error_body(error.status_code, str(error.detail), kind), error.status_code, error.headers)
 
     @app.get("/health")
     async def health():
