@@ -123,10 +123,12 @@ def test_the_seeds_generate_endpoint(server, engine):
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400),
     ("/generate", {"max_length": 3}, 400),
     ("/generate", "{not json", 400),
+    ("/generate", b"\xff\xfe\x00", 400),                                                  # not text at all
+    ("/v1/completions", '{"prompt": ' + "[" * 100_000, 400),                               # past the parser's depth
 ])
 def test_bad_requests_are_refused_cleanly(server, path, payload, status):
-    kwargs = {"content": payload, "headers": {"content-type": "application/json"}} if isinstance(payload, str) \
-        else {"json": payload}
+    kwargs = {"content": payload, "headers": {"content-type": "application/json"}} \
+        if isinstance(payload, (str, bytes)) else {"json": payload}
     response = httpx.post(f"{server.url}{path}", **kwargs)
     assert response.status_code == status
     error = response.json()["error"]
