@@ -5,8 +5,10 @@ max_position_embeddings would store hundreds of MB in the artifact.
 
 The budget keeps a hostile or odd model from holding the compiler for minutes (a 3.5 MB model of nested
 `If`s once folded for over 90 s): before onnxruntime evaluates anything, each foldable node's work is
-estimated from its inferred shapes, and a node whose output would exceed `evaluation_bytes`, or whose work
-would take the pass past `work_budget`, stays in the graph (so do its consumers) and is reported. The
+estimated from its inferred shapes, and a node whose output would exceed `evaluation_bytes`, or would take
+the pass's outputs past `total_bytes` (onnxruntime may hold every intermediate of the constant subgraph at
+once), or whose work would take it past `work_budget`, stays in the graph (so do its consumers) and is
+reported. The
 estimate, not a clock, decides: the same model always folds the same way, so two compiles still give
 identical bytes, and an onnxruntime run in progress cannot be interrupted anyway. `If`, `Loop` and `Scan`
 are never evaluated (a loop's cost is its trip count), nor their subgraphs folded (both branches of nested
@@ -31,8 +33,9 @@ log = logging.getLogger("atc")
 
 DEFAULT_SIZE_THRESHOLD = 16 << 20
 EVALUATION_BYTES = 64 << 20
-# multiply-adds for MatMul-like ops, elements for the rest: onnxruntime does ~1e9 a second on one core
-# here, so a few seconds (docs/reliability.md, "Constant folding budget")
+TOTAL_BYTES = 1 << 30
+# multiply-adds for MatMul-like ops, elements for the rest: well under a second of onnxruntime's time at
+# these bounds (docs/reliability.md, "Constant folding budget")
 WORK_BUDGET = 4 << 30
 CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
 CONTRACTIONS = frozenset({"MatMul", "Gemm", "MatMulInteger", "Conv", "ConvTranspose", "Einsum"})
@@ -45,10 +48,9 @@ class FoldConstants:
     switchable = False
 
     def __init__(self, size_threshold: int = DEFAULT_SIZE_THRESHOLD, evaluation_bytes: int = EVALUATION_BYTES,
-                 work_budget: int = WORK_BUDGET):
+                 total_bytes: int = TOTAL_BYTES, work_budget: int = WORK_BUDGET):
         self.size_threshold = size_threshold
-        self.evaluation_bytes = evaluation_bytes
-        self.work_budget = work_budget
+        self.budget = (evaluation_bytes, total_bytes, work_budget)
 
     def run(self, graph: gs.Graph) -> PassResult:
         before = len(graph.nodes)
@@ -58,7 +60,7 @@ class FoldConstants:
         ort.set_default_logger_severity(3)
         try:
             graph.toposort()
-            budget = _Budget(self.evaluation_bytes, self.work_budget)
+            budget = _Budget(*self.budget, stored=self.size_threshold)
             try:
                 graph.fold_constants(size_threshold=self.size_threshold, error_ok=False, recurse_subgraphs=False,
                                      should_exclude_node=budget.excludes)
@@ -66,12 +68,12 @@ class FoldConstants:
                 # partitioned folding evaluates each constant subgraph alone, so one that onnxruntime cannot
                 # run leaves the others folded; it costs a session per partition (SmolLM2's TorchScript
                 # export: 51 s against 0.9 s folded whole), so it is only the fallback
-                budget = _Budget(self.evaluation_bytes, self.work_budget)
+                budget = _Budget(*self.budget, stored=self.size_threshold)
                 graph.fold_constants(partitioning="basic", size_threshold=self.size_threshold,
                                      recurse_subgraphs=False, should_exclude_node=budget.excludes)
         finally:
             G_LOGGER.severity = level
-        for reason in budget.rejections:
+        for reason in budget.notable:
             log.warning("%s: not folded: %s", self.name, reason)
         graph.cleanup(remove_unused_graph_inputs=False).toposort()
         removed = before - len(graph.nodes)
@@ -80,35 +82,50 @@ class FoldConstants:
 
 class _Budget:
     """graphsurgeon's `should_exclude_node`: which foldable nodes are too big or too costly to evaluate.
-    It may ask about a node more than once; the first answer stands, and its work is counted once."""
+    It may ask about a node more than once; the first answer stands, and its work is counted once.
+    `rejections` lists every node refused; `notable` those whose refusal changes the result (an output
+    over `stored` bytes would not have been kept anyway: a tied embedding's transpose, in every compile)."""
 
-    def __init__(self, evaluation_bytes: int, work_budget: int):
+    def __init__(self, evaluation_bytes: int, total_bytes: int, work_budget: int, stored: int | None = None):
         self.evaluation_bytes = evaluation_bytes
+        self.bytes_left = total_bytes
         self.work_left = work_budget
+        self.stored = stored
         self.decided: dict[int, bool] = {}
         self.rejections: list[str] = []
+        self.notable: list[str] = []
 
     def excludes(self, node: gs.Node) -> bool:
         if id(node) not in self.decided:
             reason = self._reason(node)
             if reason:
                 self.rejections.append(f"{node.op} {node.name}: {reason}")
+                if not self._unstored(node):
+                    self.notable.append(self.rejections[-1])
             self.decided[id(node)] = reason is not None
         return self.decided[id(node)]
+
+    def _unstored(self, node: gs.Node) -> bool:
+        sizes = [_static_bytes(tensor) for tensor in node.outputs]
+        return self.stored is not None and all(size is not None and size > self.stored for size in sizes)
 
     def _reason(self, node: gs.Node) -> str | None:
         if node.op in CONTROL_FLOW:
             return "control flow is evaluated at run time"
-        for tensor in node.outputs:
-            size = _static_bytes(tensor)
+        sizes = [(tensor.name, _static_bytes(tensor)) for tensor in node.outputs]
+        for name, size in sizes:
             if size is not None and size > self.evaluation_bytes:
-                return f"its output {tensor.name} would hold {size} bytes (budget {self.evaluation_bytes})"
+                return f"its output {name} would hold {size} bytes (budget {self.evaluation_bytes})"
+        output_bytes = sum(size or 0 for _, size in sizes)
+        if output_bytes > self.bytes_left:
+            return f"its outputs ({output_bytes} bytes) exceed what is left of the folding memory ({self.bytes_left})"
         work = _work(node)
         if work is None:
             return f"its shapes are unknown, so its cost cannot be bounded (a {node.op})"
         if work > self.work_left:
             return f"its cost ({work} operations) exceeds what is left of the folding budget ({self.work_left})"
         self.work_left -= work
+        self.bytes_left -= output_bytes
         return None
 
 

@@ -15,6 +15,7 @@ from conftest import compile_to, ort_reference
 from onnx import TensorProto, helper, numpy_helper
 
 from compiler.loader import import_graph
+from models.nested_conditionals import nested_conditionals
 from passes.fold_constants import FoldConstants
 from passes.infer_shapes import InferShapes
 from runtime import Executor, load_artifact
@@ -38,31 +39,6 @@ def _folded(path, **budget) -> tuple[gs.Graph, list[str]]:
     _, graph = import_graph(path)
     InferShapes().run(graph)
     return graph, FoldConstants(**budget).run(graph).rejections
-
-
-def _nested_conditionals(tmp_path, depth: int, size: int = 900, chain: int = 4):
-    """An If chain `depth` deep on constant conditions, each branch `chain` MatMuls of one size×size weight
-    (3.2 MB at 900): foldable, but both branches of every level cost 2^depth evaluations."""
-    weight = numpy_helper.from_array(np.random.default_rng(0).standard_normal((size, size)).astype(np.float32) / size, "w")
-
-    def branch(level: int, tag: str) -> onnx.GraphProto:
-        nodes, previous = [], "w"
-        for index in range(chain):
-            nodes.append(helper.make_node("MatMul", [previous, "w"], [f"{tag}_m{level}_{index}"]))
-            previous = f"{tag}_m{level}_{index}"
-        if level < depth:
-            cond = numpy_helper.from_array(np.array(level % 2 == 0), f"{tag}_cond")
-            nodes += [helper.make_node("Constant", [], [f"{tag}_c{level}"], value=cond),
-                      helper.make_node("If", [f"{tag}_c{level}"], [f"{tag}_if{level}"],
-                                       then_branch=branch(level + 1, tag + "t"), else_branch=branch(level + 1, tag + "e")),
-                      helper.make_node("Add", [previous, f"{tag}_if{level}"], [f"{tag}_sum{level}"])]
-            previous = f"{tag}_sum{level}"
-        nodes.append(helper.make_node("Identity", [previous], [f"{tag}_out{level}"]))
-        return helper.make_graph(nodes, f"branch_{tag}", [], [vi(f"{tag}_out{level}", TensorProto.FLOAT, [size, size])])
-
-    root = branch(1, "r")
-    return _save(tmp_path, [*root.node, helper.make_node("Add", ["x", "r_out1"], ["y"])],
-                 [vi("x", TensorProto.FLOAT, [size, size])], [vi("y", TensorProto.FLOAT, [size, size])], [weight])
 
 
 @pytest.mark.unit
@@ -94,6 +70,20 @@ def test_folds_past_the_work_budget_are_skipped_and_reported_and_the_rest_folded
 
 
 @pytest.mark.unit
+def test_folds_past_the_memory_budget_are_skipped(tmp_path):
+    # onnxruntime may hold every intermediate of a constant chain at once: 264 × 64 MiB once took 21 GB
+    constant = numpy_helper.from_array(np.ones(1 << 18, np.float32), "c")  # 1 MiB
+    nodes = [helper.make_node("Neg", ["c"], ["n0"]), helper.make_node("Neg", ["n0"], ["n1"]),
+             helper.make_node("Neg", ["n1"], ["n2"]), helper.make_node("Add", ["x", "n2"], ["y"])]
+    path = _save(tmp_path, nodes, [vi("x", TensorProto.FLOAT, [1 << 18])], [vi("y", TensorProto.FLOAT, [1 << 18])],
+                 [constant])
+    graph, rejections = _folded(path, total_bytes=2 << 20)
+    assert [node.op for node in graph.nodes] == ["Neg", "Add"]
+    assert rejections == [f"Neg {graph.nodes[0].name}: its outputs ({1 << 20} bytes) exceed what is left of the "
+                          "folding memory (0)"]
+
+
+@pytest.mark.unit
 def test_constant_conditions_take_their_branch_at_import_and_compute_the_same(tmp_path):
     constant = numpy_helper.from_array(np.full((3,), 2.0, np.float32), "two")
     returns_constant = helper.make_graph([], "then", [], [vi("two", TensorProto.FLOAT, [3])], [constant])  # no node
@@ -112,7 +102,7 @@ def test_constant_conditions_take_their_branch_at_import_and_compute_the_same(tm
 
 
 def test_a_model_of_nested_constant_conditionals_compiles_in_seconds_and_computes_the_same(tmp_path, caplog):
-    path = _nested_conditionals(tmp_path, depth=10)
+    path = nested_conditionals(tmp_path / "nested.onnx", depth=10)
     assert 3 << 20 < path.stat().st_size < 4 << 20
     start = time.perf_counter()
     om = compile_to(path, tmp_path / "nested")
