@@ -37,7 +37,7 @@ from passes.quant.staged_calibration import StagedStatistics
 from passes.upgrade_opset import upgrade_opset
 from runtime.errors import AtcError
 from runtime.progress import note
-from runtime.safe_files import refuse_symlink, write_text
+from runtime.safe_files import refuse_symlink, write_bytes, write_text
 
 
 def quantize_to_qdq(model_path: Path, cfg: QuantConfig, out_dir: Path, progress: bool = False) -> dict:
@@ -70,7 +70,7 @@ def quantize_to_qdq(model_path: Path, cfg: QuantConfig, out_dir: Path, progress:
     write_text(out_dir / "quant_report.json", json.dumps(report, indent=2) + "\n")
     for name in TOKENIZER_FILES:
         if (model_path.parent / name).is_file():
-            shutil.copyfile(model_path.parent / name, out_dir / name)
+            write_bytes(out_dir / name, (model_path.parent / name).read_bytes())
     note(f"save: {out_dir / 'model.onnx'}, {time.perf_counter() - start:.2f} s", enabled=progress)
     return report
 
