@@ -1,5 +1,6 @@
 """Any user, a read-only install: `atc` and `cann-run` start, compile and run as a user who cannot write a
-byte of the installed package, and numba's machine code goes to that user's cache directory.
+byte of the installed package, nor (a service user's HOME=/nonexistent) a home directory; numba's
+machine code goes to the user's cache directory when there is one.
 
 The package tree is copied, made read-only and put first on PYTHONPATH; as root the commands run as
 `nobody` (setpriv), since root writes through any mode bits."""
@@ -59,9 +60,12 @@ def sandbox():
         shutil.rmtree(root)
 
 
-def _run(site: Path, work: Path, *argv: str) -> subprocess.CompletedProcess:
+def _run(site: Path, work: Path, *argv: str, cache: bool = False) -> subprocess.CompletedProcess:
+    """`argv` as the unprivileged user, HOME=/nonexistent as `nobody`'s; `cache`: with XDG_CACHE_HOME set."""
     env = {key: value for key, value in os.environ.items() if not key.startswith(("NUMBA_", "XDG_"))}
-    env.update(PYTHONPATH=str(site), HOME=str(work / "home"), XDG_CACHE_HOME=str(work / "cache"))
+    env.update(PYTHONPATH=str(site), HOME="/nonexistent")
+    if cache:
+        env["XDG_CACHE_HOME"] = str(work / "cache")
     proc = subprocess.run([*_as_user(), *argv], cwd=work, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and "no locator available" not in proc.stderr, proc.stderr
@@ -89,7 +93,7 @@ def test_a_read_only_install_compiles_runs_and_caches_numba_code_per_user(sandbo
     ran = _run(site, work, str(BIN / "cann-run"), "run", "--model", "model.om", "--input", "x.npy", "--output", "out",
                "--output_dirname", "r")
     assert "NPU_compute_time" in ran.stdout and (work / "out" / "r_summary.json").is_file()
-    warmed = _run(site, work, sys.executable, "-m", "runtime.kernels.warmup")
+    warmed = _run(site, work, sys.executable, "-m", "runtime.kernels.warmup", cache=True)
     assert "numba kernels ready: 6 signatures" in warmed.stdout
     cached = list((work / "cache" / "cann-llm" / "numba").rglob("*.nbi"))
     assert cached, sorted(_files(work))

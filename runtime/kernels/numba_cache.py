@@ -1,25 +1,47 @@
 """Where numba keeps the machine code it compiles: a per-user cache directory, never the install.
 
-numba's default (`__pycache__` beside the kernel sources) needs write access to the installed package;
-as any other user, or from a read-only install, numba then finds "no locator available" and `atc` and
+numba's default (`__pycache__` beside the kernel sources, else `~/.cache/numba`) needs write access to
+the installed package or a home directory; as a service user (`nobody`, HOME=/nonexistent) over a
+read-only install, numba finds "no locator available" when a kernel module is imported, and `atc` and
 `cann-run` do not start. `NUMBA_CACHE_DIR` is read when numba is first imported, so this module sets it
-before any kernel module imports numba (runtime/kernels/__init__.py imports it first). A directory the
-user set already is kept.
+before any kernel module imports numba (runtime/kernels/__init__.py imports it first):
+
+- `$NUMBA_CACHE_DIR` when the user set it;
+- else `$XDG_CACHE_HOME/cann-llm/numba` (XDG's default: ~/.cache), when it can be created and written;
+- else a fresh private temp directory for this process, removed at exit: the kernels compile again in
+  each process, but nothing runs from a directory another user could have prepared (numba's cache
+  holds pickled code, so a shared, predictable /tmp path would be code execution for whoever made it).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 
+def _writable(folder: Path) -> bool:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK | os.X_OK)
+
+
 def numba_cache_dir() -> Path:
-    """`$NUMBA_CACHE_DIR` if set, else `$XDG_CACHE_HOME/cann-llm/numba` (XDG's default: ~/.cache)."""
+    """The directory numba caches into, chosen as above (a private temp directory is created here)."""
     if os.environ.get("NUMBA_CACHE_DIR"):
         return Path(os.environ["NUMBA_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "cann-llm" / "numba"
+    preferred = Path(base) / "cann-llm" / "numba"
+    if _writable(preferred):
+        return preferred
+    private = Path(tempfile.mkdtemp(prefix="cann-llm-numba-"))
+    atexit.register(shutil.rmtree, private, ignore_errors=True)
+    return private
 
 
 os.environ["NUMBA_CACHE_DIR"] = str(numba_cache_dir())
