@@ -42,8 +42,9 @@ WEIGHTS_LOCATION = "@weights"
 EXTERNAL_MIN_BYTES = 1024
 
 # packed two (or four) to a byte: no numpy dtype describes their storage, so views of them are raw bytes
-SUB_BYTE_TYPES = frozenset(getattr(onnx.TensorProto, name) for name in ("INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
-                           if hasattr(onnx.TensorProto, name))
+SUB_BYTE_BITS = {getattr(onnx.TensorProto, name): bits for name, bits in
+                 (("INT4", 4), ("UINT4", 4), ("FLOAT4E2M1", 4), ("INT2", 2), ("UINT2", 2)) if hasattr(onnx.TensorProto, name)}
+SUB_BYTE_TYPES = frozenset(SUB_BYTE_BITS)
 
 _HEADER = struct.Struct("<III64sIBBBB32sI32sII20sB3xQBB62s")
 _TABLE_HEAD = struct.Struct("<I4x")
@@ -317,8 +318,7 @@ class OmFile:
             raise AtcError("E13015", self.path, f"{where}: negative dims {list(tensor.dims)}")
         count = int(np.prod(tensor.dims, dtype=object)) if tensor.dims else 1
         if tensor.data_type in SUB_BYTE_TYPES:
-            bits = 2 if "2" in onnx.TensorProto.DataType.Name(tensor.data_type) else 4
-            dtype, expected = np.dtype(np.uint8), -(-count * bits // 8)
+            dtype, expected = np.dtype(np.uint8), -(-count * SUB_BYTE_BITS[tensor.data_type] // 8)
         else:
             try:
                 dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
