@@ -92,7 +92,8 @@ def _top_tokens(loaded: LoadedModel, executor: Executor, prompt: str, topk: int)
     dims = loaded.metadata.get("model", {})
     if not dims:
         raise AtcError("E10001", "--prompt", "--model", "the model is not a causal LM with input_ids and logits")
-    tokenizer = TextTokenizer(loaded.om.tokenizer_files())
+    # without a tokenizer.json, TextTokenizer's own refusal says how to compile one in
+    tokenizer = loaded.tokenizer or TextTokenizer(loaded.om.tokenizer_files())
     ids = np.asarray([tokenizer.encode(prompt)], dtype=np.int64)
     page_size = loaded.kv_cache.get("page_size")
     feeds = causal_lm_inputs(loaded.metadata["signature"], dims, ids, page_size=page_size)

@@ -35,6 +35,7 @@ class LoadedModel:
     model: onnx.ModelProto
     weights: dict[str, np.ndarray]
     metadata: dict
+    tokenizer: TextTokenizer | None = None  # parsed once, by the validation; None without a tokenizer.json
 
     @property
     def input_names(self) -> list[str]:
@@ -74,8 +75,8 @@ def load_artifact(path: str | os.PathLike, verify_weights: bool = True) -> Loade
         _check_graph(model, metadata)
     except ContractViolation as error:
         raise AtcError("E13015", om.path, str(error)) from None
-    _check_tokenizer(om)
-    return LoadedModel(om=om, model=model, weights=weights, metadata=metadata)
+    tokenizer = _check_tokenizer(om)
+    return LoadedModel(om=om, model=model, weights=weights, metadata=metadata, tokenizer=tokenizer)
 
 
 def _check_graph(model: onnx.ModelProto, metadata: dict) -> None:
@@ -221,11 +222,12 @@ def _known_shapes(graph: onnx.GraphProto):
     return shapes.get
 
 
-def _check_tokenizer(om: OmFile) -> None:
-    """The tokenizer files parse and the chat template compiles, so nothing fails on first use."""
+def _check_tokenizer(om: OmFile) -> TextTokenizer | None:
+    """The tokenizer files parse and the chat template compiles, so nothing fails on first use; returns the
+    tokenizer (None without a tokenizer.json)."""
     files = om.tokenizer_files()
     if not files:
-        return
+        return None
     for name in ("tokenizer_config.json", "generation_config.json"):
         if name in files:
             try:
@@ -234,9 +236,10 @@ def _check_tokenizer(om: OmFile) -> None:
                 raise AtcError("E13015", om.path, f"tokenizer file {name} is not JSON ({error})") from None
             if not isinstance(config, dict):
                 raise AtcError("E13015", om.path, f"tokenizer file {name} is not a JSON object")
+    tokenizer = None
     if "tokenizer.json" in files:
         try:
-            TextTokenizer(files)
+            tokenizer = TextTokenizer(files)
         except Exception as error:  # tokenizers raises plain Exceptions; a bad eos id a TypeError or ValueError
             raise AtcError("E13015", om.path, f"tokenizer file tokenizer.json is invalid ({error})") from None
     try:
@@ -245,3 +248,4 @@ def _check_tokenizer(om: OmFile) -> None:
         pass  # no chat template: `chat` refuses the model when asked, with its own message
     except (TemplateError, KeyError, TypeError, AttributeError) as error:
         raise AtcError("E13015", om.path, f"the chat template does not compile ({error})") from None
+    return tokenizer

@@ -151,8 +151,7 @@ class LLMEngine:
         self.dims = metadata["model"]
         self.max_context_len = max_context_len
         self.vocab_size = int(self.dims["vocab_size"])
-        files = self.loaded.om.tokenizer_files()
-        self.tokenizer = TextTokenizer(files) if "tokenizer.json" in files else None
+        self.tokenizer = self.loaded.tokenizer
         self._chat_template: ChatTemplate | None = None
         if config.process_thread_pool and backend == "onnxruntime":
             enable_process_thread_pool(threads)
