@@ -118,3 +118,26 @@ def test_a_model_of_nested_constant_conditionals_compiles_in_seconds_and_compute
     # onnxruntime's own optimiser folds both branches of every level too (72 s here): the reference runs unoptimised
     expected = ort_reference(path, {"x": x})["y"]
     np.testing.assert_allclose(Executor(loaded).run({"x": x})["y"], expected, rtol=1e-4, atol=1e-5)
+
+
+def _subgraph_initializers(graph: onnx.GraphProto) -> list[str]:
+    names = []
+    for node in graph.node:
+        for attribute in node.attribute:
+            for sub in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs:
+                names += [t.name for t in sub.initializer] + _subgraph_initializers(sub)
+    return names
+
+
+def test_conditionals_on_a_run_time_flag_keep_one_copy_of_their_weight_and_compute_the_same(tmp_path):
+    path = nested_conditionals(tmp_path / "flagged.onnx", depth=4, run_time=True)
+    loaded = load_artifact(compile_to(path, tmp_path / "flagged"))
+    graph = loaded.om.graph().graph
+    # graphsurgeon exports an outer constant into every subgraph that reads it (14 copies of w here); the
+    # top level folded its own use of w away, so each of the two outermost branches keeps one
+    assert "If" in {node.op_type for node in graph.node} and _subgraph_initializers(graph).count("w") == 2
+    x = np.random.default_rng(2).standard_normal((900, 900)).astype(np.float32)
+    for flag in (True, False):
+        feeds = {"x": x, "flag": np.array(flag)}
+        np.testing.assert_allclose(Executor(loaded).run(feeds)["y"], ort_reference(path, feeds)["y"], rtol=1e-4,
+                                   atol=1e-5, err_msg=f"flag={flag}")
