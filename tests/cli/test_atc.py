@@ -250,3 +250,19 @@ def test_atc_shows_calibration_and_quantization_progress_inside_the_quantization
     assert any(line.startswith("quantization: 8 weights in ") for line in inside)
     done = [line for line in inside if line.startswith(calibration) and line.endswith(" s")]
     assert done and done[0].startswith(calibration + ("8 stages in " if algorithm == "awq" else "4 samples in "))
+
+
+@pytest.mark.parametrize("opset, dims, words", [
+    (99, [2, 4], "the model imports ai.onnx opset 99; supported are opsets 7 to"),
+    (17, [-1, 4], "tensor x has dimension -1"),
+])
+def test_the_installed_command_refuses_a_model_it_cannot_run_and_writes_nothing(tmp_path, opset, dims, words):
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, dims)],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, dims)])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), str(tmp_path / "bad.onnx"))
+    proc = subprocess.run([sys.executable, "-m", "cli.atc", f"--model={tmp_path}/bad.onnx", "--framework=5", SOC,
+                           f"--output={tmp_path}/m"], capture_output=True, text=True)
+    assert proc.returncode == 255 and "E10041" in proc.stderr and words in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.onnx"]
