@@ -111,8 +111,9 @@ def _check_dimensions(metadata: dict, attentions: list[tuple[onnx.NodeProto, dic
     model = metadata.get("model", {})
     for key, value in dims.items():
         # with attention fused, the compiler counts layers by its nodes (checked below), not by the past inputs
-        if model.get(key) != value and not (key == "num_layers" and attentions):
-            raise ContractViolation(f"metadata.model.{key}: {model.get(key)!r}, the signature makes it {value!r}")
+        expected = len(attentions) if key == "num_layers" and attentions else value
+        if model.get(key) != expected:
+            raise ContractViolation(f"metadata.model.{key}: {model.get(key)!r}, the graph makes it {expected!r}")
     if attentions and "num_layers" in model and model["num_layers"] != len(attentions):
         raise ContractViolation(f"metadata.model.num_layers: {model['num_layers']}, the graph has {len(attentions)} "
                                 f"attention nodes")
