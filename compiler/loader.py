@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError
 from onnx import external_data_helper, helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from compiler.model_checks import check_model
+from compiler.model_checks import check_model, check_subgraphs
 from passes.constant_conditionals import flatten_constant_conditionals
 from runtime.artifact import SUB_BYTE_TYPES
 from runtime.errors import AtcError
@@ -118,6 +118,7 @@ def import_graph(path: str | os.PathLike) -> tuple[onnx.ModelProto, gs.Graph]:
     model = load_onnx(path, external_data=False)
     graph = gs.import_onnx(model)
     flatten_constant_conditionals(graph)
+    check_subgraphs(graph, path)
     maps: dict[Path, mmap.mmap] = {}
     for constant in (t for t in graph.tensors().values() if isinstance(t, gs.Constant)):
         lazy = constant._values

@@ -9,6 +9,10 @@ Limits, and why these numbers:
   a few such dimensions multiplied for a size overflow int64, where a size check would then pass.
 - no negative dimension: ONNX writes an unknown size as a named dim_param, never as a number.
 - no string tensors as weights or inputs, and integer `input_ids`: no kernel of ours takes anything else.
+- at most 64 subgraphs (`If` branches, `Loop` and `Scan` bodies) left once the `If`s on constant
+  conditions took their branch (compiler/loader.py import_graph): shape inference and onnxruntime visit
+  every one, and a model nesting `If`s on a run-time flag eight deep (254 branches, 3.3 MB) held a
+  compile for 128 s; exports of LLMs have none, encoder-decoders' merged decoders two.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 import onnx
+import onnx_graphsurgeon as gs
 from onnx import TensorProto
 
 from runtime.errors import AtcError
@@ -25,6 +30,7 @@ from runtime.errors import AtcError
 MIN_OPSET = 7
 MAX_RANK = 64
 MAX_DIM = 2**31 - 1
+MAX_SUBGRAPHS = 64
 UNRUNNABLE_TYPES = {TensorProto.UNDEFINED: "undefined", TensorProto.STRING: "string"}
 INTEGER_INPUTS = {"input_ids": (TensorProto.INT32, TensorProto.INT64)}
 
@@ -71,6 +77,15 @@ def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
         for attribute in node.attribute:
             for sub in (attribute.g,) if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs:
                 yield from _graphs(sub)
+
+
+def check_subgraphs(graph: gs.Graph, path: Path) -> None:
+    """E10041 when `graph` (imported, its constant conditionals already replaced by their branch) has more
+    than MAX_SUBGRAPHS subgraphs."""
+    count = len(list(graph.subgraphs(recursive=True)))
+    if count > MAX_SUBGRAPHS:
+        raise AtcError("E10041", path, reason=f"the model has {count} subgraphs (If branches, Loop and Scan bodies) "
+                                              f"on run-time conditions; at most {MAX_SUBGRAPHS} are supported")
 
 
 def _check_tensors(graph: onnx.GraphProto, path: Path) -> None:

@@ -10,7 +10,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from cli.atc import run as atc
-from compiler.model_checks import MAX_DIM, MAX_RANK, supported_opsets
+from compiler.loader import import_graph
+from compiler.model_checks import MAX_DIM, MAX_RANK, MAX_SUBGRAPHS, supported_opsets
+from models.nested_conditionals import nested_conditionals
 
 pytestmark = pytest.mark.unit
 
@@ -83,3 +85,14 @@ def test_a_type_mismatch_only_strict_shape_inference_sees_is_refused(capsys, tmp
 def test_the_supported_range_reaches_the_opsets_exporters_write():
     low, high = supported_opsets()["ai.onnx"]
     assert low == 7 and 23 <= high <= onnx.defs.onnx_opset_version()
+
+
+def test_a_model_of_too_many_subgraphs_is_refused_and_one_within_the_limit_loads(capsys, tmp_path):
+    # 2^depth - 2 branches: depth 7 has 126, past the limit of 64; depth 6 has 62
+    model = onnx.load(str(nested_conditionals(tmp_path / "deep.onnx", depth=7, size=4, run_time=True)))
+    assert ("the model has 126 subgraphs (If branches, Loop and Scan bodies) on run-time conditions; "
+            f"at most {MAX_SUBGRAPHS} are supported") in _refused(capsys, tmp_path, model)
+    _, graph = import_graph(nested_conditionals(tmp_path / "ok.onnx", depth=6, size=4, run_time=True))
+    assert len(list(graph.subgraphs(recursive=True))) == 62
+    _, graph = import_graph(nested_conditionals(tmp_path / "constant.onnx", depth=7, size=4))  # all taken at import
+    assert not list(graph.subgraphs(recursive=True))
