@@ -13,7 +13,9 @@ import os
 import shlex
 import sys
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import click
 
@@ -113,13 +115,22 @@ class _FlagError(Exception):
     pass
 
 
-def _setup_logging(level: str) -> None:
+@contextmanager
+def _atc_log(level: str) -> Iterator[None]:
+    """ATC's detail log on stderr at `level` while a run lasts; the logger is as it was afterwards, so a run
+    called in-process (tests, scripts) leaves no handler on a stream that may since have closed."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(
         f"[%(levelname)s] ATC({os.getpid()},atc):%(asctime)s [%(module)s.py:%(lineno)d] %(message)s"))
     logger = logging.getLogger("atc")
+    saved_handlers, saved_level = logger.handlers[:], logger.level
     logger.handlers[:] = [handler]
     logger.setLevel(_LOG_LEVELS.get(level, logging.CRITICAL + 1))
+    try:
+        yield
+    finally:
+        logger.handlers[:] = saved_handlers
+        logger.setLevel(saved_level)
 
 
 def _fail(text: str) -> int:
@@ -141,8 +152,8 @@ def run(argv: list[str]) -> int:
         debug = flags.get("log") == "debug"
         flags["cmdline"] = "atc " + " ".join(shlex.quote(word) for word in argv)
         cfg = CompileConfig.from_flags(**flags)
-        _setup_logging(cfg.log)
-        _dispatch(cfg)
+        with _atc_log(cfg.log):
+            _dispatch(cfg)
     except _FlagError as error:
         click.echo(f"ERROR: {error}", err=True)
         return _fail(AtcError("E10001", " ".join(argv), "command line", str(error)).render())
