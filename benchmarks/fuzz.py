@@ -3,6 +3,7 @@ loader and one engine step, in worker processes (tests/fuzz/: the mutators, the 
 
     python benchmarks/fuzz.py --onnx 10000 --om 10000 [--workers 2] [--seed 0] [--seconds 3600] [--json out.json]
     python benchmarks/fuzz.py --om 1 --seed 1234          # replay one case: case i of a kind has seed --seed + i
+    python benchmarks/fuzz.py --replay out.json           # replay the failing cases a summary lists
 
 A case passes when it succeeds or raises AtcError with a code other than E19999; an exception of another
 type, a dead worker (a segfault) or a case over --timeout seconds (default 30) is a failure, listed with
@@ -103,6 +104,15 @@ def _write(summary: dict, json_path: str) -> None:
         partial.replace(json_path)
 
 
+def _replayed(summary_path: str, bases, oms, folder: Path):
+    """The failing cases a --json summary lists (up to 3 per class), made again from their seeds."""
+    makers = {"onnx": lambda c, f: onnx_case(c, bases, f), "om": lambda c, f: om_case(c, oms, f)}
+    for entry in json.loads(Path(summary_path).read_text())["failures"].values():
+        for listed in entry["cases"]:
+            kind, case_seed = listed["kind"], listed["seed"]
+            yield {**makers[kind](RandomChoices(case_seed), folder / f"{kind}-{case_seed}"), "seed": case_seed}
+
+
 @click.command()
 @click.option("--onnx", "onnx_count", default=100, show_default=True, help="mutated ONNX models")
 @click.option("--om", "om_count", default=100, show_default=True, help="mutated .om files")
@@ -112,8 +122,9 @@ def _write(summary: dict, json_path: str) -> None:
 @click.option("--timeout", default=30.0, show_default=True, help="seconds one case may take")
 @click.option("--json", "json_path", default="", help=f"write the summary here too (and every {SUMMARY_EVERY} cases)")
 @click.option("--keep", default="", help="copy the inputs of failing cases here (3 per failure class)")
+@click.option("--replay", default="", help="run the failing cases listed in this --json summary instead")
 def main(onnx_count: int, om_count: int, workers: int, seed: int, seconds: float, timeout: float, json_path: str,
-         keep: str) -> None:
+         keep: str, replay: str) -> None:
     """Fuzz the compiler and the loader; see the module docstring."""
     kinds = {kind: count for kind, count in (("onnx", onnx_count), ("om", om_count)) if count > 0}
     folder = Path(tempfile.mkdtemp(prefix="cann-fuzz-"))
@@ -126,7 +137,8 @@ def main(onnx_count: int, om_count: int, workers: int, seed: int, seconds: float
         setup = tally.started - start
         deadline = tally.started + seconds if seconds else float("inf")
         try:
-            for done, (case, outcome) in enumerate(pool.imap(_cases(kinds, seed, bases, oms, folder, deadline)), 1):
+            cases = _replayed(replay, bases, oms, folder) if replay else _cases(kinds, seed, bases, oms, folder, deadline)
+            for done, (case, outcome) in enumerate(pool.imap(cases), 1):
                 tally.add(case, outcome)
                 shutil.rmtree(Path(case["path"]).parent, ignore_errors=True)
                 if done % SUMMARY_EVERY == 0:
