@@ -1,7 +1,9 @@
 """The tokenizer files that travel with a model: found by `--tokenizer` or beside the ONNX file.
 
 Each file must resolve inside that folder: a `tokenizer.json` symlinked to a file elsewhere (another
-user's, or /etc/shadow) would otherwise be read and embedded in an artifact that is then handed on.
+user's, or /etc/shadow) would otherwise be read and embedded in an artifact that is then handed on. The one
+exception is the layout of a Hugging Face cache, whose `snapshots/<revision>/` files link into the same
+repository's `blobs/`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def tokenizer_files(cfg: CompileConfig) -> dict[str, str]:
 def _read_inside(folder: Path, name: str) -> str:
     path = folder / name
     real = path.resolve()
-    if real.parent != folder.resolve():
+    if real.parent not in _allowed_folders(folder):
         raise AtcError("E13001", path, f"the file resolves to {real}, outside the model folder {folder}")
     try:
         text = real.read_text(encoding="utf-8")
@@ -45,3 +47,13 @@ def _read_inside(folder: Path, name: str) -> str:
         except json.JSONDecodeError as error:
             raise AtcError("E10032", path, error) from None
     return text
+
+
+def _allowed_folders(folder: Path) -> set[Path]:
+    """Where the files of `folder` may really live: the folder itself, and for a Hugging Face cache snapshot
+    (`models--org--name/snapshots/<revision>`) that repository's `blobs` folder."""
+    real = folder.resolve()
+    allowed = {real}
+    if folder.absolute().parent.name == "snapshots":
+        allowed.add((folder.absolute().parent.parent / "blobs").resolve())
+    return allowed

@@ -203,6 +203,23 @@ def test_a_tokenizer_linked_from_outside_the_model_folder_is_refused(capsys, tmp
     assert not list(tmp_path.glob("*.om"))
 
 
+def test_a_hugging_face_cache_snapshot_may_link_into_its_own_blobs(capsys, tmp_path):
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "blobs" / "3f2a").write_text('{"version": "1.0"}')
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    os.symlink("../../blobs/3f2a", snapshot / "tokenizer.json")
+    model = _model_with_tokenizer_link(tmp_path, snapshot / "tokenizer.json")  # only --tokenizer's is read
+    argv = _compile_argv(model, tmp_path / "out") + [f"--tokenizer={snapshot}"]
+    assert atc(argv) == 0, capsys.readouterr().err
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"not": "yours"}')
+    (snapshot / "tokenizer.json").unlink()
+    os.symlink(secret, snapshot / "tokenizer.json")  # outside the repository's blobs: still refused
+    assert atc(argv) == 255 and "E13001" in capsys.readouterr().err
+
+
 def test_a_tokenizer_that_is_not_json_is_refused(capsys, tmp_path):
     model = _model_with_tokenizer_link(tmp_path, "tokenizer.real")
     (tmp_path / "model" / "tokenizer.real").write_text("{broken")
