@@ -3,8 +3,9 @@
 numba compiles a kernel at its first call, for that call's argument types, and with `cache=True` stores
 the machine code in the user's cache directory (runtime/kernels/numba_cache.py: `$XDG_CACHE_HOME/cann-llm/
 numba`, `*.nbi, *.nbc`), where later processes load it in milliseconds. Uncompiled, the first paged step of a
-fresh install waits seconds for it. `make install` runs this module once; `warm_up_in_background()` (the executor calls it when it builds a paged
-artifact's plan) loads or compiles the same signatures in a thread while the sessions are being built.
+fresh install waits seconds for it. `make install` runs this module once; `warm_up_in_background()` (the
+executor calls it when it builds a paged artifact's plan) loads or compiles the same signatures in a thread
+while the sessions are being built.
 
 Only compiled, never run: a background thread launching a parallel kernel beside the engine's own would
 share numba's thread pool with it.
