@@ -5,6 +5,8 @@ the worker process or a hang over 30 s. The long run is benchmarks/fuzz.py (docs
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import onnx
 import pytest
@@ -53,6 +55,8 @@ def _fuzz(pool, make_case, examples: int, folder) -> list:
         name = failure_class(outcome)
         if name:
             failures.append((name, case, outcome))
+        else:  # a failing case's files stay, to be looked at
+            shutil.rmtree(Path(case["path"]).parent)
 
     one()
     return failures
