@@ -27,6 +27,16 @@ from runtime.errors import AtcError
 from runtime.proto_utils import initializers_as_inputs
 
 
+def drop_trailing_empty_inputs(graph: gs.Graph) -> None:
+    """Remove the empty names (`""`, an omitted optional input) at the end of every node's inputs, in
+    `graph` and its subgraphs: the canonical form of the same node. onnxruntime 1.32 segfaults creating a
+    session over a `LayerNormalization` whose omitted bias is written as `""`, and no pass need expect it."""
+    for g in (graph, *graph.subgraphs(recursive=True)):
+        for node in g.nodes:
+            while node.inputs and not node.inputs[-1].name:
+                node.inputs.pop()
+
+
 def load_onnx(path: str | os.PathLike, external_data: bool = True) -> onnx.ModelProto:
     """The checked model, with its external data read into memory unless `external_data` is False."""
     path = Path(path)
@@ -117,6 +127,7 @@ def import_graph(path: str | os.PathLike) -> tuple[onnx.ModelProto, gs.Graph]:
     path = Path(path)
     model = load_onnx(path, external_data=False)
     graph = gs.import_onnx(model)
+    drop_trailing_empty_inputs(graph)
     flatten_constant_conditionals(graph)
     check_subgraphs(graph, path)
     maps: dict[Path, mmap.mmap] = {}

@@ -26,24 +26,35 @@ import onnx_graphsurgeon as gs
 from onnx import TensorProto
 
 from runtime.errors import AtcError
+from runtime.ops import CUSTOM_DOMAIN
 
 MIN_OPSET = 7
 MAX_RANK = 64
 MAX_DIM = 2**31 - 1
 MAX_SUBGRAPHS = 64
 UNRUNNABLE_TYPES = {TensorProto.UNDEFINED: "undefined", TensorProto.STRING: "string"}
+# ops whose `axis` attribute indexes the dimensions of their first input
+AXIS_OPS = frozenset({"Concat", "Gather", "GatherElements", "Softmax", "LogSoftmax", "Hardmax", "Split", "ArgMax",
+                      "ArgMin", "LayerNormalization", "Flatten"})
 INTEGER_INPUTS = {"input_ids": (TensorProto.INT32, TensorProto.INT64)}
 
 
 @lru_cache(maxsize=1)
 def supported_opsets() -> dict[str, tuple[int, int]]:
-    """{domain: (lowest, highest)} opset of the default domain: from 7 to onnx's newest, capped by the
-    newest onnxruntime registers a CPU kernel for."""
+    """{domain: (lowest, highest)} opset: the default domain's from 7 to onnx's newest, capped by the newest
+    onnxruntime registers a CPU kernel for; onnxruntime's own domains (com.microsoft) as its CPU kernels
+    have them; ours (`cann`) at 1, the version the compiler writes. A version outside them makes
+    onnxruntime refuse the session (com.microsoft 24 once compiled and failed at load)."""
     from onnxruntime.capi import _pybind_state
 
-    newest = max(kernel.version_range[0] for kernel in _pybind_state.get_all_opkernel_def()
-                 if kernel.provider == "CPUExecutionProvider" and kernel.domain == "")
-    return {"ai.onnx": (MIN_OPSET, min(onnx.defs.onnx_opset_version(), newest))}
+    versions: dict[str, list[int]] = {}
+    for kernel in _pybind_state.get_all_opkernel_def():
+        if kernel.provider == "CPUExecutionProvider":
+            versions.setdefault(kernel.domain or "ai.onnx", []).append(kernel.version_range[0])
+    ranges = {domain: (min(found), max(found)) for domain, found in versions.items()}
+    ranges["ai.onnx"] = (MIN_OPSET, min(onnx.defs.onnx_opset_version(), ranges["ai.onnx"][1]))
+    ranges[CUSTOM_DOMAIN] = (1, 1)
+    return ranges
 
 
 def check_model(model: onnx.ModelProto, checked: onnx.ModelProto, path: Path) -> None:
@@ -51,24 +62,71 @@ def check_model(model: onnx.ModelProto, checked: onnx.ModelProto, path: Path) ->
     when `checked` (the form onnx's checker can read: initializers as inputs, onnxruntime's default-domain
     extras moved aside) fails `onnx.checker.check_model(full_check=True)`."""
     _check_opsets(model, path)
+    _check_element_types(model.graph, path)
     _check_tensors(model.graph, path)
     # value_info holds an exporter's shape hints, which we infer again; onnxruntime-genai's builder writes
     # some that disagree with the ops (a scalar annotation on a [1] constant), and they change nothing run
     del checked.graph.value_info[:]
     try:
         onnx.checker.check_model(checked, full_check=True)
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError) as error:
+        # ValueError: what the checker's own type lookups raise on a field it did not validate first
         raise AtcError("E10041", path, reason=f"the ONNX checker refused the model: {str(error).strip()}") from None
+    _check_axes(onnx.shape_inference.infer_shapes(checked), path)
+
+
+def _check_axes(inferred: onnx.ModelProto, path: Path) -> None:
+    """E10041 naming the node whose `axis` is outside its first input's rank (where inference knows it):
+    onnx's shape inference reads the attribute as a 32-bit int, so an axis of 2^32 passes its check as 0,
+    and onnxruntime then fails the first step, or constant folding retries it for minutes."""
+    ranks = {info.name: len(info.type.tensor_type.shape.dim) for info in (*inferred.graph.input, *inferred.graph.value_info)
+             if info.type.HasField("tensor_type") and info.type.tensor_type.HasField("shape")}
+    for node in inferred.graph.node:
+        if node.domain not in ("", "ai.onnx") or node.op_type not in AXIS_OPS or not node.input:
+            continue
+        rank = ranks.get(node.input[0])
+        axis = next((a.i for a in node.attribute if a.name == "axis"), None)
+        if rank is None or axis is None:
+            continue
+        high = rank if node.op_type == "Flatten" else rank - 1
+        if not -rank <= axis <= high:
+            raise AtcError("E10041", path, reason=f"node {node.name} ({node.op_type}) has axis {axis}; its input "
+                                                  f"{node.input[0]} has rank {rank}, so the axis must be in "
+                                                  f"[{-rank}, {high}]")
 
 
 def _check_opsets(model: onnx.ModelProto, path: Path) -> None:
     ranges = supported_opsets()
+    seen: set[str] = set()
     for opset in model.opset_import:
         domain = opset.domain or "ai.onnx"
+        if domain in seen:
+            raise AtcError("E10041", path, reason=f"the model imports {domain} twice")
+        seen.add(domain)
         if domain in ranges and not ranges[domain][0] <= opset.version <= ranges[domain][1]:
             low, high = ranges[domain]
             raise AtcError("E10041", path, reason=f"the model imports {domain} opset {opset.version}; "
                                                   f"supported are opsets {low} to {high}")
+
+
+def _check_element_types(graph: onnx.GraphProto, path: Path) -> None:
+    """E10041 for an element type TensorProto.DataType does not name (99, or 0 in a Constant): onnx's
+    checker and numpy's type lookups raise ValueError on one, before any check names it."""
+    known = set(TensorProto.DataType.values()) - {TensorProto.UNDEFINED}
+    for g in _graphs(graph):
+        tensors = [*g.initializer]
+        for node in g.node:
+            for attribute in node.attribute:
+                tensors.extend((attribute.t,) if attribute.HasField("t") else attribute.tensors)
+        for tensor in tensors:
+            if tensor.data_type not in known:
+                raise AtcError("E10041", path, reason=f"tensor {tensor.name or '(a constant)'} has element type "
+                                                      f"{tensor.data_type}, which ONNX does not define")
+        for info in (*g.input, *g.output, *g.value_info):
+            # an annotation's type may be left unset (0): inputs are held to UNRUNNABLE_TYPES below
+            if info.type.HasField("tensor_type") and info.type.tensor_type.elem_type not in known | {0}:
+                raise AtcError("E10041", path, reason=f"tensor {info.name} has element type "
+                                                      f"{info.type.tensor_type.elem_type}, which ONNX does not define")
 
 
 def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:

@@ -69,8 +69,16 @@ class FoldConstants:
                 # run leaves the others folded; it costs a session per partition (SmolLM2's TorchScript
                 # export: 51 s against 0.9 s folded whole), so it is only the fallback
                 budget = _Budget(*self.budget, stored=self.size_threshold)
-                graph.fold_constants(partitioning="basic", size_threshold=self.size_threshold,
-                                     recurse_subgraphs=False, should_exclude_node=budget.excludes)
+                try:
+                    # error_ok=False: with it True graphsurgeon's "basic" partitioning retries a failing
+                    # partition unchanged until the recursion limit (minutes when each try is a session)
+                    graph.fold_constants(partitioning="basic", size_threshold=self.size_threshold, error_ok=False,
+                                         recurse_subgraphs=False, should_exclude_node=budget.excludes)
+                except Exception as error:  # noqa: BLE001 - a partition onnxruntime cannot run: fold nothing
+                    # fold_constants works on a copy until every value is computed, so `graph` is unchanged
+                    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+                    budget.notable.append(f"the constant subgraph: onnxruntime cannot evaluate it: {first_line}")
+                    budget.rejections.append(budget.notable[-1])
         finally:
             G_LOGGER.severity = level
         for reason in budget.notable:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx_graphsurgeon as gs
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -13,6 +15,7 @@ from cli.atc import run as atc
 from compiler.loader import import_graph
 from compiler.model_checks import MAX_DIM, MAX_RANK, MAX_SUBGRAPHS, supported_opsets
 from models.nested_conditionals import nested_conditionals
+from passes.fold_constants import FoldConstants
 
 pytestmark = pytest.mark.unit
 
@@ -96,3 +99,78 @@ def test_a_model_of_too_many_subgraphs_is_refused_and_one_within_the_limit_loads
     assert len(list(graph.subgraphs(recursive=True))) == 62
     _, graph = import_graph(nested_conditionals(tmp_path / "constant.onnx", depth=7, size=4))  # all taken at import
     assert not list(graph.subgraphs(recursive=True))
+
+
+def _concat(axis: int) -> onnx.ModelProto:
+    return _model([helper.make_node("Concat", ["a", "b"], ["y"], name="join", axis=axis)],
+                  [vi("a", TensorProto.FLOAT, [2]), vi("b", TensorProto.FLOAT, [2])], [vi("y", TensorProto.FLOAT, [4])])
+
+
+def _with_opset(model: onnx.ModelProto, domain: str, version: int) -> onnx.ModelProto:
+    model.opset_import.append(helper.make_opsetid(domain, version))
+    return model
+
+
+def _input_type(elem_type: int) -> onnx.ModelProto:
+    model = _relu([3, 4])
+    model.graph.input[0].type.tensor_type.elem_type = elem_type
+    return model
+
+
+def _constant_of_type(elem_type: int) -> onnx.ModelProto:
+    value = numpy_helper.from_array(np.ones(2, np.float32))
+    value.data_type = elem_type
+    return _model([helper.make_node("Constant", [], ["c"], value=value), helper.make_node("Add", ["x", "c"], ["y"])],
+                  [vi("x", TensorProto.FLOAT, [2])], [vi("y", TensorProto.FLOAT, [2])])
+
+
+@pytest.mark.parametrize("make, words", [
+    # onnx's inference reads the axis as a 32-bit int, so 2^32 passed as 0 and constant folding then retried it
+    (lambda: _concat(2**32), "node join (Concat) has axis 4294967296; its input a has rank 1, so the axis must be in "
+                             "[-1, 0]"),
+    (lambda: _embedding(axis=2**32), "(Gather) has axis 4294967296; its input embed has rank 2"),
+    (lambda: _with_opset(_relu([3, 4]), "com.microsoft", 24), "the model imports com.microsoft opset 24; supported "
+                                                             "are opsets 1 to 1"),
+    (lambda: _with_opset(_relu([3, 4]), "cann", 7), "the model imports cann opset 7; supported are opsets 1 to 1"),
+    (lambda: _with_opset(_relu([3, 4]), "", 17), "the model imports ai.onnx twice"),
+    (lambda: _input_type(99), "tensor x has element type 99, which ONNX does not define"),
+    (lambda: _constant_of_type(0), "tensor (a constant) has element type 0, which ONNX does not define"),
+    (lambda: _constant_of_type(99), "tensor (a constant) has element type 99, which ONNX does not define"),
+], ids=["concat-axis-2^32", "gather-axis-2^32", "com.microsoft-opset-24", "cann-opset-7", "default-domain-twice",
+        "input-type-99", "constant-type-0", "constant-type-99"])
+def test_what_the_fuzzer_found_compiling_is_refused_with_the_reason(capsys, tmp_path, make, words):
+    assert words in _refused(capsys, tmp_path, make())
+
+
+def test_an_omitted_trailing_optional_input_is_dropped_at_import_so_onnxruntime_runs_the_node(tmp_path):
+    # LayerNormalization(x, scale, "") is valid ONNX, and onnxruntime 1.32 segfaults creating its session
+    scale = numpy_helper.from_array(np.full(4, 2.0, np.float32), "scale")
+    model = _model([helper.make_node("LayerNormalization", ["x", "scale", ""], ["y"], name="norm", axis=-1)],
+                   [vi("x", TensorProto.FLOAT, [3, 4])], [vi("y", TensorProto.FLOAT, [3, 4])], [scale])
+    onnx.save(model, str(tmp_path / "norm.onnx"))
+    _, graph = import_graph(tmp_path / "norm.onnx")
+    (node,) = graph.nodes
+    assert [t.name for t in node.inputs] == ["x", "scale"]
+    session = ort.InferenceSession(gs.export_onnx(graph).SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    centred = x - x.mean(-1, keepdims=True)
+    expected = 2.0 * centred / np.sqrt((centred ** 2).mean(-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_constant_subgraph_onnxruntime_cannot_evaluate_is_left_unfolded_and_reported():
+    # built past the import checks: a Concat that onnxruntime refuses, over constants only; graphsurgeon's
+    # partitioned fallback once retried it unchanged to the recursion limit
+    a = gs.Constant("a", np.ones(2, np.float32))
+    b = gs.Constant("b", np.ones(2, np.float32))
+    joined = gs.Variable("joined", np.float32, [4])
+    x = gs.Variable("x", np.float32, [4])
+    y = gs.Variable("y", np.float32, [4])
+    graph = gs.Graph(nodes=[gs.Node("Concat", "join", {"axis": 2**32}, [a, b], [joined]),
+                            gs.Node("Add", "add", inputs=[x, joined], outputs=[y])],
+                     inputs=[x], outputs=[y], opset=17)
+    result = FoldConstants().run(graph)
+    assert [node.op for node in graph.nodes] == ["Concat", "Add"]
+    assert result.effect_times == 0
+    assert len(result.rejections) == 1
+    assert result.rejections[0].startswith("the constant subgraph: onnxruntime cannot evaluate it: ")
