@@ -113,7 +113,7 @@ def _replayed(summary_path: str, bases, oms, folder: Path):
             yield {**makers[kind](RandomChoices(case_seed), folder / f"{kind}-{case_seed}"), "seed": case_seed}
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--onnx", "onnx_count", default=100, show_default=True, help="mutated ONNX models")
 @click.option("--om", "om_count", default=100, show_default=True, help="mutated .om files")
 @click.option("--workers", default=2, show_default=True)

@@ -24,12 +24,21 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
+from onnx import helper
 
 from passes.pattern import axes_of, const_ints, producer, scalar, sole_consumer
 from runtime.ops import CUSTOM_DOMAIN, RMS_NORM, RmsNormInput
 
 CAUSAL_OPS = ("LessOrEqual", "GreaterOrEqual", "Less", "Greater", "Trilu")
 MASKED_BELOW = -1e4  # a masked_fill value at most this is a mask (float16's minimum is -65504)
+
+
+def dtype_kind(dtype, default=np.float32) -> str:
+    """numpy's kind letter of a graphsurgeon dtype; graphsurgeon keeps the ONNX enum (an int) for types numpy
+    lacks (bfloat16, the float8s), which `np.dtype` cannot read."""
+    if dtype is None:
+        dtype = default
+    return np.dtype(helper.tensor_dtype_to_np_dtype(dtype) if isinstance(dtype, int) else dtype).kind
 
 
 def is_transpose(node: gs.Node | None, perm: list[int]) -> bool:
@@ -60,7 +69,7 @@ def match_scale(tensor: gs.Tensor) -> tuple[gs.Tensor, float]:
 
 def _peel_cast(tensor: gs.Tensor) -> gs.Tensor:
     node = producer(tensor, "Cast")
-    return node.inputs[0] if node is not None and np.dtype(node.inputs[0].dtype or np.float32).kind == "f" else tensor
+    return node.inputs[0] if node is not None and dtype_kind(node.inputs[0].dtype) == "f" else tensor
 
 
 def split_mask(logits: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor | None]:
@@ -119,7 +128,7 @@ def _window_offset(node: gs.Node) -> int | None:
     if node.op not in ("Sub", "Add") or len(node.inputs) != 2:
         return None
     for index, constant in enumerate(node.inputs):
-        if not isinstance(constant, gs.Constant) or np.dtype(constant.dtype).kind not in "iu":
+        if not isinstance(constant, gs.Constant) or dtype_kind(constant.dtype) not in "iu":
             continue
         value = scalar(constant)
         if value is None or (node.op == "Sub" and index == 0):
@@ -158,7 +167,7 @@ def match_mask_source(graph: gs.Graph, mask: gs.Tensor) -> MaskSource | str:
                     windows.add(offset)
         queue.extend(node.inputs)
     candidates = [t for t in readers.values() if t.shape is not None and len(t.shape) == 2
-                  and np.dtype(t.dtype).kind in "iub"]
+                  and dtype_kind(t.dtype) in "iub"]
     if len(candidates) > 1:
         return f"the mask reads several inputs ({', '.join(t.name for t in candidates)})"
     if not candidates and not causal:

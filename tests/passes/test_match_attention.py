@@ -13,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from passes.infer_shapes import InferShapes
 from passes.match_attention import (
+    dtype_kind,
     match_gqa_repeat,
     match_head_merge,
     match_head_split,
@@ -324,3 +325,8 @@ def test_a_rotation_that_turns_the_wrong_way_is_not_rope():
     concat = next(n for n in graph.nodes if n.op == "Concat")
     concat.inputs[0], concat.inputs[1] = concat.inputs[1], concat.inputs[0]  # Concat(x1, -x2): the inverse turn
     assert match_rotary(_tensor(graph, "y")) is None
+
+
+def test_dtype_kind_reads_the_onnx_enums_graphsurgeon_keeps_for_types_numpy_lacks():
+    assert dtype_kind(TensorProto.BFLOAT16) == "V" and dtype_kind(TensorProto.FLOAT8E4M3FN) == "V"
+    assert dtype_kind(np.int64) == "i" and dtype_kind(np.bool_) == "b" and dtype_kind(None) == "f"
