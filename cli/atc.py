@@ -19,7 +19,7 @@ from typing import Iterator
 
 import click
 
-from cli.common_options import LOG_LEVELS
+from cli.common_options import LOG_LEVELS, StderrHandler
 from compiler.config import CompileConfig
 from runtime.artifact import OmFile
 from runtime.errors import AtcError
@@ -119,7 +119,7 @@ class _FlagError(Exception):
 def _atc_log(level: str) -> Iterator[None]:
     """ATC's detail log on stderr at `level` while a run lasts; the logger is as it was afterwards, so a run
     called in-process (tests, scripts) leaves no handler on a stream that may since have closed."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = StderrHandler()
     handler.setFormatter(logging.Formatter(
         f"[%(levelname)s] ATC({os.getpid()},atc):%(asctime)s [%(module)s.py:%(lineno)d] %(message)s"))
     logger = logging.getLogger("atc")

@@ -20,11 +20,28 @@ def dashes_for_underscores(token: str) -> str:
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "token_normalize_func": dashes_for_underscores}
 
 
+class StderrHandler(logging.StreamHandler):
+    """A handler writing to whatever `sys.stderr` is when a record comes: a command run in-process (a test's
+    CliRunner, a script) swaps stderr and closes its copy afterwards, and a handler that kept that copy
+    would fail on every later record."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass  # always the current sys.stderr
+
+
 def configure_logging(level: str) -> None:
     """Log records at `level` and above to stderr, through one handler of ours on the root logger."""
     root = logging.getLogger()
     root.handlers[:] = [h for h in root.handlers if not getattr(h, "cann_llm", False)]
-    handler = logging.StreamHandler(sys.stderr)
+    handler = StderrHandler()
     handler.cann_llm = True
     handler.setFormatter(logging.Formatter("[%(levelname)s] %(name)s: %(message)s"))
     root.addHandler(handler)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -31,6 +32,18 @@ EXPORTS = _exports()
 def export_id(case) -> str:
     family, dynamo, with_past, attention = case
     return f"{family}-{'dynamo' if dynamo else 'ts'}-{'kv' if with_past else 'nokv'}-{attention}"
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_it_was():
+    """Commands run in-process (`atc`'s run, click's CliRunner with --log-level) configure the root and `atc`
+    loggers; each test starts from the state before it, so none depends on which test ran before it."""
+    loggers = [logging.getLogger(), logging.getLogger("atc")]
+    saved = [(logger.handlers[:], logger.level) for logger in loggers]
+    yield
+    for logger, (handlers, level) in zip(loggers, saved):
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
 
 
 @pytest.fixture(scope="session")
