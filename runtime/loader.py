@@ -112,6 +112,8 @@ def _check_dimensions(metadata: dict, attentions: list[tuple[onnx.NodeProto, dic
     for key, value in dims.items():
         # with attention fused, the compiler counts layers by its nodes (checked below), not by the past inputs
         expected = len(attentions) if key == "num_layers" and attentions else value
+        if isinstance(expected, str):
+            continue  # a symbolic dim of the past inputs (onnxruntime-genai's `kv_cache_dim`): the nodes decide
         if model.get(key) != expected:
             raise ContractViolation(f"metadata.model.{key}: {model.get(key)!r}, the graph makes it {expected!r}")
     if attentions and "num_layers" in model and model["num_layers"] != len(attentions):
