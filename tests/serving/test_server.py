@@ -203,7 +203,8 @@ def test_keys_quotas_timeouts_capacity_filter_and_audit(om, tmp_path):
                     "--request-timeout", "0.1", "--max-pending", "2", "--max_num_batched_tokens", "1")
     try:
         url = f"{server.url}/v1/completions"
-        slow = {"prompt": "x" * 200, "max_tokens": 1000, "temperature": 0}  # a token a step: far beyond 0.1 s
+        # a token a step, EOS held off (a cached prompt and an early EOS could otherwise finish within 0.1 s)
+        slow = {"prompt": "x" * 200, "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
         assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}).status_code == 401
         k1, k2 = {"Authorization": "Bearer k1"}, {"Authorization": "Bearer k2"}
         assert httpx.post(url, json={"prompt": "a Forbidden word", "max_tokens": 2}, headers=k1).status_code == 400
