@@ -75,6 +75,9 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
     detached = detach_weights(graph)
     lowered = lower(graph, model)
     signature = io_signature(lowered)
+    llm = llm_dimensions(signature)
+    # with past/present I/O every layer is fed its cache, whether or not its attention fused
+    layers = {"num_layers": llm["num_layers"]} if llm.get("kv_cache_io") else {}
     metadata = {
         "name": output.stem,
         "atc_version": __version__,
@@ -84,7 +87,7 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
         "config": cfg.effective(),
         "signature": signature,
         "is_dynamic": is_dynamic(signature),
-        "model": {**llm_dimensions(signature), **dimensions, "family": cfg.model_type or detected,
+        "model": {**llm, **dimensions, **layers, "family": cfg.model_type or detected,
                   "detected_family": detected},
         "kv_cache": kv_cache_metadata(cfg),
         "source": {"file": Path(cfg.model).name, "producer": f"{model.producer_name} {model.producer_version}".strip(),

@@ -31,7 +31,7 @@ from runtime.segments import HostNode, Segment, split_at_host_nodes
 
 BACKENDS = ("onnxruntime", "reference")
 # what onnxruntime raises for a model it will not build (its pybind exceptions derive from Exception only)
-_ORT_REFUSALS = tuple(getattr(ort_state, name) for name in ("Fail", "InvalidGraph", "InvalidArgument", "NotImplemented",
+ORT_FAILURES = tuple(getattr(ort_state, name) for name in ("Fail", "InvalidGraph", "InvalidArgument", "NotImplemented",
                                                             "InvalidProtobuf", "RuntimeException"))
 
 
@@ -63,7 +63,7 @@ class Executor:
                 continue
             try:
                 self._steps.append(_SegmentStep(step, weights, backend, threads, spinning, stop_spinning))
-            except _ORT_REFUSALS as error:
+            except ORT_FAILURES as error:
                 # a graph the loader's checks let through but onnxruntime will not build: the file is invalid
                 reason = str(error).splitlines()[0] if str(error) else type(error).__name__
                 raise AtcError("E13015", loaded.om.path, f"onnxruntime refuses the graph: {reason}") from None

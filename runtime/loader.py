@@ -110,13 +110,14 @@ def _check_dimensions(metadata: dict, attentions: list[tuple[onnx.NodeProto, dic
         raise ContractViolation("metadata.model: missing for a causal LM (input_ids in, logits out)")
     model = metadata.get("model", {})
     for key, value in dims.items():
-        # with attention fused, the compiler counts layers by its nodes (checked below), not by the past inputs
-        expected = len(attentions) if key == "num_layers" and attentions else value
-        if isinstance(expected, str):
+        if isinstance(value, str):
             continue  # a symbolic dim of the past inputs (onnxruntime-genai's `kv_cache_dim`): the nodes decide
-        if model.get(key) != expected:
-            raise ContractViolation(f"metadata.model.{key}: {model.get(key)!r}, the graph makes it {expected!r}")
-    if attentions and "num_layers" in model and model["num_layers"] != len(attentions):
+        if model.get(key) != value:
+            raise ContractViolation(f"metadata.model.{key}: {model.get(key)!r}, the graph makes it {value!r}")
+    # past inputs feed every layer, fused or not (one whose attention did not fuse runs on its past input);
+    # without them the runner sizes the cache by the attention nodes, one per layer
+    partial = dims.get("kv_cache_io") and len(attentions) <= model.get("num_layers", 0)
+    if attentions and "num_layers" in model and model["num_layers"] != len(attentions) and not partial:
         raise ContractViolation(f"metadata.model.num_layers: {model['num_layers']}, the graph has {len(attentions)} "
                                 f"attention nodes")
     for node, attrs in attentions:

@@ -62,7 +62,8 @@ def session_options(threads: int | None = None) -> ort.SessionOptions:
     """Options on the process-wide pool when it exists (then `threads` is its size, not ours), else on a
     pool of `threads` (default: onnxruntime's)."""
     options = ort.SessionOptions()
-    options.log_severity_level = 3
+    # errors only as exceptions: a failing run raises with the same message onnxruntime would log
+    options.log_severity_level = 4
     if _STATE["process_pool"]:
         options.use_per_session_threads = False
     elif threads:

@@ -30,6 +30,7 @@ from runtime.engine.sampling import SamplingParams
 from runtime.engine.scheduler import ScheduledBatch, Scheduler
 from runtime.engine.sequence import RequestStats, Sequence
 from runtime.engine.speculation import NgramProposer
+from runtime.engine.trial_step import trial_step
 from runtime.executor import Executor
 from runtime.loader import load_artifact
 from runtime.ort_session import enable_process_thread_pool
@@ -167,6 +168,8 @@ class LLMEngine:
             self.page_size = max_context_len
             self.runner = ContiguousRunner(executor, metadata["signature"], self.dims)
             blocks = BlockManager(max_batch_size, max_context_len, enable_prefix_caching=False)
+        trial_step(self.runner, self.vocab_size, self.loaded.om.path, kv_cache_pages if self.paged else None,
+                   self.page_size if self.paged else None)
         self.blocks = blocks
         self.scheduler = Scheduler(blocks, max_batch_size, config.max_num_batched_tokens)
         self.proposer = NgramProposer(config.num_speculative_tokens)

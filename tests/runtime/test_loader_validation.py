@@ -24,6 +24,7 @@ from onnx import helper
 from runtime.artifact import (
     _ENTRY, _TABLE_HEAD, HEADER_SIZE, OmFile, Partition, _align, _pack_header, write_artifact,
 )
+from runtime.engine.engine import LLMEngine
 from runtime.errors import AtcError
 from runtime.executor import Executor
 from runtime.loader import load_artifact
@@ -289,3 +290,18 @@ def test_a_graph_onnxruntime_will_not_build_is_a_coded_error(contiguous_om, tmp_
     with pytest.raises(AtcError) as error:
         Executor(loaded)
     assert error.value.code == "E13015" and "onnxruntime refuses the graph" in error.value.message
+
+
+@pytest.mark.parametrize("case", ["rotary table concatenated on axis 0", "embedding gathered on axis 1"])
+def test_an_artifact_that_fails_its_first_step_is_refused_when_the_engine_loads(case, contiguous_om, paged_om,
+                                                                                tmp_path):
+    # every static check passes and onnxruntime builds the sessions; only a step shows that cos/sin no
+    # longer fit the tokens (the paged kernel's check) or that the embedding's output is not [batch, seq,
+    # hidden] (onnxruntime's)
+    source, edit = {"rotary table concatenated on axis 0": (paged_om, _set_attribute("Concat", "axis", 0)),
+                    "embedding gathered on axis 1": (contiguous_om, _set_attribute("Gather", "axis", 1))}[case]
+    bad = _rewrite(source, tmp_path / "bad.om", edit)
+    Executor(load_artifact(bad))
+    with pytest.raises(AtcError) as error:
+        LLMEngine(bad, kv_cache_pages=4, max_context_len=16, max_batch_size=1)
+    assert error.value.code == "E13015" and "the graph fails a trial step" in error.value.message

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import time
 
 import pytest
@@ -176,3 +177,35 @@ def test_closing_cancels_what_is_in_flight(paged_om):
     request.cancel()  # after close: nothing left to do, and no error
     with pytest.raises(RuntimeError, match="closed"):
         engine.submit("x")
+
+
+def test_a_layer_whose_attention_did_not_fuse_still_gets_its_cache(tmp_path):
+    # layer 0's attention read through a constant If (folded away, but the fusion no longer matches): one
+    # FusedAttention, yet both layers' past inputs must be fed, or every request fails at its first step
+    import onnx
+    from onnx import TensorProto, helper
+
+    from models.tiny import tiny_onnx
+    from runtime.artifact import OmFile
+
+    source = tiny_onnx("llama", dynamo=False, with_past=True)
+    model = onnx.load(source)
+    index, node = next((i, n) for i, n in enumerate(model.graph.node)
+                       if n.name == "/model/model/layers.0/self_attn/MatMul_1")
+    inner = onnx.NodeProto.FromString(node.SerializeToString())
+    inner.output[0] += "_branch"
+    branch = helper.make_graph([inner], "branch", [], [helper.make_tensor_value_info(inner.output[0], TensorProto.FLOAT, None)])
+    model.graph.node[index].CopyFrom(helper.make_node("If", ["always"], [node.output[0]], then_branch=branch,
+                                                      else_branch=branch))
+    model.graph.node.insert(index, helper.make_node("Constant", [], ["always"],
+                                                    value=helper.make_tensor("always", TensorProto.BOOL, [], [True])))
+    onnx.save(model, tmp_path / "model.onnx")
+    shutil.copy(source.with_name("tokenizer.json"), tmp_path)
+    om = compile_to(tmp_path / "model.onnx", tmp_path / "m")
+    artifact = OmFile(om)
+    assert [n.op_type for n in artifact.graph().graph.node].count("FusedAttention") == 1
+    assert artifact.metadata["model"]["num_layers"] == 2
+    prompts = mixed_prompts(3, seed=9)
+    with LLMEngine(om, max_batch_size=3, max_context_len=128) as engine:
+        outputs, _ = _greedy(engine, prompts)
+    assert outputs == hf_greedy("llama", tuple(map(tuple, prompts)))
