@@ -117,6 +117,13 @@ def _input_type(elem_type: int) -> onnx.ModelProto:
     return model
 
 
+def _truncated_weight() -> onnx.ModelProto:
+    weight = numpy_helper.from_array(np.ones((1, 4), np.float32), "w")
+    weight.raw_data = weight.raw_data[:-1]
+    return _model([helper.make_node("Add", ["x", "w"], ["y"])], [vi("x", TensorProto.FLOAT, [3, 4])],
+                  [vi("y", TensorProto.FLOAT, [3, 4])], [weight])
+
+
 def _constant_of_type(elem_type: int) -> onnx.ModelProto:
     value = numpy_helper.from_array(np.ones(2, np.float32))
     value.data_type = elem_type
@@ -136,8 +143,12 @@ def _constant_of_type(elem_type: int) -> onnx.ModelProto:
     (lambda: _input_type(99), "tensor x has element type 99, which ONNX does not define"),
     (lambda: _constant_of_type(0), "tensor (a constant) has element type 0, which ONNX does not define"),
     (lambda: _constant_of_type(99), "tensor (a constant) has element type 99, which ONNX does not define"),
+    # a float32 constant's 8 bytes relabelled bfloat16 read as 4 values, not its 2
+    (lambda: _constant_of_type(TensorProto.BFLOAT16), "tensor (a constant) holds 8 bytes; its dims [2] of bfloat16 "
+                                                      "need 4"),
+    (lambda: _truncated_weight(), "tensor w holds 15 bytes; its dims [1, 4] of float need 16"),
 ], ids=["concat-axis-2^32", "gather-axis-2^32", "com.microsoft-opset-24", "cann-opset-7", "default-domain-twice",
-        "input-type-99", "constant-type-0", "constant-type-99"])
+        "input-type-99", "constant-type-0", "constant-type-99", "constant-relabelled", "weight-truncated"])
 def test_what_the_fuzzer_found_compiling_is_refused_with_the_reason(capsys, tmp_path, make, words):
     assert words in _refused(capsys, tmp_path, make())
 
