@@ -51,7 +51,12 @@ class Executor:
         self.backend = backend
         self.output_names = loaded.output_names
         model, weights = _inline_sub_byte(loaded.model, loaded.weights)
-        plan = split_at_host_nodes(model, is_host_node)
+        try:
+            plan = split_at_host_nodes(model, is_host_node)
+        except onnx.shape_inference.InferenceError as error:
+            # a node the loader's checks let through but onnx cannot type (a domain spelled "ai.onnx", say)
+            reason = str(error).splitlines()[0]
+            raise AtcError("E13015", loaded.om.path, f"onnx's shape inference fails on the graph: {reason}") from None
         # Many sessions run in turn. On pools of their own (no process-wide pool, runtime/ort_session.py),
         # a pool left spinning after its run starves the next session's (docs/performance.md#thread-pools), so
         # their threads spin within a run and stop at its end.

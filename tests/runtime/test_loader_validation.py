@@ -305,3 +305,15 @@ def test_an_artifact_that_fails_its_first_step_is_refused_when_the_engine_loads(
     with pytest.raises(AtcError) as error:
         LLMEngine(bad, kv_cache_pages=4, max_context_len=16, max_batch_size=1)
     assert error.value.code == "E13015" and "the graph fails a trial step" in error.value.message
+
+
+def test_a_paged_graph_onnx_cannot_type_is_a_coded_error(paged_om, tmp_path):
+    def default_domain_spelled_out(model, metadata, files):
+        # "ai.onnx" names the default domain, but onnx's inference (which cuts the graph at its host nodes)
+        # looks it up literally among the imports
+        next(n for n in model.graph.node if n.op_type == "Mul").domain = "ai.onnx"
+
+    loaded = load_artifact(_rewrite(paged_om, tmp_path / "bad.om", default_domain_spelled_out))
+    with pytest.raises(AtcError) as error:
+        Executor(loaded)
+    assert error.value.code == "E13015" and "onnx's shape inference fails on the graph" in error.value.message
