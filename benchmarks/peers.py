@@ -38,6 +38,7 @@ row's decode rate over that. Ratios put each cann-llm row over each peer row.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -339,7 +340,10 @@ def run_worker(job: dict) -> dict:
 def spawn(job: dict) -> dict:
     """`job` in a fresh process of this script; its result, or {"error": ...} if it failed."""
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job)]
-    run = subprocess.run(command, capture_output=True, text=True)
+    env = dict(os.environ)
+    if "threads" in job:  # the engine's host kernels: numba's pool is as large as the machine unless told
+        env["NUMBA_NUM_THREADS"] = str(job["threads"])
+    run = subprocess.run(command, capture_output=True, text=True, env=env)
     lines = run.stdout.strip().splitlines()
     if run.returncode != 0 or not lines:
         return {"error": (run.stderr.strip().splitlines() or [f"exit status {run.returncode}"])[-1]}
@@ -411,7 +415,7 @@ def agreement(rows: dict[str, dict]) -> list[dict]:
 def table(report: dict) -> list[str]:
     """The report as text lines: the engines' table, then the ratios and the greedy agreement."""
     lines = [f"{'engine':<24} {'weights':>9} {'decode tok/s':>13} {'of ceiling':>11} {'prefill s':>10} "
-             f"{'TTFT ms':>8} {'peak RSS':>9} {'tokens':>8}"]
+             f"{'TTFT ms':>8} {'peak RSS':>9}  tokens (chat/prefill)"]
     for name, row in report["rows"].items():
         if "error" in row:
             lines.append(f"{name:<24} {row['error']}")
@@ -419,7 +423,7 @@ def table(report: dict) -> list[str]:
         share = f"{row['of_ceiling']:.0%}" if "of_ceiling" in row else "-"
         lines.append(f"{name:<24} {row['weights_bytes'] / 1e6:>6.1f} MB {row['decode_tok_s']:>13.1f} {share:>11} "
                      f"{row['prefill_s']:>10.2f} {row['ttft_s'] * 1e3:>8.1f} {row['peak_rss_bytes'] / 2**20:>6.0f} MB "
-                     f"{row['prompt_tokens']:>3}/{row['prefill_tokens']:<4}")
+                     f" {row['prompt_tokens']}/{row['prefill_tokens']}")
     ceilings = {row["precision"]: row for row in report["rows"].values() if "ceiling_tok_s" in row}
     for precision, row in sorted(ceilings.items()):
         lines.append(f"read bandwidth ({precision} probe): {row['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")
@@ -459,6 +463,8 @@ def main(precision, rounds, new_tokens, prompt_tokens, prefill_tokens, threads, 
         return
     precisions = ("int4", "fp32") if precision == "both" else (precision,)
     engines = [e for e in ENGINES if e.precision in precisions and (not only or e.kind in only)]
+    if not engines:
+        raise click.UsageError(f"no engine of {', '.join(only)} runs at {precision}")
     click.echo("building the models (once) ...", err=True)
     models = {e.name: model_of(e) for e in engines}
     weights = {e.name: weights_bytes(e, models[e.name]) for e in engines if models[e.name] is not None}
