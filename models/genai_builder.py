@@ -46,6 +46,7 @@ def smollm2_hf_folder() -> Path:
 
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".smollm2-hf-", dir=target.parent))
+    staging.chmod(0o755)  # mkdtemp's private mode would stay on the published folder
     try:
         loaded = load_gguf(find_smollm2_gguf())
         # transformers marks a GGUF-loaded model as quantized and refuses to save it, though its weights
