@@ -172,6 +172,9 @@ def _pack_header(metadata: dict, model_length: int, checksum: bytes) -> bytes:
     )
 
 
+CRC_CHUNK = 64 << 20  # bytes checked (and released) at a time
+
+
 class OmFile:
     """A `.om` opened for reading: memory-mapped, validated, partitions exposed as zero-copy views."""
 
@@ -184,8 +187,6 @@ class OmFile:
             if size < HEADER_SIZE:
                 raise AtcError("E13015", self.path, f"the file has {size} bytes, less than the {HEADER_SIZE}-byte header")
             self._mm = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-        # the weights are about to be read in full (CRC, then onnxruntime's pre-packing): read ahead
-        self._mm.madvise(mmap.MADV_WILLNEED)
         self.header = self._read_header(size)
         self._partitions = self._read_table(size)
         for kind in (Partition.MODEL_DEF, Partition.WEIGHTS_DATA, Partition.METADATA):
@@ -194,10 +195,34 @@ class OmFile:
         for kind, (start, length, crc) in self._partitions.items():
             if kind == Partition.WEIGHTS_DATA and not verify_weights:
                 continue
-            with memoryview(self._mm) as view:
-                actual = zlib.crc32(view[start:start + length])
-            if actual != crc:
+            if self._crc(start, length) != crc:
                 raise AtcError("E13015", self.path, f"the {kind.name} partition is corrupted (CRC32 mismatch)")
+
+    def _crc(self, start: int, length: int) -> int:
+        """CRC32 of a span, read in chunks whose pages are released as soon as they are summed: checking
+        the weights must not hold them all resident before onnxruntime has made its copy."""
+        crc = 0
+        with memoryview(self._mm) as view:
+            for chunk in range(start, start + length, CRC_CHUNK):
+                end = min(chunk + CRC_CHUNK, start + length)
+                crc = zlib.crc32(view[chunk:end], crc)
+                self._release_span(chunk, end)
+        return crc
+
+    def _release_span(self, start: int, end: int) -> None:
+        # the mapping is read-only and file-backed: a released page is read again from the page cache if
+        # anything touches it later, so releasing is always safe, only the resident size changes
+        first = start - start % mmap.PAGESIZE
+        if end > first:
+            self._mm.madvise(mmap.MADV_DONTNEED, first, end - first)
+
+    def release(self, views) -> None:
+        """Drop from this process's resident memory the pages under `views` (arrays from `weights`), for
+        weights a backend has copied into memory of its own (onnxruntime's sessions do)."""
+        base = np.frombuffer(self._mm, np.uint8, count=0).__array_interface__["data"][0]
+        for view in views:
+            start = view.__array_interface__["data"][0] - base
+            self._release_span(start, start + view.nbytes)
 
     def _read_header(self, size: int) -> Header:
         fields = _HEADER.unpack_from(self._mm, 0)

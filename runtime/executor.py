@@ -2,7 +2,8 @@
 
 `onnxruntime` (the fast path): `cann` ops lowered onto onnxruntime's kernels (runtime/lowering.py), an
 InferenceSession per segment built once (one for a graph without host nodes), weights handed over from
-the mapped artifact with `add_external_initializers` (onnxruntime pre-packs them into its own memory);
+the mapped artifact with `add_external_initializers` (onnxruntime copies or pre-packs them into its own
+memory, so the mapped pages are released once a session is built);
 the host kernels (paged attention) on their fast paths (numba).
 `reference`: onnx's ReferenceEvaluator per segment, with the registry's numpy kernels as its custom ops,
 and the host kernels' numpy references: the executable spec the fast path is tested against.
@@ -67,11 +68,15 @@ class Executor:
                 self._steps.append(_HostStep(step.node))
                 continue
             try:
-                self._steps.append(_SegmentStep(step, weights, backend, threads, spinning, stop_spinning))
+                segment = _SegmentStep(step, weights, backend, threads, spinning, stop_spinning)
             except ORT_FAILURES as error:
                 # a graph the loader's checks let through but onnxruntime will not build: the file is invalid
                 reason = str(error).splitlines()[0] if str(error) else type(error).__name__
                 raise AtcError("E13015", loaded.om.path, f"onnxruntime refuses the graph: {reason}") from None
+            self._steps.append(segment)
+            if backend == "onnxruntime":
+                # the session holds its own copy (pre-packed or not): the mapped pages would be a second one
+                loaded.om.release(weights[name] for name in segment.weight_names)
         self._fast = backend == "onnxruntime"
         if self._fast and len(plan) > 1:
             # imported here, not at the top: `python -m runtime.kernels.warmup` must find it not yet imported
@@ -111,6 +116,7 @@ class _SegmentStep:
         self.inputs, self.outputs = segment.inputs, segment.outputs
         used = {t.name for t in segment.model.graph.initializer}
         mine = {name: view for name, view in weights.items() if name in used}
+        self.weight_names = list(mine)
         if backend == "onnxruntime":
             self._session = _ort_session(lower_for_onnxruntime(segment.model), mine, threads, spinning, stop_spinning)
             self._weights_fed = {}
