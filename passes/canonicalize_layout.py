@@ -110,6 +110,8 @@ def split_key_transpose(graph: gs.Graph, node: gs.Node) -> bool:
     if consumer.inputs[1] is not reader:
         return False
     source = node.inputs[0]
+    if source.shape is not None and len(source.shape) != len(HEADS):
+        return False  # a 4-d permutation of a tensor of another rank: the model is invalid, onnxruntime says so
     heads = gs.Variable(f"{node.name}/heads", dtype=source.dtype,
                         shape=None if source.shape is None else [source.shape[i] for i in HEADS])
     graph.nodes.append(gs.Node("Transpose", name=f"{node.name}/Heads", attrs={"perm": HEADS}, inputs=[source],

@@ -133,3 +133,18 @@ def test_neutral_elements_are_removed_only_where_they_change_nothing():
     assert (result.match_times, result.effect_times) == (3, 3)
     assert _ops(fused) == ["Sub", "Cast"] and [o.name for o in fused.graph.output] == ["y"]
     np.testing.assert_array_equal(_run(fused, FEEDS)[0], _run(model, FEEDS)[0])
+
+
+def test_layout_canonicalization_leaves_a_key_transpose_of_the_wrong_rank_alone():
+    # GPT-2's kᵀ spelling, Transpose(0, 2, 3, 1) into a MatMul, but of a rank-3 tensor: an invalid model
+    # (onnxruntime refuses it) that the rule must not try to split into [B, H, S, D] views
+    from passes.canonicalize_layout import CanonicalizeLayout
+
+    keys = helper.make_tensor_value_info("k", TensorProto.FLOAT, [2, 3, 4])
+    query = helper.make_tensor_value_info("q", TensorProto.FLOAT, [2, 4, 3])
+    model = _model([helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 3, 1]),
+                    helper.make_node("MatMul", ["q", "kt"], ["y"])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inputs=(query, keys))
+    exported, (result,) = _apply(model, CanonicalizeLayout())
+    assert (result.match_times, result.effect_times) == (0, 0)
+    assert _ops(exported) == ["Transpose", "MatMul"]
