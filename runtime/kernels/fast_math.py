@@ -31,7 +31,7 @@ def _float32_from_bits(typingctx, bits):
     return signature, codegen
 
 
-@numba.njit(fastmath=True, inline="always")
+@numba.njit(fastmath=True, error_model="numpy", inline="always")
 def fast_exp(x):
     """exp(x) for a float32 scalar inside numba code."""
     x = max(x, _LOWEST)
@@ -47,7 +47,7 @@ def fast_exp(x):
     return p * _float32_from_bits(np.int32(n + np.float32(127.0)) << 23)
 
 
-@numba.njit(fastmath=True, cache=True)
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
 def fast_exp_array(x: np.ndarray, out: np.ndarray) -> None:
     """`fast_exp` over a 1-D array (what the tests hold against np.exp)."""
     for i in range(x.shape[0]):

@@ -17,6 +17,9 @@ Three implementations of one contract, tested against each other:
 - `flash_prefill` (runtime/kernels/flash_prefill.py, on onnxruntime's kernels): a long prompt chunk
   attends block by block (queries × a block of keys at a time) with the same online softmax, so scratch
   memory grows linearly with the context and the products run as matrix multiplications.
+
+The numba kernels use numpy's error model: float arithmetic on NaN or infinite operands (weights a file
+carries, say) gives NaN or inf as numpy would, instead of raising ZeroDivisionError from inside a step.
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ def rotate_and_store_reference(query, key, value, cos, sin, slot_mapping, key_ca
     return np.ascontiguousarray(q[0].transpose(1, 0, 2))
 
 
-@numba.njit(fastmath=True, cache=True)
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
 def _rotate_row(src, t, base, cos, sin, interleaved, dst):
     """dst = rotary(src[t, base:base + D]) (dims from R on pass through)."""
     rotary = cos.shape[1]
@@ -101,7 +104,7 @@ def _rotate_row(src, t, base, cos, sin, interleaved, dst):
             dst[d] = x * cos[t, d] + src[t, base + d - half] * sin[t, d]
 
 
-@numba.njit(fastmath=True, cache=True)
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
 def _rotate_and_store_token(t, qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, slot_mapping, key_cache,
                             value_cache, q):
     page_size, kv_heads, head_dim = key_cache.shape[2], key_cache.shape[1], key_cache.shape[3]
@@ -114,14 +117,14 @@ def _rotate_and_store_token(t, qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleav
             value_cache[page, h, row, d] = vsrc[t, vofs + h * head_dim + d]
 
 
-@numba.njit(fastmath=True, cache=True)
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
 def _rotate_and_store(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, slot_mapping, key_cache, value_cache, q):
     for t in range(q.shape[0]):
         _rotate_and_store_token(t, qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, slot_mapping, key_cache,
                                 value_cache, q)
 
 
-@numba.njit(fastmath=True, parallel=True, cache=True)
+@numba.njit(fastmath=True, error_model="numpy", parallel=True, cache=True)
 def _rotate_and_store_parallel(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, slot_mapping, key_cache,
                                value_cache, q):
     for t in numba.prange(q.shape[0]):
@@ -181,7 +184,7 @@ def paged_attention_reference(q, key_cache, value_cache, query_start_loc, seq_le
 # (docs/performance.md#paged-attention-kernels). Each also prefetches the same rows of the page read next
 # (runtime/kernels/prefetch.py).
 
-@numba.njit(fastmath=True, cache=True)
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
 def _prefetch_rows(cache, page, kv, first, count):
     """Prefetch rows first..first+count-1 of cache[page, kv], a cache line (16 floats) at a time."""
     for r in range(first, first + count):
@@ -189,7 +192,7 @@ def _prefetch_rows(cache, page, kv, first, count):
             prefetch(cache, page, kv, r, d)
 
 
-@numba.njit(fastmath=True, cache=True)
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
 def _page_scores(queries, first, key_cache, kv, page, rows, scale, scores, next_page, next_kv):
     """scores[g, r] = scale * queries[first + g] . key_cache[page, kv, r] for r < rows."""
     group, head_dim = scores.shape[0], key_cache.shape[3]
@@ -219,7 +222,7 @@ def _page_scores(queries, first, key_cache, kv, page, rows, scale, scores, next_
             scores[g, r] = s * scale
 
 
-@numba.njit(fastmath=True, cache=True)
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
 def _accumulate_values(weights, value_cache, kv, page, rows, acc, next_page, next_kv):
     """acc[g] += sum over r < rows of weights[g, r] * value_cache[page, kv, r]."""
     group, head_dim = weights.shape[0], value_cache.shape[3]
@@ -243,7 +246,7 @@ def _accumulate_values(weights, value_cache, kv, page, rows, acc, next_page, nex
                 row[d] += p * value[d]
 
 
-@numba.njit(fastmath=True, cache=True)
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
 def _attend_heads(q, t, first, key_cache, value_cache, kv, pages, position, window, scale, scores, acc, state, out):
     """out[t, first:first+n] = attention of query heads `first..first+n-1` of token `t` (all reading KV head
     `kv`) over cache positions 0..position (with window > 0: the last `window` of them; pages = the sequence's
@@ -290,7 +293,7 @@ def _attend_heads(q, t, first, key_cache, value_cache, kv, pages, position, wind
             out[t, first + g, d] = acc[g, d] / total[g]
 
 
-@numba.njit(fastmath=True, cache=True)
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
 def _attend_token(q, t, key_cache, value_cache, pages, position, window, scale, out):
     """Token t's attention over cache positions 0..position (the last `window` with window > 0), its query
     heads one KV group at a time."""
@@ -303,7 +306,7 @@ def _attend_token(q, t, key_cache, value_cache, pages, position, window, scale, 
                       out)
 
 
-@numba.njit(fastmath=True, cache=True)
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
 def _decode_step(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, slot_mapping, seq_lens, block_tables,
                  key_cache, value_cache, window, scale, out):
     """One query per sequence (a decode step), in one call: rotate, store the new key and value, attend.
@@ -314,7 +317,7 @@ def _decode_step(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, slot_mappi
         _attend_token(q, t, key_cache, value_cache, block_tables[t], seq_lens[t] - 1, window, scale, out)
 
 
-@numba.njit(fastmath=True, parallel=True, cache=True)
+@numba.njit(fastmath=True, error_model="numpy", parallel=True, cache=True)
 def _decode_step_parallel(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, slot_mapping, seq_lens, block_tables,
                           key_cache, value_cache, window, scale, out):
     """`_decode_step` with the sequences spread over numba's threads (a function of its own: numba's
@@ -325,13 +328,13 @@ def _decode_step_parallel(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, s
         _attend_token(q, t, key_cache, value_cache, block_tables[t], seq_lens[t] - 1, window, scale, out)
 
 
-@numba.njit(fastmath=True, cache=True)
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
 def _attend_serial(q, key_cache, value_cache, block_tables, token_seq, positions, window, scale, out):
     for t in range(q.shape[0]):
         _attend_token(q, t, key_cache, value_cache, block_tables[token_seq[t]], positions[t], window, scale, out)
 
 
-@numba.njit(fastmath=True, parallel=True, cache=True)
+@numba.njit(fastmath=True, error_model="numpy", parallel=True, cache=True)
 def _attend_parallel(q, key_cache, value_cache, block_tables, token_seq, positions, window, scale, out):
     n = q.shape[0]
     for i in numba.prange(n):

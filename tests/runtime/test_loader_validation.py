@@ -16,6 +16,7 @@ import sys
 import zlib
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 from conftest import compile_to
@@ -317,3 +318,18 @@ def test_a_paged_graph_onnx_cannot_type_is_a_coded_error(paged_om, tmp_path):
     with pytest.raises(AtcError) as error:
         Executor(loaded)
     assert error.value.code == "E13015" and "onnx's shape inference fails on the graph" in error.value.message
+
+
+def test_nan_weights_make_nan_logits_not_an_exception_in_the_paged_kernel(paged_om, tmp_path):
+    # weights are data, not checked: a file whose every weight is NaN (its checksums valid) must still run,
+    # each step's scores and softmax sums NaN in the numba kernel, which divides by them
+    om = OmFile(paged_om)
+    model, metadata, files = om.graph(), om.metadata, om.tokenizer_files()
+    weights = {name: np.full_like(view, np.nan) if view.dtype == np.float32 else view.copy()
+               for name, view in om.weights(model).items()}
+    bad = tmp_path / "nan.om"
+    write_artifact(bad, model, metadata, files, detached=weights)
+    with LLMEngine(bad, kv_cache_pages=4, max_context_len=16, max_batch_size=1) as engine:
+        request = engine.submit([1, 2, 3], max_new_tokens=2, temperature=0.0, ignore_eos=True)
+        request.result(timeout=120)
+    assert len(request.output_ids) == 2
