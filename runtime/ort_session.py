@@ -16,7 +16,9 @@ import onnx
 import onnxruntime as ort
 from onnxruntime.capi import _pybind_state
 
-_STATE = {"process_pool": False}
+_STATE: dict = {"process_pool": False, "arena": None}
+# onnxruntime's arena grows in chunks of exactly what is asked for, not the next power of two
+_SAME_AS_REQUESTED = 1
 
 
 def enable_process_thread_pool(threads: int | None = None) -> bool:
@@ -58,10 +60,29 @@ def process_thread_pool_enabled() -> bool:
     return bool(_STATE["process_pool"])
 
 
+def _shared_arena() -> bool:
+    """Register one CPU arena for every session of the process (once); False if this onnxruntime refuses.
+
+    Each session's own arena keeps the most it ever held: after a 512-token prefill the ~30 sessions of a
+    paged artifact held ~30 peaks at once (SmolLM2 INT4: 1,052 MB resident against 620 MB with one arena,
+    docs/performance.md#memory-at-run-time). Registered on first use, after the process-wide pool: registering
+    creates onnxruntime's environment, which fixes the pool's settings."""
+    if _STATE["arena"] is None:
+        try:
+            info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+            ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, _SAME_AS_REQUESTED, -1, -1))
+            _STATE["arena"] = True
+        except Exception:  # noqa: BLE001 - an onnxruntime without shared allocators: sessions keep their own
+            _STATE["arena"] = False
+    return _STATE["arena"]
+
+
 def session_options(threads: int | None = None) -> ort.SessionOptions:
     """Options on the process-wide pool when it exists (then `threads` is its size, not ours), else on a
-    pool of `threads` (default: onnxruntime's)."""
+    pool of `threads` (default: onnxruntime's); every session allocates from the one shared arena."""
     options = ort.SessionOptions()
+    if _shared_arena():
+        options.add_session_config_entry("session.use_env_allocators", "1")
     # errors only as exceptions: a failing run raises with the same message onnxruntime would log
     options.log_severity_level = 4
     if _STATE["process_pool"]:
