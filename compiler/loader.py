@@ -8,7 +8,6 @@ protobuf's 2 GiB limit load like any other.
 
 from __future__ import annotations
 
-import math
 import mmap
 import os
 from pathlib import Path
@@ -20,7 +19,7 @@ from google.protobuf.message import DecodeError
 from onnx import external_data_helper, helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from compiler.model_checks import check_model, check_subgraphs
+from compiler.model_checks import check_model, check_subgraphs, stored_bytes
 from passes.constant_conditionals import flatten_constant_conditionals
 from runtime.artifact import SUB_BYTE_TYPES
 from runtime.errors import AtcError
@@ -57,7 +56,6 @@ def load_onnx(path: str | os.PathLike, external_data: bool = True) -> onnx.Model
     _check_external_data(model, path.parent)
     if external_data:
         external_data_helper.load_external_data_for_model(model, str(path.parent))
-    _check_tensor_sizes(model, path)
     return model
 
 
@@ -90,9 +88,10 @@ def _check_external_data(model: onnx.ModelProto, base: Path) -> None:
         size = location.stat().st_size
         offset = info.offset or 0
         length = info.length if info.length is not None else size - offset
-        if length != _expected_bytes(tensor):
+        expected = stored_bytes(tensor)
+        if expected is not None and length != expected:
             raise AtcError("E10041", location, reason=f"external data of tensor {tensor.name} holds {length} bytes, "
-                                                       f"its shape {list(tensor.dims)} needs {_expected_bytes(tensor)}")
+                                                       f"its shape {list(tensor.dims)} needs {expected}")
         if offset + length > size:
             raise AtcError("E10041", location, reason=f"external data is truncated: tensor {tensor.name} needs bytes "
                                                        f"{offset}..{offset + length} of a {size}-byte file")
@@ -100,24 +99,7 @@ def _check_external_data(model: onnx.ModelProto, base: Path) -> None:
 
 def weight_bytes(model: onnx.ModelProto) -> int:
     """The size of the model's initializers, inline or external, from their shapes."""
-    return sum(_expected_bytes(t) for t in model.graph.initializer if t.data_type != onnx.TensorProto.STRING)
-
-
-def _expected_bytes(tensor: onnx.TensorProto) -> int:
-    count = math.prod(tensor.dims)  # Python ints: a product of hostile dims must not wrap around
-    if tensor.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
-        return (count + 1) // 2
-    return count * np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
-
-
-def _check_tensor_sizes(model: onnx.ModelProto, path: Path) -> None:
-    for tensor in model.graph.initializer:
-        if not tensor.HasField("raw_data") or tensor.data_type in (onnx.TensorProto.STRING,):
-            continue
-        expected = _expected_bytes(tensor)
-        if len(tensor.raw_data) != expected:
-            raise AtcError("E10041", path, reason=f"tensor {tensor.name} holds {len(tensor.raw_data)} bytes, "
-                                                  f"its shape {list(tensor.dims)} needs {expected}")
+    return sum(stored_bytes(t) or 0 for t in model.graph.initializer)
 
 
 def import_graph(path: str | os.PathLike) -> tuple[onnx.ModelProto, gs.Graph]:

@@ -27,6 +27,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from onnx import TensorProto, helper
 
+from runtime.artifact import SUB_BYTE_BITS
 from runtime.errors import AtcError
 from runtime.ops import CUSTOM_DOMAIN
 
@@ -35,8 +36,6 @@ MAX_RANK = 64
 MAX_DIM = 2**31 - 1
 MAX_SUBGRAPHS = 64
 UNRUNNABLE_TYPES = {TensorProto.UNDEFINED: "undefined", TensorProto.STRING: "string"}
-# element types stored in fewer bits than numpy's type for them holds
-_BITS = {TensorProto.INT4: 4, TensorProto.UINT4: 4, TensorProto.FLOAT4E2M1: 4, TensorProto.INT2: 2, TensorProto.UINT2: 2}
 # ops whose `axis` attribute indexes the dimensions of their first input
 AXIS_OPS = frozenset({"Concat", "Gather", "GatherElements", "Softmax", "LogSoftmax", "Hardmax", "Split", "ArgMax",
                       "ArgMin", "LayerNormalization", "Flatten"})
@@ -134,36 +133,43 @@ def _check_element_types(graph: onnx.GraphProto, path: Path) -> None:
                                                       f"{info.type.tensor_type.elem_type}, which ONNX does not define")
 
 
-def _check_stored_size(tensor: onnx.TensorProto, path: Path) -> None:
-    """E10041 when an inline tensor's bytes (or values) are not what its dims and element type make: every
-    reader after this one (graphsurgeon, numpy, onnxruntime) would fail or misread it. External data is
-    held to its file's size where it is read (compiler/loader.py)."""
-    if tensor.data_location == TensorProto.EXTERNAL or tensor.data_type == TensorProto.STRING:
-        return
-    if any(d < 0 for d in tensor.dims):
-        return  # _check_tensors names the dimension
-    count = math.prod(tensor.dims)
-    name = tensor.name or "(a constant)"
-    bits = _BITS.get(tensor.data_type)
+def stored_bytes(tensor: onnx.TensorProto) -> int | None:
+    """The bytes a tensor's dims and element type make (sub-byte types packed), inline or external; None
+    for strings and for a type numpy has no layout for (the 6-bit floats)."""
+    if tensor.data_type == TensorProto.STRING:
+        return None
+    bits = SUB_BYTE_BITS.get(tensor.data_type)
     if bits is None:
         try:
             bits = 8 * np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
         except (KeyError, TypeError, ValueError):
-            return  # a type numpy has no layout for (the 6-bit floats): onnxruntime's checks decide
+            return None
+    return -(-math.prod(tensor.dims) * bits // 8)  # Python ints: a product of hostile dims cannot wrap
+
+
+def _check_stored_size(tensor: onnx.TensorProto, path: Path) -> None:
+    """E10041 when an inline tensor's bytes (or values) are not what its dims and element type make: every
+    reader after this one (graphsurgeon, numpy, onnxruntime) would fail or misread it. External data is
+    held to `stored_bytes` where its file is checked (compiler/loader.py)."""
+    if tensor.data_location == TensorProto.EXTERNAL or any(d < 0 for d in tensor.dims):
+        return  # _check_tensors names a negative dimension
+    expected = stored_bytes(tensor)
+    if expected is None:
+        return  # onnxruntime's checks decide
+    name = tensor.name or "(a constant)"
     if tensor.HasField("raw_data"):
         stored = len(tensor.raw_data)  # a transient copy (protobuf's bytes), one tensor at a time
-        expected = -(-count * bits // 8)
         if stored != expected:
             raise AtcError("E10041", path, reason=f"tensor {name} holds {stored} bytes; its dims "
                                                   f"{list(tensor.dims)} of {_type_name(tensor.data_type)} need {expected}")
         return
-    if tensor.data_type in _BITS:
+    if tensor.data_type in SUB_BYTE_BITS:
         return  # packed into int32_data two or more to a value
     try:
         values = len(getattr(tensor, helper.tensor_dtype_to_field(tensor.data_type)))
     except KeyError:
         return
-    expected = count * (2 if tensor.data_type in (TensorProto.COMPLEX64, TensorProto.COMPLEX128) else 1)
+    expected = math.prod(tensor.dims) * (2 if tensor.data_type in (TensorProto.COMPLEX64, TensorProto.COMPLEX128) else 1)
     if values and values != expected:
         raise AtcError("E10041", path, reason=f"tensor {name} holds {values} values; its dims {list(tensor.dims)} "
                                               f"need {expected}")

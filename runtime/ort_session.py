@@ -63,9 +63,8 @@ def process_thread_pool_enabled() -> bool:
 def _shared_arena() -> bool:
     """Register one CPU arena for every session of the process (once); False if this onnxruntime refuses.
 
-    Each session's own arena keeps the most it ever held: after a 512-token prefill the ~30 sessions of a
-    paged artifact held ~30 peaks at once (SmolLM2 INT4: 1,052 MB resident against 620 MB with one arena,
-    docs/performance.md#memory-at-run-time). Registered on first use, after the process-wide pool: registering
+    Each session's own arena keeps the most it ever held: after a long prefill the ~30 sessions of a paged
+    artifact would hold ~30 peaks at once (docs/performance.md#memory-at-run-time). Registered on first use, after the process-wide pool: registering
     creates onnxruntime's environment, which fixes the pool's settings."""
     if _STATE["arena"] is None:
         try:

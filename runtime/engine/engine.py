@@ -168,8 +168,7 @@ class LLMEngine:
             self.page_size = max_context_len
             self.runner = ContiguousRunner(executor, metadata["signature"], self.dims)
             blocks = BlockManager(max_batch_size, max_context_len, enable_prefix_caching=False)
-        trial_step(self.runner, self.vocab_size, self.loaded.om.path, kv_cache_pages if self.paged else None,
-                   self.page_size if self.paged else None)
+        trial_step(self.runner, self.vocab_size, self.loaded.om.path)
         self.blocks = blocks
         self.scheduler = Scheduler(blocks, max_batch_size, config.max_num_batched_tokens)
         self.proposer = NgramProposer(config.num_speculative_tokens)

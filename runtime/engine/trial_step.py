@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from runtime.engine.runner import ContiguousRunner, PagedRunner
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.scheduler import ScheduledBatch
 from runtime.engine.sequence import Sequence
@@ -17,14 +18,14 @@ from runtime.kernels.paged_attention import PagedInputError
 PROMPT = [0, 1]
 
 
-def trial_step(runner, vocab_size: int, path: str, pages: int | None = None, page_size: int | None = None) -> None:
+def trial_step(runner: PagedRunner | ContiguousRunner, vocab_size: int, path: str) -> None:
     """Prefill `PROMPT`, then decode one token, through `runner`; its logits must be one row of
-    `vocab_size`. A paged runner (`page_size`) writes the first pages of its pool, which nothing holds
-    yet. Raises AtcError E13015 naming `path` when the artifact cannot run a step."""
+    `vocab_size`. A paged runner writes the first pages of its pool, which nothing holds yet. Raises
+    AtcError E13015 naming `path` when the artifact cannot run a step."""
     seq = Sequence(list(PROMPT), SamplingParams(max_new_tokens=1, temperature=0.0))
-    if page_size is not None:
-        needed = -(-(len(PROMPT) + 1) // page_size)
-        if pages is not None and needed > pages:
+    if isinstance(runner, PagedRunner):
+        needed = -(-(len(PROMPT) + 1) // runner.page_size)
+        if needed > runner.pool.num_pages:
             return  # a pool this small serves no request either; the scheduler says so per request
         seq.block_table = list(range(needed))
     try:
