@@ -4,7 +4,9 @@
 InferenceSession per segment built once (one for a graph without host nodes), weights handed over from
 the mapped artifact with `add_external_initializers` (onnxruntime copies or pre-packs them into its own
 memory, so the mapped pages are released once a session is built);
-the host kernels (paged attention) on their fast paths (numba).
+paged attention inside the same session through the native custom op (runtime/kernels/native), so a
+step is one session run; where that library cannot be built (no C compiler), or with `host_attention`,
+the paged attention runs as host kernels (numba) between one session per segment.
 `reference`: onnx's ReferenceEvaluator per segment, with the registry's numpy kernels as its custom ops,
 and the host kernels' numpy references: the executable spec the fast path is tested against.
 """
@@ -22,10 +24,11 @@ from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 from runtime.artifact import SUB_BYTE_TYPES
 from runtime.engine.kv_cache import PagePool
 from runtime.errors import AtcError
-from runtime.kernels import HostRun, host_kernel, is_host_node, reference_ops
+from runtime.kernels import HostRun, host_kernel, is_host_node, native, reference_ops
+from runtime.kernels.paged_attention import PagedInputError
 from runtime.loader import LoadedModel
-from runtime.lowering import lower_for_onnxruntime
-from runtime.ops import attributes
+from runtime.lowering import POOL_KEY, POOL_VALUE, lower_for_onnxruntime, with_pool_inputs
+from runtime.ops import PAGED_ATTENTION, PAGED_METADATA, attributes
 from runtime.ort_session import ort_value, process_thread_pool_enabled, session_options
 from runtime.proto_utils import initializers_as_inputs
 from runtime.segments import HostNode, Segment, split_at_host_nodes
@@ -45,7 +48,7 @@ class Executor:
     """
 
     def __init__(self, loaded: LoadedModel, backend: str = "onnxruntime", threads: int | None = None,
-                 spinning: bool = True):
+                 spinning: bool = True, host_attention: bool = False):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
         self.loaded = loaded
@@ -58,6 +61,14 @@ class Executor:
             # a node the loader's checks let through but onnx cannot type (a domain spelled "ai.onnx", say)
             reason = str(error).splitlines()[0]
             raise AtcError("E13015", loaded.om.path, f"onnx's shape inference fails on the graph: {reason}") from None
+        self.native_library = None
+        if backend == "onnxruntime" and not host_attention and _only_paged_attention(plan):
+            try:
+                self.native_library = native.library_path()
+            except native.NativeUnavailable:
+                pass  # the host kernels run the attention instead: slower, the same numbers
+        if self.native_library is not None:
+            plan = split_at_host_nodes(with_pool_inputs(model), lambda node: False)
         # Many sessions run in turn. On pools of their own (no process-wide pool, runtime/ort_session.py),
         # a pool left spinning after its run starves the next session's (docs/performance.md#thread-pools), so
         # their threads spin within a run and stop at its end.
@@ -68,7 +79,7 @@ class Executor:
                 self._steps.append(_HostStep(step.node))
                 continue
             try:
-                segment = _SegmentStep(step, weights, backend, threads, spinning, stop_spinning)
+                segment = _SegmentStep(step, weights, backend, threads, spinning, stop_spinning, self.native_library)
             except ORT_FAILURES as error:
                 # a graph the loader's checks let through but onnxruntime will not build: the file is invalid
                 reason = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -78,7 +89,7 @@ class Executor:
                 # the session holds its own copy (pre-packed or not): the mapped pages would be a second one
                 loaded.om.release(weights[name] for name in segment.weight_names)
         self._fast = backend == "onnxruntime"
-        if self._fast and len(plan) > 1:
+        if self._fast and len(plan) > 1 and self.native_library is None:
             # imported here, not at the top: `python -m runtime.kernels.warmup` must find it not yet imported
             from runtime.kernels.warmup import warm_up_in_background
 
@@ -95,11 +106,29 @@ class Executor:
         """Outputs named `output_names` (default all) for `feeds`; a paged artifact needs `kv_cache`."""
         names = output_names or self.output_names
         values = dict(feeds)
+        if self.native_library is not None:
+            return self._run_native(values, names, kv_cache)
         host = HostRun(kv_cache, self._fast) if kv_cache is not None else None
         context = _RunContext(host, names if len(self._steps) == 1 else None)
         for step in self._steps:
             values.update(step.run(values, context))
         return {name: values[name] for name in names}
+
+    def _run_native(self, values: dict, names: list[str], kv_cache: PagePool | None) -> dict[str, np.ndarray]:
+        if kv_cache is None:
+            raise ValueError("a paged artifact runs with a page pool: pass kv_cache (runtime.engine.kv_cache.PagePool)")
+        values[POOL_KEY], values[POOL_VALUE] = kv_cache.key, kv_cache.value
+        for meta in PAGED_METADATA:
+            # host kernels take any integer type; inside the session onnxruntime holds the contract's
+            if meta.name in values:
+                values[meta.name] = np.asarray(values[meta.name], meta.dtype)
+        try:
+            return self._steps[0].run(values, _RunContext(None, names))
+        except ORT_FAILURES as error:
+            text = str(error)
+            if _NATIVE_REFUSAL not in text:
+                raise
+            raise PagedInputError(text.split(_NATIVE_REFUSAL, 1)[1].strip().splitlines()[0]) from None
 
 
 @dataclass
@@ -110,15 +139,26 @@ class _RunContext:
     names: list[str] | None
 
 
+# how the native op's refusals of a step's operands begin (runtime/kernels/native/paged_attention.c)
+_NATIVE_REFUSAL = "PagedInputError:"
+
+
+def _only_paged_attention(plan: list) -> bool:
+    """Whether the plan has host nodes and every one is a PagedAttention (what the native op runs)."""
+    hosts = [step.node for step in plan if isinstance(step, HostNode)]
+    return bool(hosts) and all(node.op_type == PAGED_ATTENTION.name for node in hosts)
+
+
 class _SegmentStep:
     def __init__(self, segment: Segment, weights: dict[str, np.ndarray], backend: str, threads: int | None,
-                 spinning: bool, stop_spinning: bool):
+                 spinning: bool, stop_spinning: bool, library=None):
         self.inputs, self.outputs = segment.inputs, segment.outputs
         used = {t.name for t in segment.model.graph.initializer}
         mine = {name: view for name, view in weights.items() if name in used}
         self.weight_names = list(mine)
         if backend == "onnxruntime":
-            self._session = _ort_session(lower_for_onnxruntime(segment.model), mine, threads, spinning, stop_spinning)
+            self._session = _ort_session(lower_for_onnxruntime(segment.model), mine, threads, spinning, stop_spinning,
+                                         library)
             self._weights_fed = {}
         else:
             light = initializers_as_inputs(segment.model, _is_external)
@@ -164,8 +204,10 @@ def _inline_sub_byte(model: onnx.ModelProto, weights: dict[str, np.ndarray]):
 
 
 def _ort_session(model: onnx.ModelProto, weights: dict[str, np.ndarray], threads: int | None,
-                 spinning: bool, stop_spinning: bool = False) -> ort.InferenceSession:
+                 spinning: bool, stop_spinning: bool = False, library=None) -> ort.InferenceSession:
     options = session_options(threads)
+    if library is not None:
+        options.register_custom_ops_library(str(library))
     if process_thread_pool_enabled():
         pass  # the shared pool's workers spin between the sessions' turns: that is the point of sharing it
     elif not spinning:

@@ -21,6 +21,7 @@ from runtime.ops import (
     MATMUL_INT4,
     MATMUL_INT8,
     MOE,
+    PAGED_ATTENTION,
     RMS_NORM,
     SWIGLU,
     SwiGluInput,
@@ -30,6 +31,7 @@ from runtime.ops import (
     GatherInt4Input,
     MatMulQuantInput,
     MoEInput,
+    PagedAttentionInput,
     attributes,
 )
 
@@ -226,4 +228,24 @@ def lower_for_onnxruntime(model: onnx.ModelProto) -> onnx.ModelProto:
     domains = {o.domain for o in lowered.opset_import}
     if MICROSOFT_DOMAIN not in domains:
         lowered.opset_import.append(helper.make_opsetid(MICROSOFT_DOMAIN, 1))
+    return lowered
+
+
+# the page pool as the native PagedAttention's last two inputs (runtime/kernels/native/paged_attention.c)
+POOL_KEY, POOL_VALUE = "kv_cache_key", "kv_cache_value"
+
+
+def with_pool_inputs(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of `model` whose PagedAttention nodes read the page pool as graph inputs `POOL_KEY` and
+    `POOL_VALUE` (`[layers, pages, kv_heads, page_size, head_dim]` float32), for the native op that runs
+    them inside onnxruntime; `model` itself is left alone."""
+    lowered = onnx.ModelProto()
+    lowered.CopyFrom(model)
+    width = len(PagedAttentionInput)
+    for node in lowered.graph.node:
+        if node.domain == CUSTOM_DOMAIN and node.op_type == PAGED_ATTENTION.name:
+            node.input.extend([""] * (width - len(node.input)) + [POOL_KEY, POOL_VALUE])
+    dims = ["pool_layers", "pool_pages", "pool_kv_heads", "pool_page_size", "pool_head_dim"]
+    lowered.graph.input.extend(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, dims)
+                               for name in (POOL_KEY, POOL_VALUE))
     return lowered

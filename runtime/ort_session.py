@@ -64,8 +64,9 @@ def _shared_arena() -> bool:
     """Register one CPU arena for every session of the process (once); False if this onnxruntime refuses.
 
     Each session's own arena keeps the most it ever held: after a long prefill the ~30 sessions of a paged
-    artifact would hold ~30 peaks at once (docs/performance.md#memory-at-run-time). Registered on first use, after the process-wide pool: registering
-    creates onnxruntime's environment, which fixes the pool's settings."""
+    artifact would hold ~30 peaks at once (docs/performance.md#memory-at-run-time). Registered on first use,
+    after the process-wide pool: registering creates onnxruntime's environment, which fixes the pool's
+    settings."""
     if _STATE["arena"] is None:
         try:
             info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)

@@ -26,6 +26,9 @@ class EngineConfig:
                                                           "choices": BACKENDS})
     threads: int | None = field(default=None, metadata={
         "help": "intra-op threads of onnxruntime (default: its own choice)", "min": 1})
+    host_attention: bool = field(default=False, metadata={
+        "help": "run paged attention as host kernels between onnxruntime sessions, not inside one session "
+                "(what happens anyway where no C compiler can build the native op)"})
     # not an option: only a process the CLI owns may share onnxruntime's process-wide pool (see LLMEngine)
     process_thread_pool: bool = field(default=False, metadata={"cli": False})
     num_speculative_tokens: int = field(default=0, metadata={

@@ -31,17 +31,23 @@ def _writable(folder: Path) -> bool:
     return os.access(folder, os.W_OK | os.X_OK)
 
 
+def user_cache_dir(kind: str) -> Path:
+    """`$XDG_CACHE_HOME/cann-llm/<kind>` when it can be created and written, else a fresh private temp
+    directory for this process, removed at exit (see above for why never a shared, predictable one)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    preferred = Path(base) / "cann-llm" / kind
+    if _writable(preferred):
+        return preferred
+    private = Path(tempfile.mkdtemp(prefix=f"cann-llm-{kind}-"))
+    atexit.register(shutil.rmtree, private, ignore_errors=True)
+    return private
+
+
 def numba_cache_dir() -> Path:
     """The directory numba caches into, chosen as above (a private temp directory is created here)."""
     if os.environ.get("NUMBA_CACHE_DIR"):
         return Path(os.environ["NUMBA_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    preferred = Path(base) / "cann-llm" / "numba"
-    if _writable(preferred):
-        return preferred
-    private = Path(tempfile.mkdtemp(prefix="cann-llm-numba-"))
-    atexit.register(shutil.rmtree, private, ignore_errors=True)
-    return private
+    return user_cache_dir("numba")
 
 
 os.environ["NUMBA_CACHE_DIR"] = str(numba_cache_dir())

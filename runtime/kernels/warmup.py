@@ -1,4 +1,4 @@
-"""Compile the numba kernels ahead of the first request: `python -m runtime.kernels.warmup`.
+"""Compile the numba kernels ahead of the first request, and build the native op: `python -m runtime.kernels.warmup`.
 
 numba compiles a kernel at its first call, for that call's argument types, and with `cache=True` stores
 the machine code in the user's cache directory (runtime/kernels/numba_cache.py: `$XDG_CACHE_HOME/cann-llm/
@@ -60,6 +60,12 @@ def warm_up_in_background() -> None:
 if __name__ == "__main__":
     import time
 
+    from runtime.kernels import native
+
     start = time.perf_counter()
     count = warm_up()
     print(f"numba kernels ready: {count} signatures in {time.perf_counter() - start:.1f} s")
+    try:
+        print(f"native PagedAttention ready: {native.library_path()}")
+    except native.NativeUnavailable as why:
+        print(f"native PagedAttention not built ({why}): paged attention runs as host kernels")

@@ -1,0 +1,90 @@
+"""The native custom-op library: cann::PagedAttention inside onnxruntime (paged_attention.c).
+
+With it a paged artifact's step is one onnxruntime session run instead of ~30 sessions taking turns with
+~30 host-kernel calls (docs/performance.md#one-session-per-step). onnxruntime's wheels carry no C headers,
+so ort_abi.h declares the part of its C ABI the op uses, by slot. The library is compiled once per
+machine, source and compiler with the system's C compiler (`$CC`, else `cc`; `-march=native`: it runs
+where it was built) into the user's cache directory (`$XDG_CACHE_HOME/cann-llm/native`), atomically, so
+concurrent processes never load a half-written file. Without a compiler, or when the build fails, there
+is no library and the executor falls back to the host kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from runtime.kernels.numba_cache import user_cache_dir
+
+SOURCE_DIR = Path(__file__).parent
+SOURCES = ("paged_attention.c", "ort_abi.h")
+# fast math without -ffinite-math-only: masked scores are -inf, and NaN weights give NaN as numpy would
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-fno-math-errno", "-fno-trapping-math",
+         "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math", "-ffp-contract=fast", "-fvisibility=hidden")
+
+
+class NativeUnavailable(RuntimeError):
+    """Why there is no native library on this machine (no compiler, or the build failed)."""
+
+
+def _compiler() -> str | None:
+    chosen = os.environ.get("CC") or "cc"
+    return shutil.which(chosen)
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            return next((line for line in info if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _key(compiler: str) -> str:
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update((SOURCE_DIR / name).read_bytes())
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    for part in (compiler, version, " ".join(FLAGS), platform.machine(), _cpu_flags()):
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=1)
+def library_path() -> Path:
+    """The built library (built now if this machine has none yet); raises NativeUnavailable."""
+    compiler = _compiler()
+    if compiler is None:
+        raise NativeUnavailable("no C compiler (set CC, or install gcc)")
+    folder = user_cache_dir("native") / _key(compiler)
+    target = folder / "libcann_native.so"
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=folder, suffix=".so", delete=False) as partial:
+        pass
+    command = [compiler, *FLAGS, "-I", str(SOURCE_DIR), str(SOURCE_DIR / "paged_attention.c"), "-o", partial.name, "-lm"]
+    try:
+        built = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        if built.returncode != 0:
+            raise NativeUnavailable(f"{Path(compiler).name} failed: {built.stderr.strip()[-400:]}")
+        os.replace(partial.name, target)
+    finally:
+        if os.path.exists(partial.name):
+            os.unlink(partial.name)
+    return target
+
+
+def available() -> bool:
+    """Whether the library exists or can be built here."""
+    try:
+        library_path()
+    except NativeUnavailable:
+        return False
+    return True

@@ -1,0 +1,445 @@
+/* cann::PagedAttention as an onnxruntime custom op, so a paged artifact runs as one session per step.
+
+Same contract as runtime/kernels/paged_attention.py (paged_attention_reference is the spec; runtime/ops.py
+the slots), with two inputs more: the page pool's key and value arrays `[layers, pages, kv_heads,
+page_size, head_dim]`, which the runtime feeds as views of its pool. The node writes this step's keys and
+values into them in place: onnxruntime treats inputs as read-only, but nothing else in the session reads
+the pool, and each node writes only its own layer's pages before it reads them.
+
+Every index the metadata holds is checked before it is used (the Python check in the executor runs first;
+these checks keep the op safe on its own): an error comes back as onnxruntime's status with a message
+starting "PagedInputError:", never a read or write outside the arrays.
+*/
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ort_abi.h"
+
+enum { QUERY, KEY, VALUE, COS, SIN, QUERY_START_LOC, SEQ_LENS, BLOCK_TABLES, SLOT_MAPPING, KEY_CACHE, VALUE_CACHE,
+       NUM_INPUTS };
+#define QUERY_TILE 8 /* query rows of one sequence that attend together: each key row is read once for all */
+#define MAX_GROUP 16 /* query heads per KV head the tile's scratch holds */
+#define PARALLEL_WORK 2048 /* query·key pairs from which a layer's work is spread over the pool's threads */
+
+#define DOMAIN "cann"
+
+static const OrtApi* g_api;
+
+/* Cephes' expf as runtime/kernels/fast_math.py has it (the numpy reference there holds both): plain
+   arithmetic the compiler vectorizes, where libm's expf is a call per element. x <= -87 gives ~1.6e-38;
+   -inf (a masked score) gives 0 through the same floor. */
+static inline float fast_exp(float x) {
+  x = x > -87.0f ? x : -87.0f;
+  float n = floorf(x * 1.4426950408889634f + 0.5f);
+  float r = x - n * 0.693359375f - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  union { int32_t i; float f; } bits = {.i = ((int32_t)n + 127) << 23};
+  return p * bits.f;
+}
+
+typedef struct {
+  int64_t num_heads, kv_heads, head_dim, interleaved, window, layer, page_size;
+  float scale;
+} Kernel;
+
+typedef struct {
+  const float* data;
+  int64_t dims[6];
+  size_t rank;
+} Tensor;
+
+static OrtStatus* fail(const char* message) { return ORT_CALL(g_api, CreateStatus)(ORT_FAIL, message); }
+
+static OrtStatus* tensor_of(const OrtValue* value, Tensor* out) {
+  OrtTensorTypeAndShapeInfo* info = NULL;
+  OrtStatus* status = ORT_CALL(g_api, GetTensorTypeAndShape)(value, &info);
+  if (status) return status;
+  status = ORT_CALL(g_api, GetDimensionsCount)(info, &out->rank);
+  if (!status && out->rank > 6) status = fail("PagedInputError: an operand of more than 6 dimensions");
+  if (!status) status = ORT_CALL(g_api, GetDimensions)(info, out->dims, out->rank);
+  ORT_CALL(g_api, ReleaseTensorTypeAndShapeInfo)(info);
+  if (!status) status = ORT_CALL(g_api, GetTensorMutableData)((OrtValue*)value, (void**)&out->data);
+  return status;
+}
+
+static int64_t elements(const Tensor* t) {
+  int64_t n = 1;
+  for (size_t i = 0; i < t->rank; i++) n *= t->dims[i];
+  return n;
+}
+
+/* ---- rotary embedding and the cache write ---------------------------------------------------------- */
+
+static void rotate_row(const float* src, const float* cos, const float* sin, int64_t rotary, int64_t head_dim,
+                       int64_t interleaved, float* dst) {
+  int64_t half = rotary / 2;
+  for (int64_t d = 0; d < head_dim; d++) {
+    float x = src[d];
+    if (d >= rotary) dst[d] = x;
+    else if (interleaved) dst[d] = x * cos[d] + ((d & 1) ? src[d ^ 1] : -src[d ^ 1]) * sin[d];
+    else if (d < half) dst[d] = x * cos[d] - src[d + half] * sin[d];
+    else dst[d] = x * cos[d] + src[d - half] * sin[d];
+  }
+}
+
+/* ---- attention --------------------------------------------------------------------------------------- */
+
+typedef struct {
+  const Kernel* k;
+  const float* q;     /* rotated queries [T, Hq, D] */
+  const float* key;   /* this layer's pages [P, KV, PS, D] */
+  const float* value;
+  const int32_t* starts;
+  const int32_t* seq_lens;
+  const int32_t* tables;
+  int64_t max_blocks;
+  const int64_t* tile_seq; /* per work item: its sequence, first query row and KV head */
+  const int64_t* tile_row;
+  float* out;         /* [T, Hq, D] */
+} Attend;
+
+/* Query rows first..first+rows-1 of sequence b, the query heads of KV head kv, over the sequence's pages,
+   one page of scores at a time with an online softmax. D is a constant in the specialised copies below. */
+static inline __attribute__((always_inline)) void attend_tile(const Attend* a, int64_t b, int64_t first, int64_t rows,
+                                                              int64_t kv, const int64_t D) {
+  const Kernel* k = a->k;
+  const int64_t group = k->num_heads / k->kv_heads, PS = k->page_size, KV = k->kv_heads;
+  const int64_t n = rows * group; /* query vectors of the tile */
+  const int64_t end = a->starts[b + 1], length = a->seq_lens[b];
+  const int64_t first_pos = length - (end - a->starts[b]) + (first - a->starts[b]);
+  const int64_t last_pos = first_pos + rows - 1;
+  /* scratch on the stack, sized by the tile: at most 8 rows x 16 heads x 512 rows of a page */
+  float qv[n][D] __attribute__((aligned(64)));
+  float acc[n][D] __attribute__((aligned(64)));
+  float scores[n][PS];
+  float running_max[n], total[n];
+  int64_t position[n];
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t g = 0; g < group; g++) {
+      int64_t i = r * group + g;
+      const float* src = a->q + ((first + r) * k->num_heads + kv * group + g) * D;
+      for (int64_t d = 0; d < D; d++) qv[i][d] = src[d] * k->scale;
+      memset(acc[i], 0, sizeof(acc[i]));
+      running_max[i] = -INFINITY;
+      total[i] = 0.0f;
+      position[i] = first_pos + r;
+    }
+  int64_t oldest = k->window > 0 ? first_pos - k->window + 1 : 0;
+  if (oldest < 0) oldest = 0;
+  const int32_t* pages = a->tables + b * a->max_blocks;
+  for (int64_t page_index = oldest / PS; page_index <= last_pos / PS; page_index++) {
+    const int64_t base = page_index * PS;
+    int64_t count = last_pos + 1 - base;
+    if (count > PS) count = PS;
+    const float* kp = a->key + ((int64_t)pages[page_index] * KV + kv) * PS * D;
+    const float* vp = a->value + ((int64_t)pages[page_index] * KV + kv) * PS * D;
+    for (int64_t r = 0; r < count; r++) {
+      const float* kr = kp + r * D;
+      for (int64_t i = 0; i < n; i++) {
+        float s = 0.0f;
+        for (int64_t d = 0; d < D; d++) s += qv[i][d] * kr[d];
+        scores[i][r] = s;
+      }
+    }
+    for (int64_t i = 0; i < n; i++) {
+      /* causal and windowed visibility of this query's position */
+      int64_t hi = position[i] - base + 1, lo = k->window > 0 ? position[i] - k->window + 1 - base : 0;
+      if (hi > count) hi = count;
+      if (lo < 0) lo = 0;
+      float page_max = -INFINITY;
+      for (int64_t r = lo; r < hi; r++) page_max = scores[i][r] > page_max ? scores[i][r] : page_max;
+      if (hi <= lo || page_max == -INFINITY) {
+        for (int64_t r = 0; r < count; r++) scores[i][r] = 0.0f;
+        continue;
+      }
+      float new_max = running_max[i] > page_max ? running_max[i] : page_max;
+      float correction = fast_exp(running_max[i] - new_max);
+      for (int64_t d = 0; d < D; d++) acc[i][d] *= correction;
+      float sum = 0.0f;
+      for (int64_t r = 0; r < count; r++) {
+        float p = (r >= lo && r < hi) ? fast_exp(scores[i][r] - new_max) : 0.0f;
+        scores[i][r] = p;
+        sum += p;
+      }
+      total[i] = total[i] * correction + sum;
+      running_max[i] = new_max;
+    }
+    for (int64_t r = 0; r < count; r++) {
+      const float* vr = vp + r * D;
+      for (int64_t i = 0; i < n; i++) {
+        float p = scores[i][r];
+        for (int64_t d = 0; d < D; d++) acc[i][d] += p * vr[d];
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t g = 0; g < group; g++) {
+      int64_t i = r * group + g;
+      float* dst = a->out + ((first + r) * k->num_heads + kv * group + g) * D;
+      float inverse = total[i] > 0.0f ? 1.0f / total[i] : 0.0f;
+      for (int64_t d = 0; d < D; d++) dst[d] = acc[i][d] * inverse;
+    }
+}
+
+static void attend_item(void* data, size_t item) {
+  const Attend* a = (const Attend*)data;
+  int64_t kv = (int64_t)item % a->k->kv_heads, tile = (int64_t)item / a->k->kv_heads;
+  int64_t b = a->tile_seq[tile], first = a->tile_row[tile];
+  int64_t rows = a->starts[b + 1] - first;
+  if (rows > QUERY_TILE) rows = QUERY_TILE;
+  switch (a->k->head_dim) {
+    case 64: attend_tile(a, b, first, rows, kv, 64); break;
+    case 128: attend_tile(a, b, first, rows, kv, 128); break;
+    default: attend_tile(a, b, first, rows, kv, a->k->head_dim); break;
+  }
+}
+
+/* ---- the checks ---------------------------------------------------------------------------------- */
+
+static OrtStatus* check_metadata(const Kernel* k, const Tensor* starts, const Tensor* lens, const Tensor* tables,
+                                 const Tensor* slots, int64_t tokens, int64_t num_pages) {
+  char message[256];
+  if (starts->rank != 1 || lens->rank != 1 || tables->rank != 2 || slots->rank != 1)
+    return fail("PagedInputError: query_start_loc, seq_lens and slot_mapping must be 1-d, block_tables 2-d");
+  int64_t batch = lens->dims[0], max_blocks = tables->dims[1];
+  if (starts->dims[0] != batch + 1 || tables->dims[0] != batch)
+    return fail("PagedInputError: query_start_loc, seq_lens and block_tables do not describe the same sequences");
+  if (slots->dims[0] != tokens) return fail("PagedInputError: slot_mapping does not have one slot per token");
+  const int32_t* s = (const int32_t*)starts->data;
+  const int32_t* len = (const int32_t*)lens->data;
+  const int32_t* table = (const int32_t*)tables->data;
+  if (s[0] != 0 || s[batch] != tokens) {
+    snprintf(message, sizeof(message), "PagedInputError: query_start_loc must run from 0 to the step's %lld tokens",
+             (long long)tokens);
+    return fail(message);
+  }
+  for (int64_t b = 0; b < batch; b++) {
+    int64_t rows = (int64_t)s[b + 1] - s[b];
+    if (rows < 0) return fail("PagedInputError: query_start_loc decreases");
+    if (len[b] < rows) return fail("PagedInputError: a sequence's seq_lens is shorter than its new tokens");
+    int64_t needed = (len[b] + k->page_size - 1) / k->page_size;
+    if (needed > max_blocks) {
+      snprintf(message, sizeof(message), "PagedInputError: a context of %d tokens needs %lld pages, the block "
+               "tables have %lld", len[b], (long long)needed, (long long)max_blocks);
+      return fail(message);
+    }
+    for (int64_t p = 0; p < needed; p++)
+      if (table[b * max_blocks + p] < 0 || table[b * max_blocks + p] >= num_pages)
+        return fail("PagedInputError: a block table names a page outside the pool");
+  }
+  const int64_t* slot = (const int64_t*)slots->data;
+  for (int64_t t = 0; t < tokens; t++)
+    if (slot[t] < 0 || slot[t] >= num_pages * k->page_size) return fail("PagedInputError: a slot is outside the pool");
+  return NULL;
+}
+
+/* ---- the op --------------------------------------------------------------------------------------- */
+
+static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
+  const Kernel* k = (const Kernel*)kernel;
+  const OrtValue* values[NUM_INPUTS] = {0};
+  Tensor t[NUM_INPUTS];
+  memset(t, 0, sizeof(t));
+  for (int i = 0; i < NUM_INPUTS; i++) {
+    OrtStatus* status = ORT_CALL(g_api, KernelContext_GetInput)(context, i, &values[i]);
+    if (status) return status;
+    if (values[i] && (status = tensor_of(values[i], &t[i]))) return status;
+  }
+  if (!values[QUERY] || !values[KEY_CACHE] || !values[VALUE_CACHE] || !values[QUERY_START_LOC] || !values[SEQ_LENS] ||
+      !values[BLOCK_TABLES] || !values[SLOT_MAPPING])
+    return fail("PagedInputError: a required input is missing");
+  const int64_t H = k->num_heads, KV = k->kv_heads, D = k->head_dim, PS = k->page_size;
+  if (H % KV || H / KV > MAX_GROUP) return fail("PagedInputError: the query heads do not group over the KV heads");
+  const Tensor* kc = &t[KEY_CACHE];
+  if (kc->rank != 5 || t[VALUE_CACHE].rank != 5 || memcmp(kc->dims, t[VALUE_CACHE].dims, sizeof(kc->dims)) ||
+      kc->dims[0] <= k->layer || kc->dims[2] != KV || kc->dims[3] != PS || kc->dims[4] != D)
+    return fail("PagedInputError: the page pool does not have the node's layer, heads and page size");
+  const int64_t num_pages = kc->dims[1];
+  const Tensor* query = &t[QUERY];
+  const int packed = values[KEY] == NULL;
+  if (query->rank != 3 || query->dims[0] != 1) return fail("PagedInputError: query is not [1, tokens, width]");
+  const int64_t T = query->dims[1];
+  const int64_t qwidth = packed ? (H + 2 * KV) * D : H * D;
+  if (query->dims[2] != qwidth) return fail("PagedInputError: query's width does not match the node's heads");
+  if (!packed) {
+    if (!values[VALUE] || t[KEY].rank != 3 || t[VALUE].rank != 3 || t[KEY].dims[1] != T || t[VALUE].dims[1] != T ||
+        t[KEY].dims[2] != KV * D || t[VALUE].dims[2] != KV * D || t[KEY].dims[0] != 1 || t[VALUE].dims[0] != 1)
+      return fail("PagedInputError: key and value are not [1, tokens, kv_heads * head_dim]");
+  }
+  int64_t rotary = 0, rotary_rows = 0;
+  if (values[COS]) {
+    if (!values[SIN] || t[COS].rank < 1 || t[SIN].rank != t[COS].rank ||
+        memcmp(t[COS].dims, t[SIN].dims, sizeof(t[COS].dims)))
+      return fail("PagedInputError: cos and sin do not have one shape");
+    rotary = t[COS].dims[t[COS].rank - 1];
+    rotary_rows = rotary ? elements(&t[COS]) / rotary : 0;
+    if (rotary > D || rotary % 2 || (rotary_rows != 1 && rotary_rows != T))
+      return fail("PagedInputError: cos/sin do not fit the tokens and head_dim");
+  }
+  OrtStatus* status = check_metadata(k, &t[QUERY_START_LOC], &t[SEQ_LENS], &t[BLOCK_TABLES], &t[SLOT_MAPPING], T,
+                                     num_pages);
+  if (status) return status;
+
+  float* key_cache = (float*)kc->data + k->layer * num_pages * KV * PS * D;
+  float* value_cache = (float*)t[VALUE_CACHE].data + k->layer * num_pages * KV * PS * D;
+  const float* qsrc = query->data;
+  const float* ksrc = packed ? query->data : t[KEY].data;
+  const float* vsrc = packed ? query->data : t[VALUE].data;
+  const int64_t qstride = qwidth, kstride = packed ? qwidth : KV * D;
+  const int64_t kofs = packed ? H * D : 0, vofs = packed ? (H + KV) * D : 0;
+  const int64_t* slots = (const int64_t*)t[SLOT_MAPPING].data;
+  float* q = (float*)malloc(sizeof(float) * (size_t)(T * H * D + 1));
+  if (!q) return fail("out of memory for the rotated queries");
+  for (int64_t tok = 0; tok < T; tok++) {
+    const float* cos = rotary ? t[COS].data + (rotary_rows == 1 ? 0 : tok) * rotary : NULL;
+    const float* sin = rotary ? t[SIN].data + (rotary_rows == 1 ? 0 : tok) * rotary : NULL;
+    int64_t page = slots[tok] / PS, row = slots[tok] % PS;
+    for (int64_t h = 0; h < H; h++)
+      rotate_row(qsrc + tok * qstride + h * D, cos, sin, rotary, D, k->interleaved, q + (tok * H + h) * D);
+    for (int64_t h = 0; h < KV; h++) {
+      float* kdst = key_cache + ((page * KV + h) * PS + row) * D;
+      rotate_row(ksrc + tok * kstride + kofs + h * D, cos, sin, rotary, D, k->interleaved, kdst);
+      memcpy(value_cache + ((page * KV + h) * PS + row) * D, vsrc + tok * kstride + vofs + h * D, sizeof(float) * D);
+    }
+  }
+
+  const int64_t batch = t[SEQ_LENS].dims[0];
+  const int32_t* starts = (const int32_t*)t[QUERY_START_LOC].data;
+  const int32_t* lens = (const int32_t*)t[SEQ_LENS].data;
+  int64_t tiles = 0, work = 0;
+  for (int64_t b = 0; b < batch; b++) {
+    tiles += (starts[b + 1] - starts[b] + QUERY_TILE - 1) / QUERY_TILE;
+    work += (int64_t)(starts[b + 1] - starts[b]) * lens[b];
+  }
+  int64_t* tile_seq = (int64_t*)malloc(sizeof(int64_t) * (size_t)(2 * tiles + 1));
+  if (!tile_seq) {
+    free(q);
+    return fail("out of memory for the attention tiles");
+  }
+  int64_t* tile_row = tile_seq + tiles;
+  int64_t n = 0;
+  for (int64_t b = 0; b < batch; b++)
+    for (int64_t first = starts[b]; first < starts[b + 1]; first += QUERY_TILE) {
+      tile_seq[n] = b;
+      tile_row[n++] = first;
+    }
+  const int64_t output_dims[3] = {1, T, H * D};
+  OrtValue* output = NULL;
+  status = ORT_CALL(g_api, KernelContext_GetOutput)(context, 0, output_dims, 3, &output);
+  float* out = NULL;
+  if (!status) status = ORT_CALL(g_api, GetTensorMutableData)(output, (void**)&out);
+  if (!status && T > 0) {
+    Attend a = {k, q, key_cache, value_cache, starts, lens, (const int32_t*)t[BLOCK_TABLES].data,
+                t[BLOCK_TABLES].dims[1], tile_seq, tile_row, out};
+    size_t items = (size_t)(tiles * KV);
+    if (work * H >= PARALLEL_WORK && items > 1) {
+      status = ORT_CALL(g_api, KernelContext_ParallelFor)(context, attend_item, items, 0, &a);
+    } else {
+      for (size_t i = 0; i < items; i++) attend_item(&a, i);
+    }
+  }
+  free(tile_seq);
+  free(q);
+  return status;
+}
+
+/* ---- registration ---------------------------------------------------------------------------------- */
+
+static OrtStatus* read_int(const OrtKernelInfo* info, const char* name, int64_t* out) {
+  return ORT_CALL(g_api, KernelInfoGetAttribute_int64)(info, name, out);
+}
+
+static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
+  (void)op;
+  (void)api;
+  Kernel* k = (Kernel*)calloc(1, sizeof(Kernel));
+  if (!k) return fail("out of memory for a PagedAttention kernel");
+  OrtStatus* status = read_int(info, "num_heads", &k->num_heads);
+  if (!status) status = read_int(info, "kv_num_heads", &k->kv_heads);
+  if (!status) status = read_int(info, "head_dim", &k->head_dim);
+  if (!status) status = read_int(info, "layer", &k->layer);
+  if (!status) status = read_int(info, "page_size", &k->page_size);
+  if (!status) status = ORT_CALL(g_api, KernelInfoGetAttribute_float)(info, "scale", &k->scale);
+  /* the registry's defaults (runtime/ops.py): the compiler may leave these off */
+  if (!status && read_int(info, "rotary_interleaved", &k->interleaved)) k->interleaved = 0;
+  if (!status && read_int(info, "sliding_window", &k->window)) k->window = 0;
+  if (!status && (k->num_heads < 1 || k->kv_heads < 1 || k->head_dim < 1 || k->page_size < 1 || k->layer < 0))
+    status = fail("PagedInputError: the node's heads, head_dim, page_size and layer must be positive");
+  if (status) {
+    free(k);
+    return status;
+  }
+  *out = k;
+  return NULL;
+}
+
+static void destroy_kernel(void* kernel) { free(kernel); }
+static const char* op_name(const OrtCustomOp* op) { (void)op; return "PagedAttention"; }
+static const char* op_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
+static size_t input_count(const OrtCustomOp* op) { (void)op; return NUM_INPUTS; }
+static size_t output_count(const OrtCustomOp* op) { (void)op; return 1; }
+static ONNXTensorElementDataType output_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_FLOAT; }
+
+static ONNXTensorElementDataType input_type(const OrtCustomOp* op, size_t i) {
+  (void)op;
+  switch (i) {
+    case QUERY_START_LOC: case SEQ_LENS: case BLOCK_TABLES: return ORT_INT32;
+    case SLOT_MAPPING: return ORT_INT64;
+    default: return ORT_FLOAT;
+  }
+}
+
+static OrtCustomOpInputOutputCharacteristic input_characteristic(const OrtCustomOp* op, size_t i) {
+  (void)op;
+  return (i == KEY || i == VALUE || i == COS || i == SIN) ? ORT_OPTIONAL : ORT_REQUIRED;
+}
+
+static OrtCustomOpInputOutputCharacteristic output_characteristic(const OrtCustomOp* op, size_t i) {
+  (void)op;
+  (void)i;
+  return ORT_REQUIRED;
+}
+
+static OrtMemType input_memory(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_MEM_DEFAULT; }
+static int variadic_arity(const OrtCustomOp* op) { (void)op; return 1; }
+static int variadic_homogeneity(const OrtCustomOp* op) { (void)op; return 1; }
+
+static OrtCustomOp g_op;
+
+/* Called by onnxruntime's SessionOptions.register_custom_ops_library. */
+__attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
+  g_api = base->GetApi(ORT_API_VERSION_USED);
+  if (!g_api) return NULL; /* an onnxruntime older than the API this file uses cannot say so any other way */
+  memset(&g_op, 0, sizeof(g_op));
+  g_op.version = ORT_API_VERSION_USED;
+  g_op.GetName = op_name;
+  g_op.GetExecutionProviderType = op_provider;
+  g_op.GetInputType = input_type;
+  g_op.GetInputTypeCount = input_count;
+  g_op.GetOutputType = output_type;
+  g_op.GetOutputTypeCount = output_count;
+  g_op.KernelDestroy = destroy_kernel;
+  g_op.GetInputCharacteristic = input_characteristic;
+  g_op.GetOutputCharacteristic = output_characteristic;
+  g_op.GetInputMemoryType = input_memory;
+  g_op.GetVariadicInputMinArity = variadic_arity;
+  g_op.GetVariadicInputHomogeneity = variadic_homogeneity;
+  g_op.GetVariadicOutputMinArity = variadic_arity;
+  g_op.GetVariadicOutputHomogeneity = variadic_homogeneity;
+  g_op.CreateKernelV2 = create_kernel;
+  g_op.KernelComputeV2 = compute;
+  OrtCustomOpDomain* domain = NULL;
+  OrtStatus* status = ORT_CALL(g_api, CreateCustomOpDomain)(DOMAIN, &domain);
+  if (!status) status = ORT_CALL(g_api, CustomOpDomain_Add)(domain, &g_op);
+  if (!status) status = ORT_CALL(g_api, AddCustomOpDomain)(options, domain);
+  return status;
+}

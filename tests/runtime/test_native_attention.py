@@ -1,0 +1,142 @@
+"""The native PagedAttention (runtime/kernels/native, built here with the machine's C compiler) inside
+onnxruntime, against the numpy reference of the same node on the same pages."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper
+
+from runtime.kernels import native
+from runtime.kernels.paged_attention import PagedInputError
+from runtime.lowering import POOL_KEY, POOL_VALUE, with_pool_inputs
+from runtime.ops import CUSTOM_DOMAIN, PAGED_METADATA, PagedAttentionInput
+from tests.runtime.test_paged_attention_kernels import (
+    BAD_METADATA,
+    DIM,
+    HEADS,
+    KV_HEADS,
+    MIXES,
+    PAGE,
+    _decode_inputs,
+    _node,
+    _pool,
+    _scattered_tables,
+    _spoil,
+)
+
+LAYERS = 2
+
+
+def _session(attrs: dict, packed: bool, rotary: bool) -> ort.InferenceSession:
+    """A graph of one PagedAttention node on layer 1 of a two-layer pool, run by onnxruntime with the library."""
+    width = (HEADS + 2 * KV_HEADS) * DIM if packed else HEADS * DIM
+    names = {PagedAttentionInput.QUERY: "query"}
+    inputs = [helper.make_tensor_value_info("query", onnx.TensorProto.FLOAT, [1, "T", width])]
+    if not packed:
+        names.update({PagedAttentionInput.KEY: "key", PagedAttentionInput.VALUE: "value"})
+        inputs += [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [1, "T", KV_HEADS * DIM])
+                   for n in ("key", "value")]
+    if rotary:
+        names.update({PagedAttentionInput.COS: "cos", PagedAttentionInput.SIN: "sin"})
+        inputs += [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, ["T", "R"]) for n in ("cos", "sin")]
+    for meta in PAGED_METADATA:
+        names[meta.slot] = meta.name
+        kind = onnx.TensorProto.INT64 if meta.dtype == np.int64 else onnx.TensorProto.INT32
+        inputs.append(helper.make_tensor_value_info(meta.name, kind, list(meta.shape)))
+    node_inputs = [names.get(slot, "") for slot in PagedAttentionInput]
+    node = helper.make_node("PagedAttention", node_inputs, ["out"], domain=CUSTOM_DOMAIN, layer=1, page_size=PAGE,
+                            **attrs)
+    graph = helper.make_graph([node], "one_attention", inputs,
+                              [helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(CUSTOM_DOMAIN, 1)])
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(native.library_path()))
+    return ort.InferenceSession(with_pool_inputs(model).SerializeToString(), options,
+                                providers=["CPUExecutionProvider"])
+
+
+def _feeds(inputs, packed: bool, rotary: bool) -> dict[str, np.ndarray]:
+    feeds = {"query": inputs[PagedAttentionInput.QUERY]}
+    if not packed:
+        feeds.update(key=inputs[PagedAttentionInput.KEY], value=inputs[PagedAttentionInput.VALUE])
+    if rotary:
+        feeds.update(cos=inputs[PagedAttentionInput.COS], sin=inputs[PagedAttentionInput.SIN])
+    feeds.update({meta.name: np.asarray(inputs[meta.slot], meta.dtype) for meta in PAGED_METADATA})
+    return feeds
+
+
+def _step(mix, pages: int, packed: bool, rotary: int, seed: int = 5):
+    """Inputs of one step of `mix` [(new tokens, context)], the pool's other pages random."""
+    rng = np.random.default_rng(seed)
+    lengths = [ctx for _, ctx in mix]
+    tables = _scattered_tables(lengths, pages, seed)
+    starts = np.concatenate([[0], np.cumsum([n for n, _ in mix])]).astype(np.int32)
+    slots = np.concatenate([tables[b, np.arange(ctx - n, ctx) // PAGE] * PAGE + np.arange(ctx - n, ctx) % PAGE
+                            for b, (n, ctx) in enumerate(mix)]).astype(np.int64)
+    tokens = int(starts[-1])
+    if packed:
+        projections = [rng.standard_normal((1, tokens, (HEADS + 2 * KV_HEADS) * DIM)).astype(np.float32), None, None]
+    else:
+        projections = [rng.standard_normal((1, tokens, w * DIM)).astype(np.float32) for w in (HEADS, KV_HEADS, KV_HEADS)]
+    cos = sin = None
+    if rotary:
+        angles = rng.uniform(0, 6.3, (tokens, rotary)).astype(np.float32)
+        cos, sin = np.cos(angles), np.sin(angles)
+    return projections + [cos, sin, starts, np.asarray(lengths, np.int32), tables, slots]
+
+
+def _two_layer_pool(pages: int):
+    key, value = _pool(pages)
+    other_key, other_value = _pool(pages, seed=9)
+    return np.stack([other_key, key]), np.stack([other_value, value])
+
+
+CASES = [(mix, packed, rotary, window) for mix in MIXES for packed, rotary, window in
+         [(True, 0, 0), (False, DIM, 0), (True, DIM // 2, 0), (True, 0, 24)]]
+
+
+@pytest.mark.parametrize("mix,packed,rotary,window", CASES)
+def test_the_native_op_equals_the_reference_and_writes_the_same_pages(mix, packed, rotary, window):
+    pages = 40
+    inputs = _step(mix, pages, packed, rotary)
+    attrs = dict(num_heads=HEADS, kv_num_heads=KV_HEADS, head_dim=DIM, scale=0.2, sliding_window=window)
+    ref_key, ref_value = _pool(pages)
+    expected = _node(inputs, ref_key, ref_value, fast=False, **attrs)
+    pool_key, pool_value = _two_layer_pool(pages)
+    untouched = pool_key[0].copy()
+    session = _session(attrs, packed, bool(rotary))
+    (out,) = session.run(None, {**_feeds(inputs, packed, bool(rotary)), POOL_KEY: pool_key, POOL_VALUE: pool_value})
+    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(pool_key[1], ref_key, atol=1e-6, rtol=0)
+    np.testing.assert_array_equal(pool_value[1], ref_value)
+    np.testing.assert_array_equal(pool_key[0], untouched)
+
+
+def test_a_long_prefill_spread_over_threads_equals_the_reference():
+    mix = [(300, 300), (1, 120)]
+    inputs = _step(mix, 40, True, DIM)
+    attrs = dict(num_heads=HEADS, kv_num_heads=KV_HEADS, head_dim=DIM, scale=0.2)
+    ref_key, ref_value = _pool(40)
+    expected = _node(inputs, ref_key, ref_value, fast=False, **attrs)
+    pool_key, pool_value = _two_layer_pool(40)
+    (out,) = _session(attrs, True, True).run(None, {**_feeds(inputs, True, True), POOL_KEY: pool_key,
+                                                     POOL_VALUE: pool_value})
+    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", BAD_METADATA, ids=list(BAD_METADATA))
+def test_metadata_outside_the_pool_is_refused_before_any_page_is_touched(case):
+    slot, value, message = BAD_METADATA[case]
+    inputs = _spoil(_decode_inputs([20, 17], 8), slot, value)
+    attrs = dict(num_heads=HEADS, kv_num_heads=KV_HEADS, head_dim=DIM, scale=0.2)
+    pool_key, pool_value = _two_layer_pool(8)
+    before = pool_key.copy(), pool_value.copy()
+    with pytest.raises(Exception, match=f"PagedInputError: .*{message}") as raised:
+        _session(attrs, True, False).run(None, {**_feeds(inputs, True, False), POOL_KEY: pool_key,
+                                                POOL_VALUE: pool_value})
+    assert not isinstance(raised.value, PagedInputError)  # onnxruntime's own exception: the executor converts it
+    np.testing.assert_array_equal(pool_key, before[0])
+    np.testing.assert_array_equal(pool_value, before[1])
