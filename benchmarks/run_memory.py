@@ -35,10 +35,13 @@ def resident_mb() -> dict[str, int]:
 @click.option("--prefill", default=512, show_default=True, help="tokens of the prefill measured after the decode")
 @click.option("--kv-cache-pages", default=64, show_default=True)
 @click.option("--threads", type=int, default=2, show_default=True)
-def main(om_path: str, prompt_tokens: int, new_tokens: int, prefill: int, kv_cache_pages: int, threads: int) -> None:
+@click.option("--host-attention", is_flag=True, help="the segmented plan: attention as host kernels between sessions")
+def main(om_path: str, prompt_tokens: int, new_tokens: int, prefill: int, kv_cache_pages: int, threads: int,
+         host_attention: bool) -> None:
     """Print memory after load, decode and prefill, and the decode and prefill speed."""
     with LLMEngine(om_path, max_batch_size=1, max_context_len=max(prefill, prompt_tokens + new_tokens) + 8,
-                   kv_cache_pages=kv_cache_pages, threads=threads, process_thread_pool=True) as engine:
+                   kv_cache_pages=kv_cache_pages, threads=threads, process_thread_pool=True,
+                   host_attention=host_attention) as engine:
         click.echo(f"loaded        {resident_mb()}")
         engine.generate([5 + i % 100 for i in range(prompt_tokens)], max_new_tokens=8, temperature=0.0, ignore_eos=True)
         start = time.perf_counter()

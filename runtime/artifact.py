@@ -216,13 +216,10 @@ class OmFile:
         if end > first:
             self._mm.madvise(mmap.MADV_DONTNEED, first, end - first)
 
-    def release(self, views) -> None:
-        """Drop from this process's resident memory the pages under `views` (arrays from `weights`), for
-        weights a backend has copied into memory of its own (onnxruntime's sessions do)."""
+    def file_offset(self, view: np.ndarray) -> int:
+        """Where in the file the bytes of `view` (an array from `weights`) begin."""
         base = np.frombuffer(self._mm, np.uint8, count=0).__array_interface__["data"][0]
-        for view in views:
-            start = view.__array_interface__["data"][0] - base
-            self._release_span(start, start + view.nbytes)
+        return view.__array_interface__["data"][0] - base
 
     def _read_header(self, size: int) -> Header:
         fields = _HEADER.unpack_from(self._mm, 0)

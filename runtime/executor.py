@@ -1,9 +1,9 @@
 """Execute a loaded artifact on one of two backends.
 
 `onnxruntime` (the fast path): `cann` ops lowered onto onnxruntime's kernels (runtime/lowering.py), an
-InferenceSession per segment built once (one for a graph without host nodes), weights handed over from
-the mapped artifact with `add_external_initializers` (onnxruntime copies or pre-packs them into its own
-memory, so the mapped pages are released once a session is built);
+InferenceSession per segment built once (one for a graph without host nodes), its weights read by
+onnxruntime from the artifact file itself (external data pointing into the `.om`): it loads, pre-packs and
+frees them one by one, so loading never holds the weights twice (docs/performance.md#memory-at-run-time);
 paged attention inside the same session through the native custom op (runtime/kernels/native), so a
 step is one session run; where that library cannot be built (no C compiler), or with `host_attention`,
 the paged attention runs as host kernels (numba) between one session per segment.
@@ -14,6 +14,7 @@ and the host kernels' numpy references: the executable spec the fast path is tes
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -29,7 +30,7 @@ from runtime.kernels.paged_attention import PagedInputError
 from runtime.loader import LoadedModel
 from runtime.lowering import POOL_KEY, POOL_VALUE, lower_for_onnxruntime, with_pool_inputs
 from runtime.ops import PAGED_ATTENTION, PAGED_METADATA, attributes
-from runtime.ort_session import ort_value, process_thread_pool_enabled, session_options
+from runtime.ort_session import process_thread_pool_enabled, session_options
 from runtime.proto_utils import initializers_as_inputs
 from runtime.segments import HostNode, Segment, split_at_host_nodes
 
@@ -55,6 +56,8 @@ class Executor:
         self.backend = backend
         self.output_names = loaded.output_names
         model, weights = _inline_sub_byte(loaded.model, loaded.weights)
+        if backend == "onnxruntime":
+            model = _pointing_into_the_artifact(model, weights, loaded.om)
         try:
             plan = split_at_host_nodes(model, is_host_node)
         except onnx.shape_inference.InferenceError as error:
@@ -79,15 +82,13 @@ class Executor:
                 self._steps.append(_HostStep(step.node))
                 continue
             try:
-                segment = _SegmentStep(step, weights, backend, threads, spinning, stop_spinning, self.native_library)
+                segment = _SegmentStep(step, weights, backend, threads, spinning, stop_spinning, self.native_library,
+                                       loaded.om.path)
             except ORT_FAILURES as error:
                 # a graph the loader's checks let through but onnxruntime will not build: the file is invalid
                 reason = str(error).splitlines()[0] if str(error) else type(error).__name__
                 raise AtcError("E13015", loaded.om.path, f"onnxruntime refuses the graph: {reason}") from None
             self._steps.append(segment)
-            if backend == "onnxruntime":
-                # the session holds its own copy (pre-packed or not): the mapped pages would be a second one
-                loaded.om.release(weights[name] for name in segment.weight_names)
         self._fast = backend == "onnxruntime"
         if self._fast and len(plan) > 1 and self.native_library is None:
             # imported here, not at the top: `python -m runtime.kernels.warmup` must find it not yet imported
@@ -151,16 +152,15 @@ def _only_paged_attention(plan: list) -> bool:
 
 class _SegmentStep:
     def __init__(self, segment: Segment, weights: dict[str, np.ndarray], backend: str, threads: int | None,
-                 spinning: bool, stop_spinning: bool, library=None):
+                 spinning: bool, stop_spinning: bool, library=None, artifact: Path | None = None):
         self.inputs, self.outputs = segment.inputs, segment.outputs
-        used = {t.name for t in segment.model.graph.initializer}
-        mine = {name: view for name, view in weights.items() if name in used}
-        self.weight_names = list(mine)
         if backend == "onnxruntime":
-            self._session = _ort_session(lower_for_onnxruntime(segment.model), mine, threads, spinning, stop_spinning,
-                                         library)
+            self._session = _ort_session(lower_for_onnxruntime(segment.model), artifact, threads, spinning,
+                                         stop_spinning, library)
             self._weights_fed = {}
         else:
+            used = {t.name for t in segment.model.graph.initializer}
+            mine = {name: view for name, view in weights.items() if name in used}
             light = initializers_as_inputs(segment.model, _is_external)
             self._session = ReferenceEvaluator(light, new_ops=reference_ops())
             self._weights_fed = mine
@@ -203,9 +203,30 @@ def _inline_sub_byte(model: onnx.ModelProto, weights: dict[str, np.ndarray]):
     return copy, {name: view for name, view in weights.items() if name not in packed}
 
 
-def _ort_session(model: onnx.ModelProto, weights: dict[str, np.ndarray], threads: int | None,
+def _pointing_into_the_artifact(model: onnx.ModelProto, weights: dict[str, np.ndarray], om) -> onnx.ModelProto:
+    """A copy of `model` whose external initializers name the artifact file itself (location: its name, offsets
+    from the start of the file) instead of the weights partition, for onnxruntime to read."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for tensor in copy.graph.initializer:
+        if tensor.name not in weights:
+            continue
+        view = weights[tensor.name]
+        del tensor.external_data[:]
+        for key, value in (("location", om.path.name), ("offset", str(om.file_offset(view))),
+                           ("length", str(view.nbytes))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, value
+    return copy
+
+
+def _ort_session(model: onnx.ModelProto, artifact: Path | None, threads: int | None,
                  spinning: bool, stop_spinning: bool = False, library=None) -> ort.InferenceSession:
     options = session_options(threads)
+    if artifact is not None:
+        # external data is looked up beside the model; a model given as bytes has no place of its own
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                         str(Path(artifact).resolve().parent))
     if library is not None:
         options.register_custom_ops_library(str(library))
     if process_thread_pool_enabled():
@@ -217,9 +238,6 @@ def _ort_session(model: onnx.ModelProto, weights: dict[str, np.ndarray], threads
         options.add_session_config_entry("session.force_spinning_stop", "1")
     # quantized weights are explicit ops here; onnxruntime's own QDQ rewrites would quantize activations
     options.add_session_config_entry("session.disable_quant_qdq", "1")
-    names = list(weights)
-    # the OrtValues borrow the mapped memory; the executor holds `loaded`, which keeps the mapping alive
-    options.add_external_initializers(names, [ort_value(weights[n]) for n in names])
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import os
 
-import ml_dtypes
-import numpy as np
-import onnx
 import onnxruntime as ort
 from onnxruntime.capi import _pybind_state
 
@@ -90,11 +87,3 @@ def session_options(threads: int | None = None) -> ort.SessionOptions:
     elif threads:
         options.intra_op_num_threads = threads
     return options
-
-
-def ort_value(array: np.ndarray) -> ort.OrtValue:
-    """An OrtValue over `array`'s memory (no copy); bfloat16 has no numpy type onnxruntime knows, so its bits
-    go in as uint16 labelled bfloat16."""
-    if array.dtype == ml_dtypes.bfloat16:
-        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16), onnx.TensorProto.BFLOAT16)
-    return ort.OrtValue.ortvalue_from_numpy(array)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 OUTCOMES = ("completed", "rejected", "cancelled", "failed")
@@ -13,6 +13,9 @@ class ServerMetrics:
 
     def __init__(self, engines: dict):
         self.registry = CollectorRegistry()
+        # Prometheus' standard process metrics, as vLLM's default registry has them: process_resident_memory_bytes,
+        # process_cpu_seconds_total, open file descriptors
+        ProcessCollector(registry=self.registry)
         label = ["model_name"]
         self.ttft = Histogram("cann_llm:time_to_first_token_seconds", "Time to first token", label,
                               buckets=_LATENCY_BUCKETS, registry=self.registry)

@@ -69,12 +69,17 @@ def _reference_logits(source, ids: list[int]) -> np.ndarray:
     return ort_reference(source, {k: v for k, v in feeds.items() if k in names})["logits"][0, -1]
 
 
+# the native op inside one session, the host kernels between sessions (its fallback), the numpy references
+PLANS = {"onnxruntime": ("onnxruntime", False), "host-kernels": ("onnxruntime", True), "reference": ("reference", False)}
+
+
 @pytest.mark.parametrize("case", PAGED_EXPORTS, ids=export_id)
-@pytest.mark.parametrize("backend", ["onnxruntime", "reference"])
-def test_paged_logits_match_onnxruntime_on_the_original(case, backend, tmp_path):
+@pytest.mark.parametrize("plan", PLANS)
+def test_paged_logits_match_onnxruntime_on_the_original(case, plan, tmp_path):
     source, loaded = _compile_paged(case, tmp_path)
     dims = loaded.metadata["model"]
-    executor = Executor(loaded, backend)
+    backend, host_attention = PLANS[plan]
+    executor = Executor(loaded, backend, host_attention=host_attention)
     pool = PagePool(dims["num_layers"], 8, PAGE, dims["num_kv_heads"], dims["head_dim"])
     rng = np.random.default_rng(0)
     first, second = rng.integers(0, 256, 21).tolist(), rng.integers(0, 256, 9).tolist()

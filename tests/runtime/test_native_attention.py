@@ -140,3 +140,48 @@ def test_metadata_outside_the_pool_is_refused_before_any_page_is_touched(case):
     assert not isinstance(raised.value, PagedInputError)  # onnxruntime's own exception: the executor converts it
     np.testing.assert_array_equal(pool_key, before[0])
     np.testing.assert_array_equal(pool_value, before[1])
+
+
+def test_without_a_c_compiler_there_is_no_library_and_paged_artifacts_run_on_host_kernels(tmp_path):
+    import subprocess
+    import sys
+
+    script = ("from runtime.kernels import native\n"
+              "try:\n    native.library_path()\nexcept native.NativeUnavailable as why:\n    print('unavailable:', why)\n")
+    env = {**__import__("os").environ, "CC": str(tmp_path / "no-such-cc"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "unavailable: no C compiler (set CC, or install gcc)"
+    assert not list((tmp_path / "cache").rglob("*.so"))
+
+
+def test_where_the_library_cannot_be_built_the_executor_cuts_the_graph_at_the_attention(tmp_path, monkeypatch):
+    from tests.passes.test_paged_kv_cache import _compile_paged
+
+    from runtime import Executor
+
+    _, loaded = _compile_paged(("llama", False, True, "sdpa"), tmp_path)
+    layers = sum(n.op_type == "PagedAttention" for n in loaded.model.graph.node)
+
+    def unavailable():
+        raise native.NativeUnavailable("no C compiler (set CC, or install gcc)")
+
+    monkeypatch.setattr(native, "library_path", unavailable)
+    executor = Executor(loaded)
+    assert executor.native_library is None and executor.num_segments == layers + 1
+
+
+def test_a_failing_build_leaves_no_library_behind(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    fake = tmp_path / "cc"
+    fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo fake 1.0; exit 0; fi\necho 'cc: broken' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    script = ("from runtime.kernels import native\n"
+              "try:\n    native.library_path()\nexcept native.NativeUnavailable as why:\n    print('unavailable:', why)\n")
+    env = {**os.environ, "CC": str(fake), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.stdout.strip() == "unavailable: cc failed: cc: broken"
+    assert not list((tmp_path / "cache").rglob("*.so"))

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -53,7 +54,8 @@ class Server:
         text = httpx.get(f"{self.url}/metrics").text
         selector = ",".join(f'{k}="{v}"' for k, v in labels.items())
         for line in text.splitlines():
-            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            labelled = line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items())
+            if labelled or (not labels and line.startswith(name + " ")):
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(f"{name}{{{selector}}}")
 
@@ -195,6 +197,13 @@ def test_metrics_add_up(server):
     assert drafted > 0 and 0 <= server.metric("cann_llm:spec_decode_num_accepted_tokens", model_name="tiny") <= drafted
 
 
+def test_metrics_report_the_server_process_resident_memory(server):
+    status = Path(f"/proc/{server.process.pid}/status").read_text()
+    resident = int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]) * 1024
+    reported = server.metric("process_resident_memory_bytes")
+    assert 0.8 * resident <= reported <= 1.25 * resident
+
+
 def test_keys_quotas_timeouts_capacity_filter_and_audit(om, tmp_path):
     blocklist, audit = tmp_path / "block.txt", tmp_path / "audit.jsonl"
     blocklist.write_text("forbidden\n")
@@ -204,7 +213,7 @@ def test_keys_quotas_timeouts_capacity_filter_and_audit(om, tmp_path):
     try:
         url = f"{server.url}/v1/completions"
         # a token a step, EOS held off (a cached prompt and an early EOS could otherwise finish within 0.1 s)
-        slow = {"prompt": "x" * 200, "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+        slow = {"prompt": "x" * 200, "max_tokens": 3500, "temperature": 0, "ignore_eos": True}
         assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}).status_code == 401
         k1, k2 = {"Authorization": "Bearer k1"}, {"Authorization": "Bearer k2"}
         assert httpx.post(url, json={"prompt": "a Forbidden word", "max_tokens": 2}, headers=k1).status_code == 400
