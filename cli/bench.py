@@ -4,7 +4,8 @@
 
 Batch-1 prefill and decode tokens/s; a closed loop of C clients (C = 1, 8, 32) over the same mixed-length
 requests (prompts are windows of real text), with aggregate tokens/s, TTFT and TPOT p50/p99, KV page
-utilisation and the sequences held for the KV memory used; resident memory added by long prefills.
+utilisation and the sequences held for the KV memory used; the process's resident memory after loading
+and at its peak over those runs; resident memory added by long prefills.
 There are 128 requests by default, four per client at concurrency 32, so the batch holds C sequences for
 most of a run; with as many requests as clients, each sends one, and the run measures a burst draining
 (its first step has C prompts, its last one sequence), not C requests served concurrently.
@@ -240,6 +241,9 @@ def _print_table(report: dict, err: bool) -> None:
         if base["concurrency"] < busiest["concurrency"]:
             echo(f"aggregate tok/s at concurrency {busiest['concurrency']} / concurrency {base['concurrency']} "
                        f"(lookup {base['lookup']}): {busiest['tokens_per_s'] / base['tokens_per_s']:.2f}x")
+    resident = report["resident_memory"]
+    echo(f"resident memory: {resident['after_load_mb']:.0f} MB once loaded, peak {resident['peak_mb']:.0f} MB"
+         + (" (the onnxruntime loop's session included)" if resident["includes_onnxruntime_loop"] else ""))
     for row in report["long_prefill"]:
         echo(f"prefill {row['tokens']:>5} tokens: {row['seconds']:.2f} s, peak resident memory added "
                    f"{row['peak_rss_added_mb']:.0f} MB (the prompt's KV pages: {row['kv_pages_mb'] or 0:.0f} MB, less "
@@ -277,6 +281,7 @@ def bench_command(onnx_path, text_file, num_requests, concurrency, prompt_length
     engine_kwargs["max_context_len"] = max([engine_kwargs["max_context_len"], *(n + 1 for n in prompts)])
     rng = np.random.default_rng(seed)
     with open_engine(**engine_kwargs) as engine:
+        loaded_kib = _resident_kib("VmRSS")
         ids = engine._require_tokenizer().encode(Path(text_file).read_text(encoding="utf-8"))
         ort_loop = OnnxRuntimeLoop(onnx_path) if onnx_path else None
         # load the kernels and warm the sessions (a prefill as long as the measured ones, then decodes)
@@ -293,6 +298,9 @@ def bench_command(onnx_path, text_file, num_requests, concurrency, prompt_length
         if engine.proposer.num_tokens:  # the lowest concurrency again, one token a step
             with _lookup(engine, 0):
                 serving.append(_closed_loop(engine, requests, min(levels)))
+        # before the long prefills, which restart the high-water mark
+        resident = {"after_load_mb": loaded_kib / 1024, "peak_mb": _resident_kib("VmHWM") / 1024,
+                    "includes_onnxruntime_loop": ort_loop is not None}
         busiest = max(serving, key=lambda row: row["peak_sequences"])
         fits = busiest["peak_pages"] * engine.page_size / engine.max_context_len
         report = {
@@ -300,7 +308,7 @@ def bench_command(onnx_path, text_file, num_requests, concurrency, prompt_length
             "settings": {**engine_kwargs, "requests": num_requests, "prompt_lengths": [low, high],
                          "output_lengths": [out_low, out_high], "prefill_tokens": prefill_tokens,
                          "decode_tokens": decode_tokens, "repeats": repeats, "seed": seed},
-            "batch1": batch1, "serving": serving,
+            "batch1": batch1, "serving": serving, "resident_memory": resident,
             "kv_memory": {"peak_sequences": busiest["peak_sequences"], "peak_pages": busiest["peak_pages"],
                           "max_context_len": engine.max_context_len, "contiguous_sequences": fits,
                           "ratio": busiest["peak_sequences"] / fits if fits else None},

@@ -85,6 +85,10 @@ def test_bench_measures_and_writes_json(chat_om, tmp_path):
     prefill = report["long_prefill"][0]
     assert prefill["tokens"] == 256 and prefill["kv_pages_mb"] > 0 and prefill["peak_rss_added_mb"] >= 0
     assert "aggregate tok/s at concurrency 3 / concurrency 1 (lookup 0)" in result.stdout
+    resident = report["resident_memory"]
+    assert 0 < resident["after_load_mb"] <= resident["peak_mb"] and resident["includes_onnxruntime_loop"] is True
+    line = f"resident memory: {resident['after_load_mb']:.0f} MB once loaded, peak {resident['peak_mb']:.0f} MB"
+    assert line in result.stdout
     lines = result.stderr.splitlines()
     assert lines[0] == f"loading {chat_om} …" and lines[1].startswith("loaded in ")
     for desc, count, unit in (("batch-1", 1, "round"), ("concurrency 1", 6, "request"), ("concurrency 3", 6, "request"),
