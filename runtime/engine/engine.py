@@ -31,6 +31,7 @@ from runtime.engine.scheduler import ScheduledBatch, Scheduler
 from runtime.engine.sequence import RequestStats, Sequence
 from runtime.engine.speculation import NgramProposer
 from runtime.engine.trial_step import trial_step
+from runtime.errors import invalid_value
 from runtime.executor import Executor
 from runtime.loader import load_artifact
 from runtime.ort_session import enable_process_thread_pool
@@ -124,6 +125,16 @@ class EngineStats:
     token_utilisation: deque = field(default_factory=lambda: deque(maxlen=UTILISATION_SAMPLES))
 
 
+def _pages_in(megabytes: int, dims: dict, page_size: int) -> int:
+    """How many whole pages of this model's KV cache fit in `megabytes` MiB."""
+    per_page = PagePool.bytes_per_page(dims["num_layers"], page_size, dims["num_kv_heads"], dims["head_dim"])
+    pages = megabytes * 2**20 // per_page
+    if pages < 1:
+        raise invalid_value(megabytes, "kv_cache_memory_mb", f"it holds no page: one page of {page_size} tokens "
+                                                             f"takes {per_page / 2**20:.1f} MiB")
+    return pages
+
+
 class LLMEngine:
     """`LLMEngine("model.om", EngineConfig(max_batch_size=8))`, or `LLMEngine("model.om", max_batch_size=8)`.
 
@@ -160,6 +171,8 @@ class LLMEngine:
         self.paged = self.loaded.paged
         if self.paged:
             self.page_size = self.loaded.kv_cache["page_size"]
+            if config.kv_cache_memory_mb is not None:
+                kv_cache_pages = _pages_in(config.kv_cache_memory_mb, self.dims, self.page_size)
             pool = PagePool(self.dims["num_layers"], kv_cache_pages, self.page_size, self.dims["num_kv_heads"],
                             self.dims["head_dim"])
             self.runner = PagedRunner(executor, pool)

@@ -209,3 +209,21 @@ def test_a_layer_whose_attention_did_not_fuse_still_gets_its_cache(tmp_path):
     with LLMEngine(om, max_batch_size=3, max_context_len=128) as engine:
         outputs, _ = _greedy(engine, prompts)
     assert outputs == hf_greedy("llama", tuple(map(tuple, prompts)))
+
+
+def test_a_memory_budget_sizes_the_pool_in_whole_pages(small_pages_om):
+    with LLMEngine(small_pages_om, kv_cache_memory_mb=1, kv_cache_pages=3) as engine:
+        dims = engine.dims
+        per_page = 2 * dims["num_layers"] * 16 * dims["num_kv_heads"] * dims["head_dim"] * 4  # K and V, float32
+        assert engine.blocks.num_pages == engine.runner.pool.num_pages == 2**20 // per_page
+        assert engine.runner.pool.nbytes <= 2**20 < engine.runner.pool.nbytes + per_page
+
+
+def test_a_budget_too_small_for_one_page_is_refused_with_e10001():
+    from runtime.engine.engine import _pages_in
+    from runtime.errors import AtcError
+
+    smollm2 = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64}  # a 128-token page: 5.6 MiB of K and V
+    assert _pages_in(6, smollm2, 128) == 1
+    with pytest.raises(AtcError, match="E10001.*--kv_cache_memory_mb.*one page of 128 tokens takes 5.6 MiB"):
+        _pages_in(5, smollm2, 128)
