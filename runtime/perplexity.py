@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -50,10 +51,18 @@ def perplexity(executor: Executor, ids: list[int], window: int = 512, stride: in
                show_progress: bool = False) -> PerplexityResult:
     """exp(mean NLL) of `ids` scored window by window; `show_progress` reports each window on stderr with
     the perplexity so far."""
-    if window < 2 or not 0 < stride <= window:
-        raise ValueError("need window >= 2 and 0 < stride <= window")
     metadata = executor.loaded.metadata
     signature, dims = metadata["signature"], metadata["model"]
+    return sliding_window_perplexity(lambda chunk: _window_logits(executor, signature, dims, chunk), ids, window,
+                                     stride, show_progress=show_progress)
+
+
+def sliding_window_perplexity(window_logits: Callable[[list[int]], np.ndarray], ids: list[int], window: int = 512,
+                              stride: int = 256, *, show_progress: bool = False) -> PerplexityResult:
+    """`perplexity` for any model: `window_logits(chunk)` gives `[len(chunk), vocab]`, every position's logits
+    with nothing before the chunk (what benchmarks/peers_perplexity.py feeds another runtime's model through)."""
+    if window < 2 or not 0 < stride <= window:
+        raise ValueError("need window >= 2 and 0 < stride <= window")
     total, count, windows, scored_until = 0.0, 0, 0, 0
     starts = range(0, max(len(ids) - 1, 1), stride)
     # the loop stops at the first window reaching the end of the text
@@ -61,7 +70,7 @@ def perplexity(executor: Executor, ids: list[int], window: int = 512, stride: in
     with Progress("perplexity", planned, unit="window", enabled=show_progress) as bar:
         for begin in starts:
             end = min(begin + window, len(ids))
-            logits = _window_logits(executor, signature, dims, ids[begin:end])
+            logits = window_logits(ids[begin:end])
             first = max(scored_until, begin + 1)  # the first position not yet scored (position 0 has no context)
             predictions = logits[first - 1 - begin:end - 1 - begin]
             targets = np.asarray(ids[first:end])
