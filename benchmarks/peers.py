@@ -367,6 +367,8 @@ def summarize(engines: list[Engine], samples: dict[str, list[dict]], bandwidth: 
                "rounds": len(runs), "prompt_tokens": runs[0]["prompt_tokens"], "prefill_tokens": runs[0]["prefill_tokens"]}
         for key in ("decode_tok_s", "prefill_s", "ttft_s", "peak_rss_bytes", "load_s"):
             row[key] = statistics.median(run[key] for run in runs)
+        # round by round, in run order: a round measures every engine in turn, so ratios within it share the noise
+        row["decode_tok_s_rounds"] = [run["decode_tok_s"] for run in runs]
         if bandwidth.get(engine.precision):
             row["bandwidth_bytes_per_s"] = statistics.median(bandwidth[engine.precision])
             row["ceiling_tok_s"] = row["bandwidth_bytes_per_s"] / row["weights_bytes"]
@@ -387,8 +389,10 @@ def ratios(rows: dict[str, dict]) -> list[dict]:
         for peer_name, peer in measured.items():
             if peer["ours"]:
                 continue
+            pairs = zip(ours["decode_tok_s_rounds"], peer["decode_tok_s_rounds"])
             out.append({"ours": name, "peer": peer_name,
                         "decode": ours["decode_tok_s"] / peer["decode_tok_s"],
+                        "decode_by_round": [a / b for a, b in pairs],
                         "prefill_speed": peer["prefill_s"] / ours["prefill_s"],
                         "ttft_speed": peer["ttft_s"] / ours["ttft_s"],
                         "peak_rss": ours["peak_rss_bytes"] / peer["peak_rss_bytes"]})
@@ -429,10 +433,11 @@ def table(report: dict) -> list[str]:
     for precision, row in sorted(ceilings.items()):
         lines.append(f"read bandwidth ({precision} probe): {row['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")
     if report["ratios"]:
-        lines += ["", f"{'ours / peer':<48} {'decode':>7} {'prefill':>8} {'TTFT':>6} {'peak RSS':>9}"]
+        lines += ["", f"{'ours / peer':<48} {'decode':>7} {'prefill':>8} {'TTFT':>6} {'peak RSS':>9}  decode by round"]
         for r in report["ratios"]:
+            rounds = " ".join(f"{x:.2f}" for x in r["decode_by_round"])
             lines.append(f"{r['ours'] + ' / ' + r['peer']:<48} {r['decode']:>6.2f}x {r['prefill_speed']:>7.2f}x "
-                         f"{r['ttft_speed']:>5.2f}x {r['peak_rss']:>8.2f}x")
+                         f"{r['ttft_speed']:>5.2f}x {r['peak_rss']:>8.2f}x  {rounds}")
         lines.append("(decode, prefill and TTFT: how many times faster ours is; peak RSS: ours over the peer's)")
     for a in report["agreement"]:
         lines.append(f"greedy tokens: {a['ours']} and {a['peer']} agree on the first {a['leading_tokens_equal']} of {a['of']}")

@@ -48,6 +48,8 @@ def test_ratios_put_each_of_our_rows_over_each_peer():
     ratios = {r["peer"]: r for r in report["ratios"]}
     assert set(ratios) == {GENAI.name, LLAMA.name}
     assert ratios[GENAI.name]["decode"] == pytest.approx(100.0 / 60.0)
+    # round by round: ours 100, 120, 90 against its 80, 40, 60
+    assert ratios[GENAI.name]["decode_by_round"] == pytest.approx([1.25, 3.0, 1.5])
     assert ratios[GENAI.name]["prefill_speed"] == pytest.approx(3.0 / 1.5)
     assert ratios[LLAMA.name]["peak_rss"] == pytest.approx(4.0)
 
