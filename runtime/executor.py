@@ -29,7 +29,7 @@ from runtime.kernels import HostRun, host_kernel, is_host_node, native, referenc
 from runtime.kernels.paged_attention import PagedInputError
 from runtime.loader import LoadedModel
 from runtime.lowering import POOL_KEY, POOL_VALUE, lower_for_onnxruntime, with_pool_inputs
-from runtime.ops import PAGED_ATTENTION, PAGED_METADATA, attributes
+from runtime.ops import PAGED_ATTENTION, PAGED_METADATA, SWIGLU, attributes
 from runtime.ort_session import process_thread_pool_enabled, session_options
 from runtime.proto_utils import initializers_as_inputs
 from runtime.segments import HostNode, Segment, split_at_host_nodes
@@ -150,12 +150,22 @@ def _only_paged_attention(plan: list) -> bool:
     return bool(hosts) and all(node.op_type == PAGED_ATTENTION.name for node in hosts)
 
 
+def _native_nodes(model: onnx.ModelProto):
+    """What the native library runs itself besides PagedAttention: SwiGlu on float32, its only type there (a
+    node whose input type the graph does not state is lowered as usual)."""
+    graph = model.graph
+    floats = {v.name for v in [*graph.value_info, *graph.input, *graph.output]
+              if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT}
+    return lambda node: node.op_type == SWIGLU.name and node.input[0] in floats
+
+
 class _SegmentStep:
     def __init__(self, segment: Segment, weights: dict[str, np.ndarray], backend: str, threads: int | None,
                  spinning: bool, stop_spinning: bool, library=None, artifact: Path | None = None):
         self.inputs, self.outputs = segment.inputs, segment.outputs
         if backend == "onnxruntime":
-            self._session = _ort_session(lower_for_onnxruntime(segment.model), artifact, threads, spinning,
+            keep = _native_nodes(segment.model) if library is not None else None
+            self._session = _ort_session(lower_for_onnxruntime(segment.model, keep), artifact, threads, spinning,
                                          stop_spinning, library)
             self._weights_fed = {}
         else:

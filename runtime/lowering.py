@@ -212,8 +212,9 @@ LOWERINGS: dict[str, Callable[[onnx.NodeProto, int], list[onnx.NodeProto]]] = {
 }
 
 
-def lower_for_onnxruntime(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of `model` with every lowerable `cann` node replaced; `model` itself is left alone."""
+def lower_for_onnxruntime(model: onnx.ModelProto, keep: Callable[[onnx.NodeProto], bool] | None = None) -> onnx.ModelProto:
+    """A copy of `model` with every lowerable `cann` node replaced, but those `keep` says a custom-op library
+    of the session runs as they are; `model` itself is left alone."""
     if not any(n.domain == CUSTOM_DOMAIN for n in model.graph.node):
         return model
     lowered = onnx.ModelProto()
@@ -222,6 +223,8 @@ def lower_for_onnxruntime(model: onnx.ModelProto) -> onnx.ModelProto:
     nodes = []
     for node in lowered.graph.node:
         rule = LOWERINGS.get(node.op_type) if node.domain == CUSTOM_DOMAIN else None
+        if rule is not None and keep is not None and keep(node):
+            rule = None
         nodes.extend(rule(node, opset) if rule else [node])
     del lowered.graph.node[:]
     lowered.graph.node.extend(nodes)

@@ -1,4 +1,5 @@
-"""The native custom-op library: cann::PagedAttention inside onnxruntime (paged_attention.c).
+"""The native custom-op library: cann::PagedAttention (paged_attention.c) and cann::SwiGlu (swiglu.c) inside
+onnxruntime, registered by library.c.
 
 With it a paged artifact's step is one onnxruntime session run instead of ~30 sessions taking turns with
 ~30 host-kernel calls (docs/performance.md#one-session-per-step). onnxruntime's wheels carry no C headers,
@@ -23,7 +24,7 @@ from pathlib import Path
 from runtime.kernels.numba_cache import user_cache_dir
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("paged_attention.c", "ort_abi.h")
+SOURCES = ("library.c", "paged_attention.c", "swiglu.c", "native_ops.h", "ort_abi.h")
 # fast math without -ffinite-math-only: masked scores are -inf, and NaN weights give NaN as numpy would
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-fno-math-errno", "-fno-trapping-math",
          "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math", "-ffp-contract=fast", "-fvisibility=hidden")
@@ -69,7 +70,8 @@ def library_path() -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=folder, suffix=".so", delete=False) as partial:
         pass
-    command = [compiler, *FLAGS, "-I", str(SOURCE_DIR), str(SOURCE_DIR / "paged_attention.c"), "-o", partial.name, "-lm"]
+    units = [str(SOURCE_DIR / name) for name in SOURCES if name.endswith(".c")]
+    command = [compiler, *FLAGS, "-I", str(SOURCE_DIR), *units, "-o", partial.name, "-lm"]
     try:
         built = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if built.returncode != 0:

@@ -2,7 +2,7 @@
    carry no headers. OrtApi is a table of function pointers that only ever grows at its end, so a
    function is known by its slot; the slots and the OrtCustomOp layout below are those of onnxruntime's
    public onnxruntime_c_api.h (API version 16 and later). runtime/kernels/native/__init__.py builds
-   against this file only; tests/runtime/test_native_attention.py loads the result into onnxruntime. */
+   against this file only; tests/runtime/test_native_ops.py loads the result into onnxruntime. */
 #ifndef CANN_ORT_ABI_H
 #define CANN_ORT_ABI_H
 

@@ -16,7 +16,7 @@ starting "PagedInputError:", never a read or write outside the arrays.
 #include <stdlib.h>
 #include <string.h>
 
-#include "ort_abi.h"
+#include "native_ops.h"
 
 enum { QUERY, KEY, VALUE, COS, SIN, QUERY_START_LOC, SEQ_LENS, BLOCK_TABLES, SLOT_MAPPING, KEY_CACHE, VALUE_CACHE,
        NUM_INPUTS };
@@ -24,58 +24,10 @@ enum { QUERY, KEY, VALUE, COS, SIN, QUERY_START_LOC, SEQ_LENS, BLOCK_TABLES, SLO
 #define MAX_GROUP 16 /* query heads per KV head the tile's scratch holds */
 #define PARALLEL_WORK 2048 /* query·key pairs from which a layer's work is spread over the pool's threads */
 
-#define DOMAIN "cann"
-
-static const OrtApi* g_api;
-
-/* Cephes' expf as runtime/kernels/fast_math.py has it (the numpy reference there holds both): plain
-   arithmetic the compiler vectorizes, where libm's expf is a call per element. x <= -87 gives ~1.6e-38;
-   -inf (a masked score) gives 0 through the same floor. */
-static inline float fast_exp(float x) {
-  x = x > -87.0f ? x : -87.0f;
-  float n = floorf(x * 1.4426950408889634f + 0.5f);
-  float r = x - n * 0.693359375f - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  union { int32_t i; float f; } bits = {.i = ((int32_t)n + 127) << 23};
-  return p * bits.f;
-}
-
 typedef struct {
   int64_t num_heads, kv_heads, head_dim, interleaved, window, layer, page_size;
   float scale;
 } Kernel;
-
-typedef struct {
-  const float* data;
-  int64_t dims[6];
-  size_t rank;
-} Tensor;
-
-static OrtStatus* fail(const char* message) { return ORT_CALL(g_api, CreateStatus)(ORT_FAIL, message); }
-
-static OrtStatus* tensor_of(const OrtValue* value, Tensor* out) {
-  OrtTensorTypeAndShapeInfo* info = NULL;
-  OrtStatus* status = ORT_CALL(g_api, GetTensorTypeAndShape)(value, &info);
-  if (status) return status;
-  status = ORT_CALL(g_api, GetDimensionsCount)(info, &out->rank);
-  if (!status && out->rank > 6) status = fail("PagedInputError: an operand of more than 6 dimensions");
-  if (!status) status = ORT_CALL(g_api, GetDimensions)(info, out->dims, out->rank);
-  ORT_CALL(g_api, ReleaseTensorTypeAndShapeInfo)(info);
-  if (!status) status = ORT_CALL(g_api, GetTensorMutableData)((OrtValue*)value, (void**)&out->data);
-  return status;
-}
-
-static int64_t elements(const Tensor* t) {
-  int64_t n = 1;
-  for (size_t i = 0; i < t->rank; i++) n *= t->dims[i];
-  return n;
-}
 
 /* ---- rotary embedding and the cache write ---------------------------------------------------------- */
 
@@ -382,9 +334,7 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api, const 
   return NULL;
 }
 
-static void destroy_kernel(void* kernel) { free(kernel); }
 static const char* op_name(const OrtCustomOp* op) { (void)op; return "PagedAttention"; }
-static const char* op_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
 static size_t input_count(const OrtCustomOp* op) { (void)op; return NUM_INPUTS; }
 static size_t output_count(const OrtCustomOp* op) { (void)op; return 1; }
 static ONNXTensorElementDataType output_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_FLOAT; }
@@ -403,43 +353,25 @@ static OrtCustomOpInputOutputCharacteristic input_characteristic(const OrtCustom
   return (i == KEY || i == VALUE || i == COS || i == SIN) ? ORT_OPTIONAL : ORT_REQUIRED;
 }
 
-static OrtCustomOpInputOutputCharacteristic output_characteristic(const OrtCustomOp* op, size_t i) {
-  (void)op;
-  (void)i;
-  return ORT_REQUIRED;
-}
 
-static OrtMemType input_memory(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_MEM_DEFAULT; }
-static int variadic_arity(const OrtCustomOp* op) { (void)op; return 1; }
-static int variadic_homogeneity(const OrtCustomOp* op) { (void)op; return 1; }
 
-static OrtCustomOp g_op;
-
-/* Called by onnxruntime's SessionOptions.register_custom_ops_library. */
-__attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
-  g_api = base->GetApi(ORT_API_VERSION_USED);
-  if (!g_api) return NULL; /* an onnxruntime older than the API this file uses cannot say so any other way */
-  memset(&g_op, 0, sizeof(g_op));
-  g_op.version = ORT_API_VERSION_USED;
-  g_op.GetName = op_name;
-  g_op.GetExecutionProviderType = op_provider;
-  g_op.GetInputType = input_type;
-  g_op.GetInputTypeCount = input_count;
-  g_op.GetOutputType = output_type;
-  g_op.GetOutputTypeCount = output_count;
-  g_op.KernelDestroy = destroy_kernel;
-  g_op.GetInputCharacteristic = input_characteristic;
-  g_op.GetOutputCharacteristic = output_characteristic;
-  g_op.GetInputMemoryType = input_memory;
-  g_op.GetVariadicInputMinArity = variadic_arity;
-  g_op.GetVariadicInputHomogeneity = variadic_homogeneity;
-  g_op.GetVariadicOutputMinArity = variadic_arity;
-  g_op.GetVariadicOutputHomogeneity = variadic_homogeneity;
-  g_op.CreateKernelV2 = create_kernel;
-  g_op.KernelComputeV2 = compute;
-  OrtCustomOpDomain* domain = NULL;
-  OrtStatus* status = ORT_CALL(g_api, CreateCustomOpDomain)(DOMAIN, &domain);
-  if (!status) status = ORT_CALL(g_api, CustomOpDomain_Add)(domain, &g_op);
-  if (!status) status = ORT_CALL(g_api, AddCustomOpDomain)(options, domain);
-  return status;
+void paged_attention_op(OrtCustomOp* op) {
+  memset(op, 0, sizeof(*op));
+  op->version = ORT_API_VERSION_USED;
+  op->GetName = op_name;
+  op->GetExecutionProviderType = cpu_provider;
+  op->GetInputType = input_type;
+  op->GetInputTypeCount = input_count;
+  op->GetOutputType = output_type;
+  op->GetOutputTypeCount = output_count;
+  op->KernelDestroy = destroy_kernel;
+  op->GetInputCharacteristic = input_characteristic;
+  op->GetOutputCharacteristic = required;
+  op->GetInputMemoryType = default_memory;
+  op->GetVariadicInputMinArity = variadic_arity;
+  op->GetVariadicInputHomogeneity = variadic_homogeneity;
+  op->GetVariadicOutputMinArity = variadic_arity;
+  op->GetVariadicOutputHomogeneity = variadic_homogeneity;
+  op->CreateKernelV2 = create_kernel;
+  op->KernelComputeV2 = compute;
 }

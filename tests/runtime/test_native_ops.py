@@ -1,5 +1,6 @@
-"""The native PagedAttention (runtime/kernels/native, built here with the machine's C compiler) inside
-onnxruntime, against the numpy reference of the same node on the same pages."""
+"""The native ops (runtime/kernels/native, built here with the machine's C compiler) inside onnxruntime:
+PagedAttention against the numpy reference of the same node on the same pages, SwiGlu against its numpy
+kernel."""
 
 from __future__ import annotations
 
@@ -185,3 +186,38 @@ def test_a_failing_build_leaves_no_library_behind(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert done.stdout.strip() == "unavailable: cc failed: cc: broken"
     assert not list((tmp_path / "cache").rglob("*.so"))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 3072), (1, 37, 96), (2, 5, 8)])
+def test_the_native_swiglu_equals_the_numpy_kernel(shape):
+    from runtime.kernels.norms import SwiGlu
+
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal(shape) * 6).astype(np.float32)
+    x.reshape(-1)[:4] = [np.nan, 120.0, -120.0, 0.0]  # NaN stays NaN; past exp's range SiLU is x or 0
+    node = helper.make_node("SwiGlu", ["x"], ["y"], domain=CUSTOM_DOMAIN)
+    graph = helper.make_graph([node], "swiglu", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(CUSTOM_DOMAIN, 1)])
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(native.library_path()))
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    (y,) = session.run(None, {"x": x})
+    with np.errstate(over="ignore"):  # exp(120) is inf in numpy: SiLU(-120) is then -0, as it should be
+        expected = SwiGlu(x)
+    assert y.shape == shape[:-1] + (shape[-1] // 2,)
+    np.testing.assert_allclose(y, expected, rtol=2e-6, atol=1e-6, equal_nan=True)
+    assert np.isnan(y.reshape(-1)[0])
+
+
+def test_the_native_plan_keeps_float32_swiglu_for_the_library_and_lowers_the_rest(tmp_path):
+    from tests.passes.test_paged_kv_cache import _compile_paged
+
+    from runtime.executor import _native_nodes
+    from runtime.lowering import lower_for_onnxruntime
+
+    _, loaded = _compile_paged(("llama", False, True, "sdpa"), tmp_path)
+    layers = sum(n.op_type == "PagedAttention" for n in loaded.model.graph.node)
+    kept = lower_for_onnxruntime(loaded.model, _native_nodes(loaded.model))
+    assert sum(n.op_type == "SwiGlu" for n in kept.graph.node) == layers
+    assert not any(n.op_type == "SwiGlu" for n in lower_for_onnxruntime(loaded.model).graph.node)

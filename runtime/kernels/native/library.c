@@ -1,0 +1,53 @@
+/* The native custom-op library: registers the ops of this folder in the `cann` domain of a session.
+   onnxruntime calls RegisterCustomOps from SessionOptions.register_custom_ops_library. */
+#include <stdlib.h>
+
+#include "native_ops.h"
+
+const OrtApi* g_api;
+
+OrtStatus* fail(const char* message) { return ORT_CALL(g_api, CreateStatus)(ORT_FAIL, message); }
+
+OrtStatus* tensor_of(const OrtValue* value, Tensor* out) {
+  OrtTensorTypeAndShapeInfo* info = NULL;
+  OrtStatus* status = ORT_CALL(g_api, GetTensorTypeAndShape)(value, &info);
+  if (status) return status;
+  status = ORT_CALL(g_api, GetDimensionsCount)(info, &out->rank);
+  if (!status && out->rank > 6) status = fail("PagedInputError: an operand of more than 6 dimensions");
+  if (!status) status = ORT_CALL(g_api, GetDimensions)(info, out->dims, out->rank);
+  ORT_CALL(g_api, ReleaseTensorTypeAndShapeInfo)(info);
+  if (!status) status = ORT_CALL(g_api, GetTensorMutableData)((OrtValue*)value, (void**)&out->data);
+  return status;
+}
+
+int64_t elements(const Tensor* t) {
+  int64_t n = 1;
+  for (size_t i = 0; i < t->rank; i++) n *= t->dims[i];
+  return n;
+}
+
+const char* cpu_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
+OrtMemType default_memory(const OrtCustomOp* op, size_t index) { (void)op; (void)index; return ORT_MEM_DEFAULT; }
+int variadic_arity(const OrtCustomOp* op) { (void)op; return 1; }
+int variadic_homogeneity(const OrtCustomOp* op) { (void)op; return 1; }
+OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp* op, size_t index) {
+  (void)op;
+  (void)index;
+  return ORT_REQUIRED;
+}
+void destroy_kernel(void* kernel) { free(kernel); }
+
+static OrtCustomOp g_ops[2];
+
+__attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
+  g_api = base->GetApi(ORT_API_VERSION_USED);
+  if (!g_api) return NULL; /* an onnxruntime older than the API this library uses cannot say so any other way */
+  paged_attention_op(&g_ops[0]);
+  swiglu_op(&g_ops[1]);
+  OrtCustomOpDomain* domain = NULL;
+  OrtStatus* status = ORT_CALL(g_api, CreateCustomOpDomain)(DOMAIN, &domain);
+  for (size_t i = 0; !status && i < sizeof(g_ops) / sizeof(g_ops[0]); i++)
+    status = ORT_CALL(g_api, CustomOpDomain_Add)(domain, &g_ops[i]);
+  if (!status) status = ORT_CALL(g_api, AddCustomOpDomain)(options, domain);
+  return status;
+}

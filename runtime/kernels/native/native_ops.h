@@ -1,0 +1,56 @@
+/* What the native ops share: onnxruntime's API table, error statuses, reading a tensor, a vectorizable exp,
+   and the fillers that describe each op to onnxruntime (library.c registers them). */
+#ifndef CANN_NATIVE_OPS_H
+#define CANN_NATIVE_OPS_H
+
+#include <math.h>
+#include <stdint.h>
+
+#include "ort_abi.h"
+
+#define DOMAIN "cann"
+
+extern const OrtApi* g_api; /* set once by RegisterCustomOps */
+
+typedef struct {
+  const float* data;
+  int64_t dims[6];
+  size_t rank;
+} Tensor;
+
+OrtStatus* fail(const char* message);
+/* `value`'s dims (at most 6) and data; an error status for more dims */
+OrtStatus* tensor_of(const OrtValue* value, Tensor* out);
+int64_t elements(const Tensor* t);
+
+/* Cephes' expf as runtime/kernels/fast_math.py has it (the numpy reference there holds both): plain
+   arithmetic the compiler vectorizes, where libm's expf is a call per element. Clamped to [-87, 88]: -87
+   gives ~1.6e-38 (-inf, a masked score, gives it too), 88 ~1.7e38, the largest exponent float32 holds. */
+static inline float fast_exp(float x) {
+  x = x > -87.0f ? x : -87.0f;
+  x = x < 88.0f ? x : 88.0f;
+  float n = floorf(x * 1.4426950408889634f + 0.5f);
+  float r = x - n * 0.693359375f - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  union { int32_t i; float f; } bits = {.i = ((int32_t)n + 127) << 23};
+  return p * bits.f;
+}
+
+/* the answers every op here gives alike */
+const char* cpu_provider(const OrtCustomOp* op);
+OrtMemType default_memory(const OrtCustomOp* op, size_t index);
+int variadic_arity(const OrtCustomOp* op);
+int variadic_homogeneity(const OrtCustomOp* op);
+OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp* op, size_t index);
+void destroy_kernel(void* kernel);
+
+void paged_attention_op(OrtCustomOp* op);
+void swiglu_op(OrtCustomOp* op);
+
+#endif
