@@ -364,7 +364,8 @@ def summarize(engines: list[Engine], samples: dict[str, list[dict]], bandwidth: 
                                  "error": samples[engine.name][0]["error"] if samples[engine.name] else NOT_INSTALLED}
             continue
         row = {"precision": engine.precision, "ours": engine.ours, "weights_bytes": weights[engine.name],
-               "rounds": len(runs), "prompt_tokens": runs[0]["prompt_tokens"], "prefill_tokens": runs[0]["prefill_tokens"]}
+               "rounds": len(runs), "failed": [s["error"] for s in samples[engine.name] if "error" in s],
+               "prompt_tokens": runs[0]["prompt_tokens"], "prefill_tokens": runs[0]["prefill_tokens"]}
         for key in ("decode_tok_s", "prefill_s", "ttft_s", "peak_rss_bytes", "load_s"):
             row[key] = statistics.median(run[key] for run in runs)
         # round by round, in run order: a round measures every engine in turn, so ratios within it share the noise
@@ -441,6 +442,9 @@ def table(report: dict) -> list[str]:
         lines.append("(decode, prefill and TTFT: how many times faster ours is; peak RSS: ours over the peer's)")
     for a in report["agreement"]:
         lines.append(f"greedy tokens: {a['ours']} and {a['peer']} agree on the first {a['leading_tokens_equal']} of {a['of']}")
+    for name, row in report["rows"].items():
+        for error in row.get("failed", []):
+            lines.append(f"a round of {name} failed (left out of its medians): {error}")
     return lines
 
 
@@ -485,7 +489,10 @@ def main(precision, rounds, new_tokens, prompt_tokens, prefill_tokens, threads, 
             if models[engine.name] is None:
                 continue
             click.echo(f"round {index + 1}/{rounds}: {engine.name} ...", err=True)
-            samples[engine.name].append(spawn({**job, "kind": engine.kind, "model": str(models[engine.name])}))
+            sample = spawn({**job, "kind": engine.kind, "model": str(models[engine.name])})
+            if "error" in sample:
+                click.echo(f"round {index + 1}/{rounds}: {engine.name} failed: {sample['error']}", err=True)
+            samples[engine.name].append(sample)
         for p, nbytes in probes.items():
             probe = spawn({"kind": "bandwidth", "bytes": nbytes})
             if "bytes_per_s" in probe:

@@ -75,3 +75,12 @@ def test_a_row_without_a_bandwidth_probe_has_no_ceiling():
     row = summarize([PLAIN], samples, {}, {PLAIN.name: 540})["rows"][PLAIN.name]
     assert "of_ceiling" not in row
     assert " - " in table({"rows": {PLAIN.name: row}, "ratios": [], "agreement": []})[1]
+
+
+def test_a_failed_round_is_left_out_of_the_medians_and_reported():
+    samples = {OURS.name: [_run(100.0, 1.0, 300), {"error": "Segmentation fault"}, _run(80.0, 2.0, 500)],
+               GENAI.name: [_run(80.0, 3.0, 200)] * 3}
+    report = summarize([OURS, GENAI], samples, {}, {OURS.name: 100, GENAI.name: 80})
+    row = report["rows"][OURS.name]
+    assert (row["rounds"], row["decode_tok_s"], row["failed"]) == (2, 90.0, ["Segmentation fault"])
+    assert "a round of cann-llm int4 failed (left out of its medians): Segmentation fault" in table(report)
