@@ -221,3 +221,48 @@ def test_the_native_plan_keeps_float32_swiglu_for_the_library_and_lowers_the_res
     kept = lower_for_onnxruntime(loaded.model, _native_nodes(loaded.model))
     assert sum(n.op_type == "SwiGlu" for n in kept.graph.node) == layers
     assert not any(n.op_type == "SwiGlu" for n in lower_for_onnxruntime(loaded.model).graph.node)
+
+
+def _one_node_session(heads: int, kv_heads: int, dim: int):
+    node = helper.make_node("PagedAttention", ["qkv", "", "", "", "", *(m.name for m in PAGED_METADATA)], ["out"],
+                            domain=CUSTOM_DOMAIN, num_heads=heads, kv_num_heads=kv_heads, head_dim=dim, scale=0.2,
+                            layer=0, page_size=PAGE)
+    inputs = [helper.make_tensor_value_info("qkv", onnx.TensorProto.FLOAT, [1, "T", (heads + 2 * kv_heads) * dim])]
+    for meta in PAGED_METADATA:
+        kind = onnx.TensorProto.INT64 if meta.dtype == np.int64 else onnx.TensorProto.INT32
+        inputs.append(helper.make_tensor_value_info(meta.name, kind, list(meta.shape)))
+    graph = helper.make_graph([node], "mqa", inputs, [helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(CUSTOM_DOMAIN, 1)])
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(native.library_path()))
+    return ort.InferenceSession(with_pool_inputs(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def test_many_query_heads_on_one_kv_head_attend_as_the_reference():
+    from runtime.kernels.paged_attention import paged_attention_reference, rotate_and_store_reference
+
+    heads, dim, pages = 20, 32, 8  # multi-query attention: 20 query heads read one KV head
+    rng = np.random.default_rng(4)
+    qkv = rng.standard_normal((1, 13, (heads + 2) * dim)).astype(np.float32)
+    starts, lengths = np.array([0, 12, 13], np.int32), np.array([40, 30], np.int32)
+    tables = np.array([[3, 0, 5], [1, 6, 7]], np.int32)
+    positions = [np.arange(28, 40), np.array([29])]
+    slots = np.concatenate([tables[b, p // PAGE] * PAGE + p % PAGE for b, p in enumerate(positions)]).astype(np.int64)
+    key, value = (rng.standard_normal((1, pages, 1, PAGE, dim)).astype(np.float32) for _ in range(2))
+    ref_key, ref_value = key[0].copy(), value[0].copy()
+    q = rotate_and_store_reference(qkv, None, None, None, None, slots, ref_key, ref_value, num_heads=heads,
+                                   kv_num_heads=1, head_dim=dim)
+    expected = paged_attention_reference(q, ref_key, ref_value, starts, lengths, tables, 0.2).reshape(1, 13, -1)
+    feeds = dict(zip((m.name for m in PAGED_METADATA), (starts, lengths, tables, slots)))
+    (out,) = _one_node_session(heads, 1, dim).run(None, {"qkv": qkv, **feeds, POOL_KEY: key, POOL_VALUE: value})
+    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(key[0], ref_key, atol=1e-6, rtol=0)
+
+
+def test_more_query_heads_on_a_kv_head_than_a_tile_holds_are_refused():
+    feeds = dict(zip((m.name for m in PAGED_METADATA), (np.array([0, 1], np.int32), np.array([1], np.int32),
+                                                        np.array([[0]], np.int32), np.array([0], np.int64))))
+    pool = np.zeros((1, 1, 1, PAGE, 8), np.float32)
+    with pytest.raises(Exception, match="PagedInputError: more than 128 query heads share one KV head"):
+        _one_node_session(129, 1, 8).run(None, {"qkv": np.zeros((1, 1, 131 * 8), np.float32), **feeds,
+                                                POOL_KEY: pool, POOL_VALUE: pool.copy()})

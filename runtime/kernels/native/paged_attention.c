@@ -21,7 +21,7 @@ starting "PagedInputError:", never a read or write outside the arrays.
 enum { QUERY, KEY, VALUE, COS, SIN, QUERY_START_LOC, SEQ_LENS, BLOCK_TABLES, SLOT_MAPPING, KEY_CACHE, VALUE_CACHE,
        NUM_INPUTS };
 #define QUERY_TILE 8 /* query rows of one sequence that attend together: each key row is read once for all */
-#define MAX_GROUP 16 /* query heads per KV head the tile's scratch holds */
+#define TILE_VECTORS 128 /* query vectors (rows x the heads of a KV head) a tile's scratch holds at most */
 #define PARALLEL_WORK 2048 /* query·key pairs from which a layer's work is spread over the pool's threads */
 
 typedef struct {
@@ -57,6 +57,7 @@ typedef struct {
   const int64_t* tile_seq; /* per work item: its sequence, first query row and KV head */
   const int64_t* tile_row;
   float* out;         /* [T, Hq, D] */
+  int64_t tile_rows;  /* query rows a tile takes at most */
 } Attend;
 
 /* Query rows first..first+rows-1 of sequence b, the query heads of KV head kv, over the sequence's pages,
@@ -69,7 +70,7 @@ static inline __attribute__((always_inline)) void attend_tile(const Attend* a, i
   const int64_t end = a->starts[b + 1], length = a->seq_lens[b];
   const int64_t first_pos = length - (end - a->starts[b]) + (first - a->starts[b]);
   const int64_t last_pos = first_pos + rows - 1;
-  /* scratch on the stack, sized by the tile: at most 8 rows x 16 heads x 512 rows of a page */
+  /* scratch on the stack, sized by the tile: at most 128 query vectors x 512 rows of a page */
   float qv[n][D] __attribute__((aligned(64)));
   float acc[n][D] __attribute__((aligned(64)));
   float scores[n][PS];
@@ -147,7 +148,7 @@ static void attend_item(void* data, size_t item) {
   int64_t kv = (int64_t)item % a->k->kv_heads, tile = (int64_t)item / a->k->kv_heads;
   int64_t b = a->tile_seq[tile], first = a->tile_row[tile];
   int64_t rows = a->starts[b + 1] - first;
-  if (rows > QUERY_TILE) rows = QUERY_TILE;
+  if (rows > a->tile_rows) rows = a->tile_rows;
   switch (a->k->head_dim) {
     case 64: attend_tile(a, b, first, rows, kv, 64); break;
     case 128: attend_tile(a, b, first, rows, kv, 128); break;
@@ -210,7 +211,11 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
       !values[BLOCK_TABLES] || !values[SLOT_MAPPING])
     return fail("PagedInputError: a required input is missing");
   const int64_t H = k->num_heads, KV = k->kv_heads, D = k->head_dim, PS = k->page_size;
-  if (H % KV || H / KV > MAX_GROUP) return fail("PagedInputError: the query heads do not group over the KV heads");
+  if (H % KV) return fail("PagedInputError: the query heads do not group over the KV heads");
+  /* fewer rows a tile when many query heads share a KV head (multi-query attention): the scratch stays bounded */
+  int64_t tile_rows = TILE_VECTORS / (H / KV);
+  if (tile_rows > QUERY_TILE) tile_rows = QUERY_TILE;
+  if (tile_rows < 1) return fail("PagedInputError: more than 128 query heads share one KV head");
   const Tensor* kc = &t[KEY_CACHE];
   if (kc->rank != 5 || t[VALUE_CACHE].rank != 5 || memcmp(kc->dims, t[VALUE_CACHE].dims, sizeof(kc->dims)) ||
       kc->dims[0] <= k->layer || kc->dims[2] != KV || kc->dims[3] != PS || kc->dims[4] != D)
@@ -269,7 +274,7 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   const int32_t* lens = (const int32_t*)t[SEQ_LENS].data;
   int64_t tiles = 0, work = 0;
   for (int64_t b = 0; b < batch; b++) {
-    tiles += (starts[b + 1] - starts[b] + QUERY_TILE - 1) / QUERY_TILE;
+    tiles += (starts[b + 1] - starts[b] + tile_rows - 1) / tile_rows;
     work += (int64_t)(starts[b + 1] - starts[b]) * lens[b];
   }
   int64_t* tile_seq = (int64_t*)malloc(sizeof(int64_t) * (size_t)(2 * tiles + 1));
@@ -280,7 +285,7 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   int64_t* tile_row = tile_seq + tiles;
   int64_t n = 0;
   for (int64_t b = 0; b < batch; b++)
-    for (int64_t first = starts[b]; first < starts[b + 1]; first += QUERY_TILE) {
+    for (int64_t first = starts[b]; first < starts[b + 1]; first += tile_rows) {
       tile_seq[n] = b;
       tile_row[n++] = first;
     }
@@ -291,7 +296,7 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   if (!status) status = ORT_CALL(g_api, GetTensorMutableData)(output, (void**)&out);
   if (!status && T > 0) {
     Attend a = {k, q, key_cache, value_cache, starts, lens, (const int32_t*)t[BLOCK_TABLES].data,
-                t[BLOCK_TABLES].dims[1], tile_seq, tile_row, out};
+                t[BLOCK_TABLES].dims[1], tile_seq, tile_row, out, tile_rows};
     size_t items = (size_t)(tiles * KV);
     if (work * H >= PARALLEL_WORK && items > 1) {
       status = ORT_CALL(g_api, KernelContext_ParallelFor)(context, attend_item, items, 0, &a);
