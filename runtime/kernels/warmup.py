@@ -18,7 +18,7 @@ import threading
 import numba
 import numpy as np
 
-from runtime.kernels import paged_attention
+from runtime.kernels import paged_attention_numba as kernels
 
 _started = threading.Lock()
 
@@ -36,7 +36,6 @@ def _signatures() -> list[tuple[numba.core.registry.CPUDispatcher, tuple]]:
     rotate = projections + (pages, pages, heads)
     decode = projections + (ints1, ints2, pages, pages, window, scale, heads)
     attend = (heads, pages, pages, ints2, ints1, ints1, window, scale, heads)
-    kernels = paged_attention
     # in the order a first request needs them: its short prompt, its decode steps, then bigger batches
     return [(kernels._rotate_and_store, rotate), (kernels._attend_serial, attend), (kernels._decode_step, decode),
             (kernels._rotate_and_store_parallel, rotate), (kernels._attend_parallel, attend),
