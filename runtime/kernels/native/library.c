@@ -1,6 +1,7 @@
 /* The native custom-op library: registers the ops of this folder in the `cann` domain of a session.
    onnxruntime calls RegisterCustomOps from SessionOptions.register_custom_ops_library. */
 #include <stdlib.h>
+#include <string.h>
 
 #include "native_ops.h"
 
@@ -26,16 +27,31 @@ int64_t elements(const Tensor* t) {
   return n;
 }
 
-const char* cpu_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
-OrtMemType default_memory(const OrtCustomOp* op, size_t index) { (void)op; (void)index; return ORT_MEM_DEFAULT; }
-int variadic_arity(const OrtCustomOp* op) { (void)op; return 1; }
-int variadic_homogeneity(const OrtCustomOp* op) { (void)op; return 1; }
+static const char* cpu_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
+static OrtMemType default_memory(const OrtCustomOp* op, size_t index) { (void)op; (void)index; return ORT_MEM_DEFAULT; }
+static int variadic_arity(const OrtCustomOp* op) { (void)op; return 1; }
+static int variadic_homogeneity(const OrtCustomOp* op) { (void)op; return 1; }
+static void destroy_kernel(void* kernel) { free(kernel); }
+
 OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp* op, size_t index) {
   (void)op;
   (void)index;
   return ORT_REQUIRED;
 }
-void destroy_kernel(void* kernel) { free(kernel); }
+
+void common_op(OrtCustomOp* op) {
+  memset(op, 0, sizeof(*op));
+  op->version = ORT_API_VERSION_USED;
+  op->GetExecutionProviderType = cpu_provider;
+  op->KernelDestroy = destroy_kernel;
+  op->GetInputCharacteristic = required;
+  op->GetOutputCharacteristic = required;
+  op->GetInputMemoryType = default_memory;
+  op->GetVariadicInputMinArity = variadic_arity;
+  op->GetVariadicInputHomogeneity = variadic_homogeneity;
+  op->GetVariadicOutputMinArity = variadic_arity;
+  op->GetVariadicOutputHomogeneity = variadic_homogeneity;
+}
 
 static OrtCustomOp g_ops[2];
 

@@ -42,13 +42,10 @@ static inline float fast_exp(float x) {
   return p * bits.f;
 }
 
-/* the answers every op here gives alike */
-const char* cpu_provider(const OrtCustomOp* op);
-OrtMemType default_memory(const OrtCustomOp* op, size_t index);
-int variadic_arity(const OrtCustomOp* op);
-int variadic_homogeneity(const OrtCustomOp* op);
+/* an op description with what every op here has alike (CPU, required inputs and outputs, a kernel freed
+   with free()); the op's own file sets its name, types, counts, kernel creation and compute */
+void common_op(OrtCustomOp* op);
 OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp* op, size_t index);
-void destroy_kernel(void* kernel);
 
 void paged_attention_op(OrtCustomOp* op);
 void swiglu_op(OrtCustomOp* op);

@@ -361,22 +361,13 @@ static OrtCustomOpInputOutputCharacteristic input_characteristic(const OrtCustom
 
 
 void paged_attention_op(OrtCustomOp* op) {
-  memset(op, 0, sizeof(*op));
-  op->version = ORT_API_VERSION_USED;
+  common_op(op);
   op->GetName = op_name;
-  op->GetExecutionProviderType = cpu_provider;
   op->GetInputType = input_type;
   op->GetInputTypeCount = input_count;
   op->GetOutputType = output_type;
   op->GetOutputTypeCount = output_count;
-  op->KernelDestroy = destroy_kernel;
   op->GetInputCharacteristic = input_characteristic;
-  op->GetOutputCharacteristic = required;
-  op->GetInputMemoryType = default_memory;
-  op->GetVariadicInputMinArity = variadic_arity;
-  op->GetVariadicInputHomogeneity = variadic_homogeneity;
-  op->GetVariadicOutputMinArity = variadic_arity;
-  op->GetVariadicOutputHomogeneity = variadic_homogeneity;
   op->CreateKernelV2 = create_kernel;
   op->KernelComputeV2 = compute;
 }

@@ -58,22 +58,12 @@ static size_t one(const OrtCustomOp* op) { (void)op; return 1; }
 static ONNXTensorElementDataType float32(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_FLOAT; }
 
 void swiglu_op(OrtCustomOp* op) {
-  memset(op, 0, sizeof(*op));
-  op->version = ORT_API_VERSION_USED;
+  common_op(op);
   op->GetName = op_name;
-  op->GetExecutionProviderType = cpu_provider;
   op->GetInputType = float32;
   op->GetInputTypeCount = one;
   op->GetOutputType = float32;
   op->GetOutputTypeCount = one;
-  op->KernelDestroy = destroy_kernel;
-  op->GetInputCharacteristic = required;
-  op->GetOutputCharacteristic = required;
-  op->GetInputMemoryType = default_memory;
-  op->GetVariadicInputMinArity = variadic_arity;
-  op->GetVariadicInputHomogeneity = variadic_homogeneity;
-  op->GetVariadicOutputMinArity = variadic_arity;
-  op->GetVariadicOutputHomogeneity = variadic_homogeneity;
   op->CreateKernelV2 = create_kernel;
   op->KernelComputeV2 = compute;
 }
