@@ -6,9 +6,10 @@ page_size, head_dim]`, which the runtime feeds as views of its pool. The node wr
 values into them in place: onnxruntime treats inputs as read-only, but nothing else in the session reads
 the pool, and each node writes only its own layer's pages before it reads them.
 
-Every index the metadata holds is checked before it is used (the Python check in the executor runs first;
-these checks keep the op safe on its own): an error comes back as onnxruntime's status with a message
-starting "PagedInputError:", never a read or write outside the arrays.
+Every index the metadata holds is checked by each node before it is used, as check_paged_metadata checks it
+for the host kernels (the checks cost microseconds a step; nothing outside the op then has to be trusted): an
+error comes back as onnxruntime's status with a message starting "PagedInputError:", which the executor
+raises as PagedInputError, never a read or write outside the arrays.
 */
 #include <math.h>
 #include <stdint.h>
