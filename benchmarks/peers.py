@@ -338,17 +338,28 @@ def run_worker(job: dict) -> dict:
     return {**result, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-def spawn(job: dict) -> dict:
-    """`job` in a fresh process of this script; its result, or {"error": ...} if it failed."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job)]
+def spawn(job: dict, script: Path = Path(__file__)) -> dict:
+    """`job` in a fresh process of `script` (this one, or another benchmark built on it), given on stdin (a
+    concurrency mix's prompts outgrow a command-line argument); its result, or {"error": ...} if it failed."""
     env = dict(os.environ)
     if "threads" in job:  # the engine's host kernels: numba's pool is as large as the machine unless told
         env["NUMBA_NUM_THREADS"] = str(job["threads"])
-    run = subprocess.run(command, capture_output=True, text=True, env=env)
+    run = subprocess.run([sys.executable, str(script.resolve()), "--worker"], input=json.dumps(job),
+                         capture_output=True, text=True, env=env)
     lines = run.stdout.strip().splitlines()
     if run.returncode != 0 or not lines:
         return {"error": (run.stderr.strip().splitlines() or [f"exit status {run.returncode}"])[-1]}
     return json.loads(lines[-1])
+
+
+def print_report(lines: list[str], report: dict, json_path: str | None) -> None:
+    """The table on stdout, the report as JSON at `json_path` when given."""
+    click.echo("\n".join(lines))
+    if json_path:
+        from cli.json_output import write_json
+
+        write_json(json_path, report)
+        click.echo(f"[INFO] wrote {json_path}", err=True)
 
 
 # ---- the report ----------------------------------------------------------------------------------------
@@ -465,11 +476,11 @@ def table(report: dict) -> list[str]:
 @click.option("--only", "only", multiple=True, type=click.Choice(["cann", "genai", "llama.cpp", "onnxruntime"]),
               help="run these runners only (repeatable), for quick checks")
 @click.option("--json", "json_path", default=None, help="write the report here as JSON")
-@click.option("--worker", default=None, hidden=True, help="(internal) measure one job given as JSON, print the result")
+@click.option("--worker", is_flag=True, hidden=True, help="(internal) measure the job given on stdin, print the result")
 def main(precision, rounds, new_tokens, prompt_tokens, prefill_tokens, threads, only, json_path, worker) -> None:
     """Measure this project beside onnxruntime-genai and llama.cpp at batch 1 and print the table."""
-    if worker is not None:
-        click.echo(json.dumps(run_worker(json.loads(worker))))
+    if worker:
+        click.echo(json.dumps(run_worker(json.loads(sys.stdin.read()))))
         return
     precisions = ("int4", "fp32") if precision == "both" else (precision,)
     engines = [e for e in ENGINES if e.precision in precisions and (not only or e.kind in only)]
@@ -501,12 +512,7 @@ def main(precision, rounds, new_tokens, prompt_tokens, prefill_tokens, threads, 
                            "prompt_tokens": prompt_tokens, "prefill_tokens": prefill_tokens, "threads": threads,
                            "message": job["message"], "models": {k: str(v) for k, v in models.items()}},
               **summarize(engines, samples, bandwidth, weights)}
-    click.echo("\n".join(table(report)))
-    if json_path:
-        from cli.json_output import write_json
-
-        write_json(json_path, report)
-        click.echo(f"[INFO] wrote {json_path}", err=True)
+    print_report(table(report), report, json_path)
 
 
 if __name__ == "__main__":

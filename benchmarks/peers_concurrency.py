@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,9 +42,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # peers, beside this file
 
-from peers import Engine, GenaiRunner, model_of  # noqa: E402
+from peers import Engine, GenaiRunner, model_of, print_report, spawn  # noqa: E402
 
 from models.data_files import EVAL_TEXT  # noqa: E402
+
+SCRIPT = Path(__file__)  # what spawn runs as each worker
 
 PROMPT_LENGTHS = (32, 512)
 OUTPUT_LENGTHS = (32, 128)
@@ -184,18 +184,6 @@ def run_worker(job: dict) -> dict:
     return {**result, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-def spawn(job: dict) -> dict:
-    """`job` in a fresh process of this script, given on stdin (the prompts outgrow a command-line argument);
-    its result, or {"error": ...} if it failed."""
-    env = {**os.environ, "NUMBA_NUM_THREADS": str(job["threads"])}
-    run = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker"], input=json.dumps(job),
-                         capture_output=True, text=True, env=env)
-    lines = run.stdout.strip().splitlines()
-    if run.returncode != 0 or not lines:
-        return {"error": (run.stderr.strip().splitlines() or [f"exit status {run.returncode}"])[-1]}
-    return json.loads(lines[-1])
-
-
 # ---- the command -----------------------------------------------------------------------------------------
 
 def _ints(text: str) -> list[int]:
@@ -228,25 +216,21 @@ def main(precision, num_requests, concurrency, batches, threads, seed, json_path
     requests = request_mix(tokenizer.encode(EVAL_TEXT.read_text(encoding="utf-8")), num_requests, seed)
     job = {"threads": threads, "requests": requests}
     click.echo(f"cann-llm, {concurrency} clients ...", err=True)
-    ours_row = spawn({**job, "kind": "cann", "model": str(ours), "concurrency": concurrency})
+    ours_row = spawn({**job, "kind": "cann", "model": str(ours), "concurrency": concurrency}, SCRIPT)
     genai_rows = []
     for batch in _ints(batches):
         click.echo(f"onnxruntime-genai, batch {batch} ...", err=True)
         if genai is None:
             genai_rows.append({"batch": batch, "error": "onnxruntime-genai is not installed"})
             continue
-        genai_rows.append({"batch": batch, **spawn({**job, "kind": "genai", "model": str(genai), "batch": batch})})
+        measured = spawn({**job, "kind": "genai", "model": str(genai), "batch": batch}, SCRIPT)
+        genai_rows.append({"batch": batch, **measured})
     report = {"settings": {"precision": precision, "requests": num_requests, "concurrency": concurrency,
                            "threads": threads, "seed": seed, "prompt_lengths": PROMPT_LENGTHS,
                            "output_lengths": OUTPUT_LENGTHS, "prompt_tokens": sum(len(p) for p, _ in requests),
                            "output_tokens": sum(n for _, n in requests), "models": {"cann": str(ours), "genai": str(genai)}},
               **summarize({"concurrency": concurrency, **ours_row}, genai_rows)}
-    click.echo("\n".join(table(report)))
-    if json_path:
-        from cli.json_output import write_json
-
-        write_json(json_path, report)
-        click.echo(f"[INFO] wrote {json_path}", err=True)
+    print_report(table(report), report, json_path)
 
 
 if __name__ == "__main__":

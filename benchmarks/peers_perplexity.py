@@ -23,7 +23,7 @@ import numpy as np
 import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import Engine, cann_artifact, model_of  # noqa: E402
+from peers import Engine, cann_artifact, model_of, print_report  # noqa: E402
 
 from models.data_files import EVAL_TEXT  # noqa: E402
 from runtime.loader import load_artifact  # noqa: E402
@@ -36,21 +36,16 @@ def genai_window_logits(model: Path, threads: int):
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     session = ort.InferenceSession(str(model / "model.onnx"), options, providers=["CPUExecutionProvider"])
-    pasts = [i for i in session.get_inputs() if i.name.startswith("past_key_values")]
+    # the builder leaves the cache's head size symbolic in the graph; its config states it
+    decoder = json.loads((model / "genai_config.json").read_text())["model"]["decoder"]
+    empty = {i.name: np.zeros((1, int(decoder["num_key_value_heads"]), 0, int(decoder["head_size"])), np.float32)
+             for i in session.get_inputs() if i.name.startswith("past_key_values")}
 
     def window_logits(ids: list[int]) -> np.ndarray:
         feeds = {"input_ids": np.asarray([ids], np.int64), "attention_mask": np.ones((1, len(ids)), np.int64)}
-        for value in pasts:
-            feeds[value.name] = np.zeros((1, value.shape[1], 0, int(value.shape[3]) if isinstance(value.shape[3], int)
-                                          else _head_dim(model)), np.float32)
-        return session.run(["logits"], feeds)[0][0]
+        return session.run(["logits"], {**feeds, **empty})[0][0]
 
     return window_logits
-
-
-def _head_dim(model: Path) -> int:
-    config = json.loads((model / "genai_config.json").read_text())["model"]["decoder"]
-    return int(config["head_size"])
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -73,10 +68,8 @@ def main(window: int, stride: int, threads: int, artifacts: tuple[str, ...], jso
         result = sliding_window_perplexity(genai_window_logits(folder, threads), ids, window, stride)
         rows.append({"model": f"onnxruntime-genai {precision} ({folder})", "perplexity": result.perplexity,
                      "tokens": result.tokens_scored})
-    for row in rows:
-        click.echo(f"{row['perplexity']:9.3f}  {row['tokens']} tokens  {row['model']}")
-    if json_path:
-        Path(json_path).write_text(json.dumps({"window": window, "stride": stride, "rows": rows}, indent=2))
+    lines = [f"{row['perplexity']:9.3f}  {row['tokens']} tokens  {row['model']}" for row in rows]
+    print_report(lines, {"window": window, "stride": stride, "rows": rows}, json_path)
 
 
 if __name__ == "__main__":
