@@ -108,10 +108,13 @@ def report(timers: Timers) -> list[str]:
 @click.option("--steps", default=128, show_default=True, help="tokens generated (EOS held off)")
 @click.option("--threads", type=int, default=None, help="onnxruntime's threads (default: its own choice)")
 @click.option("--host-attention", is_flag=True, help="the segmented plan: attention as host kernels between sessions")
-def main(om_path: str, prompt_tokens: int, steps: int, threads: int | None, host_attention: bool) -> None:
+@click.option("--onnxruntime-matmul", is_flag=True, help="onnxruntime's MatMulNBits, not the native int8 matmul")
+def main(om_path: str, prompt_tokens: int, steps: int, threads: int | None, host_attention: bool,
+         onnxruntime_matmul: bool) -> None:
     """Print the breakdown of the decode steps of one request."""
     with LLMEngine(om_path, max_batch_size=1, max_context_len=prompt_tokens + steps + 8, kv_cache_pages=64,
-                   threads=threads, process_thread_pool=True, host_attention=host_attention) as engine:
+                   threads=threads, process_thread_pool=True, host_attention=host_attention,
+                   native_matmul=not onnxruntime_matmul) as engine:
         engine.generate([5 + i % 200 for i in range(prompt_tokens)], max_new_tokens=4, temperature=0.0, ignore_eos=True)
         timers = instrument(engine)
         prompt = [7 + i % 190 for i in range(prompt_tokens)]

@@ -29,7 +29,7 @@ from runtime.kernels import HostRun, host_kernel, is_host_node, native, referenc
 from runtime.kernels.paged_attention import PagedInputError
 from runtime.loader import LoadedModel
 from runtime.lowering import POOL_KEY, POOL_VALUE, lower_for_onnxruntime, with_pool_inputs
-from runtime.ops import PAGED_ATTENTION, PAGED_METADATA, SWIGLU, attributes
+from runtime.ops import MATMUL_INT4, PAGED_ATTENTION, PAGED_METADATA, SWIGLU, attributes
 from runtime.ort_session import process_thread_pool_enabled, session_options
 from runtime.proto_utils import initializers_as_inputs
 from runtime.segments import HostNode, Segment, split_at_host_nodes
@@ -49,7 +49,7 @@ class Executor:
     """
 
     def __init__(self, loaded: LoadedModel, backend: str = "onnxruntime", threads: int | None = None,
-                 spinning: bool = True, host_attention: bool = False):
+                 spinning: bool = True, host_attention: bool = False, native_matmul: bool = True):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
         self.loaded = loaded
@@ -83,7 +83,7 @@ class Executor:
                 continue
             try:
                 segment = _SegmentStep(step, weights, backend, threads, spinning, stop_spinning, self.native_library,
-                                       loaded.om.path)
+                                       loaded.om.path, native_matmul)
             except ORT_FAILURES as error:
                 # a graph the loader's checks let through but onnxruntime will not build: the file is invalid
                 reason = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -150,21 +150,34 @@ def _only_paged_attention(plan: list) -> bool:
     return bool(hosts) and all(node.op_type == PAGED_ATTENTION.name for node in hosts)
 
 
-def _native_nodes(model: onnx.ModelProto):
+def _native_nodes(model: onnx.ModelProto, matmul: bool = True):
     """What the native library runs itself besides PagedAttention: SwiGlu on float32, its only type there (a
-    node whose input type the graph does not state is lowered as usual)."""
+    node whose input type the graph does not state is lowered as usual), and MatMulInt4 where its int8 kernel
+    computes what onnxruntime's MatMulNBits would (`native.takes_matmul`) on float32 activations and packed
+    uint8 zero points, unless `matmul` is off."""
     graph = model.graph
     floats = {v.name for v in [*graph.value_info, *graph.input, *graph.output]
               if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT}
-    return lambda node: node.op_type == SWIGLU.name and node.input[0] in floats
+    uint8 = {t.name for t in graph.initializer if t.data_type == onnx.TensorProto.UINT8}
+
+    def keep(node: onnx.NodeProto) -> bool:
+        if node.op_type == SWIGLU.name:
+            return node.input[0] in floats
+        if node.op_type == MATMUL_INT4.name and matmul:
+            zero_points = node.input[3] if len(node.input) > 3 else ""
+            return (native.takes_matmul(attributes(node)) and node.input[0] in floats
+                    and (not zero_points or zero_points in uint8))
+        return False
+    return keep
 
 
 class _SegmentStep:
     def __init__(self, segment: Segment, weights: dict[str, np.ndarray], backend: str, threads: int | None,
-                 spinning: bool, stop_spinning: bool, library=None, artifact: Path | None = None):
+                 spinning: bool, stop_spinning: bool, library=None, artifact: Path | None = None,
+                 native_matmul: bool = True):
         self.inputs, self.outputs = segment.inputs, segment.outputs
         if backend == "onnxruntime":
-            keep = _native_nodes(segment.model) if library is not None else None
+            keep = _native_nodes(segment.model, native_matmul) if library is not None else None
             self._session = _ort_session(lower_for_onnxruntime(segment.model, keep), artifact, threads, spinning,
                                          stop_spinning, library)
             self._weights_fed = {}

@@ -167,7 +167,8 @@ class LLMEngine:
         self._chat_template: ChatTemplate | None = None
         if config.process_thread_pool and backend == "onnxruntime":
             enable_process_thread_pool(threads)
-        executor = Executor(self.loaded, backend, threads, host_attention=config.host_attention)
+        executor = Executor(self.loaded, backend, threads, host_attention=config.host_attention,
+                            native_matmul=config.native_matmul)
         self.paged = self.loaded.paged
         if self.paged:
             self.page_size = self.loaded.kv_cache["page_size"]

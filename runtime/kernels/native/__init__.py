@@ -1,5 +1,5 @@
-"""The native custom-op library: cann::PagedAttention (paged_attention.c) and cann::SwiGlu (swiglu.c) inside
-onnxruntime, registered by library.c.
+"""The native custom-op library: cann::PagedAttention (paged_attention.c), cann::SwiGlu (swiglu.c) and, on CPUs
+with AVX-512 VNNI, cann::MatMulInt4 (matmul_int4.c) inside onnxruntime, registered by library.c.
 
 With it a paged artifact's step is one onnxruntime session run instead of ~30 sessions taking turns with
 ~30 host-kernel calls (docs/performance.md#one-session-per-step). onnxruntime's wheels carry no C headers,
@@ -24,7 +24,7 @@ from pathlib import Path
 from runtime.kernels.numba_cache import user_cache_dir
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("library.c", "paged_attention.c", "swiglu.c", "native_ops.h", "ort_abi.h")
+SOURCES = ("library.c", "paged_attention.c", "swiglu.c", "matmul_int4.c", "native_ops.h", "ort_abi.h")
 # fast math without -ffinite-math-only: masked scores are -inf, and NaN weights give NaN as numpy would
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-fno-math-errno", "-fno-trapping-math",
          "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math", "-ffp-contract=fast", "-fvisibility=hidden")
@@ -81,6 +81,27 @@ def library_path() -> Path:
         if os.path.exists(partial.name):
             os.unlink(partial.name)
     return target
+
+
+# what matmul_int4.c's kernel needs of the CPU; the library is built with -march=native, so these flags are
+# the ones it was compiled for
+MATMUL_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
+MATMUL_BLOCKS = {4: (128,), 8: (64, 128)}  # bits: block sizes (each 64 bytes of a weight row within one block)
+
+
+@functools.lru_cache(maxsize=1)
+def has_int8_matmul() -> bool:
+    """Whether this CPU runs the native MatMulInt4 (without it the library does not register the op)."""
+    flags = set(_cpu_flags().split(":", 1)[-1].split())
+    return all(flag in flags for flag in MATMUL_CPU_FLAGS)
+
+
+def takes_matmul(attributes: dict) -> bool:
+    """Whether the native MatMulInt4 computes a node with these attributes as onnxruntime's MatMulNBits would:
+    int8 activations (accuracy level 4), 4 bits in blocks of 128 or 8 bits in blocks of 64 or 128."""
+    blocks = MATMUL_BLOCKS.get(int(attributes.get("bits", 4)), ())
+    return (has_int8_matmul() and int(attributes.get("accuracy_level", 0)) == 4
+            and int(attributes.get("block_size", 0)) in blocks)
 
 
 def available() -> bool:

@@ -53,16 +53,17 @@ void common_op(OrtCustomOp* op) {
   op->GetVariadicOutputHomogeneity = variadic_homogeneity;
 }
 
-static OrtCustomOp g_ops[2];
+static OrtCustomOp g_ops[3];
 
 __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
   g_api = base->GetApi(ORT_API_VERSION_USED);
   if (!g_api) return NULL; /* an onnxruntime older than the API this library uses cannot say so any other way */
   paged_attention_op(&g_ops[0]);
   swiglu_op(&g_ops[1]);
+  const size_t count = 2 + (size_t)matmul_int4_op(&g_ops[2]);
   OrtCustomOpDomain* domain = NULL;
   OrtStatus* status = ORT_CALL(g_api, CreateCustomOpDomain)(DOMAIN, &domain);
-  for (size_t i = 0; !status && i < sizeof(g_ops) / sizeof(g_ops[0]); i++)
+  for (size_t i = 0; !status && i < count; i++)
     status = ORT_CALL(g_api, CustomOpDomain_Add)(domain, &g_ops[i]);
   if (!status) status = ORT_CALL(g_api, AddCustomOpDomain)(options, domain);
   return status;

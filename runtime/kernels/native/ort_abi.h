@@ -21,7 +21,7 @@ typedef struct OrtSessionOptions OrtSessionOptions;
 typedef struct OrtCustomOpDomain OrtCustomOpDomain;
 typedef struct OrtTensorTypeAndShapeInfo OrtTensorTypeAndShapeInfo;
 
-typedef enum { ORT_FLOAT = 1, ORT_INT32 = 6, ORT_INT64 = 7 } ONNXTensorElementDataType; /* the values used here */
+typedef enum { ORT_FLOAT = 1, ORT_UINT8 = 2, ORT_INT32 = 6, ORT_INT64 = 7 } ONNXTensorElementDataType; /* the values used here */
 typedef enum { ORT_OK = 0, ORT_FAIL = 1 } OrtErrorCode;
 typedef enum { ORT_MEM_DEFAULT = 0 } OrtMemType;
 typedef enum { ORT_REQUIRED = 0, ORT_OPTIONAL = 1 } OrtCustomOpInputOutputCharacteristic;

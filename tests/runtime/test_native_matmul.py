@@ -1,0 +1,118 @@
+"""The native MatMulInt4 (runtime/kernels/native/matmul_int4.c) inside onnxruntime: the same products as the
+numpy reference and as onnxruntime's own MatMulNBits on the same bytes, over the shapes its paths split on
+(whole groups of 16 columns and the columns after them, a partial last block, one row and many), and the
+executor's choice of which nodes it takes."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper, numpy_helper
+
+from runtime.executor import _native_nodes
+from runtime.kernels import native
+from runtime.kernels.quant_matmul import MatMulInt4
+from runtime.ops import CUSTOM_DOMAIN
+
+pytestmark = pytest.mark.skipif(not native.has_int8_matmul(), reason="this CPU has no AVX-512 VNNI")
+
+BLOCK = 128
+
+
+def _operands(k: int, n: int, bits: int, zero_points: bool, seed: int = 0, block: int = BLOCK):
+    rng = np.random.default_rng(seed)
+    blocks = -(-k // block)
+    b = rng.integers(0, 256, (n, blocks, block * bits // 8), dtype=np.uint8)
+    scales = (rng.random(n * blocks, dtype=np.float32) * 0.02 + 0.001).astype(np.float32)
+    zp = None
+    if zero_points:
+        zp = rng.integers(0, 256, n * (-(-blocks // 2)) if bits == 4 else n * blocks, dtype=np.uint8)
+    return b, scales, zp
+
+
+def _session(op: str, domain: str, k: int, n: int, bits: int, b, scales, zp, accuracy_level: int = 4,
+             block: int = BLOCK):
+    inits = [numpy_helper.from_array(b, "B"), numpy_helper.from_array(scales, "S")]
+    inputs = ["A", "B", "S"]
+    if zp is not None:
+        inits.append(numpy_helper.from_array(zp, "Z"))
+        inputs.append("Z")
+    node = helper.make_node(op, inputs, ["Y"], domain=domain, K=k, N=n, bits=bits, block_size=block,
+                            accuracy_level=accuracy_level)
+    graph = helper.make_graph([node], "one_matmul", [helper.make_tensor_value_info("A", onnx.TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("Y", onnx.TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(domain, 1)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    if domain == CUSTOM_DOMAIN:
+        options.register_custom_ops_library(str(native.library_path()))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("bits, block", [(4, 128), (8, 128), (8, 64)])
+@pytest.mark.parametrize("zero_points", [True, False])
+@pytest.mark.parametrize("k, n, rows", [
+    (576, 48, (1,)),          # three whole groups of 16 columns, a last block of 64
+    (256, 40, (1, 3)),        # two groups and 8 columns after them
+    (1000, 5, (2,)),          # only columns after the groups; K not a multiple of 16
+    (384, 64, (9, 1, 6)),     # rows enough to quantize on threads, 4 at a time and one by one, [rows, tokens, K]
+])
+def test_the_native_matmul_equals_the_reference_and_onnxruntimes_kernel(bits, block, zero_points, k, n, rows):
+    b, scales, zp = _operands(k, n, bits, zero_points, block=block)
+    ours = _session("MatMulInt4", CUSTOM_DOMAIN, k, n, bits, b, scales, zp, block=block)
+    theirs = _session("MatMulNBits", "com.microsoft", k, n, bits, b, scales, zp, block=block)
+    a = np.random.default_rng(1).standard_normal((*rows, k)).astype(np.float32)
+    got = ours.run(None, {"A": a})[0]
+    expected = MatMulInt4(a, b, scales, zp, K=k, N=n, block_size=block, bits=bits, accuracy_level=4)
+    mlas = theirs.run(None, {"A": a})[0]
+    assert got.shape == (*rows, n)
+    scale = float(np.abs(expected).max())
+    np.testing.assert_allclose(got, expected, rtol=0, atol=2e-5 * scale)
+    np.testing.assert_allclose(got, mlas, rtol=0, atol=2e-5 * scale)
+
+
+def test_a_block_of_zeros_and_a_row_of_zeros_give_exact_products():
+    k, n, bits = 384, 32, 4
+    b, scales, zp = _operands(k, n, bits, True, seed=3)
+    a = np.random.default_rng(2).standard_normal((3, k)).astype(np.float32)
+    a[0] = 0.0
+    a[1, BLOCK:2 * BLOCK] = 0.0
+    got = _session("MatMulInt4", CUSTOM_DOMAIN, k, n, bits, b, scales, zp).run(None, {"A": a})[0]
+    expected = MatMulInt4(a, b, scales, zp, K=k, N=n, block_size=BLOCK, bits=bits, accuracy_level=4)
+    assert np.all(got[0] == 0.0)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=2e-5 * float(np.abs(expected).max()))
+
+
+def test_activations_whose_last_axis_is_not_k_are_refused():
+    b, scales, zp = _operands(256, 16, 4, True)
+    session = _session("MatMulInt4", CUSTOM_DOMAIN, 256, 16, 4, b, scales, zp)
+    with pytest.raises(Exception, match="MatMulInt4: A's last axis is not K"):
+        session.run(None, {"A": np.zeros((1, 200), np.float32)})
+
+
+def _graph_of(nodes: list[onnx.NodeProto], zero_point_type: int) -> onnx.ModelProto:
+    inits = [helper.make_tensor("B", onnx.TensorProto.UINT8, [16, 2, 64], bytes(16 * 2 * 64), raw=True),
+             helper.make_tensor("S", onnx.TensorProto.FLOAT, [32], [0.1] * 32),
+             helper.make_tensor("Z", zero_point_type, [16], [8] * 16)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("A", onnx.TensorProto.FLOAT, [1, 256])],
+                              [helper.make_tensor_value_info(n.output[0], onnx.TensorProto.FLOAT, None) for n in nodes],
+                              inits)
+    return helper.make_model(graph)
+
+
+def _matmul(name: str, **attrs) -> onnx.NodeProto:
+    settings = {"K": 256, "N": 16, "bits": 4, "block_size": BLOCK, "accuracy_level": 4, **attrs}
+    return helper.make_node("MatMulInt4", ["A", "B", "S", "Z"], [name], domain=CUSTOM_DOMAIN, **settings)
+
+
+def test_the_executor_gives_the_library_only_the_matmuls_it_computes_as_matmulnbits():
+    nodes = [_matmul("level4"), _matmul("level0", accuracy_level=0), _matmul("blocks32", block_size=32),
+             _matmul("blocks64", block_size=64), _matmul("eight_bits", bits=8),
+             _matmul("eight_bits_blocks64", bits=8, block_size=64), _matmul("eight_bits_blocks32", bits=8, block_size=32)]
+    keep = _native_nodes(_graph_of(nodes, onnx.TensorProto.UINT8))
+    assert [node.output[0] for node in nodes if keep(node)] == ["level4", "eight_bits", "eight_bits_blocks64"]
+    assert not _native_nodes(_graph_of(nodes, onnx.TensorProto.UINT8), matmul=False)(nodes[0])
+    floats = _native_nodes(_graph_of([_matmul("float_zero_points")], onnx.TensorProto.FLOAT))
+    assert not floats(_matmul("float_zero_points"))
