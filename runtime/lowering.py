@@ -164,9 +164,17 @@ def _fused_attention(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
 
 
 def _matmul_int4(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
-    # the same operands and attributes, by design: the artifact stores MatMulNBits' layout
-    return [helper.make_node("MatMulNBits", list(node.input), list(node.output), name=node.name,
-                             domain=MICROSOFT_DOMAIN, **attributes(node))]
+    # the same operands and attributes, by design: the artifact stores MatMulNBits' layout; an input scale
+    # (with_input_scales) goes back to the Mul it came from
+    inputs = list(node.input[:MatMulQuantInput.INPUT_SCALE])
+    nodes = []
+    if len(node.input) > MatMulQuantInput.INPUT_SCALE and node.input[MatMulQuantInput.INPUT_SCALE]:
+        scaled = f"{node.name}/scaled_input"
+        nodes.append(helper.make_node("Mul", [inputs[0], node.input[MatMulQuantInput.INPUT_SCALE]], [scaled],
+                                      name=f"{node.name}/InputScale"))
+        inputs[0] = scaled
+    return nodes + [helper.make_node("MatMulNBits", inputs, list(node.output), name=node.name,
+                                     domain=MICROSOFT_DOMAIN, **attributes(node))]
 
 
 def _matmul_int8(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
@@ -232,6 +240,48 @@ def lower_for_onnxruntime(model: onnx.ModelProto, keep: Callable[[onnx.NodeProto
     if MICROSOFT_DOMAIN not in domains:
         lowered.opset_import.append(helper.make_opsetid(MICROSOFT_DOMAIN, 1))
     return lowered
+
+
+def with_input_scales(model: onnx.ModelProto, keep: Callable[[onnx.NodeProto], bool]) -> onnx.ModelProto:
+    """A copy of `model` where each MatMulInt4 that `keep` gives the native library, reading the product of a
+    Mul by a constant [K] vector that nothing else reads (AWQ's 1/s where no norm could take it), reads the
+    Mul's other operand and takes the vector as its input scale: the library scales A as it quantizes it, a
+    node less a matmul. `model` itself is left alone."""
+    graph = model.graph
+    vectors = {t.name for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == 1}
+    readers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    for output in graph.output:
+        readers[output.name] = readers.get(output.name, 0) + 1
+    muls = {node.output[0]: node for node in graph.node if node.op_type == "Mul" and node.domain in ("", "ai.onnx")
+            and len(node.input) == 2 and node.input[1] in vectors}
+    moves = {}
+    for node in graph.node:
+        mul = muls.get(node.input[0]) if node.domain == CUSTOM_DOMAIN and node.op_type == MATMUL_INT4.name else None
+        if mul is None or readers[mul.output[0]] != 1 or not keep(node):
+            continue
+        size = next(t.dims[0] for t in graph.initializer if t.name == mul.input[1])
+        if size == attributes(node)["K"]:
+            moves[node.output[0]] = mul
+    if not moves:
+        return model
+    moved = onnx.ModelProto()
+    moved.CopyFrom(model)
+    dropped = {mul.output[0] for mul in moves.values()}
+    nodes = []
+    for node in moved.graph.node:
+        if node.op_type == "Mul" and node.output[0] in dropped:
+            continue
+        mul = moves.get(node.output[0]) if node.op_type == MATMUL_INT4.name else None
+        if mul is not None:
+            node.input[0] = mul.input[0]
+            node.input.extend([""] * (MatMulQuantInput.INPUT_SCALE - len(node.input)) + [mul.input[1]])
+        nodes.append(node)
+    del moved.graph.node[:]
+    moved.graph.node.extend(nodes)
+    return moved
 
 
 # the page pool as the native PagedAttention's last two inputs (runtime/kernels/native/paged_attention.c)

@@ -81,6 +81,9 @@ class MatMulQuantInput(IntEnum):
     B = 1
     SCALES = 2
     ZERO_POINTS = 3
+    # MatMulInt4 only, and only in the sessions the runtime builds (runtime/lowering.py: with_input_scales):
+    # [K] float32 multiplying A's columns, a constant Mul moved into the node
+    INPUT_SCALE = 4
 
 
 class GatherInt4Input(IntEnum):

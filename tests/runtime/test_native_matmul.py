@@ -1,7 +1,7 @@
 """The native MatMulInt4 (runtime/kernels/native/matmul_int4.c) inside onnxruntime: the same products as the
 numpy reference and as onnxruntime's own MatMulNBits on the same bytes, over the shapes its paths split on
-(whole groups of 16 columns and the columns after them, a partial last block, one row and many), and the
-executor's choice of which nodes it takes."""
+(whole groups of 16 columns and the columns after them, a partial last block, one row and many), with an
+input scale, and the executor's choice of which nodes it takes and which constant Muls move into them."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from onnx import helper, numpy_helper
 from runtime.executor import _native_nodes
 from runtime.kernels import native
 from runtime.kernels.quant_matmul import MatMulInt4
-from runtime.ops import CUSTOM_DOMAIN
+from runtime.lowering import lower_for_onnxruntime, with_input_scales
+from runtime.ops import CUSTOM_DOMAIN, attributes
 
 pytestmark = pytest.mark.skipif(not native.has_int8_matmul(), reason="this CPU has no AVX-512 VNNI")
 
@@ -116,3 +117,52 @@ def test_the_executor_gives_the_library_only_the_matmuls_it_computes_as_matmulnb
     assert not _native_nodes(_graph_of(nodes, onnx.TensorProto.UINT8), matmul=False)(nodes[0])
     floats = _native_nodes(_graph_of([_matmul("float_zero_points")], onnx.TensorProto.FLOAT))
     assert not floats(_matmul("float_zero_points"))
+
+
+@pytest.mark.parametrize("zero_points", [True, False])
+def test_an_input_scale_multiplies_the_activations_before_they_are_quantized(zero_points):
+    k, n, bits = 576, 40, 4
+    b, scales, zp = _operands(k, n, bits, zero_points, seed=4)
+    scale = np.random.default_rng(5).uniform(0.2, 3.0, k).astype(np.float32)
+    inits = [numpy_helper.from_array(b, "B"), numpy_helper.from_array(scales, "S"), numpy_helper.from_array(scale, "s")]
+    if zp is not None:
+        inits.append(numpy_helper.from_array(zp, "Z"))
+    node = helper.make_node("MatMulInt4", ["A", "B", "S", "Z" if zp is not None else "", "s"], ["Y"],
+                            domain=CUSTOM_DOMAIN, K=k, N=n, bits=bits, block_size=BLOCK, accuracy_level=4)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", onnx.TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("Y", onnx.TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(CUSTOM_DOMAIN, 1)])
+    a = np.random.default_rng(6).standard_normal((5, k)).astype(np.float32)
+    expected = MatMulInt4(a * scale, b, scales, zp, K=k, N=n, block_size=BLOCK, bits=bits, accuracy_level=4)
+    tolerance = 2e-5 * float(np.abs(expected).max())
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(native.library_path()))
+    native_run = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(native_run.run(None, {"A": a})[0], expected, rtol=0, atol=tolerance)
+    # where the library does not take the node, lowering puts the Mul back before onnxruntime's MatMulNBits
+    lowered = lower_for_onnxruntime(model)
+    assert [node.op_type for node in lowered.graph.node] == ["Mul", "MatMulNBits"]
+    plain = ort.InferenceSession(lowered.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(plain.run(None, {"A": a})[0], expected, rtol=0, atol=tolerance)
+
+
+def test_a_constant_mul_read_only_by_a_native_matmul_moves_into_it():
+    inits = [helper.make_tensor(name, onnx.TensorProto.FLOAT, [256], [0.5] * 256) for name in ("s", "t")]
+    inits.append(helper.make_tensor("scalar", onnx.TensorProto.FLOAT, [1], [2.0]))
+    nodes = [helper.make_node("Mul", ["A", "s"], ["moved"]),           # read by one kept matmul: moves
+             helper.make_node("Mul", ["A", "t"], ["shared"]),          # read by two: stays
+             helper.make_node("Mul", ["A", "scalar"], ["by_scalar"]),  # not a [K] vector: stays
+             helper.make_node("Mul", ["A", "s"], ["lowered"]),         # read by a matmul the library does not take
+             _matmul("y1"), _matmul("y2"), _matmul("y3"), _matmul("y4"), _matmul("y5", accuracy_level=0)]
+    for node, source in zip(nodes[4:], ["moved", "shared", "shared", "by_scalar", "lowered"]):
+        node.input[0] = source
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("A", onnx.TensorProto.FLOAT, [1, 256])],
+                              [helper.make_tensor_value_info(f"y{i}", onnx.TensorProto.FLOAT, None) for i in range(1, 6)],
+                              inits)
+    model = helper.make_model(graph)
+    moved = with_input_scales(model, lambda node: attributes(node)["accuracy_level"] == 4)
+    by_output = {node.output[0]: node for node in moved.graph.node}
+    assert "moved" not in by_output and {"shared", "by_scalar", "lowered"} <= set(by_output)
+    assert list(by_output["y1"].input) == ["A", "B", "S", "Z", "s"]
+    assert [len(by_output[y].input) for y in ("y2", "y3", "y4", "y5")] == [4, 4, 4, 4]
+    assert len(model.graph.node) == 9  # the model itself is left alone

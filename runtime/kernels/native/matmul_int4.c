@@ -1,6 +1,8 @@
 /* cann::MatMulInt4 as an onnxruntime custom op, on CPUs with AVX-512 VNNI: y = A · Wᵀ with W stored in
    MatMulNBits' layout (B uint8 [N][blocks][block·bits/8], 4-bit values low nibble first), a float32 scale a
-   block and optional uint8 zero points (4-bit ones two a byte, low nibble first; 2^(bits-1) without them).
+   block and optional uint8 zero points (4-bit ones two a byte, low nibble first; 2^(bits-1) without them);
+   an optional fifth input [K] scales A's columns first (a constant Mul before the node, moved into it by
+   runtime/lowering.py's `with_input_scales`: AWQ's 1/s where no norm could take it).
    A is quantized to int8 per row and block (scale max|a| / 127, a · 127 / max|a| rounded half to even) as
    onnxruntime's accuracy level 4 does, and multiplied in int8 with vpdpbusd: at one row MLAS's MatMulNBits
    reads its weights at ~20 GB/s where this reads ~40 (docs/performance.md#int4-matmul). The reference is
@@ -38,6 +40,7 @@ typedef struct {
 typedef struct {
   const Kernel* k;
   const float* a;
+  const float* a_scale;       /* NULL, or [K] multiplying A's columns before they are quantized */
   const uint8_t* b;
   const float* scales;
   const uint8_t* zero_points; /* NULL: 2^(bits-1) */
@@ -50,10 +53,16 @@ typedef struct {
   float* both;           /* [tasks][ROWS][blocks][16] products of weight and activation scales */
 } Work;
 
-/* 16 floats from `x` (only `count` of them, the rest 0) times `inverse`, rounded half to even */
-static inline __m512i rounded(const float* x, int64_t count, __m512 inverse) {
+/* 16 floats from `x` (only `count` of them, the rest 0), times `scale`'s when there is one */
+static inline __m512 load16(const float* x, const float* scale, int64_t count) {
   const __mmask16 mask = count >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count > 0 ? count : 0)) - 1);
-  return _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask, x), inverse));
+  const __m512 v = _mm512_maskz_loadu_ps(mask, x);
+  return scale ? _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, scale)) : v;
+}
+
+/* those times `inverse`, rounded half to even */
+static inline __m512i rounded(const float* x, const float* scale, int64_t count, __m512 inverse) {
+  return _mm512_cvtps_epi32(_mm512_mul_ps(load16(x, scale, count), inverse));
 }
 
 /* One row of A into int8, block by block. For 4 bits, each 128 elements go as their 64 even ones then their
@@ -67,11 +76,10 @@ static void quantize_row(void* data, size_t row) {
   const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
   for (int64_t b = 0; b < w->blocks; b++) {
     const int64_t start = b * block, count = K - start < block ? K - start : block;
+    const float* s = w->a_scale ? w->a_scale + start : NULL;
     __m512 largest = _mm512_setzero_ps();
-    for (int64_t i = 0; i < count; i += 16) {
-      const __mmask16 mask = count - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - i)) - 1);
-      largest = _mm512_max_ps(largest, _mm512_abs_ps(_mm512_maskz_loadu_ps(mask, a + start + i)));
-    }
+    for (int64_t i = 0; i < count; i += 16)
+      largest = _mm512_max_ps(largest, _mm512_abs_ps(load16(a + start + i, s ? s + i : NULL, count - i)));
     const float most = _mm512_reduce_max_ps(largest);
     const __m512 inverse = _mm512_set1_ps(most > 0.0f ? 127.0f / most : 0.0f);
     const float* x = a + start;
@@ -80,8 +88,9 @@ static void quantize_row(void* data, size_t row) {
     if (w->k->bits == 4) {
       for (int64_t piece = 0; piece < block; piece += 128) {
         for (int64_t i = 0; i < 128; i += 32) {
-          const __m512i lo = rounded(x + piece + i, count - piece - i, inverse);
-          const __m512i hi = rounded(x + piece + i + 16, count - piece - i - 16, inverse);
+          const int64_t at = piece + i;
+          const __m512i lo = rounded(x + at, s ? s + at : NULL, count - at, inverse);
+          const __m512i hi = rounded(x + at + 16, s ? s + at + 16 : NULL, count - at - 16, inverse);
           sum = _mm512_add_epi32(sum, _mm512_add_epi32(lo, hi));
           _mm_storeu_si128((__m128i*)(out + piece + i / 2), _mm512_cvtsepi32_epi8(_mm512_permutex2var_epi32(lo, evens, hi)));
           _mm_storeu_si128((__m128i*)(out + piece + PIECE + i / 2), _mm512_cvtsepi32_epi8(_mm512_permutex2var_epi32(lo, odds, hi)));
@@ -89,7 +98,7 @@ static void quantize_row(void* data, size_t row) {
       }
     } else {
       for (int64_t i = 0; i < block; i += 16) {
-        const __m512i v = rounded(x + i, count - i, inverse);
+        const __m512i v = rounded(x + i, s ? s + i : NULL, count - i, inverse);
         sum = _mm512_add_epi32(sum, v);
         _mm_storeu_si128((__m128i*)(out + i), _mm512_cvtsepi32_epi8(v));
       }
@@ -249,10 +258,14 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   if (!status) status = input(context, 1, &b);
   if (!status) status = input(context, 2, &scales);
   if (status) return status;
-  const OrtValue* zp_value = NULL;
+  const OrtValue *zp_value = NULL, *scale_value = NULL;
+  Tensor a_scale;
   status = ORT_CALL(g_api, KernelContext_GetInput)(context, 3, &zp_value);
   if (!status && zp_value) status = tensor_of(zp_value, &zero_points);
+  if (!status) status = ORT_CALL(g_api, KernelContext_GetInput)(context, 4, &scale_value);
+  if (!status && scale_value) status = tensor_of(scale_value, &a_scale);
   if (status) return status;
+  if (scale_value && elements(&a_scale) != k->K) return fail("MatMulInt4: the input scale is not [K]");
   const int64_t blocks = (k->K + k->block - 1) / k->block, block_bytes = k->block * k->bits / 8;
   if (a.rank < 1 || a.dims[a.rank - 1] != k->K) return fail("MatMulInt4: A's last axis is not K");
   if (elements(&b) != k->N * blocks * block_bytes) return fail("MatMulInt4: B is not [N, ceil(K/block), block·bits/8]");
@@ -274,7 +287,7 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   const size_t both_floats = (size_t)(MAX_TASKS * ROWS * blocks * TASK_COLUMNS);
   char* scratch = (char*)aligned_alloc(64, q_bytes + sizeof(float) * (2 * (size_t)(m * blocks) + both_floats) + 64);
   if (!scratch) return fail("MatMulInt4: out of memory for the quantized activations");
-  Work w = {k, a.data, (const uint8_t*)b.data, scales.data, zp_value ? (const uint8_t*)zero_points.data : NULL,
+  Work w = {k, a.data, scale_value ? a_scale.data : NULL, (const uint8_t*)b.data, scales.data, zp_value ? (const uint8_t*)zero_points.data : NULL,
             (int8_t*)scratch, (float*)(scratch + q_bytes), (int32_t*)((float*)(scratch + q_bytes) + m * blocks), y, m,
             blocks, block_bytes, 0, (float*)(scratch + q_bytes) + 2 * m * blocks};
   w.task_columns = (k->N + MAX_TASKS - 1) / MAX_TASKS;
@@ -329,24 +342,24 @@ static void destroy_kernel(void* kernel) {
 }
 
 static const char* op_name(const OrtCustomOp* op) { (void)op; return "MatMulInt4"; }
-static size_t four(const OrtCustomOp* op) { (void)op; return 4; }
+static size_t five(const OrtCustomOp* op) { (void)op; return 5; }
 static size_t one(const OrtCustomOp* op) { (void)op; return 1; }
 static ONNXTensorElementDataType input_type(const OrtCustomOp* op, size_t i) {
   (void)op;
-  return i == 0 || i == 2 ? ORT_FLOAT : ORT_UINT8;
+  return i == 1 || i == 3 ? ORT_UINT8 : ORT_FLOAT;
 }
 static ONNXTensorElementDataType float32(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_FLOAT; }
-static OrtCustomOpInputOutputCharacteristic zero_points_optional(const OrtCustomOp* op, size_t index) {
+static OrtCustomOpInputOutputCharacteristic optional_from_3(const OrtCustomOp* op, size_t index) {
   (void)op;
-  return index == 3 ? ORT_OPTIONAL : ORT_REQUIRED;
+  return index >= 3 ? ORT_OPTIONAL : ORT_REQUIRED;
 }
 
 int matmul_int4_op(OrtCustomOp* op) {
   common_op(op);
   op->GetName = op_name;
   op->GetInputType = input_type;
-  op->GetInputTypeCount = four;
-  op->GetInputCharacteristic = zero_points_optional;
+  op->GetInputTypeCount = five;
+  op->GetInputCharacteristic = optional_from_3;
   op->GetOutputType = float32;
   op->GetOutputTypeCount = one;
   op->CreateKernelV2 = create_kernel;
