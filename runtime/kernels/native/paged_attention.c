@@ -24,6 +24,8 @@ enum { QUERY, KEY, VALUE, COS, SIN, QUERY_START_LOC, SEQ_LENS, BLOCK_TABLES, SLO
 #define QUERY_TILE 8 /* query rows of one sequence that attend together: each key row is read once for all */
 #define TILE_VECTORS 128 /* query vectors (rows x the heads of a KV head) a tile's scratch holds at most */
 #define PARALLEL_WORK 2048 /* query·key pairs from which a layer's work is spread over the pool's threads */
+#define WIDE_ROWS 32 /* query rows of a wide tile at most (attend_wide), as many as 64 query vectors allow */
+#define WIDE_MIN 8   /* query vectors from which a tile runs wide: fewer (a decode step's) waste the lanes */
 
 typedef struct {
   int64_t num_heads, kv_heads, head_dim, interleaved, window, layer, page_size;
@@ -144,12 +146,174 @@ static inline __attribute__((always_inline)) void attend_tile(const Attend* a, i
     }
 }
 
+
+/* ---- the wide tile: query vectors in the lanes, for prefill ---------------------------------------- */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define WIDE_VECTORS 4 /* vectors of 16 query lanes a wide tile holds at most (64 query vectors) */
+#define WIDE_CHUNK 8   /* head-dim columns of the output kept in registers while a page's values are read */
+
+/* fast_exp on 16 lanes (the same clamp, polynomial and rounding) */
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.4426950408889634f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+/* The tile of attend_tile with its NV·16 query vectors (rows x the heads of KV head kv) in the lanes of NV
+   vectors: a key row's scores for all of them are NV FMAs a head-dim column, with no sums across lanes, and
+   the softmax and masks run on whole vectors; the output accumulates WIDE_CHUNK head-dim columns at a time
+   in registers over a page's rows. Lanes past the tile's vectors are padding, never visible. */
+static inline __attribute__((always_inline)) void attend_wide(const Attend* a, int64_t b, int64_t first, int64_t rows,
+                                                              int64_t kv, const int64_t D, const int NV) {
+  const Kernel* k = a->k;
+  const int64_t group = k->num_heads / k->kv_heads, PS = k->page_size, KV = k->kv_heads, L = NV * 16;
+  const int64_t n = rows * group;
+  const int64_t end = a->starts[b + 1], length = a->seq_lens[b];
+  const int64_t first_pos = length - (end - a->starts[b]) + (first - a->starts[b]);
+  const int64_t last_pos = first_pos + rows - 1;
+  float qt[D][L] __attribute__((aligned(64)));
+  float acc[D][L] __attribute__((aligned(64)));
+  float scores[PS][L] __attribute__((aligned(64)));
+  __mmask16 visible[PS][WIDE_VECTORS];
+  int32_t position[L] __attribute__((aligned(64)));
+  for (int64_t i = 0; i < L; i++) {
+    const int64_t r = i / group, g = i % group;
+    const float* src = a->q + ((first + r) * k->num_heads + kv * group + g) * D;
+    position[i] = i < n ? (int32_t)(first_pos + r) : -1;
+    for (int64_t d = 0; d < D; d++) qt[d][i] = i < n ? src[d] * k->scale : 0.0f;
+  }
+  memset(acc, 0, sizeof(acc));
+  __m512 running_max[WIDE_VECTORS], total[WIDE_VECTORS];
+  __m512i pos[WIDE_VECTORS];
+  for (int v = 0; v < NV; v++) {
+    running_max[v] = _mm512_set1_ps(-INFINITY);
+    total[v] = _mm512_setzero_ps();
+    pos[v] = _mm512_load_si512((const void*)(position + 16 * v));
+  }
+  int64_t oldest = k->window > 0 ? first_pos - k->window + 1 : 0;
+  if (oldest < 0) oldest = 0;
+  const int32_t* pages = a->tables + b * a->max_blocks;
+  for (int64_t page_index = oldest / PS; page_index <= last_pos / PS; page_index++) {
+    const int64_t base = page_index * PS;
+    int64_t count = last_pos + 1 - base;
+    if (count > PS) count = PS;
+    const float* kp = a->key + ((int64_t)pages[page_index] * KV + kv) * PS * D;
+    const float* vp = a->value + ((int64_t)pages[page_index] * KV + kv) * PS * D;
+    int64_t r = 0;
+    for (; r + 4 <= count; r += 4) { /* four key rows at once: 4·NV independent sums */
+      __m512 s[4][WIDE_VECTORS];
+      for (int j = 0; j < 4; j++)
+        for (int v = 0; v < NV; v++) s[j][v] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d++)
+        for (int j = 0; j < 4; j++) {
+          const __m512 key = _mm512_set1_ps(kp[(r + j) * D + d]);
+          for (int v = 0; v < NV; v++) s[j][v] = _mm512_fmadd_ps(_mm512_load_ps(&qt[d][16 * v]), key, s[j][v]);
+        }
+      for (int j = 0; j < 4; j++)
+        for (int v = 0; v < NV; v++) _mm512_store_ps(&scores[r + j][16 * v], s[j][v]);
+    }
+    for (; r < count; r++) {
+      __m512 s[WIDE_VECTORS];
+      for (int v = 0; v < NV; v++) s[v] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d++) {
+        const __m512 key = _mm512_set1_ps(kp[r * D + d]);
+        for (int v = 0; v < NV; v++) s[v] = _mm512_fmadd_ps(_mm512_load_ps(&qt[d][16 * v]), key, s[v]);
+      }
+      for (int v = 0; v < NV; v++) _mm512_store_ps(&scores[r][16 * v], s[v]);
+    }
+    /* causal and windowed visibility: key position base + r, query position in the lane */
+    __m512 page_max[WIDE_VECTORS];
+    for (int v = 0; v < NV; v++) page_max[v] = _mm512_set1_ps(-INFINITY);
+    for (r = 0; r < count; r++) {
+      const __m512i key = _mm512_set1_epi32((int32_t)(base + r));
+      for (int v = 0; v < NV; v++) {
+        __mmask16 seen = _mm512_cmpge_epi32_mask(pos[v], key);
+        if (k->window > 0)
+          seen &= _mm512_cmplt_epi32_mask(_mm512_sub_epi32(pos[v], _mm512_set1_epi32((int32_t)k->window)), key);
+        visible[r][v] = seen;
+        page_max[v] = _mm512_mask_max_ps(page_max[v], seen, page_max[v], _mm512_load_ps(&scores[r][16 * v]));
+      }
+    }
+    __m512 correction[WIDE_VECTORS];
+    for (int v = 0; v < NV; v++) {
+      const __m512 new_max = _mm512_max_ps(running_max[v], page_max[v]);
+      /* lanes that have seen nothing yet keep -inf: their correction is exp of a NaN, clamped to tiny, on zeros */
+      correction[v] = exp16(_mm512_sub_ps(running_max[v], new_max));
+      running_max[v] = new_max;
+      total[v] = _mm512_mul_ps(total[v], correction[v]);
+    }
+    for (r = 0; r < count; r++)
+      for (int v = 0; v < NV; v++) {
+        const __m512 p = _mm512_maskz_mov_ps(visible[r][v], exp16(_mm512_sub_ps(_mm512_load_ps(&scores[r][16 * v]), running_max[v])));
+        _mm512_store_ps(&scores[r][16 * v], p);
+        total[v] = _mm512_add_ps(total[v], p);
+      }
+    for (int64_t d0 = 0; d0 < D; d0 += WIDE_CHUNK) {
+      __m512 o[WIDE_CHUNK][WIDE_VECTORS];
+      for (int dd = 0; dd < WIDE_CHUNK; dd++)
+        for (int v = 0; v < NV; v++) o[dd][v] = _mm512_mul_ps(_mm512_load_ps(&acc[d0 + dd][16 * v]), correction[v]);
+      for (r = 0; r < count; r++) {
+        const float* value = vp + r * D + d0;
+        for (int v = 0; v < NV; v++) {
+          const __m512 p = _mm512_load_ps(&scores[r][16 * v]);
+          for (int dd = 0; dd < WIDE_CHUNK; dd++) o[dd][v] = _mm512_fmadd_ps(p, _mm512_set1_ps(value[dd]), o[dd][v]);
+        }
+      }
+      for (int dd = 0; dd < WIDE_CHUNK; dd++)
+        for (int v = 0; v < NV; v++) _mm512_store_ps(&acc[d0 + dd][16 * v], o[dd][v]);
+    }
+  }
+  float inverse[L] __attribute__((aligned(64)));
+  for (int v = 0; v < NV; v++) {
+    const __m512 t = total[v];
+    _mm512_store_ps(inverse + 16 * v, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(t, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                                           _mm512_set1_ps(1.0f), t));
+  }
+  for (int64_t i = 0; i < n; i++) {
+    const int64_t r = i / group, g = i % group;
+    float* dst = a->out + ((first + r) * k->num_heads + kv * group + g) * D;
+    for (int64_t d = 0; d < D; d++) dst[d] = acc[d][i] * inverse[i];
+  }
+}
+#endif
+
 static void attend_item(void* data, size_t item) {
   const Attend* a = (const Attend*)data;
   int64_t kv = (int64_t)item % a->k->kv_heads, tile = (int64_t)item / a->k->kv_heads;
   int64_t b = a->tile_seq[tile], first = a->tile_row[tile];
   int64_t rows = a->starts[b + 1] - first;
   if (rows > a->tile_rows) rows = a->tile_rows;
+#if defined(__AVX512F__)
+  const int64_t n = rows * (a->k->num_heads / a->k->kv_heads), vectors = (n + 15) / 16;
+  if (n >= WIDE_MIN && vectors <= WIDE_VECTORS && a->k->head_dim % WIDE_CHUNK == 0 && a->k->head_dim <= 256) {
+    const int64_t D = a->k->head_dim;
+    switch (vectors * 1000 + (D == 64 ? 64 : D == 128 ? 128 : 0)) {
+      case 1064: attend_wide(a, b, first, rows, kv, 64, 1); return;
+      case 2064: attend_wide(a, b, first, rows, kv, 64, 2); return;
+      case 3064: attend_wide(a, b, first, rows, kv, 64, 3); return;
+      case 4064: attend_wide(a, b, first, rows, kv, 64, 4); return;
+      case 1128: attend_wide(a, b, first, rows, kv, 128, 1); return;
+      case 2128: attend_wide(a, b, first, rows, kv, 128, 2); return;
+      case 3128: attend_wide(a, b, first, rows, kv, 128, 3); return;
+      case 4128: attend_wide(a, b, first, rows, kv, 128, 4); return;
+      case 1000: attend_wide(a, b, first, rows, kv, D, 1); return;
+      case 2000: attend_wide(a, b, first, rows, kv, D, 2); return;
+      case 3000: attend_wide(a, b, first, rows, kv, D, 3); return;
+      default: attend_wide(a, b, first, rows, kv, D, 4); return;
+    }
+  }
+#endif
   switch (a->k->head_dim) {
     case 64: attend_tile(a, b, first, rows, kv, 64); break;
     case 128: attend_tile(a, b, first, rows, kv, 128); break;
@@ -217,6 +381,11 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   int64_t tile_rows = TILE_VECTORS / (H / KV);
   if (tile_rows > QUERY_TILE) tile_rows = QUERY_TILE;
   if (tile_rows < 1) return fail("PagedInputError: more than 128 query heads share one KV head");
+#if defined(__AVX512F__)
+  /* wide tiles take as many rows as 64 query vectors hold, when that beats the narrow tile's rows */
+  const int64_t wide_rows = (16 * 4) / (H / KV) < WIDE_ROWS ? (16 * 4) / (H / KV) : WIDE_ROWS;
+  if (D % WIDE_CHUNK == 0 && D <= 256 && wide_rows > tile_rows) tile_rows = wide_rows;
+#endif
   const Tensor* kc = &t[KEY_CACHE];
   if (kc->rank != 5 || t[VALUE_CACHE].rank != 5 || memcmp(kc->dims, t[VALUE_CACHE].dims, sizeof(kc->dims)) ||
       kc->dims[0] <= k->layer || kc->dims[2] != KV || kc->dims[3] != PS || kc->dims[4] != D)
