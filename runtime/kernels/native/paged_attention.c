@@ -63,6 +63,56 @@ typedef struct {
   int64_t tile_rows;  /* query rows a tile takes at most */
 } Attend;
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* fast_exp on 16 lanes (the same clamp, polynomial and rounding) */
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.4426950408889634f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+#endif
+
+/* scores[0..count) → exp(score - max) where lo <= r < hi, else 0; their sum into *sum */
+static inline void softmax_row(float* scores, int64_t count, int64_t lo, int64_t hi, float max, float* sum) {
+  float total = 0.0f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  const __m512 m = _mm512_set1_ps(max);
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  int64_t r = 0;
+  for (; r < count; r += 16) {
+    const __m512i at = _mm512_add_epi32(lanes, _mm512_set1_epi32((int32_t)r));
+    const __mmask16 in = _mm512_cmplt_epi32_mask(at, _mm512_set1_epi32((int32_t)count));
+    const __mmask16 seen = in & _mm512_cmpge_epi32_mask(at, _mm512_set1_epi32((int32_t)lo)) &
+                           _mm512_cmplt_epi32_mask(at, _mm512_set1_epi32((int32_t)hi));
+    const __m512 p = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, scores + r), m)));
+    _mm512_mask_storeu_ps(scores + r, in, p);
+    acc = _mm512_add_ps(acc, p);
+  }
+  total = _mm512_reduce_add_ps(acc);
+#else
+  for (int64_t r = 0; r < count; r++) {
+    float p = (r >= lo && r < hi) ? fast_exp(scores[r] - max) : 0.0f;
+    scores[r] = p;
+    total += p;
+  }
+#endif
+  *sum = total;
+}
+
 /* Query rows first..first+rows-1 of sequence b, the query heads of KV head kv, over the sequence's pages,
    one page of scores at a time with an online softmax. D is a constant in the specialised copies below. */
 static inline __attribute__((always_inline)) void attend_tile(const Attend* a, int64_t b, int64_t first, int64_t rows,
@@ -121,11 +171,7 @@ static inline __attribute__((always_inline)) void attend_tile(const Attend* a, i
       float correction = fast_exp(running_max[i] - new_max);
       for (int64_t d = 0; d < D; d++) acc[i][d] *= correction;
       float sum = 0.0f;
-      for (int64_t r = 0; r < count; r++) {
-        float p = (r >= lo && r < hi) ? fast_exp(scores[i][r] - new_max) : 0.0f;
-        scores[i][r] = p;
-        sum += p;
-      }
+      softmax_row(scores[i], count, lo, hi, new_max, &sum);
       total[i] = total[i] * correction + sum;
       running_max[i] = new_max;
     }
@@ -149,26 +195,8 @@ static inline __attribute__((always_inline)) void attend_tile(const Attend* a, i
 
 /* ---- the wide tile: query vectors in the lanes, for prefill ---------------------------------------- */
 #if defined(__AVX512F__)
-#include <immintrin.h>
 #define WIDE_VECTORS 4 /* vectors of 16 query lanes a wide tile holds at most (64 query vectors) */
 #define WIDE_CHUNK 8   /* head-dim columns of the output kept in registers while a page's values are read */
-
-/* fast_exp on 16 lanes (the same clamp, polynomial and rounding) */
-static inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.4426950408889634f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
 
 /* The tile of attend_tile with its NV·16 query vectors (rows x the heads of KV head kv) in the lanes of NV
    vectors: a key row's scores for all of them are NV FMAs a head-dim column, with no sums across lanes, and
