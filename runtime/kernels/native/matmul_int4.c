@@ -4,8 +4,8 @@
    an optional fifth input [K] scales A's columns first (a constant Mul before the node, moved into it by
    runtime/lowering.py's `with_input_scales`: AWQ's 1/s where no norm could take it).
    A is quantized to int8 per row and block (scale max|a| / 127, a · 127 / max|a| rounded half to even) as
-   onnxruntime's accuracy level 4 does, and multiplied in int8 with vpdpbusd: at one row MLAS's MatMulNBits
-   reads its weights at ~20 GB/s where this reads ~40 (docs/performance.md#int4-matmul). The reference is
+   onnxruntime's accuracy level 4 does, and multiplied in int8 with vpdpbusd: at one row it reads SmolLM2's
+   weights 1.1-1.6x as fast as MLAS's MatMulNBits (docs/performance.md#int4-matmul). The reference is
    runtime/kernels/quant_matmul.py's MatMulInt4; the executor gives this op only the nodes it takes
    (runtime/kernels/native/__init__.py: `takes_matmul`): accuracy level 4, 4 bits in blocks of 128, or 8 bits
    in blocks of 64 or 128, so that a block is one or two 64-byte pieces. */
