@@ -65,6 +65,8 @@ if __name__ == "__main__":
     count = warm_up()
     print(f"numba kernels ready: {count} signatures in {time.perf_counter() - start:.1f} s")
     try:
-        print(f"native PagedAttention ready: {native.library_path()}")
+        ops = "PagedAttention, SwiGlu" + (", MatMulInt4" if native.has_int8_matmul() else " (no AVX-512 VNNI here: "
+                                                                                         "no MatMulInt4)")
+        print(f"native ops ready ({ops}): {native.library_path()}")
     except native.NativeUnavailable as why:
         print(f"native PagedAttention not built ({why}): paged attention runs as host kernels")

@@ -17,7 +17,7 @@ from runtime.kernels.quant_matmul import MatMulInt4
 from runtime.lowering import lower_for_onnxruntime, with_input_scales
 from runtime.ops import CUSTOM_DOMAIN, attributes
 
-pytestmark = pytest.mark.skipif(not native.has_int8_matmul(), reason="this CPU has no AVX-512 VNNI")
+VNNI = pytest.mark.skipif(not native.has_int8_matmul(), reason="this CPU has no AVX-512 VNNI")
 
 BLOCK = 128
 
@@ -52,6 +52,7 @@ def _session(op: str, domain: str, k: int, n: int, bits: int, b, scales, zp, acc
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
+@VNNI
 @pytest.mark.parametrize("bits, block", [(4, 128), (8, 128), (8, 64)])
 @pytest.mark.parametrize("zero_points", [True, False])
 @pytest.mark.parametrize("k, n, rows", [
@@ -74,6 +75,7 @@ def test_the_native_matmul_equals_the_reference_and_onnxruntimes_kernel(bits, bl
     np.testing.assert_allclose(got, mlas, rtol=0, atol=2e-5 * scale)
 
 
+@VNNI
 def test_a_block_of_zeros_and_a_row_of_zeros_give_exact_products():
     k, n, bits = 384, 32, 4
     b, scales, zp = _operands(k, n, bits, True, seed=3)
@@ -86,6 +88,7 @@ def test_a_block_of_zeros_and_a_row_of_zeros_give_exact_products():
     np.testing.assert_allclose(got, expected, rtol=0, atol=2e-5 * float(np.abs(expected).max()))
 
 
+@VNNI
 def test_activations_whose_last_axis_is_not_k_are_refused():
     b, scales, zp = _operands(256, 16, 4, True)
     session = _session("MatMulInt4", CUSTOM_DOMAIN, 256, 16, 4, b, scales, zp)
@@ -108,6 +111,7 @@ def _matmul(name: str, **attrs) -> onnx.NodeProto:
     return helper.make_node("MatMulInt4", ["A", "B", "S", "Z"], [name], domain=CUSTOM_DOMAIN, **settings)
 
 
+@VNNI
 def test_the_executor_gives_the_library_only_the_matmuls_it_computes_as_matmulnbits():
     nodes = [_matmul("level4"), _matmul("level0", accuracy_level=0), _matmul("blocks32", block_size=32),
              _matmul("blocks64", block_size=64), _matmul("eight_bits", bits=8),
@@ -119,6 +123,7 @@ def test_the_executor_gives_the_library_only_the_matmuls_it_computes_as_matmulnb
     assert not floats(_matmul("float_zero_points"))
 
 
+@VNNI
 @pytest.mark.parametrize("zero_points", [True, False])
 def test_an_input_scale_multiplies_the_activations_before_they_are_quantized(zero_points):
     k, n, bits = 576, 40, 4
@@ -166,3 +171,13 @@ def test_a_constant_mul_read_only_by_a_native_matmul_moves_into_it():
     assert list(by_output["y1"].input) == ["A", "B", "S", "Z", "s"]
     assert [len(by_output[y].input) for y in ("y2", "y3", "y4", "y5")] == [4, 4, 4, 4]
     assert len(model.graph.node) == 9  # the model itself is left alone
+
+
+def test_on_a_cpu_without_vnni_every_matmul_is_left_to_onnxruntime(monkeypatch):
+    monkeypatch.setattr(native, "_cpu_flags", lambda: "flags\t\t: fpu sse2 avx2 avx512f avx512bw")
+    native.has_int8_matmul.cache_clear()
+    try:
+        keep = _native_nodes(_graph_of([_matmul("level4")], onnx.TensorProto.UINT8))
+        assert not native.has_int8_matmul() and not keep(_matmul("level4"))
+    finally:
+        native.has_int8_matmul.cache_clear()

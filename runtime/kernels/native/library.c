@@ -21,6 +21,10 @@ OrtStatus* tensor_of(const OrtValue* value, Tensor* out) {
   return status;
 }
 
+OrtStatus* int_attribute(const OrtKernelInfo* info, const char* name, int64_t* out) {
+  return ORT_CALL(g_api, KernelInfoGetAttribute_int64)(info, name, out);
+}
+
 int64_t elements(const Tensor* t) {
   int64_t n = 1;
   for (size_t i = 0; i < t->rank; i++) n *= t->dims[i];

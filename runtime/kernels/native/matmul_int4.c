@@ -308,19 +308,15 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   return status;
 }
 
-static OrtStatus* read_int(const OrtKernelInfo* info, const char* name, int64_t* out) {
-  return ORT_CALL(g_api, KernelInfoGetAttribute_int64)(info, name, out);
-}
-
 static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
   (void)op;
   (void)api;
   Kernel* k = (Kernel*)calloc(1, sizeof(Kernel));
   if (!k) return fail("out of memory for a MatMulInt4 kernel");
-  OrtStatus* status = read_int(info, "K", &k->K);
-  if (!status) status = read_int(info, "N", &k->N);
-  if (!status) status = read_int(info, "block_size", &k->block);
-  if (!status && read_int(info, "bits", &k->bits)) k->bits = 4; /* the registry's default (runtime/ops.py) */
+  OrtStatus* status = int_attribute(info, "K", &k->K);
+  if (!status) status = int_attribute(info, "N", &k->N);
+  if (!status) status = int_attribute(info, "block_size", &k->block);
+  if (!status && int_attribute(info, "bits", &k->bits)) k->bits = 4; /* the registry's default (runtime/ops.py) */
   if (!status && (k->K < 1 || k->N < 1 || !((k->bits == 4 && k->block == 128) || (k->bits == 8 && (k->block == 64 || k->block == 128)))))
     status = fail("MatMulInt4: the native kernel takes 4 bits in blocks of 128, or 8 bits in blocks of 64 or 128");
   if (!status && pthread_mutex_init(&k->lock, NULL)) status = fail("MatMulInt4: no mutex");

@@ -22,6 +22,8 @@ OrtStatus* fail(const char* message);
 /* `value`'s dims (at most 6) and data; an error status for more dims */
 OrtStatus* tensor_of(const OrtValue* value, Tensor* out);
 int64_t elements(const Tensor* t);
+/* the node's int attribute `name`; an error status when it has none */
+OrtStatus* int_attribute(const OrtKernelInfo* info, const char* name, int64_t* out);
 
 /* Cephes' expf as runtime/kernels/fast_math.py has it (the numpy reference there holds both): plain
    arithmetic the compiler vectorizes, where libm's expf is a call per element. Clamped to [-87, 88]: -87

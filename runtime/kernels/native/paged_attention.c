@@ -85,6 +85,16 @@ static inline __m512 exp16(__m512 x) {
 
 #endif
 
+/* KV head kv's keys and values on `page` (its first position `base`) and how many of its rows a tile whose
+   last query sits at last_pos reads */
+static inline int64_t page_rows(const Attend* a, int32_t page, int64_t base, int64_t last_pos, int64_t kv, int64_t D,
+                                const float** kp, const float** vp) {
+  const int64_t PS = a->k->page_size, KV = a->k->kv_heads;
+  *kp = a->key + ((int64_t)page * KV + kv) * PS * D;
+  *vp = a->value + ((int64_t)page * KV + kv) * PS * D;
+  return last_pos + 1 - base < PS ? last_pos + 1 - base : PS;
+}
+
 /* scores[0..count) → exp(score - max) where lo <= r < hi, else 0; their sum into *sum */
 static inline void softmax_row(float* scores, int64_t count, int64_t lo, int64_t hi, float max, float* sum) {
   float total = 0.0f;
@@ -118,7 +128,7 @@ static inline void softmax_row(float* scores, int64_t count, int64_t lo, int64_t
 static inline __attribute__((always_inline)) void attend_tile(const Attend* a, int64_t b, int64_t first, int64_t rows,
                                                               int64_t kv, const int64_t D) {
   const Kernel* k = a->k;
-  const int64_t group = k->num_heads / k->kv_heads, PS = k->page_size, KV = k->kv_heads;
+  const int64_t group = k->num_heads / k->kv_heads, PS = k->page_size;
   const int64_t n = rows * group; /* query vectors of the tile */
   const int64_t end = a->starts[b + 1], length = a->seq_lens[b];
   const int64_t first_pos = length - (end - a->starts[b]) + (first - a->starts[b]);
@@ -143,11 +153,8 @@ static inline __attribute__((always_inline)) void attend_tile(const Attend* a, i
   if (oldest < 0) oldest = 0;
   const int32_t* pages = a->tables + b * a->max_blocks;
   for (int64_t page_index = oldest / PS; page_index <= last_pos / PS; page_index++) {
-    const int64_t base = page_index * PS;
-    int64_t count = last_pos + 1 - base;
-    if (count > PS) count = PS;
-    const float* kp = a->key + ((int64_t)pages[page_index] * KV + kv) * PS * D;
-    const float* vp = a->value + ((int64_t)pages[page_index] * KV + kv) * PS * D;
+    const float *kp, *vp;
+    const int64_t base = page_index * PS, count = page_rows(a, pages[page_index], base, last_pos, kv, D, &kp, &vp);
     for (int64_t r = 0; r < count; r++) {
       const float* kr = kp + r * D;
       for (int64_t i = 0; i < n; i++) {
@@ -205,7 +212,7 @@ static inline __attribute__((always_inline)) void attend_tile(const Attend* a, i
 static inline __attribute__((always_inline)) void attend_wide(const Attend* a, int64_t b, int64_t first, int64_t rows,
                                                               int64_t kv, const int64_t D, const int NV) {
   const Kernel* k = a->k;
-  const int64_t group = k->num_heads / k->kv_heads, PS = k->page_size, KV = k->kv_heads, L = NV * 16;
+  const int64_t group = k->num_heads / k->kv_heads, PS = k->page_size, L = NV * 16;
   const int64_t n = rows * group;
   const int64_t end = a->starts[b + 1], length = a->seq_lens[b];
   const int64_t first_pos = length - (end - a->starts[b]) + (first - a->starts[b]);
@@ -233,11 +240,8 @@ static inline __attribute__((always_inline)) void attend_wide(const Attend* a, i
   if (oldest < 0) oldest = 0;
   const int32_t* pages = a->tables + b * a->max_blocks;
   for (int64_t page_index = oldest / PS; page_index <= last_pos / PS; page_index++) {
-    const int64_t base = page_index * PS;
-    int64_t count = last_pos + 1 - base;
-    if (count > PS) count = PS;
-    const float* kp = a->key + ((int64_t)pages[page_index] * KV + kv) * PS * D;
-    const float* vp = a->value + ((int64_t)pages[page_index] * KV + kv) * PS * D;
+    const float *kp, *vp;
+    const int64_t base = page_index * PS, count = page_rows(a, pages[page_index], base, last_pos, kv, D, &kp, &vp);
     int64_t r = 0;
     for (; r + 4 <= count; r += 4) { /* four key rows at once: 4·NV independent sums */
       __m512 s[4][WIDE_VECTORS];
@@ -509,24 +513,20 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
 
 /* ---- registration ---------------------------------------------------------------------------------- */
 
-static OrtStatus* read_int(const OrtKernelInfo* info, const char* name, int64_t* out) {
-  return ORT_CALL(g_api, KernelInfoGetAttribute_int64)(info, name, out);
-}
-
 static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
   (void)op;
   (void)api;
   Kernel* k = (Kernel*)calloc(1, sizeof(Kernel));
   if (!k) return fail("out of memory for a PagedAttention kernel");
-  OrtStatus* status = read_int(info, "num_heads", &k->num_heads);
-  if (!status) status = read_int(info, "kv_num_heads", &k->kv_heads);
-  if (!status) status = read_int(info, "head_dim", &k->head_dim);
-  if (!status) status = read_int(info, "layer", &k->layer);
-  if (!status) status = read_int(info, "page_size", &k->page_size);
+  OrtStatus* status = int_attribute(info, "num_heads", &k->num_heads);
+  if (!status) status = int_attribute(info, "kv_num_heads", &k->kv_heads);
+  if (!status) status = int_attribute(info, "head_dim", &k->head_dim);
+  if (!status) status = int_attribute(info, "layer", &k->layer);
+  if (!status) status = int_attribute(info, "page_size", &k->page_size);
   if (!status) status = ORT_CALL(g_api, KernelInfoGetAttribute_float)(info, "scale", &k->scale);
   /* the registry's defaults (runtime/ops.py): the compiler may leave these off */
-  if (!status && read_int(info, "rotary_interleaved", &k->interleaved)) k->interleaved = 0;
-  if (!status && read_int(info, "sliding_window", &k->window)) k->window = 0;
+  if (!status && int_attribute(info, "rotary_interleaved", &k->interleaved)) k->interleaved = 0;
+  if (!status && int_attribute(info, "sliding_window", &k->window)) k->window = 0;
   if (!status && (k->num_heads < 1 || k->kv_heads < 1 || k->head_dim < 1 || k->page_size < 1 || k->layer < 0))
     status = fail("PagedInputError: the node's heads, head_dim, page_size and layer must be positive");
   if (status) {
