@@ -28,8 +28,7 @@ from runtime.errors import AtcError
 from runtime.kernels import HostRun, host_kernel, is_host_node, native, reference_ops
 from runtime.kernels.paged_attention import PagedInputError
 from runtime.loader import LoadedModel
-from runtime.lowering import (POOL_KEY, POOL_VALUE, lower_for_onnxruntime, with_fused_norms, with_input_scales,
-                              with_pool_inputs)
+from runtime.lowering import POOL_KEY, POOL_VALUE, lower_for_onnxruntime, with_input_scales, with_pool_inputs
 from runtime.ops import MATMUL_INT4, PAGED_ATTENTION, PAGED_METADATA, SWIGLU, attributes
 from runtime.ort_session import process_thread_pool_enabled, session_options
 from runtime.proto_utils import initializers_as_inputs
@@ -181,7 +180,7 @@ class _SegmentStep:
             model, keep = segment.model, None
             if library is not None:
                 keep = _native_nodes(model, native_matmul)
-                model = with_fused_norms(with_input_scales(model, keep), keep)
+                model = with_input_scales(model, keep)
             self._session = _ort_session(lower_for_onnxruntime(model, keep), artifact, threads, spinning,
                                          stop_spinning, library)
             self._weights_fed = {}

@@ -25,7 +25,6 @@ from runtime.ops import (
     RMS_NORM,
     SWIGLU,
     SwiGluInput,
-    AddRmsNormInput,
     AddRmsNormOutput,
     FusedAttentionInput,
     FusedAttentionOutput,
@@ -165,26 +164,17 @@ def _fused_attention(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
 
 
 def _matmul_int4(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
-    # the same operands and attributes, by design: the artifact stores MatMulNBits' layout; what the
-    # runtime moved into the node for the native library (with_fused_norms, with_input_scales) goes back out
+    # the same operands and attributes, by design: the artifact stores MatMulNBits' layout; an input scale
+    # (with_input_scales) goes back to the Mul it came from
     inputs = list(node.input[:MatMulQuantInput.INPUT_SCALE])
-    attrs = attributes(node)
     nodes = []
-    if attrs.pop("norm", 0):
-        normed = f"{node.name}/normed"
-        nodes.append(helper.make_node(
-            "SkipSimplifiedLayerNormalization",
-            [inputs[0], node.input[MatMulQuantInput.NORM_X2], node.input[MatMulQuantInput.NORM_WEIGHT]],
-            [normed, "", "", node.output[1]], name=f"{node.name}/Norm", domain=MICROSOFT_DOMAIN,
-            epsilon=attrs.pop("epsilon")))
-        inputs[0] = normed
     if len(node.input) > MatMulQuantInput.INPUT_SCALE and node.input[MatMulQuantInput.INPUT_SCALE]:
         scaled = f"{node.name}/scaled_input"
         nodes.append(helper.make_node("Mul", [inputs[0], node.input[MatMulQuantInput.INPUT_SCALE]], [scaled],
                                       name=f"{node.name}/InputScale"))
         inputs[0] = scaled
-    return nodes + [helper.make_node("MatMulNBits", inputs, [node.output[0]], name=node.name,
-                                     domain=MICROSOFT_DOMAIN, **attrs)]
+    return nodes + [helper.make_node("MatMulNBits", inputs, list(node.output), name=node.name,
+                                     domain=MICROSOFT_DOMAIN, **attributes(node))]
 
 
 def _matmul_int8(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
@@ -288,56 +278,6 @@ def with_input_scales(model: onnx.ModelProto, keep: Callable[[onnx.NodeProto], b
         if mul is not None:
             node.input[0] = mul.input[0]
             node.input.extend([""] * (MatMulQuantInput.INPUT_SCALE - len(node.input)) + [mul.input[1]])
-        nodes.append(node)
-    del moved.graph.node[:]
-    moved.graph.node.extend(nodes)
-    return moved
-
-
-def with_fused_norms(model: onnx.ModelProto, keep: Callable[[onnx.NodeProto], bool]) -> onnx.ModelProto:
-    """A copy of `model` where each AddRmsNorm whose normalized output only a MatMulInt4 that `keep` gives the
-    native library reads (a layer's packed QKV or gate_up projection) becomes part of that node: it takes
-    the norm's x1 as A, its x2 and gamma as inputs 5 and 6, and gives the sum as a second output (norm=1,
-    the norm's epsilon). A node less a norm; the fused node sits where the norm was, so everything that
-    reads the sum still comes after it. `model` itself is left alone."""
-    graph = model.graph
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
-    outputs = {value.name for value in graph.output}
-    fused: dict[str, onnx.NodeProto] = {}  # the norm's output Y -> the matmul taking it in
-    for node in graph.node:
-        if node.domain != CUSTOM_DOMAIN or node.op_type != ADD_RMS_NORM.name:
-            continue
-        y = node.output[AddRmsNormOutput.Y]
-        matmuls = readers.get(y, [])
-        if (len(matmuls) == 1 and y not in outputs and matmuls[0].op_type == MATMUL_INT4.name
-                and matmuls[0].domain == CUSTOM_DOMAIN and matmuls[0].input[0] == y and keep(matmuls[0])):
-            fused[y] = matmuls[0]
-    if not fused:
-        return model
-    moved = onnx.ModelProto()
-    moved.CopyFrom(model)
-    taken = {id(matmul) for matmul in fused.values()}
-    by_output = {node.output[0]: node for node in model.graph.node}
-    nodes = []
-    for node in moved.graph.node:
-        original = by_output.get(node.output[0]) if node.output else None
-        if original is not None and id(original) in taken:
-            continue  # the matmul goes where its norm was
-        if node.domain == CUSTOM_DOMAIN and node.op_type == ADD_RMS_NORM.name and node.output[0] in fused:
-            matmul = fused[node.output[0]]
-            inputs = list(matmul.input) + [""] * (MatMulQuantInput.NORM_X2 - len(matmul.input))
-            inputs[0] = node.input[AddRmsNormInput.X1]
-            inputs[MatMulQuantInput.NORM_X2:] = [node.input[AddRmsNormInput.X2], node.input[AddRmsNormInput.WEIGHT]]
-            total = (node.output[AddRmsNormOutput.SUM] if len(node.output) > AddRmsNormOutput.SUM
-                     and node.output[AddRmsNormOutput.SUM] else f"{node.name}/sum")
-            attrs = {**{a.name: helper.get_attribute_value(a) for a in matmul.attribute}, "norm": 1,
-                     "epsilon": float(attributes(node)["epsilon"])}
-            nodes.append(helper.make_node(MATMUL_INT4.name, inputs, [matmul.output[0], total], name=matmul.name,
-                                          domain=CUSTOM_DOMAIN, **attrs))
-            continue
         nodes.append(node)
     del moved.graph.node[:]
     moved.graph.node.extend(nodes)

@@ -81,13 +81,9 @@ class MatMulQuantInput(IntEnum):
     B = 1
     SCALES = 2
     ZERO_POINTS = 3
-    # MatMulInt4 only, and only in the sessions the runtime builds (runtime/lowering.py): [K] float32
-    # multiplying A's columns, a constant Mul moved into the node (with_input_scales); with attribute norm=1,
-    # the AddRmsNorm before the node fused into it (with_fused_norms): A is its x1, then its x2 and gamma,
-    # and a second output, the sum
+    # MatMulInt4 only, and only in the sessions the runtime builds (runtime/lowering.py: with_input_scales):
+    # [K] float32 multiplying A's columns, a constant Mul moved into the node
     INPUT_SCALE = 4
-    NORM_X2 = 5
-    NORM_WEIGHT = 6
 
 
 class GatherInt4Input(IntEnum):

@@ -1,8 +1,7 @@
 """The native MatMulInt4 (runtime/kernels/native/matmul_int4.c) inside onnxruntime: the same products as the
 numpy reference and as onnxruntime's own MatMulNBits on the same bytes, over the shapes its paths split on
 (whole groups of 16 columns and the columns after them, a partial last block, one row and many), with an
-input scale and with the AddRmsNorm before it fused in, and the executor's choice of which nodes it takes and
-what moves into them."""
+input scale, and the executor's choice of which nodes it takes and which constant Muls move into them."""
 
 from __future__ import annotations
 
@@ -14,9 +13,8 @@ from onnx import helper, numpy_helper
 
 from runtime.executor import _native_nodes
 from runtime.kernels import native
-from runtime.kernels.norms import AddRmsNorm
 from runtime.kernels.quant_matmul import MatMulInt4
-from runtime.lowering import lower_for_onnxruntime, with_fused_norms, with_input_scales
+from runtime.lowering import lower_for_onnxruntime, with_input_scales
 from runtime.ops import CUSTOM_DOMAIN, attributes
 
 VNNI = pytest.mark.skipif(not native.has_int8_matmul(), reason="this CPU has no AVX-512 VNNI")
@@ -183,65 +181,3 @@ def test_on_a_cpu_without_vnni_every_matmul_is_left_to_onnxruntime(monkeypatch):
         assert not native.has_int8_matmul() and not keep(_matmul("level4"))
     finally:
         native.has_int8_matmul.cache_clear()
-
-
-def _fused_norm_model(k: int, n: int, b, scales, scale: np.ndarray | None) -> onnx.ModelProto:
-    """AddRmsNorm(x1, x2, gamma) → MatMulInt4, in the artifact's form (the cann ops)."""
-    gamma = np.random.default_rng(7).uniform(0.5, 1.5, k).astype(np.float32)
-    inits = [numpy_helper.from_array(b, "B"), numpy_helper.from_array(scales, "S"), numpy_helper.from_array(gamma, "g")]
-    matmul_inputs = ["normed", "B", "S"]
-    if scale is not None:
-        inits.append(numpy_helper.from_array(scale, "s"))
-        matmul_inputs += ["", "s"]
-    nodes = [helper.make_node("AddRmsNorm", ["x1", "x2", "g"], ["normed", "total"], domain=CUSTOM_DOMAIN, epsilon=1e-5),
-             helper.make_node("MatMulInt4", matmul_inputs, ["Y"], domain=CUSTOM_DOMAIN, K=k, N=n, bits=4,
-                              block_size=BLOCK, accuracy_level=4),
-             helper.make_node("Neg", ["total"], ["after"])]  # a reader of the sum, after the matmul
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT, None) for x in ("x1", "x2")],
-                              [helper.make_tensor_value_info(y, onnx.TensorProto.FLOAT, None) for y in ("Y", "after")],
-                              inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(CUSTOM_DOMAIN, 1)])
-
-
-@VNNI
-@pytest.mark.parametrize("with_scale", [False, True])
-def test_an_add_rms_norm_before_a_native_matmul_fuses_into_it_with_the_same_products(with_scale):
-    k, n = 576, 48
-    b, scales, _ = _operands(k, n, 4, False, seed=8)
-    scale = np.random.default_rng(9).uniform(0.5, 2.0, k).astype(np.float32) if with_scale else None
-    model = _fused_norm_model(k, n, b, scales, scale)
-    fused = with_fused_norms(model, lambda node: True)
-    assert [node.op_type for node in fused.graph.node] == ["MatMulInt4", "Neg"]
-    assert list(fused.graph.node[0].output) == ["Y", "total"] and len(model.graph.node) == 3
-    rng = np.random.default_rng(10)
-    x1, x2 = (rng.standard_normal((3, k)).astype(np.float32) for _ in range(2))
-    gamma = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "g"))
-    normed, total = AddRmsNorm(x1, x2, gamma, epsilon=1e-5)
-    expected = MatMulInt4(normed * (scale if with_scale else 1.0), b, scales, None, K=k, N=n, block_size=BLOCK,
-                          bits=4, accuracy_level=4)
-    options = ort.SessionOptions()
-    options.register_custom_ops_library(str(native.library_path()))
-    native_run = ort.InferenceSession(fused.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    y, after = native_run.run(["Y", "after"], {"x1": x1, "x2": x2})
-    tolerance = 2e-5 * float(np.abs(expected).max())
-    np.testing.assert_allclose(y, expected, rtol=0, atol=tolerance)
-    np.testing.assert_allclose(after, -total, rtol=1e-6, atol=1e-6)
-    # lowered (no library), the fused node becomes onnxruntime's norm and MatMulNBits again
-    lowered = lower_for_onnxruntime(fused)
-    assert [node.op_type for node in lowered.graph.node][:2] == ["SkipSimplifiedLayerNormalization",
-                                                                 "Mul" if with_scale else "MatMulNBits"]
-    plain = ort.InferenceSession(lowered.SerializeToString(), providers=["CPUExecutionProvider"])
-    y, after = plain.run(["Y", "after"], {"x1": x1, "x2": x2})
-    np.testing.assert_allclose(y, expected, rtol=0, atol=tolerance)
-    np.testing.assert_allclose(after, -total, rtol=1e-6, atol=1e-6)
-
-
-def test_a_norm_whose_output_has_other_readers_or_a_matmul_the_library_does_not_take_stays():
-    b, scales, _ = _operands(256, 16, 4, False)
-    model = _fused_norm_model(256, 16, b, scales, None)
-    assert with_fused_norms(model, lambda node: False) is model
-    shared = onnx.ModelProto()
-    shared.CopyFrom(model)
-    shared.graph.node.append(helper.make_node("Neg", ["normed"], ["normed_too"]))
-    shared.graph.output.append(helper.make_tensor_value_info("normed_too", onnx.TensorProto.FLOAT, None))
-    assert with_fused_norms(shared, lambda node: True) is shared

@@ -2,9 +2,7 @@
    MatMulNBits' layout (B uint8 [N][blocks][block·bits/8], 4-bit values low nibble first), a float32 scale a
    block and optional uint8 zero points (4-bit ones two a byte, low nibble first; 2^(bits-1) without them);
    an optional fifth input [K] scales A's columns first (a constant Mul before the node, moved into it by
-   runtime/lowering.py's `with_input_scales`: AWQ's 1/s where no norm could take it). With attribute norm=1
-   the node also does the AddRmsNorm before it (`with_fused_norms`): A is its x1, inputs 5 and 6 its x2 and
-   gamma, output 1 the sum x1 + x2, and the row multiplied is RmsNorm(x1 + x2) · gamma (epsilon attribute).
+   runtime/lowering.py's `with_input_scales`: AWQ's 1/s where no norm could take it).
    A is quantized to int8 per row and block (scale max|a| / 127, a · 127 / max|a| rounded half to even) as
    onnxruntime's accuracy level 4 does, and multiplied in int8 with vpdpbusd: at one row it reads SmolLM2's
    weights 1.1-1.6x as fast as MLAS's MatMulNBits (docs/performance.md#int4-matmul). The reference is
@@ -29,8 +27,6 @@
 
 typedef struct {
   int64_t K, N, bits, block;
-  int64_t norm; /* 1: A is x1 of a fused AddRmsNorm (runtime/lowering.py: with_fused_norms) */
-  float epsilon;
   /* made at the first run from the node's constant inputs (a custom op has no pre-packing step): the scales
      and zero points of every group of 16 columns, block by block ([ceil(N/16)][blocks][16]), and when N is
      not a multiple of 16 the last group's weights padded with zero columns, so every group takes one path */
@@ -45,8 +41,6 @@ typedef struct {
   const Kernel* k;
   const float* a;
   const float* a_scale;       /* NULL, or [K] multiplying A's columns before they are quantized */
-  const float* residual;      /* norm: x2 [M][K], A + x2 written to `sum` and normalized before quantizing */
-  float* sum;
   const uint8_t* b;
   const float* scales;
   const uint8_t* zero_points; /* NULL: 2^(bits-1) */
@@ -78,23 +72,6 @@ static void quantize_row(void* data, size_t row) {
   const int64_t K = w->k->K, block = w->k->block;
   const float* a = w->a + (int64_t)row * K;
   int8_t* q = w->q + (int64_t)row * w->blocks * block;
-  /* a fused AddRmsNorm: the row becomes x1 + x2 (an output too), its columns times gamma (a_scale holds
-     gamma, times AWQ's scale if there is one); its 1 / rms only scales the blocks' scales, since rounding
-     to int8 per block does not see a factor common to the row */
-  float row_factor = 1.0f;
-  if (w->residual) {
-    const float* x2 = w->residual + (int64_t)row * K;
-    float* sum = w->sum + (int64_t)row * K;
-    __m512 squares = _mm512_setzero_ps();
-    for (int64_t i = 0; i < K; i += 16) {
-      const __mmask16 mask = K - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - i)) - 1);
-      const __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, a + i), _mm512_maskz_loadu_ps(mask, x2 + i));
-      _mm512_mask_storeu_ps(sum + i, mask, v);
-      squares = _mm512_fmadd_ps(v, v, squares);
-    }
-    row_factor = 1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)K + w->k->epsilon);
-    a = sum;
-  }
   const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
   for (int64_t b = 0; b < w->blocks; b++) {
@@ -126,7 +103,7 @@ static void quantize_row(void* data, size_t row) {
         _mm_storeu_si128((__m128i*)(out + i), _mm512_cvtsepi32_epi8(v));
       }
     }
-    const float scale = (most > 0.0f ? most / 127.0f : 1.0f) * row_factor;
+    const float scale = most > 0.0f ? most / 127.0f : 1.0f;
     const int32_t total = _mm512_reduce_add_epi32(sum);
     w->q_scale[(int64_t)row * w->blocks + b] = scale;
     w->q_sum[(int64_t)row * w->blocks + b] = total;
@@ -289,14 +266,6 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   if (!status && scale_value) status = tensor_of(scale_value, &a_scale);
   if (status) return status;
   if (scale_value && elements(&a_scale) != k->K) return fail("MatMulInt4: the input scale is not [K]");
-  Tensor residual, gamma;
-  if (k->norm) {
-    status = input(context, 5, &residual);
-    if (!status) status = input(context, 6, &gamma);
-    if (status) return status;
-    if (elements(&residual) != elements(&a) || elements(&gamma) != k->K)
-      return fail("MatMulInt4: a fused norm's x2 is not A's shape or its gamma not [K]");
-  }
   const int64_t blocks = (k->K + k->block - 1) / k->block, block_bytes = k->block * k->bits / 8;
   if (a.rank < 1 || a.dims[a.rank - 1] != k->K) return fail("MatMulInt4: A's last axis is not K");
   if (elements(&b) != k->N * blocks * block_bytes) return fail("MatMulInt4: B is not [N, ceil(K/block), block·bits/8]");
@@ -311,26 +280,14 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   status = ORT_CALL(g_api, KernelContext_GetOutput)(context, 0, dims, a.rank, &output);
   if (!status) status = ORT_CALL(g_api, GetTensorMutableData)(output, (void**)&y);
   if (status) return status;
-  float* sum = NULL;
-  if (k->norm) {
-    OrtValue* sum_value = NULL;
-    status = ORT_CALL(g_api, KernelContext_GetOutput)(context, 1, a.dims, a.rank, &sum_value);
-    if (!status) status = ORT_CALL(g_api, GetTensorMutableData)(sum_value, (void**)&sum);
-    if (status) return status;
-  }
   const int64_t m = elements(&a) / k->K;
   if (m == 0) return NULL;
   /* 64-byte aligned rows, so a piece of activations never straddles a cache line more than it must */
   const size_t q_bytes = ((size_t)(m * blocks * k->block) + 63) & ~(size_t)63;
   const size_t both_floats = (size_t)(MAX_TASKS * ROWS * blocks * TASK_COLUMNS);
-  const size_t column_floats = k->norm ? (size_t)k->K : 0; /* gamma, times the input scale */
-  char* scratch = (char*)aligned_alloc(64, q_bytes + sizeof(float) * (2 * (size_t)(m * blocks) + both_floats + column_floats) + 64);
+  char* scratch = (char*)aligned_alloc(64, q_bytes + sizeof(float) * (2 * (size_t)(m * blocks) + both_floats) + 64);
   if (!scratch) return fail("MatMulInt4: out of memory for the quantized activations");
-  float* columns = (float*)(scratch + q_bytes) + 2 * m * blocks + both_floats;
-  if (k->norm)
-    for (int64_t i = 0; i < k->K; i++) columns[i] = gamma.data[i] * (scale_value ? a_scale.data[i] : 1.0f);
-  Work w = {k, a.data, k->norm ? columns : scale_value ? a_scale.data : NULL, k->norm ? residual.data : NULL, sum,
-            (const uint8_t*)b.data, scales.data, zp_value ? (const uint8_t*)zero_points.data : NULL,
+  Work w = {k, a.data, scale_value ? a_scale.data : NULL, (const uint8_t*)b.data, scales.data, zp_value ? (const uint8_t*)zero_points.data : NULL,
             (int8_t*)scratch, (float*)(scratch + q_bytes), (int32_t*)((float*)(scratch + q_bytes) + m * blocks), y, m,
             blocks, block_bytes, 0, (float*)(scratch + q_bytes) + 2 * m * blocks};
   w.task_columns = (k->N + MAX_TASKS - 1) / MAX_TASKS;
@@ -360,9 +317,6 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api, const 
   if (!status) status = int_attribute(info, "N", &k->N);
   if (!status) status = int_attribute(info, "block_size", &k->block);
   if (!status && int_attribute(info, "bits", &k->bits)) k->bits = 4; /* the registry's default (runtime/ops.py) */
-  if (!status && int_attribute(info, "norm", &k->norm)) k->norm = 0;
-  if (!status && k->norm && ORT_CALL(g_api, KernelInfoGetAttribute_float)(info, "epsilon", &k->epsilon))
-    status = fail("MatMulInt4: a fused norm needs its epsilon");
   if (!status && (k->K < 1 || k->N < 1 || !((k->bits == 4 && k->block == 128) || (k->bits == 8 && (k->block == 64 || k->block == 128)))))
     status = fail("MatMulInt4: the native kernel takes 4 bits in blocks of 128, or 8 bits in blocks of 64 or 128");
   if (!status && pthread_mutex_init(&k->lock, NULL)) status = fail("MatMulInt4: no mutex");
@@ -384,15 +338,11 @@ static void destroy_kernel(void* kernel) {
 }
 
 static const char* op_name(const OrtCustomOp* op) { (void)op; return "MatMulInt4"; }
-static size_t seven(const OrtCustomOp* op) { (void)op; return 7; }
-static size_t two(const OrtCustomOp* op) { (void)op; return 2; }
+static size_t five(const OrtCustomOp* op) { (void)op; return 5; }
+static size_t one(const OrtCustomOp* op) { (void)op; return 1; }
 static ONNXTensorElementDataType input_type(const OrtCustomOp* op, size_t i) {
   (void)op;
   return i == 1 || i == 3 ? ORT_UINT8 : ORT_FLOAT;
-}
-static OrtCustomOpInputOutputCharacteristic optional_from_1(const OrtCustomOp* op, size_t index) {
-  (void)op;
-  return index >= 1 ? ORT_OPTIONAL : ORT_REQUIRED;
 }
 static ONNXTensorElementDataType float32(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_FLOAT; }
 static OrtCustomOpInputOutputCharacteristic optional_from_3(const OrtCustomOp* op, size_t index) {
@@ -404,11 +354,10 @@ int matmul_int4_op(OrtCustomOp* op) {
   common_op(op);
   op->GetName = op_name;
   op->GetInputType = input_type;
-  op->GetInputTypeCount = seven;
+  op->GetInputTypeCount = five;
   op->GetInputCharacteristic = optional_from_3;
   op->GetOutputType = float32;
-  op->GetOutputTypeCount = two;
-  op->GetOutputCharacteristic = optional_from_1;
+  op->GetOutputTypeCount = one;
   op->CreateKernelV2 = create_kernel;
   op->KernelComputeV2 = compute;
   op->KernelDestroy = destroy_kernel;
