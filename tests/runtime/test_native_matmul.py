@@ -173,11 +173,22 @@ def test_a_constant_mul_read_only_by_a_native_matmul_moves_into_it():
     assert len(model.graph.node) == 9  # the model itself is left alone
 
 
-def test_on_a_cpu_without_vnni_every_matmul_is_left_to_onnxruntime(monkeypatch):
-    monkeypatch.setattr(native, "_cpu_flags", lambda: "flags\t\t: fpu sse2 avx2 avx512f avx512bw")
-    native.has_int8_matmul.cache_clear()
-    try:
-        keep = _native_nodes(_graph_of([_matmul("level4")], onnx.TensorProto.UINT8))
-        assert not native.has_int8_matmul() and not keep(_matmul("level4"))
-    finally:
-        native.has_int8_matmul.cache_clear()
+def test_a_library_built_without_vnni_has_no_matmul_and_every_matmul_is_left_to_onnxruntime(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    compiler = os.environ.get("CC") or "cc"
+    wrapper = tmp_path / "cc"  # the machine's compiler, told the CPU has no AVX-512 VNNI
+    wrapper.write_text(f'#!/bin/sh\nexec {compiler} "$@" -mno-avx512vnni\n')
+    wrapper.chmod(0o755)
+    script = ("import onnx\n"
+              "from runtime.kernels import native\n"
+              "from tests.runtime.test_native_matmul import _graph_of, _matmul\n"
+              "from runtime.executor import _native_nodes\n"
+              "keep = _native_nodes(_graph_of([_matmul('level4')], onnx.TensorProto.UINT8))\n"
+              "print(native.library_path().exists(), native.has_int8_matmul(), keep(_matmul('level4')))\n")
+    env = {**os.environ, "CC": str(wrapper), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "False", "False"]

@@ -12,6 +12,7 @@ is no library and the executor falls back to the host kernels.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import os
@@ -83,17 +84,18 @@ def library_path() -> Path:
     return target
 
 
-# what matmul_int4.c's kernel needs of the CPU; the library is built with -march=native, so these flags are
-# the ones it was compiled for
-MATMUL_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
-MATMUL_BLOCKS = {4: (128,), 8: (64, 128)}  # bits: block sizes (each 64 bytes of a weight row within one block)
+MATMUL_BLOCKS = {4: (128,), 8: (64, 128)}  # bits: block sizes (a block is one or two 64-byte pieces of a row)
 
 
 @functools.lru_cache(maxsize=1)
 def has_int8_matmul() -> bool:
-    """Whether this CPU runs the native MatMulInt4 (without it the library does not register the op)."""
-    flags = set(_cpu_flags().split(":", 1)[-1].split())
-    return all(flag in flags for flag in MATMUL_CPU_FLAGS)
+    """Whether the library here registers MatMulInt4: built (-march=native) for a CPU with AVX-512 VNNI by a
+    compiler that knows it. The library says so itself, so the two can never disagree."""
+    try:
+        library = ctypes.CDLL(str(library_path()))
+    except (NativeUnavailable, OSError):
+        return False
+    return bool(library.cann_matmul_int4_built())
 
 
 def takes_matmul(attributes: dict) -> bool:

@@ -364,6 +364,7 @@ int matmul_int4_op(OrtCustomOp* op) {
   return 1;
 }
 
+#define MATMUL_INT4_BUILT 1
 #else
 
 int matmul_int4_op(OrtCustomOp* op) {
@@ -371,4 +372,8 @@ int matmul_int4_op(OrtCustomOp* op) {
   return 0; /* no VNNI here: the executor lowers MatMulInt4 to onnxruntime's MatMulNBits */
 }
 
+#define MATMUL_INT4_BUILT 0
 #endif
+
+/* whether this build registers MatMulInt4 (runtime/kernels/native/__init__.py asks, through ctypes) */
+__attribute__((visibility("default"))) int cann_matmul_int4_built(void) { return MATMUL_INT4_BUILT; }
