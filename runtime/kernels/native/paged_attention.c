@@ -85,6 +85,17 @@ static inline __m512 exp16(__m512 x) {
 
 #endif
 
+/* the position in sequence b of its query row `first` (the step's rows end at the sequence's length) */
+static inline int64_t first_position(const Attend* a, int64_t b, int64_t first) {
+  return a->seq_lens[b] - (a->starts[b + 1] - a->starts[b]) + (first - a->starts[b]);
+}
+
+/* the first page a query at first_pos can see (its window's oldest key, or the sequence's start) */
+static inline int64_t first_page(const Kernel* k, int64_t first_pos) {
+  const int64_t oldest = k->window > 0 ? first_pos - k->window + 1 : 0;
+  return (oldest > 0 ? oldest : 0) / k->page_size;
+}
+
 /* KV head kv's keys and values on `page` (its first position `base`) and how many of its rows a tile whose
    last query sits at last_pos reads */
 static inline int64_t page_rows(const Attend* a, int32_t page, int64_t base, int64_t last_pos, int64_t kv, int64_t D,
@@ -130,9 +141,7 @@ static inline __attribute__((always_inline)) void attend_tile(const Attend* a, i
   const Kernel* k = a->k;
   const int64_t group = k->num_heads / k->kv_heads, PS = k->page_size;
   const int64_t n = rows * group; /* query vectors of the tile */
-  const int64_t end = a->starts[b + 1], length = a->seq_lens[b];
-  const int64_t first_pos = length - (end - a->starts[b]) + (first - a->starts[b]);
-  const int64_t last_pos = first_pos + rows - 1;
+  const int64_t first_pos = first_position(a, b, first), last_pos = first_pos + rows - 1;
   /* scratch on the stack, sized by the tile: at most 128 query vectors x 512 rows of a page */
   float qv[n][D] __attribute__((aligned(64)));
   float acc[n][D] __attribute__((aligned(64)));
@@ -149,10 +158,8 @@ static inline __attribute__((always_inline)) void attend_tile(const Attend* a, i
       total[i] = 0.0f;
       position[i] = first_pos + r;
     }
-  int64_t oldest = k->window > 0 ? first_pos - k->window + 1 : 0;
-  if (oldest < 0) oldest = 0;
   const int32_t* pages = a->tables + b * a->max_blocks;
-  for (int64_t page_index = oldest / PS; page_index <= last_pos / PS; page_index++) {
+  for (int64_t page_index = first_page(k, first_pos); page_index <= last_pos / PS; page_index++) {
     const float *kp, *vp;
     const int64_t base = page_index * PS, count = page_rows(a, pages[page_index], base, last_pos, kv, D, &kp, &vp);
     for (int64_t r = 0; r < count; r++) {
@@ -214,9 +221,7 @@ static inline __attribute__((always_inline)) void attend_wide(const Attend* a, i
   const Kernel* k = a->k;
   const int64_t group = k->num_heads / k->kv_heads, PS = k->page_size, L = NV * 16;
   const int64_t n = rows * group;
-  const int64_t end = a->starts[b + 1], length = a->seq_lens[b];
-  const int64_t first_pos = length - (end - a->starts[b]) + (first - a->starts[b]);
-  const int64_t last_pos = first_pos + rows - 1;
+  const int64_t first_pos = first_position(a, b, first), last_pos = first_pos + rows - 1;
   float qt[D][L] __attribute__((aligned(64)));
   float acc[D][L] __attribute__((aligned(64)));
   float scores[PS][L] __attribute__((aligned(64)));
@@ -236,10 +241,8 @@ static inline __attribute__((always_inline)) void attend_wide(const Attend* a, i
     total[v] = _mm512_setzero_ps();
     pos[v] = _mm512_load_si512((const void*)(position + 16 * v));
   }
-  int64_t oldest = k->window > 0 ? first_pos - k->window + 1 : 0;
-  if (oldest < 0) oldest = 0;
   const int32_t* pages = a->tables + b * a->max_blocks;
-  for (int64_t page_index = oldest / PS; page_index <= last_pos / PS; page_index++) {
+  for (int64_t page_index = first_page(k, first_pos); page_index <= last_pos / PS; page_index++) {
     const float *kp, *vp;
     const int64_t base = page_index * PS, count = page_rows(a, pages[page_index], base, last_pos, kv, D, &kp, &vp);
     int64_t r = 0;
