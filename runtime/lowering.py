@@ -248,7 +248,7 @@ def with_input_scales(model: onnx.ModelProto, keep: Callable[[onnx.NodeProto], b
     Mul's other operand and takes the vector as its input scale: the library scales A as it quantizes it, a
     node less a matmul. `model` itself is left alone."""
     graph = model.graph
-    vectors = {t.name for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == 1}
+    vectors = {t.name: t.dims[0] for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == 1}
     readers: dict[str, int] = {}
     for node in graph.node:
         for name in node.input:
@@ -262,8 +262,7 @@ def with_input_scales(model: onnx.ModelProto, keep: Callable[[onnx.NodeProto], b
         mul = muls.get(node.input[0]) if node.domain == CUSTOM_DOMAIN and node.op_type == MATMUL_INT4.name else None
         if mul is None or readers[mul.output[0]] != 1 or not keep(node):
             continue
-        size = next(t.dims[0] for t in graph.initializer if t.name == mul.input[1])
-        if size == attributes(node)["K"]:
+        if vectors[mul.input[1]] == attributes(node)["K"]:
             moves[node.output[0]] = mul
     if not moves:
         return model
