@@ -1,7 +1,8 @@
 """The native MatMulInt4 (runtime/kernels/native/matmul_int4.c) inside onnxruntime: the same products as the
 numpy reference and as onnxruntime's own MatMulNBits on the same bytes, over the shapes its paths split on
-(whole groups of 16 columns and the columns after them, a partial last block, one row and many), with an
-input scale, and the executor's choice of which nodes it takes and which constant Muls move into them."""
+(whole groups of 16 columns and the columns after them, a partial last block, one row, a few and enough
+for the lane path), with an input scale, and the executor's choice of which nodes it takes and which
+constant Muls move into them."""
 
 from __future__ import annotations
 
@@ -60,6 +61,9 @@ def _session(op: str, domain: str, k: int, n: int, bits: int, b, scales, zp, acc
     (256, 40, (1, 3)),        # two groups and 8 columns after them
     (1000, 5, (2,)),          # only columns after the groups; K not a multiple of 16
     (384, 64, (9, 1, 6)),     # rows enough to quantize on threads, 4 at a time and one by one, [rows, tokens, K]
+    (576, 40, (12,)),         # four at a time, three tiles of 4 rows
+    (576, 40, (29,)),         # the lane path: two tiles of 12 rows and one of 5, a padded last group
+    (256, 16, (16,)),         # the lane path: one tile of 12 and one of 4, one whole group
 ])
 def test_the_native_matmul_equals_the_reference_and_onnxruntimes_kernel(bits, block, zero_points, k, n, rows):
     b, scales, zp = _operands(k, n, bits, zero_points, block=block)

@@ -4,8 +4,12 @@
    an optional fifth input [K] scales A's columns first (a constant Mul before the node, moved into it by
    runtime/lowering.py's `with_input_scales`: AWQ's 1/s where no norm could take it).
    A is quantized to int8 per row and block (scale max|a| / 127, a · 127 / max|a| rounded half to even) as
-   onnxruntime's accuracy level 4 does, and multiplied in int8 with vpdpbusd: at one row it reads SmolLM2's
-   weights 1.1-1.6x as fast as MLAS's MatMulNBits (docs/performance.md#int4-matmul). The reference is
+   onnxruntime's accuracy level 4 does, and multiplied in int8 with vpdpbusd. Two paths: below LANE_FROM rows
+   (decode) a column's weights are read front to back and 16 columns reduced together at the end, which
+   reads SmolLM2's weights 1.1-1.6x as fast as MLAS's MatMulNBits; from LANE_FROM rows (prefill, decode
+   batches) each group of 16 columns is first transposed so that a vector holds one column per lane, and
+   every weight vector then serves 12 rows: 1.7-1.9x MatMulNBits' multiply-adds a second at 512 rows
+   (docs/performance.md#int4-matmul). The reference is
    runtime/kernels/quant_matmul.py's MatMulInt4; the executor gives this op only the nodes it takes
    (runtime/kernels/native/__init__.py: `takes_matmul`): accuracy level 4, 4 bits in blocks of 128, or 8 bits
    in blocks of 64 or 128, so that a block is one or two 64-byte pieces. */
@@ -24,6 +28,8 @@
 #define PREFETCH 4096  /* bytes ahead of the weights being read that a column asks for (best of 512-8192 here) */
 #define MAX_TASKS 16    /* parallel tasks a call splits its columns into, as MLAS does for this much work */
 #define PARALLEL_ROWS 8 /* rows from which the activations are quantized on the pool's threads */
+#define LANE_ROWS 12    /* rows of a lane tile: an int32 and a float accumulator each (8 or 14: slower) */
+#define LANE_FROM 16    /* rows from which the lane path is the faster (below, transposing costs more than it saves) */
 
 typedef struct {
   int64_t K, N, bits, block;
@@ -51,6 +57,7 @@ typedef struct {
   int64_t m, blocks, block_bytes;
   int64_t task_columns; /* columns of one parallel task: a multiple of 16, at most MAX_TASKS tasks */
   float* both;           /* [tasks][ROWS][blocks][16] products of weight and activation scales */
+  __m512i* lanes;        /* [tasks][16 · blocks · block bytes] a task's group of weights as lanes */
 } Work;
 
 /* 16 floats from `x` (only `count` of them, the rest 0), times `scale`'s when there is one */
@@ -195,6 +202,109 @@ static inline __attribute__((always_inline)) void sixteen(const Work* w, int64_t
   for (int i = 0; i < R; i++) _mm512_mask_storeu_ps(w->y + (r0 + i) * w->k->N + n0, valid, _mm512_sub_ps(sum16(acc[i]), shift[i]));
 }
 
+/* A 16×16 transpose of 32-bit lanes: afterwards r[u]'s lane j is what r[j]'s lane u was. */
+static inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; i++) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; i++) { /* r[4i+k]'s 128-bit lane L: lane 4L+k of r[4i..4i+3] */
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; k++) { /* then the 4×4 of 128-bit lanes among r[k], r[4+k], r[8+k], r[12+k] */
+    const __m512i a = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x44), b = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xEE);
+    const __m512i c = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x44), d = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xEE);
+    t[k] = _mm512_shuffle_i32x4(a, c, 0x88);
+    t[4 + k] = _mm512_shuffle_i32x4(a, c, 0xDD);
+    t[8 + k] = _mm512_shuffle_i32x4(b, d, 0x88);
+    t[12 + k] = _mm512_shuffle_i32x4(b, d, 0xDD);
+  }
+  for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* The 16 columns at `base` (rows of row_bytes) as lanes, their bytes as they are: for block b and piece p,
+   vector u's lane j holds column j's bytes 4u..4u+3 of that piece. */
+static void to_lanes(const uint8_t* base, int64_t row_bytes, int64_t blocks, int64_t block_bytes, uint8_t* out) {
+  const int64_t pieces = block_bytes / PIECE;
+  for (int64_t b = 0; b < blocks; b++)
+    for (int64_t p = 0; p < pieces; p++) {
+      __m512i r[16];
+      for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_si512((const void*)(base + j * row_bytes + b * block_bytes + p * PIECE));
+      transpose16(r);
+      for (int u = 0; u < 16; u++) _mm512_storeu_si512((void*)(out + ((b * pieces + p) * 16 + u) * 64), r[u]);
+    }
+}
+
+/* R rows (at most LANE_ROWS) of the 16 columns of group n0 from their `lanes`: a column in each lane, so a
+   block's int32 dots come out as one vector a row (no sums across lanes), scaled once a block and row, and
+   each vector of weights serves R rows. 4 bits: lane vector u's low nibbles meet the activation bytes
+   4u..4u+3 of the block as `q` lays them out (a piece's even elements first), its high nibbles bytes
+   64+4u.. (the odd ones). */
+static inline __attribute__((always_inline)) void lane_tile(const Work* w, int64_t n0, const __m512i* lanes, int64_t r0, const int R, int bits) {
+  const int64_t blocks = w->blocks, block = w->k->block, pieces = w->block_bytes / PIECE;
+  const float* scale_t = w->k->scale_t + n0 * blocks;
+  const int32_t* zero_t = w->k->zero_t + n0 * blocks;
+  const int8_t* x = w->q + r0 * blocks * block;
+  const int64_t stride = blocks * block;
+  const __m512i low = _mm512_set1_epi8(15);
+  __m512 acc[LANE_ROWS];
+  for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; b++) {
+    __m512i dot[LANE_ROWS];
+    for (int i = 0; i < R; i++) dot[i] = _mm512_setzero_si512();
+    const int8_t* xb = x + b * block;
+    if (bits == 4) {
+      for (int u = 0; u < 16; u++) {
+        const __m512i bytes = _mm512_loadu_si512((const void*)(lanes + b * 16 + u));
+        const __m512i even = _mm512_and_si512(bytes, low), odd = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+        for (int i = 0; i < R; i++) {
+          int32_t e, o;
+          memcpy(&e, xb + i * stride + 4 * u, sizeof(e));
+          memcpy(&o, xb + i * stride + PIECE + 4 * u, sizeof(o));
+          dot[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[i], even, _mm512_set1_epi32(e)), odd, _mm512_set1_epi32(o));
+        }
+      }
+    } else {
+      for (int64_t v = 0; v < pieces * 16; v++) {
+        const __m512i bytes = _mm512_loadu_si512((const void*)(lanes + b * pieces * 16 + v));
+        for (int i = 0; i < R; i++) {
+          int32_t four;
+          memcpy(&four, xb + i * stride + 4 * v, sizeof(four));
+          dot[i] = _mm512_dpbusd_epi32(dot[i], bytes, _mm512_set1_epi32(four));
+        }
+      }
+    }
+    const __m512 scale = _mm512_loadu_ps(scale_t + b * TASK_COLUMNS);
+    const __m512 zero = _mm512_cvtepi32_ps(_mm512_loadu_si512((const void*)(zero_t + b * TASK_COLUMNS)));
+    for (int i = 0; i < R; i++) {
+      const int64_t at = (r0 + i) * blocks + b;
+      const __m512 shifted = _mm512_fnmadd_ps(zero, _mm512_set1_ps((float)w->q_sum[at]), _mm512_cvtepi32_ps(dot[i]));
+      acc[i] = _mm512_fmadd_ps(shifted, _mm512_mul_ps(scale, _mm512_set1_ps(w->q_scale[at])), acc[i]);
+    }
+  }
+  const int64_t count = w->k->N - n0 < TASK_COLUMNS ? w->k->N - n0 : TASK_COLUMNS;
+  const __mmask16 valid = (__mmask16)((1u << count) - 1);
+  for (int i = 0; i < R; i++) _mm512_mask_storeu_ps(w->y + (r0 + i) * w->k->N + n0, valid, acc[i]);
+}
+
+/* every row of the group at n0, LANE_ROWS rows at a time, its weights first transposed into `lanes` */
+static inline __attribute__((always_inline)) void lane_group(const Work* w, int64_t n0, int bits, __m512i* lanes) {
+  const uint8_t* base = n0 + TASK_COLUMNS <= w->k->N ? w->b + n0 * w->blocks * w->block_bytes : w->k->last_group;
+  to_lanes(base, w->blocks * w->block_bytes, w->blocks, w->block_bytes, (uint8_t*)lanes);
+  int64_t r = 0;
+  for (; r + LANE_ROWS <= w->m; r += LANE_ROWS) lane_tile(w, n0, lanes, r, LANE_ROWS, bits);
+  switch (w->m - r) {
+#define REST(n) case n: lane_tile(w, n0, lanes, r, n, bits); break;
+    REST(1) REST(2) REST(3) REST(4) REST(5) REST(6) REST(7) REST(8) REST(9) REST(10) REST(11)
+#undef REST
+    default: break;
+  }
+}
+
 /* every row of the group at n0: ROWS at a time, then one by one */
 static inline __attribute__((always_inline)) void group(const Work* w, int64_t n0, int bits, int pieces, float* both) {
   const uint8_t* base = n0 + TASK_COLUMNS <= w->k->N ? w->b + n0 * w->blocks * w->block_bytes : w->k->last_group;
@@ -208,6 +318,14 @@ static void column_task(void* data, size_t task) {
   const int64_t start = (int64_t)task * w->task_columns;
   const int64_t end = start + w->task_columns < w->k->N ? start + w->task_columns : w->k->N;
   float* both = w->both + (int64_t)task * ROWS * w->blocks * TASK_COLUMNS;
+  if (w->m >= LANE_FROM) {
+    __m512i* lanes = w->lanes + (int64_t)task * w->blocks * w->block_bytes * TASK_COLUMNS / 64;
+    for (int64_t n = start; n < end; n += TASK_COLUMNS) {
+      if (w->k->bits == 4) lane_group(w, n, 4, lanes);
+      else lane_group(w, n, 8, lanes);
+    }
+    return;
+  }
   for (int64_t n = start; n < end; n += TASK_COLUMNS) {
     if (w->k->bits == 4) group(w, n, 4, 1, both);
     else if (w->block_bytes == PIECE) group(w, n, 8, 1, both);
@@ -285,11 +403,13 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   /* 64-byte aligned rows, so a piece of activations never straddles a cache line more than it must */
   const size_t q_bytes = ((size_t)(m * blocks * k->block) + 63) & ~(size_t)63;
   const size_t both_floats = (size_t)(MAX_TASKS * ROWS * blocks * TASK_COLUMNS);
-  char* scratch = (char*)aligned_alloc(64, q_bytes + sizeof(float) * (2 * (size_t)(m * blocks) + both_floats) + 64);
+  const size_t lane_bytes = m >= LANE_FROM ? (size_t)(MAX_TASKS * TASK_COLUMNS * blocks * block_bytes) : 0;
+  const size_t floats_bytes = (sizeof(float) * (2 * (size_t)(m * blocks) + both_floats) + 63) & ~(size_t)63;
+  char* scratch = (char*)aligned_alloc(64, q_bytes + floats_bytes + lane_bytes);
   if (!scratch) return fail("MatMulInt4: out of memory for the quantized activations");
   Work w = {k, a.data, scale_value ? a_scale.data : NULL, (const uint8_t*)b.data, scales.data, zp_value ? (const uint8_t*)zero_points.data : NULL,
             (int8_t*)scratch, (float*)(scratch + q_bytes), (int32_t*)((float*)(scratch + q_bytes) + m * blocks), y, m,
-            blocks, block_bytes, 0, (float*)(scratch + q_bytes) + 2 * m * blocks};
+            blocks, block_bytes, 0, (float*)(scratch + q_bytes) + 2 * m * blocks, (__m512i*)(scratch + q_bytes + floats_bytes)};
   w.task_columns = (k->N + MAX_TASKS - 1) / MAX_TASKS;
   w.task_columns = (w.task_columns + TASK_COLUMNS - 1) / TASK_COLUMNS * TASK_COLUMNS;
   status = tables(k, &w);
