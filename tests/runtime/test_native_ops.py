@@ -223,10 +223,10 @@ def test_the_native_plan_keeps_float32_swiglu_for_the_library_and_lowers_the_res
     assert not any(n.op_type == "SwiGlu" for n in lower_for_onnxruntime(loaded.model).graph.node)
 
 
-def _one_node_session(heads: int, kv_heads: int, dim: int):
+def _one_node_session(heads: int, kv_heads: int, dim: int, window: int = 0):
     node = helper.make_node("PagedAttention", ["qkv", "", "", "", "", *(m.name for m in PAGED_METADATA)], ["out"],
                             domain=CUSTOM_DOMAIN, num_heads=heads, kv_num_heads=kv_heads, head_dim=dim, scale=0.2,
-                            layer=0, page_size=PAGE)
+                            layer=0, page_size=PAGE, sliding_window=window)
     inputs = [helper.make_tensor_value_info("qkv", onnx.TensorProto.FLOAT, [1, "T", (heads + 2 * kv_heads) * dim])]
     for meta in PAGED_METADATA:
         kind = onnx.TensorProto.INT64 if meta.dtype == np.int64 else onnx.TensorProto.INT32
@@ -255,6 +255,36 @@ def test_many_query_heads_on_one_kv_head_attend_as_the_reference():
     expected = paged_attention_reference(q, ref_key, ref_value, starts, lengths, tables, 0.2).reshape(1, 13, -1)
     feeds = dict(zip((m.name for m in PAGED_METADATA), (starts, lengths, tables, slots)))
     (out,) = _one_node_session(heads, 1, dim).run(None, {"qkv": qkv, **feeds, POOL_KEY: key, POOL_VALUE: value})
+    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(key[0], ref_key, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("heads, kv_heads, window", [(9, 3, 0), (4, 4, 0), (6, 3, 0), (14, 2, 0), (6, 2, 21)])
+def test_decode_tiles_of_whole_head_dim_vectors_attend_as_the_reference(dim, heads, kv_heads, window):
+    """Head dims of 64 and 128 with fewer than 8 query vectors a tile (rows x the heads of a KV head: 1 to 7)
+    take the narrow tile: sequences of one to three rows over several pages, one of them partly filled."""
+    from runtime.kernels.paged_attention import paged_attention_reference, rotate_and_store_reference
+
+    rng = np.random.default_rng(dim + heads)
+    group = heads // kv_heads
+    rows = [1, 2, 1, 3] if group <= 2 else [1, 1, 1, 1]
+    lengths = np.array([70, 33, 16, 41], np.int32)
+    pages = 24
+    tables = rng.permutation(pages)[:4 * 5].reshape(4, 5).astype(np.int32)
+    starts = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
+    positions = [np.arange(ctx - n, ctx) for n, ctx in zip(rows, lengths)]
+    slots = np.concatenate([tables[b, p // PAGE] * PAGE + p % PAGE for b, p in enumerate(positions)]).astype(np.int64)
+    qkv = rng.standard_normal((1, int(starts[-1]), (heads + 2 * kv_heads) * dim)).astype(np.float32)
+    key, value = (rng.standard_normal((1, pages, kv_heads, PAGE, dim)).astype(np.float32) for _ in range(2))
+    ref_key, ref_value = key[0].copy(), value[0].copy()
+    q = rotate_and_store_reference(qkv, None, None, None, None, slots, ref_key, ref_value, num_heads=heads,
+                                   kv_num_heads=kv_heads, head_dim=dim)
+    expected = paged_attention_reference(q, ref_key, ref_value, starts, lengths, tables, 0.2,
+                                         sliding_window=window).reshape(1, int(starts[-1]), -1)
+    feeds = dict(zip((m.name for m in PAGED_METADATA), (starts, lengths, tables, slots)))
+    (out,) = _one_node_session(heads, kv_heads, dim, window).run(None, {"qkv": qkv, **feeds, POOL_KEY: key,
+                                                                        POOL_VALUE: value})
     np.testing.assert_allclose(out, expected, atol=2e-5, rtol=0)
     np.testing.assert_allclose(key[0], ref_key, atol=1e-6, rtol=0)
 

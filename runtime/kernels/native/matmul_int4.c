@@ -124,20 +124,6 @@ static inline float zero_point(const Work* w, int64_t n, int64_t b) {
   return (float)(b & 1 ? packed >> 4 : packed & 15);
 }
 
-/* 16 vectors into one: lane j the sum of d[j]'s lanes */
-static inline __m512 sum16(const __m512 d[16]) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; i++) /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] of d[2i], d[2i+1] */
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * i], d[2 * i + 1]), _mm512_unpackhi_ps(d[2 * i], d[2 * i + 1]));
-  for (int i = 0; i < 4; i++) { /* per 128-bit lane: that lane's sums of d[4i..4i+3] */
-    const __m512d p = _mm512_castps_pd(a[2 * i]), q = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p, q)), _mm512_castpd_ps(_mm512_unpackhi_pd(p, q)));
-  }
-  for (int i = 0; i < 2; i++) /* 128-bit lanes: halves of d[8i..8i+3]'s sums, then of d[8i+4..8i+7]'s */
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-}
-
 /* TASK_COLUMNS (16) columns for R rows (1 or ROWS), a column at a time: its row of weights is read front to
    back (the group's 16 rows lie one after the other, so a task streams through memory) and unpacked once for
    the R rows, each row's dots of a block converted and scaled into a vector of partial sums, reduced with the

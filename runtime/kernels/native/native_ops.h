@@ -1,5 +1,5 @@
 /* What the native ops share: onnxruntime's API table, error statuses, reading a tensor, a vectorizable exp,
-   and the fillers that describe each op to onnxruntime (library.c registers them). */
+   a 16-way reduction of vectors, and the fillers that describe each op to onnxruntime (library.c registers them). */
 #ifndef CANN_NATIVE_OPS_H
 #define CANN_NATIVE_OPS_H
 
@@ -43,6 +43,24 @@ static inline float fast_exp(float x) {
   union { int32_t i; float f; } bits = {.i = ((int32_t)n + 127) << 23};
   return p * bits.f;
 }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* 16 vectors into one: lane j the sum of d[j]'s lanes */
+static inline __m512 sum16(const __m512 d[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; i++) /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] of d[2i], d[2i+1] */
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * i], d[2 * i + 1]), _mm512_unpackhi_ps(d[2 * i], d[2 * i + 1]));
+  for (int i = 0; i < 4; i++) { /* per 128-bit lane: that lane's sums of d[4i..4i+3] */
+    const __m512d p = _mm512_castps_pd(a[2 * i]), q = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p, q)), _mm512_castpd_ps(_mm512_unpackhi_pd(p, q)));
+  }
+  for (int i = 0; i < 2; i++) /* 128-bit lanes: halves of d[8i..8i+3]'s sums, then of d[8i+4..8i+7]'s */
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+#endif
 
 /* an op description with what every op here has alike (CPU, required inputs and outputs, a kernel freed
    with free()); the op's own file sets its name, types, counts, kernel creation and compute */

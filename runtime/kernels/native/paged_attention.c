@@ -323,6 +323,97 @@ static inline __attribute__((always_inline)) void attend_wide(const Attend* a, i
 }
 #endif
 
+/* ---- the narrow tile: a decode step's few query vectors, 16 key rows a reduction --------------------- */
+#if defined(__AVX512F__)
+/* The tile of attend_tile for NQ < WIDE_MIN query vectors and D = 64 or 128: each query vector sits in D/16
+   registers; a key row's dot is D/16 FMAs into one vector and the dots of 16 key rows are reduced together
+   (sum16) into 16 scores; the output accumulates in registers over a page's value rows, CW vectors of
+   head-dim columns at a time, the page's correction applied as they are loaded. */
+static inline __attribute__((always_inline)) void attend_narrow(const Attend* a, int64_t b, int64_t first, int64_t rows,
+                                                                int64_t kv, const int64_t D, const int NQ) {
+  const Kernel* k = a->k;
+  const int64_t group = k->num_heads / k->kv_heads, PS = k->page_size;
+  const int DV = (int)(D / 16), CW = NQ <= 3 ? 4 : 2;
+  const int64_t first_pos = first_position(a, b, first), last_pos = first_pos + rows - 1;
+  __m512 q[WIDE_MIN][8];
+  float acc[NQ][D] __attribute__((aligned(64)));
+  float scores[NQ][PS];
+  float running_max[NQ], total[NQ], correction[NQ];
+  int64_t position[NQ];
+  for (int i = 0; i < NQ; i++) {
+    const int64_t r = i / group, g = i % group;
+    const float* src = a->q + ((first + r) * k->num_heads + kv * group + g) * D;
+    for (int v = 0; v < DV; v++) q[i][v] = _mm512_mul_ps(_mm512_loadu_ps(src + 16 * v), _mm512_set1_ps(k->scale));
+    memset(acc[i], 0, sizeof(acc[i]));
+    running_max[i] = -INFINITY;
+    total[i] = 0.0f;
+    position[i] = first_pos + r;
+  }
+  const int32_t* pages = a->tables + b * a->max_blocks;
+  for (int64_t page_index = first_page(k, first_pos); page_index <= last_pos / PS; page_index++) {
+    const float *kp, *vp;
+    const int64_t base = page_index * PS, count = page_rows(a, pages[page_index], base, last_pos, kv, D, &kp, &vp);
+    for (int i = 0; i < NQ; i++)
+      for (int64_t r0 = 0; r0 < count; r0 += 16) {
+        const int64_t m = count - r0 < 16 ? count - r0 : 16;
+        __m512 t[16];
+        for (int j = 0; j < 16; j++) {
+          if (j >= m) {
+            t[j] = _mm512_setzero_ps();
+            continue;
+          }
+          const float* kr = kp + (r0 + j) * D;
+          __m512 s = _mm512_mul_ps(q[i][0], _mm512_loadu_ps(kr));
+          for (int v = 1; v < DV; v++) s = _mm512_fmadd_ps(q[i][v], _mm512_loadu_ps(kr + 16 * v), s);
+          t[j] = s;
+        }
+        _mm512_mask_storeu_ps(scores[i] + r0, (__mmask16)(m >= 16 ? 0xFFFFu : (1u << m) - 1), sum16(t));
+      }
+    for (int i = 0; i < NQ; i++) {
+      /* causal and windowed visibility of this query's position */
+      int64_t hi = position[i] - base + 1, lo = k->window > 0 ? position[i] - k->window + 1 - base : 0;
+      if (hi > count) hi = count;
+      if (lo < 0) lo = 0;
+      float page_max = -INFINITY;
+      for (int64_t r = lo; r < hi; r++) page_max = scores[i][r] > page_max ? scores[i][r] : page_max;
+      correction[i] = 1.0f;
+      if (hi <= lo || page_max == -INFINITY) {
+        for (int64_t r = 0; r < count; r++) scores[i][r] = 0.0f;
+        continue;
+      }
+      const float new_max = running_max[i] > page_max ? running_max[i] : page_max;
+      correction[i] = fast_exp(running_max[i] - new_max);
+      float sum = 0.0f;
+      softmax_row(scores[i], count, lo, hi, new_max, &sum);
+      total[i] = total[i] * correction[i] + sum;
+      running_max[i] = new_max;
+    }
+    for (int c = 0; c < DV; c += CW) {
+      __m512 o[WIDE_MIN][4];
+      for (int i = 0; i < NQ; i++)
+        for (int w = 0; w < CW; w++) o[i][w] = _mm512_mul_ps(_mm512_load_ps(acc[i] + 16 * (c + w)), _mm512_set1_ps(correction[i]));
+      for (int64_t r = 0; r < count; r++) {
+        const float* vr = vp + r * D + 16 * c;
+        __m512 v[4];
+        for (int w = 0; w < CW; w++) v[w] = _mm512_loadu_ps(vr + 16 * w);
+        for (int i = 0; i < NQ; i++) {
+          const __m512 p = _mm512_set1_ps(scores[i][r]);
+          for (int w = 0; w < CW; w++) o[i][w] = _mm512_fmadd_ps(p, v[w], o[i][w]);
+        }
+      }
+      for (int i = 0; i < NQ; i++)
+        for (int w = 0; w < CW; w++) _mm512_store_ps(acc[i] + 16 * (c + w), o[i][w]);
+    }
+  }
+  for (int i = 0; i < NQ; i++) {
+    const int64_t r = i / group, g = i % group;
+    float* dst = a->out + ((first + r) * k->num_heads + kv * group + g) * D;
+    const __m512 inverse = _mm512_set1_ps(total[i] > 0.0f ? 1.0f / total[i] : 0.0f);
+    for (int v = 0; v < DV; v++) _mm512_storeu_ps(dst + 16 * v, _mm512_mul_ps(_mm512_load_ps(acc[i] + 16 * v), inverse));
+  }
+}
+#endif
+
 static void attend_item(void* data, size_t item) {
   const Attend* a = (const Attend*)data;
   int64_t kv = (int64_t)item % a->k->kv_heads, tile = (int64_t)item / a->k->kv_heads;
@@ -331,6 +422,15 @@ static void attend_item(void* data, size_t item) {
   if (rows > a->tile_rows) rows = a->tile_rows;
 #if defined(__AVX512F__)
   const int64_t n = rows * (a->k->num_heads / a->k->kv_heads), vectors = (n + 15) / 16;
+  if (n < WIDE_MIN && (a->k->head_dim == 64 || a->k->head_dim == 128)) {
+    switch (n * 1000 + a->k->head_dim) {
+#define NARROW(count) case count * 1000 + 64: attend_narrow(a, b, first, rows, kv, 64, count); return; \
+                      case count * 1000 + 128: attend_narrow(a, b, first, rows, kv, 128, count); return;
+      NARROW(1) NARROW(2) NARROW(3) NARROW(4) NARROW(5) NARROW(6) NARROW(7)
+#undef NARROW
+      default: break;
+    }
+  }
   if (n >= WIDE_MIN && vectors <= WIDE_VECTORS && a->k->head_dim % WIDE_CHUNK == 0 && a->k->head_dim <= 256) {
     const int64_t D = a->k->head_dim;
     switch (vectors * 1000 + (D == 64 ? 64 : D == 128 ? 128 : 0)) {
