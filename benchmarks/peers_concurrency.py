@@ -2,7 +2,8 @@
 
 \b
     python benchmarks/peers_concurrency.py [--precision int4] [--requests 64] [--concurrency 32]
-                                           [--batches 1,4,8,16,32] [--threads 2] [--seed 0] [--json out.json]
+                                           [--batches 1,4,8,16,32] [--threads 2] [--seed 0] [--rounds 1]
+                                           [--json out.json]
 
 One fixed mix of --requests requests, drawn with --seed as `cann-run bench` draws its serving mix: prompts
 are windows of eval.txt of random lengths in [32, 512] tokens, outputs random lengths in [32, 128] tokens,
@@ -22,7 +23,9 @@ weights; int4: ours AWQ g128 with the 8-bit head, genai's builder blocks of 32),
   all batches. TTFT is from the start of the request's batch (requests queued behind earlier batches
   would wait longer still). The best B is the one with the highest aggregate tok/s.
 
-The ratio is our aggregate tok/s over genai's best. Genai takes about 1.6 s a request at every batch size
+With --rounds R, each round runs our engine and then every batch size, so noise on a shared machine falls
+on both alike; each row is the round of median tok/s, and the ratio (median over median) is printed with
+the ratio of each round. The ratio is our aggregate tok/s over genai's best. Genai takes about 1.6 s a request at every batch size
 on two busy cores, so each B costs about as much as batch 1: the default of 64 requests (two per client at
 32) keeps a run near ten minutes; issue 19's 128-request mix (--requests 128) takes about twice that. With
 as many requests as clients, our run measures a burst draining rather than a full batch held.
@@ -77,6 +80,22 @@ def static_batches(output_lengths: list[int], batch: int) -> list[dict]:
     return out
 
 
+def median_row(rows: list[dict]) -> dict:
+    """Of one engine's rounds, the one of median tok/s (the lower middle of an even count); an error row
+    when no round ran."""
+    measured = sorted((row for row in rows if "error" not in row), key=lambda row: row["tokens_per_s"])
+    return measured[(len(measured) - 1) // 2] if measured else rows[0]
+
+
+def round_ratios(ours: list[dict], genai: list[list[dict]]) -> list[float | None]:
+    """Round by round, our tok/s over genai's best batch of that round (`genai[r]`: round r's batches)."""
+    ratios = []
+    for mine, theirs in zip(ours, genai):
+        best = max((row["tokens_per_s"] for row in theirs if "error" not in row), default=None)
+        ratios.append(mine["tokens_per_s"] / best if best and "error" not in mine else None)
+    return ratios
+
+
 def summarize(ours: dict, genai: list[dict]) -> dict:
     """Genai's best batch (highest aggregate tok/s among the rows that ran) and our tok/s over it."""
     measured = [row for row in genai if "error" not in row]
@@ -104,7 +123,10 @@ def table(report: dict) -> list[str]:
         mark = " (best)" if row.get("batch") == report["best_batch"] else ""
         lines.append(row_line(f"onnxruntime-genai, batch {row['batch']}{mark}", row))
     if report["ratio"] is not None:
-        lines.append(f"cann-llm / onnxruntime-genai batch {report['best_batch']}: {report['ratio']:.2f}x aggregate tok/s")
+        by_round = [f"{r:.2f}" if r is not None else "-" for r in report.get("round_ratios", [])]
+        rounds = f" (by round: {' '.join(by_round)})" if len(by_round) > 1 else ""
+        lines.append(f"cann-llm / onnxruntime-genai batch {report['best_batch']}: {report['ratio']:.2f}x aggregate "
+                     f"tok/s{rounds}")
     return lines
 
 
@@ -199,9 +221,11 @@ def _ints(text: str) -> list[int]:
 @click.option("--batches", default="1,4,8,16,32", show_default=True, help="onnxruntime-genai's static batch sizes")
 @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True, help="threads of every engine")
 @click.option("--seed", type=int, default=0, show_default=True, help="the mix's seed")
+@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
+              help="rounds, each running our engine then every batch size: medians, and the ratio round by round")
 @click.option("--json", "json_path", default=None, help="write the report here as JSON")
 @click.option("--worker", is_flag=True, hidden=True, help="(internal) measure the job given on stdin, print the result")
-def main(precision, num_requests, concurrency, batches, threads, seed, json_path, worker) -> None:
+def main(precision, num_requests, concurrency, batches, threads, seed, rounds, json_path, worker) -> None:
     """Serve one request mix by our engine and by onnxruntime-genai's static batches; print the table."""
     if worker:
         click.echo(json.dumps(run_worker(json.loads(sys.stdin.read()))))
@@ -215,21 +239,26 @@ def main(precision, num_requests, concurrency, batches, threads, seed, json_path
     tokenizer = TextTokenizer(OmFile(ours, verify_weights=False).tokenizer_files())
     requests = request_mix(tokenizer.encode(EVAL_TEXT.read_text(encoding="utf-8")), num_requests, seed)
     job = {"threads": threads, "requests": requests}
-    click.echo(f"cann-llm, {concurrency} clients ...", err=True)
-    ours_row = spawn({**job, "kind": "cann", "model": str(ours), "concurrency": concurrency}, SCRIPT)
-    genai_rows = []
-    for batch in _ints(batches):
-        click.echo(f"onnxruntime-genai, batch {batch} ...", err=True)
-        if genai is None:
-            genai_rows.append({"batch": batch, "error": "onnxruntime-genai is not installed"})
-            continue
-        measured = spawn({**job, "kind": "genai", "model": str(genai), "batch": batch}, SCRIPT)
-        genai_rows.append({"batch": batch, **measured})
+    ours_rounds, genai_rounds = [], []
+    for round_number in range(1, rounds + 1):
+        click.echo(f"round {round_number}/{rounds}: cann-llm, {concurrency} clients ...", err=True)
+        ours_rounds.append(spawn({**job, "kind": "cann", "model": str(ours), "concurrency": concurrency}, SCRIPT))
+        genai_rows = []
+        for batch in _ints(batches):
+            click.echo(f"round {round_number}/{rounds}: onnxruntime-genai, batch {batch} ...", err=True)
+            if genai is None:
+                genai_rows.append({"batch": batch, "error": "onnxruntime-genai is not installed"})
+                continue
+            measured = spawn({**job, "kind": "genai", "model": str(genai), "batch": batch}, SCRIPT)
+            genai_rows.append({"batch": batch, **measured})
+        genai_rounds.append(genai_rows)
+    genai_medians = [median_row([rows[i] for rows in genai_rounds]) for i in range(len(genai_rounds[0]))]
     report = {"settings": {"precision": precision, "requests": num_requests, "concurrency": concurrency,
-                           "threads": threads, "seed": seed, "prompt_lengths": PROMPT_LENGTHS,
+                           "threads": threads, "seed": seed, "rounds": rounds, "prompt_lengths": PROMPT_LENGTHS,
                            "output_lengths": OUTPUT_LENGTHS, "prompt_tokens": sum(len(p) for p, _ in requests),
                            "output_tokens": sum(n for _, n in requests), "models": {"cann": str(ours), "genai": str(genai)}},
-              **summarize({"concurrency": concurrency, **ours_row}, genai_rows)}
+              **summarize({"concurrency": concurrency, **median_row(ours_rounds)}, genai_medians),
+              "round_ratios": round_ratios(ours_rounds, genai_rounds)}
     print_report(table(report), report, json_path)
 
 

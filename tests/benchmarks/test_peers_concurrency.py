@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from peers_concurrency import request_mix, static_batches, summarize, table  # noqa: E402
+from peers_concurrency import median_row, request_mix, round_ratios, static_batches, summarize, table  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -68,3 +68,14 @@ def test_the_best_batch_is_the_fastest_that_ran_and_the_ratio_is_over_it():
 def test_no_ratio_without_a_measured_peer_or_our_row():
     assert summarize({"tokens_per_s": 300.0}, [{"batch": 1, "error": "not installed"}])["ratio"] is None
     assert summarize({"error": "failed"}, [_row(1, 60.0)])["ratio"] is None
+
+
+def test_rounds_give_the_median_row_and_a_ratio_each_round_over_that_rounds_best_batch():
+    ours = [_row(None, 300.0), _row(None, 240.0), _row(None, 330.0)]
+    genai = [[_row(1, 100.0), _row(4, 90.0)], [_row(1, 70.0), _row(4, 80.0)], [_row(1, 110.0), {"batch": 4, "error": "x"}]]
+    assert median_row(ours)["tokens_per_s"] == 300.0
+    assert median_row([{"error": "failed"}, _row(1, 50.0), _row(1, 70.0)])["tokens_per_s"] == 50.0
+    assert median_row([{"batch": 4, "error": "x"}]) == {"batch": 4, "error": "x"}
+    assert round_ratios(ours, genai) == pytest.approx([3.0, 3.0, 3.0])
+    report = {**summarize(ours[0], [_row(1, 100.0)]), "round_ratios": [3.0, 2.5, None]}
+    assert table(report)[-1].endswith("3.00x aggregate tok/s (by round: 3.00 2.50 -)")
