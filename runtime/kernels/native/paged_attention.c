@@ -134,6 +134,29 @@ static inline void softmax_row(float* scores, int64_t count, int64_t lo, int64_t
   *sum = total;
 }
 
+/* One query's scores on a page (its first position `base`, `count` rows) → its probabilities, with the
+   causal and windowed visibility of the query's `position`, its running max and total carried on; returns
+   what its output so far must be scaled by (1 where the page shows it nothing, its scores then zeros). */
+static inline float page_softmax(const Kernel* k, float* scores, int64_t count, int64_t position, int64_t base,
+                                 float* running_max, float* total) {
+  int64_t hi = position - base + 1, lo = k->window > 0 ? position - k->window + 1 - base : 0;
+  if (hi > count) hi = count;
+  if (lo < 0) lo = 0;
+  float page_max = -INFINITY;
+  for (int64_t r = lo; r < hi; r++) page_max = scores[r] > page_max ? scores[r] : page_max;
+  if (hi <= lo || page_max == -INFINITY) {
+    for (int64_t r = 0; r < count; r++) scores[r] = 0.0f;
+    return 1.0f;
+  }
+  const float new_max = *running_max > page_max ? *running_max : page_max;
+  const float correction = fast_exp(*running_max - new_max);
+  float sum = 0.0f;
+  softmax_row(scores, count, lo, hi, new_max, &sum);
+  *total = *total * correction + sum;
+  *running_max = new_max;
+  return correction;
+}
+
 /* Query rows first..first+rows-1 of sequence b, the query heads of KV head kv, over the sequence's pages,
    one page of scores at a time with an online softmax. D is a constant in the specialised copies below. */
 static inline __attribute__((always_inline)) void attend_tile(const Attend* a, int64_t b, int64_t first, int64_t rows,
@@ -171,23 +194,8 @@ static inline __attribute__((always_inline)) void attend_tile(const Attend* a, i
       }
     }
     for (int64_t i = 0; i < n; i++) {
-      /* causal and windowed visibility of this query's position */
-      int64_t hi = position[i] - base + 1, lo = k->window > 0 ? position[i] - k->window + 1 - base : 0;
-      if (hi > count) hi = count;
-      if (lo < 0) lo = 0;
-      float page_max = -INFINITY;
-      for (int64_t r = lo; r < hi; r++) page_max = scores[i][r] > page_max ? scores[i][r] : page_max;
-      if (hi <= lo || page_max == -INFINITY) {
-        for (int64_t r = 0; r < count; r++) scores[i][r] = 0.0f;
-        continue;
-      }
-      float new_max = running_max[i] > page_max ? running_max[i] : page_max;
-      float correction = fast_exp(running_max[i] - new_max);
+      const float correction = page_softmax(k, scores[i], count, position[i], base, &running_max[i], &total[i]);
       for (int64_t d = 0; d < D; d++) acc[i][d] *= correction;
-      float sum = 0.0f;
-      softmax_row(scores[i], count, lo, hi, new_max, &sum);
-      total[i] = total[i] * correction + sum;
-      running_max[i] = new_max;
     }
     for (int64_t r = 0; r < count; r++) {
       const float* vr = vp + r * D;
@@ -369,25 +377,8 @@ static inline __attribute__((always_inline)) void attend_narrow(const Attend* a,
         }
         _mm512_mask_storeu_ps(scores[i] + r0, (__mmask16)(m >= 16 ? 0xFFFFu : (1u << m) - 1), sum16(t));
       }
-    for (int i = 0; i < NQ; i++) {
-      /* causal and windowed visibility of this query's position */
-      int64_t hi = position[i] - base + 1, lo = k->window > 0 ? position[i] - k->window + 1 - base : 0;
-      if (hi > count) hi = count;
-      if (lo < 0) lo = 0;
-      float page_max = -INFINITY;
-      for (int64_t r = lo; r < hi; r++) page_max = scores[i][r] > page_max ? scores[i][r] : page_max;
-      correction[i] = 1.0f;
-      if (hi <= lo || page_max == -INFINITY) {
-        for (int64_t r = 0; r < count; r++) scores[i][r] = 0.0f;
-        continue;
-      }
-      const float new_max = running_max[i] > page_max ? running_max[i] : page_max;
-      correction[i] = fast_exp(running_max[i] - new_max);
-      float sum = 0.0f;
-      softmax_row(scores[i], count, lo, hi, new_max, &sum);
-      total[i] = total[i] * correction[i] + sum;
-      running_max[i] = new_max;
-    }
+    for (int i = 0; i < NQ; i++)
+      correction[i] = page_softmax(k, scores[i], count, position[i], base, &running_max[i], &total[i]);
     for (int c = 0; c < DV; c += CW) {
       __m512 o[WIDE_MIN][4];
       for (int i = 0; i < NQ; i++)
