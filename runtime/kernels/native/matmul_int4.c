@@ -28,7 +28,8 @@
 #define PREFETCH 4096  /* bytes ahead of the weights being read that a column asks for (best of 512-8192 here) */
 #define MAX_TASKS 16    /* parallel tasks a call splits its columns into, as MLAS does for this much work */
 #define PARALLEL_ROWS 8 /* rows from which the activations are quantized on the pool's threads */
-#define LANE_ROWS 12    /* rows of a lane tile: an int32 and a float accumulator each (8 or 14: slower) */
+#define LANE_ROWS 12    /* rows of a lane tile: an int32 and a float accumulator each (14, or 8 with two
+                           int32 accumulators each: slower) */
 #define LANE_FROM 16    /* rows from which the lane path is the faster (below, transposing costs more than it saves) */
 
 typedef struct {
