@@ -8,7 +8,7 @@
    (decode) a column's weights are read front to back and 16 columns reduced together at the end, which
    reads SmolLM2's weights 1.1-1.6x as fast as MLAS's MatMulNBits; from LANE_FROM rows (prefill, decode
    batches) each group of 16 columns is first transposed so that a vector holds one column per lane, and
-   every weight vector then serves 12 rows: 1.7-1.9x MatMulNBits' multiply-adds a second at 512 rows
+   every weight vector then serves 12 rows: 1.6-1.9x MatMulNBits' multiply-adds a second at 512 rows
    (docs/performance.md#int4-matmul). The reference is
    runtime/kernels/quant_matmul.py's MatMulInt4; the executor gives this op only the nodes it takes
    (runtime/kernels/native/__init__.py: `takes_matmul`): accuracy level 4, 4 bits in blocks of 128, or 8 bits
@@ -30,7 +30,7 @@
 #define PARALLEL_ROWS 8 /* rows from which the activations are quantized on the pool's threads */
 #define LANE_ROWS 12    /* rows of a lane tile: an int32 and a float accumulator each (14, or 8 with two
                            int32 accumulators each: slower) */
-#define LANE_FROM 16    /* rows from which the lane path is the faster (below, transposing costs more than it saves) */
+#define LANE_FROM 16    /* rows from which the lane path runs (below, transposing costs about what it saves) */
 
 typedef struct {
   int64_t K, N, bits, block;

@@ -134,6 +134,13 @@ static inline void softmax_row(float* scores, int64_t count, int64_t lo, int64_t
   *sum = total;
 }
 
+/* where query vector i of a tile (row first + i / group, query head g = i % group of KV head kv) lies in a
+   [T, Hq, D] array: the rotated queries or the output */
+static inline int64_t query_offset(const Kernel* k, int64_t first, int64_t kv, int64_t i) {
+  const int64_t group = k->num_heads / k->kv_heads;
+  return ((first + i / group) * k->num_heads + kv * group + i % group) * k->head_dim;
+}
+
 /* One query's scores on a page (its first position `base`, `count` rows) → its probabilities, with the
    causal and windowed visibility of the query's `position`, its running max and total carried on; returns
    what its output so far must be scaled by (1 where the page shows it nothing, its scores then zeros). */
@@ -171,16 +178,14 @@ static inline __attribute__((always_inline)) void attend_tile(const Attend* a, i
   float scores[n][PS];
   float running_max[n], total[n];
   int64_t position[n];
-  for (int64_t r = 0; r < rows; r++)
-    for (int64_t g = 0; g < group; g++) {
-      int64_t i = r * group + g;
-      const float* src = a->q + ((first + r) * k->num_heads + kv * group + g) * D;
-      for (int64_t d = 0; d < D; d++) qv[i][d] = src[d] * k->scale;
-      memset(acc[i], 0, sizeof(acc[i]));
-      running_max[i] = -INFINITY;
-      total[i] = 0.0f;
-      position[i] = first_pos + r;
-    }
+  for (int64_t i = 0; i < n; i++) {
+    const float* src = a->q + query_offset(k, first, kv, i);
+    for (int64_t d = 0; d < D; d++) qv[i][d] = src[d] * k->scale;
+    memset(acc[i], 0, sizeof(acc[i]));
+    running_max[i] = -INFINITY;
+    total[i] = 0.0f;
+    position[i] = first_pos + i / group;
+  }
   const int32_t* pages = a->tables + b * a->max_blocks;
   for (int64_t page_index = first_page(k, first_pos); page_index <= last_pos / PS; page_index++) {
     const float *kp, *vp;
@@ -205,13 +210,11 @@ static inline __attribute__((always_inline)) void attend_tile(const Attend* a, i
       }
     }
   }
-  for (int64_t r = 0; r < rows; r++)
-    for (int64_t g = 0; g < group; g++) {
-      int64_t i = r * group + g;
-      float* dst = a->out + ((first + r) * k->num_heads + kv * group + g) * D;
-      float inverse = total[i] > 0.0f ? 1.0f / total[i] : 0.0f;
-      for (int64_t d = 0; d < D; d++) dst[d] = acc[i][d] * inverse;
-    }
+  for (int64_t i = 0; i < n; i++) {
+    float* dst = a->out + query_offset(k, first, kv, i);
+    const float inverse = total[i] > 0.0f ? 1.0f / total[i] : 0.0f;
+    for (int64_t d = 0; d < D; d++) dst[d] = acc[i][d] * inverse;
+  }
 }
 
 
@@ -236,9 +239,8 @@ static inline __attribute__((always_inline)) void attend_wide(const Attend* a, i
   __mmask16 visible[PS][WIDE_VECTORS];
   int32_t position[L] __attribute__((aligned(64)));
   for (int64_t i = 0; i < L; i++) {
-    const int64_t r = i / group, g = i % group;
-    const float* src = a->q + ((first + r) * k->num_heads + kv * group + g) * D;
-    position[i] = i < n ? (int32_t)(first_pos + r) : -1;
+    const float* src = a->q + query_offset(k, first, kv, i);
+    position[i] = i < n ? (int32_t)(first_pos + i / group) : -1;
     for (int64_t d = 0; d < D; d++) qt[d][i] = i < n ? src[d] * k->scale : 0.0f;
   }
   memset(acc, 0, sizeof(acc));
@@ -324,8 +326,7 @@ static inline __attribute__((always_inline)) void attend_wide(const Attend* a, i
                                                            _mm512_set1_ps(1.0f), t));
   }
   for (int64_t i = 0; i < n; i++) {
-    const int64_t r = i / group, g = i % group;
-    float* dst = a->out + ((first + r) * k->num_heads + kv * group + g) * D;
+    float* dst = a->out + query_offset(k, first, kv, i);
     for (int64_t d = 0; d < D; d++) dst[d] = acc[d][i] * inverse[i];
   }
 }
@@ -349,13 +350,12 @@ static inline __attribute__((always_inline)) void attend_narrow(const Attend* a,
   float running_max[NQ], total[NQ], correction[NQ];
   int64_t position[NQ];
   for (int i = 0; i < NQ; i++) {
-    const int64_t r = i / group, g = i % group;
-    const float* src = a->q + ((first + r) * k->num_heads + kv * group + g) * D;
+    const float* src = a->q + query_offset(k, first, kv, i);
     for (int v = 0; v < DV; v++) q[i][v] = _mm512_mul_ps(_mm512_loadu_ps(src + 16 * v), _mm512_set1_ps(k->scale));
     memset(acc[i], 0, sizeof(acc[i]));
     running_max[i] = -INFINITY;
     total[i] = 0.0f;
-    position[i] = first_pos + r;
+    position[i] = first_pos + i / group;
   }
   const int32_t* pages = a->tables + b * a->max_blocks;
   for (int64_t page_index = first_page(k, first_pos); page_index <= last_pos / PS; page_index++) {
@@ -397,8 +397,7 @@ static inline __attribute__((always_inline)) void attend_narrow(const Attend* a,
     }
   }
   for (int i = 0; i < NQ; i++) {
-    const int64_t r = i / group, g = i % group;
-    float* dst = a->out + ((first + r) * k->num_heads + kv * group + g) * D;
+    float* dst = a->out + query_offset(k, first, kv, i);
     const __m512 inverse = _mm512_set1_ps(total[i] > 0.0f ? 1.0f / total[i] : 0.0f);
     for (int v = 0; v < DV; v++) _mm512_storeu_ps(dst + 16 * v, _mm512_mul_ps(_mm512_load_ps(acc[i] + 16 * v), inverse));
   }
