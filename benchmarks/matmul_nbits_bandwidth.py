@@ -78,7 +78,7 @@ def timings(run, x: dict, runs: int) -> list[float]:
 def main(shapes: str, rows: int, megabytes: float, threads: int, rounds: int) -> None:
     """Print µs per matmul and GB/s for both kernels, and their ratio, per shape."""
     if not native.has_int8_matmul():
-        raise click.ClickException("this CPU has no AVX-512 VNNI: the native MatMulInt4 does not run here")
+        raise click.ClickException("this CPU has neither AVX-512 VNNI nor AVX2: the native MatMulInt4 does not run here")
     enable_process_thread_pool(threads)
     for shape in shapes.split(","):
         size, *rest = shape.lower().split(":")

@@ -34,7 +34,7 @@ class EngineConfig:
                 "(what happens anyway where no C compiler can build the native op)"})
     native_matmul: bool = field(default=True, metadata={
         "help": "4- and 8-bit matmuls with int8 activations by the native library's kernel where the CPU has "
-                "AVX-512 VNNI (off: onnxruntime's MatMulNBits; the same numbers within float rounding)"})
+                "AVX-512 VNNI or AVX2 (off: onnxruntime's MatMulNBits; the same numbers within float rounding)"})
     # not an option: only a process the CLI owns may share onnxruntime's process-wide pool (see LLMEngine)
     process_thread_pool: bool = field(default=False, metadata={"cli": False})
     num_speculative_tokens: int = field(default=0, metadata={

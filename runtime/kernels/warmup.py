@@ -65,8 +65,9 @@ if __name__ == "__main__":
     count = warm_up()
     print(f"numba kernels ready: {count} signatures in {time.perf_counter() - start:.1f} s")
     try:
-        ops = "PagedAttention, SwiGlu" + (", MatMulInt4" if native.has_int8_matmul() else " (no AVX-512 VNNI here: "
-                                                                                         "no MatMulInt4)")
+        kernel = native.matmul_kernel(native.library_path())
+        ops = "PagedAttention, SwiGlu" + (f", MatMulInt4 ({'AVX-512 VNNI' if kernel == 512 else 'AVX2'})" if kernel else
+                                          " (neither AVX-512 VNNI nor AVX2 here: no MatMulInt4)")
         print(f"native ops ready ({ops}): {native.library_path()}")
     except native.NativeUnavailable as why:
         print(f"native PagedAttention not built ({why}): paged attention runs as host kernels")

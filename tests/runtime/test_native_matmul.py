@@ -2,9 +2,12 @@
 numpy reference and as onnxruntime's own MatMulNBits on the same bytes, over the shapes its paths split on
 (whole groups of 16 columns and the columns after them, a partial last block, one row, a few and enough
 for the lane path), with an input scale, and the executor's choice of which nodes it takes and which
-constant Muls move into them."""
+constant Muls move into them. Both kernels where the machine runs them: the library built here, and on a
+CPU with AVX-512 a second one built with `-mno-avx512f`, which takes the AVX2 kernel."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -18,9 +21,32 @@ from runtime.kernels.quant_matmul import MatMulInt4
 from runtime.lowering import lower_for_onnxruntime, with_input_scales
 from runtime.ops import CUSTOM_DOMAIN, attributes
 
-VNNI = pytest.mark.skipif(not native.has_int8_matmul(), reason="this CPU has no AVX-512 VNNI")
+KERNEL = pytest.mark.skipif(not native.has_int8_matmul(), reason="this CPU has neither AVX-512 VNNI nor AVX2")
 
 BLOCK = 128
+
+
+# the AVX2 kernel is a second library only where the one built here takes AVX-512's
+KERNELS = ["native"] + (["avx2"] if native.has_int8_matmul() and native.matmul_kernel(native.library_path()) == 512
+                        and {"avx2", "fma"} <= set(native._cpu_flags().split()) else [])
+
+
+@pytest.fixture(scope="module")
+def avx2_library(tmp_path_factory) -> Path:
+    """The library built with `-mno-avx512f`: its MatMulInt4 is the AVX2 kernel."""
+    built = native.build(tmp_path_factory.mktemp("avx2") / "libcann_native.so", native._compiler(), ("-mno-avx512f",))
+    assert native.matmul_kernel(built) == 256
+    return built
+
+
+@pytest.fixture(params=KERNELS)
+def library(request) -> Path:
+    """Each kernel this machine runs: the library built here, then the AVX2 one where that is another."""
+    if request.param == "avx2":
+        return request.getfixturevalue("avx2_library")
+    if not native.has_int8_matmul():
+        pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2")
+    return native.library_path()
 
 
 def _operands(k: int, n: int, bits: int, zero_points: bool, seed: int = 0, block: int = BLOCK):
@@ -35,7 +61,7 @@ def _operands(k: int, n: int, bits: int, zero_points: bool, seed: int = 0, block
 
 
 def _session(op: str, domain: str, k: int, n: int, bits: int, b, scales, zp, accuracy_level: int = 4,
-             block: int = BLOCK):
+             block: int = BLOCK, library: Path | None = None):
     inits = [numpy_helper.from_array(b, "B"), numpy_helper.from_array(scales, "S")]
     inputs = ["A", "B", "S"]
     if zp is not None:
@@ -49,11 +75,10 @@ def _session(op: str, domain: str, k: int, n: int, bits: int, b, scales, zp, acc
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2
     if domain == CUSTOM_DOMAIN:
-        options.register_custom_ops_library(str(native.library_path()))
+        options.register_custom_ops_library(str(library or native.library_path()))
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-@VNNI
 @pytest.mark.parametrize("bits, block", [(4, 128), (8, 128), (8, 64)])
 @pytest.mark.parametrize("zero_points", [True, False])
 @pytest.mark.parametrize("k, n, rows", [
@@ -65,9 +90,9 @@ def _session(op: str, domain: str, k: int, n: int, bits: int, b, scales, zp, acc
     (576, 40, (29,)),         # the lane path: two tiles of 12 rows and one of 5, a padded last group
     (256, 16, (16,)),         # the lane path: one tile of 12 and one of 4, one whole group
 ])
-def test_the_native_matmul_equals_the_reference_and_onnxruntimes_kernel(bits, block, zero_points, k, n, rows):
+def test_the_native_matmul_equals_the_reference_and_onnxruntimes_kernel(library, bits, block, zero_points, k, n, rows):
     b, scales, zp = _operands(k, n, bits, zero_points, block=block)
-    ours = _session("MatMulInt4", CUSTOM_DOMAIN, k, n, bits, b, scales, zp, block=block)
+    ours = _session("MatMulInt4", CUSTOM_DOMAIN, k, n, bits, b, scales, zp, block=block, library=library)
     theirs = _session("MatMulNBits", "com.microsoft", k, n, bits, b, scales, zp, block=block)
     a = np.random.default_rng(1).standard_normal((*rows, k)).astype(np.float32)
     got = ours.run(None, {"A": a})[0]
@@ -79,23 +104,21 @@ def test_the_native_matmul_equals_the_reference_and_onnxruntimes_kernel(bits, bl
     np.testing.assert_allclose(got, mlas, rtol=0, atol=2e-5 * scale)
 
 
-@VNNI
-def test_a_block_of_zeros_and_a_row_of_zeros_give_exact_products():
+def test_a_block_of_zeros_and_a_row_of_zeros_give_exact_products(library):
     k, n, bits = 384, 32, 4
     b, scales, zp = _operands(k, n, bits, True, seed=3)
     a = np.random.default_rng(2).standard_normal((3, k)).astype(np.float32)
     a[0] = 0.0
     a[1, BLOCK:2 * BLOCK] = 0.0
-    got = _session("MatMulInt4", CUSTOM_DOMAIN, k, n, bits, b, scales, zp).run(None, {"A": a})[0]
+    got = _session("MatMulInt4", CUSTOM_DOMAIN, k, n, bits, b, scales, zp, library=library).run(None, {"A": a})[0]
     expected = MatMulInt4(a, b, scales, zp, K=k, N=n, block_size=BLOCK, bits=bits, accuracy_level=4)
     assert np.all(got[0] == 0.0)
     np.testing.assert_allclose(got, expected, rtol=0, atol=2e-5 * float(np.abs(expected).max()))
 
 
-@VNNI
-def test_activations_whose_last_axis_is_not_k_are_refused():
+def test_activations_whose_last_axis_is_not_k_are_refused(library):
     b, scales, zp = _operands(256, 16, 4, True)
-    session = _session("MatMulInt4", CUSTOM_DOMAIN, 256, 16, 4, b, scales, zp)
+    session = _session("MatMulInt4", CUSTOM_DOMAIN, 256, 16, 4, b, scales, zp, library=library)
     with pytest.raises(Exception, match="MatMulInt4: A's last axis is not K"):
         session.run(None, {"A": np.zeros((1, 200), np.float32)})
 
@@ -115,7 +138,7 @@ def _matmul(name: str, **attrs) -> onnx.NodeProto:
     return helper.make_node("MatMulInt4", ["A", "B", "S", "Z"], [name], domain=CUSTOM_DOMAIN, **settings)
 
 
-@VNNI
+@KERNEL
 def test_the_executor_gives_the_library_only_the_matmuls_it_computes_as_matmulnbits():
     nodes = [_matmul("level4"), _matmul("level0", accuracy_level=0), _matmul("blocks32", block_size=32),
              _matmul("blocks64", block_size=64), _matmul("eight_bits", bits=8),
@@ -127,9 +150,8 @@ def test_the_executor_gives_the_library_only_the_matmuls_it_computes_as_matmulnb
     assert not floats(_matmul("float_zero_points"))
 
 
-@VNNI
 @pytest.mark.parametrize("zero_points", [True, False])
-def test_an_input_scale_multiplies_the_activations_before_they_are_quantized(zero_points):
+def test_an_input_scale_multiplies_the_activations_before_they_are_quantized(library, zero_points):
     k, n, bits = 576, 40, 4
     b, scales, zp = _operands(k, n, bits, zero_points, seed=4)
     scale = np.random.default_rng(5).uniform(0.2, 3.0, k).astype(np.float32)
@@ -145,7 +167,7 @@ def test_an_input_scale_multiplies_the_activations_before_they_are_quantized(zer
     expected = MatMulInt4(a * scale, b, scales, zp, K=k, N=n, block_size=BLOCK, bits=bits, accuracy_level=4)
     tolerance = 2e-5 * float(np.abs(expected).max())
     options = ort.SessionOptions()
-    options.register_custom_ops_library(str(native.library_path()))
+    options.register_custom_ops_library(str(library))
     native_run = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(native_run.run(None, {"A": a})[0], expected, rtol=0, atol=tolerance)
     # where the library does not take the node, lowering puts the Mul back before onnxruntime's MatMulNBits
@@ -177,14 +199,14 @@ def test_a_constant_mul_read_only_by_a_native_matmul_moves_into_it():
     assert len(model.graph.node) == 9  # the model itself is left alone
 
 
-def test_a_library_built_without_vnni_has_no_matmul_and_every_matmul_is_left_to_onnxruntime(tmp_path):
+def test_a_library_built_without_avx2_has_no_matmul_and_every_matmul_is_left_to_onnxruntime(tmp_path):
     import os
     import subprocess
     import sys
 
     compiler = os.environ.get("CC") or "cc"
-    wrapper = tmp_path / "cc"  # the machine's compiler, told the CPU has no AVX-512 VNNI
-    wrapper.write_text(f'#!/bin/sh\nexec {compiler} "$@" -mno-avx512vnni\n')
+    wrapper = tmp_path / "cc"  # the machine's compiler, told the CPU has no AVX2 (and so no AVX-512)
+    wrapper.write_text(f'#!/bin/sh\nexec {compiler} "$@" -mno-avx2\n')
     wrapper.chmod(0o755)
     script = ("import onnx\n"
               "from runtime.kernels import native\n"

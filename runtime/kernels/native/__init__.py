@@ -1,5 +1,6 @@
 """The native custom-op library: cann::PagedAttention (paged_attention.c), cann::SwiGlu (swiglu.c) and, on CPUs
-with AVX-512 VNNI, cann::MatMulInt4 (matmul_int4.c) inside onnxruntime, registered by library.c.
+with AVX-512 VNNI or AVX2, cann::MatMulInt4 (matmul_int4.c, its kernels in matmul_int4_avx512.c and
+matmul_int4_avx2.c) inside onnxruntime, registered by library.c.
 
 With it a paged artifact's step is one onnxruntime session run instead of ~30 sessions taking turns with
 ~30 host-kernel calls (docs/performance.md#one-session-per-step). onnxruntime's wheels carry no C headers,
@@ -25,7 +26,8 @@ from pathlib import Path
 from runtime.kernels.numba_cache import user_cache_dir
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("library.c", "paged_attention.c", "swiglu.c", "matmul_int4.c", "native_ops.h", "ort_abi.h")
+SOURCES = ("library.c", "paged_attention.c", "swiglu.c", "matmul_int4.c", "matmul_int4_avx512.c", "matmul_int4_avx2.c",
+           "matmul_int4.h", "native_ops.h", "ort_abi.h")
 # fast math without -ffinite-math-only: masked scores are -inf, and NaN weights give NaN as numpy would
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-fno-math-errno", "-fno-trapping-math",
          "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math", "-ffp-contract=fast", "-fvisibility=hidden")
@@ -64,15 +66,19 @@ def library_path() -> Path:
     compiler = _compiler()
     if compiler is None:
         raise NativeUnavailable("no C compiler (set CC, or install gcc)")
-    folder = user_cache_dir("native") / _key(compiler)
-    target = folder / "libcann_native.so"
-    if target.exists():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=folder, suffix=".so", delete=False) as partial:
+    target = user_cache_dir("native") / _key(compiler) / "libcann_native.so"
+    return target if target.exists() else build(target, compiler)
+
+
+def build(target: Path, compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
+    """Compile the library into `target` (atomically: a concurrent reader sees the whole file or none), with
+    `extra_flags` after FLAGS (e.g. `-mno-avx512f`, to build the AVX2 kernels on an AVX-512 machine);
+    raises NativeUnavailable when the compiler fails."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as partial:
         pass
     units = [str(SOURCE_DIR / name) for name in SOURCES if name.endswith(".c")]
-    command = [compiler, *FLAGS, "-I", str(SOURCE_DIR), *units, "-o", partial.name, "-lm"]
+    command = [compiler, *FLAGS, *extra_flags, "-I", str(SOURCE_DIR), *units, "-o", partial.name, "-lm"]
     try:
         built = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if built.returncode != 0:
@@ -87,15 +93,20 @@ def library_path() -> Path:
 MATMUL_BLOCKS = {4: (128,), 8: (64, 128)}  # bits: block sizes (a block is one or two 64-byte pieces of a row)
 
 
+def matmul_kernel(library: Path) -> int:
+    """Which MatMulInt4 kernel `library` registers: 512 (AVX-512 VNNI), 256 (AVX2 and FMA) or 0 (none). The
+    library says so itself, so the two can never disagree."""
+    return int(ctypes.CDLL(str(library)).cann_matmul_int4_built())
+
+
 @functools.lru_cache(maxsize=1)
 def has_int8_matmul() -> bool:
-    """Whether the library here registers MatMulInt4: built (-march=native) for a CPU with AVX-512 VNNI by a
-    compiler that knows it. The library says so itself, so the two can never disagree."""
+    """Whether the library here registers MatMulInt4: built (-march=native) for a CPU with AVX-512 VNNI, or
+    with AVX2 and FMA, by a compiler that knows them."""
     try:
-        library = ctypes.CDLL(str(library_path()))
+        return matmul_kernel(library_path()) != 0
     except (NativeUnavailable, OSError):
         return False
-    return bool(library.cann_matmul_int4_built())
 
 
 def takes_matmul(attributes: dict) -> bool:

@@ -69,7 +69,7 @@ OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp* op, size_t inde
 
 void paged_attention_op(OrtCustomOp* op);
 void swiglu_op(OrtCustomOp* op);
-/* fills `op` and returns 1 where the CPU has what the kernel needs (AVX-512 VNNI), else 0 */
+/* fills `op` and returns 1 where the CPU has what a kernel needs (AVX-512 VNNI, or AVX2 and FMA), else 0 */
 int matmul_int4_op(OrtCustomOp* op);
 
 #endif

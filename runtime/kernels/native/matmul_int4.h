@@ -1,0 +1,73 @@
+/* What cann::MatMulInt4's op (matmul_int4.c) and its kernels for one instruction set share: the kernel's
+   state, one call's work, and the two functions a kernel file provides. A build has one kernel file:
+   matmul_int4_avx512.c on CPUs with AVX-512 VNNI, matmul_int4_avx2.c on CPUs with AVX2 and FMA but not that;
+   on others there is no MatMulInt4 and the executor keeps onnxruntime's MatMulNBits. */
+#ifndef CANN_MATMUL_INT4_H
+#define CANN_MATMUL_INT4_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include "native_ops.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define MATMUL_INT4_ISA 512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define MATMUL_INT4_ISA 256
+#else
+#define MATMUL_INT4_ISA 0
+#endif
+
+#define PIECE 64        /* weight bytes of a 4-bit block's half-pieces (or one 8-bit piece) read together */
+#define ROWS 4          /* rows computed together, sharing each unpacked weight piece */
+#define TASK_COLUMNS 16 /* columns computed together: their weights stay in L1 while every row is read */
+#define PREFETCH 4096   /* bytes ahead of the weights being read that a column asks for (best of 512-8192 here) */
+#define MAX_TASKS 16    /* parallel tasks a call splits its columns into, as MLAS does for this much work */
+#define PARALLEL_ROWS 8 /* rows from which the activations are quantized on the pool's threads */
+
+typedef struct {
+  int64_t K, N, bits, block;
+  /* made at the first run from the node's constant inputs (a custom op has no pre-packing step): the scales
+     and zero points of every group of 16 columns, block by block ([ceil(N/16)][blocks][16]), and when N is
+     not a multiple of 16 the last group's weights padded with zero columns, so every group takes one path */
+  pthread_mutex_t lock;
+  const float* tables_of; /* the scales they were made from */
+  float* scale_t;
+  int32_t* zero_t;
+  uint8_t* last_group;
+} Kernel;
+
+typedef struct {
+  const Kernel* k;
+  const float* a;
+  const float* a_scale;       /* NULL, or [K] multiplying A's columns before they are quantized */
+  const uint8_t* b;
+  const float* scales;
+  const uint8_t* zero_points; /* NULL: 2^(bits-1) */
+  int8_t* q;                  /* [M][blocks][block] activations in int8, 4-bit blocks deinterleaved by piece */
+  float* q_scale;             /* [M][blocks] */
+  int32_t* q_sum;             /* [M][blocks] the sum of its int8 values */
+  float* y;
+  int64_t m, blocks, block_bytes;
+  int64_t task_columns; /* columns of one parallel task: a multiple of 16, at most MAX_TASKS tasks */
+  float* both;          /* [tasks][ROWS][blocks][16] products of weight and activation scales */
+  uint8_t* lanes;       /* [tasks][16 · blocks · block bytes] a task's group of weights as lanes (lane_bytes) */
+} Work;
+
+/* One row of A into int8, block by block (a ParallelFor body over rows). For 4 bits, each 128 elements go
+   as their 64 even ones then their 64 odd ones, the order in which a piece's low and high nibbles meet them. */
+void matmul_int4_quantize_row(void* work, size_t row);
+/* The columns of one parallel task for every row (a ParallelFor body over tasks). */
+void matmul_int4_columns(void* work, size_t task);
+/* The scratch bytes a call of m rows needs for its tasks' transposed weights (0 where the kernel does not). */
+size_t matmul_int4_lane_bytes(int64_t m, int64_t blocks, int64_t block_bytes);
+
+/* the zero point of column n's block b as the op's tables hold it */
+static inline int32_t matmul_int4_zero_point(const Work* w, int64_t n, int64_t b) {
+  if (!w->zero_points) return w->k->bits == 4 ? 8 : 128;
+  if (w->k->bits == 8) return w->zero_points[n * w->blocks + b];
+  const uint8_t packed = w->zero_points[n * ((w->blocks + 1) / 2) + b / 2];
+  return b & 1 ? packed >> 4 : packed & 15;
+}
+
+#endif
