@@ -332,6 +332,145 @@ static inline __attribute__((always_inline)) void attend_wide(const Attend* a, i
 }
 #endif
 
+/* ---- the wide tile on CPUs with AVX2 alone: attend_wide in 8-lane vectors --------------------------- */
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define WIDE_VECTORS 4 /* vectors of 8 query lanes a wide tile holds at most (32 query vectors) */
+#define WIDE_CHUNK 8   /* head-dim columns a head dim must be a multiple of for the tile */
+
+/* exp16's fast_exp on 8 lanes */
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.4426950408889634f), _mm256_set1_ps(0.5f)));
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+/* all ones in the lanes whose query (position in `pos`) sees the key at `key`: causal, and windowed */
+static inline __m256 seen8(__m256i pos, __m256i key, int64_t window) {
+  __m256i seen = _mm256_xor_si256(_mm256_cmpgt_epi32(key, pos), _mm256_set1_epi32(-1));
+  if (window > 0) seen = _mm256_and_si256(seen, _mm256_cmpgt_epi32(key, _mm256_sub_epi32(pos, _mm256_set1_epi32((int32_t)window))));
+  return _mm256_castsi256_ps(seen);
+}
+
+/* attend_wide's tile with NV·8 query vectors in the lanes of NV 8-lane vectors: two key rows' scores at a
+   time (2·NV sums), the visibility recomputed where it is needed rather than kept, and the output
+   accumulating 8 / NV head-dim columns at a time in registers over a page's rows. */
+static inline __attribute__((always_inline)) void attend_wide8(const Attend* a, int64_t b, int64_t first, int64_t rows,
+                                                               int64_t kv, const int64_t D, const int NV) {
+  const Kernel* k = a->k;
+  const int64_t group = k->num_heads / k->kv_heads, PS = k->page_size, L = NV * 8;
+  const int CH = 8 / NV;
+  const int64_t n = rows * group;
+  const int64_t first_pos = first_position(a, b, first), last_pos = first_pos + rows - 1;
+  float qt[D][L] __attribute__((aligned(32)));
+  float acc[D][L] __attribute__((aligned(32)));
+  float scores[PS][L] __attribute__((aligned(32)));
+  int32_t position[L] __attribute__((aligned(32)));
+  for (int64_t i = 0; i < L; i++) {
+    const float* src = a->q + query_offset(k, first, kv, i);
+    position[i] = i < n ? (int32_t)(first_pos + i / group) : -1;
+    for (int64_t d = 0; d < D; d++) qt[d][i] = i < n ? src[d] * k->scale : 0.0f;
+  }
+  memset(acc, 0, sizeof(acc));
+  __m256 running_max[WIDE_VECTORS], total[WIDE_VECTORS];
+  __m256i pos[WIDE_VECTORS];
+  for (int v = 0; v < NV; v++) {
+    running_max[v] = _mm256_set1_ps(-INFINITY);
+    total[v] = _mm256_setzero_ps();
+    pos[v] = _mm256_load_si256((const __m256i*)(position + 8 * v));
+  }
+  const int32_t* pages = a->tables + b * a->max_blocks;
+  for (int64_t page_index = first_page(k, first_pos); page_index <= last_pos / PS; page_index++) {
+    const float *kp, *vp;
+    const int64_t base = page_index * PS, count = page_rows(a, pages[page_index], base, last_pos, kv, D, &kp, &vp);
+    int64_t r = 0;
+    for (; r + 2 <= count; r += 2) {
+      __m256 s0[WIDE_VECTORS], s1[WIDE_VECTORS];
+      for (int v = 0; v < NV; v++) s0[v] = s1[v] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d++) {
+        const __m256 k0 = _mm256_set1_ps(kp[r * D + d]), k1 = _mm256_set1_ps(kp[(r + 1) * D + d]);
+        for (int v = 0; v < NV; v++) {
+          const __m256 q = _mm256_load_ps(&qt[d][8 * v]);
+          s0[v] = _mm256_fmadd_ps(q, k0, s0[v]);
+          s1[v] = _mm256_fmadd_ps(q, k1, s1[v]);
+        }
+      }
+      for (int v = 0; v < NV; v++) {
+        _mm256_store_ps(&scores[r][8 * v], s0[v]);
+        _mm256_store_ps(&scores[r + 1][8 * v], s1[v]);
+      }
+    }
+    for (; r < count; r++) {
+      __m256 s[WIDE_VECTORS];
+      for (int v = 0; v < NV; v++) s[v] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d++) {
+        const __m256 key = _mm256_set1_ps(kp[r * D + d]);
+        for (int v = 0; v < NV; v++) s[v] = _mm256_fmadd_ps(_mm256_load_ps(&qt[d][8 * v]), key, s[v]);
+      }
+      for (int v = 0; v < NV; v++) _mm256_store_ps(&scores[r][8 * v], s[v]);
+    }
+    __m256 page_max[WIDE_VECTORS];
+    for (int v = 0; v < NV; v++) page_max[v] = _mm256_set1_ps(-INFINITY);
+    for (r = 0; r < count; r++) {
+      const __m256i key = _mm256_set1_epi32((int32_t)(base + r));
+      for (int v = 0; v < NV; v++)
+        page_max[v] = _mm256_blendv_ps(page_max[v], _mm256_max_ps(page_max[v], _mm256_load_ps(&scores[r][8 * v])),
+                                       seen8(pos[v], key, k->window));
+    }
+    __m256 correction[WIDE_VECTORS];
+    for (int v = 0; v < NV; v++) {
+      const __m256 new_max = _mm256_max_ps(running_max[v], page_max[v]);
+      /* lanes that have seen nothing yet keep -inf: their correction is exp of a NaN, clamped to tiny, on zeros */
+      correction[v] = exp8(_mm256_sub_ps(running_max[v], new_max));
+      running_max[v] = new_max;
+      total[v] = _mm256_mul_ps(total[v], correction[v]);
+    }
+    for (r = 0; r < count; r++) {
+      const __m256i key = _mm256_set1_epi32((int32_t)(base + r));
+      for (int v = 0; v < NV; v++) {
+        const __m256 p = _mm256_and_ps(seen8(pos[v], key, k->window),
+                                       exp8(_mm256_sub_ps(_mm256_load_ps(&scores[r][8 * v]), running_max[v])));
+        _mm256_store_ps(&scores[r][8 * v], p);
+        total[v] = _mm256_add_ps(total[v], p);
+      }
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += CH) {
+      __m256 o[8][WIDE_VECTORS];
+      for (int dd = 0; dd < CH; dd++)
+        for (int v = 0; v < NV; v++) o[dd][v] = _mm256_mul_ps(_mm256_load_ps(&acc[d0 + dd][8 * v]), correction[v]);
+      for (r = 0; r < count; r++) {
+        const float* value = vp + r * D + d0;
+        for (int v = 0; v < NV; v++) {
+          const __m256 p = _mm256_load_ps(&scores[r][8 * v]);
+          for (int dd = 0; dd < CH; dd++) o[dd][v] = _mm256_fmadd_ps(p, _mm256_set1_ps(value[dd]), o[dd][v]);
+        }
+      }
+      for (int dd = 0; dd < CH; dd++)
+        for (int v = 0; v < NV; v++) _mm256_store_ps(&acc[d0 + dd][8 * v], o[dd][v]);
+    }
+  }
+  float inverse[L] __attribute__((aligned(32)));
+  for (int v = 0; v < NV; v++) {
+    const __m256 t = total[v];
+    _mm256_store_ps(inverse + 8 * v, _mm256_and_ps(_mm256_cmp_ps(t, _mm256_setzero_ps(), _CMP_GT_OQ),
+                                                   _mm256_div_ps(_mm256_set1_ps(1.0f), t)));
+  }
+  for (int64_t i = 0; i < n; i++) {
+    float* dst = a->out + query_offset(k, first, kv, i);
+    for (int64_t d = 0; d < D; d++) dst[d] = acc[d][i] * inverse[i];
+  }
+}
+#endif
+
 /* ---- the narrow tile: a decode step's few query vectors, 16 key rows a reduction --------------------- */
 #if defined(__AVX512F__)
 /* The tile of attend_tile for NQ < WIDE_MIN query vectors and D = 64 or 128: each query vector sits in D/16
@@ -438,6 +577,21 @@ static void attend_item(void* data, size_t item) {
       default: attend_wide(a, b, first, rows, kv, D, 4); return;
     }
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const int64_t n = rows * (a->k->num_heads / a->k->kv_heads), vectors = (n + 7) / 8;
+  if (n >= WIDE_MIN && vectors <= WIDE_VECTORS && a->k->head_dim % WIDE_CHUNK == 0 && a->k->head_dim <= 256) {
+    const int64_t D = a->k->head_dim;
+    switch (vectors * 1000 + (D == 64 ? 64 : 0)) {
+      case 1064: attend_wide8(a, b, first, rows, kv, 64, 1); return;
+      case 2064: attend_wide8(a, b, first, rows, kv, 64, 2); return;
+      case 3064: attend_wide8(a, b, first, rows, kv, 64, 3); return;
+      case 4064: attend_wide8(a, b, first, rows, kv, 64, 4); return;
+      case 1000: attend_wide8(a, b, first, rows, kv, D, 1); return;
+      case 2000: attend_wide8(a, b, first, rows, kv, D, 2); return;
+      case 3000: attend_wide8(a, b, first, rows, kv, D, 3); return;
+      default: attend_wide8(a, b, first, rows, kv, D, 4); return;
+    }
+  }
 #endif
   switch (a->k->head_dim) {
     case 64: attend_tile(a, b, first, rows, kv, 64); break;
@@ -509,6 +663,9 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
 #if defined(__AVX512F__)
   /* wide tiles take as many rows as 64 query vectors hold, when that beats the narrow tile's rows */
   const int64_t wide_rows = (16 * 4) / (H / KV) < WIDE_ROWS ? (16 * 4) / (H / KV) : WIDE_ROWS;
+  if (D % WIDE_CHUNK == 0 && D <= 256 && wide_rows > tile_rows) tile_rows = wide_rows;
+#elif defined(__AVX2__) && defined(__FMA__)
+  const int64_t wide_rows = (8 * WIDE_VECTORS) / (H / KV) < WIDE_ROWS ? (8 * WIDE_VECTORS) / (H / KV) : WIDE_ROWS;
   if (D % WIDE_CHUNK == 0 && D <= 256 && wide_rows > tile_rows) tile_rows = wide_rows;
 #endif
   const Tensor* kc = &t[KEY_CACHE];
