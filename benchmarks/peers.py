@@ -150,7 +150,7 @@ def prompts(prompt_tokens: int, prefill_tokens: int) -> dict:
     and a plain text of `prefill_tokens` tokens; each engine tokenizes both with its own tokenizer."""
     from transformers import AutoTokenizer
 
-    from models.genai_builder import smollm2_hf_folder
+    from models.prepare import smollm2_hf_folder
 
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_hf_folder()))
     text = EVAL_TEXT.read_text(encoding="utf-8")

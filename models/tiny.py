@@ -22,6 +22,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("CANN_LLM_CACHE", REPO_ROOT / ".cache"))
 
 
+def publish_folder(folder: Path, target: Path, marker: str) -> None:
+    """Move a finished `folder` to `target`; parallel builders may race, and the first complete one wins."""
+    try:
+        os.replace(folder, target)
+    except OSError:
+        if not (target / marker).exists():
+            raise
+
+
 @dataclass(frozen=True)
 class TinySpec:
     """What one tiny family is: its transformers config class and the sizes we give it."""

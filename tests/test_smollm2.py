@@ -77,20 +77,22 @@ GREEDY_PROMPTS = ["The capital of France is", "Once upon a time, in a small vill
 
 @pytest.fixture(scope="module")
 def smollm2_greedy(smollm2_om):
-    """transformers' greedy continuation (64 tokens, eos ignored) of each prompt, one at a time."""
+    """transformers' greedy continuation (64 tokens, eos ignored) of each prompt: one left-padded batch, masked
+    (9x faster than one at a time on 2 cores, the same tokens)."""
     import torch
 
     from models.prepare import load_smollm2_hf
 
-    model, _ = load_smollm2_hf()
+    model = load_smollm2_hf()
     tokenizer = TextTokenizer(load_artifact(smollm2_om).om.tokenizer_files())
-    prompts, outputs = [tokenizer.encode(p) for p in GREEDY_PROMPTS], []
-    for ids in prompts:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-        outputs.append(out[0, len(ids):].tolist())
-    return prompts, outputs
+    prompts = [tokenizer.encode(p) for p in GREEDY_PROMPTS]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=64, min_new_tokens=64, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return prompts, [row[width:].tolist() for row in out]
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +106,8 @@ def test_engine_greedy_equals_transformers(request, smollm2_greedy, layout, draf
 
     om = request.getfixturevalue("smollm2_paged_om" if layout == "paged" else "smollm2_om")
     prompts, expected = smollm2_greedy
+    if layout == "contiguous":  # its runner runs a batch's sequences one by one: four show the same as sixteen
+        prompts, expected = prompts[:4], expected[:4]
     with LLMEngine(om, max_batch_size=16, max_context_len=512, kv_cache_pages=32, num_speculative_tokens=drafts,
                    speculative_max_batch=16) as engine:
         alone = engine.submit(prompts[0], max_new_tokens=64, temperature=0, ignore_eos=True)
@@ -129,16 +133,17 @@ def test_force_fp16_stores_every_matmul_weight_and_the_tied_table_in_half_the_by
 
 @pytest.fixture(scope="module")
 def smollm2_ts_path():
-    """SmolLM2 exported by `cann-run export --exporter torchscript` (7,612 nodes), once per cache."""
+    """SmolLM2 (its Hugging Face folder) exported by `cann-run export --exporter torchscript` (7,612 nodes),
+    once per cache."""
     import subprocess
     import sys
 
-    from models.prepare import find_smollm2_gguf
+    from models.prepare import smollm2_hf_folder
     from models.tiny import cache_dir
 
     path = cache_dir() / "smollm2-ts" / "model.onnx"
-    if not path.exists():
-        proc = subprocess.run([sys.executable, "-m", "cli.cann_run", "export", "--model", str(find_smollm2_gguf()),
+    if not path.exists():  # from the saved folder: reading the GGUF again would add ~35 s
+        proc = subprocess.run([sys.executable, "-m", "cli.cann_run", "export", "--model", str(smollm2_hf_folder()),
                                "--output", str(path.parent), "--exporter", "torchscript"], capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-3000:]
     return path
