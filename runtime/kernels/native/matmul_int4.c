@@ -30,7 +30,7 @@ static OrtStatus* tables(Kernel* k, const Work* w) {
     free(k->zero_t);
     free(k->last_group);
     k->scale_t = (float*)calloc((size_t)count, sizeof(float));
-    k->zero_t = (int32_t*)calloc((size_t)count, sizeof(int32_t));
+    k->zero_t = (uint8_t*)calloc((size_t)count, 1);
     k->last_group = whole < k->N ? (uint8_t*)calloc((size_t)(TASK_COLUMNS * row_bytes), 1) : NULL;
     if (!k->scale_t || !k->zero_t || (whole < k->N && !k->last_group))
       status = fail("MatMulInt4: out of memory for its scale tables");
@@ -38,7 +38,7 @@ static OrtStatus* tables(Kernel* k, const Work* w) {
       for (int64_t b = 0; b < w->blocks; b++) {
         const int64_t at = ((n / TASK_COLUMNS * w->blocks) + b) * TASK_COLUMNS + n % TASK_COLUMNS;
         k->scale_t[at] = w->scales[n * w->blocks + b];
-        k->zero_t[at] = matmul_int4_zero_point(w, n, b);
+        k->zero_t[at] = (uint8_t)matmul_int4_zero_point(w, n, b);
       }
     if (!status && k->last_group) memcpy(k->last_group, w->b + whole * row_bytes, (size_t)((k->N - whole) * row_bytes));
     __atomic_store_n(&k->tables_of, status ? NULL : w->scales, __ATOMIC_RELEASE);

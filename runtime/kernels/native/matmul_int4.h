@@ -18,7 +18,7 @@
 #define MATMUL_INT4_ISA 0
 #endif
 
-#define PIECE 64        /* weight bytes of a 4-bit block's half-pieces (or one 8-bit piece) read together */
+#define PIECE 64        /* a 64-byte piece of a block: a whole 4-bit block of 128, an 8-bit block of 64, half of one of 128 */
 #define ROWS 4          /* rows computed together, sharing each unpacked weight piece */
 #define TASK_COLUMNS 16 /* columns computed together: their weights stay in L1 while every row is read */
 #define PREFETCH 4096   /* bytes ahead of the weights being read that a column asks for (best of 512-8192 here) */
@@ -33,7 +33,7 @@ typedef struct {
   pthread_mutex_t lock;
   const float* tables_of; /* the scales they were made from */
   float* scale_t;
-  int32_t* zero_t;
+  uint8_t* zero_t; /* the zero points as bytes: a quarter of int32's traffic, read with the weights every call */
   uint8_t* last_group;
 } Kernel;
 

@@ -117,7 +117,7 @@ static inline __attribute__((always_inline)) void sixteen(const Work* w, int64_t
                                                           int R, int bits, float* both) {
   const int64_t blocks = w->blocks, block = w->k->block, block_bytes = w->block_bytes;
   const float* scale_t = w->k->scale_t + n0 * blocks;
-  const int32_t* zero_t = w->k->zero_t + n0 * blocks;
+  const uint8_t* zero_t = w->k->zero_t + n0 * blocks;
   /* 8 bits multiply w - 128, so the zero point's share is (zero - 128) times the activations' sum */
   const __m256i zero_bias = _mm256_set1_epi32(bits == 8 ? 128 : 0);
   const __m256i low = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
@@ -130,7 +130,7 @@ static inline __attribute__((always_inline)) void sixteen(const Work* w, int64_t
         const int64_t at = b * TASK_COLUMNS + 8 * h;
         const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(scale_t + at), _mm256_set1_ps(w->q_scale[row + b]));
         _mm256_storeu_ps(both + (i * blocks + b) * TASK_COLUMNS + 8 * h, scale);
-        const __m256 zero = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_loadu_si256((const __m256i*)(zero_t + at)), zero_bias));
+        const __m256 zero = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(zero_t + at))), zero_bias));
         shift[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(scale, zero), _mm256_set1_ps((float)w->q_sum[row + b]), shift[i][h]);
       }
     }

@@ -83,7 +83,7 @@ static inline __attribute__((always_inline)) void sixteen(const Work* w, int64_t
                                                           int R, int bits, int pieces, float* both) {
   const int64_t blocks = w->blocks, block = w->k->block, block_bytes = w->block_bytes;
   const float* scale_t = w->k->scale_t + n0 * blocks;
-  const int32_t* zero_t = w->k->zero_t + n0 * blocks;
+  const uint8_t* zero_t = w->k->zero_t + n0 * blocks;
   const __m512i low = _mm512_set1_epi8(15);
   __m512 shift[ROWS];
   for (int i = 0; i < R; i++) {
@@ -92,7 +92,7 @@ static inline __attribute__((always_inline)) void sixteen(const Work* w, int64_t
     for (int64_t b = 0; b < blocks; b++) {
       const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(scale_t + b * TASK_COLUMNS), _mm512_set1_ps(w->q_scale[row + b]));
       _mm512_storeu_ps(both + (i * blocks + b) * TASK_COLUMNS, scale);
-      const __m512 zero = _mm512_cvtepi32_ps(_mm512_loadu_si512((const void*)(zero_t + b * TASK_COLUMNS)));
+      const __m512 zero = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(zero_t + b * TASK_COLUMNS))));
       shift[i] = _mm512_fmadd_ps(_mm512_mul_ps(scale, zero), _mm512_set1_ps((float)w->q_sum[row + b]), shift[i]);
     }
   }
@@ -183,7 +183,7 @@ static void to_lanes(const uint8_t* base, int64_t row_bytes, int64_t blocks, int
 static inline __attribute__((always_inline)) void lane_tile(const Work* w, int64_t n0, const __m512i* lanes, int64_t r0, const int R, int bits) {
   const int64_t blocks = w->blocks, block = w->k->block, pieces = w->block_bytes / PIECE;
   const float* scale_t = w->k->scale_t + n0 * blocks;
-  const int32_t* zero_t = w->k->zero_t + n0 * blocks;
+  const uint8_t* zero_t = w->k->zero_t + n0 * blocks;
   const int8_t* x = w->q + r0 * blocks * block;
   const int64_t stride = blocks * block;
   const __m512i low = _mm512_set1_epi8(15);
@@ -215,7 +215,7 @@ static inline __attribute__((always_inline)) void lane_tile(const Work* w, int64
       }
     }
     const __m512 scale = _mm512_loadu_ps(scale_t + b * TASK_COLUMNS);
-    const __m512 zero = _mm512_cvtepi32_ps(_mm512_loadu_si512((const void*)(zero_t + b * TASK_COLUMNS)));
+    const __m512 zero = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(zero_t + b * TASK_COLUMNS))));
     for (int i = 0; i < R; i++) {
       const int64_t at = (r0 + i) * blocks + b;
       const __m512 shifted = _mm512_fnmadd_ps(zero, _mm512_set1_ps((float)w->q_sum[at]), _mm512_cvtepi32_ps(dot[i]));
