@@ -65,9 +65,9 @@ if __name__ == "__main__":
     count = warm_up()
     print(f"numba kernels ready: {count} signatures in {time.perf_counter() - start:.1f} s")
     try:
-        kernel = native.matmul_kernel(native.library_path())
+        library, kernel = native.library_path(), native.matmul_isa()
         ops = "PagedAttention, SwiGlu" + (f", MatMulInt4 ({'AVX-512 VNNI' if kernel == 512 else 'AVX2'})" if kernel else
                                           " (neither AVX-512 VNNI nor AVX2 here: no MatMulInt4)")
-        print(f"native ops ready ({ops}): {native.library_path()}")
+        print(f"native ops ready ({ops}): {library}")
     except native.NativeUnavailable as why:
         print(f"native PagedAttention not built ({why}): paged attention runs as host kernels")

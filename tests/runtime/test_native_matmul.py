@@ -27,7 +27,7 @@ BLOCK = 128
 
 
 # the AVX2 kernel is a second library only where the one built here takes AVX-512's
-KERNELS = ["native"] + (["avx2"] if native.has_int8_matmul() and native.matmul_kernel(native.library_path()) == 512
+KERNELS = ["native"] + (["avx2"] if native.matmul_isa() == 512
                         and {"avx2", "fma"} <= set(native._cpu_flags().split()) else [])
 
 

@@ -100,13 +100,18 @@ def matmul_kernel(library: Path) -> int:
 
 
 @functools.lru_cache(maxsize=1)
+def matmul_isa() -> int:
+    """The MatMulInt4 kernel of the library here (`matmul_kernel`'s answer), 0 where there is no library."""
+    try:
+        return matmul_kernel(library_path())
+    except (NativeUnavailable, OSError):
+        return 0
+
+
 def has_int8_matmul() -> bool:
     """Whether the library here registers MatMulInt4: built (-march=native) for a CPU with AVX-512 VNNI, or
     with AVX2 and FMA, by a compiler that knows them."""
-    try:
-        return matmul_kernel(library_path()) != 0
-    except (NativeUnavailable, OSError):
-        return False
+    return matmul_isa() != 0
 
 
 def takes_matmul(attributes: dict) -> bool:
