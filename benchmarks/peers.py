@@ -26,7 +26,7 @@ process loads its engine, warms it (the prefill prompt, four tokens), then measu
   template and tokenizer; the counts each saw are reported), then --new-tokens tokens with EOS held off;
   decode tok/s counts the tokens after the first, TTFT is the first token's latency;
 - prefill: one prompt of --prefill tokens of plain text (eval.txt), to its first token;
-- peak RSS: the process's high-water mark (getrusage), after both;
+- peak RSS: the process's high-water mark (VmHWM), after both;
 - weights: the model's files (.om; model.onnx and its data; .gguf).
 
 The bandwidth ceiling of a row is the decode rate at which reading its weights once a token would take
@@ -334,8 +334,19 @@ def run_worker(job: dict) -> dict:
         result = {"load_s": loaded, **measure(runner, job)}
         if job["kind"] == "cann":
             runner.engine.close()
+    return {**result, "peak_rss_bytes": peak_rss_bytes()}
+
+
+def peak_rss_bytes() -> int:
+    """This process's resident high-water mark: /proc's VmHWM, which belongs to the process's own memory,
+    where getrusage's ru_maxrss carries over the parent's peak through fork and exec (a worker spawned
+    after the models were built in the parent reported the builder's 1.9 GB)."""
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     # Linux reports ru_maxrss in KiB
-    return {**result, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def spawn(job: dict, script: Path = Path(__file__)) -> dict:

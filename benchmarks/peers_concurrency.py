@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import logging
-import resource
 import sys
 import time
 from pathlib import Path
@@ -45,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # peers, beside this file
 
-from peers import Engine, GenaiRunner, model_of, print_report, spawn  # noqa: E402
+from peers import Engine, GenaiRunner, model_of, peak_rss_bytes, print_report, spawn  # noqa: E402
 
 from models.data_files import EVAL_TEXT  # noqa: E402
 
@@ -202,8 +201,7 @@ def run_worker(job: dict) -> dict:
     # _closed_loop's progress bar would only clutter the captured stderr
     logging.getLogger().setLevel(logging.ERROR)
     result = run_cann(job) if job["kind"] == "cann" else run_genai(job)
-    # Linux reports ru_maxrss in KiB
-    return {**result, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return {**result, "peak_rss_bytes": peak_rss_bytes()}
 
 
 # ---- the command -----------------------------------------------------------------------------------------

@@ -151,9 +151,13 @@ PAGED_METADATA = (
 
 
 def paged_metadata_feeds(query_start_loc, seq_lens, block_tables, slot_mapping) -> dict[str, np.ndarray]:
-    """A paged step's metadata as the graph's feeds, by name and in the contract's dtypes."""
-    values = dict(zip((m.slot for m in PAGED_METADATA), (query_start_loc, seq_lens, block_tables, slot_mapping)))
-    return {m.name: np.asarray(values[m.slot], m.dtype) for m in PAGED_METADATA}
+    """A paged step's metadata as the graph's feeds, by name and in the contract's dtypes (in
+    PAGED_METADATA's order, as the arguments are)."""
+    values = (query_start_loc, seq_lens, block_tables, slot_mapping)
+    return {name: np.asarray(value, dtype) for (name, dtype), value in zip(_METADATA_FEEDS, values)}
+
+
+_METADATA_FEEDS = tuple((m.name, m.dtype) for m in PAGED_METADATA)
 
 
 T = TypeVar("T")

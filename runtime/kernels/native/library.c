@@ -25,6 +25,16 @@ OrtStatus* int_attribute(const OrtKernelInfo* info, const char* name, int64_t* o
   return ORT_CALL(g_api, KernelInfoGetAttribute_int64)(info, name, out);
 }
 
+int64_t int_attribute_or(const OrtKernelInfo* info, const char* name, int64_t fallback) {
+  int64_t value = fallback;
+  OrtStatus* status = int_attribute(info, name, &value);
+  if (status) {
+    ORT_CALL(g_api, ReleaseStatus)(status);
+    value = fallback;
+  }
+  return value;
+}
+
 int64_t elements(const Tensor* t) {
   int64_t n = 1;
   for (size_t i = 0; i < t->rank; i++) n *= t->dims[i];

@@ -121,7 +121,7 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api, const 
   OrtStatus* status = int_attribute(info, "K", &k->K);
   if (!status) status = int_attribute(info, "N", &k->N);
   if (!status) status = int_attribute(info, "block_size", &k->block);
-  if (!status && int_attribute(info, "bits", &k->bits)) k->bits = 4; /* the registry's default (runtime/ops.py) */
+  k->bits = int_attribute_or(info, "bits", 4); /* the registry's default (runtime/ops.py) */
   if (!status && (k->K < 1 || k->N < 1 || !((k->bits == 4 && k->block == 128) || (k->bits == 8 && (k->block == 64 || k->block == 128)))))
     status = fail("MatMulInt4: the native kernel takes 4 bits in blocks of 128, or 8 bits in blocks of 64 or 128");
   if (!status && pthread_mutex_init(&k->lock, NULL)) status = fail("MatMulInt4: no mutex");

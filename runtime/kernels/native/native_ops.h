@@ -24,6 +24,8 @@ OrtStatus* tensor_of(const OrtValue* value, Tensor* out);
 int64_t elements(const Tensor* t);
 /* the node's int attribute `name`; an error status when it has none */
 OrtStatus* int_attribute(const OrtKernelInfo* info, const char* name, int64_t* out);
+/* the node's int attribute `name`, or `fallback` when it has none */
+int64_t int_attribute_or(const OrtKernelInfo* info, const char* name, int64_t fallback);
 
 /* Cephes' expf as runtime/kernels/fast_math.py has it (the numpy reference there holds both): plain
    arithmetic the compiler vectorizes, where libm's expf is a call per element. Clamped to [-87, 88]: -87

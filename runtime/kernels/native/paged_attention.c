@@ -775,8 +775,8 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api, const 
   if (!status) status = int_attribute(info, "page_size", &k->page_size);
   if (!status) status = ORT_CALL(g_api, KernelInfoGetAttribute_float)(info, "scale", &k->scale);
   /* the registry's defaults (runtime/ops.py): the compiler may leave these off */
-  if (!status && int_attribute(info, "rotary_interleaved", &k->interleaved)) k->interleaved = 0;
-  if (!status && int_attribute(info, "sliding_window", &k->window)) k->window = 0;
+  k->interleaved = int_attribute_or(info, "rotary_interleaved", 0);
+  k->window = int_attribute_or(info, "sliding_window", 0);
   if (!status && (k->num_heads < 1 || k->kv_heads < 1 || k->head_dim < 1 || k->page_size < 1 || k->layer < 0))
     status = fail("PagedInputError: the node's heads, head_dim, page_size and layer must be positive");
   if (status) {
