@@ -1,6 +1,6 @@
 """Where a paged artifact's node time goes, by op type, from onnxruntime's own profiler on the engine's session.
 
-    python benchmarks/node_profile.py --om .cache/peers/smollm2-int4-awq.om --work decode   # 100 tokens, batch 1
+    python benchmarks/node_profile.py --om .cache/peers/smollm2-int4-awq-head4.om --work decode   # 100 tokens, batch 1
     python benchmarks/node_profile.py --om ... --work prefill [--tokens 512]                  # three prefills
     python benchmarks/node_profile.py --om ... --work mix [--requests 64]                     # peers_concurrency's mix
 

@@ -8,8 +8,9 @@ Engines, each on a model made from the same weights (built once into the cache f
 
 \b
 - cann-llm fp32 / int4: `atc` on the dynamo export of `python -m models.prepare smollm2`, paged + flash;
-  int4 is AWQ, groups of 128, lm_head and the tied embedding table at 8 bits (perplexity on eval.txt 31.6,
-  onnxruntime-genai's int4 37.2: benchmarks/peers_perplexity.py). Run by `LLMEngine` as
+  int4 is AWQ, groups of 128, lm_head and the tied embedding table at 4 bits in blocks of 32, as
+  onnxruntime-genai's builder has them (perplexity on eval.txt 36.0, onnxruntime-genai's int4 37.2:
+  benchmarks/peers_perplexity.py). Run by `LLMEngine` as
   `cann-run bench` runs it (onnxruntime's process-wide pool).
 - onnxruntime-genai fp32 / int4: its model builder on the same weights as a Hugging Face folder
   (models/genai_builder.py; int4: blocks of 32, a 4-bit head, accuracy level 4), driven by its Generator.
@@ -56,7 +57,7 @@ from models.data_files import EVAL_TEXT  # noqa: E402
 from models.tiny import cache_dir  # noqa: E402
 
 INT4_CONF = {"quant_mode": "INT4", "group_size": 128, "algorithms": [{"name": "awq"}], "skip_layers": [],
-             "lm_head_bits": 8}
+             "lm_head_bits": 4, "lm_head_group_size": 32}
 ATC_FLAGS = ["--framework=5", "--soc_version=Ascend910B", "--enable_paged_attention=1", "--kv_cache_layout=paged",
              "--enable_flash_attention=1"]
 NOT_INSTALLED = "not installed (pip install -e '.[bench]')"
@@ -96,8 +97,8 @@ def smollm2_export() -> Path:
 
 
 def cann_artifact(precision: str) -> Path:
-    """SmolLM2 compiled by atc, paged + flash, FP32 or INT4 AWQ g128 with the 8-bit head."""
-    stem = cache_dir() / "peers" / f"smollm2-{precision}{'-awq' if precision == 'int4' else ''}"
+    """SmolLM2 compiled by atc, paged + flash, FP32 or INT4 AWQ g128 with the 4-bit head in blocks of 32."""
+    stem = cache_dir() / "peers" / f"smollm2-{precision}{'-awq-head4' if precision == 'int4' else ''}"
     if stem.with_suffix(".om").exists():
         return stem.with_suffix(".om")
     stem.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,8 @@ One fixed mix of --requests requests, drawn with --seed as `cann-run bench` draw
 are windows of eval.txt of random lengths in [32, 512] tokens, outputs random lengths in [32, 128] tokens,
 greedy, EOS held off. The text is tokenized once by the artifact's own tokenizer and both engines get the
 same token ids (SmolLM2's tokenizer is the same in both). The models are benchmarks/peers.py's (the same
-weights; int4: ours AWQ g128 with the 8-bit head, genai's builder blocks of 32), each run in a fresh process.
+weights; int4: ours AWQ g128 with the 4-bit head in blocks of 32, genai's builder blocks of 32), each run in a
+fresh process.
 
 \b
 - cann-llm: `LLMEngine` with room for --concurrency sequences and their pages, served by that many

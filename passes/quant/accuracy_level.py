@@ -15,6 +15,10 @@ ACCURACY_THRESHOLD = 0.02
 # 8-bit MatMulNBits runs with int8 activations: onnxruntime's float-activation 8-bit path is a slow
 # fallback here, two orders of magnitude slower than level 4 (docs/performance.md#quantization-choices)
 EIGHT_BIT_ACCURACY_LEVEL = 4
+# a tied 4-bit lm_head too: quantized before calibration, it has no statistics to choose by; int8
+# activations cost SmolLM2's head 0.1 of perplexity, and the native int8 kernel takes only them
+# (docs/quantization.md#a-4-bit-lm_head)
+TIED_HEAD_ACCURACY_LEVEL = 4
 
 
 def four_bit_accuracy_level(setting: str, stats: InputStatistics | None, quantized: QuantizedWeight,

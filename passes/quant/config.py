@@ -24,7 +24,7 @@ BITS = (4, 8)
 QUANT_MODES = {"INT4": 4, "INT8": 8, "W8A8": 8}
 ACCURACY_LEVELS = ("auto", "0", "4")
 _JSON_KEYS = ("quant_mode", "group_size", "symmetric", "zero_points", "algorithms", "skip_layers", "calibration",
-              "accuracy_level", "lm_head_bits")
+              "accuracy_level", "lm_head_bits", "lm_head_group_size")
 ZERO_POINTS = ("integer", "float")
 LM_HEAD_BITS = (4, 8)
 
@@ -45,6 +45,8 @@ class QuantConfig:
     # INT4 SmolLM2's 49k-row head alone cost more perplexity than all its INT4 layers
     # (docs/performance.md#quantization-on-smollm2)
     lm_head_bits: int = 8
+    # a 4-bit lm_head's block along the hidden size (None: group_size)
+    lm_head_group_size: int | None = None
     act_order: bool = True  # GPTQ in descending Hessian order: far lower perplexity (docs/performance.md#quantization-choices)
     damp: float = 0.01
     calibration_text: str = DEFAULT_CALIBRATION_TEXT
@@ -57,6 +59,11 @@ class QuantConfig:
     @property
     def needs_calibration(self) -> bool:
         return self.method in CALIBRATED_METHODS
+
+    @property
+    def head_group_size(self) -> int:
+        """A 4-bit lm_head's block along the hidden size."""
+        return self.lm_head_group_size or self.group_size
 
     @property
     def float_zeros(self) -> bool:
@@ -82,6 +89,9 @@ class QuantConfig:
             raise invalid_value(self.calibration_text, "calibration text_file", "The file is not found.")
         if self.lm_head_bits not in LM_HEAD_BITS:
             raise not_in_range(self.lm_head_bits, "compress_weight_conf lm_head_bits", LM_HEAD_BITS)
+        if self.lm_head_group_size is not None and (isinstance(self.lm_head_group_size, bool)
+                                                    or self.lm_head_group_size not in SUPPORTED_BLOCKS):
+            raise not_in_range(self.lm_head_group_size, "compress_weight_conf lm_head_group_size", SUPPORTED_BLOCKS)
         if str(self.accuracy_level) not in ACCURACY_LEVELS:
             raise not_in_range(self.accuracy_level, "compress_weight_conf accuracy_level", ACCURACY_LEVELS)
         if self.zero_points not in ZERO_POINTS:
@@ -134,7 +144,8 @@ class QuantConfig:
                  "accuracy_level": str(document.get("accuracy_level", "auto")),
                  "activations": "int8" if mode == "W8A8" else "float", "alpha": float(params.get("alpha", 0.5)),
                  "num_samples": int(calibration.get("num_samples", 32)), "seq_len": int(calibration.get("seq_len", 512)),
-                 "lm_head_bits": document.get("lm_head_bits", 8)}
+                 "lm_head_bits": document.get("lm_head_bits", 8),
+                 "lm_head_group_size": document.get("lm_head_group_size")}
         if "text_file" in calibration:
             extra["calibration_text"] = str(calibration["text_file"])
         return cls(method=CHAINS.get(names, names[0]), bits=QUANT_MODES[mode], group_size=group,

@@ -71,6 +71,20 @@ def quantize_blockwise(weight: np.ndarray, bits: int, block_size: int, symmetric
     return QuantizedWeight(values, scales, zero_points, bits, block_size)
 
 
+def quantize_full_range(weight: np.ndarray, bits: int, block_size: int) -> QuantizedWeight:
+    """Symmetric round-to-nearest using all 2^bits levels, as GGUF's Q4_0 does: each block's scale is its
+    value of largest magnitude over −2^(bits−1), so that value lands exactly on the lowest level whatever its
+    sign (the scale is negative where it is positive), where `quantize_blockwise`'s ±(2^(bits−1) − 1) leaves
+    the lowest level to rounding."""
+    blocks = _blocks(weight.astype(np.float32), block_size)
+    extreme = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=1)[:, None], axis=1)[:, 0]
+    low = -(2 ** (bits - 1))
+    scales = np.where(extreme == 0, 1.0, extreme / low).astype(np.float32)
+    values = np.clip(np.rint(blocks / scales[:, None]), low, -low - 1)
+    values = values.reshape(-1, weight.shape[1])[: weight.shape[0]].astype(np.int8)
+    return QuantizedWeight(values, scales, None, bits, block_size)
+
+
 def split_float_zeros(quantized: QuantizedWeight) -> tuple[QuantizedWeight, np.ndarray | None]:
     """A weight with float zero points zp as integer zero points z = round(zp) (clipped to the 4-bit range)
     and the remainders [n_blocks, N] z − zp, since scale·(q − zp) = scale·(q − z) + scale·(z − zp):

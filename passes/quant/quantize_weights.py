@@ -15,6 +15,7 @@ Runs after the fusions, so merged QKV and gate/up weights are quantized as the m
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from typing import ContextManager
 
 import numpy as np
@@ -57,7 +58,7 @@ class QuantizeWeights(FusionPass):
         self._head = lm_head(graph)
         config = self.config
         if config is not None and "lm_head" not in config.skip_layers and self._head is not None:
-            quantize_tied_table(graph, self._head, lm_head_bits(config), config.group_size)
+            quantize_tied_table(graph, self._head, lm_head_bits(config), config.head_group_size)
         result = PassResult()
         choices = []
         for node in [n for n in graph.nodes if n.op == self.anchor]:
@@ -134,5 +135,8 @@ class QuantizeWeights(FusionPass):
         values = np.asarray(choice.matmul.inputs[1].values)
         if choice.head_blocks:
             return quantize_8bit_blocked(values), None, True
-        (quantized,), input_scale = quantize_configured([values], self.config, self._statistics.get(activations))
+        config = self.config
+        if choice.matmul is self._head and config.bits == 4:
+            config = replace(config, group_size=config.head_group_size)
+        (quantized,), input_scale = quantize_configured([values], config, self._statistics.get(activations))
         return quantized, input_scale, False

@@ -167,7 +167,7 @@ def test_a_tied_lm_head_and_its_embedding_share_one_quantized_table_when_asked(t
     sizes, artifacts = {}, {}
     for skip in ("lm_head", None):
         config.write_text(json.dumps({"quant_mode": "INT4", "group_size": 32, "skip_layers": [skip] if skip else [],
-                                      "accuracy_level": "0", "lm_head_bits": head_bits}))
+                                      "accuracy_level": "0", "lm_head_bits": head_bits, "lm_head_group_size": 64}))
         path = compile_to(source, tmp_path / f"skip-{skip}", enable_compress_weight=True, compress_weight_conf=str(config))
         artifacts[skip], sizes[skip] = load_artifact(path), path.stat().st_size
     kept, quantized = artifacts["lm_head"], artifacts[None]
@@ -177,6 +177,9 @@ def test_a_tied_lm_head_and_its_embedding_share_one_quantized_table_when_asked(t
     assert len(heads) == 1 and nodes["GatherInt4"].input[0] == heads[0].input[1]  # one table, two readers
     assert {a.name: a.i for a in heads[0].attribute}["bits"] == head_bits
     assert {a.name: a.i for a in nodes["GatherInt4"].attribute}["bits"] == head_bits
+    # a 4-bit table in the head's own blocks, its activations in int8 (the native kernel's) as an 8-bit one's
+    head_attributes = {a.name: a.i for a in heads[0].attribute}
+    assert (head_attributes["block_size"], head_attributes["accuracy_level"]) == (64, 4)
     table_bytes = 256 * 64  # vocab × hidden of the tiny model, float32 when kept
     assert sizes["lm_head"] - sizes[None] > table_bytes * (4 - head_bits / 8 - 0.5)  # one narrow copy replaced it
     feeds = _feeds(quantized)
@@ -234,6 +237,8 @@ def test_w8a8_smooth_quant_runs_integer_matmuls_close_to_the_float_model(tmp_pat
                                   {"quant_mode": "INT4", "algorithms": [{"name": "fp3"}]},
                                   {"quant_mode": "INT4", "algorithms": [{"name": "gptq"}, {"name": "awq"}]},
                                   {"quant_mode": "INT4", "skip_layers": [], "lm_head_bits": 2},
+                                  {"quant_mode": "INT4", "skip_layers": [], "lm_head_bits": 4, "lm_head_group_size": 48},
+                                  {"quant_mode": "INT4", "lm_head_group_size": True},
                                   {"quant_mode": "INT4", "zero_points": "float"},  # symmetric by default
                                   {"quant_mode": "INT8", "symmetric": False, "zero_points": "float"},
                                   {"quant_mode": "INT4", "symmetric": False, "zero_points": "fp8"}])
@@ -247,16 +252,18 @@ def test_bad_compression_configs_are_refused_without_output(tmp_path, tiny_llama
     assert caught.value.code == "E10001" and not (tmp_path / "m.om").exists()
 
 
-@pytest.mark.parametrize("head_bits", [4, 8])
-def test_an_untied_lm_head_is_quantized_to_lm_head_bits_when_not_skipped(tmp_path, tiny_llama_path, head_bits):
+@pytest.mark.parametrize("head_bits, head_group, block", [(4, None, 32), (4, 64, 64), (8, None, 64)])
+def test_an_untied_lm_head_is_quantized_to_lm_head_bits_when_not_skipped(tmp_path, tiny_llama_path, head_bits,
+                                                                          head_group, block):
     config = tmp_path / "quant.json"
     config.write_text(json.dumps({"quant_mode": "INT4", "group_size": 32, "skip_layers": [], "accuracy_level": "0",
-                                  "lm_head_bits": head_bits}))
+                                  "lm_head_bits": head_bits, "lm_head_group_size": head_group}))
     loaded = load_artifact(compile_to(tiny_llama_path, tmp_path / "m", enable_compress_weight=True,
                                       compress_weight_conf=str(config)))
     (head,) = [n for n in loaded.model.graph.node if n.output[0] == "logits"]
     attributes = {a.name: a.i for a in head.attribute}
     assert head.op_type == "MatMulInt4" and attributes["bits"] == head_bits
+    assert attributes["block_size"] == block  # a 4-bit head's own group size, else the layers'; 8 bits: 64 | hidden
     assert attributes["accuracy_level"] == (0 if head_bits == 4 else 4)
     feeds = _feeds(loaded)
     fast = Executor(loaded).run(feeds, ["logits"])["logits"]

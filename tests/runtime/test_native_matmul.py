@@ -79,10 +79,10 @@ def _session(op: str, domain: str, k: int, n: int, bits: int, b, scales, zp, acc
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-@pytest.mark.parametrize("bits, block", [(4, 128), (8, 128), (8, 64)])
+@pytest.mark.parametrize("bits, block", [(4, 128), (4, 64), (4, 32), (8, 128), (8, 64)])
 @pytest.mark.parametrize("zero_points", [True, False])
 @pytest.mark.parametrize("k, n, rows", [
-    (576, 48, (1,)),          # three whole groups of 16 columns, a last block of 64
+    (576, 48, (1,)),          # three whole groups of 16 columns, a last block of 64 (4 bits, blocks of 64: half a piece)
     (256, 40, (1, 3)),        # two groups and 8 columns after them
     (1000, 5, (2,)),          # only columns after the groups; K not a multiple of 16
     (384, 64, (9, 1, 6)),     # rows enough to quantize on threads, 4 at a time and one by one, [rows, tokens, K]
@@ -144,27 +144,29 @@ def test_the_executor_gives_the_library_only_the_matmuls_it_computes_as_matmulnb
              _matmul("blocks64", block_size=64), _matmul("eight_bits", bits=8),
              _matmul("eight_bits_blocks64", bits=8, block_size=64), _matmul("eight_bits_blocks32", bits=8, block_size=32)]
     keep = _native_nodes(_graph_of(nodes, onnx.TensorProto.UINT8))
-    assert [node.output[0] for node in nodes if keep(node)] == ["level4", "eight_bits", "eight_bits_blocks64"]
+    assert [node.output[0] for node in nodes if keep(node)] == ["level4", "blocks32", "blocks64", "eight_bits",
+                                                                 "eight_bits_blocks64"]
     assert not _native_nodes(_graph_of(nodes, onnx.TensorProto.UINT8), matmul=False)(nodes[0])
     floats = _native_nodes(_graph_of([_matmul("float_zero_points")], onnx.TensorProto.FLOAT))
     assert not floats(_matmul("float_zero_points"))
 
 
 @pytest.mark.parametrize("zero_points", [True, False])
-def test_an_input_scale_multiplies_the_activations_before_they_are_quantized(library, zero_points):
+@pytest.mark.parametrize("block", [BLOCK, 64, 32])
+def test_an_input_scale_multiplies_the_activations_before_they_are_quantized(library, zero_points, block):
     k, n, bits = 576, 40, 4
-    b, scales, zp = _operands(k, n, bits, zero_points, seed=4)
+    b, scales, zp = _operands(k, n, bits, zero_points, seed=4, block=block)
     scale = np.random.default_rng(5).uniform(0.2, 3.0, k).astype(np.float32)
     inits = [numpy_helper.from_array(b, "B"), numpy_helper.from_array(scales, "S"), numpy_helper.from_array(scale, "s")]
     if zp is not None:
         inits.append(numpy_helper.from_array(zp, "Z"))
     node = helper.make_node("MatMulInt4", ["A", "B", "S", "Z" if zp is not None else "", "s"], ["Y"],
-                            domain=CUSTOM_DOMAIN, K=k, N=n, bits=bits, block_size=BLOCK, accuracy_level=4)
+                            domain=CUSTOM_DOMAIN, K=k, N=n, bits=bits, block_size=block, accuracy_level=4)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", onnx.TensorProto.FLOAT, None)],
                               [helper.make_tensor_value_info("Y", onnx.TensorProto.FLOAT, None)], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(CUSTOM_DOMAIN, 1)])
     a = np.random.default_rng(6).standard_normal((5, k)).astype(np.float32)
-    expected = MatMulInt4(a * scale, b, scales, zp, K=k, N=n, block_size=BLOCK, bits=bits, accuracy_level=4)
+    expected = MatMulInt4(a * scale, b, scales, zp, K=k, N=n, block_size=block, bits=bits, accuracy_level=4)
     tolerance = 2e-5 * float(np.abs(expected).max())
     options = ort.SessionOptions()
     options.register_custom_ops_library(str(library))

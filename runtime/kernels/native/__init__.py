@@ -90,7 +90,7 @@ def build(target: Path, compiler: str, extra_flags: tuple[str, ...] = ()) -> Pat
     return target
 
 
-MATMUL_BLOCKS = {4: (128,), 8: (64, 128)}  # bits: block sizes (a block is one or two 64-byte pieces of a row)
+MATMUL_BLOCKS = {4: (32, 64, 128), 8: (64, 128)}  # bits: block sizes (a quarter, half, one or two 64-byte pieces of a row)
 
 
 def matmul_kernel(library: Path) -> int:
@@ -116,7 +116,7 @@ def has_int8_matmul() -> bool:
 
 def takes_matmul(attributes: dict) -> bool:
     """Whether the native MatMulInt4 computes a node with these attributes as onnxruntime's MatMulNBits would:
-    int8 activations (accuracy level 4), 4 bits in blocks of 128 or 8 bits in blocks of 64 or 128."""
+    int8 activations (accuracy level 4), 4 bits in blocks of 32, 64 or 128, 8 bits in blocks of 64 or 128."""
     blocks = MATMUL_BLOCKS.get(int(attributes.get("bits", 4)), ())
     return (has_int8_matmul() and int(attributes.get("accuracy_level", 0)) == 4
             and int(attributes.get("block_size", 0)) in blocks)

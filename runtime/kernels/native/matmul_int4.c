@@ -8,8 +8,9 @@
    the scale tables, the scratch and the two parallel loops; the loops' bodies are the kernel file of the
    build's instruction set (matmul_int4.h says which), docs/performance.md#int4-matmul what each gives. The
    reference is runtime/kernels/quant_matmul.py's MatMulInt4; the executor gives this op only the nodes it
-   takes (runtime/kernels/native/__init__.py: `takes_matmul`): accuracy level 4, 4 bits in blocks of 128, or 8
-   bits in blocks of 64 or 128, so that a block is one or two 64-byte pieces. */
+   takes (runtime/kernels/native/__init__.py: `takes_matmul`): accuracy level 4, 4 bits in blocks of 32, 64 or
+   128 or 8 bits in blocks of 64 or 128, so that a block is one or two 64-byte pieces, or a half or a quarter
+   of one. */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -86,15 +87,17 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   const int64_t m = elements(&a) / k->K;
   if (m == 0) return NULL;
   /* 64-byte aligned rows, so a piece of activations never straddles a cache line more than it must */
-  const size_t q_bytes = ((size_t)(m * blocks * k->block) + 63) & ~(size_t)63;
+  const int64_t pieces = (blocks * block_bytes + PIECE - 1) / PIECE, q_stride = k->bits == 4 ? pieces * 2 * PIECE : blocks * k->block;
+  const size_t q_bytes = ((size_t)(m * q_stride) + 63) & ~(size_t)63;
   const size_t both_floats = (size_t)(MAX_TASKS * ROWS * blocks * TASK_COLUMNS);
-  const size_t lane_bytes = matmul_int4_lane_bytes(m, blocks, block_bytes);
+  const size_t lane_bytes = matmul_int4_lane_bytes(m, pieces);
   const size_t floats_bytes = (sizeof(float) * (2 * (size_t)(m * blocks) + both_floats) + 63) & ~(size_t)63;
   char* scratch = (char*)aligned_alloc(64, q_bytes + floats_bytes + lane_bytes);
   if (!scratch) return fail("MatMulInt4: out of memory for the quantized activations");
   Work w = {k, a.data, scale_value ? a_scale.data : NULL, (const uint8_t*)b.data, scales.data, zp_value ? (const uint8_t*)zero_points.data : NULL,
             (int8_t*)scratch, (float*)(scratch + q_bytes), (int32_t*)((float*)(scratch + q_bytes) + m * blocks), y, m,
-            blocks, block_bytes, 0, (float*)(scratch + q_bytes) + 2 * m * blocks, (uint8_t*)(scratch + q_bytes + floats_bytes)};
+            blocks, block_bytes, pieces, q_stride, 0, (float*)(scratch + q_bytes) + 2 * m * blocks,
+            (uint8_t*)(scratch + q_bytes + floats_bytes)};
   w.task_columns = (k->N + MAX_TASKS - 1) / MAX_TASKS;
   w.task_columns = (w.task_columns + TASK_COLUMNS - 1) / TASK_COLUMNS * TASK_COLUMNS;
   status = tables(k, &w);
@@ -122,8 +125,8 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api, const 
   if (!status) status = int_attribute(info, "N", &k->N);
   if (!status) status = int_attribute(info, "block_size", &k->block);
   k->bits = int_attribute_or(info, "bits", 4); /* the registry's default (runtime/ops.py) */
-  if (!status && (k->K < 1 || k->N < 1 || !((k->bits == 4 && k->block == 128) || (k->bits == 8 && (k->block == 64 || k->block == 128)))))
-    status = fail("MatMulInt4: the native kernel takes 4 bits in blocks of 128, or 8 bits in blocks of 64 or 128");
+  if (!status && (k->K < 1 || k->N < 1 || (k->bits != 4 && k->bits != 8) || (k->block != 64 && k->block != 128 && !(k->bits == 4 && k->block == 32))))
+    status = fail("MatMulInt4: the native kernel takes 4 bits in blocks of 32, 64 or 128, or 8 bits in blocks of 64 or 128");
   if (!status && pthread_mutex_init(&k->lock, NULL)) status = fail("MatMulInt4: no mutex");
   if (status) {
     free(k);

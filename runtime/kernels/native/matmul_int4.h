@@ -18,7 +18,8 @@
 #define MATMUL_INT4_ISA 0
 #endif
 
-#define PIECE 64        /* a 64-byte piece of a block: a whole 4-bit block of 128, an 8-bit block of 64, half of one of 128 */
+#define PIECE 64        /* 64 bytes of a column's weights: a 4-bit block of 128, two of 64 or four of 32, an 8-bit block
+                           of 64 or half of one of 128; a 4-bit column can end in half a piece */
 #define ROWS 4          /* rows computed together, sharing each unpacked weight piece */
 #define TASK_COLUMNS 16 /* columns computed together: their weights stay in L1 while every row is read */
 #define PREFETCH 4096   /* bytes ahead of the weights being read that a column asks for (best of 512-8192 here) */
@@ -44,11 +45,14 @@ typedef struct {
   const uint8_t* b;
   const float* scales;
   const uint8_t* zero_points; /* NULL: 2^(bits-1) */
-  int8_t* q;                  /* [M][blocks][block] activations in int8, 4-bit blocks deinterleaved by piece */
+  int8_t* q;                  /* [M][q_stride] activations in int8: 8 bits block by block; 4 bits piece by piece, each
+                                 piece's 128 elements as their 64 even ones then their 64 odd ones (zeros past K) */
   float* q_scale;             /* [M][blocks] */
   int32_t* q_sum;             /* [M][blocks] the sum of its int8 values */
   float* y;
   int64_t m, blocks, block_bytes;
+  int64_t pieces;   /* 64-byte pieces of a column's weights (the last one half a piece when 4-bit blocks of 64 are odd) */
+  int64_t q_stride; /* int8 activations a row of q */
   int64_t task_columns; /* columns of one parallel task: a multiple of 16, at most MAX_TASKS tasks */
   float* both;          /* [tasks][ROWS][blocks][16] products of weight and activation scales */
   uint8_t* lanes;       /* [tasks][16 · blocks · block bytes] a task's group of weights as lanes (lane_bytes) */
@@ -60,7 +64,7 @@ void matmul_int4_quantize_row(void* work, size_t row);
 /* The columns of one parallel task for every row (a ParallelFor body over tasks). */
 void matmul_int4_columns(void* work, size_t task);
 /* The scratch bytes a call of m rows needs for its tasks' transposed weights (0 where the kernel does not). */
-size_t matmul_int4_lane_bytes(int64_t m, int64_t blocks, int64_t block_bytes);
+size_t matmul_int4_lane_bytes(int64_t m, int64_t pieces);
 
 /* the zero point of column n's block b as the op's tables hold it */
 static inline int32_t matmul_int4_zero_point(const Work* w, int64_t n, int64_t b) {

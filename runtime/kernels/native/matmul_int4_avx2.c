@@ -13,10 +13,9 @@
 #if MATMUL_INT4_ISA == 256
 #include <immintrin.h>
 
-size_t matmul_int4_lane_bytes(int64_t m, int64_t blocks, int64_t block_bytes) {
+size_t matmul_int4_lane_bytes(int64_t m, int64_t pieces) {
   (void)m;
-  (void)blocks;
-  (void)block_bytes;
+  (void)pieces;
   return 0; /* no lane path here */
 }
 
@@ -65,40 +64,61 @@ static inline int32_t total8(__m256i v) {
 
 void matmul_int4_quantize_row(void* data, size_t row) {
   const Work* w = (const Work*)data;
-  const int64_t K = w->k->K, block = w->k->block;
+  const int64_t K = w->k->K, block = w->k->block, blocks = w->blocks;
   const float* a = w->a + (int64_t)row * K;
-  int8_t* q = w->q + (int64_t)row * w->blocks * block;
+  const float* s = w->a_scale;
+  int8_t* q = w->q + (int64_t)row * w->q_stride;
+  float* q_scale = w->q_scale + (int64_t)row * blocks;
+  int32_t* q_sum = w->q_sum + (int64_t)row * blocks;
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  for (int64_t b = 0; b < w->blocks; b++) {
+  float inverse[blocks];
+  for (int64_t b = 0; b < blocks; b++) {
     const int64_t start = b * block, count = K - start < block ? K - start : block;
-    const float* s = w->a_scale ? w->a_scale + start : NULL;
     __m256 largest = _mm256_setzero_ps();
     for (int64_t i = 0; i < count; i += 8)
-      largest = _mm256_max_ps(largest, _mm256_and_ps(load8(a + start + i, s ? s + i : NULL, count - i), magnitude));
+      largest = _mm256_max_ps(largest, _mm256_and_ps(load8(a + start + i, s ? s + start + i : NULL, count - i), magnitude));
     const float most = largest8(largest);
-    const __m256 inverse = _mm256_set1_ps(most > 0.0f ? 127.0f / most : 0.0f);
-    const float* x = a + start;
-    int8_t* out = q + start;
+    inverse[b] = most > 0.0f ? 127.0f / most : 0.0f;
+    q_scale[b] = most > 0.0f ? most / 127.0f : 1.0f;
+    q_sum[b] = 0;
+  }
+  if (w->k->bits == 4) {
+    for (int64_t piece = 0; piece < w->pieces; piece++)
+      for (int64_t i = 0; i < 2 * PIECE; i += 64) { /* 64 elements: one block, or two of 32 */
+        const int64_t at = piece * 2 * PIECE + i;
+        int8_t* out = q + piece * 2 * PIECE + i / 2; /* their evens to the piece's first half, their odds to its second */
+        if (at >= blocks * block) { /* the half piece's missing half */
+          _mm256_storeu_si256((__m256i*)out, _mm256_setzero_si256());
+          _mm256_storeu_si256((__m256i*)(out + PIECE), _mm256_setzero_si256());
+          continue;
+        }
+        __m256i v[8];
+        for (int j = 0; j < 8; j++) {
+          /* past the last block (a half piece) the loads are masked to zeros: any block's inverse will do */
+          const int64_t b = (at + 8 * j) / block < blocks ? (at + 8 * j) / block : blocks - 1;
+          v[j] = rounded(a + at + 8 * j, s ? s + at + 8 * j : NULL, K - at - 8 * j, _mm256_set1_ps(inverse[b]));
+          q_sum[b] += total8(v[j]);
+        }
+        _mm256_storeu_si256((__m256i*)out, pack32(alternate(v[0], v[1], 0), alternate(v[2], v[3], 0),
+                                                  alternate(v[4], v[5], 0), alternate(v[6], v[7], 0)));
+        _mm256_storeu_si256((__m256i*)(out + PIECE), pack32(alternate(v[0], v[1], 1), alternate(v[2], v[3], 1),
+                                                            alternate(v[4], v[5], 1), alternate(v[6], v[7], 1)));
+      }
+    return;
+  }
+  for (int64_t b = 0; b < blocks; b++) {
+    const int64_t start = b * block;
+    const __m256 times = _mm256_set1_ps(inverse[b]);
     __m256i sum = _mm256_setzero_si256();
-    for (int64_t at = 0; at < block; at += w->k->bits == 4 ? 64 : 32) {
-      __m256i v[8];
-      const int parts = w->k->bits == 4 ? 8 : 4;
-      for (int j = 0; j < parts; j++) {
-        v[j] = rounded(x + at + 8 * j, s ? s + at + 8 * j : NULL, count - at - 8 * j, inverse);
+    for (int64_t at = 0; at < block; at += 32) {
+      __m256i v[4];
+      for (int j = 0; j < 4; j++) {
+        v[j] = rounded(a + start + at + 8 * j, s ? s + start + at + 8 * j : NULL, K - start - at - 8 * j, times);
         sum = _mm256_add_epi32(sum, v[j]);
       }
-      if (w->k->bits == 4) { /* elements at..at+63: their evens to the piece's first half, their odds to its second */
-        const int64_t piece = at / 128 * 128, into = piece + (at - piece) / 2;
-        _mm256_storeu_si256((__m256i*)(out + into), pack32(alternate(v[0], v[1], 0), alternate(v[2], v[3], 0),
-                                                           alternate(v[4], v[5], 0), alternate(v[6], v[7], 0)));
-        _mm256_storeu_si256((__m256i*)(out + into + PIECE), pack32(alternate(v[0], v[1], 1), alternate(v[2], v[3], 1),
-                                                                   alternate(v[4], v[5], 1), alternate(v[6], v[7], 1)));
-      } else {
-        _mm256_storeu_si256((__m256i*)(out + at), pack32(v[0], v[1], v[2], v[3]));
-      }
+      _mm256_storeu_si256((__m256i*)(q + start + at), pack32(v[0], v[1], v[2], v[3]));
     }
-    w->q_scale[(int64_t)row * w->blocks + b] = most > 0.0f ? most / 127.0f : 1.0f;
-    w->q_sum[(int64_t)row * w->blocks + b] = total8(sum);
+    q_sum[b] = total8(sum);
   }
 }
 
@@ -112,10 +132,13 @@ static inline __m256 sum8(const __m256* d) {
 /* TASK_COLUMNS (16) columns for R rows (1 or ROWS), a column at a time, as the AVX-512 kernel's `sixteen`
    does: a column's row of weights read front to back and unpacked once for the R rows, each block's int32
    dots scaled into a vector of partial sums, the 16 columns reduced at the end and the zero points' share
-   taken off; `both` holds [R][blocks][16] products of the scales. */
+   taken off; `both` holds [R][blocks][16] products of the scales. 4 bits go piece by piece, `per_piece`
+   blocks each (two blocks of 64: each half of the piece's bytes dotted and scaled on its own; four of 32:
+   each quarter's lanes of a half's dots scaled by its own). */
 static inline __attribute__((always_inline)) void sixteen(const Work* w, int64_t n0, const uint8_t* base, int64_t r0,
-                                                          int R, int bits, float* both) {
-  const int64_t blocks = w->blocks, block = w->k->block, block_bytes = w->block_bytes;
+                                                          int R, int bits, int per_piece, float* both) {
+  const int64_t blocks = w->blocks, block = w->k->block, block_bytes = w->block_bytes, pieces = w->pieces;
+  const int half_last = bits == 4 && blocks * block_bytes < pieces * PIECE;
   const float* scale_t = w->k->scale_t + n0 * blocks;
   const uint8_t* zero_t = w->k->zero_t + n0 * blocks;
   /* 8 bits multiply w - 128, so the zero point's share is (zero - 128) times the activations' sum */
@@ -141,28 +164,46 @@ static inline __attribute__((always_inline)) void sixteen(const Work* w, int64_t
     __m256 sum[ROWS];
 #pragma GCC unroll 4
     for (int i = 0; i < R; i++) sum[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-      const uint8_t* piece = column + b * block_bytes;
-      if (r0 == 0) { /* as in the AVX-512 kernel: the hardware's prefetch alone leaves memory underused */
-        _mm_prefetch((const char*)(piece + PREFETCH), _MM_HINT_T0);
-        if (block_bytes > PIECE) _mm_prefetch((const char*)(piece + PREFETCH + PIECE), _MM_HINT_T0);
-      }
-      if (bits == 4) { /* byte k holds elements 2k (low nibble) and 2k+1: q's evens at xb + k, odds at xb + 64 + k */
-        const __m256i b0 = _mm256_loadu_si256((const __m256i*)piece), b1 = _mm256_loadu_si256((const __m256i*)(piece + 32));
+    if (bits == 4) { /* byte k of a piece holds elements 2k (low nibble) and 2k+1: q's evens at xb + k, odds at xb + 64 + k */
+      for (int64_t p = 0; p < pieces; p++) {
+        const uint8_t* piece = column + p * PIECE;
+        if (r0 == 0) _mm_prefetch((const char*)(piece + PREFETCH), _MM_HINT_T0); /* as in the AVX-512 kernel */
+        const int half = half_last && p == pieces - 1;
+        const __m256i b0 = _mm256_loadu_si256((const __m256i*)piece);
+        const __m256i b1 = half ? _mm256_setzero_si256() : _mm256_loadu_si256((const __m256i*)(piece + 32));
         const __m256i l0 = _mm256_and_si256(b0, low), h0 = _mm256_and_si256(_mm256_srli_epi16(b0, 4), low);
         const __m256i l1 = _mm256_and_si256(b1, low), h1 = _mm256_and_si256(_mm256_srli_epi16(b1, 4), low);
+        const int64_t first = p * per_piece; /* the piece's first block: each 16 bytes of it a block when four */
 #pragma GCC unroll 4
         for (int i = 0; i < R; i++) {
-          const int8_t* xb = w->q + ((r0 + i) * blocks + b) * block;
-          const __m256i p = _mm256_add_epi16(
-              _mm256_add_epi16(_mm256_maddubs_epi16(l0, _mm256_loadu_si256((const __m256i*)xb)),
-                               _mm256_maddubs_epi16(l1, _mm256_loadu_si256((const __m256i*)(xb + 32)))),
-              _mm256_add_epi16(_mm256_maddubs_epi16(h0, _mm256_loadu_si256((const __m256i*)(xb + PIECE))),
-                               _mm256_maddubs_epi16(h1, _mm256_loadu_si256((const __m256i*)(xb + PIECE + 32)))));
-          const __m256i d = _mm256_madd_epi16(p, ones);
-          sum[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(both[(i * blocks + b) * TASK_COLUMNS + j]), sum[i]);
+          const int8_t* xb = w->q + (r0 + i) * w->q_stride + p * 2 * PIECE;
+          const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(l0, _mm256_loadu_si256((const __m256i*)xb)),
+                                              _mm256_maddubs_epi16(h0, _mm256_loadu_si256((const __m256i*)(xb + PIECE))));
+          const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(l1, _mm256_loadu_si256((const __m256i*)(xb + 32))),
+                                              _mm256_maddubs_epi16(h1, _mm256_loadu_si256((const __m256i*)(xb + PIECE + 32))));
+          const float* s0 = both + (i * blocks + first) * TASK_COLUMNS + j;
+          if (per_piece == 1) {
+            sum[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones)), _mm256_set1_ps(*s0), sum[i]);
+          } else if (per_piece == 2) {
+            sum[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p0, ones)), _mm256_set1_ps(*s0), sum[i]);
+            if (!half) sum[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p1, ones)), _mm256_set1_ps(s0[TASK_COLUMNS]), sum[i]);
+          } else { /* lanes 0-3 of a half's dots are one block's, lanes 4-7 the next one's */
+            const __m256 first_half = _mm256_blend_ps(_mm256_set1_ps(s0[0]), _mm256_set1_ps(s0[TASK_COLUMNS]), 0xF0);
+            sum[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p0, ones)), first_half, sum[i]);
+            if (!half) {
+              const __m256 second_half = _mm256_blend_ps(_mm256_set1_ps(s0[2 * TASK_COLUMNS]), _mm256_set1_ps(s0[3 * TASK_COLUMNS]), 0xF0);
+              sum[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p1, ones)), second_half, sum[i]);
+            }
+          }
         }
-      } else {
+      }
+    } else {
+      for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t* piece = column + b * block_bytes;
+        if (r0 == 0) { /* as in the AVX-512 kernel: the hardware's prefetch alone leaves memory underused */
+          _mm_prefetch((const char*)(piece + PREFETCH), _MM_HINT_T0);
+          if (block_bytes > PIECE) _mm_prefetch((const char*)(piece + PREFETCH + PIECE), _MM_HINT_T0);
+        }
         __m256i d[ROWS];
 #pragma GCC unroll 4
         for (int i = 0; i < R; i++) d[i] = _mm256_setzero_si256();
@@ -171,7 +212,7 @@ static inline __attribute__((always_inline)) void sixteen(const Work* w, int64_t
           const __m256i magnitude = _mm256_abs_epi8(signed_w);
 #pragma GCC unroll 4
           for (int i = 0; i < R; i++) {
-            const __m256i x = _mm256_loadu_si256((const __m256i*)(w->q + ((r0 + i) * blocks + b) * block + c));
+            const __m256i x = _mm256_loadu_si256((const __m256i*)(w->q + (r0 + i) * w->q_stride + b * block + c));
             d[i] = _mm256_add_epi32(d[i], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, signed_w)), ones));
           }
         }
@@ -193,11 +234,11 @@ static inline __attribute__((always_inline)) void sixteen(const Work* w, int64_t
 }
 
 /* every row of the group at n0: ROWS at a time, then one by one */
-static inline __attribute__((always_inline)) void group(const Work* w, int64_t n0, int bits, float* both) {
+static inline __attribute__((always_inline)) void group(const Work* w, int64_t n0, int bits, int per_piece, float* both) {
   const uint8_t* base = n0 + TASK_COLUMNS <= w->k->N ? w->b + n0 * w->blocks * w->block_bytes : w->k->last_group;
   int64_t r = 0;
-  for (; r + ROWS <= w->m; r += ROWS) sixteen(w, n0, base, r, ROWS, bits, both);
-  for (; r < w->m; r++) sixteen(w, n0, base, r, 1, bits, both);
+  for (; r + ROWS <= w->m; r += ROWS) sixteen(w, n0, base, r, ROWS, bits, per_piece, both);
+  for (; r < w->m; r++) sixteen(w, n0, base, r, 1, bits, per_piece, both);
 }
 
 void matmul_int4_columns(void* data, size_t task) {
@@ -206,8 +247,10 @@ void matmul_int4_columns(void* data, size_t task) {
   const int64_t end = start + w->task_columns < w->k->N ? start + w->task_columns : w->k->N;
   float* both = w->both + (int64_t)task * ROWS * w->blocks * TASK_COLUMNS;
   for (int64_t n = start; n < end; n += TASK_COLUMNS) {
-    if (w->k->bits == 4) group(w, n, 4, both);
-    else group(w, n, 8, both);
+    if (w->k->bits == 4 && w->k->block == 32) group(w, n, 4, 4, both); /* four blocks a piece */
+    else if (w->k->bits == 4 && w->k->block == 64) group(w, n, 4, 2, both); /* two blocks a piece */
+    else if (w->k->bits == 4) group(w, n, 4, 1, both);
+    else group(w, n, 8, 1, both);
   }
 }
 

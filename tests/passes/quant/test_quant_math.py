@@ -9,7 +9,8 @@ import pytest
 
 from passes.quant.math import quantize_blockwise, split_float_zeros
 from passes.quant.search import gptq_quantize
-from runtime.kernels.matmul_nbits_layout import dequantize_blockwise, pack_matmul_nbits, unpack_matmul_nbits
+from runtime.kernels.matmul_nbits_layout import (dequantize_blockwise, dequantize_matmul_nbits, pack_matmul_nbits,
+                                                 unpack_matmul_nbits)
 
 pytestmark = pytest.mark.unit
 
@@ -127,9 +128,8 @@ def test_matmul_int4_and_gather_int4_kernels_match_onnxruntime_on_the_same_bytes
         names.append("zp")
     nodes = [helper.make_node("MatMulInt4", names, ["y"], domain="cann", K=rows, N=cols, bits=bits, block_size=block,
                               accuracy_level=0)]
-    if symmetric:  # the table lookup is written for symmetric tables only
-        nodes.append(helper.make_node("GatherInt4", ["b", "i", "s"], ["g"], domain="cann", K=rows, block_size=block,
-                                      bits=bits))
+    nodes.append(helper.make_node("GatherInt4", ["b", "i", *names[2:]], ["g"], domain="cann", K=rows, block_size=block,
+                                  bits=bits))
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [3, rows]),
                                            helper.make_tensor_value_info("i", TensorProto.INT64, [3])],
                               [helper.make_tensor_value_info(n.output[0], TensorProto.FLOAT, None) for n in nodes], weights)
@@ -138,9 +138,10 @@ def test_matmul_int4_and_gather_int4_kernels_match_onnxruntime_on_the_same_bytes
     outputs = session.run(None, {"a": a, "i": indices})
     expected = MatMulInt4(a, blob, scales, zero_points, K=rows, N=cols, block_size=block, bits=bits)
     np.testing.assert_allclose(outputs[0], expected, rtol=1e-5, atol=1e-5)
-    if symmetric:
-        np.testing.assert_allclose(outputs[1], GatherInt4(blob, indices, scales, K=rows, block_size=block, bits=bits),
-                                   rtol=0, atol=1e-6)
+    table = dequantize_matmul_nbits(blob, scales, zero_points, rows, block)  # [K, V]: the rows looked up, exactly
+    np.testing.assert_allclose(GatherInt4(blob, indices, scales, zero_points, K=rows, block_size=block, bits=bits),
+                               table[:, indices].T, rtol=0, atol=0)
+    np.testing.assert_allclose(outputs[1], table[:, indices].T, rtol=0, atol=1e-6)
 
 
 def test_int8_activation_rounding_is_onnxruntimes_level_4_rounding_at_near_ties():
@@ -172,3 +173,28 @@ def test_int8_activation_rounding_is_onnxruntimes_level_4_rounding_at_near_ties(
     got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"a": a})[0]
     step = largest / np.float32(127)  # compared as int8 levels: the kernel's float products differ by ulps
     assert np.array_equal(np.rint(int8_blocks(a, block) / step), np.rint(got / step))
+
+
+def test_full_range_quantization_puts_each_blocks_extreme_on_the_lowest_level():
+    from passes.quant.math import quantize_full_range
+
+    rng = np.random.default_rng(7)
+    weight = rng.standard_normal((96, 40)).astype(np.float32)
+    weight[5, 0], weight[40, 1] = 9.0, -9.0  # the extremes of two blocks, one positive, one negative
+    quantized = quantize_full_range(weight, 4, 32)
+    assert quantized.zero_points is None and quantized.values.min() >= -8 and quantized.values.max() <= 7
+    restored = dequantize_blockwise(quantized)
+    assert restored[5, 0] == pytest.approx(9.0) and restored[40, 1] == pytest.approx(-9.0)
+    assert quantized.values[5, 0] == -8 and quantized.values[40, 1] == -8 and quantized.scales[0, 0] < 0
+    # within half a step of every weight the 16 levels span; one step at most beyond the top level (the side
+    # of the block opposite its extreme keeps 7 levels), and a lower error than ±7 levels of the same block
+    scale = np.repeat(quantized.scales, 32, axis=0)
+    inside = weight / scale <= 7.5
+    assert np.all(np.abs(restored - weight)[inside] <= np.abs(scale)[inside] / 2 + 1e-6)
+    assert np.all(np.abs(restored - weight) <= np.abs(scale) + 1e-6)
+    symmetric = dequantize_blockwise(quantize_blockwise(weight, 4, 32, symmetric=True))
+    assert np.mean((restored - weight) ** 2) < np.mean((symmetric - weight) ** 2)
+    # MatMulNBits' layout stores it as any symmetric weight (q + 8, the default zero point)
+    blob, scales, zero_points = pack_matmul_nbits(quantized)
+    assert zero_points is None
+    np.testing.assert_array_equal(dequantize_matmul_nbits(blob, scales, None, 96, 32), restored)
