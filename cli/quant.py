@@ -127,6 +127,8 @@ def _save(model: onnx.ModelProto, out_dir: Path) -> None:
               help="leave the MatMul giving the logits float (as --skip lm_head), or quantize it to --lm-head-bits")
 @click.option("--lm-head-bits", type=click.Choice(["4", "8"]), default="8", show_default=True,
               help="lm_head's bits when it is quantized (8: blocked int8, as atc's lm_head_bits)")
+@click.option("--lm-head-group-size", type=int, default=None,
+              help="a 4-bit lm_head's block size (32, 64, 128; default: --group-size), as atc's lm_head_group_size")
 @click.option("--act-order/--no-act-order", default=True, show_default=True,
               help="GPTQ: visit input channels by decreasing activation energy")
 @click.option("--calibration-text", default=DEFAULT_CALIBRATION_TEXT, show_default=False,
@@ -134,8 +136,8 @@ def _save(model: onnx.ModelProto, out_dir: Path) -> None:
 @click.option("--num-samples", type=int, default=32, show_default=True, help="calibration windows")
 @click.option("--seq-len", type=int, default=512, show_default=True, help="tokens per calibration window")
 @click.option("--output", required=True, type=click.Path(path_type=Path), help="output directory")
-def cli(model, out_format, method, bits, group_size, symmetric, skip, keep_lm_head, lm_head_bits, act_order,
-        calibration_text, num_samples, seq_len, output) -> None:
+def cli(model, out_format, method, bits, group_size, symmetric, skip, keep_lm_head, lm_head_bits, lm_head_group_size,
+        act_order, calibration_text, num_samples, seq_len, output) -> None:
     """Quantize an ONNX LLM's weights into a standard QDQ ONNX model."""
     del out_format  # ONNX is the only format; the flag is there for the command lines users already have
     if method == "smooth_quant":
@@ -143,7 +145,8 @@ def cli(model, out_format, method, bits, group_size, symmetric, skip, keep_lm_he
                                  "form; compile with atc --compress_weight_conf quant_mode W8A8 instead")
     skip = tuple(dict.fromkeys((*skip, "lm_head") if keep_lm_head else skip))
     cfg = QuantConfig(method=method, bits=bits, group_size=group_size, symmetric=symmetric, skip_layers=skip,
-                      lm_head_bits=int(lm_head_bits), act_order=act_order, calibration_text=calibration_text,
+                      lm_head_bits=int(lm_head_bits), lm_head_group_size=lm_head_group_size, act_order=act_order,
+                      calibration_text=calibration_text,
                       num_samples=num_samples, seq_len=seq_len)
     report = quantize_to_qdq(model, cfg, output, progress=shows_progress())
     click.echo(f"[INFO] quantized {len(report['quantized'])} MatMul weights ({cfg.method}, {cfg.bits}-bit), "

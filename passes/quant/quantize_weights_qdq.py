@@ -8,6 +8,8 @@ MatMul's node name and its weight's name, and `lm_head` names the MatMul that pr
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import ml_dtypes
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -65,17 +67,19 @@ class QuantizeWeightsQDQ:
         with Progress("quantization", total=sum(map(len, groups.values())), unit="weight",
                       enabled=self.progress and bool(groups)) as bar:
             for nodes in groups.values():
-                self._quantize_group(graph, nodes)
+                # a 4-bit lm_head (alone on its input) in its own group size
+                own = nodes == [head] and config.bits == 4
+                self._quantize_group(graph, nodes, replace(config, group_size=config.head_group_size) if own else config)
                 result.effect_times += len(nodes)
                 bar.update(len(nodes), status=nodes[0].name)
         graph.cleanup(remove_unused_graph_inputs=False).toposort()
         return result
 
-    def _quantize_group(self, graph: gs.Graph, nodes: list[gs.Node]) -> None:
+    def _quantize_group(self, graph: gs.Graph, nodes: list[gs.Node], config: QuantConfig) -> None:
         """MatMuls reading one input are quantized as one matrix, as the QKV and gate/up fusions merge them."""
         x = nodes[0].inputs[0]
         weights = [np.asarray(n.inputs[1].values) for n in nodes]
-        parts, input_scale = quantize_configured(weights, self.config, self.statistics.get(x.name))
+        parts, input_scale = quantize_configured(weights, config, self.statistics.get(x.name))
         if input_scale is not None:
             scaled = scale_input(graph, x, input_scale, f"{x.name}_awq")
             for node in nodes:

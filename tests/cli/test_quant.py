@@ -115,7 +115,9 @@ CALIBRATION = {"num_samples": 4, "seq_len": 64}
      {"quant_mode": "INT4", "group_size": 32, "algorithms": [{"name": "awq"}, {"name": "gptq"}], "calibration": CALIBRATION}),
     (("--bits", "4", "--group-size", "32", "--quantize-lm-head"),
      {"quant_mode": "INT4", "group_size": 32, "skip_layers": []}),
-], ids=["int4-g32", "uint4-g64", "int8", "gptq-g32", "awq-g32", "awq-gptq-g32", "int4-g32-head8"])
+    (("--bits", "4", "--group-size", "32", "--quantize-lm-head", "--lm-head-bits", "4", "--lm-head-group-size", "64"),
+     {"quant_mode": "INT4", "group_size": 32, "skip_layers": [], "lm_head_bits": 4, "lm_head_group_size": 64}),
+], ids=["int4-g32", "uint4-g64", "int8", "gptq-g32", "awq-g32", "awq-gptq-g32", "int4-g32-head8", "int4-g32-head4-g64"])
 def test_qdq_route_and_direct_compression_give_the_same_packed_bytes(tmp_path, tiny_llama_path, flags, conf):
     result = _quantize(tiny_llama_path, tmp_path / "q", *flags)
     assert result.exit_code == 0, result.output
@@ -130,7 +132,7 @@ def test_qdq_route_and_direct_compression_give_the_same_packed_bytes(tmp_path, t
         return [[loaded.weights[name] for name in n.input[1:] if name in loaded.weights] for n in nodes]
 
     first, second = packed(via_qdq), packed(direct)
-    assert len(first) == len(second) == 2 * 4 + (conf.get("skip_layers") == [])  # the 8-bit lm_head too
+    assert len(first) == len(second) == 2 * 4 + (conf.get("skip_layers") == [])  # the lm_head too
     for a, b in zip(first, second):
         assert len(a) == len(b) and all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(a, b))
 
