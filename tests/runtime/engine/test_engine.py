@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import threading
 import time
 
 import pytest
@@ -88,11 +89,21 @@ def _paged_config(folder, page_size: int) -> str:
 
 def test_cancelled_requests_return_their_pages(paged_om):
     with LLMEngine(paged_om, max_context_len=256, kv_cache_pages=8) as engine:
-        requests = [engine.submit([5] * 30, max_new_tokens=200, temperature=0, ignore_eos=True) for _ in range(3)]
+        # once each has a token, the next step waits for the cancels: none can finish first on a busy machine
+        gate, run, requests = threading.Event(), engine.runner.run, []
+
+        def held_once_tokens_are_out(batch):
+            if len(requests) == 3 and all(r.output_ids for r in requests):
+                gate.wait(timeout=60)
+            return run(batch)
+
+        engine.runner.run = held_once_tokens_are_out
+        requests += [engine.submit([5] * 30, max_new_tokens=200, temperature=0, ignore_eos=True) for _ in range(3)]
         while not all(r.output_ids for r in requests):
             time.sleep(0.01)
         for request in requests:
             request.cancel()
+        gate.set()
         assert [r.result() is not None for r in requests] == [True] * 3
         assert {r.finish_reason for r in requests} == {"cancelled"}
         assert all(len(r.output_ids) < 200 for r in requests)
@@ -169,10 +180,27 @@ def test_bad_requests_are_refused(paged_om, prompt, message):
 
 def test_closing_cancels_what_is_in_flight(paged_om):
     engine = LLMEngine(paged_om, max_context_len=256, kv_cache_pages=8)
-    request = engine.submit([5] * 20, max_new_tokens=200, temperature=0, ignore_eos=True)
+    # the tiny model makes 200 tokens in a few tens of milliseconds: once the first is out, the next step
+    # waits until close() has begun, so the request is still in flight then however busy the machine is
+    gate, run, requests = threading.Event(), engine.runner.run, []
+
+    def held_once_a_token_is_out(batch):
+        if requests and requests[0].output_ids:
+            gate.wait(timeout=60)
+        return run(batch)
+
+    engine.runner.run = held_once_a_token_is_out
+    requests.append(engine.submit([5] * 20, max_new_tokens=200, temperature=0, ignore_eos=True))
+    request = requests[0]
     while not request.output_ids:
         time.sleep(0.01)
-    engine.close()
+    closing = threading.Thread(target=engine.close)
+    closing.start()
+    while not engine._closed:
+        time.sleep(0.001)
+    gate.set()
+    closing.join(timeout=60)
+    assert not closing.is_alive()
     assert request.finish_reason == "cancelled" and request.future.done()
     request.cancel()  # after close: nothing left to do, and no error
     with pytest.raises(RuntimeError, match="closed"):
