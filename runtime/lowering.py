@@ -33,7 +33,6 @@ from runtime.ops import (
     MoEInput,
     PagedAttentionInput,
     attributes,
-    input_at,
 )
 
 MICROSOFT_DOMAIN = "com.microsoft"
@@ -189,12 +188,11 @@ def _gather_int4(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
     # GatherBlockQuantized reads uint8 data as [V, K·bits/8] with MatMulNBits' conventions (default zero point
     # 2^(bits-1)); the Reshape of the constant table is folded by onnxruntime when the session is built
     b = Builder(node.name)
-    table, indices, scales = (node.input[slot] for slot in GatherInt4Input if slot < GatherInt4Input.ZERO_POINTS)
-    zero_points = input_at(node.input, GatherInt4Input.ZERO_POINTS)
+    table, indices, scales = (node.input[slot] for slot in GatherInt4Input)
     attrs = attributes(node)
     flat = b("Reshape", table, b.const([0, -1]))
-    b("GatherBlockQuantized", flat, indices, scales, *([zero_points] if zero_points else []), out=node.output[0],
-      domain=MICROSOFT_DOMAIN, gather_axis=0, quantize_axis=1, block_size=attrs["block_size"], bits=attrs["bits"])
+    b("GatherBlockQuantized", flat, indices, scales, out=node.output[0], domain=MICROSOFT_DOMAIN, gather_axis=0,
+      quantize_axis=1, block_size=attrs["block_size"], bits=attrs["bits"])
     return b.nodes
 
 

@@ -90,7 +90,6 @@ class GatherInt4Input(IntEnum):
     TABLE = 0
     INDICES = 1
     SCALES = 2
-    ZERO_POINTS = 3
 
 
 class SingleOutput(IntEnum):

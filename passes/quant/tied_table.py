@@ -55,18 +55,16 @@ def quantize_tied_table(graph: gs.Graph, head: gs.Node, bits: int, group_size: i
     weight = np.asarray(table.values).T
     quantized = (quantize_full_range(weight, bits, block) if bits == 4
                  else quantize_blockwise(weight, bits, block, symmetric=True))
-    blob, scales, zero_points = pack_matmul_nbits(quantized)
+    blob, scales, _ = pack_matmul_nbits(quantized)  # symmetric: no zero points
     packed = gs.Constant(f"{table.name}_int{bits}", blob)
-    operands = [packed, gs.Constant(f"{table.name}_int{bits}_scales", scales)]
-    if zero_points is not None:
-        operands.append(gs.Constant(f"{table.name}_int{bits}_zero_points", zero_points))
-    graph.nodes.append(fused_node("MatMulInt4", [head.inputs[0], *operands], [head.outputs[0]],
+    packed_scales = gs.Constant(f"{table.name}_int{bits}_scales", scales)
+    graph.nodes.append(fused_node("MatMulInt4", [head.inputs[0], packed, packed_scales], [head.outputs[0]],
                                   f"{head.name}_int{bits}", K=hidden, N=vocab, bits=bits, block_size=block,
                                   accuracy_level=TIED_HEAD_ACCURACY_LEVEL if bits == 4 else EIGHT_BIT_ACCURACY_LEVEL))
     head.inputs.clear()
     for gather in [n for n in graph.nodes if n.op == "Gather" and n.inputs[0] is table]:
         if gather.attrs.get("axis", 0) == 0:
-            graph.nodes.append(fused_node("GatherInt4", [packed, gather.inputs[1], *operands[1:]],
+            graph.nodes.append(fused_node("GatherInt4", [packed, gather.inputs[1], packed_scales],
                                           [gather.outputs[0]], f"{gather.name}_int{bits}", K=hidden,
                                           block_size=block, bits=bits))
             gather.inputs.clear()

@@ -30,14 +30,12 @@ def MatMulInt8(a: np.ndarray, b: np.ndarray, scales: np.ndarray, zero_points: np
 
 
 @register_kernel(GATHER_INT4)
-def GatherInt4(table: np.ndarray, indices: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None = None, *,
-               K: int, block_size: int, bits: int) -> np.ndarray:
-    """Rows `indices` of a [V, K] table stored as MatMulNBits' B (uint8 [V, n_blocks, block_size·bits/8], with
-    its zero points packed as MatMulInt4's, or symmetric without them): the embedding lookup that shares its
-    bytes with a tied lm_head's MatMulInt4."""
+def GatherInt4(table: np.ndarray, indices: np.ndarray, scales: np.ndarray, *, K: int, block_size: int,
+               bits: int) -> np.ndarray:
+    """Rows `indices` of a [V, K] table stored as MatMulNBits' B (uint8 [V, n_blocks, block_size·bits/8],
+    symmetric): the embedding lookup that shares its bytes with a tied lm_head's MatMulInt4."""
     del bits  # implied by the table's bytes per block
-    picked = indices.reshape(-1)
-    rows = table[picked]
-    zero_rows = None if zero_points is None else zero_points.reshape(table.shape[0], -1)[picked]
-    weight = dequantize_matmul_nbits(rows, scales.reshape(table.shape[0], -1)[picked], zero_rows, K, block_size)
+    rows = table[indices.reshape(-1)]
+    weight = dequantize_matmul_nbits(rows, scales.reshape(table.shape[0], -1)[indices.reshape(-1)], None, K,
+                                     block_size)
     return weight.T.reshape(indices.shape + (K,)).astype(np.float32)

@@ -128,8 +128,9 @@ def test_matmul_int4_and_gather_int4_kernels_match_onnxruntime_on_the_same_bytes
         names.append("zp")
     nodes = [helper.make_node("MatMulInt4", names, ["y"], domain="cann", K=rows, N=cols, bits=bits, block_size=block,
                               accuracy_level=0)]
-    nodes.append(helper.make_node("GatherInt4", ["b", "i", *names[2:]], ["g"], domain="cann", K=rows, block_size=block,
-                                  bits=bits))
+    if symmetric:  # the table lookup is written for symmetric tables only (a tied table is one)
+        nodes.append(helper.make_node("GatherInt4", ["b", "i", "s"], ["g"], domain="cann", K=rows, block_size=block,
+                                      bits=bits))
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [3, rows]),
                                            helper.make_tensor_value_info("i", TensorProto.INT64, [3])],
                               [helper.make_tensor_value_info(n.output[0], TensorProto.FLOAT, None) for n in nodes], weights)
@@ -138,10 +139,11 @@ def test_matmul_int4_and_gather_int4_kernels_match_onnxruntime_on_the_same_bytes
     outputs = session.run(None, {"a": a, "i": indices})
     expected = MatMulInt4(a, blob, scales, zero_points, K=rows, N=cols, block_size=block, bits=bits)
     np.testing.assert_allclose(outputs[0], expected, rtol=1e-5, atol=1e-5)
-    table = dequantize_matmul_nbits(blob, scales, zero_points, rows, block)  # [K, V]: the rows looked up, exactly
-    np.testing.assert_allclose(GatherInt4(blob, indices, scales, zero_points, K=rows, block_size=block, bits=bits),
-                               table[:, indices].T, rtol=0, atol=0)
-    np.testing.assert_allclose(outputs[1], table[:, indices].T, rtol=0, atol=1e-6)
+    if symmetric:
+        table = dequantize_matmul_nbits(blob, scales, None, rows, block)  # [K, V]: the rows looked up, exactly
+        np.testing.assert_allclose(GatherInt4(blob, indices, scales, K=rows, block_size=block, bits=bits),
+                                   table[:, indices].T, rtol=0, atol=0)
+        np.testing.assert_allclose(outputs[1], table[:, indices].T, rtol=0, atol=1e-6)
 
 
 def test_int8_activation_rounding_is_onnxruntimes_level_4_rounding_at_near_ties():
@@ -194,7 +196,20 @@ def test_full_range_quantization_puts_each_blocks_extreme_on_the_lowest_level():
     assert np.all(np.abs(restored - weight) <= np.abs(scale) + 1e-6)
     symmetric = dequantize_blockwise(quantize_blockwise(weight, 4, 32, symmetric=True))
     assert np.mean((restored - weight) ** 2) < np.mean((symmetric - weight) ** 2)
-    # MatMulNBits' layout stores it as any symmetric weight (q + 8, the default zero point)
+    # MatMulNBits' layout stores it as any symmetric weight (q + 8, the default zero point), and onnxruntime's
+    # GatherBlockQuantized looks its rows up with the negative scales as they are
     blob, scales, zero_points = pack_matmul_nbits(quantized)
     assert zero_points is None
     np.testing.assert_array_equal(dequantize_matmul_nbits(blob, scales, None, 96, 32), restored)
+    from onnx import TensorProto, helper, numpy_helper
+
+    from runtime.lowering import lower_for_onnxruntime
+
+    node = helper.make_node("GatherInt4", ["b", "i", "s"], ["g"], domain="cann", K=96, block_size=32, bits=4)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("i", TensorProto.INT64, [2])],
+                              [helper.make_tensor_value_info("g", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(blob, "b"), numpy_helper.from_array(scales, "s")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("cann", 1)])
+    session = ort.InferenceSession(lower_for_onnxruntime(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    looked_up = session.run(None, {"i": np.array([0, 1], np.int64)})[0]
+    np.testing.assert_allclose(looked_up, restored[:, :2].T, rtol=0, atol=1e-6)
