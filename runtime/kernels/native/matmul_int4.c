@@ -88,6 +88,8 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   if (m == 0) return NULL;
   /* 64-byte aligned rows, so a piece of activations never straddles a cache line more than it must */
   const int64_t pieces = (blocks * block_bytes + PIECE - 1) / PIECE, q_stride = k->bits == 4 ? pieces * 2 * PIECE : blocks * k->block;
+  const int64_t per_piece = k->bits == 4 ? 2 * PIECE / k->block : 0;
+  const int half_last = k->bits == 4 && blocks * block_bytes < pieces * PIECE;
   const size_t q_bytes = ((size_t)(m * q_stride) + 63) & ~(size_t)63;
   const size_t both_floats = (size_t)(MAX_TASKS * ROWS * blocks * TASK_COLUMNS);
   const size_t lane_bytes = matmul_int4_lane_bytes(m, pieces);
@@ -96,7 +98,7 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   if (!scratch) return fail("MatMulInt4: out of memory for the quantized activations");
   Work w = {k, a.data, scale_value ? a_scale.data : NULL, (const uint8_t*)b.data, scales.data, zp_value ? (const uint8_t*)zero_points.data : NULL,
             (int8_t*)scratch, (float*)(scratch + q_bytes), (int32_t*)((float*)(scratch + q_bytes) + m * blocks), y, m,
-            blocks, block_bytes, pieces, q_stride, 0, (float*)(scratch + q_bytes) + 2 * m * blocks,
+            blocks, block_bytes, pieces, per_piece, half_last, q_stride, 0, (float*)(scratch + q_bytes) + 2 * m * blocks,
             (uint8_t*)(scratch + q_bytes + floats_bytes)};
   w.task_columns = (k->N + MAX_TASKS - 1) / MAX_TASKS;
   w.task_columns = (w.task_columns + TASK_COLUMNS - 1) / TASK_COLUMNS * TASK_COLUMNS;

@@ -51,11 +51,13 @@ typedef struct {
   int32_t* q_sum;             /* [M][blocks] the sum of its int8 values */
   float* y;
   int64_t m, blocks, block_bytes;
-  int64_t pieces;   /* 64-byte pieces of a column's weights (the last one half a piece when 4-bit blocks of 64 are odd) */
-  int64_t q_stride; /* int8 activations a row of q */
+  int64_t pieces;    /* 64-byte pieces of a column's weights */
+  int64_t per_piece; /* 4-bit blocks a piece: 1, 2 or 4 (blocks of 128, 64, 32); 0 at 8 bits */
+  int half_last;     /* a 4-bit column ends in half a piece (K = 576 in blocks of 64 or 32) */
+  int64_t q_stride;  /* int8 activations a row of q */
   int64_t task_columns; /* columns of one parallel task: a multiple of 16, at most MAX_TASKS tasks */
   float* both;          /* [tasks][ROWS][blocks][16] products of weight and activation scales */
-  uint8_t* lanes;       /* [tasks][16 · blocks · block bytes] a task's group of weights as lanes (lane_bytes) */
+  uint8_t* lanes;       /* [tasks][16 · pieces · 64] a task's group of weights as lanes (lane_bytes) */
 } Work;
 
 /* One row of A into int8, block by block (a ParallelFor body over rows). For 4 bits, each 128 elements go

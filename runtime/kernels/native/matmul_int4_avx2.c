@@ -138,7 +138,6 @@ static inline __m256 sum8(const __m256* d) {
 static inline __attribute__((always_inline)) void sixteen(const Work* w, int64_t n0, const uint8_t* base, int64_t r0,
                                                           int R, int bits, int per_piece, float* both) {
   const int64_t blocks = w->blocks, block = w->k->block, block_bytes = w->block_bytes, pieces = w->pieces;
-  const int half_last = bits == 4 && blocks * block_bytes < pieces * PIECE;
   const float* scale_t = w->k->scale_t + n0 * blocks;
   const uint8_t* zero_t = w->k->zero_t + n0 * blocks;
   /* 8 bits multiply w - 128, so the zero point's share is (zero - 128) times the activations' sum */
@@ -168,7 +167,7 @@ static inline __attribute__((always_inline)) void sixteen(const Work* w, int64_t
       for (int64_t p = 0; p < pieces; p++) {
         const uint8_t* piece = column + p * PIECE;
         if (r0 == 0) _mm_prefetch((const char*)(piece + PREFETCH), _MM_HINT_T0); /* as in the AVX-512 kernel */
-        const int half = half_last && p == pieces - 1;
+        const int half = w->half_last && p == pieces - 1;
         const __m256i b0 = _mm256_loadu_si256((const __m256i*)piece);
         const __m256i b1 = half ? _mm256_setzero_si256() : _mm256_loadu_si256((const __m256i*)(piece + 32));
         const __m256i l0 = _mm256_and_si256(b0, low), h0 = _mm256_and_si256(_mm256_srli_epi16(b0, 4), low);
@@ -247,9 +246,9 @@ void matmul_int4_columns(void* data, size_t task) {
   const int64_t end = start + w->task_columns < w->k->N ? start + w->task_columns : w->k->N;
   float* both = w->both + (int64_t)task * ROWS * w->blocks * TASK_COLUMNS;
   for (int64_t n = start; n < end; n += TASK_COLUMNS) {
-    if (w->k->bits == 4 && w->k->block == 32) group(w, n, 4, 4, both); /* four blocks a piece */
-    else if (w->k->bits == 4 && w->k->block == 64) group(w, n, 4, 2, both); /* two blocks a piece */
-    else if (w->k->bits == 4) group(w, n, 4, 1, both);
+    if (w->per_piece == 4) group(w, n, 4, 4, both);
+    else if (w->per_piece == 2) group(w, n, 4, 2, both);
+    else if (w->per_piece == 1) group(w, n, 4, 1, both);
     else group(w, n, 8, 1, both);
   }
 }

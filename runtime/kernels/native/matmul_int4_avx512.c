@@ -115,7 +115,6 @@ static inline __m512i load_piece(const uint8_t* piece, int half) {
 static inline __attribute__((always_inline)) void sixteen(const Work* w, int64_t n0, const uint8_t* base, int64_t r0,
                                                           int R, int bits, int per_block, int per_piece, float* both) {
   const int64_t blocks = w->blocks, block_bytes = w->block_bytes, pieces = w->pieces;
-  const int half_last = bits == 4 && blocks * block_bytes < pieces * PIECE;
   const float* scale_t = w->k->scale_t + n0 * blocks;
   const uint8_t* zero_t = w->k->zero_t + n0 * blocks;
   const __m512i low = _mm512_set1_epi8(15);
@@ -141,7 +140,7 @@ static inline __attribute__((always_inline)) void sixteen(const Work* w, int64_t
         const uint8_t* piece = column + p * PIECE;
         /* the hardware's prefetch alone leaves two threads reading memory at ~30 GB/s, not ~50 */
         if (r0 == 0) _mm_prefetch((const char*)(piece + PREFETCH), _MM_HINT_T0);
-        const __m512i bytes = load_piece(piece, half_last && p == pieces - 1);
+        const __m512i bytes = load_piece(piece, w->half_last && p == pieces - 1);
         const __m512i even = _mm512_and_si512(bytes, low), odd = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
         const int64_t first = p * per_piece, count = blocks - first; /* the piece's first block, and blocks from it */
 #pragma GCC unroll 4
@@ -300,7 +299,7 @@ void matmul_int4_columns(void* data, size_t task) {
   const int64_t start = (int64_t)task * w->task_columns;
   const int64_t end = start + w->task_columns < w->k->N ? start + w->task_columns : w->k->N;
   float* both = w->both + (int64_t)task * ROWS * w->blocks * TASK_COLUMNS;
-  const int per_piece = w->k->bits == 4 ? (int)(2 * PIECE / w->k->block) : 0; /* 4-bit blocks a piece: 1, 2 or 4 */
+  const int64_t per_piece = w->per_piece;
   if (w->m >= LANE_FROM) {
     __m512i* lanes = (__m512i*)(w->lanes + (int64_t)task * w->pieces * PIECE * TASK_COLUMNS);
     for (int64_t n = start; n < end; n += TASK_COLUMNS) {
