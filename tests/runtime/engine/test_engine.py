@@ -89,16 +89,19 @@ def _paged_config(folder, page_size: int) -> str:
 
 def test_cancelled_requests_return_their_pages(paged_om):
     with LLMEngine(paged_om, max_context_len=256, kv_cache_pages=8) as engine:
-        # once each has a token, the next step waits for the cancels: none can finish first on a busy machine
-        gate, run, requests = threading.Event(), engine.runner.run, []
+        # no step runs before all three are submitted, and once each has a token the next step waits for the
+        # cancels: none can finish first on a busy machine
+        submitted, gate, run, requests = threading.Event(), threading.Event(), engine.runner.run, []
 
         def held_once_tokens_are_out(batch):
-            if len(requests) == 3 and all(r.output_ids for r in requests):
+            submitted.wait(timeout=60)
+            if all(r.output_ids for r in requests):
                 gate.wait(timeout=60)
             return run(batch)
 
         engine.runner.run = held_once_tokens_are_out
         requests += [engine.submit([5] * 30, max_new_tokens=200, temperature=0, ignore_eos=True) for _ in range(3)]
+        submitted.set()
         while not all(r.output_ids for r in requests):
             time.sleep(0.01)
         for request in requests:
@@ -180,17 +183,20 @@ def test_bad_requests_are_refused(paged_om, prompt, message):
 
 def test_closing_cancels_what_is_in_flight(paged_om):
     engine = LLMEngine(paged_om, max_context_len=256, kv_cache_pages=8)
-    # the tiny model makes 200 tokens in a few tens of milliseconds: once the first is out, the next step
-    # waits until close() has begun, so the request is still in flight then however busy the machine is
-    gate, run, requests = threading.Event(), engine.runner.run, []
+    # the tiny model makes 200 tokens in a few tens of milliseconds: no step runs before the request is in
+    # hand, and once its first token is out the next step waits until close() has begun, so the request is
+    # still in flight then however busy the machine is
+    submitted, gate, run, requests = threading.Event(), threading.Event(), engine.runner.run, []
 
     def held_once_a_token_is_out(batch):
-        if requests and requests[0].output_ids:
+        submitted.wait(timeout=60)
+        if requests[0].output_ids:
             gate.wait(timeout=60)
         return run(batch)
 
     engine.runner.run = held_once_a_token_is_out
     requests.append(engine.submit([5] * 20, max_new_tokens=200, temperature=0, ignore_eos=True))
+    submitted.set()
     request = requests[0]
     while not request.output_ids:
         time.sleep(0.01)
