@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import collections
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -42,10 +43,10 @@ def profiled(folder: str) -> None:
     executor_module.session_options = with_profiling
 
 
-def node_times(path: str, work: str) -> tuple[dict[str, float], collections.Counter, int]:
-    """Microseconds and node counts per op type over the runs that are the work, and their count: for a
-    decode the runs after its prompt's, for prefills the long runs (at least half the longest: not the
-    engine's warm-up), for the mix every run."""
+def node_times(path: str, work: str) -> tuple[dict[str, float], collections.Counter, list[float]]:
+    """Microseconds and node counts per op type over the runs that are the work, and each run's wall
+    microseconds: for a decode the runs after its prompt's, for prefills the long runs (at least half the
+    longest: not the engine's warm-up), for the mix every run."""
     events = json.loads(Path(path).read_text())
     runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "Session" and e["name"] == "model_run")
     if work == "decode":
@@ -62,7 +63,7 @@ def node_times(path: str, work: str) -> tuple[dict[str, float], collections.Coun
             if at >= 0 and event["ts"] <= runs[at][1]:
                 times[event["args"]["op_name"]] += event["dur"]
                 counts[event["args"]["op_name"]] += 1
-    return times, counts, len(runs)
+    return times, counts, [end - start for start, end in runs]
 
 
 def run_mix(engine: LLMEngine, requests: int) -> list[str]:
@@ -119,13 +120,14 @@ def main(om_path: str, work: str, tokens: int, requests: int, threads: int) -> N
             path = engine.runner.executor._steps[0]._session.end_profiling()
         finally:
             engine.close()
-        times, counts, runs = node_times(path, work)
-    total = sum(times.values())
+        times, counts, walls = node_times(path, work)
+    runs, total = len(walls), sum(times.values())
     per = 1 if work == "mix" else max(runs, 1)
     unit = "in all" if work == "mix" else "a run"
     for line in lines:
         click.echo(line)
-    click.echo(f"{runs} session runs; node time {total / per / 1000:.2f} ms {unit}")
+    click.echo(f"{runs} session runs; node time {total / per / 1000:.2f} ms {unit}; a run's wall time "
+               f"{statistics.median(walls) / 1000:.2f} ms (median: the rest is onnxruntime between nodes)")
     for op, microseconds in sorted(times.items(), key=lambda item: -item[1])[:10]:
         click.echo(f"  {op:36s} {microseconds / per / 1000:9.2f} ms {unit}  {100 * microseconds / total:5.1f}%  "
                    f"{counts[op] / max(runs, 1):6.1f} a run")
