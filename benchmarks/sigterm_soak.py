@@ -27,7 +27,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_server import BusyCore, ServeProcess, compile_tiny  # noqa: E402
 
-SHUTDOWN_ERROR = {"message": "the server shut down before the request finished", "type": "unavailable", "code": 503}
+SHUTDOWN_ERROR = {"message": "the server shut down before the request finished", "type": "unavailable",
+                  "param": None, "code": 503}
 
 
 def _client(url: str, index: int, max_tokens: int, stream: bool, got: dict) -> None:

@@ -25,11 +25,13 @@ from runtime.engine.config import EngineConfig
 from runtime.engine.detokenizer import IncrementalDetokenizer
 from runtime.engine.kv_cache import PagePool
 from runtime.engine.runner import ContiguousRunner, PagedRunner
-from runtime.engine.sampler import sample_token
+from runtime.engine.outputs import CompletionOutput, RequestOutput
+from runtime.engine.sampler import draw, process_logits, token_logprobs
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.scheduler import ScheduledBatch, Scheduler
-from runtime.engine.sequence import RequestStats, Sequence
+from runtime.engine.sequence import RequestStats, Sequence, TokenLogprob
 from runtime.engine.speculation import NgramProposer
+from runtime.engine.structured import GrammarCompiler, MaskBatch
 from runtime.engine.trial_step import trial_step
 from runtime.errors import invalid_value
 from runtime.executor import Executor
@@ -165,6 +167,8 @@ class LLMEngine:
         self.vocab_size = int(self.dims["vocab_size"])
         self.tokenizer = self.loaded.tokenizer
         self._chat_template: ChatTemplate | None = None
+        self._grammars = None if self.tokenizer is None else GrammarCompiler(
+            self.loaded.om.tokenizer_files()["tokenizer.json"], self.vocab_size, self.tokenizer.eos_token_ids)
         if config.process_thread_pool and backend == "onnxruntime":
             enable_process_thread_pool(threads)
         executor = Executor(self.loaded, backend, threads, host_attention=config.host_attention,
@@ -198,21 +202,62 @@ class LLMEngine:
     # ---- submitting -------------------------------------------------------------------------------
 
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, **kwargs) -> Request:
-        """Queue one request (text, or token ids); returns its handle at once."""
+        """Queue one request (text, or token ids) for one sequence; returns its handle at once. ValueError
+        for a prompt or settings it would refuse (see `encode`), a structured output that does not compile,
+        or `n` > 1 (`generate` takes that)."""
         params = params or SamplingParams(**kwargs)
+        if params.n != 1:
+            raise ValueError("submit runs one sequence: pass n > 1 to generate, or submit n requests")
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"stop token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         ids = self.encode(prompt)
+        constraint = None
+        if params.structured_output is not None:
+            if self._grammars is None:
+                raise ValueError("a structured output needs the model's tokenizer; recompile with atc --tokenizer=DIR")
+            constraint = self._grammars.constraint(params.structured_output)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
-        seq = Sequence(list(ids), params, eos)
+        seq = Sequence(list(ids), params, eos, constraint=constraint)
         detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer else None
         request = Request(seq, detok, self)
         self._post(("add", request))
         return request
 
-    def generate(self, prompt: str | list[int], max_new_tokens: int = 256, temperature: float = 0.7,
-                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=None, **kwargs) -> str:
-        """The completion of `prompt`."""
-        return self.submit(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                           top_k=top_k, seed=seed, stop=stop or (), **kwargs).result()
+    def generate(self, prompts, sampling_params: SamplingParams | int | None = None,
+                 temperature: float | None = None, **kwargs):
+        """`generate(prompt, max_new_tokens, temperature)`: the completion of one prompt, as text.
+
+        `generate(prompts, SamplingParams(...))` (vLLM's call) or `generate([prompt, ...], **settings)`: a
+        `RequestOutput` per prompt, in order, each with `n` outputs, computed together. A prompt is a
+        text or a list of token ids; keyword settings are `SamplingParams` fields (`max_tokens` as
+        vLLM spells it)."""
+        if isinstance(sampling_params, int) and not isinstance(sampling_params, bool):
+            kwargs["max_new_tokens"], sampling_params = sampling_params, None
+        if temperature is not None:
+            kwargs["temperature"] = temperature
+        many = isinstance(prompts, (list, tuple)) and bool(prompts) and not isinstance(prompts[0], int)
+        if sampling_params is not None and kwargs:
+            sampling_params = replace(sampling_params, **kwargs)
+        params = sampling_params or SamplingParams(**kwargs)
+        if not many and sampling_params is None:
+            return self.submit(prompts, params).result()
+        batch = list(prompts) if many else [prompts]
+        started = [(prompt, [self.submit(prompt, replace(params, n=1, seed=None if params.seed is None else
+                                                          params.seed + i)) for i in range(params.n)])
+                   for prompt in batch]
+        return [self._request_output(prompt, requests) for prompt, requests in started]
+
+    def _request_output(self, prompt, requests: list[Request]) -> RequestOutput:
+        for request in requests:
+            request.result()
+        first = requests[0].seq
+        outputs = [CompletionOutput(i, r.text, list(r.output_ids), r.finish_reason,
+                                    list(r.seq.logprobs) if r.seq.params.logprobs is not None else None,
+                                    r.detokenizer.matched_stop if r.detokenizer else None)
+                   for i, r in enumerate(requests)]
+        return RequestOutput(str(first.seq_id), prompt if isinstance(prompt, str) else None,
+                             first.token_ids[:first.num_prompt], outputs, [r.stats for r in requests])
 
     def generate_batch(self, prompts: list[str | list[int]], **kwargs) -> list[str]:
         """Completions of all `prompts`, computed together."""
@@ -241,8 +286,11 @@ class LLMEngine:
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """`messages` rendered by the chat template and tokenized as the template spells special tokens."""
-        text = self._template().render(messages)
-        return self._require_tokenizer().encode(text, add_special_tokens=False)
+        return self._require_tokenizer().encode(self.chat_text(messages), add_special_tokens=False)
+
+    def chat_text(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """`messages` rendered by the chat template (ending where the assistant speaks, unless told not to)."""
+        return self._template().render(messages, add_generation_prompt)
 
     def reset_prefix_cache(self) -> None:
         """Forget cached prompt pages not in use, before the next request is admitted."""
@@ -329,15 +377,22 @@ class LLMEngine:
         self.runner.copy_pages(self.blocks.pending_copies)
         self.blocks.pending_copies.clear()
         self._sample_utilisation(batch)
+        sampling = [not seq.finished and seq.num_computed + count >= len(seq.token_ids)
+                    for seq, count in zip(batch.seqs, batch.num_tokens)]  # not a prefill chunk short of the prompt's end
+        constrained = [seq for seq, samples in zip(batch.seqs, sampling) if samples and seq.constraint is not None]
+        # the grammars' masks for the first token of each, computed while the model runs the step
+        masks = MaskBatch([seq.constraint for seq in constrained]) if constrained else None
+        mask_row = {seq.seq_id: row for row, seq in enumerate(constrained)}
         outcomes = self._run(batch)
         self.stats.steps += 1
         done = ScheduledBatch()
-        for seq, count, outcome in zip(batch.seqs, batch.num_tokens, outcomes):
+        for seq, count, outcome, samples in zip(batch.seqs, batch.num_tokens, outcomes, sampling):
             try:
                 if isinstance(outcome, Exception):
                     raise outcome
-                if not seq.finished and seq.num_computed + count >= len(seq.token_ids):
-                    self._sample(seq, outcome)  # not for a prefill chunk short of the prompt's end
+                if samples:
+                    first_mask = masks.result(mask_row[seq.seq_id]) if seq.constraint is not None else None
+                    self._sample(seq, outcome, first_mask)
             except Exception as error:  # this sequence's inputs or settings: only it fails
                 self._fail(seq, error)
                 continue
@@ -384,21 +439,36 @@ class LLMEngine:
             if drafting and seq.num_uncomputed == 1:
                 limit = min(self.max_context_len - len(seq.token_ids), seq.remaining_tokens) - 1
                 seq.draft = self.proposer.propose(seq.seq_id, seq.token_ids, limit)
+                if seq.constraint is not None:  # a draft the grammar refuses would be rejected anyway
+                    seq.draft = seq.draft[:seq.constraint.valid_prefix(seq.draft)]
 
-    def _sample(self, seq: Sequence, rows: np.ndarray) -> None:
+    def _sample(self, seq: Sequence, rows: np.ndarray, first_mask: np.ndarray | None = None) -> None:
         """Sample row after row, each after the draft token before it; stop at the first that differs.
 
         Every kept token is drawn from the model's distribution given the tokens before it, one draw each,
-        exactly as without a draft.
+        exactly as without a draft. Under a structured output each row is masked by the grammar's state
+        after the tokens before it (the first row's mask computed during the step).
         """
         draft, seq.draft = seq.draft, []
         request = self._requests[seq.seq_id]
+        params = seq.params
         self.stats.draft_tokens += len(draft)
         for position, row in enumerate(rows):
-            token = sample_token(row, seq.params, seq.token_ids, seq.rng)
+            allowed = None
+            if seq.constraint is not None:
+                allowed = first_mask if position == 0 and first_mask is not None else seq.constraint.allowed()
+            token = draw(process_logits(row, params, seq.token_ids, seq.num_prompt, seq.banned, allowed),
+                         params, seq.rng)
+            if params.logprobs is not None:
+                logprob, top = token_logprobs(row, token, params.logprobs)
+                seq.logprobs.append(TokenLogprob(token, logprob, tuple(top)))
             if not position:
                 self.proposer.observe(seq.seq_id, token)
             seq.append(token)
+            if seq.constraint is not None:
+                seq.constraint.accept(token)
+                if seq.constraint.done:
+                    seq.finish("stop")
             self.stats.generated_tokens += 1
             if len(seq.token_ids) >= self.max_context_len:
                 seq.finish("length")

@@ -1,7 +1,9 @@
 """The sampler: logits of the scheduled sequences → their next tokens.
 
-Order as in Hugging Face's logits processors: repetition penalty, temperature, top-k, top-p, then a draw
-from the request's own seeded generator (so a request's tokens do not depend on its batch-mates).
+Order as in vLLM's: the penalties (repetition over prompt and output, presence and frequency over the
+output), `min_tokens` (end-of-sequence held off), the structured output's mask, then temperature, top-k,
+top-p and a draw from the request's own seeded generator (so a request's tokens do not depend on its
+batch-mates). Log-probabilities are the model's own, taken before any of it.
 """
 
 from __future__ import annotations
@@ -43,9 +45,55 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return probs
 
 
-def sample_token(logits: np.ndarray, params: SamplingParams, seen, rng: np.random.Generator) -> int:
-    """One sequence's next token from its `[vocab]` logits; `seen` is its token history (a list or array)."""
-    logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+def apply_output_penalties(logits: np.ndarray, output, presence: float, frequency: float) -> np.ndarray:
+    """OpenAI's penalties over the generated tokens: `presence` off each token generated at least once,
+    `frequency` times the number of times it was."""
+    if (presence == 0.0 and frequency == 0.0) or not len(output):
+        return logits
+    tokens, counts = np.unique(np.asarray(output), return_counts=True)
+    out = logits.copy()
+    out[tokens] -= presence + frequency * counts
+    return out
+
+
+def process_logits(logits: np.ndarray, params: SamplingParams, seen, num_prompt: int,
+                   banned=(), allowed: np.ndarray | None = None) -> np.ndarray:
+    """The logits a token is drawn from: penalised by `seen` (the sequence's tokens, its first
+    `num_prompt` the prompt), `banned` tokens and those outside `allowed` (booleans) set to -inf."""
+    if params.penalised:
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+        logits = apply_output_penalties(logits, seen[num_prompt:], params.presence_penalty, params.frequency_penalty)
+    if len(banned) or allowed is not None:
+        logits = np.array(logits, np.float32)
+        if allowed is not None:
+            logits[~allowed] = -np.inf
+        logits[list(banned)] = -np.inf
+        if not (logits > -np.inf).any():
+            raise ValueError("no token is allowed here (the structured output and min_tokens exclude them all)")
+    return logits
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """log_softmax of the model's logits at `token`, and the `top` most likely tokens with theirs."""
+    row = np.asarray(logits, np.float64)
+    peak = row.max()
+    log_total = peak + np.log(np.exp(row - peak).sum())
+    best = []
+    if top:
+        picked = np.argpartition(-row, top - 1)[:top]
+        best = [(int(t), float(row[t] - log_total)) for t in picked[np.argsort(-row[picked], kind="stable")]]
+    return float(row[token] - log_total), best
+
+
+def sample_token(logits: np.ndarray, params: SamplingParams, seen, rng: np.random.Generator,
+                 num_prompt: int = 0) -> int:
+    """One sequence's next token from its `[vocab]` logits; `seen` is its token history (a list or array),
+    its first `num_prompt` the prompt."""
+    return draw(process_logits(logits, params, seen, num_prompt), params, rng)
+
+
+def draw(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """The next token from processed logits: the most likely when greedy, else a draw."""
     if params.greedy:
         return int(np.argmax(logits))
     with np.errstate(all="ignore"):  # a distribution that overflowed is refused below, not warned about

@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from runtime.engine.structured import StructuredOutput
+
+MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 # beyond these a penalty or a temperature scales float32 logits past their range (inf - inf is NaN)
 PENALTY_RANGE = (1e-2, 1e2)
 MIN_TEMPERATURE = 1e-3
@@ -13,23 +16,44 @@ MIN_TEMPERATURE = 1e-3
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding settings; `temperature=0` is greedy. Checked on construction (ValueError):
-    numbers finite and in range."""
+    numbers finite and in range.
+
+    The names are vLLM's where they overlap (`max_tokens` is taken for `max_new_tokens`): penalties as
+    OpenAI defines them (`presence_penalty` once for a token already generated, `frequency_penalty` per
+    time), `min_tokens` before end-of-sequence may come, `logprobs` top alternatives reported per
+    generated token (0: the chosen token's alone; computed from the model's own logits, before any
+    penalty or temperature), `structured_output` a constraint on the text (runtime/engine/structured.py),
+    and `n` outputs per prompt for `LLMEngine.generate` (each a sequence of its own, seeded `seed + i`).
+    """
 
     max_new_tokens: int = 256
     temperature: float = 0.7
     top_p: float = 1.0
     top_k: int = 0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    structured_output: StructuredOutput | None = None
+    n: int = 1
+    max_tokens: int | None = None  # vLLM's name for max_new_tokens; wins when given
 
     def __post_init__(self) -> None:
+        if self.max_tokens is not None:
+            object.__setattr__(self, "max_new_tokens", self.max_tokens)
+            object.__setattr__(self, "max_tokens", None)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
-        numbers = {"temperature": self.temperature, "top_p": self.top_p, "repetition_penalty": self.repetition_penalty}
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        numbers = {"temperature": self.temperature, "top_p": self.top_p, "repetition_penalty": self.repetition_penalty,
+                   "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty}
         for name, value in numbers.items():
             if not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, not {value!r}")
@@ -43,6 +67,11 @@ class SamplingParams:
             (low <= self.repetition_penalty <= high, f"repetition_penalty must be in [{low:g}, {high:g}]"),
             (self.seed is None or 0 <= self.seed < 2 ** 64, "seed must be in [0, 2**64)"),
             (all(self.stop), "stop strings must not be empty"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (0 <= self.min_tokens <= self.max_new_tokens, "min_tokens must be in [0, max_new_tokens]"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]"),
+            (self.n >= 1, "n must be at least 1"),
         )
         for ok, message in checks:
             if not ok:
@@ -51,3 +80,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the logits are changed by what was generated before."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

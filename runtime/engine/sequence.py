@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from runtime.engine.sampling import SamplingParams
+from runtime.engine.structured import Constraint
 
 _ids = itertools.count()
 
@@ -40,6 +41,15 @@ class RequestStats:
         return (self.total_s - self.ttft_s) / (self.output_tokens - 1)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model, and the `top` most likely tokens with theirs."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class Sequence:
     """A request in flight. `num_computed` tokens have their keys and values in the cache."""
@@ -54,6 +64,8 @@ class Sequence:
     draft: list[int] = field(default_factory=list)  # speculative tokens to verify after the last one
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
+    constraint: Constraint | None = None  # the structured output's matcher
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.token_ids)
@@ -68,6 +80,13 @@ class Sequence:
     def remaining_tokens(self) -> int:
         """New tokens it may still generate."""
         return self.params.max_new_tokens - self.stats.output_tokens
+
+    @property
+    def banned(self) -> tuple[int, ...]:
+        """Tokens that may not come next: end-of-sequence before `min_tokens` are out."""
+        if self.stats.output_tokens >= self.params.min_tokens or self.params.ignore_eos:
+            return ()
+        return tuple(self.eos_token_ids) + self.params.stop_token_ids
 
     @property
     def num_uncomputed(self) -> int:
@@ -92,7 +111,7 @@ class Sequence:
         self.stats.token_times.append(now - self.arrival)
         self.token_ids.append(token)
         self.stats.output_tokens += 1
-        if token in self.eos_token_ids and not self.params.ignore_eos:
+        if (token in self.eos_token_ids and not self.params.ignore_eos) or token in self.params.stop_token_ids:
             self.finish("stop")
         elif self.stats.output_tokens >= self.params.max_new_tokens:
             self.finish("length")

@@ -1,5 +1,6 @@
 """The HTTP routes over a `Server`: the seed's `/generate`, OpenAI's completions and chat completions (with
-SSE streaming), `/v1/models`, `/health` and Prometheus `/metrics`. Each parses its body (400 when it is
+SSE streaming, `n` choices, log-probabilities, structured outputs), vLLM's `/tokenize` and `/detokenize`,
+`/v1/models`, `/health` and Prometheus `/metrics`. Each parses its body (400 when it is
 malformed, 413 past `--max-body-bytes`), calls the Server, and serialises what it returns or the `Refusal`
 it raises. Admission (tokenizing the prompt included) runs on a worker thread, so a long prompt never holds
 up the event loop and /health."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,8 +19,9 @@ from starlette.exceptions import HTTPException
 
 from runtime.serving.body_limit import BodyLimit
 from runtime.serving.server import Generation, Refusal, Server
-from runtime.serving.wire import (ChatBody, ChatCompletion, Completion, CompletionBody, GenerateBody, error_body,
-                                  generate_response, usage, validation_error_body)
+from runtime.serving.wire import (BodyError, ChatBody, ChatCompletion, Choice, Completion, CompletionBody,
+                                  DetokenizeBody, GenerateBody, TokenizeBody, error_body, generate_response, usage,
+                                  validation_error_body)
 
 
 def create_app(server: Server) -> FastAPI:
@@ -62,7 +65,8 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/generate")
     async def generate(body: GenerateBody, http: Request):
         try:
-            generation = await _start(server, http, body.model, "/generate", body.sampling(), prompt=body.prompt)
+            generation = await asyncio.to_thread(server.start, http.headers.get("authorization"), body.model,
+                                                 "/generate", body.sampling(), prompt=body.prompt)
             done = await server.complete(generation, http.is_disconnected)
         except Refusal as refusal:
             return _refused(refusal)
@@ -73,32 +77,77 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: Request):
         try:
-            generation = await _start(server, http, body.model, "/v1/completions", body.sampling(),
-                                      prompt=body.prompt)
+            generations = await _start(server, http, body, "/v1/completions", prompt=body.prompt)
         except Refusal as refusal:
             return _refused(refusal)
-        return await _answer(server, http, generation, Completion(generation.model), body.stream)
+        engine = server.engines[generations[0].model]
+        echo = (body.prompt if isinstance(body.prompt, str) else engine.tokenizer.decode(body.prompt)) if body.echo else ""
+        shape = Completion(generations[0].model, _token_text(engine))
+        return await _answer(server, http, generations, shape, body, echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http: Request):
         try:
-            generation = await _start(server, http, body.model, "/v1/chat/completions", body.sampling(),
-                                      messages=body.message_dicts())
+            generations = await _start(server, http, body, "/v1/chat/completions", messages=body.message_dicts())
         except Refusal as refusal:
             return _refused(refusal)
-        return await _answer(server, http, generation, ChatCompletion(generation.model), body.stream)
+        engine = server.engines[generations[0].model]
+        return await _answer(server, http, generations, ChatCompletion(generations[0].model, _token_text(engine)),
+                             body)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody, http: Request):
+        try:
+            _, _, engine = server.engine_for(http.headers.get("authorization"), body.model)
+            if (body.prompt is None) == (body.messages is None):
+                raise Refusal(400, "give either prompt or messages", "invalid_request_error", param="prompt")
+            try:
+                if body.messages is not None:
+                    text = engine.chat_text([m.for_template() for m in body.messages], body.add_generation_prompt)
+                    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+                else:
+                    ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            except Exception as error:  # a template's own error, or a model without a tokenizer
+                raise Refusal(400, f"the prompt cannot be rendered or tokenized: {error}", "invalid_request_error")
+        except Refusal as refusal:
+            return _refused(refusal)
+        return {"count": len(ids), "max_model_len": engine.max_context_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody, http: Request):
+        try:
+            _, _, engine = server.engine_for(http.headers.get("authorization"), body.model)
+            bad = next((t for t in body.tokens if not 0 <= t < engine.vocab_size), None)
+            if bad is not None:
+                raise Refusal(400, f"token id {bad} is outside the vocabulary [0, {engine.vocab_size})",
+                              "invalid_request_error", param="tokens")
+            if engine.tokenizer is None:
+                raise Refusal(400, "the model was compiled without a tokenizer", "invalid_request_error")
+        except Refusal as refusal:
+            return _refused(refusal)
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
 
     return app
 
 
-async def _start(server: Server, http: Request, model: str | None, endpoint: str, params: dict,
-                 **prompt) -> Generation:
-    return await asyncio.to_thread(server.start, http.headers.get("authorization"), model, endpoint, params, **prompt)
+async def _start(server: Server, http: Request, body: CompletionBody | ChatBody, endpoint: str,
+                 **prompt) -> list[Generation]:
+    """The body's `n` choices admitted and submitted (admission, with its tokenizing, off the event loop)."""
+    try:
+        params = body.sampling()
+    except BodyError as error:  # fields that pass one by one but not together
+        raise Refusal(400, str(error), "invalid_request_error", param=error.param) from None
+    return await asyncio.to_thread(server.start_choices, http.headers.get("authorization"), body.model, endpoint,
+                                   params, body.n, **prompt)
+
+
+def _token_text(engine) -> Callable[[int], str]:
+    return engine.tokenizer.token_text if engine.tokenizer is not None else str
 
 
 def _refused(refusal: Refusal) -> Response:
     headers = {"Retry-After": str(refusal.retry_after_s)} if refusal.retry_after_s is not None else None
-    return _json(error_body(refusal.status, refusal.message, refusal.kind), refusal.status, headers)
+    return _json(error_body(refusal.status, refusal.message, refusal.kind, refusal.param), refusal.status, headers)
 
 
 def _json(body: dict, status: int, headers: dict | None = None) -> Response:
@@ -106,30 +155,79 @@ def _json(body: dict, status: int, headers: dict | None = None) -> Response:
     return Response(json.dumps(body), status_code=status, headers=headers, media_type="application/json")
 
 
-async def _answer(server: Server, http: Request, generation: Generation, shape: Completion | ChatCompletion,
-                  stream: bool):
+def _logprobs(generation: Generation) -> list | None:
+    seq = generation.request.seq
+    return list(seq.logprobs) if seq.params.logprobs is not None else None
+
+
+def _usage(generations: list[Generation]) -> dict:
+    return usage(generations[0].request.stats.prompt_tokens, sum(g.request.stats.output_tokens for g in generations))
+
+
+async def _answer(server: Server, http: Request, generations: list[Generation], shape: Completion,
+                  body: CompletionBody | ChatBody, echo: str = ""):
     """The whole body, or its server-sent events."""
-    if stream:
-        return StreamingResponse(_events(server, generation, shape), media_type="text/event-stream")
+    if body.stream:
+        return StreamingResponse(_events(server, generations, shape, body.include_usage, echo),
+                                 media_type="text/event-stream")
     try:
-        done = await server.complete(generation, http.is_disconnected)
+        for generation in generations:
+            await server.complete(generation, http.is_disconnected)
     except Refusal as refusal:
+        for generation in generations:
+            server.end(generation, "client")
         return _refused(refusal)
-    stats = done.request.stats
-    return shape.body(done.text, done.finish_reason, usage(stats.prompt_tokens, stats.output_tokens))
+    choices = [Choice(echo + g.text, g.finish_reason, _logprobs(g)) for g in generations]
+    return shape.body(choices, _usage(generations))
 
 
-async def _events(server: Server, generation: Generation, shape: Completion | ChatCompletion):
-    for opening in shape.opening():
-        yield _event(opening)
+async def _events(server: Server, generations: list[Generation], shape: Completion, include_usage: bool, echo: str):
+    """Each choice's chunks as its text comes (choices interleaved), its finish, then the usage when asked
+    for and `[DONE]`. Leaving early (the client gone) cancels every choice."""
+    arrived: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, generation: Generation) -> None:
+        try:
+            async for piece in server.stream(generation):
+                await arrived.put((index, piece, None))
+            await arrived.put((index, None, None))
+        except Refusal as refusal:
+            await arrived.put((index, None, refusal))
+
+    pumps = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generations)]
+    sent = [0] * len(generations)  # each choice's log-probabilities sent so far
+
+    def new_logprobs(index: int) -> list | None:
+        logprobs = _logprobs(generations[index])
+        if logprobs is None:
+            return None
+        fresh, sent[index] = logprobs[sent[index]:], len(logprobs)
+        return fresh
     try:
-        async for piece in server.stream(generation):
-            yield _event(shape.chunk(piece, None))
-    except Refusal as refusal:  # OpenAI's clients raise on an error event in a stream
-        yield _event(error_body(refusal.status, refusal.message, refusal.kind))
-    else:
-        yield _event(shape.chunk("", generation.finish_reason))
-    yield "data: [DONE]\n\n"
+        for index in range(len(generations)):
+            opening = shape.opening(index)
+            if opening is not None:
+                yield _event(opening)
+            if echo:
+                yield _event(shape.chunk(index, echo, None))
+        left = len(generations)
+        while left:
+            index, piece, refusal = await arrived.get()
+            if refusal is not None:  # OpenAI's clients raise on an error event in a stream
+                yield _event(error_body(refusal.status, refusal.message, refusal.kind))
+                break
+            if piece is None:
+                left -= 1
+                yield _event(shape.chunk(index, "", generations[index].finish_reason, new_logprobs(index)))
+            else:
+                yield _event(shape.chunk(index, piece, None, new_logprobs(index)))
+        else:
+            if include_usage:
+                yield _event(shape.usage_chunk(_usage(generations)))
+        yield "data: [DONE]\n\n"
+    finally:
+        for task in pumps:  # a pump cancelled mid-stream ends its choice (server.stream's own cleanup)
+            task.cancel()
 
 
 def _event(payload: dict) -> str:

@@ -41,11 +41,14 @@ class ServerSettings:
 
 
 class Refusal(Exception):
-    """Why a request gets no answer: an HTTP status and OpenAI's error fields (`Retry-After` for a 429)."""
+    """Why a request gets no answer: an HTTP status and OpenAI's error fields (`param` the field at fault,
+    `Retry-After` for a 429)."""
 
-    def __init__(self, status: int, message: str, kind: str, retry_after_s: int | None = None):
+    def __init__(self, status: int, message: str, kind: str, retry_after_s: int | None = None,
+                 param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.retry_after_s = status, message, kind, retry_after_s
+        self.param = param
 
 
 @dataclass(eq=False)
@@ -146,10 +149,9 @@ class Server:
             raise Refusal(401, refusal, "authentication_error")
         return key
 
-    def start(self, authorization: str | None, model: str | None, endpoint: str, params: dict, *,
-              prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> Generation:
-        """Admit one request and submit it (a `prompt`, or chat `messages` through the model's template);
-        `params` are the engine's sampling settings. Refusal when it may not run."""
+    def engine_for(self, authorization: str | None, model: str | None) -> tuple[str | None, str, LLMEngine]:
+        """(the caller's key, the model's name, its engine); Refusal 503 while not serving, 401 without a
+        valid key, 404 for a model not served."""
         status = self.status()
         if status != "ok":
             why = {"loading": "the models are still loading", "shutting down": "the server is shutting down",
@@ -158,8 +160,30 @@ class Server:
         key = self.authorise(authorization)
         name = model or next(iter(self.engines))
         if name not in self.engines:
-            raise Refusal(404, f"model {name!r} is not served; see /v1/models", "invalid_request_error")
-        engine = self.engines[name]
+            raise Refusal(404, f"model {name!r} is not served; see /v1/models", "invalid_request_error",
+                          param="model")
+        return key, name, self.engines[name]
+
+    def start_choices(self, authorization: str | None, model: str | None, endpoint: str, params: dict, n: int,
+                      **prompt) -> list[Generation]:
+        """`n` requests for one prompt, admitted one by one (the i-th seeded `seed + i`); if one is refused,
+        those admitted before it are ended and the refusal raised."""
+        started: list[Generation] = []
+        try:
+            for i in range(n):
+                seeded = params if params.get("seed") is None else {**params, "seed": params["seed"] + i}
+                started.append(self.start(authorization, model, endpoint, seeded, **prompt))
+        except Refusal:
+            for generation in started:
+                self.end(generation, "client")
+            raise
+        return started
+
+    def start(self, authorization: str | None, model: str | None, endpoint: str, params: dict, *,
+              prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> Generation:
+        """Admit one request and submit it (a `prompt`, or chat `messages` through the model's template);
+        `params` are the engine's sampling settings. Refusal when it may not run."""
+        key, name, engine = self.engine_for(authorization, model)
         said = " ".join(m["content"] for m in messages) if messages is not None else prompt
         if isinstance(said, str) and self.guard.blocked(said):
             self._reject(name, Refusal(400, "the prompt contains blocked content", "content_filter"))

@@ -9,12 +9,17 @@ vocabulary, a prompt within its context) is the engine's to check.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Callable, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+
+from runtime.engine.sampling import MAX_LOGPROBS
+from runtime.engine.sequence import TokenLogprob
+from runtime.engine.structured import StructuredOutput
 
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # each stop string is looked for after every token
 
@@ -31,7 +36,62 @@ def _utf8(text: str) -> str:
 
 Text = Annotated[str, AfterValidator(_utf8)]
 _Stop = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_utf8)]
-_BODY = ConfigDict(extra="ignore", allow_inf_nan=False)
+# a field the server does not know is refused, naming it: a client asking for something must not believe
+# it got it (validation_error_body words it)
+_BODY = ConfigDict(extra="forbid", allow_inf_nan=False)
+MAX_CHOICES = 16
+
+
+class StreamOptions(BaseModel):
+    model_config = _BODY
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` extra field: exactly one constraint."""
+
+    model_config = _BODY
+
+    json_: dict | Text | None = Field(None, alias="json")
+    json_object: bool = False
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+
+    def constraint(self) -> StructuredOutput:
+        try:
+            return StructuredOutput(json=self.json_, json_object=self.json_object, regex=self.regex,
+                                    choice=tuple(self.choice) if self.choice is not None else None,
+                                    grammar=self.grammar)
+        except ValueError as error:
+            raise BodyError(str(error), "structured_outputs") from None
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # OpenAI's own fields (name, description)
+
+    name: Text = "response"
+    schema_: dict = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: text, any JSON object, or a JSON schema."""
+
+    model_config = _BODY
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class BodyError(ValueError):
+    """A body whose fields pass one by one but not together; `param` names the field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 class _Sampling(BaseModel):
@@ -41,17 +101,64 @@ class _Sampling(BaseModel):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2 ** 63)
     stop: _Stop | Annotated[list[_Stop], Field(max_length=MAX_STOPS)] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOPS)
     stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0)
+    min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says (benchmarks)
+    user: Text | None = None  # OpenAI's end-user id: recorded nowhere, changes nothing
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | Text | None = None  # vLLM's older spellings of structured_outputs
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
     def sampling(self) -> dict:
-        """The engine's sampling settings this body asks for."""
+        """The engine's sampling settings this body asks for (one choice's: `n` is the route's)."""
+        if self.stream_options is not None and not self.stream:
+            raise BodyError("stream_options is only allowed when stream is true", "stream_options")
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
                 "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos,
-                "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or ())}
+                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                "min_tokens": self.min_tokens, "stop_token_ids": tuple(self.stop_token_ids or ()),
+                "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or ()),
+                "structured_output": self._constraint()}
+
+    def _constraint(self) -> StructuredOutput | None:
+        asked = []
+        if self.response_format is not None and self.response_format.type != "text":
+            form = self.response_format
+            if form.type == "json_object":
+                asked.append(StructuredOutput(json_object=True))
+            elif form.json_schema is None:
+                raise BodyError("response_format of type json_schema needs its json_schema", "response_format")
+            else:
+                asked.append(StructuredOutput(json=form.json_schema.schema_ or {"type": "object"}))
+        if self.structured_outputs is not None:
+            asked.append(self.structured_outputs.constraint())
+        guided = {"json": self.guided_json, "regex": self.guided_regex, "grammar": self.guided_grammar,
+                  "choice": tuple(self.guided_choice) if self.guided_choice is not None else None}
+        for name, value in guided.items():
+            if value is not None:
+                try:
+                    asked.append(StructuredOutput(**{name: value}))
+                except ValueError as error:
+                    raise BodyError(str(error), f"guided_{name}") from None
+        if len(asked) > 1:
+            raise BodyError("ask for one structured output: response_format, structured_outputs or one guided_ "
+                            "field", "structured_outputs")
+        return asked[0] if asked else None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
 
 
 class GenerateBody(BaseModel):
@@ -74,16 +181,70 @@ class CompletionBody(_Sampling):
 
     prompt: Text | list[int]
     max_tokens: int = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: None = None  # OpenAI's insertion mode: only its absence is supported
 
     def sampling(self) -> dict:
-        return {"max_new_tokens": self.max_tokens, **super().sampling()}
+        if self.echo and self.logprobs is not None:
+            raise BodyError("echo with logprobs asks for the prompt's log-probabilities, which this server does "
+                            "not compute; ask for one of them", "echo")
+        return {"max_new_tokens": self.max_tokens, "logprobs": self.logprobs, **super().sampling()}
+
+
+class TextPart(BaseModel):
+    model_config = _BODY
+
+    type: Literal["text"]
+    text: Text
+
+
+class ToolCallFunction(BaseModel):
+    model_config = _BODY
+
+    name: Text
+    arguments: Text
+
+
+class ToolCall(BaseModel):
+    model_config = _BODY
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
 
 
 class Message(BaseModel):
     model_config = _BODY
 
-    role: Text
-    content: Text
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Text | None = None
+
+    def for_template(self) -> dict:
+        """The message as chat templates take it (content parts joined into one text, as transformers'
+        templates that do not loop over parts expect)."""
+        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        said = {"role": self.role, "content": content if content is not None else ""}
+        if self.name is not None:
+            said["name"] = self.name
+        if self.tool_call_id is not None:
+            said["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            said["tool_calls"] = [{"id": c.id, "type": "function",
+                                   "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                  for c in self.tool_calls]
+        return said
+
+
+def _arguments(text: str):
+    """A tool call's arguments as templates render them: the object when they are JSON, else the text."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 class ChatBody(_Sampling):
@@ -92,32 +253,60 @@ class ChatBody(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def sampling(self) -> dict:
-        return {"max_new_tokens": self.max_completion_tokens or self.max_tokens or 256, **super().sampling()}
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BodyError("top_logprobs needs logprobs set to true", "top_logprobs")
+        return {"max_new_tokens": self.max_completion_tokens or self.max_tokens or 256,
+                "logprobs": (self.top_logprobs or 0) if self.logprobs else None, **super().sampling()}
 
     def message_dicts(self) -> list[dict]:
         """The messages as the chat template takes them."""
-        return [message.model_dump() for message in self.messages]
+        return [message.for_template() for message in self.messages]
+
+
+class TokenizeBody(BaseModel):
+    """vLLM's `/tokenize`: a prompt, or chat messages rendered by the template."""
+
+    model_config = _BODY
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeBody(BaseModel):
+    """vLLM's `/detokenize`."""
+
+    model_config = _BODY
+
+    model: Text | None = None
+    tokens: list[int]
 
 
 # ---- responses --------------------------------------------------------------------------------------
 
 
-def error_body(status: int, message: str, kind: str) -> dict:
+def error_body(status: int, message: str, kind: str, param: str | None = None) -> dict:
     """OpenAI's error shape."""
-    return {"error": {"message": message, "type": kind, "code": status}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def validation_error_body(errors: list[dict]) -> dict:
     """OpenAI's 400 for a body pydantic refused: where and why, never the input itself (it may not even
-    be encodable)."""
+    be encodable). A field the server does not know is named as not supported."""
     said = {}
     for error in errors:  # pydantic names a union's members in the location: only fields and indices are kept
         where = ".".join(str(p) for p in error["loc"][1:] if isinstance(p, int) or str(p).isidentifier())
-        said.setdefault(where or "body", []).append(error["msg"])
+        why = "not supported by this server" if error.get("type") == "extra_forbidden" else error["msg"]
+        said.setdefault(where or "body", []).append(why)
+    param = next(iter(said), None)
     said = "; ".join(f"{where}: {' or '.join(why)}" for where, why in list(said.items())[:5])
-    return error_body(400, f"invalid request: {said}", "invalid_request_error")
+    return error_body(400, f"invalid request: {said}", "invalid_request_error", param)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -132,48 +321,90 @@ def generate_response(text: str, total_s: float, prompt_tokens: int, completion_
             "completion_tokens": completion_tokens, "finish_reason": reason}
 
 
+@dataclass
+class Choice:
+    """One choice of an answer: its text, why it ended, its tokens' log-probabilities when asked for."""
+
+    text: str
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+
+
 @dataclass(frozen=True)
 class Completion:
-    """The shapes of one `/v1/completions` answer: its body, or the chunks of its stream."""
+    """The shapes of one `/v1/completions` answer: its body, or the chunks of its stream. `token_text`
+    spells a token id for log-probabilities."""
 
     model: str
+    token_text: Callable[[int], str] = str
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
+    kind: ClassVar[str] = "text_completion"
 
-    def opening(self) -> list[dict]:
-        """Chunks sent before the first piece of text (none for completions)."""
-        return []
+    def opening(self, index: int) -> dict | None:
+        """The chunk sent before any text of choice `index` (none for completions)."""
+        return None
 
-    def chunk(self, text: str, reason: str | None) -> dict:
-        return self._choice({"text": text, "logprobs": None}, reason)
+    def chunk(self, index: int, text: str, reason: str | None, logprobs: list[TokenLogprob] | None = None,
+              offset: int = 0) -> dict:
+        return self._frame(self.kind, [{"index": index, "text": text, "logprobs": self._logprobs(logprobs, offset),
+                                        "finish_reason": reason}])
 
-    def body(self, text: str, reason: str, tokens: dict) -> dict:
-        return {**self._choice({"text": text, "logprobs": None}, reason), "usage": tokens}
+    def body(self, choices: list[Choice], tokens: dict, offset: int = 0) -> dict:
+        return {**self._frame(self.kind, [{"index": i, "text": c.text, "logprobs": self._logprobs(c.logprobs, offset),
+                                           "finish_reason": c.finish_reason} for i, c in enumerate(choices)]),
+                "usage": tokens}
 
-    def _choice(self, part: dict, reason: str | None) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, **part, "finish_reason": reason}]}
+    def usage_chunk(self, tokens: dict) -> dict:
+        """`stream_options.include_usage`'s last chunk: no choices, the usage of all of them."""
+        return {**self._frame(self.kind, []), "usage": tokens}
+
+    def _logprobs(self, logprobs: list[TokenLogprob] | None, offset: int) -> dict | None:
+        if logprobs is None:
+            return None
+        texts = [self.token_text(t.token_id) for t in logprobs]
+        offsets = [offset + sum(map(len, texts[:i])) for i in range(len(texts))]
+        return {"tokens": texts, "token_logprobs": [t.logprob for t in logprobs],
+                "top_logprobs": [{self.token_text(i): lp for i, lp in t.top} for t in logprobs],
+                "text_offset": offsets}
+
+    def _frame(self, kind: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
 
 @dataclass(frozen=True)
-class ChatCompletion:
+class ChatCompletion(Completion):
     """The shapes of one `/v1/chat/completions` answer: its body, or the chunks of its stream."""
 
-    model: str
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
-    created: int = field(default_factory=lambda: int(time.time()))
+    kind: ClassVar[str] = "chat.completion"
 
-    def opening(self) -> list[dict]:
+    def opening(self, index: int) -> dict | None:
         """The assistant's role, before any content."""
-        return [self._choice("chat.completion.chunk", {"delta": {"role": "assistant", "content": ""}}, None)]
+        return self._frame("chat.completion.chunk", [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                      "logprobs": None, "finish_reason": None}])
 
-    def chunk(self, text: str, reason: str | None) -> dict:
-        return self._choice("chat.completion.chunk", {"delta": {"content": text} if text else {}}, reason)
+    def chunk(self, index: int, text: str, reason: str | None, logprobs: list[TokenLogprob] | None = None,
+              offset: int = 0) -> dict:
+        return self._frame("chat.completion.chunk", [{"index": index, "delta": {"content": text} if text else {},
+                                                      "logprobs": self._logprobs(logprobs, offset),
+                                                      "finish_reason": reason}])
 
-    def body(self, text: str, reason: str, tokens: dict) -> dict:
-        return {**self._choice("chat.completion", {"message": {"role": "assistant", "content": text}}, reason),
+    def body(self, choices: list[Choice], tokens: dict, offset: int = 0) -> dict:
+        return {**self._frame(self.kind, [{"index": i, "message": {"role": "assistant", "content": c.text},
+                                           "logprobs": self._logprobs(c.logprobs, offset),
+                                           "finish_reason": c.finish_reason} for i, c in enumerate(choices)]),
                 "usage": tokens}
 
-    def _choice(self, kind: str, part: dict, reason: str | None) -> dict:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "choices": [{"index": 0, **part, "finish_reason": reason}]}
+    def usage_chunk(self, tokens: dict) -> dict:
+        return {**self._frame("chat.completion.chunk", []), "usage": tokens}
+
+    def _logprobs(self, logprobs: list[TokenLogprob] | None, offset: int) -> dict | None:
+        if logprobs is None:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"content": [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
+                            for t in logprobs]}

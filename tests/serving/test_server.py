@@ -332,7 +332,7 @@ def test_sigterm_answers_every_request_in_flight_and_accounts_for_it(om, tmp_pat
             assert answer.json()["usage"]["completion_tokens"] == 3000
         else:
             assert answer.json() == {"error": {"message": "the server shut down before the request finished",
-                                               "type": "unavailable", "code": 503}}
+                                               "type": "unavailable", "param": None, "code": 503}}
     assert events[-1] == "data: [DONE]"
     last = json.loads(events[-2].removeprefix("data: "))
     statuses.append(last["error"]["code"] if "error" in last else 200)
