@@ -18,6 +18,9 @@ import numpy as np
 from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
 MAX_CHOICES, MAX_GRAMMAR_CHARS = 1024, 1 << 20
+# JSON written as json.dumps writes it: with whitespace allowed anywhere, small models fill arrays with
+# newlines until max_tokens (seen on SmolLM2). A schema's own "x-guidance" options override these
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ class StructuredOutput:
             if not isinstance(schema, dict):
                 raise ValueError("the JSON schema must be an object")
             try:
-                return llguidance.LLMatcher.grammar_from_json_schema(schema)
+                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
             except Exception as error:  # llguidance's compiler raises on a schema it cannot take
                 raise ValueError(f"the JSON schema cannot be used: {error}") from None
         if self.regex is not None:

@@ -218,10 +218,12 @@ class Server:
             self.pending[name] += 1
         try:
             request = engine.submit(ids, sampling)
-        except Exception:  # the engine closed under it
+        except Exception as error:  # settings the engine refuses (a grammar that does not compile), or closed
             with self._lock:
                 self.pending[name] -= 1
             self.guard.refund(key, reserved)
+            if isinstance(error, ValueError):
+                self._reject(name, Refusal(400, str(error), "invalid_request_error"))
             raise
         generation = Generation(name, key, endpoint, request, blocked, reserved)
         with self._lock:
