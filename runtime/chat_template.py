@@ -1,17 +1,44 @@
-"""The model's chat template (jinja2, as Hugging Face renders it), from the artifact's tokenizer files."""
+"""The model's chat template, rendered as transformers' `apply_chat_template` renders it: the same sandboxed
+jinja2 environment (loop controls, `{% generation %}` blocks, its `tojson`, `raise_exception`,
+`strftime_now`) and the same variables (`messages`, `tools`, `add_generation_prompt`, the special tokens)."""
 
 from __future__ import annotations
 
 import json
+from datetime import datetime
 
+from jinja2 import nodes
 from jinja2.exceptions import TemplateError
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from runtime.errors import AtcError
 
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
 
 def _raise(message: str):
     raise TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # transformers' own: jinja's built-in tojson escapes <, >, & and ' for HTML, which prompts must not have
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+class _Generation(Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers marks assistant tokens with it): the body as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
 
 
 class ChatTemplate:
@@ -25,17 +52,27 @@ class ChatTemplate:
         if not source:
             raise AtcError("E10001", "chat", "--model", "The model was compiled without a chat template; "
                                                       "recompile with atc --tokenizer=DIR holding tokenizer_config.json.")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        self._template = env.from_string(source)
-        self._special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token")}
+        self._template = compile_template(source)
+        self.renders_tools = "tools" in source
+        self._special = {name: _token_text(config.get(name)) for name in SPECIAL_TOKENS if config.get(name)}
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt for `messages` ([{"role": ..., "content": ...}]), ending where the assistant speaks."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """The prompt for `messages` ([{"role": ..., "content": ...}]), ending where the assistant speaks,
+        with `tools` (OpenAI's function definitions) where the template renders them."""
         for message in messages:
             if not isinstance(message, dict) or "role" not in message or "content" not in message:
                 raise ValueError("each message must be a dict with 'role' and 'content'")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self._special)
+        return self._template.render(messages=messages, tools=tools, documents=None,
+                                     add_generation_prompt=add_generation_prompt, **self._special)
+
+
+def compile_template(source: str):
+    """`source` compiled in transformers' chat-template environment."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
 
 
 def _token_text(token) -> str:

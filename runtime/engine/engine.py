@@ -284,13 +284,19 @@ class LLMEngine:
         """The assistant's reply to `messages`, through the model's chat template."""
         return self.submit(self.chat_prompt(messages), **kwargs).result()
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """`messages` rendered by the chat template and tokenized as the template spells special tokens."""
-        return self._require_tokenizer().encode(self.chat_text(messages), add_special_tokens=False)
+        return self._require_tokenizer().encode(self.chat_text(messages, tools=tools), add_special_tokens=False)
 
-    def chat_text(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """`messages` rendered by the chat template (ending where the assistant speaks, unless told not to)."""
-        return self._template().render(messages, add_generation_prompt)
+    def chat_text(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """`messages` rendered by the chat template (ending where the assistant speaks, unless told not to),
+        with `tools` (OpenAI's function definitions) where the template renders them."""
+        return self._template().render(messages, add_generation_prompt, tools)
+
+    @property
+    def template_renders_tools(self) -> bool:
+        """Whether the model's chat template has a place for tool definitions."""
+        return self._template().renders_tools
 
     def reset_prefix_cache(self) -> None:
         """Forget cached prompt pages not in use, before the next request is admitted."""

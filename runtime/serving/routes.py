@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from runtime.serving.body_limit import BodyLimit
+from runtime.serving import tools
 from runtime.serving.server import Generation, Refusal, Server
 from runtime.serving.wire import (BodyError, ChatBody, ChatCompletion, Choice, Completion, CompletionBody,
                                   DetokenizeBody, GenerateBody, TokenizeBody, error_body, generate_response, usage,
@@ -88,7 +89,8 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http: Request):
         try:
-            generations = await _start(server, http, body, "/v1/chat/completions", messages=body.message_dicts())
+            generations = await _start(server, http, body, "/v1/chat/completions", messages=body.message_dicts(),
+                                       tools=body.tool_dicts())
         except Refusal as refusal:
             return _refused(refusal)
         engine = server.engines[generations[0].model]
@@ -168,8 +170,7 @@ async def _answer(server: Server, http: Request, generations: list[Generation], 
                   body: CompletionBody | ChatBody, echo: str = ""):
     """The whole body, or its server-sent events."""
     if body.stream:
-        return StreamingResponse(_events(server, generations, shape, body.include_usage, echo),
-                                 media_type="text/event-stream")
+        return StreamingResponse(_events(server, generations, shape, body, echo), media_type="text/event-stream")
     try:
         for generation in generations:
             await server.complete(generation, http.is_disconnected)
@@ -177,13 +178,29 @@ async def _answer(server: Server, http: Request, generations: list[Generation], 
         for generation in generations:
             server.end(generation, "client")
         return _refused(refusal)
-    choices = [Choice(echo + g.text, g.finish_reason, _logprobs(g)) for g in generations]
-    return shape.body(choices, _usage(generations))
+    return shape.body([_choice(body, g, echo) for g in generations], _usage(generations))
 
 
-async def _events(server: Server, generations: list[Generation], shape: Completion, include_usage: bool, echo: str):
+def _choice(body: CompletionBody | ChatBody, generation: Generation, echo: str = "") -> Choice:
+    """A finished generation as a choice: its text, or the tool calls read out of it."""
+    if not isinstance(body, ChatBody) or not body.calls_tools:
+        return Choice(echo + generation.text, generation.finish_reason, _logprobs(generation))
+    choice = body.choice()
+    try:
+        content, calls = tools.parse(generation.text, body.tool_dicts(), choice)
+    except ValueError:  # a forced call cut short by max_tokens: the text as it is
+        return Choice(generation.text, generation.finish_reason, _logprobs(generation))
+    forced = isinstance(choice, dict)
+    reason = "tool_calls" if calls and not forced and generation.finish_reason == "stop" else generation.finish_reason
+    return Choice(content, reason, _logprobs(generation), calls or None)
+
+
+async def _events(server: Server, generations: list[Generation], shape: Completion, body: CompletionBody | ChatBody,
+                  echo: str):
     """Each choice's chunks as its text comes (choices interleaved), its finish, then the usage when asked
-    for and `[DONE]`. Leaving early (the client gone) cancels every choice."""
+    for and `[DONE]`. A choice that may call tools is held to its end and sent as its tool calls (or its
+    text, when it called none). Leaving early (the client gone) cancels every choice."""
+    holding = isinstance(body, ChatBody) and body.calls_tools
     arrived: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, generation: Generation) -> None:
@@ -218,11 +235,17 @@ async def _events(server: Server, generations: list[Generation], shape: Completi
                 break
             if piece is None:
                 left -= 1
-                yield _event(shape.chunk(index, "", generations[index].finish_reason, new_logprobs(index)))
-            else:
+                choice = _choice(body, generations[index]) if holding else None
+                if choice is not None and choice.tool_calls:
+                    yield _event(shape.calls_chunk(index, choice.tool_calls))
+                elif choice is not None and choice.text:
+                    yield _event(shape.chunk(index, choice.text, None))
+                reason = choice.finish_reason if choice is not None else generations[index].finish_reason
+                yield _event(shape.chunk(index, "", reason, new_logprobs(index)))
+            elif not holding:
                 yield _event(shape.chunk(index, piece, None, new_logprobs(index)))
         else:
-            if include_usage:
+            if body.include_usage:
                 yield _event(shape.usage_chunk(_usage(generations)))
         yield "data: [DONE]\n\n"
     finally:

@@ -25,6 +25,7 @@ from runtime.engine.engine import LLMEngine, Request
 from runtime.engine.sampling import SamplingParams
 from runtime.serving.guard import Guard
 from runtime.serving.metrics import ServerMetrics
+from runtime.serving.tools import described
 
 _POLL_S = 0.05  # how often a drain looks at what is still in flight
 
@@ -180,9 +181,10 @@ class Server:
         return started
 
     def start(self, authorization: str | None, model: str | None, endpoint: str, params: dict, *,
-              prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> Generation:
-        """Admit one request and submit it (a `prompt`, or chat `messages` through the model's template);
-        `params` are the engine's sampling settings. Refusal when it may not run."""
+              prompt: str | list[int] | None = None, messages: list[dict] | None = None,
+              tools: list[dict] | None = None) -> Generation:
+        """Admit one request and submit it (a `prompt`, or chat `messages` with their `tools` through the
+        model's template); `params` are the engine's sampling settings. Refusal when it may not run."""
         key, name, engine = self.engine_for(authorization, model)
         said = " ".join(m["content"] for m in messages) if messages is not None else prompt
         if isinstance(said, str) and self.guard.blocked(said):
@@ -190,7 +192,9 @@ class Server:
         blocked = self.guard.blocked_terms
         try:
             sampling = SamplingParams(**{**params, "stop": list(params["stop"]) + list(blocked)})
-            ids = engine.encode(engine.chat_prompt(messages) if messages is not None else prompt)
+            if tools and not engine.template_renders_tools:  # told in a system message instead
+                messages = _with_system(messages, described(tools))
+            ids = engine.encode(engine.chat_prompt(messages, tools or None) if messages is not None else prompt)
         except ValueError as error:
             self._reject(name, Refusal(400, str(error), "invalid_request_error"))
         except Exception as error:  # the chat template's own errors (jinja's), or a prompt it cannot tokenize
@@ -343,3 +347,10 @@ def _poll_interval(deadline: float) -> float:
     cancelled request winds down)."""
     left = deadline - time.monotonic()
     return min(0.25, left) if left > 0 else 0.25
+
+
+def _with_system(messages: list[dict], text: str) -> list[dict]:
+    """`text` at the head of the system message (one is added when there is none)."""
+    if messages and messages[0]["role"] in ("system", "developer"):
+        return [{**messages[0], "content": f"{text}\n\n{messages[0]['content']}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]

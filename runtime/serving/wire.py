@@ -20,6 +20,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 from runtime.engine.sampling import MAX_LOGPROBS
 from runtime.engine.sequence import TokenLogprob
 from runtime.engine.structured import StructuredOutput
+from runtime.serving import tools
 
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # each stop string is looked for after every token
 
@@ -247,6 +248,35 @@ def _arguments(text: str):
         return text
 
 
+class FunctionDefinition(BaseModel):
+    model_config = _BODY
+
+    name: Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = _BODY
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = _BODY
+
+    name: Text
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _BODY
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatBody(_Sampling):
     """OpenAI `/v1/chat/completions`."""
 
@@ -255,12 +285,43 @@ class ChatBody(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def sampling(self) -> dict:
         if self.top_logprobs is not None and not self.logprobs:
             raise BodyError("top_logprobs needs logprobs set to true", "top_logprobs")
-        return {"max_new_tokens": self.max_completion_tokens or self.max_tokens or 256,
+        said = {"max_new_tokens": self.max_completion_tokens or self.max_tokens or 256,
                 "logprobs": (self.top_logprobs or 0) if self.logprobs else None, **super().sampling()}
+        calls = tools.constraint(self.tool_dicts(), self.choice(), self.parallel_tool_calls) if self.tools else None
+        if calls is not None:
+            if said["structured_output"] is not None:
+                raise BodyError("a tool_choice that forces a call cannot be combined with a structured output",
+                                "tool_choice")
+            said["structured_output"] = calls
+        return said
+
+    def choice(self):
+        """`tool_choice` as tools.py takes it (OpenAI's default: auto with tools, none without)."""
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in {t.function.name for t in self.tools or ()}:
+                raise BodyError(f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                                "tool_choice")
+            return choice.model_dump()
+        if choice == "required" and not self.tools:
+            raise BodyError("tool_choice 'required' needs tools", "tool_choice")
+        return choice
+
+    def tool_dicts(self) -> list[dict]:
+        """The tools as chat templates and tools.py take them."""
+        return [t.model_dump(exclude_none=True) for t in self.tools or ()]
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer is read for tool calls."""
+        return bool(self.tools) and self.choice() != "none"
 
     def message_dicts(self) -> list[dict]:
         """The messages as the chat template takes them."""
@@ -325,9 +386,10 @@ def generate_response(text: str, total_s: float, prompt_tokens: int, completion_
 class Choice:
     """One choice of an answer: its text, why it ended, its tokens' log-probabilities when asked for."""
 
-    text: str
+    text: str | None
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
+    tool_calls: list[tools.ToolCall] | None = None
 
 
 @dataclass(frozen=True)
@@ -391,10 +453,14 @@ class ChatCompletion(Completion):
                                                       "finish_reason": reason}])
 
     def body(self, choices: list[Choice], tokens: dict, offset: int = 0) -> dict:
-        return {**self._frame(self.kind, [{"index": i, "message": {"role": "assistant", "content": c.text},
-                                           "logprobs": self._logprobs(c.logprobs, offset),
+        return {**self._frame(self.kind, [{"index": i, "message": _message(c), "logprobs": self._logprobs(c.logprobs, offset),
                                            "finish_reason": c.finish_reason} for i, c in enumerate(choices)]),
                 "usage": tokens}
+
+    def calls_chunk(self, index: int, calls: list[tools.ToolCall]) -> dict:
+        """The tool calls of choice `index`, as one delta."""
+        return self._frame("chat.completion.chunk", [{"index": index, "delta": {"tool_calls": [
+            call.as_openai(i) for i, call in enumerate(calls)]}, "logprobs": None, "finish_reason": None}])
 
     def usage_chunk(self, tokens: dict) -> dict:
         return {**self._frame("chat.completion.chunk", []), "usage": tokens}
@@ -408,3 +474,10 @@ class ChatCompletion(Completion):
             return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
         return {"content": [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
                             for t in logprobs]}
+
+
+def _message(choice: Choice) -> dict:
+    said = {"role": "assistant", "content": choice.text}
+    if choice.tool_calls:
+        said["tool_calls"] = [call.as_openai() for call in choice.tool_calls]
+    return said
