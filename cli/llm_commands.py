@@ -21,6 +21,8 @@ def _engine_option(item):
     meta = item.metadata
     if "choices" in meta:
         kind = click.Choice(meta["choices"])
+    elif meta.get("path"):
+        kind = click.Path(exists=True, dir_okay=False)
     elif item.type in (bool, "bool"):
         return click.option(f"--{item.name}/--no_{item.name}", default=item.default, show_default=True, help=meta["help"])
     else:

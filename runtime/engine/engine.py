@@ -527,7 +527,11 @@ class LLMEngine:
     def _template(self) -> ChatTemplate:
         """The chat template, compiled on first use and kept."""
         if self._chat_template is None:
-            self._chat_template = ChatTemplate(self.loaded.om.tokenizer_files())
+            files = dict(self.loaded.om.tokenizer_files())
+            if self.config.chat_template is not None:
+                with open(self.config.chat_template, encoding="utf-8") as source:
+                    files["chat_template.jinja"] = source.read()
+            self._chat_template = ChatTemplate(files)
         return self._chat_template
 
     def encode(self, prompt: str | list[int]) -> list[int]:

@@ -205,3 +205,34 @@ def test_tokenize_and_detokenize(client, om):
     assert back.json() == {"prompt": "Hello there"}
     bad = httpx.post(f"{url}/detokenize", json={"model": "smollm2", "tokens": [10 ** 9]}, headers=headers)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "Current time in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                                                          "required": ["city"], "additionalProperties": False}}}]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_tool_call_round_trip_streamed_and_not(client, tool_choice):
+    asked = [{"role": "user", "content": "What is the weather in Paris?"}]
+    called = client.chat.completions.create(model="smollm2", messages=asked, tools=TOOLS, tool_choice=tool_choice,
+                                            max_tokens=100, temperature=0)
+    (call,) = called.choices[0].message.tool_calls
+    assert called.choices[0].finish_reason == ("tool_calls" if tool_choice == "required" else "stop")
+    if call.function.name == "get_weather":
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    streamed = [c.choices[0].delta.tool_calls for c in client.chat.completions.create(
+        model="smollm2", messages=asked, tools=TOOLS, tool_choice=tool_choice, max_tokens=100, temperature=0,
+        stream=True) if c.choices and c.choices[0].delta.tool_calls]
+    assert [(d.index, d.function.name, d.function.arguments) for d in streamed[0]] == [
+        (0, call.function.name, call.function.arguments)]
+    answered = asked + [called.choices[0].message.model_dump(exclude_none=True),
+                        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"celsius": 18})}]
+    answer = client.chat.completions.create(model="smollm2", messages=answered, tools=TOOLS, tool_choice="none",
+                                            max_tokens=30, temperature=0)
+    assert answer.choices[0].message.tool_calls is None and answer.choices[0].message.content.strip()
