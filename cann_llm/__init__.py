@@ -6,8 +6,11 @@ from compiler.config import CompileConfig
 from runtime import Executor, LoadedModel, load_artifact
 from runtime.engine.config import EngineConfig
 from runtime.engine.engine import EngineStats, LLMEngine, Request
+from runtime.engine.outputs import CompletionOutput, RequestOutput
 from runtime.engine.sampling import SamplingParams
-from runtime.engine.sequence import RequestStats
+from runtime.engine.sequence import RequestStats, TokenLogprob
+from runtime.engine.structured import StructuredOutput
 
-__all__ = ["CompileConfig", "EngineConfig", "EngineStats", "Executor", "LLMEngine", "LoadedModel", "Request", "RequestStats",
-           "SamplingParams", "__version__", "compile_model", "load_artifact"]
+__all__ = ["CompileConfig", "CompletionOutput", "EngineConfig", "EngineStats", "Executor", "LLMEngine", "LoadedModel",
+           "Request", "RequestOutput", "RequestStats", "SamplingParams", "StructuredOutput", "TokenLogprob", "__version__",
+           "compile_model", "load_artifact"]

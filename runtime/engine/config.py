@@ -41,7 +41,7 @@ class EngineConfig:
         "help": "draft tokens per decode step by prompt lookup, verified in the same step; 0 is off", "min": 0})
     speculative_max_batch: int = field(default=4, metadata={
         "help": "draft only while at most this many sequences run", "min": 1})
-    chat_template: str | None = field(default=None, metadata={
+    chat_template_file: str | None = field(default=None, metadata={
         "help": "a jinja chat template file to use instead of the one compiled into the artifact", "path": True})
 
     def __post_init__(self) -> None:

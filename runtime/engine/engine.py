@@ -528,8 +528,8 @@ class LLMEngine:
         """The chat template, compiled on first use and kept."""
         if self._chat_template is None:
             files = dict(self.loaded.om.tokenizer_files())
-            if self.config.chat_template is not None:
-                with open(self.config.chat_template, encoding="utf-8") as source:
+            if self.config.chat_template_file is not None:
+                with open(self.config.chat_template_file, encoding="utf-8") as source:
                     files["chat_template.jinja"] = source.read()
             self._chat_template = ChatTemplate(files)
         return self._chat_template

@@ -12,6 +12,8 @@ import numpy as np
 
 from runtime.engine.sampling import SamplingParams
 
+_MASKED = np.float32(3e38)  # how far below the rest a token the structured output excludes is put
+
 
 def apply_repetition_penalty(logits: np.ndarray, seen, penalty: float) -> np.ndarray:
     """CTRL's penalty over the tokens seen so far: positive logits divided by it, negative multiplied."""
@@ -63,13 +65,16 @@ def process_logits(logits: np.ndarray, params: SamplingParams, seen, num_prompt:
     if params.penalised:
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
         logits = apply_output_penalties(logits, seen[num_prompt:], params.presence_penalty, params.frequency_penalty)
-    if len(banned) or allowed is not None:
-        logits = np.array(logits, np.float32)
-        if allowed is not None:
-            logits[~allowed] = -np.inf
-        logits[list(banned)] = -np.inf
-        if not (logits > -np.inf).any():
+    if allowed is not None:
+        left = int(np.count_nonzero(allowed)) - sum(bool(allowed[t]) for t in set(banned))
+        if left <= 0:
             raise ValueError("no token is allowed here (the structured output and min_tokens exclude them all)")
+        # arithmetic, not a boolean index: over a scattered mask that was ten times slower (benchmarks/
+        # structured_outputs.py); a finite floor far below any logit is as good as -inf for every draw
+        logits = logits + (allowed.view(np.uint8).astype(np.float32) - 1) * _MASKED
+    if len(banned):
+        logits = np.array(logits, np.float32)
+        logits[list(banned)] = -np.inf
     return logits
 
 

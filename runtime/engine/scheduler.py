@@ -10,6 +10,8 @@ with reason "length"; nothing waits on pages that can never come.
 
 from __future__ import annotations
 
+import time
+
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -96,6 +98,8 @@ class Scheduler:
             self.waiting.popleft()
             self.blocks.reserve(seq, seq.num_computed + count)
             seq.status = Status.RUNNING
+            if seq.stats.scheduled_s is None:
+                seq.stats.scheduled_s = time.perf_counter() - seq.arrival
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_tokens.append(count)

@@ -28,6 +28,7 @@ class RequestStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
+    scheduled_s: float | None = None  # seconds after arrival when it first ran (its time in the queue)
     ttft_s: float | None = None
     total_s: float | None = None
     preemptions: int = 0

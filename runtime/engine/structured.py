@@ -82,7 +82,8 @@ class GrammarCompiler:
     def constraint(self, spec: StructuredOutput) -> "Constraint":
         """A fresh matcher for `spec`; ValueError naming what is wrong with a grammar that does not compile."""
         if self._tokenizer is None:
-            self._tokenizer = llguidance.LLTokenizer(self._source, n_vocab=self.vocab_size, eos_token=self._eos)
+            # a tokenizer without an end-of-sequence token: llguidance picks its own stand-in
+            self._tokenizer = llguidance.LLTokenizer(self._source, n_vocab=self.vocab_size, eos_token=self._eos or None)
         grammar = spec.llguidance_grammar()
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error:

@@ -24,7 +24,7 @@ from runtime.engine.config import EngineConfig
 from runtime.engine.engine import LLMEngine, Request
 from runtime.engine.sampling import SamplingParams
 from runtime.serving.guard import Guard
-from runtime.serving.metrics import ServerMetrics
+from runtime.serving.metrics import DEFAULT_PREFIX, ServerMetrics
 from runtime.serving.tools import described
 
 _POLL_S = 0.05  # how often a drain looks at what is still in flight
@@ -39,6 +39,7 @@ class ServerSettings:
     shutdown_grace_s: float = 10.0
     retry_after_s: int = 1
     max_body_bytes: int = 4 * 1024 * 1024
+    metrics_prefix: str = DEFAULT_PREFIX
 
 
 class Refusal(Exception):
@@ -124,7 +125,7 @@ class Server:
                     on_loading(names, path)
                 engine = LLMEngine(path, self.engine_config)
                 self.engines.update(dict.fromkeys(names, engine))
-            self.metrics = ServerMetrics(self.engines)
+            self.metrics = ServerMetrics(self.engines, self.settings.metrics_prefix)
         except Exception as error:  # reported by /health; the process stays up to say so
             self.error = f"{type(error).__name__}: {error}"
         finally:
@@ -299,7 +300,8 @@ class Server:
     def _settle(self, generation: Generation) -> None:
         status, outcome = generation.outcome()
         stats = generation.request.stats
-        self.metrics.finished(generation.model, stats, generation.finish_reason, outcome)
+        self.metrics.finished(generation.model, stats, generation.finish_reason, outcome,
+                              generation.request.seq.params.max_new_tokens)
         self.guard.refund(generation.key, max(0, generation.reserved - stats.prompt_tokens - stats.output_tokens))
         self.guard.audit(generation.key, generation.model, generation.endpoint, status, stats.prompt_tokens,
                          stats.output_tokens, stats.total_s or 0.0)

@@ -10,7 +10,7 @@ import time
 import httpx
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -18,7 +18,7 @@ def _free_port() -> int:
 
 class Server:
     def __init__(self, *argv: str):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen([sys.executable, "-m", "cli.cann_run", "serve", "--port", str(self.port), *argv],
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from generation_utils import compile_tiny_chat_model
-from served import Server
+from served import Server, free_port
 
 from runtime.engine.engine import LLMEngine
 
@@ -157,8 +157,34 @@ def test_metrics_add_up(server):
     # validation never reach an engine
     assert outcomes == {"completed": 6, "rejected": 6, "cancelled": 1, "failed": 0}
     assert server.metric("cann_llm:request_success_total", model_name="tiny", finished_reason="length") >= 1
-    drafted = server.metric("cann_llm:spec_decode_num_draft_tokens", model_name="tiny")
-    assert drafted > 0 and 0 <= server.metric("cann_llm:spec_decode_num_accepted_tokens", model_name="tiny") <= drafted
+    drafted = server.metric("cann_llm:spec_decode_num_draft_tokens_total", model_name="tiny")
+    assert drafted > 0 and 0 <= server.metric("cann_llm:spec_decode_num_accepted_tokens_total", model_name="tiny") <= drafted
+    # vLLM's types: counters end in _total, none has a _created series, engine counters are counters
+    assert "_created" not in text
+    types = dict(line.split()[2:4] for line in text.splitlines() if line.startswith("# TYPE"))
+    assert {types[f"cann_llm:{name}"] for name in ("prefix_cache_hits", "prefix_cache_queries", "num_preemptions",
+                                                    "spec_decode_num_draft_tokens", "prompt_tokens")} == {"counter"}
+    ran = sum(outcomes[o] for o in ("completed", "cancelled", "failed"))
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "request_inference_time_seconds", "request_prompt_tokens", "request_generation_tokens",
+                 "e2e_request_latency_seconds"):
+        assert types[f"cann_llm:{name}"] == "histogram"
+        assert server.metric(f"cann_llm:{name}_count", model_name="tiny") == ran, name
+    assert server.metric("cann_llm:request_prompt_tokens_sum", model_name="tiny") == server.metric(
+        "cann_llm:prompt_tokens_total", model_name="tiny")
+
+
+def test_a_metrics_prefix_of_vllm_gives_vllms_names(om):
+    server = Server("--model", f"tiny={om}", "--kv_cache_pages", "32", "--metrics-prefix", "vllm:")
+    try:
+        httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0, "ignore_eos": True},
+                   timeout=60)
+        text = httpx.get(f"{server.url}/metrics").text
+        assert server.metric("vllm:generation_tokens_total", model_name="tiny") == 3
+        assert server.metric("vllm:request_decode_time_seconds_count", model_name="tiny") == 1
+        assert "vllm:num_requests_waiting" in text and "cann_llm:" not in text
+    finally:
+        server.stop()
 
 
 def test_metrics_report_the_server_process_resident_memory(server):
@@ -231,7 +257,7 @@ def test_twelve_concurrent_requests_cannot_overdraw_a_60_token_quota(om, tmp_pat
 
 
 def test_two_names_for_one_file_share_one_engine_and_health_waits_for_loading(om, engine):
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "cli.cann_run", "serve", "--port", str(port), "--model", f"a={om}",
                                 "--model", f"b={om}", "--kv_cache_pages", "32"], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
