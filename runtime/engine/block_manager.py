@@ -69,8 +69,8 @@ class BlockManager:
         The last prompt token is never taken from the cache: its logits are needed, so it is computed.
         """
         assert not seq.block_table and seq.num_computed == 0
-        if not self.enable_prefix_caching:
-            return 0
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return 0  # (a sequence that wants its prompt's log-probabilities computes every prompt token)
         parent = None
         for index in range((seq.num_prompt - 1) // self.page_size):
             self.prefix_queries += 1

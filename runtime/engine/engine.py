@@ -257,7 +257,8 @@ class LLMEngine:
                                     r.detokenizer.matched_stop if r.detokenizer else None)
                    for i, r in enumerate(requests)]
         return RequestOutput(str(first.seq_id), prompt if isinstance(prompt, str) else None,
-                             first.token_ids[:first.num_prompt], outputs, [r.stats for r in requests])
+                             first.token_ids[:first.num_prompt], outputs, [r.stats for r in requests],
+                             list(first.prompt_logprobs) if first.params.prompt_logprobs is not None else None)
 
     def generate_batch(self, prompts: list[str | list[int]], **kwargs) -> list[str]:
         """Completions of all `prompts`, computed together."""
@@ -396,6 +397,9 @@ class LLMEngine:
             try:
                 if isinstance(outcome, Exception):
                     raise outcome
+                if seq.scores_prompt(count):
+                    self._prompt_logprobs(seq, outcome)
+                    outcome = outcome[-1:]
                 if samples:
                     first_mask = masks.result(mask_row[seq.seq_id]) if seq.constraint is not None else None
                     self._sample(seq, outcome, first_mask)
@@ -410,7 +414,7 @@ class LLMEngine:
             self._complete(self._requests[seq.seq_id])
 
     def _run(self, batch: ScheduledBatch) -> list[np.ndarray | Exception]:
-        """Each sequence's logits rows (one, plus one per draft token), or the error that running it raised.
+        """Each sequence's logits rows (`Sequence.logit_rows`), or the error that running it raised.
 
         A batch that fails is run again one sequence at a time, so the one that broke it fails alone:
         each rerun writes the same keys and values to the same slots, and the others go on unchanged.
@@ -422,8 +426,8 @@ class LLMEngine:
                 return [error]
             return [self._run(ScheduledBatch([seq], [count]))[0] for seq, count in zip(batch.seqs, batch.num_tokens)]
         rows, start = [], 0
-        for seq in batch.seqs:
-            rows.append(logits[start:start + 1 + len(seq.draft)])
+        for seq, count in zip(batch.seqs, batch.num_tokens):
+            rows.append(logits[start:start + seq.logit_rows(count)])
             start += len(rows[-1])
         return rows
 
@@ -447,6 +451,17 @@ class LLMEngine:
                 seq.draft = self.proposer.propose(seq.seq_id, seq.token_ids, limit)
                 if seq.constraint is not None:  # a draft the grammar refuses would be rejected anyway
                     seq.draft = seq.draft[:seq.constraint.valid_prefix(seq.draft)]
+
+    def _prompt_logprobs(self, seq: Sequence, rows: np.ndarray) -> None:
+        """Log-probabilities of the prompt tokens that `rows` (a prefill chunk's, one a position) predict;
+        a chunk computed again after a preemption adds nothing."""
+        top = seq.params.prompt_logprobs
+        if not seq.prompt_logprobs:
+            seq.prompt_logprobs.append(TokenLogprob(seq.token_ids[0], None))
+        for position, row in enumerate(rows, seq.num_computed + 1):
+            if position == len(seq.prompt_logprobs) and position < seq.num_prompt:
+                logprob, best = token_logprobs(row, seq.token_ids[position], top)
+                seq.prompt_logprobs.append(TokenLogprob(seq.token_ids[position], logprob, tuple(best)))
 
     def _sample(self, seq: Sequence, rows: np.ndarray, first_mask: np.ndarray | None = None) -> None:
         """Sample row after row, each after the draft token before it; stop at the first that differs.

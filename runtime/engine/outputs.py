@@ -26,11 +26,13 @@ class CompletionOutput:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """One prompt's outputs (`n` of them) with the prompt as it ran and each output's timings."""
+    """One prompt's outputs (`n` of them) with the prompt as it ran, each output's timings, and (when asked
+    for) each prompt token's log-probability (the first's is None)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     metrics: list[RequestStats]
+    prompt_logprobs: list[TokenLogprob] | None = None
     finished: bool = True

@@ -44,7 +44,7 @@ class PagedRunner:
             lengths.append(first + count)
             end = starts[-1] + count
             starts.append(end)
-            wanted += range(end - 1 - len(seq.draft), end)
+            wanted += range(end - seq.logit_rows(count), end)
         return {"input_ids": np.array([ids], np.int64), "position_ids": np.array([positions], np.int64),
                 **paged_metadata_feeds(starts, lengths, tables, slots),
                 "logits_indices": np.array(wanted, np.int64)}
@@ -84,7 +84,7 @@ class ContiguousRunner:
             if self.has_past:
                 self._past[seq.seq_id] = {name.replace("present", "past_key_values", 1): outputs[name]
                                           for name in self.present_names}
-            rows.append(outputs["logits"][0, -1 - len(seq.draft):])
+            rows.append(outputs["logits"][0, -seq.logit_rows(count):])
         return np.concatenate(rows)
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:

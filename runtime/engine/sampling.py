@@ -22,7 +22,8 @@ class SamplingParams:
     OpenAI defines them (`presence_penalty` once for a token already generated, `frequency_penalty` per
     time), `min_tokens` before end-of-sequence may come, `logprobs` top alternatives reported per
     generated token (0: the chosen token's alone; computed from the model's own logits, before any
-    penalty or temperature), `structured_output` a constraint on the text (runtime/engine/structured.py),
+    penalty or temperature), `prompt_logprobs` the same for each prompt token after the first (the
+    prompt is then computed whole, never taken from the prefix cache), `structured_output` a constraint on the text (runtime/engine/structured.py),
     and `n` outputs per prompt for `LLMEngine.generate` (each a sequence of its own, seeded `seed + i`).
     """
 
@@ -39,6 +40,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     structured_output: StructuredOutput | None = None
     n: int = 1
     max_tokens: int | None = None  # vLLM's name for max_new_tokens; wins when given
@@ -71,6 +73,8 @@ class SamplingParams:
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (0 <= self.min_tokens <= self.max_new_tokens, "min_tokens must be in [0, max_new_tokens]"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]"),
             (self.n >= 1, "n must be at least 1"),
         )
         for ok, message in checks:

@@ -47,7 +47,7 @@ class TokenLogprob:
     """A generated token's log-probability under the model, and the `top` most likely tokens with theirs."""
 
     token_id: int
-    logprob: float
+    logprob: float | None  # None for a prompt's first token: nothing came before it
     top: tuple[tuple[int, float], ...] = ()
 
 
@@ -67,6 +67,7 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     constraint: Constraint | None = None  # the structured output's matcher
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per prompt token, when asked for
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.token_ids)
@@ -81,6 +82,16 @@ class Sequence:
     def remaining_tokens(self) -> int:
         """New tokens it may still generate."""
         return self.params.max_new_tokens - self.stats.output_tokens
+
+    def scores_prompt(self, count: int) -> bool:
+        """Whether a step of `count` tokens from `num_computed` on is a prefill chunk whose every position's
+        logits are wanted (for the prompt's log-probabilities)."""
+        return self.params.prompt_logprobs is not None and self.num_computed + count <= self.num_prompt
+
+    def logit_rows(self, count: int) -> int:
+        """Logits rows that step needs: each position of a chunk that scores the prompt, else the last,
+        plus one per draft token."""
+        return count if self.scores_prompt(count) else 1 + len(self.draft)
 
     @property
     def banned(self) -> tuple[int, ...]:

@@ -162,6 +162,12 @@ def _logprobs(generation: Generation) -> list | None:
     return list(seq.logprobs) if seq.params.logprobs is not None else None
 
 
+def _prompt_logprobs(generation: Generation) -> list | None:
+    """The echoed prompt's tokens scored (the first without a log-probability), when logprobs are asked for."""
+    seq = generation.request.seq
+    return list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None
+
+
 def _usage(generations: list[Generation]) -> dict:
     return usage(generations[0].request.stats.prompt_tokens, sum(g.request.stats.output_tokens for g in generations))
 
@@ -184,7 +190,10 @@ async def _answer(server: Server, http: Request, generations: list[Generation], 
 def _choice(body: CompletionBody | ChatBody, generation: Generation, echo: str = "") -> Choice:
     """A finished generation as a choice: its text, or the tool calls read out of it."""
     if not isinstance(body, ChatBody) or not body.calls_tools:
-        return Choice(echo + generation.text, generation.finish_reason, _logprobs(generation))
+        logprobs = _logprobs(generation)
+        if logprobs is not None and echo:
+            logprobs = _prompt_logprobs(generation) + logprobs
+        return Choice(echo + generation.text, generation.finish_reason, logprobs)
     choice = body.choice()
     try:
         content, calls = tools.parse(generation.text, body.tool_dicts(), choice)
@@ -225,14 +234,16 @@ async def _events(server: Server, generations: list[Generation], shape: Completi
             opening = shape.opening(index)
             if opening is not None:
                 yield _event(opening)
-            if echo:
-                yield _event(shape.chunk(index, echo, None))
-        left = len(generations)
+        # the echoed prompt goes out with the choice's first event: by then its tokens are scored
+        unechoed, left = set(range(len(generations))) if echo else set(), len(generations)
         while left:
             index, piece, refusal = await arrived.get()
             if refusal is not None:  # OpenAI's clients raise on an error event in a stream
                 yield _event(error_body(refusal.status, refusal.message, refusal.kind))
                 break
+            if index in unechoed:
+                unechoed.discard(index)
+                yield _event(shape.chunk(index, echo, None, _prompt_logprobs(generations[index])))
             if piece is None:
                 left -= 1
                 choice = _choice(body, generations[index]) if holding else None

@@ -187,10 +187,9 @@ class CompletionBody(_Sampling):
     suffix: None = None  # OpenAI's insertion mode: only its absence is supported
 
     def sampling(self) -> dict:
-        if self.echo and self.logprobs is not None:
-            raise BodyError("echo with logprobs asks for the prompt's log-probabilities, which this server does "
-                            "not compute; ask for one of them", "echo")
-        return {"max_new_tokens": self.max_tokens, "logprobs": self.logprobs, **super().sampling()}
+        prompt_logprobs = self.logprobs if self.echo else None  # echoed, the prompt's tokens are scored too
+        return {"max_new_tokens": self.max_tokens, "logprobs": self.logprobs, "prompt_logprobs": prompt_logprobs,
+                **super().sampling()}
 
 
 class TextPart(BaseModel):
@@ -427,7 +426,8 @@ class Completion:
         texts = [self.token_text(t.token_id) for t in logprobs]
         offsets = [offset + sum(map(len, texts[:i])) for i in range(len(texts))]
         return {"tokens": texts, "token_logprobs": [t.logprob for t in logprobs],
-                "top_logprobs": [{self.token_text(i): lp for i, lp in t.top} for t in logprobs],
+                "top_logprobs": [None if t.logprob is None else {self.token_text(i): lp for i, lp in t.top}
+                                 for t in logprobs],
                 "text_offset": offsets}
 
     def _frame(self, kind: str, choices: list[dict]) -> dict:

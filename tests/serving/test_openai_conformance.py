@@ -164,9 +164,30 @@ def test_content_parts_and_echo(client):
     assert echoed.choices[0].text == "The capital of France is" + alone.choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_ask(client, om, smollm2_path):
+    import onnx
+
+    signature = io_signature(onnx.load(str(smollm2_path), load_external_data=False))
+    tokenizer = TextTokenizer(load_artifact(om).om.tokenizer_files())
+    prompt = tokenizer.encode("The capital of France is Paris")
+    scored = client.completions.create(model="smollm2", prompt=prompt, max_tokens=1, temperature=0, echo=True,
+                                       logprobs=1).choices[0].logprobs
+    rows = ort_reference(smollm2_path, causal_lm_inputs(signature, llm_dimensions(signature),
+                                                        np.asarray([prompt], np.int64)))["logits"][0].astype(np.float64)
+    expected = rows - (rows.max(-1, keepdims=True) + np.log(np.exp(rows - rows.max(-1, keepdims=True)).sum(-1, keepdims=True)))
+    assert scored.tokens[:len(prompt)] == [tokenizer.token_text(t) for t in prompt]
+    assert scored.token_logprobs[0] is None and scored.top_logprobs[0] is None
+    np.testing.assert_allclose(scored.token_logprobs[1:len(prompt)],
+                               [expected[i, prompt[i + 1]] for i in range(len(prompt) - 1)], atol=1e-4)
+    streamed = [c.choices[0] for c in client.completions.create(model="smollm2", prompt=prompt, max_tokens=1,
+                                                                temperature=0, echo=True, logprobs=1, stream=True)]
+    assert streamed[0].logprobs.token_logprobs == scored.token_logprobs[:len(prompt)]
+
+
 @pytest.mark.parametrize("request_args,error,param", [
     ({"extra_body": {"logit_bias_v2": {}}}, openai.BadRequestError, "logit_bias_v2"),
     ({"extra_body": {"top_logprobs": 2}}, openai.BadRequestError, "top_logprobs"),
+    ({"extra_body": {"logit_bias": {"5": 1.0}}}, openai.BadRequestError, "logit_bias"),
     ({"temperature": -1}, openai.BadRequestError, "temperature"),
     ({"n": 17}, openai.BadRequestError, "n"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from generation_utils import compile_tiny_chat_model
 from served import Server, free_port
@@ -162,8 +163,8 @@ def test_metrics_add_up(server):
     # vLLM's types: counters end in _total, none has a _created series, engine counters are counters
     assert "_created" not in text
     types = dict(line.split()[2:4] for line in text.splitlines() if line.startswith("# TYPE"))
-    assert {types[f"cann_llm:{name}"] for name in ("prefix_cache_hits", "prefix_cache_queries", "num_preemptions",
-                                                    "spec_decode_num_draft_tokens", "prompt_tokens")} == {"counter"}
+    assert {types[f"cann_llm:{name}_total"] for name in ("prefix_cache_hits", "prefix_cache_queries", "num_preemptions",
+                                                          "spec_decode_num_draft_tokens", "prompt_tokens")} == {"counter"}
     ran = sum(outcomes[o] for o in ("completed", "cancelled", "failed"))
     for name in ("request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
                  "request_inference_time_seconds", "request_prompt_tokens", "request_generation_tokens",
@@ -221,6 +222,15 @@ def test_keys_quotas_timeouts_capacity_filter_and_audit(om, tmp_path):
         # not use: k1 has about 3800 left, not enough for a request that may use 3902
         spent = httpx.post(url, json={"prompt": "hi", "max_tokens": 3900}, headers=k1)
         assert spent.status_code == 429 and "quota" in spent.json()["error"]["message"]
+        # the same refusals as the openai SDK's own exception types, in OpenAI's shape
+        sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="k1", max_retries=0, timeout=30)
+        with pytest.raises(openai.RateLimitError) as limited:
+            sdk.completions.create(model="tiny", prompt="hi", max_tokens=3900)
+        assert limited.value.body["type"] == "quota_exceeded" and limited.value.response.headers["retry-after"] == "1"
+        with pytest.raises(openai.InternalServerError) as late:
+            sdk.completions.create(model="tiny", prompt="x" * 200, max_tokens=2000, temperature=0,
+                                   extra_body={"ignore_eos": True})
+        assert late.value.status_code == 504 and late.value.body["type"] == "timeout"
         assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}, headers=k1).status_code == 200
         records = [json.loads(line) for line in audit.read_text().splitlines()]
         assert records and all(r["key_id"].startswith("key-") and "k1" not in json.dumps(r) for r in records)

@@ -117,3 +117,24 @@ def test_a_grammar_that_does_not_compile_is_refused_before_it_runs(engine):
         StructuredOutput(regex="a", choice=("b",))
     with pytest.raises(ValueError, match="generate"):
         engine.submit("abc", n=2)
+
+
+@pytest.mark.parametrize("chunk", [512, 3])
+def test_prompt_logprobs_whole_and_in_chunks(om, chunk):
+    import onnx
+
+    from models.tiny import tiny_onnx
+
+    source = tiny_onnx("llama", dynamo=False, with_past=True)
+    signature = io_signature(onnx.load(str(source), load_external_data=False))
+    prompt = [5, 9, 2, 7, 7, 3, 11, 4]
+    logits = ort_reference(source, causal_lm_inputs(signature, llm_dimensions(signature), np.asarray([prompt], np.int64)))
+    rows = logits["logits"][0].astype(np.float64)
+    expected = rows - (rows.max(-1, keepdims=True) + np.log(np.exp(rows - rows.max(-1, keepdims=True)).sum(-1, keepdims=True)))
+    with LLMEngine(om, max_context_len=256, kv_cache_pages=64, max_num_batched_tokens=chunk) as engine:
+        engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0))  # its pages now in the prefix cache
+        (output,) = engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2))
+    scored = output.prompt_logprobs
+    assert [t.token_id for t in scored] == prompt and scored[0].logprob is None
+    np.testing.assert_allclose([t.logprob for t in scored[1:]], [expected[i, prompt[i + 1]] for i in range(7)], atol=1e-4)
+    assert [[i for i, _ in t.top] for t in scored[1:]] == [list(np.argsort(-expected[i], kind="stable")[:2]) for i in range(7)]
