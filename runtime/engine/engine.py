@@ -208,9 +208,10 @@ class LLMEngine:
         params = params or SamplingParams(**kwargs)
         if params.n != 1:
             raise ValueError("submit runs one sequence: pass n > 1 to generate, or submit n requests")
-        bad = next((t for t in params.stop_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"stop token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        for name, ids in (("stop token id", params.stop_token_ids), ("logit_bias token id", [t for t, _ in params.logit_bias])):
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name} {bad} is outside the vocabulary [0, {self.vocab_size})")
         ids = self.encode(prompt)
         constraint = None
         if params.structured_output is not None:

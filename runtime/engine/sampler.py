@@ -65,6 +65,10 @@ def process_logits(logits: np.ndarray, params: SamplingParams, seen, num_prompt:
     if params.penalised:
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
         logits = apply_output_penalties(logits, seen[num_prompt:], params.presence_penalty, params.frequency_penalty)
+        if params.logit_bias:
+            tokens, bias = zip(*params.logit_bias)
+            logits = np.array(logits, np.float32)
+            logits[list(tokens)] += np.asarray(bias, np.float32)
     if allowed is not None:
         left = int(np.count_nonzero(allowed)) - sum(bool(allowed[t]) for t in set(banned))
         if left <= 0:

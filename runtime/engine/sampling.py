@@ -22,7 +22,8 @@ class SamplingParams:
     OpenAI defines them (`presence_penalty` once for a token already generated, `frequency_penalty` per
     time), `min_tokens` before end-of-sequence may come, `logprobs` top alternatives reported per
     generated token (0: the chosen token's alone; computed from the model's own logits, before any
-    penalty or temperature), `prompt_logprobs` the same for each prompt token after the first (the
+    penalty or temperature), `logit_bias` {token id: bias} added to the logits (OpenAI's, in [-100, 100]),
+    `prompt_logprobs` the same for each prompt token after the first (the
     prompt is then computed whole, never taken from the prefix cache), `structured_output` a constraint on the text (runtime/engine/structured.py),
     and `n` outputs per prompt for `LLMEngine.generate` (each a sequence of its own, seeded `seed + i`).
     """
@@ -41,6 +42,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
     structured_output: StructuredOutput | None = None
     n: int = 1
     max_tokens: int | None = None  # vLLM's name for max_new_tokens; wins when given
@@ -54,6 +56,8 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or ()
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         numbers = {"temperature": self.temperature, "top_p": self.top_p, "repetition_penalty": self.repetition_penalty,
                    "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty}
         for name, value in numbers.items():
@@ -76,6 +80,7 @@ class SamplingParams:
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
              f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]"),
             (self.n >= 1, "n must be at least 1"),
+            (all(math.isfinite(b) and -100 <= b <= 100 for _, b in self.logit_bias), "logit_bias values must be in [-100, 100]"),
         )
         for ok, message in checks:
             if not ok:
@@ -88,4 +93,5 @@ class SamplingParams:
     @property
     def penalised(self) -> bool:
         """Whether the logits are changed by what was generated before."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))

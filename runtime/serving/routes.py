@@ -221,6 +221,11 @@ async def _events(server: Server, generations: list[Generation], shape: Completi
             await arrived.put((index, None, refusal))
 
     pumps = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generations)]
+
+    def chunk(*args) -> str:  # (vLLM's continuous_usage_stats: the usage so far on every chunk)
+        payload = shape.chunk(*args)
+        return _event({**payload, "usage": _usage(generations)} if body.continuous_usage else payload)
+
     sent = [0] * len(generations)  # each choice's log-probabilities sent so far
 
     def new_logprobs(index: int) -> list | None:
@@ -243,18 +248,18 @@ async def _events(server: Server, generations: list[Generation], shape: Completi
                 break
             if index in unechoed:
                 unechoed.discard(index)
-                yield _event(shape.chunk(index, echo, None, _prompt_logprobs(generations[index])))
+                yield chunk(index, echo, None, _prompt_logprobs(generations[index]))
             if piece is None:
                 left -= 1
                 choice = _choice(body, generations[index]) if holding else None
                 if choice is not None and choice.tool_calls:
                     yield _event(shape.calls_chunk(index, choice.tool_calls))
                 elif choice is not None and choice.text:
-                    yield _event(shape.chunk(index, choice.text, None))
+                    yield chunk(index, choice.text, None)
                 reason = choice.finish_reason if choice is not None else generations[index].finish_reason
-                yield _event(shape.chunk(index, "", reason, new_logprobs(index)))
+                yield chunk(index, "", reason, new_logprobs(index))
             elif not holding:
-                yield _event(shape.chunk(index, piece, None, new_logprobs(index)))
+                yield chunk(index, piece, None, new_logprobs(index))
         else:
             if body.include_usage:
                 yield _event(shape.usage_chunk(_usage(generations)))

@@ -40,6 +40,7 @@ _Stop = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS
 # a field the server does not know is refused, naming it: a client asking for something must not believe
 # it got it (validation_error_body words it)
 _BODY = ConfigDict(extra="forbid", allow_inf_nan=False)
+_TokenKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")]  # OpenAI's logit_bias keys: token ids
 MAX_CHOICES = 16
 
 
@@ -105,6 +106,7 @@ class _Sampling(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2 ** 63)
     stop: _Stop | Annotated[list[_Stop], Field(max_length=MAX_STOPS)] | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOPS)
+    logit_bias: dict[_TokenKey, Annotated[float, Field(ge=-100, le=100)]] | None = Field(None, max_length=1024)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
@@ -129,6 +131,7 @@ class _Sampling(BaseModel):
                 "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos,
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                 "min_tokens": self.min_tokens, "stop_token_ids": tuple(self.stop_token_ids or ()),
+                "logit_bias": tuple((int(t), b) for t, b in (self.logit_bias or {}).items()),
                 "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or ()),
                 "structured_output": self._constraint()}
 
@@ -160,6 +163,10 @@ class _Sampling(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class GenerateBody(BaseModel):

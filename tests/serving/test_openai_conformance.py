@@ -187,7 +187,9 @@ def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_ask(client
 @pytest.mark.parametrize("request_args,error,param", [
     ({"extra_body": {"logit_bias_v2": {}}}, openai.BadRequestError, "logit_bias_v2"),
     ({"extra_body": {"top_logprobs": 2}}, openai.BadRequestError, "top_logprobs"),
-    ({"extra_body": {"logit_bias": {"5": 1.0}}}, openai.BadRequestError, "logit_bias"),
+    ({"logit_bias": {"five": 1.0}}, openai.BadRequestError, "logit_bias.five"),
+    ({"logit_bias": {"5": 101.0}}, openai.BadRequestError, "logit_bias"),
+    ({"logit_bias": {"999999999": 1.0}}, openai.BadRequestError, None),
     ({"temperature": -1}, openai.BadRequestError, "temperature"),
     ({"n": 17}, openai.BadRequestError, "n"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -257,3 +259,16 @@ def test_a_tool_call_round_trip_streamed_and_not(client, tool_choice):
     answer = client.chat.completions.create(model="smollm2", messages=answered, tools=TOOLS, tool_choice="none",
                                             max_tokens=30, temperature=0)
     assert answer.choices[0].message.tool_calls is None and answer.choices[0].message.content.strip()
+
+
+def test_logit_bias_and_usage_on_every_chunk(client, om):
+    tokenizer = TextTokenizer(load_artifact(om).om.tokenizer_files())
+    (forced,) = tokenizer.encode(" banana", add_special_tokens=False)
+    biased = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=3,
+                                       temperature=0, logit_bias={str(forced): 100})
+    assert biased.choices[0].text == " banana" * 3
+    chunks = list(client.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=5, temperature=0,
+                                            stream=True, stream_options={"include_usage": True,
+                                                                         "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 5 and all(c.usage.prompt_tokens for c in chunks)
