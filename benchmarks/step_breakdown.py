@@ -65,7 +65,8 @@ def instrument(engine: LLMEngine) -> Timers:
         engine.runner.feeds = timers.wrap("inputs", engine.runner.feeds)
     for index, part in enumerate(engine.runner.executor._steps):
         part.run = timers.wrap(_segment_label(index, part), part.run)
-    engine_module.sample_token = timers.wrap("sampling", engine_module.sample_token)
+    engine_module.process_logits = timers.wrap("sampling", engine_module.process_logits)
+    engine_module.draw = timers.wrap("sampling", engine_module.draw)
     return timers
 
 

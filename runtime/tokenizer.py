@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
 from runtime.errors import AtcError
 
@@ -56,6 +57,37 @@ class TextTokenizer:
     def token_text(self, token_id: int) -> str:
         """One token as text, keeping leading spaces visible to a reader."""
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: a token holding part of a character (a byte-level piece, a
+        `<0xE2>` byte-fallback token) is its bytes, where its text would show a replacement character."""
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if isinstance(self._tokenizer.decoder, decoders.ByteLevel) and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        fallback = _BYTE_TOKEN.fullmatch(piece)
+        if fallback:
+            return bytes([int(fallback[1], 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")  # SentencePiece spells a space as U+2581
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character to byte: printable bytes stand for themselves, the rest are
+    shifted past 255."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + shifted)] = byte
+            shifted += 1
+    return chars
+
+
+_BYTE_OF = _byte_level_alphabet()
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _content(token) -> str | None:

@@ -241,12 +241,20 @@ class LLMEngine:
         if sampling_params is not None and kwargs:
             sampling_params = replace(sampling_params, **kwargs)
         params = sampling_params or SamplingParams(**kwargs)
-        if not many and sampling_params is None:
+        if not many and sampling_params is None and params.n == 1:
             return self.submit(prompts, params).result()
-        batch = list(prompts) if many else [prompts]
-        started = [(prompt, [self.submit(prompt, replace(params, n=1, seed=None if params.seed is None else
-                                                          params.seed + i)) for i in range(params.n)])
-                   for prompt in batch]
+        started: list[tuple[object, list[Request]]] = []
+        try:
+            for prompt in list(prompts) if many else [prompts]:
+                started.append((prompt, []))
+                for i in range(params.n):
+                    seed = None if params.seed is None else params.seed + i
+                    started[-1][1].append(self.submit(prompt, replace(params, n=1, seed=seed)))
+        except BaseException:  # one refused: none of the batch runs
+            for _, requests in started:
+                for request in requests:
+                    request.cancel()
+            raise
         return [self._request_output(prompt, requests) for prompt, requests in started]
 
     def _request_output(self, prompt, requests: list[Request]) -> RequestOutput:
@@ -262,9 +270,8 @@ class LLMEngine:
                              list(first.prompt_logprobs) if first.params.prompt_logprobs is not None else None)
 
     def generate_batch(self, prompts: list[str | list[int]], **kwargs) -> list[str]:
-        """Completions of all `prompts`, computed together."""
-        requests = [self.submit(prompt, **kwargs) for prompt in prompts]
-        return [request.result() for request in requests]
+        """Completions of all `prompts` (one each), computed together."""
+        return [output.outputs[0].text for output in self.generate(list(prompts), **kwargs)]
 
     async def generate_async(self, prompt: str | list[int], **kwargs) -> str:
         """`generate` for asyncio: concurrent callers share the engine's batches."""

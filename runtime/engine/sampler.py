@@ -61,7 +61,8 @@ def apply_output_penalties(logits: np.ndarray, output, presence: float, frequenc
 def process_logits(logits: np.ndarray, params: SamplingParams, seen, num_prompt: int,
                    banned=(), allowed: np.ndarray | None = None) -> np.ndarray:
     """The logits a token is drawn from: penalised by `seen` (the sequence's tokens, its first
-    `num_prompt` the prompt), `banned` tokens and those outside `allowed` (booleans) set to -inf."""
+    `num_prompt` the prompt), `banned` tokens and those outside `allowed` (booleans) set to -inf (the ban
+    lifted where the grammar allows nothing else)."""
     if params.penalised:
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
         logits = apply_output_penalties(logits, seen[num_prompt:], params.presence_penalty, params.frequency_penalty)
@@ -70,9 +71,10 @@ def process_logits(logits: np.ndarray, params: SamplingParams, seen, num_prompt:
             logits = np.array(logits, np.float32)
             logits[list(tokens)] += np.asarray(bias, np.float32)
     if allowed is not None:
-        left = int(np.count_nonzero(allowed)) - sum(bool(allowed[t]) for t in set(banned))
-        if left <= 0:
-            raise ValueError("no token is allowed here (the structured output and min_tokens exclude them all)")
+        if not allowed.any():
+            raise ValueError("the structured output allows no token here")
+        if int(np.count_nonzero(allowed)) <= sum(bool(allowed[t]) for t in set(banned)):
+            banned = ()  # the grammar may only end here: it wins over min_tokens
         # arithmetic, not a boolean index: over a scattered mask that was ten times slower (benchmarks/
         # structured_outputs.py); a finite floor far below any logit is as good as -inf for every draw
         logits = logits + (allowed.view(np.uint8).astype(np.float32) - 1) * _MASKED

@@ -86,7 +86,8 @@ class Sequence:
     def scores_prompt(self, count: int) -> bool:
         """Whether a step of `count` tokens from `num_computed` on is a prefill chunk whose every position's
         logits are wanted (for the prompt's log-probabilities)."""
-        return self.params.prompt_logprobs is not None and self.num_computed + count <= self.num_prompt
+        return (self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt
+                and self.num_computed + count <= self.num_prompt)  # once scored, a recompute is not rescored
 
     def logit_rows(self, count: int) -> int:
         """Logits rows that step needs: each position of a chunk that scores the prompt, else the last,

@@ -93,12 +93,15 @@ class ServerMetrics:
             for outcome in OUTCOMES:
                 self.requests.labels(model, outcome)
 
-    def finished(self, model: str, stats, finish_reason: str | None, outcome: str, max_tokens: int) -> None:
-        """Account one request that ran (completed, cancelled or failed)."""
+    def finished(self, model: str, stats, finish_reason: str | None, outcome: str, max_tokens: int,
+                 prompt_tokens: int) -> None:
+        """Account one request (one choice of `n`) that ran (completed, cancelled or failed); `prompt_tokens`
+        is 0 for the choices after the first, which share its prompt."""
         self.requests.labels(model, outcome).inc()
-        self.prompt_tokens.labels(model).inc(stats.prompt_tokens)
+        self.prompt_tokens.labels(model).inc(prompt_tokens)
         self.generation_tokens.labels(model).inc(stats.output_tokens)
-        self.prompt_histogram.labels(model).observe(stats.prompt_tokens)
+        if prompt_tokens:
+            self.prompt_histogram.labels(model).observe(prompt_tokens)
         self.generation_histogram.labels(model).observe(stats.output_tokens)
         self.max_tokens.labels(model).observe(max_tokens)
         if stats.ttft_s is not None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -78,12 +77,15 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: Request):
         try:
+            _, _, engine = server.engine_for(http.headers.get("authorization"), body.model)
+            if body.echo and engine.tokenizer is None:
+                raise Refusal(400, "echo needs the model's tokenizer; recompile with atc --tokenizer=DIR",
+                              "invalid_request_error", param="echo")
             generations = await _start(server, http, body, "/v1/completions", prompt=body.prompt)
         except Refusal as refusal:
             return _refused(refusal)
-        engine = server.engines[generations[0].model]
         echo = (body.prompt if isinstance(body.prompt, str) else engine.tokenizer.decode(body.prompt)) if body.echo else ""
-        shape = Completion(generations[0].model, _token_text(engine))
+        shape = _shape(Completion, generations[0].model, engine)
         return await _answer(server, http, generations, shape, body, echo)
 
     @app.post("/v1/chat/completions")
@@ -94,8 +96,7 @@ def create_app(server: Server) -> FastAPI:
         except Refusal as refusal:
             return _refused(refusal)
         engine = server.engines[generations[0].model]
-        return await _answer(server, http, generations, ChatCompletion(generations[0].model, _token_text(engine)),
-                             body)
+        return await _answer(server, http, generations, _shape(ChatCompletion, generations[0].model, engine), body)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeBody, http: Request):
@@ -143,8 +144,11 @@ async def _start(server: Server, http: Request, body: CompletionBody | ChatBody,
                                    params, body.n, **prompt)
 
 
-def _token_text(engine) -> Callable[[int], str]:
-    return engine.tokenizer.token_text if engine.tokenizer is not None else str
+def _shape(kind: type[Completion], model: str, engine) -> Completion:
+    """An answer's shapes, spelling tokens with the model's tokenizer (as their ids without one)."""
+    if engine.tokenizer is None:
+        return kind(model)
+    return kind(model, engine.tokenizer.token_text, engine.tokenizer.token_bytes)
 
 
 def _refused(refusal: Refusal) -> Response:
@@ -178,11 +182,8 @@ async def _answer(server: Server, http: Request, generations: list[Generation], 
     if body.stream:
         return StreamingResponse(_events(server, generations, shape, body, echo), media_type="text/event-stream")
     try:
-        for generation in generations:
-            await server.complete(generation, http.is_disconnected)
+        await server.complete_all(generations, http.is_disconnected)
     except Refusal as refusal:
-        for generation in generations:
-            server.end(generation, "client")
         return _refused(refusal)
     return shape.body([_choice(body, g, echo) for g in generations], _usage(generations))
 
@@ -196,7 +197,7 @@ def _choice(body: CompletionBody | ChatBody, generation: Generation, echo: str =
         return Choice(echo + generation.text, generation.finish_reason, logprobs)
     choice = body.choice()
     try:
-        content, calls = tools.parse(generation.text, body.tool_dicts(), choice)
+        content, calls = tools.parse(generation.text, body.tool_dicts(), choice, body.parallel_tool_calls)
     except ValueError:  # a forced call cut short by max_tokens: the text as it is
         return Choice(generation.text, generation.finish_reason, _logprobs(generation))
     forced = isinstance(choice, dict)
@@ -208,7 +209,7 @@ async def _events(server: Server, generations: list[Generation], shape: Completi
                   echo: str):
     """Each choice's chunks as its text comes (choices interleaved), its finish, then the usage when asked
     for and `[DONE]`. A choice that may call tools is held to its end and sent as its tool calls (or its
-    text, when it called none). Leaving early (the client gone) cancels every choice."""
+    text, when it called none; the text around its calls first). Leaving early (the client gone) cancels every choice."""
     holding = isinstance(body, ChatBody) and body.calls_tools
     arrived: asyncio.Queue = asyncio.Queue()
 
@@ -222,11 +223,20 @@ async def _events(server: Server, generations: list[Generation], shape: Completi
 
     pumps = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generations)]
 
-    def chunk(*args) -> str:  # (vLLM's continuous_usage_stats: the usage so far on every chunk)
-        payload = shape.chunk(*args)
-        return _event({**payload, "usage": _usage(generations)} if body.continuous_usage else payload)
+    def framed(payload: dict) -> str:
+        """An event with its usage: so far (vLLM's continuous_usage_stats), or null until the last chunk
+        carries it (OpenAI's include_usage)."""
+        if body.continuous_usage:
+            return _event({**payload, "usage": _usage(generations)})
+        return _event({**payload, "usage": None} if body.include_usage else payload)
 
-    sent = [0] * len(generations)  # each choice's log-probabilities sent so far
+    sent = [0] * len(generations)     # each choice's log-probabilities sent so far
+    spelled = [0] * len(generations)  # and the characters of their tokens' text (completions' text_offset)
+
+    def chunk(index: int, text: str, reason: str | None, logprobs: list | None = None) -> str:
+        offset = spelled[index]
+        spelled[index] += sum(len(shape.token_text(t.token_id)) for t in logprobs or ())
+        return framed(shape.chunk(index, text, reason, logprobs, offset))
 
     def new_logprobs(index: int) -> list | None:
         logprobs = _logprobs(generations[index])
@@ -238,7 +248,7 @@ async def _events(server: Server, generations: list[Generation], shape: Completi
         for index in range(len(generations)):
             opening = shape.opening(index)
             if opening is not None:
-                yield _event(opening)
+                yield framed(opening)
         # the echoed prompt goes out with the choice's first event: by then its tokens are scored
         unechoed, left = set(range(len(generations))) if echo else set(), len(generations)
         while left:
@@ -252,10 +262,10 @@ async def _events(server: Server, generations: list[Generation], shape: Completi
             if piece is None:
                 left -= 1
                 choice = _choice(body, generations[index]) if holding else None
-                if choice is not None and choice.tool_calls:
-                    yield _event(shape.calls_chunk(index, choice.tool_calls))
-                elif choice is not None and choice.text:
+                if choice is not None and choice.text:
                     yield chunk(index, choice.text, None)
+                if choice is not None and choice.tool_calls:
+                    yield framed(shape.calls_chunk(index, choice.tool_calls))
                 reason = choice.finish_reason if choice is not None else generations[index].finish_reason
                 yield chunk(index, "", reason, new_logprobs(index))
             elif not holding:

@@ -14,10 +14,11 @@ and ends the rest. All of it runs from plain Python and asyncio: the routes only
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator, Awaitable, Callable, NoReturn
 
 from runtime.engine.config import EngineConfig
@@ -62,8 +63,9 @@ class Generation:
     endpoint: str
     request: Request
     blocked_terms: tuple[str, ...]
-    reserved: int = 0               # quota tokens held for it: its prompt and all it may generate
-    ended_by: str | None = None     # who cancelled it: "client", "timeout" or "shutdown"
+    reserved: int = 0               # quota tokens held for it: all it may generate, and its prompt if it charges it
+    charges_prompt: bool = True     # the first of `n` choices carries the prompt they share
+    ended_by: str | None = None     # who cancelled it: "client", "timeout", "shutdown", "failed" or "refused"
 
     @property
     def text(self) -> str:
@@ -84,7 +86,7 @@ class Generation:
             return 500, "failed"
         if self.request.finish_reason != "cancelled":
             return 200, "completed"
-        return {"timeout": 504, "shutdown": 503}.get(self.ended_by, 499), "cancelled"
+        return {"timeout": 504, "shutdown": 503, "failed": 500, "refused": 400}.get(self.ended_by, 499), "cancelled"
 
 
 class Server:
@@ -166,29 +168,15 @@ class Server:
                           param="model")
         return key, name, self.engines[name]
 
-    def start_choices(self, authorization: str | None, model: str | None, endpoint: str, params: dict, n: int,
-                      **prompt) -> list[Generation]:
-        """`n` requests for one prompt, admitted one by one (the i-th seeded `seed + i`); if one is refused,
-        those admitted before it are ended and the refusal raised."""
-        started: list[Generation] = []
-        try:
-            for i in range(n):
-                seeded = params if params.get("seed") is None else {**params, "seed": params["seed"] + i}
-                started.append(self.start(authorization, model, endpoint, seeded, **prompt))
-        except Refusal:
-            for generation in started:
-                self.end(generation, "client")
-            raise
-        return started
-
-    def start(self, authorization: str | None, model: str | None, endpoint: str, params: dict, *,
-              prompt: str | list[int] | None = None, messages: list[dict] | None = None,
-              tools: list[dict] | None = None) -> Generation:
-        """Admit one request and submit it (a `prompt`, or chat `messages` with their `tools` through the
-        model's template); `params` are the engine's sampling settings. Refusal when it may not run."""
+    def start_choices(self, authorization: str | None, model: str | None, endpoint: str, params: dict, n: int, *,
+                      prompt: str | list[int] | None = None, messages: list[dict] | None = None,
+                      tools: list[dict] | None = None) -> list[Generation]:
+        """Admit `n` choices of one prompt together and submit them (a `prompt`, or chat `messages` with their
+        `tools` through the model's template; `params` the engine's sampling settings, the i-th choice seeded
+        `seed + i`). The prompt is tokenized, reserved in the quota and charged once; the queue places and
+        every choice's new tokens are reserved at once, so either all run or none does (Refusal)."""
         key, name, engine = self.engine_for(authorization, model)
-        said = " ".join(m["content"] for m in messages) if messages is not None else prompt
-        if isinstance(said, str) and self.guard.blocked(said):
+        if self.guard.blocked(_said(prompt, messages, tools)):
             self._reject(name, Refusal(400, "the prompt contains blocked content", "content_filter"))
         blocked = self.guard.blocked_terms
         try:
@@ -201,18 +189,25 @@ class Server:
         except Exception as error:  # the chat template's own errors (jinja's), or a prompt it cannot tokenize
             self._reject(name, Refusal(400, f"the prompt cannot be rendered or tokenized: {error}",
                                        "invalid_request_error"))
-        return self._admit(name, key, endpoint, blocked, ids, sampling)
+        choices = [sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i) for i in range(n)]
+        return self._admit(name, key, endpoint, blocked, ids, choices)
+
+    def start(self, authorization: str | None, model: str | None, endpoint: str, params: dict, **prompt) -> Generation:
+        """`start_choices` of one choice."""
+        return self.start_choices(authorization, model, endpoint, params, 1, **prompt)[0]
 
     def _admit(self, name: str, key: str | None, endpoint: str, blocked: tuple[str, ...], ids: list[int],
-               sampling: SamplingParams) -> Generation:
-        """Take a place in the model's queue and reserve the quota the request may use, both at once (so
-        concurrent requests cannot all pass one check), then submit it."""
+               choices: list[SamplingParams]) -> list[Generation]:
+        """Take the choices' places in the model's queue and reserve the quota they may use, all at once (so
+        concurrent requests cannot all pass one check), then submit them; if one is refused by the engine,
+        those submitted before it are ended as refused and their reservation given back whole."""
         engine = self.engines[name]
-        reserved = len(ids) + min(sampling.max_new_tokens, engine.max_context_len - len(ids))
+        each = [min(c.max_new_tokens, engine.max_context_len - len(ids)) for c in choices]
+        reserved = len(ids) + sum(each)
         with self._lock:
             if self.closing:  # the drain began while this one was being tokenized
                 raise Refusal(503, "the server is shutting down", "unavailable")
-            if self.pending[name] >= self.settings.max_pending:
+            if self.pending[name] + len(choices) > self.settings.max_pending:
                 self._reject(name, Refusal(429, "the server is at capacity; retry shortly", "rate_limit_exceeded",
                                            self.settings.retry_after_s))
             left = self.guard.reserve(key, reserved)
@@ -220,22 +215,29 @@ class Server:
                 self._reject(name, Refusal(429, f"the token quota of this key is spent: this request may use "
                                                 f"{reserved} tokens, {left} are left", "quota_exceeded",
                                            self.settings.retry_after_s))
-            self.pending[name] += 1
+            self.pending[name] += len(choices)
+        started: list[Generation] = []
         try:
-            request = engine.submit(ids, sampling)
+            for i, sampling in enumerate(choices):
+                request = engine.submit(ids, sampling)
+                generation = Generation(name, key, endpoint, request, blocked, each[i] + (len(ids) if i == 0 else 0),
+                                        charges_prompt=i == 0)
+                started.append(generation)
+                with self._lock:
+                    self._in_flight.add(generation)
+                # accounted when the engine is done with it, however it ends (even if nobody is left waiting)
+                request.future.add_done_callback(lambda _, generation=generation: self._settle(generation))
         except Exception as error:  # settings the engine refuses (a grammar that does not compile), or closed
+            for generation in started:
+                self.end(generation, "refused")
+            unsubmitted = len(choices) - len(started)
             with self._lock:
-                self.pending[name] -= 1
-            self.guard.refund(key, reserved)
+                self.pending[name] -= unsubmitted
+            self.guard.refund(key, reserved - sum(g.reserved for g in started))
             if isinstance(error, ValueError):
                 self._reject(name, Refusal(400, str(error), "invalid_request_error"))
             raise
-        generation = Generation(name, key, endpoint, request, blocked, reserved)
-        with self._lock:
-            self._in_flight.add(generation)
-        # accounted when the engine is done with it, however it ends (even if nobody is left waiting)
-        request.future.add_done_callback(lambda _: self._settle(generation))
-        return generation
+        return started
 
     def _reject(self, name: str, refusal: Refusal) -> NoReturn:
         self.metrics.rejected(name)
@@ -245,26 +247,43 @@ class Server:
 
     async def complete(self, generation: Generation,
                        disconnected: Callable[[], Awaitable[bool]] | None = None) -> Generation:
-        """Wait for the whole answer; `disconnected()` is asked now and then whether the caller is gone.
-        Refusal unless it completed (499 client gone, 504 timeout, 503 shutdown, 500 failed)."""
-        future = asyncio.wrap_future(generation.request.future)
+        """`complete_all` of one generation."""
+        return (await self.complete_all([generation], disconnected))[0]
+
+    async def complete_all(self, generations: list[Generation],
+                           disconnected: Callable[[], Awaitable[bool]] | None = None) -> list[Generation]:
+        """Wait for the whole answer of every choice, under one deadline; `disconnected()` is asked now and
+        then whether the caller is gone. Refusal unless all completed (499 client gone, 504 timeout, 503
+        shutdown, 500 failed): once one cannot complete, the others are ended for the same cause."""
+        futures = {asyncio.wrap_future(g.request.future): g for g in generations}
         deadline = time.monotonic() + self.settings.request_timeout_s
         try:
-            while not future.done():
+            while not all(future.done() for future in futures):
                 # woken at the deadline itself, so a timeout shorter than the poll still fires on time
-                await asyncio.wait({future}, timeout=_poll_interval(deadline))
-                if future.done() or generation.ended_by:
+                await asyncio.wait({f for f in futures if not f.done()}, timeout=_poll_interval(deadline),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if any(g.ended_by for g in generations):
                     continue
-                if disconnected is not None and await disconnected():
-                    self.end(generation, "client")
+                lost = next((g for f, g in futures.items() if f.done() and g.outcome()[0] != 200), None)
+                if lost is not None:
+                    self._end_all(generations, "failed" if lost.outcome()[0] == 500 else lost.ended_by or "client")
+                elif disconnected is not None and await disconnected():
+                    self._end_all(generations, "client")
                 elif time.monotonic() > deadline:
-                    self.end(generation, "timeout")
+                    self._end_all(generations, "timeout")
         except asyncio.CancelledError:
-            self.end(generation, "client")
+            self._end_all(generations, "client")
             raise
-        future.exception()  # seen here, so asyncio does not log it as never retrieved: the outcome reports it
-        self._raise_unless_completed(generation)
-        return generation
+        for future in futures:
+            future.exception()  # seen here, so asyncio does not log it as never retrieved: the outcome reports it
+        for generation in generations:
+            self._raise_unless_completed(generation)
+        return generations
+
+    def _end_all(self, generations: list[Generation], by: str) -> None:
+        for generation in generations:
+            if not generation.request.future.done():
+                self.end(generation, by)
 
     async def stream(self, generation: Generation) -> AsyncIterator[str]:
         """The answer's text pieces as they come; Refusal at the end unless it completed (503 when the
@@ -281,7 +300,8 @@ class Server:
             self._raise_unless_completed(generation)
 
     def end(self, generation: Generation, by: str) -> None:
-        """Cancel a request (`by` the client, the timeout or the shutdown); its pages go back to the pool."""
+        """Cancel a request (`by` the client, the timeout, the shutdown, a sibling choice that `failed`, or
+        the engine having `refused` a sibling); its pages go back to the pool."""
         if generation.ended_by is None:
             generation.ended_by = by
         generation.request.cancel()
@@ -300,11 +320,15 @@ class Server:
     def _settle(self, generation: Generation) -> None:
         status, outcome = generation.outcome()
         stats = generation.request.stats
-        self.metrics.finished(generation.model, stats, generation.finish_reason, outcome,
-                              generation.request.seq.params.max_new_tokens)
-        self.guard.refund(generation.key, max(0, generation.reserved - stats.prompt_tokens - stats.output_tokens))
-        self.guard.audit(generation.key, generation.model, generation.endpoint, status, stats.prompt_tokens,
-                         stats.output_tokens, stats.total_s or 0.0)
+        if generation.ended_by == "refused":  # counted once as rejected, charged nothing
+            self.guard.refund(generation.key, generation.reserved)
+        else:
+            prompt_tokens = stats.prompt_tokens if generation.charges_prompt else 0
+            self.metrics.finished(generation.model, stats, generation.finish_reason, outcome,
+                                  generation.request.seq.params.max_new_tokens, prompt_tokens)
+            self.guard.refund(generation.key, max(0, generation.reserved - prompt_tokens - stats.output_tokens))
+            self.guard.audit(generation.key, generation.model, generation.endpoint, status, prompt_tokens,
+                             stats.output_tokens, stats.total_s or 0.0)
         with self._lock:
             self.pending[generation.model] -= 1
             self._in_flight.discard(generation)
@@ -349,6 +373,18 @@ def _poll_interval(deadline: float) -> float:
     cancelled request winds down)."""
     left = deadline - time.monotonic()
     return min(0.25, left) if left > 0 else 0.25
+
+
+def _said(prompt: str | list[int] | None, messages: list[dict] | None, tools: list[dict] | None) -> str:
+    """All the text a request puts before the model, for the block list: the prompt or the messages (their
+    tool calls' arguments included) and the tools' definitions."""
+    if messages is None:
+        return prompt if isinstance(prompt, str) else ""
+    parts = [m["content"] for m in messages]
+    arguments = [c["function"]["arguments"] for m in messages for c in m.get("tool_calls", ())]
+    parts += [a if isinstance(a, str) else json.dumps(a, ensure_ascii=False) for a in arguments]
+    parts += [json.dumps(t, ensure_ascii=False) for t in tools or ()]
+    return "\n".join(parts)
 
 
 def _with_system(messages: list[dict], text: str) -> list[dict]:

@@ -61,8 +61,9 @@ def described(tools: list[dict]) -> str:
             + "\n".join(lines))
 
 
-def parse(text: str, tools: list[dict], choice) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) read out of the generated `text` under `choice`."""
+def parse(text: str, tools: list[dict], choice, parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) read out of the generated `text` under `choice`; without `parallel`, only the
+    first call the model made is kept."""
     names = {t["function"]["name"] for t in tools}
     if isinstance(choice, dict):
         return None, [ToolCall(choice["function"]["name"], text)]
@@ -70,7 +71,8 @@ def parse(text: str, tools: list[dict], choice) -> tuple[str | None, list[ToolCa
         return None, [ToolCall(c["name"], _dump(c["parameters"])) for c in json.loads(text)]
     if choice == "none":
         return text, []
-    return _parse_auto(text, names)
+    content, calls = _parse_auto(text, names)
+    return content, calls if parallel else calls[:1]
 
 
 def _parse_auto(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:

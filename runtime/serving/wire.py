@@ -9,6 +9,7 @@ vocabulary, a prompt within its context) is the engine's to check.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
@@ -298,6 +299,8 @@ class ChatBody(_Sampling):
     def sampling(self) -> dict:
         if self.top_logprobs is not None and not self.logprobs:
             raise BodyError("top_logprobs needs logprobs set to true", "top_logprobs")
+        if self.tool_choice is not None and not self.tools:
+            raise BodyError("tool_choice is only allowed when tools are given", "tool_choice")
         said = {"max_new_tokens": self.max_completion_tokens or self.max_tokens or 256,
                 "logprobs": (self.top_logprobs or 0) if self.logprobs else None, **super().sampling()}
         calls = tools.constraint(self.tool_dicts(), self.choice(), self.parallel_tool_calls) if self.tools else None
@@ -316,8 +319,6 @@ class ChatBody(_Sampling):
                 raise BodyError(f"tool_choice names {choice.function.name!r}, which is not among the tools",
                                 "tool_choice")
             return choice.model_dump()
-        if choice == "required" and not self.tools:
-            raise BodyError("tool_choice 'required' needs tools", "tool_choice")
         return choice
 
     def tool_dicts(self) -> list[dict]:
@@ -401,10 +402,11 @@ class Choice:
 @dataclass(frozen=True)
 class Completion:
     """The shapes of one `/v1/completions` answer: its body, or the chunks of its stream. `token_text`
-    spells a token id for log-probabilities."""
+    spells a token id for log-probabilities, `token_bytes` gives the bytes it stands for."""
 
     model: str
     token_text: Callable[[int], str] = str
+    token_bytes: Callable[[int], bytes] = lambda token_id: str(token_id).encode()
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
     kind: ClassVar[str] = "text_completion"
@@ -418,8 +420,8 @@ class Completion:
         return self._frame(self.kind, [{"index": index, "text": text, "logprobs": self._logprobs(logprobs, offset),
                                         "finish_reason": reason}])
 
-    def body(self, choices: list[Choice], tokens: dict, offset: int = 0) -> dict:
-        return {**self._frame(self.kind, [{"index": i, "text": c.text, "logprobs": self._logprobs(c.logprobs, offset),
+    def body(self, choices: list[Choice], tokens: dict) -> dict:
+        return {**self._frame(self.kind, [{"index": i, "text": c.text, "logprobs": self._logprobs(c.logprobs, 0),
                                            "finish_reason": c.finish_reason} for i, c in enumerate(choices)]),
                 "usage": tokens}
 
@@ -428,10 +430,12 @@ class Completion:
         return {**self._frame(self.kind, []), "usage": tokens}
 
     def _logprobs(self, logprobs: list[TokenLogprob] | None, offset: int) -> dict | None:
+        """Completions' log-probabilities; `text_offset` counts the tokens' text from `offset`, where the
+        choice's earlier chunks left off."""
         if logprobs is None:
             return None
         texts = [self.token_text(t.token_id) for t in logprobs]
-        offsets = [offset + sum(map(len, texts[:i])) for i in range(len(texts))]
+        offsets = list(itertools.accumulate(map(len, texts[:-1]), initial=offset)) if texts else []
         return {"tokens": texts, "token_logprobs": [t.logprob for t in logprobs],
                 "top_logprobs": [None if t.logprob is None else {self.token_text(i): lp for i, lp in t.top}
                                  for t in logprobs],
@@ -459,8 +463,8 @@ class ChatCompletion(Completion):
                                                       "logprobs": self._logprobs(logprobs, offset),
                                                       "finish_reason": reason}])
 
-    def body(self, choices: list[Choice], tokens: dict, offset: int = 0) -> dict:
-        return {**self._frame(self.kind, [{"index": i, "message": _message(c), "logprobs": self._logprobs(c.logprobs, offset),
+    def body(self, choices: list[Choice], tokens: dict) -> dict:
+        return {**self._frame(self.kind, [{"index": i, "message": _message(c), "logprobs": self._logprobs(c.logprobs, 0),
                                            "finish_reason": c.finish_reason} for i, c in enumerate(choices)]),
                 "usage": tokens}
 
@@ -477,10 +481,9 @@ class ChatCompletion(Completion):
             return None
 
         def entry(token_id: int, logprob: float) -> dict:
-            text = self.token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            return {"token": self.token_text(token_id), "logprob": logprob, "bytes": list(self.token_bytes(token_id))}
         return {"content": [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
-                            for t in logprobs]}
+                            for t in logprobs], "refusal": None}
 
 
 def _message(choice: Choice) -> dict:

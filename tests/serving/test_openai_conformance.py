@@ -146,6 +146,7 @@ def test_a_stream_of_two_choices_with_usage_and_logprobs(client):
         texts[choice.index] += choice.delta.content or ""
         tokens[choice.index] += len(choice.logprobs.content) if choice.logprobs else 0
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12 == sum(tokens)
+    assert all(chunk.usage is None for chunk in chunks[:-1])  # OpenAI's include_usage: null until the last
     plain = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Say hi"}],
                                            max_tokens=6, temperature=0.8, seed=1, n=2)
     assert texts == [c.message.content for c in plain.choices]
@@ -179,9 +180,24 @@ def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_ask(client
     assert scored.token_logprobs[0] is None and scored.top_logprobs[0] is None
     np.testing.assert_allclose(scored.token_logprobs[1:len(prompt)],
                                [expected[i, prompt[i + 1]] for i in range(len(prompt) - 1)], atol=1e-4)
-    streamed = [c.choices[0] for c in client.completions.create(model="smollm2", prompt=prompt, max_tokens=1,
+    streamed = [c.choices[0] for c in client.completions.create(model="smollm2", prompt=prompt, max_tokens=8,
                                                                 temperature=0, echo=True, logprobs=1, stream=True)]
     assert streamed[0].logprobs.token_logprobs == scored.token_logprobs[:len(prompt)]
+    # text_offset runs on over the whole choice, chunk after chunk: each token starts where the last ended
+    tokens = [t for c in streamed if c.logprobs for t in c.logprobs.tokens]
+    offsets = [o for c in streamed if c.logprobs for o in c.logprobs.text_offset]
+    assert len(tokens) == len(prompt) + 8 and offsets == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+
+
+def test_chat_logprobs_carry_each_tokens_bytes(client):
+    """Characters split across tokens (byte-level pieces show as U+FFFD alone): the bytes add up to the text."""
+    answer = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Say it"}], max_tokens=12, temperature=0,
+        logprobs=True, top_logprobs=2, extra_body={"structured_outputs": {"choice": ["日本語 🙂"]}}).choices[0]
+    assert answer.message.content == "日本語 🙂"
+    assert any(t.token.endswith("\ufffd") for t in answer.logprobs.content)
+    assert b"".join(bytes(t.bytes) for t in answer.logprobs.content) == "日本語 🙂".encode("utf-8")
+    assert answer.logprobs.refusal is None
 
 
 @pytest.mark.parametrize("request_args,error,param", [
@@ -199,6 +215,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_ask(client
     ({"response_format": {"type": "json_object"}, "extra_body": {"structured_outputs": {"regex": "a"}}},
      openai.BadRequestError, "structured_outputs"),
     ({"model": "absent"}, openai.NotFoundError, "model"),
+    ({"tool_choice": "auto"}, openai.BadRequestError, "tool_choice"),
 ])
 def test_refusals_reach_the_sdk_as_its_own_errors(client, request_args, error, param):
     args = {"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **request_args}

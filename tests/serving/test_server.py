@@ -429,3 +429,21 @@ def test_a_port_in_use_is_a_coded_error_before_anything_loads(om):
     assert result.returncode == 1
     assert "E10001" in result.stderr and f"Value 127.0.0.1:{port} for parameter --host/--port" in result.stderr
     assert "loading" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_model_without_a_tokenizer_serves_token_ids_and_refuses_echo(tiny_llama_path, tmp_path):
+    import shutil
+
+    from conftest import compile_to
+
+    (tmp_path / "bare").mkdir()
+    shutil.copyfile(tiny_llama_path, tmp_path / "bare" / "model.onnx")  # no tokenizer beside this copy
+    bare = compile_to(tmp_path / "bare" / "model.onnx", tmp_path / "bare" / "m")
+    served = Server("--model", f"bare={bare}", "--kv_cache_pages", "16", "--max_context_len", "256")
+    try:
+        body = {"model": "bare", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+        assert httpx.post(f"{served.url}/v1/completions", json=body, timeout=60).status_code == 200
+        refused = httpx.post(f"{served.url}/v1/completions", json={**body, "echo": True}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
+    finally:
+        served.stop()

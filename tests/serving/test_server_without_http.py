@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import pytest
 from generation_utils import compile_tiny_chat_model
@@ -60,12 +61,18 @@ def test_refusals_before_any_work(om, tmp_path):
         blocked = _refused(lambda: server.start(key, None, "/x", GREEDY, messages=[
             {"role": "user", "content": "a Forbidden word"}]))
         assert (blocked.status, blocked.kind) == (400, "content_filter")
+        tool = {"type": "function", "function": {"name": "f", "description": "does forbidden things"}}
+        called = {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"q": "FORBIDDEN"}}}]}
+        for messages, tools in (([{"role": "user", "content": "hi"}], [tool]), ([called], None)):
+            blocked = _refused(lambda: server.start(key, None, "/x", GREEDY, messages=messages, tools=tools))
+            assert (blocked.status, blocked.kind) == (400, "content_filter")
         assert _refused(lambda: server.start(key, None, "/x", GREEDY, prompt="x" * 5000)).status == 400
         running = server.start(key, None, "/x", ENDLESS, prompt=LONG_PROMPT)
         full = _refused(lambda: server.start(key, None, "/x", GREEDY, prompt="hi"))
         assert (full.status, full.retry_after_s) == (429, 1)
         # unknown keys and models never reach an engine; the rest count as rejected
-        assert _count(server, "rejected") == 3 and server.pending == {"tiny": 1}
+        assert _count(server, "rejected") == 5 and server.pending == {"tiny": 1}
         server.end(running, "client")
         assert _refused(lambda: asyncio.run(server.complete(running))).status == 499
         assert server.pending == {"tiny": 0}
@@ -152,10 +159,10 @@ def test_a_request_that_fails_in_a_step_is_a_500_counted_failed_and_hurts_no_oth
         alone = server.engines["tiny"].generate("hello", max_new_tokens=40, temperature=0, ignore_eos=True)
         params = SamplingParams(max_new_tokens=8, temperature=1.0)
         object.__setattr__(params, "repetition_penalty", 1e-308)  # past the checks: inf - inf in the sampler
-        bad = server._admit("tiny", None, "/v1/completions", (), [5, 6, 7], params)
+        [bad] = server._admit("tiny", None, "/v1/completions", (), [5, 6, 7], [params])
         failed = _refused(lambda: asyncio.run(server.complete(bad)))
         assert (failed.status, failed.kind) == (500, "server_error") and bad.request.finish_reason == "error"
-        streamed = server._admit("tiny", None, "/v1/completions", (), [5, 6, 7], params)
+        [streamed] = server._admit("tiny", None, "/v1/completions", (), [5, 6, 7], [params])
 
         async def read():
             return [piece async for piece in server.stream(streamed)]
@@ -166,6 +173,69 @@ def test_a_request_that_fails_in_a_step_is_a_500_counted_failed_and_hurts_no_oth
         assert server.pending == {"tiny": 0} and server.engines["tiny"].blocks.num_used == 0
     finally:
         server.close()
+
+
+def test_n_choices_are_admitted_together_and_charge_their_prompt_once(om, tmp_path):
+    server = _server(om, tmp_path, api_keys=["k"], quota_tokens=100, settings=ServerSettings(max_pending=3))
+    params = {**GREEDY, "max_new_tokens": 8, "ignore_eos": True, "seed": 1}
+    try:
+        too_many = _refused(lambda: server.start_choices("Bearer k", None, "/x", params, 4, prompt="abc"))
+        over_quota = _refused(lambda: server.start_choices("Bearer k", None, "/x", {**params, "max_new_tokens": 40},
+                                                           3, prompt="abc"))
+        assert (too_many.kind, over_quota.kind) == ("rate_limit_exceeded", "quota_exceeded")
+        assert server.guard.used.get("k", 0) == 0 and server.pending == {"tiny": 0}
+        choices = server.start_choices("Bearer k", None, "/v1/completions", params, 3, prompt="abc")
+        assert [g.reserved for g in choices] == [3 + 8, 8, 8] and server.guard.used == {"k": 27}
+        assert [g.request.seq.params.seed for g in choices] == [1, 2, 3]
+        asyncio.run(server.complete_all(choices))
+        assert server.guard.used == {"k": 27} and server.pending == {"tiny": 0}
+        assert server.metrics.prompt_tokens.labels("tiny")._value.get() == 3
+        records = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+        assert [(r["tokens_in"], r["tokens_out"]) for r in records] == [(3, 8), (0, 8), (0, 8)]
+    finally:
+        server.close()
+
+
+def test_a_choice_the_engine_refuses_ends_its_siblings_uncharged(om):
+    server = _server(om, api_keys=["k"], quota_tokens=1000)
+    good = SamplingParams(max_new_tokens=300, temperature=0, ignore_eos=True)
+    try:
+        refusal = _refused(lambda: server._admit("tiny", "k", "/x", (), [5, 6, 7],
+                                                 [good, good, SamplingParams(stop_token_ids=(10 ** 6,))]))
+        assert (refusal.status, refusal.param) == (400, None) and "outside the vocabulary" in refusal.message
+        _wait_until(lambda: server.in_flight == 0)
+        assert server.guard.used.get("k", 0) == 0 and server.pending == {"tiny": 0}
+        assert _count(server, "rejected") == 1 and _count(server, "cancelled") == 0
+        assert server.engines["tiny"].blocks.num_used == 0
+    finally:
+        server.close()
+
+
+def test_choices_share_one_deadline_and_a_failing_choice_ends_the_rest(om):
+    server = _server(om, settings=ServerSettings(request_timeout_s=0.5))
+    try:
+        choices = server.start_choices(None, None, "/x", ENDLESS, 2, prompt=LONG_PROMPT)
+        assert _refused(lambda: asyncio.run(server.complete_all(choices))).status == 504
+        # the tiny model is fast: a choice may finish its 3000 tokens before the deadline
+        assert {g.ended_by or g.request.finish_reason for g in choices} <= {"timeout", "length"}
+        assert "timeout" in {g.ended_by for g in choices}
+        failing = SamplingParams(max_new_tokens=8, temperature=1.0)
+        object.__setattr__(failing, "repetition_penalty", 1e-308)  # past the checks: inf - inf in the sampler
+        # the failing choice fails in the first step; the other needs thousands (a token a step)
+        choices = server._admit("tiny", None, "/x", (), [5] * 1000, [failing, SamplingParams(**ENDLESS)])
+        assert _refused(lambda: asyncio.run(server.complete_all(choices))).status == 500
+        assert [g.outcome()[0] for g in choices] == [500, 500] and choices[1].ended_by == "failed"
+        _wait_until(lambda: server.in_flight == 0)
+        assert server.engines["tiny"].blocks.num_used == 0
+    finally:
+        server.close()
+
+
+def _wait_until(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert condition()
 
 
 @pytest.mark.parametrize("prompt,params,message", [

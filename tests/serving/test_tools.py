@@ -46,3 +46,10 @@ def test_required_and_named_choices_constrain_and_parse():
     assert [(c.name, c.arguments) for c in calls] == [("get_time", "{}")]
     assert tools.parse('{"city": "Paris"}', TOOLS, named)[1][0].arguments == '{"city": "Paris"}'
     assert tools.parse("plain", TOOLS, "none") == ("plain", [])
+
+
+def test_without_parallel_calls_only_the_first_is_kept():
+    text = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    assert [c.name for c in tools.parse(text, TOOLS, "auto", parallel=True)[1]] == ["get_weather", "get_time"]
+    assert [c.name for c in tools.parse(text, TOOLS, "auto", parallel=False)[1]] == ["get_weather"]

@@ -42,3 +42,25 @@ def test_a_stop_string_ends_the_text_and_is_never_half_streamed():
     pieces, stopped, _ = _stream("alpha beta STOP gamma", stop=["STOP"])
     assert stopped and "".join(pieces) == "alpha beta "
     assert not any("S" in piece for piece in pieces)
+
+
+def test_a_tokens_bytes_are_what_it_stands_for_not_its_replacement_character():
+    tokenizer = _tokenizer()  # byte-level: one token a byte, most of TEXT's characters split across tokens
+    ids = tokenizer.encode(TEXT)
+    assert "\ufffd" in {tokenizer.token_text(i) for i in ids}
+    assert b"".join(tokenizer.token_bytes(i) for i in ids) == TEXT.encode("utf-8")
+
+
+def test_sentencepiece_byte_fallback_tokens_are_their_byte():
+    """Llama's layout: `▁` for a space, a character outside the vocabulary as `<0xNN>` tokens."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "\u2581": 257, "h": 258, "i": 259}
+    spm = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    spm.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    spm.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tokenizer = TextTokenizer({"tokenizer.json": spm.to_str()})
+    ids = tokenizer.encode("hi 🙂 hé")
+    assert sum(tokenizer.token_text(i).startswith("<0x") or tokenizer.token_text(i) == "\ufffd" for i in ids) >= 5
+    assert b"".join(tokenizer.token_bytes(i) for i in ids) == " hi 🙂 hé".encode("utf-8")

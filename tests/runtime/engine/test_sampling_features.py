@@ -6,6 +6,7 @@ prompt-lookup drafts."""
 from __future__ import annotations
 
 import re
+import time
 
 import numpy as np
 import pytest
@@ -13,8 +14,9 @@ from conftest import ort_reference
 from generation_utils import compile_tiny_chat_model
 
 from runtime.engine.engine import LLMEngine
-from runtime.engine.sampler import apply_output_penalties
+from runtime.engine.sampler import apply_output_penalties, draw, process_logits
 from runtime.engine.sampling import SamplingParams
+from runtime.engine.sequence import Sequence, TokenLogprob
 from runtime.engine.structured import StructuredOutput
 from runtime.feeds import causal_lm_inputs
 from runtime.signature import io_signature, llm_dimensions
@@ -48,6 +50,17 @@ def test_n_outputs_are_seeded_apart(engine):
     assert [o.index for o in output.outputs] == [0, 1, 2] and len(set(texts)) > 1
     alone = engine.generate("abc", max_new_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
     assert texts[1] == alone  # the i-th is seeded seed + i
+    (one_prompt,) = engine.generate("abc", max_tokens=12, temperature=1.0, seed=4, n=3, ignore_eos=True)
+    assert [o.text for o in one_prompt.outputs] == texts
+
+
+def test_a_refused_prompt_in_a_batch_leaves_nothing_running(engine):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate(["abc", [5, 10 ** 6]], SamplingParams(max_tokens=200, temperature=0, n=2, ignore_eos=True))
+    deadline = time.monotonic() + 60
+    while engine.blocks.num_used and time.monotonic() < deadline:  # the cancelled end before the next step
+        time.sleep(0.01)
+    assert engine.blocks.num_used == 0
 
 
 def test_logprobs_are_log_softmax_of_the_logits(engine):
@@ -93,6 +106,25 @@ def test_min_tokens_and_stop_token_ids(engine):
     (held,) = engine.generate(["abc"], SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[stop_id],
                                                       min_tokens=10))
     assert stop_id not in held.outputs[0].token_ids[:10]
+
+
+def test_a_grammar_that_may_only_end_wins_over_min_tokens():
+    logits = np.array([3.0, 1.0, 2.0, 0.5], np.float32)
+    eos_only = np.array([False, False, False, True])
+    assert draw(process_logits(logits, SamplingParams(temperature=0), [], 0, (3,), eos_only),
+                SamplingParams(temperature=0), None) == 3
+    some = np.array([False, True, False, True])  # another token is allowed: the ban holds
+    assert draw(process_logits(logits, SamplingParams(temperature=0), [], 0, (3,), some),
+                SamplingParams(temperature=0), None) == 1
+    with pytest.raises(ValueError, match="allows no token"):
+        process_logits(logits, SamplingParams(temperature=0), [], 0, (), np.zeros(4, bool))
+
+
+def test_a_prompt_scored_once_is_not_rescored_when_recomputed():
+    seq = Sequence([5, 6, 7, 8], SamplingParams(prompt_logprobs=0), frozenset())
+    assert seq.scores_prompt(4) and seq.logit_rows(4) == 4
+    seq.prompt_logprobs.extend(TokenLogprob(t, -1.0, ()) for t in (5, 6, 7, 8))
+    assert not seq.scores_prompt(4) and seq.logit_rows(4) == 1  # preempted, it recomputes its prompt from 0
 
 
 @pytest.mark.parametrize("drafts", [0, 4])
