@@ -31,7 +31,7 @@ from runtime.engine.sampling import SamplingParams
 from runtime.engine.scheduler import ScheduledBatch, Scheduler
 from runtime.engine.sequence import RequestStats, Sequence, TokenLogprob
 from runtime.engine.speculation import NgramProposer
-from runtime.engine.structured import GrammarCompiler, MaskBatch
+from runtime.engine.structured import GrammarCompiler
 from runtime.engine.trial_step import trial_step
 from runtime.errors import invalid_value
 from runtime.executor import Executor
@@ -317,6 +317,8 @@ class LLMEngine:
         self._wake.set()
         if self._worker is not None:
             self._worker.join()
+        if self._grammars is not None:
+            self._grammars.close()
 
     def __enter__(self) -> "LLMEngine":
         return self
@@ -396,7 +398,7 @@ class LLMEngine:
                     for seq, count in zip(batch.seqs, batch.num_tokens)]  # not a prefill chunk short of the prompt's end
         constrained = [seq for seq, samples in zip(batch.seqs, sampling) if samples and seq.constraint is not None]
         # the grammars' masks for the first token of each, computed while the model runs the step
-        masks = MaskBatch([seq.constraint for seq in constrained]) if constrained else None
+        masks = self._grammars.masks([seq.constraint for seq in constrained]) if constrained else None
         mask_row = {seq.seq_id: row for row, seq in enumerate(constrained)}
         outcomes = self._run(batch)
         self.stats.steps += 1

@@ -78,6 +78,8 @@ class GrammarCompiler:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids):
         self._source, self.vocab_size, self._eos = tokenizer_json, vocab_size, sorted(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
+        # one engine's steps come one at a time: one thread hands each step's masks to llguidance
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="llguidance-masks")
 
     def constraint(self, spec: StructuredOutput) -> "Constraint":
         """A fresh matcher for `spec`; ValueError naming what is wrong with a grammar that does not compile."""
@@ -92,6 +94,13 @@ class GrammarCompiler:
         if matcher.is_error():
             raise ValueError(f"the structured output cannot be compiled: {matcher.get_error()}")
         return Constraint(matcher, self.vocab_size)
+
+    def masks(self, constraints: list["Constraint"]) -> "MaskBatch":
+        """The next tokens' masks of `constraints`, started now in the background."""
+        return MaskBatch(constraints, self._pool)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
 
 
 class Constraint:
@@ -127,17 +136,16 @@ def unpack(bits: np.ndarray, vocab_size: int) -> np.ndarray:
 
 
 class MaskBatch:
-    """Masks for several constraints, computed in the background (llguidance's threads, the GIL released)
-    while the model runs the step; `result(i)` waits for row i."""
+    """Masks for several constraints, computed in the background on `pool` (llguidance's threads, the GIL
+    released) while the model runs the step; `result(i)` waits for row i."""
 
-    _pool = ThreadPoolExecutor(1, thread_name_prefix="llguidance-masks")
     _executor = llguidance.LLExecutor()
 
-    def __init__(self, constraints: list[Constraint]):
+    def __init__(self, constraints: list[Constraint], pool: ThreadPoolExecutor):
         self.vocab_size = constraints[0].vocab_size
         self.bits = np.empty((len(constraints), (self.vocab_size + 31) // 32), np.int32)
         pairs = [(c.matcher, i) for i, c in enumerate(constraints)]
-        self._future: Future = self._pool.submit(fill_next_token_bitmask_par, self._executor, pairs, self.bits)
+        self._future: Future = pool.submit(fill_next_token_bitmask_par, self._executor, pairs, self.bits)
 
     def result(self, index: int) -> np.ndarray:
         self._future.result()
