@@ -2,10 +2,14 @@
 
 Pages have reference counts. A page full of computed tokens is registered under a hash chained from its
 predecessor's (so equal hashes mean equal whole prefixes); a new sequence whose prompt starts with
-registered pages takes them instead of recomputing them. A page freed by its last owner keeps its
-contents and hash and goes to the back of the free queue: it can still be found by a later request until
-the pool needs it for new tokens (least recently freed first). A write into a shared page first copies
-it (copy on write), as forked sequences need.
+registered pages takes them instead of recomputing them. Past its whole pages, a prompt is matched token by
+token against every page registered under the same prefix, full or partly filled (a finished chat turn's
+last page, a running sequence's page being filled): the best match's tokens are copied into a page of the
+new sequence, so a follow-up turn or a request sharing a short system prompt computes only what is new,
+however it falls on page boundaries (as SGLang's radix cache does; vLLM matches whole blocks only). A page
+freed by its last owner keeps its contents and registration and goes to the back of the free queue: it can
+still be found by a later request until the pool needs it for new tokens (least recently freed first). A
+write into a shared page first copies it (copy on write), as forked sequences need.
 
 New tokens go first to freed pages that hold nothing worth keeping (most recently freed first), then to
 pages never used, and only then to cached ones. The pool's memory is mapped lazily (runtime/engine/kv_cache.py):
@@ -24,7 +28,9 @@ from runtime.engine.sequence import Sequence
 @dataclass
 class _Page:
     ref_count: int = 0
-    hash: int | None = None
+    hash: int | None = None              # registered as a whole page under this hash
+    parent: int | None = None            # registered (whole or in part) after the prefix of this hash
+    tokens: tuple[int, ...] | None = None  # the tokens it holds, when registered
 
 
 class BlockManager:
@@ -40,7 +46,9 @@ class BlockManager:
         # free pages holding cached prefixes, least recently freed first
         self._cached: OrderedDict[int, None] = OrderedDict()
         self._by_hash: dict[int, int] = {}
-        self.pending_copies: list[tuple[int, int]] = []
+        # every registered page by the prefix it follows and its first token: the candidates of a partial match
+        self._after: dict[tuple[int | None, int], set[int]] = {}
+        self.pending_copies: list[tuple[int, int, int]] = []  # (source, target, leading tokens to copy)
         self.prefix_hits = 0
         self.prefix_queries = 0
         self.peak_used = 0
@@ -64,50 +72,88 @@ class BlockManager:
         return self.pages_needed(seq, num_tokens) <= self.num_free
 
     def claim_prefix(self, seq: Sequence) -> int:
-        """Give a new sequence the cached pages its prompt starts with; returns the tokens they cover.
+        """Give a new sequence the cached pages its prompt starts with, and a copy of the best partial match
+        after them; returns the tokens they cover (counted in `prefix_queries` / `prefix_hits`, as vLLM counts).
 
         The last prompt token is never taken from the cache: its logits are needed, so it is computed.
         """
         assert not seq.block_table and seq.num_computed == 0
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return 0  # (a sequence that wants its prompt's log-probabilities computes every prompt token)
+        reusable = seq.num_prompt - 1
         parent = None
-        for index in range((seq.num_prompt - 1) // self.page_size):
-            self.prefix_queries += 1
+        for index in range(reusable // self.page_size):
             key = self._hash(parent, seq.token_ids, index)
             page = self._by_hash.get(key)
             if page is None:
                 break
-            self.prefix_hits += 1
             self._take(page)
             seq.block_table.append(page)
             parent = key
-        seq.num_computed = len(seq.block_table) * self.page_size
-        seq.stats.cached_tokens = seq.num_computed
-        return seq.num_computed
+        cached = len(seq.block_table) * self.page_size
+        cached += self._copy_best_match(seq, parent, seq.token_ids[cached:min(reusable, cached + self.page_size)])
+        seq.num_computed = seq.stats.cached_tokens = cached
+        self.prefix_queries += seq.num_prompt
+        self.prefix_hits += cached
+        return cached
+
+    def _copy_best_match(self, seq: Sequence, parent: int | None, wanted: list[int]) -> int:
+        """Copy into a new page of `seq` the registered page after `parent` whose tokens start most like
+        `wanted`; returns how many match (0: none, nothing taken)."""
+        if not wanted or not self.num_free:
+            return 0
+        best, matched = None, 0
+        for page in self._after.get((parent, wanted[0]), ()):
+            held = self._pages[page].tokens
+            length = next((i for i, (a, b) in enumerate(zip(held, wanted)) if a != b), min(len(held), len(wanted)))
+            if length > matched:
+                best, matched = page, length
+        if best is None:
+            return 0
+        # the copy runs before the step writes anything, so the source may even be reused by this step; only
+        # the matched tokens are copied (a fresh page faults in only what is written)
+        target = self._allocate()
+        self.pending_copies.append((best, target, matched))
+        seq.block_table.append(target)
+        return matched
 
     def reserve(self, seq: Sequence, num_tokens: int) -> None:
         """Make `seq` own pages for its first `num_tokens` tokens, copying a shared page it will write."""
         if self._needs_copy(seq, num_tokens):
             old = seq.block_table[-1]
             new = self._allocate()
-            self.pending_copies.append((old, new))
+            self.pending_copies.append((old, new, self.page_size))
             self._release(old)
             seq.block_table[-1] = new
         while len(seq.block_table) * self.page_size < num_tokens:
             seq.block_table.append(self._allocate())
 
-    def register_full_pages(self, seq: Sequence) -> None:
-        """After a step: put `seq`'s pages that are now full of computed tokens into the prefix cache."""
+    def register_pages(self, seq: Sequence) -> None:
+        """After a step: put `seq`'s pages into the prefix cache: those now full of computed tokens as whole
+        pages, the one being filled for partial matches (with the tokens it holds so far)."""
         if not self.enable_prefix_caching:
             return
         parent = None
-        for index in range(seq.num_computed // self.page_size):
+        for index in range(-(-seq.num_computed // self.page_size)):
+            start = index * self.page_size
+            number = seq.block_table[index]
+            page = self._pages[number]
+            if page.hash is not None:  # a whole page registered before: its key chains on
+                parent = page.hash
+                continue
+            held = tuple(seq.token_ids[start:min(seq.num_computed, start + self.page_size)])
+            if page.tokens != held:
+                if page.tokens is None or page.parent != parent or page.tokens[0] != held[0]:
+                    self._unregister(number)
+                    page.parent = parent
+                    self._after.setdefault((parent, held[0]), set()).add(number)
+                page.tokens = held
+            if len(held) < self.page_size:
+                break
             key = self._hash(parent, seq.token_ids, index)
-            page = self._pages[seq.block_table[index]]
             if page.hash is None:
                 page.hash = key
-                self._by_hash.setdefault(key, seq.block_table[index])
+                self._by_hash.setdefault(key, number)
             parent = key
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -119,6 +165,9 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s pages; unshared ones return to the free queue (keeping their cached contents)."""
+        # a copy into a page it no longer owns must not land on whoever takes that page next
+        dropped = set(seq.block_table)
+        self.pending_copies = [copy for copy in self.pending_copies if copy[1] not in dropped]
         for page in reversed(seq.block_table):
             self._release(page)
         seq.block_table = []
@@ -127,10 +176,8 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Forget the contents of every page no sequence holds (measurements that must start cold)."""
         for index, page in enumerate(self._pages):
-            if page.ref_count == 0 and page.hash is not None:
-                if self._by_hash.get(page.hash) == index:
-                    del self._by_hash[page.hash]
-                page.hash = None
+            if page.ref_count == 0 and page.tokens is not None:
+                self._unregister(index)
                 if index in self._cached:
                     del self._cached[index]
                     self._blank[index] = None
@@ -157,11 +204,8 @@ class BlockManager:
             page, _ = self._cached.popitem(last=False)
         else:
             raise RuntimeError("no free KV page: the scheduler must check can_hold first")
-        entry = self._pages[page]
-        if entry.hash is not None and self._by_hash.get(entry.hash) == page:
-            del self._by_hash[entry.hash]
-        entry.hash = None
-        entry.ref_count = 1
+        self._unregister(page)
+        self._pages[page].ref_count = 1
         self.peak_used = max(self.peak_used, self.num_used)
         return page
 
@@ -169,5 +213,17 @@ class BlockManager:
         entry = self._pages[page]
         entry.ref_count -= 1
         if entry.ref_count == 0:
-            findable = entry.hash is not None and self._by_hash.get(entry.hash) == page
-            (self._cached if findable else self._blank)[page] = None
+            (self._cached if entry.tokens is not None else self._blank)[page] = None
+
+    def _unregister(self, page: int) -> None:
+        """Forget what `page` holds: it is about to hold something else."""
+        entry = self._pages[page]
+        if entry.hash is not None and self._by_hash.get(entry.hash) == page:
+            del self._by_hash[entry.hash]
+        if entry.tokens is not None:
+            after = self._after.get((entry.parent, entry.tokens[0]))
+            if after is not None:
+                after.discard(page)
+                if not after:
+                    del self._after[(entry.parent, entry.tokens[0])]
+        entry.hash, entry.parent, entry.tokens = None, None, None

@@ -52,11 +52,11 @@ class PagedRunner:
     def run(self, batch: ScheduledBatch) -> np.ndarray:
         return self.executor.run(self.feeds(batch), ["logits"], kv_cache=self.pool)["logits"]
 
-    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
-        """Apply the block manager's copy-on-write copies."""
-        for source, target in copies:
-            self.pool.key[:, target] = self.pool.key[:, source]
-            self.pool.value[:, target] = self.pool.value[:, source]
+    def copy_pages(self, copies: list[tuple[int, int, int]]) -> None:
+        """Apply the block manager's copies: (source page, target page, leading tokens)."""
+        for source, target, tokens in copies:
+            self.pool.key[:, target, :, :tokens] = self.pool.key[:, source, :, :tokens]
+            self.pool.value[:, target, :, :tokens] = self.pool.value[:, source, :, :tokens]
 
     def release(self, seq: Sequence) -> None:
         del seq  # the pages are the block manager's
@@ -87,7 +87,7 @@ class ContiguousRunner:
             rows.append(outputs["logits"][0, -seq.logit_rows(count):])
         return np.concatenate(rows)
 
-    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+    def copy_pages(self, copies: list[tuple[int, int, int]]) -> None:
         del copies  # one private cache per sequence: nothing is shared
 
     def release(self, seq: Sequence) -> None:

@@ -114,7 +114,7 @@ class Scheduler:
         """
         for seq, count in zip(batch.seqs, batch.num_tokens):
             seq.num_computed = min(seq.num_computed + count, len(seq.token_ids) - 1)
-            self.blocks.register_full_pages(seq)
+            self.blocks.register_pages(seq)
 
     def retire(self) -> list[Sequence]:
         """Drop finished sequences from the running set, freeing their pages; returns them."""

@@ -34,8 +34,8 @@ class _EngineCollector:
                                 lambda e: e.blocks.num_used / e.blocks.num_pages),
     }
     COUNTERS = {
-        "prefix_cache_queries": ("Full prompt pages looked up in the prefix cache", lambda e: e.blocks.prefix_queries),
-        "prefix_cache_hits": ("Prompt pages found in the prefix cache", lambda e: e.blocks.prefix_hits),
+        "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", lambda e: e.blocks.prefix_queries),
+        "prefix_cache_hits": ("Prompt tokens found in the prefix cache", lambda e: e.blocks.prefix_hits),
         "num_preemptions": ("Sequences preempted by recompute", lambda e: e.stats.preemptions),
         "spec_decode_num_draft_tokens": ("Draft tokens proposed by prompt lookup", lambda e: e.stats.draft_tokens),
         "spec_decode_num_accepted_tokens": ("Draft tokens the model agreed with", lambda e: e.stats.accepted_tokens),

@@ -22,7 +22,7 @@ def _run_prompt(blocks: BlockManager, seq: Sequence) -> None:
     blocks.claim_prefix(seq)
     blocks.reserve(seq, len(seq.token_ids))
     seq.num_computed = len(seq.token_ids)
-    blocks.register_full_pages(seq)
+    blocks.register_pages(seq)
 
 
 def test_pages_are_owned_once_and_all_return():
@@ -42,19 +42,45 @@ def test_a_shared_prefix_is_computed_once():
     blocks = BlockManager(8, PAGE)
     first, second = _seq(range(40)), _seq(list(range(40)) + [99, 98])
     _run_prompt(blocks, first)
-    assert blocks.claim_prefix(second) == 32  # two full pages; the third is still being filled
-    assert second.block_table == first.block_table[:2] and second.stats.cached_tokens == 32
+    # two whole pages shared, and the 8 tokens of the third (still being filled) copied into a page of its own
+    assert blocks.claim_prefix(second) == 40 and second.stats.cached_tokens == 40
+    assert second.block_table[:2] == first.block_table[:2] and second.block_table[2] != first.block_table[2]
+    assert blocks.pending_copies == [(first.block_table[2], second.block_table[2], 8)]
     blocks.reserve(second, 42)
     assert blocks.num_used == 3 + 1
     blocks.free(first)
     assert blocks.num_used == 3  # the shared pages are still the second's
+    assert (blocks.prefix_queries, blocks.prefix_hits) == (40 + 42, 40)  # in tokens, as vLLM counts them
+
+
+def test_a_partial_match_stops_where_the_tokens_differ():
+    blocks = BlockManager(8, PAGE)
+    first = _seq(range(60))  # three whole pages and 12 tokens
+    _run_prompt(blocks, first)
+    pages = first.block_table
+    blocks.free(first)  # a finished chat turn: its pages stay findable, the partly filled one too
+    follow_up = _seq([*range(37), 500, *range(38, 60)])  # differs at token 37, inside the third page
+    assert blocks.claim_prefix(follow_up) == 37
+    assert follow_up.block_table[:2] == pages[:2]
+    assert blocks.pending_copies == [(pages[2], follow_up.block_table[2], 5)]
+    other = _seq([*range(32), 900, 901])  # nothing registered after the second page starts with 900
+    assert blocks.claim_prefix(other) == 32
+
+
+def test_a_copy_for_a_sequence_that_is_freed_is_dropped():
+    blocks = BlockManager(8, PAGE)
+    _run_prompt(blocks, _seq(range(20)))
+    waiting = _seq(range(24))
+    assert blocks.claim_prefix(waiting) == 20 and len(blocks.pending_copies) == 1
+    blocks.free(waiting)  # (what the scheduler does when the pool cannot hold it yet)
+    assert blocks.pending_copies == [] and blocks.num_used == 2
 
 
 def test_the_last_prompt_token_is_always_computed():
     blocks = BlockManager(8, PAGE)
     _run_prompt(blocks, _seq(range(32)))
     again = _seq(range(32))
-    assert blocks.claim_prefix(again) == 16  # not 32: the last token's logits are needed
+    assert blocks.claim_prefix(again) == 31  # not 32: the last token's logits are needed
 
 
 def test_freed_pages_stay_findable_until_the_pool_needs_them():
@@ -63,7 +89,7 @@ def test_freed_pages_stay_findable_until_the_pool_needs_them():
     _run_prompt(blocks, first)
     blocks.free(first)
     assert blocks.num_free == 4
-    assert blocks.claim_prefix(_seq(range(40))) == 32
+    assert blocks.claim_prefix(_seq(range(40))) == 33
     blocks = BlockManager(4, PAGE)
     first = _seq(range(33))
     _run_prompt(blocks, first)
@@ -72,22 +98,19 @@ def test_freed_pages_stay_findable_until_the_pool_needs_them():
     assert blocks.claim_prefix(_seq(range(40))) == 0
 
 
-def test_new_tokens_take_blank_freed_pages_then_unused_ones_then_cached_ones():
+def test_new_tokens_take_blank_pages_before_cached_ones():
     blocks = BlockManager(6, PAGE)
-    first = _seq(range(40))  # two full pages cached, the third partly filled
+    first = _seq(range(40))  # two full pages and a partly filled one, all findable once freed
     _run_prompt(blocks, first)
     cached, partial = first.block_table[:2], first.block_table[2]
     blocks.free(first)
-    second = _seq(range(1000, 1016))  # one page
+    second = _seq(range(2000, 2048))  # three pages: the three never used
     _run_prompt(blocks, second)
-    assert second.block_table == [partial]  # resident already, nothing cached in it
-    third = _seq(range(2000, 2048))  # three pages: the three never used
+    assert not set(second.block_table) & {*cached, partial}
+    third = _seq(range(3000, 3016))
     _run_prompt(blocks, third)
-    assert not set(third.block_table) & {*cached, partial}
-    fourth = _seq(range(3000, 3016))
-    _run_prompt(blocks, fourth)
-    assert fourth.block_table == [cached[1]]  # only now is a cached page given up: a prefix's end first
-    assert blocks.claim_prefix(_seq(range(40))) == 16
+    assert third.block_table == [partial]  # only now is a cached page given up: a prefix's end first
+    assert blocks.claim_prefix(_seq(range(40))) == 32
 
 
 def test_resetting_the_prefix_cache_forgets_free_pages_only():
@@ -98,7 +121,7 @@ def test_resetting_the_prefix_cache_forgets_free_pages_only():
     blocks.free(freed)
     blocks.reset_prefix_cache()
     assert blocks.claim_prefix(_seq(range(500, 540))) == 0
-    assert blocks.claim_prefix(_seq(range(40))) == 32  # still held by a running sequence
+    assert blocks.claim_prefix(_seq(range(40))) == 39  # still held by a running sequence
 
 
 def test_a_forked_sequence_copies_the_shared_page_it_writes():
@@ -112,7 +135,7 @@ def test_a_forked_sequence_copies_the_shared_page_it_writes():
     blocks.reserve(child, 21)
     shared_full, old_last = parent.block_table
     assert child.block_table[0] == shared_full and child.block_table[1] != old_last
-    assert blocks.pending_copies == [(old_last, child.block_table[1])]
+    assert blocks.pending_copies == [(old_last, child.block_table[1], PAGE)]
     blocks.free(parent)
     blocks.free(child)
     assert blocks.num_free == 8

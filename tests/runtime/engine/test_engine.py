@@ -77,8 +77,22 @@ def test_a_shared_prefix_is_taken_from_the_cache(small_pages_om):
     with LLMEngine(small_pages_om, kv_cache_pages=32, max_context_len=256) as engine:
         outputs, requests = _greedy(engine, [first])
         later, later_requests = _greedy(engine, [second])
-    assert requests[0].stats.cached_tokens == 0 and later_requests[0].stats.cached_tokens == 48
+    # three whole 16-token pages shared, the 2 tokens after them copied from the first's partly filled page
+    assert requests[0].stats.cached_tokens == 0 and later_requests[0].stats.cached_tokens == 50
     assert outputs + later == hf_greedy("llama", (tuple(first), tuple(second)))
+
+
+@pytest.mark.parametrize("page_size", [16, 128])
+def test_a_follow_up_turn_recomputes_only_its_new_tokens(paged_om, small_pages_om, page_size):
+    """A chat's next turn is its history (the last prompt and the answer) plus a few new tokens: everything
+    but the answer's last token (never computed) comes from the cache, wherever the pages end."""
+    first = mixed_prompts(1, seed=8, low=37, high=38)[0]
+    with LLMEngine(small_pages_om if page_size == 16 else paged_om, kv_cache_pages=32, max_context_len=256) as engine:
+        (answer,), _ = _greedy(engine, [first])
+        follow_up = first + answer + [11, 12, 13]
+        (later,), (request,) = _greedy(engine, [follow_up])
+    assert request.stats.cached_tokens == len(first) + len(answer) - 1
+    assert [answer, later] == hf_greedy("llama", (tuple(first), tuple(follow_up)))
 
 
 def _paged_config(folder, page_size: int) -> str:
