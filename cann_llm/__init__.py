@@ -4,6 +4,7 @@ from compiler import __version__
 from compiler.compile import compile_model
 from compiler.config import CompileConfig
 from runtime import Executor, LoadedModel, load_artifact
+from runtime.conversation import Conversation, ConversationManager, ConversationSettings
 from runtime.engine.config import EngineConfig
 from runtime.engine.engine import EngineStats, LLMEngine, Request
 from runtime.engine.outputs import CompletionOutput, RequestOutput
@@ -11,6 +12,6 @@ from runtime.engine.sampling import SamplingParams
 from runtime.engine.sequence import RequestStats, TokenLogprob
 from runtime.engine.structured import StructuredOutput
 
-__all__ = ["CompileConfig", "CompletionOutput", "EngineConfig", "EngineStats", "Executor", "LLMEngine", "LoadedModel",
+__all__ = ["CompileConfig", "CompletionOutput", "Conversation", "ConversationManager", "ConversationSettings", "EngineConfig", "EngineStats", "Executor", "LLMEngine", "LoadedModel",
            "Request", "RequestOutput", "RequestStats", "SamplingParams", "StructuredOutput", "TokenLogprob", "__version__",
            "compile_model", "load_artifact"]

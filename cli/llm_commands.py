@@ -10,6 +10,7 @@ from functools import wraps
 import click
 
 from cli.loading import loading
+from runtime.conversation import COMPACTIONS, Conversation, ConversationSettings
 from runtime.engine.config import EngineConfig
 from runtime.engine.engine import GenerationFailed
 from runtime.errors import AtcError
@@ -141,18 +142,23 @@ def generate_command(prompt, chat_template, json_path, **kwargs) -> None:
 @sampling_options
 @click.option("--system", default=None, help="a system message opening the conversation")
 @click.option("--message", multiple=True, help="user turns to send in order instead of reading stdin (repeatable)")
+@click.option("--context_budget", type=click.IntRange(min=2), default=None,
+              help="tokens a turn's prompt and reply may take [default: max_context_len]")
+@click.option("--compaction", type=click.Choice(COMPACTIONS), default="summarize", show_default=True,
+              help="what happens to the earliest turns when the next would not fit: summarised by the model, or dropped")
 @_value_errors_as_codes
-def chat_command(system, message, **kwargs) -> None:
+def chat_command(system, message, context_budget, compaction, **kwargs) -> None:
     """Talk with the model; each turn reuses the conversation so far through the prefix cache.
 
     Reads one user turn per line from stdin (or takes --message turns); an empty line, `/exit` or end of
-    input ends the conversation.
+    input ends the conversation. When the next turn would not fit the context budget, the earliest turns
+    are summarised by the model (or dropped) and a line says so.
     """
     params = _sampling(kwargs)
     interactive = not message and sys.stdin.isatty()
-    history = [{"role": "system", "content": system}] if system else []
     turns = iter(message) if message else (line.rstrip("\n") for line in sys.stdin)
     with open_engine(**kwargs) as engine:
+        conversation = Conversation(engine, ConversationSettings(context_budget, compaction), system)
         while True:
             if interactive:
                 click.echo("user> ", nl=False)
@@ -161,9 +167,21 @@ def chat_command(system, message, **kwargs) -> None:
                 break
             if not interactive:
                 click.echo(f"user> {turn}")
-            history.append({"role": "user", "content": turn})
+            seen = len(conversation.compactions)
+            prompt = conversation.prompt(turn, params["max_new_tokens"])
+            for compacted in conversation.compactions[seen:]:
+                click.echo(_compaction_line(engine, compacted), err=True)
             click.echo("assistant> ", nl=False)
-            request = _stream(engine, engine.chat_prompt(history), params, sys.stdout)
+            request = _stream(engine, prompt, params, sys.stdout)
             click.echo()
             click.echo(_stats_line(request), err=True)
-            history.append({"role": "assistant", "content": request.text})
+            conversation.reply(request.text)
+
+
+def _compaction_line(engine, compacted) -> str:
+    if compacted.summary is None:
+        what = f"dropped the {compacted.messages} earliest messages" if compacted.messages else "dropped the summary"
+    else:
+        tokens = len(engine.tokenizer.encode(compacted.summary, add_special_tokens=False))
+        what = f"summarised the {compacted.messages} earliest messages in {tokens} tokens"
+    return f"[INFO] the conversation outgrew its budget: {what}"

@@ -91,8 +91,12 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http: Request):
         try:
+            try:
+                conversation = body.conversation_turn()
+            except BodyError as error:
+                raise Refusal(400, str(error), "invalid_request_error", param=error.param) from None
             generations = await _start(server, http, body, "/v1/chat/completions", messages=body.message_dicts(),
-                                       tools=body.tool_dicts())
+                                       tools=body.tool_dicts(), conversation=conversation)
         except Refusal as refusal:
             return _refused(refusal)
         engine = server.engines[generations[0].model]

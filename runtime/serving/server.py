@@ -18,9 +18,10 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Awaitable, Callable, NoReturn
 
+from runtime.conversation import Conversation, ConversationManager
 from runtime.engine.config import EngineConfig
 from runtime.engine.engine import LLMEngine, Request
 from runtime.engine.sampling import SamplingParams
@@ -65,6 +66,7 @@ class Generation:
     blocked_terms: tuple[str, ...]
     reserved: int = 0               # quota tokens held for it: all it may generate, and its prompt if it charges it
     charges_prompt: bool = True     # the first of `n` choices carries the prompt they share
+    turn: "Turn | None" = None      # the turn of a conversation the server keeps
     ended_by: str | None = None     # who cancelled it: "client", "timeout", "shutdown", "failed" or "refused"
 
     @property
@@ -89,6 +91,28 @@ class Generation:
         return {"timeout": 504, "shutdown": 503, "failed": 500, "refused": 400}.get(self.ended_by, 499), "cancelled"
 
 
+@dataclass(eq=False)
+class Turn:
+    """A turn of a conversation the server keeps, holding the conversation's lock until its answer is in."""
+
+    conversation: Conversation
+    lock: threading.Lock
+    asked: bool = False  # its user message is in the conversation
+    _once: threading.Lock = field(default_factory=threading.Lock)
+
+    def end(self, answer: str | None) -> None:
+        """Record the answer (None: the turn failed or was refused, and its question is taken back out);
+        only the first call counts (a refused admission may end it from two threads)."""
+        if not self._once.acquire(blocking=False):
+            return
+        if self.asked:
+            if answer is None:
+                self.conversation.turns.pop()
+            else:
+                self.conversation.reply(answer)
+        self.lock.release()
+
+
 class Server:
     """`Server({"name": "model.om"}, EngineConfig(...), settings, guard)`: `load()`, then `start` requests
     and `complete` or `stream` them; `drain` at the end."""
@@ -100,6 +124,7 @@ class Server:
         self.guard = guard or Guard()
         self.engines: dict[str, LLMEngine] = {}
         self.metrics: ServerMetrics | None = None
+        self.conversations: dict[str, ConversationManager] = {}  # by model name; one per engine
         self.pending = dict.fromkeys(model_paths, 0)
         self.ready = threading.Event()
         self.error: str | None = None
@@ -127,6 +152,8 @@ class Server:
                     on_loading(names, path)
                 engine = LLMEngine(path, self.engine_config)
                 self.engines.update(dict.fromkeys(names, engine))
+            managers = {id(engine): ConversationManager(engine) for engine in self.engines.values()}
+            self.conversations = {name: managers[id(engine)] for name, engine in self.engines.items()}
             self.metrics = ServerMetrics(self.engines, self.settings.metrics_prefix)
         except Exception as error:  # reported by /health; the process stays up to say so
             self.error = f"{type(error).__name__}: {error}"
@@ -170,34 +197,59 @@ class Server:
 
     def start_choices(self, authorization: str | None, model: str | None, endpoint: str, params: dict, n: int, *,
                       prompt: str | list[int] | None = None, messages: list[dict] | None = None,
-                      tools: list[dict] | None = None) -> list[Generation]:
+                      tools: list[dict] | None = None,
+                      conversation: tuple[str, str | None, str] | None = None) -> list[Generation]:
         """Admit `n` choices of one prompt together and submit them (a `prompt`, or chat `messages` with their
-        `tools` through the model's template; `params` the engine's sampling settings, the i-th choice seeded
-        `seed + i`). The prompt is tokenized, reserved in the quota and charged once; the queue places and
-        every choice's new tokens are reserved at once, so either all run or none does (Refusal)."""
+        `tools` through the model's template, or the next turn of a `conversation` the server keeps: (its id,
+        a system message or None, the user's text); `params` the engine's sampling settings, the i-th choice
+        seeded `seed + i`). The prompt is tokenized, reserved in the quota and charged once; the queue places
+        and every choice's new tokens are reserved at once, so either all run or none does (Refusal)."""
         key, name, engine = self.engine_for(authorization, model)
         if self.guard.blocked(_said(prompt, messages, tools)):
             self._reject(name, Refusal(400, "the prompt contains blocked content", "content_filter"))
         blocked = self.guard.blocked_terms
+        kept = self._take_turn(name, conversation) if conversation is not None else None
         try:
-            sampling = SamplingParams(**{**params, "stop": list(params["stop"]) + list(blocked)})
-            if tools and not engine.template_renders_tools:  # told in a system message instead
-                messages = _with_system(messages, described(tools))
-            ids = engine.encode(engine.chat_prompt(messages, tools or None) if messages is not None else prompt)
-        except ValueError as error:
-            self._reject(name, Refusal(400, str(error), "invalid_request_error"))
-        except Exception as error:  # the chat template's own errors (jinja's), or a prompt it cannot tokenize
-            self._reject(name, Refusal(400, f"the prompt cannot be rendered or tokenized: {error}",
-                                       "invalid_request_error"))
-        choices = [sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i) for i in range(n)]
-        return self._admit(name, key, endpoint, blocked, ids, choices)
+            try:
+                sampling = SamplingParams(**{**params, "stop": list(params["stop"]) + list(blocked)})
+                if kept is not None:  # its history compacted as needed to leave room for the reply
+                    ids = kept.conversation.prompt(conversation[2], sampling.max_new_tokens)
+                    kept.asked = True
+                else:
+                    if tools and not engine.template_renders_tools:  # told in a system message instead
+                        messages = _with_system(messages, described(tools))
+                    ids = engine.encode(engine.chat_prompt(messages, tools or None) if messages is not None else prompt)
+            except ValueError as error:
+                self._reject(name, Refusal(400, str(error), "invalid_request_error"))
+            except Exception as error:  # the chat template's own errors (jinja's), or a prompt it cannot tokenize
+                self._reject(name, Refusal(400, f"the prompt cannot be rendered or tokenized: {error}",
+                                           "invalid_request_error"))
+            choices = [sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i) for i in range(n)]
+            return self._admit(name, key, endpoint, blocked, ids, choices, kept)
+        except BaseException:
+            if kept is not None:
+                kept.end(None)
+            raise
+
+    def _take_turn(self, name: str, conversation: tuple[str, str | None, str]) -> "Turn":
+        """The conversation's turn, held until its answer is in (409 while another turn of it runs)."""
+        conversation_id, system, _ = conversation
+        manager = self.conversations[name]
+        lock = manager.lock(conversation_id)
+        if not lock.acquire(blocking=False):
+            self._reject(name, Refusal(409, f"a turn of conversation {conversation_id!r} is still running",
+                                       "conflict", param="conversation_id"))
+        kept = manager.get(conversation_id)
+        if system is not None:
+            kept.system = system
+        return Turn(kept, lock)
 
     def start(self, authorization: str | None, model: str | None, endpoint: str, params: dict, **prompt) -> Generation:
         """`start_choices` of one choice."""
         return self.start_choices(authorization, model, endpoint, params, 1, **prompt)[0]
 
     def _admit(self, name: str, key: str | None, endpoint: str, blocked: tuple[str, ...], ids: list[int],
-               choices: list[SamplingParams]) -> list[Generation]:
+               choices: list[SamplingParams], turn: Turn | None = None) -> list[Generation]:
         """Take the choices' places in the model's queue and reserve the quota they may use, all at once (so
         concurrent requests cannot all pass one check), then submit them; if one is refused by the engine,
         those submitted before it are ended as refused and their reservation given back whole."""
@@ -221,7 +273,7 @@ class Server:
             for i, sampling in enumerate(choices):
                 request = engine.submit(ids, sampling)
                 generation = Generation(name, key, endpoint, request, blocked, each[i] + (len(ids) if i == 0 else 0),
-                                        charges_prompt=i == 0)
+                                        charges_prompt=i == 0, turn=turn if i == 0 else None)
                 started.append(generation)
                 with self._lock:
                     self._in_flight.add(generation)
@@ -319,6 +371,8 @@ class Server:
 
     def _settle(self, generation: Generation) -> None:
         status, outcome = generation.outcome()
+        if generation.turn is not None:
+            generation.turn.end(generation.text if status == 200 else None)
         stats = generation.request.stats
         if generation.ended_by == "refused":  # counted once as rejected, charged nothing
             self.guard.refund(generation.key, generation.reserved)

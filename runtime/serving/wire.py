@@ -295,6 +295,23 @@ class ChatBody(_Sampling):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # this server's extension: the server keeps the conversation's history under this id (runtime/conversation.py)
+    conversation_id: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = None
+
+    def conversation_turn(self) -> tuple[str, str | None, str] | None:
+        """(conversation id, its system message if this request sets one, the user's new turn), when the
+        server keeps the history: the request then carries only the new turn (after an optional system
+        message), one choice, no tools."""
+        if self.conversation_id is None:
+            return None
+        said = self.message_dicts()
+        if said[-1]["role"] != "user" or any(m["role"] not in ("system", "developer") for m in said[:-1]):
+            raise BodyError("with conversation_id, messages are the new user turn, after an optional system "
+                            "message: the server keeps the rest", "messages")
+        if self.n != 1 or self.tools:
+            raise BodyError("conversation_id takes one choice and no tools", "conversation_id")
+        system = "\n\n".join(m["content"] for m in said[:-1]) or None
+        return self.conversation_id, system, said[-1]["content"]
 
     def sampling(self) -> dict:
         if self.top_logprobs is not None and not self.logprobs:

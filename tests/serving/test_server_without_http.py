@@ -330,3 +330,36 @@ def test_stats_lines_say_what_changed_and_nothing_when_idle(om):
         assert lines.lines() == []
     finally:
         server.close()
+
+
+def test_a_conversation_kept_by_the_server_grows_turn_by_turn(om):
+    server = _server(om)
+    params = {**GREEDY, "max_new_tokens": 6}
+    try:
+        first = asyncio.run(server.complete(server.start(None, None, "/x", params, messages=[
+            {"role": "user", "content": "hello"}], conversation=("c1", "be kind", "hello"))))
+        kept = server.conversations["tiny"].get("c1")
+        assert kept.system == "be kind" and kept.turns == [{"role": "user", "content": "hello"},
+                                                            {"role": "assistant", "content": first.text}]
+        second = server.start(None, None, "/x", params, messages=[{"role": "user", "content": "more"}],
+                              conversation=("c1", None, "more"))
+        # the prompt is the whole conversation so far, as the model's template renders it
+        assert second.request.seq.token_ids[:second.request.seq.num_prompt] == server.engines["tiny"].chat_prompt(
+            kept.messages())
+        asyncio.run(server.complete(second))
+        assert [t["content"] for t in kept.turns][::2] == ["hello", "more"]
+        refused = _refused(lambda: server.start(None, None, "/x", {**params, "temperature": -1}, messages=[
+            {"role": "user", "content": "y"}], conversation=("c1", None, "y")))
+        assert refused.status == 400 and len(kept.turns) == 4  # a refused turn leaves nothing behind
+        # a long turn (a token a step, thousands of steps) to look at while it runs
+        running = server.start(None, None, "/x", {**ENDLESS, "max_new_tokens": 2000},
+                               messages=[{"role": "user", "content": "z" * 500}], conversation=("c1", None, "z" * 500))
+        _wait_until(lambda: len(kept.turns) == 5)
+        busy = _refused(lambda: server.start(None, None, "/x", params, messages=[{"role": "user", "content": "x"}],
+                                             conversation=("c1", None, "x")))
+        assert (busy.status, busy.param) == (409, "conversation_id")
+        server.end(running, "client")
+        _wait_until(lambda: server.in_flight == 0)
+        assert len(kept.turns) == 4 and server.conversations["tiny"].lock("c1").acquire(blocking=False)
+    finally:
+        server.close()

@@ -1,0 +1,196 @@
+"""Conversations that never overflow the context.
+
+`Conversation` keeps one conversation's messages within a token budget (prompt and reply). When the next
+turn would not fit, its earliest turns are compacted: summarised by the model itself into a summary carried
+in the system message (the default; a later compaction summarises the summary with the next turns), or
+dropped. The latest exchanges are kept as they are while anything older is left to compact.
+`ConversationManager` keeps conversations by id, the least recently used forgotten past a bound, for a
+server or an application.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from runtime.engine.sampling import SamplingParams
+
+COMPACTIONS = ("summarize", "drop")
+SUMMARY_REQUEST = ("Summarise the conversation below in a few sentences, so that the assistant can continue it. "
+                   "Keep names, numbers, facts and decisions; leave out greetings.\n\n{transcript}")
+SUMMARY_HEADING = "Summary of the conversation so far: "
+
+
+@dataclass(frozen=True)
+class ConversationSettings:
+    """How a conversation stays within its budget."""
+
+    budget_tokens: int | None = None  # prompt + reply; None: the engine's max_context_len
+    compaction: str = "summarize"     # or "drop"
+    keep_recent: int = 1              # exchanges kept whole before the new turn, while older ones remain
+    summary_tokens: int = 128         # the longest summary the model may write (at most a quarter of the context)
+
+    def __post_init__(self) -> None:
+        if self.compaction not in COMPACTIONS:
+            raise ValueError(f"compaction must be one of {', '.join(COMPACTIONS)}, not {self.compaction!r}")
+        if self.budget_tokens is not None and self.budget_tokens < 2:
+            raise ValueError("budget_tokens must be at least 2")
+        if self.keep_recent < 0 or self.summary_tokens < 1:
+            raise ValueError("keep_recent must be at least 0 and summary_tokens at least 1")
+
+
+@dataclass(frozen=True)
+class Compaction:
+    """One compaction: how many messages it took out, and (when summarised) the prompt the model was given
+    and the summary it wrote."""
+
+    messages: int
+    summary_prompt: list[int] | None = None
+    summary: str | None = None
+
+
+@dataclass
+class Conversation:
+    """One conversation with `engine`: `say(text, **sampling)` answers a user turn; or `prompt(text,
+    reply_tokens)` for the turn's prompt (token ids) and `reply(text)` with the answer, for a caller that
+    streams it."""
+
+    engine: object
+    settings: ConversationSettings = field(default_factory=ConversationSettings)
+    system: str | None = None
+    summary: str | None = None
+    turns: list[dict] = field(default_factory=list)  # user and assistant messages after the system message
+    compactions: list[Compaction] = field(default_factory=list)
+
+    @property
+    def budget(self) -> int:
+        """Tokens of prompt and reply a turn may take."""
+        limit = self.engine.max_context_len
+        return min(self.settings.budget_tokens or limit, limit)
+
+    def messages(self) -> list[dict]:
+        """The messages as the chat template gets them: the system message (with the summary), then the turns."""
+        system = self.system
+        if self.summary is not None:
+            system = (f"{system}\n\n" if system else "") + SUMMARY_HEADING + self.summary
+        return ([{"role": "system", "content": system}] if system else []) + self.turns
+
+    def say(self, text: str, **sampling) -> str:
+        """The model's answer to the user's `text` (sampling settings as `SamplingParams` takes them)."""
+        params = SamplingParams(**sampling)
+        answer = self.engine.submit(self.prompt(text, params.max_new_tokens), params).result()
+        self.reply(answer)
+        return answer
+
+    def prompt(self, text: str, reply_tokens: int) -> list[int]:
+        """The prompt for the user's `text` with `reply_tokens` left for the answer within the budget,
+        compacting earlier turns as needed; ValueError when the turn cannot fit even alone."""
+        self.turns.append({"role": "user", "content": text})
+        try:
+            return self._fit(self.budget - reply_tokens, reply_tokens)
+        except Exception:
+            self.turns.pop()
+            raise
+
+    def reply(self, text: str) -> None:
+        """Record the assistant's answer to the last turn."""
+        self.turns.append({"role": "assistant", "content": text})
+
+    def _fit(self, limit: int, reply_tokens: int) -> list[int]:
+        alone = None
+        while True:
+            ids = self.engine.chat_prompt(self.messages())
+            if len(ids) <= limit:
+                return ids
+            if alone is None:  # nothing is compacted for a turn that could not fit even by itself
+                system = [{"role": "system", "content": self.system}] if self.system else []
+                alone = len(self.engine.chat_prompt(system + self.turns[-1:]))
+                if alone > limit:
+                    raise ValueError(f"the turn does not fit the context: {alone} prompt tokens and {reply_tokens} "
+                                     f"for the reply, {self.budget} allowed")
+            older = len(self.turns) - 1 - 2 * self.settings.keep_recent
+            count = older if older > 0 else len(self.turns) - 1  # the recent ones too, when nothing else is left
+            if count > 0:
+                self._compact(count)
+            elif self.summary is not None:  # the summary alone is too long for this turn: it goes
+                self.summary = None
+                self.compactions.append(Compaction(0))
+            else:
+                raise ValueError(f"the turn does not fit the context: {len(ids)} prompt tokens and {reply_tokens} "
+                                 f"for the reply, {self.budget} allowed")
+
+    def _compact(self, count: int) -> None:
+        """Take out the earliest exchange (drop), or the older half of the `count` compactable messages
+        (summarize, at least one exchange)."""
+        if self.settings.compaction == "drop":
+            taken = min(2, count)
+            del self.turns[:taken]
+            self.compactions.append(Compaction(taken))
+            return
+        half = count // 2
+        taken = min(count, max(2, half - half % 2))  # whole exchanges
+        prompt = self._summary_prompt(self.turns[:taken])
+        summary = self.engine.submit(prompt, SamplingParams(max_new_tokens=self._summary_tokens,
+                                                            temperature=0)).result().strip()
+        del self.turns[:taken]
+        self.summary = summary
+        self.compactions.append(Compaction(taken, prompt, summary))
+
+    @property
+    def _summary_tokens(self) -> int:
+        return min(self.settings.summary_tokens, self.engine.max_context_len // 4)
+
+    def _summary_prompt(self, messages: list[dict]) -> list[int]:
+        """The request for a summary of the earlier summary and `messages`, its transcript cut from the
+        front where it would not leave room for the summary."""
+        lines = [f"{SUMMARY_HEADING}{self.summary}"] if self.summary else []
+        lines += [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+        transcript = "\n".join(lines)
+        room = self.engine.max_context_len - self._summary_tokens
+        while True:
+            asked = self.engine.chat_prompt([{"role": "user", "content": SUMMARY_REQUEST.format(transcript=transcript)}])
+            if len(asked) <= room:
+                return asked
+            if not transcript:
+                raise ValueError(f"the context ({self.engine.max_context_len} tokens) is too small to ask for a "
+                                 f"summary of {self._summary_tokens} tokens; compact by dropping turns instead")
+            # a character is at least part of a token: cutting as many characters as there are tokens too many,
+            # or an eighth, converges in a few rounds whatever the tokenizer
+            transcript = transcript[max(len(asked) - room, len(transcript) // 8):]
+
+
+class ConversationManager:
+    """Conversations by id with one engine and one set of settings; past `max_conversations` the least
+    recently used is forgotten. `lock(id)` serialises the turns of one conversation."""
+
+    def __init__(self, engine, settings: ConversationSettings | None = None, max_conversations: int = 1024):
+        self.engine, self.settings, self.max_conversations = engine, settings or ConversationSettings(), max_conversations
+        self._conversations: OrderedDict[str, tuple[Conversation, threading.Lock]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, conversation_id: str, system: str | None = None) -> Conversation:
+        """The conversation of `conversation_id`, started (with `system`) if it is new."""
+        return self._entry(conversation_id, system)[0]
+
+    def lock(self, conversation_id: str) -> threading.Lock:
+        """The lock a caller holds while it takes a turn of `conversation_id`."""
+        return self._entry(conversation_id, None)[1]
+
+    def forget(self, conversation_id: str) -> None:
+        with self._lock:
+            self._conversations.pop(conversation_id, None)
+
+    def __len__(self) -> int:
+        return len(self._conversations)
+
+    def _entry(self, conversation_id: str, system: str | None) -> tuple[Conversation, threading.Lock]:
+        with self._lock:
+            entry = self._conversations.get(conversation_id)
+            if entry is None:
+                entry = (Conversation(self.engine, self.settings, system), threading.Lock())
+                self._conversations[conversation_id] = entry
+                while len(self._conversations) > self.max_conversations:
+                    self._conversations.popitem(last=False)
+            self._conversations.move_to_end(conversation_id)
+            return entry
