@@ -12,7 +12,7 @@ import numpy as np
 
 from runtime.engine.sampling import SamplingParams
 
-_MASKED = np.float32(3e38)  # how far below the rest a token the structured output excludes is put
+_MASKED = np.float32(3e38)  # twice this is -inf in float32
 
 
 def apply_repetition_penalty(logits: np.ndarray, seen, penalty: float) -> np.ndarray:
@@ -76,8 +76,12 @@ def process_logits(logits: np.ndarray, params: SamplingParams, seen, num_prompt:
         if int(np.count_nonzero(allowed)) <= sum(bool(allowed[t]) for t in set(banned)):
             banned = ()  # the grammar may only end here: it wins over min_tokens
         # arithmetic, not a boolean index: over a scattered mask that was ten times slower (benchmarks/
-        # structured_outputs.py); a finite floor far below any logit is as good as -inf for every draw
-        logits = logits + (allowed.view(np.uint8).astype(np.float32) - 1) * _MASKED
+        # structured_outputs.py). The floor is doubled past float32's range to -inf: a finite one would come
+        # back within reach of the rest once divided by a huge temperature
+        floor = (allowed.view(np.uint8).astype(np.float32) - 1) * _MASKED
+        with np.errstate(over="ignore"):
+            floor += floor
+        logits = floor + logits
     if len(banned):
         logits = np.array(logits, np.float32)
         logits[list(banned)] = -np.inf

@@ -66,25 +66,6 @@ def test_openai_client_completes_chats_and_streams_like_the_engine(server, engin
     assert "".join(deltas) == expected_chat
 
 
-def test_a_conversation_id_has_the_server_keep_the_history(server, engine):
-    from openai import BadRequestError, OpenAI
-
-    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-    turn = {"model": "tiny", "max_tokens": 6, "temperature": 0, "extra_body": {"conversation_id": "http-1"}}
-    first = client.chat.completions.create(messages=[{"role": "user", "content": "hello"}], **turn)
-    second = client.chat.completions.create(messages=[{"role": "user", "content": "again"}], **turn)
-    history = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": first.choices[0].message.content},
-               {"role": "user", "content": "again"}]
-    # the second turn is answered as if the client had sent the whole history itself
-    assert second.choices[0].message.content == engine.chat(history, max_new_tokens=6, temperature=0)
-    assert second.usage.prompt_tokens == len(engine.chat_prompt(history))
-    for bad in ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                              {"role": "user", "content": "c"}]},
-                {"messages": [{"role": "user", "content": "a"}], "n": 2}):
-        with pytest.raises(BadRequestError):
-            client.chat.completions.create(**{**turn, **bad})
-
-
 def test_the_seeds_generate_endpoint(server, engine):
     response = httpx.post(f"{server.url}/generate", json={"prompt": "abc", "max_length": 10, "temperature": 0})
     body = response.json()
@@ -192,6 +173,26 @@ def test_metrics_add_up(server):
         assert server.metric(f"cann_llm:{name}_count", model_name="tiny") == ran, name
     assert server.metric("cann_llm:request_prompt_tokens_sum", model_name="tiny") == server.metric(
         "cann_llm:prompt_tokens_total", model_name="tiny")
+
+
+# (after test_metrics_add_up, which counts the requests of the tests before it)
+def test_a_conversation_id_has_the_server_keep_the_history(server, engine):
+    from openai import BadRequestError, OpenAI
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    turn = {"model": "tiny", "max_tokens": 6, "temperature": 0, "extra_body": {"conversation_id": "http-1"}}
+    first = client.chat.completions.create(messages=[{"role": "user", "content": "hello"}], **turn)
+    second = client.chat.completions.create(messages=[{"role": "user", "content": "again"}], **turn)
+    history = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": first.choices[0].message.content},
+               {"role": "user", "content": "again"}]
+    # the second turn is answered as if the client had sent the whole history itself
+    assert second.choices[0].message.content == engine.chat(history, max_new_tokens=6, temperature=0)
+    assert second.usage.prompt_tokens == len(engine.chat_prompt(history))
+    for bad in ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                              {"role": "user", "content": "c"}]},
+                {"messages": [{"role": "user", "content": "a"}], "n": 2}):
+        with pytest.raises(BadRequestError):
+            client.chat.completions.create(**{**turn, **bad})
 
 
 def test_a_metrics_prefix_of_vllm_gives_vllms_names(om):

@@ -116,6 +116,9 @@ def test_a_grammar_that_may_only_end_wins_over_min_tokens():
     some = np.array([False, True, False, True])  # another token is allowed: the ban holds
     assert draw(process_logits(logits, SamplingParams(temperature=0), [], 0, (3,), some),
                 SamplingParams(temperature=0), None) == 1
+    huge = SamplingParams(temperature=6e37)  # however hot, an excluded token is never drawn
+    rng = np.random.default_rng(0)
+    assert {draw(process_logits(logits, huge, [], 0, (), some), huge, rng) for _ in range(200)} <= {1, 3}
     with pytest.raises(ValueError, match="allows no token"):
         process_logits(logits, SamplingParams(temperature=0), [], 0, (), np.zeros(4, bool))
 
