@@ -11,6 +11,7 @@ import click
 
 from cli.loading import loading
 from runtime.conversation import COMPACTIONS, Conversation, ConversationSettings
+from runtime.long_context import LongContext
 from runtime.engine.config import EngineConfig
 from runtime.engine.engine import GenerationFailed
 from runtime.errors import AtcError
@@ -120,12 +121,23 @@ def _stats_line(request) -> str:
 @click.option("--chat_template/--no_chat_template", default=False, show_default=True,
               help="wrap the prompt as one user message in the model's chat template")
 @click.option("--json", "json_path", default=None, help="write the text and the request's stats here")
+@click.option("--context_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="a document to answer --prompt from: its passages most relevant to the question (BM25) that "
+                   "fit the context are given to the model with it, through the chat template")
 @_value_errors_as_codes
-def generate_command(prompt, chat_template, json_path, **kwargs) -> None:
-    """Generate a continuation of --prompt, streamed to stdout."""
+def generate_command(prompt, chat_template, json_path, context_file, **kwargs) -> None:
+    """Generate a continuation of --prompt, streamed to stdout (or, with --context_file, an answer to it
+    from the document)."""
     params = _sampling(kwargs)
     with open_engine(**kwargs) as engine:
-        text = engine.chat_prompt([{"role": "user", "content": prompt}]) if chat_template else prompt
+        if context_file:
+            with open(context_file, encoding="utf-8") as document:
+                text, selection = LongContext(engine.tokenizer).prompt(engine, document.read(), prompt,
+                                                                       params["max_new_tokens"])
+            click.echo(f"[INFO] context: {len(selection.chunks)} passages, {selection.tokens} of the document's "
+                       f"{selection.document_tokens} tokens", err=True)
+        else:
+            text = engine.chat_prompt([{"role": "user", "content": prompt}]) if chat_template else prompt
         request = _stream(engine, text, params, sys.stdout)
     click.echo()
     click.echo(_stats_line(request), err=True)

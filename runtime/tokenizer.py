@@ -43,6 +43,11 @@ class TextTokenizer:
             ids = [bos] + ids
         return ids
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of `text` (no special tokens) and each token's (start, end) characters in it."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
     @property
     def max_token_chars(self) -> int:
         """Characters of the longest string in the vocabulary: a text has at least len(text) / this tokens."""

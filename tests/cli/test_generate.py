@@ -124,3 +124,18 @@ def test_bench_json_to_stdout_keeps_the_table_on_stderr(chat_om):
     report = json.loads(result.stdout)
     assert report["serving"][0]["requests"] == 2 and report["settings"]["max_context_len"] == 129  # raised to fit its prompts
     assert "batch 1            prefill tok/s" in result.stderr and "loading" not in result.stderr
+
+
+def test_generate_answers_from_a_context_file_that_does_not_fit(chat_om, tmp_path):
+    document = tmp_path / "doc.txt"
+    words = [f"filler{i} " * 40 for i in range(60)]  # ~21K bytes, a token a byte: far past the context
+    words[41] = "the harbour passphrase is amber-falcon " * 5
+    document.write_text("\n".join(words))
+    result = _cann_run("generate", "--model", str(chat_om), "--context_file", str(document), "--prompt",
+                       "What is the harbour passphrase?", "--temperature", "0", "--max_new_tokens", "8",
+                       "--max_context_len", "1024", "--kv_cache_pages", "16")
+    assert result.returncode == 0, result.stderr
+    passages, kept, total = map(int, re.search(r"context: (\d+) passages, (\d+) of the document's (\d+) tokens",
+                                               result.stderr).groups())
+    prompt = int(re.search(r"\[INFO\] prompt (\d+) tokens", result.stderr).group(1))
+    assert total > 20_000 and kept < 1024 and passages >= 1 and prompt + 8 <= 1024
