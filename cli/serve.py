@@ -47,8 +47,11 @@ def _models(values: tuple[str, ...]) -> dict[str, str]:
               help="seconds between stats lines (running, waiting, tokens/s, KV pages); 0 is none")
 @click.option("--metrics-prefix", default="cann_llm:", show_default=True,
               help="prefix of every metric's name (vllm: lets vLLM's dashboards read them as they are)")
+@click.option("--max-memory", type=click.IntRange(min=1), default=None,
+              help="MiB of resident memory: a request whose KV pages could take the process past it is refused "
+                   "with 503 (default: no limit)")
 def serve_command(model_specs, host, port, api_keys, quota_tokens, audit_log, blocklist, max_pending, request_timeout,
-                  shutdown_grace, max_body_bytes, stats_interval, metrics_prefix, **engine_kwargs) -> None:
+                  shutdown_grace, max_body_bytes, stats_interval, metrics_prefix, max_memory, **engine_kwargs) -> None:
     """Serve /generate, OpenAI's /v1/completions and /v1/chat/completions (tools, structured outputs),
     vLLM's /tokenize and /detokenize, /health and /metrics."""
     from runtime.engine.config import EngineConfig
@@ -59,7 +62,7 @@ def serve_command(model_specs, host, port, api_keys, quota_tokens, audit_log, bl
     keys = list(api_keys) or [k for k in os.environ.get("CANN_LLM_API_KEYS", "").split(",") if k]
     guard = Guard(keys, quota_tokens, audit_log, blocklist)
     settings = ServerSettings(max_pending=max_pending, request_timeout_s=request_timeout, shutdown_grace_s=shutdown_grace,
-                              max_body_bytes=max_body_bytes, metrics_prefix=metrics_prefix)
+                              max_body_bytes=max_body_bytes, metrics_prefix=metrics_prefix, max_memory_mb=max_memory)
     # the server owns its process: the engines' sessions may share onnxruntime's process-wide pool
     server = Server(_models(model_specs), EngineConfig(**engine_kwargs, process_thread_pool=True), settings, guard)
     serve(server, host, port, stats_interval, _say)

@@ -31,6 +31,7 @@ class _Page:
     hash: int | None = None              # registered as a whole page under this hash
     parent: int | None = None            # registered (whole or in part) after the prefix of this hash
     tokens: tuple[int, ...] | None = None  # the tokens it holds, when registered
+    written: bool = False                # ever allocated: its memory is resident
 
 
 class BlockManager:
@@ -52,6 +53,7 @@ class BlockManager:
         self.prefix_hits = 0
         self.prefix_queries = 0
         self.peak_used = 0
+        self.touched = 0  # pages ever allocated (the pool's memory is mapped lazily: these are resident)
 
     @property
     def num_free(self) -> int:
@@ -205,7 +207,11 @@ class BlockManager:
         else:
             raise RuntimeError("no free KV page: the scheduler must check can_hold first")
         self._unregister(page)
-        self._pages[page].ref_count = 1
+        entry = self._pages[page]
+        entry.ref_count = 1
+        if not entry.written:
+            entry.written = True
+            self.touched += 1
         self.peak_used = max(self.peak_used, self.num_used)
         return page
 

@@ -23,6 +23,8 @@ class EngineConfig:
         "min": 1})
     max_num_batched_tokens: int = field(default=512, metadata={
         "help": "token budget of one step (longer prompts are prefilled in chunks)", "min": 1})
+    priority_aging_s: int = field(default=10, metadata={
+        "help": "seconds of waiting after which a request counts one priority level more urgent", "min": 1})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "reuse the KV pages of a prompt prefix seen before (paged artifacts)"})
     backend: str = field(default="onnxruntime", metadata={"help": "kernels that run the graph",

@@ -33,7 +33,7 @@ from runtime.engine.sequence import RequestStats, Sequence, TokenLogprob
 from runtime.engine.speculation import NgramProposer
 from runtime.engine.structured import GrammarCompiler
 from runtime.engine.trial_step import trial_step
-from runtime.errors import invalid_value
+from runtime.errors import AtcError, invalid_value
 from runtime.executor import Executor
 from runtime.loader import load_artifact
 from runtime.ort_session import enable_process_thread_pool
@@ -186,9 +186,11 @@ class LLMEngine:
             self.page_size = max_context_len
             self.runner = ContiguousRunner(executor, metadata["signature"], self.dims)
             blocks = BlockManager(max_batch_size, max_context_len, enable_prefix_caching=False)
+        self.kv_bytes_per_page = PagePool.bytes_per_page(self.dims["num_layers"], self.page_size, self.dims["num_kv_heads"],
+                                                         self.dims["head_dim"])
         trial_step(self.runner, self.vocab_size, self.loaded.om.path)
         self.blocks = blocks
-        self.scheduler = Scheduler(blocks, max_batch_size, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(blocks, max_batch_size, config.max_num_batched_tokens, config.priority_aging_s)
         self.proposer = NgramProposer(config.num_speculative_tokens)
         self.speculative_max_batch = config.speculative_max_batch
         self.stats = EngineStats()
@@ -306,6 +308,25 @@ class LLMEngine:
     def template_renders_tools(self) -> bool:
         """Whether the model's chat template has a place for tool definitions."""
         return self._template().renders_tools
+
+    def warm_up(self) -> None:
+        """Run what a first request would otherwise pay for: llguidance's tokenizer, the chat template, a batch
+        of two sequences (prefill chunks of two lengths, then decode steps); the prefix cache forgets them."""
+        if self._grammars is not None:
+            self._grammars.prepare()
+        if self.tokenizer is not None:
+            try:
+                self._template()
+            except AtcError:  # compiled without a chat template: chat requests say so themselves
+                pass
+        longest = max(1, min(40, self.max_context_len - 4))
+        prompts = [[t % self.vocab_size for t in range(length)] for length in sorted({min(3, longest), longest})]
+        self.generate(prompts, SamplingParams(max_new_tokens=min(4, self.max_context_len - longest), temperature=0,
+                                              ignore_eos=True))
+        self.reset_prefix_cache()
+        # what the counters report (/metrics) starts from the first real request
+        self.stats = EngineStats()
+        self.blocks.prefix_queries = self.blocks.prefix_hits = 0
 
     def reset_prefix_cache(self) -> None:
         """Forget cached prompt pages not in use, before the next request is admitted."""

@@ -26,6 +26,8 @@ class SamplingParams:
     `prompt_logprobs` the same for each prompt token after the first (the
     prompt is then computed whole, never taken from the prefix cache), `structured_output` a constraint on the text (runtime/engine/structured.py),
     and `n` outputs per prompt for `LLMEngine.generate` (each a sequence of its own, seeded `seed + i`).
+    `priority` orders admission as vLLM's priority scheduling does: lower is admitted first, ties by arrival,
+    and a waiting request rises a level every `EngineConfig.priority_aging_s` seconds, so none starves.
     """
 
     max_new_tokens: int = 256
@@ -45,6 +47,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured_output: StructuredOutput | None = None
     n: int = 1
+    priority: int = 0
     max_tokens: int | None = None  # vLLM's name for max_new_tokens; wins when given
 
     def __post_init__(self) -> None:

@@ -1,10 +1,12 @@
 """The scheduler: continuous batching under a per-step token budget, chunked prefill, preemption.
 
-Each step it first serves the running sequences in arrival order (a decode needs one token, an unfinished
-prefill its next chunk), then admits waiting ones while the budget, `max_batch_size` and free pages
-allow. When pages run out, the most recently admitted running sequence is preempted by recompute: its
-pages are freed and it goes back to the front of the queue (its full pages may still be found in the
-prefix cache when it returns). A sequence alone in the batch that still cannot get a page is finished
+Each step it first serves the running sequences by urgency (lowest `priority` first, then arrival; a decode
+needs one token, an unfinished prefill its next chunk), then admits waiting ones while the budget,
+`max_batch_size` and free pages allow: the most urgent first (a waiting one rises a level for every
+`priority_aging_s` seconds it has waited, so none starves), ties by arrival; if the most urgent cannot get
+its pages yet, none behind it jumps ahead. When pages run out, the least urgent running sequence (the
+latest among equals) is preempted by recompute: its pages are freed and it waits again with its arrival
+time, ahead of later ones (its pages may still be found in the prefix cache when it returns). A sequence alone in the batch that still cannot get a page is finished
 with reason "length"; nothing waits on pages that can never come.
 """
 
@@ -36,8 +38,10 @@ class ScheduledBatch:
 class Scheduler:
     """Decides which tokens of which sequences each step computes."""
 
-    def __init__(self, blocks: BlockManager, max_batch_size: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_batch_size: int, max_num_batched_tokens: int,
+                 priority_aging_s: float = 10.0):
         self.blocks = blocks
+        self.priority_aging_s = priority_aging_s
         self.max_batch_size = max_batch_size
         self.token_budget = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -60,6 +64,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        # the most urgent are served (and given pages) first; the last is the first to give its pages up
+        self.running.sort(key=lambda s: (s.params.priority, s.arrival))
         budget = self.token_budget
         index = 0
         while index < len(self.running) and budget > 0:
@@ -81,21 +87,21 @@ class Scheduler:
                 budget -= count
                 index += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
-            seq = self.waiting[0]
+            seq = self._most_urgent()
             if not seq.block_table:
                 self.blocks.claim_prefix(seq)
             count = min(seq.num_uncomputed, budget)
             if not self.blocks.can_hold(seq, seq.num_computed + count):
                 if not self.running and not batch.seqs:
                     # alone with the whole pool and still too long: it can never run
-                    self.waiting.popleft()
+                    self.waiting.remove(seq)
                     self.blocks.free(seq)
                     seq.finish("length")
                     batch.finished.append(seq)
                     continue
                 self.blocks.free(seq)
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.blocks.reserve(seq, seq.num_computed + count)
             seq.status = Status.RUNNING
             if seq.stats.scheduled_s is None:
@@ -123,6 +129,11 @@ class Scheduler:
             self.running.remove(seq)
             self.blocks.free(seq)
         return done
+
+    def _most_urgent(self) -> Sequence:
+        now = time.perf_counter()
+        return min(self.waiting, key=lambda s: (s.params.priority - (now - s.arrival) / self.priority_aging_s,
+                                                s.arrival))
 
     @staticmethod
     def _count(seq: Sequence, budget: int) -> int:

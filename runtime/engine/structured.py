@@ -81,11 +81,15 @@ class GrammarCompiler:
         # one engine's steps come one at a time: one thread hands each step's masks to llguidance
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="llguidance-masks")
 
-    def constraint(self, spec: StructuredOutput) -> "Constraint":
-        """A fresh matcher for `spec`; ValueError naming what is wrong with a grammar that does not compile."""
+    def prepare(self) -> None:
+        """Build llguidance's view of the tokenizer now, not at the first structured request."""
         if self._tokenizer is None:
             # a tokenizer without an end-of-sequence token: llguidance picks its own stand-in
             self._tokenizer = llguidance.LLTokenizer(self._source, n_vocab=self.vocab_size, eos_token=self._eos or None)
+
+    def constraint(self, spec: StructuredOutput) -> "Constraint":
+        """A fresh matcher for `spec`; ValueError naming what is wrong with a grammar that does not compile."""
+        self.prepare()
         grammar = spec.llguidance_grammar()
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error:

@@ -2,7 +2,8 @@
 
 Every request is admitted or refused before any work (`Refusal`: 401 without a valid key, 404 for an
 unknown model, 429 when its key's quota cannot cover all it may use or the model's queue is full, 400 for
-a blocked prompt or one the engine refuses, 503 while loading or shutting down). Admission reserves the
+a blocked prompt or one the engine refuses, 503 while loading or shutting down or when its KV pages could
+take the process past `--max-memory`). Admission reserves the
 quota and the queue place in one step, so concurrent requests cannot all pass one check. Once admitted it
 is a `Generation`, which ends as completed, cancelled (the client gone: 499, the timeout: 504, the
 shutdown: 503) or failed (500: a fault in its step, which fails it alone); its accounting (metrics, the
@@ -42,6 +43,7 @@ class ServerSettings:
     retry_after_s: int = 1
     max_body_bytes: int = 4 * 1024 * 1024
     metrics_prefix: str = DEFAULT_PREFIX
+    max_memory_mb: int | None = None  # refuse (503) what could grow the process's resident memory past this
 
 
 class Refusal(Exception):
@@ -67,6 +69,7 @@ class Generation:
     reserved: int = 0               # quota tokens held for it: all it may generate, and its prompt if it charges it
     charges_prompt: bool = True     # the first of `n` choices carries the prompt they share
     turn: "Turn | None" = None      # the turn of a conversation the server keeps
+    kv_pages: int = 0               # KV pages it may need at most (for --max-memory)
     ended_by: str | None = None     # who cancelled it: "client", "timeout", "shutdown", "failed" or "refused"
 
     @property
@@ -130,6 +133,7 @@ class Server:
         self.error: str | None = None
         self.closing = False
         self._in_flight: set[Generation] = set()
+        self._kv_demand: dict[int, int] = {}  # by engine: KV pages the requests in flight may need at most
         self._lock = threading.Lock()  # accounting happens on the engines' threads
         self._closed = False
 
@@ -152,6 +156,7 @@ class Server:
                     on_loading(names, path)
                 engine = LLMEngine(path, self.engine_config)
                 self.engines.update(dict.fromkeys(names, engine))
+                engine.warm_up()  # before /health says ready, so no first request pays for it
             managers = {id(engine): ConversationManager(engine) for engine in self.engines.values()}
             self.conversations = {name: managers[id(engine)] for name, engine in self.engines.items()}
             self.metrics = ServerMetrics(self.engines, self.settings.metrics_prefix)
@@ -262,18 +267,21 @@ class Server:
             if self.pending[name] + len(choices) > self.settings.max_pending:
                 self._reject(name, Refusal(429, "the server is at capacity; retry shortly", "rate_limit_exceeded",
                                            self.settings.retry_after_s))
+            pages = [-(-(len(ids) + n) // engine.page_size) for n in each]
+            self._check_memory(name, engine, sum(pages))
             left = self.guard.reserve(key, reserved)
             if left is not None:
                 self._reject(name, Refusal(429, f"the token quota of this key is spent: this request may use "
                                                 f"{reserved} tokens, {left} are left", "quota_exceeded",
                                            self.settings.retry_after_s))
             self.pending[name] += len(choices)
+            self._kv_demand[id(engine)] = self._kv_demand.get(id(engine), 0) + sum(pages)
         started: list[Generation] = []
         try:
             for i, sampling in enumerate(choices):
                 request = engine.submit(ids, sampling)
                 generation = Generation(name, key, endpoint, request, blocked, each[i] + (len(ids) if i == 0 else 0),
-                                        charges_prompt=i == 0, turn=turn if i == 0 else None)
+                                        charges_prompt=i == 0, turn=turn if i == 0 else None, kv_pages=pages[i])
                 started.append(generation)
                 with self._lock:
                     self._in_flight.add(generation)
@@ -285,11 +293,30 @@ class Server:
             unsubmitted = len(choices) - len(started)
             with self._lock:
                 self.pending[name] -= unsubmitted
+                self._kv_demand[id(engine)] -= sum(pages[len(started):])
             self.guard.refund(key, reserved - sum(g.reserved for g in started))
             if isinstance(error, ValueError):
                 self._reject(name, Refusal(400, str(error), "invalid_request_error"))
             raise
         return started
+
+    def _check_memory(self, name: str, engine: LLMEngine, pages: int) -> None:
+        """Refuse (503) a request that could take the process's resident memory past `max_memory_mb`: what
+        is resident now, plus the KV pages never yet written that the requests in flight and this one could
+        need at most (the pool is mapped lazily: a page costs memory from its first write). Called under
+        the admission lock."""
+        limit = self.settings.max_memory_mb
+        if limit is None:
+            return
+        growth = 0
+        for each in {id(e): e for e in self.engines.values()}.values():
+            demand = self._kv_demand.get(id(each), 0) + (pages if each is engine else 0)
+            growth += max(0, min(demand, each.blocks.num_pages) - each.blocks.touched) * each.kv_bytes_per_page
+        projected = resident_bytes() + growth
+        if projected > limit * 2 ** 20:
+            self._reject(name, Refusal(503, f"the server is near its memory limit ({limit} MiB): this request could "
+                                            f"take it to {projected / 2 ** 20:.0f} MiB; retry shortly", "unavailable",
+                                       self.settings.retry_after_s))
 
     def _reject(self, name: str, refusal: Refusal) -> NoReturn:
         self.metrics.rejected(name)
@@ -385,6 +412,7 @@ class Server:
                              stats.output_tokens, stats.total_s or 0.0)
         with self._lock:
             self.pending[generation.model] -= 1
+            self._kv_demand[id(self.engines[generation.model])] -= generation.kv_pages
             self._in_flight.discard(generation)
 
     # ---- the end -------------------------------------------------------------------------------------
@@ -420,6 +448,12 @@ class Server:
         for engine in set(self.engines.values()):
             engine.close()
         self.guard.close()
+
+
+def resident_bytes() -> int:
+    """The process's resident memory now (Linux: /proc/self/statm)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _poll_interval(deadline: float) -> float:

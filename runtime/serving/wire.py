@@ -117,6 +117,7 @@ class _Sampling(BaseModel):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says (benchmarks)
     user: Text | None = None  # OpenAI's end-user id: recorded nowhere, changes nothing
+    priority: int = Field(0, ge=-(2 ** 31), lt=2 ** 31)  # vLLM's: lower is admitted first
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict | Text | None = None  # vLLM's older spellings of structured_outputs
@@ -132,6 +133,7 @@ class _Sampling(BaseModel):
                 "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos,
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                 "min_tokens": self.min_tokens, "stop_token_ids": tuple(self.stop_token_ids or ()),
+                "priority": self.priority,
                 "logit_bias": tuple((int(t), b) for t, b in (self.logit_bias or {}).items()),
                 "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or ()),
                 "structured_output": self._constraint()}

@@ -363,3 +363,45 @@ def test_a_conversation_kept_by_the_server_grows_turn_by_turn(om):
         assert len(kept.turns) == 4 and server.conversations["tiny"].lock("c1").acquire(blocking=False)
     finally:
         server.close()
+
+
+def test_a_request_that_could_outgrow_the_memory_limit_is_refused(om):
+    from runtime.serving.server import resident_bytes
+
+    engine = EngineConfig(kv_cache_pages=4096, max_context_len=4096)  # 128 MiB of pages, mapped lazily
+    server = Server({"tiny": str(om)}, engine, ServerSettings())
+    server.load()
+    try:
+        tiny = server.engines["tiny"]
+        need = 16 * -(-4002 // tiny.page_size) * tiny.kv_bytes_per_page  # 16 choices of a 2-token prompt + 4000
+        assert need >= 16 * 2 ** 20
+        limit_mb = server.settings.max_memory_mb = (resident_bytes() + need * 3 // 2) // 2 ** 20
+        long = {**GREEDY, "max_new_tokens": 4000}
+        first = server.start_choices(None, None, "/x", long, 16, prompt="hi")  # room for one such request ...
+        assert sum(g.kv_pages for g in first) * tiny.kv_bytes_per_page == need
+        # ... not two: refused
+        refusal = _refused(lambda: server.start_choices(None, None, "/x", long, 16, prompt="hi"))
+        assert (refusal.status, refusal.kind, refusal.retry_after_s) == (503, "unavailable", 1)
+        assert "memory limit" in refusal.message and server.pending == {"tiny": 16}
+        small = server.start(None, None, "/x", {**GREEDY, "max_new_tokens": 4}, prompt="hi")  # one page: fits
+        for generation in first:
+            server.end(generation, "client")
+        asyncio.run(server.complete(small))
+        _wait_until(lambda: server.in_flight == 0)
+        assert resident_bytes() <= limit_mb * 2 ** 20
+        # what the ended requests reserved is given back
+        assert len(server.start_choices(None, None, "/x", long, 16, prompt="hi")) == 16
+    finally:
+        server.close()
+
+
+def test_loading_warms_the_engine_up_before_it_says_ready(om):
+    server = _server(om)
+    try:
+        engine = server.engines["tiny"]
+        # a batch of two ran (pages written, llguidance's tokenizer built), and the counters start at zero
+        assert engine.blocks.touched >= 2 and engine._grammars._tokenizer is not None
+        assert engine.blocks.prefix_queries == 0 and engine.stats.generated_tokens == 0
+        assert engine.blocks.num_used == 0
+    finally:
+        server.close()

@@ -111,3 +111,40 @@ def test_a_draft_is_trimmed_to_the_token_budget_and_its_kv_rolls_back():
     seq.append(8)
     scheduler.account(batch)
     assert seq.num_computed == 4 and seq.token_ids == [1, 2, 3, 4, 8] and seq.num_uncomputed == 1
+
+
+def test_the_most_urgent_is_admitted_first_and_the_least_urgent_preempted():
+    blocks = BlockManager(64, 16)
+    scheduler = Scheduler(blocks, max_batch_size=2, max_num_batched_tokens=64)
+    low, later_low, high = (Sequence([i] * 10, SamplingParams(max_new_tokens=4, priority=p)) for i, p in
+                            ((1, 5), (2, 5), (3, -1)))
+    for seq in (low, later_low, high):
+        scheduler.add(seq)
+    assert scheduler.schedule().seqs == [high, low]  # then arrival among equals
+    # pages run out: the most urgent is served first, the least urgent goes back to waiting
+    blocks = BlockManager(3, 16)
+    scheduler = Scheduler(blocks, max_batch_size=4, max_num_batched_tokens=64)
+    urgent, lax = Sequence([1] * 16, SamplingParams(priority=0)), Sequence([2] * 16, SamplingParams(priority=9))
+    _admit_all(scheduler, [lax])
+    _admit_all(scheduler, [urgent])  # running since after the other
+    urgent.append(7), lax.append(7)  # both need a second page now: only one is left
+    batch = scheduler.schedule()
+    assert batch.preempted == [lax] and batch.seqs == [urgent]
+
+
+def test_a_waiting_request_rises_with_the_time_it_waits():
+    scheduler = Scheduler(BlockManager(64, 16), max_batch_size=1, max_num_batched_tokens=64, priority_aging_s=1)
+    old, fresh = Sequence([1] * 4, SamplingParams(priority=3)), Sequence([2] * 4, SamplingParams(priority=0))
+    old.arrival -= 3.5  # waited three and a half levels' worth
+    for seq in (fresh, old):
+        scheduler.add(seq)
+    assert scheduler.schedule().seqs == [old]
+
+
+def _admit_all(scheduler: Scheduler, seqs: list[Sequence]) -> None:
+    for seq in seqs:
+        scheduler.add(seq)
+    batch = scheduler.schedule()
+    for seq, count in zip(batch.seqs, batch.num_tokens):
+        seq.num_computed += count
+    assert {s.seq_id for s in seqs} <= {s.seq_id for s in scheduler.running}
