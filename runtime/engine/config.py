@@ -41,6 +41,9 @@ class EngineConfig:
     process_thread_pool: bool = field(default=False, metadata={"cli": False})
     num_speculative_tokens: int = field(default=0, metadata={
         "help": "draft tokens per decode step by prompt lookup, verified in the same step; 0 is off", "min": 0})
+    draft_model: str | None = field(default=None, metadata={
+        "help": "a smaller paged artifact with the same tokenizer that drafts --num_speculative_tokens tokens a "
+                "step instead of prompt lookup (e.g. the INT4 artifact of the same model)", "path": True})
     speculative_max_batch: int = field(default=4, metadata={
         "help": "draft only while at most this many sequences run", "min": 1})
     chat_template_file: str | None = field(default=None, metadata={
@@ -51,5 +54,7 @@ class EngineConfig:
             value, low = getattr(self, item.name), item.metadata.get("min")
             if low is not None and value is not None and value < low:
                 raise ValueError(f"{item.name} must be at least {low}, not {value}")
+        if self.draft_model is not None and self.num_speculative_tokens < 1:
+            raise ValueError("a draft model drafts num_speculative_tokens tokens a step: set it to at least 1")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {self.backend!r}")

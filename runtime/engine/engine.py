@@ -23,6 +23,7 @@ from runtime.chat_template import ChatTemplate
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.config import EngineConfig
 from runtime.engine.detokenizer import IncrementalDetokenizer
+from runtime.engine.draft_model import DraftModelProposer
 from runtime.engine.kv_cache import PagePool
 from runtime.engine.runner import ContiguousRunner, PagedRunner
 from runtime.engine.outputs import CompletionOutput, RequestOutput
@@ -191,7 +192,14 @@ class LLMEngine:
         trial_step(self.runner, self.vocab_size, self.loaded.om.path)
         self.blocks = blocks
         self.scheduler = Scheduler(blocks, max_batch_size, config.max_num_batched_tokens, config.priority_aging_s)
-        self.proposer = NgramProposer(config.num_speculative_tokens)
+        if config.draft_model is not None:
+            if not self.paged:
+                raise invalid_value(config.draft_model, "draft_model",
+                                    "A draft model verifies against a paged target (atc --enable_paged_attention=1).")
+            self.proposer = DraftModelProposer(config.draft_model, config.num_speculative_tokens, kv_cache_pages,
+                                               self.vocab_size, backend, threads, config.native_matmul)
+        else:
+            self.proposer = NgramProposer(config.num_speculative_tokens)
         self.speculative_max_batch = config.speculative_max_batch
         self.stats = EngineStats()
         self._requests: dict[int, Request] = {}
@@ -475,13 +483,16 @@ class LLMEngine:
         """Give each decoding sequence a draft to verify, while the batch is small enough to gain from it."""
         running = self.scheduler.running
         drafting = self.proposer.num_tokens and len(running) <= self.speculative_max_batch
+        decoding, limits = [], []
         for seq in running:
             seq.draft = []  # one the last step's budget left unscheduled is not carried over
             if drafting and seq.num_uncomputed == 1:
-                limit = min(self.max_context_len - len(seq.token_ids), seq.remaining_tokens) - 1
-                seq.draft = self.proposer.propose(seq.seq_id, seq.token_ids, limit)
-                if seq.constraint is not None:  # a draft the grammar refuses would be rejected anyway
-                    seq.draft = seq.draft[:seq.constraint.valid_prefix(seq.draft)]
+                decoding.append(seq)
+                limits.append(min(self.max_context_len - len(seq.token_ids), seq.remaining_tokens) - 1)
+        for seq, draft in zip(decoding, self.proposer.propose_batch(decoding, limits) if decoding else ()):
+            seq.draft = draft
+            if seq.constraint is not None:  # a draft the grammar refuses would be rejected anyway
+                seq.draft = seq.draft[:seq.constraint.valid_prefix(seq.draft)]
 
     def _prompt_logprobs(self, seq: Sequence, rows: np.ndarray) -> None:
         """Log-probabilities of the prompt tokens that `rows` (a prefill chunk's, one a position) predict;

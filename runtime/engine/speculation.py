@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from runtime.engine.sequence import Sequence
+
 MIN_REACH = 0.05
 HIT_RATE_WEIGHT = 0.2  # of the newest guess in the running hit rate
 
@@ -61,7 +63,7 @@ class NgramProposer:
             state = self._states[seq_id] = _State([{} for _ in range(self.max_ngram + 1)])
         guess = self._lookup(state, tokens)
         state.guess = guess[0] if guess else None
-        return guess[:min(limit, self._length(state.hit_rate))]
+        return guess[:min(limit, draft_length(state.hit_rate, self.num_tokens))]
 
     def observe(self, seq_id: int, token: int) -> None:
         """The token sampled after the last `propose` for `seq_id`: scores that lookup's first guess."""
@@ -69,6 +71,10 @@ class NgramProposer:
         if state is not None and state.guess is not None:
             state.hit_rate += HIT_RATE_WEIGHT * ((token == state.guess) - state.hit_rate)
             state.guess = None
+
+    def propose_batch(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        """`propose` for each sequence (its last token not yet computed), at most its limit."""
+        return [self.propose(seq.seq_id, seq.token_ids, limit) for seq, limit in zip(seqs, limits)]
 
     def forget(self, seq_id: int) -> None:
         """Drop a finished sequence's state."""
@@ -86,8 +92,11 @@ class NgramProposer:
                 return tokens[end:end + self.num_tokens]
         return []
 
-    def _length(self, hit_rate: float) -> int:
-        length = 0
-        while length < self.num_tokens and hit_rate ** (length + 1) >= MIN_REACH:
-            length += 1
-        return length
+
+def draft_length(hit_rate: float, most: int) -> int:
+    """Tokens worth drafting for a sequence whose draft tokens hold at `hit_rate` each: as many as keep the
+    chance of reaching the last at least MIN_REACH, at most `most`."""
+    length = 0
+    while length < most and hit_rate ** (length + 1) >= MIN_REACH:
+        length += 1
+    return length
