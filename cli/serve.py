@@ -50,8 +50,13 @@ def _models(values: tuple[str, ...]) -> dict[str, str]:
 @click.option("--max-memory", type=click.IntRange(min=1), default=None,
               help="MiB of resident memory: a request whose KV pages could take the process past it is refused "
                    "with 503 (default: no limit)")
+@click.option("--breaker-threshold", type=click.IntRange(min=0), default=5, show_default=True,
+              help="failed requests in a row after which a model sheds load (503) for --breaker-cooldown; 0: never")
+@click.option("--breaker-cooldown", type=click.FloatRange(min=0), default=10.0, show_default=True,
+              help="seconds a failing model sheds load before one request tries it again")
 def serve_command(model_specs, host, port, api_keys, quota_tokens, audit_log, blocklist, max_pending, request_timeout,
-                  shutdown_grace, max_body_bytes, stats_interval, metrics_prefix, max_memory, **engine_kwargs) -> None:
+                  shutdown_grace, max_body_bytes, stats_interval, metrics_prefix, max_memory, breaker_threshold,
+                  breaker_cooldown, **engine_kwargs) -> None:
     """Serve /generate, OpenAI's /v1/completions and /v1/chat/completions (tools, structured outputs),
     vLLM's /tokenize and /detokenize, /health and /metrics."""
     from runtime.engine.config import EngineConfig
@@ -62,7 +67,8 @@ def serve_command(model_specs, host, port, api_keys, quota_tokens, audit_log, bl
     keys = list(api_keys) or [k for k in os.environ.get("CANN_LLM_API_KEYS", "").split(",") if k]
     guard = Guard(keys, quota_tokens, audit_log, blocklist)
     settings = ServerSettings(max_pending=max_pending, request_timeout_s=request_timeout, shutdown_grace_s=shutdown_grace,
-                              max_body_bytes=max_body_bytes, metrics_prefix=metrics_prefix, max_memory_mb=max_memory)
+                              max_body_bytes=max_body_bytes, metrics_prefix=metrics_prefix, max_memory_mb=max_memory,
+                              breaker_threshold=breaker_threshold, breaker_cooldown_s=breaker_cooldown)
     # the server owns its process: the engines' sessions may share onnxruntime's process-wide pool
     server = Server(_models(model_specs), EngineConfig(**engine_kwargs, process_thread_pool=True), settings, guard)
     serve(server, host, port, stats_interval, _say)

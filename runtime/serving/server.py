@@ -26,6 +26,7 @@ from runtime.conversation import Conversation, ConversationManager
 from runtime.engine.config import EngineConfig
 from runtime.engine.engine import LLMEngine, Request
 from runtime.engine.sampling import SamplingParams
+from runtime.serving.breaker import CircuitBreaker
 from runtime.serving.guard import Guard
 from runtime.serving.metrics import DEFAULT_PREFIX, ServerMetrics
 from runtime.serving.tools import described
@@ -44,6 +45,8 @@ class ServerSettings:
     max_body_bytes: int = 4 * 1024 * 1024
     metrics_prefix: str = DEFAULT_PREFIX
     max_memory_mb: int | None = None  # refuse (503) what could grow the process's resident memory past this
+    breaker_threshold: int = 5        # failed requests in a row that open a model's circuit breaker (0: never)
+    breaker_cooldown_s: float = 10.0
 
 
 class Refusal(Exception):
@@ -134,6 +137,7 @@ class Server:
         self.closing = False
         self._in_flight: set[Generation] = set()
         self._kv_demand: dict[int, int] = {}  # by engine: KV pages the requests in flight may need at most
+        self.breakers: dict[str, CircuitBreaker] = {}  # by model name; one per engine
         self._lock = threading.Lock()  # accounting happens on the engines' threads
         self._closed = False
 
@@ -159,6 +163,9 @@ class Server:
                 engine.warm_up()  # before /health says ready, so no first request pays for it
             managers = {id(engine): ConversationManager(engine) for engine in self.engines.values()}
             self.conversations = {name: managers[id(engine)] for name, engine in self.engines.items()}
+            breakers = {id(engine): CircuitBreaker(self.settings.breaker_threshold, self.settings.breaker_cooldown_s)
+                        for engine in self.engines.values()}
+            self.breakers = {name: breakers[id(engine)] for name, engine in self.engines.items()}
             self.metrics = ServerMetrics(self.engines, self.settings.metrics_prefix)
         except Exception as error:  # reported by /health; the process stays up to say so
             self.error = f"{type(error).__name__}: {error}"
@@ -274,6 +281,13 @@ class Server:
                 self._reject(name, Refusal(429, f"the token quota of this key is spent: this request may use "
                                                 f"{reserved} tokens, {left} are left", "quota_exceeded",
                                            self.settings.retry_after_s))
+            # last: once the breaker lets a half-open probe through, the request must run
+            wait = self.breakers[name].admit() if self.settings.breaker_threshold else None
+            if wait is not None:
+                self.guard.refund(key, reserved)
+                self._reject(name, Refusal(503, f"the model is failing: its last {self.settings.breaker_threshold} "
+                                                f"requests failed; retry in {wait:.0f} s", "unavailable",
+                                           max(1, round(wait))))
             self.pending[name] += len(choices)
             self._kv_demand[id(engine)] = self._kv_demand.get(id(engine), 0) + sum(pages)
         started: list[Generation] = []
@@ -292,6 +306,8 @@ class Server:
                 self.end(generation, "refused")
             unsubmitted = len(choices) - len(started)
             with self._lock:
+                if not started and self.settings.breaker_threshold:
+                    self.breakers[name].record("cancelled")  # nothing ran: a half-open probe is let through again
                 self.pending[name] -= unsubmitted
                 self._kv_demand[id(engine)] -= sum(pages[len(started):])
             self.guard.refund(key, reserved - sum(g.reserved for g in started))
@@ -411,6 +427,8 @@ class Server:
             self.guard.audit(generation.key, generation.model, generation.endpoint, status, prompt_tokens,
                              stats.output_tokens, stats.total_s or 0.0)
         with self._lock:
+            if self.settings.breaker_threshold:
+                self.breakers[generation.model].record(outcome)
             self.pending[generation.model] -= 1
             self._kv_demand[id(self.engines[generation.model])] -= generation.kv_pages
             self._in_flight.discard(generation)

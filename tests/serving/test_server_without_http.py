@@ -405,3 +405,28 @@ def test_loading_warms_the_engine_up_before_it_says_ready(om):
         assert engine.blocks.num_used == 0
     finally:
         server.close()
+
+
+def test_a_failing_engine_opens_its_circuit_breaker_until_a_probe_succeeds(om):
+    server = _server(om, settings=ServerSettings(breaker_threshold=2, breaker_cooldown_s=0.5))
+    failing = SamplingParams(max_new_tokens=8, temperature=1.0)
+    object.__setattr__(failing, "repetition_penalty", 1e-308)  # past the checks: inf - inf in the sampler
+    try:
+        for _ in range(2):
+            [bad] = server._admit("tiny", None, "/x", (), [5, 6, 7], [failing])
+            assert _refused(lambda: asyncio.run(server.complete(bad))).status == 500
+        _wait_until(lambda: server.in_flight == 0)
+        shed = _refused(lambda: server.start(None, None, "/x", GREEDY, prompt="hi"))
+        assert (shed.status, shed.kind) == (503, "unavailable") and "failing" in shed.message and shed.retry_after_s >= 1
+        time.sleep(0.6)  # the cool-down over: one request is let through to try the engine
+        probe = server.start(None, None, "/x", {**ENDLESS, "max_new_tokens": 2000}, prompt=LONG_PROMPT)
+        assert _refused(lambda: server.start(None, None, "/x", GREEDY, prompt="hi")).status == 503
+        server.end(probe, "client")  # a probe that says nothing about the engine: the next one is let through
+        _wait_until(lambda: server.in_flight == 0)
+        good = server.start(None, None, "/x", {**GREEDY, "max_new_tokens": 4}, prompt="hi")
+        asyncio.run(server.complete(good))
+        _wait_until(lambda: server.in_flight == 0)
+        assert not server.breakers["tiny"].is_open  # it completed: closed again
+        asyncio.run(server.complete(server.start(None, None, "/x", {**GREEDY, "max_new_tokens": 4}, prompt="hi")))
+    finally:
+        server.close()
