@@ -21,6 +21,9 @@ class EngineConfig:
     kv_cache_memory_mb: int | None = field(default=None, metadata={
         "help": "the KV pool's size in MiB instead of a page count: as many pages as fit (paged artifacts)",
         "min": 1})
+    max_step_latency_ms: int | None = field(default=None, metadata={
+        "help": "adapt how many sequences run at once to keep a decode step under this many ms (default: "
+                "max_batch_size always)", "min": 1})
     max_num_batched_tokens: int = field(default=512, metadata={
         "help": "token budget of one step (longer prompts are prefilled in chunks)", "min": 1})
     priority_aging_s: int = field(default=10, metadata={

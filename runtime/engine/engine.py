@@ -12,6 +12,7 @@ import asyncio
 import os
 import queue
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -20,6 +21,7 @@ from typing import AsyncIterator, Iterator
 import numpy as np
 
 from runtime.chat_template import ChatTemplate
+from runtime.engine.batch_control import BatchSizeController
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.config import EngineConfig
 from runtime.engine.detokenizer import IncrementalDetokenizer
@@ -201,6 +203,8 @@ class LLMEngine:
         else:
             self.proposer = NgramProposer(config.num_speculative_tokens)
         self.speculative_max_batch = config.speculative_max_batch
+        self.batch_control = None if config.max_step_latency_ms is None else BatchSizeController(
+            config.max_step_latency_ms / 1000, max_batch_size)
         self.stats = EngineStats()
         self._requests: dict[int, Request] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -429,7 +433,12 @@ class LLMEngine:
         # the grammars' masks for the first token of each, computed while the model runs the step
         masks = self._grammars.masks([seq.constraint for seq in constrained]) if constrained else None
         mask_row = {seq.seq_id: row for row, seq in enumerate(constrained)}
+        started = time.perf_counter()
         outcomes = self._run(batch)
+        if self.batch_control is not None:
+            decode_only = all(count == 1 + len(seq.draft) for seq, count in zip(batch.seqs, batch.num_tokens))
+            self.scheduler.batch_cap = self.batch_control.observe(time.perf_counter() - started, len(batch.seqs),
+                                                                  decode_only)
         self.stats.steps += 1
         done = ScheduledBatch()
         for seq, count, outcome, samples in zip(batch.seqs, batch.num_tokens, outcomes, sampling):

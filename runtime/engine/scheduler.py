@@ -2,7 +2,7 @@
 
 Each step it first serves the running sequences by urgency (lowest `priority` first, then arrival; a decode
 needs one token, an unfinished prefill its next chunk), then admits waiting ones while the budget,
-`max_batch_size` and free pages allow: the most urgent first (a waiting one rises a level for every
+`max_batch_size` (or the lower `batch_cap` a step-time target sets) and free pages allow: the most urgent first (a waiting one rises a level for every
 `priority_aging_s` seconds it has waited, so none starves), ties by arrival; if the most urgent cannot get
 its pages yet, none behind it jumps ahead. When pages run out, the least urgent running sequence (the
 latest among equals) is preempted by recompute: its pages are freed and it waits again with its arrival
@@ -43,6 +43,7 @@ class Scheduler:
         self.blocks = blocks
         self.priority_aging_s = priority_aging_s
         self.max_batch_size = max_batch_size
+        self.batch_cap = max_batch_size  # lowered by the engine's step-time target, if it has one
         self.token_budget = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -86,7 +87,7 @@ class Scheduler:
                 batch.num_tokens.append(count)
                 budget -= count
                 index += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+        while self.waiting and budget > 0 and len(self.running) < min(self.max_batch_size, self.batch_cap):
             seq = self._most_urgent()
             if not seq.block_table:
                 self.blocks.claim_prefix(seq)

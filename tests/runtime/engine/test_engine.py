@@ -275,3 +275,20 @@ def test_a_budget_too_small_for_one_page_is_refused_with_e10001():
     assert _pages_in(6, smollm2, 128) == 1
     with pytest.raises(AtcError, match="E10001.*--kv_cache_memory_mb.*one page of 128 tokens takes 5.6 MiB"):
         _pages_in(5, smollm2, 128)
+
+
+def test_a_step_time_target_holds_the_running_batch_down(paged_om):
+    """A runner slowed past the target: the engine lets fewer sequences run at once, and all still finish."""
+    prompts = mixed_prompts(8, seed=11, low=4, high=8)
+    with LLMEngine(paged_om, max_batch_size=8, max_context_len=256, kv_cache_pages=32,
+                   max_step_latency_ms=5) as engine:
+        run = engine.runner.run
+
+        def slow(batch):
+            time.sleep(0.002 * len(batch.seqs))  # 2 ms a sequence: at most two fit in 5 ms
+            return run(batch)
+
+        engine.runner.run = slow
+        outputs, _ = _greedy(engine, prompts)
+        assert engine.scheduler.batch_cap <= 3
+    assert outputs == hf_greedy("llama", tuple(map(tuple, prompts)))

@@ -148,3 +148,21 @@ def _admit_all(scheduler: Scheduler, seqs: list[Sequence]) -> None:
     for seq, count in zip(batch.seqs, batch.num_tokens):
         seq.num_computed += count
     assert {s.seq_id for s in seqs} <= {s.seq_id for s in scheduler.running}
+
+
+def test_the_batch_cap_follows_the_step_time_target():
+    from runtime.engine.batch_control import BatchSizeController
+
+    control = BatchSizeController(target_s=0.020, most=32)
+    assert control.observe(0.030, 32, decode_only=True) == 24  # over: a quarter off
+    assert control.observe(0.030, 24, decode_only=True) == 18
+    assert control.observe(0.500, 18, decode_only=False) == 18  # a prefill chunk says nothing
+    assert control.observe(0.018, 18, decode_only=True) == 18  # within 80-100% of the target: kept
+    assert control.observe(0.010, 18, decode_only=True) == 19  # well under, and full: one more
+    assert control.observe(0.010, 5, decode_only=True) == 19   # under but not full: no need for more
+    for _ in range(40):
+        control.observe(0.001, control.cap, decode_only=True)
+    assert control.cap == 32
+    for _ in range(40):
+        control.observe(1.0, control.cap, decode_only=True)
+    assert control.cap == 1
