@@ -1,0 +1,1 @@
+"""Applications built on the engine: a customer-service bot and a code-generation service."""
