@@ -6,7 +6,7 @@ CACHE ?= .cache
 QUESTION ?= What is the capital of France?
 FOLLOW_UP ?= And of Germany?
 
-.PHONY: install demo test test-fast clean optimum
+.PHONY: install demo model support codegen test test-fast clean optimum
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,13 +18,24 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-demo: install
+demo: model
+	$(BIN)/cann-run chat --model $(CACHE)/smollm2.om --temperature 0 --max_new_tokens 128 \
+		--message "$(QUESTION)" --message "$(FOLLOW_UP)"
+
+# the default model, prepared and compiled (what demo, support and codegen run)
+model: install
 	$(BIN)/python -m models.prepare smollm2 --out $(CACHE)/smollm2-dynamo
 	$(BIN)/atc --model=$(CACHE)/smollm2-dynamo/model.onnx --framework=5 --output=$(CACHE)/smollm2 \
 		--soc_version=Ascend910B --enable_paged_attention=1 --kv_cache_layout=paged --enable_flash_attention=1 \
 		--display_model_info=1
-	$(BIN)/cann-run chat --model $(CACHE)/smollm2.om --temperature 0 --max_new_tokens 128 \
-		--message "$(QUESTION)" --message "$(FOLLOW_UP)"
+
+# the customer-service bot on the sample knowledge base: its chat page on http://127.0.0.1:8080
+support: model
+	$(BIN)/python -m apps.customer_service --model $(CACHE)/smollm2.om
+
+# the code-generation service: POST /generate and /optimize on http://127.0.0.1:8081
+codegen: model
+	$(BIN)/python -m apps.codegen serve --model $(CACHE)/smollm2.om
 
 # Optimum's exports of the tiny families, for tests/test_optimum_exports.py: optimum-onnx needs transformers<4.58,
 # so it gets its own venv under the cache (made once, ~1 min; without a registry the tests skip and say why)

@@ -11,11 +11,14 @@ import logging
 from dataclasses import dataclass
 
 import bm25s
+import Stemmer
 
 from runtime.tokenizer import TextTokenizer
 
 # bm25s sets its own logger to DEBUG, past whatever level the application chose
 logging.getLogger("bm25s").setLevel(logging.WARNING)
+# words matched by their stems ("refunds" finds "refund"), as bm25s recommends for English
+_STEMMER = Stemmer.Stemmer("english")
 
 GAP = "\n[…]\n"  # between passages that are not contiguous in the document
 QUESTION_PROMPT = ("Answer the question using the passages from a document below.\n\n"
@@ -112,11 +115,11 @@ def _text(document: str, offsets: list[tuple[int, int]], start: int, end: int) -
 
 def _bm25(chunks: list[Chunk], question: str) -> list[float]:
     """Each chunk's BM25 score against `question` (English stopwords left out); all 0 when nothing matches."""
-    (words,) = bm25s.tokenize([question], stopwords="en", return_ids=False, show_progress=False)
+    (words,) = bm25s.tokenize([question], stopwords="en", stemmer=_STEMMER, return_ids=False, show_progress=False)
     if not words:
         return [0.0] * len(chunks)
     retriever = bm25s.BM25()
-    retriever.index(bm25s.tokenize([c.text for c in chunks], stopwords="en", show_progress=False), show_progress=False)
+    retriever.index(bm25s.tokenize([c.text for c in chunks], stopwords="en", stemmer=_STEMMER, show_progress=False), show_progress=False)
     return [float(score) for score in retriever.get_scores(words)]
 
 

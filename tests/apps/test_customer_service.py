@@ -1,0 +1,84 @@
+"""The customer-service app: retrieval from the sample knowledge base, the hand-over when nothing matches,
+each conversation's memory, and the service and its page over HTTP on 127.0.0.1 with a tiny model."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from generation_utils import compile_tiny_chat_model
+
+from apps.customer_service import CustomerServiceBot, KnowledgeBase
+from apps.customer_service.bot import ESCALATION
+from runtime.engine.engine import LLMEngine
+
+KNOWLEDGE = Path(__file__).resolve().parents[2] / "apps" / "customer_service" / "knowledge"
+CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+
+
+@pytest.mark.parametrize("question,document", [
+    ("How long do I have to return an item?", "returns"),
+    ("When will I get my refund?", "returns"),
+    ("How much does express shipping cost?", "shipping"),
+    ("Do you ship to Canada?", "shipping"),
+    ("My headphones broke after a year, is that covered?", "warranty"),
+    ("Can I pay with PayPal?", "payment"),
+    ("Can I pay in installments?", "payment"),
+    ("I forgot my password", "account"),
+    ("What time does the Paris store open?", "stores"),
+    ("Can I pick up my order in a store?", "stores"),
+])
+def test_retrieval_puts_the_right_document_first(question, document):
+    [(best, score), *_] = KnowledgeBase(KNOWLEDGE).search(question)
+    assert best.name == document and score >= 0.5
+
+
+@pytest.fixture(scope="module")
+def om(tmp_path_factory):
+    return compile_tiny_chat_model(tmp_path_factory, CHAT_TEMPLATE, "support")
+
+
+def test_answers_draw_on_documents_remember_the_conversation_and_hand_over_the_rest(om):
+    with LLMEngine(om, max_context_len=2048, kv_cache_pages=64) as engine:
+        bot = CustomerServiceBot(engine, KnowledgeBase(KNOWLEDGE), max_new_tokens=8)
+        first = bot.answer("c1", "Can I pay with PayPal?")
+        assert not first.escalated and first.sources[0] == "payment"
+        second = bot.answer("c1", "And how long do refunds take?")
+        conversation = bot.conversations.get("c1")
+        assert [t["content"] for t in conversation.turns[::2]] == ["Can I pay with PayPal?", "And how long do refunds take?"]
+        assert second.sources[0] == "returns" and "30 days of delivery" in conversation.system
+        away = bot.answer("c1", "What is the weather on Mars?")
+        assert away == type(away)(ESCALATION, [], True) and len(conversation.turns) == 6
+        assert bot.answer("c2", "hello there").escalated and len(bot.conversations.get("c2").turns) == 2
+
+
+def test_the_service_and_its_page_over_http(om):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "apps.customer_service", "--model", str(om), "--port", str(port),
+                                "--max_new_tokens", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert process.poll() is None and time.time() < deadline, process.stderr.read()
+                time.sleep(0.2)
+        page = httpx.get(url, timeout=30)
+        assert page.status_code == 200 and 'id="ask"' in page.text and 'fetch("/chat"' in page.text
+        reply = httpx.post(f"{url}/chat", json={"conversation_id": "web", "message": "Do you ship to Canada?"},
+                           timeout=120).json()
+        assert set(reply) == {"text", "sources", "escalated"} and reply["sources"][0] == "shipping"
+        assert httpx.post(f"{url}/chat", json={"conversation_id": "web", "message": ""}, timeout=30).status_code == 422
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
