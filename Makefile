@@ -6,7 +6,7 @@ CACHE ?= .cache
 QUESTION ?= What is the capital of France?
 FOLLOW_UP ?= And of Germany?
 
-.PHONY: install demo model support codegen test test-fast clean optimum
+.PHONY: install demo model support codegen test test-fast clean optimum browser
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,7 +42,13 @@ codegen: model
 optimum: install
 	$(BIN)/python -m models.optimum_export
 
-test: install optimum
+# Debian's Chromium, for the customer-service page's browser test (Playwright drives it and downloads no
+# browser of its own); installed once, as root or through sudo
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@command -v chromium >/dev/null || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium) >/dev/null
+
+test: install optimum browser
 	$(BIN)/python -m models.prepare smollm2 --out $(CACHE)/smollm2-dynamo
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 

@@ -18,6 +18,7 @@ from apps.customer_service.bot import ESCALATION
 from runtime.engine.engine import LLMEngine
 
 KNOWLEDGE = Path(__file__).resolve().parents[2] / "apps" / "customer_service" / "knowledge"
+BROWSER = "/usr/bin/chromium"  # Debian's package, which `make test` installs
 CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
 
 
@@ -79,6 +80,53 @@ def test_the_service_and_its_page_over_http(om):
                            timeout=120).json()
         assert set(reply) == {"text", "sources", "escalated"} and reply["sources"][0] == "shipping"
         assert httpx.post(f"{url}/chat", json={"conversation_id": "web", "message": ""}, timeout=30).status_code == 422
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_the_page_in_a_real_browser(om):
+    """Headless Chromium (Debian's, driven by Playwright): a question typed and sent, the answer shown with
+    its source; a question no document covers shown as handed over."""
+    from playwright.sync_api import sync_playwright
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "apps.customer_service", "--model", str(om), "--port", str(port),
+                                "--max_new_tokens", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert process.poll() is None and time.time() < deadline, process.stderr.read()
+                time.sleep(0.2)
+        with sync_playwright() as playwright:
+            # flags for a closed network: no background connections, no first-run work
+            browser = playwright.chromium.launch(executable_path=BROWSER, args=[
+                "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync"])
+            try:
+                page = browser.new_page()
+                page.goto(url)
+                page.fill("#message", "Do you ship to Canada?")
+                page.click("#send")
+                answer = page.locator(".agent").first
+                answer.wait_for(timeout=60_000)
+                assert answer.locator(".meta").inner_text() == "from: shipping"
+                assert page.locator(".customer span").first.inner_text() == "Do you ship to Canada?"
+                page.fill("#message", "What is the weather on Mars?")
+                page.press("#message", "Enter")
+                handed = page.locator(".escalated")
+                handed.wait_for(timeout=60_000)
+                assert handed.locator(".meta").inner_text() == "handed to a colleague"
+                assert page.locator(".agent").count() == 2
+            finally:
+                browser.close()
     finally:
         process.terminate()
         process.wait(timeout=30)
