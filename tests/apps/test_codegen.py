@@ -3,13 +3,10 @@ retry on a tiny model, and the service over HTTP on 127.0.0.1."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
+from app_process import app_process
 from generation_utils import compile_tiny_chat_model
 
 from apps.codegen import CodeGenerator, extract_code
@@ -58,26 +55,9 @@ def test_an_answer_that_does_not_parse_gets_one_more_try(om):
 
 
 def test_the_service_answers_over_http(om):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "apps.codegen", "serve", "--model", str(om), "--port", str(port),
-                                "--max_new_tokens", "16"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert process.poll() is None and time.time() < deadline, process.stderr.read()
-                time.sleep(0.2)
+    with app_process("apps.codegen", "serve", "--model", str(om), "--max_new_tokens", "16") as url:
         made = httpx.post(f"{url}/generate", json={"description": "add two numbers"}, timeout=120).json()
         assert set(made) == {"code", "answer", "valid", "error", "attempts"} and made["attempts"] in (1, 2)
         optimized = httpx.post(f"{url}/optimize", json={"code": SQUARE, "language": "python"}, timeout=120).json()
         assert optimized["code"] == extract_code(optimized["answer"], "python")
         assert httpx.post(f"{url}/generate", json={"description": ""}, timeout=30).status_code == 422
-    finally:
-        process.terminate()
-        process.wait(timeout=30)

@@ -3,14 +3,11 @@ each conversation's memory, and the service and its page over HTTP on 127.0.0.1 
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from app_process import app_process
 from generation_utils import compile_tiny_chat_model
 
 from apps.customer_service import CustomerServiceBot, KnowledgeBase
@@ -59,30 +56,13 @@ def test_answers_draw_on_documents_remember_the_conversation_and_hand_over_the_r
 
 
 def test_the_service_and_its_page_over_http(om):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "apps.customer_service", "--model", str(om), "--port", str(port),
-                                "--max_new_tokens", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert process.poll() is None and time.time() < deadline, process.stderr.read()
-                time.sleep(0.2)
+    with app_process("apps.customer_service", "--model", str(om), "--max_new_tokens", "8") as url:
         page = httpx.get(url, timeout=30)
         assert page.status_code == 200 and 'id="ask"' in page.text and 'fetch("/chat"' in page.text
         reply = httpx.post(f"{url}/chat", json={"conversation_id": "web", "message": "Do you ship to Canada?"},
                            timeout=120).json()
         assert set(reply) == {"text", "sources", "escalated"} and reply["sources"][0] == "shipping"
         assert httpx.post(f"{url}/chat", json={"conversation_id": "web", "message": ""}, timeout=30).status_code == 422
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 def test_the_page_in_a_real_browser(om):
@@ -90,21 +70,7 @@ def test_the_page_in_a_real_browser(om):
     its source; a question no document covers shown as handed over."""
     from playwright.sync_api import sync_playwright
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "apps.customer_service", "--model", str(om), "--port", str(port),
-                                "--max_new_tokens", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert process.poll() is None and time.time() < deadline, process.stderr.read()
-                time.sleep(0.2)
+    with app_process("apps.customer_service", "--model", str(om), "--max_new_tokens", "8") as url:
         with sync_playwright() as playwright:
             # flags for a closed network: no background connections, no first-run work
             browser = playwright.chromium.launch(executable_path=BROWSER, args=[
@@ -127,6 +93,3 @@ def test_the_page_in_a_real_browser(om):
                 assert page.locator(".agent").count() == 2
             finally:
                 browser.close()
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
