@@ -80,11 +80,10 @@ class DraftModelProposer:
             for (state, _), row in zip(active, logits):
                 state.seq.num_computed = len(state.seq.token_ids)
                 state.seq.token_ids.append(int(np.argmax(row)))
-        drafts = {id(state): state.seq.token_ids[state.proposed_at:] for state in drafting}
         for state in drafting:
-            state.proposed = drafts[id(state)]
-        return [self._drafting[seq.seq_id].proposed if seq.seq_id in self._drafting and
-                id(self._drafting[seq.seq_id]) in drafts else [] for seq in seqs]
+            state.proposed = state.seq.token_ids[state.proposed_at:]
+        # every sequence was synced above: one that drafted nothing has an empty proposal
+        return [self._drafting[seq.seq_id].proposed for seq in seqs]
 
     def observe(self, seq_id: int, token: int) -> None:
         """Drafts are scored when the next is made (how many of the last were kept)."""
