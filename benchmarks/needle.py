@@ -3,7 +3,8 @@
 (runtime/long_context.py). For each depth: whether the kept passages hold the fact, and whether the
 model's greedy answer states it.
 
-    python benchmarks/needle.py --om .cache/smollm2.om [--tokens 32768] [--context 2048] [--depths 10]
+    python benchmarks/needle.py --om .cache/smollm2.om [--tokens 32768] [--context 2048] [--depths 10] \\
+        [--scoring bm25|hybrid] [--question "..."]
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from runtime.long_context import SCORINGS, LongContext  # noqa: E402
 from runtime.tokenizer import TextTokenizer  # noqa: E402
 
 PROSE = Path(__file__).resolve().parents[1] / "models" / "data" / "eval.txt"
@@ -42,19 +44,22 @@ def needle_document(tokenizer: TextTokenizer, tokens: int, depth: float) -> str:
 @click.option("--context", default=2048, show_default=True, help="the engine's max_context_len")
 @click.option("--depths", default=10, show_default=True, help="placements, evenly from 5% to 95% deep")
 @click.option("--reply_tokens", default=32, show_default=True)
-def main(om_path: str, tokens: int, context: int, depths: int, reply_tokens: int) -> None:
+@click.option("--scoring", type=click.Choice(SCORINGS), default="bm25", show_default=True,
+              help="LongContext's ranking of the passages")
+@click.option("--question", default=QUESTION, show_default=True,
+              help="the question asked (a paraphrase tests ranking beyond shared words)")
+def main(om_path: str, tokens: int, context: int, depths: int, reply_tokens: int, scoring: str, question: str) -> None:
     """Print, per depth, whether the kept passages and the answer hold the needle, then the counts."""
     from runtime.engine.engine import LLMEngine
-    from runtime.long_context import LongContext
 
     kept = answered = 0
     with LLMEngine(om_path, max_context_len=context, kv_cache_pages=max(64, context // 64)) as engine:
-        long_context = LongContext(engine.tokenizer)
+        long_context = LongContext(engine.tokenizer, scoring=scoring, embed=engine.embed_tokens)
         for i in range(depths):
             depth = (i + 0.5) / depths
             document = needle_document(engine.tokenizer, tokens, depth)
             start = time.perf_counter()
-            prompt, selection = long_context.prompt(engine, document, QUESTION, reply_tokens)
+            prompt, selection = long_context.prompt(engine, document, question, reply_tokens)
             chosen = time.perf_counter() - start
             answer = engine.generate(prompt, max_new_tokens=reply_tokens, temperature=0)
             kept += NEEDLE in selection.text

@@ -60,6 +60,8 @@ FLAGS: list[tuple[str, str, str]] = [
     ("compress_weight_conf", "LLM", "Quantization config (JSON; its \"calibration\" object sets calibration)"),
     ("compression_optimize_conf", "LLM", "Accepted for compatibility; no effect here (calibration is set in "
                                          "--compress_weight_conf)"),
+    ("keep_layers", "LLM", "Keep only the first N decoder layers, then the final norm and the head: a draft model "
+                           "for speculative decoding (cann-run --draft_model) from the same ONNX; 0: all (default)"),
     ("model_type", "LLM", "Model family (llama, glm, qwen, ...); default: detected from the graph"),
     ("auto_tune_mode", "Model Tuning", "Deprecated in ATC; accepted for compatibility, no effect here "
                                        "(warning W10001)"),

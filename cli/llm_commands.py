@@ -11,7 +11,7 @@ import click
 
 from cli.loading import loading
 from runtime.conversation import COMPACTIONS, Conversation, ConversationSettings
-from runtime.long_context import LongContext
+from runtime.long_context import SCORINGS, LongContext
 from runtime.engine.config import EngineConfig
 from runtime.engine.engine import GenerationFailed
 from runtime.errors import AtcError
@@ -124,16 +124,19 @@ def _stats_line(request) -> str:
 @click.option("--context_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="a document to answer --prompt from: its passages most relevant to the question (BM25) that "
                    "fit the context are given to the model with it, through the chat template")
+@click.option("--context_scoring", type=click.Choice(SCORINGS), default="bm25", show_default=True,
+              help="how --context_file's passages are ranked: BM25, or hybrid (BM25 fused with the model's own "
+                   "token embeddings, for questions worded unlike the document)")
 @_value_errors_as_codes
-def generate_command(prompt, chat_template, json_path, context_file, **kwargs) -> None:
+def generate_command(prompt, chat_template, json_path, context_file, context_scoring, **kwargs) -> None:
     """Generate a continuation of --prompt, streamed to stdout (or, with --context_file, an answer to it
     from the document)."""
     params = _sampling(kwargs)
     with open_engine(**kwargs) as engine:
         if context_file:
             with open(context_file, encoding="utf-8") as document:
-                text, selection = LongContext(engine.tokenizer).prompt(engine, document.read(), prompt,
-                                                                       params["max_new_tokens"])
+                long_context = LongContext(engine.tokenizer, scoring=context_scoring, embed=engine.embed_tokens)
+                text, selection = long_context.prompt(engine, document.read(), prompt, params["max_new_tokens"])
             click.echo(f"[INFO] context: {len(selection.chunks)} passages, {selection.tokens} of the document's "
                        f"{selection.document_tokens} tokens", err=True)
         else:

@@ -70,6 +70,7 @@ class CompileConfig:
     auto_tune_mode: str = ""
     tokenizer: str = ""
     model_type: str = ""
+    keep_layers: int = 0  # 0: every layer; N: the first N and the head (a draft model)
     cmdline: str = ""
     # the Python API may give the quantization settings themselves instead of --compress_weight_conf
     quantization: QuantConfig | None = field(default=None, compare=False)
@@ -171,6 +172,8 @@ class CompileConfig:
             raise not_in_range(self.kv_cache_layout, "kv_cache_layout", KV_CACHE_LAYOUTS)
         if self.model_type and self.model_type not in MODEL_TYPES:
             raise not_in_range(self.model_type, "model_type", MODEL_TYPES)
+        if self.keep_layers < 0:
+            raise invalid_value(self.keep_layers, "keep_layers", "The number of layers to keep must be at least 1.")
         if self.soc_version and self.soc_version not in SOC_VERSIONS:
             raise not_in_range(self.soc_version, "soc_version", sorted(SOC_VERSIONS))
 
@@ -197,7 +200,7 @@ class CompileConfig:
 _NOT_IN_METADATA = ("enable_paged_attention", "kv_cache_layout", "paged_config", "paging", "warnings")
 _BOOL_FLAGS_01 = ("display_model_info",)
 _BOOL_FLAGS = ("enable_flash_attention", "enable_paged_attention", "large_model_compilation", "enable_compress_weight")
-_INT_FLAGS = ("mode", "framework")
+_INT_FLAGS = ("mode", "framework", "keep_layers")
 
 
 def _convert(name: str, raw: str) -> object:
@@ -206,6 +209,8 @@ def _convert(name: str, raw: str) -> object:
         if not raw.strip().lstrip("-").isdigit():
             if name == "framework":
                 raise AtcError("E10007", "framework", "0(Caffe) or 1(MindSpore) or 3(TensorFlow) or 5(Onnx)")
+            if name == "keep_layers":
+                raise invalid_value(raw, name, "The number of layers to keep must be a whole number.")
             raise not_in_range(raw, name, sorted(MODES))
         return int(raw)
     if name in _BOOL_FLAGS_01:

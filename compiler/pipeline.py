@@ -30,6 +30,7 @@ from passes.paged_kv_cache import PagedKvCache
 from passes.prune_logits import PruneLogits
 from passes.quant.calibration import text_samples
 from passes.quant.quantize_weights import QuantizeWeights
+from passes.truncate_layers import TruncateLayers
 from runtime.errors import AtcError
 
 
@@ -96,6 +97,11 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False) -> list[Pa
         FuseQkv(),
         FuseMoe(),  # before SwiGlu: the routed experts' SiLU is the op's, the shared expert's SwiGlu's
         FuseSwiGlu(),
+    ]
+    if cfg is not None and cfg.keep_layers:
+        # a draft model: the layers past the kept ones go before their weights are quantized or calibrated
+        passes.append(TruncateLayers(cfg.keep_layers))
+    passes += [
         # Phase 3: weights (QDQ weights are repacked whether or not compression was asked for)
         QuantizeWeights(quant, _samples_if_useful(cfg), progress=progress),
     ]

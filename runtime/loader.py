@@ -21,8 +21,8 @@ from runtime.artifact_schema import SchemaViolation, check_metadata
 from runtime.chat_template import ChatTemplate
 from runtime.errors import AtcError
 from runtime.kernels import supports
-from runtime.ops import (ATTENTION_OPS, CUSTOM_DOMAIN, PAGED_ATTENTION, PAGED_METADATA, ContractViolation, attributes,
-                         check_node)
+from runtime.ops import (ATTENTION_OPS, CUSTOM_DOMAIN, GATHER_INT4, PAGED_ATTENTION, PAGED_METADATA, ContractViolation,
+                         GatherInt4Input, attributes, check_node)
 from runtime.signature import io_signature, llm_dimensions
 from runtime.tokenizer import TextTokenizer
 
@@ -36,6 +36,25 @@ class LoadedModel:
     weights: dict[str, np.ndarray]
     metadata: dict
     tokenizer: TextTokenizer | None = None  # parsed once, by the validation; None without a tokenizer.json
+
+    def embed_tokens(self, ids: np.ndarray) -> np.ndarray:
+        """Rows `ids` of the input embedding table the graph gathers `input_ids` from, as float32 `[n, hidden]`
+        (an INT4 table dequantized); ValueError when the graph reads no such table."""
+        from runtime.kernels.matmul_nbits_layout import dequantize_matmul_nbits
+
+        ids = np.asarray(ids, dtype=np.int64)
+        for node in self.model.graph.node:
+            if node.input[1:2] != ["input_ids"] or node.input[0] not in self.weights:
+                continue
+            table = self.weights[node.input[0]]
+            if node.op_type == "Gather" and table.ndim == 2:
+                return np.asarray(table[ids], dtype=np.float32)
+            if node.op_type == GATHER_INT4.name:
+                attrs = attributes(node)
+                scales = self.weights[node.input[GatherInt4Input.SCALES]]
+                rows = dequantize_matmul_nbits(table[ids], scales[ids], None, attrs["K"], attrs["block_size"])
+                return rows.T.astype(np.float32)
+        raise ValueError(f"{self.om.path} gathers input_ids from no weight table")
 
     @property
     def input_names(self) -> list[str]:

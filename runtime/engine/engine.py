@@ -307,6 +307,10 @@ class LLMEngine:
         """The assistant's reply to `messages`, through the model's chat template."""
         return self.submit(self.chat_prompt(messages), **kwargs).result()
 
+    def embed_tokens(self, ids) -> np.ndarray:
+        """Rows `ids` of the model's input embedding table, float32 `[n, hidden]` (LongContext's hybrid scoring)."""
+        return self.loaded.embed_tokens(ids)
+
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """`messages` rendered by the chat template and tokenized as the template spells special tokens."""
         return self._require_tokenizer().encode(self.chat_text(messages, tools=tools), add_special_tokens=False)
