@@ -64,3 +64,59 @@ def test_the_prompt_fits_the_engine_with_room_for_the_reply(tmp_path_factory):
         assert len(ids) + 32 <= 400 and NEEDLE in selection.text
         with pytest.raises(ValueError, match="no room for the document"):
             long_context.prompt(engine, document, QUESTION, 399)
+
+
+PARAPHRASE = "Which password does the port administration use?"  # no word shared with the needle
+
+
+def _smollm2_embeddings(smollm2_path):
+    """The exported model's input embedding table, as `LLMEngine.embed_tokens` serves it."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(smollm2_path))
+    gather = next(n for n in model.graph.node if n.op_type == "Gather" and n.input[1] == "input_ids")
+    table = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == gather.input[0]),
+                                  base_dir=str(smollm2_path.parent))
+    return lambda ids: table[ids]
+
+
+def test_hybrid_scoring_finds_a_paraphrased_question_where_bm25_alone_does_less(smollm2_tokenizer, smollm2_path):
+    embed = _smollm2_embeddings(smollm2_path)
+    kept = {}
+    for scoring in ("bm25", "hybrid"):
+        long_context = LongContext(smollm2_tokenizer, scoring=scoring, embed=embed)
+        for question in (QUESTION, PARAPHRASE):
+            documents = [needle_document(smollm2_tokenizer, 32_768, i / 10 + 0.05) for i in range(10)]
+            kept[scoring, question] = sum(NEEDLE in long_context.select(d, question, 1_900).text for d in documents)
+    assert kept["hybrid", QUESTION] >= 9
+    assert kept["hybrid", PARAPHRASE] > kept["bm25", PARAPHRASE], kept
+    with pytest.raises(ValueError, match="embeddings"):
+        LongContext(smollm2_tokenizer, scoring="hybrid")
+    with pytest.raises(ValueError, match="scoring"):
+        LongContext(smollm2_tokenizer, scoring="dense")
+
+
+def test_embed_tokens_reads_float_and_int4_tables_alike(tmp_path_factory):
+    """An INT4 artifact's embedding rows (GatherInt4) come back dequantized, within the quantization step."""
+    import json
+
+    import numpy as np
+
+    from conftest import compile_to
+    from models.tiny import tiny_onnx
+    from runtime.loader import load_artifact
+
+    model = tiny_onnx("llama_tied", dynamo=True, with_past=True)
+    folder = tmp_path_factory.mktemp("embed")
+    (folder / "int4.json").write_text(json.dumps({"quant_mode": "INT4", "group_size": 32, "skip_layers": [], "lm_head_bits": 4,
+                                                  "lm_head_group_size": 32}))
+    exact = load_artifact(compile_to(model, folder / "fp32", enable_paged_attention=True))
+    packed = load_artifact(compile_to(model, folder / "int4", enable_paged_attention=True,
+                                      compress_weight_conf=str(folder / "int4.json")))
+    assert any(n.op_type == "GatherInt4" for n in packed.model.graph.node)
+    ids = np.array([0, 7, 255, 7])
+    rows, approx = exact.embed_tokens(ids), packed.embed_tokens(ids)
+    assert rows.shape == approx.shape == (4, 64) and approx.dtype == np.float32
+    step = np.abs(rows).max(axis=1, keepdims=True) / 7  # symmetric 4-bit: half a step at most, per group
+    assert np.all(np.abs(approx - rows) <= step) and not np.array_equal(approx, rows)
