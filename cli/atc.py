@@ -7,6 +7,7 @@ ATC's banner and the coded message go to stderr and the exit status is 255, as A
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ import click
 
 from cli.common_options import LOG_LEVELS, StderrHandler
 from compiler.config import CompileConfig
+from compiler.inapplicable_flags import NOT_APPLICABLE, REFUSED
 from runtime.artifact import OmFile
 from runtime.errors import AtcError
 from runtime.safe_files import write_bytes
@@ -38,16 +40,31 @@ FLAGS: list[tuple[str, str, str]] = [
     ("model", "Input", "Model file (.onnx; external data beside it)"),
     ("framework", "Input", "Framework type. 5: ONNX (0 Caffe, 1 MindSpore, 3 TensorFlow are not supported)"),
     ("input_shape", "Input", 'Input shapes, e.g. "input_ids:1,-1;position_ids:1,-1"; -1 dynamic, "1~128" range'),
-    ("input_format", "Input", "Input format: NCHW (default), ND, NCDHW; accepted for compatibility, no effect "
-                              "here (recorded in the artifact)"),
+    ("dynamic_batch_size", "Input", 'Batch gears, e.g. "1,2,4,8" (2 to 100), with -1 at dim 0 of --input_shape; a feed '
+                                    "runs at the smallest gear that holds it, larger ones are refused"),
+    ("dynamic_dims", "Input", 'Dim gears, e.g. "8,8;16,16": one value per -1 of --input_shape, in order; needs '
+                              "--input_format=ND"),
+    ("input_shape_range", "Input", 'Deprecated in ATC (W10004): ranges as "input_ids:[1~8,-1]"; the same as "~" in '
+                                   "--input_shape"),
+    ("input_format", "Input", "Input format: NCHW (default), ND, NCDHW; recorded in the artifact; --dynamic_dims "
+                              "needs ND"),
     ("tokenizer", "Input", "Folder with tokenizer.json (+ chat template) to embed; default: beside --model"),
     ("output", "Output", "Output file path and name, without the .om suffix"),
     ("out_nodes", "Output", 'Outputs to keep: "name1;name2" or "node:0;node:1"'),
+    ("output_type", "Output", "FP32 or FP16: float outputs cast to it (FP16 not on a model with a KV cache); "
+                              "UINT8, INT8: E10055"),
     ("soc_version", "Target", "Target profile (e.g. Ascend910B, Ascend310P3); execution is on the host CPU"),
     ("precision_mode", "Feature", "Storage dtype of float weights (compute is float32 on the CPU): "
                                   "must_keep_origin_dtype (default here), force_fp16, allow_mix_precision, "
                                   "allow_mix_precision_bf16, force_fp32, allow_fp32_to_fp16, ..."),
+    ("precision_mode_v2", "Feature", "The same choice by ATC's newer names: fp16, origin, cube_fp16in_fp32out, "
+                                     "mixed_float16, mixed_bfloat16 (cube_hif8, mixed_hif8: E10055); not with "
+                                     "--precision_mode (E10047)"),
+    ("modify_mixlist", "Feature", "JSON whose \"black-list\": {\"to-add\": [op types]} keeps those ops' weights in their "
+                                  "dtype in a mixed mode (other lists: arithmetic is float32 for every op here)"),
     ("keep_dtype", "Feature", "File of node or weight names (globs, lm_head) or OpType::X whose weights keep their dtype"),
+    ("optimization_switch", "Feature", 'Pass switches on the command line: "PassName:off;OtherPass:on"'),
+    ("oo_level", "Feature", "O3 (default): every pass; O1: the switchable fusions off (as ALL:off in a switch file)"),
     ("fusion_switch_file", "Feature", "Fusion switches: lines 'PassName:off' or ATC's JSON {\"Switch\": ...}"),
     ("enable_flash_attention", "LLM", "Blockwise prefill attention in the paged kernel (true/false, 1/0); "
                                       "without a paged KV cache ignored with warning W10002"),
@@ -58,8 +75,6 @@ FLAGS: list[tuple[str, str, str]] = [
                                        "files are always memory-mapped, not read whole)"),
     ("enable_compress_weight", "LLM", "Quantize weights (true/false)"),
     ("compress_weight_conf", "LLM", "Quantization config (JSON; its \"calibration\" object sets calibration)"),
-    ("compression_optimize_conf", "LLM", "Accepted for compatibility; no effect here (calibration is set in "
-                                         "--compress_weight_conf)"),
     ("keep_layers", "LLM", "Keep only the first N decoder layers, then the final norm and the head: a draft model "
                            "for speculative decoding (cann-run --draft_model) from the same ONNX; 0: all (default)"),
     ("model_type", "LLM", "Model family (llama, glm, qwen, ...); default: detected from the graph"),
@@ -68,9 +83,14 @@ FLAGS: list[tuple[str, str, str]] = [
     ("om", "Debug", "The .om to read in modes 1 and 6 (an .onnx in mode 1 with --framework=5)"),
     ("json", "Debug", "JSON output path of mode 1 (a path ending in .onnx writes the graph as ONNX)"),
     ("check_report", "Debug", "Pre-check report path (default check_result.json)"),
+    ("export_compile_stat", "Debug", "1 (default) or 2: write fusion_result.json beside the output; 0: do not"),
     ("display_model_info", "Debug", "Print the model info block after compiling (0/1)"),
     ("log", "Debug", "Log level: debug, info, warning, error, null (default); --log-level is the same flag"),
 ]
+# ATC's flags that this target accepts and ignores (warning W10003), or refuses (E10055), with the reason
+FLAGS += [(name, "Not applicable on this target", f"no effect here (W10003): {spec.why}")
+          for name, spec in NOT_APPLICABLE.items()]
+FLAGS += [(name, "Not supported on this target", f"refused (E10055): {why}") for name, why in REFUSED.items()]
 # other spellings of a flag, beside its dashed form
 _ALIASES = {"log": ("log_level",)}
 _LOG_LEVELS = {**LOG_LEVELS, "null": logging.CRITICAL + 1}  # ATC's null: nothing logged
@@ -103,7 +123,10 @@ def parse_flags(argv: list[str]) -> dict[str, str | None]:
     try:
         context = command.make_context("atc", list(argv), resilient_parsing=False)
     except click.NoSuchOption as error:
-        raise _FlagError(f"unknown command line flag '{error.option_name.lstrip('-')}'") from None
+        name = error.option_name.lstrip("-")
+        close = difflib.get_close_matches(name.replace("-", "_"), [flag for flag, _, _ in FLAGS], n=1, cutoff=0.75)
+        hint = f". Did you mean '--{close[0]}'?" if close else ""
+        raise _FlagError(f"unknown command line flag '{name}'{hint}") from None
     except click.BadOptionUsage as error:
         raise _FlagError(f"flag '{error.option_name}' is missing its argument") from None
     params = dict(context.params)

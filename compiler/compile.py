@@ -14,8 +14,8 @@ import onnx_graphsurgeon as gs
 
 from compiler import __version__
 from compiler.config import CompileConfig
-from compiler.graph_metadata import attention_dimensions, kv_cache_metadata
-from compiler.graph_io import apply_input_shape, apply_out_nodes
+from compiler.graph_metadata import attention_dimensions, kv_cache_metadata, shape_contract_metadata
+from compiler.graph_io import apply_input_shape, apply_out_nodes, apply_output_type
 from compiler.loader import import_graph, weight_bytes
 from compiler.pass_manager import PassReport, run_passes
 from compiler.pipeline import build_pipeline
@@ -53,10 +53,12 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
     _check_writable(output)
     start = time.perf_counter()
     model, graph = import_graph(cfg.model)
-    if cfg.input_shape:
-        apply_input_shape(graph, cfg.input_shape)
+    if cfg.input_shapes:
+        apply_input_shape(graph, cfg.input_shapes)
     if cfg.out_nodes:
         apply_out_nodes(graph, cfg.out_nodes)
+    if cfg.output_type:
+        apply_output_type(graph, cfg.output_type, paged=cfg.paging is not None)
     unsupported = unsupported_types(check_ops(graph))
     if unsupported:
         raise AtcError("E16002", ", ".join(unsupported))
@@ -90,17 +92,20 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
         "model": {**llm, **dimensions, **layers, "family": cfg.model_type or detected,
                   "detected_family": detected},
         "kv_cache": kv_cache_metadata(cfg),
+        **shape_contract_metadata(cfg),
         "source": {"file": Path(cfg.model).name, "producer": f"{model.producer_name} {model.producer_version}".strip(),
                    "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import}},
         "pass_report": report.as_dict(),
     }
     # the side output first: a run that cannot write it fails before a new .om exists
-    fusion_result = output.parent / FUSION_RESULT
-    report.write_fusion_result(fusion_result)
+    fusion_result = output.parent / FUSION_RESULT if cfg.export_compile_stat else None
+    if fusion_result is not None:
+        report.write_fusion_result(fusion_result)
     try:
         size = write_artifact(output, lowered, metadata, tokenizer_files(cfg), detached)
     except BaseException:
-        fusion_result.unlink(missing_ok=True)
+        if fusion_result is not None:
+            fusion_result.unlink(missing_ok=True)
         raise
     note(f"write: {output.name}, {size / 2**20:.1f} MiB, {time.perf_counter() - start:.2f} s", enabled=progress)
     return CompileResult(output=output, size=size, report=report, metadata=metadata)

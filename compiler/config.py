@@ -9,10 +9,12 @@ flags themselves are kept as given and nothing past this module reads the ones a
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from compiler.fusion_switch import parse_fusion_switch_file
+from compiler.dynamic_shapes import gears, parse_batch_sizes, parse_dims, parse_shape_ranges
+from compiler.fusion_switch import parse_fusion_switch_file, parse_switch_list, read_mixlist
+from compiler.inapplicable_flags import NOT_APPLICABLE, REFUSED, check_inapplicable, warning
 from compiler.paged_config import PagedConfig
 from compiler.soc import SOC_VERSIONS, SocProfile
 from passes.precision_config import PrecisionPolicy
@@ -30,6 +32,13 @@ PRECISION_MODES = ("force_fp16", "force_fp32", "cube_fp16in_fp32out", "allow_mix
                    "allow_fp32_to_bf16")
 INPUT_FORMATS = ("NCHW", "ND", "NCDHW")
 KV_CACHE_LAYOUTS = ("contiguous", "paged")
+# --precision_mode_v2's names for the --precision_mode it means here; the HiFloat8 modes have no CPU form
+PRECISION_MODES_V2 = {"fp16": "force_fp16", "origin": "must_keep_origin_dtype",
+                      "cube_fp16in_fp32out": "cube_fp16in_fp32out", "mixed_float16": "allow_mix_precision_fp16",
+                      "mixed_bfloat16": "allow_mix_precision_bf16", "cube_hif8": None, "mixed_hif8": None}
+MIXED_MODES = ("allow_mix_precision", "allow_mix_precision_fp16", "allow_mix_precision_bf16")
+OO_LEVELS = ("O1", "O3")
+OUTPUT_TYPES = ("FP32", "FP16", "UINT8", "INT8")
 MODEL_TYPES = ("llama", "glm", "qwen", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "baichuan", "internlm", "mistral", "phi3",
                "gemma", "gpt2")
 _TRUE = ("1", "t", "true", "y", "yes")
@@ -49,10 +58,19 @@ class CompileConfig:
     output: str = ""
     soc_version: str = ""
     input_shape: dict[str, tuple[Dim, ...]] = field(default_factory=dict)
+    input_shape_range: dict[str, tuple[Dim, ...]] = field(default_factory=dict)  # deprecated in ATC: "~" in input_shape
+    dynamic_batch_size: tuple[int, ...] = ()
+    dynamic_dims: tuple[tuple[int, ...], ...] = ()
     input_format: str = "NCHW"
-    precision_mode: str = "must_keep_origin_dtype"
+    precision_mode: str = ""  # "": not given (must_keep_origin_dtype, unless --precision_mode_v2 says otherwise)
+    precision_mode_v2: str = ""
+    modify_mixlist: str = ""
     keep_dtype: str = ""
     fusion_switch_file: str = ""
+    optimization_switch: str = ""
+    oo_level: str = "O3"
+    output_type: str = ""
+    export_compile_stat: int = 1
     out_nodes: tuple[str, ...] = ()
     log: str = "null"
     om: str = ""
@@ -66,29 +84,40 @@ class CompileConfig:
     large_model_compilation: bool = False
     enable_compress_weight: bool = False
     compress_weight_conf: str = ""
-    compression_optimize_conf: str = ""
     auto_tune_mode: str = ""
     tokenizer: str = ""
     model_type: str = ""
     keep_layers: int = 0  # 0: every layer; N: the first N and the head (a draft model)
     cmdline: str = ""
+    # ATC's flags that do nothing on this target (compiler/inapplicable_flags.py), as given: each warns W10003
+    inapplicable: dict[str, str] = field(default_factory=dict)
     # the Python API may give the quantization settings themselves instead of --compress_weight_conf
     quantization: QuantConfig | None = field(default=None, compare=False)
 
     # ---- resolved from the flags; the compiler reads these ------------------------------------------
     paging: PagedConfig | None = field(init=False, compare=False)  # THE paging decision: None is contiguous
+    input_shapes: dict[str, tuple[Dim, ...]] = field(init=False, compare=False)  # --input_shape or its old range form
+    gears: tuple[dict[str, tuple[int, ...]], ...] = field(init=False, compare=False)  # one shape per named input each
     precision: PrecisionPolicy = field(init=False, compare=False)
     fusion_switches: dict[str, bool] = field(init=False, compare=False)
     warnings: tuple[str, ...] = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
+        for name, raw in self.inapplicable.items():
+            check_inapplicable(name, raw)
         self._check_choices()
         self._check_required()
         self._check_files()
         object.__setattr__(self, "paging", self._resolve_paging())
-        object.__setattr__(self, "precision", PrecisionPolicy.of(self.precision_mode, self.keep_dtype))
-        object.__setattr__(self, "fusion_switches",
-                           parse_fusion_switch_file(self.fusion_switch_file) if self.fusion_switch_file else {})
+        object.__setattr__(self, "input_shapes", self._resolve_input_shapes())
+        object.__setattr__(self, "gears", gears(self.input_shapes, self.dynamic_batch_size, self.dynamic_dims))
+        if self.gears and self.paging is not None:
+            raise AtcError("E10055", "gears with a paged KV cache: a paged model's batch is its flattened tokens, sized "
+                                     "at run time by the engine; compile gears without --enable_paged_attention")
+        if self.dynamic_dims and self.input_format != "ND":
+            raise invalid_value(self.input_format, "input_format", "--dynamic_dims needs --input_format=ND.")
+        object.__setattr__(self, "precision", self._resolve_precision())
+        object.__setattr__(self, "fusion_switches", self._resolve_switches())
         object.__setattr__(self, "quantization", self._resolve_quantization())
         object.__setattr__(self, "warnings", self._warnings())
 
@@ -97,11 +126,15 @@ class CompileConfig:
         """Build from the command line's strings; missing flags keep their defaults."""
         known = {f.name for f in fields(cls) if f.init}
         values: dict[str, object] = {}
+        inapplicable: dict[str, str] = {}
         for name, raw in flags.items():
-            if raw is None or name not in known:
+            if raw is None:
                 continue
-            values[name] = _convert(name, raw)
-        return cls(**values)
+            if name in NOT_APPLICABLE or name in REFUSED:
+                inapplicable[name] = raw
+            elif name in known:
+                values[name] = _convert(name, raw)
+        return cls(**values, inapplicable=inapplicable)
 
     @property
     def soc(self) -> SocProfile:
@@ -120,8 +153,41 @@ class CompileConfig:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_IN_METADATA}
         out["quantization"] = asdict(self.quantization) if self.quantization else None
         out["precision"] = asdict(self.precision)
-        out["input_shape"] = {k: [list(d) if isinstance(d, tuple) else d for d in v] for k, v in self.input_shape.items()}
+        for name in ("input_shape", "input_shape_range"):
+            out[name] = {k: [list(d) if isinstance(d, tuple) else d for d in v] for k, v in getattr(self, name).items()}
         return out
+
+    def _resolve_input_shapes(self) -> dict[str, tuple[Dim, ...]]:
+        if self.input_shape_range and (self.dynamic_batch_size or self.dynamic_dims):
+            raise AtcError("E10009")
+        if self.input_shape_range and self.input_shape:
+            raise AtcError("E10047", "input_shape", "input_shape_range")
+        return dict(self.input_shape_range or self.input_shape)
+
+    def _resolve_precision(self) -> PrecisionPolicy:
+        if self.precision_mode and self.precision_mode_v2:
+            raise AtcError("E10047", "precision_mode", "precision_mode_v2")
+        mode = PRECISION_MODES_V2[self.precision_mode_v2] if self.precision_mode_v2 else self.precision_mode
+        if self.precision_mode_v2 and mode is None:
+            raise AtcError("E10055", f"--precision_mode_v2={self.precision_mode_v2}: HiFloat8 is an Ascend 950 format "
+                                     "with no CPU counterpart")
+        mode = mode or "must_keep_origin_dtype"
+        policy = PrecisionPolicy.of(mode, self.keep_dtype)
+        if self.modify_mixlist:
+            if mode not in MIXED_MODES:
+                raise invalid_value(self.modify_mixlist, "modify_mixlist", "--modify_mixlist applies only to the mixed "
+                                    "precision modes (allow_mix_precision*, mixed_float16, mixed_bfloat16).")
+            policy = replace(policy, keep_op_types=policy.keep_op_types + read_mixlist(self.modify_mixlist))
+        return policy
+
+    def _resolve_switches(self) -> dict[str, bool]:
+        # O1 is ATC's basic optimisation level: the switchable fusions off, the passes a layout needs still run
+        switches: dict[str, bool] = {"ALL": False} if self.oo_level == "O1" else {}
+        if self.fusion_switch_file:
+            switches.update(parse_fusion_switch_file(self.fusion_switch_file))
+        if self.optimization_switch:
+            switches.update(parse_switch_list(self.optimization_switch))
+        return switches
 
     def _resolve_paging(self) -> PagedConfig | None:
         paged, layout = self.enable_paged_attention, self.kv_cache_layout
@@ -147,8 +213,12 @@ class CompileConfig:
         if self.enable_flash_attention and self.paging is None:
             warnings.append("W10002: --enable_flash_attention applies to paged attention (--enable_paged_attention=1); "
                             "a contiguous cache is lowered to onnxruntime's standard ops. Ignored.")
+        if self.input_shape_range:
+            warnings.append("W10004: --input_shape_range is deprecated in ATC; write the ranges in --input_shape "
+                            "(\"input_ids:1~8,-1\"). Applied as given.")
         if self.auto_tune_mode:
             warnings.append("W10001: The Auto Tune function has been deprecated; --auto_tune_mode is ignored.")
+        warnings += filter(None, (warning(name, raw) for name, raw in self.inapplicable.items()))
         return tuple(warnings)
 
     def _check_choices(self) -> None:
@@ -164,9 +234,14 @@ class CompileConfig:
                            "only ONNX models (--framework=5) can be compiled")
         if self.log not in LOG_LEVELS:
             raise AtcError("E10010", self.log)
-        for flag, value, allowed in (("precision_mode", self.precision_mode, PRECISION_MODES),
-                                     ("input_format", self.input_format, INPUT_FORMATS)):
+        for flag, value, allowed in (("precision_mode", self.precision_mode, ("", *PRECISION_MODES)),
+                                     ("precision_mode_v2", self.precision_mode_v2, ("", *PRECISION_MODES_V2)),
+                                     ("input_format", self.input_format, INPUT_FORMATS),
+                                     ("oo_level", self.oo_level, OO_LEVELS),
+                                     ("output_type", self.output_type, ("", *OUTPUT_TYPES)),
+                                     ("export_compile_stat", self.export_compile_stat, (0, 1, 2))):
             if value not in allowed:
+                allowed = [choice for choice in allowed if choice != ""]
                 raise not_in_range(value, flag, allowed)
         if self.kv_cache_layout and self.kv_cache_layout not in KV_CACHE_LAYOUTS:
             raise not_in_range(self.kv_cache_layout, "kv_cache_layout", KV_CACHE_LAYOUTS)
@@ -187,8 +262,7 @@ class CompileConfig:
                 raise AtcError("E10054", f"--{name}")
 
     def _check_files(self) -> None:
-        for flag in ("keep_dtype", "fusion_switch_file", "paged_config", "compress_weight_conf",
-                     "compression_optimize_conf"):
+        for flag in ("keep_dtype", "fusion_switch_file", "paged_config", "compress_weight_conf", "modify_mixlist"):
             path = getattr(self, flag)
             if path and not os.path.isfile(path):
                 raise invalid_value(path, flag, f"File defined by {flag} is not found.")
@@ -197,10 +271,11 @@ class CompileConfig:
 
 
 # the paging flags are recorded as the kv_cache section; warnings are printed, not stored
-_NOT_IN_METADATA = ("enable_paged_attention", "kv_cache_layout", "paged_config", "paging", "warnings")
+_NOT_IN_METADATA = ("enable_paged_attention", "kv_cache_layout", "paged_config", "paging", "warnings", "input_shapes",
+                    "gears")
 _BOOL_FLAGS_01 = ("display_model_info",)
 _BOOL_FLAGS = ("enable_flash_attention", "enable_paged_attention", "large_model_compilation", "enable_compress_weight")
-_INT_FLAGS = ("mode", "framework", "keep_layers")
+_INT_FLAGS = ("mode", "framework", "keep_layers", "export_compile_stat")
 
 
 def _convert(name: str, raw: str) -> object:
@@ -211,7 +286,7 @@ def _convert(name: str, raw: str) -> object:
                 raise AtcError("E10007", "framework", "0(Caffe) or 1(MindSpore) or 3(TensorFlow) or 5(Onnx)")
             if name == "keep_layers":
                 raise invalid_value(raw, name, "The number of layers to keep must be a whole number.")
-            raise not_in_range(raw, name, sorted(MODES))
+            raise not_in_range(raw, name, sorted(MODES) if name == "mode" else (0, 1, 2))
         return int(raw)
     if name in _BOOL_FLAGS_01:
         if raw not in ("0", "1"):
@@ -225,6 +300,12 @@ def _convert(name: str, raw: str) -> object:
         raise AtcError("E10005", raw, name)
     if name == "input_shape":
         return parse_input_shape(raw)
+    if name == "input_shape_range":
+        return parse_input_shape(parse_shape_ranges(raw))
+    if name == "dynamic_batch_size":
+        return parse_batch_sizes(raw)
+    if name == "dynamic_dims":
+        return parse_dims(raw)
     if name == "out_nodes":
         return tuple(part for part in raw.split(";") if part)
     return raw

@@ -49,6 +49,31 @@ def _parse_json(path: str, text: str) -> dict[str, bool]:
     return switches
 
 
+def parse_switch_list(text: str) -> dict[str, bool]:
+    """`--optimization_switch="Pass1:on;Pass2:off"`: the same switches, given on the command line."""
+    switches: dict[str, bool] = {}
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        name, sep, state = (part.strip() for part in item.partition(":"))
+        if not sep or state.lower() not in _STATES or not name:
+            raise invalid_value(item, "optimization_switch", "Each entry must be '<PassName>:on' or '<PassName>:off'.")
+        switches[name] = _STATES[state.lower()]
+    return switches
+
+
+def read_mixlist(path: str) -> tuple[str, ...]:
+    """`--modify_mixlist`'s JSON: the op types its "black-list" adds, whose weights keep their dtype in a mixed
+    mode. Its other lists move ops between precisions of arithmetic, which is float32 for every op here."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            document = json.load(handle)
+        added = (document.get("black-list") or {}).get("to-add") or []
+        if not isinstance(added, list) or not all(isinstance(op, str) and op for op in added):
+            raise TypeError('"black-list": {"to-add": [...]} must list op type names')
+    except (OSError, ValueError, TypeError, AttributeError) as error:
+        raise AtcError("E10032", path, str(error)) from None
+    return tuple(added)
+
+
 def is_enabled(switches: dict[str, bool], name: str) -> bool:
     """Whether pass `name` runs: its own switch, else ALL, else on."""
     return switches.get(name, switches.get("ALL", True))

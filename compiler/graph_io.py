@@ -1,8 +1,10 @@
-"""Apply `--input_shape` and `--out_nodes` to a graph's signature."""
+"""Apply `--input_shape`, `--out_nodes` and `--output_type` to a graph's signature."""
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_graphsurgeon as gs
+from onnx import helper
 
 from compiler.config import Dim
 from runtime.errors import AtcError
@@ -42,4 +44,32 @@ def apply_out_nodes(graph: gs.Graph, out_nodes: tuple[str, ...]) -> None:
             outputs.append(tensors[item])
         else:
             raise AtcError("E10016", item, "out_nodes")
+    graph.outputs = outputs
+
+
+_FLOATS = (np.float16, np.float32, np.float64)
+
+
+def apply_output_type(graph: gs.Graph, output_type: str, paged: bool) -> None:
+    """Float outputs cast to FP32 or FP16 at the end of the graph (integer outputs, such as ids, keep theirs).
+
+    The quantized output types need a scale per output that nothing here would consume; the engine samples
+    from float32 logits and feeds a cache back as float32, so a model with a KV cache keeps FP32."""
+    target = {"FP32": np.float32, "FP16": np.float16}.get(output_type)
+    if target is None:
+        raise AtcError("E10055", f"--output_type={output_type}: quantized outputs are not provided; use FP32 or FP16")
+    has_cache = paged or any(tensor.name.startswith("past_key_values") for tensor in graph.inputs)
+    if has_cache and target is not np.float32:
+        raise AtcError("E10055", f"--output_type={output_type} on a model with a KV cache: the engine samples from "
+                                 "float32 logits and feeds the cache back as float32")
+    outputs = []
+    for tensor in graph.outputs:
+        if tensor.dtype is None or np.dtype(tensor.dtype).type not in _FLOATS or np.dtype(tensor.dtype) == target:
+            outputs.append(tensor)
+            continue
+        cast = gs.Variable(tensor.name, dtype=target, shape=tensor.shape)
+        tensor.name = f"{tensor.name}_before_output_type"
+        graph.nodes.append(gs.Node("Cast", name=f"{cast.name}_output_type", attrs={"to": helper.np_dtype_to_tensor_dtype(np.dtype(target))},
+                                   inputs=[tensor], outputs=[cast]))
+        outputs.append(cast)
     graph.outputs = outputs

@@ -22,3 +22,16 @@ def kv_cache_metadata(cfg) -> dict:
     if cfg.paging is None:
         return {"layout": "contiguous"}
     return {"layout": "paged", "page_size": cfg.paging.page_size}
+
+
+def shape_contract_metadata(cfg) -> dict:
+    """What the runtime holds feeds to (runtime/shape_contract.py): `--input_shape`'s dims and ranges, and the
+    gears of `--dynamic_batch_size` / `--dynamic_dims`; nothing when no input shape was given."""
+    if not cfg.input_shapes:
+        return {}
+    kind = "batch" if cfg.dynamic_batch_size else "dims" if cfg.dynamic_dims else None
+    return {"shape_contract": {
+        "input_shape": {name: [list(d) if isinstance(d, tuple) else d for d in dims]
+                        for name, dims in cfg.input_shapes.items()},
+        "gear_kind": kind,
+        "gears": [{name: list(shape) for name, shape in gear.items()} for gear in cfg.gears]}}

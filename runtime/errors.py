@@ -17,13 +17,29 @@ TEMPLATES: dict[str, str] = {
     "E10005": "Value {0} for parameter --{1} is invalid. The value must be either true or false.",
     "E10006": "Value {0} for parameter --{1} is invalid. The value must be either 1 or 0.",
     "E10007": "--{0} is required. The value must be {1}.",
+    "E10009": "--dynamic_batch_size, --dynamic_image_size, --input_shape_range, and --dynamic_dims are mutually "
+              "exclusive.",
     "E10010": "Value {0} for parameter --log is invalid.",
     "E10011": "Value {0} for parameter --input_shape is invalid. Shape values must be positive integers. "
               "The error value in the shape is {1}.",
+    "E10018": "Value {0} for parameter --input_shape is invalid. Reason: with --dynamic_batch_size only dimension 0 "
+              "(the batch) may be -1.",
     "E10016": "Op name {0} specified in --{1} is not found in the model. Confirm whether this node name exists, "
               "or whether the node is not split with the specified delimiter ';'.",
+    "E10031": "Value {0} for parameter --input_shape is invalid. Reason: --dynamic_batch_size needs -1 at dimension "
+              "0 of the inputs it varies.",
     "E10032": "Failed to parse JSON file {0}. Reason: {1}.",
+    "E10035": "--{0} has {1} profiles, which is less than the minimum ({2}).",
+    "E10036": "--{0} has {1} profiles, which is greater than the maximum ({2}).",
+    "E10037": "Value {0} for parameter --{1} is invalid. Reason: every profile must have the same number of "
+              "dimensions.",
+    "E10038": "Value {0} for parameter --{1} is invalid. Reason: each dimension must be a positive integer.",
+    "E10039": "Value {0} for parameter --{1} is invalid. Reason: profile {2} is given more than once.",
+    "E10040": "Value {0} for parameter --input_shape is invalid. Reason: a range (~) cannot be combined with --{1}.",
     "E10041": "Failed to load the model from {0}.",
+    "E10045": "Value {0} for parameter --dynamic_dims is invalid. Reason: each profile must give one value per -1 "
+              "in --input_shape ({1} in {2}).",
+    "E10047": "--{0} and --{1} are mutually exclusive.",
     "E10049": "Dimension count {0} configured in --input_shape does not match dimension count {1} of the node.",
     "E10054": "The required parameter {0} for ATC is empty. Another possible reason is that the values of some "
               "parameters are not enclosed by quotation marks (\"\").",
@@ -39,7 +55,16 @@ TEMPLATES: dict[str, str] = {
 SOLUTIONS: dict[str, str] = {
     "E10001": "Try again with a valid argument.",
     "E10002": "Try again with a valid --input_shape argument.",
+    "E10018": "Value {0} for parameter --input_shape is invalid. Reason: with --dynamic_batch_size only dimension 0 "
+              "(the batch) may be -1.",
     "E10016": "Check the names of the model's inputs and outputs (atc --mode=1 dumps them).",
+    "E10035": "--{0} has {1} profiles, which is less than the minimum ({2}).",
+    "E10036": "--{0} has {1} profiles, which is greater than the maximum ({2}).",
+    "E10037": "Value {0} for parameter --{1} is invalid. Reason: every profile must have the same number of "
+              "dimensions.",
+    "E10038": "Value {0} for parameter --{1} is invalid. Reason: each dimension must be a positive integer.",
+    "E10039": "Value {0} for parameter --{1} is invalid. Reason: profile {2} is given more than once.",
+    "E10040": "Value {0} for parameter --input_shape is invalid. Reason: a range (~) cannot be combined with --{1}.",
     "E10041": "Check that the file is an ONNX model exported completely, with its external data beside it.",
     "E13001": "Check that the file exists and can be read.",
     "E13004": "Check that the output directory exists and can be written.",

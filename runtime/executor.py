@@ -33,6 +33,7 @@ from runtime.ops import MATMUL_INT4, PAGED_ATTENTION, PAGED_METADATA, SWIGLU, at
 from runtime.ort_session import process_thread_pool_enabled, session_options
 from runtime.proto_utils import initializers_as_inputs
 from runtime.segments import HostNode, Segment, split_at_host_nodes
+from runtime.shape_contract import ShapeContract
 
 BACKENDS = ("onnxruntime", "reference")
 # what onnxruntime raises for a model it will not build (its pybind exceptions derive from Exception only)
@@ -55,6 +56,7 @@ class Executor:
         self.loaded = loaded
         self.backend = backend
         self.output_names = loaded.output_names
+        self.shape_contract = ShapeContract.of(loaded.metadata)
         model, weights = _inline_sub_byte(loaded.model, loaded.weights)
         if backend == "onnxruntime":
             model = _pointing_into_the_artifact(model, weights, loaded.om)
@@ -104,9 +106,16 @@ class Executor:
 
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None,
             kv_cache: PagePool | None = None) -> dict[str, np.ndarray]:
-        """Outputs named `output_names` (default all) for `feeds`; a paged artifact needs `kv_cache`."""
+        """Outputs named `output_names` (default all) for `feeds`; a paged artifact needs `kv_cache`. Feeds
+        outside the shapes the artifact was compiled for are refused (E10001), and with gears run at the
+        smallest gear that holds them (runtime/shape_contract.py)."""
         names = output_names or self.output_names
-        values = dict(feeds)
+        if self.shape_contract is None:
+            return self._run(dict(feeds), names, kv_cache)
+        padded, real = self.shape_contract.fit(feeds)
+        return self.shape_contract.cut(self._run(dict(padded), names, kv_cache), real, self.loaded.metadata["signature"])
+
+    def _run(self, values: dict, names: list[str], kv_cache: PagePool | None) -> dict[str, np.ndarray]:
         if self.native_library is not None:
             return self._run_native(values, names, kv_cache)
         host = HostRun(kv_cache, self._fast) if kv_cache is not None else None

@@ -78,8 +78,11 @@ def test_help_promises_nothing_not_done(capsys):
     assert run(["--help"]) == 0
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  --")}
     assert "stream" not in lines["--large_model_compilation"].lower()
-    for flag in ("--large_model_compilation", "--compression_optimize_conf", "--auto_tune_mode", "--input_format"):
+    for flag in ("--large_model_compilation", "--compression_optimize_conf", "--auto_tune_mode", "--core_type",
+                 "--jit_compile"):
         assert "no effect here" in lines[flag]
+    for flag in ("--singleop", "--insert_op_conf"):
+        assert "refused (E10055)" in lines[flag]
     run_help = " ".join(CliRunner().invoke(cann_run, ["run", "-h"]).output.split())
     assert "no effect here" in run_help[run_help.index("--device"):][:120]
 

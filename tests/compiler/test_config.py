@@ -21,7 +21,7 @@ def _code(**flags) -> str:
 
 def test_defaults_are_atcs():
     cfg = CompileConfig.from_flags(**BASE)
-    assert (cfg.mode, cfg.precision_mode, cfg.log, cfg.check_report) == (0, "must_keep_origin_dtype", "null", "check_result.json")
+    assert (cfg.mode, cfg.precision.mode, cfg.log, cfg.check_report) == (0, "must_keep_origin_dtype", "null", "check_result.json")
     assert cfg.framework == 5 and cfg.paging is None
 
 
