@@ -14,7 +14,7 @@ import onnx_graphsurgeon as gs
 
 from compiler import __version__
 from compiler.config import CompileConfig
-from compiler.graph_metadata import attention_dimensions, kv_cache_metadata, shape_contract_metadata
+from compiler.graph_metadata import attention_dimensions, int8_activations, kv_cache_metadata, shape_contract_metadata
 from compiler.graph_io import apply_input_shape, apply_out_nodes, apply_output_type
 from compiler.loader import import_graph, weight_bytes
 from compiler.pass_manager import PassReport, run_passes
@@ -24,6 +24,7 @@ from compiler.tokenizer_files import tokenizer_files
 from models.recipes import detect_family
 from passes.weight_memory import detach_weights
 from runtime.artifact import write_artifact
+from runtime.compatibility import requirements
 from runtime.errors import AtcError
 from runtime.progress import note
 from runtime.safe_files import refuse_symlink
@@ -93,6 +94,7 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
                   "detected_family": detected},
         "kv_cache": kv_cache_metadata(cfg),
         **shape_contract_metadata(cfg),
+        "requires": requirements(cfg.soc.family, int8_activations(lowered)),
         "source": {"file": Path(cfg.model).name, "producer": f"{model.producer_name} {model.producer_version}".strip(),
                    "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import}},
         "pass_report": report.as_dict(),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-from runtime.ops import ATTENTION_OPS
+from runtime.ops import ATTENTION_OPS, MATMUL_INT4, attributes
 
 
 def attention_dimensions(graph) -> dict:
@@ -35,3 +35,10 @@ def shape_contract_metadata(cfg) -> dict:
                         for name, dims in cfg.input_shapes.items()},
         "gear_kind": kind,
         "gears": [{name: list(shape) for name, shape in gear.items()} for gear in cfg.gears]}}
+
+
+def int8_activations(model) -> bool:
+    """Whether some matmul of the lowered graph takes int8 activations (accuracy level 4: INT4 and W8A8), which
+    runs fast only on CPUs with int8 dot products (runtime/compatibility.py)."""
+    return any(node.op_type == MATMUL_INT4.name and attributes(node).get("accuracy_level") == 4
+               for node in model.graph.node)

@@ -47,6 +47,7 @@ TEMPLATES: dict[str, str] = {
     "E13001": "Failed to open file {0}. Reason: {1}.",
     "E13004": "Failed to write file {0}. Reason: {1}.",
     "E13015": "Model file {0} is invalid. Reason: {1}.",
+    "E13016": "Model file {0} cannot run on this host. Reason: {1}.",
     "E16002": "No ONNX parser is registered for optype {0}.",
     "E16004": "ONNX model has no graph.",
     "E19999": "Unknown error occurred. Please check the log.",
@@ -55,20 +56,12 @@ TEMPLATES: dict[str, str] = {
 SOLUTIONS: dict[str, str] = {
     "E10001": "Try again with a valid argument.",
     "E10002": "Try again with a valid --input_shape argument.",
-    "E10018": "Value {0} for parameter --input_shape is invalid. Reason: with --dynamic_batch_size only dimension 0 "
-              "(the batch) may be -1.",
     "E10016": "Check the names of the model's inputs and outputs (atc --mode=1 dumps them).",
-    "E10035": "--{0} has {1} profiles, which is less than the minimum ({2}).",
-    "E10036": "--{0} has {1} profiles, which is greater than the maximum ({2}).",
-    "E10037": "Value {0} for parameter --{1} is invalid. Reason: every profile must have the same number of "
-              "dimensions.",
-    "E10038": "Value {0} for parameter --{1} is invalid. Reason: each dimension must be a positive integer.",
-    "E10039": "Value {0} for parameter --{1} is invalid. Reason: profile {2} is given more than once.",
-    "E10040": "Value {0} for parameter --input_shape is invalid. Reason: a range (~) cannot be combined with --{1}.",
     "E10041": "Check that the file is an ONNX model exported completely, with its external data beside it.",
     "E13001": "Check that the file exists and can be read.",
     "E13004": "Check that the output directory exists and can be written.",
     "E13015": "Compile the model again with atc; a copy may have been truncated or altered.",
+    "E13016": "Run it on a host that has what it needs, or compile it again for this one.",
     "E16002": "Run atc --mode=3 to list every unsupported operator, then replace them in the model.",
 }
 

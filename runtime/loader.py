@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 from jinja2 import TemplateError
 
+from runtime import compatibility
 from runtime.artifact import OmFile
 from runtime.artifact_schema import SchemaViolation, check_metadata
 from runtime.chat_template import ChatTemplate
@@ -85,6 +86,7 @@ def load_artifact(path: str | os.PathLike, verify_weights: bool = True) -> Loade
         check_metadata(metadata)
     except SchemaViolation as error:
         raise AtcError("E13015", om.path, str(error)) from None
+    compatibility.check(metadata, str(om.path))
     model = om.graph()
     missing = sorted({f"{n.domain or 'ai.onnx'}::{n.op_type}" for n in model.graph.node if not supports(n.domain, n.op_type)})
     if missing:

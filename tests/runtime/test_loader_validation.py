@@ -333,3 +333,40 @@ def test_nan_weights_make_nan_logits_not_an_exception_in_the_paged_kernel(paged_
         request = engine.submit([1, 2, 3], max_new_tokens=2, temperature=0.0, ignore_eos=True)
         request.result(timeout=120)
     assert len(request.output_ids) == 2
+
+
+def test_an_artifact_records_what_it_needs(int4_om):
+    from runtime.compatibility import OLDEST_READER
+
+    needs = OmFile(int4_om).metadata["requires"]
+    assert needs["runtime"] == OLDEST_READER and needs["soc_family"] == "Ascend910B"
+    assert needs["isa"]["required"]["x86_64"] == []
+    assert ["avx512_vnni", "avx_vnni"] in needs["isa"]["preferred"]["x86_64"]  # INT4 at accuracy level 4
+
+
+def test_features_this_cpu_lacks_refuse_the_artifact_naming_them(int4_om, tmp_path):
+    from runtime.compatibility import cpu_features, host_arch
+
+    absent = next(f for f in ("amx_tile", "avx10_2", "sme2", "sve2") if f not in cpu_features())
+    edited = _rewrite(int4_om, tmp_path / "needs.om",
+                      _set_metadata(("requires", "isa", "required", host_arch()), [["avx2", "asimd"], [absent]]))
+    with pytest.raises(AtcError) as caught:
+        load_artifact(edited)
+    assert caught.value.code == "E13016" and f"lacks: {absent}" in str(caught.value) and "avx2" not in str(caught.value)
+    proc = subprocess.run([sys.executable, "-m", "cli.cann_run", "run", "--model", str(edited)], capture_output=True,
+                          text=True)
+    assert proc.returncode != 0 and "E13016" in proc.stderr and absent in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_newer_runtime_needed_refuses_and_a_missing_preference_warns(int4_om, tmp_path, caplog):
+    from runtime.compatibility import cpu_features, host_arch
+
+    newer = _rewrite(int4_om, tmp_path / "newer.om", _set_metadata(("requires", "runtime"), "99.0.0"))
+    with pytest.raises(AtcError, match="E13016.*needs runtime 99.0.0 or newer"):
+        load_artifact(newer)
+    absent = next(f for f in ("amx_tile", "avx10_2", "sme2", "sve2") if f not in cpu_features())
+    slower = _rewrite(int4_om, tmp_path / "slower.om",
+                      _set_metadata(("requires", "isa", "preferred", host_arch()), [[absent]]))
+    with caplog.at_level("WARNING", logger="cann_llm"):
+        load_artifact(slower)
+    assert any(r.getMessage().startswith("W13001") and absent in r.getMessage() for r in caplog.records)
