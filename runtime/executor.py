@@ -6,13 +6,16 @@ onnxruntime from the artifact file itself (external data pointing into the `.om`
 frees them one by one, so loading never holds the weights twice (docs/performance.md#memory-at-run-time);
 paged attention inside the same session through the native custom op (runtime/kernels/native), so a
 step is one session run; where that library cannot be built (no C compiler), or with `host_attention`,
-the paged attention runs as host kernels (numba) between one session per segment.
+the paged attention runs as host kernels (numba) between one session per segment. With `share_weights`
+each session is built from a saved copy whose pre-packed weights are memory-mapped (runtime/prepacked_cache.py),
+so processes serving one artifact share them.
 `reference`: onnx's ReferenceEvaluator per segment, with the registry's numpy kernels as its custom ops,
 and the host kernels' numpy references: the executable spec the fast path is tested against.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +25,7 @@ import onnxruntime as ort
 from onnx.reference import ReferenceEvaluator
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
-from runtime.artifact import SUB_BYTE_TYPES
+from runtime.artifact import SUB_BYTE_TYPES, OmFile
 from runtime.engine.kv_cache import PagePool
 from runtime.errors import AtcError
 from runtime.kernels import HostRun, host_kernel, is_host_node, native, reference_ops
@@ -32,8 +35,11 @@ from runtime.lowering import POOL_KEY, POOL_VALUE, lower_for_onnxruntime, with_i
 from runtime.ops import MATMUL_INT4, PAGED_ATTENTION, PAGED_METADATA, SWIGLU, attributes
 from runtime.ort_session import process_thread_pool_enabled, session_options
 from runtime.proto_utils import initializers_as_inputs
+from runtime.prepacked_cache import SAVE_OPTIONS, prepacked_model
 from runtime.segments import HostNode, Segment, split_at_host_nodes
 from runtime.shape_contract import ShapeContract
+
+log = logging.getLogger("cann_llm")
 
 BACKENDS = ("onnxruntime", "reference")
 # what onnxruntime raises for a model it will not build (its pybind exceptions derive from Exception only)
@@ -50,7 +56,8 @@ class Executor:
     """
 
     def __init__(self, loaded: LoadedModel, backend: str = "onnxruntime", threads: int | None = None,
-                 spinning: bool = True, host_attention: bool = False, native_matmul: bool = True):
+                 spinning: bool = True, host_attention: bool = False, native_matmul: bool = True,
+                 share_weights: bool = False):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
         self.loaded = loaded
@@ -85,7 +92,7 @@ class Executor:
                 continue
             try:
                 segment = _SegmentStep(step, weights, backend, threads, spinning, stop_spinning, self.native_library,
-                                       loaded.om.path, native_matmul)
+                                       loaded.om, native_matmul, share_weights)
             except ORT_FAILURES as error:
                 # a graph the loader's checks let through but onnxruntime will not build: the file is invalid
                 reason = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -182,8 +189,8 @@ def _native_nodes(model: onnx.ModelProto, matmul: bool = True):
 
 class _SegmentStep:
     def __init__(self, segment: Segment, weights: dict[str, np.ndarray], backend: str, threads: int | None,
-                 spinning: bool, stop_spinning: bool, library=None, artifact: Path | None = None,
-                 native_matmul: bool = True):
+                 spinning: bool, stop_spinning: bool, library=None, artifact: OmFile | None = None,
+                 native_matmul: bool = True, share_weights: bool = False):
         self.inputs, self.outputs = segment.inputs, segment.outputs
         if backend == "onnxruntime":
             model, keep = segment.model, None
@@ -191,7 +198,7 @@ class _SegmentStep:
                 keep = _native_nodes(model, native_matmul)
                 model = with_input_scales(model, keep)
             self._session = _ort_session(lower_for_onnxruntime(model, keep), artifact, threads, spinning,
-                                         stop_spinning, library)
+                                         stop_spinning, library, share_weights)
             self._weights_fed = {}
         else:
             used = {t.name for t in segment.model.graph.initializer}
@@ -255,25 +262,47 @@ def _pointing_into_the_artifact(model: onnx.ModelProto, weights: dict[str, np.nd
     return copy
 
 
-def _ort_session(model: onnx.ModelProto, artifact: Path | None, threads: int | None,
-                 spinning: bool, stop_spinning: bool = False, library=None) -> ort.InferenceSession:
-    options = session_options(threads)
-    if artifact is not None:
-        # external data is looked up beside the model; a model given as bytes has no place of its own
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                         str(Path(artifact).resolve().parent))
-    if library is not None:
-        options.register_custom_ops_library(str(library))
-    if process_thread_pool_enabled():
-        pass  # the shared pool's workers spin between the sessions' turns: that is the point of sharing it
-    elif not spinning:
-        # idle worker threads sleep instead of spinning: needed when several sessions share the cores
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    elif stop_spinning:
-        options.add_session_config_entry("session.force_spinning_stop", "1")
-    # quantized weights are explicit ops here; onnxruntime's own QDQ rewrites would quantize activations
-    options.add_session_config_entry("session.disable_quant_qdq", "1")
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+def _ort_session(model: onnx.ModelProto, artifact: OmFile | None, threads: int | None,
+                 spinning: bool, stop_spinning: bool = False, library=None,
+                 share_weights: bool = False) -> ort.InferenceSession:
+    def options_for(source_bytes: bool) -> ort.SessionOptions:
+        options = session_options(threads)
+        if artifact is not None and source_bytes:
+            # external data is looked up beside the model; a model given as bytes has no place of its own
+            options.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                             str(artifact.path.resolve().parent))
+        if library is not None:
+            options.register_custom_ops_library(str(library))
+        if process_thread_pool_enabled():
+            pass  # the shared pool's workers spin between the sessions' turns: that is the point of sharing it
+        elif not spinning:
+            # idle worker threads sleep instead of spinning: needed when several sessions share the cores
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        elif stop_spinning:
+            options.add_session_config_entry("session.force_spinning_stop", "1")
+        # quantized weights are explicit ops here; onnxruntime's own QDQ rewrites would quantize activations
+        options.add_session_config_entry("session.disable_quant_qdq", "1")
+        return options
+
+    source = model.SerializeToString()
+    if not share_weights:
+        return ort.InferenceSession(source, options_for(True), providers=["CPUExecutionProvider"])
+
+    def build(path: str) -> None:
+        options = options_for(True)
+        options.optimized_model_filepath = path
+        for key, value in SAVE_OPTIONS.items():
+            options.add_session_config_entry(key, value)
+        ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+
+    try:
+        saved = prepacked_model(source, artifact.header.checksum if artifact is not None else b"", build)
+    except OSError as error:  # no writable cache: serve unshared rather than not at all
+        log.warning("W13002: weights not shared: the pre-packed cache cannot be written (%s)", error)
+        return ort.InferenceSession(source, options_for(True), providers=["CPUExecutionProvider"])
+    options = options_for(False)
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # saved optimised already
+    return ort.InferenceSession(str(saved), options, providers=["CPUExecutionProvider"])
 
 
 def _is_external(tensor: onnx.TensorProto) -> bool:

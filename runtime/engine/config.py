@@ -40,6 +40,10 @@ class EngineConfig:
     native_matmul: bool = field(default=True, metadata={
         "help": "4- and 8-bit matmuls with int8 activations by the native library's kernel where the CPU has "
                 "AVX-512 VNNI or AVX2 (off: onnxruntime's MatMulNBits; the same numbers within float rounding)"})
+    share_weights: bool = field(default=False, metadata={
+        "help": "map onnxruntime's pre-packed weights from a cache on disk (written at the first load on this "
+                "machine, about twice the artifact's size; $CANN_LLM_CACHE or ~/.cache/cann-llm), so processes "
+                "serving the same artifact share one copy instead of holding one each"})
     # not an option: only a process the CLI owns may share onnxruntime's process-wide pool (see LLMEngine)
     process_thread_pool: bool = field(default=False, metadata={"cli": False})
     num_speculative_tokens: int = field(default=0, metadata={

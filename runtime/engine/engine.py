@@ -175,7 +175,7 @@ class LLMEngine:
         if config.process_thread_pool and backend == "onnxruntime":
             enable_process_thread_pool(threads)
         executor = Executor(self.loaded, backend, threads, host_attention=config.host_attention,
-                            native_matmul=config.native_matmul)
+                            native_matmul=config.native_matmul, share_weights=config.share_weights)
         self.paged = self.loaded.paged
         if self.paged:
             self.page_size = self.loaded.kv_cache["page_size"]
