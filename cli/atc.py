@@ -78,8 +78,9 @@ FLAGS: list[tuple[str, str, str]] = [
     ("keep_layers", "LLM", "Keep only the first N decoder layers, then the final norm and the head: a draft model "
                            "for speculative decoding (cann-run --draft_model) from the same ONNX; 0: all (default)"),
     ("model_type", "LLM", "Model family (llama, glm, qwen, ...); default: detected from the graph"),
-    ("auto_tune_mode", "Model Tuning", "Deprecated in ATC; accepted for compatibility, no effect here "
-                                       "(warning W10001)"),
+    ("auto_tune_mode", "Model Tuning", "RL, GA or RL,GA: after compiling, measure the engine's settings on this "
+                                       "machine (threads, the matmul kernel, the prefill chunk) and record the "
+                                       "fastest in the artifact, which the runtime then uses by default"),
     ("om", "Debug", "The .om to read in modes 1 and 6 (an .onnx in mode 1 with --framework=5)"),
     ("json", "Debug", "JSON output path of mode 1 (a path ending in .onnx writes the graph as ONNX)"),
     ("check_report", "Debug", "Pre-check report path (default check_result.json)"),

@@ -8,6 +8,7 @@ from dataclasses import fields
 from functools import wraps
 
 import click
+from click.core import ParameterSource
 
 from cli.loading import loading
 from runtime.conversation import COMPACTIONS, Conversation, ConversationSettings
@@ -69,15 +70,24 @@ def sampling_options(command):
     return _with(_SAMPLING_OPTIONS, command)
 
 
+def given(settings: dict) -> dict:
+    """The settings given on the command line: one left at its default lets the artifact's tuned value
+    (`atc --auto_tune_mode`, runtime/engine/tuning.py) apply, and the defaults are EngineConfig's anyway."""
+    context = click.get_current_context(silent=True)
+    if context is None:
+        return settings
+    return {name: value for name, value in settings.items()
+            if context.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)}
+
+
 def open_engine(model, **settings):
     """An LLMEngine from the shared options (`EngineConfig`'s fields); AtcError for a file that is not a
     runnable artifact."""
     from runtime.engine.engine import LLMEngine
 
     # the command owns its process, so the engine's sessions may share onnxruntime's process-wide pool
-    config = EngineConfig(**settings, process_thread_pool=True)
     with loading(model):
-        return LLMEngine(model, config)
+        return LLMEngine(model, **given(settings), process_thread_pool=True)
 
 
 def _sampling(kwargs: dict) -> dict:

@@ -7,7 +7,7 @@ import os
 import click
 
 from cli.common_options import shows_progress
-from cli.llm_commands import engine_options_without_model
+from cli.llm_commands import engine_options_without_model, given
 from runtime.errors import AtcError
 
 
@@ -59,7 +59,6 @@ def serve_command(model_specs, host, port, api_keys, quota_tokens, audit_log, bl
                   breaker_cooldown, **engine_kwargs) -> None:
     """Serve /generate, OpenAI's /v1/completions and /v1/chat/completions (tools, structured outputs),
     vLLM's /tokenize and /detokenize, /health and /metrics."""
-    from runtime.engine.config import EngineConfig
     from runtime.serving.guard import Guard
     from runtime.serving.lifecycle import serve
     from runtime.serving.server import Server, ServerSettings
@@ -70,7 +69,8 @@ def serve_command(model_specs, host, port, api_keys, quota_tokens, audit_log, bl
                               max_body_bytes=max_body_bytes, metrics_prefix=metrics_prefix, max_memory_mb=max_memory,
                               breaker_threshold=breaker_threshold, breaker_cooldown_s=breaker_cooldown)
     # the server owns its process: the engines' sessions may share onnxruntime's process-wide pool
-    server = Server(_models(model_specs), EngineConfig(**engine_kwargs, process_thread_pool=True), settings, guard)
+    server = Server(_models(model_specs), None, settings, guard,
+                    engine_overrides={**given(engine_kwargs), "process_thread_pool": True})
     serve(server, host, port, stats_interval, _say)
 
 

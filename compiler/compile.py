@@ -13,6 +13,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from compiler import __version__
+from compiler.auto_tune import auto_tune
 from compiler.config import CompileConfig
 from compiler.graph_metadata import attention_dimensions, int8_activations, kv_cache_metadata, shape_contract_metadata
 from compiler.graph_io import apply_input_shape, apply_out_nodes, apply_output_type
@@ -99,6 +100,9 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
                    "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import}},
         "pass_report": report.as_dict(),
     }
+    if cfg.auto_tune_mode and "vocab_size" not in llm:
+        raise AtcError("E10055", "--auto_tune_mode measures a causal LM's decode and prefill; this model has no "
+                                 "input_ids and logits")
     # the side output first: a run that cannot write it fails before a new .om exists
     fusion_result = output.parent / FUSION_RESULT if cfg.export_compile_stat else None
     if fusion_result is not None:
@@ -110,6 +114,9 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
             fusion_result.unlink(missing_ok=True)
         raise
     note(f"write: {output.name}, {size / 2**20:.1f} MiB, {time.perf_counter() - start:.2f} s", enabled=progress)
+    if cfg.auto_tune_mode:
+        metadata["tuning"] = auto_tune(output, progress)
+        size = output.stat().st_size
     return CompileResult(output=output, size=size, report=report, metadata=metadata)
 
 

@@ -38,6 +38,7 @@ PRECISION_MODES_V2 = {"fp16": "force_fp16", "origin": "must_keep_origin_dtype",
                       "mixed_bfloat16": "allow_mix_precision_bf16", "cube_hif8": None, "mixed_hif8": None}
 MIXED_MODES = ("allow_mix_precision", "allow_mix_precision_fp16", "allow_mix_precision_bf16")
 OO_LEVELS = ("O1", "O3")
+AUTO_TUNE_MODES = ("RL", "GA", "RL,GA", "GA,RL")  # ATC's values; any of them runs the measured search here
 OUTPUT_TYPES = ("FP32", "FP16", "UINT8", "INT8")
 MODEL_TYPES = ("llama", "glm", "qwen", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "baichuan", "internlm", "mistral", "phi3",
                "gemma", "gpt2")
@@ -216,8 +217,6 @@ class CompileConfig:
         if self.input_shape_range:
             warnings.append("W10004: --input_shape_range is deprecated in ATC; write the ranges in --input_shape "
                             "(\"input_ids:1~8,-1\"). Applied as given.")
-        if self.auto_tune_mode:
-            warnings.append("W10001: The Auto Tune function has been deprecated; --auto_tune_mode is ignored.")
         warnings += filter(None, (warning(name, raw) for name, raw in self.inapplicable.items()))
         return tuple(warnings)
 
@@ -247,6 +246,8 @@ class CompileConfig:
             raise not_in_range(self.kv_cache_layout, "kv_cache_layout", KV_CACHE_LAYOUTS)
         if self.model_type and self.model_type not in MODEL_TYPES:
             raise not_in_range(self.model_type, "model_type", MODEL_TYPES)
+        if self.auto_tune_mode and self.auto_tune_mode.replace(" ", "") not in AUTO_TUNE_MODES:
+            raise not_in_range(self.auto_tune_mode, "auto_tune_mode", AUTO_TUNE_MODES)
         if self.keep_layers < 0:
             raise invalid_value(self.keep_layers, "keep_layers", "The number of layers to keep must be at least 1.")
         if self.soc_version and self.soc_version not in SOC_VERSIONS:

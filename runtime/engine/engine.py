@@ -36,6 +36,7 @@ from runtime.engine.sequence import RequestStats, Sequence, TokenLogprob
 from runtime.engine.speculation import NgramProposer
 from runtime.engine.structured import GrammarCompiler
 from runtime.engine.trial_step import trial_step
+from runtime.engine.tuning import tuned_settings
 from runtime.errors import AtcError, invalid_value
 from runtime.executor import Executor
 from runtime.loader import load_artifact
@@ -160,10 +161,11 @@ class LLMEngine:
     """
 
     def __init__(self, model_path: str | os.PathLike, config: EngineConfig | None = None, **overrides):
-        self.config = config = replace(config or EngineConfig(), **overrides)
+        self.loaded = load_artifact(model_path)
+        # without a config, the settings `atc --auto_tune_mode` measured for this artifact are the defaults
+        self.config = config = replace(config or EngineConfig(**tuned_settings(self.loaded.metadata)), **overrides)
         max_batch_size, max_context_len, kv_cache_pages = config.max_batch_size, config.max_context_len, config.kv_cache_pages
         backend, threads = config.backend, config.threads
-        self.loaded = load_artifact(model_path)
         metadata = self.loaded.metadata
         self.dims = metadata["model"]
         self.max_context_len = max_context_len

@@ -121,11 +121,14 @@ class Turn:
 
 class Server:
     """`Server({"name": "model.om"}, EngineConfig(...), settings, guard)`: `load()`, then `start` requests
-    and `complete` or `stream` them; `drain` at the end."""
+    and `complete` or `stream` them; `drain` at the end. Without an EngineConfig each model starts from the
+    settings it was tuned to, with `engine_overrides` over them."""
 
     def __init__(self, model_paths: dict[str, str], engine_config: EngineConfig | None = None,
-                 settings: ServerSettings | None = None, guard: Guard | None = None):
-        self.model_paths, self.engine_config = model_paths, engine_config or EngineConfig()
+                 settings: ServerSettings | None = None, guard: Guard | None = None,
+                 engine_overrides: dict | None = None):
+        self.model_paths, self.engine_config = model_paths, engine_config
+        self.engine_overrides = engine_overrides or {}
         self.settings = settings or ServerSettings()
         self.guard = guard or Guard()
         self.engines: dict[str, LLMEngine] = {}
@@ -158,7 +161,7 @@ class Server:
                 path = self.model_paths[names[0]]
                 if on_loading is not None:
                     on_loading(names, path)
-                engine = LLMEngine(path, self.engine_config)
+                engine = LLMEngine(path, self.engine_config, **self.engine_overrides)
                 self.engines.update(dict.fromkeys(names, engine))
                 engine.warm_up()  # before /health says ready, so no first request pays for it
             managers = {id(engine): ConversationManager(engine) for engine in self.engines.values()}

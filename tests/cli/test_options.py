@@ -78,7 +78,7 @@ def test_help_promises_nothing_not_done(capsys):
     assert run(["--help"]) == 0
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  --")}
     assert "stream" not in lines["--large_model_compilation"].lower()
-    for flag in ("--large_model_compilation", "--compression_optimize_conf", "--auto_tune_mode", "--core_type",
+    for flag in ("--large_model_compilation", "--compression_optimize_conf", "--core_type",
                  "--jit_compile"):
         assert "no effect here" in lines[flag]
     for flag in ("--singleop", "--insert_op_conf"):

@@ -70,9 +70,10 @@ def test_input_shape_grammar():
     assert caught.value.code == "E10002"
 
 
-def test_auto_tune_mode_is_accepted_with_a_warning():
-    cfg = CompileConfig.from_flags(**BASE, auto_tune_mode="RL,GA")
-    assert any("deprecated" in w for w in cfg.warnings)
+def test_auto_tune_mode_takes_atcs_values():
+    assert CompileConfig.from_flags(**BASE, auto_tune_mode="RL,GA").auto_tune_mode == "RL,GA"
+    with pytest.raises(AtcError, match="E10001.*auto_tune_mode"):
+        CompileConfig.from_flags(**BASE, auto_tune_mode="fast")
 
 
 def test_fusion_switch_text_and_json_forms(tmp_path):
