@@ -71,8 +71,9 @@ FLAGS: list[tuple[str, str, str]] = [
     ("enable_paged_attention", "LLM", "Paged KV cache owned by the runtime (true/false, 1/0)"),
     ("kv_cache_layout", "LLM", "contiguous (past/present graph I/O) or paged (the same as --enable_paged_attention=1)"),
     ("paged_config", "LLM", 'JSON with the paged KV cache\'s settings: {"page_size": 128}; used only when paged'),
-    ("large_model_compilation", "LLM", "Accepted for compatibility; no effect here (weights in external data "
-                                       "files are always memory-mapped, not read whole)"),
+    ("large_model_compilation", "LLM", "Accepted for compatibility; no effect here: every compile bounds its memory "
+                                       "(weights memory-mapped, merged weights computed as they are written, "
+                                       "calibration layer by layer)"),
     ("enable_compress_weight", "LLM", "Quantize weights (true/false)"),
     ("compress_weight_conf", "LLM", "Quantization config (JSON; its \"calibration\" object sets calibration)"),
     ("keep_layers", "LLM", "Keep only the first N decoder layers, then the final norm and the head: a draft model "

@@ -14,6 +14,7 @@ import onnx_graphsurgeon as gs
 
 from passes.graph_utils import packed_constant
 from passes.pattern import producer
+from passes.weight_memory import Deferred, concatenated
 
 _SUB_BYTE = ("int4", "uint4")
 
@@ -54,6 +55,11 @@ def weight_source(tensor: gs.Tensor) -> WeightSource | None:
     return WeightSource(dequantize=node)
 
 
+def _source(constant: gs.Constant):
+    """What a merge reads: a deferred weight stays deferred, an array (often a view of the mapped file) as is."""
+    return constant._values if isinstance(constant._values, Deferred) else np.asarray(constant.values)
+
+
 def can_merge(sources: list[WeightSource | None]) -> bool:
     return all(s is not None for s in sources) and len({s.key() for s in sources}) == 1
 
@@ -61,7 +67,8 @@ def can_merge(sources: list[WeightSource | None]) -> bool:
 def merge_weights(graph: gs.Graph, sources: list[WeightSource], name: str) -> gs.Tensor:
     """One [K, ΣN] weight tensor equal to the given weights side by side."""
     if sources[0].constant is not None:
-        return gs.Constant(name, np.concatenate([np.asarray(s.constant.values) for s in sources], axis=1))
+        # computed when read: mapped weights merged all at once would hold the model's size again
+        return gs.Constant(name, concatenated([_source(s.constant) for s in sources], axis=1))
     nodes = [s.dequantize for s in sources]
     axis = nodes[0].attrs.get("axis", 1)
     parts = []

@@ -86,26 +86,36 @@ def _array_bytes(array: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
 
 
-def _externalize(model: onnx.ModelProto, detached: dict[str, np.ndarray]) -> list[tuple[onnx.TensorProto, bytes, int]]:
-    """Move large initializers' bytes out of the graph; returns (tensor, bytes, offset) in file order. A
-    tensor named in `detached` is a stub whose bytes are that array's (borrowed, not copied)."""
+def _externalize(model: onnx.ModelProto, detached: dict) -> list[tuple[onnx.TensorProto, object, int, int]]:
+    """Move large initializers' bytes out of the graph; returns (tensor, source, offset, length) in file order.
+    A tensor named in `detached` is a stub whose bytes are that array's (borrowed, not copied), or computed
+    from its deferred values (anything with `nbytes` and `__array__`) only when written."""
     placed, offset = [], 0
     for tensor in model.graph.initializer:
         if tensor.data_type == onnx.TensorProto.STRING:
             continue
-        data = _array_bytes(detached[tensor.name]) if tensor.name in detached else _tensor_bytes(tensor)
-        if len(data) < EXTERNAL_MIN_BYTES:
+        if tensor.name in detached:
+            data = detached[tensor.name]
+            length = data.nbytes
+        else:
+            data = _tensor_bytes(tensor)
+            length = len(data)
+        if length < EXTERNAL_MIN_BYTES:
+            if tensor.name in detached:  # a stub too small to place: its bytes go back into the graph
+                tensor.raw_data = bytes(_array_bytes(np.asarray(data)))
+                tensor.data_location = onnx.TensorProto.DEFAULT
+                del tensor.external_data[:]
             continue
         offset = _align(offset)
         for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
             tensor.ClearField(field)
         tensor.data_location = onnx.TensorProto.EXTERNAL
         del tensor.external_data[:]
-        for key, value in (("location", WEIGHTS_LOCATION), ("offset", str(offset)), ("length", str(len(data)))):
+        for key, value in (("location", WEIGHTS_LOCATION), ("offset", str(offset)), ("length", str(length))):
             entry = tensor.external_data.add()
             entry.key, entry.value = key, value
-        placed.append((tensor, data, offset))
-        offset += len(data)
+        placed.append((tensor, data, offset, length))
+        offset += length
     return placed
 
 
@@ -118,7 +128,7 @@ def write_artifact(path: str | os.PathLike, model: onnx.ModelProto, metadata: di
     """
     path = Path(path)
     placed = _externalize(model, detached or {})
-    weights_size = _align(placed[-1][2] + len(placed[-1][1])) if placed else 0
+    weights_size = _align(placed[-1][2] + placed[-1][3]) if placed else 0
     blobs: list[tuple[Partition, bytes | None, int]] = [
         (Partition.MODEL_DEF, model.SerializeToString(deterministic=True), 0),
         (Partition.WEIGHTS_DATA, None, weights_size),
@@ -150,12 +160,15 @@ def write_artifact(path: str | os.PathLike, model: onnx.ModelProto, metadata: di
 
 def _write_weights(handle, placed, start: int, size: int) -> int:
     crc, position = 0, 0
-    for _, data, offset in placed:
+    for _, source, offset, length in placed:
+        # a deferred weight is computed here, written, and dropped before the next
+        data = source if isinstance(source, (bytes, memoryview)) else _array_bytes(np.asarray(source))
         pad = b"\0" * (offset - position)
         crc = zlib.crc32(data, zlib.crc32(pad, crc))
         handle.write(pad)
         handle.write(data)
-        position = offset + len(data)
+        position = offset + length
+        del data
     tail = b"\0" * (size - position)
     handle.write(tail)
     return zlib.crc32(tail, crc)

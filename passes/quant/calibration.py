@@ -51,8 +51,11 @@ def collect_input_statistics(graph: gs.Graph, names: list[str], samples: list[np
     """Run the float graph on each token sample ([seq] ids) and accumulate statistics of `names` (the
     Hessians, the costly part, only when asked); `progress` reports each sample on stderr."""
     copy = graph.copy()
-    weights = detach_weights(copy)
+    detached = detach_weights(copy)
     model = gs.export_onnx(copy, do_type_check=False)
+    # the whole graph runs at once: merged weights computed once for every sample (the staged run computes
+    # each stage's alone, passes/quant/staged_calibration.py)
+    weights = {name: np.asarray(values) for name, values in detached.items()}
     known = {v.name for v in model.graph.output}
     tensors = graph.tensors()
     for name in names:

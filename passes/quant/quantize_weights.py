@@ -34,6 +34,7 @@ from passes.quant.quantized_matmul import QuantizedMatMulWriter, matmul_nbits_fo
 from passes.quant.staged_calibration import StagedStatistics
 from passes.quant.tied_table import quantize_tied_table
 from passes.quant.weight_selection import WeightChoice, calibrated_inputs, choose_weight, lm_head_bits
+from passes.weight_memory import read_values
 from runtime.errors import AtcError
 from runtime.kernels.matmul_nbits_layout import QuantizedWeight
 from runtime.progress import Progress
@@ -132,7 +133,7 @@ class QuantizeWeights(FusionPass):
         is blocked (MatMulNBits' layout) rather than per output channel; `activations` names its input."""
         if choice.qdq is not None:
             return choice.qdq.quantized, None, choice.qdq.blocked
-        values = np.asarray(choice.matmul.inputs[1].values)
+        values = read_values(choice.matmul.inputs[1])
         if choice.head_blocks:
             return quantize_8bit_blocked(values), None, True
         config = self.config

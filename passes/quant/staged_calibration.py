@@ -108,7 +108,8 @@ class StagedStatistics:
         # numpy's Hessian products follow every run: a pool left spinning would hold the cores they need
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        weight_feeds = {name: self._weights[name] for name in weights}
+        # a merged weight is computed for its stage and dropped with it
+        weight_feeds = {name: np.asarray(self._weights[name]) for name in weights}
         for frontier in self._frontier:
             values = session.run(keep, {**{name: frontier[name] for name in cached}, **weight_feeds})
             frontier.update(zip(keep, values))
