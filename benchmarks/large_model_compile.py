@@ -121,7 +121,8 @@ def _ours(om: Path) -> tuple[list[int], dict[int, float]]:
 @click.option("--modes", default="fp32,int4,awq", show_default=True)
 @click.option("--folder", type=click.Path(file_okay=False, path_type=Path), default=ROOT / ".cache" / "synthetic-6g",
               show_default=True)
-def main(gigabytes: float, limit_mb: int, modes: str, folder: Path) -> None:
+@click.option("--compare_also", default="", help="modes compiled before (their .om in --folder) to compare too")
+def main(gigabytes: float, limit_mb: int, modes: str, folder: Path, compare_also: str) -> None:
     """Build the model if missing, compile it in each mode under the limit, compare with onnxruntime."""
     from models.synthetic_llama import build
     from models.tiny import byte_tokenizer_json
@@ -152,9 +153,9 @@ def main(gigabytes: float, limit_mb: int, modes: str, folder: Path) -> None:
         click.echo(f"{mode}: {verdict} in {seconds:.0f} s; peak RssAnon {anon:.0f} MiB, cgroup peak "
                    f"{results[mode][3]:.0f} MiB (limit {limit_mb})")
     reference_tokens, reference_first = _reference(model)
-    for mode, (status, *_rest) in results.items():
-        if status != 0:
-            continue
+    compared = [mode for mode, (status, *_rest) in results.items() if status == 0]
+    compared += [mode for mode in filter(None, compare_also.split(",")) if (folder / f"{mode}.om").exists()]
+    for mode in compared:
         tokens, top = _ours(folder / f"{mode}.om")
         reference = reference_first - np.logaddexp.reduce(reference_first)
         difference = max(abs(logprob - reference[token]) for token, logprob in top.items())
