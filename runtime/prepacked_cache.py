@@ -12,7 +12,6 @@ first load of an artifact on a machine writes it (about twice the artifact's siz
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -21,18 +20,12 @@ from typing import Callable
 import onnxruntime as ort
 
 from runtime.compatibility import cpu_features
+from runtime.kernels.numba_cache import cache_home
 
 MODEL, DATA = "model.onnx", "model.data"
 SAVE_OPTIONS = {"session.optimized_model_external_initializers_file_name": DATA,
                 "session.optimized_model_external_initializers_min_size_in_bytes": "1024",
                 "session.save_external_prepacked_constant_initializers": "1"}
-
-
-def cache_root() -> Path:
-    """`$CANN_LLM_CACHE`, else ~/.cache/cann-llm (XDG's cache folder)."""
-    if os.environ.get("CANN_LLM_CACHE"):
-        return Path(os.environ["CANN_LLM_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cann-llm"
 
 
 def prepacked_model(segment: bytes, artifact_key: bytes, build: Callable[[str], None]) -> Path:
@@ -42,7 +35,8 @@ def prepacked_model(segment: bytes, artifact_key: bytes, build: Callable[[str], 
     digest = hashlib.sha256()
     for part in (segment, artifact_key, ort.__version__.encode(), " ".join(sorted(cpu_features())).encode()):
         digest.update(hashlib.sha256(part).digest())
-    folder = cache_root() / "prepacked" / digest.hexdigest()[:32]
+    # not user_cache_dir's private fallback: a copy no other process finds shares nothing
+    folder = cache_home() / "prepacked" / digest.hexdigest()[:32]
     if (folder / MODEL).exists():
         return folder / MODEL
     folder.parent.mkdir(parents=True, exist_ok=True)

@@ -31,11 +31,18 @@ def _writable(folder: Path) -> bool:
     return os.access(folder, os.W_OK | os.X_OK)
 
 
-def user_cache_dir(kind: str) -> Path:
-    """`$XDG_CACHE_HOME/cann-llm/<kind>` when it can be created and written, else a fresh private temp
-    directory for this process, removed at exit (see above for why never a shared, predictable one)."""
+def cache_home() -> Path:
+    """The project's cache folder: `$CANN_LLM_CACHE`, else `$XDG_CACHE_HOME/cann-llm` (~/.cache/cann-llm)."""
+    if os.environ.get("CANN_LLM_CACHE"):
+        return Path(os.environ["CANN_LLM_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    preferred = Path(base) / "cann-llm" / kind
+    return Path(base) / "cann-llm"
+
+
+def user_cache_dir(kind: str) -> Path:
+    """`cache_home()/<kind>` when it can be created and written, else a fresh private temp directory for
+    this process, removed at exit (see above for why never a shared, predictable one)."""
+    preferred = cache_home() / kind
     if _writable(preferred):
         return preferred
     private = Path(tempfile.mkdtemp(prefix=f"cann-llm-{kind}-"))

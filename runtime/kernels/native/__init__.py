@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from runtime.compatibility import cpu_features
 from runtime.kernels.numba_cache import user_cache_dir
 
 SOURCE_DIR = Path(__file__).parent
@@ -42,20 +43,12 @@ def _compiler() -> str | None:
     return shutil.which(chosen)
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-            return next((line for line in info if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
 def _key(compiler: str) -> str:
     digest = hashlib.sha256()
     for name in SOURCES:
         digest.update((SOURCE_DIR / name).read_bytes())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    for part in (compiler, version, " ".join(FLAGS), platform.machine(), _cpu_flags()):
+    for part in (compiler, version, " ".join(FLAGS), platform.machine(), " ".join(sorted(cpu_features()))):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
