@@ -15,6 +15,7 @@ import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
 
+from runtime.compatibility import cpu_features
 from runtime.executor import _native_nodes
 from runtime.kernels import native
 from runtime.kernels.quant_matmul import MatMulInt4
@@ -28,7 +29,7 @@ BLOCK = 128
 
 # the AVX2 kernel is a second library only where the one built here takes AVX-512's
 KERNELS = ["native"] + (["avx2"] if native.matmul_isa() == 512
-                        and {"avx2", "fma"} <= set(native._cpu_flags().split()) else [])
+                        and {"avx2", "fma"} <= cpu_features() else [])
 
 
 @pytest.fixture(scope="module")
