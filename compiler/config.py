@@ -12,7 +12,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from compiler.dynamic_shapes import gears, parse_batch_sizes, parse_dims, parse_shape_ranges
+from compiler.dynamic_shapes import Dim, gears, parse_batch_sizes, parse_dims, parse_shape_ranges
 from compiler.fusion_switch import parse_fusion_switch_file, parse_switch_list, read_mixlist
 from compiler.inapplicable_flags import NOT_APPLICABLE, REFUSED, check_inapplicable, warning
 from compiler.paged_config import PagedConfig
@@ -45,7 +45,6 @@ MODEL_TYPES = ("llama", "glm", "qwen", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe
 _TRUE = ("1", "t", "true", "y", "yes")
 _FALSE = ("0", "f", "false", "n", "no")
 
-Dim = int | tuple[int, int]  # a size, -1 for dynamic, or a (low, high) range written "low~high"
 
 
 @dataclass(frozen=True)

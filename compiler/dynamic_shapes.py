@@ -13,7 +13,7 @@ from runtime.errors import AtcError
 
 MIN_PROFILES, MAX_PROFILES = 2, 100
 
-Dim = int | tuple[int, int]
+Dim = int | tuple[int, int]  # a size, -1 for dynamic, or a (low, high) range written "low~high"
 
 
 def parse_batch_sizes(text: str) -> tuple[int, ...]:
