@@ -78,6 +78,8 @@ FLAGS: list[tuple[str, str, str]] = [
     ("compress_weight_conf", "LLM", "Quantization config (JSON; its \"calibration\" object sets calibration)"),
     ("keep_layers", "LLM", "Keep only the first N decoder layers, then the final norm and the head: a draft model "
                            "for speculative decoding (cann-run --draft_model) from the same ONNX; 0: all (default)"),
+    ("pipeline_stages", "LLM", "K: write K artifacts OUTPUT_stage0.om … of contiguous layer ranges, served by K "
+                               "processes on Ray (cann-run --model OUTPUT_stage0.om); 0: one artifact (default)"),
     ("model_type", "LLM", "Model family (llama, glm, qwen, ...); default: detected from the graph"),
     ("auto_tune_mode", "Model Tuning", "RL, GA or RL,GA: after compiling, measure the engine's settings on this "
                                        "machine (threads, the matmul kernel, the prefill chunk) and record the "

@@ -54,24 +54,72 @@ def _models(values: tuple[str, ...]) -> dict[str, str]:
               help="failed requests in a row after which a model sheds load (503) for --breaker-cooldown; 0: never")
 @click.option("--breaker-cooldown", type=click.FloatRange(min=0), default=10.0, show_default=True,
               help="seconds a failing model sheds load before one request tries it again")
+@click.option("--ray", "on_ray", is_flag=True, default=False,
+              help="serve as a Ray Serve application: replicas behind one endpoint, prefix-aware routing "
+                   "(docs/scale-out.md)")
+@click.option("--ray-address", default=None,
+              help="with --ray: a running cluster's address (auto: the one this machine joined); default: start "
+                   "a local Ray instance")
+@click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True,
+              help="with --ray: engine replicas, each a process with its own KV cache")
+@click.option("--autoscale", default=None, metavar="MIN:MAX",
+              help="with --ray: let Ray Serve scale replicas between MIN and MAX on ongoing requests")
+@click.option("--replica-cpus", type=click.IntRange(min=1), default=1, show_default=True,
+              help="with --ray: CPUs Ray reserves for each replica (its engine's threads unless --threads)")
+@click.option("--router", type=click.Choice(["prefix", "pow2", "round_robin"]), default="prefix", show_default=True,
+              help="with --ray: how a request's replica is chosen: by cached prefix, else the less loaded of two "
+                   "(pow2, Ray Serve's default), or in turn")
 def serve_command(model_specs, host, port, api_keys, quota_tokens, audit_log, blocklist, max_pending, request_timeout,
                   shutdown_grace, max_body_bytes, stats_interval, metrics_prefix, max_memory, breaker_threshold,
-                  breaker_cooldown, **engine_kwargs) -> None:
+                  breaker_cooldown, on_ray, ray_address, replicas, autoscale, replica_cpus, router,
+                  **engine_kwargs) -> None:
     """Serve /generate, OpenAI's /v1/completions and /v1/chat/completions (tools, structured outputs),
-    vLLM's /tokenize and /detokenize, /health and /metrics."""
-    from runtime.serving.guard import Guard
-    from runtime.serving.lifecycle import serve
-    from runtime.serving.server import Server, ServerSettings
+    vLLM's /tokenize and /detokenize, /health and /metrics; with --ray, as replicas on a Ray cluster."""
+    from runtime.serving.server import ServerSettings
 
     keys = list(api_keys) or [k for k in os.environ.get("CANN_LLM_API_KEYS", "").split(",") if k]
-    guard = Guard(keys, quota_tokens, audit_log, blocklist)
     settings = ServerSettings(max_pending=max_pending, request_timeout_s=request_timeout, shutdown_grace_s=shutdown_grace,
                               max_body_bytes=max_body_bytes, metrics_prefix=metrics_prefix, max_memory_mb=max_memory,
                               breaker_threshold=breaker_threshold, breaker_cooldown_s=breaker_cooldown)
+    ray_only = {"--ray-address": ray_address is not None, "--replicas": replicas != 1, "--autoscale": autoscale is not None,
+                "--replica-cpus": replica_cpus != 1, "--router": router != "prefix"}
+    if not on_ray and any(ray_only.values()):
+        raise AtcError("E10055", f"{next(f for f, on in ray_only.items() if on)} needs --ray")
+    if on_ray:
+        from runtime.serving.scale_out import Scaling
+
+        _serve_on_ray(model_specs, host, port, keys, quota_tokens, audit_log, blocklist, settings, ray_address,
+                      Scaling(replicas=replicas, cpus=replica_cpus, router=router), autoscale, given(engine_kwargs))
+        return
+    from runtime.serving.guard import Guard
+    from runtime.serving.lifecycle import serve
+    from runtime.serving.server import Server
+
+    guard = Guard(keys, quota_tokens, audit_log, blocklist)
     # the server owns its process: the engines' sessions may share onnxruntime's process-wide pool
     server = Server(_models(model_specs), None, settings, guard,
                     engine_overrides={**given(engine_kwargs), "process_thread_pool": True})
     serve(server, host, port, stats_interval, _say)
+
+
+def _serve_on_ray(model_specs, host, port, keys, quota_tokens, audit_log, blocklist, settings, address, scaling,
+                  autoscale, engine_settings) -> None:
+    from runtime.serving.ray_lifecycle import serve_on_ray
+    from runtime.serving.scale_out import ReplicaSpec
+
+    if quota_tokens is not None or audit_log is not None:
+        # each replica would keep its own count and file: a key could spend its quota once per replica
+        raise AtcError("E10055", "--quota-tokens and --audit-log are kept per process and cannot be used with --ray")
+    if autoscale is not None:
+        low, sep, high = autoscale.partition(":")
+        if not (sep and low.isdigit() and high.isdigit() and 0 < int(low) <= int(high)):
+            raise AtcError("E10001", autoscale, "--autoscale", "expected MIN:MAX with 0 < MIN <= MAX")
+        scaling.min_replicas, scaling.max_replicas = int(low), int(high)
+    # paths as every node sees them: absolute
+    models = {name: os.path.abspath(path) for name, path in _models(model_specs).items()}
+    spec = ReplicaSpec(models, {"threads": scaling.cpus, **engine_settings}, settings, keys,
+                       os.path.abspath(blocklist) if blocklist else None)
+    serve_on_ray(spec, scaling, host, port, address, _say)
 
 
 def _say(line: str) -> None:

@@ -23,6 +23,7 @@ from compiler.pipeline import build_pipeline
 from compiler.precheck import check_ops, unsupported_types
 from compiler.tokenizer_files import tokenizer_files
 from models.recipes import detect_family
+from passes.pipeline_stages import layer_ranges, stage_graph
 from passes.weight_memory import detach_weights
 from runtime.artifact import write_artifact
 from runtime.compatibility import requirements
@@ -73,13 +74,41 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
     collect = gc.collect if weights >= COLLECT_FROM_BYTES else None
     report = run_passes(graph, build_pipeline(cfg, progress=progress), cfg.fusion_switches, after_each=collect,
                         progress=progress)
+    causal_lm = "input_ids" in {t.name for t in graph.inputs} and "logits" in {t.name for t in graph.outputs}
+    if cfg.auto_tune_mode and not causal_lm:
+        raise AtcError("E10055", "--auto_tune_mode measures a causal LM's decode and prefill; this model has no "
+                                 "input_ids and logits")
+    # the side output first: a run that cannot write it fails before a new .om exists
+    fusion_result = output.parent / FUSION_RESULT if cfg.export_compile_stat else None
+    if fusion_result is not None:
+        report.write_fusion_result(fusion_result)
+    try:
+        if cfg.pipeline_stages > 1:
+            written = _write_stages(cfg, graph, model, report, progress)
+        else:
+            written = [_write(cfg, output, graph, model, report, progress)]
+    except BaseException:
+        if fusion_result is not None:
+            fusion_result.unlink(missing_ok=True)
+        raise
+    output, size, metadata = written[0][0], sum(size for _, size, _ in written), written[0][2]
+    if cfg.auto_tune_mode:
+        metadata["tuning"] = auto_tune(output, progress)
+        size = output.stat().st_size
+    return CompileResult(output=output, size=size, report=report, metadata=metadata)
+
+
+def _write(cfg: CompileConfig, output: Path, graph: gs.Graph, model: onnx.ModelProto, report: PassReport,
+           progress: bool, stage: dict | None = None, vocab: dict | None = None) -> tuple[Path, int, dict]:
+    """Write `graph` as the artifact `output`: (its path, its size, its metadata). A pipeline `stage`'s
+    metadata says which layers it holds, with the whole model's vocabulary (`vocab`) for its runtime."""
     start = time.perf_counter()
     detected = detect_family(graph)
     dimensions = attention_dimensions(graph)
     detached = detach_weights(graph)
     lowered = lower(graph, model)
     signature = io_signature(lowered)
-    llm = llm_dimensions(signature)
+    llm = {**(vocab or {}), **llm_dimensions(signature)}
     # with past/present I/O every layer is fed its cache, whether or not its attention fused
     layers = {"num_layers": llm["num_layers"]} if llm.get("kv_cache_io") else {}
     metadata = {
@@ -95,29 +124,46 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
                   "detected_family": detected},
         "kv_cache": kv_cache_metadata(cfg),
         **shape_contract_metadata(cfg),
+        **({"pipeline": stage} if stage else {}),
         "requires": requirements(cfg.soc.family, int8_activations(lowered)),
         "source": {"file": Path(cfg.model).name, "producer": f"{model.producer_name} {model.producer_version}".strip(),
                    "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import}},
         "pass_report": report.as_dict(),
     }
-    if cfg.auto_tune_mode and "vocab_size" not in llm:
-        raise AtcError("E10055", "--auto_tune_mode measures a causal LM's decode and prefill; this model has no "
-                                 "input_ids and logits")
-    # the side output first: a run that cannot write it fails before a new .om exists
-    fusion_result = output.parent / FUSION_RESULT if cfg.export_compile_stat else None
-    if fusion_result is not None:
-        report.write_fusion_result(fusion_result)
-    try:
-        size = write_artifact(output, lowered, metadata, tokenizer_files(cfg), detached)
-    except BaseException:
-        if fusion_result is not None:
-            fusion_result.unlink(missing_ok=True)
-        raise
+    size = write_artifact(output, lowered, metadata, tokenizer_files(cfg), detached)
     note(f"write: {output.name}, {size / 2**20:.1f} MiB, {time.perf_counter() - start:.2f} s", enabled=progress)
-    if cfg.auto_tune_mode:
-        metadata["tuning"] = auto_tune(output, progress)
-        size = output.stat().st_size
-    return CompileResult(output=output, size=size, report=report, metadata=metadata)
+    return output, size, metadata
+
+
+def stage_paths(output: Path, stages: int) -> list[Path]:
+    """The artifacts `--pipeline_stages` writes for `--output`: OUTPUT_stage0.om, OUTPUT_stage1.om, …"""
+    return [output.with_name(f"{output.stem}_stage{i}.om") for i in range(stages)]
+
+
+def _write_stages(cfg: CompileConfig, graph: gs.Graph, model: onnx.ModelProto, report: PassReport,
+                  progress: bool) -> list[tuple[Path, int, dict]]:
+    """One artifact per layer range (passes/pipeline_stages.py), each told the whole model's vocabulary;
+    none is left behind when one fails."""
+    logits = next(t for t in graph.outputs if t.name == "logits")
+    vocab = {"vocab_size": int(logits.shape[-1])}
+    ranges = layer_ranges(graph, cfg.pipeline_stages)
+    num_layers = ranges[-1][1]
+    paths = stage_paths(cfg.output_path, len(ranges))
+    for path in paths:
+        refuse_symlink(path)
+    written: list[tuple[Path, int, dict]] = []
+    try:
+        for index in range(len(ranges)):
+            first, end = ranges[index]
+            stage = {"stage": index, "stages": len(ranges), "layers": [first, end], "num_layers": num_layers,
+                     "files": [path.name for path in paths]}
+            written.append(_write(cfg, paths[index], stage_graph(graph, first, end), model, report, progress, stage,
+                                  vocab))
+    except BaseException:
+        for path, _, _ in written:
+            path.unlink(missing_ok=True)
+        raise
+    return written
 
 
 def lower(graph: gs.Graph, source: onnx.ModelProto) -> onnx.ModelProto:

@@ -88,6 +88,7 @@ class CompileConfig:
     tokenizer: str = ""
     model_type: str = ""
     keep_layers: int = 0  # 0: every layer; N: the first N and the head (a draft model)
+    pipeline_stages: int = 0  # 0 or 1: one artifact; K: K artifacts of contiguous layer ranges (runtime/engine/pipeline.py)
     cmdline: str = ""
     # ATC's flags that do nothing on this target (compiler/inapplicable_flags.py), as given: each warns W10003
     inapplicable: dict[str, str] = field(default_factory=dict)
@@ -111,6 +112,11 @@ class CompileConfig:
         object.__setattr__(self, "paging", self._resolve_paging())
         object.__setattr__(self, "input_shapes", self._resolve_input_shapes())
         object.__setattr__(self, "gears", gears(self.input_shapes, self.dynamic_batch_size, self.dynamic_dims))
+        if self.pipeline_stages > 1 and self.paging is None:
+            raise AtcError("E10055", "--pipeline_stages splits a paged model (each stage keeps its layers' pages); "
+                                     "add --enable_paged_attention=1")
+        if self.pipeline_stages > 1 and self.auto_tune_mode:
+            raise AtcError("E10047", "pipeline_stages", "auto_tune_mode")
         if self.gears and self.paging is not None:
             raise AtcError("E10055", "gears with a paged KV cache: a paged model's batch is its flattened tokens, sized "
                                      "at run time by the engine; compile gears without --enable_paged_attention")
@@ -249,6 +255,8 @@ class CompileConfig:
             raise not_in_range(self.auto_tune_mode, "auto_tune_mode", AUTO_TUNE_MODES)
         if self.keep_layers < 0:
             raise invalid_value(self.keep_layers, "keep_layers", "The number of layers to keep must be at least 1.")
+        if self.pipeline_stages < 0:
+            raise invalid_value(self.pipeline_stages, "pipeline_stages", "The number of stages must be at least 2.")
         if self.soc_version and self.soc_version not in SOC_VERSIONS:
             raise not_in_range(self.soc_version, "soc_version", sorted(SOC_VERSIONS))
 
@@ -275,7 +283,7 @@ _NOT_IN_METADATA = ("enable_paged_attention", "kv_cache_layout", "paged_config",
                     "gears")
 _BOOL_FLAGS_01 = ("display_model_info",)
 _BOOL_FLAGS = ("enable_flash_attention", "enable_paged_attention", "large_model_compilation", "enable_compress_weight")
-_INT_FLAGS = ("mode", "framework", "keep_layers", "export_compile_stat")
+_INT_FLAGS = ("mode", "framework", "keep_layers", "pipeline_stages", "export_compile_stat")
 
 
 def _convert(name: str, raw: str) -> object:
@@ -284,8 +292,8 @@ def _convert(name: str, raw: str) -> object:
         if not raw.strip().lstrip("-").isdigit():
             if name == "framework":
                 raise AtcError("E10007", "framework", "0(Caffe) or 1(MindSpore) or 3(TensorFlow) or 5(Onnx)")
-            if name == "keep_layers":
-                raise invalid_value(raw, name, "The number of layers to keep must be a whole number.")
+            if name in ("keep_layers", "pipeline_stages"):
+                raise invalid_value(raw, name, "The value must be a whole number.")
             raise not_in_range(raw, name, sorted(MODES) if name == "mode" else (0, 1, 2))
         return int(raw)
     if name in _BOOL_FLAGS_01:

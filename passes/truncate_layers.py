@@ -5,9 +5,8 @@ vocabulary and tokenizer, a fraction of the layers. The final norm is moved to r
 where layer N would have started (the "logit lens" of that depth), the later layers and their KV cache
 inputs and outputs are removed.
 
-Layers are counted by their fused attention, so the pass runs after attention fusion. A layer starts at
-the norm its attention's input comes from: the nearest norm upstream whose weight spans the hidden size
-(Qwen3's per-head q/k norms are passed over by that test).
+Layers are counted by their fused attention, so the pass runs after attention fusion; each starts at the
+norm its attention's input comes from (passes/decoder_layers.py).
 """
 
 from __future__ import annotations
@@ -15,11 +14,11 @@ from __future__ import annotations
 import onnx_graphsurgeon as gs
 
 from passes.base import PassResult
+from passes.decoder_layers import norm_above, residual_entering
 from passes.graph_utils import lm_head, replace_all_uses
 from runtime.errors import AtcError
 from runtime.ops import FUSED_ATTENTION, FusedAttentionInput
 
-_NORMS = ("RmsNorm", "AddRmsNorm", "LayerNormalization")
 _HEAD_OPS = ("MatMul", "MatMulInt4", "MatMulInt8")
 
 
@@ -44,11 +43,11 @@ class TruncateLayers:
         if head is None:
             raise _refused("no lm_head MatMul computes the output 'logits'")
         hidden = head.inputs[1].shape[0] if isinstance(head.inputs[1], gs.Constant) else None
-        first_cut = _norm_above(attentions[self.keep].inputs[FusedAttentionInput.QUERY], hidden)
-        final = _norm_above(head.inputs[0], hidden)
+        first_cut = norm_above(attentions[self.keep].inputs[FusedAttentionInput.QUERY], hidden)
+        final = norm_above(head.inputs[0], hidden)
         if first_cut is None or final is None or first_cut is final:
             raise _refused("the layer's input norm or the final norm was not found")
-        _read_from(graph, final, _residual_entering(first_cut))
+        _read_from(graph, final, residual_entering(first_cut))
         removed = attentions[self.keep:]
         doomed = {t.name for node in removed for t in node.outputs}
         graph.outputs = [t for t in graph.outputs if t.name not in doomed]
@@ -67,33 +66,6 @@ class TruncateLayers:
 
 def _refused(why: str) -> AtcError:
     return AtcError("E10055", f"--keep_layers cannot truncate this model: {why}")
-
-
-def _norm_weight(node: gs.Node) -> gs.Tensor:
-    return node.inputs[2] if node.op == "AddRmsNorm" else node.inputs[1]
-
-
-def _norm_above(tensor: gs.Tensor, hidden: int | None) -> gs.Node | None:
-    """The nearest norm over the hidden size that `tensor` is computed from (breadth first)."""
-    frontier, seen = [tensor], set()
-    while frontier:
-        following = []
-        for t in frontier:
-            if id(t) in seen or not t.inputs:
-                continue
-            seen.add(id(t))
-            node = t.inputs[0]
-            weight = _norm_weight(node) if node.op in _NORMS else None
-            if isinstance(weight, gs.Constant) and (hidden is None or weight.shape[-1] == hidden):
-                return node
-            following += [i for i in node.inputs if isinstance(i, gs.Variable)]
-        frontier = following
-    return None
-
-
-def _residual_entering(norm: gs.Node) -> gs.Tensor:
-    """The residual stream a layer starts from: an AddRmsNorm's sum, or a plain norm's input."""
-    return norm.outputs[1] if norm.op == "AddRmsNorm" else norm.inputs[0]
 
 
 def _read_from(graph: gs.Graph, final: gs.Node, residual: gs.Tensor) -> None:

@@ -48,6 +48,7 @@ TEMPLATES: dict[str, str] = {
     "E13004": "Failed to write file {0}. Reason: {1}.",
     "E13015": "Model file {0} is invalid. Reason: {1}.",
     "E13016": "Model file {0} cannot run on this host. Reason: {1}.",
+    "E13017": "The deployment on the Ray cluster at {0} failed. Reason: {1}.",
     "E16002": "No ONNX parser is registered for optype {0}.",
     "E16004": "ONNX model has no graph.",
     "E19999": "Unknown error occurred. Please check the log.",
@@ -62,6 +63,7 @@ SOLUTIONS: dict[str, str] = {
     "E13004": "Check that the output directory exists and can be written.",
     "E13015": "Compile the model again with atc; a copy may have been truncated or altered.",
     "E13016": "Run it on a host that has what it needs, or compile it again for this one.",
+    "E13017": "Check that every node can read the model files and has the CPUs asked for (ray status).",
     "E16002": "Run atc --mode=3 to list every unsupported operator, then replace them in the model.",
 }
 

@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 from collections import deque
+from pathlib import Path
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Iterator
@@ -174,24 +175,21 @@ class LLMEngine:
         self._chat_template: ChatTemplate | None = None
         self._grammars = None if self.tokenizer is None else GrammarCompiler(
             self.loaded.om.tokenizer_files()["tokenizer.json"], self.vocab_size, self.tokenizer.eos_token_ids)
-        if config.process_thread_pool and backend == "onnxruntime":
-            enable_process_thread_pool(threads)
-        executor = Executor(self.loaded, backend, threads, host_attention=config.host_attention,
-                            native_matmul=config.native_matmul, share_weights=config.share_weights)
+        pipeline = metadata.get("pipeline")
+        # a pipelined model's KV pages are spread over its stages: one page costs all the model's layers
+        layers = pipeline["num_layers"] if pipeline else self.dims["num_layers"]
         self.paged = self.loaded.paged
         if self.paged:
             self.page_size = self.loaded.kv_cache["page_size"]
             if config.kv_cache_memory_mb is not None:
-                kv_cache_pages = _pages_in(config.kv_cache_memory_mb, self.dims, self.page_size)
-            pool = PagePool(self.dims["num_layers"], kv_cache_pages, self.page_size, self.dims["num_kv_heads"],
-                            self.dims["head_dim"])
-            self.runner = PagedRunner(executor, pool)
+                kv_cache_pages = _pages_in(config.kv_cache_memory_mb, {**self.dims, "num_layers": layers}, self.page_size)
+            self.runner = self._paged_runner(model_path, pipeline, kv_cache_pages)
             blocks = BlockManager(kv_cache_pages, self.page_size, config.enable_prefix_caching)
         else:
             self.page_size = max_context_len
-            self.runner = ContiguousRunner(executor, metadata["signature"], self.dims)
+            self.runner = ContiguousRunner(self._executor(), metadata["signature"], self.dims)
             blocks = BlockManager(max_batch_size, max_context_len, enable_prefix_caching=False)
-        self.kv_bytes_per_page = PagePool.bytes_per_page(self.dims["num_layers"], self.page_size, self.dims["num_kv_heads"],
+        self.kv_bytes_per_page = PagePool.bytes_per_page(layers, self.page_size, self.dims["num_kv_heads"],
                                                          self.dims["head_dim"])
         trial_step(self.runner, self.vocab_size, self.loaded.om.path)
         self.blocks = blocks
@@ -214,6 +212,34 @@ class LLMEngine:
         self._worker: threading.Thread | None = None
         self._closed = False
         self._start_lock = threading.Lock()
+
+    def _executor(self) -> Executor:
+        config = self.config
+        if config.process_thread_pool and config.backend == "onnxruntime":
+            enable_process_thread_pool(config.threads)
+        return Executor(self.loaded, config.backend, config.threads, host_attention=config.host_attention,
+                        native_matmul=config.native_matmul, share_weights=config.share_weights)
+
+    def _paged_runner(self, model_path, pipeline: dict | None, kv_cache_pages: int) -> PagedRunner:
+        """The runner over this process's page pool, or over the stages' pools when the artifact is the first
+        stage of a pipeline (its other stages are read beside it)."""
+        if not pipeline:
+            pool = PagePool(self.dims["num_layers"], kv_cache_pages, self.page_size, self.dims["num_kv_heads"],
+                            self.dims["head_dim"])
+            return PagedRunner(self._executor(), pool)
+        if pipeline["stage"] != 0:
+            first = pipeline["files"][0]
+            raise invalid_value(model_path, "model", f"This is stage {pipeline['stage']} of a pipeline: run its first "
+                                                     f"stage, {first}, which reads the others beside it.")
+        from runtime.engine.pipeline import PipelinedRunner
+
+        folder = Path(self.loaded.om.path).parent
+        paths = [folder / name for name in pipeline["files"]]
+        for path in paths:
+            if not path.is_file():
+                raise AtcError("E13001", path, f"No such file or directory (stage {paths.index(path)} of the pipeline)")
+        return PipelinedRunner(paths, kv_cache_pages, self.page_size, self.config.backend, self.config.threads,
+                               self.config.native_matmul)
 
     # ---- submitting -------------------------------------------------------------------------------
 
@@ -358,6 +384,8 @@ class LLMEngine:
             self._worker.join()
         if self._grammars is not None:
             self._grammars.close()
+        if hasattr(self.runner, "close"):  # a pipeline's stage actors
+            self.runner.close()
 
     def __enter__(self) -> "LLMEngine":
         return self

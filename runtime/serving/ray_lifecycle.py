@@ -1,0 +1,158 @@
+"""`cann-run serve --ray` as a process: join a Ray cluster (or start a local one), run the application
+(runtime/serving/ray_app.py) with Ray Serve's HTTP proxy on HOST:PORT, say when it is ready, and on SIGTERM
+or SIGINT delete it (Ray Serve lets each replica's requests finish within the grace period) and leave."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Callable
+
+from runtime.errors import AtcError
+
+
+def serve_on_ray(spec, scaling, host: str, port: int, address: str | None, say: Callable[[str], None]) -> None:
+    """Serve `spec` (a ReplicaSpec) scaled as `scaling` until a signal. `address`: a running cluster's
+    (`auto` finds the one this machine belongs to); None starts a local Ray instance for this process.
+    AtcError E10001 when HOST:PORT is taken or the cluster cannot be reached, E13017 when the deployment
+    fails (a replica cannot load its models, or the cluster lacks the CPUs asked for)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if address is None:
+        # Ray's token authentication, as a local `ray.init()` has it, with a token of this cluster's own passed
+        # to the head and read by this process (Ray reads both variables when imported); the user's wins
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        if os.environ["RAY_AUTH_MODE"] == "token" and not {"RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"} & set(os.environ):
+            os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    import ray
+    from ray import serve
+
+    from runtime.serving.ray_app import APP_NAME, build_app, metrics_board, serving_replicas
+
+    port = _free(host, port)
+    began = time.perf_counter()
+    head = None
+    if address is None:
+        say("starting a local Ray head node …")
+        head, address = _start_head()
+    else:
+        say(f"joining the Ray cluster at {address} …")
+    where = address
+    try:
+        _connect(ray, address, head)
+    except BaseException:
+        _stop_head(head)
+        raise
+    stop = threading.Event()
+    for number in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs handlers of its own
+        signal.signal(number, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        count = (f"{scaling.min_replicas}-{scaling.max_replicas} replicas (autoscaled)" if scaling.max_replicas
+                 else f"{scaling.replicas} replica{'s' if scaling.replicas != 1 else ''}")
+        say(f"deploying {count} of {', '.join(spec.models)}, {scaling.cpus:g} CPU each …")
+        board = metrics_board()
+        try:
+            serve.run(build_app(spec, scaling), name=APP_NAME, route_prefix="/")
+        except Exception as error:  # Ray Serve's report of the replicas' failure
+            raise AtcError("E13017", where, _first_line(error)) from None
+        # ready when /health says so: every replica Ray started has reported that it serves
+        deadline = time.monotonic() + 60
+        while serving_replicas(board) < (scaling.min_replicas or scaling.replicas) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        shown = f"[{host}]" if ":" in host else host
+        say(f"ready in {time.perf_counter() - began:.1f} s: http://{shown}:{port} (models: {', '.join(spec.models)}; "
+            f"{count} on Ray; /replicas lists them)")
+        while not stop.wait(0.5):
+            pass
+        say("shutting down: in-flight requests get the grace period …")
+        serve.delete(APP_NAME)
+    finally:
+        try:
+            if head is not None:  # the cluster is this process's own: Serve goes with it
+                serve.shutdown()
+        finally:
+            ray.shutdown()
+            _stop_head(head)
+
+
+def _start_head() -> tuple[subprocess.Popen, str]:
+    """`ray start --head --block` in a session of its own, so a Ctrl-C or a signal to this process group
+    reaches this process alone and the replicas are shut down in order; (the process, the cluster's address)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        gcs_port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={gcs_port}",
+               "--node-ip-address=127.0.0.1", "--include-dashboard=false", "--disable-usage-stats"]
+    log = tempfile.TemporaryFile()  # read only if it fails to start; a pipe left unread could fill and block it
+    head = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
+                            preexec_fn=_terminated_with_parent)
+    head.stderr_log = log
+    return head, f"127.0.0.1:{gcs_port}"
+
+
+def _terminated_with_parent() -> None:
+    """In the head's process before it runs: SIGTERM when this process dies, however it dies (Linux)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _connect(ray, address: str, head: subprocess.Popen | None, timeout_s: float = 120.0) -> None:
+    """Join the cluster at `address`; a head node this process started is waited for first (a failed
+    `ray.init` leaves state behind that fails the attempts after it)."""
+    if head is not None:
+        _wait_for_head(head, address, timeout_s)
+    try:
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as error:
+        raise AtcError("E10001", address, "--ray-address", f"no Ray cluster answers there: {error}") from None
+
+
+def _wait_for_head(head: subprocess.Popen, address: str, timeout_s: float) -> None:
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if head.poll() is not None:
+            head.stderr_log.seek(0)
+            why = head.stderr_log.read().decode(errors="replace").strip().splitlines()[-1:] or ["it exited"]
+            raise AtcError("E13017", address, f"the local Ray head did not start: {why[0]}")
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise AtcError("E13017", address, f"the local Ray head did not start in {timeout_s:g} s") from None
+            time.sleep(0.25)
+
+
+def _stop_head(head: subprocess.Popen | None) -> None:
+    if head is None or head.poll() is not None:
+        return
+    head.terminate()  # `ray start --block` stops the node's processes on SIGTERM
+    try:
+        head.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        head.kill()
+
+
+def _free(host: str, port: int) -> int:
+    """`port`, checked to be free on `host` (0: one the system picks)."""
+    try:
+        with socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            return probe.getsockname()[1]
+    except OSError as error:
+        raise AtcError("E10001", f"{host}:{port}", "--host/--port", error.strerror or str(error)) from None
+
+
+def _first_line(error: Exception) -> str:
+    """The part of Ray's report that says why: its last line naming an error, without the traceback."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    said = [line for line in lines if "Error" in line and not line.startswith(("File ", "Traceback"))]
+    return (said[-1] if said else lines[0] if lines else type(error).__name__)[:500]
