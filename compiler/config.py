@@ -256,7 +256,8 @@ class CompileConfig:
         if self.keep_layers < 0:
             raise invalid_value(self.keep_layers, "keep_layers", "The number of layers to keep must be at least 1.")
         if self.pipeline_stages < 0:
-            raise invalid_value(self.pipeline_stages, "pipeline_stages", "The number of stages must be at least 2.")
+            raise invalid_value(self.pipeline_stages, "pipeline_stages",
+                                "The number of stages must be 0 (one artifact) or at least 2.")
         if self.soc_version and self.soc_version not in SOC_VERSIONS:
             raise not_in_range(self.soc_version, "soc_version", sorted(SOC_VERSIONS))
 

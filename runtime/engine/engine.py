@@ -191,7 +191,12 @@ class LLMEngine:
             blocks = BlockManager(max_batch_size, max_context_len, enable_prefix_caching=False)
         self.kv_bytes_per_page = PagePool.bytes_per_page(layers, self.page_size, self.dims["num_kv_heads"],
                                                          self.dims["head_dim"])
-        trial_step(self.runner, self.vocab_size, self.loaded.om.path)
+        try:
+            trial_step(self.runner, self.vocab_size, self.loaded.om.path)
+        except BaseException:
+            if hasattr(self.runner, "close"):  # a pipeline's stage actors go with the engine that failed
+                self.runner.close()
+            raise
         self.blocks = blocks
         self.scheduler = Scheduler(blocks, max_batch_size, config.max_num_batched_tokens, config.priority_aging_s)
         if config.draft_model is not None:

@@ -24,6 +24,7 @@ import numpy as np
 from runtime.engine.runner import PagedRunner
 from runtime.engine.scheduler import ScheduledBatch
 from runtime.errors import AtcError
+from runtime.ray_import import require_ray
 
 HIDDEN_IN = "hidden_states"
 _LOAD_TIMEOUT_S = 600
@@ -79,13 +80,15 @@ class PipelinedRunner(PagedRunner):
 
     def __init__(self, paths: list[Path], num_pages: int, page_size: int, backend: str, threads: int | None,
                  native_matmul: bool):
-        import ray
-
+        ray = require_ray()
         if not ray.is_initialized():
             # "local" starts an instance of this process's own: a bare ray.init() would join whatever cluster
             # last ran on this machine (/tmp/ray/ray_current_cluster), even one that has stopped
-            ray.init(address=os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
+            address = os.environ.get("RAY_ADDRESS") or "local"
+            try:
+                ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+            except (ConnectionError, RuntimeError, ValueError) as error:
+                raise AtcError("E10001", address, "RAY_ADDRESS", f"no Ray cluster answers there: {error}") from None
         worker = ray.remote(StageWorker)
         self.executor, self.pool, self.page_size = None, _Pages(num_pages), page_size
         # each stage asks for its threads' CPUs, or its share of a cluster too small for that (a stage waits
@@ -116,7 +119,10 @@ class PipelinedRunner(PagedRunner):
             for stage in self.stages:
                 carried = stage.run.remote(feeds, carried)
             ends.append(carried)
-        return np.concatenate(self._ray.get(ends))
+        try:
+            return np.concatenate(self._ray.get(ends))
+        except self._ray.exceptions.RayActorError as error:  # the step fails; the engine fails its sequences
+            raise RuntimeError(f"a pipeline stage's process died: {str(error).splitlines()[0]}") from None
 
     def copy_pages(self, copies: list[tuple[int, int, int]]) -> None:
         if copies:

@@ -14,6 +14,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
 
+from runtime.serving.wire import error_body
+
 _log = logging.getLogger(__name__)
 
 Asgi = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
@@ -41,7 +43,7 @@ class HttpCall:
                 parsed = json.loads(body)
             except (ValueError, RecursionError):
                 parsed = None
-            if isinstance(parsed, dict):
+            if isinstance(parsed, dict):  # whatever else it holds is the replica's to refuse
                 text = routing_text(parsed)
                 conversation = parsed.get("conversation_id") if isinstance(parsed.get("conversation_id"), str) else None
         return cls(method, path, query, headers, body, text, conversation)
@@ -57,7 +59,7 @@ def routing_text(body: dict) -> str:
             if isinstance(message, dict):
                 content = message.get("content")
                 if isinstance(content, list):  # content parts: their text in order
-                    content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                    content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
                 parts.append(f"{message.get('role', '')}\n{content if isinstance(content, str) else ''}\n")
         return "".join(parts)
     prompt = body.get("prompt")
@@ -111,8 +113,7 @@ async def run_asgi(app: Asgi, call: HttpCall) -> AsyncIterator[ResponseStart | b
             if message is None:
                 if not started:  # the application died before answering
                     yield ResponseStart(500, [(b"content-type", b"application/json")])
-                    yield json.dumps({"error": {"message": "the replica failed to answer", "type": "server_error",
-                                                "param": None, "code": 500}}).encode()
+                    yield json.dumps(error_body(500, "the replica failed to answer", "server_error")).encode()
                 break
             if message["type"] == "http.response.start":
                 started = True
@@ -128,7 +129,8 @@ async def run_asgi(app: Asgi, call: HttpCall) -> AsyncIterator[ResponseStart | b
         if finished:
             await task  # only its return is left
         else:
-            task.cancel()
+            task.cancel()  # the route's own cancellation ends its generation; run() logs what it raised
+            task.add_done_callback(lambda done: done.cancelled() or done.exception())
 
 
 def _scope(call: HttpCall) -> dict:

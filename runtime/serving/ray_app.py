@@ -21,6 +21,7 @@ import ray
 from prometheus_client.core import GaugeMetricFamily
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -58,7 +59,8 @@ class MetricsBoard:
 
 class _Reporter:
     """A replica's thread sending its metrics to the board: every `_PUSH_EVERY_S`, and soon after a request
-    ends; the board is looked up again when it is gone (the ingress restarted)."""
+    ends; the board is looked up again after a failed report (it is made by `cann-run serve --ray`, which
+    may still be starting)."""
 
     def __init__(self, replica: str, describe):
         self.replica, self.describe = replica, describe
@@ -149,9 +151,13 @@ class Ingress:
         path = request.url.path
         if request.method == "GET" and path in ("/metrics", "/metrics/replicas", "/replicas", "/health"):
             return await self._about_replicas(path)
+        declared = request.headers.get("content-length", "")
+        too_large = _error(413, f"the request body is larger than {self.max_body_bytes} bytes", "invalid_request_error")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            return too_large
         body = await request.body()
         if len(body) > self.max_body_bytes:
-            return _error(413, f"the request body is larger than {self.max_body_bytes} bytes", "invalid_request_error")
+            return too_large
         call = HttpCall.of(request.method, path, request.scope.get("query_string", b""),
                            list(request.scope.get("headers", [])), body)
         return await self._forward(call)
@@ -164,6 +170,8 @@ class Ingress:
             try:
                 start: ResponseStart = await stream.__anext__()
                 first = await anext(stream, b"")
+            except BackPressureError:
+                return _error(429, "the server is at capacity; retry shortly", "rate_limit_exceeded", retry_after_s=1)
             except _RETRYABLE as error:
                 stream.cancel()
                 _log.warning("replica failed before answering (attempt %d): %s", attempt, error)
@@ -227,7 +235,7 @@ def _error(status: int, message: str, kind: str, retry_after_s: int | None = Non
 
 def build_app(spec: ReplicaSpec, scaling: Scaling):
     """The application to `serve.run`."""
-    options = scaling.deployment_options(spec.settings.max_pending,
+    options = scaling.deployment_options(spec.settings.max_pending, len(set(spec.models.values())),
                                          target_ongoing=spec.engine_overrides.get("max_batch_size", 8))
     replicas = EngineReplica.options(**options, graceful_shutdown_timeout_s=spec.settings.shutdown_grace_s).bind(spec)
     ingress = Ingress.options(max_ongoing_requests=scaling.most * spec.settings.max_pending + 64)

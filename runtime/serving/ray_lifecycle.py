@@ -18,6 +18,7 @@ import time
 from typing import Callable
 
 from runtime.errors import AtcError
+from runtime.ray_import import require_ray
 
 
 def serve_on_ray(spec, scaling, host: str, port: int, address: str | None, say: Callable[[str], None]) -> None:
@@ -32,7 +33,7 @@ def serve_on_ray(spec, scaling, host: str, port: int, address: str | None, say: 
         os.environ.setdefault("RAY_AUTH_MODE", "token")
         if os.environ["RAY_AUTH_MODE"] == "token" and not {"RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"} & set(os.environ):
             os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
-    import ray
+    ray = require_ray()
     from ray import serve
 
     from runtime.serving.ray_app import APP_NAME, build_app, metrics_board, serving_replicas
@@ -54,19 +55,28 @@ def serve_on_ray(spec, scaling, host: str, port: int, address: str | None, say: 
     stop = threading.Event()
     for number in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs handlers of its own
         signal.signal(number, lambda *_: stop.set())
+    deployed = False
     try:
+        _check_capacity(ray, where, scaling)
         serve.start(http_options={"host": host, "port": port})
+        if APP_NAME in serve.status().applications:
+            raise AtcError("E10055", f"an application named {APP_NAME!r} already runs on the cluster at {where}; "
+                                     f"one deployment per cluster")
         count = (f"{scaling.min_replicas}-{scaling.max_replicas} replicas (autoscaled)" if scaling.max_replicas
                  else f"{scaling.replicas} replica{'s' if scaling.replicas != 1 else ''}")
         say(f"deploying {count} of {', '.join(spec.models)}, {scaling.cpus:g} CPU each …")
         board = metrics_board()
-        try:
-            serve.run(build_app(spec, scaling), name=APP_NAME, route_prefix="/")
-        except Exception as error:  # Ray Serve's report of the replicas' failure
-            raise AtcError("E13017", where, _first_line(error)) from None
+        deployed = True
+        if not _deploy(serve, build_app(spec, scaling), stop, where):
+            return  # told to stop while deploying
         # ready when /health says so: every replica Ray started has reported that it serves
-        deadline = time.monotonic() + 60
-        while serving_replicas(board) < (scaling.min_replicas or scaling.replicas) and time.monotonic() < deadline:
+        deadline = time.monotonic() + _REPORT_TIMEOUT_S
+        while serving_replicas(board) < (scaling.min_replicas or scaling.replicas):
+            if stop.is_set():
+                return
+            if time.monotonic() > deadline:
+                raise AtcError("E13017", where, f"the replicas were deployed but did not report that they serve "
+                                                f"within {_REPORT_TIMEOUT_S} s")
             time.sleep(0.1)
         shown = f"[{host}]" if ":" in host else host
         say(f"ready in {time.perf_counter() - began:.1f} s: http://{shown}:{port} (models: {', '.join(spec.models)}; "
@@ -74,14 +84,56 @@ def serve_on_ray(spec, scaling, host: str, port: int, address: str | None, say: 
         while not stop.wait(0.5):
             pass
         say("shutting down: in-flight requests get the grace period …")
-        serve.delete(APP_NAME)
     finally:
         try:
+            if deployed:
+                serve.delete(APP_NAME)
             if head is not None:  # the cluster is this process's own: Serve goes with it
                 serve.shutdown()
         finally:
             ray.shutdown()
             _stop_head(head)
+
+
+_DEPLOY_TIMEOUT_S = 900   # loading a large model on every replica takes minutes; placing them should not
+_REPORT_TIMEOUT_S = 60
+
+
+def _check_capacity(ray, where: str, scaling) -> None:
+    """Refuse replicas the cluster has not the CPUs for: Ray would wait for them for ever."""
+    total = ray.cluster_resources().get("CPU", 0)
+    least = (scaling.min_replicas or scaling.replicas) * scaling.cpus
+    if least > total:
+        raise AtcError("E13017", where, f"{scaling.min_replicas or scaling.replicas} replicas of {scaling.cpus:g} "
+                                        f"CPU need {least:g} CPUs; the cluster has {total:g}")
+
+
+def _deploy(serve, app, stop: threading.Event, where: str) -> bool:
+    """`serve.run` on a thread of its own, so that a signal or the deadline can end the wait: True once the
+    application runs, False when told to stop; AtcError E13017 when it fails or does not come up in time."""
+    outcome: list = []
+    from runtime.serving.ray_app import APP_NAME
+
+    def run() -> None:
+        try:
+            serve.run(app, name=APP_NAME, route_prefix="/")
+            outcome.append(None)
+        except Exception as error:  # Ray Serve's report of the replicas' failure
+            outcome.append(error)
+
+    thread = threading.Thread(target=run, name="serve-run", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + _DEPLOY_TIMEOUT_S
+    while thread.is_alive():
+        if stop.is_set():
+            return False
+        if time.monotonic() > deadline:
+            raise AtcError("E13017", where, f"the replicas were not placed and loaded within {_DEPLOY_TIMEOUT_S} s "
+                                            f"(ray status shows what the cluster has)")
+        thread.join(0.25)
+    if outcome and outcome[0] is not None:
+        raise AtcError("E13017", where, _first_line(outcome[0]))
+    return True
 
 
 def _start_head() -> tuple[subprocess.Popen, str]:

@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -55,11 +56,16 @@ class RayServer:
     def __init__(self, cluster, *argv: str, replicas: int = 2):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile("w+")  # a pipe nobody reads could fill and block the server
         self.process = subprocess.Popen(
             [sys.executable, "-m", "cli.cann_run", "serve", "--ray", "--ray-address", cluster.address,
              "--port", str(self.port), "--replicas", str(replicas), *argv],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         self.wait_for(lambda replicas_now: len(replicas_now) == replicas, "every replica to report")
+
+    def _said(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
 
     def replicas(self) -> list[dict]:
         try:
@@ -71,7 +77,7 @@ class RayServer:
     def wait_for(self, condition, what: str, timeout: float = 180) -> list[dict]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.process.stderr.read()
+            assert self.process.poll() is None, self._said()
             now = self.replicas()
             if condition(now):
                 return now
@@ -79,11 +85,11 @@ class RayServer:
         raise TimeoutError(f"waited {timeout} s for {what}")
 
     def per_replica(self, name: str) -> dict[str, float]:
-        text = httpx.get(f"{self.url}/metrics/replicas").text
+        text = httpx.get(f"{self.url}/metrics/replicas", timeout=60).text
         return {m.group(1): float(m.group(2))
                 for m in re.finditer(rf'^{re.escape(name)}\{{model_name="tiny",replica="([^"]+)"\}} (\S+)$', text, re.M)}
 
-    def settled(self, name: str, total: float, timeout: float = 30) -> dict[str, float]:
+    def settled(self, name: str, total: float, timeout: float = 120) -> dict[str, float]:
         """`per_replica(name)` once the replicas' reports add up to `total` (they report within a second)."""
         deadline = time.monotonic() + timeout
         while sum((seen := self.per_replica(name)).values()) != total:
@@ -91,15 +97,16 @@ class RayServer:
             time.sleep(0.1)
         return seen
 
-    def quiet(self, name: str) -> dict[str, float]:
+    def quiet(self, name: str, timeout: float = 120) -> dict[str, float]:
         """`per_replica(name)` once two reads over a reporting interval agree (earlier requests all reported)."""
-        seen = self.per_replica(name)
-        while True:
+        seen, deadline = self.per_replica(name), time.monotonic() + timeout
+        while time.monotonic() < deadline:
             time.sleep(1.2)
             now = self.per_replica(name)
             if now == seen:
                 return now
             seen = now
+        raise TimeoutError(f"{name} still changing after {timeout} s")
 
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)
@@ -114,7 +121,7 @@ def ray_server(cluster, om):
 
 
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600)
 
 
 def test_replicas_run_one_on_each_node_and_answer_as_the_engine_does(ray_server, engine):
@@ -173,10 +180,33 @@ def test_metrics_sum_the_replicas_and_a_conversation_stays_on_its_replica(ray_se
     # the second turn's prompt holds the first turn and its answer: kept by the replica that served it
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
     apart = ray_server.settled(name, before + first.usage.completion_tokens + second.usage.completion_tokens)
-    text = httpx.get(f"{ray_server.url}/metrics").text
+    text = httpx.get(f"{ray_server.url}/metrics", timeout=60).text
     merged = float(re.search(rf'^{name}\{{model_name="tiny"\}} (\S+)$', text, re.M).group(1))
     assert merged == sum(apart.values()) and len(apart) == 2
-    assert re.search(r"^cann_llm:replicas 2\.0$", text, re.M)
+    assert re.search(r"^cann_llm:replicas 2\.0$", text, re.M)  # both reported within 5 s: they just did
+
+
+def test_what_the_ingress_cannot_route_the_replica_refuses_in_openais_shape(ray_server):
+    response = httpx.post(f"{ray_server.url}/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]})
+    assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+    response = httpx.post(f"{ray_server.url}/v1/completions", content=b"x" * (5 * 2 ** 20), timeout=60,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 413 and response.json()["error"]["code"] == 413
+
+
+@pytest.mark.parametrize("argv, code, said", [
+    (["--replicas", "3"], "E13017", "3 replicas of 1 CPU need 3 CPUs; the cluster has 2"),
+    (["--replicas", "1"], "E10055", "an application named 'cann-llm' already runs on the cluster"),
+])
+def test_a_deployment_the_cluster_cannot_take_is_refused_and_leaves_the_running_one_alone(ray_server, cluster, om,
+                                                                                        argv, code, said):
+    result = subprocess.run([sys.executable, "-m", "cli.cann_run", "serve", "--ray", "--ray-address", cluster.address,
+                             "--port", str(free_port()), "--model", f"tiny={om}", *argv],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and code in result.stderr and said in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(ray_server.replicas()) == 2 and client(ray_server).models.list().data[0].id == "tiny"
 
 
 def test_a_replica_killed_under_load_fails_or_retries_each_request_and_ray_restarts_it(ray_server, engine):
@@ -191,7 +221,7 @@ def test_a_replica_killed_under_load_fails_or_retries_each_request_and_ray_resta
                 text = "".join(c.choices[0].text for c in client(ray_server).completions.create(**body, stream=True))
                 results[i] = ("ok", text, False)
             else:
-                response = httpx.post(f"{ray_server.url}/v1/completions", json=body, timeout=120)
+                response = httpx.post(f"{ray_server.url}/v1/completions", json=body, timeout=600)
                 if response.status_code == 200:
                     results[i] = ("ok", response.json()["choices"][0]["text"],
                                   response.headers.get("x-replica-retried") == "1")
@@ -199,6 +229,8 @@ def test_a_replica_killed_under_load_fails_or_retries_each_request_and_ray_resta
                     results[i] = ("error", response.status_code, response.json()["error"]["message"])
         except openai.APIError as error:
             results[i] = ("error", getattr(error, "status_code", None), str(error))
+        except Exception as error:  # reported below, not lost with the thread
+            results[i] = ("raised", None, repr(error))
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for thread in threads:
@@ -213,7 +245,7 @@ def test_a_replica_killed_under_load_fails_or_retries_each_request_and_ray_resta
     pid = next(r["pid"] for r in ray_server.replicas() if r["replica"] == victim)
     os.kill(pid, signal.SIGKILL)
     for thread in threads:
-        thread.join(timeout=180)
+        thread.join(timeout=600)
     assert not any(thread.is_alive() for thread in threads), "a request hung after its replica died"
 
     expected = engine.generate_batch(prompts, max_tokens=new_tokens, temperature=0)
@@ -223,7 +255,7 @@ def test_a_replica_killed_under_load_fails_or_retries_each_request_and_ray_resta
             assert result[1] == expected[i]
             affected += result[2]
         else:
-            assert "retry" in result[2], result
+            assert result[0] == "error" and "retry" in result[2], result
             affected += 1
     assert affected >= 1, "the killed replica was running requests, yet none was retried or failed"
 
@@ -251,11 +283,7 @@ def test_without_an_address_it_starts_a_cluster_of_its_own_autoscaled_and_stops_
                                 "--port", str(port), "--model", f"tiny={om}"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        lines = []
-        while not any(line.startswith("ready in") for line in lines):
-            line = process.stderr.readline()
-            assert line, "".join(lines)
-            lines.append(line)
+        _lines_until(process, "ready in", timeout=300)
         head = [pid for pid in _children(process.pid) if "ray.scripts.scripts" in _command(pid)]
         assert len(head) == 1, "the local head node is not this process's own"
         node = _children(head[0])
@@ -272,6 +300,22 @@ def test_without_an_address_it_starts_a_cluster_of_its_own_autoscaled_and_stops_
     while any(os.path.exists(f"/proc/{pid}") for pid in [*head, *node]):
         assert time.monotonic() < deadline, "the cluster it started outlived it"
         time.sleep(0.2)
+
+
+def _lines_until(process: subprocess.Popen, start: str, timeout: float) -> list[str]:
+    """`process`'s stderr lines up to one starting with `start`, read on a thread (to the end, so the pipe
+    never fills) so a silent process fails the test at the deadline instead of hanging it."""
+    lines, found = [], threading.Event()
+
+    def read() -> None:
+        for line in process.stderr:
+            lines.append(line)
+            if line.startswith(start):
+                found.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    assert found.wait(timeout), "".join(lines)
+    return lines
 
 
 def _children(pid: int) -> list[int]:
