@@ -11,7 +11,7 @@ Routing: 2 replicas x 1 core, `--router prefix` against `--router round_robin` (
 `pow2`), on a multi-turn chat: `--conversations` chats run at once, each `--turns` turns in sequence, every
 turn's prompt the whole conversation so far (a system prompt of its own, the questions and the answers):
 the share of prompt tokens served from the replicas' prefix caches (their own counters) and the TTFT of
-the turns after the first. Medians over rounds.
+the turns after the first (`--system_chars` sets the passage's length). Medians over rounds.
 """
 
 from __future__ import annotations
@@ -121,22 +121,23 @@ async def _conversation(client, url, system: str, turns: int, max_tokens: int, t
                 "ignore_eos": True}) as response:
             response.raise_for_status()
             async for line in response.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
+                piece = re.search(r'"content": ?"((?:[^"\\]|\\.)+)"', line) if line.startswith("data: ") else None
+                if piece:  # the first piece of text, not the role-only chunk a chat stream opens with
                     first = first or time.perf_counter() - began
-                    piece = re.search(r'"content": ?"((?:[^"\\]|\\.)*)"', line)
-                    answer.append(piece.group(1) if piece else "")
+                    answer.append(piece.group(1))
         if turn:
             ttfts.append(first)
         messages.append({"role": "assistant", "content": "".join(answer)})
 
 
-async def _chats(url: str, conversations: int, turns: int, max_tokens: int, seed: int) -> list[float]:
+async def _chats(url: str, conversations: int, turns: int, max_tokens: int, seed: int,
+                 system_chars: int = 1200) -> list[float]:
     text = EVAL_TEXT.read_text()
     rng = random.Random(seed)
     systems = []
     for _ in range(conversations):
-        start = rng.randrange(0, len(text) - 1500)
-        systems.append("Answer questions about this passage.\n\n" + text[start:start + 1200])
+        start = rng.randrange(0, len(text) - system_chars - 300)
+        systems.append("Answer questions about this passage.\n\n" + text[start:start + system_chars])
     ttfts: list[float] = []
     async with httpx.AsyncClient(timeout=600) as client:
         await asyncio.gather(*(_conversation(client, url, s, turns, max_tokens, ttfts) for s in systems))
@@ -151,8 +152,10 @@ async def _chats(url: str, conversations: int, turns: int, max_tokens: int, seed
 @click.option("--conversations", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--turns", type=click.IntRange(min=2), default=4, show_default=True)
 @click.option("--routers", default="prefix,round_robin,pow2", show_default=True)
+@click.option("--system_chars", type=click.IntRange(min=100), default=1200, show_default=True,
+              help="characters of each chat's passage (its system prompt)")
 @click.option("--skip", type=click.Choice(["none", "throughput", "routing"]), default="none", show_default=True)
-def main(om, rounds, requests, max_tokens, conversations, turns, routers, skip):
+def main(om, rounds, requests, max_tokens, conversations, turns, routers, system_chars, skip):
     """Throughput of 2x1 against 1x2 cores, and prefix routing against the baselines, on this machine."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if skip != "throughput":
@@ -184,7 +187,7 @@ def main(om, rounds, requests, max_tokens, conversations, turns, routers, skip):
                 deployment = Deployment(om, "--replicas", "2", "--replica-cpus", "1", "--router", name)
                 try:
                     before = deployment.settled()
-                    ttfts = asyncio.run(_chats(deployment.url, conversations, turns, 16, seed=round_))
+                    ttfts = asyncio.run(_chats(deployment.url, conversations, turns, 16, round_, system_chars))
                     after = deployment.settled()
                 finally:
                     deployment.stop()
@@ -197,7 +200,8 @@ def main(om, rounds, requests, max_tokens, conversations, turns, routers, skip):
                 print(f"round {round_ + 1} router {name}: prefix cache hit rate {result['hit_rate']:.1%}, "
                       f"TTFT after turn 1 p50 {result['ttft_p50'] * 1000:.0f} ms p99 {result['ttft_p99'] * 1000:.0f} ms",
                       flush=True)
-        print(f"\n{conversations} chats x {turns} turns at once, 2 replicas x 1 core, medians of {rounds} rounds")
+        print(f"\n{conversations} chats x {turns} turns at once ({system_chars}-character passages), 2 replicas x 1 "
+              f"core, medians of {rounds} rounds")
         print("| router | prompt tokens from cache | TTFT p50 (turns 2+) | TTFT p99 (turns 2+) |\n|---|---|---|---|")
         for name, results in seen.items():
             med = {k: statistics.median(r[k] for r in results) for k in results[0]}

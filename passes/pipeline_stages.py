@@ -55,12 +55,7 @@ def layer_ranges(graph: gs.Graph, stages: int) -> list[tuple[int, int]]:
 def _weight_bytes_by_layer(graph: gs.Graph) -> tuple[list[float], float]:
     """Bytes of the constants each layer's nodes read, in layer order, and those of the nodes after the final
     norm (the head). Nodes are assigned by their place in topological order between layer starts."""
-    graph.toposort()
-    attentions = [node for node in graph.nodes if node.op == PAGED_ATTENTION.name]
-    final, hidden = _final_norm(graph)
-    starts = [norm_above(node.inputs[0], hidden) for node in attentions]
-    if any(start is None for start in starts):
-        raise _refused("a layer's input norm was not found above its attention")
+    final, attentions, starts, _ = _layers(graph)
     place = {id(node): index for index, node in enumerate(graph.nodes)}
     bounds = [place[id(start)] for start in starts] + [place[id(final)]]
     costs, head = [0.0] * len(attentions), 0.0
@@ -97,24 +92,26 @@ def _constant_bytes(tensor: gs.Tensor, known: dict[int, int | None]) -> int | No
     return known[key]
 
 
-def _final_norm(graph: gs.Graph) -> tuple[gs.Node, int]:
-    """The norm the head reads, and the hidden size its weight spans."""
+def _layers(graph: gs.Graph) -> tuple[gs.Node, list[gs.Node], list[gs.Node], int]:
+    """The toposorted graph's final norm (the one the head reads), its attention nodes in order, the norm each
+    layer starts at, and the hidden size."""
+    graph.toposort()
     logits = next((t for t in graph.outputs if t.name == "logits"), None)
     final = norm_above(logits, None) if logits is not None else None
     if final is None:
         raise _refused("no final norm and head compute the output 'logits'")
-    return final, norm_weight(final).shape[-1]
+    hidden = norm_weight(final).shape[-1]
+    attentions = [node for node in graph.nodes if node.op == PAGED_ATTENTION.name]
+    starts = [norm_above(node.inputs[0], hidden) for node in attentions]
+    if any(start is None for start in starts):
+        raise _refused("a layer's input norm was not found above its attention")
+    return final, attentions, starts, hidden
 
 
 def stage_graph(graph: gs.Graph, first: int, end: int) -> gs.Graph:
     """A copy of the paged `graph` computing layers [first, end) (weights shared with it, not copied)."""
     stage = graph.copy()
-    stage.toposort()
-    attentions = [node for node in stage.nodes if node.op == PAGED_ATTENTION.name]
-    _, hidden = _final_norm(stage)
-    starts = [norm_above(node.inputs[0], hidden) for node in attentions]
-    if any(start is None for start in starts):
-        raise _refused("a layer's input norm was not found above its attention")
+    _, attentions, starts, hidden = _layers(stage)
     if first > 0:
         _read_input(stage, starts[first], hidden)
     if end < len(attentions):
