@@ -194,8 +194,7 @@ class LLMEngine:
         try:
             trial_step(self.runner, self.vocab_size, self.loaded.om.path)
         except BaseException:
-            if hasattr(self.runner, "close"):  # a pipeline's stage actors go with the engine that failed
-                self.runner.close()
+            self.runner.close()  # a pipeline's stage actors go with the engine that failed
             raise
         self.blocks = blocks
         self.scheduler = Scheduler(blocks, max_batch_size, config.max_num_batched_tokens, config.priority_aging_s)
@@ -389,8 +388,7 @@ class LLMEngine:
             self._worker.join()
         if self._grammars is not None:
             self._grammars.close()
-        if hasattr(self.runner, "close"):  # a pipeline's stage actors
-            self.runner.close()
+        self.runner.close()
 
     def __enter__(self) -> "LLMEngine":
         return self

@@ -27,6 +27,12 @@ class PagePool:
         self.value = _zeros_mapped(shape, np.dtype(dtype))
         self.num_pages, self.page_size = num_pages, page_size
 
+    def copy(self, copies: list[tuple[int, int, int]]) -> None:
+        """Apply the block manager's copies: (source page, target page, leading tokens), every layer."""
+        for source, target, tokens in copies:
+            self.key[:, target, :, :tokens] = self.key[:, source, :, :tokens]
+            self.value[:, target, :, :tokens] = self.value[:, source, :, :tokens]
+
     @property
     def nbytes(self) -> int:
         """Bytes held by the pages of all layers."""

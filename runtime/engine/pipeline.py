@@ -55,9 +55,7 @@ class StageWorker:
         return self.executor.run(feeds, [self.output], kv_cache=self.pool)[self.output]
 
     def copy_pages(self, copies: list[tuple[int, int, int]]) -> None:
-        for source, target, tokens in copies:
-            self.pool.key[:, target, :, :tokens] = self.pool.key[:, source, :, :tokens]
-            self.pool.value[:, target, :, :tokens] = self.pool.value[:, source, :, :tokens]
+        self.pool.copy(copies)
 
     def process(self) -> dict:
         """Where it runs: its process id, and its resident bytes now and at their peak (Linux)."""

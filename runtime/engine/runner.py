@@ -54,12 +54,13 @@ class PagedRunner:
 
     def copy_pages(self, copies: list[tuple[int, int, int]]) -> None:
         """Apply the block manager's copies: (source page, target page, leading tokens)."""
-        for source, target, tokens in copies:
-            self.pool.key[:, target, :, :tokens] = self.pool.key[:, source, :, :tokens]
-            self.pool.value[:, target, :, :tokens] = self.pool.value[:, source, :, :tokens]
+        self.pool.copy(copies)
 
     def release(self, seq: Sequence) -> None:
         del seq  # the pages are the block manager's
+
+    def close(self) -> None:
+        """Nothing to stop: the pool and the sessions go with the process (a pipeline's stages do not)."""
 
 
 class ContiguousRunner:
@@ -92,3 +93,6 @@ class ContiguousRunner:
 
     def release(self, seq: Sequence) -> None:
         self._past.pop(seq.seq_id, None)
+
+    def close(self) -> None:
+        self._past.clear()

@@ -67,7 +67,7 @@ def serve_on_ray(spec, scaling, host: str, port: int, address: str | None, say: 
         say(f"deploying {count} of {', '.join(spec.models)}, {scaling.cpus:g} CPU each …")
         board = metrics_board()
         deployed = True
-        if not _deploy(serve, build_app(spec, scaling), stop, where):
+        if not _deploy(serve, build_app(spec, scaling), APP_NAME, stop, where):
             return  # told to stop while deploying
         # ready when /health says so: every replica Ray started has reported that it serves
         deadline = time.monotonic() + _REPORT_TIMEOUT_S
@@ -108,15 +108,14 @@ def _check_capacity(ray, where: str, scaling) -> None:
                                         f"CPU need {least:g} CPUs; the cluster has {total:g}")
 
 
-def _deploy(serve, app, stop: threading.Event, where: str) -> bool:
+def _deploy(serve, app, name: str, stop: threading.Event, where: str) -> bool:
     """`serve.run` on a thread of its own, so that a signal or the deadline can end the wait: True once the
     application runs, False when told to stop; AtcError E13017 when it fails or does not come up in time."""
     outcome: list = []
-    from runtime.serving.ray_app import APP_NAME
 
     def run() -> None:
         try:
-            serve.run(app, name=APP_NAME, route_prefix="/")
+            serve.run(app, name=name, route_prefix="/")
             outcome.append(None)
         except Exception as error:  # Ray Serve's report of the replicas' failure
             outcome.append(error)
