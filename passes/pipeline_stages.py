@@ -17,6 +17,7 @@ import onnx_graphsurgeon as gs
 
 from passes.decoder_layers import norm_above, norm_weight, residual_entering
 from passes.graph_utils import replace_all_uses
+from passes.weight_memory import Deferred, read_values
 from runtime.errors import AtcError
 from runtime.ops import PAGED_ATTENTION
 
@@ -119,8 +120,64 @@ def stage_graph(graph: gs.Graph, first: int, end: int) -> gs.Graph:
     for layer, node in enumerate(attentions[first:end]):
         node.attrs["layer"] = layer
     stage.cleanup(remove_unused_graph_inputs=True)
+    _store_weight_transposes(stage)
     stage.toposort()
     return stage
+
+
+def _store_weight_transposes(graph: gs.Graph) -> None:
+    """Store transposed the weights that only a Transpose reads (a tied head in the last stage, where no
+    Gather reads the embedding), a MatMul's in column blocks of at most WEIGHT_BLOCK_BYTES. onnxruntime
+    holds a weight and its pre-packed copy at once while it builds a session, and otherwise also the
+    transpose it folds: with the head the largest weight by far, that sets the stage process's peak. The
+    whole model keeps the transpose: there the embedding's Gather reads the same table, and storing both
+    would double it."""
+    readers: dict[str, list[gs.Node]] = {}
+    for node in graph.nodes:
+        for tensor in node.inputs:
+            readers.setdefault(tensor.name, []).append(node)
+    for node in list(graph.nodes):
+        source = node.inputs[0] if node.op == "Transpose" and node.inputs else None
+        if not isinstance(source, gs.Constant) or len(readers[source.name]) != 1 or source.shape is None:
+            continue
+        perm = node.attrs.get("perm", list(range(len(source.shape)))[::-1])
+        transposed = node.outputs[0]
+        matmuls = [reader for reader in transposed.outputs if reader.op == "MatMul" and reader.inputs[1] is transposed]
+        if len(source.shape) == 2 and list(perm) == [1, 0] and len(matmuls) == len(transposed.outputs) == 1:
+            _column_blocks(graph, matmuls[0], source)
+        else:
+            shape = tuple(int(source.shape[axis]) for axis in perm)
+            replace_all_uses(graph, transposed, gs.Constant(f"{source.name}_transposed", Deferred(
+                shape, source.dtype, lambda source=source, perm=perm: read_values(source).transpose(perm))))
+        node.inputs.clear()
+        node.outputs.clear()
+    graph.cleanup(remove_unused_graph_inputs=True)
+
+
+WEIGHT_BLOCK_BYTES = 16 << 20
+
+
+def _column_blocks(graph: gs.Graph, matmul: gs.Node, source: gs.Constant) -> None:
+    """`matmul` (x @ source.T) as MatMuls over column blocks of source.T, concatenated."""
+    rows, columns = (int(d) for d in source.shape)
+    itemsize = np.dtype(source.dtype).itemsize
+    count = max(1, -(-rows * columns * itemsize // WEIGHT_BLOCK_BYTES))
+    step = -(-rows // count)
+    parts = []
+    for index, first in enumerate(range(0, rows, step)):
+        end = min(first + step, rows)
+        block = gs.Constant(f"{source.name}_transposed_{index}", Deferred(
+            (columns, end - first), source.dtype,
+            lambda first=first, end=end: read_values(source)[first:end].T))
+        part = gs.Variable(f"{matmul.outputs[0].name}_{index}", dtype=matmul.outputs[0].dtype)
+        graph.nodes.append(gs.Node("MatMul", name=f"{matmul.name}_{index}", inputs=[matmul.inputs[0], block],
+                                   outputs=[part]))
+        parts.append(part)
+    output = matmul.outputs[0]
+    matmul.inputs.clear()
+    matmul.outputs.clear()
+    graph.nodes.append(gs.Node("Concat", name=f"{output.name}_blocks", attrs={"axis": -1}, inputs=parts,
+                               outputs=[output]))
 
 
 def _residual(norm: gs.Node, hidden: int) -> gs.Variable:

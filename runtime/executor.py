@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx.reference import ReferenceEvaluator
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from runtime.artifact import SUB_BYTE_TYPES, OmFile
+from runtime.embedding_rows import split_off
 from runtime.engine.kv_cache import PagePool
 from runtime.errors import AtcError
 from runtime.kernels import HostRun, host_kernel, is_host_node, native, reference_ops
@@ -65,8 +65,10 @@ class Executor:
         self.output_names = loaded.output_names
         self.shape_contract = ShapeContract.of(loaded.metadata)
         model, weights = _inline_sub_byte(loaded.model, loaded.weights)
+        self._embeddings = []
         if backend == "onnxruntime":
             model = _pointing_into_the_artifact(model, weights, loaded.om)
+            model, self._embeddings = split_off(model, weights, loaded.om)
         try:
             plan = split_at_host_nodes(model, is_host_node)
         except onnx.shape_inference.InferenceError as error:
@@ -123,6 +125,8 @@ class Executor:
         return self.shape_contract.cut(self._run(dict(padded), names, kv_cache), real, self.loaded.metadata["signature"])
 
     def _run(self, values: dict, names: list[str], kv_cache: PagePool | None) -> dict[str, np.ndarray]:
+        for rows in self._embeddings:
+            values[rows.output] = rows(values[rows.indices])
         if self.native_library is not None:
             return self._run_native(values, names, kv_cache)
         host = HostRun(kv_cache, self._fast) if kv_cache is not None else None
@@ -204,6 +208,9 @@ class _SegmentStep:
             used = {t.name for t in segment.model.graph.initializer}
             mine = {name: view for name, view in weights.items() if name in used}
             light = initializers_as_inputs(segment.model, _is_external)
+            # imported here: onnx's evaluator costs ~11 MB resident that a process on onnxruntime never uses
+            from onnx.reference import ReferenceEvaluator
+
             self._session = ReferenceEvaluator(light, new_ops=reference_ops())
             self._weights_fed = mine
 

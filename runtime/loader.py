@@ -11,21 +11,22 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
-from jinja2 import TemplateError
 
 from runtime import compatibility
 from runtime.artifact import OmFile
 from runtime.artifact_schema import SchemaViolation, check_metadata
-from runtime.chat_template import ChatTemplate
 from runtime.errors import AtcError
 from runtime.kernels import supports
 from runtime.ops import (ATTENTION_OPS, CUSTOM_DOMAIN, GATHER_INT4, PAGED_ATTENTION, PAGED_METADATA, ContractViolation,
                          GatherInt4Input, attributes, check_node)
 from runtime.signature import io_signature, llm_dimensions
-from runtime.tokenizer import TextTokenizer
+
+if TYPE_CHECKING:
+    from runtime.tokenizer import TextTokenizer
 
 
 @dataclass
@@ -77,9 +78,11 @@ class LoadedModel:
         return self.kv_cache["layout"] == "paged"
 
 
-def load_artifact(path: str | os.PathLike, verify_weights: bool = True) -> LoadedModel:
+def load_artifact(path: str | os.PathLike, verify_weights: bool = True, tokenizer: bool = True) -> LoadedModel:
     """Open and validate `path`; refuses truncated, corrupted, foreign, inconsistent or unrunnable files
-    (AtcError: E13015 naming the field, E16002 for an op without a kernel)."""
+    (AtcError: E13015 naming the field, E16002 for an op without a kernel). `tokenizer=False` leaves the
+    tokenizer files unread (a pipeline stage's process: its engine holds the tokenizer, and parsing one
+    costs tens of MB)."""
     om = OmFile(path, verify_weights=verify_weights)
     metadata = om.metadata
     try:
@@ -96,8 +99,8 @@ def load_artifact(path: str | os.PathLike, verify_weights: bool = True) -> Loade
         _check_graph(model, metadata)
     except ContractViolation as error:
         raise AtcError("E13015", om.path, str(error)) from None
-    tokenizer = _check_tokenizer(om)
-    return LoadedModel(om=om, model=model, weights=weights, metadata=metadata, tokenizer=tokenizer)
+    return LoadedModel(om=om, model=model, weights=weights, metadata=metadata,
+                       tokenizer=_check_tokenizer(om) if tokenizer else None)
 
 
 def _check_graph(model: onnx.ModelProto, metadata: dict) -> None:
@@ -261,6 +264,12 @@ def _check_tokenizer(om: OmFile) -> TextTokenizer | None:
                 raise AtcError("E13015", om.path, f"tokenizer file {name} is not JSON ({error})") from None
             if not isinstance(config, dict):
                 raise AtcError("E13015", om.path, f"tokenizer file {name} is not a JSON object")
+    # imported here: tokenizers and jinja2 cost ~9 MB resident that a pipeline stage's process never uses
+    from jinja2 import TemplateError
+
+    from runtime.chat_template import ChatTemplate
+    from runtime.tokenizer import TextTokenizer
+
     tokenizer = None
     if "tokenizer.json" in files:
         try:

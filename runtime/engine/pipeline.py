@@ -39,7 +39,7 @@ class StageWorker:
         from runtime.loader import load_artifact
         from runtime.ort_session import enable_process_thread_pool
 
-        loaded = load_artifact(path)
+        loaded = load_artifact(path, tokenizer=False)
         dims = loaded.metadata["model"]
         if backend == "onnxruntime":
             enable_process_thread_pool(threads)  # the actor's process is the stage's alone

@@ -83,3 +83,28 @@ def test_what_cannot_be_split_or_run_is_refused(tmp_path):
     (tmp_path / "split_stage1.om").unlink()
     with pytest.raises(AtcError, match="E13001.*split_stage1.om"):
         LLMEngine(tmp_path / "split_stage0.om")
+
+
+def test_a_tied_head_is_stored_transposed_in_blocks_in_the_last_stage(tmp_path):
+    """A table over the folding threshold reaches the artifact as the embedding plus a Transpose for the head.
+    The last stage, which has no embedding, stores the head transposed in blocks (onnxruntime would fold the
+    transpose and pre-pack the whole head at once while building the session: the stage's peak)."""
+    from models.tiny import tiny_onnx
+    from passes.pipeline_stages import WEIGHT_BLOCK_BYTES
+
+    vocab = 70_000  # × 64 float32: 17.9 MB, over the 16 MB folding threshold and one block
+    model = tiny_onnx("llama_tied", dynamo=True, with_past=True, overrides={"num_hidden_layers": 3, "vocab_size": vocab})
+    whole = compile_to(model, tmp_path / "whole", enable_paged_attention=True)
+    compile_to(model, tmp_path / "split", enable_paged_attention=True, pipeline_stages=2)
+    graph = OmFile(whole).graph().graph
+    assert [node.op_type for node in graph.node].count("Transpose") == 1
+    last = OmFile(tmp_path / "split_stage1.om")
+    graph = last.graph().graph
+    blocks = [node for node in graph.node if node.op_type == "MatMul" and "_transposed_" in node.input[1]]
+    shapes = {t.name: list(t.dims) for t in graph.initializer}
+    assert "Transpose" not in {node.op_type for node in graph.node}
+    assert len(blocks) == -(-vocab * 64 * 4 // WEIGHT_BLOCK_BYTES) == 2
+    assert sum(shapes[node.input[1]][1] for node in blocks) == vocab
+    assert all(shapes[node.input[1]][0] == 64 for node in blocks)
+    prompts = [[5, 17, 99, 3, 42, 8, 200, 31], [69_999, 1, 2]]
+    assert _generate(tmp_path / "split_stage0.om", prompts) == _generate(whole, prompts)

@@ -1,0 +1,101 @@
+"""Token embeddings read from the artifact file row by row, outside onnxruntime.
+
+Given the table as an external initializer, onnxruntime maps it and its Gather reads the step's rows
+through the mapping. Each read maps what the kernel caches around the row: a readahead window, or a whole
+large folio (up to 2 MB a row) when the file's pages were cached by writing it, as right after `atc`.
+A process's resident memory then grows with the vocabulary it has seen, towards the whole table (113 MB
+for SmolLM2 in float32), and differs with how the file came into the page cache. Read with `pread`, a row
+is copied from the page cache into the step's input and nothing stays mapped.
+
+`split_off` takes a graph's Gathers of a float table in the artifact by a graph input out of the graph:
+their outputs become graph inputs, which the executor computes with `EmbeddingRows` before each run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from runtime.errors import AtcError
+
+@dataclass
+class EmbeddingRows:
+    """`table[ids]` for a table stored at `offset` in the file `path`: indices in, rows out."""
+
+    path: str
+    offset: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    indices: str  # the graph input holding the token ids
+    output: str  # the value the Gather computed
+
+    def __post_init__(self):
+        self._file = open(self.path, "rb", buffering=0)  # noqa: SIM115 - held for the executor's lifetime
+        self._row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+
+    def __call__(self, ids: np.ndarray) -> np.ndarray:
+        """The rows of `ids` (any shape; negative ids count from the end, as ONNX's Gather does)."""
+        ids = np.asarray(ids)
+        rows = self.shape[0]
+        flat = ids.reshape(-1).astype(np.int64)
+        if flat.size and (flat.min() < -rows or flat.max() >= rows):
+            bad = int(flat[(flat < -rows) | (flat >= rows)][0])
+            raise AtcError("E10001", bad, self.indices, f"a token id must be in [{-rows}, {rows - 1}]: the "
+                           f"embedding table has {rows} rows")
+        flat = np.where(flat < 0, flat + rows, flat)
+        unique, inverse = np.unique(flat, return_inverse=True)
+        raw = np.empty((unique.size, self._row_bytes), np.uint8)  # bytes: bfloat16 has no buffer format
+        descriptor = self._file.fileno()
+        for slot, row in enumerate(unique.tolist()):
+            os.preadv(descriptor, [raw[slot]], self.offset + row * self._row_bytes)
+        read = raw.view(self.dtype).reshape(unique.size, *self.shape[1:])
+        return read[inverse].reshape(*ids.shape, *self.shape[1:])
+
+
+def split_off(model: onnx.ModelProto, weights: dict[str, np.ndarray], om) -> tuple[onnx.ModelProto,
+                                                                                    list[EmbeddingRows]]:
+    """A copy of `model` without its Gathers of large float tables (weights in the artifact `om`) by graph
+    inputs, each Gather's output a graph input instead, and the readers that compute them. A table that
+    another node also reads (a tied head's transpose) stays in the graph for it."""
+    graph = model.graph
+    inputs = {value.name: value for value in graph.input}
+    tables = {t.name: t for t in graph.initializer if t.name in weights and t.data_type in _FLOATS}
+    found = [node for node in graph.node
+             if node.op_type == "Gather" and node.domain in ("", "ai.onnx") and len(node.input) == 2
+             and node.input[0] in tables and node.input[1] in inputs and _axis(node) == 0]
+    if not found:
+        return model, []
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    graph = copy.graph
+    readers = []
+    for node in found:
+        table, indices, output = node.input[0], node.input[1], node.output[0]
+        view = weights[table]
+        readers.append(EmbeddingRows(str(om.path), om.file_offset(view), tuple(view.shape), view.dtype, indices,
+                                     output))
+        ids_type = inputs[indices].type.tensor_type
+        rows = onnx.helper.make_tensor_value_info(output, tables[table].data_type, [
+            *(d.dim_param or d.dim_value or None for d in ids_type.shape.dim), *view.shape[1:]])
+        graph.input.append(rows)
+    # by position: the copy's nodes are other objects than the model's
+    gone = {index for index, node in enumerate(model.graph.node) if node in found}
+    nodes = [node for index, node in enumerate(graph.node) if index not in gone]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    read = {name for node in nodes for name in node.input} | {o.name for o in graph.output}
+    for tensor in [t for t in graph.initializer if t.name in tables and t.name not in read]:
+        graph.initializer.remove(tensor)
+    for value in [v for v in graph.input if v.name in {r.indices for r in readers} and v.name not in read]:
+        graph.input.remove(value)
+    return copy, readers
+
+
+_FLOATS = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
+
+
+def _axis(node: onnx.NodeProto) -> int:
+    return next((a.i for a in node.attribute if a.name == "axis"), 0)
