@@ -40,6 +40,7 @@ from runtime.engine.trial_step import trial_step
 from runtime.engine.tuning import tuned_settings
 from runtime.errors import AtcError, invalid_value
 from runtime.executor import Executor
+from runtime.heap_trim import release_free_heap
 from runtime.loader import load_artifact
 from runtime.ort_session import enable_process_thread_pool
 from runtime.tokenizer import TextTokenizer
@@ -216,6 +217,7 @@ class LLMEngine:
         self._worker: threading.Thread | None = None
         self._closed = False
         self._start_lock = threading.Lock()
+        release_free_heap()  # what loading freed (the tokenizer's JSON, graph protos) leaves the resident set
 
     def _executor(self) -> Executor:
         config = self.config

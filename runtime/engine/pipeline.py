@@ -36,6 +36,7 @@ class StageWorker:
     def __init__(self, path: str, num_pages: int, backend: str, threads: int | None, native_matmul: bool):
         from runtime.engine.kv_cache import PagePool
         from runtime.executor import Executor
+        from runtime.heap_trim import release_free_heap
         from runtime.loader import load_artifact
         from runtime.ort_session import enable_process_thread_pool
 
@@ -47,6 +48,7 @@ class StageWorker:
         self.pool = PagePool(dims["num_layers"], num_pages, loaded.kv_cache["page_size"], dims["num_kv_heads"],
                              dims["head_dim"])
         self.output = loaded.output_names[0]
+        release_free_heap()
 
     def run(self, feeds: dict[str, np.ndarray], hidden: np.ndarray | None = None) -> np.ndarray:
         """This stage's output for one micro-batch: the next stage's hidden states, or the logits."""
