@@ -21,6 +21,7 @@ import onnx
 
 from runtime.errors import AtcError
 
+
 @dataclass
 class EmbeddingRows:
     """`table[ids]` for a table stored at `offset` in the file `path`: indices in, rows out."""
@@ -57,9 +58,9 @@ class EmbeddingRows:
 
 def split_off(model: onnx.ModelProto, weights: dict[str, np.ndarray], om) -> tuple[onnx.ModelProto,
                                                                                     list[EmbeddingRows]]:
-    """A copy of `model` without its Gathers of large float tables (weights in the artifact `om`) by graph
-    inputs, each Gather's output a graph input instead, and the readers that compute them. A table that
-    another node also reads (a tied head's transpose) stays in the graph for it."""
+    """A copy of `model` without its Gathers of float tables (weights in the artifact `om`) by graph inputs,
+    each Gather's output a graph input instead, and the readers that compute them. A table that another
+    node also reads (a tied head's transpose) stays in the graph for it."""
     graph = model.graph
     inputs = {value.name: value for value in graph.input}
     tables = {t.name: t for t in graph.initializer if t.name in weights and t.data_type in _FLOATS}
