@@ -40,6 +40,8 @@ class EmbeddingRows:
     def __call__(self, ids: np.ndarray) -> np.ndarray:
         """The rows of `ids` (any shape; negative ids count from the end, as ONNX's Gather does)."""
         ids = np.asarray(ids)
+        if not np.issubdtype(ids.dtype, np.integer):  # what onnxruntime's Gather would have refused
+            raise AtcError("E10001", ids.dtype, self.indices, "token ids are integers")
         rows = self.shape[0]
         flat = ids.reshape(-1).astype(np.int64)
         if flat.size and (flat.min() < -rows or flat.max() >= rows):

@@ -43,6 +43,8 @@ def test_rows_are_the_tables_and_out_of_range_ids_are_refused(compiled):
         with pytest.raises(AtcError) as refused:
             rows(np.array([[3, bad]], np.int64))
         assert refused.value.code == "E10001" and str(bad) in str(refused.value)
+    with pytest.raises(AtcError, match="E10001.*float32.*token ids are integers"):
+        rows(np.array([[1.5]], np.float32))
 
 
 def test_the_session_graph_reads_no_table_rows(compiled):
