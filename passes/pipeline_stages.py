@@ -160,9 +160,8 @@ WEIGHT_BLOCK_BYTES = 16 << 20
 def _column_blocks(graph: gs.Graph, matmul: gs.Node, source: gs.Constant) -> None:
     """`matmul` (x @ source.T) as MatMuls over column blocks of source.T, concatenated."""
     rows, columns = (int(d) for d in source.shape)
-    itemsize = np.dtype(source.dtype).itemsize
-    count = max(1, -(-rows * columns * itemsize // WEIGHT_BLOCK_BYTES))
-    step = -(-rows // count)
+    most = max(1, WEIGHT_BLOCK_BYTES // (columns * np.dtype(source.dtype).itemsize))  # rows a block may hold
+    step = -(-rows // -(-rows // most))  # as few blocks as that allows, of about equal size
     parts = []
     for index, first in enumerate(range(0, rows, step)):
         end = min(first + step, rows)

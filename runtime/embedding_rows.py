@@ -14,6 +14,7 @@ their outputs become graph inputs, which the executor computes with `EmbeddingRo
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,32 +29,36 @@ class EmbeddingRows:
 
     path: str
     offset: int
+    table: str  # the table's name
     shape: tuple[int, ...]
     dtype: np.dtype
-    indices: str  # the graph input holding the token ids
+    indices: str  # the graph input holding the indices
+    index_dtype: np.dtype  # its declared type
     output: str  # the value the Gather computed
 
     def __post_init__(self):
-        self._file = open(self.path, "rb", buffering=0)  # noqa: SIM115 - held for the executor's lifetime
+        # the file as it was opened: one rewritten in place later is not read half old, half new
+        self._descriptor = os.open(self.path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self._descriptor)
         self._row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
 
     def __call__(self, ids: np.ndarray) -> np.ndarray:
         """The rows of `ids` (any shape; negative ids count from the end, as ONNX's Gather does)."""
         ids = np.asarray(ids)
-        if not np.issubdtype(ids.dtype, np.integer):  # what onnxruntime's Gather would have refused
-            raise AtcError("E10001", ids.dtype, self.indices, "token ids are integers")
+        if ids.dtype != self.index_dtype:  # what onnxruntime would have refused
+            raise AtcError("E10001", ids.dtype, self.indices, f"{self.indices} needs {self.index_dtype}")
         rows = self.shape[0]
         flat = ids.reshape(-1).astype(np.int64)
         if flat.size and (flat.min() < -rows or flat.max() >= rows):
             bad = int(flat[(flat < -rows) | (flat >= rows)][0])
-            raise AtcError("E10001", bad, self.indices, f"a token id must be in [{-rows}, {rows - 1}]: the "
-                           f"embedding table has {rows} rows")
+            raise AtcError("E10001", bad, self.indices, f"an index must be in [{-rows}, {rows - 1}]: "
+                           f"{self.table} has {rows} rows")
         flat = np.where(flat < 0, flat + rows, flat)
         unique, inverse = np.unique(flat, return_inverse=True)
-        raw = np.empty((unique.size, self._row_bytes), np.uint8)  # bytes: bfloat16 has no buffer format
-        descriptor = self._file.fileno()
+        raw = np.empty((unique.size, self._row_bytes), np.uint8)
         for slot, row in enumerate(unique.tolist()):
-            os.preadv(descriptor, [raw[slot]], self.offset + row * self._row_bytes)
+            if os.preadv(self._descriptor, [raw[slot]], self.offset + row * self._row_bytes) != self._row_bytes:
+                raise AtcError("E13015", self.path, f"row {row} of {self.table} lies past the end of the file")
         read = raw.view(self.dtype).reshape(unique.size, *self.shape[1:])
         return read[inverse].reshape(*ids.shape, *self.shape[1:])
 
@@ -62,9 +67,10 @@ def split_off(model: onnx.ModelProto, weights: dict[str, np.ndarray], om) -> tup
                                                                                     list[EmbeddingRows]]:
     """A copy of `model` without its Gathers of float tables (weights in the artifact `om`) by graph inputs,
     each Gather's output a graph input instead, and the readers that compute them. A table that another
-    node also reads (a tied head's transpose) stays in the graph for it."""
+    node also reads (a tied head's transpose) stays in the graph for it; the index inputs stay declared,
+    so onnxruntime still checks they are fed with their type and rank."""
     graph = model.graph
-    inputs = {value.name: value for value in graph.input}
+    inputs = {value.name: value for value in graph.input if value.type.tensor_type.elem_type in _INDICES}
     tables = {t.name: t for t in graph.initializer if t.name in weights and t.data_type in _FLOATS}
     found = [node for node in graph.node
              if node.op_type == "Gather" and node.domain in ("", "ai.onnx") and len(node.input) == 2
@@ -78,9 +84,9 @@ def split_off(model: onnx.ModelProto, weights: dict[str, np.ndarray], om) -> tup
     for node in found:
         table, indices, output = node.input[0], node.input[1], node.output[0]
         view = weights[table]
-        readers.append(EmbeddingRows(str(om.path), om.file_offset(view), tuple(view.shape), view.dtype, indices,
-                                     output))
         ids_type = inputs[indices].type.tensor_type
+        readers.append(EmbeddingRows(str(om.path), om.file_offset(view), table, tuple(view.shape), view.dtype,
+                                     indices, _INDICES[ids_type.elem_type], output))
         rows = onnx.helper.make_tensor_value_info(output, tables[table].data_type, [
             *(d.dim_param or d.dim_value or None for d in ids_type.shape.dim), *view.shape[1:]])
         graph.input.append(rows)
@@ -89,15 +95,27 @@ def split_off(model: onnx.ModelProto, weights: dict[str, np.ndarray], om) -> tup
     nodes = [node for index, node in enumerate(graph.node) if index not in gone]
     del graph.node[:]
     graph.node.extend(nodes)
-    read = {name for node in nodes for name in node.input} | {o.name for o in graph.output}
+    read = _names_read(graph) | {o.name for o in graph.output}
     for tensor in [t for t in graph.initializer if t.name in tables and t.name not in read]:
         graph.initializer.remove(tensor)
-    for value in [v for v in graph.input if v.name in {r.indices for r in readers} and v.name not in read]:
-        graph.input.remove(value)
     return copy, readers
 
 
-_FLOATS = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
+def _names_read(graph: onnx.GraphProto) -> set[str]:
+    """Every value a node of `graph` reads, in its subgraphs (an If's branches) too."""
+    names = set()
+    for node in graph.node:
+        names.update(node.input)
+        for attribute in node.attribute:
+            for subgraph in [attribute.g, *attribute.graphs] if attribute.type in _GRAPH_ATTRIBUTES else []:
+                names |= _names_read(subgraph)
+    return names
+
+
+_GRAPH_ATTRIBUTES = frozenset({onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS})
+# tables numpy can hand to onnxruntime as a feed (not bfloat16: its type is ml_dtypes', which onnxruntime refuses)
+_FLOATS = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16})
+_INDICES = {onnx.TensorProto.INT64: np.dtype(np.int64), onnx.TensorProto.INT32: np.dtype(np.int32)}
 
 
 def _axis(node: onnx.NodeProto) -> int:

@@ -11,7 +11,7 @@ import pytest
 from conftest import compile_to, ort_reference
 
 from models.tiny import tiny_onnx
-from runtime.embedding_rows import split_off
+from runtime.embedding_rows import EmbeddingRows, split_off
 from runtime.errors import AtcError
 from runtime.executor import Executor
 from runtime.feeds import causal_lm_inputs
@@ -43,8 +43,19 @@ def test_rows_are_the_tables_and_out_of_range_ids_are_refused(compiled):
         with pytest.raises(AtcError) as refused:
             rows(np.array([[3, bad]], np.int64))
         assert refused.value.code == "E10001" and str(bad) in str(refused.value)
-    with pytest.raises(AtcError, match="E10001.*float32.*token ids are integers"):
-        rows(np.array([[1.5]], np.float32))
+    for wrong in (np.array([[1.5]], np.float32), np.array([[1]], np.int32), np.array([[1]], np.uint64)):
+        with pytest.raises(AtcError, match=f"E10001.*{wrong.dtype}.*input_ids needs int64"):
+            rows(wrong)
+
+
+def test_a_short_file_is_refused_not_read_as_garbage(tmp_path):
+    table = np.arange(40, dtype=np.float32).reshape(10, 4)
+    (tmp_path / "t.bin").write_bytes(b"\0" * 16 + table.tobytes())
+    rows = EmbeddingRows(str(tmp_path / "t.bin"), 16, "t", (20, 4), np.dtype(np.float32), "ids", np.dtype(np.int64),
+                         "e")
+    np.testing.assert_array_equal(rows(np.array([9, 0], np.int64)), table[[9, 0]])
+    with pytest.raises(AtcError, match="E13015.*row 15 of t lies past the end of the file"):
+        rows(np.array([15], np.int64))
 
 
 def test_the_session_graph_reads_no_table_rows(compiled):
@@ -64,6 +75,17 @@ def test_the_session_graph_reads_no_table_rows(compiled):
     tied.graph.node.append(onnx.helper.make_node("Transpose", [name], ["head_weight"], perm=[1, 0]))
     tied.graph.output.append(onnx.helper.make_tensor_value_info("head_weight", onnx.TensorProto.FLOAT, None))
     model, _ = split_off(tied, loaded.weights, loaded.om)
+    assert name in {t.name for t in model.graph.initializer}
+    # and so does a branch of an If reading it from the outer graph
+    branch = onnx.helper.make_graph([onnx.helper.make_node("Identity", [name], ["branch_out"])], "branch", [],
+                                    [onnx.helper.make_tensor_value_info("branch_out", onnx.TensorProto.FLOAT, None)])
+    conditional = onnx.ModelProto()
+    conditional.CopyFrom(loaded.model)
+    conditional.graph.input.append(onnx.helper.make_tensor_value_info("flag", onnx.TensorProto.BOOL, []))
+    conditional.graph.node.append(onnx.helper.make_node("If", ["flag"], ["chosen"], then_branch=branch,
+                                                         else_branch=branch))
+    conditional.graph.output.append(onnx.helper.make_tensor_value_info("chosen", onnx.TensorProto.FLOAT, None))
+    model, _ = split_off(conditional, loaded.weights, loaded.om)
     assert name in {t.name for t in model.graph.initializer}
 
 
