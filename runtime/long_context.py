@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable
 
-import bm25s
 import numpy as np
 import Stemmer
 
 from runtime.tokenizer import TextTokenizer
 
-# bm25s sets its own logger to DEBUG, past whatever level the application chose
-logging.getLogger("bm25s").setLevel(logging.WARNING)
 # words matched by their stems ("refunds" finds "refund"), as bm25s recommends for English
 _STEMMER = Stemmer.Stemmer("english")
 
@@ -140,8 +138,20 @@ def _text(document: str, offsets: list[tuple[int, int]], start: int, end: int) -
     return document[offsets[start][0]:offsets[end - 1][1]] if end > start else ""
 
 
+@lru_cache(maxsize=1)
+def _bm25s():
+    """bm25s, imported on first use: it imports numba (its JIT, ~70 MB resident), which every `cann-run`
+    process would otherwise carry for documents it is never given."""
+    import bm25s
+
+    # bm25s sets its own logger to DEBUG, past whatever level the application chose
+    logging.getLogger("bm25s").setLevel(logging.WARNING)
+    return bm25s
+
+
 def _bm25(chunks: list[Chunk], question: str) -> list[float]:
     """Each chunk's BM25 score against `question` (English stopwords left out); all 0 when nothing matches."""
+    bm25s = _bm25s()
     (words,) = bm25s.tokenize([question], stopwords="en", stemmer=_STEMMER, return_ids=False, show_progress=False)
     if not words:
         return [0.0] * len(chunks)

@@ -1,5 +1,6 @@
-"""numba is imported only by a process that runs a numba kernel: importing the runtime, or generating on a paged
-artifact whose attention runs in the native op, leaves it out; the host-attention fallback brings it in."""
+"""numba is imported only by a process that runs a numba kernel (or bm25s, for a long document): importing the
+runtime or the `cann-run` commands, or generating on a paged artifact whose attention runs in the native op,
+leaves it out; the host-attention fallback brings it in."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _in_a_fresh_process(*args: str) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("module", ["runtime.engine.engine", "cann_llm"])
+@pytest.mark.parametrize("module", ["runtime.engine.engine", "cann_llm", "cli.cann_run", "cli.serve"])
 def test_importing_the_runtime_imports_no_numba(module):
     assert _in_a_fresh_process("-c", f"import sys, {module}; print('numba' in sys.modules)") == "False"
 
