@@ -117,6 +117,9 @@ def test_embed_tokens_reads_float_and_int4_tables_alike(tmp_path_factory):
     assert any(n.op_type == "GatherInt4" for n in packed.model.graph.node)
     ids = np.array([0, 7, 255, 7])
     rows, approx = exact.embed_tokens(ids), packed.embed_tokens(ids)
+    table = next(exact.weights[n.input[0]] for n in exact.model.graph.node if n.op_type == "Gather"
+                 and n.input[1] == "input_ids")
+    np.testing.assert_array_equal(rows, table[ids])
     assert rows.shape == approx.shape == (4, 64) and approx.dtype == np.float32
     step = np.abs(rows).max(axis=1, keepdims=True) / 7  # symmetric 4-bit: half a step at most, per group
     assert np.all(np.abs(approx - rows) <= step) and not np.array_equal(approx, rows)
