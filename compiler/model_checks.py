@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator
 
 import onnx
 import numpy as np
@@ -30,6 +29,7 @@ from onnx import TensorProto, helper
 from runtime.artifact import SUB_BYTE_BITS
 from runtime.errors import AtcError
 from runtime.ops import CUSTOM_DOMAIN
+from runtime.proto_utils import graphs_within
 
 MIN_OPSET = 7
 MAX_RANK = 64
@@ -116,7 +116,7 @@ def _check_element_types(graph: onnx.GraphProto, path: Path) -> None:
     """E10041 for an element type TensorProto.DataType does not name (99, or 0 in a Constant): onnx's
     checker and numpy's type lookups raise ValueError on one, before any check names it."""
     known = set(TensorProto.DataType.values()) - {TensorProto.UNDEFINED}
-    for g in _graphs(graph):
+    for g in graphs_within(graph):
         tensors = [*g.initializer]
         for node in g.node:
             for attribute in node.attribute:
@@ -179,14 +179,6 @@ def _type_name(data_type: int) -> str:
     return TensorProto.DataType.Name(data_type).lower()
 
 
-def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    yield graph
-    for node in graph.node:
-        for attribute in node.attribute:
-            for sub in (attribute.g,) if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs:
-                yield from _graphs(sub)
-
-
 def check_subgraphs(graph: gs.Graph, path: Path) -> None:
     """E10041 when `graph` (imported, its constant conditionals already replaced by their branch) has more
     than MAX_SUBGRAPHS subgraphs."""
@@ -197,7 +189,7 @@ def check_subgraphs(graph: gs.Graph, path: Path) -> None:
 
 
 def _check_tensors(graph: onnx.GraphProto, path: Path) -> None:
-    for g in _graphs(graph):
+    for g in graphs_within(graph):
         for tensor in g.initializer:
             _check_dims(path, f"weight {tensor.name}", list(tensor.dims))
             if tensor.data_type in UNRUNNABLE_TYPES:

@@ -126,29 +126,27 @@ def stage_graph(graph: gs.Graph, first: int, end: int) -> gs.Graph:
 
 
 def _store_weight_transposes(graph: gs.Graph) -> None:
-    """Store transposed the weights that only a Transpose reads (a tied head in the last stage, where no
-    Gather reads the embedding), a MatMul's in column blocks of at most WEIGHT_BLOCK_BYTES. onnxruntime
-    holds a weight and its pre-packed copy at once while it builds a session, and otherwise also the
-    transpose it folds: with the head the largest weight by far, that sets the stage process's peak. The
-    whole model keeps the transpose: there the embedding's Gather reads the same table, and storing both
-    would double it."""
-    readers: dict[str, list[gs.Node]] = {}
+    """Store transposed, in column blocks of at most WEIGHT_BLOCK_BYTES, a 2-D weight that only a Transpose
+    reads for one MatMul (a tied head in the last stage, where no Gather reads the embedding). onnxruntime
+    holds a weight and its pre-packed copy at once while it builds a session, and here also the transpose it
+    folds: with the head the largest weight by far, that sets the stage process's peak. The whole model
+    keeps the transpose: there the embedding's Gather reads the same table, and storing both would double
+    it."""
+    readers: dict[str, int] = {}
     for node in graph.nodes:
         for tensor in node.inputs:
-            readers.setdefault(tensor.name, []).append(node)
+            readers[tensor.name] = readers.get(tensor.name, 0) + 1
     for node in list(graph.nodes):
         source = node.inputs[0] if node.op == "Transpose" and node.inputs else None
-        if not isinstance(source, gs.Constant) or len(readers[source.name]) != 1 or source.shape is None:
+        if not isinstance(source, gs.Constant) or readers[source.name] != 1 or len(source.shape or ()) != 2:
             continue
-        perm = node.attrs.get("perm", list(range(len(source.shape)))[::-1])
         transposed = node.outputs[0]
-        matmuls = [reader for reader in transposed.outputs if reader.op == "MatMul" and reader.inputs[1] is transposed]
-        if len(source.shape) == 2 and list(perm) == [1, 0] and len(matmuls) == len(transposed.outputs) == 1:
-            _column_blocks(graph, matmuls[0], source)
-        else:
-            shape = tuple(int(source.shape[axis]) for axis in perm)
-            replace_all_uses(graph, transposed, gs.Constant(f"{source.name}_transposed", Deferred(
-                shape, source.dtype, lambda source=source, perm=perm: read_values(source).transpose(perm))))
+        if list(node.attrs.get("perm", [1, 0])) != [1, 0] or len(transposed.outputs) != 1:
+            continue
+        matmul = transposed.outputs[0]
+        if matmul.op != "MatMul" or matmul.inputs[1] is not transposed:
+            continue
+        _column_blocks(graph, matmul, source)
         node.inputs.clear()
         node.outputs.clear()
     graph.cleanup(remove_unused_graph_inputs=True)

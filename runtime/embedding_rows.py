@@ -8,7 +8,7 @@ for SmolLM2 in float32), and differs with how the file came into the page cache.
 is copied from the page cache into the step's input and nothing stays mapped.
 
 `split_off` takes a graph's Gathers of a float table in the artifact by a graph input out of the graph:
-their outputs become graph inputs, which the executor computes with `EmbeddingRows` before each run.
+their outputs become graph inputs, which the executor computes (`GatheredInput`) before each run.
 """
 
 from __future__ import annotations
@@ -21,20 +21,18 @@ import numpy as np
 import onnx
 
 from runtime.errors import AtcError
+from runtime.proto_utils import graphs_within
 
 
 @dataclass
-class EmbeddingRows:
-    """`table[ids]` for a table stored at `offset` in the file `path`: indices in, rows out."""
+class TableRows:
+    """Rows of the table `name`, stored at `offset` in the file `path`, read with pread."""
 
     path: str
     offset: int
-    table: str  # the table's name
+    name: str
     shape: tuple[int, ...]
     dtype: np.dtype
-    indices: str  # the graph input holding the indices
-    index_dtype: np.dtype  # its declared type
-    output: str  # the value the Gather computed
 
     def __post_init__(self):
         # the file as it was opened: one rewritten in place later is not read half old, half new
@@ -42,29 +40,45 @@ class EmbeddingRows:
         weakref.finalize(self, os.close, self._descriptor)
         self._row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
 
-    def __call__(self, ids: np.ndarray) -> np.ndarray:
-        """The rows of `ids` (any shape; negative ids count from the end, as ONNX's Gather does)."""
-        ids = np.asarray(ids)
-        if ids.dtype != self.index_dtype:  # what onnxruntime would have refused
-            raise AtcError("E10001", ids.dtype, self.indices, f"{self.indices} needs {self.index_dtype}")
+    def __call__(self, ids: np.ndarray, what: str = "ids") -> np.ndarray:
+        """The rows of integer `ids` (any shape; negative ids count from the end, as ONNX's Gather does);
+        an id outside the table is E10001 naming `what` held it."""
         rows = self.shape[0]
-        flat = ids.reshape(-1).astype(np.int64)
+        flat = np.asarray(ids).reshape(-1).astype(np.int64)
         if flat.size and (flat.min() < -rows or flat.max() >= rows):
             bad = int(flat[(flat < -rows) | (flat >= rows)][0])
-            raise AtcError("E10001", bad, self.indices, f"an index must be in [{-rows}, {rows - 1}]: "
-                           f"{self.table} has {rows} rows")
+            raise AtcError("E10001", bad, what, f"an index must be in [{-rows}, {rows - 1}]: {self.name} has {rows} rows")
         flat = np.where(flat < 0, flat + rows, flat)
         unique, inverse = np.unique(flat, return_inverse=True)
         raw = np.empty((unique.size, self._row_bytes), np.uint8)
         for slot, row in enumerate(unique.tolist()):
             if os.preadv(self._descriptor, [raw[slot]], self.offset + row * self._row_bytes) != self._row_bytes:
-                raise AtcError("E13015", self.path, f"row {row} of {self.table} lies past the end of the file")
+                raise AtcError("E13015", self.path, f"row {row} of {self.name} lies past the end of the file")
         read = raw.view(self.dtype).reshape(unique.size, *self.shape[1:])
-        return read[inverse].reshape(*ids.shape, *self.shape[1:])
+        return read[inverse].reshape(*np.shape(ids), *self.shape[1:])
+
+
+@dataclass(frozen=True)
+class GatheredInput:
+    """A Gather taken out of the graph: `output` computed from the graph input `indices` before each run."""
+
+    rows: TableRows
+    indices: str
+    index_dtype: np.dtype  # the input's declared type
+    output: str
+
+    def feed(self, values: dict[str, np.ndarray]) -> None:
+        """Add the Gather's output to `values`; without its indices, onnxruntime refuses the feeds itself."""
+        if self.indices not in values:
+            return
+        ids = np.asarray(values[self.indices])
+        if ids.dtype != self.index_dtype:  # what onnxruntime would have refused
+            raise AtcError("E10001", ids.dtype, self.indices, f"{self.indices} needs {self.index_dtype}")
+        values[self.output] = self.rows(ids, self.indices)
 
 
 def split_off(model: onnx.ModelProto, weights: dict[str, np.ndarray], om) -> tuple[onnx.ModelProto,
-                                                                                    list[EmbeddingRows]]:
+                                                                                    list[GatheredInput]]:
     """A copy of `model` without its Gathers of float tables (weights in the artifact `om`) by graph inputs,
     each Gather's output a graph input instead, and the readers that compute them. A table that another
     node also reads (a tied head's transpose) stays in the graph for it; the index inputs stay declared,
@@ -85,34 +99,22 @@ def split_off(model: onnx.ModelProto, weights: dict[str, np.ndarray], om) -> tup
         table, indices, output = node.input[0], node.input[1], node.output[0]
         view = weights[table]
         ids_type = inputs[indices].type.tensor_type
-        readers.append(EmbeddingRows(str(om.path), om.file_offset(view), table, tuple(view.shape), view.dtype,
-                                     indices, _INDICES[ids_type.elem_type], output))
-        rows = onnx.helper.make_tensor_value_info(output, tables[table].data_type, [
-            *(d.dim_param or d.dim_value or None for d in ids_type.shape.dim), *view.shape[1:]])
-        graph.input.append(rows)
+        rows = TableRows(str(om.path), om.file_offset(view), table, tuple(view.shape), view.dtype)
+        readers.append(GatheredInput(rows, indices, _INDICES[ids_type.elem_type], output))
+        graph.input.append(onnx.helper.make_tensor_value_info(output, tables[table].data_type, [
+            *(d.dim_param or d.dim_value or None for d in ids_type.shape.dim), *view.shape[1:]]))
     # by position: the copy's nodes are other objects than the model's
     gone = {index for index, node in enumerate(model.graph.node) if node in found}
     nodes = [node for index, node in enumerate(graph.node) if index not in gone]
     del graph.node[:]
     graph.node.extend(nodes)
-    read = _names_read(graph) | {o.name for o in graph.output}
+    # a subgraph (an If's branch) may read the table from this graph
+    read = {name for g in graphs_within(graph) for node in g.node for name in node.input} | {o.name for o in graph.output}
     for tensor in [t for t in graph.initializer if t.name in tables and t.name not in read]:
         graph.initializer.remove(tensor)
     return copy, readers
 
 
-def _names_read(graph: onnx.GraphProto) -> set[str]:
-    """Every value a node of `graph` reads, in its subgraphs (an If's branches) too."""
-    names = set()
-    for node in graph.node:
-        names.update(node.input)
-        for attribute in node.attribute:
-            for subgraph in [attribute.g, *attribute.graphs] if attribute.type in _GRAPH_ATTRIBUTES else []:
-                names |= _names_read(subgraph)
-    return names
-
-
-_GRAPH_ATTRIBUTES = frozenset({onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS})
 # tables numpy can hand to onnxruntime as a feed (not bfloat16: its type is ml_dtypes', which onnxruntime refuses)
 _FLOATS = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16})
 _INDICES = {onnx.TensorProto.INT64: np.dtype(np.int64), onnx.TensorProto.INT32: np.dtype(np.int32)}

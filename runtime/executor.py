@@ -124,8 +124,8 @@ class Executor:
         return self.shape_contract.cut(self._run(dict(padded), names, kv_cache), real, self.loaded.metadata["signature"])
 
     def _run(self, values: dict, names: list[str], kv_cache: PagePool | None) -> dict[str, np.ndarray]:
-        for rows in self._embeddings:
-            values[rows.output] = rows(values[rows.indices])
+        for gathered in self._embeddings:
+            gathered.feed(values)
         if self.native_library is not None:
             return self._run_native(values, names, kv_cache)
         host = HostRun(kv_cache, self._fast) if kv_cache is not None else None

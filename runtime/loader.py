@@ -19,7 +19,7 @@ import onnx
 from runtime import compatibility
 from runtime.artifact import OmFile
 from runtime.artifact_schema import SchemaViolation, check_metadata
-from runtime.embedding_rows import EmbeddingRows
+from runtime.embedding_rows import TableRows
 from runtime.errors import AtcError
 from runtime.kernels import supports
 from runtime.ops import (ATTENTION_OPS, CUSTOM_DOMAIN, GATHER_INT4, PAGED_ATTENTION, PAGED_METADATA, ContractViolation,
@@ -53,8 +53,8 @@ class LoadedModel:
             if node.op_type == "Gather" and table.ndim == 2:
                 # read, not indexed through the mapping: a document's thousands of distinct tokens would map
                 # most of the table into this process (runtime/embedding_rows.py says why)
-                rows = EmbeddingRows(str(self.om.path), self.om.file_offset(table), node.input[0], tuple(table.shape),
-                                     table.dtype, "input_ids", ids.dtype, "")
+                rows = TableRows(str(self.om.path), self.om.file_offset(table), node.input[0], tuple(table.shape),
+                                 table.dtype)
                 return np.asarray(rows(ids), dtype=np.float32)
             if node.op_type == GATHER_INT4.name:
                 attrs = attributes(node)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterator
 
 import onnx
 from onnx import helper
@@ -23,3 +23,12 @@ def initializers_as_inputs(model: onnx.ModelProto,
     light.graph.CopyFrom(helper.make_graph(list(graph.node), graph.name, inputs, list(graph.output), kept,
                                            value_info=list(graph.value_info)))
     return light
+
+
+def graphs_within(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """`graph` and every subgraph in it (If branches, Loop and Scan bodies), nested ones too."""
+    yield graph
+    for node in graph.node:
+        for attribute in node.attribute:
+            for sub in (attribute.g,) if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs:
+                yield from graphs_within(sub)

@@ -11,7 +11,7 @@ import pytest
 from conftest import compile_to, ort_reference
 
 from models.tiny import tiny_onnx
-from runtime.embedding_rows import EmbeddingRows, split_off
+from runtime.embedding_rows import TableRows, split_off
 from runtime.errors import AtcError
 from runtime.executor import Executor
 from runtime.feeds import causal_lm_inputs
@@ -33,7 +33,14 @@ def _table(loaded):
 def test_rows_are_the_tables_and_out_of_range_ids_are_refused(compiled):
     _, _, loaded = compiled
     name, table = _table(loaded)
-    _, (rows,) = split_off(loaded.model, loaded.weights, loaded.om)
+    _, (gathered,) = split_off(loaded.model, loaded.weights, loaded.om)
+    assert gathered.indices == "input_ids"
+
+    def rows(ids):
+        values = {"input_ids": ids}
+        gathered.feed(values)
+        return values[gathered.output]
+
     ids = np.array([[0, 5, 5, table.shape[0] - 1, -1], [17, 0, 200, -table.shape[0], 5]], np.int64)
     got = rows(ids)
     assert got.shape == (2, 5, table.shape[1]) and got.dtype == table.dtype
@@ -51,8 +58,7 @@ def test_rows_are_the_tables_and_out_of_range_ids_are_refused(compiled):
 def test_a_short_file_is_refused_not_read_as_garbage(tmp_path):
     table = np.arange(40, dtype=np.float32).reshape(10, 4)
     (tmp_path / "t.bin").write_bytes(b"\0" * 16 + table.tobytes())
-    rows = EmbeddingRows(str(tmp_path / "t.bin"), 16, "t", (20, 4), np.dtype(np.float32), "ids", np.dtype(np.int64),
-                         "e")
+    rows = TableRows(str(tmp_path / "t.bin"), 16, "t", (20, 4), np.dtype(np.float32))
     np.testing.assert_array_equal(rows(np.array([9, 0], np.int64)), table[[9, 0]])
     with pytest.raises(AtcError, match="E13015.*row 15 of t lies past the end of the file"):
         rows(np.array([15], np.int64))
