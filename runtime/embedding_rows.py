@@ -43,19 +43,17 @@ class TableRows:
     def __call__(self, ids: np.ndarray, what: str = "ids") -> np.ndarray:
         """The rows of integer `ids` (any shape; negative ids count from the end, as ONNX's Gather does);
         an id outside the table is E10001 naming `what` held it."""
-        rows = self.shape[0]
-        flat = np.asarray(ids).reshape(-1).astype(np.int64)
-        if flat.size and (flat.min() < -rows or flat.max() >= rows):
-            bad = int(flat[(flat < -rows) | (flat >= rows)][0])
-            raise AtcError("E10001", bad, what, f"an index must be in [{-rows}, {rows - 1}]: {self.name} has {rows} rows")
-        flat = np.where(flat < 0, flat + rows, flat)
-        unique, inverse = np.unique(flat, return_inverse=True)
-        raw = np.empty((unique.size, self._row_bytes), np.uint8)
-        for slot, row in enumerate(unique.tolist()):
-            if os.preadv(self._descriptor, [raw[slot]], self.offset + row * self._row_bytes) != self._row_bytes:
-                raise AtcError("E13015", self.path, f"row {row} of {self.name} lies past the end of the file")
-        read = raw.view(self.dtype).reshape(unique.size, *self.shape[1:])
-        return read[inverse].reshape(*np.shape(ids), *self.shape[1:])
+        rows, size = self.shape[0], self._row_bytes
+        # Python ints, not numpy calls: a decode step reads one row, and the per-call cost of a few numpy
+        # operations on a cold cache was a tenth of a millisecond (1% of a 135M model's FP32 step)
+        flat = np.asarray(ids).reshape(-1).tolist()
+        raw = np.empty((len(flat), size), np.uint8)
+        for slot, row in enumerate(flat):
+            if not -rows <= row < rows:
+                raise AtcError("E10001", row, what, f"an index must be in [{-rows}, {rows - 1}]: {self.name} has {rows} rows")
+            if os.preadv(self._descriptor, [raw[slot]], self.offset + row % rows * size) != size:
+                raise AtcError("E13015", self.path, f"row {row % rows} of {self.name} lies past the end of the file")
+        return raw.view(self.dtype).reshape(*np.shape(ids), *self.shape[1:])
 
 
 @dataclass(frozen=True)
