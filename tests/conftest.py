@@ -1,4 +1,5 @@
-"""Shared fixtures: exported tiny models (cached on disk), the SmolLM2 export, and a compile helper."""
+"""Shared fixtures: exported tiny models (cached on disk), the SmolLM2 export, a compile helper, and the native
+library built for CPUs with AVX2 alone."""
 
 from __future__ import annotations
 
@@ -64,6 +65,17 @@ def smollm2_path() -> Path:
     if not path.exists():
         prepare_smollm2(path.parent)
     return path
+
+
+@pytest.fixture(scope="session")
+def avx2_library(tmp_path_factory) -> Path:
+    """The native library built with `-mno-avx512f`: its MatMulInt4 and attention tiles are the AVX2 kernels
+    (on an AVX-512 machine, the library built here takes the others)."""
+    from runtime.kernels import native
+
+    built = native.build(tmp_path_factory.mktemp("avx2") / "libcann_native.so", native._compiler(), ("-mno-avx512f",))
+    assert native.matmul_kernel(built) == 256
+    return built
 
 
 def compile_to(model: Path, output: Path, **flags) -> Path:

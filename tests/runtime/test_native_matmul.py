@@ -32,14 +32,6 @@ KERNELS = ["native"] + (["avx2"] if native.matmul_isa() == 512
                         and {"avx2", "fma"} <= cpu_features() else [])
 
 
-@pytest.fixture(scope="module")
-def avx2_library(tmp_path_factory) -> Path:
-    """The library built with `-mno-avx512f`: its MatMulInt4 is the AVX2 kernel."""
-    built = native.build(tmp_path_factory.mktemp("avx2") / "libcann_native.so", native._compiler(), ("-mno-avx512f",))
-    assert native.matmul_kernel(built) == 256
-    return built
-
-
 @pytest.fixture(params=KERNELS)
 def library(request) -> Path:
     """Each kernel this machine runs: the library built here, then the AVX2 one where that is another."""

@@ -4,12 +4,15 @@ kernel."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 from onnx import helper
 
+from runtime.compatibility import cpu_features
 from runtime.kernels import native
 from runtime.kernels.paged_attention import PagedInputError
 from runtime.lowering import POOL_KEY, POOL_VALUE, with_pool_inputs
@@ -29,6 +32,8 @@ from tests.runtime.test_paged_attention_kernels import (
 )
 
 LAYERS = 2
+# where the library built here takes AVX-512's tiles, the AVX2 ones run from a second build (tests/conftest.py)
+AVX2_BUILD = "avx512f" in cpu_features() and {"avx2", "fma"} <= cpu_features()
 
 
 def _session(attrs: dict, packed: bool, rotary: bool) -> ort.InferenceSession:
@@ -223,18 +228,23 @@ def test_the_native_plan_keeps_float32_swiglu_for_the_library_and_lowers_the_res
     assert not any(n.op_type == "SwiGlu" for n in lower_for_onnxruntime(loaded.model).graph.node)
 
 
-def _one_node_session(heads: int, kv_heads: int, dim: int, window: int = 0):
-    node = helper.make_node("PagedAttention", ["qkv", "", "", "", "", *(m.name for m in PAGED_METADATA)], ["out"],
+def _one_node_session(heads: int, kv_heads: int, dim: int, window: int = 0, page: int = PAGE,
+                      rotary_interleaved: int | None = None, library: Path | None = None):
+    """One PagedAttention node on packed [q | k | v]; with `rotary_interleaved` (0 or 1) it takes cos and sin;
+    run with `library` (default: the one built here)."""
+    rotary = ["cos", "sin"] if rotary_interleaved is not None else ["", ""]
+    node = helper.make_node("PagedAttention", ["qkv", "", "", *rotary, *(m.name for m in PAGED_METADATA)], ["out"],
                             domain=CUSTOM_DOMAIN, num_heads=heads, kv_num_heads=kv_heads, head_dim=dim, scale=0.2,
-                            layer=0, page_size=PAGE, sliding_window=window)
+                            layer=0, page_size=page, sliding_window=window, rotary_interleaved=rotary_interleaved or 0)
     inputs = [helper.make_tensor_value_info("qkv", onnx.TensorProto.FLOAT, [1, "T", (heads + 2 * kv_heads) * dim])]
+    inputs += [helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, ["T", dim]) for name in rotary if name]
     for meta in PAGED_METADATA:
         kind = onnx.TensorProto.INT64 if meta.dtype == np.int64 else onnx.TensorProto.INT32
         inputs.append(helper.make_tensor_value_info(meta.name, kind, list(meta.shape)))
     graph = helper.make_graph([node], "mqa", inputs, [helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, None)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(CUSTOM_DOMAIN, 1)])
     options = ort.SessionOptions()
-    options.register_custom_ops_library(str(native.library_path()))
+    options.register_custom_ops_library(str(library or native.library_path()))
     return ort.InferenceSession(with_pool_inputs(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
@@ -296,3 +306,40 @@ def test_more_query_heads_on_a_kv_head_than_a_tile_holds_are_refused():
     with pytest.raises(Exception, match="PagedInputError: more than 128 query heads share one KV head"):
         _one_node_session(129, 1, 8).run(None, {"qkv": np.zeros((1, 1, 131 * 8), np.float32), **feeds,
                                                 POOL_KEY: pool, POOL_VALUE: pool.copy()})
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"] if AVX2_BUILD else ["native"])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("heads, kv_heads, window, interleaved", [(9, 3, 0, 0), (4, 4, 0, 1), (14, 2, 0, 0),
+                                                                 (6, 2, 100, 0), (8, 8, 70, 1)])
+def test_prefill_tiles_on_pages_of_128_attend_as_the_reference(dim, heads, kv_heads, window, interleaved, build, request):
+    """The wide tile at the default page size: keys in blocks within a page, the blocks before a tile's first
+    query unmasked, the rest masked (causal, and by the window), with rotary in both layouts. A whole prompt
+    over three pages (the last part-filled), a chunk continuing one, and a decode row beside them; on an
+    AVX-512 machine the AVX2 tiles too."""
+    from runtime.kernels.paged_attention import paged_attention_reference, rotate_and_store_reference
+
+    page, pages = 128, 12
+    rng = np.random.default_rng(dim + heads + window)
+    rows, lengths = [300, 45, 1], np.array([300, 203, 150], np.int32)
+    tables = rng.permutation(pages)[:9].reshape(3, 3).astype(np.int32)
+    starts = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
+    positions = [np.arange(ctx - n, ctx) for n, ctx in zip(rows, lengths)]
+    slots = np.concatenate([tables[b, p // page] * page + p % page for b, p in enumerate(positions)]).astype(np.int64)
+    tokens = int(starts[-1])
+    qkv = rng.standard_normal((1, tokens, (heads + 2 * kv_heads) * dim)).astype(np.float32)
+    angles = np.concatenate(positions)[:, None] * rng.uniform(0.001, 0.5, dim)[None]
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    key, value = (rng.standard_normal((1, pages, kv_heads, page, dim)).astype(np.float32) for _ in range(2))
+    ref_key, ref_value = key[0].copy(), value[0].copy()
+    q = rotate_and_store_reference(qkv, None, None, cos, sin, slots, ref_key, ref_value, num_heads=heads,
+                                   kv_num_heads=kv_heads, head_dim=dim, rotary_interleaved=interleaved)
+    expected = paged_attention_reference(q, ref_key, ref_value, starts, lengths, tables, 0.2,
+                                         sliding_window=window).reshape(1, tokens, -1)
+    feeds = dict(zip((m.name for m in PAGED_METADATA), (starts, lengths, tables, slots)))
+    library = request.getfixturevalue("avx2_library") if build == "avx2" else None
+    session = _one_node_session(heads, kv_heads, dim, window, page, rotary_interleaved=interleaved, library=library)
+    (out,) = session.run(None, {"qkv": qkv, "cos": cos, "sin": sin, **feeds, POOL_KEY: key, POOL_VALUE: value})
+    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(key[0], ref_key, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(value[0], ref_value)

@@ -35,15 +35,20 @@ typedef struct {
 /* ---- rotary embedding and the cache write ---------------------------------------------------------- */
 
 static void rotate_row(const float* src, const float* cos, const float* sin, int64_t rotary, int64_t head_dim,
-                       int64_t interleaved, float* dst) {
-  int64_t half = rotary / 2;
-  for (int64_t d = 0; d < head_dim; d++) {
-    float x = src[d];
-    if (d >= rotary) dst[d] = x;
-    else if (interleaved) dst[d] = x * cos[d] + ((d & 1) ? src[d ^ 1] : -src[d ^ 1]) * sin[d];
-    else if (d < half) dst[d] = x * cos[d] - src[d + half] * sin[d];
-    else dst[d] = x * cos[d] + src[d - half] * sin[d];
+                       int64_t interleaved, float* restrict dst) {
+  /* a loop per half, without branches, so the compiler vectorizes them: a prefill rotates every token's
+     heads before its attention spreads over the threads */
+  const int64_t half = rotary / 2;
+  if (interleaved) {
+    for (int64_t d = 0; d < rotary; d += 2) {
+      dst[d] = src[d] * cos[d] - src[d + 1] * sin[d];
+      dst[d + 1] = src[d + 1] * cos[d + 1] + src[d] * sin[d + 1];
+    }
+  } else {
+    for (int64_t d = 0; d < half; d++) dst[d] = src[d] * cos[d] - src[d + half] * sin[d];
+    for (int64_t d = half; d < rotary; d++) dst[d] = src[d] * cos[d] + src[d - half] * sin[d];
   }
+  for (int64_t d = rotary; d < head_dim; d++) dst[d] = src[d];
 }
 
 /* ---- attention --------------------------------------------------------------------------------------- */
@@ -221,12 +226,16 @@ static inline __attribute__((always_inline)) void attend_tile(const Attend* a, i
 /* ---- the wide tile: query vectors in the lanes, for prefill ---------------------------------------- */
 #if defined(__AVX512F__)
 #define WIDE_VECTORS 4 /* vectors of 16 query lanes a wide tile holds at most (64 query vectors) */
-#define WIDE_CHUNK 8   /* head-dim columns of the output kept in registers while a page's values are read */
+#define WIDE_CHUNK 4   /* head-dim columns of the output kept in registers while a block's values are read */
+#define WIDE_KEYS 32   /* key rows a block: its scores (8 KB) stay in L1 beside the queries and the output */
 
 /* The tile of attend_tile with its NV·16 query vectors (rows x the heads of KV head kv) in the lanes of NV
    vectors: a key row's scores for all of them are NV FMAs a head-dim column, with no sums across lanes, and
-   the softmax and masks run on whole vectors; the output accumulates WIDE_CHUNK head-dim columns at a time
-   in registers over a page's rows. Lanes past the tile's vectors are padding, never visible. */
+   the softmax and masks run on whole vectors. Keys go in blocks of WIDE_KEYS rows, each with its own step
+   of the online softmax, so the scores are read from L1 by the value pass; a block every query of the
+   tile sees in full (before the first one, no window) needs no masks. The output accumulates WIDE_CHUNK
+   head-dim columns at a time in registers over a block's rows (with 8, 32 accumulators spilled). Lanes
+   past the tile's vectors are padding, never written out. */
 static inline __attribute__((always_inline)) void attend_wide(const Attend* a, int64_t b, int64_t first, int64_t rows,
                                                               int64_t kv, const int64_t D, const int NV) {
   const Kernel* k = a->k;
@@ -235,8 +244,8 @@ static inline __attribute__((always_inline)) void attend_wide(const Attend* a, i
   const int64_t first_pos = first_position(a, b, first), last_pos = first_pos + rows - 1;
   float qt[D][L] __attribute__((aligned(64)));
   float acc[D][L] __attribute__((aligned(64)));
-  float scores[PS][L] __attribute__((aligned(64)));
-  __mmask16 visible[PS][WIDE_VECTORS];
+  float scores[WIDE_KEYS][L] __attribute__((aligned(64)));
+  __mmask16 visible[WIDE_KEYS][WIDE_VECTORS];
   int32_t position[L] __attribute__((aligned(64)));
   for (int64_t i = 0; i < L; i++) {
     const float* src = a->q + query_offset(k, first, kv, i);
@@ -253,70 +262,80 @@ static inline __attribute__((always_inline)) void attend_wide(const Attend* a, i
   }
   const int32_t* pages = a->tables + b * a->max_blocks;
   for (int64_t page_index = first_page(k, first_pos); page_index <= last_pos / PS; page_index++) {
-    const float *kp, *vp;
-    const int64_t base = page_index * PS, count = page_rows(a, pages[page_index], base, last_pos, kv, D, &kp, &vp);
-    int64_t r = 0;
-    for (; r + 4 <= count; r += 4) { /* four key rows at once: 4·NV independent sums */
-      __m512 s[4][WIDE_VECTORS];
-      for (int j = 0; j < 4; j++)
-        for (int v = 0; v < NV; v++) s[j][v] = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; d++)
-        for (int j = 0; j < 4; j++) {
-          const __m512 key = _mm512_set1_ps(kp[(r + j) * D + d]);
-          for (int v = 0; v < NV; v++) s[j][v] = _mm512_fmadd_ps(_mm512_load_ps(&qt[d][16 * v]), key, s[j][v]);
+    const float *page_keys, *page_values;
+    const int64_t page_base = page_index * PS;
+    const int64_t page_count = page_rows(a, pages[page_index], page_base, last_pos, kv, D, &page_keys, &page_values);
+    for (int64_t r0 = 0; r0 < page_count; r0 += WIDE_KEYS) {
+      const int64_t count = page_count - r0 < WIDE_KEYS ? page_count - r0 : WIDE_KEYS, base = page_base + r0;
+      const float *kp = page_keys + r0 * D, *vp = page_values + r0 * D;
+      int64_t r = 0;
+      for (; r + 4 <= count; r += 4) { /* four key rows at once: 4·NV independent sums */
+        __m512 s[4][WIDE_VECTORS];
+        for (int j = 0; j < 4; j++)
+          for (int v = 0; v < NV; v++) s[j][v] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d++)
+          for (int j = 0; j < 4; j++) {
+            const __m512 key = _mm512_set1_ps(kp[(r + j) * D + d]);
+            for (int v = 0; v < NV; v++) s[j][v] = _mm512_fmadd_ps(_mm512_load_ps(&qt[d][16 * v]), key, s[j][v]);
+          }
+        for (int j = 0; j < 4; j++)
+          for (int v = 0; v < NV; v++) _mm512_store_ps(&scores[r + j][16 * v], s[j][v]);
+      }
+      for (; r < count; r++) {
+        __m512 s[WIDE_VECTORS];
+        for (int v = 0; v < NV; v++) s[v] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d++) {
+          const __m512 key = _mm512_set1_ps(kp[r * D + d]);
+          for (int v = 0; v < NV; v++) s[v] = _mm512_fmadd_ps(_mm512_load_ps(&qt[d][16 * v]), key, s[v]);
         }
-      for (int j = 0; j < 4; j++)
-        for (int v = 0; v < NV; v++) _mm512_store_ps(&scores[r + j][16 * v], s[j][v]);
-    }
-    for (; r < count; r++) {
-      __m512 s[WIDE_VECTORS];
-      for (int v = 0; v < NV; v++) s[v] = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; d++) {
-        const __m512 key = _mm512_set1_ps(kp[r * D + d]);
-        for (int v = 0; v < NV; v++) s[v] = _mm512_fmadd_ps(_mm512_load_ps(&qt[d][16 * v]), key, s[v]);
+        for (int v = 0; v < NV; v++) _mm512_store_ps(&scores[r][16 * v], s[v]);
       }
-      for (int v = 0; v < NV; v++) _mm512_store_ps(&scores[r][16 * v], s[v]);
-    }
-    /* causal and windowed visibility: key position base + r, query position in the lane */
-    __m512 page_max[WIDE_VECTORS];
-    for (int v = 0; v < NV; v++) page_max[v] = _mm512_set1_ps(-INFINITY);
-    for (r = 0; r < count; r++) {
-      const __m512i key = _mm512_set1_epi32((int32_t)(base + r));
-      for (int v = 0; v < NV; v++) {
-        __mmask16 seen = _mm512_cmpge_epi32_mask(pos[v], key);
-        if (k->window > 0)
-          seen &= _mm512_cmplt_epi32_mask(_mm512_sub_epi32(pos[v], _mm512_set1_epi32((int32_t)k->window)), key);
-        visible[r][v] = seen;
-        page_max[v] = _mm512_mask_max_ps(page_max[v], seen, page_max[v], _mm512_load_ps(&scores[r][16 * v]));
-      }
-    }
-    __m512 correction[WIDE_VECTORS];
-    for (int v = 0; v < NV; v++) {
-      const __m512 new_max = _mm512_max_ps(running_max[v], page_max[v]);
-      /* lanes that have seen nothing yet keep -inf: their correction is exp of a NaN, clamped to tiny, on zeros */
-      correction[v] = exp16(_mm512_sub_ps(running_max[v], new_max));
-      running_max[v] = new_max;
-      total[v] = _mm512_mul_ps(total[v], correction[v]);
-    }
-    for (r = 0; r < count; r++)
-      for (int v = 0; v < NV; v++) {
-        const __m512 p = _mm512_maskz_mov_ps(visible[r][v], exp16(_mm512_sub_ps(_mm512_load_ps(&scores[r][16 * v]), running_max[v])));
-        _mm512_store_ps(&scores[r][16 * v], p);
-        total[v] = _mm512_add_ps(total[v], p);
-      }
-    for (int64_t d0 = 0; d0 < D; d0 += WIDE_CHUNK) {
-      __m512 o[WIDE_CHUNK][WIDE_VECTORS];
-      for (int dd = 0; dd < WIDE_CHUNK; dd++)
-        for (int v = 0; v < NV; v++) o[dd][v] = _mm512_mul_ps(_mm512_load_ps(&acc[d0 + dd][16 * v]), correction[v]);
+      /* causal and windowed visibility: key position base + r, query position in the lane */
+      const int seen_by_all = k->window <= 0 && base + count - 1 <= first_pos;
+      __m512 block_max[WIDE_VECTORS];
+      for (int v = 0; v < NV; v++) block_max[v] = _mm512_set1_ps(-INFINITY);
       for (r = 0; r < count; r++) {
-        const float* value = vp + r * D + d0;
+        const __m512i key = _mm512_set1_epi32((int32_t)(base + r));
         for (int v = 0; v < NV; v++) {
-          const __m512 p = _mm512_load_ps(&scores[r][16 * v]);
-          for (int dd = 0; dd < WIDE_CHUNK; dd++) o[dd][v] = _mm512_fmadd_ps(p, _mm512_set1_ps(value[dd]), o[dd][v]);
+          __mmask16 seen = 0xFFFF;
+          if (!seen_by_all) {
+            seen = _mm512_cmpge_epi32_mask(pos[v], key);
+            if (k->window > 0)
+              seen &= _mm512_cmplt_epi32_mask(_mm512_sub_epi32(pos[v], _mm512_set1_epi32((int32_t)k->window)), key);
+            visible[r][v] = seen;
+          }
+          block_max[v] = _mm512_mask_max_ps(block_max[v], seen, block_max[v], _mm512_load_ps(&scores[r][16 * v]));
         }
       }
-      for (int dd = 0; dd < WIDE_CHUNK; dd++)
-        for (int v = 0; v < NV; v++) _mm512_store_ps(&acc[d0 + dd][16 * v], o[dd][v]);
+      __m512 correction[WIDE_VECTORS];
+      for (int v = 0; v < NV; v++) {
+        const __m512 new_max = _mm512_max_ps(running_max[v], block_max[v]);
+        /* lanes that have seen nothing yet keep -inf: their correction is exp of a NaN, clamped to tiny, on zeros */
+        correction[v] = exp16(_mm512_sub_ps(running_max[v], new_max));
+        running_max[v] = new_max;
+        total[v] = _mm512_mul_ps(total[v], correction[v]);
+      }
+      for (r = 0; r < count; r++)
+        for (int v = 0; v < NV; v++) {
+          __m512 p = exp16(_mm512_sub_ps(_mm512_load_ps(&scores[r][16 * v]), running_max[v]));
+          if (!seen_by_all) p = _mm512_maskz_mov_ps(visible[r][v], p);
+          _mm512_store_ps(&scores[r][16 * v], p);
+          total[v] = _mm512_add_ps(total[v], p);
+        }
+      for (int64_t d0 = 0; d0 < D; d0 += WIDE_CHUNK) {
+        __m512 o[WIDE_CHUNK][WIDE_VECTORS];
+        for (int dd = 0; dd < WIDE_CHUNK; dd++)
+          for (int v = 0; v < NV; v++) o[dd][v] = _mm512_mul_ps(_mm512_load_ps(&acc[d0 + dd][16 * v]), correction[v]);
+        for (r = 0; r < count; r++) {
+          const float* value = vp + r * D + d0;
+          for (int v = 0; v < NV; v++) {
+            const __m512 p = _mm512_load_ps(&scores[r][16 * v]);
+            for (int dd = 0; dd < WIDE_CHUNK; dd++) o[dd][v] = _mm512_fmadd_ps(p, _mm512_set1_ps(value[dd]), o[dd][v]);
+          }
+        }
+        for (int dd = 0; dd < WIDE_CHUNK; dd++)
+          for (int v = 0; v < NV; v++) _mm512_store_ps(&acc[d0 + dd][16 * v], o[dd][v]);
+      }
     }
   }
   float inverse[L] __attribute__((aligned(64)));
@@ -337,6 +356,7 @@ static inline __attribute__((always_inline)) void attend_wide(const Attend* a, i
 #include <immintrin.h>
 #define WIDE_VECTORS 4 /* vectors of 8 query lanes a wide tile holds at most (32 query vectors) */
 #define WIDE_CHUNK 8   /* head-dim columns a head dim must be a multiple of for the tile */
+#define WIDE_KEYS 32   /* key rows a block, as in attend_wide */
 
 /* exp16's fast_exp on 8 lanes */
 static inline __m256 exp8(__m256 x) {
@@ -362,8 +382,9 @@ static inline __m256 seen8(__m256i pos, __m256i key, int64_t window) {
 }
 
 /* attend_wide's tile with NV·8 query vectors in the lanes of NV 8-lane vectors: two key rows' scores at a
-   time (2·NV sums), the visibility recomputed where it is needed rather than kept, and the output
-   accumulating 8 / NV head-dim columns at a time in registers over a page's rows. */
+   time (2·NV sums), keys in blocks of WIDE_KEYS rows as there (their scores stay in L1, a block every
+   query sees unmasked), the visibility recomputed where it is needed rather than kept, and the output
+   accumulating 8 / NV head-dim columns at a time in registers over a block's rows. */
 static inline __attribute__((always_inline)) void attend_wide8(const Attend* a, int64_t b, int64_t first, int64_t rows,
                                                                int64_t kv, const int64_t D, const int NV) {
   const Kernel* k = a->k;
@@ -373,7 +394,7 @@ static inline __attribute__((always_inline)) void attend_wide8(const Attend* a, 
   const int64_t first_pos = first_position(a, b, first), last_pos = first_pos + rows - 1;
   float qt[D][L] __attribute__((aligned(32)));
   float acc[D][L] __attribute__((aligned(32)));
-  float scores[PS][L] __attribute__((aligned(32)));
+  float scores[WIDE_KEYS][L] __attribute__((aligned(32)));
   int32_t position[L] __attribute__((aligned(32)));
   for (int64_t i = 0; i < L; i++) {
     const float* src = a->q + query_offset(k, first, kv, i);
@@ -388,74 +409,82 @@ static inline __attribute__((always_inline)) void attend_wide8(const Attend* a, 
     total[v] = _mm256_setzero_ps();
     pos[v] = _mm256_load_si256((const __m256i*)(position + 8 * v));
   }
+  const __m256 all = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
   const int32_t* pages = a->tables + b * a->max_blocks;
   for (int64_t page_index = first_page(k, first_pos); page_index <= last_pos / PS; page_index++) {
-    const float *kp, *vp;
-    const int64_t base = page_index * PS, count = page_rows(a, pages[page_index], base, last_pos, kv, D, &kp, &vp);
-    int64_t r = 0;
-    for (; r + 2 <= count; r += 2) {
-      __m256 s0[WIDE_VECTORS], s1[WIDE_VECTORS];
-      for (int v = 0; v < NV; v++) s0[v] = s1[v] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d++) {
-        const __m256 k0 = _mm256_set1_ps(kp[r * D + d]), k1 = _mm256_set1_ps(kp[(r + 1) * D + d]);
+    const float *page_keys, *page_values;
+    const int64_t page_base = page_index * PS;
+    const int64_t page_count = page_rows(a, pages[page_index], page_base, last_pos, kv, D, &page_keys, &page_values);
+    for (int64_t r0 = 0; r0 < page_count; r0 += WIDE_KEYS) {
+      const int64_t count = page_count - r0 < WIDE_KEYS ? page_count - r0 : WIDE_KEYS, base = page_base + r0;
+      const float *kp = page_keys + r0 * D, *vp = page_values + r0 * D;
+      const int seen_by_all = k->window <= 0 && base + count - 1 <= first_pos;
+      int64_t r = 0;
+      for (; r + 2 <= count; r += 2) {
+        __m256 s0[WIDE_VECTORS], s1[WIDE_VECTORS];
+        for (int v = 0; v < NV; v++) s0[v] = s1[v] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d++) {
+          const __m256 k0 = _mm256_set1_ps(kp[r * D + d]), k1 = _mm256_set1_ps(kp[(r + 1) * D + d]);
+          for (int v = 0; v < NV; v++) {
+            const __m256 q = _mm256_load_ps(&qt[d][8 * v]);
+            s0[v] = _mm256_fmadd_ps(q, k0, s0[v]);
+            s1[v] = _mm256_fmadd_ps(q, k1, s1[v]);
+          }
+        }
         for (int v = 0; v < NV; v++) {
-          const __m256 q = _mm256_load_ps(&qt[d][8 * v]);
-          s0[v] = _mm256_fmadd_ps(q, k0, s0[v]);
-          s1[v] = _mm256_fmadd_ps(q, k1, s1[v]);
+          _mm256_store_ps(&scores[r][8 * v], s0[v]);
+          _mm256_store_ps(&scores[r + 1][8 * v], s1[v]);
         }
       }
-      for (int v = 0; v < NV; v++) {
-        _mm256_store_ps(&scores[r][8 * v], s0[v]);
-        _mm256_store_ps(&scores[r + 1][8 * v], s1[v]);
+      for (; r < count; r++) {
+        __m256 s[WIDE_VECTORS];
+        for (int v = 0; v < NV; v++) s[v] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d++) {
+          const __m256 key = _mm256_set1_ps(kp[r * D + d]);
+          for (int v = 0; v < NV; v++) s[v] = _mm256_fmadd_ps(_mm256_load_ps(&qt[d][8 * v]), key, s[v]);
+        }
+        for (int v = 0; v < NV; v++) _mm256_store_ps(&scores[r][8 * v], s[v]);
       }
-    }
-    for (; r < count; r++) {
-      __m256 s[WIDE_VECTORS];
-      for (int v = 0; v < NV; v++) s[v] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d++) {
-        const __m256 key = _mm256_set1_ps(kp[r * D + d]);
-        for (int v = 0; v < NV; v++) s[v] = _mm256_fmadd_ps(_mm256_load_ps(&qt[d][8 * v]), key, s[v]);
-      }
-      for (int v = 0; v < NV; v++) _mm256_store_ps(&scores[r][8 * v], s[v]);
-    }
-    __m256 page_max[WIDE_VECTORS];
-    for (int v = 0; v < NV; v++) page_max[v] = _mm256_set1_ps(-INFINITY);
-    for (r = 0; r < count; r++) {
-      const __m256i key = _mm256_set1_epi32((int32_t)(base + r));
-      for (int v = 0; v < NV; v++)
-        page_max[v] = _mm256_blendv_ps(page_max[v], _mm256_max_ps(page_max[v], _mm256_load_ps(&scores[r][8 * v])),
-                                       seen8(pos[v], key, k->window));
-    }
-    __m256 correction[WIDE_VECTORS];
-    for (int v = 0; v < NV; v++) {
-      const __m256 new_max = _mm256_max_ps(running_max[v], page_max[v]);
-      /* lanes that have seen nothing yet keep -inf: their correction is exp of a NaN, clamped to tiny, on zeros */
-      correction[v] = exp8(_mm256_sub_ps(running_max[v], new_max));
-      running_max[v] = new_max;
-      total[v] = _mm256_mul_ps(total[v], correction[v]);
-    }
-    for (r = 0; r < count; r++) {
-      const __m256i key = _mm256_set1_epi32((int32_t)(base + r));
-      for (int v = 0; v < NV; v++) {
-        const __m256 p = _mm256_and_ps(seen8(pos[v], key, k->window),
-                                       exp8(_mm256_sub_ps(_mm256_load_ps(&scores[r][8 * v]), running_max[v])));
-        _mm256_store_ps(&scores[r][8 * v], p);
-        total[v] = _mm256_add_ps(total[v], p);
-      }
-    }
-    for (int64_t d0 = 0; d0 < D; d0 += CH) {
-      __m256 o[8][WIDE_VECTORS];
-      for (int dd = 0; dd < CH; dd++)
-        for (int v = 0; v < NV; v++) o[dd][v] = _mm256_mul_ps(_mm256_load_ps(&acc[d0 + dd][8 * v]), correction[v]);
+      __m256 block_max[WIDE_VECTORS];
+      for (int v = 0; v < NV; v++) block_max[v] = _mm256_set1_ps(-INFINITY);
       for (r = 0; r < count; r++) {
-        const float* value = vp + r * D + d0;
+        const __m256i key = _mm256_set1_epi32((int32_t)(base + r));
         for (int v = 0; v < NV; v++) {
-          const __m256 p = _mm256_load_ps(&scores[r][8 * v]);
-          for (int dd = 0; dd < CH; dd++) o[dd][v] = _mm256_fmadd_ps(p, _mm256_set1_ps(value[dd]), o[dd][v]);
+          const __m256 larger = _mm256_max_ps(block_max[v], _mm256_load_ps(&scores[r][8 * v]));
+          block_max[v] = seen_by_all ? larger : _mm256_blendv_ps(block_max[v], larger, seen8(pos[v], key, k->window));
         }
       }
-      for (int dd = 0; dd < CH; dd++)
-        for (int v = 0; v < NV; v++) _mm256_store_ps(&acc[d0 + dd][8 * v], o[dd][v]);
+      __m256 correction[WIDE_VECTORS];
+      for (int v = 0; v < NV; v++) {
+        const __m256 new_max = _mm256_max_ps(running_max[v], block_max[v]);
+        /* lanes that have seen nothing yet keep -inf: their correction is exp of a NaN, clamped to tiny, on zeros */
+        correction[v] = exp8(_mm256_sub_ps(running_max[v], new_max));
+        running_max[v] = new_max;
+        total[v] = _mm256_mul_ps(total[v], correction[v]);
+      }
+      for (r = 0; r < count; r++) {
+        const __m256i key = _mm256_set1_epi32((int32_t)(base + r));
+        for (int v = 0; v < NV; v++) {
+          const __m256 p = _mm256_and_ps(seen_by_all ? all : seen8(pos[v], key, k->window),
+                                         exp8(_mm256_sub_ps(_mm256_load_ps(&scores[r][8 * v]), running_max[v])));
+          _mm256_store_ps(&scores[r][8 * v], p);
+          total[v] = _mm256_add_ps(total[v], p);
+        }
+      }
+      for (int64_t d0 = 0; d0 < D; d0 += CH) {
+        __m256 o[8][WIDE_VECTORS];
+        for (int dd = 0; dd < CH; dd++)
+          for (int v = 0; v < NV; v++) o[dd][v] = _mm256_mul_ps(_mm256_load_ps(&acc[d0 + dd][8 * v]), correction[v]);
+        for (r = 0; r < count; r++) {
+          const float* value = vp + r * D + d0;
+          for (int v = 0; v < NV; v++) {
+            const __m256 p = _mm256_load_ps(&scores[r][8 * v]);
+            for (int dd = 0; dd < CH; dd++) o[dd][v] = _mm256_fmadd_ps(p, _mm256_set1_ps(value[dd]), o[dd][v]);
+          }
+        }
+        for (int dd = 0; dd < CH; dd++)
+          for (int v = 0; v < NV; v++) _mm256_store_ps(&acc[d0 + dd][8 * v], o[dd][v]);
+      }
     }
   }
   float inverse[L] __attribute__((aligned(32)));
@@ -751,7 +780,9 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
                 t[BLOCK_TABLES].dims[1], tile_seq, tile_row, out, tile_rows};
     size_t items = (size_t)(tiles * KV);
     if (work * H >= PARALLEL_WORK && items > 1) {
-      status = ORT_CALL(g_api, KernelContext_ParallelFor)(context, attend_item, items, 0, &a);
+      /* one batch an item: with onnxruntime's default of a batch a thread, a causal prefill's items (tiles
+         further along see more keys) split into a cheap half and a dear one */
+      status = ORT_CALL(g_api, KernelContext_ParallelFor)(context, attend_item, items, items, &a);
     } else {
       for (size_t i = 0; i < items; i++) attend_item(&a, i);
     }
