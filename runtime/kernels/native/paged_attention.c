@@ -26,6 +26,10 @@ enum { QUERY, KEY, VALUE, COS, SIN, QUERY_START_LOC, SEQ_LENS, BLOCK_TABLES, SLO
 #define PARALLEL_WORK 2048 /* query·key pairs from which a layer's work is spread over the pool's threads */
 #define WIDE_ROWS 32 /* query rows of a wide tile at most (attend_wide), as many as 64 query vectors allow */
 #define WIDE_MIN 8   /* query vectors from which a tile runs wide: fewer (a decode step's) waste the lanes */
+/* items below which a decode step's long contexts are cut into parts of their pages (enough to keep a
+   many-core pool busy), and the keys a part holds at least */
+#define SPLIT_ITEMS 64
+#define SPLIT_KEYS 256
 
 typedef struct {
   int64_t num_heads, kv_heads, head_dim, interleaved, window, layer, page_size;
@@ -66,7 +70,15 @@ typedef struct {
   const int64_t* tile_row;
   float* out;         /* [T, Hq, D] */
   int64_t tile_rows;  /* query rows a tile takes at most */
+  int64_t splits;      /* parts a tile's pages are cut into, each an item of its own (1: whole tiles) */
+  int64_t split_pages; /* pages a part holds at most */
+  float* partial;      /* with splits: per item, per query vector, [running max, total, unnormalised output] */
 } Attend;
+
+/* Where a tile's query vector i ends: its output row, normalised by its total, or with `part` (a split tile)
+   the part's running max, total and unnormalised output, which combine_parts merges. */
+static inline void finish_vector(const Attend* a, int64_t first, int64_t kv, int64_t i, const float* acc,
+                                 float running_max, float total, float* part);
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -172,7 +184,8 @@ static inline float page_softmax(const Kernel* k, float* scores, int64_t count, 
 /* Query rows first..first+rows-1 of sequence b, the query heads of KV head kv, over the sequence's pages,
    one page of scores at a time with an online softmax. D is a constant in the specialised copies below. */
 static inline __attribute__((always_inline)) void attend_tile(const Attend* a, int64_t b, int64_t first, int64_t rows,
-                                                              int64_t kv, const int64_t D) {
+                                                              int64_t kv, const int64_t D, int64_t lo, int64_t hi,
+                                                              float* part) {
   const Kernel* k = a->k;
   const int64_t group = k->num_heads / k->kv_heads, PS = k->page_size;
   const int64_t n = rows * group; /* query vectors of the tile */
@@ -192,7 +205,7 @@ static inline __attribute__((always_inline)) void attend_tile(const Attend* a, i
     position[i] = first_pos + i / group;
   }
   const int32_t* pages = a->tables + b * a->max_blocks;
-  for (int64_t page_index = first_page(k, first_pos); page_index <= last_pos / PS; page_index++) {
+  for (int64_t page_index = lo; page_index < hi; page_index++) {
     const float *kp, *vp;
     const int64_t base = page_index * PS, count = page_rows(a, pages[page_index], base, last_pos, kv, D, &kp, &vp);
     for (int64_t r = 0; r < count; r++) {
@@ -215,11 +228,7 @@ static inline __attribute__((always_inline)) void attend_tile(const Attend* a, i
       }
     }
   }
-  for (int64_t i = 0; i < n; i++) {
-    float* dst = a->out + query_offset(k, first, kv, i);
-    const float inverse = total[i] > 0.0f ? 1.0f / total[i] : 0.0f;
-    for (int64_t d = 0; d < D; d++) dst[d] = acc[i][d] * inverse;
-  }
+  for (int64_t i = 0; i < n; i++) finish_vector(a, first, kv, i, acc[i], running_max[i], total[i], part);
 }
 
 
@@ -507,7 +516,8 @@ static inline __attribute__((always_inline)) void attend_wide8(const Attend* a, 
    (sum16) into 16 scores; the output accumulates in registers over a page's value rows, CW vectors of
    head-dim columns at a time, the page's correction applied as they are loaded. */
 static inline __attribute__((always_inline)) void attend_narrow(const Attend* a, int64_t b, int64_t first, int64_t rows,
-                                                                int64_t kv, const int64_t D, const int NQ) {
+                                                                int64_t kv, const int64_t D, const int NQ, int64_t lo,
+                                                                int64_t hi, float* part) {
   const Kernel* k = a->k;
   const int64_t group = k->num_heads / k->kv_heads, PS = k->page_size;
   const int DV = (int)(D / 16), CW = NQ <= 3 ? 4 : 2;
@@ -526,7 +536,7 @@ static inline __attribute__((always_inline)) void attend_narrow(const Attend* a,
     position[i] = first_pos + i / group;
   }
   const int32_t* pages = a->tables + b * a->max_blocks;
-  for (int64_t page_index = first_page(k, first_pos); page_index <= last_pos / PS; page_index++) {
+  for (int64_t page_index = lo; page_index < hi; page_index++) {
     const float *kp, *vp;
     const int64_t base = page_index * PS, count = page_rows(a, pages[page_index], base, last_pos, kv, D, &kp, &vp);
     for (int i = 0; i < NQ; i++)
@@ -564,26 +574,63 @@ static inline __attribute__((always_inline)) void attend_narrow(const Attend* a,
         for (int w = 0; w < CW; w++) _mm512_store_ps(acc[i] + 16 * (c + w), o[i][w]);
     }
   }
-  for (int i = 0; i < NQ; i++) {
-    float* dst = a->out + query_offset(k, first, kv, i);
-    const __m512 inverse = _mm512_set1_ps(total[i] > 0.0f ? 1.0f / total[i] : 0.0f);
-    for (int v = 0; v < DV; v++) _mm512_storeu_ps(dst + 16 * v, _mm512_mul_ps(_mm512_load_ps(acc[i] + 16 * v), inverse));
-  }
+  for (int i = 0; i < NQ; i++) finish_vector(a, first, kv, i, acc[i], running_max[i], total[i], part);
 }
 #endif
 
-static void attend_item(void* data, size_t item) {
-  const Attend* a = (const Attend*)data;
-  int64_t kv = (int64_t)item % a->k->kv_heads, tile = (int64_t)item / a->k->kv_heads;
-  int64_t b = a->tile_seq[tile], first = a->tile_row[tile];
+static inline void finish_vector(const Attend* a, int64_t first, int64_t kv, int64_t i, const float* acc,
+                                 float running_max, float total, float* part) {
+  const int64_t D = a->k->head_dim;
+  if (part) {
+    float* record = part + i * (D + 2);
+    record[0] = running_max;
+    record[1] = total;
+    memcpy(record + 2, acc, sizeof(float) * (size_t)D);
+    return;
+  }
+  float* dst = a->out + query_offset(a->k, first, kv, i);
+  const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+  for (int64_t d = 0; d < D; d++) dst[d] = acc[d] * inverse;
+}
+
+/* the rows of a tile (`tile` of the step) and the range of pages [*lo, *hi) its queries see */
+static inline int64_t tile_pages(const Attend* a, int64_t tile, int64_t* lo, int64_t* hi) {
+  const int64_t b = a->tile_seq[tile], first = a->tile_row[tile];
   int64_t rows = a->starts[b + 1] - first;
   if (rows > a->tile_rows) rows = a->tile_rows;
+  const int64_t first_pos = first_position(a, b, first);
+  *lo = first_page(a->k, first_pos);
+  *hi = (first_pos + rows - 1) / a->k->page_size + 1;
+  return rows;
+}
+
+/* item = (tile · kv_heads + kv) · splits + part: one KV head of a tile, or with splits one part of its pages */
+static void attend_item(void* data, size_t item) {
+  const Attend* a = (const Attend*)data;
+  const int64_t whole = (int64_t)item / a->splits, split = (int64_t)item % a->splits;
+  int64_t kv = whole % a->k->kv_heads, tile = whole / a->k->kv_heads;
+  int64_t b = a->tile_seq[tile], first = a->tile_row[tile];
+  int64_t lo, hi;
+  const int64_t rows = tile_pages(a, tile, &lo, &hi);
+  float* part = NULL;
+  if (a->splits > 1) {
+    part = a->partial + (int64_t)item * WIDE_MIN * (a->k->head_dim + 2);
+    lo += split * a->split_pages;
+    if (hi > lo + a->split_pages) hi = lo + a->split_pages;
+    if (lo >= hi) { /* a shorter context than the longest: nothing in this part */
+      for (int64_t i = 0; i < rows * (a->k->num_heads / a->k->kv_heads); i++) {
+        part[i * (a->k->head_dim + 2)] = -INFINITY;
+        part[i * (a->k->head_dim + 2) + 1] = 0.0f;
+      }
+      return;
+    }
+  }
 #if defined(__AVX512F__)
   const int64_t n = rows * (a->k->num_heads / a->k->kv_heads), vectors = (n + 15) / 16;
   if (n < WIDE_MIN && (a->k->head_dim == 64 || a->k->head_dim == 128)) {
     switch (n * 1000 + a->k->head_dim) {
-#define NARROW(count) case count * 1000 + 64: attend_narrow(a, b, first, rows, kv, 64, count); return; \
-                      case count * 1000 + 128: attend_narrow(a, b, first, rows, kv, 128, count); return;
+#define NARROW(count) case count * 1000 + 64: attend_narrow(a, b, first, rows, kv, 64, count, lo, hi, part); return; \
+                      case count * 1000 + 128: attend_narrow(a, b, first, rows, kv, 128, count, lo, hi, part); return;
       NARROW(1) NARROW(2) NARROW(3) NARROW(4) NARROW(5) NARROW(6) NARROW(7)
 #undef NARROW
       default: break;
@@ -623,9 +670,9 @@ static void attend_item(void* data, size_t item) {
   }
 #endif
   switch (a->k->head_dim) {
-    case 64: attend_tile(a, b, first, rows, kv, 64); break;
-    case 128: attend_tile(a, b, first, rows, kv, 128); break;
-    default: attend_tile(a, b, first, rows, kv, a->k->head_dim); break;
+    case 64: attend_tile(a, b, first, rows, kv, 64, lo, hi, part); break;
+    case 128: attend_tile(a, b, first, rows, kv, 128, lo, hi, part); break;
+    default: attend_tile(a, b, first, rows, kv, a->k->head_dim, lo, hi, part); break;
   }
 }
 
@@ -666,6 +713,66 @@ static OrtStatus* check_metadata(const Kernel* k, const Tensor* starts, const Te
   for (int64_t t = 0; t < tokens; t++)
     if (slot[t] < 0 || slot[t] >= num_pages * k->page_size) return fail("PagedInputError: a slot is outside the pool");
   return NULL;
+}
+
+/* ---- a long context's decode over many items ------------------------------------------------------ */
+
+/* A decode step of few sequences has few items (a tile a sequence, times the KV heads): over a long context
+   each item reads many pages while the other threads wait. Where every tile is a decode tile (fewer than
+   WIDE_MIN query vectors) and there are fewer than SPLIT_ITEMS items, each tile's pages are cut into parts
+   of at least SPLIT_KEYS keys, each part an item with its own online softmax (flash-decoding), merged by
+   combine_parts. Sets a->splits, split_pages and partial (or *status when out of memory). */
+static void split_long_contexts(Attend* a, int64_t tiles, OrtStatus** status) {
+  const Kernel* k = a->k;
+  const int64_t group = k->num_heads / k->kv_heads, whole = tiles * k->kv_heads;
+  if (whole >= SPLIT_ITEMS) return;
+  int64_t most = 0;
+  for (int64_t tile = 0; tile < tiles; tile++) {
+    int64_t lo, hi;
+    if (tile_pages(a, tile, &lo, &hi) * group >= WIDE_MIN) return; /* a prefill tile: it runs whole */
+    if (hi - lo > most) most = hi - lo;
+  }
+  const int64_t wanted = (SPLIT_ITEMS + whole - 1) / whole, least = (SPLIT_KEYS + k->page_size - 1) / k->page_size;
+  int64_t pages = (most + wanted - 1) / wanted;
+  if (pages < least) pages = least;
+  const int64_t splits = (most + pages - 1) / pages;
+  if (splits < 2) return;
+  a->partial = (float*)malloc(sizeof(float) * (size_t)(whole * splits * WIDE_MIN * (k->head_dim + 2)));
+  if (!a->partial) {
+    *status = fail("out of memory for the attention's parts");
+    return;
+  }
+  a->splits = splits;
+  a->split_pages = pages;
+}
+
+/* Each split tile's query vectors from its parts: outputs weighed by exp(part max - max) over the totals. */
+static void combine_parts(const Attend* a, int64_t tiles) {
+  const Kernel* k = a->k;
+  const int64_t group = k->num_heads / k->kv_heads, D = k->head_dim, stride = WIDE_MIN * (D + 2);
+  for (int64_t tile = 0; tile < tiles; tile++) {
+    int64_t lo, hi;
+    const int64_t n = tile_pages(a, tile, &lo, &hi) * group;
+    for (int64_t kv = 0; kv < k->kv_heads; kv++) {
+      const float* parts = a->partial + (tile * k->kv_heads + kv) * a->splits * stride;
+      for (int64_t i = 0; i < n; i++) {
+        float most = -INFINITY, total = 0.0f;
+        for (int64_t s = 0; s < a->splits; s++) most = fmaxf(most, parts[s * stride + i * (D + 2)]);
+        float* dst = a->out + query_offset(k, a->tile_row[tile], kv, i);
+        for (int64_t d = 0; d < D; d++) dst[d] = 0.0f;
+        if (most == -INFINITY) continue; /* nothing visible: zeros, as a whole tile gives */
+        for (int64_t s = 0; s < a->splits; s++) {
+          const float* record = parts + s * stride + i * (D + 2);
+          if (record[0] == -INFINITY) continue;
+          const float weight = expf(record[0] - most);
+          total += weight * record[1];
+          for (int64_t d = 0; d < D; d++) dst[d] += weight * record[2 + d];
+        }
+        const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+        for (int64_t d = 0; d < D; d++) dst[d] *= inverse;
+      }
+    }
+  }
 }
 
 /* ---- the op --------------------------------------------------------------------------------------- */
@@ -777,15 +884,18 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   if (!status) status = ORT_CALL(g_api, GetTensorMutableData)(output, (void**)&out);
   if (!status && T > 0) {
     Attend a = {k, q, key_cache, value_cache, starts, lens, (const int32_t*)t[BLOCK_TABLES].data,
-                t[BLOCK_TABLES].dims[1], tile_seq, tile_row, out, tile_rows};
-    size_t items = (size_t)(tiles * KV);
-    if (work * H >= PARALLEL_WORK && items > 1) {
-      /* one batch an item: with onnxruntime's default of a batch a thread, a causal prefill's items (tiles
-         further along see more keys) split into a cheap half and a dear one */
-      status = ORT_CALL(g_api, KernelContext_ParallelFor)(context, attend_item, items, items, &a);
-    } else {
-      for (size_t i = 0; i < items; i++) attend_item(&a, i);
+                t[BLOCK_TABLES].dims[1], tile_seq, tile_row, out, tile_rows, 1, 0, NULL};
+    split_long_contexts(&a, tiles, &status);
+    size_t items = (size_t)(tiles * KV * a.splits);
+    if (!status) {
+      if (work * H >= PARALLEL_WORK && items > 1) {
+        status = ORT_CALL(g_api, KernelContext_ParallelFor)(context, attend_item, items, 0, &a);
+      } else {
+        for (size_t i = 0; i < items; i++) attend_item(&a, i);
+      }
     }
+    if (!status && a.splits > 1) combine_parts(&a, tiles);
+    free(a.partial);
   }
   free(tile_seq);
   free(q);
