@@ -1,6 +1,6 @@
 """A decode step's attention alone: the native PagedAttention of every layer over many sequences' pages.
 
-    python benchmarks/decode_attention.py [--sequences 21] [--context 320] [--threads 2] [--runs 20]
+    python benchmarks/decode_attention.py [--sequences 21] [--context 320] [--threads 2] [--runs 20] [--baseline REV]
 
 One onnxruntime session of one PagedAttention node a layer (SmolLM2's shapes by default: 30 layers, 9
 query heads on 3 KV heads of 64, pages of 128), each node on its own layer of a page pool filled with
@@ -9,13 +9,16 @@ are; one query row a sequence, as in a decode step of --sequences sequences of -
 (every layer's keys and values of every sequence) is far larger than the caches, so the keys and values
 come from memory as they do in the engine. Prints the median time of a step's attention and the bytes of
 keys and values it read per second. The concurrency mix of benchmarks/peers_concurrency.py decodes about
-21 sequences of about 320 tokens a step.
+21 sequences of about 320 tokens a step. With --baseline the library of that git revision runs beside this
+checkout's (benchmarks/native_library_at.py), the two alternating run by run, their outputs compared.
 """
 
 from __future__ import annotations
 
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import click
 import numpy as np
@@ -27,6 +30,8 @@ from runtime.kernels import native
 from runtime.lowering import POOL_KEY, POOL_VALUE, with_pool_inputs
 from runtime.ops import CUSTOM_DOMAIN, PAGED_METADATA
 from runtime.ort_session import enable_process_thread_pool, session_options
+
+from native_library_at import library_at
 
 
 def attention_model(layers: int, heads: int, kv_heads: int, dim: int, page: int) -> onnx.ModelProto:
@@ -56,13 +61,20 @@ def attention_model(layers: int, heads: int, kv_heads: int, dim: int, page: int)
 @click.option("--page-size", default=128, show_default=True)
 @click.option("--threads", default=2, show_default=True)
 @click.option("--runs", default=20, show_default=True)
-def main(sequences, context, layers, heads, kv_heads, head_dim, page_size, threads, runs):
-    """Time a decode step's attention over every layer."""
+@click.option("--baseline", default=None, help="a git revision whose library runs beside this checkout's")
+def main(sequences, context, layers, heads, kv_heads, head_dim, page_size, threads, runs, baseline):
+    """Time a decode step's attention over every layer, against --baseline's library when given."""
     enable_process_thread_pool(threads)
-    options = session_options(threads)
-    options.register_custom_ops_library(str(native.library_path()))
-    model = attention_model(layers, heads, kv_heads, head_dim, page_size)
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    model = attention_model(layers, heads, kv_heads, head_dim, page_size).SerializeToString()
+    with tempfile.TemporaryDirectory() as scratch:
+        libraries = {"this checkout": native.library_path()}
+        if baseline:
+            libraries[baseline] = library_at(baseline, Path(scratch))
+        sessions = {}
+        for name, library in libraries.items():
+            options = session_options(threads)
+            options.register_custom_ops_library(str(library))
+            sessions[name] = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
     per_sequence = -(-context // page_size)
     pages = sequences * per_sequence
     rng = np.random.default_rng(0)
@@ -73,17 +85,25 @@ def main(sequences, context, layers, heads, kv_heads, head_dim, page_size, threa
                 (tables[:, (context - 1) // page_size] * page_size + (context - 1) % page_size).astype(np.int64))
     feeds = {"qkv": rng.standard_normal((1, sequences, (heads + 2 * kv_heads) * head_dim), dtype=np.float32),
              POOL_KEY: key, POOL_VALUE: value, **dict(zip((m.name for m in PAGED_METADATA), metadata))}
-    for _ in range(3):
-        session.run(None, feeds)
-    times = []
+    outputs = {}
+    for name, session in sessions.items():
+        for _ in range(3):
+            outputs[name] = session.run(None, feeds)
+    times = {name: [] for name in sessions}
     for _ in range(runs):
-        start = time.perf_counter()
-        session.run(None, feeds)
-        times.append(time.perf_counter() - start)
-    median = statistics.median(times)
+        for name, session in sessions.items():
+            start = time.perf_counter()
+            session.run(None, feeds)
+            times[name].append(time.perf_counter() - start)
     read = sequences * context * layers * kv_heads * head_dim * 4 * 2
-    click.echo(f"{sequences} sequences of {context} tokens, {layers} layers: {median * 1e3:.2f} ms a step's attention, "
-               f"keys and values {read / 1e6:.0f} MB at {read / median / 1e9:.1f} GB/s")
+    for name, spent in times.items():
+        median = statistics.median(spent)
+        click.echo(f"{name}: {sequences} sequences of {context} tokens, {layers} layers: {median * 1e3:.2f} ms a "
+                   f"step's attention, keys and values {read / 1e6:.0f} MB at {read / median / 1e9:.1f} GB/s")
+    if baseline:
+        here, there = (statistics.median(times[name]) for name in libraries)
+        largest = max(float(np.abs(a - b).max()) for a, b in zip(*outputs.values()))
+        click.echo(f"{baseline} / this checkout: {there / here:.2f}x the time; outputs differ by at most {largest:.2e}")
 
 
 if __name__ == "__main__":

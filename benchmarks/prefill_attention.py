@@ -15,7 +15,6 @@ with `-mno-avx512f` (the AVX2 tiles).
 from __future__ import annotations
 
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ from runtime.lowering import POOL_KEY, POOL_VALUE, with_pool_inputs
 from runtime.ops import CUSTOM_DOMAIN, PAGED_METADATA, PagedAttentionInput
 from runtime.ort_session import enable_process_thread_pool, session_options
 
-ROOT = Path(__file__).resolve().parents[1]
+from native_library_at import library_at
 
 
 def attention_model(layers: int, heads: int, kv_heads: int, dim: int, page: int) -> onnx.ModelProto:
@@ -52,22 +51,6 @@ def attention_model(layers: int, heads: int, kv_heads: int, dim: int, page: int)
     graph = helper.make_graph(nodes, "prefill_attention", inputs, outputs)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(CUSTOM_DOMAIN, 1)])
     return with_pool_inputs(model)
-
-
-def library_at(revision: str, folder: Path, flags: tuple[str, ...]) -> Path:
-    """The native library built from `revision`'s sources (the files native.SOURCES names)."""
-    sources = folder / "src"
-    sources.mkdir(parents=True)
-    for name in native.SOURCES:
-        text = subprocess.run(["git", "show", f"{revision}:runtime/kernels/native/{name}"], cwd=ROOT,
-                              capture_output=True, text=True, check=True).stdout
-        (sources / name).write_text(text)
-    target = folder / "libcann_native.so"
-    compiler = native._compiler()
-    units = [str(sources / name) for name in native.SOURCES if name.endswith(".c")]
-    subprocess.run([compiler, *native.FLAGS, *flags, "-I", str(sources), *units, "-o", str(target), "-lm"],
-                   check=True, capture_output=True, timeout=300)
-    return target
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
