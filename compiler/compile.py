@@ -25,6 +25,7 @@ from compiler.tokenizer_files import tokenizer_files
 from models.recipes import detect_family
 from passes.pipeline_stages import layer_ranges, stage_graph
 from passes.weight_memory import detach_weights
+from passes.weight_spill import weight_spill
 from runtime.artifact import write_artifact
 from runtime.compatibility import requirements
 from runtime.errors import AtcError
@@ -72,25 +73,27 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
     note(f"load: {Path(cfg.model).name}, {len(graph.nodes)} nodes, {weights / 2**20:.1f} MiB of weights, "
          f"{time.perf_counter() - start:.2f} s", enabled=progress)
     collect = gc.collect if weights >= COLLECT_FROM_BYTES else None
-    report = run_passes(graph, build_pipeline(cfg, progress=progress), cfg.fusion_switches, after_each=collect,
-                        progress=progress)
-    causal_lm = "input_ids" in {t.name for t in graph.inputs} and "logits" in {t.name for t in graph.outputs}
-    if cfg.auto_tune_mode and not causal_lm:
-        raise AtcError("E10055", "--auto_tune_mode measures a causal LM's decode and prefill; this model has no "
-                                 "input_ids and logits")
-    # the side output first: a run that cannot write it fails before a new .om exists
-    fusion_result = output.parent / FUSION_RESULT if cfg.export_compile_stat else None
-    if fusion_result is not None:
-        report.write_fusion_result(fusion_result)
-    try:
-        if cfg.pipeline_stages > 1:
-            written = _write_stages(cfg, graph, model, report, progress)
-        else:
-            written = [_write(cfg, output, graph, model, report, progress)]
-    except BaseException:
+    # the weights the passes pack stay on disk, not in memory, until they are written
+    with weight_spill(output.parent) as spill:
+        report = run_passes(graph, build_pipeline(cfg, progress=progress, spill=spill), cfg.fusion_switches,
+                            after_each=collect, progress=progress)
+        causal_lm = "input_ids" in {t.name for t in graph.inputs} and "logits" in {t.name for t in graph.outputs}
+        if cfg.auto_tune_mode and not causal_lm:
+            raise AtcError("E10055", "--auto_tune_mode measures a causal LM's decode and prefill; this model has no "
+                                     "input_ids and logits")
+        # the side output first: a run that cannot write it fails before a new .om exists
+        fusion_result = output.parent / FUSION_RESULT if cfg.export_compile_stat else None
         if fusion_result is not None:
-            fusion_result.unlink(missing_ok=True)
-        raise
+            report.write_fusion_result(fusion_result)
+        try:
+            if cfg.pipeline_stages > 1:
+                written = _write_stages(cfg, graph, model, report, progress)
+            else:
+                written = [_write(cfg, output, graph, model, report, progress)]
+        except BaseException:
+            if fusion_result is not None:
+                fusion_result.unlink(missing_ok=True)
+            raise
     output, size, metadata = written[0][0], sum(size for _, size, _ in written), written[0][2]
     if cfg.auto_tune_mode:
         metadata["tuning"] = auto_tune(output, progress)

@@ -31,6 +31,7 @@ from passes.prune_logits import PruneLogits
 from passes.quant.calibration import text_samples
 from passes.quant.quantize_weights import QuantizeWeights
 from passes.truncate_layers import TruncateLayers
+from passes.weight_spill import WeightSpill
 from runtime.errors import AtcError
 
 
@@ -65,9 +66,10 @@ def _samples_if_useful(cfg: CompileConfig | None) -> list[np.ndarray] | None:
     return None
 
 
-def build_pipeline(cfg: CompileConfig | None, progress: bool = False) -> list[Pass]:
+def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: WeightSpill | None = None) -> list[Pass]:
     """The passes `cfg` asks for, in order; switched-off ones are skipped by the runner, not dropped here.
-    `progress`: the weight quantization shows its calibration and quantization on stderr."""
+    `progress`: the weight quantization shows its calibration and quantization on stderr; `spill`: it keeps
+    the weights it packs on disk until they are written (passes/weight_spill.py)."""
     quant = cfg.quantization if cfg is not None else None
     passes: list[Pass] = [
         # Phase 0: canonical form, so that later patterns see one spelling of each structure. Folding
@@ -103,7 +105,7 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False) -> list[Pa
         passes.append(TruncateLayers(cfg.keep_layers))
     passes += [
         # Phase 3: weights (QDQ weights are repacked whether or not compression was asked for)
-        QuantizeWeights(quant, _samples_if_useful(cfg), progress=progress),
+        QuantizeWeights(quant, _samples_if_useful(cfg), progress=progress, spill=spill),
     ]
     if cfg is not None and cfg.paging is not None:
         # Phase 4: batches without padding over the runtime's page pool

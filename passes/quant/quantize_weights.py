@@ -35,6 +35,7 @@ from passes.quant.staged_calibration import StagedStatistics
 from passes.quant.tied_table import quantize_tied_table
 from passes.quant.weight_selection import WeightChoice, calibrated_inputs, choose_weight, lm_head_bits
 from passes.weight_memory import read_values
+from passes.weight_spill import WeightSpill
 from runtime.errors import AtcError
 from runtime.kernels.matmul_nbits_layout import QuantizedWeight
 from runtime.progress import Progress
@@ -47,19 +48,19 @@ class QuantizeWeights(FusionPass):
     anchor = "MatMul"
 
     def __init__(self, config: QuantConfig | None = None, samples: list[np.ndarray] | None = None,
-                 progress: bool = False):
-        self.config, self.samples, self.progress = config, samples, progress
+                 progress: bool = False, spill: WeightSpill | None = None):
+        self.config, self.samples, self.progress, self.spill = config, samples, progress, spill
         self.matched_patterns: set[str] = set()
         self._head: gs.Node | None = None
         self._statistics: dict[str, InputStatistics] | StagedStatistics = {}
-        self._writer = QuantizedMatMulWriter()
+        self._writer = QuantizedMatMulWriter(spill)
 
     def run(self, graph: gs.Graph) -> PassResult:
         """Match every MatMul, then quantize the chosen ones, reporting each as a unit of progress."""
         self._head = lm_head(graph)
         config = self.config
         if config is not None and "lm_head" not in config.skip_layers and self._head is not None:
-            quantize_tied_table(graph, self._head, lm_head_bits(config), config.head_group_size)
+            quantize_tied_table(graph, self._head, lm_head_bits(config), config.head_group_size, self.spill)
         result = PassResult()
         choices = []
         for node in [n for n in graph.nodes if n.op == self.anchor]:
@@ -79,8 +80,8 @@ class QuantizeWeights(FusionPass):
         self._statistics = {}
         result.match_times = result.effect_times = len(choices)
         graph.cleanup(remove_unused_graph_inputs=False).toposort()
-        if self._head is not None:
-            self.matched_patterns.add("lm_head")
+        # "lm_head" names the model's head, whichever node that is: a model without one has none to skip
+        self.matched_patterns.add("lm_head")
         unmatched = [p for p in config.skip_layers if p not in self.matched_patterns] if config else []
         if unmatched:
             raise AtcError("E10001", ",".join(unmatched), "skip_layers",

@@ -8,6 +8,7 @@ import onnx_graphsurgeon as gs
 
 from passes.pattern import fused_node
 from passes.quant.math import eight_bit_block, split_float_zeros
+from passes.weight_spill import WeightSpill, kept
 from runtime.kernels.matmul_nbits_layout import QuantizedWeight, pack_matmul_nbits
 
 
@@ -37,17 +38,18 @@ def in_blocks(quantized: QuantizedWeight) -> QuantizedWeight:
 
 class QuantizedMatMulWriter:
     """Writes the quantized MatMuls of one pass run; the 0/1 block-sum matrices of the offset terms are
-    shared between the MatMuls of one (K, block)."""
+    shared between the MatMuls of one (K, block). With a `spill`, the packed weights go to disk as made."""
 
-    def __init__(self) -> None:
+    def __init__(self, spill: WeightSpill | None = None) -> None:
         self._block_sums: dict[tuple[int, int], gs.Constant] = {}
+        self.spill = spill
 
     def matmul_nbits(self, graph: gs.Graph, matmul: gs.Node, weight_name: str, quantized: QuantizedWeight,
                      remainders: np.ndarray | None, accuracy_level: int) -> None:
         """Replace `matmul` by MatMulInt4 over `quantized` (in `matmul_nbits_form`)."""
         rows, cols = quantized.values.shape
         bits, name = quantized.bits, f"{matmul.name}_int{quantized.bits}"
-        blob, scales, zero_points = pack_matmul_nbits(quantized)
+        blob, scales, zero_points = (None if a is None else kept(self.spill, a) for a in pack_matmul_nbits(quantized))
         scales = gs.Constant(f"{weight_name}_scales", scales)
         inputs = [matmul.inputs[0], gs.Constant(f"{weight_name}_int{bits}", blob), scales]
         if zero_points is not None:
@@ -61,10 +63,9 @@ class QuantizedMatMulWriter:
         matmul.inputs.clear()
         graph.nodes.append(node)
 
-    @staticmethod
-    def matmul_int8(graph: gs.Graph, matmul: gs.Node, weight_name: str, quantized: QuantizedWeight) -> None:
+    def matmul_int8(self, graph: gs.Graph, matmul: gs.Node, weight_name: str, quantized: QuantizedWeight) -> None:
         """Replace `matmul` by MatMulInt8 over a per-output-channel 8-bit weight."""
-        inputs = [matmul.inputs[0], gs.Constant(f"{weight_name}_int8", quantized.values),
+        inputs = [matmul.inputs[0], gs.Constant(f"{weight_name}_int8", kept(self.spill, quantized.values)),
                   gs.Constant(f"{weight_name}_scales", quantized.scales.reshape(-1).astype(np.float32))]
         if quantized.zero_points is not None:
             inputs.append(gs.Constant(f"{weight_name}_zero_points", quantized.zero_points.reshape(-1)))

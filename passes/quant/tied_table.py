@@ -14,6 +14,7 @@ import onnx_graphsurgeon as gs
 from passes.pattern import fused_node, producer
 from passes.quant.accuracy_level import EIGHT_BIT_ACCURACY_LEVEL, TIED_HEAD_ACCURACY_LEVEL
 from passes.quant.math import EIGHT_BIT_BLOCKS, quantize_blockwise, quantize_full_range
+from passes.weight_spill import WeightSpill, kept
 from runtime.kernels.matmul_nbits_layout import pack_matmul_nbits
 
 
@@ -42,9 +43,11 @@ def table_block(hidden: int, bits: int, group_size: int) -> int | None:
     return next((b for b in sizes if hidden % b == 0), None)
 
 
-def quantize_tied_table(graph: gs.Graph, head: gs.Node, bits: int, group_size: int) -> bool:
+def quantize_tied_table(graph: gs.Graph, head: gs.Node, bits: int, group_size: int,
+                        spill: WeightSpill | None = None) -> bool:
     """Replace `head` and the Gathers reading its table by MatMulInt4 and GatherInt4 over one `bits`-bit copy
-    of the table; False, changing nothing, when the head reads no usable tied table."""
+    of the table (kept by `spill` when given); False, changing nothing, when the head reads no usable tied
+    table."""
     table = tied_table(graph, head)
     if table is None:
         return False
@@ -56,7 +59,7 @@ def quantize_tied_table(graph: gs.Graph, head: gs.Node, bits: int, group_size: i
     quantized = (quantize_full_range(weight, bits, block) if bits == 4
                  else quantize_blockwise(weight, bits, block, symmetric=True))
     blob, scales, _ = pack_matmul_nbits(quantized)  # symmetric: no zero points
-    packed = gs.Constant(f"{table.name}_int{bits}", blob)
+    packed = gs.Constant(f"{table.name}_int{bits}", kept(spill, blob))
     packed_scales = gs.Constant(f"{table.name}_int{bits}_scales", scales)
     graph.nodes.append(fused_node("MatMulInt4", [head.inputs[0], packed, packed_scales], [head.outputs[0]],
                                   f"{head.name}_int{bits}", K=hidden, N=vocab, bits=bits, block_size=block,
