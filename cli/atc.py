@@ -73,7 +73,7 @@ FLAGS: list[tuple[str, str, str]] = [
     ("paged_config", "LLM", 'JSON with the paged KV cache\'s settings: {"page_size": 128}; used only when paged'),
     ("large_model_compilation", "LLM", "Accepted for compatibility; no effect here: every compile bounds its memory "
                                        "(weights memory-mapped, merged weights computed as they are written, "
-                                       "calibration layer by layer)"),
+                                       "packed weights kept on disk until written, calibration layer by layer)"),
     ("enable_compress_weight", "LLM", "Quantize weights (true/false)"),
     ("compress_weight_conf", "LLM", "Quantization config (JSON; its \"calibration\" object sets calibration)"),
     ("keep_layers", "LLM", "Keep only the first N decoder layers, then the final norm and the head: a draft model "
