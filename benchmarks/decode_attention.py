@@ -10,28 +10,22 @@ are; one query row a sequence, as in a decode step of --sequences sequences of -
 come from memory as they do in the engine. Prints the median time of a step's attention and the bytes of
 keys and values it read per second. The concurrency mix of benchmarks/peers_concurrency.py decodes about
 21 sequences of about 320 tokens a step. With --baseline the library of that git revision runs beside this
-checkout's (benchmarks/native_library_at.py), the two alternating run by run, their outputs compared.
+checkout's (benchmarks/native_ab.py), the two alternating run by run, their outputs compared.
 """
 
 from __future__ import annotations
 
 import statistics
-import tempfile
-import time
-from pathlib import Path
 
 import click
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import helper
 
-from runtime.kernels import native
 from runtime.lowering import POOL_KEY, POOL_VALUE, with_pool_inputs
 from runtime.ops import CUSTOM_DOMAIN, PAGED_METADATA
-from runtime.ort_session import enable_process_thread_pool, session_options
 
-from native_library_at import library_at
+from native_ab import alternate, comparison, sessions_of
 
 
 def attention_model(layers: int, heads: int, kv_heads: int, dim: int, page: int) -> onnx.ModelProto:
@@ -64,17 +58,8 @@ def attention_model(layers: int, heads: int, kv_heads: int, dim: int, page: int)
 @click.option("--baseline", default=None, help="a git revision whose library runs beside this checkout's")
 def main(sequences, context, layers, heads, kv_heads, head_dim, page_size, threads, runs, baseline):
     """Time a decode step's attention over every layer, against --baseline's library when given."""
-    enable_process_thread_pool(threads)
-    model = attention_model(layers, heads, kv_heads, head_dim, page_size).SerializeToString()
-    with tempfile.TemporaryDirectory() as scratch:
-        libraries = {"this checkout": native.library_path()}
-        if baseline:
-            libraries[baseline] = library_at(baseline, Path(scratch))
-        sessions = {}
-        for name, library in libraries.items():
-            options = session_options(threads)
-            options.register_custom_ops_library(str(library))
-            sessions[name] = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    sessions = sessions_of(attention_model(layers, heads, kv_heads, head_dim, page_size).SerializeToString(),
+                           baseline, threads)
     per_sequence = -(-context // page_size)
     pages = sequences * per_sequence
     rng = np.random.default_rng(0)
@@ -85,26 +70,15 @@ def main(sequences, context, layers, heads, kv_heads, head_dim, page_size, threa
                 (tables[:, (context - 1) // page_size] * page_size + (context - 1) % page_size).astype(np.int64))
     feeds = {"qkv": rng.standard_normal((1, sequences, (heads + 2 * kv_heads) * head_dim), dtype=np.float32),
              POOL_KEY: key, POOL_VALUE: value, **dict(zip((m.name for m in PAGED_METADATA), metadata))}
-    outputs = {}
-    for name, session in sessions.items():
-        for _ in range(3):
-            outputs[name] = session.run(None, feeds)
-    times = {name: [] for name in sessions}
-    for _ in range(runs):
-        for name, session in sessions.items():
-            start = time.perf_counter()
-            session.run(None, feeds)
-            times[name].append(time.perf_counter() - start)
+    times, outputs = alternate(sessions, feeds, runs)
     read = sequences * context * layers * kv_heads * head_dim * 4 * 2
     for name, spent in times.items():
         median = statistics.median(spent)
         click.echo(f"{name}: {sequences} sequences of {context} tokens, {layers} layers: {median * 1e3:.2f} ms a "
                    f"step's attention, keys and values {read / 1e6:.0f} MB at {read / median / 1e9:.1f} GB/s")
-    if baseline:
-        here, there = (statistics.median(times[name]) for name in libraries)
-        largest = max(float(np.abs(a - b).max()) for a, b in zip(*outputs.values()))
-        click.echo(f"{baseline} / this checkout: {there / here:.2f}x the time; outputs differ by at most {largest:.2e}")
-
+    line = comparison(times, outputs)
+    if line:
+        click.echo(line)
 
 if __name__ == "__main__":
     main()

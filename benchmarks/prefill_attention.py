@@ -15,22 +15,16 @@ with `-mno-avx512f` (the AVX2 tiles).
 from __future__ import annotations
 
 import statistics
-import tempfile
-import time
-from pathlib import Path
 
 import click
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import helper
 
-from runtime.kernels import native
 from runtime.lowering import POOL_KEY, POOL_VALUE, with_pool_inputs
 from runtime.ops import CUSTOM_DOMAIN, PAGED_METADATA, PagedAttentionInput
-from runtime.ort_session import enable_process_thread_pool, session_options
 
-from native_library_at import library_at
+from native_ab import alternate, comparison, sessions_of
 
 
 def attention_model(layers: int, heads: int, kv_heads: int, dim: int, page: int) -> onnx.ModelProto:
@@ -67,45 +61,26 @@ def attention_model(layers: int, heads: int, kv_heads: int, dim: int, page: int)
 def main(baseline, tokens, layers, heads, kv_heads, head_dim, page_size, threads, runs, avx2):
     """Time a prefill's attention over every layer, against --baseline's library when given."""
     flags = ("-mno-avx512f",) if avx2 else ()
-    with tempfile.TemporaryDirectory() as scratch:
-        libraries = {"this checkout": native.build(Path(scratch) / "here" / "libcann_native.so", native._compiler(), flags)
-                     if avx2 else native.library_path()}
-        if baseline:
-            libraries[baseline] = library_at(baseline, Path(scratch) / "baseline", flags)
-        model = attention_model(layers, heads, kv_heads, head_dim, page_size).SerializeToString()
-        # one process-wide pool, as the engine has: two pools would each spin into the other's runs
-        enable_process_thread_pool(threads)
-        sessions = {}
-        for name, library in libraries.items():
-            options = session_options(threads)
-            options.register_custom_ops_library(str(library))
-            sessions[name] = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-        pages = -(-tokens // page_size)
-        rng = np.random.default_rng(0)
-        angles = np.arange(tokens)[:, None] * rng.uniform(0.001, 0.5, head_dim)[None]
-        shape = (layers, pages, kv_heads, page_size, head_dim)
-        feeds = {"qkv": rng.standard_normal((1, tokens, (heads + 2 * kv_heads) * head_dim), dtype=np.float32),
-                 "cos": np.cos(angles).astype(np.float32), "sin": np.sin(angles).astype(np.float32),
-                 "query_start_loc": np.array([0, tokens], np.int32), "seq_lens": np.array([tokens], np.int32),
-                 "block_tables": rng.permutation(pages).astype(np.int32)[None],
-                 POOL_KEY: np.zeros(shape, np.float32), POOL_VALUE: np.zeros(shape, np.float32)}
-        feeds["slot_mapping"] = (feeds["block_tables"][0, np.arange(tokens) // page_size] * page_size
-                                 + np.arange(tokens) % page_size).astype(np.int64)
-        outputs = {name: session.run(None, feeds) for name, session in sessions.items()}
-        times = {name: [] for name in sessions}
-        for _ in range(runs):
-            for name, session in sessions.items():
-                start = time.perf_counter()
-                session.run(None, feeds)
-                times[name].append(time.perf_counter() - start)
+    sessions = sessions_of(attention_model(layers, heads, kv_heads, head_dim, page_size).SerializeToString(),
+                           baseline, threads, flags)
+    pages = -(-tokens // page_size)
+    rng = np.random.default_rng(0)
+    angles = np.arange(tokens)[:, None] * rng.uniform(0.001, 0.5, head_dim)[None]
+    shape = (layers, pages, kv_heads, page_size, head_dim)
+    feeds = {"qkv": rng.standard_normal((1, tokens, (heads + 2 * kv_heads) * head_dim), dtype=np.float32),
+             "cos": np.cos(angles).astype(np.float32), "sin": np.sin(angles).astype(np.float32),
+             "query_start_loc": np.array([0, tokens], np.int32), "seq_lens": np.array([tokens], np.int32),
+             "block_tables": rng.permutation(pages).astype(np.int32)[None],
+             POOL_KEY: np.zeros(shape, np.float32), POOL_VALUE: np.zeros(shape, np.float32)}
+    feeds["slot_mapping"] = (feeds["block_tables"][0, np.arange(tokens) // page_size] * page_size
+                             + np.arange(tokens) % page_size).astype(np.int64)
+    times, outputs = alternate(sessions, feeds, runs)
     for name, spent in times.items():
         click.echo(f"{name:<16} median {statistics.median(spent) * 1e3:8.2f} ms   fastest {min(spent) * 1e3:8.2f} ms  "
                    f"({layers} layers, {tokens} tokens, {threads} thread{'s' * (threads > 1)})")
-    if baseline:
-        here, there = (statistics.median(times[name]) for name in libraries)
-        largest = max(float(np.abs(a - b).max()) for a, b in zip(*outputs.values()))
-        click.echo(f"{baseline} / this checkout: {there / here:.2f}x the time; outputs differ by at most {largest:.2e}")
-
+    line = comparison(times, outputs)
+    if line:
+        click.echo(line)
 
 if __name__ == "__main__":
     main()
