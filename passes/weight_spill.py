@@ -2,54 +2,75 @@
 
 The quantizer packs each weight as it reaches it; held in memory, the packed weights of the whole model
 would be in the compile's resident set until the writer streams them (an INT4 model's artifact size again,
-35 GB for 70B parameters). `WeightSpill.keep` writes each one to a file of its own in a scratch folder
-and hands back a read-only map of it: the compile holds page cache, which the kernel writes back and
-reclaims under pressure, and the writer reads the map as it would the array. The folder lives beside the
-output and goes when the compile ends, however it ends (`weight_spill`).
+35 GB for 70B parameters). `WeightSpill.keep` appends each one to a file in a scratch folder and hands back
+`Deferred` values that read it back when something reads them, as the artifact writer does one weight at a
+time (passes/weight_memory.py). Nothing stays open or mapped between reads: a model of any number of
+weights holds no file descriptors for them. The folder lives beside the output (the output's disk needs
+room for the packed weights twice while the artifact is written) and is removed when the compile returns
+or raises (`weight_spill`); a process killed outright leaves its `.atc-weights-*` folder behind.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
+import os
 import tempfile
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
+from passes.weight_memory import Deferred
 from runtime.artifact import EXTERNAL_MIN_BYTES
+from runtime.errors import AtcError
 
 SPILL_PREFIX = ".atc-weights-"
 
 
 class WeightSpill:
-    """Files in `folder`, one per kept array."""
+    """One file in `folder` that kept arrays are appended to."""
 
     def __init__(self, folder: Path):
         self.folder = folder
-        self._names = itertools.count()
+        self.path = folder / "weights.bin"
+        self._end = 0
 
-    def keep(self, values: np.ndarray) -> np.ndarray:
-        """`values` written to a file and mapped back read-only; arrays the artifact stores inline (smaller
-        than its external threshold) are returned as they are."""
+    def keep(self, values: np.ndarray) -> np.ndarray | Deferred:
+        """`values` appended to the file, returned as `Deferred` values that read them back; arrays the artifact
+        stores inline (smaller than its external threshold) are returned as they are. A failed write (a full
+        disk) is E13004."""
         values = np.ascontiguousarray(values)
         if values.nbytes < EXTERNAL_MIN_BYTES:
             return values
-        path = self.folder / f"{next(self._names)}.bin"
-        with open(path, "wb") as handle:
-            handle.write(memoryview(values.reshape(-1)).cast("B"))
-        return np.memmap(path, dtype=values.dtype, mode="r", shape=values.shape)
+        offset = self._end
+        try:
+            with open(self.path, "ab") as handle:
+                handle.write(memoryview(values.reshape(-1).view(np.uint8)))
+        except OSError as error:
+            raise AtcError("E13004", self.path, error.strerror or str(error)) from None
+        self._end += values.nbytes
+        shape, dtype, path = values.shape, values.dtype, self.path
+        return Deferred(shape, dtype, lambda: _read(path, offset, shape, dtype))
+
+
+def _read(path: Path, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    count = int(np.prod(shape, dtype=np.int64))
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        values = np.fromfile(handle, dtype=np.uint8, count=count * dtype.itemsize)
+    if values.size != count * dtype.itemsize:
+        raise AtcError("E13001", path, f"it ends at {os.path.getsize(path)} bytes, inside the weight kept at {offset}")
+    return values.view(dtype).reshape(shape)
 
 
 @contextlib.contextmanager
 def weight_spill(beside: Path) -> Iterator[WeightSpill]:
     """A spill in a fresh hidden folder in `beside` (the output's folder: a temporary folder may be memory),
-    removed with its files when the block ends."""
+    removed with its file when the block ends, by a return or an exception."""
     with tempfile.TemporaryDirectory(prefix=SPILL_PREFIX, dir=beside) as folder:
         yield WeightSpill(Path(folder))
 
 
-def kept(spill: WeightSpill | None, values: np.ndarray) -> np.ndarray:
+def kept(spill: WeightSpill | None, values: np.ndarray) -> np.ndarray | Deferred:
     """`values` through `spill` when there is one."""
     return values if spill is None else spill.keep(values)

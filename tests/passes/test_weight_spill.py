@@ -1,11 +1,11 @@
-"""Packed weights kept on disk until written (passes/weight_spill.py): a kept array is a read-only map of a
-file in the spill's folder with the same values, small ones stay in memory, the quantizer's packed weights
-are kept so during a compile, and the folder is gone when the compile ends, whether it wrote an artifact
-or failed after packing."""
+"""Packed weights kept on disk until written (passes/weight_spill.py): kept arrays read back equal from one
+file and hold no file descriptor, small ones stay in memory, a failed write is E13004, the quantizer's
+packed weights are kept so during a compile, and the folder is gone when the compile ends, whether it
+wrote an artifact or failed after packing."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
 import numpy as np
 import onnx
@@ -17,23 +17,35 @@ from compiler.config import CompileConfig
 from compiler.loader import import_graph
 from compiler.pass_manager import run_passes
 from compiler.pipeline import build_pipeline
+from passes.weight_memory import Deferred
 from passes.weight_spill import SPILL_PREFIX, weight_spill
 from runtime import load_artifact
 from runtime.errors import AtcError
 
 
-def test_a_kept_array_is_a_read_only_map_of_a_file_in_the_folder(tmp_path):
-    values = np.random.default_rng(0).integers(0, 255, (300, 7), dtype=np.uint8)
+def test_kept_arrays_read_back_from_one_file_and_hold_no_descriptor(tmp_path):
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(0, 255, (300, 7 + i % 5), dtype=np.uint8) for i in range(300)]
+    arrays.append(rng.standard_normal((40, 33)).astype(np.float32))
+    descriptors = len(os.listdir("/proc/self/fd"))
     with weight_spill(tmp_path) as spill:
-        kept = spill.keep(values)
-        assert isinstance(kept, np.memmap) and not kept.flags.writeable
-        assert Path(kept.filename).parent == spill.folder
-        np.testing.assert_array_equal(kept, values)
+        kept = [spill.keep(a) for a in arrays]
+        assert all(isinstance(k, Deferred) for k in kept)
+        assert len(os.listdir("/proc/self/fd")) == descriptors  # 301 weights, no file left open or mapped
+        for values, deferred in zip(arrays, kept):
+            np.testing.assert_array_equal(deferred.load(), values)
+        assert [p.name for p in spill.folder.iterdir()] == [spill.path.name]
         small = np.arange(10, dtype=np.float32)
-        assert not isinstance(spill.keep(small), np.memmap)  # stored inline by the artifact anyway
+        assert not isinstance(spill.keep(small), Deferred)  # stored inline by the artifact anyway
         folder = spill.folder
     assert not folder.exists()
-    np.testing.assert_array_equal(kept, values)  # the map outlives its file's name
+
+
+def test_a_kept_weight_that_cannot_be_written_is_e13004(tmp_path):
+    with weight_spill(tmp_path) as spill:
+        spill.path.mkdir()  # where the file would go: opening it fails as a full or read-only disk would
+        with pytest.raises(AtcError, match="E13004"):
+            spill.keep(np.zeros(4096, np.uint8))
 
 
 def test_the_quantizer_keeps_its_packed_weights_in_the_spill(tiny_llama_path, tmp_path):
@@ -43,8 +55,8 @@ def test_the_quantizer_keeps_its_packed_weights_in_the_spill(tiny_llama_path, tm
     with weight_spill(tmp_path) as spill:
         run_passes(graph, build_pipeline(cfg, spill=spill), cfg.fusion_switches)
         packed = [node.inputs[1] for node in graph.nodes if node.op == "MatMulInt4"]
-        assert packed and all(isinstance(c.values, np.memmap) and Path(c.values.filename).parent == spill.folder
-                              for c in packed)
+        assert packed and all(isinstance(c._values, Deferred) for c in packed)
+        assert spill.path.stat().st_size >= sum(c._values.nbytes for c in packed)
 
 
 def test_an_int4_compile_leaves_no_spill_and_equals_its_packed_weights(tiny_llama_path, tmp_path):

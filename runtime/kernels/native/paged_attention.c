@@ -885,10 +885,11 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   if (!status && T > 0) {
     Attend a = {k, q, key_cache, value_cache, starts, lens, (const int32_t*)t[BLOCK_TABLES].data,
                 t[BLOCK_TABLES].dims[1], tile_seq, tile_row, out, tile_rows, 1, 0, NULL};
-    split_long_contexts(&a, tiles, &status);
+    const int parallel = work * H >= PARALLEL_WORK;
+    if (parallel) split_long_contexts(&a, tiles, &status); /* parts only pay where threads take them */
     size_t items = (size_t)(tiles * KV * a.splits);
     if (!status) {
-      if (work * H >= PARALLEL_WORK && items > 1) {
+      if (parallel && items > 1) {
         status = ORT_CALL(g_api, KernelContext_ParallelFor)(context, attend_item, items, 0, &a);
       } else {
         for (size_t i = 0; i < items; i++) attend_item(&a, i);
