@@ -346,13 +346,13 @@ def test_prefill_tiles_on_pages_of_128_attend_as_the_reference(dim, heads, kv_he
 
 
 @pytest.mark.parametrize("build", ["native", "avx2"] if AVX2_BUILD else ["native"])
-@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dim", [64, 96, 128])
 @pytest.mark.parametrize("heads, kv_heads, rows, window", [(9, 3, [1, 1, 1], 0), (4, 1, [1, 1, 1], 0),
                                                           (4, 2, [2, 1, 3], 0), (6, 2, [1, 2, 1], 300)])
 def test_long_contexts_decoded_in_parts_attend_as_the_reference(dim, heads, kv_heads, rows, window, build, request):
     """A decode step of few sequences over long contexts: each one's pages cut into parts, one item each,
     merged after (the shortest sequence leaves its later parts empty; a window leaves early pages unread);
-    one to three query rows a sequence, as a verified draft has."""
+    one to three query rows a sequence, as a verified draft has; a head dim of 96 takes the generic tile."""
     from runtime.kernels.paged_attention import paged_attention_reference, rotate_and_store_reference
 
     page, pages = 128, 51
