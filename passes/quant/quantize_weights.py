@@ -49,7 +49,7 @@ class QuantizeWeights(FusionPass):
 
     def __init__(self, config: QuantConfig | None = None, samples: list[np.ndarray] | None = None,
                  progress: bool = False, spill: WeightSpill | None = None):
-        self.config, self.samples, self.progress, self.spill = config, samples, progress, spill
+        self.config, self.samples, self.progress = config, samples, progress
         self.matched_patterns: set[str] = set()
         self._head: gs.Node | None = None
         self._statistics: dict[str, InputStatistics] | StagedStatistics = {}
@@ -60,7 +60,8 @@ class QuantizeWeights(FusionPass):
         self._head = lm_head(graph)
         config = self.config
         if config is not None and "lm_head" not in config.skip_layers and self._head is not None:
-            quantize_tied_table(graph, self._head, lm_head_bits(config), config.head_group_size, self.spill)
+            quantize_tied_table(graph, self._head, lm_head_bits(config), config.head_group_size,
+                                self._writer.spill)
         result = PassResult()
         choices = []
         for node in [n for n in graph.nodes if n.op == self.anchor]:
