@@ -76,6 +76,8 @@ FLAGS: list[tuple[str, str, str]] = [
                                        "packed weights kept on disk until written, calibration layer by layer)"),
     ("enable_compress_weight", "LLM", "Quantize weights (true/false)"),
     ("compress_weight_conf", "LLM", "Quantization config (JSON; its \"calibration\" object sets calibration)"),
+    ("compress_fp32_weight", "LLM", "Store float32 MatMul weights in 28 bits each, losslessly (true/false): the same "
+                                    "values, 7/8 of the bytes a decode step reads (docs/atc.md#fp32-weights-in-28-bits)"),
     ("keep_layers", "LLM", "Keep only the first N decoder layers, then the final norm and the head: a draft model "
                            "for speculative decoding (cann-run --draft_model) from the same ONNX; 0: all (default)"),
     ("pipeline_stages", "LLM", "K: write K artifacts OUTPUT_stage0.om … of contiguous layer ranges, served by K "

@@ -84,6 +84,7 @@ class CompileConfig:
     large_model_compilation: bool = False
     enable_compress_weight: bool = False
     compress_weight_conf: str = ""
+    compress_fp32_weight: bool = False  # float32 MatMul weights in 28 bits each, losslessly (MatMulF28)
     auto_tune_mode: str = ""
     tokenizer: str = ""
     model_type: str = ""
@@ -283,7 +284,8 @@ class CompileConfig:
 _NOT_IN_METADATA = ("enable_paged_attention", "kv_cache_layout", "paged_config", "paging", "warnings", "input_shapes",
                     "gears")
 _BOOL_FLAGS_01 = ("display_model_info",)
-_BOOL_FLAGS = ("enable_flash_attention", "enable_paged_attention", "large_model_compilation", "enable_compress_weight")
+_BOOL_FLAGS = ("enable_flash_attention", "enable_paged_attention", "large_model_compilation", "enable_compress_weight",
+               "compress_fp32_weight")
 _INT_FLAGS = ("mode", "framework", "keep_layers", "pipeline_stages", "export_compile_stat")
 
 

@@ -8,6 +8,7 @@ from compiler.config import CompileConfig
 from compiler.pass_manager import Pass
 from compiler.tokenizer_files import tokenizer_files
 from passes.canonicalize_layout import CanonicalizeLayout
+from passes.compress_float_weights import CompressFloatWeights
 from passes.convert_attention import ConvertAttention
 from passes.convert_group_query_attention import ConvertGroupQueryAttention
 from passes.convert_layer_norms import ConvertSimplifiedLayerNorm, ConvertSkipSimplifiedLayerNorm
@@ -111,6 +112,8 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: Wei
         # Phase 4: batches without padding over the runtime's page pool
         passes += [PagedKvCache(cfg.paging.page_size, cfg.enable_flash_attention), PruneLogits()]
     if cfg is not None:
-        # Phase 5: the dtype float weights are stored in (passes/precision_config.py)
+        # Phase 5: the dtype float weights are stored in (passes/precision_config.py), then how float32 ones are
         passes.append(ConvertPrecision(cfg.precision))
+        if cfg.compress_fp32_weight:
+            passes.append(CompressFloatWeights(spill))
     return passes

@@ -16,22 +16,25 @@ and the host kernels' numpy references: the executable spec the fast path is tes
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnx import helper, numpy_helper
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from runtime.artifact import SUB_BYTE_TYPES, OmFile
 from runtime.embedding_rows import split_off
 from runtime.engine.kv_cache import PagePool
 from runtime.errors import AtcError
-from runtime.kernels import HostRun, host_kernel, is_host_node, native, reference_ops
+from runtime.kernels import HostRun, float28, host_kernel, is_host_node, native, reference_ops
 from runtime.kernels.paged_attention import PagedInputError
 from runtime.loader import LoadedModel
 from runtime.lowering import POOL_KEY, POOL_VALUE, lower_for_onnxruntime, with_input_scales, with_pool_inputs
-from runtime.ops import MATMUL_INT4, PAGED_ATTENTION, PAGED_METADATA, SWIGLU, attributes
+from runtime.ops import (CUSTOM_DOMAIN, MATMUL_F28, MATMUL_INT4, PAGED_ATTENTION, PAGED_METADATA, SWIGLU, MatMulF28Input,
+                         attributes)
 from runtime.ort_session import process_thread_pool_enabled, session_options
 from runtime.proto_utils import initializers_as_inputs
 from runtime.prepacked_cache import SAVE_OPTIONS, prepacked_model
@@ -171,9 +174,9 @@ def _only_paged_attention(plan: list) -> bool:
 
 def _native_nodes(model: onnx.ModelProto, matmul: bool = True):
     """What the native library runs itself besides PagedAttention: SwiGlu on float32, its only type there (a
-    node whose input type the graph does not state is lowered as usual), and MatMulInt4 where its int8 kernel
+    node whose input type the graph does not state is lowered as usual), MatMulInt4 where its int8 kernel
     computes what onnxruntime's MatMulNBits would (`native.takes_matmul`) on float32 activations and packed
-    uint8 zero points, unless `matmul` is off."""
+    uint8 zero points, and MatMulF28 where the library has it; the matmuls unless `matmul` is off."""
     graph = model.graph
     floats = {v.name for v in [*graph.value_info, *graph.input, *graph.output]
               if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT}
@@ -186,8 +189,47 @@ def _native_nodes(model: onnx.ModelProto, matmul: bool = True):
             zero_points = node.input[3] if len(node.input) > 3 else ""
             return (native.takes_matmul(attributes(node)) and node.input[0] in floats
                     and (not zero_points or zero_points in uint8))
+        if node.op_type == MATMUL_F28.name and matmul:
+            return native.has_float28_matmul() and node.input[0] in floats
         return False
     return keep
+
+
+def _unpacked_float28(model: onnx.ModelProto, weights: dict[str, np.ndarray],
+                      keep: Callable[[onnx.NodeProto], bool] | None) -> onnx.ModelProto:
+    """A copy of `model` whose MatMulF28 nodes that `keep` does not give the native library are onnxruntime
+    MatMuls on their weights unpacked to float32 here (onnxruntime has no op to reinterpret bits as floats);
+    `model` itself is left alone when there are none."""
+    unpacked = [node for node in model.graph.node if node.domain == CUSTOM_DOMAIN
+                and node.op_type == MATMUL_F28.name and not (keep is not None and keep(node))]
+    if not unpacked:
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    inline = {t.name: t for t in copy.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL}
+
+    def value(name: str) -> np.ndarray:
+        # large operands are the artifact's mapped weights; small ones (offsets, few exceptions) are in the graph
+        return weights[name] if name in weights else numpy_helper.to_array(inline[name])
+
+    made: dict[str, str] = {}
+    for node in copy.graph.node:
+        if node.domain != CUSTOM_DOMAIN or node.op_type != MATMUL_F28.name or (keep is not None and keep(node)):
+            continue
+        packed = node.input[MatMulF28Input.PACKED]
+        if packed not in made:
+            made[packed] = f"{packed}/float32"
+            operands = [value(node.input[slot]) for slot in (MatMulF28Input.PACKED, MatMulF28Input.OFFSETS,
+                                                             MatMulF28Input.POSITIONS, MatMulF28Input.VALUES)]
+            copy.graph.initializer.append(numpy_helper.from_array(float28.unpack(*operands, **attributes(node)),
+                                                                  made[packed]))
+        a = node.input[MatMulF28Input.A]
+        node.CopyFrom(helper.make_node("MatMul", [a, made[packed]], list(node.output), name=node.name))
+    used = {name for node in copy.graph.node for name in node.input}
+    kept_initializers = [t for t in copy.graph.initializer if t.name in used]
+    del copy.graph.initializer[:]
+    copy.graph.initializer.extend(kept_initializers)
+    return copy
 
 
 class _SegmentStep:
@@ -200,6 +242,7 @@ class _SegmentStep:
             if library is not None:
                 keep = _native_nodes(model, native_matmul)
                 model = with_input_scales(model, keep)
+            model = _unpacked_float28(model, weights, keep)
             self._session = _ort_session(lower_for_onnxruntime(model, keep), artifact, threads, spinning,
                                          stop_spinning, library, share_weights)
             self._weights_fed = {}

@@ -86,6 +86,14 @@ class MatMulQuantInput(IntEnum):
     INPUT_SCALE = 4
 
 
+class MatMulF28Input(IntEnum):
+    A = 0
+    PACKED = 1  # uint8 [ceil(N/16), K, 56] (runtime/kernels/float28.py)
+    OFFSETS = 2  # int32 [ceil(N/16) + 1]: each panel's exceptions
+    POSITIONS = 3  # int32 [exceptions]: k · 16 + column within the panel
+    VALUES = 4  # float32 [exceptions]
+
+
 class GatherInt4Input(IntEnum):
     TABLE = 0
     INDICES = 1
@@ -122,9 +130,10 @@ PAGED_ATTENTION = Op("PagedAttention", PagedAttentionInput, defaults={
 MATMUL_INT4 = Op("MatMulInt4", MatMulQuantInput, defaults={"bits": 4, "accuracy_level": 0})
 MATMUL_INT8 = Op("MatMulInt8", MatMulQuantInput)
 GATHER_INT4 = Op("GatherInt4", GatherInt4Input, defaults={"bits": 4})
+MATMUL_F28 = Op("MatMulF28", MatMulF28Input)
 
 OPS: dict[str, Op] = {op.name: op for op in (RMS_NORM, ADD_RMS_NORM, SWIGLU, MOE, FUSED_ATTENTION, PAGED_ATTENTION,
-                                             MATMUL_INT4, MATMUL_INT8, GATHER_INT4)}
+                                             MATMUL_INT4, MATMUL_INT8, GATHER_INT4, MATMUL_F28)}
 ATTENTION_OPS = (FUSED_ATTENTION.name, PAGED_ATTENTION.name)
 
 
@@ -241,6 +250,8 @@ ATTRIBUTE_RULES: dict[str, dict[str, Attr]] = {
     MATMUL_INT4.name: {**_QUANT_ATTRS, "N": Attr(low=1), "accuracy_level": Attr(choices=(0, 1, 2, 3, 4))},
     MATMUL_INT8.name: {},
     GATHER_INT4.name: _QUANT_ATTRS,
+    # a window's lowest exponent is 1 .. 240: normal, and its 15th below 255 (infinities and NaN)
+    MATMUL_F28.name: {"K": Attr(low=1), "N": Attr(low=1), "bias": Attr(low=0, high=239)},
 }
 
 Shape = tuple  # a tensor's dims as the loader knows them: ints, or None where a dim is not known
@@ -359,6 +370,18 @@ def _quantized_table_checks(node, attrs, shape_of, columns: int | None, table: I
     return None
 
 
+def _float28_checks(node, attrs, shape_of) -> str | None:
+    """The packed weight `[ceil(N/16), K, 56]` and its exceptions' panel offsets `[ceil(N/16) + 1]`."""
+    panels = -(-attrs["N"] // 16)
+    for slot, expected in ((MatMulF28Input.PACKED, (panels, attrs["K"], 56)), (MatMulF28Input.OFFSETS, (panels + 1,))):
+        shape = _operand(node, slot, shape_of)
+        if shape is not None and (len(shape) != len(expected)
+                                  or any(isinstance(a, int) and a != e for a, e in zip(shape, expected))):
+            return (f"{slot.name.lower()} has shape {list(shape)}, K {attrs['K']} and N {attrs['N']} make "
+                    f"{list(expected)}")
+    return None
+
+
 _CROSS_CHECKS: dict[str, Callable[[onnx.NodeProto, dict, Callable], str | None]] = {
     FUSED_ATTENTION.name: _fused_attention_checks,
     PAGED_ATTENTION.name: _paged_attention_checks,
@@ -366,4 +389,5 @@ _CROSS_CHECKS: dict[str, Callable[[onnx.NodeProto, dict, Callable], str | None]]
         node, attrs, shape_of, attrs["N"], MatMulQuantInput.B, MatMulQuantInput.SCALES),
     GATHER_INT4.name: lambda node, attrs, shape_of: _quantized_table_checks(
         node, attrs, shape_of, None, GatherInt4Input.TABLE, GatherInt4Input.SCALES),
+    MATMUL_F28.name: _float28_checks,
 }

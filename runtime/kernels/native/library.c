@@ -67,14 +67,15 @@ void common_op(OrtCustomOp* op) {
   op->GetVariadicOutputHomogeneity = variadic_homogeneity;
 }
 
-static OrtCustomOp g_ops[3];
+static OrtCustomOp g_ops[4];
 
 __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
   g_api = base->GetApi(ORT_API_VERSION_USED);
   if (!g_api) return NULL; /* an onnxruntime older than the API this library uses cannot say so any other way */
   paged_attention_op(&g_ops[0]);
   swiglu_op(&g_ops[1]);
-  const size_t count = 2 + (size_t)matmul_int4_op(&g_ops[2]);
+  size_t count = 2 + (size_t)matmul_int4_op(&g_ops[2]);
+  count += (size_t)matmul_f28_op(&g_ops[count]);
   OrtCustomOpDomain* domain = NULL;
   OrtStatus* status = ORT_CALL(g_api, CreateCustomOpDomain)(DOMAIN, &domain);
   for (size_t i = 0; !status && i < count; i++)

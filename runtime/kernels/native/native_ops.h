@@ -73,5 +73,7 @@ void paged_attention_op(OrtCustomOp* op);
 void swiglu_op(OrtCustomOp* op);
 /* fills `op` and returns 1 where the CPU has what a kernel needs (AVX-512 VNNI, or AVX2 and FMA), else 0 */
 int matmul_int4_op(OrtCustomOp* op);
+/* fills `op` and returns 1 where the CPU has AVX-512 with VBMI (matmul_f28.c), else 0 */
+int matmul_f28_op(OrtCustomOp* op);
 
 #endif

@@ -1,0 +1,128 @@
+"""F28: float32 matmul weights stored in 28 bits each, losslessly, and the MatMulF28 op that reads them.
+
+A float32 weight is a sign, an 8-bit exponent and a 23-bit mantissa. A trained matrix's nonzero weights
+span few binades: nearly all of them fall in one window of 15 exponents, so each weight keeps its sign and
+mantissa and a 4-bit code for its exponent in the window (`bias` + 1 .. `bias` + 15); code 0 is a zero.
+The few weights outside the window (tiny ones, denormals, -0.0) are coded 0 and listed beside the matrix as
+exceptions, with their exact values. A batch-1 decode step reads every weight once, so reading 3.5 bytes a
+weight instead of 4 makes an FP32 step's matmuls ~12% shorter, with the float32 model's values exactly.
+
+Layout (`pack`), for a MatMul's B `[K, N]`: panels of 16 columns (the last one zero-padded), each stored k
+by k as 16 codes of 28 bits in 56 bytes (code j at bits 28j .. 28j+27, little-endian): `packed` uint8
+`[ceil(N/16), K, 56]`. A code is `sign << 27 | (exponent - bias) << 23 | mantissa`. Exceptions: `positions`
+int32 (k · 16 + column within its panel), `values` float32, grouped by panel, panel p's from `offsets[p]` to
+`offsets[p + 1]` (int32 `[ceil(N/16) + 1]`).
+
+The native kernel (runtime/kernels/native/matmul_f28.c) computes the op on CPUs with AVX-512 VBMI; elsewhere
+the executor unpacks the weight once at load and onnxruntime runs a MatMul (runtime/executor.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.kernels import register_kernel
+from runtime.ops import MATMUL_F28
+
+PANEL = 16  # columns of a panel: one 512-bit vector of float32
+GROUP_BYTES = PANEL * 28 // 8  # one k of a panel
+WINDOW = 15  # exponents a 4-bit code covers (code 0 is zero)
+MAX_EXCEPTIONS = 0.01  # a matrix with more of its weights outside any window stays float32
+
+
+@dataclass(frozen=True)
+class PackedF28:
+    """One weight in F28: what MatMulF28 reads besides A, and its attributes."""
+
+    packed: np.ndarray  # uint8 [panels, K, 56]
+    offsets: np.ndarray  # int32 [panels + 1]
+    positions: np.ndarray  # int32 [exceptions]
+    values: np.ndarray  # float32 [exceptions]
+    K: int
+    N: int
+    bias: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.offsets.nbytes + self.positions.nbytes + self.values.nbytes
+
+
+def pack(weight: np.ndarray, max_exceptions: float = MAX_EXCEPTIONS) -> PackedF28 | None:
+    """`weight` (float32 `[K, N]`) in F28, or None where it does not pay: a weight that is not finite, or more
+    than `max_exceptions` of them outside the best window of 15 exponents."""
+    if weight.dtype != np.float32 or weight.ndim != 2 or 0 in weight.shape:
+        return None
+    k, n = weight.shape
+    panels = -(-n // PANEL)
+    source = np.asarray(weight).view(np.uint32)
+    exponent = (source >> 23) & 0xFF
+    if np.any(exponent == 0xFF):
+        return None
+    nonzero = (source & 0x7FFFFFFF) != 0
+    # the window of 15 normal exponents holding the most nonzero weights; denormals (exponent 0) never coded
+    counts = np.bincount(exponent[nonzero], minlength=256)[1:255]
+    lowest = 1 + int(np.argmax(np.convolve(counts, np.ones(WINDOW, np.int64), "valid"))) if counts.any() else 1
+    outside = np.count_nonzero(source) - np.count_nonzero(nonzero & (exponent >= lowest) & (exponent < lowest + WINDOW))
+    if outside > max_exceptions * weight.size:
+        return None
+    del exponent, nonzero
+    packed = np.empty((panels, k, PANEL // 2, 7), np.uint8)
+    positions, values, counts = [], [], np.zeros(panels, np.int64)
+    step = max(1, (1 << 20) // (k * PANEL))  # panels a chunk: temporaries of a few MB, in the caches
+    for first in range(0, panels, step):
+        last = min(panels, first + step)
+        chunk = np.zeros((k, (last - first) * PANEL), np.uint32)
+        columns = source[:, first * PANEL:min(n, last * PANEL)]
+        chunk[:, :columns.shape[1]] = columns
+        bits = np.ascontiguousarray(chunk.reshape(k, last - first, PANEL).transpose(1, 0, 2))  # [panels, K, 16]
+        codes, outliers = _codes(bits, lowest)
+        pairs = codes[..., 0::2].astype(np.uint64) | codes[..., 1::2].astype(np.uint64) << np.uint64(28)
+        packed[first:last] = pairs.view(np.uint8).reshape(last - first, k, PANEL // 2, 8)[..., :7]
+        flat = np.flatnonzero(outliers)  # by panel, then k, then column: the order the kernel applies them
+        panel_of, position = np.divmod(flat, k * PANEL)
+        counts[first:last] = np.bincount(panel_of, minlength=last - first)
+        positions.append(position.astype(np.int32))
+        values.append(bits.reshape(-1)[flat].view(np.float32))
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    return PackedF28(packed.reshape(panels, k, GROUP_BYTES), offsets, np.concatenate(positions),
+                     np.concatenate(values), k, n, lowest - 1)
+
+
+def _codes(bits: np.ndarray, lowest: int) -> tuple[np.ndarray, np.ndarray]:
+    """The 28-bit codes of float32 `bits` for the window from exponent `lowest`, and where a weight is an
+    exception (outside the window, not +0.0)."""
+    exponent = (bits >> 23) & 0xFF
+    coded = ((bits & 0x7FFFFFFF) != 0) & (exponent >= lowest) & (exponent < lowest + WINDOW)
+    codes = np.where(coded, (bits >> 31) << 27 | (exponent - np.uint32(lowest - 1)) << 23 | (bits & 0x7FFFFF),
+                     np.uint32(0))
+    return codes, ~coded & (bits != 0)
+
+
+def unpack(packed: np.ndarray, offsets: np.ndarray, positions: np.ndarray, values: np.ndarray, *, K: int, N: int,
+           bias: int) -> np.ndarray:
+    """The float32 `[K, N]` weight that `pack` stored, bit for bit."""
+    panels = -(-N // PANEL)
+    groups = np.asarray(packed, np.uint8).reshape(panels, K, PANEL // 2, 7)
+    wide = np.zeros((panels, K, PANEL // 2, 8), np.uint8)
+    wide[..., :7] = groups
+    pairs = wide.view(np.uint64)[..., 0]
+    codes = np.empty((panels, K, PANEL), np.uint32)
+    codes[..., 0::2] = pairs & np.uint64(0xFFFFFFF)
+    codes[..., 1::2] = (pairs >> np.uint64(28)) & np.uint64(0xFFFFFFF)
+    code_exponent = (codes >> 23) & 15
+    bits = np.where(code_exponent != 0,
+                    (codes >> 27) << 31 | (code_exponent + np.uint32(bias)) << 23 | (codes & 0x7FFFFF), 0).astype(np.uint32)
+    offsets = np.asarray(offsets, np.int64)
+    panel_of = np.repeat(np.arange(panels), np.diff(offsets))
+    bits.reshape(-1)[panel_of * K * PANEL + np.asarray(positions, np.int64)] = np.asarray(values, np.float32).view(np.uint32)
+    return np.ascontiguousarray(bits.transpose(1, 0, 2).reshape(K, panels * PANEL)[:, :N]).view(np.float32)
+
+
+@register_kernel(MATMUL_F28)
+def MatMulF28(a: np.ndarray, packed: np.ndarray, offsets: np.ndarray, positions: np.ndarray, values: np.ndarray, *,
+              K: int, N: int, bias: int) -> np.ndarray:
+    """a · W with the float32 weight W `[K, N]` stored in F28 (`pack`)."""
+    weight = unpack(packed, offsets, positions, values, K=K, N=N, bias=bias)
+    return np.matmul(a.astype(np.float32), weight)

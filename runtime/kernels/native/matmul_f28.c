@@ -1,0 +1,366 @@
+/* cann::MatMulF28 as an onnxruntime custom op: y = A · W with the float32 weight W [K, N] stored in F28 (28 bits a
+   weight, lossless: runtime/kernels/float28.py describes the layout and is the reference). Inputs: A float32
+   [..., K], the packed panels uint8 [ceil(N/16)][K][56], the exceptions' panel offsets int32 [ceil(N/16) + 1],
+   their positions int32 (k · 16 + column) and values float32; attributes K, N, bias.
+
+   A group of 16 codes (56 bytes) becomes a vector of 16 floats in six instructions: `vpermb` puts each code's
+   four bytes in its lane, a shift left by 4 (even codes) or 0 (odd ones) puts its 28 bits at the top, an
+   arithmetic shift right by 4 puts the sign at bit 31 (and copies of it in bits 27-30), an AND clears those,
+   and the window's bias is added to the exponent field of the lanes whose code is not 0 (a zero stays 0.0).
+   An exception is coded 0 and added after its panel's sums, as a[k] · value.
+
+   Up to GEMV_ROWS rows (decode) each task streams a range of panels once, unpacking each group once for
+   every row, with software prefetch ahead: reading 3.5 bytes a weight is what makes it faster than
+   onnxruntime's MatMul on float32 (docs/performance.md#fp32-weights-in-28-bits). From more rows on, each task
+   unpacks two panels at a time into a scratch of K · 32 floats and runs a 12-row by 32-column tile over it,
+   the shape of MLAS's own SGEMM kernel, so that prefill stays as fast as onnxruntime's MatMul.
+   Built where the compiler targets AVX-512 with VBMI (`vpermb`); elsewhere the op is not registered and the
+   executor unpacks the weight at load for onnxruntime's MatMul (runtime/executor.py). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "native_ops.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#define MATMUL_F28_ISA 512
+#else
+#define MATMUL_F28_ISA 0
+#endif
+
+#if MATMUL_F28_ISA
+
+#include <immintrin.h>
+
+#define GROUP 56           /* bytes of one k of a panel: 16 codes of 28 bits */
+#define GEMV_ROWS 4        /* rows up to which each group is unpacked once for all of them (decode) */
+#define TILE_ROWS 12       /* rows of the GEMM tile: 24 accumulators, 2 weight vectors and a broadcast */
+#define PREFETCH 4096      /* bytes ahead of the panel being read (as the INT4 kernel's) */
+#define MAX_GEMV_TASKS 16  /* parallel tasks a decode call splits its panels into, as MatMulInt4 */
+#define GEMM_TASKS 32      /* at most: each with a scratch of its own, made once a call */
+#define SCRATCH_BYTES (256 * 1024) /* unpacked pairs a task holds at a time: half of L2, where they are reread */
+
+typedef struct {
+  int64_t K, N, bias;
+  const int32_t* checked; /* the exception positions last found in bounds (constant inputs: checked once) */
+} Kernel;
+
+typedef struct {
+  const Kernel* k;
+  const float* a;
+  const uint8_t* packed;
+  const int32_t* offsets;
+  const int32_t* positions;
+  const float* values;
+  float* y;
+  int64_t m, panels, per_task; /* per_task: panels of a decode task, pairs of panels of a GEMM one */
+  float* scratch;              /* GEMM: [tasks][batch][K · 32] unpacked pairs of panels */
+  int64_t tasks, batch;        /* batch: pairs unpacked at a time, SCRATCH_BYTES at most (one at least) */
+} Work;
+
+typedef struct {
+  __m512i index, shift, keep, exponent, bias;
+} Unpacker;
+
+static Unpacker unpacker(int64_t bias) {
+  uint8_t index[64];
+  for (int j = 0; j < 16; j++)
+    for (int t = 0; t < 4; t++) index[4 * j + t] = (uint8_t)(7 * j / 2 + t); /* code j starts at bit 28j */
+  Unpacker u = {_mm512_loadu_si512(index), _mm512_set_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4),
+                _mm512_set1_epi32((int)0x87FFFFFF), _mm512_set1_epi32(0x07800000), _mm512_set1_epi32((int)(bias << 23))};
+  return u;
+}
+
+static inline __m512 decode(const Unpacker* u, __m512i bytes) {
+  __m512i d = _mm512_permutexvar_epi8(u->index, bytes);
+  d = _mm512_and_si512(_mm512_srai_epi32(_mm512_sllv_epi32(d, u->shift), 4), u->keep);
+  return _mm512_castsi512_ps(_mm512_mask_add_epi32(d, _mm512_test_epi32_mask(d, u->exponent), d, u->bias));
+}
+
+/* the 16 floats of one group, read with a 64-byte load: 8 bytes past the group, so never the tensor's last */
+static inline __m512 unpack16(const Unpacker* u, const uint8_t* group) { return decode(u, _mm512_loadu_si512(group)); }
+
+/* the same for the tensor's last group, read with a masked load that stops at its end (slower: a byte mask
+   made the decode loop ~15% slower when every group took it) */
+static inline __m512 unpack16_last(const Unpacker* u, const uint8_t* group) {
+  return decode(u, _mm512_maskz_loadu_epi8(0x00FFFFFFFFFFFFFFull, group));
+}
+
+/* group kk of a panel, `last` when the panel is the tensor's last */
+static inline __m512 unpack_at(const Unpacker* u, const uint8_t* panel, int64_t kk, int64_t K, int last) {
+  return last && kk == K - 1 ? unpack16_last(u, panel + kk * GROUP) : unpack16(u, panel + kk * GROUP);
+}
+
+static inline __mmask16 columns_mask(const Kernel* k, int64_t panel) {
+  const int64_t left = k->N - panel * 16;
+  return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+
+/* panel p's exceptions added to `sums` (rows × 16 floats, row r at r · 16) */
+static void exceptions(const Work* w, int64_t p, float* sums, int64_t rows) {
+  const int64_t K = w->k->K;
+  for (int32_t e = w->offsets[p]; e < w->offsets[p + 1]; e++) {
+    const int64_t kk = w->positions[e] >> 4, lane = w->positions[e] & 15;
+    for (int64_t r = 0; r < rows; r++) sums[r * 16 + lane] += w->a[r * K + kk] * w->values[e];
+  }
+}
+
+/* decode: ROWS rows of every panel in [p0, p1), each group unpacked once */
+#define GEMV(ROWS)                                                                                                   \
+  static void gemv_##ROWS(const Work* w, int64_t p0, int64_t p1) {                                                   \
+    const Kernel* k = w->k;                                                                                          \
+    const int64_t K = k->K;                                                                                          \
+    const Unpacker u = unpacker(k->bias);                                                                            \
+    for (int64_t p = p0; p < p1; p++) {                                                                              \
+      const uint8_t* src = w->packed + p * K * GROUP;                                                                \
+      __m512 even[ROWS], odd[ROWS];                                                                                  \
+      for (int r = 0; r < ROWS; r++) even[r] = odd[r] = _mm512_setzero_ps();                                         \
+      const int last = p == w->panels - 1;                                                                           \
+      int64_t kk = 0;                                                                                                \
+      for (; kk + 2 <= K - last; kk += 2) {                                                                          \
+        _mm_prefetch((const char*)src + kk * GROUP + PREFETCH, _MM_HINT_T0);                                         \
+        _mm_prefetch((const char*)src + kk * GROUP + PREFETCH + 64, _MM_HINT_T0);                                    \
+        const __m512 w0 = unpack16(&u, src + kk * GROUP), w1 = unpack16(&u, src + (kk + 1) * GROUP);                 \
+        for (int r = 0; r < ROWS; r++) {                                                                             \
+          even[r] = _mm512_fmadd_ps(_mm512_set1_ps(w->a[r * K + kk]), w0, even[r]);                                  \
+          odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(w->a[r * K + kk + 1]), w1, odd[r]);                                \
+        }                                                                                                            \
+      }                                                                                                              \
+      for (; kk < K; kk++) {                                                                                         \
+        const __m512 w0 = unpack_at(&u, src, kk, K, last);                                                           \
+        for (int r = 0; r < ROWS; r++) even[r] = _mm512_fmadd_ps(_mm512_set1_ps(w->a[r * K + kk]), w0, even[r]);     \
+      }                                                                                                              \
+      float sums[ROWS * 16];                                                                                         \
+      for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(sums + r * 16, _mm512_add_ps(even[r], odd[r]));               \
+      exceptions(w, p, sums, ROWS);                                                                                   \
+      const __mmask16 mask = columns_mask(k, p);                                                                     \
+      for (int r = 0; r < ROWS; r++) _mm512_mask_storeu_ps(w->y + r * k->N + p * 16, mask, _mm512_loadu_ps(sums + r * 16)); \
+    }                                                                                                                \
+  }
+GEMV(1)
+GEMV(2)
+GEMV(3)
+GEMV(4)
+
+static void gemv_task(void* work, size_t task) {
+  const Work* w = (const Work*)work;
+  const int64_t p0 = (int64_t)task * w->per_task, p1 = p0 + w->per_task < w->panels ? p0 + w->per_task : w->panels;
+  switch (w->m) {
+    case 1: gemv_1(w, p0, p1); break;
+    case 2: gemv_2(w, p0, p1); break;
+    case 3: gemv_3(w, p0, p1); break;
+    default: gemv_4(w, p0, p1); break;
+  }
+}
+
+/* TILE_ROWS rows of a, ld apart, times the scratch's 32 columns (k by k) into y, ld_y apart, the columns of
+   `mask` (low 16: the first panel, high 16: the second). Its own function, so that nothing of the unpacking
+   stays live in the registers the 24 accumulators need. */
+__attribute__((noinline)) static void tile_12(const float* a, int64_t lda, const float* scratch, int64_t K, float* y,
+                                              int64_t ldy, __mmask16 first, __mmask16 second) {
+#define ROW(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = _mm512_setzero_ps();
+  ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7) ROW(8) ROW(9) ROW(10) ROW(11)
+#undef ROW
+  for (int64_t kk = 0; kk < K; kk++) {
+    const __m512 b0 = _mm512_load_ps(scratch + kk * 32), b1 = _mm512_load_ps(scratch + kk * 32 + 16);
+#define ROW(i)                                                      \
+  {                                                                 \
+    const __m512 av = _mm512_set1_ps(a[i * lda + kk]);              \
+    c##i##0 = _mm512_fmadd_ps(av, b0, c##i##0);                     \
+    c##i##1 = _mm512_fmadd_ps(av, b1, c##i##1);                     \
+  }
+    ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7) ROW(8) ROW(9) ROW(10) ROW(11)
+#undef ROW
+  }
+#define ROW(i)                                                      \
+  _mm512_mask_storeu_ps(y + i * ldy, first, c##i##0);               \
+  _mm512_mask_storeu_ps(y + i * ldy + 16, second, c##i##1);
+  ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7) ROW(8) ROW(9) ROW(10) ROW(11)
+#undef ROW
+}
+
+/* the same for fewer rows (a call's last ones): one function per count, its accumulators in registers */
+#define TILE(ROWS)                                                                                                  \
+  __attribute__((noinline)) static void tile_##ROWS(const float* a, int64_t lda, const float* scratch, int64_t K,  \
+                                                    float* y, int64_t ldy, __mmask16 first, __mmask16 second) {    \
+    __m512 c0[ROWS], c1[ROWS];                                                                                      \
+    for (int i = 0; i < ROWS; i++) c0[i] = c1[i] = _mm512_setzero_ps();                                             \
+    for (int64_t kk = 0; kk < K; kk++) {                                                                            \
+      const __m512 b0 = _mm512_load_ps(scratch + kk * 32), b1 = _mm512_load_ps(scratch + kk * 32 + 16);            \
+      for (int i = 0; i < ROWS; i++) {                                                                              \
+        const __m512 av = _mm512_set1_ps(a[i * lda + kk]);                                                          \
+        c0[i] = _mm512_fmadd_ps(av, b0, c0[i]);                                                                     \
+        c1[i] = _mm512_fmadd_ps(av, b1, c1[i]);                                                                     \
+      }                                                                                                             \
+    }                                                                                                               \
+    for (int i = 0; i < ROWS; i++) {                                                                                \
+      _mm512_mask_storeu_ps(y + i * ldy, first, c0[i]);                                                             \
+      _mm512_mask_storeu_ps(y + i * ldy + 16, second, c1[i]);                                                       \
+    }                                                                                                               \
+  }
+TILE(1)
+TILE(2)
+TILE(3)
+TILE(4)
+TILE(5)
+TILE(6)
+TILE(7)
+TILE(8)
+TILE(9)
+TILE(10)
+TILE(11)
+
+typedef void (*Tile)(const float*, int64_t, const float*, int64_t, float*, int64_t, __mmask16, __mmask16);
+static const Tile TILES[TILE_ROWS + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6, tile_7, tile_8, tile_9,
+                                          tile_10, tile_11, tile_12};
+
+/* many rows: the task's pairs of panels, a few at a time unpacked into its scratch (kept in L2) with their
+   exceptions' values in place, every tile of rows run over each of them while the rows stay in L1 */
+static void gemm_task(void* work, size_t task) {
+  const Work* w = (const Work*)work;
+  const Kernel* k = w->k;
+  const int64_t K = k->K, N = k->N, pairs = (w->panels + 1) / 2;
+  float* scratch = w->scratch + (int64_t)task * w->batch * K * 32;
+  const Unpacker u = unpacker(k->bias);
+  const int64_t end = (int64_t)(task + 1) * w->per_task < pairs ? (int64_t)(task + 1) * w->per_task : pairs;
+  for (int64_t first_pair = (int64_t)task * w->per_task; first_pair < end; first_pair += w->batch) {
+    const int64_t count = end - first_pair < w->batch ? end - first_pair : w->batch;
+    for (int64_t i = 0; i < 2 * count; i++) {
+      const int64_t p = 2 * first_pair + i;
+      float* to = scratch + i / 2 * K * 32 + i % 2 * 16;
+      const uint8_t* src = w->packed + p * K * GROUP;
+      for (int64_t kk = 0; kk < K; kk++) {
+        _mm_prefetch((const char*)src + kk * GROUP + PREFETCH, _MM_HINT_T0);
+        _mm512_store_ps(to + kk * 32, p < w->panels ? unpack_at(&u, src, kk, K, p == w->panels - 1) : _mm512_setzero_ps());
+      }
+      for (int32_t e = p < w->panels ? w->offsets[p] : 0; p < w->panels && e < w->offsets[p + 1]; e++)
+        to[(w->positions[e] >> 4) * 32 + (w->positions[e] & 15)] = w->values[e];
+    }
+    for (int64_t r = 0; r < w->m; r += TILE_ROWS) {
+      const int64_t rows = w->m - r < TILE_ROWS ? w->m - r : TILE_ROWS;
+      for (int64_t i = 0; i < count; i++) {
+        const int64_t p = 2 * (first_pair + i);
+        const __mmask16 first = columns_mask(k, p), second = p + 1 < w->panels ? columns_mask(k, p + 1) : 0;
+        TILES[rows](w->a + r * K, K, scratch + i * K * 32, K, w->y + r * N + p * 16, N, first, second);
+      }
+    }
+  }
+}
+
+static OrtStatus* input(OrtKernelContext* context, size_t index, Tensor* out) {
+  const OrtValue* value = NULL;
+  OrtStatus* status = ORT_CALL(g_api, KernelContext_GetInput)(context, index, &value);
+  if (!status && !value) return fail("MatMulF28: a required input is missing");
+  return status ? status : tensor_of(value, out);
+}
+
+static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
+  Kernel* k = (Kernel*)kernel;
+  Tensor a, packed, offsets, positions, values;
+  OrtStatus* status = input(context, 0, &a);
+  if (!status) status = input(context, 1, &packed);
+  if (!status) status = input(context, 2, &offsets);
+  if (!status) status = input(context, 3, &positions);
+  if (!status) status = input(context, 4, &values);
+  if (status) return status;
+  const int64_t panels = (k->N + 15) / 16;
+  if (a.rank < 1 || a.dims[a.rank - 1] != k->K) return fail("MatMulF28: A's last axis is not K");
+  if (elements(&packed) != panels * k->K * GROUP) return fail("MatMulF28: the packed weight is not [ceil(N/16), K, 56]");
+  if (elements(&offsets) != panels + 1) return fail("MatMulF28: the exception offsets are not [ceil(N/16) + 1]");
+  const int32_t* offset = (const int32_t*)offsets.data;
+  const int32_t* position = (const int32_t*)positions.data;
+  if (elements(&positions) != elements(&values) || offset[0] != 0 || offset[panels] != elements(&positions))
+    return fail("MatMulF28: the exception offsets do not span its positions and values");
+  if (__atomic_load_n(&k->checked, __ATOMIC_ACQUIRE) != position) {
+    for (int64_t p = 0; p < panels; p++)
+      if (offset[p + 1] < offset[p]) return fail("MatMulF28: the exception offsets decrease");
+    for (int64_t e = 0; e < elements(&positions); e++) /* a wrong position would read and write out of bounds */
+      if (position[e] < 0 || position[e] >= k->K * 16) return fail("MatMulF28: an exception position is outside [0, K · 16)");
+    __atomic_store_n(&k->checked, position, __ATOMIC_RELEASE);
+  }
+  int64_t dims[6];
+  memcpy(dims, a.dims, sizeof(dims));
+  dims[a.rank - 1] = k->N;
+  OrtValue* output = NULL;
+  float* y = NULL;
+  status = ORT_CALL(g_api, KernelContext_GetOutput)(context, 0, dims, a.rank, &output);
+  if (!status) status = ORT_CALL(g_api, GetTensorMutableData)(output, (void**)&y);
+  if (status) return status;
+  const int64_t m = elements(&a) / k->K;
+  if (m == 0) return NULL;
+  Work w = {k, a.data, (const uint8_t*)packed.data, offset, position, values.data, y, m, panels, 0, NULL, 0, 1};
+  if (m <= GEMV_ROWS) {
+    /* four rows at a time share each unpacked group: more than four rows go in passes of at most four */
+    for (int64_t r = 0; r < m && !status; r += GEMV_ROWS) {
+      Work part = w;
+      part.a = w.a + r * k->K;
+      part.y = w.y + r * k->N;
+      part.m = m - r < GEMV_ROWS ? m - r : GEMV_ROWS;
+      part.per_task = (panels + MAX_GEMV_TASKS - 1) / MAX_GEMV_TASKS;
+      const size_t tasks = (size_t)((panels + part.per_task - 1) / part.per_task);
+      status = ORT_CALL(g_api, KernelContext_ParallelFor)(context, gemv_task, tasks, 0, &part);
+    }
+    return status;
+  }
+  const int64_t pairs = (panels + 1) / 2;
+  w.tasks = pairs < GEMM_TASKS ? pairs : GEMM_TASKS;
+  w.per_task = (pairs + w.tasks - 1) / w.tasks;
+  w.tasks = (pairs + w.per_task - 1) / w.per_task;
+  w.batch = SCRATCH_BYTES / (k->K * 32 * (int64_t)sizeof(float));
+  w.batch = w.batch < 1 ? 1 : w.batch > w.per_task ? w.per_task : w.batch;
+  w.scratch = (float*)aligned_alloc(64, (size_t)(w.tasks * w.batch * k->K * 32) * sizeof(float));
+  if (!w.scratch) return fail("MatMulF28: out of memory for the unpacked weights' scratch");
+  status = ORT_CALL(g_api, KernelContext_ParallelFor)(context, gemm_task, (size_t)w.tasks, 0, &w);
+  free(w.scratch);
+  return status;
+}
+
+static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
+  (void)op;
+  (void)api;
+  Kernel* k = (Kernel*)calloc(1, sizeof(Kernel));
+  if (!k) return fail("out of memory for a MatMulF28 kernel");
+  OrtStatus* status = int_attribute(info, "K", &k->K);
+  if (!status) status = int_attribute(info, "N", &k->N);
+  if (!status) status = int_attribute(info, "bias", &k->bias);
+  if (!status && (k->K < 1 || k->N < 1 || k->bias < 0 || k->bias > 239 || k->K * 16 > INT32_MAX))
+    status = fail("MatMulF28: K and N must be positive, K · 16 an int32, and bias in [0, 239]");
+  if (status) {
+    free(k);
+    return status;
+  }
+  *out = k;
+  return NULL;
+}
+
+static const char* op_name(const OrtCustomOp* op) { (void)op; return "MatMulF28"; }
+static size_t five(const OrtCustomOp* op) { (void)op; return 5; }
+static size_t one(const OrtCustomOp* op) { (void)op; return 1; }
+static ONNXTensorElementDataType input_type(const OrtCustomOp* op, size_t i) {
+  (void)op;
+  return i == 1 ? ORT_UINT8 : i == 2 || i == 3 ? ORT_INT32 : ORT_FLOAT;
+}
+static ONNXTensorElementDataType float32(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_FLOAT; }
+
+int matmul_f28_op(OrtCustomOp* op) {
+  common_op(op);
+  op->GetName = op_name;
+  op->GetInputType = input_type;
+  op->GetInputTypeCount = five;
+  op->GetOutputType = float32;
+  op->GetOutputTypeCount = one;
+  op->CreateKernelV2 = create_kernel;
+  op->KernelComputeV2 = compute;
+  return 1;
+}
+
+#else
+
+int matmul_f28_op(OrtCustomOp* op) {
+  (void)op;
+  return 0; /* no AVX-512 VBMI here: the executor unpacks F28 weights at load for onnxruntime's MatMul */
+}
+
+#endif
+
+/* whether this build registers MatMulF28 (runtime/kernels/native/__init__.py asks, through ctypes) */
+__attribute__((visibility("default"))) int cann_matmul_f28_built(void) { return MATMUL_F28_ISA; }
