@@ -72,6 +72,7 @@ class Engine:
     kind: str        # cann | genai | llama.cpp | onnxruntime
     precision: str   # fp32 | int4 (llama.cpp's Q4_1 counts as int4)
     ours: bool = False
+    f28: bool = False  # cann fp32: compiled with --compress_fp32_weight=1 (float32 weights in 28 bits, lossless)
 
 
 ENGINES = (
@@ -79,6 +80,7 @@ ENGINES = (
     Engine("onnxruntime-genai int4", "genai", "int4"),
     Engine("llama.cpp Q4_1", "llama.cpp", "int4"),
     Engine("cann-llm fp32", "cann", "fp32", ours=True),
+    Engine("cann-llm fp32 f28", "cann", "fp32", ours=True, f28=True),
     Engine("onnxruntime-genai fp32", "genai", "fp32"),
     Engine("onnxruntime fp32", "onnxruntime", "fp32"),
 )
@@ -96,9 +98,11 @@ def smollm2_export() -> Path:
     return path
 
 
-def cann_artifact(precision: str) -> Path:
-    """SmolLM2 compiled by atc, paged + flash, FP32 or INT4 AWQ g128 with the 4-bit head in blocks of 32."""
-    stem = cache_dir() / "peers" / f"smollm2-{precision}{'-awq-head4' if precision == 'int4' else ''}"
+def cann_artifact(precision: str, f28: bool = False) -> Path:
+    """SmolLM2 compiled by atc, paged + flash, FP32 (`f28`: its weights in 28 bits) or INT4 AWQ g128 with the
+    4-bit head in blocks of 32."""
+    suffix = "-awq-head4" if precision == "int4" else "-f28" if f28 else ""
+    stem = cache_dir() / "peers" / f"smollm2-{precision}{suffix}"
     if stem.with_suffix(".om").exists():
         return stem.with_suffix(".om")
     stem.parent.mkdir(parents=True, exist_ok=True)
@@ -107,6 +111,8 @@ def cann_artifact(precision: str) -> Path:
         conf = stem.with_suffix(".json")
         conf.write_text(json.dumps(INT4_CONF))
         command += ["--enable_compress_weight=1", f"--compress_weight_conf={conf}"]
+    if f28:
+        command.append("--compress_fp32_weight=1")
     run = subprocess.run(command, capture_output=True, text=True)
     if run.returncode != 0:
         raise click.ClickException(f"atc failed for {precision}:\n{(run.stdout + run.stderr)[-3000:]}")
@@ -123,7 +129,7 @@ def llama_available() -> bool:
 def model_of(engine: Engine) -> Path | None:
     """The model file or folder `engine` runs, built the first time; None when its runner is not installed."""
     if engine.kind == "cann":
-        return cann_artifact(engine.precision)
+        return cann_artifact(engine.precision, engine.f28)
     if engine.kind == "genai":
         from models.genai_builder import builder_available, genai_model
 

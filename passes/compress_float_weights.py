@@ -4,7 +4,8 @@ Each MatMul whose B is a 2-D float32 constant (directly, or through a Transpose,
 embedding table) becomes `cann::MatMulF28` reading the weight packed by runtime/kernels/float28.py: the same
 values bit for bit, 7/8 of the bytes, which is what a batch-1 decode step's time is made of. A weight whose
 values span too many exponents (more than 1% of them would be exceptions) or are not finite stays as it is.
-Other readers of a weight (the embedding Gather of a tied table) keep reading the float32 original.
+A tied table's embedding lookup (a Gather by a graph input of the table whose transpose the head reads)
+becomes `cann::GatherF28` on the head's packed weight, so the artifact holds the table once.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from passes.base import PassResult
 from passes.weight_memory import read_values
 from passes.weight_spill import WeightSpill, kept
 from runtime.kernels import float28
-from runtime.ops import CUSTOM_DOMAIN, MATMUL_F28
+from runtime.ops import CUSTOM_DOMAIN, GATHER_F28, MATMUL_F28
 
 
 def _float_weight(tensor: gs.Tensor) -> tuple[gs.Constant, bool] | None:
@@ -67,8 +68,24 @@ class CompressFloatWeights:
                                        inputs=[node.inputs[0], *operands], outputs=[output]))
             node.inputs.clear()
             result.effect_times += 1
+            if found[1]:
+                self._tied_lookups(graph, found[0], operands, bias)
         graph.cleanup(remove_unused_graph_inputs=False).toposort()
         return result
+
+    @staticmethod
+    def _tied_lookups(graph: gs.Graph, table: gs.Constant, operands: list[gs.Constant], bias: int) -> None:
+        """The embedding Gathers of `table` by a graph input, as GatherF28 on its transpose's packed operands."""
+        inputs = {t.name for t in graph.inputs}
+        for gather in [n for n in table.outputs if n.op == "Gather" and n.inputs[0] is table]:
+            if gather.inputs[1].name not in inputs or gather.attrs.get("axis", 0) != 0:
+                continue
+            output = gather.outputs[0]
+            gather.outputs.clear()
+            graph.nodes.append(gs.Node(GATHER_F28.name, name=f"{gather.name}/F28", domain=CUSTOM_DOMAIN,
+                                       attrs={"K": int(table.shape[1]), "N": int(table.shape[0]), "bias": bias},
+                                       inputs=[*operands, gather.inputs[1]], outputs=[output]))
+            gather.inputs.clear()
 
     def _pack(self, constant: gs.Constant, transposed: bool) -> tuple[list[gs.Constant], int] | None:
         values = read_values(constant)

@@ -7,8 +7,12 @@ A process's resident memory then grows with the vocabulary it has seen, towards 
 for SmolLM2 in float32), and differs with how the file came into the page cache. Read with `pread`, a row
 is copied from the page cache into the step's input and nothing stays mapped.
 
-`split_off` takes a graph's Gathers of a float table in the artifact by a graph input out of the graph:
-their outputs become graph inputs, which the executor computes (`GatheredInput`) before each run.
+A tied table stored as its head's F28 weight (`GatherF28`, runtime/kernels/float28.py) is read the same way,
+a row being a column of the head's packed panels: its panel's bytes with pread, that column decoded.
+
+`split_off` takes a graph's Gathers of a float table in the artifact by a graph input out of the graph
+(and its GatherF28s): their outputs become graph inputs, which the executor computes (`GatheredInput`)
+before each run.
 """
 
 from __future__ import annotations
@@ -20,7 +24,11 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
+from onnx import numpy_helper
+
 from runtime.errors import AtcError
+from runtime.kernels import float28
+from runtime.ops import CUSTOM_DOMAIN, GATHER_F28, GatherF28Input, attributes
 from runtime.proto_utils import graphs_within
 
 
@@ -56,11 +64,51 @@ class TableRows:
         return raw.view(self.dtype).reshape(*np.shape(ids), *self.shape[1:])
 
 
+@dataclass
+class PackedColumns:
+    """Rows of a table `[N, K]` stored as its transpose in F28 (a tied lm_head's MatMulF28 weight, its panels at
+    `offset` in the file `path`), with the weight's exceptions; read with pread, a panel a row at most."""
+
+    path: str
+    offset: int
+    name: str
+    K: int
+    N: int
+    bias: int
+    offsets: np.ndarray
+    positions: np.ndarray
+    values: np.ndarray
+
+    def __post_init__(self):
+        self._descriptor = os.open(self.path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self._descriptor)
+        self._panel_bytes = self.K * float28.GROUP_BYTES
+
+    def __call__(self, ids: np.ndarray, what: str = "ids") -> np.ndarray:
+        """The rows of integer `ids` as `TableRows` gives them (the same refusals)."""
+        flat = np.asarray(ids).reshape(-1).tolist()
+        slots: dict[int, int] = {}
+        for row in flat:
+            if not -self.N <= row < self.N:
+                raise AtcError("E10001", row, what, f"an index must be in [{-self.N}, {self.N - 1}]: {self.name} has "
+                                                    f"{self.N} rows")
+            slots.setdefault(row % self.N // float28.PANEL, len(slots))
+        blocks = np.empty((len(slots), self.K, float28.GROUP_BYTES), np.uint8)
+        for panel, slot in slots.items():
+            if os.preadv(self._descriptor, [blocks[slot]], self.offset + panel * self._panel_bytes) != self._panel_bytes:
+                raise AtcError("E13015", self.path, f"panel {panel} of {self.name} lies past the end of the file")
+        rows = np.array([row % self.N for row in flat], np.int64)
+        panels, lanes = rows // float28.PANEL, rows % float28.PANEL
+        decoded = float28.columns(blocks[[slots[p] for p in panels.tolist()]], lanes, self.bias)
+        decoded = float28.with_exceptions(decoded, panels, lanes, self.offsets, self.positions, self.values)
+        return decoded.reshape(*np.shape(ids), self.K)
+
+
 @dataclass(frozen=True)
 class GatheredInput:
     """A Gather taken out of the graph: `output` computed from the graph input `indices` before each run."""
 
-    rows: TableRows
+    rows: TableRows | PackedColumns
     indices: str
     index_dtype: np.dtype  # the input's declared type
     output: str
@@ -87,20 +135,29 @@ def split_off(model: onnx.ModelProto, weights: dict[str, np.ndarray], om) -> tup
     found = [node for node in graph.node
              if node.op_type == "Gather" and node.domain in ("", "ai.onnx") and len(node.input) == 2
              and node.input[0] in tables and node.input[1] in inputs and _axis(node) == 0]
+    found += [node for node in graph.node if node.op_type == GATHER_F28.name and node.domain == CUSTOM_DOMAIN
+              and node.input[GatherF28Input.PACKED] in weights and node.input[GatherF28Input.INDICES] in inputs]
     if not found:
         return model, []
+    inline = {t.name: t for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL}
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     graph = copy.graph
     readers = []
     for node in found:
-        table, indices, output = node.input[0], node.input[1], node.output[0]
-        view = weights[table]
+        if node.op_type == GATHER_F28.name:
+            rows, indices = _packed_columns(node, weights, inline, om), node.input[GatherF28Input.INDICES]
+        else:
+            table, indices = node.input[0], node.input[1]
+            view = weights[table]
+            rows = TableRows(str(om.path), om.file_offset(view), table, tuple(view.shape), view.dtype)
+        output = node.output[0]
         ids_type = inputs[indices].type.tensor_type
-        rows = TableRows(str(om.path), om.file_offset(view), table, tuple(view.shape), view.dtype)
         readers.append(GatheredInput(rows, indices, _INDICES[ids_type.elem_type], output))
-        graph.input.append(onnx.helper.make_tensor_value_info(output, tables[table].data_type, [
-            *(d.dim_param or d.dim_value or None for d in ids_type.shape.dim), *view.shape[1:]]))
+        element = onnx.TensorProto.FLOAT if isinstance(rows, PackedColumns) else tables[node.input[0]].data_type
+        width = (rows.K,) if isinstance(rows, PackedColumns) else rows.shape[1:]
+        graph.input.append(onnx.helper.make_tensor_value_info(output, element, [
+            *(d.dim_param or d.dim_value or None for d in ids_type.shape.dim), *width]))
     # by position: the copy's nodes are other objects than the model's
     gone = {index for index, node in enumerate(model.graph.node) if node in found}
     nodes = [node for index, node in enumerate(graph.node) if index not in gone]
@@ -116,6 +173,20 @@ def split_off(model: onnx.ModelProto, weights: dict[str, np.ndarray], om) -> tup
 # tables numpy can hand to onnxruntime as a feed (not bfloat16: its type is ml_dtypes', which onnxruntime refuses)
 _FLOATS = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16})
 _INDICES = {onnx.TensorProto.INT64: np.dtype(np.int64), onnx.TensorProto.INT32: np.dtype(np.int32)}
+
+
+def _packed_columns(node: onnx.NodeProto, weights: dict[str, np.ndarray], inline: dict, om) -> PackedColumns:
+    """The reader of a GatherF28's rows: its packed panels where the artifact holds them, its exceptions in memory
+    (large ones are the artifact's mapped weights, small ones in the graph)."""
+    def value(name: str) -> np.ndarray:
+        return np.asarray(weights[name]) if name in weights else numpy_helper.to_array(inline[name])
+
+    attrs = attributes(node)
+    packed = weights[node.input[GatherF28Input.PACKED]]
+    return PackedColumns(str(om.path), om.file_offset(packed), node.input[GatherF28Input.PACKED], attrs["K"], attrs["N"],
+                         attrs["bias"], *(value(node.input[slot]) for slot in (GatherF28Input.OFFSETS,
+                                                                               GatherF28Input.POSITIONS,
+                                                                               GatherF28Input.VALUES)))
 
 
 def _axis(node: onnx.NodeProto) -> int:

@@ -94,6 +94,14 @@ class MatMulF28Input(IntEnum):
     VALUES = 4  # float32 [exceptions]
 
 
+class GatherF28Input(IntEnum):
+    PACKED = 0  # a tied lm_head's MatMulF28 weight: the table's transpose [K = hidden, N = vocabulary]
+    OFFSETS = 1
+    POSITIONS = 2
+    VALUES = 3
+    INDICES = 4
+
+
 class GatherInt4Input(IntEnum):
     TABLE = 0
     INDICES = 1
@@ -131,9 +139,11 @@ MATMUL_INT4 = Op("MatMulInt4", MatMulQuantInput, defaults={"bits": 4, "accuracy_
 MATMUL_INT8 = Op("MatMulInt8", MatMulQuantInput)
 GATHER_INT4 = Op("GatherInt4", GatherInt4Input, defaults={"bits": 4})
 MATMUL_F28 = Op("MatMulF28", MatMulF28Input)
+GATHER_F28 = Op("GatherF28", GatherF28Input)
 
 OPS: dict[str, Op] = {op.name: op for op in (RMS_NORM, ADD_RMS_NORM, SWIGLU, MOE, FUSED_ATTENTION, PAGED_ATTENTION,
-                                             MATMUL_INT4, MATMUL_INT8, GATHER_INT4, MATMUL_F28)}
+                                             MATMUL_INT4, MATMUL_INT8, GATHER_INT4, MATMUL_F28,
+                                             GATHER_F28)}
 ATTENTION_OPS = (FUSED_ATTENTION.name, PAGED_ATTENTION.name)
 
 
@@ -252,6 +262,7 @@ ATTRIBUTE_RULES: dict[str, dict[str, Attr]] = {
     GATHER_INT4.name: _QUANT_ATTRS,
     # a window's lowest exponent is 1 .. 240: normal, and its 15th below 255 (infinities and NaN)
     MATMUL_F28.name: {"K": Attr(low=1), "N": Attr(low=1), "bias": Attr(low=0, high=239)},
+    GATHER_F28.name: {"K": Attr(low=1), "N": Attr(low=1), "bias": Attr(low=0, high=239)},
 }
 
 Shape = tuple  # a tensor's dims as the loader knows them: ints, or None where a dim is not known
@@ -370,10 +381,10 @@ def _quantized_table_checks(node, attrs, shape_of, columns: int | None, table: I
     return None
 
 
-def _float28_checks(node, attrs, shape_of) -> str | None:
+def _float28_checks(node, attrs, shape_of, slots=MatMulF28Input) -> str | None:
     """The packed weight `[ceil(N/16), K, 56]` and its exceptions' panel offsets `[ceil(N/16) + 1]`."""
     panels = -(-attrs["N"] // 16)
-    for slot, expected in ((MatMulF28Input.PACKED, (panels, attrs["K"], 56)), (MatMulF28Input.OFFSETS, (panels + 1,))):
+    for slot, expected in ((slots.PACKED, (panels, attrs["K"], 56)), (slots.OFFSETS, (panels + 1,))):
         shape = _operand(node, slot, shape_of)
         if shape is not None and (len(shape) != len(expected)
                                   or any(isinstance(a, int) and a != e for a, e in zip(shape, expected))):
@@ -390,4 +401,5 @@ _CROSS_CHECKS: dict[str, Callable[[onnx.NodeProto, dict, Callable], str | None]]
     GATHER_INT4.name: lambda node, attrs, shape_of: _quantized_table_checks(
         node, attrs, shape_of, None, GatherInt4Input.TABLE, GatherInt4Input.SCALES),
     MATMUL_F28.name: _float28_checks,
+    GATHER_F28.name: lambda node, attrs, shape_of: _float28_checks(node, attrs, shape_of, GatherF28Input),
 }

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from runtime.errors import AtcError
 from runtime.kernels import register_kernel
-from runtime.ops import MATMUL_F28
+from runtime.ops import GATHER_F28, MATMUL_F28
 
 PANEL = 16  # columns of a panel: one 512-bit vector of float32
 GROUP_BYTES = PANEL * 28 // 8  # one k of a panel
@@ -111,13 +112,57 @@ def unpack(packed: np.ndarray, offsets: np.ndarray, positions: np.ndarray, value
     codes = np.empty((panels, K, PANEL), np.uint32)
     codes[..., 0::2] = pairs & np.uint64(0xFFFFFFF)
     codes[..., 1::2] = (pairs >> np.uint64(28)) & np.uint64(0xFFFFFFF)
-    code_exponent = (codes >> 23) & 15
-    bits = np.where(code_exponent != 0,
-                    (codes >> 27) << 31 | (code_exponent + np.uint32(bias)) << 23 | (codes & 0x7FFFFF), 0).astype(np.uint32)
+    bits = _float_bits(codes, bias)
     offsets = np.asarray(offsets, np.int64)
     panel_of = np.repeat(np.arange(panels), np.diff(offsets))
     bits.reshape(-1)[panel_of * K * PANEL + np.asarray(positions, np.int64)] = np.asarray(values, np.float32).view(np.uint32)
     return np.ascontiguousarray(bits.transpose(1, 0, 2).reshape(K, panels * PANEL)[:, :N]).view(np.float32)
+
+
+def _float_bits(codes: np.ndarray, bias: int) -> np.ndarray:
+    """float32 bits of 28-bit codes (uint32): the sign and mantissa as they are, the exponent code plus `bias`;
+    code 0 is +0.0."""
+    exponent = (codes >> 23) & 15
+    return np.where(exponent != 0, (codes >> 27) << 31 | (exponent + np.uint32(bias)) << 23 | (codes & 0x7FFFFF),
+                    np.uint32(0)).astype(np.uint32)
+
+
+def columns(blocks: np.ndarray, lanes: np.ndarray, bias: int) -> np.ndarray:
+    """Column `lanes[i]` (0-15) of panel `blocks[i]` (uint8 `[n, K, 56]`, a panel's bytes) as float32 `[n, K]`,
+    exceptions still 0 (`with_exceptions` puts them in): a tied embedding's rows, read from its head's panels."""
+    lanes = np.asarray(lanes, np.int64)
+    at = (7 * lanes // 2)[:, None, None] + np.arange(4)  # the four bytes holding code lane, from bit 28·lane
+    raw = np.take_along_axis(blocks, np.broadcast_to(at, (len(lanes), blocks.shape[1], 4)), axis=2)
+    codes = (np.ascontiguousarray(raw).view(np.uint32)[..., 0] >> (4 * (lanes & 1))[:, None].astype(np.uint32))
+    return _float_bits(codes & np.uint32(0xFFFFFFF), bias).view(np.float32)
+
+
+def with_exceptions(rows: np.ndarray, panels: np.ndarray, lanes: np.ndarray, offsets: np.ndarray,
+                    positions: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """`rows` (`columns`' result for these panels and lanes) with their exceptions' values put in, in place."""
+    for row, (panel, lane) in enumerate(zip(panels.tolist(), lanes.tolist())):
+        mine = slice(int(offsets[panel]), int(offsets[panel + 1]))
+        if mine.start == mine.stop:
+            continue
+        where = positions[mine]
+        hit = (where & 15) == lane
+        rows[row, where[hit] >> 4] = values[mine][hit]
+    return rows
+
+
+@register_kernel(GATHER_F28)
+def GatherF28(packed: np.ndarray, offsets: np.ndarray, positions: np.ndarray, values: np.ndarray,
+              indices: np.ndarray, *, K: int, N: int, bias: int) -> np.ndarray:
+    """Rows `indices` of the table W `[N, K]` whose transpose (a tied lm_head's weight) is stored in F28: the
+    embedding lookup that reads its head's bytes. An index outside [-N, N) is refused (E10001)."""
+    ids = np.asarray(indices).reshape(-1).astype(np.int64)
+    if ids.size and (ids.min() < -N or ids.max() >= N):
+        raise AtcError("E10001", int(ids[(ids < -N) | (ids >= N)][0]), "indices", f"an index must be in [{-N}, {N - 1}]")
+    ids = ids % N
+    panels, lanes = ids // PANEL, ids % PANEL
+    blocks = np.asarray(packed, np.uint8).reshape(-1, K, GROUP_BYTES)[panels]
+    rows = with_exceptions(columns(blocks, lanes, bias), panels, lanes, offsets, positions, values)
+    return rows.reshape(*np.shape(indices), K)
 
 
 @register_kernel(MATMUL_F28)

@@ -39,3 +39,48 @@ def test_every_float_matmul_is_stored_in_28_bits_and_generates_as_transformers(f
             for request in requests:
                 request.result()
             assert [request.output_ids for request in requests] == expected
+
+
+def test_a_tied_table_is_stored_once_and_its_rows_read_from_the_heads_panels(tmp_path):
+    """A tied table too large to fold its transpose (as real vocabularies are): the head's MatMul and the
+    embedding lookup share the packed weight, the artifact holds no float32 copy, and the rows read out of
+    the graph (runtime/embedding_rows.py) are the table's bit for bit, with the table's refusals."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    from models.tiny import tiny_onnx
+    from runtime.kernels import float28
+    from runtime.ops import attributes
+    from runtime.embedding_rows import PackedColumns, split_off
+    from runtime.errors import AtcError
+    from runtime.loader import load_artifact
+
+    overrides = {"vocab_size": 70001}  # over 16 MiB of table: past FoldConstants' size threshold; a part-filled last panel
+    source = tiny_onnx("llama_tied", dynamo=True, with_past=True, overrides=overrides)
+    plain = compile_to(source, tmp_path / "plain", enable_paged_attention=True)
+    om = compile_to(source, tmp_path / "f28", enable_paged_attention=True, compress_fp32_weight=True)
+    counts = _op_counts(om)
+    assert counts["GatherF28"] == 1 and counts["MatMulF28"] == _op_counts(plain)["MatMul"]
+    assert om.stat().st_size < plain.stat().st_size * 0.9  # the table's bytes once, in 28 bits
+    loaded, reference = load_artifact(om), load_artifact(plain)
+    table = next(reference.weights[n.input[0]] for n in reference.model.graph.node
+                 if n.op_type == "Gather" and n.input[1] == "input_ids")
+    _, (gathered,) = split_off(loaded.model, loaded.weights, loaded.om)
+    assert isinstance(gathered.rows, PackedColumns)
+    ids = np.array([[0, 5, 5, 70000, -1], [17, 16, 15, -70001, 69999]], np.int64)
+    np.testing.assert_array_equal(gathered.rows(ids).view(np.uint32), np.take(table, ids, axis=0).view(np.uint32))
+    with pytest.raises(AtcError, match="E10001"):
+        gathered.rows(np.array([70001], np.int64))
+    # the reference backend's kernel of the node gives the same rows
+    node = next(n for n in loaded.model.graph.node if n.op_type == "GatherF28")
+    inline = {t.name: numpy_helper.to_array(t) for t in loaded.model.graph.initializer if t.name not in loaded.weights}
+    operands = [loaded.weights.get(name, inline.get(name)) for name in node.input[:4]]
+    rows = float28.GatherF28(*operands, ids, **attributes(node))
+    np.testing.assert_array_equal(rows.view(np.uint32), np.take(table, ids, axis=0).view(np.uint32))
+    prompts = mixed_prompts(4, seed=4)
+    expected = hf_greedy("llama_tied", tuple(map(tuple, prompts)), 16, overrides=overrides)
+    with LLMEngine(om, max_batch_size=4, max_context_len=256, kv_cache_pages=16) as engine:
+        requests = [engine.submit(p, max_new_tokens=16, temperature=0, ignore_eos=True) for p in prompts]
+        for request in requests:
+            request.result()
+        assert [request.output_ids for request in requests] == expected
