@@ -89,8 +89,7 @@ class CompressFloatWeights:
 
     def _pack(self, constant: gs.Constant, transposed: bool) -> tuple[list[gs.Constant], int] | None:
         values = read_values(constant)
-        weight = np.ascontiguousarray(values.T) if transposed else values
-        packed = float28.pack(weight)
+        packed = float28.pack(values.T if transposed else values)
         if packed is None:
             return None
         stem = f"{constant.name}{'_t' if transposed else ''}_f28"

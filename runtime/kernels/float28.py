@@ -51,29 +51,34 @@ class PackedF28:
 
 
 def pack(weight: np.ndarray, max_exceptions: float = MAX_EXCEPTIONS) -> PackedF28 | None:
-    """`weight` (float32 `[K, N]`) in F28, or None where it does not pay: a weight that is not finite, or more
-    than `max_exceptions` of them outside the best window of 15 exponents."""
+    """`weight` (float32 `[K, N]`, any strides: a transpose is read as it lies) in F28, or None where it does not
+    pay: a weight that is not finite, or more than `max_exceptions` of them outside the best window of 15
+    exponents. Its temporaries are a few MB at a time, whatever its size."""
     if weight.dtype != np.float32 or weight.ndim != 2 or 0 in weight.shape:
         return None
     k, n = weight.shape
     panels = -(-n // PANEL)
-    source = np.asarray(weight).view(np.uint32)
-    exponent = (source >> 23) & 0xFF
-    if np.any(exponent == 0xFF):
+    source = weight.view(np.uint32)  # a transposed view is read a block of its columns at a time, never copied
+    step = max(1, (1 << 20) // (k * PANEL))  # panels a chunk: temporaries of a few MB, in the caches
+    chunks = [(first, min(panels, first + step)) for first in range(0, panels, step)]
+    # the exponents of the nonzero weights (denormals in bin 0), in one pass of chunks
+    histogram, negative_zeros = np.zeros(256, np.int64), 0
+    for first, last in chunks:
+        bits = source[:, first * PANEL:min(n, last * PANEL)]
+        magnitude = bits & np.uint32(0x7FFFFFFF)
+        histogram += np.bincount((magnitude[magnitude != 0] >> 23).ravel(), minlength=256)
+        negative_zeros += int(np.count_nonzero(bits == np.uint32(0x80000000)))
+    if histogram[255]:
         return None
-    nonzero = (source & 0x7FFFFFFF) != 0
     # the window of 15 normal exponents holding the most nonzero weights; denormals (exponent 0) never coded
-    counts = np.bincount(exponent[nonzero], minlength=256)[1:255]
-    lowest = 1 + int(np.argmax(np.convolve(counts, np.ones(WINDOW, np.int64), "valid"))) if counts.any() else 1
-    outside = np.count_nonzero(source) - np.count_nonzero(nonzero & (exponent >= lowest) & (exponent < lowest + WINDOW))
+    normal = histogram[1:255]
+    lowest = 1 + int(np.argmax(np.convolve(normal, np.ones(WINDOW, np.int64), "valid"))) if normal.any() else 1
+    outside = int(histogram.sum() - histogram[lowest:lowest + WINDOW].sum()) + negative_zeros
     if outside > max_exceptions * weight.size:
         return None
-    del exponent, nonzero
     packed = np.empty((panels, k, PANEL // 2, 7), np.uint8)
     positions, values, counts = [], [], np.zeros(panels, np.int64)
-    step = max(1, (1 << 20) // (k * PANEL))  # panels a chunk: temporaries of a few MB, in the caches
-    for first in range(0, panels, step):
-        last = min(panels, first + step)
+    for first, last in chunks:
         chunk = np.zeros((k, (last - first) * PANEL), np.uint32)
         columns = source[:, first * PANEL:min(n, last * PANEL)]
         chunk[:, :columns.shape[1]] = columns
@@ -106,17 +111,24 @@ def unpack(packed: np.ndarray, offsets: np.ndarray, positions: np.ndarray, value
     """The float32 `[K, N]` weight that `pack` stored, bit for bit."""
     panels = -(-N // PANEL)
     groups = np.asarray(packed, np.uint8).reshape(panels, K, PANEL // 2, 7)
-    wide = np.zeros((panels, K, PANEL // 2, 8), np.uint8)
-    wide[..., :7] = groups
-    pairs = wide.view(np.uint64)[..., 0]
-    codes = np.empty((panels, K, PANEL), np.uint32)
-    codes[..., 0::2] = pairs & np.uint64(0xFFFFFFF)
-    codes[..., 1::2] = (pairs >> np.uint64(28)) & np.uint64(0xFFFFFFF)
-    bits = _float_bits(codes, bias)
-    offsets = np.asarray(offsets, np.int64)
-    panel_of = np.repeat(np.arange(panels), np.diff(offsets))
-    bits.reshape(-1)[panel_of * K * PANEL + np.asarray(positions, np.int64)] = np.asarray(values, np.float32).view(np.uint32)
-    return np.ascontiguousarray(bits.transpose(1, 0, 2).reshape(K, panels * PANEL)[:, :N]).view(np.float32)
+    offsets, positions = np.asarray(offsets, np.int64), np.asarray(positions, np.int64)
+    values = np.asarray(values, np.float32).view(np.uint32)
+    bits = np.empty((K, panels * PANEL), np.uint32)
+    step = max(1, (1 << 20) // (K * PANEL))  # panels a chunk, as pack takes them
+    for first in range(0, panels, step):
+        last = min(panels, first + step)
+        wide = np.zeros((last - first, K, PANEL // 2, 8), np.uint8)
+        wide[..., :7] = groups[first:last]
+        pairs = wide.view(np.uint64)[..., 0]
+        codes = np.empty((last - first, K, PANEL), np.uint32)
+        codes[..., 0::2] = pairs & np.uint64(0xFFFFFFF)
+        codes[..., 1::2] = (pairs >> np.uint64(28)) & np.uint64(0xFFFFFFF)
+        chunk = _float_bits(codes, bias)
+        mine = slice(int(offsets[first]), int(offsets[last]))
+        panel_of = np.repeat(np.arange(last - first), np.diff(offsets[first:last + 1]))
+        chunk.reshape(-1)[panel_of * K * PANEL + positions[mine]] = values[mine]
+        bits[:, first * PANEL:last * PANEL] = chunk.transpose(1, 0, 2).reshape(K, -1)
+    return np.ascontiguousarray(bits[:, :N]).view(np.float32)
 
 
 def _float_bits(codes: np.ndarray, bias: int) -> np.ndarray:
