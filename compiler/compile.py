@@ -15,7 +15,8 @@ import onnx_graphsurgeon as gs
 from compiler import __version__
 from compiler.auto_tune import auto_tune
 from compiler.config import CompileConfig
-from compiler.graph_metadata import attention_dimensions, int8_activations, kv_cache_metadata, shape_contract_metadata
+from compiler.graph_metadata import (attention_dimensions, float28_weights, int8_activations, kv_cache_metadata,
+                                     shape_contract_metadata)
 from compiler.graph_io import apply_input_shape, apply_out_nodes, apply_output_type
 from compiler.loader import import_graph, weight_bytes
 from compiler.pass_manager import PassReport, run_passes
@@ -128,7 +129,7 @@ def _write(cfg: CompileConfig, output: Path, graph: gs.Graph, model: onnx.ModelP
         "kv_cache": kv_cache_metadata(cfg),
         **shape_contract_metadata(cfg),
         **({"pipeline": stage} if stage else {}),
-        "requires": requirements(cfg.soc.family, int8_activations(lowered)),
+        "requires": requirements(cfg.soc.family, int8_activations(lowered), float28_weights(lowered)),
         "source": {"file": Path(cfg.model).name, "producer": f"{model.producer_name} {model.producer_version}".strip(),
                    "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import}},
         "pass_report": report.as_dict(),

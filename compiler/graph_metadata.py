@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-from runtime.ops import ATTENTION_OPS, MATMUL_INT4, attributes
+from runtime.ops import ATTENTION_OPS, MATMUL_F28, MATMUL_INT4, attributes
 
 
 def attention_dimensions(graph) -> dict:
@@ -42,3 +42,9 @@ def int8_activations(model) -> bool:
     runs fast only on CPUs with int8 dot products (runtime/compatibility.py)."""
     return any(node.op_type == MATMUL_INT4.name and attributes(node).get("accuracy_level") == 4
                for node in model.graph.node)
+
+
+def float28_weights(model) -> bool:
+    """Whether some matmul of the lowered graph reads float32 weights in 28 bits (MatMulF28), whose kernel
+    needs AVX-512 VBMI (elsewhere the runtime unpacks them at load: float32 speed, runtime/compatibility.py)."""
+    return any(node.op_type == MATMUL_F28.name for node in model.graph.node)

@@ -30,11 +30,15 @@ _ARCHES = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64":
 # int8 dot products: the INT4 kernels at accuracy level 4 and the W8A8 matmuls run on them
 _INT8_DOT = {"x86_64": ["avx512_vnni", "avx_vnni"], "aarch64": ["asimddp"]}
 _FLOAT = {"x86_64": [["avx2"], ["fma"]], "aarch64": [["asimd"]]}
+# float32 weights in 28 bits (MatMulF28): its kernel decodes them with AVX-512 VBMI's byte permute
+_FLOAT28 = {"x86_64": [["avx512vbmi"]], "aarch64": []}
 
 
-def requirements(soc_family: str, int8_activations: bool) -> dict:
-    """The `requires` section for an artifact of `soc_family` whose matmuls do (or not) take int8 activations."""
-    preferred = {arch: [*groups, *([_INT8_DOT[arch]] if int8_activations else [])] for arch, groups in _FLOAT.items()}
+def requirements(soc_family: str, int8_activations: bool, float28: bool = False) -> dict:
+    """The `requires` section for an artifact of `soc_family` whose matmuls do (or not) take int8 activations
+    and read float32 weights in 28 bits."""
+    preferred = {arch: [*groups, *([_INT8_DOT[arch]] if int8_activations else []), *(_FLOAT28[arch] if float28 else [])]
+                 for arch, groups in _FLOAT.items()}
     return {"runtime": OLDEST_READER, "soc_family": soc_family,
             "isa": {"required": {arch: [] for arch in _FLOAT}, "preferred": preferred}}
 
