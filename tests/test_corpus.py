@@ -64,3 +64,18 @@ def test_corpus_model_generates_through_the_paged_engine(name, tmp_path):
     om = compile_to(source, tmp_path / "m", enable_paged_attention=True)
     assert load_artifact(om).metadata["kv_cache"]["layout"] == "paged"
     assert_paged_greedy_equals_onnxruntime(source, om, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_corpus_model_generates_from_its_weights_in_28_bits(name, tmp_path):
+    """`--compress_fp32_weight`: every float32 MatMul of the export stored in 28 bits, and the paged engine
+    still generates onnxruntime's greedy tokens on the original export."""
+    source = CORPUS / name / "model.onnx"
+    om = compile_to(source, tmp_path / "m", enable_paged_attention=True, compress_fp32_weight=True)
+    graph = load_artifact(om).model.graph
+    weights = {t.name for t in graph.initializer}
+    # each layer's fused q/k/v, o, fused gate/up and down, and the head
+    assert Counter(node.op_type for node in graph.node)["MatMulF28"] == 4 * _meta(name)["num_layers"] + 1
+    # what stays a MatMul multiplies activations (the rotary angles), never a weight
+    assert not [node for node in graph.node if node.op_type == "MatMul" and set(node.input) & weights]
+    assert_paged_greedy_equals_onnxruntime(source, om, NEW_TOKENS)
