@@ -80,6 +80,10 @@ class PackedColumns:
     values: np.ndarray
 
     def __post_init__(self):
+        try:  # the panels stay in the file (the loader checked their size); the exceptions index rows here
+            float28.check_exceptions(self.offsets, self.positions, self.values, self.K, self.N)
+        except ValueError as error:
+            raise AtcError("E13015", self.path, f"{self.name}: {error}") from None
         self._descriptor = os.open(self.path, os.O_RDONLY)
         weakref.finalize(self, os.close, self._descriptor)
         self._panel_bytes = self.K * float28.GROUP_BYTES
@@ -99,7 +103,7 @@ class PackedColumns:
                 raise AtcError("E13015", self.path, f"panel {panel} of {self.name} lies past the end of the file")
         rows = np.array([row % self.N for row in flat], np.int64)
         panels, lanes = rows // float28.PANEL, rows % float28.PANEL
-        decoded = float28.columns(blocks[[slots[p] for p in panels.tolist()]], lanes, self.bias)
+        decoded = float28.columns(blocks, [slots[p] for p in panels.tolist()], lanes, self.bias)
         decoded = float28.with_exceptions(decoded, panels, lanes, self.offsets, self.positions, self.values)
         return decoded.reshape(*np.shape(ids), self.K)
 

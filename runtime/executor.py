@@ -85,6 +85,13 @@ class Executor:
                 pass  # the host kernels run the attention instead: slower, the same numbers
         if self.native_library is not None:
             plan = split_at_host_nodes(with_pool_inputs(model), lambda node: False)
+        # the sessions' custom ops: also where the paged step is not one session, for float32 weights in 28 bits
+        library = self.native_library
+        if library is None and backend == "onnxruntime" and any(n.op_type == MATMUL_F28.name for n in model.graph.node):
+            try:
+                library = native.library_path()
+            except native.NativeUnavailable:
+                pass  # the weights are unpacked for onnxruntime's MatMul instead
         # Many sessions run in turn. On pools of their own (no process-wide pool, runtime/ort_session.py),
         # a pool left spinning after its run starves the next session's (docs/performance.md#thread-pools), so
         # their threads spin within a run and stop at its end.
@@ -95,7 +102,7 @@ class Executor:
                 self._steps.append(_HostStep(step.node))
                 continue
             try:
-                segment = _SegmentStep(step, weights, backend, threads, spinning, stop_spinning, self.native_library,
+                segment = _SegmentStep(step, weights, backend, threads, spinning, stop_spinning, library,
                                        loaded.om, native_matmul, share_weights)
             except ORT_FAILURES as error:
                 # a graph the loader's checks let through but onnxruntime will not build: the file is invalid
@@ -195,41 +202,52 @@ def _native_nodes(model: onnx.ModelProto, matmul: bool = True):
     return keep
 
 
-def _unpacked_float28(model: onnx.ModelProto, weights: dict[str, np.ndarray],
-                      keep: Callable[[onnx.NodeProto], bool] | None) -> onnx.ModelProto:
+def _unpacked_float28(model: onnx.ModelProto, weights: dict[str, np.ndarray], keep: Callable[[onnx.NodeProto], bool] | None,
+                      where: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """A copy of `model` whose MatMulF28 nodes that `keep` does not give the native library are onnxruntime
-    MatMuls on their weights unpacked to float32 here (onnxruntime has no op to reinterpret bits as floats);
-    `model` itself is left alone when there are none."""
-    unpacked = [node for node in model.graph.node if node.domain == CUSTOM_DOMAIN
-                and node.op_type == MATMUL_F28.name and not (keep is not None and keep(node))]
-    if not unpacked:
-        return model
+    MatMuls on their weights unpacked to float32 here (onnxruntime has no op that reads bits as a float), and
+    those weights by name: the graph declares them as external initializers, which the session is given as
+    they are (`_ort_session`'s `unpacked`), so no weight passes through a protobuf (2 GB at most). `model`
+    itself is left alone when there are none. Operands that are not the artifact's constants, or do not
+    hold F28's layout, are E13015 naming the artifact `where`."""
+    if not any(node.domain == CUSTOM_DOMAIN and node.op_type == MATMUL_F28.name and not (keep is not None and keep(node))
+               for node in model.graph.node):
+        return model, {}
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     inline = {t.name: t for t in copy.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL}
 
-    def value(name: str) -> np.ndarray:
+    def value(node: onnx.NodeProto, slot: MatMulF28Input) -> np.ndarray:
         # large operands are the artifact's mapped weights; small ones (offsets, few exceptions) are in the graph
-        return weights[name] if name in weights else numpy_helper.to_array(inline[name])
+        name = node.input[slot] if slot < len(node.input) else ""
+        if name in weights:
+            return weights[name]
+        if name in inline:
+            return numpy_helper.to_array(inline[name])
+        raise AtcError("E13015", where, f"{node.name}: MatMulF28's {slot.name.lower()} is not a constant of the artifact")
 
-    made: dict[str, str] = {}
+    unpacked: dict[str, np.ndarray] = {}
     for node in copy.graph.node:
         if node.domain != CUSTOM_DOMAIN or node.op_type != MATMUL_F28.name or (keep is not None and keep(node)):
             continue
-        packed = node.input[MatMulF28Input.PACKED]
-        if packed not in made:
-            made[packed] = f"{packed}/float32"
-            operands = [value(node.input[slot]) for slot in (MatMulF28Input.PACKED, MatMulF28Input.OFFSETS,
-                                                             MatMulF28Input.POSITIONS, MatMulF28Input.VALUES)]
-            copy.graph.initializer.append(numpy_helper.from_array(float28.unpack(*operands, **attributes(node)),
-                                                                  made[packed]))
-        a = node.input[MatMulF28Input.A]
-        node.CopyFrom(helper.make_node("MatMul", [a, made[packed]], list(node.output), name=node.name))
+        name = f"{node.input[MatMulF28Input.PACKED]}/float32"
+        if name not in unpacked:
+            operands = [value(node, slot) for slot in (MatMulF28Input.PACKED, MatMulF28Input.OFFSETS,
+                                                       MatMulF28Input.POSITIONS, MatMulF28Input.VALUES)]
+            try:
+                unpacked[name] = float28.unpack(*operands, **attributes(node))
+            except ValueError as error:
+                raise AtcError("E13015", where, f"{node.name}: {error}") from None
+            stub = onnx.TensorProto(name=name, dims=unpacked[name].shape, data_type=onnx.TensorProto.FLOAT,
+                                    data_location=onnx.TensorProto.EXTERNAL)
+            stub.external_data.add(key="location", value="<unpacked at load>")
+            copy.graph.initializer.append(stub)
+        node.CopyFrom(helper.make_node("MatMul", [node.input[MatMulF28Input.A], name], list(node.output), name=node.name))
     used = {name for node in copy.graph.node for name in node.input}
     kept_initializers = [t for t in copy.graph.initializer if t.name in used]
     del copy.graph.initializer[:]
     copy.graph.initializer.extend(kept_initializers)
-    return copy
+    return copy, unpacked
 
 
 class _SegmentStep:
@@ -242,9 +260,12 @@ class _SegmentStep:
             if library is not None:
                 keep = _native_nodes(model, native_matmul)
                 model = with_input_scales(model, keep)
-            model = _unpacked_float28(model, weights, keep)
+            where = str(artifact.path) if artifact is not None else "the model"
+            model, unpacked = _unpacked_float28(model, weights, keep, where)
+            # onnxruntime reads these buffers for the session's life
+            self._unpacked = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in unpacked.items()}
             self._session = _ort_session(lower_for_onnxruntime(model, keep), artifact, threads, spinning,
-                                         stop_spinning, library, share_weights)
+                                         stop_spinning, library, share_weights, self._unpacked)
             self._weights_fed = {}
         else:
             used = {t.name for t in segment.model.graph.initializer}
@@ -313,9 +334,13 @@ def _pointing_into_the_artifact(model: onnx.ModelProto, weights: dict[str, np.nd
 
 def _ort_session(model: onnx.ModelProto, artifact: OmFile | None, threads: int | None,
                  spinning: bool, stop_spinning: bool = False, library=None,
-                 share_weights: bool = False) -> ort.InferenceSession:
+                 share_weights: bool = False, unpacked: dict[str, ort.OrtValue] | None = None) -> ort.InferenceSession:
+    """The session of `model`; `unpacked`: the weights `_unpacked_float28` made, given to onnxruntime as they are
+    (kept alive by the caller)."""
     def options_for(source_bytes: bool) -> ort.SessionOptions:
         options = session_options(threads)
+        if unpacked:
+            options.add_external_initializers(list(unpacked), list(unpacked.values()))
         if artifact is not None and source_bytes:
             # external data is looked up beside the model; a model given as bytes has no place of its own
             options.add_session_config_entry("session.model_external_initializers_file_folder_path",
@@ -334,7 +359,7 @@ def _ort_session(model: onnx.ModelProto, artifact: OmFile | None, threads: int |
         return options
 
     source = model.SerializeToString()
-    if not share_weights:
+    if not share_weights or unpacked:  # weights unpacked in this process are its own: nothing on disk to share
         return ort.InferenceSession(source, options_for(True), providers=["CPUExecutionProvider"])
 
     def build(path: str) -> None:

@@ -31,6 +31,7 @@ PANEL = 16  # columns of a panel: one 512-bit vector of float32
 GROUP_BYTES = PANEL * 28 // 8  # one k of a panel
 WINDOW = 15  # exponents a 4-bit code covers (code 0 is zero)
 MAX_EXCEPTIONS = 0.01  # a matrix with more of its weights outside any window stays float32
+MAX_K = 1 << 27  # an exception's position k · 16 + column is an int32
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def pack(weight: np.ndarray, max_exceptions: float = MAX_EXCEPTIONS) -> PackedF2
     """`weight` (float32 `[K, N]`, any strides: a transpose is read as it lies) in F28, or None where it does not
     pay: a weight that is not finite, or more than `max_exceptions` of them outside the best window of 15
     exponents. Its temporaries are a few MB at a time, whatever its size."""
-    if weight.dtype != np.float32 or weight.ndim != 2 or 0 in weight.shape:
+    if weight.dtype != np.float32 or weight.ndim != 2 or 0 in weight.shape or weight.shape[0] >= MAX_K:
         return None
     k, n = weight.shape
     panels = -(-n // PANEL)
@@ -106,9 +107,31 @@ def _codes(bits: np.ndarray, lowest: int) -> tuple[np.ndarray, np.ndarray]:
     return codes, ~coded & (bits != 0)
 
 
+def check(packed: np.ndarray, offsets: np.ndarray, positions: np.ndarray, values: np.ndarray, K: int, N: int) -> None:
+    """Raise ValueError unless the operands are a weight `[K, N]` in F28's layout: what every reader of an
+    artifact's operands holds them to before indexing with them (the native op checks the same)."""
+    panels = -(-N // PANEL)
+    if np.size(packed) != panels * K * GROUP_BYTES:
+        raise ValueError(f"the packed weight holds {np.size(packed)} bytes, K {K} and N {N} make {panels * K * GROUP_BYTES}")
+    check_exceptions(offsets, positions, values, K, N)
+
+
+def check_exceptions(offsets: np.ndarray, positions: np.ndarray, values: np.ndarray, K: int, N: int) -> None:
+    """`check`'s part for the exceptions alone."""
+    panels = -(-N // PANEL)
+    offsets, positions = np.asarray(offsets), np.asarray(positions)
+    if offsets.shape != (panels + 1,) or np.shape(values) != positions.shape or positions.ndim != 1:
+        raise ValueError(f"the exceptions are not offsets [{panels + 1}] with positions and values of one length")
+    if offsets[0] != 0 or offsets[-1] != positions.size or np.any(np.diff(offsets) < 0):
+        raise ValueError("the exception offsets do not rise from 0 to the number of exceptions")
+    if positions.size and (positions.min() < 0 or positions.max() >= K * PANEL):
+        raise ValueError(f"an exception position is outside [0, {K * PANEL})")
+
+
 def unpack(packed: np.ndarray, offsets: np.ndarray, positions: np.ndarray, values: np.ndarray, *, K: int, N: int,
            bias: int) -> np.ndarray:
-    """The float32 `[K, N]` weight that `pack` stored, bit for bit."""
+    """The float32 `[K, N]` weight that `pack` stored, bit for bit (ValueError for operands `check` refuses)."""
+    check(packed, offsets, positions, values, K, N)
     panels = -(-N // PANEL)
     groups = np.asarray(packed, np.uint8).reshape(panels, K, PANEL // 2, 7)
     offsets, positions = np.asarray(offsets, np.int64), np.asarray(positions, np.int64)
@@ -139,19 +162,22 @@ def _float_bits(codes: np.ndarray, bias: int) -> np.ndarray:
                     np.uint32(0)).astype(np.uint32)
 
 
-def columns(blocks: np.ndarray, lanes: np.ndarray, bias: int) -> np.ndarray:
-    """Column `lanes[i]` (0-15) of panel `blocks[i]` (uint8 `[n, K, 56]`, a panel's bytes) as float32 `[n, K]`,
-    exceptions still 0 (`with_exceptions` puts them in): a tied embedding's rows, read from its head's panels."""
+def columns(blocks: np.ndarray, which: np.ndarray, lanes: np.ndarray, bias: int) -> np.ndarray:
+    """Column `lanes[i]` (0-15) of panel `blocks[which[i]]` (`blocks` uint8 `[n, K, 56]`, panels' bytes) as
+    float32 `[len(lanes), K]`, exceptions still 0 (`with_exceptions` puts them in): a tied embedding's rows,
+    read from its head's panels; only the four bytes of each code are gathered."""
     lanes = np.asarray(lanes, np.int64)
+    k = blocks.shape[1]
     at = (7 * lanes // 2)[:, None, None] + np.arange(4)  # the four bytes holding code lane, from bit 28·lane
-    raw = np.take_along_axis(blocks, np.broadcast_to(at, (len(lanes), blocks.shape[1], 4)), axis=2)
+    raw = blocks[np.asarray(which, np.int64)[:, None, None], np.arange(k)[None, :, None], at]  # [n, K, 4]
     codes = (np.ascontiguousarray(raw).view(np.uint32)[..., 0] >> (4 * (lanes & 1))[:, None].astype(np.uint32))
     return _float_bits(codes & np.uint32(0xFFFFFFF), bias).view(np.float32)
 
 
 def with_exceptions(rows: np.ndarray, panels: np.ndarray, lanes: np.ndarray, offsets: np.ndarray,
                     positions: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """`rows` (`columns`' result for these panels and lanes) with their exceptions' values put in, in place."""
+    """`rows` (`columns`' result for these panels and lanes) with their exceptions' values put in, in place;
+    the operands as `check` holds them."""
     for row, (panel, lane) in enumerate(zip(panels.tolist(), lanes.tolist())):
         mine = slice(int(offsets[panel]), int(offsets[panel + 1]))
         if mine.start == mine.stop:
@@ -170,10 +196,11 @@ def GatherF28(packed: np.ndarray, offsets: np.ndarray, positions: np.ndarray, va
     ids = np.asarray(indices).reshape(-1).astype(np.int64)
     if ids.size and (ids.min() < -N or ids.max() >= N):
         raise AtcError("E10001", int(ids[(ids < -N) | (ids >= N)][0]), "indices", f"an index must be in [{-N}, {N - 1}]")
+    check(packed, offsets, positions, values, K, N)
     ids = ids % N
     panels, lanes = ids // PANEL, ids % PANEL
-    blocks = np.asarray(packed, np.uint8).reshape(-1, K, GROUP_BYTES)[panels]
-    rows = with_exceptions(columns(blocks, lanes, bias), panels, lanes, offsets, positions, values)
+    blocks = np.asarray(packed, np.uint8).reshape(-1, K, GROUP_BYTES)
+    rows = with_exceptions(columns(blocks, panels, lanes, bias), panels, lanes, offsets, positions, values)
     return rows.reshape(*np.shape(indices), K)
 
 

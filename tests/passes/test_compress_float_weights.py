@@ -87,3 +87,30 @@ def test_a_tied_table_is_stored_once_and_its_rows_read_from_the_heads_panels(tmp
         for request in requests:
             request.result()
         assert [request.output_ids for request in requests] == expected
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "reference"])
+def test_a_contiguous_artifact_reproduces_onnxruntime_on_the_export(backend, tmp_path):
+    """Without a paged cache too: the native op where the CPU has it (nothing unpacked), else the unpacked
+    weights; the reference backend's numpy kernel; each within float32 rounding of onnxruntime on the export."""
+    import numpy as np
+    from conftest import ort_reference
+
+    from models.tiny import tiny_onnx
+    from runtime import Executor, load_artifact
+    from runtime.feeds import causal_lm_inputs
+    from runtime.kernels import native
+
+    source = tiny_onnx("qwen2", dynamo=False, with_past=True)
+    loaded = load_artifact(compile_to(source, tmp_path / "m", compress_fp32_weight=True))
+    executor = Executor(loaded, backend)
+    if backend == "onnxruntime":
+        unpacked = [name for step in executor._steps for name in getattr(step, "_unpacked", {})]
+        assert bool(unpacked) != native.has_float28_matmul()
+    dims = loaded.metadata["model"]
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, dims["vocab_size"], (2, 5), dtype=np.int64)
+    feeds = causal_lm_inputs(loaded.metadata["signature"], dims, ids, 3, rng)
+    want, got = ort_reference(source, feeds), executor.run(feeds)
+    for output in want:
+        np.testing.assert_allclose(got[output], want[output], rtol=0, atol=1e-4, err_msg=output)

@@ -6,13 +6,17 @@ runs the op through onnxruntime's MatMul where the library does not take it."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
 
-from runtime.executor import _unpacked_float28
+from runtime.errors import AtcError
+from runtime.executor import _ort_session, _unpacked_float28
 from runtime.kernels import float28, native
 from runtime.ops import CUSTOM_DOMAIN
 from runtime.ort_session import session_options
@@ -129,11 +133,109 @@ def test_without_the_native_op_the_weight_is_unpacked_for_onnxruntimes_matmul():
     w = _weight(64, 48)
     model = _f28_model(w)
     weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    plain = _unpacked_float28(model, weights, keep=None)
+    plain, unpacked = _unpacked_float28(model, weights, None, "m.om")
     assert [n.op_type for n in plain.graph.node] == ["MatMul"]
-    assert [t.name for t in plain.graph.initializer] == ["p/float32"]
-    assert np.array_equal(numpy_helper.to_array(plain.graph.initializer[0]).view(np.uint32), w.view(np.uint32))
-    session = ort.InferenceSession(plain.SerializeToString(), session_options(2), providers=["CPUExecutionProvider"])
+    # declared as an external initializer and handed to onnxruntime as it is: no weight goes through a protobuf
+    assert [(t.name, t.data_location) for t in plain.graph.initializer] == [("p/float32", onnx.TensorProto.EXTERNAL)]
+    assert np.array_equal(unpacked["p/float32"].view(np.uint32), w.view(np.uint32))
+    values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in unpacked.items()}
+    session = _ort_session(plain, None, 2, True, unpacked=values)
     x = np.random.default_rng(3).standard_normal((3, 64)).astype(np.float32)
     _close(session.run(None, {"x": x})[0], x, w)
-    assert _unpacked_float28(model, weights, keep=lambda node: True) is model
+    assert _unpacked_float28(model, weights, lambda node: True, "m.om") == (model, {})
+
+
+@pytest.mark.parametrize("broken,message", [
+    (lambda ops: {**ops, "o": np.array([0, 9, 1, ops["q"].size], np.int32)}, "offsets do not rise"),
+    (lambda ops: {**ops, "q": np.concatenate([ops["q"][:-1], [64 * 16]]).astype(np.int32)}, "exception position"),
+    (lambda ops: {**ops, "p": ops["p"][:2]}, "packed weight holds"),
+    (lambda ops: {k: v for k, v in ops.items() if k != "v"}, "values is not a constant")])
+def test_unpacking_refuses_operands_that_break_the_layout(broken, message):
+    model = _f28_model(_weight(64, 48, outliers=2))
+    weights = broken({t.name: numpy_helper.to_array(t) for t in model.graph.initializer})
+    del model.graph.initializer[:]
+    with pytest.raises(AtcError, match=f"E13015.*m.om.*{message}"):
+        _unpacked_float28(model, weights, None, "m.om")
+
+
+def _inputs_model(k: int, n: int, bias: int) -> onnx.ModelProto:
+    """MatMulF28 with every operand a graph input: what no compiled artifact has, but a hostile one can."""
+    node = helper.make_node("MatMulF28", ["x", "p", "o", "q", "v"], ["y"], domain=CUSTOM_DOMAIN, K=k, N=n, bias=bias)
+    types = {"x": onnx.TensorProto.FLOAT, "p": onnx.TensorProto.UINT8, "o": onnx.TensorProto.INT32,
+             "q": onnx.TensorProto.INT32, "v": onnx.TensorProto.FLOAT}
+    graph = helper.make_graph([node], "f28", [helper.make_tensor_value_info(name, t, None) for name, t in types.items()],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(CUSTOM_DOMAIN, 1)])
+
+
+@KERNEL
+def test_the_native_op_checks_its_operands_on_every_run():
+    """Operands fed anew each run (the same buffers with other contents, or none at all: a weight without
+    exceptions) are checked each run, never trusted from an earlier one."""
+    w = (np.random.default_rng(4).standard_normal((64, 48)) * 0.02).astype(np.float32)
+    packed = float28.pack(w, max_exceptions=1.0)
+    session = _native_session(_inputs_model(64, 48, packed.bias))
+    feeds = {"x": np.ones((1, 64), np.float32), "p": packed.packed, "o": packed.offsets, "q": packed.positions,
+             "v": packed.values}
+    _close(session.run(None, feeds)[0], feeds["x"], w)
+    positions = feeds["q"]
+    if positions.size:
+        positions[0] = 64 * 16  # the same buffer, out of bounds now
+        with pytest.raises(Exception, match="MatMulF28: an exception position is outside"):
+            session.run(None, feeds)
+    empty = {**feeds, "q": np.zeros(0, np.int32), "v": np.zeros(0, np.float32)}
+    for offsets in ([0, 100, 0, 0], [0, -5, 0, 0]):  # no exceptions, offsets that would index them anyway
+        for rows in (1, 8):
+            with pytest.raises(Exception, match="MatMulF28: the exception offsets"):
+                session.run(None, {**empty, "x": np.ones((rows, 64), np.float32), "o": np.array(offsets, np.int32)})
+
+
+_PAGE = mmap.PAGESIZE
+
+
+def _at_a_page_end(array: np.ndarray, keep: list) -> np.ndarray:
+    """A copy of `array` ending where an inaccessible page begins: a read past its end faults."""
+    pages = -(-array.nbytes // _PAGE) + 1
+    region = mmap.mmap(-1, pages * _PAGE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    assert ctypes.CDLL(None).mprotect(ctypes.c_void_p(base + (pages - 1) * _PAGE), _PAGE, 0) == 0
+    keep.append(region)
+    copy = np.frombuffer(region, array.dtype, count=array.size, offset=(pages - 1) * _PAGE - array.nbytes)
+    copy = copy.reshape(array.shape)
+    copy[...] = array
+    return copy
+
+
+@KERNEL
+@pytest.mark.parametrize("k,n", [(1, 16), (1, 17), (2, 1), (3, 48), (4, 33), (64, 80), (5, 5)])
+def test_the_native_op_reads_nothing_past_its_operands(k, n):
+    """Each operand ends at an inaccessible page (the packed weight is the last thing in its mapping, as an
+    artifact's last tensor is): the 64-byte loads of 56-byte groups stop at the tensor's last one."""
+    rng = np.random.default_rng(k * 100 + n)
+    w = (rng.standard_normal((k, n)) * 0.02).astype(np.float32)
+    w.reshape(-1)[::5] = 1e-30  # exceptions in most panels
+    packed = float28.pack(w, max_exceptions=1.0)
+    session = _native_session(_inputs_model(k, n, packed.bias))
+    keep: list = []
+    feeds = {name: _at_a_page_end(array, keep) for name, array in
+             (("p", packed.packed), ("o", packed.offsets), ("q", packed.positions), ("v", packed.values))}
+    for rows in (1, 3, 4, 5, 13):
+        x = _at_a_page_end(rng.standard_normal((rows, k)).astype(np.float32), keep)
+        _close(session.run(None, {"x": x, **feeds})[0], x, w)
+
+
+@KERNEL
+def test_a_zero_code_is_zero_whatever_its_other_bits():
+    """A code whose exponent part is 0 is +0.0 in both readers, even with sign or mantissa bits set (no
+    compiler writes one: only a damaged artifact)."""
+    w = np.full((4, 16), 0.5, np.float32)
+    packed = float28.pack(w)
+    damaged = packed.packed.copy()
+    damaged[0, 0, :4] = np.frombuffer(np.uint32(0x0800_0001 | 1 << 27).tobytes(), np.uint8)  # code 0 of lane 0, sign set
+    ops = (damaged, packed.offsets, packed.positions, packed.values)
+    reference = float28.unpack(*ops, K=4, N=16, bias=packed.bias)
+    assert reference[0, 0] == 0.0
+    session = _native_session(_inputs_model(4, 16, packed.bias))
+    x = np.eye(4, dtype=np.float32)
+    got = session.run(None, {"x": x, "p": damaged, "o": packed.offsets, "q": packed.positions, "v": packed.values})[0]
+    np.testing.assert_array_equal(got.view(np.uint32), reference.view(np.uint32))

@@ -12,8 +12,10 @@
    Up to GEMV_ROWS rows (decode) each task streams a range of panels once, unpacking each group once for
    every row, with software prefetch ahead: reading 3.5 bytes a weight is what makes it faster than
    onnxruntime's MatMul on float32 (docs/performance.md#fp32-weights-in-28-bits). From more rows on, each task
-   unpacks two panels at a time into a scratch of K · 32 floats and runs a 12-row by 32-column tile over it,
-   the shape of MLAS's own SGEMM kernel, so that prefill stays as fast as onnxruntime's MatMul.
+   unpacks a few pairs of panels at a time into a scratch of its own (their exceptions in place) and runs
+   12-row by 32-column tiles over them, the shape of MLAS's own SGEMM kernel, so that prefill stays as fast as
+   onnxruntime's MatMul. An infinite activation meets an exception's weight as 0 · inf = NaN in the decode
+   path, where a float32 MatMul gives ±inf: a model already overflowing either way.
    Built where the compiler targets AVX-512 with VBMI (`vpermb`); elsewhere the op is not registered and the
    executor unpacks the weight at load for onnxruntime's MatMul (runtime/executor.py). */
 #include <stdlib.h>
@@ -36,12 +38,11 @@
 #define TILE_ROWS 12       /* rows of the GEMM tile: 24 accumulators, 2 weight vectors and a broadcast */
 #define PREFETCH 4096      /* bytes ahead of the panel being read (as the INT4 kernel's) */
 #define MAX_GEMV_TASKS 16  /* parallel tasks a decode call splits its panels into, as MatMulInt4 */
-#define GEMM_TASKS 32      /* at most: each with a scratch of its own, made once a call */
+#define GEMM_TASKS 32      /* at most, each unpacking its pairs of panels into a scratch of its own */
 #define SCRATCH_BYTES (256 * 1024) /* unpacked pairs a task holds at a time: half of L2, where they are reread */
 
 typedef struct {
   int64_t K, N, bias;
-  const int32_t* checked; /* the exception positions last found in bounds (constant inputs: checked once) */
 } Kernel;
 
 typedef struct {
@@ -53,8 +54,8 @@ typedef struct {
   const float* values;
   float* y;
   int64_t m, panels, per_task; /* per_task: panels of a decode task, pairs of panels of a GEMM one */
-  float* scratch;              /* GEMM: [tasks][batch][K · 32] unpacked pairs of panels */
-  int64_t tasks, batch;        /* batch: pairs unpacked at a time, SCRATCH_BYTES at most (one at least) */
+  int64_t batch;               /* GEMM: pairs a task unpacks at a time into its scratch, SCRATCH_BYTES at most (one at least) */
+  int failed;                  /* GEMM: a task found no memory for its scratch */
 } Work;
 
 typedef struct {
@@ -73,7 +74,8 @@ static Unpacker unpacker(int64_t bias) {
 static inline __m512 decode(const Unpacker* u, __m512i bytes) {
   __m512i d = _mm512_permutexvar_epi8(u->index, bytes);
   d = _mm512_and_si512(_mm512_srai_epi32(_mm512_sllv_epi32(d, u->shift), 4), u->keep);
-  return _mm512_castsi512_ps(_mm512_mask_add_epi32(d, _mm512_test_epi32_mask(d, u->exponent), d, u->bias));
+  /* code 0 is +0.0 whatever its other bits, as the reference decodes it */
+  return _mm512_castsi512_ps(_mm512_maskz_add_epi32(_mm512_test_epi32_mask(d, u->exponent), d, u->bias));
 }
 
 /* the 16 floats of one group, read with a 64-byte load: 8 bytes past the group, so never the tensor's last */
@@ -216,10 +218,15 @@ static const Tile TILES[TILE_ROWS + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, 
 /* many rows: the task's pairs of panels, a few at a time unpacked into its scratch (kept in L2) with their
    exceptions' values in place, every tile of rows run over each of them while the rows stay in L1 */
 static void gemm_task(void* work, size_t task) {
-  const Work* w = (const Work*)work;
+  Work* w = (Work*)work;
   const Kernel* k = w->k;
   const int64_t K = k->K, N = k->N, pairs = (w->panels + 1) / 2;
-  float* scratch = w->scratch + (int64_t)task * w->batch * K * 32;
+  /* the task's own, so that the memory in use is the running tasks' (a thread's), not the call's */
+  float* scratch = (float*)aligned_alloc(64, (size_t)(w->batch * K * 32) * sizeof(float));
+  if (!scratch) { /* a ParallelFor body cannot fail: compute() reports it once the loop is done */
+    __atomic_store_n(&w->failed, 1, __ATOMIC_RELAXED);
+    return;
+  }
   const Unpacker u = unpacker(k->bias);
   const int64_t end = (int64_t)(task + 1) * w->per_task < pairs ? (int64_t)(task + 1) * w->per_task : pairs;
   for (int64_t first_pair = (int64_t)task * w->per_task; first_pair < end; first_pair += w->batch) {
@@ -244,6 +251,7 @@ static void gemm_task(void* work, size_t task) {
       }
     }
   }
+  free(scratch);
 }
 
 static OrtStatus* input(OrtKernelContext* context, size_t index, Tensor* out) {
@@ -254,7 +262,7 @@ static OrtStatus* input(OrtKernelContext* context, size_t index, Tensor* out) {
 }
 
 static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
-  Kernel* k = (Kernel*)kernel;
+  const Kernel* k = (const Kernel*)kernel;
   Tensor a, packed, offsets, positions, values;
   OrtStatus* status = input(context, 0, &a);
   if (!status) status = input(context, 1, &packed);
@@ -270,13 +278,12 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   const int32_t* position = (const int32_t*)positions.data;
   if (elements(&positions) != elements(&values) || offset[0] != 0 || offset[panels] != elements(&positions))
     return fail("MatMulF28: the exception offsets do not span its positions and values");
-  if (__atomic_load_n(&k->checked, __ATOMIC_ACQUIRE) != position) {
-    for (int64_t p = 0; p < panels; p++)
-      if (offset[p + 1] < offset[p]) return fail("MatMulF28: the exception offsets decrease");
-    for (int64_t e = 0; e < elements(&positions); e++) /* a wrong position would read and write out of bounds */
-      if (position[e] < 0 || position[e] >= k->K * 16) return fail("MatMulF28: an exception position is outside [0, K · 16)");
-    __atomic_store_n(&k->checked, position, __ATOMIC_RELEASE);
-  }
+  /* every call: an operand need not be a constant, and a wrong offset or position would read and write out of
+     bounds; the exceptions are a few per ten thousand weights, so this reads a few ints per panel */
+  for (int64_t p = 0; p < panels; p++)
+    if (offset[p + 1] < offset[p]) return fail("MatMulF28: the exception offsets decrease");
+  for (int64_t e = 0; e < elements(&positions); e++)
+    if (position[e] < 0 || position[e] >= k->K * 16) return fail("MatMulF28: an exception position is outside [0, K · 16)");
   int64_t dims[6];
   memcpy(dims, a.dims, sizeof(dims));
   dims[a.rank - 1] = k->N;
@@ -287,30 +294,17 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   if (status) return status;
   const int64_t m = elements(&a) / k->K;
   if (m == 0) return NULL;
-  Work w = {k, a.data, (const uint8_t*)packed.data, offset, position, values.data, y, m, panels, 0, NULL, 0, 1};
+  Work w = {k, a.data, (const uint8_t*)packed.data, offset, position, values.data, y, m, panels, 0, 1, 0};
   if (m <= GEMV_ROWS) {
-    /* four rows at a time share each unpacked group: more than four rows go in passes of at most four */
-    for (int64_t r = 0; r < m && !status; r += GEMV_ROWS) {
-      Work part = w;
-      part.a = w.a + r * k->K;
-      part.y = w.y + r * k->N;
-      part.m = m - r < GEMV_ROWS ? m - r : GEMV_ROWS;
-      part.per_task = (panels + MAX_GEMV_TASKS - 1) / MAX_GEMV_TASKS;
-      const size_t tasks = (size_t)((panels + part.per_task - 1) / part.per_task);
-      status = ORT_CALL(g_api, KernelContext_ParallelFor)(context, gemv_task, tasks, 0, &part);
-    }
-    return status;
+    w.per_task = (panels + MAX_GEMV_TASKS - 1) / MAX_GEMV_TASKS;
+    return ORT_CALL(g_api, KernelContext_ParallelFor)(context, gemv_task, (size_t)((panels + w.per_task - 1) / w.per_task), 0, &w);
   }
-  const int64_t pairs = (panels + 1) / 2;
-  w.tasks = pairs < GEMM_TASKS ? pairs : GEMM_TASKS;
-  w.per_task = (pairs + w.tasks - 1) / w.tasks;
-  w.tasks = (pairs + w.per_task - 1) / w.per_task;
+  const int64_t pairs = (panels + 1) / 2, most = pairs < GEMM_TASKS ? pairs : GEMM_TASKS;
+  w.per_task = (pairs + most - 1) / most;
   w.batch = SCRATCH_BYTES / (k->K * 32 * (int64_t)sizeof(float));
   w.batch = w.batch < 1 ? 1 : w.batch > w.per_task ? w.per_task : w.batch;
-  w.scratch = (float*)aligned_alloc(64, (size_t)(w.tasks * w.batch * k->K * 32) * sizeof(float));
-  if (!w.scratch) return fail("MatMulF28: out of memory for the unpacked weights' scratch");
-  status = ORT_CALL(g_api, KernelContext_ParallelFor)(context, gemm_task, (size_t)w.tasks, 0, &w);
-  free(w.scratch);
+  status = ORT_CALL(g_api, KernelContext_ParallelFor)(context, gemm_task, (size_t)((pairs + w.per_task - 1) / w.per_task), 0, &w);
+  if (!status && w.failed) status = fail("MatMulF28: out of memory for the unpacked weights' scratch");
   return status;
 }
 
@@ -322,8 +316,8 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api, const 
   OrtStatus* status = int_attribute(info, "K", &k->K);
   if (!status) status = int_attribute(info, "N", &k->N);
   if (!status) status = int_attribute(info, "bias", &k->bias);
-  if (!status && (k->K < 1 || k->N < 1 || k->bias < 0 || k->bias > 239 || k->K * 16 > INT32_MAX))
-    status = fail("MatMulF28: K and N must be positive, K · 16 an int32, and bias in [0, 239]");
+  if (!status && (k->K < 1 || k->N < 1 || k->bias < 0 || k->bias > 239 || k->K > INT32_MAX / 16 || k->N > INT32_MAX))
+    status = fail("MatMulF28: K must be in [1, 2^27), N in [1, 2^31) and bias in [0, 239]");
   if (status) {
     free(k);
     return status;
