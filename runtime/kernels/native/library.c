@@ -1,5 +1,6 @@
 /* The native custom-op library: registers the ops of this folder in the `cann` domain of a session.
    onnxruntime calls RegisterCustomOps from SessionOptions.register_custom_ops_library. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -19,6 +20,17 @@ OrtStatus* tensor_of(const OrtValue* value, Tensor* out) {
   ORT_CALL(g_api, ReleaseTensorTypeAndShapeInfo)(info);
   if (!status) status = ORT_CALL(g_api, GetTensorMutableData)((OrtValue*)value, (void**)&out->data);
   return status;
+}
+
+OrtStatus* required_input(OrtKernelContext* context, size_t index, Tensor* out, const char* op) {
+  const OrtValue* value = NULL;
+  OrtStatus* status = ORT_CALL(g_api, KernelContext_GetInput)(context, index, &value);
+  if (!status && !value) {
+    char message[96];
+    snprintf(message, sizeof(message), "%s: a required input is missing", op);
+    return fail(message);
+  }
+  return status ? status : tensor_of(value, out);
 }
 
 OrtStatus* int_attribute(const OrtKernelInfo* info, const char* name, int64_t* out) {

@@ -254,21 +254,14 @@ static void gemm_task(void* work, size_t task) {
   free(scratch);
 }
 
-static OrtStatus* input(OrtKernelContext* context, size_t index, Tensor* out) {
-  const OrtValue* value = NULL;
-  OrtStatus* status = ORT_CALL(g_api, KernelContext_GetInput)(context, index, &value);
-  if (!status && !value) return fail("MatMulF28: a required input is missing");
-  return status ? status : tensor_of(value, out);
-}
-
 static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   const Kernel* k = (const Kernel*)kernel;
   Tensor a, packed, offsets, positions, values;
-  OrtStatus* status = input(context, 0, &a);
-  if (!status) status = input(context, 1, &packed);
-  if (!status) status = input(context, 2, &offsets);
-  if (!status) status = input(context, 3, &positions);
-  if (!status) status = input(context, 4, &values);
+  OrtStatus* status = required_input(context, 0, &a, "MatMulF28");
+  if (!status) status = required_input(context, 1, &packed, "MatMulF28");
+  if (!status) status = required_input(context, 2, &offsets, "MatMulF28");
+  if (!status) status = required_input(context, 3, &positions, "MatMulF28");
+  if (!status) status = required_input(context, 4, &values, "MatMulF28");
   if (status) return status;
   const int64_t panels = (k->N + 15) / 16;
   if (a.rank < 1 || a.dims[a.rank - 1] != k->K) return fail("MatMulF28: A's last axis is not K");

@@ -48,19 +48,12 @@ static OrtStatus* tables(Kernel* k, const Work* w) {
   return status;
 }
 
-static OrtStatus* input(OrtKernelContext* context, size_t index, Tensor* out) {
-  const OrtValue* value = NULL;
-  OrtStatus* status = ORT_CALL(g_api, KernelContext_GetInput)(context, index, &value);
-  if (!status && !value) return fail("MatMulInt4: a required input is missing");
-  return status ? status : tensor_of(value, out);
-}
-
 static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   Kernel* k = (Kernel*)kernel;
   Tensor a, b, scales, zero_points;
-  OrtStatus* status = input(context, 0, &a);
-  if (!status) status = input(context, 1, &b);
-  if (!status) status = input(context, 2, &scales);
+  OrtStatus* status = required_input(context, 0, &a, "MatMulInt4");
+  if (!status) status = required_input(context, 1, &b, "MatMulInt4");
+  if (!status) status = required_input(context, 2, &scales, "MatMulInt4");
   if (status) return status;
   const OrtValue *zp_value = NULL, *scale_value = NULL;
   Tensor a_scale;

@@ -22,6 +22,8 @@ OrtStatus* fail(const char* message);
 /* `value`'s dims (at most 6) and data; an error status for more dims */
 OrtStatus* tensor_of(const OrtValue* value, Tensor* out);
 int64_t elements(const Tensor* t);
+/* input `index` of the running node, which must be present; the error names `op` */
+OrtStatus* required_input(OrtKernelContext* context, size_t index, Tensor* out, const char* op);
 /* the node's int attribute `name`; an error status when it has none */
 OrtStatus* int_attribute(const OrtKernelInfo* info, const char* name, int64_t* out);
 /* the node's int attribute `name`, or `fallback` when it has none */
