@@ -16,6 +16,7 @@ import onnx_graphsurgeon as gs
 from passes.base import PassResult
 from passes.weight_memory import read_values
 from passes.weight_spill import WeightSpill, kept
+from runtime.artifact import EXTERNAL_MIN_BYTES
 from runtime.kernels import float28
 from runtime.ops import CUSTOM_DOMAIN, GATHER_F28, MATMUL_F28
 
@@ -75,7 +76,10 @@ class CompressFloatWeights:
 
     @staticmethod
     def _tied_lookups(graph: gs.Graph, table: gs.Constant, operands: list[gs.Constant], bias: int) -> None:
-        """The embedding Gathers of `table` by a graph input, as GatherF28 on its transpose's packed operands."""
+        """The embedding Gathers of `table` by a graph input, as GatherF28 on its transpose's packed operands
+        (which the runtime reads from the artifact file: a table too small to be stored apart stays as it is)."""
+        if int(np.prod(operands[0].shape)) < EXTERNAL_MIN_BYTES:  # uint8: a byte an element; kept on disk, unread
+            return
         inputs = {t.name for t in graph.inputs}
         for gather in [n for n in table.outputs if n.op == "Gather" and n.inputs[0] is table]:
             if gather.inputs[1].name not in inputs or gather.attrs.get("axis", 0) != 0:

@@ -24,12 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from onnx import numpy_helper
-
 from runtime.errors import AtcError
 from runtime.kernels import float28
 from runtime.ops import CUSTOM_DOMAIN, GATHER_F28, GatherF28Input, attributes
-from runtime.proto_utils import graphs_within
+from runtime.proto_utils import constant_operand, graphs_within
 
 
 @dataclass
@@ -181,16 +179,18 @@ _INDICES = {onnx.TensorProto.INT64: np.dtype(np.int64), onnx.TensorProto.INT32: 
 
 def _packed_columns(node: onnx.NodeProto, weights: dict[str, np.ndarray], inline: dict, om) -> PackedColumns:
     """The reader of a GatherF28's rows: its packed panels where the artifact holds them, its exceptions in memory
-    (large ones are the artifact's mapped weights, small ones in the graph)."""
-    def value(name: str) -> np.ndarray:
-        return np.asarray(weights[name]) if name in weights else numpy_helper.to_array(inline[name])
-
+    (large ones are the artifact's mapped weights, small ones in the graph); E13015 for operands that are not
+    the artifact's constants."""
+    exceptions = []
+    for slot in (GatherF28Input.OFFSETS, GatherF28Input.POSITIONS, GatherF28Input.VALUES):
+        found = constant_operand(node.input[slot], weights, inline)
+        if found is None:
+            raise AtcError("E13015", om.path, f"{node.name}: GatherF28's {slot.name.lower()} is not a constant of the artifact")
+        exceptions.append(found)
     attrs = attributes(node)
     packed = weights[node.input[GatherF28Input.PACKED]]
     return PackedColumns(str(om.path), om.file_offset(packed), node.input[GatherF28Input.PACKED], attrs["K"], attrs["N"],
-                         attrs["bias"], *(value(node.input[slot]) for slot in (GatherF28Input.OFFSETS,
-                                                                               GatherF28Input.POSITIONS,
-                                                                               GatherF28Input.VALUES)))
+                         attrs["bias"], *exceptions)
 
 
 def _axis(node: onnx.NodeProto) -> int:

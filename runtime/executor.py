@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import helper, numpy_helper
+from onnx import helper
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from runtime.artifact import SUB_BYTE_TYPES, OmFile
@@ -36,7 +36,7 @@ from runtime.lowering import POOL_KEY, POOL_VALUE, lower_for_onnxruntime, with_i
 from runtime.ops import (CUSTOM_DOMAIN, MATMUL_F28, MATMUL_INT4, PAGED_ATTENTION, PAGED_METADATA, SWIGLU, MatMulF28Input,
                          attributes)
 from runtime.ort_session import process_thread_pool_enabled, session_options
-from runtime.proto_utils import initializers_as_inputs
+from runtime.proto_utils import constant_operand, initializers_as_inputs
 from runtime.prepacked_cache import SAVE_OPTIONS, prepacked_model
 from runtime.segments import HostNode, Segment, split_at_host_nodes
 from runtime.shape_contract import ShapeContract
@@ -218,13 +218,10 @@ def _unpacked_float28(model: onnx.ModelProto, weights: dict[str, np.ndarray], ke
     inline = {t.name: t for t in copy.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL}
 
     def value(node: onnx.NodeProto, slot: MatMulF28Input) -> np.ndarray:
-        # large operands are the artifact's mapped weights; small ones (offsets, few exceptions) are in the graph
-        name = node.input[slot] if slot < len(node.input) else ""
-        if name in weights:
-            return weights[name]
-        if name in inline:
-            return numpy_helper.to_array(inline[name])
-        raise AtcError("E13015", where, f"{node.name}: MatMulF28's {slot.name.lower()} is not a constant of the artifact")
+        found = constant_operand(node.input[slot] if slot < len(node.input) else "", weights, inline)
+        if found is None:
+            raise AtcError("E13015", where, f"{node.name}: MatMulF28's {slot.name.lower()} is not a constant of the artifact")
+        return found
 
     unpacked: dict[str, np.ndarray] = {}
     for node in copy.graph.node:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
+import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 
 def initializers_as_inputs(model: onnx.ModelProto,
@@ -32,3 +33,11 @@ def graphs_within(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
         for attribute in node.attribute:
             for sub in (attribute.g,) if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs:
                 yield from graphs_within(sub)
+
+
+def constant_operand(name: str, weights: dict[str, np.ndarray], inline: dict[str, onnx.TensorProto]) -> np.ndarray | None:
+    """The values of the artifact's constant `name`: a mapped weight (`weights`), or a small initializer kept in
+    the graph (`inline`, by name); None when it is neither (a hostile node reading a computed tensor)."""
+    if name in weights:
+        return np.asarray(weights[name])
+    return numpy_helper.to_array(inline[name]) if name in inline else None
