@@ -7,8 +7,9 @@
 Engines, each on a model made from the same weights (built once into the cache folder, reused after):
 
 \b
-- cann-llm fp32 / int4: `atc` on the dynamo export of `python -m models.prepare smollm2`, paged + flash;
-  int4 is AWQ, groups of 128, lm_head and the tied embedding table at 4 bits in blocks of 32, as
+- cann-llm fp32 / fp32 f28 / int4: `atc` on the dynamo export of `python -m models.prepare smollm2`, paged +
+  flash; fp32 f28 adds `--compress_fp32_weight=1` (the float32 weights in 28 bits, bit for bit: the same
+  model, 7/8 of the bytes); int4 is AWQ, groups of 128, lm_head and the tied embedding table at 4 bits in blocks of 32, as
   onnxruntime-genai's builder has them (perplexity on eval.txt 36.0, onnxruntime-genai's int4 37.2:
   benchmarks/peers_perplexity.py). Run by `LLMEngine` as
   `cann-run bench` runs it (onnxruntime's process-wide pool).
