@@ -11,9 +11,11 @@
    takes (runtime/kernels/native/__init__.py: `takes_matmul`): accuracy level 4, 4 bits in blocks of 32, 64 or
    128 or 8 bits in blocks of 64 or 128, so that a block is one or two 64-byte pieces, or a half or a quarter
    of one. */
+#define _DEFAULT_SOURCE /* sysconf's _SC_NPROCESSORS_ONLN */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "matmul_int4.h"
 
@@ -46,6 +48,18 @@ static OrtStatus* tables(Kernel* k, const Work* w) {
   }
   pthread_mutex_unlock(&k->lock);
   return status;
+}
+
+/* parallel tasks a call's columns go in: MAX_TASKS, or TASKS_A_CPU a CPU where there are fewer CPUs */
+static int64_t task_count(void) {
+  static int64_t count;
+  int64_t known = __atomic_load_n(&count, __ATOMIC_RELAXED);
+  if (!known) {
+    const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    known = cpus > 0 && cpus * TASKS_A_CPU < MAX_TASKS ? cpus * TASKS_A_CPU : MAX_TASKS;
+    __atomic_store_n(&count, known, __ATOMIC_RELAXED);
+  }
+  return known;
 }
 
 static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
@@ -93,7 +107,7 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
             (int8_t*)scratch, (float*)(scratch + q_bytes), (int32_t*)((float*)(scratch + q_bytes) + m * blocks), y, m,
             blocks, block_bytes, pieces, per_piece, half_last, q_stride, 0, (float*)(scratch + q_bytes) + 2 * m * blocks,
             (uint8_t*)(scratch + q_bytes + floats_bytes)};
-  w.task_columns = (k->N + MAX_TASKS - 1) / MAX_TASKS;
+  w.task_columns = (k->N + task_count() - 1) / task_count();
   w.task_columns = (w.task_columns + TASK_COLUMNS - 1) / TASK_COLUMNS * TASK_COLUMNS;
   status = tables(k, &w);
   if (status) {
