@@ -210,8 +210,10 @@ def _unpacked_float28(model: onnx.ModelProto, weights: dict[str, np.ndarray], ke
     they are (`_ort_session`'s `unpacked`), so no weight passes through a protobuf (2 GB at most). `model`
     itself is left alone when there are none. Operands that are not the artifact's constants, or do not
     hold F28's layout, are E13015 naming the artifact `where`."""
-    if not any(node.domain == CUSTOM_DOMAIN and node.op_type == MATMUL_F28.name and not (keep is not None and keep(node))
-               for node in model.graph.node):
+    def unpacked_here(node: onnx.NodeProto) -> bool:
+        return node.domain == CUSTOM_DOMAIN and node.op_type == MATMUL_F28.name and not (keep is not None and keep(node))
+
+    if not any(unpacked_here(node) for node in model.graph.node):
         return model, {}
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
@@ -225,7 +227,7 @@ def _unpacked_float28(model: onnx.ModelProto, weights: dict[str, np.ndarray], ke
 
     unpacked: dict[str, np.ndarray] = {}
     for node in copy.graph.node:
-        if node.domain != CUSTOM_DOMAIN or node.op_type != MATMUL_F28.name or (keep is not None and keep(node)):
+        if not unpacked_here(node):
             continue
         name = f"{node.input[MatMulF28Input.PACKED]}/float32"
         if name not in unpacked:

@@ -46,10 +46,6 @@ class PackedF28:
     N: int
     bias: int
 
-    @property
-    def nbytes(self) -> int:
-        return self.packed.nbytes + self.offsets.nbytes + self.positions.nbytes + self.values.nbytes
-
 
 def pack(weight: np.ndarray, max_exceptions: float = MAX_EXCEPTIONS) -> PackedF28 | None:
     """`weight` (float32 `[K, N]`, any strides: a transpose is read as it lies) in F28, or None where it does not

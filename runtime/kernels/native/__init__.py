@@ -116,16 +116,12 @@ def takes_matmul(attributes: dict) -> bool:
             and int(attributes.get("block_size", 0)) in blocks)
 
 
-def float28_kernel(library: Path) -> bool:
-    """Whether `library` registers MatMulF28 (built for a CPU with AVX-512 VBMI); the library says so itself."""
-    return bool(ctypes.CDLL(str(library)).cann_matmul_f28_built())
-
-
 @functools.lru_cache(maxsize=1)
 def has_float28_matmul() -> bool:
-    """Whether the library here registers MatMulF28 (runtime/kernels/native/matmul_f28.c)."""
+    """Whether the library here registers MatMulF28 (runtime/kernels/native/matmul_f28.c: built for a CPU with
+    AVX-512 VBMI); the library says so itself."""
     try:
-        return float28_kernel(library_path())
+        return bool(ctypes.CDLL(str(library_path())).cann_matmul_f28_built())
     except (NativeUnavailable, OSError):
         return False
 
