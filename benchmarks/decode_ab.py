@@ -25,7 +25,7 @@ import click
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # native_ab, beside this file
 
 import runtime.kernels.native as native  # noqa: E402
-from native_ab import HERE, library_at  # noqa: E402
+from native_ab import HERE, libraries  # noqa: E402
 from runtime.engine.engine import LLMEngine  # noqa: E402
 
 PROMPT = [7 + i % 190 for i in range(32)]
@@ -57,9 +57,8 @@ def main(om_path: str, baseline: str, rounds: int, steps: int, threads: int, avx
     times: dict[str, list[float]] = {HERE: [], baseline: []}
     tokens = {}
     with tempfile.TemporaryDirectory() as scratch:
-        libraries = {HERE: native.build(Path(scratch) / "here" / "libcann_native.so", native._compiler(), flags),
-                     baseline: library_at(baseline, Path(scratch) / "baseline", flags)}
-        engines = {name: engine_on(library, om_path, steps, threads) for name, library in libraries.items()}
+        engines = {name: engine_on(library, om_path, steps, threads)
+                   for name, library in libraries(baseline, Path(scratch), flags).items()}
         try:
             for _ in range(rounds):
                 for name, engine in engines.items():

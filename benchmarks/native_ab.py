@@ -36,18 +36,23 @@ def library_at(revision: str, folder: Path, flags: tuple[str, ...] = ()) -> Path
     return target
 
 
+def libraries(baseline: str | None, folder: Path, flags: tuple[str, ...] = ()) -> dict[str, Path]:
+    """{name: library}: this checkout's (built into `folder` with `flags` when there are any) and `baseline`'s."""
+    found = {HERE: native.build(folder / "here" / "libcann_native.so", native._compiler(), flags)
+             if flags else native.library_path()}
+    if baseline:
+        found[baseline] = library_at(baseline, folder / "baseline", flags)
+    return found
+
+
 def sessions_of(model: bytes, baseline: str | None, threads: int,
                 flags: tuple[str, ...] = ()) -> dict[str, ort.InferenceSession]:
     """{name: session of `model`} on this checkout's library (built with `flags` when there are any) and on
     `baseline`'s, all on one process-wide pool of `threads` (two pools would each spin into the other's runs)."""
     enable_process_thread_pool(threads)
     with tempfile.TemporaryDirectory() as scratch:
-        libraries = {HERE: native.build(Path(scratch) / "here" / "libcann_native.so", native._compiler(), flags)
-                     if flags else native.library_path()}
-        if baseline:
-            libraries[baseline] = library_at(baseline, Path(scratch) / "baseline", flags)
         sessions = {}
-        for name, library in libraries.items():
+        for name, library in libraries(baseline, Path(scratch), flags).items():
             options = session_options(threads)
             options.register_custom_ops_library(str(library))
             sessions[name] = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])

@@ -15,8 +15,8 @@
                         int32 accumulators each: slower) */
 #define LANE_FROM 16 /* rows from which the lane path runs (below, transposing costs about what it saves) */
 #define PREFETCH_HINT _MM_HINT_T1 /* the weights' prefetch goes into L2, not L1: a decode step's many short streams
-                                   were bound by L1's outstanding misses; 1.06-1.10x faster a step (medians of
-                                   nine alternating rounds, benchmarks/decode_ab.py). The AVX2 kernel keeps T0 */
+                                   were bound by L1's outstanding misses; a step 1.06x faster (benchmarks/decode_ab.py,
+                                   nine rounds), 1.09-1.10x in two earlier runs. The AVX2 kernel keeps T0 */
 
 size_t matmul_int4_lane_bytes(int64_t m, int64_t pieces) {
   return m >= LANE_FROM ? (size_t)(MAX_TASKS * TASK_COLUMNS * pieces * PIECE) : 0;
