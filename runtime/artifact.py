@@ -229,6 +229,12 @@ class OmFile:
         if end > first:
             self._mm.madvise(mmap.MADV_DONTNEED, first, end - first)
 
+    def release(self, view: np.ndarray) -> None:
+        """Drop the pages of `view` (an array from `weights`) from this process's resident memory, once a copy
+        of it is made: touched again, they are read back from the page cache."""
+        start = self.file_offset(view)
+        self._release_span(start, start + view.nbytes)
+
     def file_offset(self, view: np.ndarray) -> int:
         """Where in the file the bytes of `view` (an array from `weights`) begin."""
         base = np.frombuffer(self._mm, np.uint8, count=0).__array_interface__["data"][0]

@@ -29,11 +29,11 @@ from runtime.artifact import SUB_BYTE_TYPES, OmFile
 from runtime.embedding_rows import split_off
 from runtime.engine.kv_cache import PagePool
 from runtime.errors import AtcError
-from runtime.kernels import HostRun, float28, host_kernel, is_host_node, native, reference_ops
+from runtime.kernels import HostRun, float28, float32_panels, host_kernel, is_host_node, native, reference_ops
 from runtime.kernels.paged_attention import PagedInputError
 from runtime.loader import LoadedModel
 from runtime.lowering import POOL_KEY, POOL_VALUE, lower_for_onnxruntime, with_input_scales, with_pool_inputs
-from runtime.ops import (CUSTOM_DOMAIN, MATMUL_F28, MATMUL_INT4, PAGED_ATTENTION, PAGED_METADATA, SWIGLU, MatMulF28Input,
+from runtime.ops import (CUSTOM_DOMAIN, MATMUL_F28, MATMUL_F32, MATMUL_INT4, PAGED_ATTENTION, PAGED_METADATA, SWIGLU, MatMulF28Input,
                          attributes)
 from runtime.ort_session import process_thread_pool_enabled, session_options
 from runtime.proto_utils import constant_operand, initializers_as_inputs
@@ -85,13 +85,15 @@ class Executor:
                 pass  # the host kernels run the attention instead: slower, the same numbers
         if self.native_library is not None:
             plan = split_at_host_nodes(with_pool_inputs(model), lambda node: False)
-        # the sessions' custom ops: also where the paged step is not one session, for float32 weights in 28 bits
+        # the sessions' custom ops: also where the paged step is not one session, for float32 weights
         library = self.native_library
-        if library is None and backend == "onnxruntime" and any(n.op_type == MATMUL_F28.name for n in model.graph.node):
+        if library is None and backend == "onnxruntime" and any(n.op_type == MATMUL_F28.name
+                                                                or _float32_weight(n, weights) is not None
+                                                                for n in model.graph.node):
             try:
                 library = native.library_path()
             except native.NativeUnavailable:
-                pass  # the weights are unpacked for onnxruntime's MatMul instead
+                pass  # onnxruntime's MatMul instead, on F28 weights unpacked here
         # Many sessions run in turn. On pools of their own (no process-wide pool, runtime/ort_session.py),
         # a pool left spinning after its run starves the next session's (docs/performance.md#thread-pools), so
         # their threads spin within a run and stop at its end.
@@ -249,6 +251,79 @@ def _unpacked_float28(model: onnx.ModelProto, weights: dict[str, np.ndarray], ke
     return copy, unpacked
 
 
+def _float32_weight(node: onnx.NodeProto, weights: dict[str, np.ndarray]) -> np.ndarray | None:
+    """The float32 `[K, N]` weight of the artifact (`weights`) a MatMul `node` reads as its B, or None."""
+    if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+        return None
+    view = weights.get(node.input[1])
+    return view if view is not None and view.ndim == 2 and view.dtype == np.float32 else None
+
+
+def _transposed_weights(model: onnx.ModelProto, weights: dict[str, np.ndarray]) -> dict[str, tuple[str, onnx.NodeProto]]:
+    """The outputs of the graph's Transposes ([1, 0]) of a 2-D float32 weight of the artifact: output → (the
+    weight's name, the Transpose)."""
+    found = {}
+    for node in model.graph.node:
+        if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx") or node.input[0] not in weights:
+            continue
+        view = weights[node.input[0]]
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), [1, 0])
+        if view.ndim == 2 and view.dtype == np.float32 and perm == [1, 0]:
+            found[node.output[0]] = (node.input[0], node)
+    return found
+
+
+def _float32_panels(model: onnx.ModelProto, weights: dict[str, np.ndarray],
+                    artifact: OmFile | None) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """A copy of `model` whose MatMuls on a float32 weight of the artifact (or on its transpose: a tied head) are
+    the native library's MatMulF32 on that weight laid out in panels here (runtime/kernels/float32_panels.py),
+    and those panels by name, for the session as `_unpacked_float28`'s weights are: what onnxruntime would
+    pre-pack for its MatMul, laid out for the kernel that reads it faster at one row. The pages of the artifact
+    read to lay them out are released (`artifact`), as onnxruntime leaves them after pre-packing. `model`
+    itself is left alone when there are none."""
+    transposed = _transposed_weights(model, weights)
+
+    def source(node: onnx.NodeProto) -> tuple[str, np.ndarray] | None:
+        if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") and node.input[-1] in transposed:
+            name = transposed[node.input[-1]][0]
+            return f"{name}/T", weights[name].T
+        view = _float32_weight(node, weights)
+        return (node.input[1], view) if view is not None else None
+
+    if not any(source(node) for node in model.graph.node):
+        return model, {}
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    panels: dict[str, np.ndarray] = {}
+    for node in copy.graph.node:
+        found = source(node)
+        if found is None:
+            continue
+        key, weight = found
+        name = f"{key}/panels"
+        if name not in panels:
+            panels[name] = float32_panels.pack(weight)
+            if artifact is not None:
+                artifact.release(weights[key.removesuffix("/T")])
+            stub = onnx.TensorProto(name=name, dims=panels[name].shape, data_type=onnx.TensorProto.FLOAT,
+                                    data_location=onnx.TensorProto.EXTERNAL)
+            stub.external_data.add(key="location", value="<laid out at load>")
+            copy.graph.initializer.append(stub)
+        k, n = weight.shape
+        node.CopyFrom(helper.make_node(MATMUL_F32.name, [node.input[0], name], list(node.output), name=node.name,
+                                       domain=CUSTOM_DOMAIN, K=int(k), N=int(n)))
+    used = {name for node in copy.graph.node for name in node.input}
+    kept_nodes = [node for node in copy.graph.node if node.op_type != "Transpose" or node.output[0] not in transposed
+                  or node.output[0] in used]
+    del copy.graph.node[:]
+    copy.graph.node.extend(kept_nodes)
+    used = {name for node in copy.graph.node for name in node.input}
+    kept_initializers = [t for t in copy.graph.initializer if t.name in used]
+    del copy.graph.initializer[:]
+    copy.graph.initializer.extend(kept_initializers)
+    return copy, panels
+
+
 class _SegmentStep:
     def __init__(self, segment: Segment, weights: dict[str, np.ndarray], backend: str, threads: int | None,
                  spinning: bool, stop_spinning: bool, library=None, artifact: OmFile | None = None,
@@ -261,6 +336,9 @@ class _SegmentStep:
                 model = with_input_scales(model, keep)
             where = str(artifact.path) if artifact is not None else "the model"
             model, unpacked = _unpacked_float28(model, weights, keep, where)
+            if library is not None and native_matmul and not share_weights and native.has_float32_panel_matmul():
+                model, panels = _float32_panels(model, weights, artifact)
+                unpacked.update(panels)
             # onnxruntime reads these buffers for the session's life
             self._unpacked = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in unpacked.items()}
             self._session = _ort_session(lower_for_onnxruntime(model, keep), artifact, threads, spinning,

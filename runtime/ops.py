@@ -102,6 +102,11 @@ class GatherF28Input(IntEnum):
     INDICES = 4
 
 
+class MatMulF32Input(IntEnum):
+    A = 0
+    PANELS = 1  # float32 [ceil(N/16), K, 16] (runtime/kernels/float32_panels.py): laid out at load, never stored
+
+
 class GatherInt4Input(IntEnum):
     TABLE = 0
     INDICES = 1
@@ -140,6 +145,8 @@ MATMUL_INT8 = Op("MatMulInt8", MatMulQuantInput)
 GATHER_INT4 = Op("GatherInt4", GatherInt4Input, defaults={"bits": 4})
 MATMUL_F28 = Op("MatMulF28", MatMulF28Input)
 GATHER_F28 = Op("GatherF28", GatherF28Input)
+# laid out by the runtime at load for the native library (runtime/executor.py), never in an artifact
+MATMUL_F32 = Op("MatMulF32", MatMulF32Input)
 
 OPS: dict[str, Op] = {op.name: op for op in (RMS_NORM, ADD_RMS_NORM, SWIGLU, MOE, FUSED_ATTENTION, PAGED_ATTENTION,
                                              MATMUL_INT4, MATMUL_INT8, GATHER_INT4, MATMUL_F28,

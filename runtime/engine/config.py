@@ -38,8 +38,9 @@ class EngineConfig:
         "help": "run paged attention as host kernels between onnxruntime sessions, not inside one session "
                 "(what happens anyway where no C compiler can build the native op)"})
     native_matmul: bool = field(default=True, metadata={
-        "help": "4- and 8-bit matmuls with int8 activations by the native library's kernel where the CPU has "
-                "AVX-512 VNNI or AVX2 (off: onnxruntime's MatMulNBits; the same numbers within float rounding)"})
+        "help": "matmuls by the native library's kernels: 4- and 8-bit ones with int8 activations where the CPU "
+                "has AVX-512 VNNI or AVX2, float32 ones (weights laid out in panels at load) where it has AVX-512 "
+                "(off: onnxruntime's MatMulNBits and MatMul; the same numbers within float rounding)"})
     share_weights: bool = field(default=False, metadata={
         "help": "map onnxruntime's pre-packed weights from a cache on disk (written at the first load on this "
                 "machine, about twice the artifact's size; $CANN_LLM_CACHE or ~/.cache/cann-llm), so processes "

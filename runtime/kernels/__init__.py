@@ -105,4 +105,4 @@ def supports(domain: str | None, op_type: str) -> bool:
 
 
 # kernels register themselves on import
-from runtime.kernels import attention, float28, moe, norms, paged_attention, quant_matmul  # noqa: E402,F401
+from runtime.kernels import attention, float28, float32_panels, moe, norms, paged_attention, quant_matmul  # noqa: E402,F401

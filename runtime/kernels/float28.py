@@ -13,7 +13,7 @@ by k as 16 codes of 28 bits in 56 bytes (code j at bits 28j .. 28j+27, little-en
 int32 (k · 16 + column within its panel), `values` float32, grouped by panel, panel p's from `offsets[p]` to
 `offsets[p + 1]` (int32 `[ceil(N/16) + 1]`).
 
-The native kernel (runtime/kernels/native/matmul_f28.c) computes the op on CPUs with AVX-512 VBMI; elsewhere
+The native kernel (runtime/kernels/native/matmul_panels.c) computes the op on CPUs with AVX-512 VBMI; elsewhere
 the executor unpacks the weight once at load and onnxruntime runs a MatMul (runtime/executor.py).
 """
 

@@ -1,5 +1,5 @@
 """F28, float32 weights in 28 bits (runtime/kernels/float28.py): packing gives back every weight bit for bit, the
-native MatMulF28 (runtime/kernels/native/matmul_f28.c) computes the float64 product within float32 rounding on
+native MatMulF28 (runtime/kernels/native/matmul_panels.c) computes the float64 product within float32 rounding on
 both of its paths (one to four rows, and the tiled one from five) and the shapes they split on, with
 exceptions of either kind (tiny weights below the exponent window and outliers above it), and the executor
 runs the op through onnxruntime's MatMul where the library does not take it."""

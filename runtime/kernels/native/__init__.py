@@ -1,6 +1,7 @@
 """The native custom-op library: cann::PagedAttention (paged_attention.c), cann::SwiGlu (swiglu.c), on CPUs
 with AVX-512 VNNI or AVX2 cann::MatMulInt4 (matmul_int4.c, its kernels in matmul_int4_avx512.c and
-matmul_int4_avx2.c), and on CPUs with AVX-512 VBMI cann::MatMulF28 (matmul_f28.c), inside onnxruntime,
+matmul_int4_avx2.c), and on CPUs with AVX-512 cann::MatMulF32 (with VBMI also cann::MatMulF28;
+matmul_panels.c), inside onnxruntime,
 registered by library.c.
 
 With it a paged artifact's step is one onnxruntime session run instead of ~30 sessions taking turns with
@@ -29,7 +30,7 @@ from runtime.kernels.numba_cache import user_cache_dir
 
 SOURCE_DIR = Path(__file__).parent
 SOURCES = ("library.c", "paged_attention.c", "swiglu.c", "matmul_int4.c", "matmul_int4_avx512.c", "matmul_int4_avx2.c",
-           "matmul_f28.c", "matmul_int4.h", "native_ops.h", "ort_abi.h")
+           "matmul_panels.c", "matmul_int4.h", "native_ops.h", "ort_abi.h")
 # fast math without -ffinite-math-only: masked scores are -inf, and NaN weights give NaN as numpy would
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-fno-math-errno", "-fno-trapping-math",
          "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math", "-ffp-contract=fast", "-fvisibility=hidden")
@@ -118,10 +119,20 @@ def takes_matmul(attributes: dict) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def has_float28_matmul() -> bool:
-    """Whether the library here registers MatMulF28 (runtime/kernels/native/matmul_f28.c: built for a CPU with
-    AVX-512 VBMI); the library says so itself."""
+    """Whether the library here registers MatMulF28 (runtime/kernels/native/matmul_panels.c: built for a CPU
+    with AVX-512 VBMI); the library says so itself."""
     try:
         return bool(ctypes.CDLL(str(library_path())).cann_matmul_f28_built())
+    except (NativeUnavailable, OSError):
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def has_float32_panel_matmul() -> bool:
+    """Whether the library here registers MatMulF32 (runtime/kernels/native/matmul_panels.c: built for a CPU
+    with AVX-512); the library says so itself."""
+    try:
+        return bool(ctypes.CDLL(str(library_path())).cann_matmul_f32_built())
     except (NativeUnavailable, OSError):
         return False
 

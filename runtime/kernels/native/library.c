@@ -79,7 +79,7 @@ void common_op(OrtCustomOp* op) {
   op->GetVariadicOutputHomogeneity = variadic_homogeneity;
 }
 
-static OrtCustomOp g_ops[4];
+static OrtCustomOp g_ops[5];
 
 __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
   g_api = base->GetApi(ORT_API_VERSION_USED);
@@ -88,6 +88,7 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
   swiglu_op(&g_ops[1]);
   size_t count = 2 + (size_t)matmul_int4_op(&g_ops[2]);
   count += (size_t)matmul_f28_op(&g_ops[count]);
+  count += (size_t)matmul_f32_op(&g_ops[count]);
   OrtCustomOpDomain* domain = NULL;
   OrtStatus* status = ORT_CALL(g_api, CreateCustomOpDomain)(DOMAIN, &domain);
   for (size_t i = 0; !status && i < count; i++)

@@ -75,7 +75,9 @@ void paged_attention_op(OrtCustomOp* op);
 void swiglu_op(OrtCustomOp* op);
 /* fills `op` and returns 1 where the CPU has what a kernel needs (AVX-512 VNNI, or AVX2 and FMA), else 0 */
 int matmul_int4_op(OrtCustomOp* op);
-/* fills `op` and returns 1 where the CPU has AVX-512 with VBMI (matmul_f28.c), else 0 */
+/* fill `op` and return 1 where the CPU has AVX-512 (MatMulF32) or AVX-512 with VBMI (MatMulF28), else 0
+   (matmul_panels.c) */
 int matmul_f28_op(OrtCustomOp* op);
+int matmul_f32_op(OrtCustomOp* op);
 
 #endif

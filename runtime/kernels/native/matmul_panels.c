@@ -1,39 +1,49 @@
-/* cann::MatMulF28 as an onnxruntime custom op: y = A · W with the float32 weight W [K, N] stored in F28 (28 bits a
-   weight, lossless: runtime/kernels/float28.py describes the layout and is the reference). Inputs: A float32
-   [..., K], the packed panels uint8 [ceil(N/16)][K][56], the exceptions' panel offsets int32 [ceil(N/16) + 1],
-   their positions int32 (k · 16 + column) and values float32; attributes K, N, bias.
+/* cann::MatMulF32 and cann::MatMulF28 as onnxruntime custom ops: y = A · W with the float32 weight W [K, N] stored
+   in panels of 16 columns, k by k, each k a group: as float32 (MatMulF32: 64 bytes a group; runtime/kernels/
+   float32_panels.py) or in F28 (MatMulF28: 28 bits a weight, lossless, 56 bytes a group; runtime/kernels/
+   float28.py describes the layout and is the reference). Inputs of MatMulF32: A float32 [..., K] and the panels
+   float32 [ceil(N/16), K, 16]; of MatMulF28: A, the packed panels uint8 [ceil(N/16), K, 56], the exceptions'
+   panel offsets int32 [ceil(N/16) + 1], their positions int32 (k · 16 + column) and values float32. Attributes
+   K, N (and F28's bias).
 
-   A group of 16 codes (56 bytes) becomes a vector of 16 floats in six instructions: `vpermb` puts each code's
-   four bytes in its lane, a shift left by 4 (even codes) or 0 (odd ones) puts its 28 bits at the top, an
+   In F28 a group of 16 codes (56 bytes) becomes a vector of 16 floats in six instructions: `vpermb` puts each
+   code's four bytes in its lane, a shift left by 4 (even codes) or 0 (odd ones) puts its 28 bits at the top, an
    arithmetic shift right by 4 puts the sign at bit 31 (and copies of it in bits 27-30), an AND clears those,
    and the window's bias is added to the exponent field of the lanes whose code is not 0 (a zero stays 0.0).
    An exception is coded 0 and added after its panel's sums, as a[k] · value.
 
-   Up to GEMV_ROWS rows (decode) each task streams a range of panels once, unpacking each group once for
-   every row, with software prefetch ahead: reading 3.5 bytes a weight is what makes it faster than
-   onnxruntime's MatMul on float32 (docs/performance.md#fp32-weights-in-28-bits). From more rows on, each task
-   unpacks a few pairs of panels at a time into a scratch of its own (their exceptions in place) and runs
-   12-row by 32-column tiles over them, the shape of MLAS's own SGEMM kernel, so that prefill stays as fast as
-   onnxruntime's MatMul. An infinite activation meets an exception's weight as 0 · inf = NaN in the decode
-   path, where a float32 MatMul gives ±inf: a model already overflowing either way.
-   Built where the compiler targets AVX-512 with VBMI (`vpermb`); elsewhere the op is not registered and the
-   executor unpacks the weight at load for onnxruntime's MatMul (runtime/executor.py). */
+   Up to GEMV_ROWS rows (decode) each task streams a range of panels once, reading (unpacking) each group once
+   for every row, with software prefetch ahead: the panels and the prefetch are what make a step faster than
+   onnxruntime's MatMul on the same float32 bytes, and F28's 3.5 bytes a weight faster still
+   (docs/performance.md#fp32-weights-in-panels). From more rows on, each task copies (unpacks) a few pairs of
+   panels at a time into a scratch of its own (F28's exceptions in place) and runs 12-row by 32-column tiles
+   over them, the shape of MLAS's own SGEMM kernel, so that prefill stays as fast as onnxruntime's MatMul. An
+   infinite activation meets an F28 exception's weight as 0 · inf = NaN in the decode path, where a float32
+   MatMul gives ±inf: a model already overflowing either way.
+   Built where the compiler targets AVX-512 (F28: with VBMI, for `vpermb`); elsewhere an op is not registered
+   and the executor unpacks its weights at load for onnxruntime's MatMul (runtime/executor.py). */
 #include <stdlib.h>
 #include <string.h>
 
 #include "native_ops.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define MATMUL_PANELS_ISA 512
+#else
+#define MATMUL_PANELS_ISA 0
+#endif
+#if MATMUL_PANELS_ISA && defined(__AVX512VBMI__)
 #define MATMUL_F28_ISA 512
 #else
 #define MATMUL_F28_ISA 0
 #endif
 
-#if MATMUL_F28_ISA
+#if MATMUL_PANELS_ISA
 
 #include <immintrin.h>
 
-#define GROUP 56           /* bytes of one k of a panel: 16 codes of 28 bits */
+#define GROUP_F28 56       /* bytes of one k of an F28 panel: 16 codes of 28 bits */
+#define GROUP_F32 64       /* of a float32 panel */
 #define GEMV_ROWS 4        /* rows up to which each group is unpacked once for all of them (decode) */
 #define TILE_ROWS 12       /* rows of the GEMM tile: 24 accumulators, 2 weight vectors and a broadcast */
 #define PREFETCH 4096      /* bytes ahead of the panel being read (as the INT4 kernel's) */
@@ -42,14 +52,14 @@
 #define SCRATCH_BYTES (256 * 1024) /* unpacked pairs a task holds at a time: half of L2, where they are reread */
 
 typedef struct {
-  int64_t K, N, bias;
+  int64_t K, N, bias, group; /* group: GROUP_F28 or GROUP_F32, which op this is */
 } Kernel;
 
 typedef struct {
   const Kernel* k;
   const float* a;
   const uint8_t* packed;
-  const int32_t* offsets;
+  const int32_t* offsets; /* F28's exceptions; NULL for float32 panels */
   const int32_t* positions;
   const float* values;
   float* y;
@@ -57,6 +67,11 @@ typedef struct {
   int64_t batch;               /* GEMM: pairs a task unpacks at a time into its scratch, SCRATCH_BYTES at most (one at least) */
   int failed;                  /* GEMM: a task found no memory for its scratch */
 } Work;
+
+/* a float32 panel's group: as it lies */
+static inline __m512 load16(const uint8_t* group) { return _mm512_loadu_ps((const float*)group); }
+
+#if MATMUL_F28_ISA
 
 typedef struct {
   __m512i index, shift, keep, exponent, bias;
@@ -89,8 +104,10 @@ static inline __m512 unpack16_last(const Unpacker* u, const uint8_t* group) {
 
 /* group kk of a panel, `last` when the panel is the tensor's last */
 static inline __m512 unpack_at(const Unpacker* u, const uint8_t* panel, int64_t kk, int64_t K, int last) {
-  return last && kk == K - 1 ? unpack16_last(u, panel + kk * GROUP) : unpack16(u, panel + kk * GROUP);
+  return last && kk == K - 1 ? unpack16_last(u, panel + kk * GROUP_F28) : unpack16(u, panel + kk * GROUP_F28);
 }
+
+#endif
 
 static inline __mmask16 columns_mask(const Kernel* k, int64_t panel) {
   const int64_t left = k->N - panel * 16;
@@ -106,12 +123,13 @@ static void exceptions(const Work* w, int64_t p, float* sums, int64_t rows) {
   }
 }
 
-/* decode: ROWS rows of every panel in [p0, p1), each group unpacked once */
-#define GEMV(ROWS)                                                                                                   \
-  static void gemv_##ROWS(const Work* w, int64_t p0, int64_t p1) {                                                   \
+/* decode: ROWS rows of every panel in [p0, p1), each group read (unpacked) once; FORMAT f32 or f28: GROUP its
+   bytes, SETUP what LOAD(src, kk, K, last) needs, EXCEPTIONS whether it has them */
+#define GEMV(FORMAT, ROWS, GROUP, SETUP, LOAD, EXCEPTIONS)                                                          \
+  static void gemv_##FORMAT##_##ROWS(const Work* w, int64_t p0, int64_t p1) {                                       \
     const Kernel* k = w->k;                                                                                          \
     const int64_t K = k->K;                                                                                          \
-    const Unpacker u = unpacker(k->bias);                                                                            \
+    SETUP                                                                                                            \
     for (int64_t p = p0; p < p1; p++) {                                                                              \
       const uint8_t* src = w->packed + p * K * GROUP;                                                                \
       __m512 even[ROWS], odd[ROWS];                                                                                  \
@@ -121,36 +139,54 @@ static void exceptions(const Work* w, int64_t p, float* sums, int64_t rows) {
       for (; kk + 2 <= K - last; kk += 2) {                                                                          \
         _mm_prefetch((const char*)src + kk * GROUP + PREFETCH, _MM_HINT_T0);                                         \
         _mm_prefetch((const char*)src + kk * GROUP + PREFETCH + 64, _MM_HINT_T0);                                    \
-        const __m512 w0 = unpack16(&u, src + kk * GROUP), w1 = unpack16(&u, src + (kk + 1) * GROUP);                 \
+        const __m512 w0 = LOAD(src, kk, K, 0), w1 = LOAD(src, kk + 1, K, 0);                                        \
         for (int r = 0; r < ROWS; r++) {                                                                             \
           even[r] = _mm512_fmadd_ps(_mm512_set1_ps(w->a[r * K + kk]), w0, even[r]);                                  \
           odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(w->a[r * K + kk + 1]), w1, odd[r]);                                \
         }                                                                                                            \
       }                                                                                                              \
       for (; kk < K; kk++) {                                                                                         \
-        const __m512 w0 = unpack_at(&u, src, kk, K, last);                                                           \
+        const __m512 w0 = LOAD(src, kk, K, last);                                                                    \
         for (int r = 0; r < ROWS; r++) even[r] = _mm512_fmadd_ps(_mm512_set1_ps(w->a[r * K + kk]), w0, even[r]);     \
       }                                                                                                              \
       float sums[ROWS * 16];                                                                                         \
       for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(sums + r * 16, _mm512_add_ps(even[r], odd[r]));               \
-      exceptions(w, p, sums, ROWS);                                                                                   \
+      if (EXCEPTIONS) exceptions(w, p, sums, ROWS);                                                                  \
       const __mmask16 mask = columns_mask(k, p);                                                                     \
       for (int r = 0; r < ROWS; r++) _mm512_mask_storeu_ps(w->y + r * k->N + p * 16, mask, _mm512_loadu_ps(sums + r * 16)); \
     }                                                                                                                \
   }
-GEMV(1)
-GEMV(2)
-GEMV(3)
-GEMV(4)
+#define LOAD_F32(src, kk, K, last) load16((src) + (kk) * GROUP_F32)
+GEMV(f32, 1, GROUP_F32, , LOAD_F32, 0)
+GEMV(f32, 2, GROUP_F32, , LOAD_F32, 0)
+GEMV(f32, 3, GROUP_F32, , LOAD_F32, 0)
+GEMV(f32, 4, GROUP_F32, , LOAD_F32, 0)
+#if MATMUL_F28_ISA
+#define LOAD_F28(src, kk, K, last) unpack_at(&u, src, kk, K, last)
+GEMV(f28, 1, GROUP_F28, const Unpacker u = unpacker(k->bias);, LOAD_F28, 1)
+GEMV(f28, 2, GROUP_F28, const Unpacker u = unpacker(k->bias);, LOAD_F28, 1)
+GEMV(f28, 3, GROUP_F28, const Unpacker u = unpacker(k->bias);, LOAD_F28, 1)
+GEMV(f28, 4, GROUP_F28, const Unpacker u = unpacker(k->bias);, LOAD_F28, 1)
+#endif
 
 static void gemv_task(void* work, size_t task) {
   const Work* w = (const Work*)work;
   const int64_t p0 = (int64_t)task * w->per_task, p1 = p0 + w->per_task < w->panels ? p0 + w->per_task : w->panels;
+#if MATMUL_F28_ISA
+  if (w->k->group == GROUP_F28) {
+    switch (w->m) {
+      case 1: gemv_f28_1(w, p0, p1); return;
+      case 2: gemv_f28_2(w, p0, p1); return;
+      case 3: gemv_f28_3(w, p0, p1); return;
+      default: gemv_f28_4(w, p0, p1); return;
+    }
+  }
+#endif
   switch (w->m) {
-    case 1: gemv_1(w, p0, p1); break;
-    case 2: gemv_2(w, p0, p1); break;
-    case 3: gemv_3(w, p0, p1); break;
-    default: gemv_4(w, p0, p1); break;
+    case 1: gemv_f32_1(w, p0, p1); break;
+    case 2: gemv_f32_2(w, p0, p1); break;
+    case 3: gemv_f32_3(w, p0, p1); break;
+    default: gemv_f32_4(w, p0, p1); break;
   }
 }
 
@@ -215,33 +251,49 @@ typedef void (*Tile)(const float*, int64_t, const float*, int64_t, float*, int64
 static const Tile TILES[TILE_ROWS + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6, tile_7, tile_8, tile_9,
                                           tile_10, tile_11, tile_12};
 
-/* many rows: the task's pairs of panels, a few at a time unpacked into its scratch (kept in L2) with their
-   exceptions' values in place, every tile of rows run over each of them while the rows stay in L1 */
+/* one panel into its half of the scratch's pair (`to`: 32 floats a k), F28's exceptions in place; a panel past
+   the weight's last (an odd count) as zeros */
+static void unpack_panel(const Work* w, int64_t p, float* to) {
+  const int64_t K = w->k->K;
+  if (p >= w->panels) {
+    for (int64_t kk = 0; kk < K; kk++) _mm512_store_ps(to + kk * 32, _mm512_setzero_ps());
+    return;
+  }
+  const uint8_t* src = w->packed + p * K * w->k->group;
+#if MATMUL_F28_ISA
+  if (w->k->group == GROUP_F28) {
+    const Unpacker u = unpacker(w->k->bias);
+    for (int64_t kk = 0; kk < K; kk++) {
+      _mm_prefetch((const char*)src + kk * GROUP_F28 + PREFETCH, _MM_HINT_T0);
+      _mm512_store_ps(to + kk * 32, unpack_at(&u, src, kk, K, p == w->panels - 1));
+    }
+    for (int32_t e = w->offsets[p]; e < w->offsets[p + 1]; e++)
+      to[(w->positions[e] >> 4) * 32 + (w->positions[e] & 15)] = w->values[e];
+    return;
+  }
+#endif
+  for (int64_t kk = 0; kk < K; kk++) {
+    _mm_prefetch((const char*)src + kk * GROUP_F32 + PREFETCH, _MM_HINT_T0);
+    _mm512_store_ps(to + kk * 32, load16(src + kk * GROUP_F32));
+  }
+}
+
+/* many rows: the task's pairs of panels, a few at a time unpacked into its scratch (kept in L2), every tile of
+   rows run over each of them while the rows stay in L1 */
 static void gemm_task(void* work, size_t task) {
   Work* w = (Work*)work;
   const Kernel* k = w->k;
   const int64_t K = k->K, N = k->N, pairs = (w->panels + 1) / 2;
   /* the task's own, so that the memory in use is the running tasks' (a thread's), not the call's */
   float* scratch = (float*)aligned_alloc(64, (size_t)(w->batch * K * 32) * sizeof(float));
-  if (!scratch) { /* a ParallelFor body cannot fail: compute() reports it once the loop is done */
+  if (!scratch) { /* a ParallelFor body cannot fail: run() reports it once the loop is done */
     __atomic_store_n(&w->failed, 1, __ATOMIC_RELAXED);
     return;
   }
-  const Unpacker u = unpacker(k->bias);
   const int64_t end = (int64_t)(task + 1) * w->per_task < pairs ? (int64_t)(task + 1) * w->per_task : pairs;
   for (int64_t first_pair = (int64_t)task * w->per_task; first_pair < end; first_pair += w->batch) {
     const int64_t count = end - first_pair < w->batch ? end - first_pair : w->batch;
-    for (int64_t i = 0; i < 2 * count; i++) {
-      const int64_t p = 2 * first_pair + i;
-      float* to = scratch + i / 2 * K * 32 + i % 2 * 16;
-      const uint8_t* src = w->packed + p * K * GROUP;
-      for (int64_t kk = 0; kk < K; kk++) {
-        _mm_prefetch((const char*)src + kk * GROUP + PREFETCH, _MM_HINT_T0);
-        _mm512_store_ps(to + kk * 32, p < w->panels ? unpack_at(&u, src, kk, K, p == w->panels - 1) : _mm512_setzero_ps());
-      }
-      for (int32_t e = p < w->panels ? w->offsets[p] : 0; p < w->panels && e < w->offsets[p + 1]; e++)
-        to[(w->positions[e] >> 4) * 32 + (w->positions[e] & 15)] = w->values[e];
-    }
+    for (int64_t i = 0; i < 2 * count; i++) unpack_panel(w, 2 * first_pair + i, scratch + i / 2 * K * 32 + i % 2 * 16);
     for (int64_t r = 0; r < w->m; r += TILE_ROWS) {
       const int64_t rows = w->m - r < TILE_ROWS ? w->m - r : TILE_ROWS;
       for (int64_t i = 0; i < count; i++) {
@@ -254,7 +306,48 @@ static void gemm_task(void* work, size_t task) {
   free(scratch);
 }
 
-static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
+/* y for `w` (its operands checked): the output of A's shape with N last, then decode's or GEMM's tasks */
+static OrtStatus* run(OrtKernelContext* context, const Tensor* a, Work* w, const char* out_of_memory) {
+  const Kernel* k = w->k;
+  int64_t dims[6];
+  memcpy(dims, a->dims, sizeof(dims));
+  dims[a->rank - 1] = k->N;
+  OrtValue* output = NULL;
+  float* y = NULL;
+  OrtStatus* status = ORT_CALL(g_api, KernelContext_GetOutput)(context, 0, dims, a->rank, &output);
+  if (!status) status = ORT_CALL(g_api, GetTensorMutableData)(output, (void**)&y);
+  if (status) return status;
+  w->y = y;
+  w->m = elements(a) / k->K;
+  if (w->m == 0) return NULL;
+  if (w->m <= GEMV_ROWS) {
+    w->per_task = (w->panels + MAX_GEMV_TASKS - 1) / MAX_GEMV_TASKS;
+    return ORT_CALL(g_api, KernelContext_ParallelFor)(context, gemv_task, (size_t)((w->panels + w->per_task - 1) / w->per_task), 0, w);
+  }
+  const int64_t pairs = (w->panels + 1) / 2, most = pairs < GEMM_TASKS ? pairs : GEMM_TASKS;
+  w->per_task = (pairs + most - 1) / most;
+  w->batch = SCRATCH_BYTES / (k->K * 32 * (int64_t)sizeof(float));
+  w->batch = w->batch < 1 ? 1 : w->batch > w->per_task ? w->per_task : w->batch;
+  status = ORT_CALL(g_api, KernelContext_ParallelFor)(context, gemm_task, (size_t)((pairs + w->per_task - 1) / w->per_task), 0, w);
+  if (!status && w->failed) status = fail(out_of_memory);
+  return status;
+}
+
+static OrtStatus* compute_f32(void* kernel, OrtKernelContext* context) {
+  const Kernel* k = (const Kernel*)kernel;
+  Tensor a, panels;
+  OrtStatus* status = required_input(context, 0, &a, "MatMulF32");
+  if (!status) status = required_input(context, 1, &panels, "MatMulF32");
+  if (status) return status;
+  const int64_t count = (k->N + 15) / 16;
+  if (a.rank < 1 || a.dims[a.rank - 1] != k->K) return fail("MatMulF32: A's last axis is not K");
+  if (elements(&panels) != count * k->K * 16) return fail("MatMulF32: the panels are not [ceil(N/16), K, 16]");
+  Work w = {k, a.data, (const uint8_t*)panels.data, NULL, NULL, NULL, NULL, 0, count, 0, 1, 0};
+  return run(context, &a, &w, "MatMulF32: out of memory for the weights' scratch");
+}
+
+#if MATMUL_F28_ISA
+static OrtStatus* compute_f28(void* kernel, OrtKernelContext* context) {
   const Kernel* k = (const Kernel*)kernel;
   Tensor a, packed, offsets, positions, values;
   OrtStatus* status = required_input(context, 0, &a, "MatMulF28");
@@ -265,7 +358,7 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   if (status) return status;
   const int64_t panels = (k->N + 15) / 16;
   if (a.rank < 1 || a.dims[a.rank - 1] != k->K) return fail("MatMulF28: A's last axis is not K");
-  if (elements(&packed) != panels * k->K * GROUP) return fail("MatMulF28: the packed weight is not [ceil(N/16), K, 56]");
+  if (elements(&packed) != panels * k->K * GROUP_F28) return fail("MatMulF28: the packed weight is not [ceil(N/16), K, 56]");
   if (elements(&offsets) != panels + 1) return fail("MatMulF28: the exception offsets are not [ceil(N/16) + 1]");
   const int32_t* offset = (const int32_t*)offsets.data;
   const int32_t* position = (const int32_t*)positions.data;
@@ -277,40 +370,22 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
     if (offset[p + 1] < offset[p]) return fail("MatMulF28: the exception offsets decrease");
   for (int64_t e = 0; e < elements(&positions); e++)
     if (position[e] < 0 || position[e] >= k->K * 16) return fail("MatMulF28: an exception position is outside [0, K · 16)");
-  int64_t dims[6];
-  memcpy(dims, a.dims, sizeof(dims));
-  dims[a.rank - 1] = k->N;
-  OrtValue* output = NULL;
-  float* y = NULL;
-  status = ORT_CALL(g_api, KernelContext_GetOutput)(context, 0, dims, a.rank, &output);
-  if (!status) status = ORT_CALL(g_api, GetTensorMutableData)(output, (void**)&y);
-  if (status) return status;
-  const int64_t m = elements(&a) / k->K;
-  if (m == 0) return NULL;
-  Work w = {k, a.data, (const uint8_t*)packed.data, offset, position, values.data, y, m, panels, 0, 1, 0};
-  if (m <= GEMV_ROWS) {
-    w.per_task = (panels + MAX_GEMV_TASKS - 1) / MAX_GEMV_TASKS;
-    return ORT_CALL(g_api, KernelContext_ParallelFor)(context, gemv_task, (size_t)((panels + w.per_task - 1) / w.per_task), 0, &w);
-  }
-  const int64_t pairs = (panels + 1) / 2, most = pairs < GEMM_TASKS ? pairs : GEMM_TASKS;
-  w.per_task = (pairs + most - 1) / most;
-  w.batch = SCRATCH_BYTES / (k->K * 32 * (int64_t)sizeof(float));
-  w.batch = w.batch < 1 ? 1 : w.batch > w.per_task ? w.per_task : w.batch;
-  status = ORT_CALL(g_api, KernelContext_ParallelFor)(context, gemm_task, (size_t)((pairs + w.per_task - 1) / w.per_task), 0, &w);
-  if (!status && w.failed) status = fail("MatMulF28: out of memory for the unpacked weights' scratch");
-  return status;
+  Work w = {k, a.data, (const uint8_t*)packed.data, offset, position, values.data, NULL, 0, panels, 0, 1, 0};
+  return run(context, &a, &w, "MatMulF28: out of memory for the unpacked weights' scratch");
 }
+#endif
 
-static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
-  (void)op;
-  (void)api;
+/* K and N (and F28's bias) of a kernel reading groups of `group` bytes */
+static OrtStatus* create(const OrtKernelInfo* info, int64_t group, void** out) {
   Kernel* k = (Kernel*)calloc(1, sizeof(Kernel));
-  if (!k) return fail("out of memory for a MatMulF28 kernel");
+  if (!k) return fail("out of memory for a matmul kernel");
+  k->group = group;
   OrtStatus* status = int_attribute(info, "K", &k->K);
   if (!status) status = int_attribute(info, "N", &k->N);
-  if (!status) status = int_attribute(info, "bias", &k->bias);
+  if (!status && group == GROUP_F28) status = int_attribute(info, "bias", &k->bias);
   if (!status && (k->K < 1 || k->N < 1 || k->bias < 0 || k->bias > 239 || k->K > INT32_MAX / 16 || k->N > INT32_MAX))
-    status = fail("MatMulF28: K must be in [1, 2^27), N in [1, 2^31) and bias in [0, 239]");
+    status = fail(group == GROUP_F28 ? "MatMulF28: K must be in [1, 2^27), N in [1, 2^31) and bias in [0, 239]"
+                                     : "MatMulF32: K must be in [1, 2^27) and N in [1, 2^31)");
   if (status) {
     free(k);
     return status;
@@ -319,35 +394,73 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api, const 
   return NULL;
 }
 
-static const char* op_name(const OrtCustomOp* op) { (void)op; return "MatMulF28"; }
-static size_t five(const OrtCustomOp* op) { (void)op; return 5; }
 static size_t one(const OrtCustomOp* op) { (void)op; return 1; }
-static ONNXTensorElementDataType input_type(const OrtCustomOp* op, size_t i) {
-  (void)op;
-  return i == 1 ? ORT_UINT8 : i == 2 || i == 3 ? ORT_INT32 : ORT_FLOAT;
-}
+static size_t two(const OrtCustomOp* op) { (void)op; return 2; }
 static ONNXTensorElementDataType float32(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_FLOAT; }
 
-int matmul_f28_op(OrtCustomOp* op) {
+static OrtStatus* create_f32(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
+  (void)op;
+  (void)api;
+  return create(info, GROUP_F32, out);
+}
+static const char* f32_name(const OrtCustomOp* op) { (void)op; return "MatMulF32"; }
+
+int matmul_f32_op(OrtCustomOp* op) {
   common_op(op);
-  op->GetName = op_name;
-  op->GetInputType = input_type;
-  op->GetInputTypeCount = five;
+  op->GetName = f32_name;
+  op->GetInputType = float32;
+  op->GetInputTypeCount = two;
   op->GetOutputType = float32;
   op->GetOutputTypeCount = one;
-  op->CreateKernelV2 = create_kernel;
-  op->KernelComputeV2 = compute;
+  op->CreateKernelV2 = create_f32;
+  op->KernelComputeV2 = compute_f32;
   return 1;
 }
 
-#else
+#if MATMUL_F28_ISA
+static OrtStatus* create_f28(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
+  (void)op;
+  (void)api;
+  return create(info, GROUP_F28, out);
+}
+static const char* f28_name(const OrtCustomOp* op) { (void)op; return "MatMulF28"; }
+static size_t five(const OrtCustomOp* op) { (void)op; return 5; }
+static ONNXTensorElementDataType f28_input(const OrtCustomOp* op, size_t i) {
+  (void)op;
+  return i == 1 ? ORT_UINT8 : i == 2 || i == 3 ? ORT_INT32 : ORT_FLOAT;
+}
 
+int matmul_f28_op(OrtCustomOp* op) {
+  common_op(op);
+  op->GetName = f28_name;
+  op->GetInputType = f28_input;
+  op->GetInputTypeCount = five;
+  op->GetOutputType = float32;
+  op->GetOutputTypeCount = one;
+  op->CreateKernelV2 = create_f28;
+  op->KernelComputeV2 = compute_f28;
+  return 1;
+}
+#else
 int matmul_f28_op(OrtCustomOp* op) {
   (void)op;
   return 0; /* no AVX-512 VBMI here: the executor unpacks F28 weights at load for onnxruntime's MatMul */
 }
+#endif
+
+#else
+
+int matmul_f32_op(OrtCustomOp* op) {
+  (void)op;
+  return 0; /* no AVX-512 here: the executor lays float32 panels out as [K, N] at load for onnxruntime's MatMul */
+}
+int matmul_f28_op(OrtCustomOp* op) {
+  (void)op;
+  return 0;
+}
 
 #endif
 
-/* whether this build registers MatMulF28 (runtime/kernels/native/__init__.py asks, through ctypes) */
+/* whether this build registers MatMulF28 and MatMulF32 (runtime/kernels/native/__init__.py asks, through ctypes) */
 __attribute__((visibility("default"))) int cann_matmul_f28_built(void) { return MATMUL_F28_ISA; }
+__attribute__((visibility("default"))) int cann_matmul_f32_built(void) { return MATMUL_PANELS_ISA; }

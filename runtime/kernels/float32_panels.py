@@ -1,0 +1,59 @@
+"""Float32 matmul weights in panels of 16 columns, and the MatMulF32 op that reads them.
+
+Layout (`pack`), for a MatMul's B `[K, N]`: panels of 16 columns (the last one zero-padded), each stored k by
+k, 16 floats (64 bytes, one AVX-512 vector) a k: `[ceil(N/16), K, 16]` float32, the same values as B. A
+batch-1 decode step reads each panel as one stream, the 16 columns of each k in one load, which its native
+kernel (runtime/kernels/native/matmul_panels.c, CPUs with AVX-512) does faster than onnxruntime's MatMul
+reads the same bytes (docs/performance.md#fp32-weights-in-panels). The runtime lays an artifact's float32
+MatMul weights out so at load where the native library has the op (runtime/executor.py), as onnxruntime
+pre-packs them for its own MatMul otherwise; artifacts store them as they are.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from runtime.kernels import register_kernel
+from runtime.ops import MATMUL_F32
+
+PANEL = 16  # columns of a panel: one 512-bit vector of float32
+MAX_K = 1 << 27  # the native op's bound, as F28's
+
+
+def pack(weight: np.ndarray) -> np.ndarray | None:
+    """`weight` (float32 `[K, N]`, any strides: a transpose is read as it lies) as panels `[ceil(N/16), K, 16]`,
+    or None for what is not a 2-D float32 matrix the op takes. Copied a few panels at a time, so that a
+    transposed view is never copied whole."""
+    if weight.dtype != np.float32 or weight.ndim != 2 or 0 in weight.shape or weight.shape[0] >= MAX_K:
+        return None
+    k, n = weight.shape
+    panels = -(-n // PANEL)
+    out = np.zeros((panels, k, PANEL), np.float32)
+    step = max(1, (1 << 20) // (k * PANEL))  # panels a chunk: a few MB at a time
+    for first in range(0, panels, step):
+        last = min(panels, first + step)
+        columns = weight[:, first * PANEL:min(n, last * PANEL)]
+        chunk = np.zeros((k, (last - first) * PANEL), np.float32)
+        chunk[:, :columns.shape[1]] = columns
+        out[first:last] = chunk.reshape(k, last - first, PANEL).transpose(1, 0, 2)
+    return out
+
+
+def check(panels: np.ndarray, K: int, N: int) -> None:
+    """Raise ValueError unless `panels` holds a weight `[K, N]` in this layout."""
+    expected = -(-N // PANEL) * K * PANEL
+    if np.size(panels) != expected:
+        raise ValueError(f"the panels hold {np.size(panels)} floats, K {K} and N {N} make {expected}")
+
+
+def unpack(panels: np.ndarray, *, K: int, N: int) -> np.ndarray:
+    """The float32 `[K, N]` weight `pack` laid out (ValueError for panels `check` refuses)."""
+    check(panels, K, N)
+    blocks = np.asarray(panels, np.float32).reshape(-1, K, PANEL)
+    return np.ascontiguousarray(blocks.transpose(1, 0, 2).reshape(K, -1)[:, :N])
+
+
+@register_kernel(MATMUL_F32)
+def MatMulF32(a: np.ndarray, panels: np.ndarray, *, K: int, N: int) -> np.ndarray:
+    """a · W with the float32 weight W `[K, N]` stored in panels (`pack`)."""
+    return np.matmul(a.astype(np.float32), unpack(panels, K=K, N=N))

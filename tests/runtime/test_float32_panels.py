@@ -1,0 +1,181 @@
+"""Float32 MatMul weights laid out in panels at load (runtime/kernels/float32_panels.py) for the native MatMulF32
+(runtime/kernels/native/matmul_panels.c): the layout gives back every weight bit for bit, the native op
+computes the float64 product within float32 rounding on every row count and shape and reads nothing past its
+operands, and the runtime turns every float32 MatMul of an artifact (a tied head's through its Transpose)
+into one, generating transformers' greedy tokens, where onnxruntime's MatMul runs when the native matmuls
+are off or the weights are shared."""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import mmap
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from conftest import compile_to
+from generation_utils import hf_greedy, mixed_prompts
+from onnx import helper, numpy_helper
+
+from cann_llm import LLMEngine
+from runtime.executor import _float32_panels
+from runtime.kernels import float32_panels, native
+from runtime.loader import load_artifact
+from runtime.ops import CUSTOM_DOMAIN
+from runtime.ort_session import session_options
+
+KERNEL = pytest.mark.skipif(not native.has_float32_panel_matmul(), reason="this CPU has no AVX-512: no native MatMulF32")
+
+
+def _weight(k: int, n: int, seed: int = 0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((k, n)) * 0.02).astype(np.float32)
+
+
+@pytest.mark.parametrize("k,n", [(576, 960), (64, 48), (33, 47), (1, 16), (7, 5), (1536, 40)])
+def test_the_layout_gives_back_every_weight_bit_for_bit(k, n):
+    w = _weight(k, n, seed=k + n)
+    panels = float32_panels.pack(w)
+    assert panels.shape == (-(-n // 16), k, 16)
+    assert not panels[-1, :, n - 16 * (panels.shape[0] - 1):].any()  # the last panel's padding is zeros
+    np.testing.assert_array_equal(float32_panels.unpack(panels, K=k, N=n).view(np.uint32), w.view(np.uint32))
+    # a transposed view (a tied head's table) is laid out as the matrix it stands for
+    table = np.ascontiguousarray(w.T)
+    np.testing.assert_array_equal(float32_panels.pack(table.T), panels)
+
+
+@pytest.mark.parametrize("weight", [np.zeros((4, 4), np.float64), np.zeros((2, 3, 4), np.float32), np.zeros((0, 4), np.float32)])
+def test_what_is_not_a_float32_matrix_is_not_laid_out(weight):
+    assert float32_panels.pack(weight) is None
+
+
+def test_unpacking_refuses_panels_of_another_shape():
+    with pytest.raises(ValueError, match="the panels hold 64 floats, K 4 and N 17 make 128"):
+        float32_panels.unpack(np.zeros((1, 4, 16), np.float32), K=4, N=17)
+
+
+def _f32_model(k: int, n: int, panels: np.ndarray | None) -> onnx.ModelProto:
+    """MatMulF32 of x by panels: a constant when given, else an input `p`."""
+    node = helper.make_node("MatMulF32", ["x", "p"], ["y"], domain=CUSTOM_DOMAIN, K=k, N=n)
+    inputs = [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, None)]
+    if panels is None:
+        inputs.append(helper.make_tensor_value_info("p", onnx.TensorProto.FLOAT, None))
+    graph = helper.make_graph([node], "f32", inputs, [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+                              [] if panels is None else [numpy_helper.from_array(panels, "p")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(CUSTOM_DOMAIN, 1)])
+
+
+def _native_session(model: onnx.ModelProto) -> ort.InferenceSession:
+    options = session_options(2)
+    options.register_custom_ops_library(str(native.library_path()))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _close(y: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    # float32 sums of K products, relative to the sum of their magnitudes (a wrong column or k would be ~1)
+    scale = np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)) + 1e-30
+    assert np.max(np.abs(y - exact) / scale) < 1e-5
+
+
+@KERNEL
+@pytest.mark.parametrize("k,n", [(576, 960), (64, 48), (33, 47), (1, 16), (1536, 40), (100, 1000)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 11, 12, 13, 25, 64])
+def test_the_native_op_equals_the_product(k, n, rows):
+    w = _weight(k, n, seed=k + n)
+    session = _native_session(_f32_model(k, n, float32_panels.pack(w)))
+    x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
+    _close(session.run(None, {"x": x})[0], x, w)
+
+
+@KERNEL
+def test_the_native_op_takes_any_leading_axes_and_no_rows():
+    w = _weight(64, 48)
+    session = _native_session(_f32_model(64, 48, float32_panels.pack(w)))
+    x = np.random.default_rng(2).standard_normal((2, 3, 64)).astype(np.float32)
+    y = session.run(None, {"x": x})[0]
+    assert y.shape == (2, 3, 48)
+    _close(y.reshape(6, 48), x.reshape(6, 64), w)
+    assert session.run(None, {"x": np.zeros((0, 64), np.float32)})[0].shape == (0, 48)
+
+
+@KERNEL
+@pytest.mark.parametrize("x_shape,panels_shape,message", [
+    ((1, 63), (3, 64, 16), "MatMulF32: A's last axis is not K"),
+    ((1, 64), (2, 64, 16), r"MatMulF32: the panels are not \[ceil\(N/16\), K, 16\]"),
+])
+def test_the_native_op_refuses_operands_that_break_the_layout(x_shape, panels_shape, message):
+    session = _native_session(_f32_model(64, 48, None))
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.Fail, match=message):
+        session.run(None, {"x": np.ones(x_shape, np.float32), "p": np.zeros(panels_shape, np.float32)})
+
+
+def _at_a_page_end(array: np.ndarray, keep: list) -> np.ndarray:
+    """A copy of `array` ending where an inaccessible page begins: a read past its end faults."""
+    page = mmap.PAGESIZE
+    pages = -(-array.nbytes // page) + 1
+    region = mmap.mmap(-1, pages * page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    assert ctypes.CDLL(None).mprotect(ctypes.c_void_p(base + (pages - 1) * page), page, 0) == 0
+    keep.append(region)
+    copy = np.frombuffer(region, array.dtype, count=array.size, offset=(pages - 1) * page - array.nbytes)
+    copy = copy.reshape(array.shape)
+    copy[...] = array
+    return copy
+
+
+@KERNEL
+@pytest.mark.parametrize("k,n", [(1, 16), (1, 17), (2, 1), (3, 48), (4, 33), (64, 80), (5, 5)])
+def test_the_native_op_reads_nothing_past_its_operands(k, n):
+    w = _weight(k, n, seed=k * 100 + n)
+    session = _native_session(_f32_model(k, n, None))
+    keep: list = []
+    panels = _at_a_page_end(float32_panels.pack(w), keep)
+    for rows in (1, 3, 4, 5, 13):
+        x = _at_a_page_end(np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32), keep)
+        _close(session.run(None, {"x": x, "p": panels})[0], x, w)
+
+
+def test_the_reference_kernel_is_the_product():
+    w = _weight(33, 47)
+    x = np.random.default_rng(1).standard_normal((3, 33)).astype(np.float32)
+    np.testing.assert_allclose(float32_panels.MatMulF32(x, float32_panels.pack(w), K=33, N=47), x @ w, rtol=1e-6, atol=1e-6)
+
+
+def test_a_tied_heads_transpose_and_every_float_matmul_become_matmulf32(tmp_path):
+    """A tied table too large for its transpose to be folded (as real vocabularies are): the head reads the table
+    through a Transpose, which goes with it; the table itself stays for the embedding rows."""
+    from models.tiny import tiny_onnx
+
+    overrides = {"vocab_size": 70001}  # over 16 MiB of table: past FoldConstants' size threshold
+    loaded = load_artifact(compile_to(tiny_onnx("llama_tied", dynamo=True, with_past=True, overrides=overrides),
+                                      tmp_path / "m", enable_paged_attention=True))
+    before = collections.Counter(node.op_type for node in loaded.model.graph.node)
+    model, panels = _float32_panels(loaded.model, loaded.weights, loaded.om)
+    after = collections.Counter(node.op_type for node in model.graph.node)
+    assert before["MatMul"] > 0 and before["Transpose"] == 1
+    assert after["MatMulF32"] == before["MatMul"] and after["MatMul"] == 0 and after["Transpose"] == 0
+    head = next(node for node in model.graph.node if node.op_type == "MatMulF32" and node.input[1].endswith("/T/panels"))
+    table = loaded.weights[head.input[1].removesuffix("/T/panels")]
+    np.testing.assert_array_equal(float32_panels.unpack(panels[head.input[1]], K=table.shape[1], N=70001), table.T)
+    assert set(panels) <= {t.name for t in model.graph.initializer}
+
+
+@pytest.mark.parametrize("family", ["llama_tied", "qwen2", "phi3"])
+def test_the_engine_on_panels_generates_as_transformers(family, tmp_path, monkeypatch):
+    """On the native op where the CPU has it, and with the native matmuls off or the weights shared (onnxruntime's
+    MatMul, pre-packed): transformers' greedy tokens every way."""
+    from models.tiny import tiny_onnx
+
+    monkeypatch.setenv("CANN_LLM_CACHE", str(tmp_path / "cache"))  # share_weights' pre-packed weights
+    om = compile_to(tiny_onnx(family, dynamo=True, with_past=True), tmp_path / "m", enable_paged_attention=True)
+    prompts = mixed_prompts(8, seed=3)
+    expected = hf_greedy(family, tuple(map(tuple, prompts)), 32)
+    for options in ({}, {"native_matmul": False}, {"share_weights": True}):
+        with LLMEngine(om, max_batch_size=8, max_context_len=256, kv_cache_pages=32, max_num_batched_tokens=96,
+                       **options) as engine:
+            requests = [engine.submit(p, max_new_tokens=32, temperature=0, ignore_eos=True) for p in prompts]
+            for request in requests:
+                request.result()
+            assert [request.output_ids for request in requests] == expected, options
