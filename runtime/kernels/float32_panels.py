@@ -22,20 +22,23 @@ MAX_K = 1 << 27  # the native op's bound, as F28's
 
 def pack(weight: np.ndarray) -> np.ndarray | None:
     """`weight` (float32 `[K, N]`, any strides: a transpose is read as it lies) as panels `[ceil(N/16), K, 16]`,
-    or None for what is not a 2-D float32 matrix the op takes. Copied a few panels at a time, so that a
-    transposed view is never copied whole."""
+    or None for what is not a 2-D float32 matrix the op takes. One strided copy into the panels, no temporary
+    (but for a matrix neither row- nor column-major, copied so first)."""
     if weight.dtype != np.float32 or weight.ndim != 2 or 0 in weight.shape or weight.shape[0] >= MAX_K:
         return None
     k, n = weight.shape
-    panels = -(-n // PANEL)
-    out = np.zeros((panels, k, PANEL), np.float32)
-    step = max(1, (1 << 20) // (k * PANEL))  # panels a chunk: a few MB at a time
-    for first in range(0, panels, step):
-        last = min(panels, first + step)
-        columns = weight[:, first * PANEL:min(n, last * PANEL)]
-        chunk = np.zeros((k, (last - first) * PANEL), np.float32)
-        chunk[:, :columns.shape[1]] = columns
-        out[first:last] = chunk.reshape(k, last - first, PANEL).transpose(1, 0, 2)
+    panels, full = -(-n // PANEL), n // PANEL
+    out = np.empty((panels, k, PANEL), np.float32)
+    if weight.strides[1] != weight.itemsize and weight.strides[0] == weight.itemsize:
+        # a transposed table [N, K] (a tied head's): panel p is its rows 16p .. 16p + 15, transposed
+        table = weight.T
+        np.copyto(out[:full], table[:full * PANEL].reshape(full, PANEL, k).transpose(0, 2, 1))
+    else:
+        weight = weight if weight.strides[1] == weight.itemsize else np.ascontiguousarray(weight)
+        np.copyto(out[:full], weight[:, :full * PANEL].reshape(k, full, PANEL).transpose(1, 0, 2))
+    if panels > full:
+        out[full] = 0
+        out[full, :, :n - full * PANEL] = weight[:, full * PANEL:]
     return out
 
 

@@ -43,6 +43,9 @@ def test_the_layout_gives_back_every_weight_bit_for_bit(k, n):
     # a transposed view (a tied head's table) is laid out as the matrix it stands for
     table = np.ascontiguousarray(w.T)
     np.testing.assert_array_equal(float32_panels.pack(table.T), panels)
+    # and a matrix of other strides as its contiguous copy
+    wide = np.repeat(np.repeat(w, 2, axis=0), 2, axis=1)
+    np.testing.assert_array_equal(float32_panels.pack(wide[::2, ::2]), panels)
 
 
 @pytest.mark.parametrize("weight", [np.zeros((4, 4), np.float64), np.zeros((2, 3, 4), np.float32), np.zeros((0, 4), np.float32)])
