@@ -33,8 +33,8 @@ from runtime.kernels import HostRun, float28, float32_panels, host_kernel, is_ho
 from runtime.kernels.paged_attention import PagedInputError
 from runtime.loader import LoadedModel
 from runtime.lowering import POOL_KEY, POOL_VALUE, lower_for_onnxruntime, with_input_scales, with_pool_inputs
-from runtime.ops import (CUSTOM_DOMAIN, MATMUL_F28, MATMUL_F32, MATMUL_INT4, PAGED_ATTENTION, PAGED_METADATA, SWIGLU, MatMulF28Input,
-                         attributes)
+from runtime.ops import (CUSTOM_DOMAIN, MATMUL_F28, MATMUL_F32, MATMUL_INT4, PAGED_ATTENTION, PAGED_METADATA, SWIGLU,
+                         MatMulF28Input, attributes)
 from runtime.ort_session import process_thread_pool_enabled, session_options
 from runtime.proto_utils import constant_operand, initializers_as_inputs
 from runtime.prepacked_cache import SAVE_OPTIONS, prepacked_model
@@ -409,15 +409,37 @@ def _pointing_into_the_artifact(model: onnx.ModelProto, weights: dict[str, np.nd
     return copy
 
 
+def _stubs_in_the_artifact(model: onnx.ModelProto, unpacked: dict[str, ort.OrtValue], artifact: OmFile) -> onnx.ModelProto:
+    """A copy of `model` whose initializers named in `unpacked` point into the artifact file: onnxruntime checks
+    that an initializer's external file exists before a session option's value overrides it, and never reads
+    it then."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for tensor in copy.graph.initializer:
+        if tensor.name in unpacked:
+            del tensor.external_data[:]
+            length = int(np.prod(tensor.dims)) * helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+            for key, value in (("location", artifact.path.name), ("offset", "0"), ("length", str(length))):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, value
+    return copy
+
+
 def _ort_session(model: onnx.ModelProto, artifact: OmFile | None, threads: int | None,
                  spinning: bool, stop_spinning: bool = False, library=None,
                  share_weights: bool = False, unpacked: dict[str, ort.OrtValue] | None = None) -> ort.InferenceSession:
-    """The session of `model`; `unpacked`: the weights `_unpacked_float28` made, given to onnxruntime as they are
-    (kept alive by the caller)."""
+    """The session of `model`; `unpacked`: the weights `_unpacked_float28` and `_float32_panels` made, given to
+    onnxruntime as they are (kept alive by the caller)."""
+    if unpacked and artifact is not None:
+        model = _stubs_in_the_artifact(model, unpacked, artifact)
+
     def options_for(source_bytes: bool) -> ort.SessionOptions:
         options = session_options(threads)
-        if unpacked:
-            options.add_external_initializers(list(unpacked), list(unpacked.values()))
+        for name, value in (unpacked or {}).items():
+            if artifact is not None:
+                options.add_initializer(name, value)  # used as it is: an external initializer would be copied
+            else:
+                options.add_external_initializers([name], [value])
         if artifact is not None and source_bytes:
             # external data is looked up beside the model; a model given as bytes has no place of its own
             options.add_session_config_entry("session.model_external_initializers_file_folder_path",

@@ -182,3 +182,32 @@ def test_the_engine_on_panels_generates_as_transformers(family, tmp_path, monkey
             for request in requests:
                 request.result()
             assert [request.output_ids for request in requests] == expected, options
+
+
+def _anonymous_mib() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) // 1024 for line in status if line.startswith("RssAnon:"))
+
+
+def test_weights_laid_out_at_load_are_not_copied_by_onnxruntime(tmp_path):
+    """The session uses the runtime's buffer as it is: onnxruntime copies an external initializer it is given,
+    which would hold every float32 weight twice."""
+    from models.tiny import tiny_onnx
+    from runtime.artifact import OmFile
+    from runtime.executor import _ort_session
+
+    om = OmFile(compile_to(tiny_onnx("llama", dynamo=False, with_past=True), tmp_path / "m"))
+    w = np.ones((64, 1 << 20), np.float32)  # 256 MiB, the only large thing made here
+    stub = onnx.TensorProto(name="w", dims=w.shape, data_type=onnx.TensorProto.FLOAT,
+                            data_location=onnx.TensorProto.EXTERNAL)
+    stub.external_data.add(key="location", value="<laid out at load>")
+    # an op that reads the weight as it is (MatMul would pre-pack a copy of its own, as it does of any weight)
+    graph = helper.make_graph([helper.make_node("Gather", ["w", "x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.INT64, [1])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], [stub])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    value = ort.OrtValue.ortvalue_from_numpy(w)
+    before = _anonymous_mib()
+    session = _ort_session(model, om, 1, spinning=False, unpacked={"w": value})
+    assert _anonymous_mib() - before < 128
+    assert session.run(None, {"x": np.array([5], np.int64)})[0][0, :3].tolist() == [1.0, 1.0, 1.0]
