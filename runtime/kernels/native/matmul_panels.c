@@ -190,16 +190,17 @@ static void gemv_task(void* work, size_t task) {
   }
 }
 
-/* TILE_ROWS rows of a, ld apart, times the scratch's 32 columns (k by k) into y, ld_y apart, the columns of
-   `mask` (low 16: the first panel, high 16: the second). Its own function, so that nothing of the unpacking
-   stays live in the registers the 24 accumulators need. */
-__attribute__((noinline)) static void tile_12(const float* a, int64_t lda, const float* scratch, int64_t K, float* y,
+/* TILE_ROWS rows of a, ld apart, times two panels' 16 columns (k by k, ldb floats apart: a scratch's pair or
+   float32 panels as they lie) into y, ld_y apart, the columns of `first` and `second`'s masks. Its own
+   function, so that nothing of the unpacking stays live in the registers the 24 accumulators need. */
+__attribute__((noinline)) static void tile_12(const float* a, int64_t lda, const float* first_b, const float* second_b,
+                                              int64_t ldb, int64_t K, float* y,
                                               int64_t ldy, __mmask16 first, __mmask16 second) {
 #define ROW(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = _mm512_setzero_ps();
   ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7) ROW(8) ROW(9) ROW(10) ROW(11)
 #undef ROW
   for (int64_t kk = 0; kk < K; kk++) {
-    const __m512 b0 = _mm512_load_ps(scratch + kk * 32), b1 = _mm512_load_ps(scratch + kk * 32 + 16);
+    const __m512 b0 = _mm512_loadu_ps(first_b + kk * ldb), b1 = _mm512_loadu_ps(second_b + kk * ldb);
 #define ROW(i)                                                      \
   {                                                                 \
     const __m512 av = _mm512_set1_ps(a[i * lda + kk]);              \
@@ -218,12 +219,13 @@ __attribute__((noinline)) static void tile_12(const float* a, int64_t lda, const
 
 /* the same for fewer rows (a call's last ones): one function per count, its accumulators in registers */
 #define TILE(ROWS)                                                                                                  \
-  __attribute__((noinline)) static void tile_##ROWS(const float* a, int64_t lda, const float* scratch, int64_t K,  \
-                                                    float* y, int64_t ldy, __mmask16 first, __mmask16 second) {    \
+  __attribute__((noinline)) static void tile_##ROWS(const float* a, int64_t lda, const float* first_b,               \
+                                                    const float* second_b, int64_t ldb, int64_t K, float* y,        \
+                                                    int64_t ldy, __mmask16 first, __mmask16 second) {               \
     __m512 c0[ROWS], c1[ROWS];                                                                                      \
     for (int i = 0; i < ROWS; i++) c0[i] = c1[i] = _mm512_setzero_ps();                                             \
     for (int64_t kk = 0; kk < K; kk++) {                                                                            \
-      const __m512 b0 = _mm512_load_ps(scratch + kk * 32), b1 = _mm512_load_ps(scratch + kk * 32 + 16);            \
+      const __m512 b0 = _mm512_loadu_ps(first_b + kk * ldb), b1 = _mm512_loadu_ps(second_b + kk * ldb);          \
       for (int i = 0; i < ROWS; i++) {                                                                              \
         const __m512 av = _mm512_set1_ps(a[i * lda + kk]);                                                          \
         c0[i] = _mm512_fmadd_ps(av, b0, c0[i]);                                                                     \
@@ -247,40 +249,53 @@ TILE(9)
 TILE(10)
 TILE(11)
 
-typedef void (*Tile)(const float*, int64_t, const float*, int64_t, float*, int64_t, __mmask16, __mmask16);
+typedef void (*Tile)(const float*, int64_t, const float*, const float*, int64_t, int64_t, float*, int64_t, __mmask16,
+                     __mmask16);
 static const Tile TILES[TILE_ROWS + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6, tile_7, tile_8, tile_9,
                                           tile_10, tile_11, tile_12};
 
-/* one panel into its half of the scratch's pair (`to`: 32 floats a k), F28's exceptions in place; a panel past
-   the weight's last (an odd count) as zeros */
+/* many rows on float32 panels: every tile of rows over each of the task's pairs of panels, read where they lie
+   (a pair, 128 bytes a k, stays in L2 while the tiles of rows pass over it) */
+static void gemm_f32_task(void* work, size_t task) {
+  const Work* w = (const Work*)work;
+  const Kernel* k = w->k;
+  const int64_t K = k->K, N = k->N, pairs = (w->panels + 1) / 2;
+  const int64_t end = (int64_t)(task + 1) * w->per_task < pairs ? (int64_t)(task + 1) * w->per_task : pairs;
+  for (int64_t pair = (int64_t)task * w->per_task; pair < end; pair++) {
+    const int64_t p = 2 * pair;
+    const float* first_b = (const float*)w->packed + p * K * 16;
+    /* a last panel without a second: its own columns again, never stored */
+    const float* second_b = p + 1 < w->panels ? first_b + K * 16 : first_b;
+    const __mmask16 first = columns_mask(k, p), second = p + 1 < w->panels ? columns_mask(k, p + 1) : 0;
+    for (int64_t r = 0; r < w->m; r += TILE_ROWS) {
+      const int64_t rows = w->m - r < TILE_ROWS ? w->m - r : TILE_ROWS;
+      TILES[rows](w->a + r * K, K, first_b, second_b, 16, K, w->y + r * N + p * 16, N, first, second);
+    }
+  }
+}
+
+#if MATMUL_F28_ISA
+/* one F28 panel unpacked into its half of the scratch's pair (`to`: 32 floats a k), its exceptions in place; a
+   panel past the weight's last (an odd count) as zeros */
 static void unpack_panel(const Work* w, int64_t p, float* to) {
   const int64_t K = w->k->K;
   if (p >= w->panels) {
     for (int64_t kk = 0; kk < K; kk++) _mm512_store_ps(to + kk * 32, _mm512_setzero_ps());
     return;
   }
-  const uint8_t* src = w->packed + p * K * w->k->group;
-#if MATMUL_F28_ISA
-  if (w->k->group == GROUP_F28) {
-    const Unpacker u = unpacker(w->k->bias);
-    for (int64_t kk = 0; kk < K; kk++) {
-      _mm_prefetch((const char*)src + kk * GROUP_F28 + PREFETCH, _MM_HINT_T0);
-      _mm512_store_ps(to + kk * 32, unpack_at(&u, src, kk, K, p == w->panels - 1));
-    }
-    for (int32_t e = w->offsets[p]; e < w->offsets[p + 1]; e++)
-      to[(w->positions[e] >> 4) * 32 + (w->positions[e] & 15)] = w->values[e];
-    return;
-  }
-#endif
+  const uint8_t* src = w->packed + p * K * GROUP_F28;
+  const Unpacker u = unpacker(w->k->bias);
   for (int64_t kk = 0; kk < K; kk++) {
-    _mm_prefetch((const char*)src + kk * GROUP_F32 + PREFETCH, _MM_HINT_T0);
-    _mm512_store_ps(to + kk * 32, load16(src + kk * GROUP_F32));
+    _mm_prefetch((const char*)src + kk * GROUP_F28 + PREFETCH, _MM_HINT_T0);
+    _mm512_store_ps(to + kk * 32, unpack_at(&u, src, kk, K, p == w->panels - 1));
   }
+  for (int32_t e = w->offsets[p]; e < w->offsets[p + 1]; e++)
+    to[(w->positions[e] >> 4) * 32 + (w->positions[e] & 15)] = w->values[e];
 }
 
-/* many rows: the task's pairs of panels, a few at a time unpacked into its scratch (kept in L2), every tile of
-   rows run over each of them while the rows stay in L1 */
-static void gemm_task(void* work, size_t task) {
+/* many rows on F28 panels: the task's pairs of panels, a few at a time unpacked into its scratch (kept in L2),
+   every tile of rows run over each of them while the rows stay in L1 */
+static void gemm_f28_task(void* work, size_t task) {
   Work* w = (Work*)work;
   const Kernel* k = w->k;
   const int64_t K = k->K, N = k->N, pairs = (w->panels + 1) / 2;
@@ -299,15 +314,17 @@ static void gemm_task(void* work, size_t task) {
       for (int64_t i = 0; i < count; i++) {
         const int64_t p = 2 * (first_pair + i);
         const __mmask16 first = columns_mask(k, p), second = p + 1 < w->panels ? columns_mask(k, p + 1) : 0;
-        TILES[rows](w->a + r * K, K, scratch + i * K * 32, K, w->y + r * N + p * 16, N, first, second);
+        TILES[rows](w->a + r * K, K, scratch + i * K * 32, scratch + i * K * 32 + 16, 32, K, w->y + r * N + p * 16, N,
+                    first, second);
       }
     }
   }
   free(scratch);
 }
+#endif
 
 /* y for `w` (its operands checked): the output of A's shape with N last, then decode's or GEMM's tasks */
-static OrtStatus* run(OrtKernelContext* context, const Tensor* a, Work* w, const char* out_of_memory) {
+static OrtStatus* run(OrtKernelContext* context, const Tensor* a, Work* w) {
   const Kernel* k = w->k;
   int64_t dims[6];
   memcpy(dims, a->dims, sizeof(dims));
@@ -328,8 +345,12 @@ static OrtStatus* run(OrtKernelContext* context, const Tensor* a, Work* w, const
   w->per_task = (pairs + most - 1) / most;
   w->batch = SCRATCH_BYTES / (k->K * 32 * (int64_t)sizeof(float));
   w->batch = w->batch < 1 ? 1 : w->batch > w->per_task ? w->per_task : w->batch;
-  status = ORT_CALL(g_api, KernelContext_ParallelFor)(context, gemm_task, (size_t)((pairs + w->per_task - 1) / w->per_task), 0, w);
-  if (!status && w->failed) status = fail(out_of_memory);
+  void (*task)(void*, size_t) = gemm_f32_task;
+#if MATMUL_F28_ISA
+  if (k->group == GROUP_F28) task = gemm_f28_task;
+#endif
+  status = ORT_CALL(g_api, KernelContext_ParallelFor)(context, task, (size_t)((pairs + w->per_task - 1) / w->per_task), 0, w);
+  if (!status && w->failed) status = fail("MatMulF28: out of memory for the unpacked weights' scratch");
   return status;
 }
 
@@ -343,7 +364,7 @@ static OrtStatus* compute_f32(void* kernel, OrtKernelContext* context) {
   if (a.rank < 1 || a.dims[a.rank - 1] != k->K) return fail("MatMulF32: A's last axis is not K");
   if (elements(&panels) != count * k->K * 16) return fail("MatMulF32: the panels are not [ceil(N/16), K, 16]");
   Work w = {k, a.data, (const uint8_t*)panels.data, NULL, NULL, NULL, NULL, 0, count, 0, 1, 0};
-  return run(context, &a, &w, "MatMulF32: out of memory for the weights' scratch");
+  return run(context, &a, &w);
 }
 
 #if MATMUL_F28_ISA
@@ -371,7 +392,7 @@ static OrtStatus* compute_f28(void* kernel, OrtKernelContext* context) {
   for (int64_t e = 0; e < elements(&positions); e++)
     if (position[e] < 0 || position[e] >= k->K * 16) return fail("MatMulF28: an exception position is outside [0, K · 16)");
   Work w = {k, a.data, (const uint8_t*)packed.data, offset, position, values.data, NULL, 0, panels, 0, 1, 0};
-  return run(context, &a, &w, "MatMulF28: out of memory for the unpacked weights' scratch");
+  return run(context, &a, &w);
 }
 #endif
 
