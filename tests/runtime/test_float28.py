@@ -6,20 +6,18 @@ runs the op through onnxruntime's MatMul where the library does not take it."""
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from native_utils import assert_close_to_product, at_a_page_end, native_session
 from onnx import helper, numpy_helper
 
 from runtime.errors import AtcError
 from runtime.executor import _ort_session, _unpacked_float28
 from runtime.kernels import float28, native
 from runtime.ops import CUSTOM_DOMAIN
-from runtime.ort_session import session_options
 
 KERNEL = pytest.mark.skipif(not native.has_float28_matmul(), reason="this CPU has no AVX-512 VBMI: no native MatMulF28")
 
@@ -74,37 +72,24 @@ def _f28_model(w: np.ndarray) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(CUSTOM_DOMAIN, 1)])
 
 
-def _native_session(model: onnx.ModelProto) -> ort.InferenceSession:
-    options = session_options(2)
-    options.register_custom_ops_library(str(native.library_path()))
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
-def _close(y: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
-    exact = x.astype(np.float64) @ w.astype(np.float64)
-    # float32 sums of K products, relative to the sum of their magnitudes (a missed outlier would be ~1)
-    scale = np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)) + 1e-30
-    assert np.max(np.abs(y - exact) / scale) < 1e-5
-
-
 @KERNEL
 @pytest.mark.parametrize("k,n", [(576, 960), (64, 48), (33, 47), (1, 16), (1536, 40), (100, 1000)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 11, 12, 13, 25, 64])
 def test_the_native_op_equals_the_product(k, n, rows):
     w = _weight(k, n, seed=k + n)
-    session = _native_session(_f28_model(w))
+    session = native_session(_f28_model(w))
     x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
-    _close(session.run(None, {"x": x})[0], x, w)
+    assert_close_to_product(session.run(None, {"x": x})[0], x, w)
 
 
 @KERNEL
 def test_the_native_op_takes_any_leading_axes_and_no_rows():
     w = _weight(64, 48)
-    session = _native_session(_f28_model(w))
+    session = native_session(_f28_model(w))
     x = np.random.default_rng(2).standard_normal((2, 3, 64)).astype(np.float32)
     y = session.run(None, {"x": x})[0]
     assert y.shape == (2, 3, 48)
-    _close(y.reshape(6, 48), x.reshape(6, 64), w)
+    assert_close_to_product(y.reshape(6, 48), x.reshape(6, 64), w)
     assert session.run(None, {"x": np.zeros((0, 64), np.float32)})[0].shape == (0, 48)
 
 
@@ -126,7 +111,7 @@ def test_the_native_op_refuses_operands_that_break_the_layout(field, change, mes
         if tensor.name == field:
             tensor.CopyFrom(numpy_helper.from_array(change(numpy_helper.to_array(tensor)), field))
     with pytest.raises(Exception, match=f"MatMulF28: .*{message}"):
-        _native_session(model).run(None, {"x": np.ones((1, 64), np.float32)})
+        native_session(model).run(None, {"x": np.ones((1, 64), np.float32)})
 
 
 def test_without_the_native_op_the_weight_is_unpacked_for_onnxruntimes_matmul():
@@ -141,7 +126,7 @@ def test_without_the_native_op_the_weight_is_unpacked_for_onnxruntimes_matmul():
     values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in unpacked.items()}
     session = _ort_session(plain, None, 2, True, unpacked=values)
     x = np.random.default_rng(3).standard_normal((3, 64)).astype(np.float32)
-    _close(session.run(None, {"x": x})[0], x, w)
+    assert_close_to_product(session.run(None, {"x": x})[0], x, w)
     assert _unpacked_float28(model, weights, lambda node: True, "m.om") == (model, {})
 
 
@@ -174,10 +159,10 @@ def test_the_native_op_checks_its_operands_on_every_run():
     exceptions) are checked each run, never trusted from an earlier one."""
     w = (np.random.default_rng(4).standard_normal((64, 48)) * 0.02).astype(np.float32)
     packed = float28.pack(w, max_exceptions=1.0)
-    session = _native_session(_inputs_model(64, 48, packed.bias))
+    session = native_session(_inputs_model(64, 48, packed.bias))
     feeds = {"x": np.ones((1, 64), np.float32), "p": packed.packed, "o": packed.offsets, "q": packed.positions,
              "v": packed.values}
-    _close(session.run(None, feeds)[0], feeds["x"], w)
+    assert_close_to_product(session.run(None, feeds)[0], feeds["x"], w)
     positions = feeds["q"]
     if positions.size:
         positions[0] = 64 * 16  # the same buffer, out of bounds now
@@ -190,21 +175,6 @@ def test_the_native_op_checks_its_operands_on_every_run():
                 session.run(None, {**empty, "x": np.ones((rows, 64), np.float32), "o": np.array(offsets, np.int32)})
 
 
-_PAGE = mmap.PAGESIZE
-
-
-def _at_a_page_end(array: np.ndarray, keep: list) -> np.ndarray:
-    """A copy of `array` ending where an inaccessible page begins: a read past its end faults."""
-    pages = -(-array.nbytes // _PAGE) + 1
-    region = mmap.mmap(-1, pages * _PAGE)
-    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
-    assert ctypes.CDLL(None).mprotect(ctypes.c_void_p(base + (pages - 1) * _PAGE), _PAGE, 0) == 0
-    keep.append(region)
-    copy = np.frombuffer(region, array.dtype, count=array.size, offset=(pages - 1) * _PAGE - array.nbytes)
-    copy = copy.reshape(array.shape)
-    copy[...] = array
-    return copy
-
 
 @KERNEL
 @pytest.mark.parametrize("k,n", [(1, 16), (1, 17), (2, 1), (3, 48), (4, 33), (64, 80), (5, 5)])
@@ -215,13 +185,13 @@ def test_the_native_op_reads_nothing_past_its_operands(k, n):
     w = (rng.standard_normal((k, n)) * 0.02).astype(np.float32)
     w.reshape(-1)[::5] = 1e-30  # exceptions in most panels
     packed = float28.pack(w, max_exceptions=1.0)
-    session = _native_session(_inputs_model(k, n, packed.bias))
+    session = native_session(_inputs_model(k, n, packed.bias))
     keep: list = []
-    feeds = {name: _at_a_page_end(array, keep) for name, array in
+    feeds = {name: at_a_page_end(array, keep) for name, array in
              (("p", packed.packed), ("o", packed.offsets), ("q", packed.positions), ("v", packed.values))}
     for rows in (1, 3, 4, 5, 13):
-        x = _at_a_page_end(rng.standard_normal((rows, k)).astype(np.float32), keep)
-        _close(session.run(None, {"x": x, **feeds})[0], x, w)
+        x = at_a_page_end(rng.standard_normal((rows, k)).astype(np.float32), keep)
+        assert_close_to_product(session.run(None, {"x": x, **feeds})[0], x, w)
 
 
 @KERNEL
@@ -235,7 +205,7 @@ def test_a_zero_code_is_zero_whatever_its_other_bits():
     ops = (damaged, packed.offsets, packed.positions, packed.values)
     reference = float28.unpack(*ops, K=4, N=16, bias=packed.bias)
     assert reference[0, 0] == 0.0
-    session = _native_session(_inputs_model(4, 16, packed.bias))
+    session = native_session(_inputs_model(4, 16, packed.bias))
     x = np.eye(4, dtype=np.float32)
     got = session.run(None, {"x": x, "p": damaged, "o": packed.offsets, "q": packed.positions, "v": packed.values})[0]
     np.testing.assert_array_equal(got.view(np.uint32), reference.view(np.uint32))

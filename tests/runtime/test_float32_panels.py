@@ -8,8 +8,6 @@ are off or the weights are shared."""
 from __future__ import annotations
 
 import collections
-import ctypes
-import mmap
 
 import numpy as np
 import onnx
@@ -17,6 +15,7 @@ import onnxruntime as ort
 import pytest
 from conftest import compile_to
 from generation_utils import hf_greedy, mixed_prompts
+from native_utils import assert_close_to_product, at_a_page_end, native_session
 from onnx import helper, numpy_helper
 
 from cann_llm import LLMEngine
@@ -24,7 +23,6 @@ from runtime.executor import _float32_panels
 from runtime.kernels import float32_panels, native
 from runtime.loader import load_artifact
 from runtime.ops import CUSTOM_DOMAIN
-from runtime.ort_session import session_options
 
 KERNEL = pytest.mark.skipif(not native.has_float32_panel_matmul(), reason="this CPU has no AVX-512: no native MatMulF32")
 
@@ -69,37 +67,24 @@ def _f32_model(k: int, n: int, panels: np.ndarray | None) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(CUSTOM_DOMAIN, 1)])
 
 
-def _native_session(model: onnx.ModelProto) -> ort.InferenceSession:
-    options = session_options(2)
-    options.register_custom_ops_library(str(native.library_path()))
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
-def _close(y: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
-    exact = x.astype(np.float64) @ w.astype(np.float64)
-    # float32 sums of K products, relative to the sum of their magnitudes (a wrong column or k would be ~1)
-    scale = np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)) + 1e-30
-    assert np.max(np.abs(y - exact) / scale) < 1e-5
-
-
 @KERNEL
 @pytest.mark.parametrize("k,n", [(576, 960), (64, 48), (33, 47), (1, 16), (1536, 40), (100, 1000)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 11, 12, 13, 25, 64])
 def test_the_native_op_equals_the_product(k, n, rows):
     w = _weight(k, n, seed=k + n)
-    session = _native_session(_f32_model(k, n, float32_panels.pack(w)))
+    session = native_session(_f32_model(k, n, float32_panels.pack(w)))
     x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
-    _close(session.run(None, {"x": x})[0], x, w)
+    assert_close_to_product(session.run(None, {"x": x})[0], x, w)
 
 
 @KERNEL
 def test_the_native_op_takes_any_leading_axes_and_no_rows():
     w = _weight(64, 48)
-    session = _native_session(_f32_model(64, 48, float32_panels.pack(w)))
+    session = native_session(_f32_model(64, 48, float32_panels.pack(w)))
     x = np.random.default_rng(2).standard_normal((2, 3, 64)).astype(np.float32)
     y = session.run(None, {"x": x})[0]
     assert y.shape == (2, 3, 48)
-    _close(y.reshape(6, 48), x.reshape(6, 64), w)
+    assert_close_to_product(y.reshape(6, 48), x.reshape(6, 64), w)
     assert session.run(None, {"x": np.zeros((0, 64), np.float32)})[0].shape == (0, 48)
 
 
@@ -109,35 +94,21 @@ def test_the_native_op_takes_any_leading_axes_and_no_rows():
     ((1, 64), (2, 64, 16), r"MatMulF32: the panels are not \[ceil\(N/16\), K, 16\]"),
 ])
 def test_the_native_op_refuses_operands_that_break_the_layout(x_shape, panels_shape, message):
-    session = _native_session(_f32_model(64, 48, None))
+    session = native_session(_f32_model(64, 48, None))
     with pytest.raises(ort.capi.onnxruntime_pybind11_state.Fail, match=message):
         session.run(None, {"x": np.ones(x_shape, np.float32), "p": np.zeros(panels_shape, np.float32)})
-
-
-def _at_a_page_end(array: np.ndarray, keep: list) -> np.ndarray:
-    """A copy of `array` ending where an inaccessible page begins: a read past its end faults."""
-    page = mmap.PAGESIZE
-    pages = -(-array.nbytes // page) + 1
-    region = mmap.mmap(-1, pages * page)
-    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
-    assert ctypes.CDLL(None).mprotect(ctypes.c_void_p(base + (pages - 1) * page), page, 0) == 0
-    keep.append(region)
-    copy = np.frombuffer(region, array.dtype, count=array.size, offset=(pages - 1) * page - array.nbytes)
-    copy = copy.reshape(array.shape)
-    copy[...] = array
-    return copy
 
 
 @KERNEL
 @pytest.mark.parametrize("k,n", [(1, 16), (1, 17), (2, 1), (3, 48), (4, 33), (64, 80), (5, 5)])
 def test_the_native_op_reads_nothing_past_its_operands(k, n):
     w = _weight(k, n, seed=k * 100 + n)
-    session = _native_session(_f32_model(k, n, None))
+    session = native_session(_f32_model(k, n, None))
     keep: list = []
-    panels = _at_a_page_end(float32_panels.pack(w), keep)
+    panels = at_a_page_end(float32_panels.pack(w), keep)
     for rows in (1, 3, 4, 5, 13):
-        x = _at_a_page_end(np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32), keep)
-        _close(session.run(None, {"x": x, "p": panels})[0], x, w)
+        x = at_a_page_end(np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32), keep)
+        assert_close_to_product(session.run(None, {"x": x, "p": panels})[0], x, w)
 
 
 def test_the_reference_kernel_is_the_product():
