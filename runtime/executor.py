@@ -36,7 +36,7 @@ from runtime.lowering import POOL_KEY, POOL_VALUE, lower_for_onnxruntime, with_i
 from runtime.ops import (CUSTOM_DOMAIN, MATMUL_F28, MATMUL_F32, MATMUL_INT4, PAGED_ATTENTION, PAGED_METADATA, SWIGLU,
                          MatMulF28Input, attributes)
 from runtime.ort_session import process_thread_pool_enabled, session_options
-from runtime.proto_utils import constant_operand, initializers_as_inputs
+from runtime.proto_utils import constant_operand, graphs_within, initializers_as_inputs
 from runtime.prepacked_cache import SAVE_OPTIONS, prepacked_model
 from runtime.segments import HostNode, Segment, split_at_host_nodes
 from runtime.shape_contract import ShapeContract
@@ -87,9 +87,10 @@ class Executor:
             plan = split_at_host_nodes(with_pool_inputs(model), lambda node: False)
         # the sessions' custom ops: also where the paged step is not one session, for float32 weights
         library = self.native_library
-        if library is None and backend == "onnxruntime" and any(n.op_type == MATMUL_F28.name
-                                                                or _float32_weight(n, weights) is not None
-                                                                for n in model.graph.node):
+        panel_matmuls = native_matmul and not share_weights and any(
+            _float32_weight(n, weights, {}) is not None for n in model.graph.node)
+        if library is None and backend == "onnxruntime" and (panel_matmuls or any(n.op_type == MATMUL_F28.name
+                                                                                  for n in model.graph.node)):
             try:
                 library = native.library_path()
             except native.NativeUnavailable:
@@ -228,6 +229,7 @@ def _unpacked_float28(model: onnx.ModelProto, weights: dict[str, np.ndarray], ke
         return found
 
     unpacked: dict[str, np.ndarray] = {}
+    replaced: set[str] = set()
     for node in copy.graph.node:
         if not unpacked_here(node):
             continue
@@ -243,34 +245,49 @@ def _unpacked_float28(model: onnx.ModelProto, weights: dict[str, np.ndarray], ke
                                     data_location=onnx.TensorProto.EXTERNAL)
             stub.external_data.add(key="location", value="<unpacked at load>")
             copy.graph.initializer.append(stub)
+        replaced.update(node.input[1:])
         node.CopyFrom(helper.make_node("MatMul", [node.input[MatMulF28Input.A], name], list(node.output), name=node.name))
-    used = {name for node in copy.graph.node for name in node.input}
-    kept_initializers = [t for t in copy.graph.initializer if t.name in used]
-    del copy.graph.initializer[:]
-    copy.graph.initializer.extend(kept_initializers)
+    _drop_unread(copy.graph, replaced)
     return copy, unpacked
 
 
-def _float32_weight(node: onnx.NodeProto, weights: dict[str, np.ndarray]) -> np.ndarray | None:
-    """The float32 `[K, N]` weight of the artifact (`weights`) a MatMul `node` reads as its B, or None."""
+def _float32_weight(node: onnx.NodeProto, weights: dict[str, np.ndarray],
+                    transposed: dict[str, str]) -> tuple[str, bool] | None:
+    """The float32 weight of the artifact (`weights`) a MatMul `node` reads as its B, directly or through one of
+    the graph's `transposed` tables (a Transpose's output → the table it reads): its name and whether it is read
+    transposed; None for other nodes, and for weights the native op does not take."""
     if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
         return None
+    if node.input[1] in transposed:
+        return transposed[node.input[1]], True
     view = weights.get(node.input[1])
-    return view if view is not None and view.ndim == 2 and view.dtype == np.float32 else None
+    return (node.input[1], False) if view is not None and float32_panels.takes(view) else None
 
 
-def _transposed_weights(model: onnx.ModelProto, weights: dict[str, np.ndarray]) -> dict[str, tuple[str, onnx.NodeProto]]:
-    """The outputs of the graph's Transposes ([1, 0]) of a 2-D float32 weight of the artifact: output → (the
-    weight's name, the Transpose)."""
+def _transposed_tables(model: onnx.ModelProto, weights: dict[str, np.ndarray]) -> dict[str, str]:
+    """The outputs of the graph's Transposes ([1, 0]) of a float32 weight of the artifact the native op takes,
+    each to the weight's name."""
     found = {}
     for node in model.graph.node:
         if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx") or node.input[0] not in weights:
             continue
-        view = weights[node.input[0]]
         perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), [1, 0])
-        if view.ndim == 2 and view.dtype == np.float32 and perm == [1, 0]:
-            found[node.output[0]] = (node.input[0], node)
+        if perm == [1, 0] and float32_panels.takes(weights[node.input[0]].T):
+            found[node.output[0]] = node.input[0]
     return found
+
+
+def _drop_unread(graph: onnx.GraphProto, names: set[str]) -> None:
+    """Remove from `graph` the initializers among `names` (and their declarations as inputs) that no node of it or
+    of its subgraphs reads and that are no output of it, once a rewrite stopped reading them."""
+    read = {name for g in graphs_within(graph) for node in g.node for name in node.input} | {o.name for o in graph.output}
+    gone = names - read
+    kept = [t for t in graph.initializer if t.name not in gone]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    declared = [value for value in graph.input if value.name not in gone]
+    del graph.input[:]
+    graph.input.extend(declared)
 
 
 def _float32_panels(model: onnx.ModelProto, weights: dict[str, np.ndarray],
@@ -279,48 +296,45 @@ def _float32_panels(model: onnx.ModelProto, weights: dict[str, np.ndarray],
     the native library's MatMulF32 on that weight laid out in panels here (runtime/kernels/float32_panels.py),
     and those panels by name, for the session as `_unpacked_float28`'s weights are: what onnxruntime would
     pre-pack for its MatMul, laid out for the kernel that reads it faster at one row. The pages of the artifact
-    read to lay them out are released (`artifact`), as onnxruntime leaves them after pre-packing. `model`
-    itself is left alone when there are none."""
-    transposed = _transposed_weights(model, weights)
-
-    def source(node: onnx.NodeProto) -> tuple[str, np.ndarray] | None:
-        if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") and node.input[-1] in transposed:
-            name = transposed[node.input[-1]][0]
-            return f"{name}/T", weights[name].T
-        view = _float32_weight(node, weights)
-        return (node.input[1], view) if view is not None else None
-
-    if not any(source(node) for node in model.graph.node):
+    read to lay them out are released (`artifact`), as onnxruntime leaves them after pre-packing; weights and
+    Transposes nothing reads any more go. `model` itself is left alone when there are none."""
+    transposed = _transposed_tables(model, weights)
+    if not any(_float32_weight(node, weights, transposed) for node in model.graph.node):
         return model, {}
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
+    taken = {t.name for t in copy.graph.initializer} | {v.name for v in copy.graph.input}
     panels: dict[str, np.ndarray] = {}
+    stubs: dict[tuple[str, bool], str] = {}
     for node in copy.graph.node:
-        found = source(node)
+        found = _float32_weight(node, weights, transposed)
         if found is None:
             continue
-        key, weight = found
-        name = f"{key}/panels"
-        if name not in panels:
+        source, is_transposed = found
+        weight = weights[source].T if is_transposed else weights[source]
+        if found not in stubs:
+            name = f"{source}/panels{'_t' if is_transposed else ''}"
+            while name in taken:
+                name += "_"
+            taken.add(name)
+            stubs[found] = name
             panels[name] = float32_panels.pack(weight)
             if artifact is not None:
-                artifact.release(weights[key.removesuffix("/T")])
+                artifact.release(weights[source])
             stub = onnx.TensorProto(name=name, dims=panels[name].shape, data_type=onnx.TensorProto.FLOAT,
                                     data_location=onnx.TensorProto.EXTERNAL)
             stub.external_data.add(key="location", value="<laid out at load>")
             copy.graph.initializer.append(stub)
         k, n = weight.shape
-        node.CopyFrom(helper.make_node(MATMUL_F32.name, [node.input[0], name], list(node.output), name=node.name,
-                                       domain=CUSTOM_DOMAIN, K=int(k), N=int(n)))
-    used = {name for node in copy.graph.node for name in node.input}
-    kept_nodes = [node for node in copy.graph.node if node.op_type != "Transpose" or node.output[0] not in transposed
-                  or node.output[0] in used]
+        node.CopyFrom(helper.make_node(MATMUL_F32.name, [node.input[0], stubs[found]], list(node.output),
+                                       name=node.name, domain=CUSTOM_DOMAIN, K=int(k), N=int(n)))
+    read = {name for g in graphs_within(copy.graph) for node in g.node for name in node.input}
+    read |= {o.name for o in copy.graph.output}
+    nodes = [node for node in copy.graph.node if node.op_type != "Transpose" or node.output[0] not in transposed
+             or node.output[0] in read]
     del copy.graph.node[:]
-    copy.graph.node.extend(kept_nodes)
-    used = {name for node in copy.graph.node for name in node.input}
-    kept_initializers = [t for t in copy.graph.initializer if t.name in used]
-    del copy.graph.initializer[:]
-    copy.graph.initializer.extend(kept_initializers)
+    copy.graph.node.extend(nodes)
+    _drop_unread(copy.graph, {source for source, _ in stubs})
     return copy, panels
 
 

@@ -13,18 +13,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.kernels import register_kernel
-from runtime.ops import MATMUL_F32
 
 PANEL = 16  # columns of a panel: one 512-bit vector of float32
-MAX_K = 1 << 27  # the native op's bound, as F28's
+MAX_K, MAX_N = 1 << 27, 1 << 31  # the native op's bounds (K as F28's)
+
+
+def takes(weight: np.ndarray) -> bool:
+    """Whether `weight` is a float32 `[K, N]` matrix the op takes."""
+    return (weight.dtype == np.float32 and weight.ndim == 2 and 0 not in weight.shape and weight.shape[0] < MAX_K
+            and weight.shape[1] < MAX_N)
 
 
 def pack(weight: np.ndarray) -> np.ndarray | None:
     """`weight` (float32 `[K, N]`, any strides: a transpose is read as it lies) as panels `[ceil(N/16), K, 16]`,
-    or None for what is not a 2-D float32 matrix the op takes. One strided copy into the panels, no temporary
-    (but for a matrix neither row- nor column-major, copied so first)."""
-    if weight.dtype != np.float32 or weight.ndim != 2 or 0 in weight.shape or weight.shape[0] >= MAX_K:
+    or None for what the op does not take (`takes`). One strided copy into the panels, no temporary (but for a
+    matrix neither row- nor column-major, copied so first)."""
+    if not takes(weight):
         return None
     k, n = weight.shape
     panels, full = -(-n // PANEL), n // PANEL
@@ -56,7 +60,7 @@ def unpack(panels: np.ndarray, *, K: int, N: int) -> np.ndarray:
     return np.ascontiguousarray(blocks.transpose(1, 0, 2).reshape(K, -1)[:, :N])
 
 
-@register_kernel(MATMUL_F32)
 def MatMulF32(a: np.ndarray, panels: np.ndarray, *, K: int, N: int) -> np.ndarray:
-    """a · W with the float32 weight W `[K, N]` stored in panels (`pack`)."""
+    """a · W with the float32 weight W `[K, N]` in panels (`pack`): the numpy reference of the native op. Not a
+    registered kernel: the op is the runtime's own at load, never in an artifact, which the loader refuses."""
     return np.matmul(a.astype(np.float32), unpack(panels, K=K, N=N))

@@ -19,7 +19,7 @@ from native_utils import assert_close_to_product, at_a_page_end, native_session
 from onnx import helper, numpy_helper
 
 from cann_llm import LLMEngine
-from runtime.executor import _float32_panels
+from runtime.executor import Executor, _float32_panels
 from runtime.kernels import float32_panels, native
 from runtime.loader import load_artifact
 from runtime.ops import CUSTOM_DOMAIN
@@ -36,6 +36,8 @@ def test_the_layout_gives_back_every_weight_bit_for_bit(k, n):
     w = _weight(k, n, seed=k + n)
     panels = float32_panels.pack(w)
     assert panels.shape == (-(-n // 16), k, 16)
+    column = np.arange(n)
+    np.testing.assert_array_equal(panels[column // 16, :, column % 16], w.T)  # panels[p, k, j] is w[k, 16p + j]
     assert not panels[-1, :, n - 16 * (panels.shape[0] - 1):].any()  # the last panel's padding is zeros
     np.testing.assert_array_equal(float32_panels.unpack(panels, K=k, N=n).view(np.uint32), w.view(np.uint32))
     # a transposed view (a tied head's table) is laid out as the matrix it stands for
@@ -67,8 +69,16 @@ def _f32_model(k: int, n: int, panels: np.ndarray | None) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(CUSTOM_DOMAIN, 1)])
 
 
+def test_the_op_is_built_where_the_cpu_has_avx512():
+    from runtime.compatibility import cpu_features
+
+    if {"avx512f", "avx512bw"} <= cpu_features():
+        assert native.has_float32_panel_matmul()
+
+
 @KERNEL
-@pytest.mark.parametrize("k,n", [(576, 960), (64, 48), (33, 47), (1, 16), (1536, 40), (100, 1000)])
+# (70, 1100): more pairs of panels than tasks, so a task takes several
+@pytest.mark.parametrize("k,n", [(576, 960), (64, 48), (33, 47), (1, 16), (1536, 40), (100, 1000), (70, 1100)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 11, 12, 13, 25, 64])
 def test_the_native_op_equals_the_product(k, n, rows):
     w = _weight(k, n, seed=k + n)
@@ -130,10 +140,46 @@ def test_a_tied_heads_transpose_and_every_float_matmul_become_matmulf32(tmp_path
     after = collections.Counter(node.op_type for node in model.graph.node)
     assert before["MatMul"] > 0 and before["Transpose"] == 1
     assert after["MatMulF32"] == before["MatMul"] and after["MatMul"] == 0 and after["Transpose"] == 0
-    head = next(node for node in model.graph.node if node.op_type == "MatMulF32" and node.input[1].endswith("/T/panels"))
-    table = loaded.weights[head.input[1].removesuffix("/T/panels")]
+    head = next(node for node in model.graph.node if node.op_type == "MatMulF32" and node.input[1].endswith("/panels_t"))
+    table = loaded.weights[head.input[1].removesuffix("/panels_t")]
     np.testing.assert_array_equal(float32_panels.unpack(panels[head.input[1]], K=table.shape[1], N=70001), table.T)
     assert set(panels) <= {t.name for t in model.graph.initializer}
+
+
+def test_the_rewrite_keeps_what_else_reads_a_weight():
+    """A weight two MatMuls share is laid out once; a Transpose that is also a graph output stays, and so does a
+    weight a subgraph reads; weights nothing reads any more go, from the inputs too where they are declared."""
+    rng = np.random.default_rng(0)
+    weights = {name: rng.standard_normal(shape).astype(np.float32)
+               for name, shape in (("W", (8, 16)), ("T", (24, 8)), ("V", (8, 16)), ("U", (8, 16)))}
+    stubs = []
+    for name, value in weights.items():
+        stub = onnx.TensorProto(name=name, dims=value.shape, data_type=onnx.TensorProto.FLOAT,
+                                data_location=onnx.TensorProto.EXTERNAL)
+        stub.external_data.add(key="location", value="weights")
+        stubs.append(stub)
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 8])
+    branch = helper.make_graph([helper.make_node("MatMul", ["x", "V"], ["b"])], "branch", [],
+                               [helper.make_tensor_value_info("b", onnx.TensorProto.FLOAT, [1, 16])])
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["m1"]), helper.make_node("MatMul", ["x", "W"], ["m2"]),
+             helper.make_node("Transpose", ["T"], ["Tt"], perm=[1, 0]), helper.make_node("MatMul", ["x", "Tt"], ["m3"]),
+             helper.make_node("MatMul", ["x", "V"], ["m4"]), helper.make_node("MatMul", ["x", "U"], ["m5"]),
+             helper.make_node("If", ["c"], ["i"], then_branch=branch, else_branch=branch)]
+    outputs = [helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None)
+               for name in ("m1", "m2", "m3", "m4", "m5", "Tt", "i")]
+    inputs = [x, helper.make_tensor_value_info("c", onnx.TensorProto.BOOL, []),
+              helper.make_tensor_value_info("U", onnx.TensorProto.FLOAT, [8, 16])]
+    model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, stubs))
+    rewritten, panels = _float32_panels(model, weights, None)
+    ops = collections.Counter(node.op_type for node in rewritten.graph.node)
+    assert ops == {"MatMulF32": 5, "Transpose": 1, "If": 1}
+    assert sorted(panels) == ["T/panels_t", "U/panels", "V/panels", "W/panels"]
+    np.testing.assert_array_equal(float32_panels.unpack(panels["T/panels_t"], K=8, N=24), weights["T"].T)
+    initializers = {t.name for t in rewritten.graph.initializer}
+    assert initializers == {"T", "V", *panels}
+    assert [value.name for value in rewritten.graph.input] == ["x", "c"]
+    assert [n.input[1] for n in rewritten.graph.node if n.op_type == "MatMulF32"] == [
+        "W/panels", "W/panels", "T/panels_t", "V/panels", "U/panels"]
 
 
 @pytest.mark.parametrize("family", ["llama_tied", "qwen2", "phi3"])
@@ -147,6 +193,9 @@ def test_the_engine_on_panels_generates_as_transformers(family, tmp_path, monkey
     prompts = mixed_prompts(8, seed=3)
     expected = hf_greedy(family, tuple(map(tuple, prompts)), 32)
     for options in ({}, {"native_matmul": False}, {"share_weights": True}):
+        executor = Executor(load_artifact(om), **options)
+        laid_out = [name for step in executor._steps for name in getattr(step, "_unpacked", {})]
+        assert bool(laid_out) == (not options and native.has_float32_panel_matmul()), options
         with LLMEngine(om, max_batch_size=8, max_context_len=256, kv_cache_pages=32, max_num_batched_tokens=96,
                        **options) as engine:
             requests = [engine.submit(p, max_new_tokens=32, temperature=0, ignore_eos=True) for p in prompts]

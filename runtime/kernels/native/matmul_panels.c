@@ -15,13 +15,14 @@
    Up to GEMV_ROWS rows (decode) each task streams a range of panels once, reading (unpacking) each group once
    for every row, with software prefetch ahead: the panels and the prefetch are what make a step faster than
    onnxruntime's MatMul on the same float32 bytes, and F28's 3.5 bytes a weight faster still
-   (docs/performance.md#fp32-weights-in-panels). From more rows on, each task copies (unpacks) a few pairs of
-   panels at a time into a scratch of its own (F28's exceptions in place) and runs 12-row by 32-column tiles
-   over them, the shape of MLAS's own SGEMM kernel, so that prefill stays as fast as onnxruntime's MatMul. An
-   infinite activation meets an F28 exception's weight as 0 · inf = NaN in the decode path, where a float32
-   MatMul gives ±inf: a model already overflowing either way.
-   Built where the compiler targets AVX-512 (F28: with VBMI, for `vpermb`); elsewhere an op is not registered
-   and the executor unpacks its weights at load for onnxruntime's MatMul (runtime/executor.py). */
+   (docs/performance.md#fp32-weights-in-panels). From more rows on, each task runs 12-row by 32-column tiles
+   over pairs of panels, the shape of MLAS's own SGEMM kernel, so that prefill stays as fast as onnxruntime's
+   MatMul: float32 panels where they lie, F28 ones unpacked a few pairs at a time into a scratch of the task's
+   own (exceptions in place). An infinite activation meets an F28 exception's weight as 0 · inf = NaN in the
+   decode path, where a float32 MatMul gives ±inf: a model already overflowing either way.
+   Built where the compiler targets AVX-512 (F28: with VBMI, for `vpermb`); elsewhere an op is not registered:
+   the executor then leaves float32 MatMuls to onnxruntime and unpacks F28 weights at load for its MatMul
+   (runtime/executor.py). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -48,7 +49,7 @@
 #define TILE_ROWS 12       /* rows of the GEMM tile: 24 accumulators, 2 weight vectors and a broadcast */
 #define PREFETCH 4096      /* bytes ahead of the panel being read (as the INT4 kernel's) */
 #define MAX_GEMV_TASKS 16  /* parallel tasks a decode call splits its panels into, as MatMulInt4 */
-#define GEMM_TASKS 32      /* at most, each unpacking its pairs of panels into a scratch of its own */
+#define GEMM_TASKS 32      /* at most, each over a range of pairs of panels */
 #define SCRATCH_BYTES (256 * 1024) /* unpacked pairs a task holds at a time: half of L2, where they are reread */
 
 typedef struct {
@@ -473,7 +474,7 @@ int matmul_f28_op(OrtCustomOp* op) {
 
 int matmul_f32_op(OrtCustomOp* op) {
   (void)op;
-  return 0; /* no AVX-512 here: the executor lays float32 panels out as [K, N] at load for onnxruntime's MatMul */
+  return 0; /* no AVX-512 here: the executor leaves float32 MatMuls to onnxruntime */
 }
 int matmul_f28_op(OrtCustomOp* op) {
   (void)op;
