@@ -87,14 +87,17 @@ class Executor:
             plan = split_at_host_nodes(with_pool_inputs(model), lambda node: False)
         # the sessions' custom ops: also where the paged step is not one session, for float32 weights
         library = self.native_library
-        panel_matmuls = native_matmul and not share_weights and any(
-            _float32_weight(n, weights, {}) is not None for n in model.graph.node)
-        if library is None and backend == "onnxruntime" and (panel_matmuls or any(n.op_type == MATMUL_F28.name
-                                                                                  for n in model.graph.node)):
+        # float32 weights laid out in panels for MatMulF32 where onnxruntime would pre-pack them, unless the
+        # native matmuls are off or the pre-packed weights are shared from disk
+        wants_panels = native_matmul and not share_weights
+        if library is None and backend == "onnxruntime" and any(
+                n.op_type == MATMUL_F28.name or (wants_panels and _float32_weight(n, weights, {}) is not None)
+                for n in model.graph.node):
             try:
                 library = native.library_path()
             except native.NativeUnavailable:
                 pass  # onnxruntime's MatMul instead, on F28 weights unpacked here
+        panels = wants_panels and library is not None and native.has_float32_panel_matmul()
         # Many sessions run in turn. On pools of their own (no process-wide pool, runtime/ort_session.py),
         # a pool left spinning after its run starves the next session's (docs/performance.md#thread-pools), so
         # their threads spin within a run and stop at its end.
@@ -106,7 +109,7 @@ class Executor:
                 continue
             try:
                 segment = _SegmentStep(step, weights, backend, threads, spinning, stop_spinning, library,
-                                       loaded.om, native_matmul, share_weights)
+                                       loaded.om, native_matmul, share_weights, panels)
             except ORT_FAILURES as error:
                 # a graph the loader's checks let through but onnxruntime will not build: the file is invalid
                 reason = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -241,10 +244,7 @@ def _unpacked_float28(model: onnx.ModelProto, weights: dict[str, np.ndarray], ke
                 unpacked[name] = float28.unpack(*operands, **attributes(node))
             except ValueError as error:
                 raise AtcError("E13015", where, f"{node.name}: {error}") from None
-            stub = onnx.TensorProto(name=name, dims=unpacked[name].shape, data_type=onnx.TensorProto.FLOAT,
-                                    data_location=onnx.TensorProto.EXTERNAL)
-            stub.external_data.add(key="location", value="<unpacked at load>")
-            copy.graph.initializer.append(stub)
+            copy.graph.initializer.append(_made_at_load(name, unpacked[name]))
         replaced.update(node.input[1:])
         node.CopyFrom(helper.make_node("MatMul", [node.input[MatMulF28Input.A], name], list(node.output), name=node.name))
     _drop_unread(copy.graph, replaced)
@@ -277,11 +277,24 @@ def _transposed_tables(model: onnx.ModelProto, weights: dict[str, np.ndarray]) -
     return found
 
 
+def _made_at_load(name: str, array: np.ndarray) -> onnx.TensorProto:
+    """The graph's initializer standing for `array`, a float32 weight the runtime makes as it loads, which the
+    session is given as it is (`_ort_session`'s `unpacked`)."""
+    stub = onnx.TensorProto(name=name, dims=array.shape, data_type=onnx.TensorProto.FLOAT,
+                            data_location=onnx.TensorProto.EXTERNAL)
+    stub.external_data.add(key="location", value="<made at load>")
+    return stub
+
+
+def _read(graph: onnx.GraphProto) -> set[str]:
+    """The names a node of `graph` or of its subgraphs reads, and its outputs."""
+    return {name for g in graphs_within(graph) for node in g.node for name in node.input} | {o.name for o in graph.output}
+
+
 def _drop_unread(graph: onnx.GraphProto, names: set[str]) -> None:
     """Remove from `graph` the initializers among `names` (and their declarations as inputs) that no node of it or
     of its subgraphs reads and that are no output of it, once a rewrite stopped reading them."""
-    read = {name for g in graphs_within(graph) for node in g.node for name in node.input} | {o.name for o in graph.output}
-    gone = names - read
+    gone = names - _read(graph)
     kept = [t for t in graph.initializer if t.name not in gone]
     del graph.initializer[:]
     graph.initializer.extend(kept)
@@ -321,15 +334,11 @@ def _float32_panels(model: onnx.ModelProto, weights: dict[str, np.ndarray],
             panels[name] = float32_panels.pack(weight)
             if artifact is not None:
                 artifact.release(weights[source])
-            stub = onnx.TensorProto(name=name, dims=panels[name].shape, data_type=onnx.TensorProto.FLOAT,
-                                    data_location=onnx.TensorProto.EXTERNAL)
-            stub.external_data.add(key="location", value="<laid out at load>")
-            copy.graph.initializer.append(stub)
+            copy.graph.initializer.append(_made_at_load(name, panels[name]))
         k, n = weight.shape
         node.CopyFrom(helper.make_node(MATMUL_F32.name, [node.input[0], stubs[found]], list(node.output),
                                        name=node.name, domain=CUSTOM_DOMAIN, K=int(k), N=int(n)))
-    read = {name for g in graphs_within(copy.graph) for node in g.node for name in node.input}
-    read |= {o.name for o in copy.graph.output}
+    read = _read(copy.graph)
     nodes = [node for node in copy.graph.node if node.op_type != "Transpose" or node.output[0] not in transposed
              or node.output[0] in read]
     del copy.graph.node[:]
@@ -341,7 +350,8 @@ def _float32_panels(model: onnx.ModelProto, weights: dict[str, np.ndarray],
 class _SegmentStep:
     def __init__(self, segment: Segment, weights: dict[str, np.ndarray], backend: str, threads: int | None,
                  spinning: bool, stop_spinning: bool, library=None, artifact: OmFile | None = None,
-                 native_matmul: bool = True, share_weights: bool = False):
+                 native_matmul: bool = True, share_weights: bool = False, panels: bool = False):
+        """`panels`: lay the segment's float32 MatMul weights out for the library's MatMulF32 (`_float32_panels`)."""
         self.inputs, self.outputs = segment.inputs, segment.outputs
         if backend == "onnxruntime":
             model, keep = segment.model, None
@@ -350,9 +360,9 @@ class _SegmentStep:
                 model = with_input_scales(model, keep)
             where = str(artifact.path) if artifact is not None else "the model"
             model, unpacked = _unpacked_float28(model, weights, keep, where)
-            if library is not None and native_matmul and not share_weights and native.has_float32_panel_matmul():
-                model, panels = _float32_panels(model, weights, artifact)
-                unpacked.update(panels)
+            if panels:
+                model, laid_out = _float32_panels(model, weights, artifact)
+                unpacked.update(laid_out)
             # onnxruntime reads these buffers for the session's life
             self._unpacked = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in unpacked.items()}
             self._session = _ort_session(lower_for_onnxruntime(model, keep), artifact, threads, spinning,
@@ -415,12 +425,16 @@ def _pointing_into_the_artifact(model: onnx.ModelProto, weights: dict[str, np.nd
         if tensor.name not in weights:
             continue
         view = weights[tensor.name]
-        del tensor.external_data[:]
-        for key, value in (("location", om.path.name), ("offset", str(om.file_offset(view))),
-                           ("length", str(view.nbytes))):
-            entry = tensor.external_data.add()
-            entry.key, entry.value = key, value
+        _point_at(tensor, om.path.name, om.file_offset(view), view.nbytes)
     return copy
+
+
+def _point_at(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    """Make `tensor`'s external data the span `offset`, `length` of the file `location`."""
+    del tensor.external_data[:]
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
 
 
 def _stubs_in_the_artifact(model: onnx.ModelProto, unpacked: dict[str, ort.OrtValue], artifact: OmFile) -> onnx.ModelProto:
@@ -431,11 +445,7 @@ def _stubs_in_the_artifact(model: onnx.ModelProto, unpacked: dict[str, ort.OrtVa
     copy.CopyFrom(model)
     for tensor in copy.graph.initializer:
         if tensor.name in unpacked:
-            del tensor.external_data[:]
-            length = int(np.prod(tensor.dims)) * helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
-            for key, value in (("location", artifact.path.name), ("offset", "0"), ("length", str(length))):
-                entry = tensor.external_data.add()
-                entry.key, entry.value = key, value
+            _point_at(tensor, artifact.path.name, 0, int(np.prod(tensor.dims)) * 4)  # float32: `_made_at_load`
     return copy
 
 

@@ -214,13 +214,11 @@ def test_weights_laid_out_at_load_are_not_copied_by_onnxruntime(tmp_path):
     which would hold every float32 weight twice."""
     from models.tiny import tiny_onnx
     from runtime.artifact import OmFile
-    from runtime.executor import _ort_session
+    from runtime.executor import _made_at_load, _ort_session
 
     om = OmFile(compile_to(tiny_onnx("llama", dynamo=False, with_past=True), tmp_path / "m"))
     w = np.ones((64, 1 << 20), np.float32)  # 256 MiB, the only large thing made here
-    stub = onnx.TensorProto(name="w", dims=w.shape, data_type=onnx.TensorProto.FLOAT,
-                            data_location=onnx.TensorProto.EXTERNAL)
-    stub.external_data.add(key="location", value="<laid out at load>")
+    stub = _made_at_load("w", w)
     # an op that reads the weight as it is (MatMul would pre-pack a copy of its own, as it does of any weight)
     graph = helper.make_graph([helper.make_node("Gather", ["w", "x"], ["y"])], "g",
                               [helper.make_tensor_value_info("x", onnx.TensorProto.INT64, [1])],
