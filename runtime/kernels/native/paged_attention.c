@@ -23,7 +23,10 @@ enum { QUERY, KEY, VALUE, COS, SIN, QUERY_START_LOC, SEQ_LENS, BLOCK_TABLES, SLO
        NUM_INPUTS };
 #define QUERY_TILE 8 /* query rows of one sequence that attend together: each key row is read once for all */
 #define TILE_VECTORS 128 /* query vectors (rows x the heads of a KV head) a tile's scratch holds at most */
-#define PARALLEL_WORK 2048 /* query·key pairs from which a layer's work is spread over the pool's threads */
+#define PARALLEL_WORK 512 /* query·key pairs times query heads from which a layer's work is spread over the pool's
+                            threads: for SmolLM2's 9 heads a batch-1 decode step from 57 tokens of context, where
+                            its KV heads read their pages side by side (benchmarks/decode_attention.py
+                            --sequences 1: 1.07x at 64 tokens, 1.20x at 96, none at 48) */
 #define WIDE_ROWS 32 /* query rows of a wide tile at most (attend_wide), as many as 64 query vectors allow */
 #define WIDE_MIN 8   /* query vectors from which a tile runs wide: fewer (a decode step's) waste the lanes */
 /* items below which a decode step's long contexts are cut into parts of their pages (enough to keep a
