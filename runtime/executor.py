@@ -27,6 +27,7 @@ from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from runtime.artifact import SUB_BYTE_TYPES, OmFile
 from runtime.embedding_rows import split_off
+from runtime import huge_pages
 from runtime.engine.kv_cache import PagePool
 from runtime.errors import AtcError
 from runtime.kernels import HostRun, float28, float32_panels, host_kernel, is_host_node, native, reference_ops
@@ -34,7 +35,7 @@ from runtime.kernels.paged_attention import PagedInputError
 from runtime.loader import LoadedModel
 from runtime.lowering import POOL_KEY, POOL_VALUE, lower_for_onnxruntime, with_input_scales, with_pool_inputs
 from runtime.ops import (CUSTOM_DOMAIN, MATMUL_F28, MATMUL_F32, MATMUL_INT4, PAGED_ATTENTION, PAGED_METADATA, SWIGLU,
-                         MatMulF28Input, attributes)
+                         MatMulF28Input, MatMulQuantInput, attributes)
 from runtime.ort_session import process_thread_pool_enabled, session_options
 from runtime.proto_utils import constant_operand, graphs_within, initializers_as_inputs
 from runtime.prepacked_cache import SAVE_OPTIONS, prepacked_model
@@ -98,6 +99,8 @@ class Executor:
             except native.NativeUnavailable:
                 pass  # onnxruntime's MatMul instead, on F28 weights unpacked here
         panels = wants_panels and library is not None and native.has_float32_panel_matmul()
+        # the native matmuls' streamed weights in huge pages, unless they are shared from the page cache
+        huge = native_matmul and not share_weights and huge_pages.available()
         # Many sessions run in turn. On pools of their own (no process-wide pool, runtime/ort_session.py),
         # a pool left spinning after its run starves the next session's (docs/performance.md#thread-pools), so
         # their threads spin within a run and stop at its end.
@@ -109,7 +112,7 @@ class Executor:
                 continue
             try:
                 segment = _SegmentStep(step, weights, backend, threads, spinning, stop_spinning, library,
-                                       loaded.om, native_matmul, share_weights, panels)
+                                       loaded.om, native_matmul, share_weights, panels, huge)
             except ORT_FAILURES as error:
                 # a graph the loader's checks let through but onnxruntime will not build: the file is invalid
                 reason = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -278,9 +281,9 @@ def _transposed_tables(model: onnx.ModelProto, weights: dict[str, np.ndarray]) -
 
 
 def _made_at_load(name: str, array: np.ndarray) -> onnx.TensorProto:
-    """The graph's initializer standing for `array`, a float32 weight the runtime makes as it loads, which the
-    session is given as it is (`_ort_session`'s `unpacked`)."""
-    stub = onnx.TensorProto(name=name, dims=array.shape, data_type=onnx.TensorProto.FLOAT,
+    """The graph's initializer standing for `array`, a weight the runtime makes as it loads, which the session
+    is given as it is (`_ort_session`'s `unpacked`)."""
+    stub = onnx.TensorProto(name=name, dims=array.shape, data_type=helper.np_dtype_to_tensor_dtype(array.dtype),
                             data_location=onnx.TensorProto.EXTERNAL)
     stub.external_data.add(key="location", value="<made at load>")
     return stub
@@ -347,11 +350,56 @@ def _float32_panels(model: onnx.ModelProto, weights: dict[str, np.ndarray],
     return copy, panels
 
 
+# the weight each native matmul streams through at every step, where copying it pays: MatMulInt4's packed
+# values. MatMulF28's panels gained 1.025x a step for 1.1 s more load and a peak 90 MB higher (SmolLM2, its
+# tied head's 99 MB copied whole): left in the artifact's pages.
+_STREAMED = {MATMUL_INT4.name: MatMulQuantInput.B}
+
+
+def _in_huge_pages(model: onnx.ModelProto, weights: dict[str, np.ndarray], keep: Callable[[onnx.NodeProto], bool],
+                   artifact: OmFile) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """A copy of `model` whose native matmuls (`keep`) read the weight they stream (`_STREAMED`) from a copy in
+    huge pages (runtime/huge_pages.py) under a name of its own, and those copies by name, for the session as
+    `_unpacked_float28`'s weights are. The artifact's pages of each weight are released once it is copied;
+    other readers of the weight (the embedding lookup of a tied head) keep the original. `model` itself is
+    left alone when there are none."""
+    def streamed(node: onnx.NodeProto) -> str | None:
+        slot = _STREAMED.get(node.op_type)
+        if node.domain != CUSTOM_DOMAIN or slot is None or len(node.input) <= slot or not keep(node):
+            return None
+        return node.input[slot] if node.input[slot] in weights else None
+
+    sources = list(dict.fromkeys(name for node in model.graph.node if (name := streamed(node))))
+    if not sources:
+        return model, {}
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    taken = {t.name for t in copy.graph.initializer} | {v.name for v in copy.graph.input}
+    arena = huge_pages.HugePageArena([weights[source] for source in sources])
+    copies, renamed = {}, {}
+    for source in sources:
+        name = f"{source}/huge_pages"
+        while name in taken:
+            name += "_"
+        taken.add(name)
+        renamed[source] = name
+        copies[name] = arena.copy(weights[source])
+        artifact.release(weights[source])
+        copy.graph.initializer.append(_made_at_load(name, copies[name]))
+    for node in copy.graph.node:
+        if (source := streamed(node)) is not None:
+            node.input[_STREAMED[node.op_type]] = renamed[source]
+    _drop_unread(copy.graph, set(sources))
+    return copy, copies
+
+
 class _SegmentStep:
     def __init__(self, segment: Segment, weights: dict[str, np.ndarray], backend: str, threads: int | None,
                  spinning: bool, stop_spinning: bool, library=None, artifact: OmFile | None = None,
-                 native_matmul: bool = True, share_weights: bool = False, panels: bool = False):
-        """`panels`: lay the segment's float32 MatMul weights out for the library's MatMulF32 (`_float32_panels`)."""
+                 native_matmul: bool = True, share_weights: bool = False, panels: bool = False,
+                 huge_pages: bool = False):
+        """`panels`: lay the segment's float32 MatMul weights out for the library's MatMulF32 (`_float32_panels`);
+        `huge_pages`: copy the weights the native matmuls stream into huge pages (`_in_huge_pages`)."""
         self.inputs, self.outputs = segment.inputs, segment.outputs
         if backend == "onnxruntime":
             model, keep = segment.model, None
@@ -363,6 +411,9 @@ class _SegmentStep:
             if panels:
                 model, laid_out = _float32_panels(model, weights, artifact)
                 unpacked.update(laid_out)
+            if huge_pages and keep is not None and artifact is not None:
+                model, copied = _in_huge_pages(model, weights, keep, artifact)
+                unpacked.update(copied)
             # onnxruntime reads these buffers for the session's life
             self._unpacked = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in unpacked.items()}
             self._session = _ort_session(lower_for_onnxruntime(model, keep), artifact, threads, spinning,
@@ -445,7 +496,8 @@ def _stubs_in_the_artifact(model: onnx.ModelProto, unpacked: dict[str, ort.OrtVa
     copy.CopyFrom(model)
     for tensor in copy.graph.initializer:
         if tensor.name in unpacked:
-            _point_at(tensor, artifact.path.name, 0, int(np.prod(tensor.dims)) * 4)  # float32: `_made_at_load`
+            itemsize = helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+            _point_at(tensor, artifact.path.name, 0, int(np.prod(tensor.dims)) * itemsize)
     return copy
 
 
