@@ -27,7 +27,7 @@ from runtime.engine.engine import LLMEngine  # noqa: E402
 from runtime.engine.sampling import SamplingParams  # noqa: E402
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--target", required=True, help="the target artifact (paged)")
 @click.option("--draft", "drafts", multiple=True, required=True, help="a draft artifact (repeatable)")
 @click.option("--k", default=4, show_default=True, help="num_speculative_tokens")

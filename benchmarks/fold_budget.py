@@ -36,7 +36,7 @@ def _fold(nodes, initializers, shape) -> tuple[float, int, int]:
     return time.perf_counter() - start, result.match_times, len(result.rejections)
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--depths", default="4,8,10,12", show_default=True, help="nesting depths to compile")
 def main(depths: str) -> None:
     """Print the fold times at the budget, then the compile time per nesting depth."""

@@ -3,9 +3,9 @@
     python benchmarks/huge_pages_ab.py --om .cache/peers/smollm2-int4-awq-head4.om [--rounds 11] [--steps 128]
                                        [--threads 2]
 
-Two engines on the same artifact, one as the runtime builds it where the kernel gives transparent huge pages
-(each native MatMulInt4's weight copied at load into memory mapped in 2 MB pages: runtime/huge_pages.py), one
-built as where it does not (the weights read in place from the artifact's mapping, 4 KB pages), both on
+Two engines on the same artifact, one with `huge_pages` on (each native MatMulInt4's weight copied at load into
+memory mapped in 2 MB pages: runtime/huge_pages.py), one with it off (the weights read in place from the
+artifact's mapping, 4 KB pages), both on
 onnxruntime's process-wide pool as `cann-run` runs them. Each round every engine decodes --steps tokens
 greedily after the same 32-token prompt, in turn, so the machine's noise falls on both alike; it prints each
 engine's milliseconds a token round by round, the ratio (4 KB over 2 MB pages: above 1 is faster with huge
@@ -19,8 +19,8 @@ import time
 
 import click
 
-from runtime import huge_pages
 from runtime.engine.engine import LLMEngine
+from runtime.huge_pages import huge_pages_given
 
 PROMPT = [7 + i % 190 for i in range(32)]
 
@@ -37,17 +37,10 @@ def _anonymous_huge_mib() -> float:
 @click.option("--threads", default=2, show_default=True)
 def main(om_path: str, rounds: int, steps: int, threads: int) -> None:
     """Time decode steps with the weights in huge pages and in the artifact's pages, alternating."""
-    if not huge_pages.available():
+    if not huge_pages_given():
         raise click.ClickException("this kernel gives no transparent huge pages (/sys/kernel/mm/transparent_hugepage)")
-    available = huge_pages.available
-    engines = {}
-    for huge in (True, False):
-        huge_pages.available = available if huge else (lambda *args: False)
-        try:
-            engines[huge] = LLMEngine(om_path, max_batch_size=1, max_context_len=len(PROMPT) + steps + 8,
-                                      kv_cache_pages=64, threads=threads, process_thread_pool=True)
-        finally:
-            huge_pages.available = available
+    engines = {huge: LLMEngine(om_path, max_batch_size=1, max_context_len=len(PROMPT) + steps + 8, kv_cache_pages=64,
+                               threads=threads, process_thread_pool=True, huge_pages=huge) for huge in (True, False)}
     click.echo(f"huge pages held: {_anonymous_huge_mib():.0f} MiB")
     times: dict[bool, list[float]] = {True: [], False: []}
     tokens = {}

@@ -115,7 +115,7 @@ def _ours(om: Path) -> tuple[list[int], dict[int, float]]:
     return list(output.token_ids), dict(output.logprobs[0].top)
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--gigabytes", default=6.0, show_default=True, help="float32 weights of the synthetic model")
 @click.option("--limit_mb", default=2048, show_default=True, help="the compile's memory limit")
 @click.option("--modes", default="fp32,int4,awq", show_default=True)

@@ -38,7 +38,7 @@ def needle_document(tokenizer: TextTokenizer, tokens: int, depth: float) -> str:
     return f"{text[:at]} {NEEDLE}{text[at:]}"
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--om", "om_path", required=True, help="a chat model's artifact (with its tokenizer)")
 @click.option("--tokens", default=32_768, show_default=True, help="the document's length in tokens")
 @click.option("--context", default=2048, show_default=True, help="the engine's max_context_len")

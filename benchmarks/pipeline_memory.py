@@ -46,7 +46,7 @@ def _measure(path: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--whole", required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--first", required=True, type=click.Path(exists=True, dir_okay=False), help="the first stage's artifact")
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)

@@ -42,7 +42,7 @@ def burst(engine: LLMEngine, prompts: list[list[int]], urgent: set[int], new_tok
     return ttft
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--om", "om_path", required=True)
 @click.option("--requests", default=200, show_default=True)
 @click.option("--urgent", "urgent_share", default=0.2, show_default=True, help="share of requests at priority 0")

@@ -144,7 +144,7 @@ async def _chats(url: str, conversations: int, turns: int, max_tokens: int, seed
     return ttfts
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--om", required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--requests", type=click.IntRange(min=1), default=32, show_default=True)

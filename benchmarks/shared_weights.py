@@ -74,7 +74,7 @@ def _pair(om: str, share: bool, tokens: int, env: dict) -> dict:
     return {"alone": alone, "added": both - alone, "rate": statistics.mean([rate_a, rate_b])}
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--om", required=True, help="the artifact two processes serve")
 @click.option("--rounds", default=3, show_default=True)
 @click.option("--tokens", default=96, show_default=True, help="new tokens per timed generation")

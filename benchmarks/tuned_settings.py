@@ -20,7 +20,7 @@ from runtime.artifact import OmFile  # noqa: E402
 from runtime.engine.tuning import tuned_settings  # noqa: E402
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--om", required=True, help="an artifact compiled with --auto_tune_mode")
 @click.option("--rounds", default=5, show_default=True)
 def main(om: str, rounds: int) -> None:

@@ -27,9 +27,9 @@ from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from runtime.artifact import SUB_BYTE_TYPES, OmFile
 from runtime.embedding_rows import split_off
-from runtime import huge_pages
 from runtime.engine.kv_cache import PagePool
 from runtime.errors import AtcError
+from runtime.huge_pages import HugePageArena, huge_pages_given
 from runtime.kernels import HostRun, float28, float32_panels, host_kernel, is_host_node, native, reference_ops
 from runtime.kernels.paged_attention import PagedInputError
 from runtime.loader import LoadedModel
@@ -60,7 +60,7 @@ class Executor:
 
     def __init__(self, loaded: LoadedModel, backend: str = "onnxruntime", threads: int | None = None,
                  spinning: bool = True, host_attention: bool = False, native_matmul: bool = True,
-                 share_weights: bool = False):
+                 share_weights: bool = False, huge_pages: bool = True):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
         self.loaded = loaded
@@ -99,8 +99,9 @@ class Executor:
             except native.NativeUnavailable:
                 pass  # onnxruntime's MatMul instead, on F28 weights unpacked here
         panels = wants_panels and library is not None and native.has_float32_panel_matmul()
-        # the native matmuls' streamed weights in huge pages, unless they are shared from the page cache
-        huge = native_matmul and not share_weights and huge_pages.available()
+        # the native matmuls' streamed weights in huge pages where the kernel gives them, unless they are shared
+        # from the page cache
+        huge = huge_pages and native_matmul and not share_weights and huge_pages_given()
         # Many sessions run in turn. On pools of their own (no process-wide pool, runtime/ort_session.py),
         # a pool left spinning after its run starves the next session's (docs/performance.md#thread-pools), so
         # their threads spin within a run and stop at its end.
@@ -375,7 +376,11 @@ def _in_huge_pages(model: onnx.ModelProto, weights: dict[str, np.ndarray], keep:
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     taken = {t.name for t in copy.graph.initializer} | {v.name for v in copy.graph.input}
-    arena = huge_pages.HugePageArena([weights[source] for source in sources])
+    try:
+        arena = HugePageArena([weights[source] for source in sources])
+    except OSError as error:  # no room for the mapping (an overcommit limit, a cgroup): the weights stay put
+        log.warning("W13003: weights left in the artifact's pages: no memory for their copy in huge pages (%s)", error)
+        return model, {}
     copies, renamed = {}, {}
     for source in sources:
         name = f"{source}/huge_pages"
@@ -397,9 +402,9 @@ class _SegmentStep:
     def __init__(self, segment: Segment, weights: dict[str, np.ndarray], backend: str, threads: int | None,
                  spinning: bool, stop_spinning: bool, library=None, artifact: OmFile | None = None,
                  native_matmul: bool = True, share_weights: bool = False, panels: bool = False,
-                 huge_pages: bool = False):
+                 huge: bool = False):
         """`panels`: lay the segment's float32 MatMul weights out for the library's MatMulF32 (`_float32_panels`);
-        `huge_pages`: copy the weights the native matmuls stream into huge pages (`_in_huge_pages`)."""
+        `huge`: copy the weights the native matmuls stream into huge pages (`_in_huge_pages`)."""
         self.inputs, self.outputs = segment.inputs, segment.outputs
         if backend == "onnxruntime":
             model, keep = segment.model, None
@@ -411,7 +416,7 @@ class _SegmentStep:
             if panels:
                 model, laid_out = _float32_panels(model, weights, artifact)
                 unpacked.update(laid_out)
-            if huge_pages and keep is not None and artifact is not None:
+            if huge and keep is not None and artifact is not None:
                 model, copied = _in_huge_pages(model, weights, keep, artifact)
                 unpacked.update(copied)
             # onnxruntime reads these buffers for the session's life
@@ -489,23 +494,26 @@ def _point_at(tensor: onnx.TensorProto, location: str, offset: int, length: int)
 
 
 def _stubs_in_the_artifact(model: onnx.ModelProto, unpacked: dict[str, ort.OrtValue], artifact: OmFile) -> onnx.ModelProto:
-    """A copy of `model` whose initializers named in `unpacked` point into the artifact file: onnxruntime checks
-    that an initializer's external file exists before a session option's value overrides it, and never reads
-    it then."""
+    """A copy of `model` whose initializers named in `unpacked` are stubs in the artifact file: onnxruntime checks
+    that an initializer's external file exists before a session option's value overrides it. A stub's span
+    starts at the file's end: the kernels read the value given for it, but a constant onnxruntime folds from an
+    initializer when it builds the session (a Reshape of it, say) is computed from the stub's own bytes, and
+    those are refused at load as out of bounds rather than read from the file's header."""
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
+    end = artifact.path.stat().st_size
     for tensor in copy.graph.initializer:
         if tensor.name in unpacked:
             itemsize = helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
-            _point_at(tensor, artifact.path.name, 0, int(np.prod(tensor.dims)) * itemsize)
+            _point_at(tensor, artifact.path.name, end, int(np.prod(tensor.dims)) * itemsize)
     return copy
 
 
 def _ort_session(model: onnx.ModelProto, artifact: OmFile | None, threads: int | None,
                  spinning: bool, stop_spinning: bool = False, library=None,
                  share_weights: bool = False, unpacked: dict[str, ort.OrtValue] | None = None) -> ort.InferenceSession:
-    """The session of `model`; `unpacked`: the weights `_unpacked_float28` and `_float32_panels` made, given to
-    onnxruntime as they are (kept alive by the caller)."""
+    """The session of `model`; `unpacked`: the weights `_unpacked_float28`, `_float32_panels` and `_in_huge_pages`
+    made, given to onnxruntime as they are (kept alive by the caller)."""
     if unpacked and artifact is not None:
         model = _stubs_in_the_artifact(model, unpacked, artifact)
 

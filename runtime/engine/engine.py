@@ -224,7 +224,8 @@ class LLMEngine:
         if config.process_thread_pool and config.backend == "onnxruntime":
             enable_process_thread_pool(config.threads)
         return Executor(self.loaded, config.backend, config.threads, host_attention=config.host_attention,
-                        native_matmul=config.native_matmul, share_weights=config.share_weights)
+                        native_matmul=config.native_matmul, share_weights=config.share_weights,
+                        huge_pages=config.huge_pages)
 
     def _paged_runner(self, model_path, pipeline: dict | None, kv_cache_pages: int) -> PagedRunner:
         """The runner over this process's page pool, or over the stages' pools when the artifact is the first

@@ -26,10 +26,15 @@ MATMUL = pytest.mark.skipif(not native.has_int8_matmul(), reason="no native MatM
 @pytest.mark.parametrize("text,expected", [("always [madvise] never\n", True), ("[always] madvise never\n", True),
                                            ("always madvise [never]\n", False), (None, False)])
 def test_huge_pages_are_used_where_the_kernel_gives_them(tmp_path, text, expected):
-    setting = tmp_path / "enabled"
     if text is not None:
-        setting.write_text(text)
-    assert huge_pages.available(setting) is expected
+        (tmp_path / "enabled").write_text(text)
+    assert huge_pages.huge_pages_given(tmp_path) is expected
+
+
+def test_a_huge_page_is_the_kernels_pmd_size(tmp_path):
+    assert huge_pages.huge_page_size(tmp_path) == 2 << 20  # where the kernel does not say
+    (tmp_path / "hpage_pmd_size").write_text("536870912\n")  # arm64 with 64 KB pages
+    assert huge_pages.huge_page_size(tmp_path) == 512 << 20
 
 
 def test_the_arena_holds_exact_copies_each_on_a_cache_line():
@@ -38,11 +43,13 @@ def test_the_arena_holds_exact_copies_each_on_a_cache_line():
               rng.integers(0, 256, 1, dtype=np.uint8), np.arange(1000, dtype=np.int32)]
     arena = huge_pages.HugePageArena(arrays)
     copies = [arena.copy(array) for array in arrays]
-    assert copies[0].ctypes.data % huge_pages.HUGE_PAGE == 0
+    assert copies[0].ctypes.data % huge_pages.huge_page_size() == 0
     for array, copy in zip(arrays, copies):
         assert copy.dtype == array.dtype and copy.shape == array.shape
         assert copy.ctypes.data % 64 == 0 and not np.shares_memory(copy, array)
         np.testing.assert_array_equal(copy, array)  # each still whole once all are copied: none overlaps another
+    with pytest.raises(ValueError, match="bytes left"):  # the arrays it was made for, no more
+        arena.copy(np.zeros(huge_pages.huge_page_size(), np.uint8))
 
 
 @pytest.fixture(scope="module")
@@ -104,12 +111,16 @@ def test_the_artifacts_pages_of_a_copied_weight_are_released(tmp_path):
     loaded = load_artifact(om)
     table = next(node.input[1] for node in loaded.model.graph.node if node.op_type == "MatMulInt4"
                  and loaded.weights[node.input[1]].nbytes > 1_000_000)
-    loaded.weights[table].sum()  # every page of it read, as verifying the artifact does
+    loaded.weights[table].sum()  # every page of it mapped, as running the head would map them
     before = _om_resident_kib(om.resolve())
     _in_huge_pages(loaded.model, loaded.weights, _native_nodes(loaded.model), loaded.om)
     released = before - _om_resident_kib(om.resolve())
     # nearly all of it (not the pages it shares with its neighbours); without the release, none
     assert released >= 0.9 * loaded.weights[table].nbytes / 1024
+
+
+def _copied(executor: Executor) -> list[str]:
+    return [name for step in executor._steps for name in getattr(step, "_unpacked", {}) if name.endswith("/huge_pages")]
 
 
 def _tokens(om, **settings):
@@ -122,13 +133,16 @@ def _tokens(om, **settings):
 
 @MATMUL
 def test_the_engine_generates_the_same_tokens_with_and_without_the_copies(tied_int4, tmp_path, monkeypatch):
+    """Every MatMulInt4 copied by default where the kernel gives huge pages (the copies made here either way:
+    where it gives none they stand in small pages), none with the option off, the native matmuls off or the
+    weights shared; the same tokens with the copies as without."""
+    import runtime.executor
+
+    monkeypatch.setattr(runtime.executor, "huge_pages_given", lambda: True)
     monkeypatch.setenv("CANN_LLM_CACHE", str(tmp_path / "cache"))  # share_weights' pre-packed weights
-    copied = {}
-    for options in ({}, {"native_matmul": False}, {"share_weights": True}):
-        executor = Executor(load_artifact(tied_int4), **options)
-        copied[str(options)] = [name for step in executor._steps for name in getattr(step, "_unpacked", {})]
-    assert bool(copied["{}"]) == huge_pages.available()
-    assert copied["{'native_matmul': False}"] == [] and copied["{'share_weights': True}"] == []
-    with_copies = _tokens(tied_int4)
-    monkeypatch.setattr(huge_pages, "available", lambda *args: False)
-    assert with_copies == _tokens(tied_int4)
+    loaded = load_artifact(tied_int4)
+    matmuls = {node.input[1] for node in loaded.model.graph.node if node.op_type == "MatMulInt4"}
+    assert sorted(_copied(Executor(loaded))) == sorted(f"{name}/huge_pages" for name in matmuls)
+    for options in ({"huge_pages": False}, {"native_matmul": False}, {"share_weights": True}):
+        assert _copied(Executor(load_artifact(tied_int4), **options)) == [], options
+    assert _tokens(tied_int4) == _tokens(tied_int4, huge_pages=False)
