@@ -17,14 +17,14 @@ from __future__ import annotations
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import click
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # native_ab, beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # native_ab and engine_rounds, beside this file
 
 import runtime.kernels.native as native  # noqa: E402
+from engine_rounds import decode_rounds  # noqa: E402
 from native_ab import HERE, libraries  # noqa: E402
 from runtime.engine.engine import LLMEngine  # noqa: E402
 
@@ -54,20 +54,10 @@ def engine_on(library: Path, om_path: str, steps: int, threads: int) -> LLMEngin
 def main(om_path: str, baseline: str, rounds: int, steps: int, threads: int, avx2: bool) -> None:
     """Time batch-1 decode steps on two native libraries, alternating."""
     flags = ("-mno-avx512f",) if avx2 else ()
-    times: dict[str, list[float]] = {HERE: [], baseline: []}
-    tokens = {}
     with tempfile.TemporaryDirectory() as scratch:
         engines = {name: engine_on(library, om_path, steps, threads)
                    for name, library in libraries(baseline, Path(scratch), flags).items()}
-        try:
-            for _ in range(rounds):
-                for name, engine in engines.items():
-                    start = time.perf_counter()
-                    tokens[name] = engine.generate(PROMPT, max_new_tokens=steps, temperature=0.0, ignore_eos=True)
-                    times[name].append((time.perf_counter() - start) / steps * 1e3)
-        finally:
-            for engine in engines.values():
-                engine.close()
+        times, tokens = decode_rounds(engines, PROMPT, steps, rounds)
     for name, values in times.items():
         click.echo(f"{name:>20}: {statistics.median(values):.3f} ms a token   " + " ".join(f"{v:.2f}" for v in values))
     ratios = [b / h for b, h in zip(times[baseline], times[HERE])]

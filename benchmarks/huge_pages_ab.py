@@ -15,9 +15,10 @@ pages) with its median, the huge pages this process holds, and whether the two d
 from __future__ import annotations
 
 import statistics
-import time
 
 import click
+
+from engine_rounds import decode_rounds
 
 from runtime.engine.engine import LLMEngine
 from runtime.huge_pages import huge_pages_given
@@ -42,19 +43,9 @@ def main(om_path: str, rounds: int, steps: int, threads: int) -> None:
     engines = {huge: LLMEngine(om_path, max_batch_size=1, max_context_len=len(PROMPT) + steps + 8, kv_cache_pages=64,
                                threads=threads, process_thread_pool=True, huge_pages=huge) for huge in (True, False)}
     click.echo(f"huge pages held: {_anonymous_huge_mib():.0f} MiB")
-    times: dict[bool, list[float]] = {True: [], False: []}
-    tokens = {}
-    try:
-        for engine in engines.values():  # warm-up
-            engine.generate(PROMPT, max_new_tokens=4, temperature=0.0, ignore_eos=True)
-        for _ in range(rounds):
-            for huge, engine in engines.items():
-                start = time.perf_counter()
-                tokens[huge] = engine.generate(PROMPT, max_new_tokens=steps, temperature=0.0, ignore_eos=True)
-                times[huge].append((time.perf_counter() - start) / steps * 1e3)
-    finally:
-        for engine in engines.values():
-            engine.close()
+    for engine in engines.values():  # warm-up
+        engine.generate(PROMPT, max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    times, tokens = decode_rounds(engines, PROMPT, steps, rounds)
     for huge, values in times.items():
         click.echo(f"{'2 MB pages' if huge else '4 KB pages'}: {statistics.median(values):.3f} ms a token   "
                    + " ".join(f"{v:.2f}" for v in values))

@@ -1,0 +1,23 @@
+"""Batch-1 decode timed on several engines in turn, round after round, so a shared machine's noise falls on
+all of them alike (benchmarks/decode_ab.py, benchmarks/huge_pages_ab.py)."""
+
+from __future__ import annotations
+
+import time
+
+
+def decode_rounds(engines: dict, prompt: list[int], steps: int, rounds: int) -> tuple[dict, dict]:
+    """({name: ms a token of each round}, {name: the tokens of its last round}): each engine decodes `steps`
+    tokens greedily after `prompt` once a round, in turn; the engines are closed after."""
+    times: dict = {name: [] for name in engines}
+    tokens: dict = {}
+    try:
+        for _ in range(rounds):
+            for name, engine in engines.items():
+                start = time.perf_counter()
+                tokens[name] = engine.generate(prompt, max_new_tokens=steps, temperature=0.0, ignore_eos=True)
+                times[name].append((time.perf_counter() - start) / steps * 1e3)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return times, tokens
