@@ -290,6 +290,14 @@ def _made_at_load(name: str, array: np.ndarray) -> onnx.TensorProto:
     return stub
 
 
+def _fresh_name(name: str, taken: set[str]) -> str:
+    """`name`, or it with underscores after it until no name in `taken` is it; added to `taken`."""
+    while name in taken:
+        name += "_"
+    taken.add(name)
+    return name
+
+
 def _read(graph: onnx.GraphProto) -> set[str]:
     """The names a node of `graph` or of its subgraphs reads, and its outputs."""
     return {name for g in graphs_within(graph) for node in g.node for name in node.input} | {o.name for o in graph.output}
@@ -330,10 +338,7 @@ def _float32_panels(model: onnx.ModelProto, weights: dict[str, np.ndarray],
         source, is_transposed = found
         weight = weights[source].T if is_transposed else weights[source]
         if found not in stubs:
-            name = f"{source}/panels{'_t' if is_transposed else ''}"
-            while name in taken:
-                name += "_"
-            taken.add(name)
+            name = _fresh_name(f"{source}/panels{'_t' if is_transposed else ''}", taken)
             stubs[found] = name
             panels[name] = float32_panels.pack(weight)
             if artifact is not None:
@@ -351,24 +356,18 @@ def _float32_panels(model: onnx.ModelProto, weights: dict[str, np.ndarray],
     return copy, panels
 
 
-# the weight each native matmul streams through at every step, where copying it pays: MatMulInt4's packed
-# values. MatMulF28's panels gained 1.025x a step for 1.1 s more load and a peak 90 MB higher (SmolLM2, its
-# tied head's 99 MB copied whole): left in the artifact's pages.
-_STREAMED = {MATMUL_INT4.name: MatMulQuantInput.B}
-
-
 def _in_huge_pages(model: onnx.ModelProto, weights: dict[str, np.ndarray], keep: Callable[[onnx.NodeProto], bool],
                    artifact: OmFile) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-    """A copy of `model` whose native matmuls (`keep`) read the weight they stream (`_STREAMED`) from a copy in
-    huge pages (runtime/huge_pages.py) under a name of its own, and those copies by name, for the session as
+    """A copy of `model` whose native MatMulInt4 nodes (`keep`) read their weight from a copy in huge pages
+    (runtime/huge_pages.py) under a name of its own, and those copies by name, for the session as
     `_unpacked_float28`'s weights are. The artifact's pages of each weight are released once it is copied;
     other readers of the weight (the embedding lookup of a tied head) keep the original. `model` itself is
-    left alone when there are none."""
+    left alone when there are none. Only MatMulInt4's: MatMulF28's panels gained 1.025x a step for 1.1 s more
+    load and a peak 90 MB higher (SmolLM2, its tied head's 99 MB copied whole)."""
     def streamed(node: onnx.NodeProto) -> str | None:
-        slot = _STREAMED.get(node.op_type)
-        if node.domain != CUSTOM_DOMAIN or slot is None or len(node.input) <= slot or not keep(node):
+        if node.domain != CUSTOM_DOMAIN or node.op_type != MATMUL_INT4.name or not keep(node):
             return None
-        return node.input[slot] if node.input[slot] in weights else None
+        return node.input[MatMulQuantInput.B] if node.input[MatMulQuantInput.B] in weights else None
 
     sources = list(dict.fromkeys(name for node in model.graph.node if (name := streamed(node))))
     if not sources:
@@ -383,17 +382,13 @@ def _in_huge_pages(model: onnx.ModelProto, weights: dict[str, np.ndarray], keep:
         return model, {}
     copies, renamed = {}, {}
     for source in sources:
-        name = f"{source}/huge_pages"
-        while name in taken:
-            name += "_"
-        taken.add(name)
-        renamed[source] = name
+        name = renamed[source] = _fresh_name(f"{source}/huge_pages", taken)
         copies[name] = arena.copy(weights[source])
         artifact.release(weights[source])
         copy.graph.initializer.append(_made_at_load(name, copies[name]))
     for node in copy.graph.node:
         if (source := streamed(node)) is not None:
-            node.input[_STREAMED[node.op_type]] = renamed[source]
+            node.input[MatMulQuantInput.B] = renamed[source]
     _drop_unread(copy.graph, set(sources))
     return copy, copies
 
