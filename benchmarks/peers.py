@@ -20,8 +20,8 @@ Engines, each on a model made from the same weights (built once into the cache f
 - onnxruntime fp32: the original export in `cann-run bench`'s plain greedy loop.
 
 Each measurement is a fresh process of one engine (`--worker`); a round runs every engine once, in turn,
-and a bandwidth probe, so machine noise falls on all alike; the table shows medians over the rounds. A
-process loads its engine, warms it (the prefill prompt, four tokens), then measures, greedily:
+so machine noise falls on all alike; the table shows medians over the rounds. A process loads its engine,
+warms it (the prefill prompt, four tokens), then measures, greedily:
 
 \b
 - decode: a chat prompt of about --prompt-tokens tokens (one user message through each engine's own chat
@@ -29,13 +29,17 @@ process loads its engine, warms it (the prefill prompt, four tokens), then measu
   decode tok/s counts the tokens after the first, TTFT is the first token's latency;
 - prefill: one prompt of --prefill tokens of plain text (eval.txt), to its first token;
 - peak RSS: the process's high-water mark (VmHWM), after both;
+- of ceiling: then --ceiling-tokens more tokens of the chat prompt, each followed, once the engine's threads
+  are quiet, by one read of a buffer as large as the model's weights on every core
+  (benchmarks/decode_floor.py's read): a token's share of
+  the ceiling is that read's time over the token's own, the ceiling being the rate at which reading the
+  weights once a token would take all of the machine's read bandwidth at that moment; the row shows the
+  median over the tokens after the first. Read beside each token, the ceiling moves with the host's
+  bandwidth as the token does (a probe in a process of its own, minutes away, read 30-46 GB/s in one
+  evening), so the share compares like with like;
 - weights: the model's files (.om; model.onnx and its data; .gguf).
 
-The bandwidth ceiling of a row is the decode rate at which reading its weights once a token would take
-all of the machine's read bandwidth (weights bytes / bandwidth seconds a token), the bandwidth measured
-in its own process each round, per precision, as the median of reads of a buffer as large as that
-precision's largest model, on every core (benchmarks/decode_floor.py's numba read); "of ceiling" is a
-row's decode rate over that. Ratios put each cann-llm row over each peer row.
+Ratios put each cann-llm row over each peer row of the same precision.
 """
 
 from __future__ import annotations
@@ -63,6 +67,10 @@ ATC_FLAGS = ["--framework=5", "--soc_version=Ascend910B", "--enable_paged_attent
              "--enable_flash_attention=1"]
 NOT_INSTALLED = "not installed (pip install -e '.[bench]')"
 WARM_TOKENS = 4
+# before each read beside a token, the engine's threads go quiet: onnxruntime's pool spins for tens of
+# milliseconds after a run, and a read sharing the cores with it took 1.12-1.16x as long (onnxruntime-genai's
+# FP32 tokens then read 93-96% of the ceiling, 82% after a pause of 0.1 s)
+SETTLE_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -199,6 +207,22 @@ class CannRunner:
         request.result()
         return request.stats.ttft_s, request.stats.total_s, list(request.output_ids)
 
+    def token_times(self, ids: list[int], new_tokens: int, between) -> list[float]:
+        engine, times = self.engine, []
+        step = engine.step
+
+        def timed_step():  # the engine's thread calls it: one token a step at batch 1
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+            between()
+        engine.step = timed_step
+        try:
+            self.generate(ids, new_tokens)
+        finally:
+            del engine.step
+        return times[:new_tokens]
+
 
 class GenaiRunner:
     """onnxruntime-genai's Generator on the builder's model, its session on `threads` threads."""
@@ -234,6 +258,20 @@ class GenaiRunner:
             first = first or time.perf_counter() - start
         return first, time.perf_counter() - start, out
 
+    def token_times(self, ids: list[int], new_tokens: int, between) -> list[float]:
+        params = self.og.GeneratorParams(self.model)
+        params.set_search_options(do_sample=False, max_length=len(ids) + new_tokens, min_length=len(ids) + new_tokens)
+        generator = self.og.Generator(self.model, params)
+        generator.append_tokens([ids])
+        times = []
+        while len(times) < new_tokens:
+            start = time.perf_counter()
+            generator.generate_next_token()
+            generator.get_next_tokens()
+            times.append(time.perf_counter() - start)
+            between()
+        return times
+
 
 class LlamaRunner:
     """llama.cpp through llama-cpp-python on the GGUF, `threads` threads for prompt and decode."""
@@ -267,6 +305,17 @@ class LlamaRunner:
                 break
         return first, time.perf_counter() - start, out
 
+    def token_times(self, ids: list[int], new_tokens: int, between) -> list[float]:
+        self.llm.reset()
+        times, start = [], time.perf_counter()
+        for _ in self.llm.generate(ids, temp=0.0, top_k=1):  # each token is computed when the loop asks for it
+            times.append(time.perf_counter() - start)
+            if len(times) == new_tokens:
+                break
+            between()
+            start = time.perf_counter()
+        return times
+
 
 class OnnxRuntimeRunner:
     """The original export in `cann-run bench`'s greedy loop, tokenized by the tokenizer beside it."""
@@ -296,6 +345,23 @@ class OnnxRuntimeRunner:
         first, total = self.loop.generate(ids, new_tokens)
         return first, total, None
 
+    def token_times(self, ids: list[int], new_tokens: int, between) -> list[float]:
+        session, times = self.loop.session, []
+
+        class Timed:  # the loop runs its session once a token
+            def run(self, *args, **kwargs):
+                start = time.perf_counter()
+                outputs = session.run(*args, **kwargs)
+                times.append(time.perf_counter() - start)
+                between()
+                return outputs
+        self.loop.session = Timed()
+        try:
+            self.loop.generate(ids, new_tokens)
+        finally:
+            self.loop.session = session
+        return times
+
 
 def measure(runner, job: dict) -> dict:
     """Warm `runner`, then one decode (chat prompt, `new_tokens`) and one prefill, as the module says."""
@@ -308,41 +374,52 @@ def measure(runner, job: dict) -> dict:
             "prompt_ids": chat, "output_ids": output}
 
 
-def read_bandwidth(nbytes: int, reads: int = 20) -> float:
-    """Bytes a second of one read of an `nbytes` buffer on every core, the median of `reads` reads."""
+def ceiling_share(runner, ids: list[int], tokens: int, weights: int) -> dict:
+    """`tokens` tokens of `ids`, each followed by one read of `weights` bytes on every core (`share_of_ceiling`
+    of the two)."""
     import numpy as np
 
     from decode_floor import weight_read
 
-    read = weight_read({"buffer": np.ones(nbytes // 4, np.float32)})
+    read = weight_read({"buffer": np.ones(weights // 4, np.float32)})
     read()
-    times = []
-    for _ in range(reads):
+    reads = []
+
+    def between():
+        time.sleep(SETTLE_S)
         start = time.perf_counter()
         read()
-        times.append(time.perf_counter() - start)
-    return nbytes / statistics.median(times)
+        reads.append(time.perf_counter() - start)
+    return share_of_ceiling(runner.token_times(ids, tokens, between), reads, weights)
+
+
+def share_of_ceiling(token_s: list[float], read_s: list[float], weights: int) -> dict:
+    """Each token after the first (the prompt's prefill) paired with the read right after it: the median of
+    read over token time, and the reads' median rate."""
+    pairs = list(zip(token_s, read_s))[1:]
+    return {"of_ceiling": statistics.median(r / t for t, r in pairs),
+            "bandwidth_bytes_per_s": weights / statistics.median(r for _, r in pairs)}
 
 
 def run_worker(job: dict) -> dict:
     """What one worker process measures for `job`, with its peak resident memory."""
     started = time.perf_counter()
-    if job["kind"] == "bandwidth":
-        result = {"bytes_per_s": read_bandwidth(job["bytes"])}
+    if job["kind"] == "cann":
+        runner = CannRunner(job["model"], job["threads"])
+    elif job["kind"] == "genai":
+        runner = GenaiRunner(job["model"], job["threads"])
+    elif job["kind"] == "llama.cpp":
+        runner = LlamaRunner(job["model"], job["threads"], job["context"])
     else:
-        if job["kind"] == "cann":
-            runner = CannRunner(job["model"], job["threads"])
-        elif job["kind"] == "genai":
-            runner = GenaiRunner(job["model"], job["threads"])
-        elif job["kind"] == "llama.cpp":
-            runner = LlamaRunner(job["model"], job["threads"], job["context"])
-        else:
-            runner = OnnxRuntimeRunner(job["model"], job["threads"])
-        loaded = time.perf_counter() - started
-        result = {"load_s": loaded, **measure(runner, job)}
-        if job["kind"] == "cann":
-            runner.engine.close()
-    return {**result, "peak_rss_bytes": peak_rss_bytes()}
+        runner = OnnxRuntimeRunner(job["model"], job["threads"])
+    loaded = time.perf_counter() - started
+    result = {"load_s": loaded, **measure(runner, job)}
+    result["peak_rss_bytes"] = peak_rss_bytes()  # before the probe's buffer
+    if job["ceiling_tokens"] > 1:
+        result.update(ceiling_share(runner, result["prompt_ids"], job["ceiling_tokens"], job["weights_bytes"]))
+    if job["kind"] == "cann":
+        runner.engine.close()
+    return result
 
 
 def peak_rss_bytes() -> int:
@@ -383,8 +460,7 @@ def print_report(lines: list[str], report: dict, json_path: str | None) -> None:
 
 # ---- the report ----------------------------------------------------------------------------------------
 
-def summarize(engines: list[Engine], samples: dict[str, list[dict]], bandwidth: dict[str, list[float]],
-              weights: dict[str, int]) -> dict:
+def summarize(engines: list[Engine], samples: dict[str, list[dict]], weights: dict[str, int]) -> dict:
     """Medians per engine, the bandwidth ceiling's share, and each of our rows over each peer."""
     rows = {}
     for engine in engines:
@@ -400,25 +476,24 @@ def summarize(engines: list[Engine], samples: dict[str, list[dict]], bandwidth: 
             row[key] = statistics.median(run[key] for run in runs)
         # round by round, in run order: a round measures every engine in turn, so ratios within it share the noise
         row["decode_tok_s_rounds"] = [run["decode_tok_s"] for run in runs]
-        if bandwidth.get(engine.precision):
-            row["bandwidth_bytes_per_s"] = statistics.median(bandwidth[engine.precision])
-            row["ceiling_tok_s"] = row["bandwidth_bytes_per_s"] / row["weights_bytes"]
-            row["of_ceiling"] = row["decode_tok_s"] / row["ceiling_tok_s"]
+        if all("of_ceiling" in run for run in runs):
+            row["of_ceiling"] = statistics.median(run["of_ceiling"] for run in runs)
+            row["bandwidth_bytes_per_s"] = statistics.median(run["bandwidth_bytes_per_s"] for run in runs)
         row["prompt_ids"], row["output_ids"] = runs[0]["prompt_ids"], runs[0]["output_ids"]
         rows[engine.name] = row
     return {"rows": rows, "ratios": ratios(rows), "agreement": agreement(rows)}
 
 
 def ratios(rows: dict[str, dict]) -> list[dict]:
-    """Each of our rows against each measured peer: decode tok/s ours / peer; prefill and TTFT as speed-ups
-    (the peer's seconds / ours); peak RSS ours / peer."""
+    """Each of our rows against each measured peer of its precision: decode tok/s ours / peer; prefill and TTFT
+    as speed-ups (the peer's seconds / ours); peak RSS ours / peer."""
     measured = {name: row for name, row in rows.items() if "error" not in row}
     out = []
     for name, ours in measured.items():
         if not ours["ours"]:
             continue
         for peer_name, peer in measured.items():
-            if peer["ours"]:
+            if peer["ours"] or peer["precision"] != ours["precision"]:
                 continue
             pairs = zip(ours["decode_tok_s_rounds"], peer["decode_tok_s_rounds"])
             out.append({"ours": name, "peer": peer_name,
@@ -460,9 +535,10 @@ def table(report: dict) -> list[str]:
         lines.append(f"{name:<24} {row['weights_bytes'] / 1e6:>6.1f} MB {row['decode_tok_s']:>13.1f} {share:>11} "
                      f"{row['prefill_s']:>10.2f} {row['ttft_s'] * 1e3:>8.1f} {row['peak_rss_bytes'] / 2**20:>6.0f} MB "
                      f" {row['prompt_tokens']}/{row['prefill_tokens']}")
-    ceilings = {row["precision"]: row for row in report["rows"].values() if "ceiling_tok_s" in row}
-    for precision, row in sorted(ceilings.items()):
-        lines.append(f"read bandwidth ({precision} probe): {row['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")
+    reads = [f"{name} {row['bandwidth_bytes_per_s'] / 1e9:.1f}" for name, row in report["rows"].items()
+             if "bandwidth_bytes_per_s" in row]
+    if reads:
+        lines.append(f"read bandwidth beside each row's tokens, GB/s: {', '.join(reads)}")
     if report["ratios"]:
         lines += ["", f"{'ours / peer':<48} {'decode':>7} {'prefill':>8} {'TTFT':>6} {'peak RSS':>9}  decode by round"]
         for r in report["ratios"]:
@@ -492,11 +568,14 @@ def table(report: dict) -> list[str]:
 @click.option("--prefill", "prefill_tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="tokens of the prefill prompt")
 @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True, help="threads of every engine")
+@click.option("--ceiling-tokens", type=click.IntRange(min=0), default=32, show_default=True,
+              help="tokens timed each beside a read of the weights, for the share of the ceiling (0: none)")
 @click.option("--only", "only", multiple=True, type=click.Choice(["cann", "genai", "llama.cpp", "onnxruntime"]),
               help="run these runners only (repeatable), for quick checks")
 @click.option("--json", "json_path", default=None, help="write the report here as JSON")
 @click.option("--worker", is_flag=True, hidden=True, help="(internal) measure the job given on stdin, print the result")
-def main(precision, rounds, new_tokens, prompt_tokens, prefill_tokens, threads, only, json_path, worker) -> None:
+def main(precision, rounds, new_tokens, prompt_tokens, prefill_tokens, threads, ceiling_tokens, only, json_path,
+         worker) -> None:
     """Measure this project beside onnxruntime-genai and llama.cpp at batch 1 and print the table."""
     if worker:
         click.echo(json.dumps(run_worker(json.loads(sys.stdin.read()))))
@@ -509,28 +588,23 @@ def main(precision, rounds, new_tokens, prompt_tokens, prefill_tokens, threads, 
     models = {e.name: model_of(e) for e in engines}
     weights = {e.name: weights_bytes(e, models[e.name]) for e in engines if models[e.name] is not None}
     job = {**prompts(prompt_tokens, prefill_tokens), "threads": threads, "new_tokens": new_tokens,
-           "context": max(prefill_tokens + WARM_TOKENS, prompt_tokens * 2 + new_tokens) + 64}
-    probes = {p: max(weights[e.name] for e in engines if e.precision == p and e.name in weights)
-              for p in precisions if any(e.precision == p and e.name in weights for e in engines)}
+           "ceiling_tokens": ceiling_tokens,
+           "context": max(prefill_tokens + WARM_TOKENS, prompt_tokens * 2 + max(new_tokens, ceiling_tokens)) + 64}
     samples = {e.name: [] for e in engines}
-    bandwidth = {p: [] for p in probes}
     for index in range(rounds):
         for engine in engines:
             if models[engine.name] is None:
                 continue
             click.echo(f"round {index + 1}/{rounds}: {engine.name} ...", err=True)
-            sample = spawn({**job, "kind": engine.kind, "model": str(models[engine.name])})
+            sample = spawn({**job, "kind": engine.kind, "model": str(models[engine.name]),
+                            "weights_bytes": weights[engine.name]})
             if "error" in sample:
                 click.echo(f"round {index + 1}/{rounds}: {engine.name} failed: {sample['error']}", err=True)
             samples[engine.name].append(sample)
-        for p, nbytes in probes.items():
-            probe = spawn({"kind": "bandwidth", "bytes": nbytes})
-            if "bytes_per_s" in probe:
-                bandwidth[p].append(probe["bytes_per_s"])
     report = {"settings": {"precision": precision, "rounds": rounds, "new_tokens": new_tokens,
                            "prompt_tokens": prompt_tokens, "prefill_tokens": prefill_tokens, "threads": threads,
                            "message": job["message"], "models": {k: str(v) for k, v in models.items()}},
-              **summarize(engines, samples, bandwidth, weights)}
+              **summarize(engines, samples, weights)}
     print_report(table(report), report, json_path)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from peers import NOT_INSTALLED, Engine, summarize, table  # noqa: E402
+from peers import NOT_INSTALLED, Engine, share_of_ceiling, summarize, table  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -19,28 +19,37 @@ LLAMA = Engine("llama.cpp Q4_1", "llama.cpp", "int4")
 PLAIN = Engine("onnxruntime fp32", "onnxruntime", "fp32")
 
 
-def _run(decode, prefill, rss, output=(1, 2, 3, 4), prompt=(7, 8)):
-    return {"prompt_tokens": len(prompt), "prefill_tokens": 512, "ttft_s": prefill / 16, "decode_tok_s": decode,
-            "prefill_s": prefill, "peak_rss_bytes": rss, "load_s": 1.0, "prompt_ids": list(prompt),
-            "output_ids": list(output)}
+def _run(decode, prefill, rss, output=(1, 2, 3, 4), prompt=(7, 8), share=None):
+    run = {"prompt_tokens": len(prompt), "prefill_tokens": 512, "ttft_s": prefill / 16, "decode_tok_s": decode,
+           "prefill_s": prefill, "peak_rss_bytes": rss, "load_s": 1.0, "prompt_ids": list(prompt),
+           "output_ids": list(output)}
+    if share is not None:
+        run.update({"of_ceiling": share, "bandwidth_bytes_per_s": share * 1e10})
+    return run
 
 
 def _report(llama_samples):
     samples = {
-        OURS.name: [_run(100.0, 1.0, 300), _run(120.0, 2.0, 500), _run(90.0, 1.5, 400)],
+        OURS.name: [_run(100.0, 1.0, 300, share=0.9), _run(120.0, 2.0, 500, share=0.5), _run(90.0, 1.5, 400, share=0.7)],
         GENAI.name: [_run(80.0, 3.0, 200, output=(1, 2, 9, 4)), _run(40.0, 3.0, 200), _run(60.0, 3.0, 200)],
         LLAMA.name: llama_samples,
     }
     weights = {OURS.name: 100, GENAI.name: 80, LLAMA.name: 90}
-    return summarize([OURS, GENAI, LLAMA], samples, {"int4": [20_000.0, 10_000.0, 30_000.0]}, weights)
+    return summarize([OURS, GENAI, LLAMA], samples, weights)
 
 
 def test_rows_are_medians_with_the_ceiling_share():
     row = _report([])["rows"][OURS.name]
     assert (row["decode_tok_s"], row["prefill_s"], row["peak_rss_bytes"], row["rounds"]) == (100.0, 1.5, 400, 3)
-    # 20,000 B/s over 100 B of weights: 200 tok/s at most, 100 of them is half
-    assert row["ceiling_tok_s"] == 200.0
-    assert row["of_ceiling"] == 0.5
+    assert row["of_ceiling"] == 0.7
+    assert row["bandwidth_bytes_per_s"] == 7e9
+
+
+def test_the_ceiling_share_pairs_each_token_after_the_prefill_with_the_read_after_it():
+    # tokens: a prefill, then 4, 2 and 5 ms; the reads after them 9, 3, 1 and 4 ms
+    share = share_of_ceiling([0.1, 0.004, 0.002, 0.005], [0.009, 0.003, 0.001, 0.004], 1_000_000)
+    assert share["of_ceiling"] == pytest.approx(0.75)  # the median of 3/4, 1/2 and 4/5
+    assert share["bandwidth_bytes_per_s"] == pytest.approx(1_000_000 / 0.003)
 
 
 def test_ratios_put_each_of_our_rows_over_each_peer():
@@ -52,6 +61,12 @@ def test_ratios_put_each_of_our_rows_over_each_peer():
     assert ratios[GENAI.name]["decode_by_round"] == pytest.approx([1.25, 3.0, 1.5])
     assert ratios[GENAI.name]["prefill_speed"] == pytest.approx(3.0 / 1.5)
     assert ratios[LLAMA.name]["peak_rss"] == pytest.approx(4.0)
+
+
+def test_ratios_only_within_a_precision():
+    samples = {OURS.name: [_run(100.0, 1.0, 300)], PLAIN.name: [_run(30.0, 1.0, 100)], GENAI.name: [_run(80.0, 3.0, 200)]}
+    report = summarize([OURS, PLAIN, GENAI], samples, {OURS.name: 100, PLAIN.name: 540, GENAI.name: 80})
+    assert [(r["ours"], r["peer"]) for r in report["ratios"]] == [(OURS.name, GENAI.name)]
 
 
 def test_greedy_agreement_only_between_rows_that_saw_the_same_prompt():
@@ -72,7 +87,7 @@ def test_a_runner_not_installed_or_failing_is_a_row_saying_so():
 
 def test_a_row_without_a_bandwidth_probe_has_no_ceiling():
     samples = {PLAIN.name: [_run(30.0, 1.0, 100)]}
-    row = summarize([PLAIN], samples, {}, {PLAIN.name: 540})["rows"][PLAIN.name]
+    row = summarize([PLAIN], samples, {PLAIN.name: 540})["rows"][PLAIN.name]
     assert "of_ceiling" not in row
     assert " - " in table({"rows": {PLAIN.name: row}, "ratios": [], "agreement": []})[1]
 
@@ -80,7 +95,7 @@ def test_a_row_without_a_bandwidth_probe_has_no_ceiling():
 def test_a_failed_round_is_left_out_of_the_medians_and_reported():
     samples = {OURS.name: [_run(100.0, 1.0, 300), {"error": "Segmentation fault"}, _run(80.0, 2.0, 500)],
                GENAI.name: [_run(80.0, 3.0, 200)] * 3}
-    report = summarize([OURS, GENAI], samples, {}, {OURS.name: 100, GENAI.name: 80})
+    report = summarize([OURS, GENAI], samples, {OURS.name: 100, GENAI.name: 80})
     row = report["rows"][OURS.name]
     assert (row["rounds"], row["decode_tok_s"], row["failed"]) == (2, 90.0, ["Segmentation fault"])
     assert "a round of cann-llm int4 failed (left out of its medians): Segmentation fault" in table(report)
