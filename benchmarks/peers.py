@@ -486,7 +486,10 @@ def summarize(engines: list[Engine], samples: dict[str, list[dict]], weights: di
 
 def ratios(rows: dict[str, dict]) -> list[dict]:
     """Each of our rows against each measured peer of its precision: decode tok/s ours / peer; prefill and TTFT
-    as speed-ups (the peer's seconds / ours); peak RSS ours / peer."""
+    as speed-ups (the peer's seconds / ours); peak RSS ours / peer. Where both have a share of the ceiling, the
+    decode ratio at equal bandwidth too: each row's tokens a second per byte a second the machine read beside
+    them (its share over its weights' bytes), ours over the peer's, which leaves out how the host's bandwidth
+    moved between the two processes."""
     measured = {name: row for name, row in rows.items() if "error" not in row}
     out = []
     for name, ours in measured.items():
@@ -502,6 +505,9 @@ def ratios(rows: dict[str, dict]) -> list[dict]:
                         "prefill_speed": peer["prefill_s"] / ours["prefill_s"],
                         "ttft_speed": peer["ttft_s"] / ours["ttft_s"],
                         "peak_rss": ours["peak_rss_bytes"] / peer["peak_rss_bytes"]})
+            if "of_ceiling" in ours and "of_ceiling" in peer:
+                out[-1]["decode_equal_bandwidth"] = ((ours["of_ceiling"] / ours["weights_bytes"])
+                                                     / (peer["of_ceiling"] / peer["weights_bytes"]))
     return out
 
 
@@ -540,12 +546,15 @@ def table(report: dict) -> list[str]:
     if reads:
         lines.append(f"read bandwidth beside each row's tokens, GB/s: {', '.join(reads)}")
     if report["ratios"]:
-        lines += ["", f"{'ours / peer':<48} {'decode':>7} {'prefill':>8} {'TTFT':>6} {'peak RSS':>9}  decode by round"]
+        lines += ["", f"{'ours / peer':<48} {'decode':>7} {'at equal GB/s':>14} {'prefill':>8} {'TTFT':>6} "
+                      f"{'peak RSS':>9}  decode by round"]
         for r in report["ratios"]:
             rounds = " ".join(f"{x:.2f}" for x in r["decode_by_round"])
-            lines.append(f"{r['ours'] + ' / ' + r['peer']:<48} {r['decode']:>6.2f}x {r['prefill_speed']:>7.2f}x "
-                         f"{r['ttft_speed']:>5.2f}x {r['peak_rss']:>8.2f}x  {rounds}")
-        lines.append("(decode, prefill and TTFT: how many times faster ours is; peak RSS: ours over the peer's)")
+            equal = f"{r['decode_equal_bandwidth']:.2f}x" if "decode_equal_bandwidth" in r else "-"
+            lines.append(f"{r['ours'] + ' / ' + r['peer']:<48} {r['decode']:>6.2f}x {equal:>14} "
+                         f"{r['prefill_speed']:>7.2f}x {r['ttft_speed']:>5.2f}x {r['peak_rss']:>8.2f}x  {rounds}")
+        lines.append("(decode, prefill and TTFT: how many times faster ours is; at equal GB/s: the decode ratio of "
+                     "the shares of the ceiling per weight byte; peak RSS: ours over the peer's)")
     for a in report["agreement"]:
         lines.append(f"greedy tokens: {a['ours']} and {a['peer']} agree on the first {a['leading_tokens_equal']} of {a['of']}")
     for name, row in report["rows"].items():

@@ -69,6 +69,15 @@ def test_ratios_only_within_a_precision():
     assert [(r["ours"], r["peer"]) for r in report["ratios"]] == [(OURS.name, GENAI.name)]
 
 
+def test_the_decode_ratio_at_equal_bandwidth_is_the_shares_per_weight_byte():
+    samples = {OURS.name: [_run(100.0, 1.0, 300, share=0.6)], GENAI.name: [_run(80.0, 3.0, 200, share=0.5)]}
+    report = summarize([OURS, GENAI], samples, {OURS.name: 100, GENAI.name: 80})
+    # ours reads 100 bytes a token at 60% of the ceiling, the peer 80 at 50%: (0.6 / 100) / (0.5 / 80)
+    assert report["ratios"][0]["decode_equal_bandwidth"] == pytest.approx(0.96)
+    assert "0.96x" in table(report)[-3]
+    assert "decode_equal_bandwidth" not in _report([])["ratios"][0]  # the peer's rounds had no share
+
+
 def test_greedy_agreement_only_between_rows_that_saw_the_same_prompt():
     report = _report([_run(50.0, 6.0, 100, prompt=(7, 9))])
     # the peer's first round diverges at the third token; llama.cpp's prompt ids differ, so it is not compared
