@@ -30,13 +30,12 @@ warms it (the prefill prompt, four tokens), then measures, greedily:
 - prefill: one prompt of --prefill tokens of plain text (eval.txt), to its first token;
 - peak RSS: the process's high-water mark (VmHWM), after both;
 - of ceiling: then --ceiling-tokens more tokens of the chat prompt, each followed, once the engine's threads
-  are quiet, by one read of a buffer as large as the model's weights on every core
-  (benchmarks/decode_floor.py's read): a token's share of
-  the ceiling is that read's time over the token's own, the ceiling being the rate at which reading the
-  weights once a token would take all of the machine's read bandwidth at that moment; the row shows the
-  median over the tokens after the first. Read beside each token, the ceiling moves with the host's
-  bandwidth as the token does (a probe in a process of its own, minutes away, read 30-46 GB/s in one
-  evening), so the share compares like with like;
+  are quiet, by one read of a buffer as large as the model's weights on every core (benchmarks/decode_floor.py's
+  read): a token's share of the ceiling is that read's time over the token's own, the ceiling being the rate
+  at which reading the weights once a token would take all of the machine's read bandwidth at that moment;
+  the row shows the median over the tokens after the first. Read beside each token, the ceiling moves with
+  the host's bandwidth as the token does (a probe in a process of its own, minutes away, read 30-46 GB/s in
+  one evening), so the share compares like with like;
 - weights: the model's files (.om; model.onnx and its data; .gguf).
 
 Ratios put each cann-llm row over each peer row of the same precision.
@@ -244,13 +243,17 @@ class GenaiRunner:
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in self.tokenizer.encode(text)]
 
-    def generate(self, ids: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
-        start = time.perf_counter()
+    def _generator(self, ids: list[int], new_tokens: int):
         params = self.og.GeneratorParams(self.model)
         # min_length = max_length holds EOS off until the last token
         params.set_search_options(do_sample=False, max_length=len(ids) + new_tokens, min_length=len(ids) + new_tokens)
         generator = self.og.Generator(self.model, params)
         generator.append_tokens([ids])
+        return generator
+
+    def generate(self, ids: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
+        start = time.perf_counter()
+        generator = self._generator(ids, new_tokens)
         out, first = [], None
         while len(out) < new_tokens:
             generator.generate_next_token()
@@ -259,11 +262,7 @@ class GenaiRunner:
         return first, time.perf_counter() - start, out
 
     def token_times(self, ids: list[int], new_tokens: int, between) -> list[float]:
-        params = self.og.GeneratorParams(self.model)
-        params.set_search_options(do_sample=False, max_length=len(ids) + new_tokens, min_length=len(ids) + new_tokens)
-        generator = self.og.Generator(self.model, params)
-        generator.append_tokens([ids])
-        times = []
+        generator, times = self._generator(ids, new_tokens), []
         while len(times) < new_tokens:
             start = time.perf_counter()
             generator.generate_next_token()
