@@ -29,13 +29,14 @@ warms it (the prefill prompt, four tokens), then measures, greedily:
   decode tok/s counts the tokens after the first, TTFT is the first token's latency;
 - prefill: one prompt of --prefill tokens of plain text (eval.txt), to its first token;
 - peak RSS: the process's high-water mark (VmHWM), after both;
-- of ceiling: then --ceiling-tokens more tokens of the chat prompt, each followed, once the engine's threads
-  are quiet, by one read of a buffer as large as the model's weights on every core (benchmarks/decode_floor.py's
-  read): a token's share of the ceiling is that read's time over the token's own, the ceiling being the rate
-  at which reading the weights once a token would take all of the machine's read bandwidth at that moment;
-  the row shows the median over the tokens after the first. Read beside each token, the ceiling moves with
-  the host's bandwidth as the token does (a probe in a process of its own, minutes away, read 30-46 GB/s in
-  one evening), so the share compares like with like;
+- of ceiling: then --ceiling-tokens more tokens of the chat prompt in bursts of 8, each burst followed, once
+  the engine's threads are quiet, by one read of a buffer as large as the model's weights on every core
+  (benchmarks/decode_floor.py's read): a burst's share of the ceiling is that read's time over the burst's
+  median token (its first two left out: the first after a pause is slow), the ceiling being the rate at which
+  reading the weights once a token would take all of the machine's read bandwidth at that moment; the row
+  shows the median over the bursts. Read beside the tokens, the ceiling moves with the host's bandwidth as
+  they do (a probe in a process of its own, minutes away, read 30-46 GB/s in one evening), so the share
+  compares like with like;
 - weights: the model's files (.om; model.onnx and its data; .gguf).
 
 Ratios put each cann-llm row over each peer row of the same precision.
@@ -70,6 +71,9 @@ WARM_TOKENS = 4
 # milliseconds after a run, and a read sharing the cores with it took 1.12-1.16x as long (onnxruntime-genai's
 # FP32 tokens then read 93-96% of the ceiling, 82% after a pause of 0.1 s)
 SETTLE_S = 0.1
+# the share of the ceiling is read after every BURST tokens, and a burst's first COLD tokens are left out: after
+# a read (or any pause) the engine's next two tokens took 1.2-1.4x as long as the ones that follow, back to back
+BURST, COLD = 8, 2
 
 
 @dataclass(frozen=True)
@@ -374,30 +378,33 @@ def measure(runner, job: dict) -> dict:
 
 
 def ceiling_share(runner, ids: list[int], tokens: int, weights: int) -> dict:
-    """`tokens` tokens of `ids`, each followed by one read of `weights` bytes on every core (`share_of_ceiling`
-    of the two)."""
+    """`tokens` tokens of `ids` in bursts of BURST, each burst followed by one read of `weights` bytes on every
+    core (`share_of_ceiling` of the two)."""
     import numpy as np
 
     from decode_floor import weight_read
 
     read = weight_read({"buffer": np.ones(weights // 4, np.float32)})
     read()
-    reads = []
+    reads, done = [], [0]
 
     def between():
-        time.sleep(SETTLE_S)
-        start = time.perf_counter()
-        read()
-        reads.append(time.perf_counter() - start)
+        done[0] += 1
+        if done[0] % BURST == 0:
+            time.sleep(SETTLE_S)
+            start = time.perf_counter()
+            read()
+            reads.append(time.perf_counter() - start)
     return share_of_ceiling(runner.token_times(ids, tokens, between), reads, weights)
 
 
 def share_of_ceiling(token_s: list[float], read_s: list[float], weights: int) -> dict:
-    """Each token after the first (the prompt's prefill) paired with the read right after it: the median of
-    read over token time, and the reads' median rate."""
-    pairs = list(zip(token_s, read_s))[1:]
-    return {"of_ceiling": statistics.median(r / t for t, r in pairs),
-            "bandwidth_bytes_per_s": weights / statistics.median(r for _, r in pairs)}
+    """Each burst of BURST tokens paired with the read right after it: the read's time over the burst's median
+    token after its first COLD ones (a burst's first token is the prompt's prefill or comes after a read); the
+    median of those shares over the bursts, and the reads' median rate."""
+    shares = [read / statistics.median(token_s[i * BURST + COLD:(i + 1) * BURST])
+              for i, read in enumerate(read_s) if len(token_s) >= (i + 1) * BURST]
+    return {"of_ceiling": statistics.median(shares), "bandwidth_bytes_per_s": weights / statistics.median(read_s)}
 
 
 def run_worker(job: dict) -> dict:
@@ -414,7 +421,7 @@ def run_worker(job: dict) -> dict:
     loaded = time.perf_counter() - started
     result = {"load_s": loaded, **measure(runner, job)}
     result["peak_rss_bytes"] = peak_rss_bytes()  # before the probe's buffer
-    if job["ceiling_tokens"] > 1:
+    if job["ceiling_tokens"] >= BURST:
         result.update(ceiling_share(runner, result["prompt_ids"], job["ceiling_tokens"], job["weights_bytes"]))
     if job["kind"] == "cann":
         runner.engine.close()
@@ -576,8 +583,9 @@ def table(report: dict) -> list[str]:
 @click.option("--prefill", "prefill_tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="tokens of the prefill prompt")
 @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True, help="threads of every engine")
-@click.option("--ceiling-tokens", type=click.IntRange(min=0), default=32, show_default=True,
-              help="tokens timed each beside a read of the weights, for the share of the ceiling (0: none)")
+@click.option("--ceiling-tokens", type=click.IntRange(min=0), default=64, show_default=True,
+              help="tokens timed in bursts of 8, each burst beside a read of the weights, for the share of the "
+                   "ceiling (0: none)")
 @click.option("--only", "only", multiple=True, type=click.Choice(["cann", "genai", "llama.cpp", "onnxruntime"]),
               help="run these runners only (repeatable), for quick checks")
 @click.option("--json", "json_path", default=None, help="write the report here as JSON")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from peers import NOT_INSTALLED, Engine, share_of_ceiling, summarize, table  # noqa: E402
+from peers import BURST, COLD, NOT_INSTALLED, Engine, share_of_ceiling, summarize, table  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -45,11 +45,14 @@ def test_rows_are_medians_with_the_ceiling_share():
     assert row["bandwidth_bytes_per_s"] == 7e9
 
 
-def test_the_ceiling_share_pairs_each_token_after_the_prefill_with_the_read_after_it():
-    # tokens: a prefill, then 4, 2 and 5 ms; the reads after them 9, 3, 1 and 4 ms
-    share = share_of_ceiling([0.1, 0.004, 0.002, 0.005], [0.009, 0.003, 0.001, 0.004], 1_000_000)
-    assert share["of_ceiling"] == pytest.approx(0.75)  # the median of 3/4, 1/2 and 4/5
-    assert share["bandwidth_bytes_per_s"] == pytest.approx(1_000_000 / 0.003)
+def test_the_ceiling_share_pairs_each_burst_with_the_read_after_it_leaving_out_its_cold_tokens():
+    assert (BURST, COLD) == (8, 2)
+    # two bursts of 8 tokens: the first two of each slow (the prefill, or the first after a read), then 4 ms
+    # and 2 ms; the read after each 3 ms and 1 ms; a ninth token without its read is left out
+    tokens = [0.1, 0.05, *[0.004] * 6, 0.05, 0.05, *[0.002] * 6, 0.001]
+    share = share_of_ceiling(tokens, [0.003, 0.001], 1_000_000)
+    assert share["of_ceiling"] == pytest.approx((0.75 + 0.5) / 2)
+    assert share["bandwidth_bytes_per_s"] == pytest.approx(1_000_000 / 0.002)
 
 
 def test_ratios_put_each_of_our_rows_over_each_peer():
