@@ -29,14 +29,15 @@ warms it (the prefill prompt, four tokens), then measures, greedily:
   decode tok/s counts the tokens after the first, TTFT is the first token's latency;
 - prefill: one prompt of --prefill tokens of plain text (eval.txt), to its first token;
 - peak RSS: the process's high-water mark (VmHWM), after both;
-- of ceiling: then --ceiling-tokens more tokens of the chat prompt in bursts of 8, each burst followed, once
+- of ceiling: then --ceiling-bursts bursts of 8 more tokens of the chat prompt, each burst followed, once
   the engine's threads are quiet, by one read of a buffer as large as the model's weights on every core
   (benchmarks/decode_floor.py's read): a burst's share of the ceiling is that read's time over the burst's
   median token (its first two left out: the first after a pause is slow), the ceiling being the rate at which
-  reading the weights once a token would take all of the machine's read bandwidth at that moment; the row
-  shows the median over the bursts. Read beside the tokens, the ceiling moves with the host's bandwidth as
-  they do (a probe in a process of its own, minutes away, read 30-46 GB/s in one evening), so the share
-  compares like with like;
+  reading the weights once a token would take all of the machine's read bandwidth at that moment; a round's
+  share is the median over its bursts, the row's the median over the rounds. Read beside the tokens, the
+  ceiling moves with the host's bandwidth as they do (a probe in a process of its own, minutes away, read
+  30-46 GB/s in one evening), so the share compares like with like; "at equal GB/s" puts two rows' shares,
+  each over its weights' bytes, side by side (from these tokens, not the measured decode's);
 - weights: the model's files (.om; model.onnx and its data; .gguf).
 
 Ratios put each cann-llm row over each peer row of the same precision.
@@ -210,21 +211,23 @@ class CannRunner:
         request.result()
         return request.stats.ttft_s, request.stats.total_s, list(request.output_ids)
 
-    def token_times(self, ids: list[int], new_tokens: int, between) -> list[float]:
-        engine, times = self.engine, []
-        step = engine.step
+    def each_token(self, ids: list[int], new_tokens: int, after) -> None:
+        import threading
 
-        def timed_step():  # the engine's thread calls it: one token a step at batch 1
-            start = time.perf_counter()
+        engine, step, done, steps = self.engine, self.engine.step, threading.Event(), [0]
+
+        def step_then_after():  # the engine's thread calls it: one token a step at batch 1
             step()
-            times.append(time.perf_counter() - start)
-            between()
-        engine.step = timed_step
+            steps[0] += 1
+            after()
+            if steps[0] == new_tokens:
+                done.set()
+        engine.step = step_then_after
         try:
             self.generate(ids, new_tokens)
+            done.wait()  # the request is done within its last step, before that step's `after` has run
         finally:
             del engine.step
-        return times[:new_tokens]
 
 
 class GenaiRunner:
@@ -265,15 +268,12 @@ class GenaiRunner:
             first = first or time.perf_counter() - start
         return first, time.perf_counter() - start, out
 
-    def token_times(self, ids: list[int], new_tokens: int, between) -> list[float]:
-        generator, times = self._generator(ids, new_tokens), []
-        while len(times) < new_tokens:
-            start = time.perf_counter()
+    def each_token(self, ids: list[int], new_tokens: int, after) -> None:
+        generator = self._generator(ids, new_tokens)
+        for _ in range(new_tokens):
             generator.generate_next_token()
             generator.get_next_tokens()
-            times.append(time.perf_counter() - start)
-            between()
-        return times
+            after()
 
 
 class LlamaRunner:
@@ -308,16 +308,12 @@ class LlamaRunner:
                 break
         return first, time.perf_counter() - start, out
 
-    def token_times(self, ids: list[int], new_tokens: int, between) -> list[float]:
+    def each_token(self, ids: list[int], new_tokens: int, after) -> None:
         self.llm.reset()
-        times, start = [], time.perf_counter()
-        for _ in self.llm.generate(ids, temp=0.0, top_k=1):  # each token is computed when the loop asks for it
-            times.append(time.perf_counter() - start)
-            if len(times) == new_tokens:
-                break
-            between()
-            start = time.perf_counter()
-        return times
+        tokens = self.llm.generate(ids, temp=0.0, top_k=1)  # each token is computed when the loop asks for it
+        for _ in range(new_tokens):
+            next(tokens)
+            after()
 
 
 class OnnxRuntimeRunner:
@@ -348,22 +344,19 @@ class OnnxRuntimeRunner:
         first, total = self.loop.generate(ids, new_tokens)
         return first, total, None
 
-    def token_times(self, ids: list[int], new_tokens: int, between) -> list[float]:
-        session, times = self.loop.session, []
+    def each_token(self, ids: list[int], new_tokens: int, after) -> None:
+        session = self.loop.session
 
-        class Timed:  # the loop runs its session once a token
+        class Then:  # the loop runs its session once a token, then picks the token from its logits
             def run(self, *args, **kwargs):
-                start = time.perf_counter()
                 outputs = session.run(*args, **kwargs)
-                times.append(time.perf_counter() - start)
-                between()
+                after()
                 return outputs
-        self.loop.session = Timed()
+        self.loop.session = Then()
         try:
             self.loop.generate(ids, new_tokens)
         finally:
             self.loop.session = session
-        return times
 
 
 def measure(runner, job: dict) -> dict:
@@ -377,35 +370,39 @@ def measure(runner, job: dict) -> dict:
             "prompt_ids": chat, "output_ids": output}
 
 
-def ceiling_share(runner, ids: list[int], tokens: int, weights: int) -> dict:
-    """`tokens` tokens of `ids` in bursts of BURST, each burst followed by one read of `weights` bytes on every
-    core (`share_of_ceiling` of the two)."""
+def ceiling_share(runner, ids: list[int], bursts: int, weights: int) -> dict:
+    """`bursts` bursts of BURST tokens of `ids`, each followed by one read of `weights` bytes on every core
+    (`share_of_ceiling` of the two). A token's time runs from the end of what followed the token before (the
+    generation's start for the first) to the runner's call after it, so every runner's token includes its
+    own loop, sampling and Python."""
     import numpy as np
 
     from decode_floor import weight_read
 
     read = weight_read({"buffer": np.ones(weights // 4, np.float32)})
     read()
-    reads, done = [], [0]
+    tokens, reads, since = [], [], [time.perf_counter()]
 
-    def between():
-        done[0] += 1
-        if done[0] % BURST == 0:
+    def after():
+        tokens.append(time.perf_counter() - since[0])
+        if len(tokens) % BURST == 0:
             time.sleep(SETTLE_S)
             start = time.perf_counter()
             read()
             reads.append(time.perf_counter() - start)
-    return share_of_ceiling(runner.token_times(ids, tokens, between), reads, weights)
+        since[0] = time.perf_counter()
+    runner.each_token(ids, bursts * BURST, after)
+    return share_of_ceiling(tokens, reads, weights)
 
 
 def share_of_ceiling(token_s: list[float], read_s: list[float], weights: int) -> dict:
     """Each burst of BURST tokens paired with the read right after it: the read's time over the burst's median
     token after its first COLD ones (a burst's first token is the prompt's prefill or comes after a read); the
-    median of those shares over the bursts, and the reads' median rate."""
+    median of those shares over the bursts, their count, and the reads' median rate."""
     shares = [read / statistics.median(token_s[i * BURST + COLD:(i + 1) * BURST])
               for i, read in enumerate(read_s) if len(token_s) >= (i + 1) * BURST]
-    return {"of_ceiling": statistics.median(shares), "bandwidth_bytes_per_s": weights / statistics.median(read_s)}
-
+    return {"of_ceiling": statistics.median(shares), "bursts": len(shares),
+            "bandwidth_bytes_per_s": weights / statistics.median(read_s[:len(shares)])}
 
 def run_worker(job: dict) -> dict:
     """What one worker process measures for `job`, with its peak resident memory."""
@@ -421,8 +418,8 @@ def run_worker(job: dict) -> dict:
     loaded = time.perf_counter() - started
     result = {"load_s": loaded, **measure(runner, job)}
     result["peak_rss_bytes"] = peak_rss_bytes()  # before the probe's buffer
-    if job["ceiling_tokens"] >= BURST:
-        result.update(ceiling_share(runner, result["prompt_ids"], job["ceiling_tokens"], job["weights_bytes"]))
+    if job["ceiling_bursts"]:
+        result.update(ceiling_share(runner, result["prompt_ids"], job["ceiling_bursts"], job["weights_bytes"]))
     if job["kind"] == "cann":
         runner.engine.close()
     return result
@@ -485,6 +482,7 @@ def summarize(engines: list[Engine], samples: dict[str, list[dict]], weights: di
         if all("of_ceiling" in run for run in runs):
             row["of_ceiling"] = statistics.median(run["of_ceiling"] for run in runs)
             row["bandwidth_bytes_per_s"] = statistics.median(run["bandwidth_bytes_per_s"] for run in runs)
+            row["bursts_by_round"] = [run["bursts"] for run in runs]
         row["prompt_ids"], row["output_ids"] = runs[0]["prompt_ids"], runs[0]["output_ids"]
         rows[engine.name] = row
     return {"rows": rows, "ratios": ratios(rows), "agreement": agreement(rows)}
@@ -583,14 +581,13 @@ def table(report: dict) -> list[str]:
 @click.option("--prefill", "prefill_tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="tokens of the prefill prompt")
 @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True, help="threads of every engine")
-@click.option("--ceiling-tokens", type=click.IntRange(min=0), default=64, show_default=True,
-              help="tokens timed in bursts of 8, each burst beside a read of the weights, for the share of the "
-                   "ceiling (0: none)")
+@click.option("--ceiling-bursts", type=click.IntRange(min=0), default=8, show_default=True,
+              help="bursts of 8 tokens, each beside a read of the weights, for the share of the ceiling (0: none)")
 @click.option("--only", "only", multiple=True, type=click.Choice(["cann", "genai", "llama.cpp", "onnxruntime"]),
               help="run these runners only (repeatable), for quick checks")
 @click.option("--json", "json_path", default=None, help="write the report here as JSON")
 @click.option("--worker", is_flag=True, hidden=True, help="(internal) measure the job given on stdin, print the result")
-def main(precision, rounds, new_tokens, prompt_tokens, prefill_tokens, threads, ceiling_tokens, only, json_path,
+def main(precision, rounds, new_tokens, prompt_tokens, prefill_tokens, threads, ceiling_bursts, only, json_path,
          worker) -> None:
     """Measure this project beside onnxruntime-genai and llama.cpp at batch 1 and print the table."""
     if worker:
@@ -604,8 +601,8 @@ def main(precision, rounds, new_tokens, prompt_tokens, prefill_tokens, threads, 
     models = {e.name: model_of(e) for e in engines}
     weights = {e.name: weights_bytes(e, models[e.name]) for e in engines if models[e.name] is not None}
     job = {**prompts(prompt_tokens, prefill_tokens), "threads": threads, "new_tokens": new_tokens,
-           "ceiling_tokens": ceiling_tokens,
-           "context": max(prefill_tokens + WARM_TOKENS, prompt_tokens * 2 + max(new_tokens, ceiling_tokens)) + 64}
+           "ceiling_bursts": ceiling_bursts,
+           "context": max(prefill_tokens + WARM_TOKENS, prompt_tokens * 2 + max(new_tokens, ceiling_bursts * BURST)) + 64}
     samples = {e.name: [] for e in engines}
     for index in range(rounds):
         for engine in engines:
@@ -619,6 +616,7 @@ def main(precision, rounds, new_tokens, prompt_tokens, prefill_tokens, threads, 
             samples[engine.name].append(sample)
     report = {"settings": {"precision": precision, "rounds": rounds, "new_tokens": new_tokens,
                            "prompt_tokens": prompt_tokens, "prefill_tokens": prefill_tokens, "threads": threads,
+                           "ceiling_bursts": ceiling_bursts, "burst_tokens": BURST, "cold_tokens": COLD,
                            "message": job["message"], "models": {k: str(v) for k, v in models.items()}},
               **summarize(engines, samples, weights)}
     print_report(table(report), report, json_path)
