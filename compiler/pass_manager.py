@@ -65,7 +65,8 @@ class PassReport:
 def run_passes(graph: gs.Graph, passes: list[Pass], switches: dict[str, bool],
                after_each: Callable[[], object] | None = None, progress: bool = False) -> PassReport:
     """Run `passes` in order on `graph` (mutated in place), honouring the fusion switches; `after_each` is
-    called after every pass that ran; `progress` prints a line per pass on stderr as it ends (`pass_line`)."""
+    called after every pass that changed the graph; `progress` prints a line per pass on stderr as it ends
+    (`pass_line`)."""
     report = PassReport(nodes_before=len(graph.nodes))
     width = max((len(p.name) for p in passes), default=0)
     for index, p in enumerate(passes, 1):
@@ -85,7 +86,7 @@ def run_passes(graph: gs.Graph, passes: list[Pass], switches: dict[str, bool],
         note(pass_line(index, len(passes), width, record), enabled=progress)
         for reason in result.rejections:
             log.debug("%s: candidate refused: %s", p.name, reason)
-        if after_each is not None:
+        if after_each is not None and result.effect_times:
             after_each()
     report.nodes_after = len(graph.nodes)
     return report

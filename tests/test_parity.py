@@ -43,13 +43,13 @@ RUNS = [(case, backend, fusion) for case in EXPORTS for backend in ("onnxruntime
 
 
 @pytest.mark.parametrize("case,backend,fusion", RUNS, ids=[f"{export_id(c)}-{b}-{f}" for c, b, f in RUNS])
-def test_compiled_tiny_model_matches_onnxruntime(case, backend, fusion, all_off, tmp_path):
+def test_compiled_tiny_model_matches_onnxruntime(case, backend, fusion, all_off, compiled):
     from models.tiny import tiny_onnx
 
     family, dynamo, with_past, attention = case
     source = tiny_onnx(family, dynamo=dynamo, with_past=with_past, attention=attention)
     switches = {"fusion_switch_file": all_off} if fusion == "unfused" else {}
-    loaded = load_artifact(compile_to(source, tmp_path / "model", **switches))
+    loaded = load_artifact(compiled(source, **switches))
     domains = {node.domain for node in loaded.model.graph.node}
     recipe = RECIPES[family]
     assert ("cann" in domains) == (fusion == "fused" and bool(recipe.attention or recipe.norms_per_layer))

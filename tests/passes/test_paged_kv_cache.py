@@ -24,19 +24,19 @@ PAGED_EXPORTS = [case for case in EXPORTS if RECIPES[case[0]].attention and case
 PAGE = 16
 
 
-def _compile_paged(case, tmp_path, page_size=PAGE):
+def _compile_paged(case, compiled, tmp_path, page_size=PAGE):
+    """(the export, its paged artifact from `compiled`: conftest's compile shared by the tests that read it)."""
     from models.tiny import tiny_onnx
 
     family, dynamo, with_past, attention = case
     source = tiny_onnx(family, dynamo=dynamo, with_past=with_past, attention=attention)
     config = tmp_path / "paged.json"
     config.write_text(json.dumps({"page_size": page_size}))
-    return source, load_artifact(compile_to(source, tmp_path / "m", enable_paged_attention=True,
-                                            paged_config=str(config)))
+    return source, load_artifact(compiled(source, enable_paged_attention=True, paged_config=str(config)))
 
 
-def test_the_cache_leaves_the_graph_and_metadata_comes_in(tmp_path):
-    _, loaded = _compile_paged(("llama", False, True, "sdpa"), tmp_path)
+def test_the_cache_leaves_the_graph_and_metadata_comes_in(compiled, tmp_path):
+    _, loaded = _compile_paged(("llama", False, True, "sdpa"), compiled, tmp_path)
     assert loaded.input_names == ["input_ids", "position_ids", "query_start_loc", "seq_lens", "block_tables",
                                   "slot_mapping", "logits_indices"]
     assert loaded.output_names == ["logits"]
@@ -75,8 +75,8 @@ PLANS = {"onnxruntime": ("onnxruntime", False), "host-kernels": ("onnxruntime", 
 
 @pytest.mark.parametrize("case", PAGED_EXPORTS, ids=export_id)
 @pytest.mark.parametrize("plan", PLANS)
-def test_paged_logits_match_onnxruntime_on_the_original(case, plan, tmp_path):
-    source, loaded = _compile_paged(case, tmp_path)
+def test_paged_logits_match_onnxruntime_on_the_original(case, plan, compiled, tmp_path):
+    source, loaded = _compile_paged(case, compiled, tmp_path)
     dims = loaded.metadata["model"]
     backend, host_attention = PLANS[plan]
     executor = Executor(loaded, backend, host_attention=host_attention)

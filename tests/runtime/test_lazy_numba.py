@@ -35,14 +35,14 @@ def test_importing_the_runtime_imports_no_numba(module):
     assert _in_a_fresh_process("-c", f"import sys, {module}; print('numba' in sys.modules)") == "False"
 
 
-def test_only_the_host_attention_fallback_imports_numba(tmp_path):
+def test_only_the_host_attention_fallback_imports_numba(compiled, tmp_path):
     from tests.passes.test_paged_kv_cache import _compile_paged
 
     try:
         native.library_path()
     except native.NativeUnavailable as why:
         pytest.skip(f"no native op here: {why}")
-    _, loaded = _compile_paged(("llama", False, True, "sdpa"), tmp_path)
+    _, loaded = _compile_paged(("llama", False, True, "sdpa"), compiled, tmp_path)
     om = str(loaded.om.path)
     in_native, on_host = (json.loads(_in_a_fresh_process("-c", _GENERATE, om, where)) for where in ("native", "host"))
     assert not in_native["numba"] and on_host["numba"]

@@ -84,10 +84,10 @@ def _smollm2_embeddings(smollm2_path):
 def test_hybrid_scoring_finds_a_paraphrased_question_where_bm25_alone_does_less(smollm2_tokenizer, smollm2_path):
     embed = _smollm2_embeddings(smollm2_path)
     kept = {}
+    documents = [needle_document(smollm2_tokenizer, 32_768, i / 10 + 0.05) for i in range(10)]
     for scoring in ("bm25", "hybrid"):
         long_context = LongContext(smollm2_tokenizer, scoring=scoring, embed=embed)
         for question in (QUESTION, PARAPHRASE):
-            documents = [needle_document(smollm2_tokenizer, 32_768, i / 10 + 0.05) for i in range(10)]
             kept[scoring, question] = sum(NEEDLE in long_context.select(d, question, 1_900).text for d in documents)
     assert kept["hybrid", QUESTION] >= 9
     assert kept["hybrid", PARAPHRASE] > kept["bm25", PARAPHRASE], kept

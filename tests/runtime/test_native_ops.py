@@ -161,12 +161,12 @@ def test_without_a_c_compiler_there_is_no_library_and_paged_artifacts_run_on_hos
     assert not list((tmp_path / "cache").rglob("*.so"))
 
 
-def test_where_the_library_cannot_be_built_the_executor_cuts_the_graph_at_the_attention(tmp_path, monkeypatch):
+def test_where_the_library_cannot_be_built_the_executor_cuts_the_graph_at_the_attention(compiled, tmp_path, monkeypatch):
     from tests.passes.test_paged_kv_cache import _compile_paged
 
     from runtime import Executor
 
-    _, loaded = _compile_paged(("llama", False, True, "sdpa"), tmp_path)
+    _, loaded = _compile_paged(("llama", False, True, "sdpa"), compiled, tmp_path)
     layers = sum(n.op_type == "PagedAttention" for n in loaded.model.graph.node)
 
     def unavailable():
@@ -215,13 +215,13 @@ def test_the_native_swiglu_equals_the_numpy_kernel(shape):
     assert np.isnan(y.reshape(-1)[0])
 
 
-def test_the_native_plan_keeps_float32_swiglu_for_the_library_and_lowers_the_rest(tmp_path):
+def test_the_native_plan_keeps_float32_swiglu_for_the_library_and_lowers_the_rest(compiled, tmp_path):
     from tests.passes.test_paged_kv_cache import _compile_paged
 
     from runtime.executor import _native_nodes
     from runtime.lowering import lower_for_onnxruntime
 
-    _, loaded = _compile_paged(("llama", False, True, "sdpa"), tmp_path)
+    _, loaded = _compile_paged(("llama", False, True, "sdpa"), compiled, tmp_path)
     layers = sum(n.op_type == "PagedAttention" for n in loaded.model.graph.node)
     kept = lower_for_onnxruntime(loaded.model, _native_nodes(loaded.model))
     assert sum(n.op_type == "SwiGlu" for n in kept.graph.node) == layers

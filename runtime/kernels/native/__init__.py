@@ -16,6 +16,7 @@ is no library and the executor falls back to the host kernels.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import os
@@ -45,24 +46,32 @@ def _compiler() -> str | None:
     return shutil.which(chosen)
 
 
-def _key(compiler: str) -> str:
+def _key(compiler: str, extra_flags: tuple[str, ...]) -> str:
     digest = hashlib.sha256()
     for name in SOURCES:
         digest.update((SOURCE_DIR / name).read_bytes())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    for part in (compiler, version, " ".join(FLAGS), platform.machine(), " ".join(sorted(cpu_features()))):
+    for part in (compiler, version, " ".join(FLAGS + extra_flags), platform.machine(), " ".join(sorted(cpu_features()))):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=1)
-def library_path() -> Path:
-    """The built library (built now if this machine has none yet); raises NativeUnavailable."""
+@functools.lru_cache(maxsize=None)
+def library_path(extra_flags: tuple[str, ...] = ()) -> Path:
+    """The built library (built now if this machine has none yet), `extra_flags` as in `build`; raises
+    NativeUnavailable."""
     compiler = _compiler()
     if compiler is None:
         raise NativeUnavailable("no C compiler (set CC, or install gcc)")
-    target = user_cache_dir("native") / _key(compiler) / "libcann_native.so"
-    return target if target.exists() else build(target, compiler)
+    target = user_cache_dir("native") / _key(compiler, extra_flags) / "libcann_native.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # processes starting together (a server's replicas, test workers) would each spend ~15 s of a core on
+    # the same build: one builds, the others wait for its file
+    with open(target.with_name("build.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return target if target.exists() else build(target, compiler, extra_flags)
 
 
 def build(target: Path, compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:

@@ -8,7 +8,7 @@ chunking differ from its solo run); then both again with prompt-lookup drafts ve
 from __future__ import annotations
 
 import pytest
-from conftest import EXPORTS, compile_to, export_id
+from conftest import EXPORTS, export_id
 from generation_utils import NEW_TOKENS, hf_greedy, mixed_prompts
 
 from cann_llm import LLMEngine
@@ -27,11 +27,11 @@ def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("family,exporter,layout", CASES, ids=["-".join(c) for c in CASES])
-def test_greedy_equals_transformers(family, exporter, layout, tmp_path):
+def test_greedy_equals_transformers(family, exporter, layout, compiled):
     from models.tiny import tiny_onnx
 
     source = tiny_onnx(family, dynamo=exporter == "dynamo", with_past=True)
-    om = compile_to(source, tmp_path / "m", enable_paged_attention=layout == "paged")
+    om = compiled(source, enable_paged_attention=layout == "paged")
     prompts = mixed_prompts(16)
     expected = hf_greedy(family, tuple(map(tuple, prompts)))
     for drafts in (0, 4):
@@ -48,14 +48,13 @@ PAGED_EXPORTS = [case for case in EXPORTS if RECIPES[case[0]].attention]
 
 
 @pytest.mark.parametrize("case", PAGED_EXPORTS, ids=export_id)
-def test_every_export_compiles_paged_and_generates_as_transformers(case, tmp_path):
+def test_every_export_compiles_paged_and_generates_as_transformers(case, compiled):
     """Each tiny export as users make them (sdpa or eager, either exporter, with or without a KV cache)
     compiles paged, and four concurrent requests generate transformers' greedy tokens (32 new)."""
     from models.tiny import tiny_onnx
 
     family, dynamo, with_past, attention = case
-    om = compile_to(tiny_onnx(family, dynamo=dynamo, with_past=with_past, attention=attention), tmp_path / "m",
-                    enable_paged_attention=True)
+    om = compiled(tiny_onnx(family, dynamo=dynamo, with_past=with_past, attention=attention), enable_paged_attention=True)
     prompts = mixed_prompts(4, seed=5)
     expected = hf_greedy(family, tuple(map(tuple, prompts)), 32)
     with LLMEngine(om, max_batch_size=4, max_context_len=128, kv_cache_pages=32) as engine:
