@@ -17,8 +17,8 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def smollm2_om(smollm2_path, tmp_path_factory):
-    return compile_to(smollm2_path, tmp_path_factory.mktemp("smollm2") / "smollm2")
+def smollm2_om(smollm2_path, compiled):
+    return compiled(smollm2_path)
 
 
 def test_metadata_describes_the_model(smollm2_om):
@@ -96,8 +96,8 @@ def smollm2_greedy(smollm2_om):
 
 
 @pytest.fixture(scope="module")
-def smollm2_paged_om(smollm2_path, tmp_path_factory):
-    return compile_to(smollm2_path, tmp_path_factory.mktemp("smollm2-paged") / "paged", enable_paged_attention=True)
+def smollm2_paged_om(smollm2_path, compiled):
+    return compiled(smollm2_path, enable_paged_attention=True)
 
 
 @pytest.mark.parametrize("layout,drafts", [("paged", 0), ("contiguous", 0), ("paged", 4)])
@@ -150,8 +150,8 @@ def smollm2_ts_path():
 
 
 @pytest.fixture(scope="module")
-def smollm2_ts_paged_om(smollm2_ts_path, tmp_path_factory):
-    return compile_to(smollm2_ts_path, tmp_path_factory.mktemp("smollm2-ts") / "paged", enable_paged_attention=True)
+def smollm2_ts_paged_om(smollm2_ts_path, compiled):
+    return compiled(smollm2_ts_path, enable_paged_attention=True)
 
 
 @pytest.mark.parametrize("om", ["smollm2_paged_om", "smollm2_ts_paged_om"], ids=["dynamo", "torchscript"])

@@ -11,7 +11,7 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
-from conftest import compile_to, ort_reference
+from conftest import ort_reference
 from served import Server
 
 from runtime import load_artifact
@@ -49,8 +49,8 @@ SCHEMAS = [
 
 
 @pytest.fixture(scope="module")
-def om(smollm2_path, tmp_path_factory):
-    return compile_to(smollm2_path, tmp_path_factory.mktemp("smollm2-serve") / "smollm2", enable_paged_attention=True)
+def om(smollm2_path, compiled):
+    return compiled(smollm2_path, enable_paged_attention=True)
 
 
 @pytest.fixture(scope="module")
