@@ -31,10 +31,26 @@ def _float32_from_bits(typingctx, bits):
     return signature, codegen
 
 
+# numba code here calls these, not the builtins: torch.export replaces builtins.max and min process-wide while
+# it traces, so a kernel that the executor's warm-up thread compiled meanwhile (a process exporting and
+# serving) failed, and numba keeps a failed compile: the kernel failed for the rest of the process. Same
+# results as the builtins, NaN included: the first argument unless the second compares greater (smaller).
+@numba.njit(inline="always")
+def larger(a, b):
+    """max(a, b) inside numba code."""
+    return b if b > a else a
+
+
+@numba.njit(inline="always")
+def smaller(a, b):
+    """min(a, b) inside numba code."""
+    return b if b < a else a
+
+
 @numba.njit(fastmath=True, error_model="numpy", inline="always")
 def fast_exp(x):
     """exp(x) for a float32 scalar inside numba code."""
-    x = max(x, _LOWEST)
+    x = larger(x, _LOWEST)
     n = np.floor(x * _LOG2E + np.float32(0.5))
     r = x - n * _LN2_HI - n * _LN2_LO
     p = np.float32(1.9875691500e-4)

@@ -26,7 +26,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
-from runtime.kernels.fast_math import fast_exp  # noqa: E402
+from runtime.kernels.fast_math import fast_exp, larger, smaller  # noqa: E402
 from runtime.kernels.prefetch import prefetch  # noqa: E402
 
 
@@ -163,22 +163,22 @@ def _attend_heads(q, t, first, key_cache, value_cache, kv, pages, position, wind
     total[:] = 0.0
     acc[:] = 0.0
     last = position // page_size
-    oldest = max(0, position - window + 1) if window > 0 else 0
+    oldest = larger(0, position - window + 1) if window > 0 else 0
     for page_index in range(oldest // page_size, last + 1):
         page = pages[page_index]
-        rows = min(page_size, position + 1 - page_index * page_size)
+        rows = smaller(page_size, position + 1 - page_index * page_size)
         hidden = oldest - page_index * page_size  # rows before the window, in its first page
         # the page read next: this head's next one, or the next KV head's first (the caller's next call)
         if page_index < last:
             next_page, next_kv = pages[page_index + 1], kv
         else:
-            next_page, next_kv = pages[0], min(kv + 1, key_cache.shape[1] - 1)
+            next_page, next_kv = pages[0], smaller(kv + 1, key_cache.shape[1] - 1)
         _page_scores(q[t], first, key_cache, kv, page, rows, scale, scores, next_page, next_kv)
-        for r in range(max(hidden, 0)):
+        for r in range(larger(hidden, 0)):
             for g in range(group):
                 scores[g, r] = -np.inf
         for g in range(group):
-            new_max = max(running_max[g], scores[g, :rows].max())
+            new_max = larger(running_max[g], scores[g, :rows].max())
             correction = fast_exp(running_max[g] - new_max)
             for d in range(head_dim):
                 acc[g, d] *= correction

@@ -5,6 +5,7 @@ leaves it out; the host-attention fallback brings it in."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -47,3 +48,21 @@ def test_only_the_host_attention_fallback_imports_numba(compiled, tmp_path):
     in_native, on_host = (json.loads(_in_a_fresh_process("-c", _GENERATE, om, where)) for where in ("native", "host"))
     assert not in_native["numba"] and on_host["numba"]
     assert len(in_native["ids"]) == 4 and in_native["ids"] == on_host["ids"]
+
+
+def test_kernels_compile_while_torch_export_has_replaced_max_and_min(tmp_path):
+    """torch.export swaps builtins.max and min for wrappers while it traces, process-wide: the executor's
+    warm-up thread compiling meanwhile must still get working kernels (numba keeps a failed compile)."""
+    # the first kernel compiled before (numba's own typing set up, as in any process that ran one), the
+    # attention kernels, which take the larger and smaller of two numbers, while the wrappers are in place
+    script = ("from torch._export.non_strict_utils import _override_builtin_ops\n"
+              "from runtime.kernels import warmup\n"
+              "first, *kernels = warmup._signatures()[:3]\n"
+              "first[0].compile(first[1])\n"
+              "with _override_builtin_ops():\n"
+              "    for kernel, types in kernels:\n"
+              "        kernel.compile(types)\n"
+              "print(len(kernels))\n")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}  # compiled here, not read from numba's cache
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "2", done.stderr[-2000:]
