@@ -42,28 +42,6 @@ def export_id(case) -> str:
     return f"{family}-{'dynamo' if dynamo else 'ts'}-{'kv' if with_past else 'nokv'}-{attention}"
 
 
-# the files that take longest on a fresh clone, longest first (each over 30 s of a worker, 2026-12-04):
-# pytest-xdist hands whole files to its workers in collection order, so these go first and the short ones
-# fill in at the end, instead of one long file starting last while the other worker has nothing left. The
-# second is SmolLM2's, not another of the tiny exports' files, so the two workers do not walk the same
-# exports side by side, one waiting on the other's lock
-LONGEST_FIRST = ("test_parity.py", "test_smollm2.py", "passes/test_paged_kv_cache.py", "serving/test_ray_serve.py",
-                 "runtime/engine/test_engine_greedy.py", "cli/test_quant.py", "runtime/engine/test_pipeline.py",
-                 "runtime/test_float32_panels.py", "cli/test_export.py", "serving/test_openai_conformance.py",
-                 "test_read_only_install.py", "serving/test_server.py", "runtime/test_long_context.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    tests = Path(__file__).parent
-
-    def rank(item) -> int:
-        path = Path(str(item.fspath))
-        name = str(path.relative_to(tests)) if path.is_relative_to(tests) else ""
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: each file's tests keep their order
-
-
 @pytest.fixture(autouse=True)
 def _logging_as_it_was():
     """Commands run in-process (`atc`'s run, click's CliRunner with --log-level) configure the root and `atc`
