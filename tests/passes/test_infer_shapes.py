@@ -21,7 +21,8 @@ def _symbolic(model: onnx.ModelProto, merges: dict[str, str]) -> tuple[int, dict
     while inference.run_:
         inference._infer_impl()
         runs += 1
-    values = list(inference.out_mp_.graph.value_info) + list(inference.out_mp_.graph.output)
+    # the graph's outputs left out: the pass keeps their declared shapes (the exporter's names) whatever it infers
+    values = inference.out_mp_.graph.value_info
     return runs, {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in values}
 
 
