@@ -12,17 +12,16 @@ process. The export runs in the optimum venv through `models/optimum_worker.py`.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 from models.tiny import REPO_ROOT, byte_tokenizer_json, cache_dir
+from runtime.made_once import exclusive
 
 # optimum-onnx 0.1.0 was released against transformers 4.57; torch stays at the project's pin
 REQUIREMENTS = ("optimum-onnx==0.1.0", "optimum==2.1.0", "transformers==4.57.6", "torch==2.13.0", "accelerate",
@@ -54,16 +53,9 @@ def export_dir(family: str, seed: int = 0) -> Path:
     return cache_dir() / "optimum" / f"{family}-s{seed}"
 
 
-@contextmanager
 def _locked(name: str):
     """One process at a time (parallel test workers share the cache)."""
-    cache_dir().mkdir(parents=True, exist_ok=True)
-    with open(cache_dir() / f".{name}.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    return exclusive(cache_dir() / f".{name}.lock")
 
 
 def ensure_optimum_venv(log=print) -> Path:

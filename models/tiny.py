@@ -7,7 +7,6 @@ first time. Attention is transformers' default implementation (`sdpa`), as users
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -111,6 +110,7 @@ def tiny_onnx(family: str, *, dynamo: bool, with_past: bool, seed: int = 0, atte
               overrides: dict | None = None) -> Path:
     """Path of the exported tiny model (its byte tokenizer beside it), exporting it on first use."""
     from models.export import export_causal_lm
+    from runtime.made_once import made_once
 
     tag = f"{family}-{'dynamo' if dynamo else 'ts'}-{'kv' if with_past else 'nokv'}-{attention}-s{seed}"
     tag += "".join(f"-{key}={value}" for key, value in sorted((overrides or {}).items()))
@@ -118,14 +118,9 @@ def tiny_onnx(family: str, *, dynamo: bool, with_past: bool, seed: int = 0, atte
     sizes = json.dumps(TINY_FAMILIES[family].sizes, sort_keys=True, default=str)
     tag += "-" + hashlib.sha1(sizes.encode()).hexdigest()[:8]
     path = cache_dir() / "tiny" / tag / "model.onnx"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # parallel test workers want the same exports at the same time: one exports, the others wait for it
-        with open(path.with_name("export.lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not path.exists():
-                export_causal_lm(build_tiny_model(family, seed, attention, overrides), path, dynamo=dynamo,
-                                 with_past=with_past)
+    # parallel test workers want the same exports at the same time: one exports, the others wait for it
+    made_once(path, lambda: export_causal_lm(build_tiny_model(family, seed, attention, overrides), path,
+                                             dynamo=dynamo, with_past=with_past), "export.lock")
     tokenizer = path.with_name("tokenizer.json")
     if not tokenizer.exists():  # written atomically: parallel test workers may race to write it
         partial = tokenizer.with_name(f"tokenizer.{os.getpid()}.partial")

@@ -3,7 +3,7 @@ library built for CPUs with AVX2 alone."""
 
 from __future__ import annotations
 
-import fcntl
+import dataclasses
 import hashlib
 import json
 import logging
@@ -16,6 +16,7 @@ import pytest
 
 from compiler.compile import compile_model
 from compiler.config import CompileConfig
+from runtime.made_once import made_once
 from runtime.ort_session import session_options
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -99,20 +100,17 @@ def compiled(tmp_path_factory):
     root = tmp_path_factory.getbasetemp()
     root = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "compiled"
 
+    defaults = {f.name: f.default for f in dataclasses.fields(CompileConfig)}
+
     def compile_once(model: Path, **flags) -> Path:
-        # a flag naming a file (a paged or fusion-switch config written per test) is keyed by what it says
+        # a flag at its default compiles what its absence does; a flag naming a file (a paged or
+        # fusion-switch config written per test) is keyed by what the file says
         said = {key: Path(value).read_text() if isinstance(value, str) and os.path.isfile(value) else value
-                for key, value in flags.items()}
+                for key, value in flags.items() if defaults.get(key, dataclasses.MISSING) != value}
         key = hashlib.sha1(json.dumps([str(model), sorted(said.items())], default=str).encode()).hexdigest()[:16]
-        folder = root / key
-        output = folder / "model.om"
-        if not output.exists():  # written atomically: it exists whole or not at all
-            folder.mkdir(parents=True, exist_ok=True)
-            with open(folder / "compile.lock", "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                if not output.exists():
-                    compile_to(model, folder / "model", **flags)
-        return output
+        output = root / key / "model.om"
+        # the compile writes the .om atomically: it exists whole or not at all
+        return made_once(output, lambda: compile_to(model, output.with_suffix(""), **flags), "compile.lock")
 
     return compile_once
 

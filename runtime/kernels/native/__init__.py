@@ -16,7 +16,6 @@ is no library and the executor falls back to the host kernels.
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import functools
 import hashlib
 import os
@@ -28,6 +27,7 @@ from pathlib import Path
 
 from runtime.compatibility import cpu_features
 from runtime.kernels.numba_cache import user_cache_dir
+from runtime.made_once import made_once
 
 SOURCE_DIR = Path(__file__).parent
 SOURCES = ("library.c", "paged_attention.c", "swiglu.c", "matmul_int4.c", "matmul_int4_avx512.c", "matmul_int4_avx2.c",
@@ -64,14 +64,9 @@ def library_path(extra_flags: tuple[str, ...] = ()) -> Path:
     if compiler is None:
         raise NativeUnavailable("no C compiler (set CC, or install gcc)")
     target = user_cache_dir("native") / _key(compiler, extra_flags) / "libcann_native.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     # processes starting together (a server's replicas, test workers) would each spend ~15 s of a core on
     # the same build: one builds, the others wait for its file
-    with open(target.with_name("build.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return target if target.exists() else build(target, compiler, extra_flags)
+    return made_once(target, lambda: build(target, compiler, extra_flags), "build.lock")
 
 
 def build(target: Path, compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
