@@ -25,7 +25,7 @@ SQUARE = "def square(x):\n    return x * x\n"
     (f"```python\n{SQUARE}", "python", SQUARE),                                             # cut off, never closed
     (f"```js\nconst a = 1;\n```\n```python\n{SQUARE}```", "python", SQUARE),                # the asked language
     ("```python\nimport math\n```\nthen\n```python\nx = math.pi\n```", "python", "import math\n\nx = math.pi\n"),
-    (f"Sure, the function:\n\n    def square(x):\n        return x * x\n\nDone.", "python", SQUARE),  # indented
+    ("Sure, the function:\n\n    def square(x):\n        return x * x\n\nDone.", "python", SQUARE),  # indented
     (SQUARE, "python", SQUARE),                                                             # bare code
     (f"Here is the code:\n{SQUARE}This returns the square.", "python", SQUARE),             # unfenced, prose lines
 ])

@@ -26,7 +26,7 @@ print(json.dumps({"numba": "numba" in sys.modules, "ids": request.output_ids}))
 
 
 def _in_a_fresh_process(*args: str) -> str:
-    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout.strip().splitlines()[-1]
 

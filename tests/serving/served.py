@@ -22,7 +22,8 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen([sys.executable, "-m", "cli.cann_run", "serve", "--port", str(self.port), *argv],
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 120
+        # a hang guard, not a speed bound: a crash is reported at once below, and a busy host loads slowly
+        deadline = time.time() + 600
         while time.time() < deadline:
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
@@ -34,7 +35,7 @@ class Server:
         raise TimeoutError("the server did not become healthy")
 
     def metric(self, name: str, **labels) -> float:
-        text = httpx.get(f"{self.url}/metrics").text
+        text = httpx.get(f"{self.url}/metrics", timeout=60).text
         selector = ",".join(f'{k}="{v}"' for k, v in labels.items())
         for line in text.splitlines():
             labelled = line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items())

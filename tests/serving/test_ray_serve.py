@@ -45,7 +45,7 @@ def cluster():
     cluster = Cluster(initialize_head=True, connect=False,
                       head_node_args={"num_cpus": 1, "include_dashboard": False, "object_store_memory": store})
     cluster.add_node(num_cpus=1, object_store_memory=store)
-    cluster.wait_for_nodes()
+    cluster.wait_for_nodes(timeout=180)  # a second raylet on a busy host can take Ray's 30 s default
     yield cluster
     cluster.shutdown()
 
@@ -69,7 +69,7 @@ class RayServer:
 
     def replicas(self) -> list[dict]:
         try:
-            response = httpx.get(f"{self.url}/replicas", timeout=5)
+            response = httpx.get(f"{self.url}/replicas", timeout=60)
         except httpx.TransportError:
             return []
         return [r for r in response.json()["replicas"] if r["status"] == "ok"] if response.status_code == 200 else []
@@ -125,7 +125,7 @@ def client(server) -> openai.OpenAI:
 
 
 def test_replicas_run_one_on_each_node_and_answer_as_the_engine_does(ray_server, engine):
-    replicas = ray_server.replicas()
+    replicas = ray_server.wait_for(lambda now: len(now) == 2, "both replicas to report")
     assert len({r["node"] for r in replicas}) == 2 and len({r["pid"] for r in replicas}) == 2
     api = client(ray_server)
     assert [m.id for m in api.models.list()] == ["tiny"]
@@ -180,10 +180,14 @@ def test_metrics_sum_the_replicas_and_a_conversation_stays_on_its_replica(ray_se
     # the second turn's prompt holds the first turn and its answer: kept by the replica that served it
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
     apart = ray_server.settled(name, before + first.usage.completion_tokens + second.usage.completion_tokens)
-    text = httpx.get(f"{ray_server.url}/metrics", timeout=60).text
+    deadline = time.monotonic() + 60
+    # both replicas count while each has reported within 5 s: a starved reporter thread may miss a beat
+    while not re.search(r"^cann_llm:replicas 2\.0$", text := httpx.get(f"{ray_server.url}/metrics", timeout=60).text,
+                        re.M):
+        assert time.monotonic() < deadline, "the merged metrics did not count both replicas within 60 s"
+        time.sleep(0.25)
     merged = float(re.search(rf'^{name}\{{model_name="tiny"\}} (\S+)$', text, re.M).group(1))
     assert merged == sum(apart.values()) and len(apart) == 2
-    assert re.search(r"^cann_llm:replicas 2\.0$", text, re.M)  # both reported within 5 s: they just did
 
 
 def test_what_the_ingress_cannot_route_the_replica_refuses_in_openais_shape(ray_server):
@@ -206,7 +210,8 @@ def test_a_deployment_the_cluster_cannot_take_is_refused_and_leaves_the_running_
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 1 and code in result.stderr and said in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
-    assert len(ray_server.replicas()) == 2 and client(ray_server).models.list().data[0].id == "tiny"
+    ray_server.wait_for(lambda now: len(now) == 2, "both replicas to report")
+    assert client(ray_server).models.list().data[0].id == "tiny"
 
 
 def test_a_replica_killed_under_load_fails_or_retries_each_request_and_ray_restarts_it(ray_server, engine):
@@ -215,13 +220,15 @@ def test_a_replica_killed_under_load_fails_or_retries_each_request_and_ray_resta
     results: list = [None] * len(prompts)
 
     def run(i: int) -> None:
+        # EOS held off: every request runs its 1,500 tokens, so the victim is still busy when it is killed
         body = {"model": "tiny", "prompt": prompts[i], "max_tokens": new_tokens, "temperature": 0}
         try:
             if i % 2:  # streamed: once a piece is out, a failure can only be reported in the stream
-                text = "".join(c.choices[0].text for c in client(ray_server).completions.create(**body, stream=True))
+                text = "".join(c.choices[0].text for c in client(ray_server).completions.create(
+                    **body, stream=True, extra_body={"ignore_eos": True}))
                 results[i] = ("ok", text, False)
             else:
-                response = httpx.post(f"{ray_server.url}/v1/completions", json=body, timeout=600)
+                response = httpx.post(f"{ray_server.url}/v1/completions", json={**body, "ignore_eos": True}, timeout=600)
                 if response.status_code == 200:
                     results[i] = ("ok", response.json()["choices"][0]["text"],
                                   response.headers.get("x-replica-retried") == "1")
@@ -242,13 +249,14 @@ def test_a_replica_killed_under_load_fails_or_retries_each_request_and_ray_resta
         running = ray_server.per_replica("cann_llm:num_requests_running")
         time.sleep(0.1)
     victim = max(running, key=running.get)
-    pid = next(r["pid"] for r in ray_server.replicas() if r["replica"] == victim)
+    (pid,) = [r["pid"] for r in ray_server.wait_for(lambda now: victim in {r["replica"] for r in now},
+                                                     "the busiest replica to report") if r["replica"] == victim]
     os.kill(pid, signal.SIGKILL)
     for thread in threads:
         thread.join(timeout=600)
     assert not any(thread.is_alive() for thread in threads), "a request hung after its replica died"
 
-    expected = engine.generate_batch(prompts, max_tokens=new_tokens, temperature=0)
+    expected = engine.generate_batch(prompts, max_tokens=new_tokens, temperature=0, ignore_eos=True)
     affected = 0
     for i, result in enumerate(results):
         if result[0] == "ok":
@@ -273,7 +281,7 @@ def test_a_replica_killed_under_load_fails_or_retries_each_request_and_ray_resta
 ])
 def test_scale_out_flags_are_checked_before_anything_starts(om, argv, code):
     result = subprocess.run([sys.executable, "-m", "cli.cann_run", "serve", "--model", f"tiny={om}", *argv],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=180)
     assert result.returncode == 1 and code in result.stderr and "Traceback" not in result.stderr
 
 

@@ -67,7 +67,7 @@ def test_openai_client_completes_chats_and_streams_like_the_engine(server, engin
 
 
 def test_the_seeds_generate_endpoint(server, engine):
-    response = httpx.post(f"{server.url}/generate", json={"prompt": "abc", "max_length": 10, "temperature": 0})
+    response = httpx.post(f"{server.url}/generate", json={"prompt": "abc", "max_length": 10, "temperature": 0}, timeout=60)
     body = response.json()
     assert response.status_code == 200
     assert body["text"] == engine.generate("abc", max_new_tokens=10, temperature=0)
@@ -96,7 +96,7 @@ def test_the_seeds_generate_endpoint(server, engine):
 def test_bad_requests_are_refused_cleanly(server, path, payload, status):
     kwargs = {"content": payload, "headers": {"content-type": "application/json"}} \
         if isinstance(payload, (str, bytes)) else {"json": payload}
-    response = httpx.post(f"{server.url}{path}", **kwargs)
+    response = httpx.post(f"{server.url}{path}", **kwargs, timeout=60)
     assert response.status_code == status
     error = response.json()["error"]
     assert error["code"] == status and error["type"] == ("invalid_request_error" if status == 400 else error["type"])
@@ -104,13 +104,13 @@ def test_bad_requests_are_refused_cleanly(server, path, payload, status):
 
 def test_a_body_over_the_limit_is_413_whether_or_not_its_length_is_declared(server):
     body = json.dumps({"model": "tiny", "prompt": "x" * (4 * 1024 * 1024)}).encode()
-    declared = httpx.post(f"{server.url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    declared = httpx.post(f"{server.url}/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=60)
     chunked = httpx.post(f"{server.url}/v1/completions", headers={"content-type": "application/json"},
-                         content=(body[i:i + 65536] for i in range(0, len(body), 65536)))
+                         content=(body[i:i + 65536] for i in range(0, len(body), 65536)), timeout=60)
     for response in (declared, chunked):
         assert response.status_code == 413
         assert response.json()["error"]["message"] == "the request body is larger than 4194304 bytes (--max-body-bytes)"
-    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
 
 
 def test_a_hostile_request_does_not_hurt_one_running_beside_it(server, engine):
@@ -122,12 +122,12 @@ def test_a_hostile_request_does_not_hurt_one_running_beside_it(server, engine):
                                          "ignore_eos": True, "stream": True}, timeout=120) as response:
         lines = response.iter_lines()
         first = next(line for line in lines if line)
-        hostile = [httpx.post(url, json={"model": "tiny", "prompt": [3, 10 ** 9], "max_tokens": 8}),
-                   httpx.post(url, json={"model": "tiny", "prompt": [-5, 3], "max_tokens": 8}),
+        hostile = [httpx.post(url, json={"model": "tiny", "prompt": [3, 10 ** 9], "max_tokens": 8}, timeout=60),
+                   httpx.post(url, json={"model": "tiny", "prompt": [-5, 3], "max_tokens": 8}, timeout=60),
                    httpx.post(url, content='{"model": "tiny", "prompt": "x", "temperature": NaN}',
-                              headers={"content-type": "application/json"}),
+                              headers={"content-type": "application/json"}, timeout=60),
                    httpx.post(url, content='{"model": "tiny", "prompt": "\\ud800"}',
-                              headers={"content-type": "application/json"})]
+                              headers={"content-type": "application/json"}, timeout=60)]
         events = [first] + [line for line in lines if line]
     assert [r.status_code for r in hostile] == [400] * 4
     assert events[-1] == "data: [DONE]"
@@ -148,7 +148,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(server):
 
 
 def test_metrics_add_up(server):
-    text = httpx.get(f"{server.url}/metrics").text
+    text = httpx.get(f"{server.url}/metrics", timeout=60).text
     assert "cann_llm:time_to_first_token_seconds_bucket" in text and "cann_llm:num_requests_running" in text
     outcomes = {o: server.metric("cann_llm:requests_total", model_name="tiny", outcome=o)
                 for o in ("completed", "rejected", "cancelled", "failed")}
@@ -200,7 +200,7 @@ def test_a_metrics_prefix_of_vllm_gives_vllms_names(om):
     try:
         httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0, "ignore_eos": True},
                    timeout=60)
-        text = httpx.get(f"{server.url}/metrics").text
+        text = httpx.get(f"{server.url}/metrics", timeout=60).text
         assert server.metric("vllm:generation_tokens_total", model_name="tiny") == 3
         assert server.metric("vllm:request_decode_time_seconds_count", model_name="tiny") == 1
         assert "vllm:num_requests_waiting" in text and "cann_llm:" not in text
@@ -225,9 +225,9 @@ def test_keys_quotas_timeouts_capacity_filter_and_audit(om, tmp_path):
         url = f"{server.url}/v1/completions"
         # a token a step, EOS held off (a cached prompt and an early EOS could otherwise finish within 0.1 s)
         slow = {"prompt": "x" * 200, "max_tokens": 3500, "temperature": 0, "ignore_eos": True}
-        assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}).status_code == 401
+        assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code == 401
         k1, k2 = {"Authorization": "Bearer k1"}, {"Authorization": "Bearer k2"}
-        assert httpx.post(url, json={"prompt": "a Forbidden word", "max_tokens": 2}, headers=k1).status_code == 400
+        assert httpx.post(url, json={"prompt": "a Forbidden word", "max_tokens": 2}, headers=k1, timeout=60).status_code == 400
         with httpx.Client(timeout=30) as client:
             import concurrent.futures
 
@@ -240,7 +240,7 @@ def test_keys_quotas_timeouts_capacity_filter_and_audit(om, tmp_path):
         assert server.metric("cann_llm:kv_cache_usage_perc", model_name="tiny") == 0
         # a slow request reserves its prompt and all it may generate (1200 tokens) and is refunded what it did
         # not use: k1 has about 3800 left, not enough for a request that may use 3902
-        spent = httpx.post(url, json={"prompt": "hi", "max_tokens": 3900}, headers=k1)
+        spent = httpx.post(url, json={"prompt": "hi", "max_tokens": 3900}, headers=k1, timeout=60)
         assert spent.status_code == 429 and "quota" in spent.json()["error"]["message"]
         # the same refusals as the openai SDK's own exception types, in OpenAI's shape
         sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="k1", max_retries=0, timeout=30)
@@ -251,7 +251,7 @@ def test_keys_quotas_timeouts_capacity_filter_and_audit(om, tmp_path):
             sdk.completions.create(model="tiny", prompt="x" * 200, max_tokens=2000, temperature=0,
                                    extra_body={"ignore_eos": True})
         assert late.value.status_code == 504 and late.value.body["type"] == "timeout"
-        assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}, headers=k1).status_code == 200
+        assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}, headers=k1, timeout=60).status_code == 200
         records = [json.loads(line) for line in audit.read_text().splitlines()]
         assert records and all(r["key_id"].startswith("key-") and "k1" not in json.dumps(r) for r in records)
         assert [r["status"] for r in records][-1] == 200 and {r["status"] for r in records[:-1]} == {504}
@@ -302,11 +302,11 @@ def test_two_names_for_one_file_share_one_engine_and_health_waits_for_loading(om
             except httpx.TransportError:
                 time.sleep(0.05)
         assert set(codes) <= {503, 200}
-        assert httpx.get(f"{url}/health").json()["models"] == ["a", "b"]
+        assert httpx.get(f"{url}/health", timeout=60).json()["models"] == ["a", "b"]
         expected = engine.generate("hey", max_new_tokens=8, temperature=0)
         for name in ("a", "b"):
             body = httpx.post(f"{url}/v1/completions", json={"model": name, "prompt": "hey", "max_tokens": 8,
-                                                             "temperature": 0}).json()
+                                                             "temperature": 0}, timeout=60).json()
             assert body["choices"][0]["text"] == expected and body["model"] == name
     finally:
         process.terminate()
@@ -416,7 +416,7 @@ def test_serve_says_ready_only_once_its_engines_are_loaded_then_reports_stats(om
         assert address, ready
         # sent the moment the line is out, no /health polling: the engine is loaded by then
         answer = httpx.post(f"{address[1]}/v1/completions", json={"model": "b", "prompt": "hey", "max_tokens": 8,
-                                                                  "temperature": 0})
+                                                                  "temperature": 0}, timeout=60)
         assert answer.status_code == 200
         assert answer.json()["choices"][0]["text"] == engine.generate("hey", max_new_tokens=8, temperature=0)
         stats = stderr.wait_for(lambda line: line.startswith("a, b: ") and " 0.0 tokens/s" not in line)
@@ -433,7 +433,7 @@ def test_block_listed_output_is_cut_with_finish_reason_content_filter(om, engine
     server = Server("--model", f"tiny={om}", "--kv_cache_pages", "32", "--blocklist", str(tmp_path / "block.txt"))
     try:
         body = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 30,
-                                                                "temperature": 0}).json()
+                                                                "temperature": 0}, timeout=60).json()
         choice = body["choices"][0]
         assert choice["finish_reason"] == "content_filter" and choice["text"] == full[:full.index(term)]
         assert term not in choice["text"]

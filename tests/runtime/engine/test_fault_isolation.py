@@ -4,7 +4,8 @@ while the requests batched with it finish exactly as they would alone."""
 
 from __future__ import annotations
 
-import time
+import contextlib
+import threading
 
 import pytest
 from generation_utils import compile_tiny_chat_model
@@ -59,23 +60,40 @@ def _smuggle(engine: LLMEngine, ids: list[int], params: SamplingParams) -> Reque
     return request
 
 
-def _first_tokens(request: Request, count: int) -> None:
-    deadline = time.monotonic() + 120
-    while len(request.output_ids) < count:
-        assert time.monotonic() < deadline and not request.future.done()
-        time.sleep(0.005)
+@contextlib.contextmanager
+def _held_once(engine: LLMEngine, ready):
+    """The engine's next step once `ready()` holds waits for the `resume` event this yields (set on exit);
+    so a request is still running, with pages, however slowly the test's thread is scheduled."""
+    reached, resume, run = threading.Event(), threading.Event(), engine.runner.run
+
+    def held(batch):
+        if not resume.is_set() and ready():
+            reached.set()
+            resume.wait(timeout=120)
+        return run(batch)
+
+    engine.runner.run = held
+    try:
+        yield reached, resume
+    finally:
+        resume.set()
+        engine.runner.run = run
 
 
 @pytest.mark.parametrize("fault", ["out-of-vocab id", "overflowing penalty"])
 def test_a_fault_in_a_step_fails_only_its_request(engine, alone, fault):
-    good = engine.submit(GOOD, max_new_tokens=60, temperature=0, ignore_eos=True)
-    _first_tokens(good, 5)  # running, with pages, when the bad one joins its batch
-    if fault == "out-of-vocab id":
-        bad = _smuggle(engine, [4, engine.vocab_size + 7, 4], SamplingParams(max_new_tokens=8, temperature=0))
-    else:
-        params = SamplingParams(max_new_tokens=8, temperature=1.0)
-        object.__setattr__(params, "repetition_penalty", 1e-308)  # what submit refuses: inf - inf in the sampler
-        bad = _smuggle(engine, GOOD[:3], params)
+    submitted: list[Request] = []
+    with _held_once(engine, lambda: submitted and len(submitted[0].output_ids) >= 5) as (reached, resume):
+        good = engine.submit(GOOD, max_new_tokens=60, temperature=0, ignore_eos=True)
+        submitted.append(good)
+        assert reached.wait(timeout=120)  # running, with pages, when the bad one joins its batch
+        if fault == "out-of-vocab id":
+            bad = _smuggle(engine, [4, engine.vocab_size + 7, 4], SamplingParams(max_new_tokens=8, temperature=0))
+        else:
+            params = SamplingParams(max_new_tokens=8, temperature=1.0)
+            object.__setattr__(params, "repetition_penalty", 1e-308)  # what submit refuses: inf - inf in the sampler
+            bad = _smuggle(engine, GOOD[:3], params)
+        resume.set()
     with pytest.raises(GenerationFailed, match=f"request {bad.seq.seq_id} failed"):
         bad.result(timeout=120)
     assert bad.finish_reason == "error"
