@@ -25,7 +25,7 @@ from runtime.made_once import exclusive
 
 # optimum-onnx 0.1.0 was released against transformers 4.57; torch stays at the project's pin
 REQUIREMENTS = ("optimum-onnx==0.1.0", "optimum==2.1.0", "transformers==4.57.6", "torch==2.13.0", "accelerate",
-                "onnx", "onnxruntime")
+                "onnx", "onnxruntime", "ml_dtypes<0.7")  # as pyproject.toml's: 0.7 adds 0.7 s to every start
 # the tiny families Optimum can export with `text-generation-with-past`; it has no ONNX config for
 # qwen2_moe
 OPTIMUM_FAMILIES = ("llama", "qwen2", "mistral", "phi3", "gemma", "qwen3", "glm", "qwen3_moe", "gpt2")
