@@ -13,7 +13,10 @@ Both serialise the model, and a protobuf cannot exceed 2 GiB, so they run on a l
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import sys
+from pathlib import Path
 
 import onnx
 import onnx_graphsurgeon as gs
@@ -32,6 +35,27 @@ def _dims(value: onnx.ValueInfoProto) -> list | None:
     return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor_type.shape.dim]
 
 
+def _symbolic_shape_inference() -> type:
+    """onnxruntime's SymbolicShapeInference class. Importing it the usual way runs `onnxruntime.tools`'s
+    `__init__`, which imports torch whenever torch is installed (1.3 s and ~200 MB for every compile, of a
+    library the compiler never calls); the module itself needs only onnx, numpy and sympy, so unless some
+    import has loaded it already it is loaded from its file."""
+    name = "onnxruntime.tools.symbolic_shape_infer"
+    if name not in sys.modules:
+        import onnxruntime
+
+        path = Path(onnxruntime.__file__).parent / "tools" / "symbolic_shape_infer.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name].SymbolicShapeInference
+
+
 def _symbolic(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
     """onnxruntime's symbolic inference, as far as it gets; nothing when it refuses the graph.
 
@@ -39,10 +63,8 @@ def _symbolic(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
     and a data file) whenever some value stays unknown, then raises; its loop is run here instead, so a
     partial result is kept and nothing is written.
     """
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-
     try:
-        inference = SymbolicShapeInference(2**31 - 1, auto_merge=True, guess_output_rank=False, verbose=0)
+        inference = _symbolic_shape_inference()(2**31 - 1, auto_merge=True, guess_output_rank=False, verbose=0)
         inference._preprocess(model)
         inference.suggested_merge_.update(_one_past_length(model))
         while inference.run_:
