@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 from models.tiny import REPO_ROOT, byte_tokenizer_json, cache_dir
-from runtime.made_once import exclusive
 
 # optimum-onnx 0.1.0 was released against transformers 4.57; torch stays at the project's pin
 REQUIREMENTS = ("optimum-onnx==0.1.0", "optimum==2.1.0", "transformers==4.57.6", "torch==2.13.0", "accelerate",
@@ -55,6 +54,8 @@ def export_dir(family: str, seed: int = 0) -> Path:
 
 def _locked(name: str):
     """One process at a time (parallel test workers share the cache)."""
+    from runtime.made_once import exclusive  # importing the runtime package starts onnxruntime: only when needed
+
     return exclusive(cache_dir() / f".{name}.lock")
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import sys
+import threading
 from pathlib import Path
 
 import onnx
@@ -26,6 +27,7 @@ from passes.base import PassResult
 from passes.graph_utils import light_model
 
 log = logging.getLogger("atc")
+_LOADING = threading.Lock()
 
 
 def _dims(value: onnx.ValueInfoProto) -> list | None:
@@ -37,22 +39,27 @@ def _dims(value: onnx.ValueInfoProto) -> list | None:
 
 def _symbolic_shape_inference() -> type:
     """onnxruntime's SymbolicShapeInference class. Importing it the usual way runs `onnxruntime.tools`'s
-    `__init__`, which imports torch whenever torch is installed (1.3 s and ~200 MB for every compile, of a
+    `__init__`, which imports torch whenever torch is installed (1.3 s and ~185 MB for every compile, of a
     library the compiler never calls); the module itself needs only onnx, numpy and sympy, so unless some
-    import has loaded it already it is loaded from its file."""
+    import has loaded it already it is loaded from its file (and, in a layout without that file, imported)."""
     name = "onnxruntime.tools.symbolic_shape_infer"
-    if name not in sys.modules:
-        import onnxruntime
+    with _LOADING:  # compiles in threads of one process: none may see a half-run module
+        if name not in sys.modules:
+            import onnxruntime
 
-        path = Path(onnxruntime.__file__).parent / "tools" / "symbolic_shape_infer.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
+            path = Path(onnxruntime.__file__).parent / "tools" / "symbolic_shape_infer.py"
+            if not path.is_file():
+                from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+                return SymbolicShapeInference
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[name]
+                raise
     return sys.modules[name].SymbolicShapeInference
 
 
@@ -63,8 +70,9 @@ def _symbolic(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
     and a data file) whenever some value stays unknown, then raises; its loop is run here instead, so a
     partial result is kept and nothing is written.
     """
+    symbolic_shape_inference = _symbolic_shape_inference()  # outside the try: a missing module is no refusal
     try:
-        inference = _symbolic_shape_inference()(2**31 - 1, auto_merge=True, guess_output_rank=False, verbose=0)
+        inference = symbolic_shape_inference(2**31 - 1, auto_merge=True, guess_output_rank=False, verbose=0)
         inference._preprocess(model)
         inference.suggested_merge_.update(_one_past_length(model))
         while inference.run_:

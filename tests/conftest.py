@@ -106,13 +106,18 @@ def compiled(tmp_path_factory):
         # a flag at its default compiles what its absence does; a flag naming a file (a paged or
         # fusion-switch config written per test) is keyed by what the file says
         said = {key: Path(value).read_text() if isinstance(value, str) and os.path.isfile(value) else value
-                for key, value in flags.items() if defaults.get(key, dataclasses.MISSING) != value}
+                for key, value in flags.items() if not _at_default(value, defaults.get(key, dataclasses.MISSING))}
         key = hashlib.sha1(json.dumps([str(model), sorted(said.items())], default=str).encode()).hexdigest()[:16]
         output = root / key / "model.om"
         # the compile writes the .om atomically: it exists whole or not at all
         return made_once(output, lambda: compile_to(model, output.with_suffix(""), **flags), "compile.lock")
 
     return compile_once
+
+
+def _at_default(value, default) -> bool:
+    """`value` is the field's default, of its type too: the metadata records `True` and `1` apart."""
+    return type(value) is type(default) and value == default
 
 
 def ort_reference(model: Path, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

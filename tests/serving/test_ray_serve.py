@@ -205,12 +205,14 @@ def test_what_the_ingress_cannot_route_the_replica_refuses_in_openais_shape(ray_
 ])
 def test_a_deployment_the_cluster_cannot_take_is_refused_and_leaves_the_running_one_alone(ray_server, cluster, om,
                                                                                         argv, code, said):
+    running = {r["pid"] for r in ray_server.wait_for(lambda now: len(now) == 2, "both replicas to report")}
     result = subprocess.run([sys.executable, "-m", "cli.cann_run", "serve", "--ray", "--ray-address", cluster.address,
                              "--port", str(free_port()), "--model", f"tiny={om}", *argv],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 1 and code in result.stderr and said in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
-    ray_server.wait_for(lambda now: len(now) == 2, "both replicas to report")
+    # the same two processes: a refused deployment neither stopped nor replaced a replica
+    ray_server.wait_for(lambda now: {r["pid"] for r in now} == running, "the same two replicas to report")
     assert client(ray_server).models.list().data[0].id == "tiny"
 
 

@@ -62,12 +62,12 @@ def _smuggle(engine: LLMEngine, ids: list[int], params: SamplingParams) -> Reque
 
 @contextlib.contextmanager
 def _held_once(engine: LLMEngine, ready):
-    """The engine's next step once `ready()` holds waits for the `resume` event this yields (set on exit);
-    so a request is still running, with pages, however slowly the test's thread is scheduled."""
+    """The first step whose batch satisfies `ready(batch)` waits for the `resume` event this yields (set on
+    exit): a request is then still running, with pages, however slowly the test's thread is scheduled."""
     reached, resume, run = threading.Event(), threading.Event(), engine.runner.run
 
     def held(batch):
-        if not resume.is_set() and ready():
+        if not resume.is_set() and ready(batch):
             reached.set()
             resume.wait(timeout=120)
         return run(batch)
@@ -82,10 +82,9 @@ def _held_once(engine: LLMEngine, ready):
 
 @pytest.mark.parametrize("fault", ["out-of-vocab id", "overflowing penalty"])
 def test_a_fault_in_a_step_fails_only_its_request(engine, alone, fault):
-    submitted: list[Request] = []
-    with _held_once(engine, lambda: submitted and len(submitted[0].output_ids) >= 5) as (reached, resume):
+    five_out = lambda batch: any(len(seq.output_ids) >= 5 for seq in batch.seqs)  # noqa: E731
+    with _held_once(engine, five_out) as (reached, resume):
         good = engine.submit(GOOD, max_new_tokens=60, temperature=0, ignore_eos=True)
-        submitted.append(good)
         assert reached.wait(timeout=120)  # running, with pages, when the bad one joins its batch
         if fault == "out-of-vocab id":
             bad = _smuggle(engine, [4, engine.vocab_size + 7, 4], SamplingParams(max_new_tokens=8, temperature=0))
