@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -51,4 +52,10 @@ def test_a_failed_make_leaves_nothing_and_the_next_caller_makes_it(tmp_path):
     with pytest.raises(RuntimeError, match="no compiler"):
         made_once(target, fail)
     assert not target.exists()
-    assert made_once(target, lambda: target.write_text("made")).read_text() == "made"
+    # a lock the failure kept would make the next caller wait for ever: it gets a thread and 30 s
+    made: list[str] = []
+    caller = threading.Thread(target=lambda: made.append(made_once(target, lambda: target.write_text("made")).read_text()))
+    caller.start()
+    caller.join(30)
+    assert not caller.is_alive(), "the failed make kept the lock"
+    assert made == ["made"]

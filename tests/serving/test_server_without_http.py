@@ -221,7 +221,9 @@ def test_choices_share_one_deadline_and_a_failing_choice_ends_the_rest(om):
         assert "timeout" in {g.ended_by for g in choices}
         failing = SamplingParams(max_new_tokens=8, temperature=1.0)
         object.__setattr__(failing, "repetition_penalty", 1e-308)  # past the checks: inf - inf in the sampler
-        # the failing choice fails in the first step; the other needs thousands (a token a step)
+        # the failing choice fails in the first step; the other needs thousands (a token a step). The deadline
+        # is not this half's subject: a busy host can take 0.5 s over the 1,000-token prefill alone
+        server.settings.request_timeout_s = 600
         choices = server._admit("tiny", None, "/x", (), [5] * 1000, [failing, SamplingParams(**ENDLESS)])
         assert _refused(lambda: asyncio.run(server.complete_all(choices))).status == 500
         assert [g.outcome()[0] for g in choices] == [500, 500] and choices[1].ended_by == "failed"
