@@ -47,7 +47,7 @@
 #define GROUP_F32 64       /* of a float32 panel */
 #define GEMV_ROWS 4        /* rows up to which each group is unpacked once for all of them (decode) */
 #define TILE_ROWS 12       /* rows of the GEMM tile: 24 accumulators, 2 weight vectors and a broadcast */
-#define PREFETCH 4096      /* bytes ahead of the panel being read (as the INT4 kernel's) */
+#define PREFETCH 8192      /* bytes ahead of the panel being read (docs/performance.md#fp32-weights-in-panels) */
 #define MAX_GEMV_TASKS 16  /* parallel tasks a decode call splits its panels into, as MatMulInt4 */
 #define GEMM_TASKS 32      /* at most, each over a range of pairs of panels */
 #define SCRATCH_BYTES (256 * 1024) /* unpacked pairs a task holds at a time: half of L2, where they are reread */
@@ -124,6 +124,13 @@ static void exceptions(const Work* w, int64_t p, float* sums, int64_t rows) {
   }
 }
 
+/* a line PREFETCH bytes ahead, or the task's last line (`stop`) where that lies past it: beyond are the next
+   task's panels, which another thread may be reading, and a call's 16 tasks fetching PREFETCH bytes each for
+   nothing made a step's matmuls 1.06-1.10x slower at 8 KiB ahead (docs/performance.md#fp32-weights-in-panels) */
+static inline void prefetch_within(const char* ahead, const char* stop) {
+  _mm_prefetch(ahead < stop ? ahead : stop, _MM_HINT_T0);
+}
+
 /* decode: ROWS rows of every panel in [p0, p1), each group read (unpacked) once; FORMAT f32 or f28: GROUP its
    bytes, SETUP what LOAD(src, kk, K, last) needs, EXCEPTIONS whether it has them */
 #define GEMV(FORMAT, ROWS, GROUP, SETUP, LOAD, EXCEPTIONS)                                                          \
@@ -131,6 +138,7 @@ static void exceptions(const Work* w, int64_t p, float* sums, int64_t rows) {
     const Kernel* k = w->k;                                                                                          \
     const int64_t K = k->K;                                                                                          \
     SETUP                                                                                                            \
+    const char* stop = (const char*)w->packed + p1 * K * GROUP - 64;                                                 \
     for (int64_t p = p0; p < p1; p++) {                                                                              \
       const uint8_t* src = w->packed + p * K * GROUP;                                                                \
       __m512 even[ROWS], odd[ROWS];                                                                                  \
@@ -138,8 +146,8 @@ static void exceptions(const Work* w, int64_t p, float* sums, int64_t rows) {
       const int last = p == w->panels - 1;                                                                           \
       int64_t kk = 0;                                                                                                \
       for (; kk + 2 <= K - last; kk += 2) {                                                                          \
-        _mm_prefetch((const char*)src + kk * GROUP + PREFETCH, _MM_HINT_T0);                                         \
-        _mm_prefetch((const char*)src + kk * GROUP + PREFETCH + 64, _MM_HINT_T0);                                    \
+        prefetch_within((const char*)src + kk * GROUP + PREFETCH, stop);                                             \
+        prefetch_within((const char*)src + kk * GROUP + PREFETCH + 64, stop);                                        \
         const __m512 w0 = LOAD(src, kk, K, 0), w1 = LOAD(src, kk + 1, K, 0);                                        \
         for (int r = 0; r < ROWS; r++) {                                                                             \
           even[r] = _mm512_fmadd_ps(_mm512_set1_ps(w->a[r * K + kk]), w0, even[r]);                                  \
