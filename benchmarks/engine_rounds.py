@@ -8,12 +8,15 @@ import time
 
 def decode_rounds(engines: dict, prompt: list[int], steps: int, rounds: int) -> tuple[dict, dict]:
     """({name: ms a token of each round}, {name: the tokens of its last round}): each engine decodes `steps`
-    tokens greedily after `prompt` once a round, in turn; the engines are closed after."""
+    tokens greedily after `prompt` once a round, in turn, the order reversed every other round (the engine that
+    ran second was 1.7-3.5% faster than the same code running first, SmolLM2 FP32, 2026-12-04); the engines
+    are closed after."""
     times: dict = {name: [] for name in engines}
     tokens: dict = {}
     try:
-        for _ in range(rounds):
-            for name, engine in engines.items():
+        for round_ in range(rounds):
+            order = list(engines.items())
+            for name, engine in order[::-1] if round_ % 2 else order:
                 start = time.perf_counter()
                 tokens[name] = engine.generate(prompt, max_new_tokens=steps, temperature=0.0, ignore_eos=True)
                 times[name].append((time.perf_counter() - start) / steps * 1e3)

@@ -125,8 +125,9 @@ static void exceptions(const Work* w, int64_t p, float* sums, int64_t rows) {
 }
 
 /* a line PREFETCH bytes ahead, or the task's last line (`stop`) where that lies past it: beyond are the next
-   task's panels, which another thread may be reading, and a call's 16 tasks fetching PREFETCH bytes each for
-   nothing made a step's matmuls 1.06-1.10x slower at 8 KiB ahead (docs/performance.md#fp32-weights-in-panels) */
+   task's panels, which this thread will not read. SmolLM2's FP32 decode step was 1.08-1.10x slower at 4 KiB
+   ahead without the stop than at 4 KiB with it or at 8 KiB with or without it, and 1.09x slower at 32 KiB
+   (docs/performance.md#fp32-weights-in-panels) */
 static inline void prefetch_within(const char* ahead, const char* stop) {
   _mm_prefetch(ahead < stop ? ahead : stop, _MM_HINT_T0);
 }
