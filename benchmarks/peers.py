@@ -20,8 +20,8 @@ Engines, each on a model made from the same weights (built once into the cache f
   extra buffer types, whose AMX kernels crash on this model (ggml-org/llama.cpp#20824).
 - onnxruntime fp32: the original export in `cann-run bench`'s plain greedy loop.
 
-Each measurement is a fresh process of one engine (`--worker`); a round runs every engine once, in turn,
-so machine noise falls on all alike; the table shows medians over the rounds. A process loads its engine,
+Each measurement is a fresh process of one engine (`--worker`); a round runs every engine once, in turn
+(every other round in the reverse order), so machine noise falls on all alike; the table shows medians over the rounds. A process loads its engine,
 warms it (the prefill prompt, four tokens), then measures, greedily:
 
 \b
@@ -623,7 +623,8 @@ def main(precision, rounds, new_tokens, prompt_tokens, prefill_tokens, threads, 
            "context": max(prefill_tokens + WARM_TOKENS, prompt_tokens * 2 + max(new_tokens, ceiling_bursts * BURST)) + 64}
     samples = {e.name: [] for e in engines}
     for index in range(rounds):
-        for engine in engines:
+        # every other round in the reverse order, so that no engine always runs just after the same other one
+        for engine in engines[::-1] if index % 2 else engines:
             if models[engine.name] is None:
                 continue
             click.echo(f"round {index + 1}/{rounds}: {engine.name} ...", err=True)
