@@ -21,8 +21,8 @@ Engines, each on a model made from the same weights (built once into the cache f
 - onnxruntime fp32: the original export in `cann-run bench`'s plain greedy loop.
 
 Each measurement is a fresh process of one engine (`--worker`); a round runs every engine once, in turn
-(every other round in the reverse order), so machine noise falls on all alike; the table shows medians over the rounds. A process loads its engine,
-warms it (the prefill prompt, four tokens), then measures, greedily:
+(every other round in the reverse order), so machine noise falls on all alike; the table shows medians over
+the rounds. A process loads its engine, warms it (the prefill prompt, four tokens), then measures, greedily:
 
 \b
 - decode: a chat prompt of about --prompt-tokens tokens (one user message through each engine's own chat
