@@ -22,7 +22,9 @@
                            of 64 or half of one of 128; a 4-bit column can end in half a piece */
 #define ROWS 4          /* rows computed together, sharing each unpacked weight piece */
 #define TASK_COLUMNS 16 /* columns computed together: their weights stay in L1 while every row is read */
-#define PREFETCH 4096   /* bytes ahead of the weights being read that a column asks for (best of 512-8192 here) */
+#define PREFETCH 8192   /* bytes ahead of the weights being read that a column asks for: 4096 was the best of
+                           512-8192 on one host; on another (AMX, slower memory) 8192 made a decode step 1.02x
+                           faster twice and 2048 1.13x slower (docs/performance.md#int4-matmul) */
 #define MAX_TASKS 16    /* parallel tasks a call splits its columns into at most, as MLAS does for this much work */
 #define TASKS_A_CPU 4   /* and at most this many a CPU: on 2 CPUs, 8 tasks read a decode step's matmuls 1.3-5.5%
                            faster than 16 (fewer streams to start a call), 21 rows 5.9%, 512 rows the same */
