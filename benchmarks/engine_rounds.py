@@ -8,8 +8,8 @@ import time
 
 def decode_rounds(engines: dict, prompt: list[int], steps: int, rounds: int) -> tuple[dict, dict]:
     """({name: ms a token of each round}, {name: the tokens of its last round}): each engine decodes `steps`
-    tokens greedily after `prompt` once a round, in turn, the order reversed every other round (the engine that
-    ran second was 1.7-3.5% faster than the same code running first, SmolLM2 FP32, 2026-12-04); the engines
+    tokens greedily after `prompt` once a round, in turn, the order reversed every other round (with the same
+    library in both, the engine that always ran second was 1.7% faster, SmolLM2 FP32, 2026-12-04); the engines
     are closed after."""
     times: dict = {name: [] for name in engines}
     tokens: dict = {}
