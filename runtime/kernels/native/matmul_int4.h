@@ -25,6 +25,9 @@
 #define PREFETCH 8192   /* bytes ahead of the weights being read that a column asks for: 4096 was the best of
                            512-8192 on one host; on another (AMX, slower memory) 8192 made a decode step 1.02x
                            faster twice and 2048 1.13x slower (docs/performance.md#int4-matmul) */
+#define PREFETCH_HINT _MM_HINT_T1 /* into L2, not L1: a decode step's many short streams were bound by L1's outstanding
+                                   misses; with the AVX-512 kernels a step 1.06-1.10x faster in three runs, with the
+                                   AVX2 ones 1.03-1.04x in two on one host, level (1.01x) in one on another */
 #define MAX_TASKS 16    /* parallel tasks a call splits its columns into at most, as MLAS does for this much work */
 #define TASKS_A_CPU 4   /* and at most this many a CPU: on 2 CPUs, 8 tasks read a decode step's matmuls 1.3-5.5%
                            faster than 16 (fewer streams to start a call), 21 rows 5.9%, 512 rows the same */

@@ -166,7 +166,7 @@ static inline __attribute__((always_inline)) void sixteen(const Work* w, int64_t
     if (bits == 4) { /* byte k of a piece holds elements 2k (low nibble) and 2k+1: q's evens at xb + k, odds at xb + 64 + k */
       for (int64_t p = 0; p < pieces; p++) {
         const uint8_t* piece = column + p * PIECE;
-        if (r0 == 0) _mm_prefetch((const char*)(piece + PREFETCH), _MM_HINT_T0); /* as in the AVX-512 kernel */
+        if (r0 == 0) _mm_prefetch((const char*)(piece + PREFETCH), PREFETCH_HINT); /* as in the AVX-512 kernel */
         const int half = w->half_last && p == pieces - 1;
         const __m256i b0 = _mm256_loadu_si256((const __m256i*)piece);
         const __m256i b1 = half ? _mm256_setzero_si256() : _mm256_loadu_si256((const __m256i*)(piece + 32));
@@ -200,8 +200,8 @@ static inline __attribute__((always_inline)) void sixteen(const Work* w, int64_t
       for (int64_t b = 0; b < blocks; b++) {
         const uint8_t* piece = column + b * block_bytes;
         if (r0 == 0) { /* as in the AVX-512 kernel: the hardware's prefetch alone leaves memory underused */
-          _mm_prefetch((const char*)(piece + PREFETCH), _MM_HINT_T0);
-          if (block_bytes > PIECE) _mm_prefetch((const char*)(piece + PREFETCH + PIECE), _MM_HINT_T0);
+          _mm_prefetch((const char*)(piece + PREFETCH), PREFETCH_HINT);
+          if (block_bytes > PIECE) _mm_prefetch((const char*)(piece + PREFETCH + PIECE), PREFETCH_HINT);
         }
         __m256i d[ROWS];
 #pragma GCC unroll 4

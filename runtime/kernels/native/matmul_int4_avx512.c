@@ -14,9 +14,6 @@
 #define LANE_ROWS 12 /* rows of a lane tile: an int32 and a float accumulator each (14, or 8 with two
                         int32 accumulators each: slower) */
 #define LANE_FROM 16 /* rows from which the lane path runs (below, transposing costs about what it saves) */
-#define PREFETCH_HINT _MM_HINT_T1 /* the weights' prefetch goes into L2, not L1: a decode step's many short streams
-                                   were bound by L1's outstanding misses; a step 1.06x faster (benchmarks/decode_ab.py,
-                                   nine rounds), 1.09-1.10x in two earlier runs. The AVX2 kernel keeps T0 */
 
 size_t matmul_int4_lane_bytes(int64_t m, int64_t pieces) {
   return m >= LANE_FROM ? (size_t)(MAX_TASKS * TASK_COLUMNS * pieces * PIECE) : 0;
