@@ -31,6 +31,7 @@ import onnx
 from onnx import numpy_helper
 
 from runtime.errors import AtcError
+from runtime.huge_pages import huge_page_size
 from runtime.safe_files import atomic_writer
 
 MAGIC = 0x444F4D49
@@ -138,7 +139,8 @@ def write_artifact(path: str | os.PathLike, model: onnx.ModelProto, metadata: di
         blobs.append((Partition.TOKENIZER, json.dumps(tokenizer_files, sort_keys=True, ensure_ascii=False).encode(), 0))
     table_end = HEADER_SIZE + _TABLE_HEAD.size + _ENTRY.size * len(blobs)
     data_start = _align(table_end)
-    with atomic_writer(path) as handle:
+    with atomic_writer(path) as file:
+        handle = _WholeChunks(file, huge_page_size())
         handle.write(b"\0" * data_start)
         entries = []
         for kind, data, size in blobs:
@@ -150,12 +152,47 @@ def write_artifact(path: str | os.PathLike, model: onnx.ModelProto, metadata: di
                 handle.write(data)
                 crc, size = zlib.crc32(data), len(data)
             entries.append(_ENTRY.pack(kind, crc, start - table_end, size))
-        end = handle.tell()
+        handle.flush()
+        end = file.tell()
         table = _TABLE_HEAD.pack(len(entries)) + b"".join(entries)
         header = _pack_header(metadata, end - HEADER_SIZE, hashlib.sha256(table).digest())
-        handle.seek(0)
-        handle.write(header + table)
+        file.seek(0)
+        file.write(header + table)
     return path.stat().st_size
+
+
+class _WholeChunks:
+    """A file, written from its start, written in whole chunks of `chunk` bytes (the last one as it ends). A
+    filesystem with large folios (ext4 on Linux 6.16 and later, XFS) caches a write of a huge page's bytes at a
+    huge page's offset in one huge folio, which a mapping of the file maps with one TLB entry; written tensor by
+    tensor, most of the artifact's weights stayed in small pages (docs/performance.md#weights-in-huge-pages).
+    Only the bytes short of a whole chunk are copied."""
+
+    def __init__(self, file, chunk: int):
+        self._file, self._chunk, self._pending = file, chunk, bytearray()
+
+    def tell(self) -> int:
+        return self._file.tell() + len(self._pending)
+
+    def write(self, data) -> None:
+        view = memoryview(data).cast("B")
+        if self._pending:
+            take = min(self._chunk - len(self._pending), len(view))
+            self._pending += view[:take]
+            view = view[take:]
+            if len(self._pending) < self._chunk:
+                return
+            self._file.write(self._pending)
+            self._pending.clear()
+        whole = len(view) - len(view) % self._chunk
+        if whole:
+            self._file.write(view[:whole])
+        self._pending += view[whole:]
+
+    def flush(self) -> None:
+        """Write what is left, short of a chunk."""
+        self._file.write(self._pending)
+        self._pending.clear()
 
 
 def _write_weights(handle, placed, start: int, size: int) -> int:
@@ -228,6 +265,15 @@ class OmFile:
         first = start - start % mmap.PAGESIZE
         if end > first:
             self._mm.madvise(mmap.MADV_DONTNEED, first, end - first)
+
+    def advise_huge_pages(self) -> None:
+        """Ask the kernel to read this file's pages back in huge folios when they are read again from disk, as
+        `write_artifact` leaves them (a kernel or filesystem without them ignores it; one that refuses the advice
+        leaves the pages as they are)."""
+        try:
+            self._mm.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError):  # not Linux, or a sandbox's filter
+            pass
 
     def release(self, view: np.ndarray) -> None:
         """Drop the pages of `view` (an array from `weights`) from this process's resident memory, once a copy

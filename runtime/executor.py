@@ -358,39 +358,56 @@ def _float32_panels(model: onnx.ModelProto, weights: dict[str, np.ndarray],
 
 def _in_huge_pages(model: onnx.ModelProto, weights: dict[str, np.ndarray], keep: Callable[[onnx.NodeProto], bool],
                    artifact: OmFile) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-    """A copy of `model` whose native MatMulInt4 nodes (`keep`) read their weight from a copy in huge pages
-    (runtime/huge_pages.py) under a name of its own, and those copies by name, for the session as
-    `_unpacked_float28`'s weights are. The artifact's pages of each weight are released once it is copied;
-    other readers of the weight (the embedding lookup of a tied head) keep the original. `model` itself is
-    left alone when there are none. Only MatMulInt4's: MatMulF28's panels gained 1.025x a step for 1.1 s more
-    load and a peak 90 MB higher (SmolLM2, its tied head's 99 MB copied whole)."""
-    def streamed(node: onnx.NodeProto) -> str | None:
-        if node.domain != CUSTOM_DOMAIN or node.op_type != MATMUL_INT4.name or not keep(node):
-            return None
-        return node.input[MatMulQuantInput.B] if node.input[MatMulQuantInput.B] in weights else None
-
-    sources = list(dict.fromkeys(name for node in model.graph.node if (name := streamed(node))))
+    """A copy of `model` whose native matmuls read the weights they stream from huge pages, each under a name of
+    its own, and those weights by name, for the session as `_unpacked_float28`'s weights are. MatMulInt4's
+    (`keep`) are copied into an arena of huge pages (runtime/huge_pages.py), the artifact's pages of each released
+    once copied. MatMulF28's panels are the artifact's own mapping, advised for huge pages: `atc` leaves its
+    weights in the page cache in huge folios (runtime/artifact.py), which that one mapping of the whole file maps
+    whole, where onnxruntime's mapping of each weight on its own maps only the huge folios inside it (a copy
+    instead gained 1.025x a step for 1.1 s more load and a peak 90 MB higher on SmolLM2, its tied head's 99 MB
+    copied whole). Other readers of a weight (the embedding lookup of a tied head) keep the original. `model`
+    itself is left alone when there are none."""
+    sources = list(dict.fromkeys(weight for node in model.graph.node
+                                 if (slot := _streamed_slot(node, keep)) is not None
+                                 and (weight := node.input[slot]) in weights))
     if not sources:
         return model, {}
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     taken = {t.name for t in copy.graph.initializer} | {v.name for v in copy.graph.input}
-    try:
-        arena = HugePageArena([weights[source] for source in sources])
-    except OSError as error:  # no room for the mapping (an overcommit limit, a cgroup): the weights stay put
-        log.warning("W13003: weights left in the artifact's pages: no memory for their copy in huge pages (%s)", error)
-        return model, {}
-    copies, renamed = {}, {}
+    quantized = {node.input[MatMulQuantInput.B] for node in model.graph.node if node.op_type == MATMUL_INT4.name}
+    arena = None
+    if to_copy := [weights[source] for source in sources if source in quantized]:
+        try:
+            arena = HugePageArena(to_copy)
+        except OSError as error:  # no room for the mapping (an overcommit limit, a cgroup): those weights stay put
+            log.warning("W13003: weights left in the artifact's pages: no memory for their copy in huge pages (%s)", error)
+            sources = [source for source in sources if source not in quantized]
+    if any(source not in quantized for source in sources):
+        artifact.advise_huge_pages()
+    given, renamed = {}, {}
     for source in sources:
         name = renamed[source] = _fresh_name(f"{source}/huge_pages", taken)
-        copies[name] = arena.copy(weights[source])
-        artifact.release(weights[source])
-        copy.graph.initializer.append(_made_at_load(name, copies[name]))
+        if source in quantized:
+            given[name] = arena.copy(weights[source])
+            artifact.release(weights[source])
+        else:
+            given[name] = weights[source]
+        copy.graph.initializer.append(_made_at_load(name, given[name]))
     for node in copy.graph.node:
-        if (source := streamed(node)) is not None:
-            node.input[MatMulQuantInput.B] = renamed[source]
+        if (slot := _streamed_slot(node, keep)) is not None and node.input[slot] in renamed:
+            node.input[slot] = renamed[node.input[slot]]
     _drop_unread(copy.graph, set(sources))
-    return copy, copies
+    return copy, given
+
+
+def _streamed_slot(node: onnx.NodeProto, keep: Callable[[onnx.NodeProto], bool]) -> int | None:
+    """The input of `node` holding the weight a native matmul streams at every step, if it is one."""
+    if node.domain != CUSTOM_DOMAIN:
+        return None
+    if node.op_type == MATMUL_INT4.name and keep(node):
+        return MatMulQuantInput.B
+    return MatMulF28Input.PACKED if node.op_type == MATMUL_F28.name else None
 
 
 class _SegmentStep:
@@ -399,7 +416,7 @@ class _SegmentStep:
                  native_matmul: bool = True, share_weights: bool = False, panels: bool = False,
                  huge: bool = False):
         """`panels`: lay the segment's float32 MatMul weights out for the library's MatMulF32 (`_float32_panels`);
-        `huge`: copy the weights the native matmuls stream into huge pages (`_in_huge_pages`)."""
+        `huge`: the weights the native matmuls stream read from huge pages (`_in_huge_pages`)."""
         self.inputs, self.outputs = segment.inputs, segment.outputs
         if backend == "onnxruntime":
             model, keep = segment.model, None

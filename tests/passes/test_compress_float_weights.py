@@ -105,7 +105,9 @@ def test_a_contiguous_artifact_reproduces_onnxruntime_on_the_export(backend, tmp
     loaded = load_artifact(compile_to(source, tmp_path / "m", compress_fp32_weight=True))
     executor = Executor(loaded, backend)
     if backend == "onnxruntime":
-        unpacked = [name for step in executor._steps for name in getattr(step, "_unpacked", {})]
+        given = [name for step in executor._steps for name in getattr(step, "_unpacked", {})]
+        # the native op's panels are given as the artifact's own pages, under names of their own
+        unpacked = [name for name in given if not name.endswith("/huge_pages")]
         assert bool(unpacked) != native.has_float28_matmul()
     dims = loaded.metadata["model"]
     rng = np.random.default_rng(0)

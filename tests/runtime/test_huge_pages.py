@@ -1,19 +1,21 @@
-"""The native matmuls' streamed weights copied at load into huge pages (runtime/huge_pages.py,
-runtime/executor.py `_in_huge_pages`): the kernel's setting read as it is, the copies exact and aligned, every
-native MatMulInt4 reading its copy (a tied head's table still read by the embedding lookup as it was), the
-artifact's pages of each copied weight released, and the engine generating the same tokens as without the
-copies; none made with the native matmuls off or the weights shared."""
+"""The native matmuls' streamed weights read from huge pages (runtime/huge_pages.py, runtime/executor.py
+`_in_huge_pages`): the kernel's setting read as it is, the copies exact and aligned, every native MatMulInt4
+reading its copy (a tied head's table still read by the embedding lookup as it was), the artifact's pages of
+each copied weight released, every MatMulF28 reading the artifact's own pages, which `atc` writes in whole huge
+pages so that the page cache holds them in huge folios, and the engine generating the same tokens as without;
+none of it with the native matmuls off or the weights shared."""
 
 from __future__ import annotations
 
 import collections
+import io
 import json
 
 import numpy as np
 import pytest
 from conftest import compile_to
 
-from runtime import huge_pages
+from runtime import artifact, huge_pages
 from runtime.engine.engine import LLMEngine
 from runtime.executor import Executor, _in_huge_pages, _native_nodes
 from runtime.kernels import native
@@ -21,6 +23,7 @@ from runtime.loader import load_artifact
 
 PROMPTS = [[5, 17, 99, 3, 42, 8, 61, 2], [7, 1, 250, 33], list(range(3, 40))]
 MATMUL = pytest.mark.skipif(not native.has_int8_matmul(), reason="no native MatMulInt4 on this CPU")
+F28 = pytest.mark.skipif(not native.has_float28_matmul(), reason="no native MatMulF28 on this CPU")
 
 
 @pytest.mark.parametrize("text,expected", [("always [madvise] never\n", True), ("[always] madvise never\n", True),
@@ -146,3 +149,100 @@ def test_the_engine_generates_the_same_tokens_with_and_without_the_copies(tied_i
     for options in ({"huge_pages": False}, {"native_matmul": False}, {"share_weights": True}):
         assert _copied(Executor(load_artifact(tied_int4), **options)) == [], options
     assert _tokens(tied_int4) == _tokens(tied_int4, huge_pages=False)
+
+
+@pytest.fixture(scope="module")
+def tied_f28(tmp_path_factory):
+    """FP32 in 28 bits, paged, with a tied head."""
+    from models.tiny import tiny_onnx
+
+    return compile_to(tiny_onnx("llama_tied", dynamo=True, with_past=True), tmp_path_factory.mktemp("f28") / "m",
+                      enable_paged_attention=True, compress_fp32_weight=True)
+
+
+@F28
+def test_every_native_f28_matmul_reads_the_artifacts_own_pages(tied_f28):
+    loaded = load_artifact(tied_f28)
+    matmuls = [node for node in loaded.model.graph.node if node.op_type == "MatMulF28"]
+    model, given = _in_huge_pages(loaded.model, loaded.weights, _native_nodes(loaded.model), loaded.om)
+    sources = {node.input[1] for node in matmuls}
+    assert matmuls and sorted(given) == sorted(f"{source}/huge_pages" for source in sources)
+    for name, view in given.items():  # no copy: the very bytes of the artifact's mapping
+        assert view.__array_interface__ == loaded.weights[name.removesuffix("/huge_pages")].__array_interface__
+    assert all(node.input[1] in given for node in model.graph.node if node.op_type == "MatMulF28")
+    ops = collections.Counter(node.op_type for node in model.graph.node)
+    assert ops == collections.Counter(node.op_type for node in loaded.model.graph.node)
+
+
+@F28
+def test_the_engine_generates_the_same_tokens_with_the_f28_panels_in_place(tied_f28, monkeypatch):
+    import runtime.executor
+
+    monkeypatch.setattr(runtime.executor, "huge_pages_given", lambda: True)
+    given = _copied(Executor(load_artifact(tied_f28)))
+    assert given and all(name.removesuffix("/huge_pages") in load_artifact(tied_f28).weights for name in given)
+    assert _copied(Executor(load_artifact(tied_f28), huge_pages=False)) == []
+    assert _tokens(tied_f28) == _tokens(tied_f28, huge_pages=False)
+
+
+class _Recording(io.FileIO):
+    """A real file that also records where each write lands and how long it is."""
+
+    def __init__(self, path):
+        super().__init__(path, "wb")
+        self.writes: list[tuple[int, int]] = []
+
+    def write(self, data):
+        self.writes.append((self.tell(), len(memoryview(data).cast("B"))))
+        return super().write(data)
+
+
+def test_the_artifact_writer_writes_whole_huge_pages_at_huge_page_offsets(tmp_path):
+    chunk = 1 << 12
+    rng = np.random.default_rng(0)
+    pieces = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for size in (5, 9000, 0, 4096, 1, 20000, 3)]
+    with _Recording(tmp_path / "chunks") as file:
+        whole = artifact._WholeChunks(file, chunk)
+        for piece in pieces:
+            whole.write(piece)
+            assert whole.tell() == sum(len(p) for p in pieces[:pieces.index(piece) + 1])
+        whole.flush()
+    assert (tmp_path / "chunks").read_bytes() == b"".join(pieces)
+    *middle, (last_at, _) = file.writes
+    assert all(at % chunk == 0 and length % chunk == 0 for at, length in middle) and last_at % chunk == 0
+
+
+def _huge_kib(path) -> int:
+    """KiB of `path` mapped in huge pages when this process maps all of it and reads a byte of every page."""
+    import mmap
+
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        sum(mapped[::4096])
+        with open("/proc/self/smaps") as smaps:
+            total, inside = 0, False
+            for line in smaps:
+                if "-" in line.split(" ", 1)[0] and not line.split(" ", 1)[0].endswith(":"):
+                    inside = line.rstrip().endswith(str(path))
+                elif inside and line.startswith("FilePmdMapped:"):
+                    total += int(line.split()[1])
+        return total
+
+
+def test_an_artifact_lies_in_the_page_cache_in_huge_folios(tmp_path):
+    """Where the filesystem caches a file written in one piece in huge folios (the control beside it, written
+    after it), the artifact's weights lie in huge folios too, written tensor by tensor as they are."""
+    import onnx
+    from onnx import helper
+
+    rng = np.random.default_rng(0)
+    weights = [rng.standard_normal((700, 1000)).astype(np.float32) for _ in range(4)]  # 2.8 MB each: not aligned
+    graph = helper.make_graph([helper.make_node("Concat", [f"w{i}" for i in range(4)], ["y"], axis=0)], "g", [],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+                              [onnx.numpy_helper.from_array(w, f"w{i}") for i, w in enumerate(weights)])
+    om = (tmp_path / "m.om").resolve()
+    artifact.write_artifact(om, helper.make_model(graph), {"name": "m"})
+    control = om.with_name("control")
+    control.write_bytes(om.read_bytes())
+    if _huge_kib(control) == 0:
+        pytest.skip("this filesystem or kernel caches no file in huge folios")
+    assert _huge_kib(om) >= _huge_kib(control) - 2048
