@@ -25,6 +25,10 @@ from runtime.serving.server import Server
 from runtime.serving.stats_line import StatsLines
 
 FLUSH_TIMEOUT_S = 10  # uvicorn's graceful timeout: it starts once the drain has answered every request
+# an idle connection is kept this long (nginx's default). uvicorn's own 5 s is httpx's (so the openai SDK's)
+# keep-alive expiry: a client reusing a connection as its fifth second ends met a server closing it, and its
+# request failed with "Server disconnected without sending a response"; held longer, the client lets go first
+KEEP_ALIVE_S = 75
 
 
 def serve(server: Server, host: str, port: int, stats_interval_s: float, say: Callable[[str], None]) -> None:
@@ -36,7 +40,7 @@ def serve(server: Server, host: str, port: int, stats_interval_s: float, say: Ca
     cannot be listened on, before anything loads."""
     listener = _listen(host, port)
     config = uvicorn.Config(create_app(server), host=host, port=port, log_level="warning",
-                            timeout_graceful_shutdown=FLUSH_TIMEOUT_S)
+                            timeout_graceful_shutdown=FLUSH_TIMEOUT_S, timeout_keep_alive=KEEP_ALIVE_S)
     _Process(config, server, stats_interval_s, say).run(sockets=[listener])
 
 

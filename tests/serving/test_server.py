@@ -147,6 +147,17 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(server):
     assert server.metric("cann_llm:kv_cache_usage_perc", model_name="tiny") == 0
 
 
+def test_an_idle_connection_is_kept_past_the_clients_keep_alive_expiry(server):
+    """httpx (and so the openai SDK) reuses an idle connection for 5 s: a server closing it at 5 s races the
+    reuse and fails the request; ours keeps it longer, so a connection idle 6 s still serves."""
+    with httpx.Client(base_url=server.url, limits=httpx.Limits(keepalive_expiry=60)) as client:
+        first = client.get("/health")
+        time.sleep(6)
+        second = client.get("/health")
+    assert first.status_code == second.status_code == 200
+    assert first.extensions["network_stream"] is second.extensions["network_stream"]  # the same connection
+
+
 def test_metrics_add_up(server):
     text = httpx.get(f"{server.url}/metrics", timeout=60).text
     assert "cann_llm:time_to_first_token_seconds_bucket" in text and "cann_llm:num_requests_running" in text
