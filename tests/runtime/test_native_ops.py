@@ -193,8 +193,9 @@ def test_a_failing_build_leaves_no_library_behind(tmp_path):
     assert not list((tmp_path / "cache").rglob("*.so"))
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 3072), (1, 37, 96), (2, 5, 8)])
-def test_the_native_swiglu_equals_the_numpy_kernel(shape):
+@pytest.mark.parametrize("build", ["native", "avx2"] if AVX2_BUILD else ["native"])
+@pytest.mark.parametrize("shape", [(1, 1, 3072), (1, 37, 96), (2, 5, 8), (3, 4, 42)])  # halves past 16 and 8 lanes
+def test_the_native_swiglu_equals_the_numpy_kernel(shape, build, request):
     from runtime.kernels.norms import SwiGlu
 
     rng = np.random.default_rng(1)
@@ -205,7 +206,8 @@ def test_the_native_swiglu_equals_the_numpy_kernel(shape):
                               [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(CUSTOM_DOMAIN, 1)])
     options = ort.SessionOptions()
-    options.register_custom_ops_library(str(native.library_path()))
+    library = request.getfixturevalue("avx2_library") if build == "avx2" else native.library_path()
+    options.register_custom_ops_library(str(library))
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     (y,) = session.run(None, {"x": x})
     with np.errstate(over="ignore"):  # exp(120) is inf in numpy: SiLU(-120) is then -0, as it should be

@@ -19,7 +19,23 @@ static void swiglu_row(void* data, size_t row) {
   const float* gate = r->x + (int64_t)row * 2 * r->half;
   const float* up = gate + r->half;
   float* out = r->out + (int64_t)row * r->half;
-  for (int64_t i = 0; i < r->half; i++) out[i] = gate[i] / (1.0f + fast_exp(-gate[i])) * up[i];
+  int64_t i = 0;
+  /* by hand: gcc's own vector loop of the line below ran an element in ~6 ns on one thread, AVX-512 or AVX2
+     alike (a 512-token prefill's 30 SwiGlu took 72 ms of its 566); these ~10x faster */
+#if defined(__AVX512F__)
+  for (; i + 16 <= r->half; i += 16) {
+    const __m512 g = _mm512_loadu_ps(gate + i);
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (; i + 8 <= r->half; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+  }
+#endif
+  for (; i < r->half; i++) out[i] = gate[i] / (1.0f + fast_exp(-gate[i])) * up[i];
 }
 
 static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
