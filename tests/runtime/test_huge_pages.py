@@ -89,14 +89,14 @@ def test_every_native_matmul_reads_its_copy_and_the_embedding_the_table(tied_int
     assert initializers == ({t.name for t in loaded.model.graph.initializer} - sources) | set(copies) | {gather.input[0]}
 
 
-def _om_resident_kib(path) -> int:
-    """KiB of the artifact file's pages this process holds mapped."""
+def _mapped_kib(path, field: str = "Rss") -> int:
+    """KiB of `path`'s pages this process holds mapped (`field`: Rss, or FilePmdMapped for those in huge pages)."""
     total, inside = 0, False
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
             if "-" in line.split(" ", 1)[0] and not line.split(" ", 1)[0].endswith(":"):
                 inside = line.rstrip().endswith(str(path))
-            elif inside and line.startswith("Rss:"):
+            elif inside and line.startswith(f"{field}:"):
                 total += int(line.split()[1])
     return total
 
@@ -115,9 +115,9 @@ def test_the_artifacts_pages_of_a_copied_weight_are_released(tmp_path):
     table = next(node.input[1] for node in loaded.model.graph.node if node.op_type == "MatMulInt4"
                  and loaded.weights[node.input[1]].nbytes > 1_000_000)
     loaded.weights[table].sum()  # every page of it mapped, as running the head would map them
-    before = _om_resident_kib(om.resolve())
+    before = _mapped_kib(om.resolve())
     _in_huge_pages(loaded.model, loaded.weights, _native_nodes(loaded.model), loaded.om)
-    released = before - _om_resident_kib(om.resolve())
+    released = before - _mapped_kib(om.resolve())
     # nearly all of it (not the pages it shares with its neighbours); without the release, none
     assert released >= 0.9 * loaded.weights[table].nbytes / 1024
 
@@ -218,14 +218,7 @@ def _huge_kib(path) -> int:
 
     with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
         sum(mapped[::4096])
-        with open("/proc/self/smaps") as smaps:
-            total, inside = 0, False
-            for line in smaps:
-                if "-" in line.split(" ", 1)[0] and not line.split(" ", 1)[0].endswith(":"):
-                    inside = line.rstrip().endswith(str(path))
-                elif inside and line.startswith("FilePmdMapped:"):
-                    total += int(line.split()[1])
-        return total
+        return _mapped_kib(path, "FilePmdMapped")
 
 
 def test_an_artifact_lies_in_the_page_cache_in_huge_folios(tmp_path):
