@@ -31,7 +31,6 @@ import onnx
 from onnx import numpy_helper
 
 from runtime.errors import AtcError
-from runtime.huge_pages import huge_page_size
 from runtime.safe_files import atomic_writer
 
 MAGIC = 0x444F4D49
@@ -140,7 +139,7 @@ def write_artifact(path: str | os.PathLike, model: onnx.ModelProto, metadata: di
     table_end = HEADER_SIZE + _TABLE_HEAD.size + _ENTRY.size * len(blobs)
     data_start = _align(table_end)
     with atomic_writer(path) as file:
-        handle = _WholeChunks(file, huge_page_size())
+        handle = _WholeChunks(file, WRITE_CHUNK)
         handle.write(b"\0" * data_start)
         entries = []
         for kind, data, size in blobs:
@@ -223,6 +222,10 @@ def _pack_header(metadata: dict, model_length: int, checksum: bytes) -> bytes:
 
 
 CRC_CHUNK = 64 << 20  # bytes checked (and released) at a time
+# bytes written at a time, at offsets that are multiples of it: a huge page on x86-64 (and on arm64 with 4 KB
+# pages), so that the page cache holds the artifact in huge folios (`_WholeChunks`); no larger where the huge
+# page is (512 MB with 64 KB pages), since every byte short of a chunk is copied before it is written
+WRITE_CHUNK = 2 << 20
 
 
 class OmFile:
@@ -237,6 +240,13 @@ class OmFile:
             if size < HEADER_SIZE:
                 raise AtcError("E13015", self.path, f"the file has {size} bytes, less than the {HEADER_SIZE}-byte header")
             self._mm = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        # before the first read: pages read from disk through an advised mapping come in huge folios (as `atc`
+        # leaves them in the page cache), which a mapping of the file then maps whole; read once without the
+        # advice (the header, the weights' CRC), the file stayed in small ones. Ignored without huge pages.
+        try:
+            self._mm.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError):  # not Linux, or a sandbox's filter
+            pass
         self.header = self._read_header(size)
         self._partitions = self._read_table(size)
         for kind in (Partition.MODEL_DEF, Partition.WEIGHTS_DATA, Partition.METADATA):
@@ -265,15 +275,6 @@ class OmFile:
         first = start - start % mmap.PAGESIZE
         if end > first:
             self._mm.madvise(mmap.MADV_DONTNEED, first, end - first)
-
-    def advise_huge_pages(self) -> None:
-        """Ask the kernel to read this file's pages back in huge folios when they are read again from disk, as
-        `write_artifact` leaves them (a kernel or filesystem without them ignores it; one that refuses the advice
-        leaves the pages as they are)."""
-        try:
-            self._mm.madvise(mmap.MADV_HUGEPAGE)
-        except (AttributeError, OSError):  # not Linux, or a sandbox's filter
-            pass
 
     def release(self, view: np.ndarray) -> None:
         """Drop the pages of `view` (an array from `weights`) from this process's resident memory, once a copy

@@ -361,8 +361,8 @@ def _in_huge_pages(model: onnx.ModelProto, weights: dict[str, np.ndarray], keep:
     """A copy of `model` whose native matmuls read the weights they stream from huge pages, each under a name of
     its own, and those weights by name, for the session as `_unpacked_float28`'s weights are. MatMulInt4's
     (`keep`) are copied into an arena of huge pages (runtime/huge_pages.py), the artifact's pages of each released
-    once copied. MatMulF28's panels are the artifact's own mapping, advised for huge pages: `atc` leaves its
-    weights in the page cache in huge folios (runtime/artifact.py), which that one mapping of the whole file maps
+    once copied. MatMulF28's panels are the artifact's own mapping: `atc` leaves its weights in the page cache in
+    huge folios, and a read from disk brings them back so (runtime/artifact.py), which that one mapping of the whole file maps
     whole, where onnxruntime's mapping of each weight on its own maps only the huge folios inside it (a copy
     instead gained 1.025x a step for 1.1 s more load and a peak 90 MB higher on SmolLM2, its tied head's 99 MB
     copied whole). Other readers of a weight (the embedding lookup of a tied head) keep the original. `model`
@@ -383,8 +383,6 @@ def _in_huge_pages(model: onnx.ModelProto, weights: dict[str, np.ndarray], keep:
         except OSError as error:  # no room for the mapping (an overcommit limit, a cgroup): those weights stay put
             log.warning("W13003: weights left in the artifact's pages: no memory for their copy in huge pages (%s)", error)
             sources = [source for source in sources if source not in quantized]
-    if any(source not in quantized for source in sources):
-        artifact.advise_huge_pages()
     given, renamed = {}, {}
     for source in sources:
         name = renamed[source] = _fresh_name(f"{source}/huge_pages", taken)

@@ -221,21 +221,57 @@ def _huge_kib(path) -> int:
         return _mapped_kib(path, "FilePmdMapped")
 
 
-def test_an_artifact_lies_in_the_page_cache_in_huge_folios(tmp_path):
-    """Where the filesystem caches a file written in one piece in huge folios (the control beside it, written
-    after it), the artifact's weights lie in huge folios too, written tensor by tensor as they are."""
+def _artifact_and_control(folder):
+    """An artifact of four 2.8 MB weights (none at a huge page's offset) written by `atc`'s writer, and a control:
+    the same bytes written in one piece, the way a filesystem with large folios caches in huge folios."""
     import onnx
     from onnx import helper
 
     rng = np.random.default_rng(0)
-    weights = [rng.standard_normal((700, 1000)).astype(np.float32) for _ in range(4)]  # 2.8 MB each: not aligned
+    weights = [rng.standard_normal((700, 1000)).astype(np.float32) for _ in range(4)]
     graph = helper.make_graph([helper.make_node("Concat", [f"w{i}" for i in range(4)], ["y"], axis=0)], "g", [],
                               [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
                               [onnx.numpy_helper.from_array(w, f"w{i}") for i, w in enumerate(weights)])
-    om = (tmp_path / "m.om").resolve()
+    om = (folder / "m.om").resolve()
     artifact.write_artifact(om, helper.make_model(graph), {"name": "m"})
     control = om.with_name("control")
     control.write_bytes(om.read_bytes())
+    return om, control
+
+
+def _evicted(path) -> None:
+    """`path`'s pages dropped from the page cache (none of them mapped or dirty), as after a reboot."""
+    import os
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_an_artifact_lies_in_the_page_cache_in_huge_folios(tmp_path):
+    """Where the filesystem caches a file written in one piece in huge folios (the control, written after it),
+    the artifact's weights lie in huge folios too, written tensor by tensor as they are."""
+    om, control = _artifact_and_control(tmp_path)
     if _huge_kib(control) == 0:
         pytest.skip("this filesystem or kernel caches no file in huge folios")
+    assert _huge_kib(om) >= _huge_kib(control) - 2048
+
+
+def test_an_artifact_read_back_from_disk_comes_in_huge_folios(tmp_path):
+    """Evicted from the page cache, an artifact opened to serve (its header read, its weights' CRC checked) is
+    read back in huge folios: its mapping asks for them before anything reads it."""
+    import mmap
+
+    om, control = _artifact_and_control(tmp_path)
+    _evicted(control)
+    with open(control, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        mapped.madvise(mmap.MADV_HUGEPAGE)
+        sum(mapped[::4096])
+    if _huge_kib(control) == 0:
+        pytest.skip("this filesystem or kernel reads no file back in huge folios")
+    _evicted(om)
+    artifact.OmFile(om)
     assert _huge_kib(om) >= _huge_kib(control) - 2048

@@ -128,7 +128,7 @@ static void exceptions(const Work* w, int64_t p, float* sums, int64_t rows) {
    task's panels, which this thread will not read. SmolLM2's FP32 decode step was 1.08-1.10x slower at 4 KiB
    ahead without the stop than at 4 KiB with it or at 8 KiB with or without it, and 1.09x slower at 32 KiB.
    Into L2, not L1, as MatMulInt4 does: L1's few outstanding misses bounded the streams, F28's most (its step
-   1.09x faster, float32's 1.02-1.04x; docs/performance.md#fp32-weights-in-panels) */
+   1.12x faster, float32's a percent or two; docs/performance.md#fp32-weights-in-panels) */
 static inline void prefetch_within(const char* ahead, const char* stop) {
   _mm_prefetch(ahead < stop ? ahead : stop, _MM_HINT_T1);
 }
