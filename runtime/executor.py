@@ -362,31 +362,31 @@ def _in_huge_pages(model: onnx.ModelProto, weights: dict[str, np.ndarray], keep:
     its own, and those weights by name, for the session as `_unpacked_float28`'s weights are. MatMulInt4's
     (`keep`) are copied into an arena of huge pages (runtime/huge_pages.py), the artifact's pages of each released
     once copied. MatMulF28's panels are the artifact's own mapping: `atc` leaves its weights in the page cache in
-    huge folios, and a read from disk brings them back so (runtime/artifact.py), which that one mapping of the whole file maps
-    whole, where onnxruntime's mapping of each weight on its own maps only the huge folios inside it (a copy
-    instead gained 1.025x a step for 1.1 s more load and a peak 90 MB higher on SmolLM2, its tied head's 99 MB
-    copied whole). Other readers of a weight (the embedding lookup of a tied head) keep the original. `model`
-    itself is left alone when there are none."""
-    sources = list(dict.fromkeys(weight for node in model.graph.node
-                                 if (slot := _streamed_slot(node, keep)) is not None
-                                 and (weight := node.input[slot]) in weights))
-    if not sources:
+    huge folios, and a read from disk brings them back so (runtime/artifact.py), which that one mapping of the
+    whole file maps whole, where onnxruntime's mapping of each weight on its own maps only the huge folios inside
+    it (a copy instead gained 1.025x a step for 1.1 s more load and a peak 90 MB higher on SmolLM2, its tied
+    head's 99 MB copied whole). Other readers of a weight (the embedding lookup of a tied head) keep the original.
+    `model` itself is left alone when there are none."""
+    copied: dict[str, bool] = {}  # each streamed weight: copied (MatMulInt4's) or read in place (MatMulF28's)
+    for node in model.graph.node:
+        if (slot := _streamed_slot(node, keep)) is not None and node.input[slot] in weights:
+            copied.setdefault(node.input[slot], node.op_type == MATMUL_INT4.name)
+    if not copied:
         return model, {}
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     taken = {t.name for t in copy.graph.initializer} | {v.name for v in copy.graph.input}
-    quantized = {node.input[MatMulQuantInput.B] for node in model.graph.node if node.op_type == MATMUL_INT4.name}
     arena = None
-    if to_copy := [weights[source] for source in sources if source in quantized]:
+    if to_copy := [weights[source] for source, copies in copied.items() if copies]:
         try:
             arena = HugePageArena(to_copy)
         except OSError as error:  # no room for the mapping (an overcommit limit, a cgroup): those weights stay put
             log.warning("W13003: weights left in the artifact's pages: no memory for their copy in huge pages (%s)", error)
-            sources = [source for source in sources if source not in quantized]
+            copied = {source: copies for source, copies in copied.items() if not copies}
     given, renamed = {}, {}
-    for source in sources:
+    for source, copies in copied.items():
         name = renamed[source] = _fresh_name(f"{source}/huge_pages", taken)
-        if source in quantized:
+        if copies:
             given[name] = arena.copy(weights[source])
             artifact.release(weights[source])
         else:
@@ -395,7 +395,7 @@ def _in_huge_pages(model: onnx.ModelProto, weights: dict[str, np.ndarray], keep:
     for node in copy.graph.node:
         if (slot := _streamed_slot(node, keep)) is not None and node.input[slot] in renamed:
             node.input[slot] = renamed[node.input[slot]]
-    _drop_unread(copy.graph, set(sources))
+    _drop_unread(copy.graph, set(copied))
     return copy, given
 
 
