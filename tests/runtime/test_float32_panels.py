@@ -77,8 +77,10 @@ def test_the_op_is_built_where_the_cpu_has_avx512():
 
 
 @KERNEL
-# (70, 1100): more pairs of panels than tasks, so a task takes several
-@pytest.mark.parametrize("k,n", [(576, 960), (64, 48), (33, 47), (1, 16), (1536, 40), (100, 1000), (70, 1100)])
+# (70, 1100): more pairs of panels than tasks, so a task takes several; decode reads a task's panels 4 at a
+# time: 4 (576, 960), 4 then 1 (70, 1100), 4 and a last task's 3 (100, 1000), 2 (40, 290), 1 (1536, 40)
+@pytest.mark.parametrize("k,n", [(576, 960), (64, 48), (33, 47), (1, 16), (1536, 40), (100, 1000), (70, 1100),
+                                 (40, 290)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 11, 12, 13, 25, 64])
 def test_the_native_op_equals_the_product(k, n, rows):
     w = _weight(k, n, seed=k + n)

@@ -12,8 +12,9 @@
    and the window's bias is added to the exponent field of the lanes whose code is not 0 (a zero stays 0.0).
    An exception is coded 0 and added after its panel's sums, as a[k] · value.
 
-   Up to GEMV_ROWS rows (decode) each task streams a range of panels once, reading (unpacking) each group once
-   for every row, with software prefetch ahead: the panels and the prefetch are what make a step faster than
+   Up to GEMV_ROWS rows (decode) each task streams a range of panels once, four side by side, reading
+   (unpacking) each group once for every row, with software prefetch ahead: the panels and the prefetch are what
+   make a step faster than
    onnxruntime's MatMul on the same float32 bytes, and F28's 3.5 bytes a weight faster still
    (docs/performance.md#fp32-weights-in-panels). From more rows on, each task runs 12-row by 32-column tiles
    over pairs of panels, the shape of MLAS's own SGEMM kernel, so that prefill stays as fast as onnxruntime's
@@ -47,7 +48,9 @@
 #define GROUP_F32 64       /* of a float32 panel */
 #define GEMV_ROWS 4        /* rows up to which each group is unpacked once for all of them (decode) */
 #define TILE_ROWS 12       /* rows of the GEMM tile: 24 accumulators, 2 weight vectors and a broadcast */
-#define PREFETCH 8192      /* bytes ahead of the panel being read (docs/performance.md#fp32-weights-in-panels) */
+#define PREFETCH 8192      /* GEMM (F28): bytes ahead of the panel being unpacked */
+#define GEMV_STREAMS 4     /* decode: panels a task reads side by side, each a stream of its own */
+#define STREAM_PREFETCH 4096 /* decode: bytes ahead of each stream (docs/performance.md#fp32-weights-in-panels) */
 #define MAX_GEMV_TASKS 16  /* parallel tasks a decode call splits its panels into, as MatMulInt4 */
 #define GEMM_TASKS 32      /* at most, each over a range of pairs of panels */
 #define SCRATCH_BYTES (256 * 1024) /* unpacked pairs a task holds at a time: half of L2, where they are reread */
@@ -124,80 +127,91 @@ static void exceptions(const Work* w, int64_t p, float* sums, int64_t rows) {
   }
 }
 
-/* a line PREFETCH bytes ahead, or the task's last line (`stop`) where that lies past it: beyond are the next
-   task's panels, which this thread will not read. SmolLM2's FP32 decode step was 1.08-1.10x slower at 4 KiB
-   ahead without the stop than at 4 KiB with it or at 8 KiB with or without it, and 1.09x slower at 32 KiB.
-   Into L2, not L1, as MatMulInt4 does: L1's few outstanding misses bounded the streams, F28's most (its step
-   1.12x faster, float32's a percent or two; docs/performance.md#fp32-weights-in-panels) */
+/* a line ahead, or the task's last line (`stop`) where that lies past it: beyond are the next task's panels,
+   which this thread will not read (a single stream 4 KiB ahead without the stop made SmolLM2's FP32 decode step
+   1.08-1.10x slower). Into L2, not L1, as MatMulInt4 does: L1's few outstanding misses bounded the streams, F28's
+   most (docs/performance.md#fp32-weights-in-panels) */
 static inline void prefetch_within(const char* ahead, const char* stop) {
   _mm_prefetch(ahead < stop ? ahead : stop, _MM_HINT_T1);
 }
 
-/* decode: ROWS rows of every panel in [p0, p1), each group read (unpacked) once; FORMAT f32 or f28: GROUP its
-   bytes, SETUP what LOAD(src, kk, K, last) needs, EXCEPTIONS whether it has them */
-#define GEMV(FORMAT, ROWS, GROUP, SETUP, LOAD, EXCEPTIONS)                                                          \
-  static void gemv_##FORMAT##_##ROWS(const Work* w, int64_t p0, int64_t p1) {                                       \
+/* decode: ROWS rows times the S panels from p, each group read (unpacked) once, the S panels read side by side:
+   one stream of lines a panel, each prefetched STREAM_PREFETCH ahead, near a panel's end into the start of its
+   panel in the next S. More streams kept more lines in flight: SmolLM2's F28 decode step 1.07x faster than one
+   stream a task, its float32 one level (docs/performance.md#fp32-weights-in-panels). FORMAT f32 or f28: GROUP
+   its bytes, SETUP what LOAD(src, kk, K, last) needs, EXCEPTIONS whether it has them */
+#define GEMV(FORMAT, ROWS, S, GROUP, SETUP, LOAD, EXCEPTIONS)                                                       \
+  static void gemv_##FORMAT##_##ROWS##_##S(const Work* w, int64_t p, const char* stop) {                           \
     const Kernel* k = w->k;                                                                                          \
-    const int64_t K = k->K;                                                                                          \
+    const int64_t K = k->K, P = K * GROUP;                                                                           \
     SETUP                                                                                                            \
-    const char* stop = (const char*)w->packed + p1 * K * GROUP - 64;                                                 \
-    for (int64_t p = p0; p < p1; p++) {                                                                              \
-      const uint8_t* src = w->packed + p * K * GROUP;                                                                \
-      __m512 even[ROWS], odd[ROWS];                                                                                  \
-      for (int r = 0; r < ROWS; r++) even[r] = odd[r] = _mm512_setzero_ps();                                         \
-      const int last = p == w->panels - 1;                                                                           \
-      int64_t kk = 0;                                                                                                \
-      for (; kk + 2 <= K - last; kk += 2) {                                                                          \
-        prefetch_within((const char*)src + kk * GROUP + PREFETCH, stop);                                             \
-        prefetch_within((const char*)src + kk * GROUP + PREFETCH + 64, stop);                                        \
-        const __m512 w0 = LOAD(src, kk, K, 0), w1 = LOAD(src, kk + 1, K, 0);                                        \
-        for (int r = 0; r < ROWS; r++) {                                                                             \
-          even[r] = _mm512_fmadd_ps(_mm512_set1_ps(w->a[r * K + kk]), w0, even[r]);                                  \
-          odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(w->a[r * K + kk + 1]), w1, odd[r]);                                \
-        }                                                                                                            \
+    const uint8_t* src = w->packed + p * P;                                                                          \
+    __m512 acc[ROWS][S];                                                                                             \
+    for (int r = 0; r < ROWS; r++)                                                                                   \
+      for (int s = 0; s < S; s++) acc[r][s] = _mm512_setzero_ps();                                                  \
+    for (int64_t kk = 0; kk < K - 1; kk++) {                                                                         \
+      const int64_t ahead = kk * GROUP + STREAM_PREFETCH, next = ahead < P ? ahead : ahead + (S - 1) * P;           \
+      for (int s = 0; s < S; s++) prefetch_within((const char*)src + s * P + next, stop);                          \
+      __m512 av[ROWS];                                                                                               \
+      for (int r = 0; r < ROWS; r++) av[r] = _mm512_set1_ps(w->a[r * K + kk]);                                       \
+      for (int s = 0; s < S; s++) {                                                                                  \
+        const __m512 wv = LOAD(src + s * P, kk, K, 0);                                                               \
+        for (int r = 0; r < ROWS; r++) acc[r][s] = _mm512_fmadd_ps(av[r], wv, acc[r][s]);                           \
       }                                                                                                              \
-      for (; kk < K; kk++) {                                                                                         \
-        const __m512 w0 = LOAD(src, kk, K, last);                                                                    \
-        for (int r = 0; r < ROWS; r++) even[r] = _mm512_fmadd_ps(_mm512_set1_ps(w->a[r * K + kk]), w0, even[r]);     \
-      }                                                                                                              \
+    }                                                                                                                \
+    const int last = p + S == w->panels; /* its last panel is the tensor's, read to its end and no further */      \
+    for (int s = 0; s < S; s++) {                                                                                    \
+      const __m512 wv = LOAD(src + s * P, K - 1, K, last && s == S - 1);                                           \
       float sums[ROWS * 16];                                                                                         \
-      for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(sums + r * 16, _mm512_add_ps(even[r], odd[r]));               \
-      if (EXCEPTIONS) exceptions(w, p, sums, ROWS);                                                                  \
-      const __mmask16 mask = columns_mask(k, p);                                                                     \
-      for (int r = 0; r < ROWS; r++) _mm512_mask_storeu_ps(w->y + r * k->N + p * 16, mask, _mm512_loadu_ps(sums + r * 16)); \
+      for (int r = 0; r < ROWS; r++)                                                                                 \
+        _mm512_storeu_ps(sums + r * 16, _mm512_fmadd_ps(_mm512_set1_ps(w->a[r * K + K - 1]), wv, acc[r][s]));       \
+      if (EXCEPTIONS) exceptions(w, p + s, sums, ROWS);                                                              \
+      const __mmask16 mask = columns_mask(k, p + s);                                                                 \
+      for (int r = 0; r < ROWS; r++)                                                                                 \
+        _mm512_mask_storeu_ps(w->y + r * k->N + (p + s) * 16, mask, _mm512_loadu_ps(sums + r * 16));                \
     }                                                                                                                \
   }
+#define GEMV_ROWS_OF(FORMAT, S, GROUP, SETUP, LOAD, EXCEPTIONS)                                                     \
+  GEMV(FORMAT, 1, S, GROUP, SETUP, LOAD, EXCEPTIONS)                                                                 \
+  GEMV(FORMAT, 2, S, GROUP, SETUP, LOAD, EXCEPTIONS)                                                                 \
+  GEMV(FORMAT, 3, S, GROUP, SETUP, LOAD, EXCEPTIONS)                                                                 \
+  GEMV(FORMAT, 4, S, GROUP, SETUP, LOAD, EXCEPTIONS)
+#define GEMV_ALL(FORMAT, GROUP, SETUP, LOAD, EXCEPTIONS)                                                            \
+  GEMV_ROWS_OF(FORMAT, 1, GROUP, SETUP, LOAD, EXCEPTIONS)                                                            \
+  GEMV_ROWS_OF(FORMAT, 2, GROUP, SETUP, LOAD, EXCEPTIONS)                                                            \
+  GEMV_ROWS_OF(FORMAT, 3, GROUP, SETUP, LOAD, EXCEPTIONS)                                                            \
+  GEMV_ROWS_OF(FORMAT, 4, GROUP, SETUP, LOAD, EXCEPTIONS)                                                            \
+  typedef void (*Gemv_##FORMAT)(const Work*, int64_t, const char*);                                                 \
+  static const Gemv_##FORMAT GEMV_##FORMAT[GEMV_ROWS][GEMV_STREAMS] = {                                             \
+      {gemv_##FORMAT##_1_1, gemv_##FORMAT##_1_2, gemv_##FORMAT##_1_3, gemv_##FORMAT##_1_4},                         \
+      {gemv_##FORMAT##_2_1, gemv_##FORMAT##_2_2, gemv_##FORMAT##_2_3, gemv_##FORMAT##_2_4},                         \
+      {gemv_##FORMAT##_3_1, gemv_##FORMAT##_3_2, gemv_##FORMAT##_3_3, gemv_##FORMAT##_3_4},                         \
+      {gemv_##FORMAT##_4_1, gemv_##FORMAT##_4_2, gemv_##FORMAT##_4_3, gemv_##FORMAT##_4_4}};
 #define LOAD_F32(src, kk, K, last) load16((src) + (kk) * GROUP_F32)
-GEMV(f32, 1, GROUP_F32, , LOAD_F32, 0)
-GEMV(f32, 2, GROUP_F32, , LOAD_F32, 0)
-GEMV(f32, 3, GROUP_F32, , LOAD_F32, 0)
-GEMV(f32, 4, GROUP_F32, , LOAD_F32, 0)
+GEMV_ALL(f32, GROUP_F32, , LOAD_F32, 0)
 #if MATMUL_F28_ISA
 #define LOAD_F28(src, kk, K, last) unpack_at(&u, src, kk, K, last)
-GEMV(f28, 1, GROUP_F28, const Unpacker u = unpacker(k->bias);, LOAD_F28, 1)
-GEMV(f28, 2, GROUP_F28, const Unpacker u = unpacker(k->bias);, LOAD_F28, 1)
-GEMV(f28, 3, GROUP_F28, const Unpacker u = unpacker(k->bias);, LOAD_F28, 1)
-GEMV(f28, 4, GROUP_F28, const Unpacker u = unpacker(k->bias);, LOAD_F28, 1)
+GEMV_ALL(f28, GROUP_F28, const Unpacker u = unpacker(k->bias);, LOAD_F28, 1)
 #endif
 
+/* a decode task: its panels [p0, p1) GEMV_STREAMS at a time (fewer at its end) */
 static void gemv_task(void* work, size_t task) {
   const Work* w = (const Work*)work;
   const int64_t p0 = (int64_t)task * w->per_task, p1 = p0 + w->per_task < w->panels ? p0 + w->per_task : w->panels;
+  const char* stop = (const char*)w->packed + p1 * w->k->K * w->k->group - 64;
+  const int64_t rows = (w->m < GEMV_ROWS ? w->m : GEMV_ROWS) - 1, P = w->k->K * w->k->group;
+  /* the first STREAM_PREFETCH bytes of each stream, which the loop's prefetch ahead does not reach */
+  for (int64_t s = 0; s < GEMV_STREAMS && p0 + s < p1; s++)
+    for (int64_t at = 0; at < STREAM_PREFETCH; at += 64) prefetch_within((const char*)w->packed + (p0 + s) * P + at, stop);
+  for (int64_t p = p0; p < p1; p += GEMV_STREAMS) {
+    const int64_t streams = (p1 - p < GEMV_STREAMS ? p1 - p : GEMV_STREAMS) - 1;
 #if MATMUL_F28_ISA
-  if (w->k->group == GROUP_F28) {
-    switch (w->m) {
-      case 1: gemv_f28_1(w, p0, p1); return;
-      case 2: gemv_f28_2(w, p0, p1); return;
-      case 3: gemv_f28_3(w, p0, p1); return;
-      default: gemv_f28_4(w, p0, p1); return;
+    if (w->k->group == GROUP_F28) {
+      GEMV_f28[rows][streams](w, p, stop);
+      continue;
     }
-  }
 #endif
-  switch (w->m) {
-    case 1: gemv_f32_1(w, p0, p1); break;
-    case 2: gemv_f32_2(w, p0, p1); break;
-    case 3: gemv_f32_3(w, p0, p1); break;
-    default: gemv_f32_4(w, p0, p1); break;
+    GEMV_f32[rows][streams](w, p, stop);
   }
 }
 
