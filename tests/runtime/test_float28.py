@@ -180,7 +180,10 @@ def test_the_native_op_checks_its_operands_on_every_run():
 
 
 @KERNEL
-@pytest.mark.parametrize("k,n", [(1, 16), (1, 17), (2, 1), (3, 48), (4, 33), (64, 80), (5, 5)])
+# from 17 panels a task reads several side by side, and the tensor ends in a chunk of 2 (3, 280), 3 (5, 1000)
+# or 4 (3, 1100) panels
+@pytest.mark.parametrize("k,n", [(1, 16), (1, 17), (2, 1), (3, 48), (4, 33), (64, 80), (5, 5), (3, 280), (5, 1000),
+                                 (1, 1000), (3, 1100)])
 def test_the_native_op_reads_nothing_past_its_operands(k, n):
     """Each operand ends at an inaccessible page (the packed weight is the last thing in its mapping, as an
     artifact's last tensor is): the 64-byte loads of 56-byte groups stop at the tensor's last one."""

@@ -14,8 +14,7 @@
 
    Up to GEMV_ROWS rows (decode) each task streams a range of panels once, four side by side, reading
    (unpacking) each group once for every row, with software prefetch ahead: the panels and the prefetch are what
-   make a step faster than
-   onnxruntime's MatMul on the same float32 bytes, and F28's 3.5 bytes a weight faster still
+   make a step faster than onnxruntime's MatMul on the same float32 bytes, and F28's 3.5 bytes a weight faster still
    (docs/performance.md#fp32-weights-in-panels). From more rows on, each task runs 12-row by 32-column tiles
    over pairs of panels, the shape of MLAS's own SGEMM kernel, so that prefill stays as fast as onnxruntime's
    MatMul: float32 panels where they lie, F28 ones unpacked a few pairs at a time into a scratch of the task's
@@ -135,6 +134,13 @@ static inline void prefetch_within(const char* ahead, const char* stop) {
   _mm_prefetch(ahead < stop ? ahead : stop, _MM_HINT_T1);
 }
 
+/* the offset from a stream's panel STREAM_PREFETCH ahead of `at`: past the panel's P bytes, in the stream's panel
+   of the next S */
+static inline int64_t stream_ahead(int64_t at, int64_t P, int64_t S) {
+  const int64_t ahead = at + STREAM_PREFETCH;
+  return ahead < P ? ahead : ahead + (S - 1) * P;
+}
+
 /* decode: ROWS rows times the S panels from p, each group read (unpacked) once, the S panels read side by side:
    one stream of lines a panel, each prefetched STREAM_PREFETCH ahead, near a panel's end into the start of its
    panel in the next S. More streams kept more lines in flight: SmolLM2's F28 decode step 1.07x faster than one
@@ -150,8 +156,7 @@ static inline void prefetch_within(const char* ahead, const char* stop) {
     for (int r = 0; r < ROWS; r++)                                                                                   \
       for (int s = 0; s < S; s++) acc[r][s] = _mm512_setzero_ps();                                                  \
     for (int64_t kk = 0; kk < K - 1; kk++) {                                                                         \
-      const int64_t ahead = kk * GROUP + STREAM_PREFETCH, next = ahead < P ? ahead : ahead + (S - 1) * P;           \
-      for (int s = 0; s < S; s++) prefetch_within((const char*)src + s * P + next, stop);                          \
+      for (int s = 0; s < S; s++) prefetch_within((const char*)src + s * P + stream_ahead(kk * GROUP, P, S), stop); \
       __m512 av[ROWS];                                                                                               \
       for (int r = 0; r < ROWS; r++) av[r] = _mm512_set1_ps(w->a[r * K + kk]);                                       \
       for (int s = 0; s < S; s++) {                                                                                  \
@@ -161,6 +166,7 @@ static inline void prefetch_within(const char* ahead, const char* stop) {
     }                                                                                                                \
     const int last = p + S == w->panels; /* its last panel is the tensor's, read to its end and no further */      \
     for (int s = 0; s < S; s++) {                                                                                    \
+      prefetch_within((const char*)src + s * P + stream_ahead((K - 1) * GROUP, P, S), stop);                        \
       const __m512 wv = LOAD(src + s * P, K - 1, K, last && s == S - 1);                                           \
       float sums[ROWS * 16];                                                                                         \
       for (int r = 0; r < ROWS; r++)                                                                                 \
@@ -181,6 +187,7 @@ static inline void prefetch_within(const char* ahead, const char* stop) {
   GEMV_ROWS_OF(FORMAT, 2, GROUP, SETUP, LOAD, EXCEPTIONS)                                                            \
   GEMV_ROWS_OF(FORMAT, 3, GROUP, SETUP, LOAD, EXCEPTIONS)                                                            \
   GEMV_ROWS_OF(FORMAT, 4, GROUP, SETUP, LOAD, EXCEPTIONS)                                                            \
+  _Static_assert(GEMV_ROWS == 4 && GEMV_STREAMS == 4, "the table below is written out for 4 rows and 4 streams"); \
   typedef void (*Gemv_##FORMAT)(const Work*, int64_t, const char*);                                                 \
   static const Gemv_##FORMAT GEMV_##FORMAT[GEMV_ROWS][GEMV_STREAMS] = {                                             \
       {gemv_##FORMAT##_1_1, gemv_##FORMAT##_1_2, gemv_##FORMAT##_1_3, gemv_##FORMAT##_1_4},                         \
