@@ -315,17 +315,29 @@ def _drop_unread(graph: onnx.GraphProto, names: set[str]) -> None:
     graph.input.extend(declared)
 
 
-def _float32_panels(model: onnx.ModelProto, weights: dict[str, np.ndarray],
-                    artifact: OmFile | None) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+def _float32_panels(model: onnx.ModelProto, weights: dict[str, np.ndarray], artifact: OmFile | None,
+                    huge: bool = False) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """A copy of `model` whose MatMuls on a float32 weight of the artifact (or on its transpose: a tied head) are
     the native library's MatMulF32 on that weight laid out in panels here (runtime/kernels/float32_panels.py),
     and those panels by name, for the session as `_unpacked_float28`'s weights are: what onnxruntime would
-    pre-pack for its MatMul, laid out for the kernel that reads it faster at one row. The pages of the artifact
-    read to lay them out are released (`artifact`), as onnxruntime leaves them after pre-packing; weights and
-    Transposes nothing reads any more go. `model` itself is left alone when there are none."""
+    pre-pack for its MatMul, laid out for the kernel that reads it faster at one row; `huge`: laid out in one
+    arena of huge pages (runtime/huge_pages.py), where numpy gives huge pages only to arrays of 4 MB or more,
+    which left a layer's three smaller weights in small ones. The pages of the artifact read to lay them out are
+    released (`artifact`), as onnxruntime leaves them after pre-packing; weights and Transposes nothing reads
+    any more go. `model` itself is left alone when there are none."""
     transposed = _transposed_tables(model, weights)
-    if not any(_float32_weight(node, weights, transposed) for node in model.graph.node):
+    found_in = {found: None for node in model.graph.node
+                if (found := _float32_weight(node, weights, transposed)) is not None}
+    if not found_in:
         return model, {}
+    arena = None
+    if huge:
+        def panel_shape(found: tuple[str, bool]) -> tuple[int, int, int]:
+            return float32_panels.shape_of(weights[found[0]].T if found[1] else weights[found[0]])
+        try:
+            arena = HugePageArena([int(np.prod(panel_shape(found))) * 4 for found in found_in])
+        except OSError as error:  # no room for the mapping: numpy's arrays instead
+            log.warning("W13003: weights laid out in small pages: no memory for them in huge pages (%s)", error)
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     taken = {t.name for t in copy.graph.initializer} | {v.name for v in copy.graph.input}
@@ -340,7 +352,8 @@ def _float32_panels(model: onnx.ModelProto, weights: dict[str, np.ndarray],
         if found not in stubs:
             name = _fresh_name(f"{source}/panels{'_t' if is_transposed else ''}", taken)
             stubs[found] = name
-            panels[name] = float32_panels.pack(weight)
+            out = arena.empty(float32_panels.shape_of(weight), np.float32) if arena is not None else None
+            panels[name] = float32_panels.pack(weight, out)
             if artifact is not None:
                 artifact.release(weights[source])
             copy.graph.initializer.append(_made_at_load(name, panels[name]))
@@ -379,7 +392,7 @@ def _in_huge_pages(model: onnx.ModelProto, weights: dict[str, np.ndarray], keep:
     arena = None
     if to_copy := [weights[source] for source, copies in copied.items() if copies]:
         try:
-            arena = HugePageArena(to_copy)
+            arena = HugePageArena([array.nbytes for array in to_copy])
         except OSError as error:  # no room for the mapping (an overcommit limit, a cgroup): those weights stay put
             log.warning("W13003: weights left in the artifact's pages: no memory for their copy in huge pages (%s)", error)
             copied = {source: copies for source, copies in copied.items() if not copies}
@@ -414,7 +427,7 @@ class _SegmentStep:
                  native_matmul: bool = True, share_weights: bool = False, panels: bool = False,
                  huge: bool = False):
         """`panels`: lay the segment's float32 MatMul weights out for the library's MatMulF32 (`_float32_panels`);
-        `huge`: the weights the native matmuls stream read from huge pages (`_in_huge_pages`)."""
+        `huge`: the weights the native matmuls stream read from huge pages (`_in_huge_pages`, `_float32_panels`)."""
         self.inputs, self.outputs = segment.inputs, segment.outputs
         if backend == "onnxruntime":
             model, keep = segment.model, None
@@ -424,7 +437,7 @@ class _SegmentStep:
             where = str(artifact.path) if artifact is not None else "the model"
             model, unpacked = _unpacked_float28(model, weights, keep, where)
             if panels:
-                model, laid_out = _float32_panels(model, weights, artifact)
+                model, laid_out = _float32_panels(model, weights, artifact, huge)
                 unpacked.update(laid_out)
             if huge and keep is not None and artifact is not None:
                 model, copied = _in_huge_pages(model, weights, keep, artifact)

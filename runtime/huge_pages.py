@@ -43,13 +43,13 @@ def _padded(nbytes: int) -> int:
 
 
 class HugePageArena:
-    """One anonymous mapping, aligned to a huge page and advised for them, holding copies of `arrays` one after
-    the other (the arrays it is made for, at most). The copies keep the mapping alive (numpy holds the buffer
-    it views). OSError when the system has no room for the mapping."""
+    """One anonymous mapping, aligned to a huge page and advised for them, holding arrays of the byte sizes it is
+    made for (`sizes`, at most) one after the other. The arrays keep the mapping alive (numpy holds the buffer
+    they view). OSError when the system has no room for the mapping."""
 
-    def __init__(self, arrays: list[np.ndarray]):
+    def __init__(self, sizes: list[int]):
         page = huge_page_size()
-        size = -(-sum(_padded(a.nbytes) for a in arrays) // page) * page  # whole huge pages, the last one too
+        size = -(-sum(_padded(nbytes) for nbytes in sizes) // page) * page  # whole huge pages, the last one too
         self._map = mmap.mmap(-1, size + page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         try:
             self._map.madvise(mmap.MADV_HUGEPAGE)
@@ -59,11 +59,17 @@ class HugePageArena:
         self._next = -self._bytes.ctypes.data % page
         self._end = self._next + size
 
+    def empty(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+        """An array of `shape` and `dtype` in the arena, its values whatever the mapping held (zeros at first)."""
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if self._next + nbytes > self._end:
+            raise ValueError(f"the arena has {self._end - self._next} bytes left, not {nbytes}")
+        view = self._bytes[self._next:self._next + nbytes].view(dtype).reshape(shape)
+        self._next += _padded(nbytes)
+        return view
+
     def copy(self, array: np.ndarray) -> np.ndarray:
         """`array`'s values in the arena, as an array of its dtype and shape."""
-        if self._next + array.nbytes > self._end:
-            raise ValueError(f"the arena has {self._end - self._next} bytes left, not {array.nbytes}")
-        view = self._bytes[self._next:self._next + array.nbytes].view(array.dtype).reshape(array.shape)
+        view = self.empty(array.shape, array.dtype)
         view[...] = array
-        self._next += _padded(array.nbytes)
         return view

@@ -24,15 +24,22 @@ def takes(weight: np.ndarray) -> bool:
             and weight.shape[1] < MAX_N)
 
 
-def pack(weight: np.ndarray) -> np.ndarray | None:
-    """`weight` (float32 `[K, N]`, any strides: a transpose is read as it lies) as panels `[ceil(N/16), K, 16]`,
-    or None for what the op does not take (`takes`). One strided copy into the panels, no temporary (but for a
-    matrix neither row- nor column-major, copied so first)."""
+def shape_of(weight: np.ndarray) -> tuple[int, int, int]:
+    """The shape of `weight`'s panels: `[ceil(N/16), K, 16]`."""
+    k, n = weight.shape
+    return -(-n // PANEL), k, PANEL
+
+
+def pack(weight: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | None:
+    """`weight` (float32 `[K, N]`, any strides: a transpose is read as it lies) as panels `[ceil(N/16), K, 16]`
+    (in `out` where given, float32 of `shape_of(weight)`), or None for what the op does not take (`takes`). One
+    strided copy into the panels, no temporary (but for a matrix neither row- nor column-major, copied so
+    first)."""
     if not takes(weight):
         return None
     k, n = weight.shape
     panels, full = -(-n // PANEL), n // PANEL
-    out = np.empty((panels, k, PANEL), np.float32)
+    out = np.empty((panels, k, PANEL), np.float32) if out is None else out
     if weight.strides[1] != weight.itemsize and weight.strides[0] == weight.itemsize:
         # a transposed table [N, K] (a tied head's): panel p is its rows 16p .. 16p + 15, transposed
         table = weight.T

@@ -2,8 +2,9 @@
 `_in_huge_pages`): the kernel's setting read as it is, the copies exact and aligned, every native MatMulInt4
 reading its copy (a tied head's table still read by the embedding lookup as it was), the artifact's pages of
 each copied weight released, every MatMulF28 reading the artifact's own pages, which `atc` writes in whole huge
-pages so that the page cache holds them in huge folios, and the engine generating the same tokens as without;
-none of it with the native matmuls off or the weights shared."""
+pages so that the page cache holds them in huge folios, every MatMulF32's panels laid out in one arena of huge
+pages, and the engine generating the same tokens as without; none of it with the native matmuls off or the
+weights shared."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from runtime.loader import load_artifact
 PROMPTS = [[5, 17, 99, 3, 42, 8, 61, 2], [7, 1, 250, 33], list(range(3, 40))]
 MATMUL = pytest.mark.skipif(not native.has_int8_matmul(), reason="no native MatMulInt4 on this CPU")
 F28 = pytest.mark.skipif(not native.has_float28_matmul(), reason="no native MatMulF28 on this CPU")
+PANELS = pytest.mark.skipif(not native.has_float32_panel_matmul(), reason="no native MatMulF32 on this CPU")
 
 
 @pytest.mark.parametrize("text,expected", [("always [madvise] never\n", True), ("[always] madvise never\n", True),
@@ -44,7 +46,7 @@ def test_the_arena_holds_exact_copies_each_on_a_cache_line():
     rng = np.random.default_rng(0)
     arrays = [rng.integers(0, 256, (129, 3, 7), dtype=np.uint8), rng.standard_normal((33, 5)).astype(np.float32),
               rng.integers(0, 256, 1, dtype=np.uint8), np.arange(1000, dtype=np.int32)]
-    arena = huge_pages.HugePageArena(arrays)
+    arena = huge_pages.HugePageArena([array.nbytes for array in arrays])
     copies = [arena.copy(array) for array in arrays]
     assert copies[0].ctypes.data % huge_pages.huge_page_size() == 0
     for array, copy in zip(arrays, copies):
@@ -183,6 +185,36 @@ def test_the_engine_generates_the_same_tokens_with_the_f28_panels_in_place(tied_
     assert given and all(name.removesuffix("/huge_pages") in load_artifact(tied_f28).weights for name in given)
     assert _copied(Executor(load_artifact(tied_f28), huge_pages=False)) == []
     assert _tokens(tied_f28) == _tokens(tied_f28, huge_pages=False)
+
+
+def _panels(executor: Executor) -> dict[str, tuple[int, np.ndarray]]:
+    """Each MatMulF32's panels as onnxruntime holds them: where they lie, and their values."""
+    return {name: (value.data_ptr(), value.numpy()) for step in executor._steps
+            for name, value in getattr(step, "_unpacked", {}).items() if "/panels" in name}
+
+
+@PANELS
+def test_float32_panels_are_laid_out_in_one_arena_of_huge_pages(tmp_path, monkeypatch):
+    """Every MatMulF32's panels in one mapping that starts on a huge page, one after another, each on a cache
+    line (numpy gives huge pages to arrays of 4 MB or more only: a decode step's smaller weights were left in
+    small ones); elsewhere with the option off; the same values and the same tokens either way."""
+    import runtime.executor
+    from models.tiny import tiny_onnx
+
+    monkeypatch.setattr(runtime.executor, "huge_pages_given", lambda: True)
+    om = compile_to(tiny_onnx("llama_tied", dynamo=True, with_past=True), tmp_path / "m", enable_paged_attention=True)
+    together, apart_executor = Executor(load_artifact(om)), Executor(load_artifact(om), huge_pages=False)
+    panels = _panels(together)  # views of the executors' memory: both kept alive to the end
+    assert len(panels) > 2 and all(values.dtype == np.float32 for _, values in panels.values())
+    spans = sorted((at, values.nbytes) for at, values in panels.values())
+    assert spans[0][0] % huge_pages.huge_page_size() == 0 and all(at % 64 == 0 for at, _ in spans)
+    assert all(0 <= later - (at + nbytes) < 64 for (at, nbytes), (later, _) in zip(spans, spans[1:]))
+    apart = _panels(apart_executor)
+    assert sorted(apart) == sorted(panels)
+    for name, (at, values) in apart.items():
+        assert not spans[0][0] <= at < spans[-1][0] + spans[-1][1]
+        np.testing.assert_array_equal(values, panels[name][1])
+    assert _tokens(om) == _tokens(om, huge_pages=False)
 
 
 class _Recording(io.FileIO):
