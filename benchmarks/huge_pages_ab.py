@@ -1,12 +1,13 @@
 """Batch-1 decode with the native matmuls' weights read from huge pages against without, in one process.
 
     python benchmarks/huge_pages_ab.py --om .cache/peers/smollm2-int4-awq-head4.om [--rounds 11] [--steps 128]
-                                       [--threads 2]      # or an F28 artifact (atc --compress_fp32_weight=1)
+                                       [--threads 2]      # or an FP32 or F28 artifact
 
 Two engines on the same artifact, one with `huge_pages` on (each native MatMulInt4's weight copied at load into
-memory mapped in 2 MB pages: runtime/huge_pages.py; MatMulF28's panels read from the artifact's own mapping,
-whose page cache `atc` leaves in huge folios), one with it off (onnxruntime maps each weight of the artifact on
-its own: only the huge folios wholly inside a weight map as one), both on onnxruntime's process-wide pool as
+memory mapped in 2 MB pages: runtime/huge_pages.py; MatMulF32's panels laid out in such memory; MatMulF28's
+panels read from the artifact's own mapping, whose page cache `atc` leaves in huge folios), one with it off
+(onnxruntime maps each weight of the artifact on its own: only the huge folios wholly inside a weight map as
+one; numpy's panels in huge pages only where 4 MB or more), both on onnxruntime's process-wide pool as
 `cann-run` runs them. Each round every engine decodes --steps tokens greedily after the same 32-token prompt,
 in turn, so the machine's noise falls on both alike; it prints each engine's milliseconds a token round by
 round, the ratio (off over on: above 1 is faster with huge pages) with its median, the huge pages this process
