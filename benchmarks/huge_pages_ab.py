@@ -35,7 +35,7 @@ def _huge_mib(kind: str) -> float:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--om", "om_path", required=True, help="a paged artifact with 4- or 8-bit or F28 weights")
+@click.option("--om", "om_path", required=True, help="a paged artifact with 4- or 8-bit, FP32 or F28 weights")
 @click.option("--rounds", default=11, show_default=True)
 @click.option("--steps", default=128, show_default=True, help="tokens decoded a round (EOS held off)")
 @click.option("--threads", default=2, show_default=True)

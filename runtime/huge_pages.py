@@ -1,4 +1,4 @@
-"""Weights copied at load into memory the kernel maps in huge pages.
+"""Weights copied or laid out at load in memory the kernel maps in huge pages.
 
 The native matmuls read a decode step's weights as many short streams (121 matmul nodes a step on SmolLM2,
 each split over the threads), one 4 KB page of the artifact's mapping after another: every page is a TLB
@@ -6,7 +6,8 @@ entry of its own, and each stream crosses a page every 64 cache lines. Copied in
 advised for transparent huge pages, a 2 MB page covers what 512 small ones did: an INT4 decode step on SmolLM2
 ~1.05x faster (docs/performance.md#weights-in-huge-pages). The artifact's pages of a copied weight are
 released once it is copied, so the process holds the weight once, as before; but the copy is the process's
-own, where the artifact's pages were the page cache's, shared by every process mapping the file.
+own, where the artifact's pages were the page cache's, shared by every process mapping the file. The float32
+panels, laid out at load in any case, are laid out in such a mapping (`empty`).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class HugePageArena:
         try:
             self._map.madvise(mmap.MADV_HUGEPAGE)
         except OSError:
-            pass  # refused (a sandbox's filter, say): the copies stand in small pages, as the artifact's did
+            pass  # refused (a sandbox's filter, say): the arrays stand in small pages, as the artifact's did
         self._bytes = np.frombuffer(self._map, np.uint8)
         self._next = -self._bytes.ctypes.data % page
         self._end = self._next + size

@@ -45,7 +45,7 @@ class EngineConfig:
         "help": "read the weights the native matmuls stream from huge pages, where the kernel gives them: the 4- "
                 "and 8-bit ones copied into them (a decode step ~5% faster, but each process holds its own copy "
                 "where the artifact's pages are shared by every process mapping it), float32 panels laid out in "
-                "them (~3% faster), F28 panels from the artifact's own mapping (~6% faster, no copy); not with "
+                "them (~3-4% faster), F28 panels from the artifact's own mapping (~6% faster, no copy); not with "
                 "--share_weights"})
     share_weights: bool = field(default=False, metadata={
         "help": "map onnxruntime's pre-packed weights from a cache on disk (written at the first load on this "

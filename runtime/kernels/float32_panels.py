@@ -39,7 +39,10 @@ def pack(weight: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | None
         return None
     k, n = weight.shape
     panels, full = -(-n // PANEL), n // PANEL
-    out = np.empty((panels, k, PANEL), np.float32) if out is None else out
+    if out is None:
+        out = np.empty(shape_of(weight), np.float32)
+    elif out.shape != shape_of(weight) or out.dtype != np.float32:
+        raise ValueError(f"the panels go in float32 {shape_of(weight)}, not {out.dtype} {out.shape}")
     if weight.strides[1] != weight.itemsize and weight.strides[0] == weight.itemsize:
         # a transposed table [N, K] (a tied head's): panel p is its rows 16p .. 16p + 15, transposed
         table = weight.T

@@ -151,9 +151,11 @@ def test_a_tied_heads_transpose_and_every_float_matmul_become_matmulf32(tmp_path
     assert set(panels) <= {t.name for t in model.graph.initializer}
 
 
-def test_the_rewrite_keeps_what_else_reads_a_weight():
+@pytest.mark.parametrize("huge", [False, True])
+def test_the_rewrite_keeps_what_else_reads_a_weight(huge):
     """A weight two MatMuls share is laid out once; a Transpose that is also a graph output stays, and so does a
-    weight a subgraph reads; weights nothing reads any more go, from the inputs too where they are declared."""
+    weight a subgraph reads; weights nothing reads any more go, from the inputs too where they are declared. The
+    same in an arena of huge pages, sized for each weight (and transpose) once."""
     rng = np.random.default_rng(0)
     weights = {name: rng.standard_normal(shape).astype(np.float32)
                for name, shape in (("W", (8, 16)), ("T", (24, 8)), ("V", (8, 16)), ("U", (8, 16)))}
@@ -175,11 +177,13 @@ def test_the_rewrite_keeps_what_else_reads_a_weight():
     inputs = [x, helper.make_tensor_value_info("c", onnx.TensorProto.BOOL, []),
               helper.make_tensor_value_info("U", onnx.TensorProto.FLOAT, [8, 16])]
     model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, stubs))
-    rewritten, panels = _float32_panels(model, weights, None)
+    rewritten, panels = _float32_panels(model, weights, None, huge)
     ops = collections.Counter(node.op_type for node in rewritten.graph.node)
     assert ops == {"MatMulF32": 5, "Transpose": 1, "If": 1}
     assert sorted(panels) == ["T/panels_t", "U/panels", "V/panels", "W/panels"]
     np.testing.assert_array_equal(float32_panels.unpack(panels["T/panels_t"], K=8, N=24), weights["T"].T)
+    for name in ("U", "V", "W"):
+        np.testing.assert_array_equal(float32_panels.unpack(panels[f"{name}/panels"], K=8, N=16), weights[name])
     initializers = {t.name for t in rewritten.graph.initializer}
     assert initializers == {"T", "V", *panels}
     assert [value.name for value in rewritten.graph.input] == ["x", "c"]
