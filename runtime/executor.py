@@ -326,16 +326,18 @@ def _float32_panels(model: onnx.ModelProto, weights: dict[str, np.ndarray], arti
     released (`artifact`), as onnxruntime leaves them after pre-packing; weights and Transposes nothing reads
     any more go. `model` itself is left alone when there are none."""
     transposed = _transposed_tables(model, weights)
+
+    def oriented(found: tuple[str, bool]) -> np.ndarray:
+        return weights[found[0]].T if found[1] else weights[found[0]]
+
     found_in = {found: None for node in model.graph.node
                 if (found := _float32_weight(node, weights, transposed)) is not None}
     if not found_in:
         return model, {}
     arena = None
     if huge:
-        def panel_shape(found: tuple[str, bool]) -> tuple[int, int, int]:
-            return float32_panels.shape_of(weights[found[0]].T if found[1] else weights[found[0]])
         try:
-            arena = HugePageArena([int(np.prod(panel_shape(found))) * 4 for found in found_in])
+            arena = HugePageArena([4 * int(np.prod(float32_panels.shape_of(oriented(found)))) for found in found_in])
         except OSError as error:  # no room for the mapping: numpy's arrays instead
             log.warning("W13003: weights laid out in small pages: no memory for them in huge pages (%s)", error)
     copy = onnx.ModelProto()
@@ -348,7 +350,7 @@ def _float32_panels(model: onnx.ModelProto, weights: dict[str, np.ndarray], arti
         if found is None:
             continue
         source, is_transposed = found
-        weight = weights[source].T if is_transposed else weights[source]
+        weight = oriented(found)
         if found not in stubs:
             name = _fresh_name(f"{source}/panels{'_t' if is_transposed else ''}", taken)
             stubs[found] = name
