@@ -31,18 +31,31 @@ int64_t int_attribute_or(const OrtKernelInfo* info, const char* name, int64_t fa
 
 /* Cephes' expf as runtime/kernels/fast_math.py has it (the numpy reference there holds both): plain
    arithmetic the compiler vectorizes, where libm's expf is a call per element. Clamped to [-87, 88]: -87
-   gives ~1.6e-38 (-inf, a masked score, gives it too), 88 ~1.7e38, the largest exponent float32 holds. */
+   gives ~1.6e-38 (-inf, a masked score, gives it too), 88 ~1.7e38, the largest exponent float32 holds. Its
+   constants, once for it and for its 16- and 8-lane forms below: */
+#define EXP_LO (-87.0f)
+#define EXP_HI 88.0f
+#define EXP_LOG2E 1.4426950408889634f
+#define EXP_LN2_HI 0.693359375f /* ln 2 in two parts, for an exact n · ln 2 */
+#define EXP_LN2_LO (-2.12194440e-4f)
+#define EXP_P0 1.9875691500e-4f /* the polynomial's coefficients, highest power first */
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
+
 static inline float fast_exp(float x) {
-  x = x > -87.0f ? x : -87.0f;
-  x = x < 88.0f ? x : 88.0f;
-  float n = floorf(x * 1.4426950408889634f + 0.5f);
-  float r = x - n * 0.693359375f - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  x = x > EXP_LO ? x : EXP_LO;
+  x = x < EXP_HI ? x : EXP_HI;
+  float n = floorf(x * EXP_LOG2E + 0.5f);
+  float r = x - n * EXP_LN2_HI - n * EXP_LN2_LO;
+  float p = EXP_P0;
+  p = p * r + EXP_P1;
+  p = p * r + EXP_P2;
+  p = p * r + EXP_P3;
+  p = p * r + EXP_P4;
+  p = p * r + EXP_P5;
   p = p * r * r + r + 1.0f;
   union { int32_t i; float f; } bits = {.i = ((int32_t)n + 127) << 23};
   return p * bits.f;
@@ -53,16 +66,16 @@ static inline float fast_exp(float x) {
 
 /* fast_exp on 16 lanes (the same clamp, polynomial and rounding) */
 static inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.4426950408889634f), _mm512_set1_ps(0.5f)),
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LO)), _mm512_set1_ps(EXP_HI));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(EXP_LOG2E), _mm512_set1_ps(0.5f)),
                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x));
+  __m512 p = _mm512_set1_ps(EXP_P0);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P1));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P5));
   p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
@@ -88,15 +101,15 @@ static inline __m512 sum16(const __m512 d[16]) {
 
 /* fast_exp on 8 lanes (the same clamp, polynomial and rounding) */
 static inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.4426950408889634f), _mm256_set1_ps(0.5f)));
-  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(EXP_LOG2E), _mm256_set1_ps(0.5f)));
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x));
+  __m256 p = _mm256_set1_ps(EXP_P0);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P1));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P2));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P4));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P5));
   p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
