@@ -19,6 +19,7 @@ import json
 import os
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Awaitable, Callable, NoReturn
 
@@ -74,6 +75,9 @@ class Generation:
     turn: "Turn | None" = None      # the turn of a conversation the server keeps
     kv_pages: int = 0               # KV pages it may need at most (for --max-memory)
     ended_by: str | None = None     # who cancelled it: "client", "timeout", "shutdown", "failed" or "refused"
+    # done once the server has accounted it: the engine's future can read done (set by the engine's thread)
+    # before its callbacks, the accounting among them, have run
+    settled: Future = field(default_factory=Future)
 
     @property
     def text(self) -> str:
@@ -353,7 +357,7 @@ class Server:
         """Wait for the whole answer of every choice, under one deadline; `disconnected()` is asked now and
         then whether the caller is gone. Refusal unless all completed (499 client gone, 504 timeout, 503
         shutdown, 500 failed): once one cannot complete, the others are ended for the same cause."""
-        futures = {asyncio.wrap_future(g.request.future): g for g in generations}
+        futures = {asyncio.wrap_future(g.settled): g for g in generations}
         deadline = time.monotonic() + self.settings.request_timeout_s
         try:
             while not all(future.done() for future in futures):
@@ -372,8 +376,6 @@ class Server:
         except asyncio.CancelledError:
             self._end_all(generations, "client")
             raise
-        for future in futures:
-            future.exception()  # seen here, so asyncio does not log it as never retrieved: the outcome reports it
         for generation in generations:
             self._raise_unless_completed(generation)
         return generations
@@ -416,6 +418,12 @@ class Server:
             raise Refusal(499, "the client closed the request", "cancelled")
 
     def _settle(self, generation: Generation) -> None:
+        try:
+            self._account(generation)
+        finally:  # its waiters wake even if the accounting failed
+            generation.settled.set_result(None)
+
+    def _account(self, generation: Generation) -> None:
         status, outcome = generation.outcome()
         if generation.turn is not None:
             generation.turn.end(generation.text if status == 200 else None)

@@ -196,6 +196,29 @@ def test_n_choices_are_admitted_together_and_charge_their_prompt_once(om, tmp_pa
         server.close()
 
 
+class _SlowAuditGuard(Guard):
+    """An audit log on a slow disk: the server's accounting still runs after the engine's future reads done."""
+
+    def audit(self, *args, **kwargs) -> None:
+        time.sleep(0.5)
+        super().audit(*args, **kwargs)
+
+
+def test_an_answer_is_complete_only_once_it_is_accounted(om, tmp_path):
+    engine = EngineConfig(kv_cache_pages=64, max_context_len=4096, max_num_batched_tokens=1)
+    server = Server({"tiny": str(om)}, engine, ServerSettings(),
+                    _SlowAuditGuard(audit_log=str(tmp_path / "audit.jsonl")))
+    server.load()
+    try:
+        generation = server.start(None, None, "/x", {**GREEDY, "max_new_tokens": 2, "ignore_eos": True}, prompt="abc")
+        _wait_until(generation.request.future.done)  # the engine's thread is now writing the audit line
+        asyncio.run(server.complete(generation))
+        assert server.pending == {"tiny": 0} and server.in_flight == 0
+        assert len((tmp_path / "audit.jsonl").read_text().splitlines()) == 1
+    finally:
+        server.close()
+
+
 def test_a_choice_the_engine_refuses_ends_its_siblings_uncharged(om):
     server = _server(om, api_keys=["k"], quota_tokens=1000)
     good = SamplingParams(max_new_tokens=300, temperature=0, ignore_eos=True)
