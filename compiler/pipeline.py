@@ -7,6 +7,7 @@ import numpy as np
 from compiler.config import CompileConfig
 from compiler.pass_manager import Pass
 from compiler.tokenizer_files import tokenizer_files
+from passes.canonicalize_gemm import CanonicalizeGemm
 from passes.canonicalize_layout import CanonicalizeLayout
 from passes.compress_float_weights import CompressFloatWeights
 from passes.convert_attention import ConvertAttention
@@ -82,6 +83,7 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: Wei
         FoldConstants(),
         EliminateIdentity(),
         CanonicalizeLayout(),
+        CanonicalizeGemm(),
         EliminateDeadCode(),
         InferShapes(),
         # Phase 1: normalisation (and onnxruntime's quantized matmul, whose layout MatMulInt4 shares)

@@ -1,7 +1,7 @@
 """SwiGluFusionPass: SiLU(x·Wg) · (x·Wu) → cann::SwiGlu(x·[Wg | Wu]), one MatMul for both projections.
 
-Anchored at the Sigmoid of SiLU = g · sigmoid(g). The gate and up halves come either from two MatMuls (or
-plain Gemms, dynamo's spelling for 2-D inputs) of the same input with constant weights (merged here into
+Anchored at the Sigmoid of SiLU = g · sigmoid(g). The gate and up halves come either from two MatMuls (a
+Gemm is one by now: passes/canonicalize_gemm.py) of the same input with constant weights (merged here into
 one [K, 2I] weight: one GEMM instead of two), or already from one fused projection (Phi-3's gate_up_proj)
 cut by Split or two Slices of the last axis, gate half first. Gemma's GELU MLP has no Sigmoid-gated product and is left alone.
 """
@@ -63,25 +63,6 @@ def gate_up_halves(graph: gs.Graph, gate: gs.Tensor, up: gs.Tensor) -> gs.Tensor
     return whole
 
 
-def _projection(tensor: gs.Tensor) -> gs.Node | None:
-    """The MatMul computing `tensor`, or a Gemm that is one (dynamo's spelling for 2-D inputs, e.g. Qwen2-MoE's
-    shared expert): no transposed input A, no scaling, no bias."""
-    node = producer(tensor, "MatMul", "Gemm")
-    if node is not None and node.op == "Gemm" and (
-            len(node.inputs) > 2 or node.attrs.get("transA", 0) or node.attrs.get("alpha", 1.0) != 1.0
-            or not isinstance(node.inputs[1], gs.Constant)):
-        return None
-    return node
-
-
-def _weight(node: gs.Node) -> WeightSource | None:
-    """The [K, N] weight of a `_projection` node (a transB Gemm's constant transposed)."""
-    if node.op == "Gemm" and node.attrs.get("transB", 0):
-        weight = node.inputs[1]
-        return weight_source(gs.Constant(f"{weight.name}_t", np.ascontiguousarray(np.asarray(weight.values).T)))
-    return weight_source(node.inputs[1])
-
-
 class FuseSwiGlu(FusionPass):
     """Fuse gated-SiLU MLPs."""
 
@@ -100,10 +81,10 @@ class FuseSwiGlu(FusionPass):
         if up is None or isinstance(up, gs.Constant):
             return "SiLU(g) is not multiplied by an up projection"
         name = product.name.rsplit("/", 1)[0] + "/SwiGlu"
-        gate_mm, up_mm = _projection(gate), _projection(up)
+        gate_mm, up_mm = producer(gate, "MatMul"), producer(up, "MatMul")
         if gate_mm is not None and up_mm is not None:
             x = gate_mm.inputs[0]
-            weights = [_weight(gate_mm), _weight(up_mm)]
+            weights = [weight_source(gate_mm.inputs[1]), weight_source(up_mm.inputs[1])]
             if up_mm.inputs[0] is not x:
                 return "gate and up project different inputs"
             if not can_merge(weights) or weights[0].shape != weights[1].shape:

@@ -95,6 +95,24 @@ def accumulate(statistics: dict[str, InputStatistics], name: str, value: np.ndar
     stats.kept.append(rows[:: max(1, rows.shape[0] * samples // KEPT_ROWS)][: KEPT_ROWS // samples + 1].copy())
 
 
+def within_positions(graph: gs.Graph, samples: list[np.ndarray]) -> list[np.ndarray]:
+    """`samples` cut to the rows of the graph's learned position table (GPT-2's wpe), where it has one: a
+    window longer than the table would index past it. Such a table is a constant float matrix gathered at
+    something other than the token ids."""
+    ids = next((t for t in graph.inputs if t.name == "input_ids"), None)
+    rows = []
+    for node in graph.nodes:
+        table = node.inputs[0] if node.op == "Gather" and node.attrs.get("axis", 0) == 0 else None
+        if not isinstance(table, gs.Constant) or len(table.shape) != 2 or not np.issubdtype(table.dtype, np.floating):
+            continue
+        index = node.inputs[1]
+        while index.inputs and index.inputs[0].op == "Cast":
+            index = index.inputs[0].inputs[0]
+        if index is not ids:
+            rows.append(table.shape[0])
+    return [sample[:min(rows)] for sample in samples] if rows else samples
+
+
 def text_samples(token_ids: list[int], num_samples: int, seq_len: int) -> list[np.ndarray]:
     """Consecutive, non-overlapping windows of `seq_len` tokens; as many as asked and the text allows."""
     count = min(num_samples, len(token_ids) // seq_len)

@@ -244,15 +244,18 @@ def test_a_replica_killed_under_load_fails_or_retries_each_request_and_ray_resta
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for thread in threads:
         thread.start()
-    running = {}
+    # the replicas report what they run about every second, so a report can be older than the work it shows:
+    # the victim is chosen on a fresh one (the ages read first, so the counts read after are at least as new)
+    busy: list = []
     deadline = time.monotonic() + 60
-    while not any(running.values()):  # the replicas report what they run every second
+    while not busy:
         assert time.monotonic() < deadline, "no replica reported running requests"
+        time.sleep(0.05)
+        fresh = {r["replica"]: r["pid"] for r in ray_server.replicas() if r["reported_s_ago"] < 0.3}
         running = ray_server.per_replica("cann_llm:num_requests_running")
-        time.sleep(0.1)
-    victim = max(running, key=running.get)
-    (pid,) = [r["pid"] for r in ray_server.wait_for(lambda now: victim in {r["replica"] for r in now},
-                                                     "the busiest replica to report") if r["replica"] == victim]
+        busy = sorted((running[r], r) for r in fresh if running.get(r, 0) >= 1)
+    victim = busy[-1][1]
+    pid = fresh[victim]
     os.kill(pid, signal.SIGKILL)
     for thread in threads:
         thread.join(timeout=600)

@@ -138,7 +138,8 @@ def test_a_hostile_request_does_not_hurt_one_running_beside_it(server, engine):
 def test_a_client_that_disconnects_mid_stream_frees_its_pages(server):
     cancelled = server.metric("cann_llm:requests_total", model_name="tiny", outcome="cancelled")
     with httpx.stream("POST", f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3000,
-                                                                     "temperature": 0, "stream": True}) as response:
+                                                                     "temperature": 0, "stream": True},
+                      timeout=60) as response:
         next(response.iter_lines())
     deadline = time.time() + 120
     while server.metric("cann_llm:requests_total", model_name="tiny", outcome="cancelled") == cancelled:
@@ -150,7 +151,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(server):
 def test_an_idle_connection_is_kept_past_the_clients_keep_alive_expiry(server):
     """httpx (and so the openai SDK) reuses an idle connection for 5 s: a server closing it at 5 s races the
     reuse and fails the request; ours keeps it longer, so a connection idle 6 s still serves."""
-    with httpx.Client(base_url=server.url, limits=httpx.Limits(keepalive_expiry=60)) as client:
+    with httpx.Client(base_url=server.url, limits=httpx.Limits(keepalive_expiry=60), timeout=60) as client:
         first = client.get("/health")
         time.sleep(6)
         second = client.get("/health")
@@ -262,11 +263,17 @@ def test_keys_quotas_timeouts_capacity_filter_and_audit(om, tmp_path):
             sdk.completions.create(model="tiny", prompt="x" * 200, max_tokens=2000, temperature=0,
                                    extra_body={"ignore_eos": True})
         assert late.value.status_code == 504 and late.value.body["type"] == "timeout"
-        assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}, headers=k1, timeout=60).status_code == 200
+        # a short answer fits the 0.1 s deadline unless the host stalls the server that long: tried until it
+        # does, and the audit read against what each try got
+        tries: list[int] = []
+        while len(tries) < 10 and 200 not in tries:
+            tries.append(httpx.post(url, json={"prompt": "hi", "max_tokens": 2}, headers=k1, timeout=60).status_code)
+        assert tries[-1] == 200 and set(tries) <= {200, 504}
         records = [json.loads(line) for line in audit.read_text().splitlines()]
         assert records and all(r["key_id"].startswith("key-") and "k1" not in json.dumps(r) for r in records)
-        assert [r["status"] for r in records][-1] == 200 and {r["status"] for r in records[:-1]} == {504}
-        assert all(r["tokens_in"] == 200 for r in records[:-1])
+        earlier = records[:-len(tries)]
+        assert [r["status"] for r in records[-len(tries):]] == tries and {r["status"] for r in earlier} == {504}
+        assert all(r["tokens_in"] == 200 for r in earlier)
     finally:
         server.stop()
 

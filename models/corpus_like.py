@@ -1,0 +1,145 @@
+"""Exports in ../shared/corpus's layout for the families it holds back (Mistral, GLM, Phi-3, Gemma, Qwen2-MoE,
+Qwen3-MoE, GPT-2), made the way its README says its exports were made, so tests/test_corpus.py can be run
+over them before anyone else does:
+
+    python -m models.corpus_like --out .cache/corpus-like
+    CANN_LLM_CORPUS=.cache/corpus-like python -m pytest -n 2 tests/test_corpus.py
+
+Each folder holds `model.onnx`, `reference.npz` (the torch model's outputs on the corpus's two cases, a
+left-padded batch and a second shape) and a `meta.json` with the fields the tests read. An export the
+exporter refuses leaves a folder with only its `meta.json` (status `failed`), as in the corpus.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from pathlib import Path
+
+import click
+import numpy as np
+
+from models.export import export_causal_lm, io_names, kv_geometry
+from models.recipes import RECIPES
+from models.tiny import TINY_FAMILIES
+
+HELD_BACK = ("mistral", "glm", "phi3", "gemma", "qwen2_moe", "qwen3_moe", "gpt2")
+EXPORTS = {"ts": (False, False), "ts-kv": (False, True), "dynamo": (True, False), "dynamo-kv": (True, True)}
+# the corpus's sizes: hidden 64, 4 heads, 2 KV heads, head_dim 16, 2 layers, intermediate 128, vocab 512
+_SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=512)
+_GPT2_SIZES = dict(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=512)
+LAYERS = 2
+
+
+def build(family: str):
+    """The corpus's initialisation: transformers' under seed 0, then norm weights 1+N(0, 0.1) (Gemma's,
+    used as 1+w, N(0, 0.1)), biases and MoE router weights N(0, 0.1), drawn in parameter-name order."""
+    import torch
+    import transformers
+
+    spec = TINY_FAMILIES[family]
+    sizes = {**spec.sizes, **(_GPT2_SIZES if family == "gpt2" else _SIZES)}
+    config = getattr(transformers, spec.config_class)(**sizes)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = getattr(transformers, spec.model_class)(config)
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("batched_mm")  # the grouped default cannot be exported
+    gen = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            norm = "norm" in name or ".ln_" in name
+            if norm and name.endswith("weight"):
+                draw = 0.1 * torch.randn(param.shape, generator=gen)
+                param.copy_(draw if family == "gemma" else 1.0 + draw)
+            elif name.endswith("bias") or name.endswith("mlp.gate.weight") or "shared_expert_gate" in name:
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+    return model.eval()
+
+
+def _cases(config, with_past: bool) -> list[dict[str, np.ndarray]]:
+    """The corpus's two cases: batch 2 by 7 with row 1 left-padded by 2 (a past of 5, so a 12-long mask,
+    with past inputs), and batch 3 by 4 (one decode step over a past of 11, with past inputs)."""
+    rng = np.random.default_rng(0)
+    layers, kv_heads, head_dim = kv_geometry(config)
+    shapes = [(2, 7, 5), (1, 1, 11)] if with_past else [(2, 7, 0), (3, 4, 0)]
+    cases = []
+    for batch, seq, past in shapes:
+        mask = np.ones((batch, past + seq), np.int64)
+        if batch > 1:
+            mask[-1, :2] = 0
+        positions = np.cumsum(mask, axis=1) - 1
+        positions[mask == 0] = 1
+        feeds = {"input_ids": rng.integers(0, config.vocab_size, (batch, seq)).astype(np.int64),
+                 "attention_mask": mask, "position_ids": positions[:, past:].astype(np.int64)}
+        feeds["input_ids"][mask[:, past:] == 0] = 0
+        if with_past:
+            for i in range(layers):
+                for kind in ("key", "value"):
+                    feeds[f"past_key_values.{i}.{kind}"] = rng.standard_normal(
+                        (batch, kv_heads, past, head_dim)).astype(np.float32)
+        cases.append(feeds)
+    return cases
+
+
+def _reference(model, with_past: bool) -> dict[str, np.ndarray]:
+    import torch
+
+    from models.export import _CausalLMWithFlatCache
+
+    wrapper = _CausalLMWithFlatCache(model, with_past).eval()
+    inputs, outputs = io_names(kv_geometry(model.config)[0], with_past)
+    arrays = {}
+    for prefix, feeds in zip(("", "alt_"), _cases(model.config, with_past)):
+        with torch.no_grad():
+            got = wrapper(*(torch.from_numpy(feeds[name]) for name in inputs))
+        got = got if isinstance(got, tuple) else (got,)
+        for name in inputs:
+            arrays[f"{prefix}input.{name}"] = feeds[name]
+        for name, value in zip(outputs, got):
+            arrays[f"{prefix}output.{name}"] = value.numpy()
+        seq = feeds["input_ids"].shape[1]
+        arrays[f"{prefix}valid_query_rows"] = feeds["attention_mask"][:, -seq:].astype(bool)
+    return arrays
+
+
+def expected_counts(family: str) -> dict[str, int]:
+    """What the corpus's meta.json says a compiler should find: attention blocks and norms."""
+    recipe = RECIPES[family]
+    if recipe.norms_per_layer == 0:
+        return {"attention_blocks": LAYERS, "layernorm": 2 * LAYERS + 1}
+    return {"attention_blocks": LAYERS, "rmsnorm": recipe.norms_per_layer * LAYERS + 1}
+
+
+def write(family: str, exporter: str, out: Path) -> str:
+    """One folder; its status."""
+    dynamo, with_past = EXPORTS[exporter]
+    folder = out / f"{family}-{exporter}"
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = {"family": family, "exporter": exporter, "num_layers": LAYERS, "with_past": with_past,
+            "expected": expected_counts(family), "status": "ok"}
+    model = build(family)
+    try:
+        export_causal_lm(model, folder / "model.onnx", dynamo=dynamo, with_past=with_past)
+        np.savez(folder / "reference.npz", **_reference(model, with_past))
+    except Exception:
+        meta["status"] = "failed"
+        meta["error"] = traceback.format_exc(limit=3)
+        (folder / "model.onnx").unlink(missing_ok=True)
+    (folder / "meta.json").write_text(json.dumps(meta, indent=1))
+    return meta["status"]
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="the folder to fill")
+@click.option("--families", default=",".join(HELD_BACK), show_default=True)
+def main(out: Path, families: str) -> None:
+    """Write the held-back families' exports in the corpus's layout."""
+    for family in families.split(","):
+        for exporter in EXPORTS:
+            print(f"{family}-{exporter}: {write(family, exporter, out)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
