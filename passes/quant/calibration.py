@@ -102,11 +102,12 @@ def within_positions(graph: gs.Graph, samples: list[np.ndarray]) -> list[np.ndar
     ids = next((t for t in graph.inputs if t.name == "input_ids"), None)
     rows = []
     for node in graph.nodes:
-        table = node.inputs[0] if node.op == "Gather" and node.attrs.get("axis", 0) == 0 else None
+        # (a node a rewrite has detached has no inputs left)
+        table = node.inputs[0] if node.op == "Gather" and len(node.inputs) == 2 and node.attrs.get("axis", 0) == 0 else None
         if not isinstance(table, gs.Constant) or len(table.shape) != 2 or not np.issubdtype(table.dtype, np.floating):
             continue
         index = node.inputs[1]
-        while index.inputs and index.inputs[0].op == "Cast":
+        while index.inputs and index.inputs[0].op == "Cast" and index.inputs[0].inputs:
             index = index.inputs[0].inputs[0]
         if index is not ids:
             rows.append(table.shape[0])

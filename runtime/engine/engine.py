@@ -217,6 +217,7 @@ class LLMEngine:
         self._worker: threading.Thread | None = None
         self._closed = False
         self._start_lock = threading.Lock()
+        self._post_lock = threading.Lock()
         release_free_heap()  # what loading freed (the tokenizer's JSON, graph protos) leaves the resident set
 
     def _executor(self) -> Executor:
@@ -385,7 +386,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the worker; requests still in flight are cancelled."""
-        self._closed = True
+        with self._post_lock:
+            self._closed = True
         self._wake.set()
         if self._worker is not None:
             self._worker.join()
@@ -402,11 +404,14 @@ class LLMEngine:
     # ---- the worker -------------------------------------------------------------------------------
 
     def _post(self, message) -> None:
-        if self._closed:
-            if message[0] == "cancel":
-                return  # closing cancels every request still in flight
-            raise RuntimeError("the engine is closed")
-        self._inbox.put(message)
+        # under the lock close() sets `_closed` by: a message is either refused or in the inbox before the
+        # worker can read `_closed`, and the worker drains the inbox once more after reading it
+        with self._post_lock:
+            if self._closed:
+                if message[0] == "cancel":
+                    return  # closing cancels every request still in flight
+                raise RuntimeError("the engine is closed")
+            self._inbox.put(message)
         self._ensure_worker()
         self._wake.set()
 
@@ -418,8 +423,9 @@ class LLMEngine:
 
     def _loop(self) -> None:
         while True:
+            closed = self._closed
             self._drain_inbox()
-            if self._closed:
+            if closed:
                 for request in list(self._requests.values()):
                     self._cancel(request)
                 return

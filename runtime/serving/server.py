@@ -451,16 +451,23 @@ class Server:
         """Requests admitted and not yet accounted."""
         return len(self._in_flight)
 
+    def _admitted(self) -> bool:
+        """Whether any request is past the closing check and not yet accounted: `pending` counts it from that
+        check (under the same lock), `_in_flight` only once the engine has it."""
+        with self._lock:
+            return bool(self._in_flight) or any(self.pending.values())
+
     async def drain(self, grace_s: float | None = None) -> None:
         """Stop admitting; give what is in flight `grace_s` (the settings' by default) to finish, end the
         rest (503), wait until the engines are done with every request, then close."""
         self.closing = True
         deadline = time.monotonic() + (self.settings.shutdown_grace_s if grace_s is None else grace_s)
-        while self._in_flight and time.monotonic() < deadline:
+        while self._admitted() and time.monotonic() < deadline:
             await asyncio.sleep(_POLL_S)
         # each engine ends its cancelled requests before its next step: bounded by one step. Ended again
-        # each round: one admitted while the signal came (past the closing check) is ended too
-        while self._in_flight:
+        # each round: one admitted while the signal came (past the closing check, still being submitted)
+        # is ended too once it is in flight, and the engines are not closed under it
+        while self._admitted():
             with self._lock:
                 left = [generation for generation in self._in_flight if generation.ended_by is None]
             for generation in left:

@@ -220,8 +220,9 @@ def test_an_answer_is_complete_only_once_it_is_accounted(om, tmp_path):
 
 
 def test_a_choice_the_engine_refuses_ends_its_siblings_uncharged(om):
-    server = _server(om, api_keys=["k"], quota_tokens=1000)
-    good = SamplingParams(max_new_tokens=300, temperature=0, ignore_eos=True)
+    server = _server(om, api_keys=["k"], quota_tokens=10_000)
+    # long enough that no sibling finishes (and is charged) before the third is refused, however busy the host
+    good = SamplingParams(max_new_tokens=3000, temperature=0, ignore_eos=True)
     try:
         refusal = _refused(lambda: server._admit("tiny", "k", "/x", (), [5, 6, 7],
                                                  [good, good, SamplingParams(stop_token_ids=(10 ** 6,))]))
