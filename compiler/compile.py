@@ -24,6 +24,7 @@ from compiler.pipeline import build_pipeline
 from compiler.precheck import check_ops, unsupported_types
 from compiler.tokenizer_files import tokenizer_files
 from models.recipes import detect_family
+from passes.graph_utils import position_table_rows
 from passes.pipeline_stages import layer_ranges, stage_graph
 from passes.weight_memory import detach_weights
 from passes.weight_spill import weight_spill
@@ -109,6 +110,7 @@ def _write(cfg: CompileConfig, output: Path, graph: gs.Graph, model: onnx.ModelP
     start = time.perf_counter()
     detected = detect_family(graph)
     dimensions = attention_dimensions(graph)
+    positions = position_table_rows(graph)
     detached = detach_weights(graph)
     lowered = lower(graph, model)
     signature = io_signature(lowered)
@@ -125,7 +127,7 @@ def _write(cfg: CompileConfig, output: Path, graph: gs.Graph, model: onnx.ModelP
         "signature": signature,
         "is_dynamic": is_dynamic(signature),
         "model": {**llm, **dimensions, **layers, "family": cfg.model_type or detected,
-                  "detected_family": detected},
+                  "detected_family": detected, **({"max_positions": positions} if positions else {})},
         "kv_cache": kv_cache_metadata(cfg),
         **shape_contract_metadata(cfg),
         **({"pipeline": stage} if stage else {}),

@@ -93,3 +93,21 @@ def naming_patterns(node: gs.Node, weight_name: str, head: gs.Node | None, patte
     the weight it reads; "lm_head" is `head`. All, not the first: each pattern must be known to match."""
     return [pattern for pattern in patterns if (pattern == "lm_head" and node is head) or any(
         fnmatch.fnmatchcase(name, pattern) for name in (node.name, weight_name))]
+
+
+def position_table_rows(graph: gs.Graph) -> int | None:
+    """Rows of the graph's learned position table (GPT-2's wpe), the most positions the model can read; None
+    without one. Such a table is a constant float matrix gathered at something other than the token ids."""
+    ids = next((t for t in graph.inputs if t.name == "input_ids"), None)
+    rows = []
+    for node in graph.nodes:
+        # (a node a rewrite has detached has no inputs left)
+        table = node.inputs[0] if node.op == "Gather" and len(node.inputs) == 2 and node.attrs.get("axis", 0) == 0 else None
+        if not isinstance(table, gs.Constant) or len(table.shape) != 2 or not np.issubdtype(table.dtype, np.floating):
+            continue
+        index = node.inputs[1]
+        while index.inputs and index.inputs[0].op == "Cast" and index.inputs[0].inputs:
+            index = index.inputs[0].inputs[0]
+        if index is not ids:
+            rows.append(int(table.shape[0]))
+    return min(rows) if rows else None

@@ -15,6 +15,7 @@ import onnx
 import onnx_graphsurgeon as gs
 import onnxruntime as ort
 
+from passes.graph_utils import position_table_rows
 from passes.weight_memory import detach_weights
 from runtime.feeds import causal_lm_inputs
 from runtime.lowering import lower_for_onnxruntime
@@ -97,21 +98,9 @@ def accumulate(statistics: dict[str, InputStatistics], name: str, value: np.ndar
 
 def within_positions(graph: gs.Graph, samples: list[np.ndarray]) -> list[np.ndarray]:
     """`samples` cut to the rows of the graph's learned position table (GPT-2's wpe), where it has one: a
-    window longer than the table would index past it. Such a table is a constant float matrix gathered at
-    something other than the token ids."""
-    ids = next((t for t in graph.inputs if t.name == "input_ids"), None)
-    rows = []
-    for node in graph.nodes:
-        # (a node a rewrite has detached has no inputs left)
-        table = node.inputs[0] if node.op == "Gather" and len(node.inputs) == 2 and node.attrs.get("axis", 0) == 0 else None
-        if not isinstance(table, gs.Constant) or len(table.shape) != 2 or not np.issubdtype(table.dtype, np.floating):
-            continue
-        index = node.inputs[1]
-        while index.inputs and index.inputs[0].op == "Cast" and index.inputs[0].inputs:
-            index = index.inputs[0].inputs[0]
-        if index is not ids:
-            rows.append(table.shape[0])
-    return [sample[:min(rows)] for sample in samples] if rows else samples
+    window longer than the table would index past it."""
+    rows = position_table_rows(graph)
+    return samples if rows is None else [sample[:rows] for sample in samples]
 
 
 def text_samples(token_ids: list[int], num_samples: int, seq_len: int) -> list[np.ndarray]:

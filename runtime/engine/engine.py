@@ -170,6 +170,8 @@ class LLMEngine:
         backend, threads = config.backend, config.threads
         metadata = self.loaded.metadata
         self.dims = metadata["model"]
+        # a model with learned positions (GPT-2) reads no position past its table: its context ends there
+        max_context_len = min(max_context_len, self.dims.get("max_positions", max_context_len))
         self.max_context_len = max_context_len
         self.vocab_size = int(self.dims["vocab_size"])
         self.tokenizer = self.loaded.tokenizer
