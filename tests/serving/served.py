@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
-import time
+import threading
 
 import httpx
 
@@ -16,23 +17,53 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class StderrLines:
+    """A process's stderr line by line as it comes (read in a thread, so the pipe never fills)."""
+
+    def __init__(self, stream):
+        self.lines: list[str] = []
+        self.ended = False
+        self._arrived = threading.Condition()
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            with self._arrived:
+                self.lines.append(line.rstrip("\n"))
+                self._arrived.notify_all()
+        with self._arrived:
+            self.ended = True
+            self._arrived.notify_all()
+
+    def wait_for(self, wanted, timeout: float = 120) -> str:
+        """The first line `wanted(line)` accepts, once it has been printed (fails at once if the stream ends
+        without it)."""
+        def found():
+            return next((line for line in self.lines if wanted(line)), None) or self.ended
+
+        with self._arrived:
+            line = self._arrived.wait_for(found, timeout)
+        assert isinstance(line, str), f"no such line in {self.lines}"
+        return line
+
+    def all(self, timeout: float = 60) -> str:
+        """Everything the process wrote, once it has closed the stream (it has exited)."""
+        with self._arrived:
+            assert self._arrived.wait_for(lambda: self.ended, timeout), "the stream is still open"
+            return "\n".join(self.lines)
+
+
 class Server:
     def __init__(self, *argv: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.process = subprocess.Popen([sys.executable, "-m", "cli.cann_run", "serve", "--port", str(self.port), *argv],
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        # a hang guard, not a speed bound: a crash is reported at once below, and a busy host loads slowly
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            assert self.process.poll() is None, self.process.stderr.read()
-            time.sleep(0.2)
-        raise TimeoutError("the server did not become healthy")
+        # the server binds a port of its own and names it when ready: a port chosen here could be taken by
+        # another process before the server binds it
+        self.process = subprocess.Popen([sys.executable, "-m", "cli.cann_run", "serve", "--port", "0", *argv],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, encoding="utf-8")
+        self.stderr = StderrLines(self.process.stderr)
+        # a hang guard, not a speed bound: a crash ends the stream (and the wait) at once
+        ready = self.stderr.wait_for(lambda line: line.startswith("ready in "), timeout=600)
+        self.url = re.search(r"http://127\.0\.0\.1:\d+", ready)[0]
+        self.port = int(self.url.rsplit(":", 1)[1])
 
     def metric(self, name: str, **labels) -> float:
         text = httpx.get(f"{self.url}/metrics", timeout=60).text

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 from generation_utils import compile_tiny_chat_model
-from served import Server, free_port
+from served import Server, StderrLines, free_port
 
 from runtime.engine.engine import LLMEngine
 
@@ -377,7 +377,7 @@ def test_sigterm_answers_every_request_in_flight_and_accounts_for_it(om, tmp_pat
     # run one at a time, the last of the three still had 12,000 steps to go when the signal could be sent
     assert 503 in statuses and set(statuses) <= {200, 503}
     assert sorted(json.loads(line)["status"] for line in audit.read_text().splitlines()) == sorted(statuses)
-    log = server.process.stderr.read()
+    log = server.stderr.all()
     assert "Traceback" not in log and "Cancel" not in log, log
 
 
@@ -396,29 +396,6 @@ def test_sigterm_during_32_streaming_and_plain_requests_with_a_core_busy(tmp_pat
     [round_] = report["results"]
     assert round_["problems"] == [] and sum(round_["statuses"].values()) == 32
     assert set(round_["statuses"]) <= {"200", "503"}
-
-
-class StderrLines:
-    """A process's stderr line by line as it comes (read in a thread, so the pipe never fills)."""
-
-    def __init__(self, stream):
-        self.lines: list[str] = []
-        self._arrived = threading.Condition()
-        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
-
-    def _read(self, stream) -> None:
-        for line in stream:
-            with self._arrived:
-                self.lines.append(line.rstrip("\n"))
-                self._arrived.notify_all()
-
-    def wait_for(self, wanted, timeout: float = 120) -> str:
-        """The first line `wanted(line)` accepts, once it has been printed."""
-        with self._arrived:
-            found = self._arrived.wait_for(lambda: next((line for line in self.lines if wanted(line)), None),
-                                           timeout)
-        assert found, f"no such line in {self.lines}"
-        return found
 
 
 def test_serve_says_ready_only_once_its_engines_are_loaded_then_reports_stats(om, engine):
