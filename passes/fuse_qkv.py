@@ -2,8 +2,10 @@
 
 Three MatMuls of the same input with constant (or QDQ) weights, each optionally plus a constant bias (as
 in Qwen2 and InternLM), become one MatMul against [Wq | Wk | Wv] (plus [bq | bk | bv]): one GEMM reads
-the activations once. A projection already packed and cut by Slices or a Split (Phi-3's qkv_proj,
-Baichuan's W_pack) is fed to the attention as it is. Runs after AttentionFusionPass.
+the activations once. Where q and k reach the attention through per-head ops (Qwen3's q and k norms: a
+Reshape to heads, an RmsNorm over each), the packed projection is split back into the three before them.
+A projection already packed and cut by Slices or a Split (Phi-3's qkv_proj, Baichuan's W_pack) is fed to
+the attention as it is. Runs after AttentionFusionPass.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ from runtime.ops import CUSTOM_DOMAIN, FUSED_ATTENTION, input_at
 from runtime.ops import FusedAttentionInput as Slot
 
 
+# what may stand between a projection and the attention, each read only by the next
+PER_HEAD_OPS = ("Reshape", "Transpose", "RmsNorm")
+
+
 @dataclass
 class QkvMatch:
     attention: gs.Node
@@ -26,6 +32,7 @@ class QkvMatch:
     weights: list[WeightSource]
     biases: list[np.ndarray] | None
     packed: gs.Tensor | None
+    roots: list[gs.Tensor] | None = None  # the three projections' outputs, when per-head ops read them
 
 
 def _linear(graph: gs.Graph, tensor: gs.Tensor) -> tuple[gs.Tensor, WeightSource, np.ndarray | None] | None:
@@ -47,6 +54,16 @@ def _linear(graph: gs.Graph, tensor: gs.Tensor) -> tuple[gs.Tensor, WeightSource
     if weight is None or (bias is not None and bias.shape[0] != weight.shape[1]):
         return None
     return matmul.inputs[0], weight, bias
+
+
+def _projected(graph: gs.Graph, tensor: gs.Tensor) -> tuple[gs.Tensor, tuple] | None:
+    """(the projection's output, `_linear` of it) when `tensor` is a projection seen through PER_HEAD_OPS."""
+    while (linear := _linear(graph, tensor)) is None:
+        node = producer(tensor, *PER_HEAD_OPS)
+        if node is None or len(tensor.outputs) != 1 or any(t is tensor for t in graph.outputs):
+            return None
+        tensor = node.inputs[0]
+    return tensor, linear
 
 
 def _packed_source(q: gs.Tensor, k: gs.Tensor, v: gs.Tensor) -> gs.Tensor | None:
@@ -87,9 +104,12 @@ class FuseQkv(FusionPass):
         packed = _packed_source(q, k, v)
         if packed is not None:
             return QkvMatch(attention, None, [], None, packed)
-        found = [_linear(graph, t) for t in (q, k, v)]
+        found, roots = [_linear(graph, t) for t in (q, k, v)], None
         if any(f is None for f in found):
-            return "q, k and v are not all constant-weight MatMuls (+ bias) read only by this attention"
+            traced = [_projected(graph, t) for t in (q, k, v)]
+            if any(t is None for t in traced):
+                return "q, k and v are not all constant-weight MatMuls (+ bias) read only by this attention"
+            roots, found = [t[0] for t in traced], [t[1] for t in traced]
         if not (found[0][0] is found[1][0] is found[2][0]):
             return "q, k and v project different inputs"
         weights = [f[1] for f in found]
@@ -99,7 +119,7 @@ class FuseQkv(FusionPass):
         if any(f[2] is not None for f in found):
             dtype = q.dtype or np.float32
             biases = [f[2] if f[2] is not None else np.zeros(f[1].shape[1], dtype) for f in found]
-        return QkvMatch(attention, found[0][0], weights, biases, None)
+        return QkvMatch(attention, found[0][0], weights, biases, None, roots)
 
     def rewrite(self, graph: gs.Graph, match: QkvMatch) -> None:
         attention = match.attention
@@ -116,6 +136,20 @@ class FuseQkv(FusionPass):
                 bias = gs.Constant(f"{name}_bias_values", np.concatenate(match.biases))
                 graph.nodes.append(gs.Node("Add", name=f"{name}/Add", inputs=[packed, bias], outputs=[biased]))
                 packed = biased
+            if match.roots is not None:
+                _split_into(graph, packed, [w.shape[1] for w in match.weights], match.roots, f"{name}/Split")
+                return
         attention.inputs[Slot.QUERY] = packed
         attention.inputs[Slot.KEY] = gs.Variable.empty()
         attention.inputs[Slot.VALUE] = gs.Variable.empty()
+
+
+def _split_into(graph: gs.Graph, packed: gs.Tensor, widths: list[int], parts: list[gs.Tensor], name: str) -> None:
+    """`parts` (each taken from its producer) become the last-axis Split of `packed` by `widths`."""
+    for part in parts:
+        part.inputs.clear()
+    if graph.opset >= 13:
+        inputs, attrs = [packed, gs.Constant(f"{name}_sizes", np.asarray(widths, np.int64))], {"axis": -1}
+    else:
+        inputs, attrs = [packed], {"axis": -1, "split": widths}
+    graph.nodes.append(gs.Node("Split", name=name, attrs=attrs, inputs=inputs, outputs=list(parts)))

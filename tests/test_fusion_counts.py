@@ -23,6 +23,9 @@ def test_fused_counts_follow_the_family_recipe(case, compiled):
     recipe = RECIPES[family]
     expected = recipe.expected_counts(LAYERS)
     assert counts["FusedAttention"] == expected["FusedAttention"]
+    # every attention reads one packed q/k/v projection (split again before Qwen3's per-head norms)
+    qkv = next(p for p in loaded.metadata["pass_report"]["passes"] if p["name"] == "QkvFusionPass")
+    assert qkv["effect_times"] == expected["FusedAttention"]
     assert counts["RmsNorm"] + counts["AddRmsNorm"] == expected["norms"]
     assert counts["SwiGlu"] == expected["SwiGlu"]
     assert counts["MoE"] == expected["MoE"]
