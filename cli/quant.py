@@ -28,8 +28,9 @@ from compiler.loader import import_graph, load_onnx
 from compiler.pass_manager import run_passes
 from compiler.pipeline import build_pipeline, calibration_samples
 from compiler.tokenizer_files import TOKENIZER_FILES
+from passes.canonicalize_gemm import CanonicalizeGemm
 from passes.infer_shapes import InferShapes
-from passes.quant.calibration import collect_input_statistics
+from passes.quant.calibration import collect_input_statistics, within_positions
 from passes.quant.config import BITS, DEFAULT_CALIBRATION_TEXT, HESSIAN_METHODS, METHODS, QuantConfig
 from passes.quant.quantize_weights import QuantizeWeights
 from passes.quant.quantize_weights_qdq import QDQ_OPSET, QuantizeWeightsQDQ
@@ -54,6 +55,7 @@ def quantize_to_qdq(model_path: Path, cfg: QuantConfig, out_dir: Path, progress:
     with _fused_statistics(model_path, cfg, progress) as statistics:
         graph = gs.import_onnx(model)
         InferShapes().run(graph)
+        CanonicalizeGemm().run(graph)  # atc quantizes a Gemm's weight as a MatMul's: so does the QDQ route
         graph = upgrade_opset(graph, QDQ_OPSET)
         quantizer = QuantizeWeightsQDQ(cfg, statistics, progress=progress)
         result = quantizer.run(graph)
@@ -93,11 +95,11 @@ def _fused_statistics(model_path: Path, cfg: QuantConfig, progress: bool) -> Con
     start = time.perf_counter()
     graph = fused_graph(compile_cfg)
     note(f"fusions: {len(graph.nodes)} nodes, {time.perf_counter() - start:.2f} s", enabled=progress)
+    samples = within_positions(graph, calibration_samples(compile_cfg))
     if cfg.method in HESSIAN_METHODS:
-        return StagedStatistics(graph, calibration_samples(compile_cfg), progress=progress)
+        return StagedStatistics(graph, samples, progress=progress)
     names = sorted({n.inputs[0].name for n in graph.nodes if n.op == "MatMul"})
-    return contextlib.nullcontext(collect_input_statistics(graph, names, calibration_samples(compile_cfg),
-                                                           progress=progress))
+    return contextlib.nullcontext(collect_input_statistics(graph, names, samples, progress=progress))
 
 
 def _save(model: onnx.ModelProto, out_dir: Path) -> None:

@@ -59,8 +59,9 @@ def build(family: str):
 
 
 def _cases(config, with_past: bool) -> list[dict[str, np.ndarray]]:
-    """The corpus's two cases: batch 2 by 7 with row 1 left-padded by 2 (a past of 5, so a 12-long mask,
-    with past inputs), and batch 3 by 4 (one decode step over a past of 11, with past inputs)."""
+    """The corpus's two cases: batch 2 by 7 with row 1 left-padded by 2 (after a past of 5, so a 12-long
+    mask, with past inputs); then batch 3 by 4 with its last row left-padded by 2 (without past inputs) or one
+    decode step after a past of 11 (with them)."""
     rng = np.random.default_rng(0)
     layers, kv_heads, head_dim = kv_geometry(config)
     shapes = [(2, 7, 5), (1, 1, 11)] if with_past else [(2, 7, 0), (3, 4, 0)]
@@ -119,8 +120,8 @@ def write(family: str, exporter: str, out: Path) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     meta = {"family": family, "exporter": exporter, "num_layers": LAYERS, "with_past": with_past,
             "expected": expected_counts(family), "status": "ok"}
-    model = build(family)
     try:
+        model = build(family)
         export_causal_lm(model, folder / "model.onnx", dynamo=dynamo, with_past=with_past)
         np.savez(folder / "reference.npz", **_reference(model, with_past))
     except Exception:

@@ -15,11 +15,15 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from passes.base import PassResult
 from passes.pattern import FusionPass
+from passes.weight_memory import Deferred, read_values
 
 
 @dataclass
 class GemmMatch:
+    """A Gemm to rewrite, and its bias (C) if it has one."""
+
     node: gs.Node
     bias: gs.Tensor | None
 
@@ -33,6 +37,14 @@ class CanonicalizeGemm(FusionPass):
 
     def __init__(self) -> None:
         self._oriented: dict[tuple[str, bool, float], gs.Constant] = {}
+        self._names: set[str] = set()
+
+    def run(self, graph: gs.Graph) -> PassResult:
+        self._names = set(graph.tensors())
+        try:
+            return super().run(graph)
+        finally:
+            self._oriented.clear()
 
     def match(self, graph: gs.Graph, node: gs.Node) -> GemmMatch | str:
         if node.attrs.get("transA", 0):
@@ -48,34 +60,56 @@ class CanonicalizeGemm(FusionPass):
         node = match.node
         x, output = node.inputs[0], node.outputs[0]
         weight = self._weight(node.inputs[1], bool(node.attrs.get("transB", 0)), float(node.attrs.get("alpha", 1.0)))
+        bias = match.bias
+        if bias is not None and float(node.attrs.get("beta", 1.0)) != 1.0:
+            bias = self._constant(f"{bias.name}_beta", _scaled(read_values(bias), float(node.attrs["beta"])))
         node.inputs.clear()
         node.outputs.clear()
-        name = output.name  # a tensor's name is unique where a node's (often empty) need not be
-        if match.bias is None:
-            graph.nodes.append(gs.Node("MatMul", name=f"{name}/MatMul", inputs=[x, weight], outputs=[output]))
+        # the Gemm's name goes to its MatMul, so patterns that name the layer (skip_layers) still find it
+        name = node.name or f"{output.name}/MatMul"
+        if bias is None:
+            graph.nodes.append(gs.Node("MatMul", name=name, inputs=[x, weight], outputs=[output]))
             return
-        product = gs.Variable(f"{output.name}_matmul", dtype=output.dtype, shape=output.shape)
-        graph.nodes.append(gs.Node("MatMul", name=f"{name}/MatMul", inputs=[x, weight], outputs=[product]))
-        graph.nodes.append(gs.Node("Add", name=f"{name}/Add", outputs=[output],
-                                   inputs=[product, _scaled(match.bias, float(node.attrs.get("beta", 1.0)))]))
+        product = gs.Variable(self._unique(f"{output.name}_matmul"), dtype=output.dtype, shape=output.shape)
+        graph.nodes.append(gs.Node("MatMul", name=name, inputs=[x, weight], outputs=[product]))
+        graph.nodes.append(gs.Node("Add", name=f"{name}/Add", inputs=[product, bias], outputs=[output]))
 
     def _weight(self, b: gs.Constant, transposed: bool, alpha: float) -> gs.Constant:
-        """B as [K, N] times alpha; one constant for every Gemm that reads the same B the same way."""
+        """B as [K, N] times alpha, computed when read (a model's weights are not all held at once); one
+        constant for every Gemm that reads the same B the same way. It keeps B's name where nothing else
+        reads B (so patterns that name the weight still find it)."""
         if not transposed and alpha == 1.0:
             return b
         key = (b.name, transposed, alpha)
         if key not in self._oriented:
-            values = np.asarray(b.values)
-            values = values.T if transposed else values
-            if alpha != 1.0:
-                values = values * values.dtype.type(alpha)
-            name = f"{b.name}_kn" if alpha == 1.0 else f"{b.name}_kn_x{alpha:g}"
-            self._oriented[key] = gs.Constant(name, np.ascontiguousarray(values))
+            rows, columns = (int(d) for d in b.shape)
+            shape = (columns, rows) if transposed else (rows, columns)
+
+            def oriented() -> np.ndarray:
+                values = read_values(b)
+                return _scaled(values.T if transposed else values, alpha)
+
+            name = b.name if len(b.outputs) == 1 else f"{b.name}_kn" if alpha == 1.0 else f"{b.name}_kn_x{alpha:g}"
+            if name == b.name:
+                self._names.discard(name)  # B goes with its one reader
+            self._oriented[key] = self._constant(name, Deferred(shape, b.dtype, oriented))
         return self._oriented[key]
 
+    def _constant(self, name: str, values) -> gs.Constant:
+        return gs.Constant(self._unique(name), values)
 
-def _scaled(bias: gs.Tensor, beta: float) -> gs.Tensor:
-    if beta == 1.0:
-        return bias
-    values = np.asarray(bias.values)
-    return gs.Constant(f"{bias.name}_beta", values * values.dtype.type(beta))
+    def _unique(self, name: str) -> str:
+        """`name`, or `name` with a number, so that it names no other tensor of the graph."""
+        candidate, number = name, 1
+        while candidate in self._names:
+            candidate, number = f"{name}_{number}", number + 1
+        self._names.add(candidate)
+        return candidate
+
+
+def _scaled(values: np.ndarray, factor: float) -> np.ndarray:
+    """`values` × `factor`, computed in float32 at least (half precision would round the factor)."""
+    if factor == 1.0:
+        return values
+    wide = np.promote_types(values.dtype, np.float32)
+    return (values.astype(wide) * factor).astype(values.dtype)

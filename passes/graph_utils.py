@@ -95,19 +95,49 @@ def naming_patterns(node: gs.Node, weight_name: str, head: gs.Node | None, patte
         fnmatch.fnmatchcase(name, pattern) for name in (node.name, weight_name))]
 
 
+# where a position index comes from: the graph's own input, or computed from the mask or the lengths
+_POSITION_SOURCES = ("CumSum", "Range")
+
+
+def _positional(index: gs.Tensor, position_ids: gs.Tensor | None, depth: int = 12) -> bool:
+    """Whether `index` is computed from positions (the `position_ids` input, a CumSum of the mask or a
+    Range over the lengths) and not from a routing choice (TopK, ArgMax), looking `depth` nodes back."""
+    seen, frontier, positional = {id(index)}, [index], False
+    for _ in range(depth):
+        ahead = []
+        for tensor in frontier:
+            positional |= tensor is position_ids
+            node = tensor.inputs[0] if tensor.inputs else None
+            if node is None:
+                continue
+            if node.op in ("TopK", "ArgMax"):
+                return False
+            positional |= node.op in _POSITION_SOURCES
+            ahead += [t for t in node.inputs if id(t) not in seen]
+            seen.update(id(t) for t in node.inputs)
+        frontier = ahead
+    return positional
+
+
+def _constant_table(tensor: gs.Tensor) -> gs.Constant | None:
+    """A constant float matrix, read as stored or through a Cast (a table stored in half precision)."""
+    if tensor.inputs and tensor.inputs[0].op == "Cast" and tensor.inputs[0].inputs:
+        tensor = tensor.inputs[0].inputs[0]
+    if not isinstance(tensor, gs.Constant) or len(tensor.shape) != 2 or "float" not in np.dtype(tensor.dtype).name:
+        return None
+    return tensor
+
+
 def position_table_rows(graph: gs.Graph) -> int | None:
-    """Rows of the graph's learned position table (GPT-2's wpe), the most positions the model can read; None
-    without one. Such a table is a constant float matrix gathered at something other than the token ids."""
-    ids = next((t for t in graph.inputs if t.name == "input_ids"), None)
+    """Rows of the constant table the graph reads at each token's position (GPT-2's learned positions, a
+    rotary cache stored whole): the most positions the model can read; None without one."""
+    position_ids = next((t for t in graph.inputs if t.name == "position_ids"), None)
     rows = []
     for node in graph.nodes:
         # (a node a rewrite has detached has no inputs left)
-        table = node.inputs[0] if node.op == "Gather" and len(node.inputs) == 2 and node.attrs.get("axis", 0) == 0 else None
-        if not isinstance(table, gs.Constant) or len(table.shape) != 2 or not np.issubdtype(table.dtype, np.floating):
+        if node.op != "Gather" or len(node.inputs) != 2 or node.attrs.get("axis", 0) != 0:
             continue
-        index = node.inputs[1]
-        while index.inputs and index.inputs[0].op == "Cast" and index.inputs[0].inputs:
-            index = index.inputs[0].inputs[0]
-        if index is not ids:
+        table = _constant_table(node.inputs[0])
+        if table is not None and _positional(node.inputs[1], position_ids):
             rows.append(int(table.shape[0]))
     return min(rows) if rows else None

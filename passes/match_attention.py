@@ -212,7 +212,7 @@ def match_head_split(heads4: gs.Tensor) -> Projection | str:
 
 def match_head_merge(graph: gs.Graph, context: gs.Tensor) -> gs.Tensor | str:
     """The output that `context` [B, H, S, D] is merged into: [B, S, H·D], or [B·S, H·D] rows for a 2-D
-    projection (GPT-2's Conv1D is a Gemm)."""
+    projection (GPT-2's Conv1D, a MatMul on 2-D rows)."""
     merge = sole_consumer(graph, context, "Transpose")
     reshape = None
     if is_transpose(merge, [0, 2, 1, 3]) and not any(t is merge.outputs[0] for t in graph.outputs):

@@ -97,7 +97,7 @@ def accumulate(statistics: dict[str, InputStatistics], name: str, value: np.ndar
 
 
 def within_positions(graph: gs.Graph, samples: list[np.ndarray]) -> list[np.ndarray]:
-    """`samples` cut to the rows of the graph's learned position table (GPT-2's wpe), where it has one: a
+    """`samples` cut to the rows of the table the graph reads at each position (GPT-2's), where it has one: a
     window longer than the table would index past it."""
     rows = position_table_rows(graph)
     return samples if rows is None else [sample[:rows] for sample in samples]

@@ -22,7 +22,7 @@ from passes.quant.configured_method import quantize_configured
 from passes.quant.input_scale import scale_input
 from passes.quant.math import quantize_8bit_blocked
 from passes.quant.staged_calibration import StagedStatistics
-from passes.quant.weight_selection import float_weight, lm_head_bits, skip_patterns
+from passes.quant.weight_selection import float_weight, lm_head_bits, routes_experts, skip_patterns
 from runtime.kernels.matmul_nbits_layout import QuantizedWeight, dequantize_blockwise
 from runtime.progress import Progress
 
@@ -56,6 +56,9 @@ class QuantizeWeightsQDQ:
             result.match_times += 1
             if patterns:
                 result.rejections.append(f"{node.name}: skipped by pattern {patterns[0]!r}")
+                continue
+            if routes_experts(node):
+                result.rejections.append(f"{node.name}: an MoE's routing weight: it stays float")
                 continue
             if node is head and config.bits == 4 and lm_head_bits(config) == 8:  # as atc packs it: blocked int8, RTN
                 values = np.asarray(weight.values)

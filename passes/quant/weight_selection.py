@@ -1,7 +1,9 @@
 """Which MatMuls quantize, and how: the constant 2-D float32 weights not named by a skip pattern (fnmatch on
 node and weight names; `lm_head` = the MatMul producing the logits), at the configured bits, except an
-INT4 model's lm_head, which takes `lm_head_bits`; and a DequantizeLinear weight (a QDQ model), which is
-repacked as it is whether or not compression was asked for."""
+INT4 model's lm_head, which takes `lm_head_bits`, and an MoE's routing weights (its router and a shared
+expert's one-column gate), which stay float as vLLM and llama.cpp keep them: they choose the experts, and
+are a tiny part of the bytes; and a DequantizeLinear weight (a QDQ model), which is repacked as it is
+whether or not compression was asked for."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from passes.graph_utils import naming_patterns
 from passes.pattern import producer
 from passes.quant.config import QuantConfig
 from passes.quant.qdq_weight import QdqWeight, read_qdq_weight
+from runtime.ops import MoEInput
 
 
 @dataclass
@@ -34,6 +37,18 @@ def float_weight(weight: gs.Tensor) -> bool:
 def lm_head_bits(config: QuantConfig) -> int:
     """The lm_head's bits when it is quantized: `lm_head_bits` in an INT4 model, 8 in an INT8 one."""
     return config.lm_head_bits if config.bits == 4 else 8
+
+
+def routes_experts(matmul: gs.Node) -> bool:
+    """Whether `matmul` computes an MoE's routing: the router logits (read by `cann::MoE`, or by the TopK of
+    an unfused router, through its Softmax or not), or a shared expert's one-column gate."""
+    weight = matmul.inputs[1]
+    if weight.shape is not None and len(weight.shape) == 2 and weight.shape[1] == 1:
+        return True
+    readers = list(matmul.outputs[0].outputs)
+    readers += [n for r in readers if r.op == "Softmax" for n in r.outputs[0].outputs]
+    return any(r.op == "TopK" or (r.op == "MoE" and r.inputs[MoEInput.ROUTER_LOGITS] is matmul.outputs[0])
+               for r in readers)
 
 
 def skip_patterns(config: QuantConfig, matmul: gs.Node, head: gs.Node | None) -> list[str]:
@@ -57,11 +72,13 @@ def choose_weight(config: QuantConfig | None, matmul: gs.Node, head: gs.Node | N
     matched_patterns.update(patterns)
     if patterns:
         return f"skipped by pattern {patterns[0]!r}"
+    if routes_experts(matmul):
+        return "an MoE's routing weight: it stays float"
     return WeightChoice(matmul, head_blocks=matmul is head and config.bits == 4 and lm_head_bits(config) == 8)
 
 
 def calibrated_inputs(graph: gs.Graph, config: QuantConfig, head: gs.Node | None) -> list[str]:
     """The MatMul inputs whose activations calibration measures: those of every weight that may quantize."""
     return sorted({n.inputs[0].name for n in graph.nodes if n.op == "MatMul" and len(n.inputs) == 2
-                   and not skip_patterns(config, n, head)
+                   and not skip_patterns(config, n, head) and not routes_experts(n)
                    and (float_weight(n.inputs[1]) or producer(n.inputs[1], "DequantizeLinear"))})

@@ -170,8 +170,9 @@ class LLMEngine:
         backend, threads = config.backend, config.threads
         metadata = self.loaded.metadata
         self.dims = metadata["model"]
-        # a model with learned positions (GPT-2) reads no position past its table: its context ends there
-        max_context_len = min(max_context_len, self.dims.get("max_positions", max_context_len))
+        # a model that reads its positions from a table (GPT-2's learned ones) reads none past its rows: a
+        # sequence ends there (its last token, sampled at the last row, is never read)
+        max_context_len = min(max_context_len, self.dims.get("max_positions", max_context_len) + 1)
         self.max_context_len = max_context_len
         self.vocab_size = int(self.dims["vocab_size"])
         self.tokenizer = self.loaded.tokenizer
@@ -414,7 +415,7 @@ class LLMEngine:
                     return  # closing cancels every request still in flight
                 raise RuntimeError("the engine is closed")
             self._inbox.put(message)
-        self._ensure_worker()
+            self._ensure_worker()  # before close() can look for a worker to join
         self._wake.set()
 
     def _ensure_worker(self) -> None:

@@ -396,6 +396,9 @@ class Server:
         finally:
             if not finished:
                 self.end(generation, "client")
+        # the end is sent once the request is accounted: a conversation's next turn, or the same key's next
+        # request, sees its lock released and its quota refunded
+        await asyncio.wrap_future(generation.settled)
         if generation.ended_by == "shutdown" or generation.request.finish_reason == "error":
             self._raise_unless_completed(generation)
 
@@ -418,13 +421,19 @@ class Server:
             raise Refusal(499, "the client closed the request", "cancelled")
 
     def _settle(self, generation: Generation) -> None:
+        status, outcome = generation.outcome()
         try:
-            self._account(generation)
-        finally:  # its waiters wake even if the accounting failed
+            self._account(generation, status, outcome)
+        finally:  # even if the accounting failed (a full disk under the audit log): no slot or waiter is left
+            with self._lock:
+                if self.settings.breaker_threshold:
+                    self.breakers[generation.model].record(outcome)
+                self.pending[generation.model] -= 1
+                self._kv_demand[id(self.engines[generation.model])] -= generation.kv_pages
+                self._in_flight.discard(generation)
             generation.settled.set_result(None)
 
-    def _account(self, generation: Generation) -> None:
-        status, outcome = generation.outcome()
+    def _account(self, generation: Generation, status: int, outcome: str) -> None:
         if generation.turn is not None:
             generation.turn.end(generation.text if status == 200 else None)
         stats = generation.request.stats
@@ -437,12 +446,6 @@ class Server:
             self.guard.refund(generation.key, max(0, generation.reserved - prompt_tokens - stats.output_tokens))
             self.guard.audit(generation.key, generation.model, generation.endpoint, status, prompt_tokens,
                              stats.output_tokens, stats.total_s or 0.0)
-        with self._lock:
-            if self.settings.breaker_threshold:
-                self.breakers[generation.model].record(outcome)
-            self.pending[generation.model] -= 1
-            self._kv_demand[id(self.engines[generation.model])] -= generation.kv_pages
-            self._in_flight.discard(generation)
 
     # ---- the end -------------------------------------------------------------------------------------
 

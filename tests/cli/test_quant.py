@@ -137,6 +137,27 @@ def test_qdq_route_and_direct_compression_give_the_same_packed_bytes(tmp_path, t
         assert len(a) == len(b) and all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(a, b))
 
 
+@pytest.mark.parametrize("dynamo", [False, True], ids=["ts", "dynamo"])
+def test_both_routes_quantize_a_gemm_built_model_alike(tmp_path, dynamo):
+    """GPT-2's Conv1D layers are Gemms in both exporters' graphs: the QDQ route quantizes them as atc does."""
+    from models.tiny import tiny_onnx
+
+    source = tiny_onnx("gpt2", dynamo=dynamo, with_past=False)
+    result = _quantize(source, tmp_path / "q", "--bits", "4", "--group-size", "32")
+    assert result.exit_code == 0, result.output
+    config = tmp_path / "quant.json"
+    config.write_text(json.dumps({"quant_mode": "INT4", "group_size": 32, "algorithms": [{"name": "rtn"}],
+                                  "skip_layers": ["lm_head"]}))
+    via_qdq = load_artifact(compile_to(tmp_path / "q" / "model.onnx", tmp_path / "via_qdq"))
+    direct = load_artifact(compile_to(source, tmp_path / "direct", enable_compress_weight=True,
+                                      compress_weight_conf=str(config)))
+    first, second = ([[loaded.weights[name] for name in n.input[1:] if name in loaded.weights]
+                      for n in loaded.model.graph.node if n.op_type == "MatMulInt4"] for loaded in (via_qdq, direct))
+    assert len(first) == len(second) == 2 * 4  # c_attn, attn.c_proj, c_fc, mlp.c_proj of each layer
+    for a, b in zip(first, second):
+        assert len(a) == len(b) and all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(a, b))
+
+
 def test_gptq_and_awq_then_gptq_outputs_are_closer_to_the_float_model_than_rtn(tmp_path, tiny_llama_path):
     from models.tiny import byte_tokenizer_json
     from runtime.tokenizer import TextTokenizer

@@ -47,8 +47,11 @@ def _canonical(model: onnx.ModelProto):
 
 @pytest.mark.unit
 def test_every_weight_gemm_becomes_a_matmul_with_the_same_outputs():
-    initializers = {"w_kn": W_KN, "w_nk": np.ascontiguousarray(W_KN.T), "b": BIAS, "b2d": BIAS[None, :]}
+    initializers = {"w_kn": W_KN, "w_nk": np.ascontiguousarray(W_KN.T), "b": BIAS, "b2d": BIAS[None, :],
+                    "solo": np.ascontiguousarray(W_KN.T), "w_nk_kn": W_KN}
     nodes = [
+        helper.make_node("Gemm", ["x", "solo"], ["alone"], transB=1),                      # its only reader
+        helper.make_node("MatMul", ["x", "w_nk_kn"], ["taken"]),                           # a name in use
         helper.make_node("Gemm", ["x", "w_kn", "b"], ["conv1d"]),                          # TorchScript's GPT-2
         helper.make_node("Gemm", ["x", "w_nk"], ["linear"], transB=1),                     # dynamo's 2-D Linear
         helper.make_node("Gemm", ["x", "w_nk", "b2d"], ["scaled"], transB=1, alpha=0.5, beta=2.0),
@@ -58,11 +61,13 @@ def test_every_weight_gemm_becomes_a_matmul_with_the_same_outputs():
     model = _model(nodes, initializers, inputs=("x", "c"))
     feeds = {"x": X, "c": RNG.standard_normal(5).astype(np.float32)}
     canonical, result = _canonical(model)
-    assert (result.match_times, result.effect_times) == (5, 5)
+    assert (result.match_times, result.effect_times) == (6, 6)
     ops = Counter(node.op_type for node in canonical.graph.node)
-    assert ops == {"MatMul": 5, "Add": 3}
-    # w_nk transposed once for the three Gemms that read it unscaled, once for the two scaled by 0.5
-    assert sorted(t.name for t in canonical.graph.initializer) == ["b", "b2d_beta", "w_kn", "w_nk_kn", "w_nk_kn_x0.5"]
+    assert ops == {"MatMul": 7, "Add": 3}
+    # w_nk transposed once for the two Gemms that read it unscaled (under a name of its own: w_nk_kn is
+    # taken), once for the two scaled by 0.5; a weight only its Gemm read keeps its name
+    assert sorted(t.name for t in canonical.graph.initializer) == [
+        "b", "b2d_beta", "solo", "w_kn", "w_nk_kn", "w_nk_kn_1", "w_nk_kn_x0.5"]
     for got, expected in zip(_run(canonical, feeds), _run(model, feeds)):
         np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
 

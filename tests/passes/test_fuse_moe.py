@@ -14,6 +14,7 @@ from conftest import compile_to, ort_reference
 from fusion_utils import apply_pass, assert_parity, op_counts
 from onnx import TensorProto, helper, numpy_helper
 
+from models.tiny import TINY_FAMILIES
 from passes.fuse_moe import FuseMoe
 from runtime import Executor, load_artifact
 from runtime.feeds import causal_lm_inputs
@@ -281,9 +282,13 @@ def test_weight_compression_quantizes_the_2d_matmuls_and_keeps_the_experts_float
 
     source = tiny_onnx("qwen2_moe", dynamo=dynamo, with_past=True)
     loaded, counts = _moe_counts(compile_to(source, tmp_path / "m", enable_compress_weight=True))
-    # every 2-D weight but the lm_head's is quantized, however the exporter spelled its layer (dynamo's Gemms):
-    # per layer q/k/v, o, the shared expert's gate/up and down, its sigmoid gate and the router
-    assert counts["MoE"] == 2 and counts["SwiGlu"] == 2 and counts["MatMul"] == 1 and counts["MatMulInt4"] == 12
+    # every 2-D weight but the lm_head's and the routing ones is quantized, however the exporter spelled its
+    # layer (dynamo's Gemms): per layer q/k/v, o, the shared expert's gate/up and down; the router and the
+    # shared expert's one-column gate stay float MatMuls
+    assert counts["MoE"] == 2 and counts["SwiGlu"] == 2 and counts["MatMulInt4"] == 8 and counts["MatMul"] == 1 + 4
+    experts = TINY_FAMILIES["qwen2_moe"].sizes["num_experts"]
+    routing = {t.name for t in loaded.model.graph.initializer if len(t.dims) == 2 and t.dims[1] in (1, experts)}
+    assert len([n for n in loaded.model.graph.node if n.op_type == "MatMul" and n.input[1] in routing]) == 4
     experts = [t for t in loaded.model.graph.initializer if len(t.dims) == 3 and t.data_type == TensorProto.FLOAT]
     assert len(experts) == 4  # gate_up and down of each layer's experts
     rng = np.random.default_rng(1)

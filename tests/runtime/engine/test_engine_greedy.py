@@ -67,9 +67,9 @@ def test_every_export_compiles_paged_and_generates_as_transformers(case, compile
 
 @pytest.mark.parametrize("layout", ["paged", "contiguous"])
 def test_a_learned_position_table_ends_the_context(layout, compiled):
-    """GPT-2 reads positions from a 256-row table: the artifact records it, the engine's context ends there
-    (a request stops at it with finish_reason length, its tokens transformers' up to there; a prompt that
-    fills it is refused), whatever max_context_len asks."""
+    """GPT-2 reads positions from a 256-row table: the artifact records it, and a sequence ends at it, whatever
+    max_context_len asks (a request stops with finish_reason length, its tokens transformers' up to there,
+    the last one sampled at the last row; a prompt that fills the table is refused)."""
     from runtime import load_artifact
 
     from models.tiny import tiny_onnx
@@ -77,13 +77,12 @@ def test_a_learned_position_table_ends_the_context(layout, compiled):
     rows = TINY_FAMILIES["gpt2"].sizes["n_positions"]
     om = compiled(tiny_onnx("gpt2", dynamo=True, with_past=True), enable_paged_attention=layout == "paged")
     assert load_artifact(om).metadata["model"]["max_positions"] == rows
-    prompt = mixed_prompts(1, seed=3)[0] * 12
-    prompt = prompt[:rows - 6]
-    expected = hf_greedy("gpt2", (tuple(prompt),), 6)[0]
+    prompt = (mixed_prompts(1, seed=3)[0] * 12)[:rows - 6]
+    expected = hf_greedy("gpt2", (tuple(prompt),), 7)[0]
     with LLMEngine(om, max_context_len=4096, kv_cache_pages=16) as engine:
-        assert engine.max_context_len == rows
+        assert engine.max_context_len == rows + 1
         request = engine.submit(prompt, max_new_tokens=100, temperature=0, ignore_eos=True)
         request.result()
         assert request.output_ids == expected and request.finish_reason == "length"
-        with pytest.raises(ValueError, match=f"the prompt has {rows} tokens; max_context_len is {rows}"):
+        with pytest.raises(ValueError, match=f"the prompt has {rows + 1} tokens; max_context_len is {rows + 1}"):
             engine.submit(list(prompt) + expected, max_new_tokens=1)
