@@ -231,8 +231,9 @@ def test_keys_quotas_timeouts_capacity_filter_and_audit(om, tmp_path):
     blocklist, audit = tmp_path / "block.txt", tmp_path / "audit.jsonl"
     blocklist.write_text("forbidden\n")
     server = Server("--model", f"tiny={om}", "--kv_cache_pages", "32", "--max_context_len", "4096", "--api-key", "k1",
-                    "--api-key", "k2", "--quota-tokens", "4000", "--audit-log", str(audit), "--blocklist", str(blocklist),
-                    "--request-timeout", "0.1", "--max-pending", "2", "--max_num_batched_tokens", "1")
+                    "--api-key", "k2", "--api-key", "k3", "--quota-tokens", "4000", "--audit-log", str(audit),
+                    "--blocklist", str(blocklist), "--request-timeout", "0.1", "--max-pending", "2",
+                    "--max_num_batched_tokens", "1")
     try:
         url = f"{server.url}/v1/completions"
         # a token a step, EOS held off (a cached prompt and an early EOS could otherwise finish within 0.1 s)
@@ -250,8 +251,8 @@ def test_keys_quotas_timeouts_capacity_filter_and_audit(om, tmp_path):
         assert all(r.headers["retry-after"] == "1" for r in statuses if r.status_code == 429)
         assert httpx.post(url, json=slow, headers=k1, timeout=30).status_code == 504
         assert server.metric("cann_llm:kv_cache_usage_perc", model_name="tiny") == 0
-        # a slow request reserves its prompt and all it may generate (1200 tokens) and is refunded what it did
-        # not use: k1 has about 3800 left, not enough for a request that may use 3902
+        # a slow request reserves its prompt and all it may generate (3,700 tokens) and is refunded what it did
+        # not use: k1 has at most 3,800 left, not enough for a request that may use 3,902
         spent = httpx.post(url, json={"prompt": "hi", "max_tokens": 3900}, headers=k1, timeout=60)
         assert spent.status_code == 429 and "quota" in spent.json()["error"]["message"]
         # the same refusals as the openai SDK's own exception types, in OpenAI's shape
@@ -259,6 +260,8 @@ def test_keys_quotas_timeouts_capacity_filter_and_audit(om, tmp_path):
         with pytest.raises(openai.RateLimitError) as limited:
             sdk.completions.create(model="tiny", prompt="hi", max_tokens=3900)
         assert limited.value.body["type"] == "quota_exceeded" and limited.value.response.headers["retry-after"] == "1"
+        # on a key of its own: what k1 has left depends on how soon its timed-out request was stopped
+        sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="k3", max_retries=0, timeout=30)
         with pytest.raises(openai.InternalServerError) as late:
             sdk.completions.create(model="tiny", prompt="x" * 200, max_tokens=2000, temperature=0,
                                    extra_body={"ignore_eos": True})
