@@ -14,7 +14,6 @@ libraries with `-mno-avx512f` (the AVX2 kernels, on an AVX-512 machine).
 
 from __future__ import annotations
 
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -24,7 +23,7 @@ import click
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # native_ab and engine_rounds, beside this file
 
 import runtime.kernels.native as native  # noqa: E402
-from engine_rounds import decode_rounds  # noqa: E402
+from engine_rounds import decode_rounds, report  # noqa: E402
 from native_ab import HERE, libraries  # noqa: E402
 from runtime.engine.engine import LLMEngine  # noqa: E402
 
@@ -58,11 +57,7 @@ def main(om_path: str, baseline: str, rounds: int, steps: int, threads: int, avx
         engines = {name: engine_on(library, om_path, steps, threads)
                    for name, library in libraries(baseline, Path(scratch), flags).items()}
         times, tokens = decode_rounds(engines, PROMPT, steps, rounds)
-    for name, values in times.items():
-        click.echo(f"{name:>20}: {statistics.median(values):.3f} ms a token   " + " ".join(f"{v:.2f}" for v in values))
-    ratios = [b / h for b, h in zip(times[baseline], times[HERE])]
-    click.echo(f"{baseline} / {HERE}: {statistics.median(ratios):.3f}x   by round " + " ".join(f"{r:.2f}" for r in ratios))
-    click.echo(f"the same tokens: {tokens[HERE] == tokens[baseline]}")
+    click.echo(report(times, tokens, {name: name for name in times}, faster=HERE, slower=baseline))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ all of them alike (benchmarks/decode_ab.py, benchmarks/huge_pages_ab.py)."""
 
 from __future__ import annotations
 
+import statistics
 import time
 
 
@@ -24,3 +25,15 @@ def decode_rounds(engines: dict, prompt: list[int], steps: int, rounds: int) -> 
         for engine in engines.values():
             engine.close()
     return times, tokens
+
+
+def report(times: dict, tokens: dict, labels: dict, faster: object, slower: object) -> str:
+    """Each engine's median milliseconds a token and its rounds, the ratio `slower` over `faster` by round
+    with its median (above 1: `faster` is), and whether the two decoded the same tokens."""
+    lines = [f"{labels[name]}: {statistics.median(values):.3f} ms a token   " + " ".join(f"{v:.2f}" for v in values)
+             for name, values in times.items()]
+    ratios = [b / a for a, b in zip(times[faster], times[slower])]
+    lines.append(f"{labels[slower]} / {labels[faster]}: {statistics.median(ratios):.3f}x   by round "
+                 + " ".join(f"{r:.2f}" for r in ratios))
+    lines.append(f"the same tokens: {tokens[faster] == tokens[slower]}")
+    return "\n".join(lines)

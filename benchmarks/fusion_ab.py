@@ -15,13 +15,12 @@ its median, the fused-node counts, and whether the two decoded the same tokens.
 from __future__ import annotations
 
 import json
-import statistics
 from collections import Counter
 from pathlib import Path
 
 import click
 
-from engine_rounds import decode_rounds
+from engine_rounds import decode_rounds, report
 
 from compiler.compile import compile_model
 from compiler.config import CompileConfig
@@ -85,12 +84,7 @@ def main(family: str, fusion: str, int4: bool, rounds: int, steps: int, threads:
     for engine in engines.values():  # warm-up
         engine.generate(PROMPT, max_new_tokens=4, temperature=0.0, ignore_eos=True)
     times, tokens = decode_rounds(engines, PROMPT, steps, rounds)
-    for fused, values in times.items():
-        click.echo(f"{fusion} {'on' if fused else 'off'}: {statistics.median(values):.3f} ms a token   "
-                   + " ".join(f"{v:.2f}" for v in values))
-    ratios = [off / on for on, off in zip(times[True], times[False])]
-    click.echo(f"off / on: {statistics.median(ratios):.3f}x   by round " + " ".join(f"{r:.2f}" for r in ratios))
-    click.echo(f"the same tokens: {tokens[True] == tokens[False]}")
+    click.echo(report(times, tokens, {True: f"{fusion} on", False: f"{fusion} off"}, faster=True, slower=False))
 
 
 if __name__ == "__main__":

@@ -16,11 +16,10 @@ holds (anonymous, and of files mapped), and whether the two decoded the same tok
 
 from __future__ import annotations
 
-import statistics
 
 import click
 
-from engine_rounds import decode_rounds
+from engine_rounds import decode_rounds, report
 
 from runtime.engine.engine import LLMEngine
 from runtime.huge_pages import huge_pages_given
@@ -50,12 +49,7 @@ def main(om_path: str, rounds: int, steps: int, threads: int) -> None:
     click.echo(f"huge pages held: {_huge_mib('AnonHugePages'):.0f} MiB anonymous, "
                f"{_huge_mib('FilePmdMapped'):.0f} MiB of files")
     times, tokens = decode_rounds(engines, PROMPT, steps, rounds)
-    for huge, values in times.items():
-        click.echo(f"huge_pages {'on' if huge else 'off'}: {statistics.median(values):.3f} ms a token   "
-                   + " ".join(f"{v:.2f}" for v in values))
-    ratios = [small / large for large, small in zip(times[True], times[False])]
-    click.echo(f"off / on: {statistics.median(ratios):.3f}x   by round " + " ".join(f"{r:.2f}" for r in ratios))
-    click.echo(f"the same tokens: {tokens[True] == tokens[False]}")
+    click.echo(report(times, tokens, {True: "huge_pages on", False: "huge_pages off"}, faster=True, slower=False))
 
 
 if __name__ == "__main__":
