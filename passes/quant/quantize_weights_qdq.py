@@ -57,7 +57,7 @@ class QuantizeWeightsQDQ:
             if patterns:
                 result.rejections.append(f"{node.name}: skipped by pattern {patterns[0]!r}")
                 continue
-            if routes_experts(node):
+            if routes_experts(node, head):
                 result.rejections.append(f"{node.name}: an MoE's routing weight: it stays float")
                 continue
             if node is head and config.bits == 4 and lm_head_bits(config) == 8:  # as atc packs it: blocked int8, RTN

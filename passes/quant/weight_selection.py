@@ -39,16 +39,27 @@ def lm_head_bits(config: QuantConfig) -> int:
     return config.lm_head_bits if config.bits == 4 else 8
 
 
-def routes_experts(matmul: gs.Node) -> bool:
+# what may stand between a router's logits and its TopK: a Softmax (TorchScript's with a Cast to float after
+# it), a Sigmoid and a bias (DeepSeek-V3's scores), reshapes
+_TO_THE_CHOICE = ("Softmax", "Sigmoid", "Cast", "Identity", "Reshape", "Add")
+
+
+def routes_experts(matmul: gs.Node, head: gs.Node | None) -> bool:
     """Whether `matmul` computes an MoE's routing: the router logits (read by `cann::MoE`, or by the TopK of
-    an unfused router, through its Softmax or not), or a shared expert's one-column gate."""
+    an unfused router, a few elementwise steps on), or a shared expert's one-column gate. Never the lm_head
+    (a graph may sample its logits with a TopK)."""
+    if matmul is head:
+        return False
     weight = matmul.inputs[1]
     if weight.shape is not None and len(weight.shape) == 2 and weight.shape[1] == 1:
         return True
-    readers = list(matmul.outputs[0].outputs)
-    readers += [n for r in readers if r.op == "Softmax" for n in r.outputs[0].outputs]
-    return any(r.op == "TopK" or (r.op == "MoE" and r.inputs[MoEInput.ROUTER_LOGITS] is matmul.outputs[0])
-               for r in readers)
+    values = [matmul.outputs[0]]
+    for _ in range(4):
+        readers = [(reader, value) for value in values for reader in value.outputs]
+        if any(r.op == "TopK" or (r.op == "MoE" and r.inputs[MoEInput.ROUTER_LOGITS] is value) for r, value in readers):
+            return True
+        values = [out for r, _ in readers if r.op in _TO_THE_CHOICE for out in r.outputs]
+    return False
 
 
 def skip_patterns(config: QuantConfig, matmul: gs.Node, head: gs.Node | None) -> list[str]:
@@ -72,7 +83,7 @@ def choose_weight(config: QuantConfig | None, matmul: gs.Node, head: gs.Node | N
     matched_patterns.update(patterns)
     if patterns:
         return f"skipped by pattern {patterns[0]!r}"
-    if routes_experts(matmul):
+    if routes_experts(matmul, head):
         return "an MoE's routing weight: it stays float"
     return WeightChoice(matmul, head_blocks=matmul is head and config.bits == 4 and lm_head_bits(config) == 8)
 
@@ -80,5 +91,5 @@ def choose_weight(config: QuantConfig | None, matmul: gs.Node, head: gs.Node | N
 def calibrated_inputs(graph: gs.Graph, config: QuantConfig, head: gs.Node | None) -> list[str]:
     """The MatMul inputs whose activations calibration measures: those of every weight that may quantize."""
     return sorted({n.inputs[0].name for n in graph.nodes if n.op == "MatMul" and len(n.inputs) == 2
-                   and not skip_patterns(config, n, head) and not routes_experts(n)
+                   and not skip_patterns(config, n, head) and not routes_experts(n, head)
                    and (float_weight(n.inputs[1]) or producer(n.inputs[1], "DequantizeLinear"))})

@@ -137,12 +137,16 @@ def test_qdq_route_and_direct_compression_give_the_same_packed_bytes(tmp_path, t
         assert len(a) == len(b) and all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("dynamo", [False, True], ids=["ts", "dynamo"])
-def test_both_routes_quantize_a_gemm_built_model_alike(tmp_path, dynamo):
-    """GPT-2's Conv1D layers are Gemms in both exporters' graphs: the QDQ route quantizes them as atc does."""
+@pytest.mark.parametrize("family, dynamo, quantized", [("gpt2", False, 8), ("gpt2", True, 8), ("qwen2_moe", False, 8),
+                                                       ("qwen2_moe", True, 8)])
+def test_both_routes_quantize_gemms_and_keep_routers_float_alike(tmp_path, family, dynamo, quantized):
+    """GPT-2's Conv1D layers are Gemms in both exporters' graphs, and so are the dynamo exporter's Qwen2-MoE
+    shared experts and routers; a TorchScript router reaches its TopK through a Softmax and a Cast: the QDQ
+    route quantizes what atc does (GPT-2's c_attn, attn.c_proj, c_fc and mlp.c_proj of each layer; Qwen2-MoE's
+    q/k/v, o and shared gate/up and down) and keeps the routers float as atc does."""
     from models.tiny import tiny_onnx
 
-    source = tiny_onnx("gpt2", dynamo=dynamo, with_past=False)
+    source = tiny_onnx(family, dynamo=dynamo, with_past=family != "gpt2")
     result = _quantize(source, tmp_path / "q", "--bits", "4", "--group-size", "32")
     assert result.exit_code == 0, result.output
     config = tmp_path / "quant.json"
@@ -153,7 +157,7 @@ def test_both_routes_quantize_a_gemm_built_model_alike(tmp_path, dynamo):
                                       compress_weight_conf=str(config)))
     first, second = ([[loaded.weights[name] for name in n.input[1:] if name in loaded.weights]
                       for n in loaded.model.graph.node if n.op_type == "MatMulInt4"] for loaded in (via_qdq, direct))
-    assert len(first) == len(second) == 2 * 4  # c_attn, attn.c_proj, c_fc, mlp.c_proj of each layer
+    assert len(first) == len(second) == quantized
     for a, b in zip(first, second):
         assert len(a) == len(b) and all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(a, b))
 

@@ -67,18 +67,21 @@ def test_every_export_compiles_paged_and_generates_as_transformers(case, compile
 
 @pytest.mark.parametrize("layout", ["paged", "contiguous"])
 def test_a_learned_position_table_ends_the_context(layout, compiled):
-    """GPT-2 reads positions from a 256-row table: the artifact records it, and a sequence ends at it, whatever
-    max_context_len asks (a request stops with finish_reason length, its tokens transformers' up to there,
-    the last one sampled at the last row; a prompt that fills the table is refused)."""
+    """GPT-2 reads positions from a table (320 rows here, so not the 256-row token table): the artifact records
+    it, and a sequence ends at it, whatever max_context_len asks (a request stops with finish_reason length,
+    its tokens transformers' up to there, the last one sampled at the last row; a prompt that fills the table
+    is refused)."""
     from runtime import load_artifact
 
     from models.tiny import tiny_onnx
 
-    rows = TINY_FAMILIES["gpt2"].sizes["n_positions"]
-    om = compiled(tiny_onnx("gpt2", dynamo=True, with_past=True), enable_paged_attention=layout == "paged")
+    rows = 320
+    overrides = {"n_positions": rows}
+    om = compiled(tiny_onnx("gpt2", dynamo=True, with_past=True, overrides=overrides),
+                  enable_paged_attention=layout == "paged")
     assert load_artifact(om).metadata["model"]["max_positions"] == rows
-    prompt = (mixed_prompts(1, seed=3)[0] * 12)[:rows - 6]
-    expected = hf_greedy("gpt2", (tuple(prompt),), 7)[0]
+    prompt = (mixed_prompts(1, seed=3)[0] * 16)[:rows - 6]
+    expected = hf_greedy("gpt2", (tuple(prompt),), 7, overrides)[0]
     with LLMEngine(om, max_context_len=4096, kv_cache_pages=16) as engine:
         assert engine.max_context_len == rows + 1
         request = engine.submit(prompt, max_new_tokens=100, temperature=0, ignore_eos=True)
