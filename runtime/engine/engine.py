@@ -9,6 +9,7 @@ any thread or event loop submit requests and wait for them: `generate`, `generat
 from __future__ import annotations
 
 import asyncio
+import heapq
 import os
 import queue
 import threading
@@ -105,6 +106,12 @@ class Request:
     def cancel(self) -> None:
         """Stop generating; the pages the request held go back to the pool."""
         self.engine._post(("cancel", self))
+
+    def expire_at(self, deadline: float) -> None:
+        """End the request (finish reason `timeout`) if it is still running at `deadline`, a
+        `time.monotonic()` instant: the engine checks before each step, so however busy the caller's
+        thread or event loop is, it runs at most one step past it."""
+        self.engine._post(("deadline", self, deadline))
 
     def _emit(self, piece: str) -> None:
         if piece:
@@ -215,6 +222,7 @@ class LLMEngine:
             config.max_step_latency_ms / 1000, max_batch_size)
         self.stats = EngineStats()
         self._requests: dict[int, Request] = {}
+        self._deadlines: list[tuple[float, int]] = []  # a heap of (deadline, seq_id)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._worker: threading.Thread | None = None
@@ -411,7 +419,7 @@ class LLMEngine:
         # worker can read `_closed`, and the worker drains the inbox once more after reading it
         with self._post_lock:
             if self._closed:
-                if message[0] == "cancel":
+                if message[0] in ("cancel", "deadline"):
                     return  # closing cancels every request still in flight
                 raise RuntimeError("the engine is closed")
             self._inbox.put(message)
@@ -432,6 +440,7 @@ class LLMEngine:
                 for request in list(self._requests.values()):
                     self._cancel(request)
                 return
+            self._expire()
             if not self.scheduler.has_work():
                 self._wake.wait()
                 self._wake.clear()
@@ -445,10 +454,12 @@ class LLMEngine:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, request = self._inbox.get_nowait()
+                kind, request, *deadline = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
+            if kind == "deadline":
+                heapq.heappush(self._deadlines, (deadline[0], request.seq.seq_id))
+            elif kind == "add":
                 self._requests[request.seq.seq_id] = request
                 self.scheduler.add(request.seq)
                 self.stats.prompt_tokens += request.seq.num_prompt
@@ -457,8 +468,16 @@ class LLMEngine:
             elif request.seq.seq_id in self._requests:
                 self._cancel(request)
 
-    def _cancel(self, request: Request) -> None:
-        self.scheduler.abort(request.seq, "cancelled")
+    def _expire(self) -> None:
+        """End the requests whose deadline has passed."""
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            request = self._requests.get(heapq.heappop(self._deadlines)[1])
+            if request is not None:
+                self._cancel(request, "timeout")
+
+    def _cancel(self, request: Request, reason: str = "cancelled") -> None:
+        self.scheduler.abort(request.seq, reason)
         self.runner.release(request.seq)
         self._complete(request)
 

@@ -96,6 +96,8 @@ class Generation:
         future = self.request.future
         if self.request.finish_reason == "error" or (future.done() and future.exception() is not None):
             return 500, "failed"
+        if self.request.finish_reason == "timeout":  # the engine ended it at the deadline `complete_all` set
+            return 504, "cancelled"
         if self.request.finish_reason != "cancelled":
             return 200, "completed"
         return {"timeout": 504, "shutdown": 503, "failed": 500, "refused": 400}.get(self.ended_by, 499), "cancelled"
@@ -359,6 +361,8 @@ class Server:
         shutdown, 500 failed): once one cannot complete, the others are ended for the same cause."""
         futures = {asyncio.wrap_future(g.settled): g for g in generations}
         deadline = time.monotonic() + self.settings.request_timeout_s
+        for generation in generations:  # kept by the engine too: this loop may wake late on a busy host
+            generation.request.expire_at(deadline)
         try:
             while not all(future.done() for future in futures):
                 # woken at the deadline itself, so a timeout shorter than the poll still fires on time
@@ -368,7 +372,8 @@ class Server:
                     continue
                 lost = next((g for f, g in futures.items() if f.done() and g.outcome()[0] != 200), None)
                 if lost is not None:
-                    self._end_all(generations, "failed" if lost.outcome()[0] == 500 else lost.ended_by or "client")
+                    status = lost.outcome()[0]
+                    self._end_all(generations, {500: "failed", 504: "timeout"}.get(status) or lost.ended_by or "client")
                 elif disconnected is not None and await disconnected():
                     self._end_all(generations, "client")
                 elif time.monotonic() > deadline:

@@ -242,7 +242,7 @@ def test_choices_share_one_deadline_and_a_failing_choice_ends_the_rest(om):
         assert _refused(lambda: asyncio.run(server.complete_all(choices))).status == 504
         # the tiny model is fast: a choice may finish its 3000 tokens before the deadline
         assert {g.ended_by or g.request.finish_reason for g in choices} <= {"timeout", "length"}
-        assert "timeout" in {g.ended_by for g in choices}
+        assert "timeout" in {g.ended_by or g.request.finish_reason for g in choices}
         failing = SamplingParams(max_new_tokens=8, temperature=1.0)
         object.__setattr__(failing, "repetition_penalty", 1e-308)  # past the checks: inf - inf in the sampler
         # the failing choice fails in the first step; the other needs thousands (a token a step). The deadline
@@ -303,6 +303,31 @@ def test_a_request_past_its_timeout_gets_504(om):
         generation = server.start(None, None, "/v1/completions", ENDLESS, prompt=LONG_PROMPT)
         assert _refused(lambda: asyncio.run(server.complete(generation))).status == 504
         assert server.pending == {"tiny": 0} and _count(server, "cancelled") == 1
+    finally:
+        server.close()
+
+
+def test_the_engine_ends_a_request_at_its_deadline_while_the_event_loop_is_blocked(om):
+    """The timeout holds on a host too busy to wake the server's loop: the engine ends the request itself."""
+    server = _server(om, settings=ServerSettings(request_timeout_s=0.2))
+    try:
+        generation = server.start(None, None, "/v1/completions", ENDLESS, prompt=LONG_PROMPT)
+
+        async def starved():
+            waiting = asyncio.ensure_future(server.complete(generation))
+            await asyncio.sleep(0)  # complete_all starts and sets the deadline, then the loop is held
+            held_until = time.monotonic() + 60
+            while not generation.request.future.done() and time.monotonic() < held_until:
+                time.sleep(0.05)
+            ended_while_held = generation.request.finish_reason
+            with pytest.raises(Refusal) as refusal:
+                await waiting
+            return ended_while_held, refusal.value.status
+
+        assert asyncio.run(starved()) == ("timeout", 504)
+        assert generation.request.stats.output_tokens < ENDLESS["max_new_tokens"]
+        assert server.pending == {"tiny": 0} and _count(server, "cancelled") == 1
+        assert server.engines["tiny"].blocks.num_used == 0
     finally:
         server.close()
 

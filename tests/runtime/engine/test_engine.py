@@ -130,6 +130,32 @@ def test_cancelled_requests_return_their_pages(paged_om):
         assert engine.blocks.num_free == 8
 
 
+def test_a_request_past_its_deadline_ends_with_timeout_and_the_others_go_on(paged_om):
+    with LLMEngine(paged_om, max_context_len=256, kv_cache_pages=8) as engine:
+        gate, run, requests = threading.Event(), engine.runner.run, []
+
+        def held_once_a_token_is_out(batch):  # until the deadline is posted: nothing finishes first
+            if requests and requests[0].output_ids:
+                gate.wait(timeout=60)
+            return run(batch)
+
+        engine.runner.run = held_once_a_token_is_out
+        requests += [engine.submit([5] * 30, max_new_tokens=200, temperature=0, ignore_eos=True),
+                     engine.submit([6] * 30, max_new_tokens=20, temperature=0, ignore_eos=True)]
+        while not requests[0].output_ids:
+            time.sleep(0.01)
+        timed, other = requests
+        timed.expire_at(time.monotonic())
+        gate.set()
+        assert timed.result() is not None and other.result() is not None
+        assert timed.finish_reason == "timeout" and len(timed.output_ids) < 200
+        assert other.finish_reason == "length" and len(other.output_ids) == 20
+        deadline = time.time() + 120
+        while engine.blocks.num_free != 8 and time.time() < deadline:
+            time.sleep(0.01)
+        assert engine.blocks.num_free == 8
+
+
 def test_stream_async_and_batch_agree_with_generate(paged_om):
     prompt = "hello there"
     with LLMEngine(paged_om, max_context_len=256, kv_cache_pages=16) as engine:
