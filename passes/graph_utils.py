@@ -72,19 +72,31 @@ def packed_constant(name: str, array: np.ndarray) -> gs.Constant:
     return gs.Constant(name, LazyValues(numpy_helper.from_array(array, name)))
 
 
-_LOGITS_PASS_THROUGH = ("Reshape", "Cast", "Identity", "Add")
+# what may lie between the lm_head and the logits: each acts on every logit alike, so a row gathered
+# before the head (passes/prune_logits.py) gives the same row after them
+_LOGITS_PASS_THROUGH = ("Reshape", "Cast", "Identity", "Tanh")
+# a bias, Granite's `logits_scaling`, Gemma 2's final softcap: one operand constant, either one
+_LOGITS_CONSTANT_OPERAND = ("Add", "Sub", "Mul", "Div")
 
 
 def lm_head(graph: gs.Graph, output_name: str = "logits", ops: tuple[str, ...] = ("MatMul",)) -> gs.Node | None:
-    """The projection (one of `ops`) that computes `logits` (through reshapes, casts and a bias add), if any."""
+    """The projection (one of `ops`) that computes `logits` (through reshapes, casts, a bias, a scale or a
+    softcap), if any."""
     tensor = next((t for t in graph.outputs if t.name == output_name), None)
     while tensor is not None and tensor.inputs:
         node = tensor.inputs[0]
         if node.op in ops:
             return node
-        if node.op not in _LOGITS_PASS_THROUGH:
+        if node.op in _LOGITS_CONSTANT_OPERAND:
+            computed = [t for t in node.inputs if not isinstance(t, gs.Constant)
+                        and not (t.inputs and t.inputs[0].op == "Constant")]
+            if len(computed) != 1:
+                return None
+            tensor = computed[0]
+        elif node.op in _LOGITS_PASS_THROUGH:
+            tensor = node.inputs[0]
+        else:
             return None
-        tensor = node.inputs[0]
     return None
 
 

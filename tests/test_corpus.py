@@ -51,7 +51,8 @@ def test_corpus_model_fuses_and_matches_its_torch_reference(name, tmp_path):
     if "rmsnorm" not in expected:
         source = onnx.load(CORPUS / name / "model.onnx", load_external_data=False)
         layer_norms = Counter(node.op_type for node in source.graph.node)["LayerNormalization"]
-        assert counts["LayerNormalization"] == layer_norms == 2 * meta["num_layers"] + 1
+        # two a layer and a final one, unless the corpus counted them (Phi-2's parallel block has one a layer)
+        assert counts["LayerNormalization"] == layer_norms == expected.get("layernorm", 2 * meta["num_layers"] + 1)
     assert counts["Softmax"] == 0
     reference = np.load(CORPUS / name / "reference.npz")
     for backend in ("onnxruntime", "reference"):

@@ -1,0 +1,64 @@
+"""Configurations of the supported families that real checkpoints use and the tiny fixtures do not:
+Phi-2's biased lm_head (TorchScript writes `Add(bias, MatMul)`), Granite's `logits_scaling` after it, and
+Phi-3.5's long-context rotary scaling (longrope), whose factors switch on the sequence's length. Each is a
+tiny randomly initialised transformers model exported by PyTorch, compiled paged, and generated through the
+engine against onnxruntime's greedy loop on the export itself."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from conftest import compile_to
+from generation_utils import engine_greedy, ort_greedy
+
+from runtime import load_artifact
+
+SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
+
+
+def _export(config_class: str, model_class: str, path, *, dynamo: bool, with_past: bool, **config):
+    import torch
+    import transformers
+
+    from models.export import export_causal_lm
+
+    torch.manual_seed(0)
+    settings = getattr(transformers, config_class)(**{**SIZES, **config})
+    model = getattr(transformers, model_class)(settings)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # biases drawn, so one that a pass dropped would show
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+    return export_causal_lm(model.eval(), path / "model.onnx", dynamo=dynamo, with_past=with_past)
+
+
+def _paged_equals_onnxruntime(source, om, prompts, new_tokens: int) -> None:
+    got = engine_greedy(om, prompts, new_tokens, max_context_len=160, kv_cache_pages=48)
+    assert got == [ort_greedy(source, prompt, new_tokens) for prompt in prompts]
+
+
+@pytest.mark.parametrize("family", ["phi", "granite"])
+def test_a_head_behind_its_bias_or_scale_is_found(family, tmp_path):
+    """Pruned to the wanted rows in a paged compile, and kept float by --enable_compress_weight."""
+    if family == "phi":  # LayerNorm, partial rotary, a parallel block, biases everywhere
+        source = _export("PhiConfig", "PhiForCausalLM", tmp_path, dynamo=False, with_past=False,
+                         num_key_value_heads=4, partial_rotary_factor=0.5)
+    else:
+        source = _export("GraniteConfig", "GraniteForCausalLM", tmp_path, dynamo=False, with_past=True,
+                         embedding_multiplier=12.0, attention_multiplier=0.1, residual_multiplier=0.22,
+                         logits_scaling=8.0)
+    om = compile_to(source, tmp_path / "paged", enable_paged_attention=True)
+    _paged_equals_onnxruntime(source, om, [[5, 6, 7], list(range(3, 40))], 16)
+    ops = Counter(n.op_type for n in load_artifact(compile_to(source, tmp_path / "int4", enable_compress_weight=True))
+                  .model.graph.node)
+    # every linear layer but the head: q, k and v packed, the output projection, and the MLP's two (gate and up
+    # packed in Granite), a layer
+    layers = SIZES["num_hidden_layers"]
+    assert ops["MatMulInt4"] == 4 * layers and ops["MatMul"] == 1, ops
+    head_reads = [n for n in load_artifact(om).model.graph.node if n.op_type == "Gather" and "logits_indices" in n.input]
+    assert len(head_reads) == 1
+    np.testing.assert_equal(load_artifact(om).output_names, ["logits"])
