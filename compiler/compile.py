@@ -25,6 +25,7 @@ from compiler.precheck import check_ops, unsupported_types
 from compiler.tokenizer_files import tokenizer_files
 from models.recipes import detect_family
 from passes.graph_utils import position_table_rows
+from passes.per_sequence_rotary import rotary_switch_length
 from passes.pipeline_stages import layer_ranges, stage_graph
 from passes.weight_memory import detach_weights
 from passes.weight_spill import weight_spill
@@ -111,6 +112,7 @@ def _write(cfg: CompileConfig, output: Path, graph: gs.Graph, model: onnx.ModelP
     detected = detect_family(graph)
     dimensions = attention_dimensions(graph)
     positions = position_table_rows(graph)
+    switch = rotary_switch_length(graph)
     detached = detach_weights(graph)
     lowered = lower(graph, model)
     signature = io_signature(lowered)
@@ -127,7 +129,8 @@ def _write(cfg: CompileConfig, output: Path, graph: gs.Graph, model: onnx.ModelP
         "signature": signature,
         "is_dynamic": is_dynamic(signature),
         "model": {**llm, **dimensions, **layers, "family": cfg.model_type or detected,
-                  "detected_family": detected, **({"max_positions": positions} if positions else {})},
+                  "detected_family": detected, **({"max_positions": positions} if positions else {}),
+                  **({"rotary_switch_length": switch} if switch else {})},
         "kv_cache": kv_cache_metadata(cfg),
         **shape_contract_metadata(cfg),
         **({"pipeline": stage} if stage else {}),

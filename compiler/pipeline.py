@@ -29,6 +29,7 @@ from passes.fuse_rms_norm import FuseRmsNorm
 from passes.fuse_swiglu import FuseSwiGlu
 from passes.infer_shapes import InferShapes
 from passes.paged_kv_cache import PagedKvCache
+from passes.per_sequence_rotary import PerSequenceRotary
 from passes.prune_logits import PruneLogits
 from passes.quant.calibration import text_samples
 from passes.quant.quantize_weights import QuantizeWeights
@@ -112,7 +113,7 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: Wei
     ]
     if cfg is not None and cfg.paging is not None:
         # Phase 4: batches without padding over the runtime's page pool
-        passes += [PagedKvCache(cfg.paging.page_size, cfg.enable_flash_attention), PruneLogits()]
+        passes += [PagedKvCache(cfg.paging.page_size, cfg.enable_flash_attention), PerSequenceRotary(), PruneLogits()]
     if cfg is not None:
         # Phase 5: the dtype float weights are stored in (passes/precision_config.py), then how float32 ones are
         passes.append(ConvertPrecision(cfg.precision))

@@ -117,7 +117,7 @@ METADATA = Obj(
         "model": Obj(optional={
             "vocab_size": Int(1), "kv_cache_io": Of(bool), "num_layers": Int(1, MAX_HEADS), "num_heads": _HEADS,
             "num_kv_heads": _HEADS, "head_dim": Int(1, MAX_HEAD_DIM), "family": Of((str, type(None))),
-            "detected_family": Of((str, type(None))), "max_positions": Int(1),
+            "detected_family": Of((str, type(None))), "max_positions": Int(1), "rotary_switch_length": Int(1),
         }),
     },
 )

@@ -173,6 +173,9 @@ PAGED_METADATA = (
     MetadataInput(PagedAttentionInput.BLOCK_TABLES, np.int32, ("num_seqs", "max_blocks")),
     MetadataInput(PagedAttentionInput.SLOT_MAPPING, np.int64, ("num_tokens",)),
 )
+# int64 [1, T]: each token's sequence's last position, where a rotary scaling switches on the sequence's length
+# (passes/per_sequence_rotary.py)
+LAST_POSITIONS = "last_position_ids"
 
 
 

@@ -19,7 +19,8 @@ SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
 
 
-def _export(config_class: str, model_class: str, path, *, dynamo: bool, with_past: bool, **config):
+def _export(config_class: str, model_class: str, path, *, dynamo: bool, with_past: bool, qkv_gain: float = 1.0,
+            **config):
     import torch
     import transformers
 
@@ -33,6 +34,8 @@ def _export(config_class: str, model_class: str, path, *, dynamo: bool, with_pas
         for name, param in model.named_parameters():
             if name.endswith("bias"):
                 param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+            elif "qkv_proj" in name:  # attention sharp enough for the rotary's angles to change the tokens
+                param.mul_(qkv_gain)
     return export_causal_lm(model.eval(), path / "model.onnx", dynamo=dynamo, with_past=with_past)
 
 
@@ -62,3 +65,46 @@ def test_a_head_behind_its_bias_or_scale_is_found(family, tmp_path):
     head_reads = [n for n in load_artifact(om).model.graph.node if n.op_type == "Gather" and "logits_indices" in n.input]
     assert len(head_reads) == 1
     np.testing.assert_equal(load_artifact(om).output_names, ["logits"])
+
+
+SWITCH = 32  # original_max_position_embeddings: past it a sequence's rotary takes the long factors
+
+
+@pytest.fixture(scope="module")
+def longrope(tmp_path_factory):
+    """Phi-3.5's longrope, its long factors far from the short ones, so a sequence rotated with the wrong
+    set generates other tokens. The dynamo export (TorchScript cannot export longrope's in-place copy)."""
+    folder = tmp_path_factory.mktemp("longrope")
+    half = SIZES["hidden_size"] // SIZES["num_attention_heads"] // 2
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": SWITCH,
+            "short_factor": [1.0 + 0.05 * i for i in range(half)], "long_factor": [2.0 + 0.5 * i for i in range(half)]}
+    source = _export("Phi3Config", "Phi3ForCausalLM", folder, dynamo=True, with_past=False, pad_token_id=0,
+                     original_max_position_embeddings=SWITCH, rope_parameters=rope, qkv_gain=20.0)
+    return source, compile_to(source, folder / "paged", enable_paged_attention=True)
+
+
+def test_longrope_factors_follow_each_sequence_not_its_batch(longrope):
+    """Batched with longer prompts, a short one keeps the short factors; a sequence whose generation crosses
+    the switch is recomputed with the long ones, as transformers' Phi-3 recomputes its cache; the export
+    run one sequence at a time from scratch is the reference."""
+    source, om = longrope
+    assert load_artifact(om).metadata["model"]["rotary_switch_length"] == SWITCH
+    prompts = [[5, 6, 7], list(range(3, 3 + SWITCH - 4)), list(range(10, 10 + SWITCH + 8))]
+    _paged_equals_onnxruntime(source, om, prompts, 12)
+
+
+def test_longrope_pages_are_not_shared_across_the_switch(longrope):
+    """A prompt past the switch that starts with an earlier, shorter one's tokens recomputes them rotated
+    its own way, not from the prefix cache, but is served from a prompt of its own side; in chunks."""
+    from cann_llm import LLMEngine
+
+    source, om = longrope
+    short, long = list(range(40, 40 + SWITCH - 12)), list(range(40, 40 + SWITCH + 10))  # 20 + 8 stays short
+    with LLMEngine(om, max_context_len=160, kv_cache_pages=48, max_num_batched_tokens=16) as engine:
+        requests = []
+        for prompt in (short, long, long):
+            requests.append(engine.submit(prompt, max_new_tokens=8, temperature=0, ignore_eos=True))
+            requests[-1].result()
+    assert [r.stats.cached_tokens > 0 for r in requests] == [False, False, True]
+    expected = [ort_greedy(source, prompt, 8) for prompt in (short, long)]
+    assert [r.output_ids for r in requests] == [expected[0], expected[1], expected[1]]

@@ -83,7 +83,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return 0  # (a sequence that wants its prompt's log-probabilities computes every prompt token)
         reusable = seq.num_prompt - 1
-        parent = None
+        parent = seq.cache_salt
         for index in range(reusable // self.page_size):
             key = self._hash(parent, seq.token_ids, index)
             page = self._by_hash.get(key)
@@ -135,7 +135,7 @@ class BlockManager:
         pages, the one being filled for partial matches (with the tokens it holds so far)."""
         if not self.enable_prefix_caching:
             return
-        parent = None
+        parent = seq.cache_salt
         for index in range(-(-seq.num_computed // self.page_size)):
             start = index * self.page_size
             number = seq.block_table[index]

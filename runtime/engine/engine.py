@@ -208,7 +208,8 @@ class LLMEngine:
             self.runner.close()  # a pipeline's stage actors go with the engine that failed
             raise
         self.blocks = blocks
-        self.scheduler = Scheduler(blocks, max_batch_size, config.max_num_batched_tokens, config.priority_aging_s)
+        self.scheduler = Scheduler(blocks, max_batch_size, config.max_num_batched_tokens, config.priority_aging_s,
+                                   self.dims.get("rotary_switch_length") if self.paged else None)
         if config.draft_model is not None:
             if not self.paged:
                 raise invalid_value(config.draft_model, "draft_model",

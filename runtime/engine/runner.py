@@ -14,15 +14,18 @@ from runtime.engine.scheduler import ScheduledBatch
 from runtime.engine.sequence import Sequence
 from runtime.executor import Executor
 from runtime.feeds import causal_lm_inputs
-from runtime.ops import paged_metadata_feeds
+from runtime.ops import LAST_POSITIONS, paged_metadata_feeds
 
 
 class PagedRunner:
     """Runs batches without padding over `pool`."""
 
+    last_positions = False  # whether the graph reads each token's sequence's last position (a rotary switch)
+
     def __init__(self, executor: Executor, pool: PagePool):
         self.executor, self.pool = executor, pool
         self.page_size = pool.page_size
+        self.last_positions = LAST_POSITIONS in executor.loaded.input_names
 
     def feeds(self, batch: ScheduledBatch) -> dict[str, np.ndarray]:
         """The paged graph's inputs for `batch` (see passes/paged_kv_cache.py).
@@ -30,7 +33,7 @@ class PagedRunner:
         Built as Python lists and turned into arrays once: a decode step has one token a sequence, and
         numpy's per-call cost over a few dozen tiny arrays was a tenth of a 135M model's step."""
         page_size = self.page_size
-        ids, positions, slots, lengths, wanted, tables = [], [], [], [], [], []
+        ids, positions, slots, lengths, wanted, tables, last = [], [], [], [], [], [], []
         starts = [0]
         width = max(len(seq.block_table) for seq in batch.seqs)
         for seq, count in zip(batch.seqs, batch.num_tokens):
@@ -45,9 +48,14 @@ class PagedRunner:
             end = starts[-1] + count
             starts.append(end)
             wanted += range(end - seq.logit_rows(count), end)
-        return {"input_ids": np.array([ids], np.int64), "position_ids": np.array([positions], np.int64),
-                **paged_metadata_feeds(starts, lengths, tables, slots),
-                "logits_indices": np.array(wanted, np.int64)}
+            if self.last_positions:  # the whole sequence's, not the chunk's (a prompt's chunks rotate alike), nor
+                last += [len(seq.token_ids) - 1] * count  # a draft's: the scheduler switches on the accepted
+        feeds = {"input_ids": np.array([ids], np.int64), "position_ids": np.array([positions], np.int64),
+                 **paged_metadata_feeds(starts, lengths, tables, slots),
+                 "logits_indices": np.array(wanted, np.int64)}
+        if self.last_positions:
+            feeds[LAST_POSITIONS] = np.array([last], np.int64)
+        return feeds
 
     def run(self, batch: ScheduledBatch) -> np.ndarray:
         return self.executor.run(self.feeds(batch), ["logits"], kv_cache=self.pool)["logits"]

@@ -39,8 +39,9 @@ class Scheduler:
     """Decides which tokens of which sequences each step computes."""
 
     def __init__(self, blocks: BlockManager, max_batch_size: int, max_num_batched_tokens: int,
-                 priority_aging_s: float = 10.0):
+                 priority_aging_s: float = 10.0, rotary_switch: int | None = None):
         self.blocks = blocks
+        self.rotary_switch = rotary_switch
         self.priority_aging_s = priority_aging_s
         self.max_batch_size = max_batch_size
         self.batch_cap = max_batch_size  # lowered by the engine's step-time target, if it has one
@@ -71,6 +72,13 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if self._crosses_rotary_switch(seq):  # its cache was rotated for a shorter sequence: recomputed
+                self.running.remove(seq)
+                self.blocks.free(seq)
+                seq.draft.clear()
+                seq.status = Status.WAITING
+                self.waiting.appendleft(seq)
+                continue
             count = self._count(seq, budget)
             if seq.draft and not self.blocks.can_hold(seq, seq.num_computed + count):
                 seq.draft.clear()  # a draft never costs another sequence its pages
@@ -90,6 +98,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < min(self.max_batch_size, self.batch_cap):
             seq = self._most_urgent()
             if not seq.block_table:
+                self._crosses_rotary_switch(seq)  # salted first: it may share only pages rotated as it is
                 self.blocks.claim_prefix(seq)
             count = min(seq.num_uncomputed, budget)
             if not self.blocks.can_hold(seq, seq.num_computed + count):
@@ -130,6 +139,15 @@ class Scheduler:
             self.running.remove(seq)
             self.blocks.free(seq)
         return done
+
+    def _crosses_rotary_switch(self, seq: Sequence) -> bool:
+        """Whether `seq` has just grown past the model's rotary switch (`rotary_switch_length`: longrope's
+        long factors from there on) with keys in its cache rotated the short way. Transformers' Phi-3
+        recomputes the whole cache at that point; so does the engine. Salts its pages apart either way."""
+        if self.rotary_switch is None or seq.cache_salt is not None or len(seq.token_ids) <= self.rotary_switch:
+            return False
+        seq.cache_salt = "rotary past its switch"
+        return seq.num_computed > 0
 
     def _most_urgent(self) -> Sequence:
         now = time.perf_counter()

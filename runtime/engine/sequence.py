@@ -68,6 +68,8 @@ class Sequence:
     constraint: Constraint | None = None  # the structured output's matcher
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per prompt token, when asked for
+    # pages are shared only between sequences of one salt: those past a rotary switch are rotated otherwise
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.token_ids)
