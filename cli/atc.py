@@ -184,7 +184,7 @@ def run(argv: list[str]) -> int:
         flags["cmdline"] = "atc " + " ".join(shlex.quote(word) for word in argv)
         cfg = CompileConfig.from_flags(**flags)
         with _atc_log(cfg.log):
-            _dispatch(cfg)
+            warnings = [*cfg.warnings, *_dispatch(cfg)]
     except _FlagError as error:
         click.echo(f"ERROR: {error}", err=True)
         return _fail(AtcError("E10001", " ".join(argv), "command line", str(error)).render())
@@ -197,12 +197,13 @@ def run(argv: list[str]) -> int:
             traceback.print_exc()
         return _fail(AtcError("E19999", reason=f"{type(error).__name__}: {error}").render())
     click.echo(SUCCESS)
-    for warning in cfg.warnings:
+    for warning in warnings:
         click.echo(warning)
     return 0
 
 
-def _dispatch(cfg: CompileConfig) -> None:
+def _dispatch(cfg: CompileConfig) -> list[str]:
+    """Run the mode `cfg` asks for; the warnings of a compile."""
     from compiler.om_info import display_model_info
 
     if cfg.mode == 0:
@@ -213,12 +214,14 @@ def _dispatch(cfg: CompileConfig) -> None:
         logging.getLogger("atc").info("wrote %s (%d bytes)", result.output, result.size)
         if cfg.display_model_info:
             click.echo(display_model_info(OmFile(result.output, verify_weights=False)))
-    elif cfg.mode == 1:
+        return result.warnings
+    if cfg.mode == 1:
         _dump_json(cfg)
     elif cfg.mode == 3:
         _precheck(cfg)
     elif cfg.mode == 6:
         click.echo(display_model_info(OmFile(cfg.om)))
+    return []
 
 
 def _dump_json(cfg: CompileConfig) -> None:

@@ -6,7 +6,7 @@ import gc
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
@@ -24,7 +24,7 @@ from compiler.pipeline import build_pipeline
 from compiler.precheck import check_ops, unsupported_types
 from compiler.tokenizer_files import tokenizer_files
 from models.recipes import detect_family
-from passes.graph_utils import position_table_rows
+from passes.graph_utils import position_table_rows, unfused_attention
 from passes.per_sequence_rotary import rotary_switch_length
 from passes.pipeline_stages import layer_ranges, stage_graph
 from passes.weight_memory import detach_weights
@@ -47,6 +47,7 @@ class CompileResult:
     size: int
     report: PassReport
     metadata: dict
+    warnings: list[str] = field(default_factory=list)
 
 
 COLLECT_FROM_BYTES = 64 << 20
@@ -81,6 +82,12 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
         report = run_passes(graph, build_pipeline(cfg, progress=progress, spill=spill), cfg.fusion_switches,
                             after_each=collect, progress=progress)
         causal_lm = "input_ids" in {t.name for t in graph.inputs} and "logits" in {t.name for t in graph.outputs}
+        unfused = unfused_attention(graph)
+        switched_off = any(r.name == "AttentionFusionPass" and not r.enabled for r in report.records)
+        why = "AttentionFusionPass is switched off" if switched_off else \
+            "--log=debug says why AttentionFusionPass refused each"
+        warnings = [f"W10005: {unfused} attention block(s) did not fuse and run as the export wrote them (slower; "
+                    f"no paged KV cache): {why}"] if unfused else []
         if cfg.auto_tune_mode and not causal_lm:
             raise AtcError("E10055", "--auto_tune_mode measures a causal LM's decode and prefill; this model has no "
                                      "input_ids and logits")
@@ -101,7 +108,7 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
     if cfg.auto_tune_mode:
         metadata["tuning"] = auto_tune(output, progress)
         size = output.stat().st_size
-    return CompileResult(output=output, size=size, report=report, metadata=metadata)
+    return CompileResult(output=output, size=size, report=report, metadata=metadata, warnings=warnings)
 
 
 def _write(cfg: CompileConfig, output: Path, graph: gs.Graph, model: onnx.ModelProto, report: PassReport,

@@ -157,6 +157,12 @@ class FuseAttention(FusionPass):
             if not projection.per_head:
                 return projection.tensor
             source = projection.tensor
+            if projection.heads_first:  # [B, H, S, D] to [B, S, H, D]
+                ordered = gs.Variable(f"{source.name}_heads_last", dtype=source.dtype,
+                                      shape=None if source.shape is None else [source.shape[i] for i in (0, 2, 1, 3)])
+                graph.nodes.append(gs.Node("Transpose", name=f"{source.name}/HeadsLast", attrs={"perm": [0, 2, 1, 3]},
+                                           inputs=[source], outputs=[ordered]))
+                source = ordered
             shape = None if source.shape is None else list(source.shape[:2]) + [projection.heads * match.head_dim]
             merged = gs.Variable(f"{source.name}_merged", dtype=source.dtype, shape=shape)
             graph.nodes.append(gs.Node("Reshape", name=f"{source.name}/MergeHeads", outputs=[merged], inputs=[

@@ -100,6 +100,19 @@ def lm_head(graph: gs.Graph, output_name: str = "logits", ops: tuple[str, ...] =
     return None
 
 
+def unfused_attention(graph: gs.Graph) -> int:
+    """Attention left as the export wrote it: Softmaxes whose probabilities multiply a MatMul (the values)."""
+    return sum(1 for node in graph.nodes if node.op == "Softmax" and any(
+        consumer.op == "MatMul" for out in node.outputs for consumer in _through_casts(out)))
+
+
+def _through_casts(tensor: gs.Tensor) -> list[gs.Node]:
+    consumers = []
+    for node in tensor.outputs:
+        consumers += _through_casts(node.outputs[0]) if node.op in ("Cast", "Where", "Dropout") else [node]
+    return consumers
+
+
 def naming_patterns(node: gs.Node, weight_name: str, head: gs.Node | None, patterns: tuple[str, ...]) -> list[str]:
     """Every pattern naming `node` (`skip_layers`, `--keep_dtype`): fnmatch on its node name or the name of
     the weight it reads; "lm_head" is `head`. All, not the first: each pattern must be known to match."""

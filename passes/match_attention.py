@@ -182,15 +182,24 @@ def match_mask_source(graph: gs.Graph, mask: gs.Tensor) -> MaskSource | str:
 @dataclass
 class Projection:
     """A [B, S, H·D] input of the fused op; `per_head` is a [B, S, H, D] value to flatten first (the
-    output of a per-head q/k RmsNorm, as in Qwen3)."""
+    output of a per-head q/k RmsNorm, as in Qwen3), [B, H, S, D] when `heads_first` (Gemma 3 normalises
+    after the transpose)."""
 
     tensor: gs.Tensor
     heads: int
     per_head: bool = False
+    heads_first: bool = False
 
 
 def match_head_split(heads4: gs.Tensor) -> Projection | str:
     """From [B, H, S, D] back to the [B, S, H·D] projection it was split from."""
+    after = producer(heads4, RMS_NORM.name)
+    if after is not None and after.domain == CUSTOM_DOMAIN:
+        # a per-head norm after the transpose: over D, so the transpose is the same before or after it
+        found = match_head_split(after.inputs[RmsNormInput.X])
+        if isinstance(found, Projection) and not found.per_head:
+            return Projection(heads4, found.heads, per_head=True, heads_first=True)
+        return found if isinstance(found, str) else "two per-head norms"
     transpose = producer(heads4, "Transpose")
     if not is_transpose(transpose, [0, 2, 1, 3]):
         return "the heads are not a (0, 2, 1, 3) transpose"

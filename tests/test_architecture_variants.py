@@ -108,3 +108,29 @@ def test_longrope_pages_are_not_shared_across_the_switch(longrope):
     assert [r.stats.cached_tokens > 0 for r in requests] == [False, False, True]
     expected = [ort_greedy(source, prompt, 8) for prompt in (short, long)]
     assert [r.output_ids for r in requests] == [expected[0], expected[1], expected[1]]
+
+
+def test_attention_left_unfused_is_a_warning(tmp_path, capsys):
+    """GPT-NeoX's q, k and v interleaved per head do not fuse: the compile says so after its success line."""
+    from cli.atc import run
+
+    source = _export("GPTNeoXConfig", "GPTNeoXForCausalLM", tmp_path, dynamo=True, with_past=False,
+                     rotary_pct=0.25)
+    capsys.readouterr()
+    status = run([f"--model={source}", "--framework=5", f"--output={tmp_path / 'neox'}", "--soc_version=Ascend910B"])
+    lines = capsys.readouterr().out.splitlines()
+    assert status == 0 and [line.split(":")[0] for line in lines if line.startswith("W1")] == ["W10005"]
+    assert lines[-1].startswith("W10005: 2 attention block(s)")
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_gemma3_norms_after_the_head_transpose_fuse(dynamo, tmp_path):
+    """Gemma 3 normalises each q and k head after the (0, 2, 1, 3) transpose, where Qwen3 does before it;
+    with its sliding-window layers between the full ones, past the window."""
+    source = _export("Gemma3TextConfig", "Gemma3ForCausalLM", tmp_path, dynamo=dynamo, with_past=False,
+                     head_dim=16, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                     query_pre_attn_scalar=16)
+    om = compile_to(source, tmp_path / "paged", enable_paged_attention=True)
+    ops = Counter(n.op_type for n in load_artifact(om).model.graph.node)
+    assert ops["PagedAttention"] == SIZES["num_hidden_layers"] and ops["Softmax"] == 0
+    _paged_equals_onnxruntime(source, om, [[5, 6, 7], list(range(3, 40))], 12)
