@@ -35,6 +35,7 @@ from passes.match_attention import (
     match_mask_source,
     match_probabilities,
     match_scale,
+    match_softcap,
     split_mask,
 )
 from passes.match_rotary import Rotary, match_rotary
@@ -61,6 +62,7 @@ class AttentionMatch:
     scale: float
     output: gs.Tensor
     name: str
+    softcap: float = 0.0
 
 
 def _transposed_keys(tensor: gs.Tensor) -> tuple[gs.Tensor, float] | None:
@@ -89,7 +91,8 @@ class FuseAttention(FusionPass):
         if softmax.attrs.get("axis", -1) not in (-1, rank - 1) or rank != 4:
             return "not a softmax over the last axis of [B, H, S, T] scores"
         logits, mask = split_mask(softmax.inputs[0])
-        scores_tensor, scale = match_scale(logits)
+        capped, softcap = match_softcap(logits)
+        scores_tensor, scale = match_scale(capped)
         scores = producer(scores_tensor, "MatMul")
         if scores is None:
             return "the softmax input is not a (scaled, masked) MatMul"
@@ -150,7 +153,8 @@ class FuseAttention(FusionPass):
             return "a sliding window without a causal mask"
         return AttentionMatch(query, key, value, key_cache.past, value_cache.past, key_cache.present,
                               value_cache.present, source.attention_mask, source.causal, window, rotary, heads,
-                              kv_heads, head_dim, scale, output, softmax.name.rsplit("/", 1)[0] + "/" + FUSED_ATTENTION.name)
+                              kv_heads, head_dim, scale, output, softmax.name.rsplit("/", 1)[0] + "/" + FUSED_ATTENTION.name,
+                              softcap)
 
     def rewrite(self, graph: gs.Graph, match: AttentionMatch) -> None:
         def flat(projection: Projection) -> gs.Tensor:
@@ -191,4 +195,5 @@ class FuseAttention(FusionPass):
             FUSED_ATTENTION.name, inputs, outputs, match.name, num_heads=match.heads, kv_num_heads=match.kv_heads,
             head_dim=match.head_dim, scale=float(match.scale), causal=match.causal,
             rotary_dim=rotary.rotary_dim if rotary else 0, rotary_interleaved=rotary.interleaved if rotary else 0,
-            **({"sliding_window": match.window} if match.window else {})))
+            **({"sliding_window": match.window} if match.window else {}),
+            **({"softcap": match.softcap} if match.softcap else {})))

@@ -65,6 +65,22 @@ def match_scale(tensor: gs.Tensor) -> tuple[gs.Tensor, float]:
             return tensor, factor
 
 
+def match_softcap(tensor: gs.Tensor) -> tuple[gs.Tensor, float]:
+    """`c·tanh(x / c)` (Gemma 2's attention logit softcap) → (x, c); (tensor, 0.0) when it is not one."""
+    outer = producer(tensor, "Mul")
+    if outer is None:
+        return tensor, 0.0
+    for capped, constant in (outer.inputs, outer.inputs[::-1]):
+        cap, tanh = scalar(constant), producer(capped, "Tanh")
+        if cap is None or cap <= 0 or tanh is None:
+            continue
+        divide = producer(tanh.inputs[0], "Div", "Mul")
+        by = scalar(divide.inputs[1]) if divide is not None else None
+        if by is not None and np.isclose(by if divide.op == "Div" else 1.0 / by if by else 0.0, cap, rtol=1e-6):
+            return divide.inputs[0], float(cap)
+    return tensor, 0.0
+
+
 # ---- softmax and the mask ---------------------------------------------------------------------------
 
 def _peel_cast(tensor: gs.Tensor) -> gs.Tensor:
@@ -81,10 +97,11 @@ def split_mask(logits: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor | None]:
     add = producer(logits, "Add")
     if add is not None:
         for scored, candidate in (add.inputs, add.inputs[::-1]):
-            if producer(match_scale(scored)[0], "MatMul") is not None and not isinstance(candidate, gs.Constant):
+            if producer(match_scale(match_softcap(scored)[0])[0], "MatMul") is not None \
+                    and not isinstance(candidate, gs.Constant):
                 return scored, candidate
     where = producer(logits, "Where")
-    if where is not None and producer(match_scale(where.inputs[1])[0], "MatMul") is not None:
+    if where is not None and producer(match_scale(match_softcap(where.inputs[1])[0])[0], "MatMul") is not None:
         fill = scalar(where.inputs[2])
         if fill is not None and fill <= MASKED_BELOW:
             return where.inputs[1], where.inputs[0]

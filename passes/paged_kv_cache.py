@@ -58,13 +58,13 @@ class PagedKvCache:
             operands = positional(Paged, {**{paged: input_at(node.inputs, fused) for paged, fused in _KEPT.items()},
                                           **metadata}, gs.Variable.empty())
             defaults = {**FUSED_ATTENTION.defaults, **node.attrs}
-            # flash_prefill attends causally only: sliding-window layers attend through the numba kernel
-            flash = self.flash and not defaults["sliding_window"]
+            # flash_prefill attends causally and uncapped: sliding-window and softcapped layers attend without it
+            flash = self.flash and not defaults["sliding_window"] and not defaults["softcap"]
             name = node.name.removesuffix(FUSED_ATTENTION.name) + PAGED_ATTENTION.name
             graph.nodes.append(fused_node(
                 PAGED_ATTENTION.name, operands, [node.outputs[FusedOutput.OUTPUT]], name,
                 **{key: defaults[key] for key in _KEPT_ATTRIBUTES}, layer=layer, page_size=self.page_size,
-                flash=int(flash)))
+                flash=int(flash), **({"softcap": defaults["softcap"]} if defaults["softcap"] else {})))
             node.inputs.clear()
             node.outputs.clear()
         for name in TOKEN_INPUTS:

@@ -128,6 +128,9 @@ def _fused_attention(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
     q5 = b("Reshape", q, b.const([0, kv_heads, heads // kv_heads, -1, dim]))
     k5, v5 = b("Unsqueeze", k, b.const([2])), b("Unsqueeze", v, b.const([2]))
     scores = b("Mul", b("MatMul", q5, b("Transpose", k5, perm=[0, 1, 2, 4, 3])), b.const(scale, np.float32))
+    if attrs["softcap"]:
+        cap = b.const(attrs["softcap"], np.float32)
+        scores = b("Mul", b("Tanh", b("Div", scores, cap)), cap)
     allowed = None
     window = attrs["sliding_window"]
     if causal or window:

@@ -134,12 +134,13 @@ RMS_NORM = Op("RmsNorm", RmsNormInput, defaults={"epsilon": 1e-6})
 ADD_RMS_NORM = Op("AddRmsNorm", AddRmsNormInput, AddRmsNormOutput, defaults={"epsilon": 1e-6})
 SWIGLU = Op("SwiGlu", SwiGluInput)
 MOE = Op("MoE", MoEInput, defaults={"normalize_routing_weights": 0})
+# `softcap` c > 0: scores become c·tanh(scores / c) before the mask (Gemma 2)
 FUSED_ATTENTION = Op("FusedAttention", FusedAttentionInput, FusedAttentionOutput, defaults={
     "causal": 1, "rotary_dim": 0, "rotary_interleaved": 0, "bias_per_head": 0, "bias_is_bool": 0,
-    "sliding_window": 0})
+    "sliding_window": 0, "softcap": 0.0})
 # always causal; `layer` picks the pool's layer, `flash` sends long prompt chunks through flash_prefill
 PAGED_ATTENTION = Op("PagedAttention", PagedAttentionInput, defaults={
-    "rotary_interleaved": 0, "sliding_window": 0, "flash": 0})
+    "rotary_interleaved": 0, "sliding_window": 0, "softcap": 0.0, "flash": 0})
 MATMUL_INT4 = Op("MatMulInt4", MatMulQuantInput, defaults={"bits": 4, "accuracy_level": 0})
 MATMUL_INT8 = Op("MatMulInt8", MatMulQuantInput)
 GATHER_INT4 = Op("GatherInt4", GatherInt4Input, defaults={"bits": 4})
@@ -255,7 +256,7 @@ _FLAG = Attr(choices=(0, 1))
 _HEADS = Attr(low=1, high=MAX_HEADS)
 _ATTENTION_ATTRS = {"num_heads": _HEADS, "kv_num_heads": _HEADS, "head_dim": Attr(low=1, high=MAX_HEAD_DIM),
                     "scale": Attr(float, low=0, high=1e6), "rotary_interleaved": _FLAG,
-                    "sliding_window": Attr(low=0)}
+                    "sliding_window": Attr(low=0), "softcap": Attr(float, low=0, high=1e6)}
 _QUANT_ATTRS = {"K": Attr(low=1), "bits": Attr(choices=(4, 8)), "block_size": Attr(choices=BLOCK_SIZES)}
 ATTRIBUTE_RULES: dict[str, dict[str, Attr]] = {
     RMS_NORM.name: {"epsilon": Attr(float, low=0, high=1)},
@@ -364,8 +365,8 @@ def _fused_attention_checks(node, attrs, shape_of) -> str | None:
 def _paged_attention_checks(node, attrs, shape_of) -> str | None:
     if attrs["page_size"] % 16:
         return f"page_size {attrs['page_size']} is not a multiple of 16"
-    if attrs["flash"] and attrs["sliding_window"]:
-        return "flash is set with a sliding_window (flash_prefill attends causally only)"
+    if attrs["flash"] and (attrs["sliding_window"] or attrs["softcap"]):
+        return "flash is set with a sliding_window or a softcap (flash_prefill attends causally, uncapped)"
     for slot in (PagedAttentionInput.QUERY_START_LOC, PagedAttentionInput.SEQ_LENS, PagedAttentionInput.BLOCK_TABLES,
                  PagedAttentionInput.SLOT_MAPPING):
         if input_at(list(node.input), slot) != slot.name.lower():

@@ -10,10 +10,11 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from conftest import compile_to
+from conftest import compile_to, ort_reference
 from generation_utils import engine_greedy, ort_greedy
 
-from runtime import load_artifact
+from runtime import Executor, load_artifact
+from runtime.feeds import causal_lm_inputs
 
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
@@ -34,8 +35,8 @@ def _export(config_class: str, model_class: str, path, *, dynamo: bool, with_pas
         for name, param in model.named_parameters():
             if name.endswith("bias"):
                 param.copy_(0.1 * torch.randn(param.shape, generator=gen))
-            elif "qkv_proj" in name:  # attention sharp enough for the rotary's angles to change the tokens
-                param.mul_(qkv_gain)
+            elif any(f"{part}_proj" in name for part in ("qkv", "q", "k")):  # attention sharp enough for the
+                param.mul_(qkv_gain)  # rotary's angles, or a softcap, to change the tokens
     return export_causal_lm(model.eval(), path / "model.onnx", dynamo=dynamo, with_past=with_past)
 
 
@@ -134,3 +135,30 @@ def test_gemma3_norms_after_the_head_transpose_fuse(dynamo, tmp_path):
     ops = Counter(n.op_type for n in load_artifact(om).model.graph.node)
     assert ops["PagedAttention"] == SIZES["num_hidden_layers"] and ops["Softmax"] == 0
     _paged_equals_onnxruntime(source, om, [[5, 6, 7], list(range(3, 40))], 12)
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_gemma2_softcapped_attention_fuses_and_generates(dynamo, tmp_path):
+    """Gemma 2 (transformers' default attention for it is eager): scores capped by c·tanh(s / c), a final
+    logit softcap after the head, sliding-window layers between full ones; the native kernel, the numba one
+    (`host_attention`) and a flash compile (which leaves capped layers to the native kernel) all generate
+    onnxruntime's tokens, past the window."""
+    source = _export("Gemma2Config", "Gemma2ForCausalLM", tmp_path, dynamo=dynamo, with_past=False, head_dim=16,
+                     sliding_window=16, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,
+                     attn_logit_softcapping=5.0, final_logit_softcapping=3.0, qkv_gain=20.0)
+    om = compile_to(source, tmp_path / "paged", enable_paged_attention=True, enable_flash_attention=True)
+    nodes = [n for n in load_artifact(om).model.graph.node if n.op_type == "PagedAttention"]
+    attributes = [{a.name: a for a in n.attribute} for n in nodes]
+    assert len(nodes) == SIZES["num_hidden_layers"] and [a["softcap"].f for a in attributes] == [5.0, 5.0]
+    assert [a["flash"].i for a in attributes] == [0, 0]
+    # the fused op's own reference and its onnxruntime lowering, contiguous, on a prompt past the window
+    loaded = load_artifact(compile_to(source, tmp_path / "contiguous"))
+    feeds = causal_lm_inputs(loaded.metadata["signature"], loaded.metadata["model"], np.arange(3, 43)[None])
+    want = ort_reference(source, feeds)["logits"]
+    for backend in ("onnxruntime", "reference"):
+        np.testing.assert_allclose(Executor(loaded, backend).run(feeds)["logits"], want, atol=1e-4, rtol=0)
+    prompts = [[5, 6, 7], list(range(3, 40))]
+    expected = [ort_greedy(source, prompt, 12) for prompt in prompts]
+    for host_attention in (False, True):
+        got = engine_greedy(om, prompts, 12, max_context_len=160, kv_cache_pages=48, host_attention=host_attention)
+        assert got == expected, host_attention

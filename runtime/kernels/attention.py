@@ -68,9 +68,9 @@ def explicit_bias(bias: np.ndarray, kv_num_heads: int, group: int, dtype=np.floa
 def FusedAttention(query, key=None, value=None, past_key=None, past_value=None, attention_mask=None,
                    cos=None, sin=None, attention_bias=None, *, num_heads: int, kv_num_heads: int, head_dim: int,
                    scale: float, causal: int, rotary_dim: int, rotary_interleaved: int, bias_per_head: int,
-                   bias_is_bool: int, sliding_window: int):
-    """softmax(rope(q) · rope(k)ᵀ · scale + mask [+ bias]) · v over all heads; returns (output, present_key,
-    present_value).
+                   bias_is_bool: int, sliding_window: int, softcap: float = 0.0):
+    """softmax(rope(q) · rope(k)ᵀ · scale + mask [+ bias]) · v over all heads (with `softcap` c > 0 the
+    scaled scores capped to c·tanh(scores / c) first); returns (output, present_key, present_value).
 
     `rotary_dim` restates cos's last dimension, `bias_per_head` the bias's head axis (H, else 1) and
     `bias_is_bool` its type, for lowerings that need them before run time.
@@ -91,6 +91,8 @@ def FusedAttention(query, key=None, value=None, past_key=None, past_value=None, 
     group = num_heads // kv_num_heads
     q5 = q.reshape(batch, kv_num_heads, group, seq, head_dim)
     scores = np.matmul(q5, np.swapaxes(k, -1, -2)[:, :, None]) * np.float32(scale)
+    if softcap:
+        scores = np.float32(softcap) * np.tanh(scores / np.float32(softcap))
     scores = scores + attention_mask_bias(seq, k.shape[2], attention_mask, causal, q.dtype, sliding_window)[:, :, None]
     if attention_bias is not None:
         scores = scores + explicit_bias(attention_bias, kv_num_heads, group, q.dtype)

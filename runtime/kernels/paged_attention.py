@@ -109,9 +109,10 @@ def _context(cache: np.ndarray, pages: np.ndarray, length: int) -> np.ndarray:
 
 
 def paged_attention_reference(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale,
-                              sliding_window: int = 0):
+                              sliding_window: int = 0, softcap: float = 0.0):
     """Causal attention of each sequence's queries over its paged context (with a sliding window W > 0,
-    over the last W positions up to each query's own); q `[T, Hq, D]` → `[T, Hq, D]`."""
+    over the last W positions up to each query's own; with softcap c > 0, the scaled scores capped to
+    c·tanh(s / c)); q `[T, Hq, D]` → `[T, Hq, D]`."""
     kv_heads, page_size = key_cache.shape[1], key_cache.shape[2]
     group = q.shape[1] // kv_heads
     out = np.empty_like(q)
@@ -121,6 +122,8 @@ def paged_attention_reference(q, key_cache, value_cache, query_start_loc, seq_le
         keys, values = _context(key_cache, pages, length), _context(value_cache, pages, length)
         queries = q[start:end].transpose(1, 0, 2).reshape(kv_heads, group, end - start, -1)
         scores = np.matmul(queries, keys[:, None].swapaxes(-1, -2)) * np.float32(scale)
+        if softcap:
+            scores = np.float32(softcap) * np.tanh(scores / np.float32(softcap))
         positions = np.arange(length - (end - start), length)
         visible = np.arange(length)[None, :] <= positions[:, None]
         if sliding_window:
@@ -135,22 +138,23 @@ def paged_attention_reference(q, key_cache, value_cache, query_start_loc, seq_le
 
 # ---- the fast kernels ------------------------------------------------------------------------------
 
-def paged_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window: int = 0):
+def paged_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window: int = 0,
+                    softcap: float = 0.0):
     """The numba kernel: same contract as `paged_attention_reference`, pages read in place."""
     check_paged_metadata(query_start_loc, seq_lens, block_tables, (), key_cache.shape[0], key_cache.shape[2], q.shape[0],
                          stores=False)
     check_heads(q.shape[1], key_cache, q.shape[2])
     batch = PagedBatch.of(query_start_loc, seq_lens, block_tables, np.zeros(0, np.int64))
     out = np.empty_like(q)
-    _attend(batch, q, key_cache, value_cache, scale, out, sliding_window)
+    _attend(batch, q, key_cache, value_cache, scale, out, sliding_window, softcap)
     return out
 
 
-def _attend(batch: "PagedBatch", q, key_cache, value_cache, scale, out, window: int = 0) -> None:
+def _attend(batch: "PagedBatch", q, key_cache, value_cache, scale, out, window: int = 0, softcap: float = 0.0) -> None:
     kernels = _numba_kernels()
     kernel = kernels._attend_parallel if batch.parallel else kernels._attend_serial
     kernel(q, key_cache, value_cache, batch.block_tables, batch.token_seq, batch.positions, np.int64(window),
-           np.float32(scale), out)
+           np.float32(scale), np.float32(softcap), out)
 
 
 @dataclass
@@ -279,11 +283,12 @@ def _check_operands(query, key, value, cos, sin, kv_cache, layer, num_heads, kv_
 @register_kernel(PAGED_ATTENTION, host=True)
 def PagedAttention(query, key, value, cos, sin, query_start_loc, seq_lens, block_tables, slot_mapping, *,
                    num_heads: int, kv_num_heads: int, head_dim: int, scale: float, rotary_interleaved: int,
-                   sliding_window: int, layer: int, page_size: int, flash: int, run: HostRun) -> np.ndarray:
+                   sliding_window: int, softcap: float, layer: int, page_size: int, flash: int,
+                   run: HostRun) -> np.ndarray:
     """Rotate, store the new keys and values in layer `layer` of `run.kv_cache`, attend; returns `[1, T, Hq·D]`.
 
-    `flash` sends long prompt chunks through `flash_prefill` (never set with a `sliding_window`:
-    flash_prefill attends causally only). The metadata is prepared once per run (`PagedBatch.of`) for all
+    `flash` sends long prompt chunks through `flash_prefill` (never set with a `sliding_window` or a
+    `softcap`: flash_prefill attends causally, uncapped). The metadata is prepared once per run (`PagedBatch.of`) for all
     the layers; `run.fast=False` runs the numpy references. `page_size` is the pool's, restated.
     """
     del page_size
@@ -298,36 +303,36 @@ def PagedAttention(query, key, value, cos, sin, query_start_loc, seq_lens, block
                                                  flash=bool(flash))
     if run.fast and batch.decode:
         return _decode(query, key, value, cos, sin, batch, key_cache, value_cache, num_heads, kv_num_heads, head_dim,
-                       scale, rotary_interleaved, sliding_window)
+                       scale, rotary_interleaved, sliding_window, softcap)
     heads = dict(num_heads=num_heads, kv_num_heads=kv_num_heads, head_dim=head_dim, rotary_interleaved=rotary_interleaved)
     if run.fast:
         q = rotate_and_store(query, key, value, cos, sin, batch.slot_mapping, key_cache, value_cache, **heads)
-        out = _fast_attention(batch, q, key_cache, value_cache, scale, sliding_window)
+        out = _fast_attention(batch, q, key_cache, value_cache, scale, sliding_window, softcap)
     else:
         q = rotate_and_store_reference(query, key, value, cos, sin, batch.slot_mapping, key_cache, value_cache,
                                        **heads)
         out = paged_attention_reference(q, key_cache, value_cache, batch.query_start_loc, batch.seq_lens,
-                                        batch.block_tables, scale, sliding_window)
+                                        batch.block_tables, scale, sliding_window, softcap)
     return out.reshape(1, q.shape[0], num_heads * head_dim)
 
 
 def _decode(query, key, value, cos, sin, batch, key_cache, value_cache, num_heads, kv_num_heads, head_dim, scale,
-            interleaved, window):
+            interleaved, window, softcap):
     qsrc, ksrc, kofs, vsrc, vofs = split_heads(query, key, value, num_heads, kv_num_heads, head_dim)
     cos, sin = rotary_tables(cos, sin, qsrc.shape[0])
     out = np.empty((qsrc.shape[0], num_heads, head_dim), np.float32)
     kernels = _numba_kernels()
     kernel = kernels._decode_step_parallel if batch.parallel else kernels._decode_step
     kernel(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, batch.slot_mapping, batch.seq_lens, batch.block_tables,
-           key_cache, value_cache, np.int64(window), np.float32(scale), out)
+           key_cache, value_cache, np.int64(window), np.float32(scale), np.float32(softcap), out)
     return out.reshape(1, qsrc.shape[0], num_heads * head_dim)
 
 
-def _fast_attention(batch: PagedBatch, q, key_cache, value_cache, scale, window: int = 0):
+def _fast_attention(batch: PagedBatch, q, key_cache, value_cache, scale, window: int = 0, softcap: float = 0.0):
     """Long prompt chunks through flash_prefill, everything else (decodes, short chunks) through numba."""
     out = np.empty_like(q)
     if not batch.flash:
-        _attend(batch, q, key_cache, value_cache, scale, out, window)
+        _attend(batch, q, key_cache, value_cache, scale, out, window, softcap)
         return out
     page_size = key_cache.shape[2]
     starts, contexts, tables = batch.query_start_loc, batch.seq_lens, batch.block_tables
@@ -338,6 +343,6 @@ def _fast_attention(batch: PagedBatch, q, key_cache, value_cache, scale, window:
     if batch.short is not None:
         rows = batch.short_rows
         part = np.empty((len(rows),) + q.shape[1:], q.dtype)
-        _attend(batch.short, np.ascontiguousarray(q[rows]), key_cache, value_cache, scale, part, window)
+        _attend(batch.short, np.ascontiguousarray(q[rows]), key_cache, value_cache, scale, part, window, softcap)
         out[rows] = part
     return out

@@ -121,6 +121,21 @@ def test_the_native_op_equals_the_reference_and_writes_the_same_pages(mix, packe
     np.testing.assert_array_equal(pool_key[0], untouched)
 
 
+@pytest.mark.parametrize("mix", MIXES)
+def test_a_softcap_caps_the_scores_alike_in_the_native_op_the_numba_kernel_and_the_reference(mix):
+    """Gemma 2's c·tanh(s / c) on the scaled scores: decodes, prefill chunks and a mix of both."""
+    pages = 40
+    inputs = _step(mix, pages, True, 0)
+    attrs = dict(num_heads=HEADS, kv_num_heads=KV_HEADS, head_dim=DIM, scale=0.2, softcap=1.5)
+    expected = _node(inputs, *_pool(pages), fast=False, **attrs)
+    assert not np.allclose(expected, _node(inputs, *_pool(pages), fast=False, **{**attrs, "softcap": 0.0}), atol=1e-3)
+    np.testing.assert_allclose(_node(inputs, *_pool(pages), fast=True, **attrs), expected, atol=2e-5, rtol=0)
+    pool_key, pool_value = _two_layer_pool(pages)
+    (out,) = _session(attrs, True, False).run(None, {**_feeds(inputs, True, False), POOL_KEY: pool_key,
+                                                     POOL_VALUE: pool_value})
+    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=0)
+
+
 def test_a_long_prefill_spread_over_threads_equals_the_reference():
     mix = [(300, 300), (1, 120)]
     inputs = _step(mix, 40, True, DIM)

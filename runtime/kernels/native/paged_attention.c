@@ -37,6 +37,7 @@ enum { QUERY, KEY, VALUE, COS, SIN, QUERY_START_LOC, SEQ_LENS, BLOCK_TABLES, SLO
 typedef struct {
   int64_t num_heads, kv_heads, head_dim, interleaved, window, layer, page_size;
   float scale;
+  float softcap; /* > 0: the scaled scores capped to softcap * tanh(s / softcap) (Gemma 2), in attend_tile only */
 } Kernel;
 
 /* ---- rotary embedding and the cache write ---------------------------------------------------------- */
@@ -198,6 +199,9 @@ static inline __attribute__((always_inline)) void attend_tile(const Attend* a, i
         scores[i][r] = s;
       }
     }
+    if (k->softcap > 0.0f)
+      for (int64_t i = 0; i < n; i++)
+        for (int64_t r = 0; r < count; r++) scores[i][r] = k->softcap * tanhf(scores[i][r] / k->softcap);
     for (int64_t i = 0; i < n; i++) {
       const float correction = page_softmax(k, scores[i], count, position[i], base, &running_max[i], &total[i]);
       for (int64_t d = 0; d < D; d++) acc[i][d] *= correction;
@@ -591,6 +595,10 @@ static void attend_item(void* data, size_t item) {
       return;
     }
   }
+  if (a->k->softcap > 0.0f) { /* the cap is applied by the generic tile alone */
+    attend_tile(a, b, first, rows, kv, a->k->head_dim, lo, hi, part);
+    return;
+  }
 #if defined(__AVX512F__)
   const int64_t n = rows * (a->k->num_heads / a->k->kv_heads), vectors = (n + 15) / 16;
   if (n < WIDE_MIN && (a->k->head_dim == 64 || a->k->head_dim == 128)) {
@@ -885,8 +893,15 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api, const 
   /* the registry's defaults (runtime/ops.py): the compiler may leave these off */
   k->interleaved = int_attribute_or(info, "rotary_interleaved", 0);
   k->window = int_attribute_or(info, "sliding_window", 0);
+  OrtStatus* no_cap = ORT_CALL(g_api, KernelInfoGetAttribute_float)(info, "softcap", &k->softcap);
+  if (no_cap) { /* the registry's default: none */
+    ORT_CALL(g_api, ReleaseStatus)(no_cap);
+    k->softcap = 0.0f;
+  }
   if (!status && (k->num_heads < 1 || k->kv_heads < 1 || k->head_dim < 1 || k->page_size < 1 || k->layer < 0))
     status = fail("PagedInputError: the node's heads, head_dim, page_size and layer must be positive");
+  if (!status && !(k->softcap >= 0.0f && k->softcap <= 1e6f))
+    status = fail("PagedInputError: the node's softcap must lie in [0, 1e6]");
   if (status) {
     free(k);
     return status;
