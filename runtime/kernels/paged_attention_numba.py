@@ -152,10 +152,10 @@ def _accumulate_values(weights, value_cache, kv, page, rows, acc, next_page, nex
 def _attend_heads(q, t, first, key_cache, value_cache, kv, pages, position, window, scale, softcap, scores, acc, state, out):
     """out[t, first:first+n] = attention of query heads `first..first+n-1` of token `t` (all reading KV head
     `kv`) over cache positions 0..position (with window > 0: the last `window` of them; pages = the sequence's
-    block-table row; softcap > 0 caps the scaled scores to softcap·tanh(s / softcap)), one page of scores at a time with an online softmax. Heads sharing a KV head go
-    together, so each key and value row is read once for all of them; the exponentials run as a loop of their
-    own (vectorized). q and out are `[T, Hq, D]`; scratch: scores `[n, page_size]`, acc `[n, D]`, state `[2,
-    n]`."""
+    block-table row; softcap > 0 caps the scaled scores to softcap·tanh(s / softcap)), one page of scores at a
+    time with an online softmax. Heads sharing a KV head go together, so each key and value row is read once
+    for all of them; the exponentials run as a loop of their own (vectorized). q and out are `[T, Hq, D]`;
+    scratch: scores `[n, page_size]`, acc `[n, D]`, state `[2, n]`."""
     group = scores.shape[0]
     page_size, head_dim = key_cache.shape[2], key_cache.shape[3]
     running_max, total = state[0], state[1]
