@@ -43,14 +43,17 @@ class PerSequenceRotary:
                       and "axes" not in n.attrs and _carried_from(n.inputs[0], positions) is not None]
         if positions is None or not reductions:
             return PassResult()
+        if len(reductions) > 1:
+            raise _refuse(f"{len(reductions)} reductions of position_ids decide it")
         rotary_inputs = {id(t): t for n in graph.nodes if n.op == PAGED_ATTENTION.name
                          for t in (input_at(n.inputs, Paged.COS), input_at(n.inputs, Paged.SIN)) if t is not None}
         last = gs.Variable(LAST_POSITIONS, dtype=positions.dtype, shape=[1, "num_tokens"])
-        for reduction in reductions:
-            _select_per_token(graph, reduction, positions, last, rotary_inputs)
+        _select_per_token(graph, reductions[0], positions, last, rotary_inputs)
         graph.inputs.append(last)
         graph.cleanup(remove_unused_graph_inputs=False).toposort()
-        return PassResult(match_times=len(reductions), effect_times=len(reductions))
+        if rotary_switch_length(graph) is None:  # the runtime could not tell when a sequence crosses it
+            raise _refuse("its condition is not one step from one set to the other over the positions")
+        return PassResult(match_times=1, effect_times=1)
 
 
 def _carried_from(tensor: gs.Tensor, positions: gs.Tensor | None) -> list[gs.Node] | None:
@@ -171,7 +174,7 @@ def _clone(nodes: list[gs.Node], graph: gs.Graph, label: str, replaced: dict[int
 def rotary_switch_length(graph: gs.Graph, longest: int = 1 << 17) -> int | None:
     """L, where the pass made a switch: sequences up to L tokens long take one set of rotary tables and
     longer ones the other (the switch's condition evaluated on every last position below `longest`); None
-    where there is no switch, or its condition is not one step from false to true."""
+    where there is no switch, or its condition is not one step."""
     column = next((n for n in graph.nodes if n.name == _CONDITION), None)
     last = next((t for t in graph.inputs if t.name == LAST_POSITIONS), None)
     if column is None or last is None:
@@ -195,6 +198,6 @@ def rotary_switch_length(graph: gs.Graph, longest: int = 1 << 17) -> int | None:
     except (onnx.checker.ValidationError, ValueError, TypeError, RuntimeError):
         return None
     changes = np.flatnonzero(np.diff(flags.astype(np.int8)))
-    if flags.size != longest or len(changes) != 1 or flags[0]:
+    if flags.size != longest or len(changes) != 1:
         return None
     return int(changes[0]) + 1  # the last position where it is still false, plus one: a length

@@ -13,7 +13,7 @@ import numpy as np
 
 from runtime.engine.kv_cache import PagePool
 from runtime.errors import AtcError
-from runtime.ops import paged_metadata_feeds
+from runtime.ops import LAST_POSITIONS, paged_metadata_feeds
 
 DEFAULT_DIM = 1
 DEFAULT_SEQ = 16
@@ -134,8 +134,11 @@ def _paged_inputs(signature: dict, ids: np.ndarray, past: int, page_size: int) -
     feeds = {"input_ids": ids.reshape(1, -1).astype(np.int64),
              "position_ids": np.tile(positions, batch)[None].astype(np.int64),
              **paged_metadata_feeds(np.arange(batch + 1) * seq, np.full(batch, context), tables, slots)}
-    if "logits_indices" in {value["name"] for value in signature["inputs"]}:
+    names = {value["name"] for value in signature["inputs"]}
+    if "logits_indices" in names:
         feeds["logits_indices"] = np.arange(1, batch + 1, dtype=np.int64) * seq - 1
+    if LAST_POSITIONS in names:  # every row's sequence ends at its last position
+        feeds[LAST_POSITIONS] = np.full((1, batch * seq), context - 1, np.int64)
     return feeds
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from runtime.engine.kv_cache import PagePool
 from runtime.executor import Executor
 from runtime.feeds import causal_lm_inputs
-from runtime.ops import paged_metadata_feeds
+from runtime.ops import LAST_POSITIONS, paged_metadata_feeds
 from runtime.progress import Progress
 
 
@@ -44,6 +44,8 @@ def _window_logits(executor: Executor, signature: dict, dims: dict, ids: list[in
     rows = np.arange(count, dtype=np.int64)
     feeds = {"input_ids": np.asarray([ids], np.int64), "position_ids": rows[None],
              **paged_metadata_feeds([0, count], [count], np.arange(pages)[None], rows), "logits_indices": rows}
+    if LAST_POSITIONS in executor.loaded.input_names:  # the window is one sequence, `count` long
+        feeds[LAST_POSITIONS] = np.full((1, count), count - 1, np.int64)
     return executor.run(feeds, ["logits"], kv_cache=pool)["logits"]
 
 

@@ -6,6 +6,8 @@ engine against onnxruntime's greedy loop on the export itself."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections import Counter
 
 import numpy as np
@@ -90,8 +92,27 @@ def test_longrope_factors_follow_each_sequence_not_its_batch(longrope):
     run one sequence at a time from scratch is the reference."""
     source, om = longrope
     assert load_artifact(om).metadata["model"]["rotary_switch_length"] == SWITCH
-    prompts = [[5, 6, 7], list(range(3, 3 + SWITCH - 4)), list(range(10, 10 + SWITCH + 8))]
-    _paged_equals_onnxruntime(source, om, prompts, 12)
+    prompts = [[5, 6, 7], list(range(3, 3 + SWITCH - 4)), list(range(10, 10 + SWITCH + 8)), [100] * (SWITCH - 4)]
+    expected = [ort_greedy(source, prompt, 12) for prompt in prompts]
+    # prompt lookup drafts (the repeated prompt), never past the switch: tokens as without them
+    for drafts in (0, 4):
+        got = engine_greedy(om, prompts, 12, max_context_len=160, kv_cache_pages=48, num_speculative_tokens=drafts)
+        assert got == expected, drafts
+
+
+def test_longrope_perplexity_and_a_made_up_run_feed_the_last_positions(longrope, tmp_path):
+    """`cann-run eval-ppl` and `cann-run run` build the paged feeds themselves."""
+    from runtime.perplexity import perplexity
+
+    source, om = longrope
+    ids = list(range(3, 3 + 2 * SWITCH))
+    contiguous = compile_to(source, tmp_path / "contiguous")
+    want = perplexity(Executor(load_artifact(contiguous)), ids, window=SWITCH + 8, stride=SWITCH // 2).perplexity
+    got = perplexity(Executor(load_artifact(om)), ids, window=SWITCH + 8, stride=SWITCH // 2).perplexity
+    assert got == pytest.approx(want, rel=1e-4)
+    done = subprocess.run([sys.executable, "-m", "cli.cann_run", "run", "--model", str(om), "--dymShape",
+                           "input_ids:2,4"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_longrope_pages_are_not_shared_across_the_switch(longrope):

@@ -43,6 +43,7 @@ from runtime.errors import AtcError, invalid_value
 from runtime.executor import Executor
 from runtime.heap_trim import release_free_heap
 from runtime.loader import load_artifact
+from runtime.ops import LAST_POSITIONS
 from runtime.ort_session import enable_process_thread_pool
 from runtime.tokenizer import TextTokenizer
 
@@ -259,7 +260,7 @@ class LLMEngine:
             if not path.is_file():
                 raise AtcError("E13001", path, f"No such file or directory (stage {paths.index(path)} of the pipeline)")
         return PipelinedRunner(paths, kv_cache_pages, self.page_size, self.config.backend, self.config.threads,
-                               self.config.native_matmul)
+                               self.config.native_matmul, LAST_POSITIONS in self.loaded.input_names)
 
     # ---- submitting -------------------------------------------------------------------------------
 

@@ -79,7 +79,7 @@ class PipelinedRunner(PagedRunner):
     (`RAY_ADDRESS` joins a cluster)."""
 
     def __init__(self, paths: list[Path], num_pages: int, page_size: int, backend: str, threads: int | None,
-                 native_matmul: bool):
+                 native_matmul: bool, last_positions: bool = False):
         ray = require_ray()
         if not ray.is_initialized():
             # "local" starts an instance of this process's own: a bare ray.init() would join whatever cluster
@@ -91,6 +91,7 @@ class PipelinedRunner(PagedRunner):
                 raise AtcError("E10001", address, "RAY_ADDRESS", f"no Ray cluster answers there: {error}") from None
         worker = ray.remote(StageWorker)
         self.executor, self.pool, self.page_size = None, _Pages(num_pages), page_size
+        self.last_positions = last_positions  # the stages all read the feeds the first one does
         # each stage asks for its threads' CPUs, or its share of a cluster too small for that (a stage waits
         # on its neighbours much of the time): asking for more than the cluster has would wait for ever
         cpus = min(threads or 1, ray.cluster_resources().get("CPU", 1) / len(paths))

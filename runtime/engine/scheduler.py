@@ -79,6 +79,10 @@ class Scheduler:
                 seq.status = Status.WAITING
                 self.waiting.appendleft(seq)
                 continue
+            if self.rotary_switch is not None and seq.cache_salt is None:
+                # a draft row at position L or later would be verified with the short set, where the model
+                # itself would first have switched: drafts stop short of the switch
+                del seq.draft[max(0, self.rotary_switch - len(seq.token_ids)):]
             count = self._count(seq, budget)
             if seq.draft and not self.blocks.can_hold(seq, seq.num_computed + count):
                 seq.draft.clear()  # a draft never costs another sequence its pages
