@@ -132,17 +132,27 @@ def test_longrope_pages_are_not_shared_across_the_switch(longrope):
     assert [r.output_ids for r in requests] == [expected[0], expected[1], expected[1]]
 
 
-def test_attention_left_unfused_is_a_warning(tmp_path, capsys):
-    """GPT-NeoX's q, k and v interleaved per head do not fuse: the compile says so after its success line."""
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_gpt_neox_heads_packed_one_by_one_fuse_and_generate(dynamo, tmp_path, capsys):
+    """GPT-NeoX (Pythia) packs each head's q, k and v side by side in one projection: reordered into three
+    blocks, its attention fuses and generates onnxruntime's tokens paged. With that pass switched off the
+    attention stays as exported, and the compile says so (W10005) after its success line."""
     from cli.atc import run
 
-    source = _export("GPTNeoXConfig", "GPTNeoXForCausalLM", tmp_path, dynamo=True, with_past=False,
-                     rotary_pct=0.25)
+    source = _export("GPTNeoXConfig", "GPTNeoXForCausalLM", tmp_path, dynamo=dynamo, with_past=False,
+                     num_key_value_heads=4, rotary_pct=0.25)
+    om = compile_to(source, tmp_path / "paged", enable_paged_attention=True)
+    ops = Counter(n.op_type for n in load_artifact(om).model.graph.node)
+    assert ops["PagedAttention"] == SIZES["num_hidden_layers"] and ops["Softmax"] == 0
+    _paged_equals_onnxruntime(source, om, [[5, 6, 7], list(range(3, 40))], 12)
+    switch = tmp_path / "switch.cfg"
+    switch.write_text("InterleavedQkvSplitPass:off\n")
     capsys.readouterr()
-    status = run([f"--model={source}", "--framework=5", f"--output={tmp_path / 'neox'}", "--soc_version=Ascend910B"])
+    status = run([f"--model={source}", "--framework=5", f"--output={tmp_path / 'unfused'}",
+                  "--soc_version=Ascend910B", f"--fusion_switch_file={switch}"])
     lines = capsys.readouterr().out.splitlines()
     assert status == 0 and [line.split(":")[0] for line in lines if line.startswith("W1")] == ["W10005"]
-    assert lines[-1].startswith("W10005: 2 attention block(s)")
+    assert lines[-1].startswith("W10005: 2 attention block(s)") and "--log=debug" in lines[-1]
 
 
 @pytest.mark.parametrize("dynamo", [False, True])

@@ -1,0 +1,123 @@
+"""InterleavedQkvSplitPass: a q/k/v projection packed head by head, reordered into three blocks.
+
+GPT-NeoX (Pythia) projects q, k and v in one linear layer whose columns run head by head, each head's
+[q | k | v] side by side: the exporters write `Reshape(x·W + b, [B, S, H, 3·D])`, the (0, 2, 1, 3)
+transpose, then a Split or three Slices of the last axis. The pass permutes W's columns (and b's) into
+[all q | all k | all v], so the projection is cut by Slices and each third split into heads as Llama's
+are: the spelling AttentionFusionPass reads, and QkvFusionPass then feeds the packed projection to the
+attention whole. The same values, the weights reordered once at compile time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from passes.pattern import FusionPass, const_ints, is_graph_output, producer, sole_consumer
+
+
+@dataclass
+class InterleavedQkv:
+    x: gs.Tensor
+    weight: gs.Constant
+    bias: gs.Constant | None
+    heads: int
+    head_dim: int
+    pieces: list[gs.Tensor]  # [B, H, S, D]: q, k and v as the graph reads them
+    name: str
+
+
+def _thirds(graph: gs.Graph, tensor: gs.Tensor, head_dim: int) -> list[gs.Tensor] | None:
+    """q, k and v: `tensor` [B, H, S, 3·D] cut into three on its last axis by a Split or three Slices."""
+    readers = tensor.outputs
+    if is_graph_output(graph, tensor) or not readers:
+        return None
+    if len(readers) == 1 and readers[0].op == "Split" and len(readers[0].outputs) == 3:
+        split = readers[0]
+        sizes = const_ints(split.inputs[1]) if len(split.inputs) > 1 else [head_dim] * 3
+        if split.attrs.get("axis", 0) in (3, -1) and sizes == [head_dim] * 3:
+            return list(split.outputs)
+        return None
+    pieces: dict[int, gs.Tensor] = {}
+    for node in readers:
+        if node.op != "Slice" or len(node.inputs) < 4:
+            return None
+        starts, ends, axes = (const_ints(t) for t in node.inputs[1:4])
+        steps = const_ints(node.inputs[4]) if len(node.inputs) > 4 else [1]
+        if None in (starts, ends, axes, steps) or axes not in ([3], [-1]) or steps != [1] \
+                or starts[0] % head_dim or min(ends[0], 3 * head_dim) - starts[0] != head_dim:
+            return None
+        pieces[starts[0] // head_dim] = node.outputs[0]
+    return [pieces[i] for i in range(3)] if sorted(pieces) == [0, 1, 2] else None
+
+
+class SplitInterleavedQkv(FusionPass):
+    """Reorder a head-by-head packed q/k/v projection into [q | k | v] blocks cut by Slices."""
+
+    name = "InterleavedQkvSplitPass"
+    anchor = "Transpose"
+
+    def match(self, graph: gs.Graph, transpose: gs.Node) -> InterleavedQkv | str:
+        if list(transpose.attrs.get("perm", [])) != [0, 2, 1, 3]:
+            return "not a (0, 2, 1, 3) transpose"
+        reshape = producer(transpose.inputs[0], "Reshape")
+        heads4 = transpose.inputs[0]
+        if reshape is None or sole_consumer(graph, heads4) is not transpose or heads4.shape is None \
+                or len(heads4.shape) != 4 or not all(isinstance(d, int) for d in heads4.shape[2:]):
+            return "not the heads of a reshaped projection"
+        heads, width = heads4.shape[2], heads4.shape[3]
+        if width % 3:
+            return "the heads are not [q | k | v] each"
+        head_dim = width // 3
+        pieces = _thirds(graph, transpose.outputs[0], head_dim)
+        if pieces is None:
+            return "the heads are not cut into three equal parts of their last axis"
+        projected, bias = reshape.inputs[0], None
+        if len(projected.outputs) != 1:
+            return "the projection is read elsewhere"
+        add = producer(projected, "Add")
+        if add is not None:
+            constants = [t for t in add.inputs if isinstance(t, gs.Constant)]
+            if len(constants) != 1 or constants[0].shape is None or list(constants[0].shape) != [heads * width]:
+                return "the projection's bias is not a constant [H·3·D]"
+            bias = constants[0]
+            projected = next(t for t in add.inputs if not isinstance(t, gs.Constant))
+            if len(projected.outputs) != 1:
+                return "the projection is read elsewhere"
+        matmul = producer(projected, "MatMul")
+        if matmul is None or not isinstance(matmul.inputs[1], gs.Constant) or matmul.inputs[1].shape is None \
+                or len(matmul.inputs[1].shape) != 2 or matmul.inputs[1].shape[1] != heads * width:
+            return "the projection is not a MatMul against a constant [K, H·3·D] weight"
+        return InterleavedQkv(matmul.inputs[0], matmul.inputs[1], bias, heads, head_dim, pieces, matmul.name)
+
+    def rewrite(self, graph: gs.Graph, match: InterleavedQkv) -> None:
+        heads, dim = match.heads, match.head_dim
+        # column h·3D + j·D + d of the old layout becomes column j·H·D + h·D + d
+        order = (np.arange(heads)[None, :, None] * 3 * dim + np.arange(3)[:, None, None] * dim
+                 + np.arange(dim)[None, None, :]).reshape(-1)
+        name = match.name
+        weight = gs.Constant(f"{name}_blocks", np.ascontiguousarray(np.asarray(match.weight.values)[:, order]))
+        batch = match.x.shape[:2] if match.x.shape is not None and len(match.x.shape) == 3 else ["batch", "seq"]
+        packed = gs.Variable(f"{name}_blocks_out", dtype=match.x.dtype, shape=[*batch, 3 * heads * dim])
+        graph.nodes.append(gs.Node("MatMul", name=f"{name}_blocks", inputs=[match.x, weight], outputs=[packed]))
+        if match.bias is not None:
+            biased = gs.Variable(f"{name}_blocks_biased", dtype=match.x.dtype, shape=packed.shape)
+            bias = gs.Constant(f"{name}_blocks_bias", np.ascontiguousarray(np.asarray(match.bias.values)[order]))
+            graph.nodes.append(gs.Node("Add", name=f"{name}_blocks_bias", inputs=[packed, bias], outputs=[biased]))
+            packed = biased
+        for part, piece in enumerate(match.pieces):
+            label = f"{name}_{'qkv'[part]}"
+            third = gs.Variable(label, dtype=match.x.dtype, shape=[*batch, heads * dim])
+            split = gs.Variable(f"{label}_heads", dtype=match.x.dtype, shape=[*batch, heads, dim])
+            graph.nodes += [
+                gs.Node("Slice", name=label, outputs=[third], inputs=[
+                    packed, gs.Constant(f"{label}_start", np.array([part * heads * dim], np.int64)),
+                    gs.Constant(f"{label}_end", np.array([(part + 1) * heads * dim], np.int64)),
+                    gs.Constant(f"{label}_axis", np.array([-1], np.int64))]),
+                gs.Node("Reshape", name=f"{label}_heads", outputs=[split], inputs=[
+                    third, gs.Constant(f"{label}_shape", np.array([0, 0, heads, dim], np.int64))])]
+            piece.inputs.clear()  # the old Split or Slice gives it up
+            graph.nodes.append(gs.Node("Transpose", name=f"{label}_transpose", attrs={"perm": [0, 2, 1, 3]},
+                                       inputs=[split], outputs=[piece]))
