@@ -16,9 +16,10 @@ Rotary embedding (`do_rotary`) reads `cos_cache`/`sin_cache` at the `position_id
 positions GroupQueryAttention derives from `seqlens_k` without one: the sequence's past length (0 for a
 first prompt, when S equals total_sequence_length) plus the token's index. A paged compile takes those
 positions from the runtime instead (`position_ids`, a new graph input), since the flattened batch has no
-lengths to derive them from. Refused: a sliding window (`local_window_size`), `softcap`, smooth softmax,
-head sinks, an attention bias, quantized caches, per-head q/k norms, the qk output, causal=0, and lengths
-from anything else; past and present are separate buffers, not onnxruntime-genai's shared one.
+lengths to derive them from. `softcap` (Gemma 2) becomes FusedAttention's. Refused: a sliding window
+(`local_window_size`), smooth softmax, head sinks, an attention bias, quantized caches, per-head q/k norms,
+the qk output, causal=0, and lengths from anything else; past and present are separate buffers, not
+onnxruntime-genai's shared one.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ class ConvertGroupQueryAttention(FusionPass):
             return "not com.microsoft's GroupQueryAttention"
         attrs = node.attrs
         for name, default, what in (("local_window_size", -1, "a sliding window (local_window_size)"),
-                                    ("softcap", 0.0, "softcap"), ("smooth_softmax", 0, "smooth softmax"),
+                                    ("smooth_softmax", 0, "smooth softmax"),
                                     ("qk_output", 0, "the qk output"), ("causal", 1, "causal=0")):
             if attrs.get(name, default) != default:
                 return f"{what} is not supported"
@@ -191,7 +192,8 @@ class ConvertGroupQueryAttention(FusionPass):
             FUSED_ATTENTION.name, inputs, outputs, f"{node.name}_{FUSED_ATTENTION.name}", num_heads=match.heads,
             kv_num_heads=match.kv_heads, head_dim=match.head_dim, scale=scale, causal=1,
             rotary_dim=match.rotation.rotary_dim if match.rotation else 0,
-            rotary_interleaved=match.rotation.interleaved if match.rotation else 0, bias_per_head=0, bias_is_bool=0))
+            rotary_interleaved=match.rotation.interleaved if match.rotation else 0, bias_per_head=0, bias_is_bool=0,
+            **({"softcap": float(node.attrs["softcap"])} if node.attrs.get("softcap", 0.0) else {})))
 
 
 def _positions_input(graph: gs.Graph) -> gs.Tensor:
