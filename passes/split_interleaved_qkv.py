@@ -75,6 +75,8 @@ class SplitInterleavedQkv(FusionPass):
         if pieces is None:
             return "the heads are not cut into three equal parts of their last axis"
         projected, bias = reshape.inputs[0], None
+        if projected.shape is None or len(projected.shape) != 3:
+            return "the projection is not [B, S, H·3·D]"  # the new Reshapes keep its first two dims
         if len(projected.outputs) != 1:
             return "the projection is read elsewhere"
         add = producer(projected, "Add")
@@ -99,7 +101,7 @@ class SplitInterleavedQkv(FusionPass):
                  + np.arange(dim)[None, None, :]).reshape(-1)
         name = match.name
         weight = gs.Constant(f"{name}_blocks", np.ascontiguousarray(np.asarray(match.weight.values)[:, order]))
-        batch = match.x.shape[:2] if match.x.shape is not None and len(match.x.shape) == 3 else ["batch", "seq"]
+        batch = match.x.shape[:2] if match.x.shape is not None and len(match.x.shape) == 3 else [None, None]
         packed = gs.Variable(f"{name}_blocks_out", dtype=match.x.dtype, shape=[*batch, 3 * heads * dim])
         graph.nodes.append(gs.Node("MatMul", name=f"{name}_blocks", inputs=[match.x, weight], outputs=[packed]))
         if match.bias is not None:
