@@ -5,6 +5,10 @@ over them before anyone else does:
     python -m models.corpus_like --out .cache/corpus-like
     CANN_LLM_CORPUS=.cache/corpus-like python -m pytest -n 2 tests/test_corpus.py
 
+`--families` also takes the architectures users bring beyond them (`ARCHITECTURES`: Llama 3.2's rope
+scaling, Phi-3.5's longrope, Gemma 2 and 3, GLM-4, Granite, OLMo-2, Mixtral, Phi-2, StableLM, GPT-NeoX),
+in the same sizes and layout.
+
 Each folder holds `model.onnx`, `reference.npz` (the torch model's outputs on the corpus's two cases, a
 left-padded batch and a second shape) and a `meta.json` with the fields the tests read. An export the
 exporter refuses leaves a folder with only its `meta.json` (status `failed`), as in the corpus.
@@ -20,7 +24,7 @@ import click
 import numpy as np
 
 from models.export import export_causal_lm, io_names, kv_geometry
-from models.tiny import TINY_FAMILIES
+from models.tiny import TINY_FAMILIES, TinySpec
 
 HELD_BACK = ("mistral", "glm", "phi3", "gemma", "qwen2_moe", "qwen3_moe", "gpt2")
 EXPORTS = {"ts": (False, False), "ts-kv": (False, True), "dynamo": (True, False), "dynamo-kv": (True, True)}
@@ -30,6 +34,36 @@ _SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 _GPT2_SIZES = dict(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=512)
 LAYERS = 2
 
+_HALF = _SIZES["head_dim"] // 2
+_ROPE = {"rope_theta": 10000.0}
+# what users bring beyond the corpus's families, the corpus's sizes otherwise (`--families` takes these
+# names too): rope scalings, Gemma 2 and 3, GPT-NeoX and the rest of tests/test_architecture_variants.py
+ARCHITECTURES: dict[str, TinySpec] = {
+    "llama32": TinySpec("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "phi35_longrope": TinySpec("Phi3Config", "Phi3ForCausalLM", dict(
+        pad_token_id=0, original_max_position_embeddings=64, rope_parameters={
+            **_ROPE, "rope_type": "longrope", "original_max_position_embeddings": 64,
+            "short_factor": [1.0 + 0.03 * i for i in range(_HALF)], "long_factor": [1.0 + 0.3 * i for i in range(_HALF)]})),
+    "gemma2": TinySpec("Gemma2Config", "Gemma2ForCausalLM", dict(
+        sliding_window=16, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0)),
+    "gemma3": TinySpec("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        sliding_window=16, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16)),
+    "glm4": TinySpec("Glm4Config", "Glm4ForCausalLM", dict(pad_token_id=0, partial_rotary_factor=0.5)),
+    "granite": TinySpec("GraniteConfig", "GraniteForCausalLM", dict(
+        embedding_multiplier=12.0, attention_multiplier=0.0078125, residual_multiplier=0.22, logits_scaling=8.0)),
+    "olmo2": TinySpec("Olmo2Config", "Olmo2ForCausalLM", dict(pad_token_id=0)),
+    "mixtral": TinySpec("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                                    intermediate_size=32)),
+    "phi": TinySpec("PhiConfig", "PhiForCausalLM", dict(num_key_value_heads=4, partial_rotary_factor=0.5)),
+    "stablelm": TinySpec("StableLmConfig", "StableLmForCausalLM", dict(partial_rotary_factor=0.25,
+                                                                       use_qkv_bias=True)),
+    "gpt_neox": TinySpec("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(num_key_value_heads=None, head_dim=None,
+                                                                     rotary_pct=0.25)),
+}
+
 
 def build(family: str):
     """The corpus's initialisation: transformers' under seed 0, then norm weights 1+N(0, 0.1) (Gemma's,
@@ -37,10 +71,15 @@ def build(family: str):
     import torch
     import transformers
 
-    spec = TINY_FAMILIES[family]
-    sizes = {**spec.sizes, **(_GPT2_SIZES if family == "gpt2" else _SIZES)}
+    if family in ARCHITECTURES:  # the corpus's sizes with the architecture's own settings (None: left out)
+        spec = ARCHITECTURES[family]
+        sizes = {k: v for k, v in {**_SIZES, **spec.sizes}.items() if v is not None}
+    else:
+        spec = TINY_FAMILIES[family]
+        sizes = {**spec.sizes, **(_GPT2_SIZES if family == "gpt2" else _SIZES)}
     config = getattr(transformers, spec.config_class)(**sizes)
-    config._attn_implementation = "sdpa"
+    if family != "gemma2":  # transformers' default for Gemma 2 is eager (its sdpa cannot softcap)
+        config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = getattr(transformers, spec.model_class)(config)
     if hasattr(model, "set_experts_implementation"):
@@ -51,7 +90,7 @@ def build(family: str):
             norm = "norm" in name or ".ln_" in name
             if norm and name.endswith("weight"):
                 draw = 0.1 * torch.randn(param.shape, generator=gen)
-                param.copy_(draw if family == "gemma" else 1.0 + draw)
+                param.copy_(draw if family.startswith("gemma") else 1.0 + draw)
             elif name.endswith("bias") or name.endswith("mlp.gate.weight") or "shared_expert_gate" in name:
                 param.copy_(0.1 * torch.randn(param.shape, generator=gen))
     return model.eval()
@@ -134,9 +173,10 @@ def write(family: str, exporter: str, out: Path) -> str:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="the folder to fill")
-@click.option("--families", default=",".join(HELD_BACK), show_default=True)
+@click.option("--families", default=",".join(HELD_BACK), show_default=True,
+              help=f"also any of: {', '.join(ARCHITECTURES)}")
 def main(out: Path, families: str) -> None:
-    """Write the held-back families' exports in the corpus's layout."""
+    """Write the held-back families' exports (or other architectures') in the corpus's layout."""
     for family in families.split(","):
         for exporter in EXPORTS:
             print(f"{family}-{exporter}: {write(family, exporter, out)}", flush=True)
