@@ -74,11 +74,11 @@ def _refuse(reason: str) -> AtcError:
 
 def _select_per_token(graph: gs.Graph, reduction: gs.Node, positions: gs.Tensor, last: gs.Tensor,
                       rotary_inputs: dict[int, gs.Tensor]) -> None:
-    condition_nodes, switches = _condition(reduction)
+    condition_nodes, switches = _condition(graph, reduction)
     conditions = {id(w.inputs[0]) for w in switches}
     if len(conditions) != 1:
         raise _refuse(f"its maximum decides {len(switches)} selections on {len(conditions)} conditions")
-    cone, boundary = _cone(switches, rotary_inputs)
+    cone, boundary = _cone(graph, switches, rotary_inputs)
     # the condition again, on each token's own sequence's last position instead of the batch's maximum
     per_token = _clone(_carried_from(reduction.inputs[0], positions), graph, "per_sequence", {id(positions): last})
     # each token's value is its sequence's maximum already: the reduction drops out
@@ -101,7 +101,7 @@ def _select_per_token(graph: gs.Graph, reduction: gs.Node, positions: gs.Tensor,
                         consumer.inputs[index] = chosen
 
 
-def _condition(reduction: gs.Node) -> tuple[list[gs.Node], list[gs.Node]]:
+def _condition(graph: gs.Graph, reduction: gs.Node) -> tuple[list[gs.Node], list[gs.Node]]:
     """The element-wise nodes from the reduction to the `Where`s it decides, and those `Where`s."""
     nodes, switches, frontier, derived = [], [], [reduction.outputs[0]], {id(reduction.outputs[0])}
     while frontier:
@@ -120,10 +120,11 @@ def _condition(reduction: gs.Node) -> tuple[list[gs.Node], list[gs.Node]]:
                 raise _refuse(f"its maximum feeds {consumer.op} ({consumer.name})")
     if not switches:
         raise _refuse("its maximum selects nothing")
-    return _in_graph_order(nodes, reduction), switches
+    return _in_graph_order(graph, nodes), switches
 
 
-def _cone(switches: list[gs.Node], rotary_inputs: dict[int, gs.Tensor]) -> tuple[list[gs.Node], list[gs.Tensor]]:
+def _cone(graph: gs.Graph, switches: list[gs.Node],
+          rotary_inputs: dict[int, gs.Tensor]) -> tuple[list[gs.Node], list[gs.Tensor]]:
     """What the selections feed, up to the attention's rotary tables: those nodes, and the tables."""
     nodes, boundary, frontier, seen = [], {}, [w.outputs[0] for w in switches], set()
     while frontier:
@@ -141,23 +142,13 @@ def _cone(switches: list[gs.Node], rotary_inputs: dict[int, gs.Tensor]) -> tuple
             elif consumer not in nodes:
                 nodes.append(consumer)
                 frontier += consumer.outputs
-    return _in_graph_order(nodes, switches[0]), list(boundary.values())
+    return _in_graph_order(graph, nodes), list(boundary.values())
 
 
-def _in_graph_order(nodes: list[gs.Node], anchor: gs.Node) -> list[gs.Node]:
-    """`nodes` producers first (the graph is toposorted before passes run; checked again here)."""
-    produced = {id(t) for n in nodes for t in n.outputs}
-    ordered, placed = [], {id(t) for t in anchor.outputs}
-    pending = list(nodes)
-    while pending:
-        ready = [n for n in pending if all(id(t) in placed or id(t) not in produced for t in n.inputs)]
-        if not ready:
-            raise _refuse("its tables form a cycle")
-        for node in ready:
-            ordered.append(node)
-            placed.update(id(t) for t in node.outputs)
-            pending.remove(node)
-    return ordered
+def _in_graph_order(graph: gs.Graph, nodes: list[gs.Node]) -> list[gs.Node]:
+    """`nodes` producers first: the order of the graph, toposorted by the pass before this one."""
+    place = {id(node): index for index, node in enumerate(graph.nodes)}
+    return sorted(nodes, key=lambda node: place[id(node)])
 
 
 def _clone(nodes: list[gs.Node], graph: gs.Graph, label: str, replaced: dict[int, gs.Tensor]) -> dict[int, gs.Tensor]:

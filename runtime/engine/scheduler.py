@@ -73,11 +73,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             if self._crosses_rotary_switch(seq):  # its cache was rotated for a shorter sequence: recomputed
-                self.running.remove(seq)
-                self.blocks.free(seq)
-                seq.draft.clear()
-                seq.status = Status.WAITING
-                self.waiting.appendleft(seq)
+                self._preempt(seq, counted=False)
                 continue
             if self.rotary_switch is not None and seq.cache_salt is None:
                 # a draft row at position L or later would be verified with the short set, where the model
@@ -165,10 +161,12 @@ class Scheduler:
         del seq.draft[max(0, count - seq.num_uncomputed):]
         return count
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, counted: bool = True) -> None:
+        """Free `seq`'s pages and put it first in line, to be recomputed (`counted` as a preemption unless
+        it is a rotary switch's recompute)."""
         seq.draft.clear()
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.status = Status.WAITING
-        seq.stats.preemptions += 1
+        seq.stats.preemptions += counted
         self.waiting.appendleft(seq)
