@@ -30,6 +30,7 @@ from passes.fuse_swiglu import FuseSwiGlu
 from passes.infer_shapes import InferShapes
 from passes.paged_kv_cache import PagedKvCache
 from passes.per_sequence_rotary import PerSequenceRotary
+from passes.split_grouped_qkv import SplitGroupedQkv
 from passes.split_interleaved_qkv import SplitInterleavedQkv
 from passes.prune_logits import PruneLogits
 from passes.quant.calibration import text_samples
@@ -101,6 +102,7 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: Wei
         ConvertMultiHeadAttention(),
         ExpandRotaryEmbedding(),  # the rotary ops the conversions left, in the spelling attention fusion reads
         SplitInterleavedQkv(),  # GPT-NeoX's head-by-head q/k/v, as three blocks
+        SplitGroupedQkv(),  # Falcon's and InternLM2's q/k/v packed by KV group, as three blocks
         FuseAttention(),
         FuseQkv(),
         FuseMoe(),  # before SwiGlu: the routed experts' SiLU is the op's, the shared expert's SwiGlu's

@@ -6,7 +6,7 @@ over them before anyone else does:
     CANN_LLM_CORPUS=.cache/corpus-like python -m pytest -n 2 tests/test_corpus.py
 
 `--families` also takes the architectures users bring beyond them (`ARCHITECTURES`: Llama 3.2's rope
-scaling, Phi-3.5's longrope, Gemma 2 and 3, GLM-4, Granite, OLMo-2, Mixtral, Phi-2, StableLM, GPT-NeoX),
+scaling, Phi-3.5's longrope, Gemma 2 and 3, GLM-4, Granite, OLMo-2, Mixtral, Phi-2, StableLM, GPT-NeoX, Falcon),
 in the same sizes and layout.
 
 Each folder holds `model.onnx`, `reference.npz` (the torch model's outputs on the corpus's two cases, a
@@ -62,6 +62,12 @@ ARCHITECTURES: dict[str, TinySpec] = {
                                                                        use_qkv_bias=True)),
     "gpt_neox": TinySpec("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(num_key_value_heads=None, head_dim=None,
                                                                      rotary_pct=0.25)),
+    # Falcon-7B: one key and value head packed after the queries; Falcon-40B/180B: q/k/v packed by KV group
+    "falcon": TinySpec("FalconConfig", "FalconForCausalLM", dict(num_key_value_heads=None, head_dim=None,
+                                                                 intermediate_size=None, ffn_hidden_size=128)),
+    "falcon_grouped": TinySpec("FalconConfig", "FalconForCausalLM", dict(
+        num_key_value_heads=None, head_dim=None, intermediate_size=None, ffn_hidden_size=128,
+        new_decoder_architecture=True, num_kv_heads=2)),
 }
 
 

@@ -155,6 +155,27 @@ def test_gpt_neox_heads_packed_one_by_one_fuse_and_generate(dynamo, tmp_path, ca
     assert lines[-1].startswith("W10005: 2 attention block(s)") and "--log=debug" in lines[-1]
 
 
+@pytest.mark.parametrize("packing, dynamo", [("grouped", False), ("grouped", True), ("multi_query", False)])
+def test_falcon_heads_packed_by_kv_group_fuse_and_generate(packing, dynamo, tmp_path):
+    """Falcon-40B/180B pack q, k and v group by group (each KV group's queries, then its key and value: as
+    InternLM2's wqkv), cut by a 5-D Reshape, a Slice and two Gathers; Falcon-7B's one key and value head
+    follow the queries, cut by a Split of the head axis. Reordered into blocks, the projection (and its bias)
+    feeds the attention whole, paged and quantized, and generates onnxruntime's tokens."""
+    falcon = dict(new_decoder_architecture=True, num_kv_heads=2, bias=True) if packing == "grouped" else {}
+    source = _export("FalconConfig", "FalconForCausalLM", tmp_path, dynamo=dynamo, with_past=False,
+                     ffn_hidden_size=128, **falcon)
+    om = compile_to(source, tmp_path / "paged", enable_paged_attention=True)
+    ops = Counter(n.op_type for n in load_artifact(om).model.graph.node)
+    layers = SIZES["num_hidden_layers"]
+    # a layer's q/k/v projection (one, packed whole), its output projection and its MLP's two; the head
+    assert ops["PagedAttention"] == layers and ops["MatMul"] == 4 * layers + 1 and ops["Softmax"] == 0, ops
+    assert ops["Slice"] == ops["Split"] == 0, ops
+    _paged_equals_onnxruntime(source, om, [[5, 6, 7], list(range(3, 40))], 12)
+    quantized = load_artifact(compile_to(source, tmp_path / "int4", enable_compress_weight=True))
+    ops = Counter(n.op_type for n in quantized.model.graph.node)
+    assert ops["FusedAttention"] == layers and ops["MatMulInt4"] == 4 * layers, ops
+
+
 @pytest.mark.parametrize("dynamo", [False, True])
 def test_gemma3_norms_after_the_head_transpose_fuse(dynamo, tmp_path):
     """Gemma 3 normalises each q and k head after the (0, 2, 1, 3) transpose, where Qwen3 does before it;
