@@ -4,12 +4,13 @@ Falcon-40B/180B (`new_decoder_architecture`) and InternLM2's `wqkv` pack q, k an
 projection's columns run group by group, each group's query heads then its key and its value, and the
 exporters write `Reshape([B, S, Hkv, G+2, D])`, a Slice of the first G on the group axis (reshaped to
 [B, S, H, D]) and two Gathers for the key and the value. Falcon-7B's multi-query projection is cut by a Split
-of its head axis. Neither is the spelling AttentionFusionPass reads (Llama's, or Phi-3's Slices of a
+of its head axis; Baichuan's `W_pack` by moving its three parts to a leading axis (Unsqueeze, Transpose,
+Squeeze) and Gathers there. None is the spelling AttentionFusionPass reads (Llama's, or Phi-3's Slices of a
 packed projection). The pass follows the per-token ops from the projection to the three [B, S, h, D] tensors
-the head transposes read, tracking which projection column each element holds, then permutes the weight's
-columns (and the bias) so each tensor is one contiguous block: `Slice` then `Reshape([0, 0, h, D])`. The same
-values, the weights reordered once at compile time; QkvFusionPass then feeds the packed projection to the
-attention whole.
+the head transposes read, tracking which projection column each element holds (and where the batch and
+sequence axes are), then permutes the weight's columns (and the bias) so each tensor is one contiguous
+block: `Slice` then `Reshape([0, 0, h, D])`. The same values, the weights reordered once at compile time;
+QkvFusionPass then feeds the packed projection to the attention whole.
 """
 
 from __future__ import annotations
@@ -25,17 +26,27 @@ _HEAD_TRANSPOSE = [0, 2, 1, 3]
 
 
 @dataclass
+class Cut:
+    """A tensor cut from the projection: `cols[i]` is the projection column its element i holds, over its
+    feature axes; its batch and sequence axes (`tokens`, in that order) have size 1 in `cols`."""
+
+    tensor: gs.Tensor
+    cols: np.ndarray
+    tokens: tuple[int, int]
+
+
+@dataclass
 class GroupedQkv:
     x: gs.Tensor
     weight: gs.Constant
     bias: gs.Constant | None
-    pieces: list[tuple[gs.Tensor, np.ndarray]]  # each [B, S, h, D] tensor and the columns it holds, [h, D]
-    shapes: list[tuple[gs.Node, tuple[int, ...]]]  # Shape ops on the way (TorchScript's flatten), each
-    name: str                                      # with the per-token dims of the tensor it reads
+    pieces: list[Cut]  # the [B, S, h, D] tensors the head transposes read
+    shapes: list[tuple[gs.Node, Cut]]  # Shape ops on the way (TorchScript's flatten) and what they read
+    name: str
 
 
 def _keeps_tokens(node: gs.Node) -> bool:
-    """A Reshape that leaves the batch and sequence axes as they are and regroups each token's features."""
+    """A Reshape that leaves the batch and sequence axes first as they are and regroups each token's features."""
     source, result = node.inputs[0].shape, node.outputs[0].shape
     if source is None or result is None or len(source) < 2 or len(result) < 3 \
             or not all(isinstance(d, int) for d in [*source[2:], *result[2:]]) \
@@ -46,91 +57,99 @@ def _keeps_tokens(node: gs.Node) -> bool:
     return all(a == b or not isinstance(a, int) and not isinstance(b, int) for a, b in zip(source[:2], result[:2]))
 
 
-def _feature_axis(axis: int, rank: int) -> int | None:
-    """`axis` of a [B, S, ...] tensor as an axis of its per-token columns, or None for B and S."""
+def _axis(axis: int, rank: int, cut: Cut) -> int | None:
+    """`axis` (negative counting from the end) when it is one of `cut`'s feature axes."""
     axis = axis + rank if axis < 0 else axis
-    return axis - 2 if 2 <= axis < rank else None
+    return axis if 0 <= axis < rank and axis not in cut.tokens else None
 
 
-def _through(node: gs.Node, cols: np.ndarray) -> list[tuple[gs.Tensor, np.ndarray]] | None:
-    """Each output of `node` with the columns its elements hold, when `node` works within each token
-    (reading `cols`' tensor as its data input); None otherwise."""
-    rank = cols.ndim + 2
+def _through(node: gs.Node, cut: Cut) -> list[Cut] | None:
+    """What `node` (reading `cut` as its data input) cuts from it, when it works within each token's
+    features; None otherwise."""
+    cols, rank, out = cut.cols, cut.cols.ndim, node.outputs
     if node.op == "Identity":
-        return [(node.outputs[0], cols)]
+        return [Cut(out[0], cols, cut.tokens)]
     if node.op == "Reshape":
-        if not _keeps_tokens(node):
+        if cut.tokens != (0, 1) or not _keeps_tokens(node):
             return None
-        return [(node.outputs[0], cols.reshape(node.outputs[0].shape[2:]))]
+        return [Cut(out[0], cols.reshape((1, 1, *out[0].shape[2:])), cut.tokens)]
+    if node.op == "Transpose":
+        perm = list(node.attrs.get("perm", reversed(range(rank))))
+        return [Cut(out[0], np.transpose(cols, perm), (perm.index(cut.tokens[0]), perm.index(cut.tokens[1])))]
     if node.op == "Slice":
         starts, ends, axes = (const_ints(node.inputs[i]) if len(node.inputs) > i else None for i in (1, 2, 3))
         steps = const_ints(node.inputs[4]) if len(node.inputs) > 4 else [1] * len(starts or [])
         if None in (starts, ends, axes, steps):
             return None
-        cut = [slice(None)] * cols.ndim
+        index = [slice(None)] * rank
         for start, end, axis, step in zip(starts, ends, axes, steps):
-            feature = _feature_axis(axis, rank)
-            if feature is None:
+            if _axis(axis, rank, cut) is None:
                 return None
-            cut[feature] = slice(start, end, step)  # ONNX clamps as Python does
-        return [(node.outputs[0], cols[tuple(cut)])]
+            index[_axis(axis, rank, cut)] = slice(start, end, step)  # ONNX clamps as Python does
+        return [Cut(out[0], cols[tuple(index)], cut.tokens)]
     if node.op == "Gather":
-        feature, indices = _feature_axis(node.attrs.get("axis", 0), rank), node.inputs[1]
-        if feature is None or not isinstance(indices, gs.Constant):
+        axis, indices = _axis(node.attrs.get("axis", 0), rank, cut), node.inputs[1]
+        if axis is None or not isinstance(indices, gs.Constant):
             return None
-        return [(node.outputs[0], np.take(cols, np.asarray(indices.values), axis=feature))]
+        indices = np.asarray(indices.values)
+        tokens = tuple(t if t < axis else t + indices.ndim - 1 for t in cut.tokens)
+        return [Cut(out[0], np.take(cols, indices, axis=axis), tokens)]
     if node.op == "Split":
-        feature = _feature_axis(node.attrs.get("axis", 0), rank)
+        axis = _axis(node.attrs.get("axis", 0), rank, cut)
         sizes = const_ints(node.inputs[1]) if len(node.inputs) > 1 else node.attrs.get("split")
-        if feature is None:
+        if axis is None:
             return None
         if sizes is None:
-            if cols.shape[feature] % len(node.outputs):
+            if cols.shape[axis] % len(out):
                 return None
-            sizes = [cols.shape[feature] // len(node.outputs)] * len(node.outputs)
-        if len(sizes) != len(node.outputs) or sum(sizes) != cols.shape[feature]:
+            sizes = [cols.shape[axis] // len(out)] * len(out)
+        if len(sizes) != len(out) or sum(sizes) != cols.shape[axis]:
             return None
-        return list(zip(node.outputs, np.split(cols, np.cumsum(sizes)[:-1], axis=feature)))
+        return [Cut(t, part, cut.tokens) for t, part in zip(out, np.split(cols, np.cumsum(sizes)[:-1], axis=axis))]
     if node.op in ("Squeeze", "Unsqueeze"):
         axes = const_ints(node.inputs[1]) if len(node.inputs) > 1 else node.attrs.get("axes")
-        out_rank = rank - len(axes or []) if node.op == "Squeeze" else rank + len(axes or [])
-        features = [_feature_axis(a, rank if node.op == "Squeeze" else out_rank) for a in axes or []]
-        if not axes or None in features:
+        if not axes:
             return None
-        reshaped = np.squeeze(cols, tuple(features)) if node.op == "Squeeze" else np.expand_dims(cols, tuple(features))
-        return [(node.outputs[0], reshaped)]
+        if node.op == "Squeeze":
+            axes = [_axis(a, rank, cut) for a in axes]
+            if None in axes or any(cols.shape[a] != 1 for a in axes):
+                return None
+            tokens = tuple(t - sum(a < t for a in axes) for t in cut.tokens)
+            return [Cut(out[0], np.squeeze(cols, tuple(axes)), tokens)]
+        added = sorted(a + rank + len(axes) if a < 0 else a for a in axes)
+        kept = [a for a in range(rank + len(axes)) if a not in added]  # where each old axis goes
+        return [Cut(out[0], np.expand_dims(cols, tuple(added)), (kept[cut.tokens[0]], kept[cut.tokens[1]]))]
     return None
 
 
-def _heads(graph: gs.Graph, packed: gs.Tensor, width: int) -> tuple[list, list] | str:
+def _heads(graph: gs.Graph, packed: gs.Tensor, width: int) -> tuple[list[Cut], list[tuple[gs.Node, Cut]]] | str:
     """The [B, S, h, D] tensors that per-token ops cut from `packed` ([B, S, width]) for the head transposes
-    to read, each with the columns of `packed` it holds, and the Shape ops reading what is cut on the way;
-    a reason when anything else reads it."""
-    heads, shapes, pending = [], [], [(packed, np.arange(width))]
+    to read, and the Shape ops reading what is cut on the way; a reason when anything else reads it."""
+    heads, shapes, pending = [], [], [Cut(packed, np.arange(width).reshape(1, 1, width), (0, 1))]
     while pending:
-        tensor, cols = pending.pop()
-        readers = tensor.outputs
-        if is_graph_output(graph, tensor) or not readers:
+        cut = pending.pop()
+        readers = cut.tensor.outputs
+        if is_graph_output(graph, cut.tensor) or not readers:
             return "a piece of the projection leaves the graph or is unused"
-        if cols.ndim == 2 and all(r.op == "Transpose" and list(r.attrs.get("perm", [])) == _HEAD_TRANSPOSE
-                                  for r in readers):
-            heads.append((tensor, cols))
+        if cut.cols.ndim == 4 and cut.tokens == (0, 1) and all(
+                r.op == "Transpose" and list(r.attrs.get("perm", [])) == _HEAD_TRANSPOSE for r in readers):
+            heads.append(cut)
             continue
         for node in readers:
             if node.op == "Shape":
-                shapes.append((node, cols.shape))
+                shapes.append((node, cut))
                 continue
-            step = _through(node, cols) if node.inputs[0] is tensor else None
+            step = _through(node, cut) if node.inputs[0] is cut.tensor else None
             if step is None:
                 return f"{node.op} {node.name} does not cut heads from the projection"
             pending += step
     return heads, shapes
 
 
-def _already_blocks(heads: list[tuple[gs.Tensor, np.ndarray]], packed: gs.Tensor) -> bool:
+def _already_blocks(heads: list[Cut], packed: gs.Tensor) -> bool:
     """Each piece is Reshape(Slice(packed)): the spelling the attention fusion reads already."""
-    for tensor, _ in heads:
-        reshape = producer(tensor, "Reshape")
+    for head in heads:
+        reshape = producer(head.tensor, "Reshape")
         if reshape is None or producer(reshape.inputs[0], "Slice") is None \
                 or producer(reshape.inputs[0]).inputs[0] is not packed:
             return False
@@ -159,17 +178,17 @@ class SplitGroupedQkv(FusionPass):
         if isinstance(found, str):
             return found
         heads, shapes = found
-        if len(heads) != 3 or len({cols.shape[1] for _, cols in heads}) != 1:
+        if len(heads) != 3 or len({head.cols.shape[3] for head in heads}) != 1:
             return "not three pieces of heads of one size"
-        if sorted(np.concatenate([cols.reshape(-1) for _, cols in heads]).tolist()) != list(range(width)):
+        if sorted(np.concatenate([head.cols.reshape(-1) for head in heads]).tolist()) != list(range(width)):
             return "the pieces do not take each column once"
         if _already_blocks(heads, packed):
             return "already cut into blocks"
-        heads.sort(key=lambda piece: int(piece[1].min()))  # q, k, v in the spellings known: queries lead
+        heads.sort(key=lambda head: int(head.cols.min()))  # q, k, v in the spellings known: queries lead
         return GroupedQkv(matmul.inputs[0], weight, bias, heads, shapes, matmul.name)
 
     def rewrite(self, graph: gs.Graph, match: GroupedQkv) -> None:
-        order = np.concatenate([cols.reshape(-1) for _, cols in match.pieces])
+        order = np.concatenate([piece.cols.reshape(-1) for piece in match.pieces])
         name, dtype = match.name, match.x.dtype
         batch = match.x.shape[:2] if match.x.shape is not None and len(match.x.shape) == 3 else [None, None]
         weight = gs.Constant(f"{name}_blocks", np.ascontiguousarray(np.asarray(match.weight.values)[:, order]))
@@ -181,36 +200,42 @@ class SplitGroupedQkv(FusionPass):
             graph.nodes.append(gs.Node("Add", name=f"{name}_blocks_bias", inputs=[packed, bias], outputs=[biased]))
             packed = biased
         start = 0
-        for part, (piece, cols) in enumerate(match.pieces):
-            heads, dim = cols.shape
+        for part, piece in enumerate(match.pieces):
+            heads, dim = piece.cols.shape[2:]
             label = f"{name}_{'qkv'[part]}"
             block = gs.Variable(label, dtype=dtype, shape=[*batch, heads * dim])
-            piece.inputs.clear()  # its old producer gives it up
+            piece.tensor.inputs.clear()  # its old producer gives it up
             graph.nodes += [
                 gs.Node("Slice", name=label, outputs=[block], inputs=[
                     packed, gs.Constant(f"{label}_start", np.array([start], np.int64)),
                     gs.Constant(f"{label}_end", np.array([start + heads * dim], np.int64)),
                     gs.Constant(f"{label}_axis", np.array([-1], np.int64))]),
-                gs.Node("Reshape", name=f"{label}_heads", outputs=[piece], inputs=[
+                gs.Node("Reshape", name=f"{label}_heads", outputs=[piece.tensor], inputs=[
                     block, gs.Constant(f"{label}_shape", np.array([0, 0, heads, dim], np.int64))])]
             start += heads * dim
-        for index, (node, features) in enumerate(match.shapes):
-            _shape_from(graph, node, packed, features, f"{name}_shape{index}")
+        for index, (node, read) in enumerate(match.shapes):
+            _shape_from(graph, node, packed, read, f"{name}_shape{index}")
 
 
-def _shape_from(graph: gs.Graph, node: gs.Node, packed: gs.Tensor, features: tuple[int, ...], label: str) -> None:
-    """`node` (a Shape of a tensor cut from the old projection) computed from `packed` instead: its batch and
-    sequence lengths, then the features' dims, which are constants."""
+def _shape_from(graph: gs.Graph, node: gs.Node, packed: gs.Tensor, read: Cut, label: str) -> None:
+    """`node` (a Shape of a tensor cut from the old projection) computed from `packed` instead: the batch and
+    sequence lengths where that tensor has them, the dims of its features (constants) between."""
     result = node.outputs[0]
     result.inputs.clear()
+    parts = []
+    for axis, size in enumerate(read.cols.shape):
+        part = f"{label}_{axis}"
+        if axis in read.tokens:
+            token = read.tokens.index(axis)
+            parts.append(gs.Variable(part, dtype=np.int64, shape=[1]))
+            graph.nodes.append(gs.Node("Shape", name=part, attrs={"start": token, "end": token + 1},
+                                       inputs=[packed], outputs=[parts[-1]]))
+        else:
+            parts.append(gs.Constant(part, np.array([size], np.int64)))
     start, end = node.attrs.get("start", 0), node.attrs.get("end")
     whole = start == 0 and end is None
-    tokens = gs.Variable(f"{label}_tokens", dtype=np.int64, shape=[2])
-    full = result if whole else gs.Variable(f"{label}_full", dtype=np.int64, shape=[2 + len(features)])
-    graph.nodes += [
-        gs.Node("Shape", name=f"{label}_tokens", attrs={"start": 0, "end": 2}, inputs=[packed], outputs=[tokens]),
-        gs.Node("Concat", name=f"{label}_full", attrs={"axis": 0}, outputs=[full],
-                inputs=[tokens, gs.Constant(f"{label}_features", np.array(features, np.int64))])]
+    full = result if whole else gs.Variable(f"{label}_full", dtype=np.int64, shape=[len(parts)])
+    graph.nodes.append(gs.Node("Concat", name=f"{label}_full", attrs={"axis": 0}, inputs=parts, outputs=[full]))
     if not whole:
         ends = [end if end is not None else np.iinfo(np.int64).max]
         graph.nodes.append(gs.Node("Slice", name=label, outputs=[result], inputs=[
