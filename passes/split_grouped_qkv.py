@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from passes.pattern import FusionPass, const_ints, is_graph_output, producer
+from passes.pattern import FusionPass, axes_of, const_ints, is_graph_output, producer
+from passes.shape_values import is_dim, reshape_target
 
 _HEAD_TRANSPOSE = [0, 2, 1, 3]
 
@@ -52,9 +53,17 @@ def _keeps_tokens(node: gs.Node) -> bool:
             or not all(isinstance(d, int) for d in [*source[2:], *result[2:]]) \
             or np.prod(source[2:], dtype=np.int64) != np.prod(result[2:], dtype=np.int64):
         return False
-    # the features of a token stay together; the two token axes are the same ones, which shape inference
-    # shows as equal numbers, or as symbols it may name differently on each side (never a number for a symbol)
-    return all(a == b or not isinstance(a, int) and not isinstance(b, int) for a, b in zip(source[:2], result[:2]))
+    target = reshape_target(node)
+    for axis, (before, after) in enumerate(zip(source[:2], result[:2])):
+        other = source[1 - axis]
+        if target is not None and not isinstance(target[axis], int) and is_dim(target[axis], node.inputs[0], 1 - axis):
+            return False  # the token axes swapped
+        # shape inference shows the same axis as an equal number, or as symbols it may name differently on
+        # each side (dynamo's exports compute the target from other inputs' dims): never a number for a
+        # symbol, nor the other token axis's symbol
+        if before != after and (isinstance(before, int) or isinstance(after, int) or after == other):
+            return False
+    return True
 
 
 def _axis(axis: int, rank: int, cut: Cut) -> int | None:
@@ -63,9 +72,25 @@ def _axis(axis: int, rank: int, cut: Cut) -> int | None:
     return axis if 0 <= axis < rank and axis not in cut.tokens else None
 
 
+def _fits(cut: Cut) -> bool:
+    """Whether the columns tracked agree with the tensor's inferred shape wherever it is a number."""
+    shape = cut.tensor.shape
+    return shape is None or len(shape) == cut.cols.ndim and all(
+        not isinstance(dim, int) or axis in cut.tokens or dim == size
+        for axis, (dim, size) in enumerate(zip(shape, cut.cols.shape)))
+
+
 def _through(node: gs.Node, cut: Cut) -> list[Cut] | None:
     """What `node` (reading `cut` as its data input) cuts from it, when it works within each token's
-    features; None otherwise."""
+    features and every piece agrees with its inferred shape; None otherwise."""
+    try:
+        cuts = _cuts(node, cut)
+    except (IndexError, ValueError):  # constant indices or axes out of range: not a graph to rewrite
+        return None
+    return cuts if cuts is not None and all(_fits(c) for c in cuts) else None
+
+
+def _cuts(node: gs.Node, cut: Cut) -> list[Cut] | None:
     cols, rank, out = cut.cols, cut.cols.ndim, node.outputs
     if node.op == "Identity":
         return [Cut(out[0], cols, cut.tokens)]
@@ -79,13 +104,14 @@ def _through(node: gs.Node, cut: Cut) -> list[Cut] | None:
     if node.op == "Slice":
         starts, ends, axes = (const_ints(node.inputs[i]) if len(node.inputs) > i else None for i in (1, 2, 3))
         steps = const_ints(node.inputs[4]) if len(node.inputs) > 4 else [1] * len(starts or [])
-        if None in (starts, ends, axes, steps):
+        # ONNX clamps a backward Slice's start otherwise than Python does: forward steps only
+        if None in (starts, ends, axes, steps) or min(steps, default=0) < 1:
             return None
         index = [slice(None)] * rank
         for start, end, axis, step in zip(starts, ends, axes, steps):
             if _axis(axis, rank, cut) is None:
                 return None
-            index[_axis(axis, rank, cut)] = slice(start, end, step)  # ONNX clamps as Python does
+            index[_axis(axis, rank, cut)] = slice(start, end, step)  # clamped as ONNX clamps it
         return [Cut(out[0], cols[tuple(index)], cut.tokens)]
     if node.op == "Gather":
         axis, indices = _axis(node.attrs.get("axis", 0), rank, cut), node.inputs[1]
@@ -96,8 +122,9 @@ def _through(node: gs.Node, cut: Cut) -> list[Cut] | None:
         return [Cut(out[0], np.take(cols, indices, axis=axis), tokens)]
     if node.op == "Split":
         axis = _axis(node.attrs.get("axis", 0), rank, cut)
-        sizes = const_ints(node.inputs[1]) if len(node.inputs) > 1 else node.attrs.get("split")
-        if axis is None:
+        given = len(node.inputs) > 1 and node.inputs[1].name  # an empty name: no input
+        sizes = const_ints(node.inputs[1]) if given else node.attrs.get("split")
+        if axis is None or given and sizes is None:  # sizes computed at run time
             return None
         if sizes is None:
             if cols.shape[axis] % len(out):
@@ -107,8 +134,8 @@ def _through(node: gs.Node, cut: Cut) -> list[Cut] | None:
             return None
         return [Cut(t, part, cut.tokens) for t, part in zip(out, np.split(cols, np.cumsum(sizes)[:-1], axis=axis))]
     if node.op in ("Squeeze", "Unsqueeze"):
-        axes = const_ints(node.inputs[1]) if len(node.inputs) > 1 else node.attrs.get("axes")
-        if not axes:
+        axes = axes_of(node)
+        if not axes:  # a Squeeze of every size-1 axis could take a token axis of length 1 too
             return None
         if node.op == "Squeeze":
             axes = [_axis(a, rank, cut) for a in axes]
@@ -184,7 +211,9 @@ class SplitGroupedQkv(FusionPass):
             return "the pieces do not take each column once"
         if _already_blocks(heads, packed):
             return "already cut into blocks"
-        heads.sort(key=lambda head: int(head.cols.min()))  # q, k, v in the spellings known: queries lead
+        # q, k, v in the spellings known, queries first: a wrong guess would only keep QkvFusionPass from
+        # taking the projection whole (the attention fusion tells q, k and v apart by the graph)
+        heads.sort(key=lambda head: int(head.cols.min()))
         return GroupedQkv(matmul.inputs[0], weight, bias, heads, shapes, matmul.name)
 
     def rewrite(self, graph: gs.Graph, match: GroupedQkv) -> None:
@@ -222,14 +251,15 @@ def _shape_from(graph: gs.Graph, node: gs.Node, packed: gs.Tensor, read: Cut, la
     sequence lengths where that tensor has them, the dims of its features (constants) between."""
     result = node.outputs[0]
     result.inputs.clear()
+    dims = gs.Variable(f"{label}_packed", dtype=np.int64, shape=[3])
+    graph.nodes.append(gs.Node("Shape", name=f"{label}_packed", inputs=[packed], outputs=[dims]))
     parts = []
     for axis, size in enumerate(read.cols.shape):
         part = f"{label}_{axis}"
-        if axis in read.tokens:
-            token = read.tokens.index(axis)
+        if axis in read.tokens:  # Gather, not Shape's start and end: those need opset 15
             parts.append(gs.Variable(part, dtype=np.int64, shape=[1]))
-            graph.nodes.append(gs.Node("Shape", name=part, attrs={"start": token, "end": token + 1},
-                                       inputs=[packed], outputs=[parts[-1]]))
+            graph.nodes.append(gs.Node("Gather", name=part, attrs={"axis": 0}, outputs=[parts[-1]], inputs=[
+                dims, gs.Constant(f"{part}_index", np.array([read.tokens.index(axis)], np.int64))]))
         else:
             parts.append(gs.Constant(part, np.array([size], np.int64)))
     start, end = node.attrs.get("start", 0), node.attrs.get("end")

@@ -155,13 +155,16 @@ def test_gpt_neox_heads_packed_one_by_one_fuse_and_generate(dynamo, tmp_path, ca
     assert lines[-1].startswith("W10005: 2 attention block(s)") and "--log=debug" in lines[-1]
 
 
-@pytest.mark.parametrize("packing, dynamo", [("grouped", False), ("grouped", True), ("multi_query", False)])
+@pytest.mark.parametrize("packing, dynamo", [("grouped", False), ("grouped", True), ("multi_query", False),
+                                             ("per_head", True)])
 def test_falcon_heads_packed_by_kv_group_fuse_and_generate(packing, dynamo, tmp_path):
     """Falcon-40B/180B pack q, k and v group by group (each KV group's queries, then its key and value: as
     InternLM2's wqkv), cut by a 5-D Reshape, a Slice and two Gathers; Falcon-7B's one key and value head
-    follow the queries, cut by a Split of the head axis. Reordered into blocks, the projection (and its bias)
-    feeds the attention whole, paged and quantized, and generates onnxruntime's tokens."""
-    falcon = dict(new_decoder_architecture=True, num_kv_heads=2, bias=True) if packing == "grouped" else {}
+    follow the queries, cut by a Split of the head axis; without multi-query (Falcon-RW's layout) each head's
+    q, k and v sit side by side, unbound from a 5-D Reshape. Reordered into blocks, the projection (and its
+    bias) feeds the attention whole, paged and quantized, and generates onnxruntime's tokens."""
+    falcon = {"grouped": dict(new_decoder_architecture=True, num_kv_heads=2, bias=True), "multi_query": {},
+              "per_head": dict(multi_query=False)}[packing]
     source = _export("FalconConfig", "FalconForCausalLM", tmp_path, dynamo=dynamo, with_past=False,
                      ffn_hidden_size=128, **falcon)
     om = compile_to(source, tmp_path / "paged", enable_paged_attention=True)

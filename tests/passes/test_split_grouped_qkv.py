@@ -11,6 +11,7 @@ from collections import Counter
 
 import numpy as np
 import onnx
+import onnx_graphsurgeon as gs
 import pytest
 from fusion_utils import apply_pass, run_original
 
@@ -100,3 +101,40 @@ def test_projections_cut_by_regrouping_become_three_blocks(family, dynamo, tmp_p
     feeds = {"hidden": np.random.default_rng(0).standard_normal((3, 7, HIDDEN)).astype(np.float32)}
     for want, got in zip(run_original(model, feeds), run_original(rewritten, feeds)):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def _hand_built(tokens_swapped: bool = False, sizes_computed: bool = False) -> gs.Graph:
+    """x·W reshaped to [B, S, 12, D] by a target read from x's shape, then split into three by 4 heads, each
+    read by the head transpose; the shapes set as inference would."""
+    x = gs.Variable("x", np.float32, ["B", "S", HIDDEN])
+    weight = gs.Constant("W", np.random.default_rng(0).standard_normal((HIDDEN, 12 * DIM)).astype(np.float32))
+    projected = gs.Variable("p", np.float32, ["B", "S", 12 * DIM])
+    dims, first, second = (gs.Variable(n, np.int64, s) for n, s in (("dims", [3]), ("d0", [1]), ("d1", [1])))
+    target = gs.Variable("target", np.int64, [4])
+    heads = gs.Variable("heads", np.float32, ["S", "B", 12, DIM] if tokens_swapped else ["B", "S", 12, DIM])
+    pieces = [gs.Variable(f"piece{i}", np.float32, [*heads.shape[:2], 4, DIM]) for i in range(3)]
+    outputs = [gs.Variable(n, np.float32, [heads.shape[0], 4, heads.shape[1], DIM]) for n in "qkv"]
+    sizes = gs.Variable("sizes", np.int64, [3]) if sizes_computed else gs.Constant("sizes", np.array([4, 4, 4]))
+    nodes = [gs.Node("MatMul", inputs=[x, weight], outputs=[projected]),
+             gs.Node("Shape", inputs=[x], outputs=[dims]),
+             gs.Node("Gather", attrs={"axis": 0}, inputs=[dims, gs.Constant("i0", np.array([0]))], outputs=[first]),
+             gs.Node("Gather", attrs={"axis": 0}, inputs=[dims, gs.Constant("i1", np.array([1]))], outputs=[second]),
+             gs.Node("Concat", attrs={"axis": 0}, outputs=[target], inputs=[
+                 *([second, first] if tokens_swapped else [first, second]), gs.Constant("hd", np.array([12, DIM]))]),
+             gs.Node("Reshape", inputs=[projected, target], outputs=[heads]),
+             gs.Node("Split", attrs={"axis": 2}, inputs=[heads, sizes], outputs=pieces)]
+    nodes += [gs.Node("Transpose", attrs={"perm": [0, 2, 1, 3]}, inputs=[p], outputs=[o]) for p, o in zip(pieces, outputs)]
+    inputs = [x, sizes] if sizes_computed else [x]
+    return gs.Graph(nodes=nodes, inputs=inputs, outputs=outputs, opset=17)
+
+
+def test_token_axes_swapped_or_split_sizes_known_only_at_run_time_are_refused():
+    plain = _hand_built()
+    original = gs.export_onnx(plain.copy())
+    assert SplitGroupedQkv().run(plain).effect_times == 1  # the control: the same graph otherwise
+    feeds = {"x": np.random.default_rng(1).standard_normal((2, 3, HIDDEN)).astype(np.float32)}
+    for want, got in zip(run_original(original, feeds), run_original(gs.export_onnx(plain), feeds)):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    for refused in (_hand_built(tokens_swapped=True), _hand_built(sizes_computed=True)):
+        result = SplitGroupedQkv().run(refused)
+        assert result.effect_times == 0 and any("does not cut heads" in r for r in result.rejections), result
