@@ -155,6 +155,17 @@ def _window_offset(node: gs.Node) -> int | None:
     return None
 
 
+def _varies_by_head_or_position(tensor: gs.Tensor) -> bool:
+    """A float constant of several values other than 0 and a masking value: what a mask is built from is
+    scalars (0, the fill) and comparisons; a bias such as ALiBi's multiplies positions by per-head slopes."""
+    # Falcon's slopes are bfloat16: an ONNX enum in graphsurgeon, or ml_dtypes' type (kind "V") once read
+    floating = isinstance(tensor, gs.Constant) and (isinstance(tensor.dtype, int) or dtype_kind(tensor.dtype) in "fV")
+    if not floating or int(np.prod(tensor.shape)) < 2:
+        return False
+    values = np.asarray(tensor.values, dtype=np.float64)
+    return bool(np.any((values != 0) & (values > MASKED_BELOW)))
+
+
 def match_mask_source(graph: gs.Graph, mask: gs.Tensor) -> MaskSource | str:
     """The graph input whose values the mask reads (values behind a Shape do not count), causality, and a
     sliding window: a position moved back by a constant W (`q_idx - W`) and compared, as transformers'
@@ -170,6 +181,8 @@ def match_mask_source(graph: gs.Graph, mask: gs.Tensor) -> MaskSource | str:
         if id(tensor) in inputs:
             readers[id(tensor)] = tensor
             continue
+        if _varies_by_head_or_position(tensor):
+            return "the mask adds values per head or position (ALiBi's slopes), which FusedAttention does not take"
         node = producer(tensor)
         if node is None or node.op == "Shape":
             continue

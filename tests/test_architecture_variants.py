@@ -179,6 +179,26 @@ def test_falcon_heads_packed_by_kv_group_fuse_and_generate(packing, dynamo, tmp_
     assert ops["FusedAttention"] == layers and ops["MatMulInt4"] == 4 * layers, ops
 
 
+def test_alibi_added_through_the_mask_is_not_fused_away(tmp_path, capsys):
+    """Falcon-RW's ALiBi reaches the attention inside its additive mask (per-head slopes times key positions,
+    masked_fill'ed): FusedAttention has no such bias, so the attention stays as exported (W10005) and a paged
+    compile is refused, rather than generating from scores without it."""
+    from cli.atc import run
+
+    source = _export("FalconConfig", "FalconForCausalLM", tmp_path, dynamo=True, with_past=False,
+                     ffn_hidden_size=128, alibi=True, multi_query=False)
+    capsys.readouterr()
+    status = run([f"--model={source}", "--framework=5", f"--output={tmp_path / 'contiguous'}",
+                  "--soc_version=Ascend910B"])
+    lines = capsys.readouterr().out.splitlines()
+    assert status == 0 and lines[-1].startswith("W10005: 2 attention block(s)")
+    assert Counter(n.op_type for n in load_artifact(tmp_path / "contiguous.om").model.graph.node)["Softmax"] == 2
+    status = run([f"--model={source}", "--framework=5", f"--output={tmp_path / 'paged'}",
+                  "--soc_version=Ascend910B", "--enable_paged_attention=1"])
+    said = capsys.readouterr()
+    assert status != 0 and "E10055" in said.out + said.err and not (tmp_path / "paged.om").exists()
+
+
 @pytest.mark.parametrize("dynamo", [False, True])
 def test_gemma3_norms_after_the_head_transpose_fuse(dynamo, tmp_path):
     """Gemma 3 normalises each q and k head after the (0, 2, 1, 3) transpose, where Qwen3 does before it;
