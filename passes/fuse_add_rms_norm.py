@@ -41,6 +41,10 @@ class FuseAddRmsNorm(FusionPass):
             return "the Add has a constant operand (a bias, not a residual)"
         if not _same_shape(left, right):
             return f"the Add broadcasts ({left.shape} + {right.shape})"
+        # a per-head sum (HunYuan normalises q and k after their rotary) is no residual stream, and the op's
+        # onnxruntime lowering (SkipSimplifiedLayerNormalization) takes two or three dims only
+        if len(left.shape) not in (2, 3):
+            return f"not a residual stream of [B, S, H] or [T, H] ({left.shape})"
         return AddRmsNormMatch(add, norm)
 
     def rewrite(self, graph: gs.Graph, match: AddRmsNormMatch) -> None:

@@ -179,6 +179,21 @@ def test_falcon_heads_packed_by_kv_group_fuse_and_generate(packing, dynamo, tmp_
     assert ops["FusedAttention"] == layers and ops["MatMulInt4"] == 4 * layers, ops
 
 
+def test_a_per_head_norm_after_the_rotary_runs_on_onnxruntime(tmp_path):
+    """HunYuan normalises q and k after their rotary: the rotary's last Add feeding that RmsNorm is no
+    residual, and fused into an AddRmsNorm it became onnxruntime's SkipSimplifiedLayerNormalization on 4-D
+    heads, which onnxruntime refuses at run time. Both backends now reproduce onnxruntime on the export."""
+    source = _export("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", tmp_path, dynamo=False, with_past=False,
+                     head_dim=16)
+    loaded = load_artifact(compile_to(source, tmp_path / "contiguous"))
+    norms = [n for n in loaded.model.graph.node if n.op_type in ("RmsNorm", "AddRmsNorm")]
+    assert len(norms) == 2 * SIZES["num_hidden_layers"] + 1 + 2 * SIZES["num_hidden_layers"]  # and q's, k's
+    feeds = causal_lm_inputs(loaded.metadata["signature"], loaded.metadata["model"], np.arange(3, 20)[None])
+    want = ort_reference(source, feeds)["logits"]
+    for backend in ("onnxruntime", "reference"):
+        np.testing.assert_allclose(Executor(loaded, backend).run(feeds)["logits"], want, atol=1e-4, rtol=0)
+
+
 def test_alibi_added_through_the_mask_is_not_fused_away(tmp_path, capsys):
     """Falcon-RW's ALiBi reaches the attention inside its additive mask (per-head slopes times key positions,
     masked_fill'ed): FusedAttention has no such bias, so the attention stays as exported (W10005) and a paged

@@ -164,3 +164,22 @@ def test_eval_ppl_shows_loading_and_window_progress_on_stderr_and_json_on_stdout
     assert f"perplexity {report['perplexity']:.4f} over {expected.tokens_scored} tokens" in proc.stderr
     quiet = _eval_ppl(om_path, text, "--log-level", "error")
     assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout.startswith("perplexity ")
+
+
+def test_a_model_onnxruntime_fails_at_run_time_ends_in_a_code_not_a_traceback(tmp_path):
+    """A Reshape to [2, -1] compiles, and onnxruntime refuses it only when run on an odd length."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Reshape", ["x", "shape"], ["y"])], "halves",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, None])],
+                              [helper.make_tensor("shape", TensorProto.INT64, [2], [2, -1])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "halves.onnx")
+    om = compile_to(tmp_path / "halves.onnx", tmp_path / "halves")
+    odd = tmp_path / "odd.npy"
+    np.save(odd, np.ones(3, np.float32))
+    proc = subprocess.run([sys.executable, "-m", "cli.cann_run", "--model", str(om), "--input", str(odd)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1 and "E19999" in proc.stderr and "Reshape" in proc.stderr
+    assert "Traceback" not in proc.stderr
