@@ -6,7 +6,7 @@ over them before anyone else does:
     CANN_LLM_CORPUS=.cache/corpus-like python -m pytest -n 2 tests/test_corpus.py
 
 `--families` also takes the architectures users bring beyond them (`ARCHITECTURES`: Llama 3.2's rope
-scaling, Phi-3.5's longrope, Gemma 2 and 3, GLM-4, Granite, OLMo-2, Mixtral, Phi-2, StableLM, GPT-NeoX, Falcon),
+scaling, Phi-3.5's longrope, Gemma 2 and 3, GLM-4, Granite, GraniteMoe, OLMo-2, Mixtral, Phi-2, StableLM, GPT-NeoX, Falcon),
 in the same sizes and layout.
 
 Each folder holds `model.onnx`, `reference.npz` (the torch model's outputs on the corpus's two cases, a
@@ -57,6 +57,8 @@ ARCHITECTURES: dict[str, TinySpec] = {
     "olmo2": TinySpec("Olmo2Config", "Olmo2ForCausalLM", dict(pad_token_id=0)),
     "mixtral": TinySpec("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
                                                                     intermediate_size=32)),
+    "granitemoe": TinySpec("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                                             intermediate_size=32)),
     "phi": TinySpec("PhiConfig", "PhiForCausalLM", dict(num_key_value_heads=4, partial_rotary_factor=0.5)),
     "stablelm": TinySpec("StableLmConfig", "StableLmForCausalLM", dict(partial_rotary_factor=0.25,
                                                                        use_qkv_bias=True)),

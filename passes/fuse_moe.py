@@ -3,6 +3,7 @@
 Anchored at the router's TopK. What transformers' `batched_mm` experts export (both torch exporters):
 
     router_logits [T, E] → Softmax → TopK(k) → values, indices            (values / ReduceSum(values): renormalised)
+                         (GraniteMoe: TopK(k) → Softmax(values), the renormalised form of the same weights)
     indices → Reshape[-1] → Gather(W, axis 0) | Unsqueeze(-1) → GatherND(W)    each routed expert's weights,
                                                                                 copied once per token and slot
     x [T, H] → Unsqueeze(1) → Expand|Tile [1, k, 1] → Reshape|Flatten [T·k, H]  each token once per slot
@@ -148,19 +149,32 @@ class Routing:
     normalize: int
 
 
+def _softmax_of_top_k(graph: gs.Graph, values: gs.Tensor) -> gs.Node | None:
+    """The Softmax that only the top-k logits feed (GraniteMoe's router), past a Cast."""
+    reader = sole_consumer(graph, values, "Softmax", "Cast")
+    if reader is not None and reader.op == "Cast":
+        reader = sole_consumer(graph, reader.outputs[0], "Softmax")
+    return reader
+
+
 def _routing(graph: gs.Graph, topk: gs.Node) -> Routing | str:
     top_k = scalar(topk.inputs[1]) if len(topk.inputs) > 1 else None
     softmax = producer(topk.inputs[0], "Softmax")
-    if top_k is None or not topk.attrs.get("largest", 1) or softmax is None:
-        return "not the k largest of a Softmax"
-    logits = softmax.inputs[0]
+    after = _softmax_of_top_k(graph, topk.outputs[0]) if softmax is None else None
+    if top_k is None or not topk.attrs.get("largest", 1) or softmax is None and after is None:
+        return "not the k largest of a Softmax, nor a Softmax of the k largest logits"
+    logits = softmax.inputs[0] if softmax is not None else topk.inputs[0]
     rank = _rank(logits)
     if rank != 2 or not isinstance(logits.shape[-1], int):
         return "the router's logits are not [tokens, experts]"
-    axes = [topk.attrs.get("axis", -1)], [softmax.attrs.get("axis", -1)]
+    axes = [topk.attrs.get("axis", -1)], [(softmax or after).attrs.get("axis", -1)]
     if not all(_is_axis(-1, axis, rank) for axis in axes):
         return "the Softmax or TopK is not over the experts axis"
     values, indices = topk.outputs
+    if after is not None:
+        # softmax over the k largest logits is the k largest probabilities renormalised: the op's
+        # normalize_routing_weights (the same order, so the same experts)
+        return Routing(logits, int(top_k), logits.shape[-1], indices, after.outputs[0], 1)
     weights, normalize = values, 0
     total = next((n for n in values.outputs if n.op == "ReduceSum"), None)
     if total is not None:

@@ -32,6 +32,8 @@ def _export(config_class: str, model_class: str, path, *, dynamo: bool, with_pas
     torch.manual_seed(0)
     settings = getattr(transformers, config_class)(**{**SIZES, **config})
     model = getattr(transformers, model_class)(settings)
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("batched_mm")  # the grouped default cannot be exported
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():  # biases drawn, so one that a pass dropped would show
         for name, param in model.named_parameters():
@@ -192,6 +194,19 @@ def test_a_per_head_norm_after_the_rotary_runs_on_onnxruntime(tmp_path):
     want = ort_reference(source, feeds)["logits"]
     for backend in ("onnxruntime", "reference"):
         np.testing.assert_allclose(Executor(loaded, backend).run(feeds)["logits"], want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_a_router_that_softmaxes_its_top_k_fuses(dynamo, tmp_path):
+    """GraniteMoe routes by TopK of the logits, then a Softmax of those k: the renormalised top-k
+    probabilities, which the MoE op computes from the logits. Fused, paged, onnxruntime's tokens."""
+    source = _export("GraniteMoeConfig", "GraniteMoeForCausalLM", tmp_path, dynamo=dynamo, with_past=False,
+                     num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)
+    om = compile_to(source, tmp_path / "paged", enable_paged_attention=True)
+    ops = Counter(n.op_type for n in load_artifact(om).model.graph.node)
+    layers = SIZES["num_hidden_layers"]
+    assert ops["MoE"] == ops["PagedAttention"] == layers and ops["Softmax"] == ops["TopK"] == 0, ops
+    _paged_equals_onnxruntime(source, om, [[5, 6, 7], list(range(3, 40))], 12)
 
 
 def test_alibi_added_through_the_mask_is_not_fused_away(tmp_path, capsys):
