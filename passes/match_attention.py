@@ -155,21 +155,34 @@ def _window_offset(node: gs.Node) -> int | None:
     return None
 
 
+_BIAS_SCAN = 1 << 20  # elements a chunk: Baichuan-13B's ALiBi buffer is [40, 4096, 4096]
+
+
 def _varies_by_head_or_position(tensor: gs.Tensor) -> bool:
-    """A float constant of several values other than 0 and a masking value: what a mask is built from is
-    scalars (0, the fill) and comparisons; a bias such as ALiBi's multiplies positions by per-head slopes."""
+    """A float constant of several values beyond 0, 1 and a masking fill, or an op computing slopes: what a
+    mask is built from is scalars, 0/1 buffers and comparisons; a bias such as ALiBi's multiplies positions
+    by per-head slopes (a folded constant, or `Pow(base, Range)` when folding left it)."""
+    if producer(tensor, "Pow") is not None:
+        return True
     # Falcon's slopes are bfloat16: an ONNX enum in graphsurgeon, or ml_dtypes' type (kind "V") once read
     floating = isinstance(tensor, gs.Constant) and (isinstance(tensor.dtype, int) or dtype_kind(tensor.dtype) in "fV")
     if not floating or int(np.prod(tensor.shape)) < 2:
         return False
-    values = np.asarray(tensor.values, dtype=np.float64)
-    return bool(np.any((values != 0) & (values > MASKED_BELOW)))
+    values = np.asarray(tensor.values).reshape(-1)
+    for start in range(0, values.size, _BIAS_SCAN):  # in the stored dtype, a chunk at a time
+        chunk = values[start:start + _BIAS_SCAN]
+        # a fill rounded to bfloat16 (-1e4 → -9984) still masks: anything at most -1e3 does
+        if np.any((chunk != 0) & (chunk != 1) & (chunk > -1e3)):
+            return True
+    return False
 
 
 def match_mask_source(graph: gs.Graph, mask: gs.Tensor) -> MaskSource | str:
     """The graph input whose values the mask reads (values behind a Shape do not count), causality, and a
     sliding window: a position moved back by a constant W (`q_idx - W`) and compared, as transformers'
     sliding-window overlay writes `kv_idx > q_idx - W`."""
+    if mask.shape is not None and len(mask.shape) == 4 and isinstance(mask.shape[1], int) and mask.shape[1] > 1:
+        return f"the mask differs per head ({mask.shape}: ALiBi's slopes?), which the fusion would drop"
     readers: dict[int, gs.Tensor] = {}
     causal, windows, seen, queue = 0, set(), set(), deque([mask])
     inputs = {id(t): t for t in graph.inputs}
@@ -182,7 +195,7 @@ def match_mask_source(graph: gs.Graph, mask: gs.Tensor) -> MaskSource | str:
             readers[id(tensor)] = tensor
             continue
         if _varies_by_head_or_position(tensor):
-            return "the mask adds values per head or position (ALiBi's slopes), which FusedAttention does not take"
+            return "the mask adds values per head or position (ALiBi's slopes), which the fusion would drop"
         node = producer(tensor)
         if node is None or node.op == "Shape":
             continue

@@ -184,7 +184,7 @@ def test_falcon_heads_packed_by_kv_group_fuse_and_generate(packing, dynamo, tmp_
 def test_a_per_head_norm_after_the_rotary_runs_on_onnxruntime(tmp_path):
     """HunYuan normalises q and k after their rotary: the rotary's last Add feeding that RmsNorm is no
     residual, and fused into an AddRmsNorm it became onnxruntime's SkipSimplifiedLayerNormalization on 4-D
-    heads, which onnxruntime refuses at run time. Both backends now reproduce onnxruntime on the export."""
+    heads, which onnxruntime refuses at run time. Both backends reproduce onnxruntime on the export."""
     source = _export("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", tmp_path, dynamo=False, with_past=False,
                      head_dim=16)
     loaded = load_artifact(compile_to(source, tmp_path / "contiguous"))
@@ -211,8 +211,9 @@ def test_a_router_that_softmaxes_its_top_k_fuses(dynamo, tmp_path):
 
 def test_alibi_added_through_the_mask_is_not_fused_away(tmp_path, capsys):
     """Falcon-RW's ALiBi reaches the attention inside its additive mask (per-head slopes times key positions,
-    masked_fill'ed): FusedAttention has no such bias, so the attention stays as exported (W10005) and a paged
-    compile is refused, rather than generating from scores without it."""
+    masked_fill'ed), which the fusion would replace by a plain causal mask: the attention stays as exported
+    (W10005) and a paged compile is refused, rather than generating from scores without the bias. BLOOM's
+    eager ALiBi attention compiles unfused too, and both backends reproduce onnxruntime on its export."""
     from cli.atc import run
 
     source = _export("FalconConfig", "FalconForCausalLM", tmp_path, dynamo=True, with_past=False,
@@ -227,6 +228,13 @@ def test_alibi_added_through_the_mask_is_not_fused_away(tmp_path, capsys):
                   "--soc_version=Ascend910B", "--enable_paged_attention=1"])
     said = capsys.readouterr()
     assert status != 0 and "E10055" in said.out + said.err and not (tmp_path / "paged.om").exists()
+    bloom = _export("BloomConfig", "BloomForCausalLM", tmp_path / "bloom", dynamo=False, with_past=False,
+                    n_layer=2, n_head=4)
+    loaded = load_artifact(compile_to(bloom, tmp_path / "bloom" / "contiguous"))
+    feeds = causal_lm_inputs(loaded.metadata["signature"], loaded.metadata["model"], np.arange(3, 20)[None])
+    want = ort_reference(bloom, feeds)["logits"]
+    for backend in ("onnxruntime", "reference"):
+        np.testing.assert_allclose(Executor(loaded, backend).run(feeds)["logits"], want, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("dynamo", [False, True])

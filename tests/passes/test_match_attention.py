@@ -279,6 +279,53 @@ def test_a_mask_that_reads_two_inputs_is_refused():
     assert match_mask_source(graph, _tensor(graph, "mask")).startswith("the mask reads several inputs")
 
 
+def _mask_plus(extra: str) -> gs.Graph:
+    """`_mask_graph`'s mask plus a term: ALiBi's per-head slopes times key positions (its slopes folded
+    into a constant, or left as `Pow(base, Range)`), or what masks are also built from: a float 0/1 causal
+    buffer compared with 0, a buffer of 0 and a fill rounded to bfloat16 (-9984)."""
+    graph = _mask_graph()
+    model = gs.export_onnx(graph)
+    nodes, inits = list(model.graph.node), list(model.graph.initializer)
+    tril = np.tril(np.ones((T, T), np.float32))[None, None]
+    if extra in ("slopes", "pow"):
+        nodes.append(helper.make_node("Cast", ["cols"], ["positions"], to=TensorProto.FLOAT))
+        if extra == "pow":
+            nodes += [helper.make_node("Range", ["one", "five", "one"], ["powers"]),
+                      helper.make_node("Cast", ["powers"], ["float_powers"], to=TensorProto.FLOAT),
+                      helper.make_node("Pow", ["base", "float_powers"], ["slopes"])]
+            inits += [_const("one", 1), _const("five", 5), _const("base", 0.5, np.float32)]
+        else:
+            inits.append(_const("slopes", [0.5, 0.25, 0.125, 0.0625], np.float32))
+        nodes += [helper.make_node("Reshape", ["slopes", "heads"], ["slopes4"]),
+                  helper.make_node("Mul", ["slopes4", "positions"], ["extra"])]
+        inits.append(_const("heads", [1, -1, 1, 1]))
+    elif extra == "tril":
+        nodes += [helper.make_node("Equal", ["tril", "zero"], ["hidden"]),
+                  helper.make_node("Where", ["hidden", "minimum", "zero"], ["extra"])]
+        inits.append(_const("tril", tril, np.float32))
+    else:
+        inits.append(_const("extra", np.where(tril > 0, 0.0, -9984.0), np.float32))
+    nodes.append(helper.make_node("Add", ["mask", "extra"], ["mask2"]))
+    return _graph(nodes, list(model.graph.input), [_value("mask2", None)], inits)
+
+
+@pytest.mark.parametrize("heads_inferred", [True, False])
+@pytest.mark.parametrize("extra", ["slopes", "pow"])
+def test_a_mask_carrying_per_head_slopes_is_refused(extra, heads_inferred):
+    """By the mask's head axis where shape inference knows it, else by what the mask is computed from."""
+    graph = _mask_plus(extra)
+    if not heads_inferred:
+        _tensor(graph, "mask2").shape = None
+    assert "per head" in match_mask_source(graph, _tensor(graph, "mask2"))
+
+
+@pytest.mark.parametrize("extra", ["tril", "fill"])
+def test_a_causal_buffer_or_a_rounded_fill_is_still_a_mask(extra):
+    graph = _mask_plus(extra)
+    source = match_mask_source(graph, _tensor(graph, "mask2"))
+    assert (source.attention_mask.name, source.causal) == ("attention_mask", 1)
+
+
 # ---- rotary embedding: what the lowering writes, the pattern reads back -----------------------------
 
 def _lowered_rotary(rotary_dim: int, interleaved: int) -> onnx.ModelProto:
