@@ -44,6 +44,16 @@ def _export(config_class: str, model_class: str, path, *, dynamo: bool, with_pas
     return export_causal_lm(model.eval(), path / "model.onnx", dynamo=dynamo, with_past=with_past)
 
 
+def _contiguous_equals_onnxruntime(source, output):
+    """The contiguous compile of `source`, whose logits on both backends are onnxruntime's on the export."""
+    loaded = load_artifact(compile_to(source, output))
+    feeds = causal_lm_inputs(loaded.metadata["signature"], loaded.metadata["model"], np.arange(3, 20)[None])
+    want = ort_reference(source, feeds)["logits"]
+    for backend in ("onnxruntime", "reference"):
+        np.testing.assert_allclose(Executor(loaded, backend).run(feeds)["logits"], want, atol=1e-4, rtol=0)
+    return loaded
+
+
 def _paged_equals_onnxruntime(source, om, prompts, new_tokens: int) -> None:
     got = engine_greedy(om, prompts, new_tokens, max_context_len=160, kv_cache_pages=48)
     assert got == [ort_greedy(source, prompt, new_tokens) for prompt in prompts]
@@ -187,13 +197,9 @@ def test_a_per_head_norm_after_the_rotary_runs_on_onnxruntime(tmp_path):
     heads, which onnxruntime refuses at run time. Both backends reproduce onnxruntime on the export."""
     source = _export("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", tmp_path, dynamo=False, with_past=False,
                      head_dim=16)
-    loaded = load_artifact(compile_to(source, tmp_path / "contiguous"))
+    loaded = _contiguous_equals_onnxruntime(source, tmp_path / "contiguous")
     norms = [n for n in loaded.model.graph.node if n.op_type in ("RmsNorm", "AddRmsNorm")]
     assert len(norms) == 2 * SIZES["num_hidden_layers"] + 1 + 2 * SIZES["num_hidden_layers"]  # and q's, k's
-    feeds = causal_lm_inputs(loaded.metadata["signature"], loaded.metadata["model"], np.arange(3, 20)[None])
-    want = ort_reference(source, feeds)["logits"]
-    for backend in ("onnxruntime", "reference"):
-        np.testing.assert_allclose(Executor(loaded, backend).run(feeds)["logits"], want, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("dynamo", [False, True])
@@ -230,11 +236,7 @@ def test_alibi_added_through_the_mask_is_not_fused_away(tmp_path, capsys):
     assert status != 0 and "E10055" in said.out + said.err and not (tmp_path / "paged.om").exists()
     bloom = _export("BloomConfig", "BloomForCausalLM", tmp_path / "bloom", dynamo=False, with_past=False,
                     n_layer=2, n_head=4)
-    loaded = load_artifact(compile_to(bloom, tmp_path / "bloom" / "contiguous"))
-    feeds = causal_lm_inputs(loaded.metadata["signature"], loaded.metadata["model"], np.arange(3, 20)[None])
-    want = ort_reference(bloom, feeds)["logits"]
-    for backend in ("onnxruntime", "reference"):
-        np.testing.assert_allclose(Executor(loaded, backend).run(feeds)["logits"], want, atol=1e-4, rtol=0)
+    _contiguous_equals_onnxruntime(bloom, tmp_path / "bloom" / "contiguous")
 
 
 @pytest.mark.parametrize("dynamo", [False, True])
