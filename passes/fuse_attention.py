@@ -139,6 +139,8 @@ class FuseAttention(FusionPass):
         head_dim = query4.shape[-1]
         if kv_heads != value_heads or heads % kv_heads:
             return f"{heads} query heads cannot share {kv_heads} key and {value_heads} value heads"
+        if kv_heads == 1:  # one key and value head, broadcast by the MatMuls (Falcon-7B through Optimum)
+            key_repeats, value_repeats = (heads if r == 1 else r for r in (key_repeats, value_repeats))
         if any(r is not None and r * kv_heads != heads for r in (key_repeats, value_repeats)):
             return f"the keys and values are repeated {key_repeats} and {value_repeats} times for {heads} heads"
         source = MaskSource(None, 0)

@@ -149,18 +149,11 @@ class Routing:
     normalize: int
 
 
-def _softmax_of_top_k(graph: gs.Graph, values: gs.Tensor) -> gs.Node | None:
-    """The Softmax that only the top-k logits feed (GraniteMoe's router), past a Cast."""
-    reader = sole_consumer(graph, values, "Softmax", "Cast")
-    if reader is not None and reader.op == "Cast":
-        reader = sole_consumer(graph, reader.outputs[0], "Softmax")
-    return reader
-
-
 def _routing(graph: gs.Graph, topk: gs.Node) -> Routing | str:
     top_k = scalar(topk.inputs[1]) if len(topk.inputs) > 1 else None
     softmax = producer(topk.inputs[0], "Softmax")
-    after = _softmax_of_top_k(graph, topk.outputs[0]) if softmax is None else None
+    # GraniteMoe's router: a Softmax that only the top-k logits feed
+    after = sole_consumer(graph, topk.outputs[0], "Softmax") if softmax is None else None
     if top_k is None or not topk.attrs.get("largest", 1) or softmax is None and after is None:
         return "not the k largest of a Softmax, nor a Softmax of the k largest logits"
     logits = softmax.inputs[0] if softmax is not None else topk.inputs[0]

@@ -66,6 +66,12 @@ def _keeps_tokens(node: gs.Node) -> bool:
     return True
 
 
+def _same_static_shape(a: gs.Tensor, b: gs.Tensor) -> bool:
+    """Both inferred, of one rank, equal wherever a dim is a number and numbers nowhere else."""
+    return a.shape is not None and b.shape is not None and len(a.shape) == len(b.shape) and all(
+        x == y if isinstance(x, int) or isinstance(y, int) else True for x, y in zip(a.shape, b.shape))
+
+
 def _axis(axis: int, rank: int, cut: Cut) -> int | None:
     """`axis` (negative counting from the end) when it is one of `cut`'s feature axes."""
     axis = axis + rank if axis < 0 else axis
@@ -92,8 +98,8 @@ def _through(node: gs.Node, cut: Cut) -> list[Cut] | None:
 
 def _cuts(node: gs.Node, cut: Cut) -> list[Cut] | None:
     cols, rank, out = cut.cols, cut.cols.ndim, node.outputs
-    if node.op == "Identity":
-        return [Cut(out[0], cols, cut.tokens)]
+    if node.op == "Identity" or node.op == "Expand" and _same_static_shape(node.inputs[0], out[0]):
+        return [Cut(out[0], cols, cut.tokens)]  # Falcon's broadcast_to of one key head a group: no copy
     if node.op == "Reshape":
         if cut.tokens != (0, 1) or not _keeps_tokens(node):
             return None
@@ -158,8 +164,11 @@ def _heads(graph: gs.Graph, packed: gs.Tensor, width: int) -> tuple[list[Cut], l
         readers = cut.tensor.outputs
         if is_graph_output(graph, cut.tensor) or not readers:
             return "a piece of the projection leaves the graph or is unused"
-        if cut.cols.ndim == 4 and cut.tokens == (0, 1) and all(
-                r.op == "Transpose" and list(r.attrs.get("perm", [])) == _HEAD_TRANSPOSE for r in readers):
+        transposes = [r for r in readers if r.op == "Transpose" and list(r.attrs.get("perm", [])) == _HEAD_TRANSPOSE]
+        # a head tensor may also be measured (TorchScript's later reshapes read its Shape): the Shape goes on
+        # reading it once it is cut from the new blocks
+        if cut.cols.ndim == 4 and cut.tokens == (0, 1) and transposes \
+                and all(r in transposes or r.op == "Shape" for r in readers):
             heads.append(cut)
             continue
         for node in readers:

@@ -17,17 +17,18 @@ from compiler.pass_manager import run_passes
 from compiler.pipeline import build_pipeline
 from passes.fuse_attention import FuseAttention
 from passes.fuse_qkv import FuseQkv
+from passes.match_attention import match_gqa_repeat
 from passes.pattern import producer
 from runtime.feeds import causal_lm_inputs
 from runtime.ops import FusedAttentionInput
 from runtime.signature import io_signature, llm_dimensions
 
 
-def _before_attention(dynamo: bool, with_past: bool = True) -> gs.Graph:
-    """A tiny Llama export taken through every pass that runs before the attention fusion."""
+def _before_attention(dynamo: bool, with_past: bool = True, family: str = "llama") -> gs.Graph:
+    """A tiny export (Llama's by default) taken through every pass that runs before the attention fusion."""
     from models.tiny import tiny_onnx
 
-    graph = gs.import_onnx(load_onnx(tiny_onnx("llama", dynamo=dynamo, with_past=with_past)))
+    graph = gs.import_onnx(load_onnx(tiny_onnx(family, dynamo=dynamo, with_past=with_past)))
     passes = build_pipeline(None)
     run_passes(graph, passes[:[p.name for p in passes].index("AttentionFusionPass")], {})
     return graph
@@ -57,6 +58,29 @@ def test_attention_then_qkv_fuse_each_layer_and_keep_the_numbers(dynamo, tmp_pat
                                                                      if n.op_type == "FusedAttention").attribute}
     assert (attrs["num_heads"], attrs["kv_num_heads"], attrs["head_dim"], attrs["causal"]) == (4, 2, 16, 1)
     assert attrs["rotary_dim"] == 16 and abs(attrs["scale"] - 0.25) < 1e-7
+    assert_parity(original, fused, _feeds(original), tmp_path)
+
+
+def test_one_key_head_broadcast_by_the_matmuls_fuses(tmp_path):
+    """Multi-query attention whose one key and value head reach the MatMuls unrepeated, which broadcast it
+    over the query heads (Falcon-7B as Optimum exports it): the tiny Mistral's single KV head with its
+    repeat_kv taken out, fused and equal to onnxruntime on the edited graph."""
+    graph = _before_attention(False, family="mistral")
+    for softmax in [n for n in graph.nodes if n.op == "Softmax"]:
+        add = producer(softmax.inputs[0], "Add")
+        transpose = producer(_unscaled(producer(_unscaled(add.inputs[0]), "MatMul").inputs[1]), "Transpose")
+        context = next(n for n in softmax.outputs[0].outputs + [r for w in softmax.outputs[0].outputs
+                                                                  if w.op == "Where" for r in w.outputs[0].outputs]
+                       if n.op == "MatMul")
+        transpose.inputs[0] = match_gqa_repeat(transpose.inputs[0])[0]
+        context.inputs[1] = match_gqa_repeat(context.inputs[1])[0]
+    graph.cleanup().toposort()
+    original = gs.export_onnx(graph.copy(), do_type_check=False)
+    assert FuseAttention().run(graph).effect_times == 2
+    fused = gs.export_onnx(graph, do_type_check=False)
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in next(n for n in fused.graph.node
+                                                                     if n.op_type == "FusedAttention").attribute}
+    assert (attrs["num_heads"], attrs["kv_num_heads"]) == (4, 1)
     assert_parity(original, fused, _feeds(original), tmp_path)
 
 

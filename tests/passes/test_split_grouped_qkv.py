@@ -103,9 +103,10 @@ def test_projections_cut_by_regrouping_become_three_blocks(family, dynamo, tmp_p
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
-def _hand_built(tokens_swapped: bool = False, sizes_computed: bool = False) -> gs.Graph:
+def _hand_built(tokens_swapped: bool = False, sizes_computed: bool = False, optimum_falcon: bool = False) -> gs.Graph:
     """x·W reshaped to [B, S, 12, D] by a target read from x's shape, then split into three by 4 heads, each
-    read by the head transpose; the shapes set as inference would."""
+    read by the head transpose; the shapes set as inference would. `optimum_falcon`: as transformers 4.57's
+    Falcon writes it, the queries' shape is read too and the key is broadcast to its own shape."""
     x = gs.Variable("x", np.float32, ["B", "S", HIDDEN])
     weight = gs.Constant("W", np.random.default_rng(0).standard_normal((HIDDEN, 12 * DIM)).astype(np.float32))
     projected = gs.Variable("p", np.float32, ["B", "S", 12 * DIM])
@@ -123,13 +124,21 @@ def _hand_built(tokens_swapped: bool = False, sizes_computed: bool = False) -> g
                  *([second, first] if tokens_swapped else [first, second]), gs.Constant("hd", np.array([12, DIM]))]),
              gs.Node("Reshape", inputs=[projected, target], outputs=[heads]),
              gs.Node("Split", attrs={"axis": 2}, inputs=[heads, sizes], outputs=pieces)]
+    if optimum_falcon:
+        broadcast = gs.Variable("broadcast", np.float32, pieces[1].shape)
+        measured = gs.Variable("measured", np.int64, [4])
+        nodes += [gs.Node("Expand", inputs=[pieces[1], gs.Constant("ones", np.array([1, 1, 4, DIM]))],
+                          outputs=[broadcast]),
+                  gs.Node("Shape", inputs=[pieces[0]], outputs=[measured])]
+        pieces = [pieces[0], broadcast, pieces[2]]
     nodes += [gs.Node("Transpose", attrs={"perm": [0, 2, 1, 3]}, inputs=[p], outputs=[o]) for p, o in zip(pieces, outputs)]
     inputs = [x, sizes] if sizes_computed else [x]
-    return gs.Graph(nodes=nodes, inputs=inputs, outputs=outputs, opset=17)
+    return gs.Graph(nodes=nodes, inputs=inputs, outputs=outputs + ([measured] if optimum_falcon else []), opset=17)
 
 
-def test_token_axes_swapped_or_split_sizes_known_only_at_run_time_are_refused():
-    plain = _hand_built()
+@pytest.mark.parametrize("optimum_falcon", [False, True])
+def test_token_axes_swapped_or_split_sizes_known_only_at_run_time_are_refused(optimum_falcon):
+    plain = _hand_built(optimum_falcon=optimum_falcon)
     original = gs.export_onnx(plain.copy())
     assert SplitGroupedQkv().run(plain).effect_times == 1  # the control: the same graph otherwise
     feeds = {"x": np.random.default_rng(1).standard_normal((2, 3, HIDDEN)).astype(np.float32)}
