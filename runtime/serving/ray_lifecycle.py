@@ -58,7 +58,7 @@ def serve_on_ray(spec, scaling, host: str, port: int, address: str | None, say: 
     deployed = False
     try:
         _check_capacity(ray, where, scaling)
-        serve.start(http_options={"host": host, "port": port})
+        _start_serve(ray, serve, {"host": host, "port": port})
         if APP_NAME in serve.status().applications:
             raise AtcError("E10055", f"an application named {APP_NAME!r} already runs on the cluster at {where}; "
                                      f"one deployment per cluster")
@@ -97,6 +97,18 @@ def serve_on_ray(spec, scaling, host: str, port: int, address: str | None, say: 
 
 _DEPLOY_TIMEOUT_S = 900   # loading a large model on every replica takes minutes; placing them should not
 _REPORT_TIMEOUT_S = 60
+
+
+def _start_serve(ray, serve, http_options: dict, attempts: int = 3) -> None:
+    """`serve.start`, again when its HTTP proxy died starting: Serve's controller kills a proxy that is not
+    ready within 5 s (a busy machine's imports can take longer) and starts another, with more time."""
+    for attempt in range(attempts):
+        try:
+            serve.start(http_options=http_options)
+            return
+        except ray.exceptions.ActorDiedError:
+            if attempt == attempts - 1:
+                raise
 
 
 def _check_capacity(ray, where: str, scaling) -> None:
