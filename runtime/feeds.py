@@ -73,10 +73,10 @@ def read_input_files(paths: list[str], signature: dict, shapes: dict[str, list[i
 
 def made_up_inputs(signature: dict, dims: dict, shapes: dict[str, list[int]], kind: str,
                    seed: int = 0, page_size: int | None = None) -> dict[str, np.ndarray]:
-    """Zero or random inputs; a causal LM (non-empty `dims`) gets a consistent set. For a paged artifact
+    """Zero or random inputs; a causal LM (`dims` with its vocabulary) gets a consistent set. For a paged artifact
     (`page_size`), `input_ids:B,S` in `shapes` means B sequences of S tokens each."""
     rng = np.random.default_rng(seed)
-    if dims:
+    if "vocab_size" in dims:  # a causal LM (any artifact's dims also name its family)
         batch, seq = shapes.get("input_ids", [DEFAULT_DIM, DEFAULT_SEQ])
         past = shapes.get("past_key_values.0.key", [batch, 0, 0, 0])[2]
         if kind == "zero":

@@ -166,8 +166,9 @@ def test_eval_ppl_shows_loading_and_window_progress_on_stderr_and_json_on_stdout
     assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout.startswith("perplexity ")
 
 
-def test_a_model_onnxruntime_fails_at_run_time_ends_in_a_code_not_a_traceback(tmp_path):
-    """A Reshape to [2, -1] compiles, and onnxruntime refuses it only when run on an odd length."""
+def _halves(tmp_path):
+    """A graph that is no language model: a Reshape of x [n] to [2, -1], which compiles, and which
+    onnxruntime refuses only when run on an odd n."""
     import onnx
     from onnx import TensorProto, helper
 
@@ -176,10 +177,22 @@ def test_a_model_onnxruntime_fails_at_run_time_ends_in_a_code_not_a_traceback(tm
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, None])],
                               [helper.make_tensor("shape", TensorProto.INT64, [2], [2, -1])])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "halves.onnx")
-    om = compile_to(tmp_path / "halves.onnx", tmp_path / "halves")
+    return compile_to(tmp_path / "halves.onnx", tmp_path / "halves")
+
+
+def test_a_model_onnxruntime_fails_at_run_time_ends_in_a_code_not_a_traceback(tmp_path):
+    om = _halves(tmp_path)
     odd = tmp_path / "odd.npy"
     np.save(odd, np.ones(3, np.float32))
     proc = subprocess.run([sys.executable, "-m", "cli.cann_run", "--model", str(om), "--input", str(odd)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "E19999" in proc.stderr and "Reshape" in proc.stderr
     assert "Traceback (most recent call last)" not in proc.stderr and 'File "' not in proc.stderr
+
+
+def test_made_up_inputs_of_a_graph_that_is_no_language_model_take_the_shapes_given(tmp_path):
+    result = _invoke("--model", str(_halves(tmp_path)), "--dymShape", "x:6", "--output", str(tmp_path / "out"),
+                     "--outfmt", "NPY")
+    assert result.exit_code == 0, result.output
+    written = list((tmp_path / "out").rglob("*.npy"))
+    assert len(written) == 1 and np.load(written[0]).shape == (2, 3)
