@@ -22,6 +22,7 @@ import onnx_graphsurgeon as gs
 
 from passes.pattern import FusionPass, axes_of, const_ints, is_graph_output, producer
 from passes.shape_values import is_dim, reshape_target
+from passes.split_interleaved_qkv import write_qkv_blocks
 
 _HEAD_TRANSPOSE = [0, 2, 1, 3]
 
@@ -227,32 +228,10 @@ class SplitGroupedQkv(FusionPass):
 
     def rewrite(self, graph: gs.Graph, match: GroupedQkv) -> None:
         order = np.concatenate([piece.cols.reshape(-1) for piece in match.pieces])
-        name, dtype = match.name, match.x.dtype
-        batch = match.x.shape[:2] if match.x.shape is not None and len(match.x.shape) == 3 else [None, None]
-        weight = gs.Constant(f"{name}_blocks", np.ascontiguousarray(np.asarray(match.weight.values)[:, order]))
-        packed = gs.Variable(f"{name}_blocks_out", dtype=dtype, shape=[*batch, len(order)])
-        graph.nodes.append(gs.Node("MatMul", name=f"{name}_blocks", inputs=[match.x, weight], outputs=[packed]))
-        if match.bias is not None:
-            biased = gs.Variable(f"{name}_blocks_biased", dtype=dtype, shape=packed.shape)
-            bias = gs.Constant(f"{name}_blocks_bias", np.ascontiguousarray(np.asarray(match.bias.values)[order]))
-            graph.nodes.append(gs.Node("Add", name=f"{name}_blocks_bias", inputs=[packed, bias], outputs=[biased]))
-            packed = biased
-        start = 0
-        for part, piece in enumerate(match.pieces):
-            heads, dim = piece.cols.shape[2:]
-            label = f"{name}_{'qkv'[part]}"
-            block = gs.Variable(label, dtype=dtype, shape=[*batch, heads * dim])
-            piece.tensor.inputs.clear()  # its old producer gives it up
-            graph.nodes += [
-                gs.Node("Slice", name=label, outputs=[block], inputs=[
-                    packed, gs.Constant(f"{label}_start", np.array([start], np.int64)),
-                    gs.Constant(f"{label}_end", np.array([start + heads * dim], np.int64)),
-                    gs.Constant(f"{label}_axis", np.array([-1], np.int64))]),
-                gs.Node("Reshape", name=f"{label}_heads", outputs=[piece.tensor], inputs=[
-                    block, gs.Constant(f"{label}_shape", np.array([0, 0, heads, dim], np.int64))])]
-            start += heads * dim
+        packed = write_qkv_blocks(graph, match.name, match.x, match.weight, match.bias, order,
+                                  [(piece.tensor, *piece.cols.shape[2:]) for piece in match.pieces])
         for index, (node, read) in enumerate(match.shapes):
-            _shape_from(graph, node, packed, read, f"{name}_shape{index}")
+            _shape_from(graph, node, packed, read, f"{match.name}_shape{index}")
 
 
 def _shape_from(graph: gs.Graph, node: gs.Node, packed: gs.Tensor, read: Cut, label: str) -> None:

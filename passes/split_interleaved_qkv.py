@@ -99,27 +99,43 @@ class SplitInterleavedQkv(FusionPass):
         # column h·3D + j·D + d of the old layout becomes column j·H·D + h·D + d
         order = (np.arange(heads)[None, :, None] * 3 * dim + np.arange(3)[:, None, None] * dim
                  + np.arange(dim)[None, None, :]).reshape(-1)
-        name = match.name
-        weight = gs.Constant(f"{name}_blocks", np.ascontiguousarray(np.asarray(match.weight.values)[:, order]))
         batch = match.x.shape[:2] if match.x.shape is not None and len(match.x.shape) == 3 else [None, None]
-        packed = gs.Variable(f"{name}_blocks_out", dtype=match.x.dtype, shape=[*batch, 3 * heads * dim])
-        graph.nodes.append(gs.Node("MatMul", name=f"{name}_blocks", inputs=[match.x, weight], outputs=[packed]))
-        if match.bias is not None:
-            biased = gs.Variable(f"{name}_blocks_biased", dtype=match.x.dtype, shape=packed.shape)
-            bias = gs.Constant(f"{name}_blocks_bias", np.ascontiguousarray(np.asarray(match.bias.values)[order]))
-            graph.nodes.append(gs.Node("Add", name=f"{name}_blocks_bias", inputs=[packed, bias], outputs=[biased]))
-            packed = biased
-        for part, piece in enumerate(match.pieces):
-            label = f"{name}_{'qkv'[part]}"
-            third = gs.Variable(label, dtype=match.x.dtype, shape=[*batch, heads * dim])
-            split = gs.Variable(f"{label}_heads", dtype=match.x.dtype, shape=[*batch, heads, dim])
-            graph.nodes += [
-                gs.Node("Slice", name=label, outputs=[third], inputs=[
-                    packed, gs.Constant(f"{label}_start", np.array([part * heads * dim], np.int64)),
-                    gs.Constant(f"{label}_end", np.array([(part + 1) * heads * dim], np.int64)),
-                    gs.Constant(f"{label}_axis", np.array([-1], np.int64))]),
-                gs.Node("Reshape", name=f"{label}_heads", outputs=[split], inputs=[
-                    third, gs.Constant(f"{label}_shape", np.array([0, 0, heads, dim], np.int64))])]
+        split = [gs.Variable(f"{match.name}_{part}_heads", dtype=match.x.dtype, shape=[*batch, heads, dim])
+                 for part in "qkv"]
+        write_qkv_blocks(graph, match.name, match.x, match.weight, match.bias, order,
+                         [(tensor, heads, dim) for tensor in split])
+        for part, (heads4, piece) in enumerate(zip(split, match.pieces)):
             piece.inputs.clear()  # the old Split or Slice gives it up
-            graph.nodes.append(gs.Node("Transpose", name=f"{label}_transpose", attrs={"perm": [0, 2, 1, 3]},
-                                       inputs=[split], outputs=[piece]))
+            graph.nodes.append(gs.Node("Transpose", name=f"{match.name}_{'qkv'[part]}_transpose",
+                                       attrs={"perm": [0, 2, 1, 3]}, inputs=[heads4], outputs=[piece]))
+
+
+def write_qkv_blocks(graph: gs.Graph, name: str, x: gs.Tensor, weight: gs.Constant, bias: gs.Constant | None,
+                     order: np.ndarray, heads: list[tuple[gs.Tensor, int, int]]) -> gs.Tensor:
+    """x · W[:, order] (+ b[order]), the projection with its columns reordered into blocks, cut into `heads`
+    (each a [B, S, h, D] tensor, taken from its producer, with its h and D) as Phi-3's packed projection is:
+    a Slice of the last axis, then `Reshape([0, 0, h, D])`. Returns the packed projection."""
+    dtype = x.dtype
+    batch = x.shape[:2] if x.shape is not None and len(x.shape) == 3 else [None, None]
+    reordered = gs.Constant(f"{name}_blocks", np.ascontiguousarray(np.asarray(weight.values)[:, order]))
+    packed = gs.Variable(f"{name}_blocks_out", dtype=dtype, shape=[*batch, len(order)])
+    graph.nodes.append(gs.Node("MatMul", name=f"{name}_blocks", inputs=[x, reordered], outputs=[packed]))
+    if bias is not None:
+        biased = gs.Variable(f"{name}_blocks_biased", dtype=dtype, shape=packed.shape)
+        values = gs.Constant(f"{name}_blocks_bias", np.ascontiguousarray(np.asarray(bias.values)[order]))
+        graph.nodes.append(gs.Node("Add", name=f"{name}_blocks_bias", inputs=[packed, values], outputs=[biased]))
+        packed = biased
+    start = 0
+    for part, (tensor, count, dim) in enumerate(heads):
+        label = f"{name}_{'qkv'[part]}"
+        block = gs.Variable(label, dtype=dtype, shape=[*batch, count * dim])
+        tensor.inputs.clear()  # its old producer gives it up
+        graph.nodes += [
+            gs.Node("Slice", name=label, outputs=[block], inputs=[
+                packed, gs.Constant(f"{label}_start", np.array([start], np.int64)),
+                gs.Constant(f"{label}_end", np.array([start + count * dim], np.int64)),
+                gs.Constant(f"{label}_axis", np.array([-1], np.int64))]),
+            gs.Node("Reshape", name=f"{label}_heads", outputs=[tensor], inputs=[
+                block, gs.Constant(f"{label}_shape", np.array([0, 0, count, dim], np.int64))])]
+        start += count * dim
+    return packed
