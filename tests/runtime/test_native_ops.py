@@ -392,3 +392,33 @@ def test_long_contexts_decoded_in_parts_attend_as_the_reference(dim, heads, kv_h
     session = _one_node_session(heads, kv_heads, dim, window, page, library=library)
     (out,) = session.run(None, {"qkv": qkv, **feeds, POOL_KEY: key, POOL_VALUE: value})
     np.testing.assert_allclose(out, expected, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"] if AVX2_BUILD else ["native"])
+@pytest.mark.parametrize("heads, kv_heads, lengths, window", [(9, 3, [600], 0), (9, 3, [530], 0), (9, 3, [900], 300),
+                                                              (4, 1, [700, 41], 0), (4, 1, [700, 41], 200)])
+def test_decode_contexts_cut_within_pages_attend_as_the_reference(heads, kv_heads, lengths, window, build, request):
+    """A step of at most three items (a sequence's KV heads), fewer than any pool's threads want: each
+    item's keys are cut into parts of even length that begin and end inside pages (600 keys in two parts
+    of 304 and 296), and under a window whole parts fall before what the query sees."""
+    from runtime.kernels.paged_attention import paged_attention_reference, rotate_and_store_reference
+
+    dim, page, pages = 64, 128, 16
+    rng = np.random.default_rng(sum(lengths) + window)
+    lengths = np.array(lengths, np.int32)
+    batch = len(lengths)
+    tables = rng.permutation(pages).reshape(2, 8)[:batch].astype(np.int32)
+    starts = np.arange(batch + 1, dtype=np.int32)
+    slots = np.array([tables[b, (n - 1) // page] * page + (n - 1) % page for b, n in enumerate(lengths)], np.int64)
+    qkv = rng.standard_normal((1, batch, (heads + 2 * kv_heads) * dim)).astype(np.float32)
+    key, value = (rng.standard_normal((1, pages, kv_heads, page, dim)).astype(np.float32) for _ in range(2))
+    ref_key, ref_value = key[0].copy(), value[0].copy()
+    q = rotate_and_store_reference(qkv, None, None, None, None, slots, ref_key, ref_value, num_heads=heads,
+                                   kv_num_heads=kv_heads, head_dim=dim)
+    expected = paged_attention_reference(q, ref_key, ref_value, starts, lengths, tables, 0.2,
+                                         sliding_window=window).reshape(1, batch, -1)
+    feeds = dict(zip((m.name for m in PAGED_METADATA), (starts, lengths, tables, slots)))
+    library = request.getfixturevalue("avx2_library") if build == "avx2" else None
+    session = _one_node_session(heads, kv_heads, dim, window, page, library=library)
+    (out,) = session.run(None, {"qkv": qkv, **feeds, POOL_KEY: key, POOL_VALUE: value})
+    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=0)

@@ -16,6 +16,7 @@ raises as PagedInputError, never a read or write outside the arrays.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "native_ops.h"
 
@@ -29,9 +30,9 @@ enum { QUERY, KEY, VALUE, COS, SIN, QUERY_START_LOC, SEQ_LENS, BLOCK_TABLES, SLO
                             --sequences 1: 1.07x at 64 tokens, 1.20x at 96, none at 48) */
 #define WIDE_ROWS 32 /* query rows of a wide tile at most (attend_wide), as many as 64 query vectors allow */
 #define WIDE_MIN 8   /* query vectors from which a tile runs wide: fewer (a decode step's) waste the lanes */
-/* items below which a decode step's long contexts are cut into parts of their pages (enough to keep a
-   many-core pool busy), and the keys a part holds at least */
-#define SPLIT_ITEMS 64
+/* the keys a part of a decode step's context holds at least (split_long_contexts): below, a part's own
+   start, merge and scratch cost more than the thread it frees gains (SmolLM2's INT4 decode, its keys and
+   values in cache, 0.98x a token with parts from 64 keys) */
 #define SPLIT_KEYS 256
 
 typedef struct {
@@ -74,8 +75,8 @@ typedef struct {
   const int64_t* tile_row;
   float* out;         /* [T, Hq, D] */
   int64_t tile_rows;  /* query rows a tile takes at most */
-  int64_t splits;      /* parts a tile's pages are cut into, each an item of its own (1: whole tiles) */
-  int64_t split_pages; /* pages a part holds at most */
+  int64_t splits;      /* parts a tile's keys are cut into, each an item of its own (1: whole tiles) */
+  int64_t split_keys;  /* keys a part holds at most */
   float* partial;      /* with splits: per item, per query vector, [running max, total, unnormalised output] */
 } Attend;
 
@@ -96,14 +97,15 @@ static inline int64_t first_page(const Kernel* k, int64_t first_pos) {
   return (oldest > 0 ? oldest : 0) / k->page_size;
 }
 
-/* KV head kv's keys and values on `page` (its first position `base`) and how many of its rows a tile whose
-   last query sits at last_pos reads */
-static inline int64_t page_rows(const Attend* a, int32_t page, int64_t base, int64_t last_pos, int64_t kv, int64_t D,
-                                const float** kp, const float** vp) {
-  const int64_t PS = a->k->page_size, KV = a->k->kv_heads;
-  *kp = a->key + ((int64_t)page * KV + kv) * PS * D;
-  *vp = a->value + ((int64_t)page * KV + kv) * PS * D;
-  return last_pos + 1 - base < PS ? last_pos + 1 - base : PS;
+/* KV head kv's keys and values from position `at` of sequence b (its block table `pages`) to the end of
+   at's page or to `hi`, whichever comes first: their count, their rows in *kp and *vp */
+static inline int64_t key_rows(const Attend* a, const int32_t* pages, int64_t at, int64_t hi, int64_t kv, int64_t D,
+                               const float** kp, const float** vp) {
+  const int64_t PS = a->k->page_size, KV = a->k->kv_heads, row = at % PS;
+  const int64_t start = (((int64_t)pages[at / PS] * KV + kv) * PS + row) * D;
+  *kp = a->key + start;
+  *vp = a->value + start;
+  return hi - at < PS - row ? hi - at : PS - row;
 }
 
 /* scores[0..count) → exp(score - max) where lo <= r < hi, else 0; their sum into *sum */
@@ -164,15 +166,16 @@ static inline float page_softmax(const Kernel* k, float* scores, int64_t count, 
   return correction;
 }
 
-/* Query rows first..first+rows-1 of sequence b, the query heads of KV head kv, over the sequence's pages,
-   one page of scores at a time with an online softmax. D is a constant in the specialised copies below. */
+/* Query rows first..first+rows-1 of sequence b, the query heads of KV head kv, over the keys at positions
+   [lo, hi), a page (or what of it lies in the range) of scores at a time with an online softmax. D is a
+   constant in the specialised copies below. */
 static inline __attribute__((always_inline)) void attend_tile(const Attend* a, int64_t b, int64_t first, int64_t rows,
                                                               int64_t kv, const int64_t D, int64_t lo, int64_t hi,
                                                               float* part) {
   const Kernel* k = a->k;
   const int64_t group = k->num_heads / k->kv_heads, PS = k->page_size;
   const int64_t n = rows * group; /* query vectors of the tile */
-  const int64_t first_pos = first_position(a, b, first), last_pos = first_pos + rows - 1;
+  const int64_t first_pos = first_position(a, b, first);
   /* scratch on the stack, sized by the tile: at most 128 query vectors x 512 rows of a page */
   float qv[n][D] __attribute__((aligned(64)));
   float acc[n][D] __attribute__((aligned(64)));
@@ -188,9 +191,9 @@ static inline __attribute__((always_inline)) void attend_tile(const Attend* a, i
     position[i] = first_pos + i / group;
   }
   const int32_t* pages = a->tables + b * a->max_blocks;
-  for (int64_t page_index = lo; page_index < hi; page_index++) {
+  for (int64_t base = lo, count; base < hi; base += count) {
     const float *kp, *vp;
-    const int64_t base = page_index * PS, count = page_rows(a, pages[page_index], base, last_pos, kv, D, &kp, &vp);
+    count = key_rows(a, pages, base, hi, kv, D, &kp, &vp);
     for (int64_t r = 0; r < count; r++) {
       const float* kr = kp + r * D;
       for (int64_t i = 0; i < n; i++) {
@@ -259,7 +262,7 @@ static inline __attribute__((always_inline)) void attend_wide(const Attend* a, i
   for (int64_t page_index = first_page(k, first_pos); page_index <= last_pos / PS; page_index++) {
     const float *page_keys, *page_values;
     const int64_t page_base = page_index * PS;
-    const int64_t page_count = page_rows(a, pages[page_index], page_base, last_pos, kv, D, &page_keys, &page_values);
+    const int64_t page_count = key_rows(a, pages, page_base, last_pos + 1, kv, D, &page_keys, &page_values);
     for (int64_t r0 = 0; r0 < page_count; r0 += WIDE_KEYS) {
       const int64_t count = page_count - r0 < WIDE_KEYS ? page_count - r0 : WIDE_KEYS, base = page_base + r0;
       const float *kp = page_keys + r0 * D, *vp = page_values + r0 * D;
@@ -393,7 +396,7 @@ static inline __attribute__((always_inline)) void attend_wide8(const Attend* a, 
   for (int64_t page_index = first_page(k, first_pos); page_index <= last_pos / PS; page_index++) {
     const float *page_keys, *page_values;
     const int64_t page_base = page_index * PS;
-    const int64_t page_count = page_rows(a, pages[page_index], page_base, last_pos, kv, D, &page_keys, &page_values);
+    const int64_t page_count = key_rows(a, pages, page_base, last_pos + 1, kv, D, &page_keys, &page_values);
     for (int64_t r0 = 0; r0 < page_count; r0 += WIDE_KEYS) {
       const int64_t count = page_count - r0 < WIDE_KEYS ? page_count - r0 : WIDE_KEYS, base = page_base + r0;
       const float *kp = page_keys + r0 * D, *vp = page_values + r0 * D;
@@ -485,13 +488,26 @@ static inline __attribute__((always_inline)) void attend_wide8(const Attend* a, 
    registers; a key row's dot is D/16 FMAs into one vector and the dots of 16 key rows are reduced together
    (sum16) into 16 scores; the output accumulates in registers over a page's value rows, CW vectors of
    head-dim columns at a time, the page's correction applied as they are loaded. */
+/* A decode step's keys and values come from memory (the step's weights have streamed through the caches
+   since this layer last read them): while a block of 16 key rows is scored, the key rows NARROW_AHEAD
+   blocks on and the block's own value rows, which the value pass reads next, are fetched. */
+#define NARROW_AHEAD 2
+static inline void narrow_prefetch(const float* kp, const float* vp, int64_t r0, int64_t count, int64_t D) {
+  const int64_t lines = 16 * D / 16, ahead = r0 + 16 * NARROW_AHEAD;
+  for (int64_t l = 0; l < lines; l++) {
+    if (ahead + l / (D / 16) < count) _mm_prefetch((const char*)(kp + ahead * D + l * 16), _MM_HINT_T0);
+    if (r0 + l / (D / 16) < count) _mm_prefetch((const char*)(vp + r0 * D + l * 16), _MM_HINT_T1);
+  }
+}
+
 static inline __attribute__((always_inline)) void attend_narrow(const Attend* a, int64_t b, int64_t first, int64_t rows,
                                                                 int64_t kv, const int64_t D, const int NQ, int64_t lo,
                                                                 int64_t hi, float* part) {
   const Kernel* k = a->k;
   const int64_t group = k->num_heads / k->kv_heads, PS = k->page_size;
   const int DV = (int)(D / 16), CW = NQ <= 3 ? 4 : 2;
-  const int64_t first_pos = first_position(a, b, first), last_pos = first_pos + rows - 1;
+  const int64_t first_pos = first_position(a, b, first);
+  (void)rows;
   __m512 q[WIDE_MIN][8];
   float acc[NQ][D] __attribute__((aligned(64)));
   float scores[NQ][PS];
@@ -506,12 +522,13 @@ static inline __attribute__((always_inline)) void attend_narrow(const Attend* a,
     position[i] = first_pos + i / group;
   }
   const int32_t* pages = a->tables + b * a->max_blocks;
-  for (int64_t page_index = lo; page_index < hi; page_index++) {
+  for (int64_t base = lo, count; base < hi; base += count) {
     const float *kp, *vp;
-    const int64_t base = page_index * PS, count = page_rows(a, pages[page_index], base, last_pos, kv, D, &kp, &vp);
-    for (int i = 0; i < NQ; i++)
-      for (int64_t r0 = 0; r0 < count; r0 += 16) {
-        const int64_t m = count - r0 < 16 ? count - r0 : 16;
+    count = key_rows(a, pages, base, hi, kv, D, &kp, &vp);
+    for (int64_t r0 = 0; r0 < count; r0 += 16) {
+      const int64_t m = count - r0 < 16 ? count - r0 : 16;
+      narrow_prefetch(kp, vp, r0, count, D);
+      for (int i = 0; i < NQ; i++) {
         __m512 t[16];
         for (int j = 0; j < 16; j++) {
           if (j >= m) {
@@ -525,6 +542,7 @@ static inline __attribute__((always_inline)) void attend_narrow(const Attend* a,
         }
         _mm512_mask_storeu_ps(scores[i] + r0, (__mmask16)(m >= 16 ? 0xFFFFu : (1u << m) - 1), sum16(t));
       }
+    }
     for (int i = 0; i < NQ; i++)
       correction[i] = page_softmax(k, scores[i], count, position[i], base, &running_max[i], &total[i]);
     for (int c = 0; c < DV; c += CW) {
@@ -563,30 +581,31 @@ static inline void finish_vector(const Attend* a, int64_t first, int64_t kv, int
   for (int64_t d = 0; d < D; d++) dst[d] = acc[d] * inverse;
 }
 
-/* the rows of a tile (`tile` of the step) and the range of pages [*lo, *hi) its queries see */
-static inline int64_t tile_pages(const Attend* a, int64_t tile, int64_t* lo, int64_t* hi) {
+/* the rows of a tile (`tile` of the step) and the positions [*lo, *hi) of the keys its queries see: from the
+   first page its window reaches to its last query */
+static inline int64_t tile_keys(const Attend* a, int64_t tile, int64_t* lo, int64_t* hi) {
   const int64_t b = a->tile_seq[tile], first = a->tile_row[tile];
   int64_t rows = a->starts[b + 1] - first;
   if (rows > a->tile_rows) rows = a->tile_rows;
   const int64_t first_pos = first_position(a, b, first);
-  *lo = first_page(a->k, first_pos);
-  *hi = (first_pos + rows - 1) / a->k->page_size + 1;
+  *lo = first_page(a->k, first_pos) * a->k->page_size;
+  *hi = first_pos + rows;
   return rows;
 }
 
-/* item = (tile · kv_heads + kv) · splits + part: one KV head of a tile, or with splits one part of its pages */
+/* item = (tile · kv_heads + kv) · splits + part: one KV head of a tile, or with splits one part of its keys */
 static void attend_item(void* data, size_t item) {
   const Attend* a = (const Attend*)data;
   const int64_t whole = (int64_t)item / a->splits, split = (int64_t)item % a->splits;
   int64_t kv = whole % a->k->kv_heads, tile = whole / a->k->kv_heads;
   int64_t b = a->tile_seq[tile], first = a->tile_row[tile];
   int64_t lo, hi;
-  const int64_t rows = tile_pages(a, tile, &lo, &hi);
+  const int64_t rows = tile_keys(a, tile, &lo, &hi);
   float* part = NULL;
   if (a->splits > 1) {
     part = a->partial + (int64_t)item * WIDE_MIN * (a->k->head_dim + 2);
-    lo += split * a->split_pages;
-    if (hi > lo + a->split_pages) hi = lo + a->split_pages;
+    lo += split * a->split_keys;
+    if (hi > lo + a->split_keys) hi = lo + a->split_keys;
     if (lo >= hi) { /* a shorter context than the longest: nothing in this part */
       for (int64_t i = 0; i < rows * (a->k->num_heads / a->k->kv_heads); i++) {
         part[i * (a->k->head_dim + 2)] = -INFINITY;
@@ -691,33 +710,46 @@ static OrtStatus* check_metadata(const Kernel* k, const Tensor* starts, const Te
 
 /* ---- a long context's decode over many items ------------------------------------------------------ */
 
+/* Items a decode step wants at least: two a core, so that threads taking them as they finish end together
+   (SmolLM2's one sequence has 3, one KV head each: on two threads one read two heads' keys while the other
+   waited); at most 64, which keeps a many-core pool busy. */
+static int64_t split_items(void) {
+  static int64_t items;
+  if (!items) {
+    const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    items = cores < 2 ? 4 : cores > 32 ? 64 : 2 * cores;
+  }
+  return items;
+}
+
 /* A decode step of few sequences has few items (a tile a sequence, times the KV heads): over a long context
    each item reads many pages while the other threads wait. Where every tile is a decode tile (fewer than
-   WIDE_MIN query vectors) and there are fewer than SPLIT_ITEMS items, each tile's pages are cut into parts
+   WIDE_MIN query vectors) and there are fewer than split_items() items, each tile's keys are cut into parts
    of at least SPLIT_KEYS keys, each part an item with its own online softmax (flash-decoding), merged by
-   combine_parts. Sets a->splits, split_pages and partial (or *status when out of memory). */
+   combine_parts. Sets a->splits, split_keys and partial (or *status when out of memory). */
 static void split_long_contexts(Attend* a, int64_t tiles, OrtStatus** status) {
   const Kernel* k = a->k;
-  const int64_t group = k->num_heads / k->kv_heads, whole = tiles * k->kv_heads;
-  if (whole >= SPLIT_ITEMS) return;
+  const int64_t group = k->num_heads / k->kv_heads, whole = tiles * k->kv_heads, wanted_items = split_items();
+  if (whole >= wanted_items) return;
   int64_t most = 0;
   for (int64_t tile = 0; tile < tiles; tile++) {
     int64_t lo, hi;
-    if (tile_pages(a, tile, &lo, &hi) * group >= WIDE_MIN) return; /* a prefill tile: it runs whole */
+    if (tile_keys(a, tile, &lo, &hi) * group >= WIDE_MIN) return; /* a prefill tile: it runs whole */
     if (hi - lo > most) most = hi - lo;
   }
-  const int64_t wanted = (SPLIT_ITEMS + whole - 1) / whole, least = (SPLIT_KEYS + k->page_size - 1) / k->page_size;
-  int64_t pages = (most + wanted - 1) / wanted;
-  if (pages < least) pages = least;
-  const int64_t splits = (most + pages - 1) / pages;
+  const int64_t wanted = (wanted_items + whole - 1) / whole;
+  int64_t keys = (most + wanted - 1) / wanted;
+  if (keys < SPLIT_KEYS) keys = SPLIT_KEYS;
+  const int64_t splits = (most + keys - 1) / keys;
   if (splits < 2) return;
+  keys = ((most + splits - 1) / splits + 15) / 16 * 16; /* parts of even length, whole blocks of 16 rows */
   a->partial = (float*)malloc(sizeof(float) * (size_t)(whole * splits * WIDE_MIN * (k->head_dim + 2)));
   if (!a->partial) {
     *status = fail("out of memory for the attention's parts");
     return;
   }
   a->splits = splits;
-  a->split_pages = pages;
+  a->split_keys = keys;
 }
 
 /* Each split tile's query vectors from its parts: outputs weighed by exp(part max - max) over the totals. */
@@ -726,7 +758,7 @@ static void combine_parts(const Attend* a, int64_t tiles) {
   const int64_t group = k->num_heads / k->kv_heads, D = k->head_dim, stride = WIDE_MIN * (D + 2);
   for (int64_t tile = 0; tile < tiles; tile++) {
     int64_t lo, hi;
-    const int64_t n = tile_pages(a, tile, &lo, &hi) * group;
+    const int64_t n = tile_keys(a, tile, &lo, &hi) * group;
     for (int64_t kv = 0; kv < k->kv_heads; kv++) {
       const float* parts = a->partial + (tile * k->kv_heads + kv) * a->splits * stride;
       for (int64_t i = 0; i < n; i++) {
