@@ -39,6 +39,7 @@ typedef struct {
   int64_t num_heads, kv_heads, head_dim, interleaved, window, layer, page_size;
   float scale;
   float softcap; /* > 0: the scaled scores capped to softcap * tanh(s / softcap) (Gemma 2), in attend_tile only */
+  int64_t split_items; /* items a decode step wants at least (split_long_contexts), fixed when the kernel is made */
 } Kernel;
 
 /* ---- rotary embedding and the cache write ---------------------------------------------------------- */
@@ -97,8 +98,8 @@ static inline int64_t first_page(const Kernel* k, int64_t first_pos) {
   return (oldest > 0 ? oldest : 0) / k->page_size;
 }
 
-/* KV head kv's keys and values from position `at` of sequence b (its block table `pages`) to the end of
-   at's page or to `hi`, whichever comes first: their count, their rows in *kp and *vp */
+/* KV head kv's keys and values from position `at` of the sequence whose block table is `pages` to the end
+   of at's page or to `hi`, whichever comes first: their count, their rows in *kp and *vp */
 static inline int64_t key_rows(const Attend* a, const int32_t* pages, int64_t at, int64_t hi, int64_t kv, int64_t D,
                                const float** kp, const float** vp) {
   const int64_t PS = a->k->page_size, KV = a->k->kv_heads, row = at % PS;
@@ -484,13 +485,9 @@ static inline __attribute__((always_inline)) void attend_wide8(const Attend* a, 
 
 /* ---- the narrow tile: a decode step's few query vectors, 16 key rows a reduction --------------------- */
 #if defined(__AVX512F__)
-/* The tile of attend_tile for NQ < WIDE_MIN query vectors and D = 64 or 128: each query vector sits in D/16
-   registers; a key row's dot is D/16 FMAs into one vector and the dots of 16 key rows are reduced together
-   (sum16) into 16 scores; the output accumulates in registers over a page's value rows, CW vectors of
-   head-dim columns at a time, the page's correction applied as they are loaded. */
 /* A decode step's keys and values come from memory (the step's weights have streamed through the caches
    since this layer last read them): while a block of 16 key rows is scored, the key rows NARROW_AHEAD
-   blocks on and the block's own value rows, which the value pass reads next, are fetched. */
+   blocks on are fetched, and the block's own value rows, read once the page's scores are in. */
 #define NARROW_AHEAD 2
 static inline void narrow_prefetch(const float* kp, const float* vp, int64_t r0, int64_t count, int64_t D) {
   const int64_t lines = 16 * D / 16, ahead = r0 + 16 * NARROW_AHEAD;
@@ -500,6 +497,11 @@ static inline void narrow_prefetch(const float* kp, const float* vp, int64_t r0,
   }
 }
 
+/* The tile of attend_tile for NQ < WIDE_MIN query vectors and D = 64 or 128: each query vector sits in D/16
+   registers; a key row's dot is D/16 FMAs into one vector and the dots of 16 key rows are reduced together
+   (sum16) into 16 scores, each block of 16 rows scored for every query vector while it is in L1; the
+   output accumulates in registers over a page's value rows, CW vectors of head-dim columns at a time, the
+   page's correction applied as they are loaded. */
 static inline __attribute__((always_inline)) void attend_narrow(const Attend* a, int64_t b, int64_t first, int64_t rows,
                                                                 int64_t kv, const int64_t D, const int NQ, int64_t lo,
                                                                 int64_t hi, float* part) {
@@ -582,13 +584,13 @@ static inline void finish_vector(const Attend* a, int64_t first, int64_t kv, int
 }
 
 /* the rows of a tile (`tile` of the step) and the positions [*lo, *hi) of the keys its queries see: from the
-   first page its window reaches to its last query */
+   oldest key its first query's window holds to its last query */
 static inline int64_t tile_keys(const Attend* a, int64_t tile, int64_t* lo, int64_t* hi) {
   const int64_t b = a->tile_seq[tile], first = a->tile_row[tile];
   int64_t rows = a->starts[b + 1] - first;
   if (rows > a->tile_rows) rows = a->tile_rows;
-  const int64_t first_pos = first_position(a, b, first);
-  *lo = first_page(a->k, first_pos) * a->k->page_size;
+  const int64_t first_pos = first_position(a, b, first), oldest = a->k->window > 0 ? first_pos - a->k->window + 1 : 0;
+  *lo = oldest > 0 ? oldest : 0;
   *hi = first_pos + rows;
   return rows;
 }
@@ -710,39 +712,26 @@ static OrtStatus* check_metadata(const Kernel* k, const Tensor* starts, const Te
 
 /* ---- a long context's decode over many items ------------------------------------------------------ */
 
-/* Items a decode step wants at least: two a core, so that threads taking them as they finish end together
-   (SmolLM2's one sequence has 3, one KV head each: on two threads one read two heads' keys while the other
-   waited); at most 64, which keeps a many-core pool busy. */
-static int64_t split_items(void) {
-  static int64_t items;
-  if (!items) {
-    const long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    items = cores < 2 ? 4 : cores > 32 ? 64 : 2 * cores;
-  }
-  return items;
-}
-
 /* A decode step of few sequences has few items (a tile a sequence, times the KV heads): over a long context
    each item reads many pages while the other threads wait. Where every tile is a decode tile (fewer than
-   WIDE_MIN query vectors) and there are fewer than split_items() items, each tile's keys are cut into parts
+   WIDE_MIN query vectors) and there are fewer than k->split_items items, each tile's keys are cut into parts
    of at least SPLIT_KEYS keys, each part an item with its own online softmax (flash-decoding), merged by
    combine_parts. Sets a->splits, split_keys and partial (or *status when out of memory). */
 static void split_long_contexts(Attend* a, int64_t tiles, OrtStatus** status) {
   const Kernel* k = a->k;
-  const int64_t group = k->num_heads / k->kv_heads, whole = tiles * k->kv_heads, wanted_items = split_items();
-  if (whole >= wanted_items) return;
+  const int64_t group = k->num_heads / k->kv_heads, whole = tiles * k->kv_heads;
+  if (whole >= k->split_items) return;
   int64_t most = 0;
   for (int64_t tile = 0; tile < tiles; tile++) {
     int64_t lo, hi;
     if (tile_keys(a, tile, &lo, &hi) * group >= WIDE_MIN) return; /* a prefill tile: it runs whole */
     if (hi - lo > most) most = hi - lo;
   }
-  const int64_t wanted = (wanted_items + whole - 1) / whole;
-  int64_t keys = (most + wanted - 1) / wanted;
-  if (keys < SPLIT_KEYS) keys = SPLIT_KEYS;
-  const int64_t splits = (most + keys - 1) / keys;
-  if (splits < 2) return;
-  keys = ((most + splits - 1) / splits + 15) / 16 * 16; /* parts of even length, whole blocks of 16 rows */
+  const int64_t wanted = (k->split_items + whole - 1) / whole;
+  int64_t parts = most / SPLIT_KEYS < wanted ? most / SPLIT_KEYS : wanted;
+  if (parts < 2) return;
+  /* parts of even length in whole blocks of 16 rows (so at most `parts` of them, none under SPLIT_KEYS) */
+  const int64_t keys = ((most + parts - 1) / parts + 15) / 16 * 16, splits = (most + keys - 1) / keys;
   a->partial = (float*)malloc(sizeof(float) * (size_t)(whole * splits * WIDE_MIN * (k->head_dim + 2)));
   if (!a->partial) {
     *status = fail("out of memory for the attention's parts");
@@ -925,6 +914,11 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api, const 
   /* the registry's defaults (runtime/ops.py): the compiler may leave these off */
   k->interleaved = int_attribute_or(info, "rotary_interleaved", 0);
   k->window = int_attribute_or(info, "sliding_window", 0);
+  /* two items a core, so that threads taking them as they finish end together (SmolLM2's one sequence has
+     3, one KV head each: on two threads one read two heads' keys while the other waited); at most 64,
+     which keeps a many-core pool busy */
+  const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  k->split_items = cores < 2 ? 4 : cores > 32 ? 64 : 2 * cores;
   OrtStatus* no_cap = ORT_CALL(g_api, KernelInfoGetAttribute_float)(info, "softcap", &k->softcap);
   if (no_cap) { /* the registry's default: none */
     ORT_CALL(g_api, ReleaseStatus)(no_cap);
