@@ -362,20 +362,14 @@ def test_prefill_tiles_on_pages_of_128_attend_as_the_reference(dim, heads, kv_he
     np.testing.assert_array_equal(value[0], ref_value)
 
 
-@pytest.mark.parametrize("build", ["native", "avx2"] if AVX2_BUILD else ["native"])
-@pytest.mark.parametrize("dim", [64, 96, 128])
-@pytest.mark.parametrize("heads, kv_heads, rows, window", [(9, 3, [1, 1, 1], 0), (4, 1, [1, 1, 1], 0),
-                                                          (4, 2, [2, 1, 3], 0), (6, 2, [1, 2, 1], 300)])
-def test_long_contexts_decoded_in_parts_attend_as_the_reference(dim, heads, kv_heads, rows, window, build, request):
-    """A decode step of few sequences over long contexts: each one's keys cut into parts, one item each,
-    merged after (the shortest sequence leaves its later parts empty; a window leaves early pages unread);
-    one to three query rows a sequence, as a verified draft has; a head dim of 96 takes the generic tile."""
+def _decode_step_against_the_reference(rng, heads, kv_heads, dim, rows, lengths, tables, window, library):
+    """One PagedAttention node over a pool of pages of 128 holding random keys and values, `rows` query rows
+    ending each sequence of `lengths` (block tables `tables`, naming pages below tables.max() + 1), against
+    the reference."""
     from runtime.kernels.paged_attention import paged_attention_reference, rotate_and_store_reference
 
-    page, pages = 128, 51
-    rng = np.random.default_rng(dim + heads + len(rows))
-    lengths = np.array([2100, 700, 5], np.int32)
-    tables = rng.permutation(pages).reshape(3, 17).astype(np.int32)
+    page, pages = 128, int(tables.max()) + 1
+    lengths = np.array(lengths, np.int32)
     starts = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
     positions = [np.arange(ctx - n, ctx) for n, ctx in zip(rows, lengths)]
     slots = np.concatenate([tables[b, p // page] * page + p % page for b, p in enumerate(positions)]).astype(np.int64)
@@ -388,10 +382,23 @@ def test_long_contexts_decoded_in_parts_attend_as_the_reference(dim, heads, kv_h
     expected = paged_attention_reference(q, ref_key, ref_value, starts, lengths, tables, 0.2,
                                          sliding_window=window).reshape(1, tokens, -1)
     feeds = dict(zip((m.name for m in PAGED_METADATA), (starts, lengths, tables, slots)))
-    library = request.getfixturevalue("avx2_library") if build == "avx2" else None
     session = _one_node_session(heads, kv_heads, dim, window, page, library=library)
     (out,) = session.run(None, {"qkv": qkv, **feeds, POOL_KEY: key, POOL_VALUE: value})
     np.testing.assert_allclose(out, expected, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"] if AVX2_BUILD else ["native"])
+@pytest.mark.parametrize("dim", [64, 96, 128])
+@pytest.mark.parametrize("heads, kv_heads, rows, window", [(9, 3, [1, 1, 1], 0), (4, 1, [1, 1, 1], 0),
+                                                          (4, 2, [2, 1, 3], 0), (6, 2, [1, 2, 1], 300)])
+def test_long_contexts_decoded_in_parts_attend_as_the_reference(dim, heads, kv_heads, rows, window, build, request):
+    """A decode step of few sequences over long contexts: each one's keys cut into parts, one item each,
+    merged after (the shortest sequence leaves its later parts empty; a window leaves early pages unread);
+    one to three query rows a sequence, as a verified draft has; a head dim of 96 takes the generic tile."""
+    rng = np.random.default_rng(dim + heads + len(rows))
+    tables = rng.permutation(51).reshape(3, 17).astype(np.int32)
+    library = request.getfixturevalue("avx2_library") if build == "avx2" else None
+    _decode_step_against_the_reference(rng, heads, kv_heads, dim, rows, [2100, 700, 5], tables, window, library)
 
 
 @pytest.mark.parametrize("build", ["native", "avx2"] if AVX2_BUILD else ["native"])
@@ -404,26 +411,7 @@ def test_decode_contexts_cut_within_pages_attend_as_the_reference(heads, kv_head
     item's keys are cut into parts of even length that begin and end inside pages (600 keys in two parts
     of 304 and 296; under a window of 600 they start where it does, mid-page), with one to three query rows
     a sequence, as a verified draft has; the shorter sequence's later parts hold nothing it sees."""
-    from runtime.kernels.paged_attention import paged_attention_reference, rotate_and_store_reference
-
-    dim, page, pages = 64, 128, 16
     rng = np.random.default_rng(sum(lengths) + window + sum(rows))
-    lengths = np.array(lengths, np.int32)
-    batch = len(lengths)
-    tables = rng.permutation(pages).reshape(2, 8)[:batch].astype(np.int32)
-    starts = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
-    positions = [np.arange(ctx - n, ctx) for n, ctx in zip(rows, lengths)]
-    slots = np.concatenate([tables[b, p // page] * page + p % page for b, p in enumerate(positions)]).astype(np.int64)
-    tokens = int(starts[-1])
-    qkv = rng.standard_normal((1, tokens, (heads + 2 * kv_heads) * dim)).astype(np.float32)
-    key, value = (rng.standard_normal((1, pages, kv_heads, page, dim)).astype(np.float32) for _ in range(2))
-    ref_key, ref_value = key[0].copy(), value[0].copy()
-    q = rotate_and_store_reference(qkv, None, None, None, None, slots, ref_key, ref_value, num_heads=heads,
-                                   kv_num_heads=kv_heads, head_dim=dim)
-    expected = paged_attention_reference(q, ref_key, ref_value, starts, lengths, tables, 0.2,
-                                         sliding_window=window).reshape(1, tokens, -1)
-    feeds = dict(zip((m.name for m in PAGED_METADATA), (starts, lengths, tables, slots)))
+    tables = rng.permutation(16).reshape(2, 8)[:len(lengths)].astype(np.int32)
     library = request.getfixturevalue("avx2_library") if build == "avx2" else None
-    session = _one_node_session(heads, kv_heads, dim, window, page, library=library)
-    (out,) = session.run(None, {"qkv": qkv, **feeds, POOL_KEY: key, POOL_VALUE: value})
-    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=0)
+    _decode_step_against_the_reference(rng, heads, kv_heads, 64, rows, lengths, tables, window, library)
