@@ -27,11 +27,13 @@ from passes.fuse_moe import FuseMoe
 from passes.fuse_qkv import FuseQkv
 from passes.fuse_rms_norm import FuseRmsNorm
 from passes.fuse_swiglu import FuseSwiGlu
+from passes.hoist_head_transpose import HoistHeadTranspose
 from passes.infer_shapes import InferShapes
 from passes.paged_kv_cache import PagedKvCache
 from passes.per_sequence_rotary import PerSequenceRotary
 from passes.split_grouped_qkv import SplitGroupedQkv
 from passes.split_interleaved_qkv import SplitInterleavedQkv
+from passes.split_unit_head_axis import SplitUnitHeadAxis
 from passes.prune_logits import PruneLogits
 from passes.quant.calibration import text_samples
 from passes.quant.quantize_weights import QuantizeWeights
@@ -101,6 +103,8 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: Wei
         ConvertGroupQueryAttention(paged=cfg is not None and cfg.paging is not None),
         ConvertMultiHeadAttention(),
         ExpandRotaryEmbedding(),  # the rotary ops the conversions left, in the spelling attention fusion reads
+        SplitUnitHeadAxis(),  # GPTBigCode's q/k/v cut from a view with a head axis of one
+        HoistHeadTranspose(),  # GPT-J's and CodeGen's heads rotated before their transpose
         SplitInterleavedQkv(),  # GPT-NeoX's head-by-head q/k/v, as three blocks
         SplitGroupedQkv(),  # Falcon's and InternLM2's q/k/v packed by KV group, as three blocks
         FuseAttention(),

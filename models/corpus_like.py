@@ -6,7 +6,8 @@ over them before anyone else does:
     CANN_LLM_CORPUS=.cache/corpus-like python -m pytest -n 2 tests/test_corpus.py
 
 `--families` also takes the architectures users bring beyond them (`ARCHITECTURES`: Llama 3.2's rope
-scaling, Phi-3.5's longrope, Gemma 2 and 3, GLM-4, Granite, GraniteMoe, OLMo-2, Mixtral, Phi-2, StableLM, GPT-NeoX, Falcon),
+scaling, Phi-3.5's longrope, Gemma 2 and 3, GLM-4, Granite, GraniteMoe, OLMo-2, Mixtral, Phi-2, StableLM, GPT-NeoX, Falcon,
+OPT, GPT-J, CodeGen, GPTBigCode),
 in the same sizes and layout.
 
 Each folder holds `model.onnx`, `reference.npz` (the torch model's outputs on the corpus's two cases, a
@@ -34,6 +35,10 @@ _SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 _GPT2_SIZES = dict(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=512)
 LAYERS = 2
 
+# GPT-2-named configurations (GPT-J, CodeGen, GPTBigCode) at the corpus's sizes; build() drops the Nones
+_GPT_NAMES = dict(hidden_size=None, intermediate_size=None, num_hidden_layers=None, num_attention_heads=None,
+                  num_key_value_heads=None, head_dim=None, max_position_embeddings=None, n_embd=64, n_head=4,
+                  n_layer=2, n_positions=512, n_inner=128)
 _HALF = _SIZES["head_dim"] // 2
 _ROPE = {"rope_theta": 10000.0}
 # what users bring beyond the corpus's families, the corpus's sizes otherwise (`--families` takes these
@@ -70,6 +75,17 @@ ARCHITECTURES: dict[str, TinySpec] = {
     "falcon_grouped": TinySpec("FalconConfig", "FalconForCausalLM", dict(
         num_key_value_heads=None, head_dim=None, intermediate_size=None, ffn_hidden_size=128,
         new_decoder_architecture=True, num_kv_heads=2)),
+    # OPT: a learned position table, the query scaled before its product
+    "opt": TinySpec("OPTConfig", "OPTForCausalLM", dict(num_key_value_heads=None, head_dim=None,
+                                                       intermediate_size=None, ffn_dim=128, word_embed_proj_dim=64)),
+    # GPT-J: pairwise rotary on the first 8 of 16 dims, applied before the heads move forward
+    "gptj": TinySpec("GPTJConfig", "GPTJForCausalLM", dict(_GPT_NAMES, rotary_dim=8)),
+    # CodeGen: GPT-J's rotary, q, v and k packed in one projection across 4 model-parallel shards
+    "codegen": TinySpec("CodeGenConfig", "CodeGenForCausalLM", dict(_GPT_NAMES, rotary_dim=8, n_ctx=512)),
+    # StarCoder: one key and value head cut from a view of the projection with a head axis of one (the
+    # config has no num_key_value_heads; the exporter reads it for the past's shape)
+    "gpt_bigcode": TinySpec("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(_GPT_NAMES, multi_query=True,
+                                                                              num_key_value_heads=1)),
 }
 
 

@@ -18,7 +18,7 @@ import onnx_graphsurgeon as gs
 
 from passes.base import PassResult
 from passes.pattern import FusionPass
-from passes.rotary_tables import NodeBuilder, Rotation, rotary_tables
+from passes.rotary_tables import NodeBuilder, Rotation, rotary_tables, spell_rotation
 
 MICROSOFT_DOMAIN = "com.microsoft"
 
@@ -80,26 +80,4 @@ class ExpandRotaryEmbedding(FusionPass):
         node.outputs.clear()
         b = NodeBuilder(graph, node.name or "rotary")
         cos, sin = self._shared_tables(b, rotation, x)
-        head_dim, width = x.shape[-1], rotation.rotary_dim
-
-        def part(source: gs.Tensor, start: int, end: int, step: int = 1) -> gs.Tensor:
-            sliced = b("Slice", [source, b.const([start]), b.const([end]), b.const([-1]), b.const([step])], dtype=x.dtype)
-            sliced.shape = list(x.shape[:-1]) + [len(range(start, end, step))]
-            return sliced
-
-        rotated = part(x, 0, width) if width < head_dim else x
-        if rotation.interleaved:
-            pair = [b("Unsqueeze", [b("Neg", [part(rotated, 1, width, 2)], dtype=x.dtype), b.const([-1])], dtype=x.dtype),
-                    b("Unsqueeze", [part(rotated, 0, width, 2), b.const([-1])], dtype=x.dtype)]
-            turned = b("Reshape", [b("Concat", pair, {"axis": -1}, dtype=x.dtype), b.const([0, 0, 0, width])], dtype=x.dtype)
-        else:
-            half = width // 2
-            turned = b("Concat", [b("Neg", [part(rotated, half, width)], dtype=x.dtype), part(rotated, 0, half)],
-                       {"axis": -1}, dtype=x.dtype)
-        products = [b("Mul", [rotated, cos], dtype=x.dtype), b("Mul", [turned, sin], dtype=x.dtype)]
-        if width == head_dim:
-            b("Add", products, output=output)
-            return
-        rope = b("Add", products, dtype=x.dtype)
-        rope.shape = list(x.shape[:-1]) + [width]
-        b("Concat", [rope, part(x, width, head_dim)], {"axis": -1}, output=output)
+        spell_rotation(b, x, cos, sin, rotation.rotary_dim, rotation.interleaved, output=output)

@@ -103,3 +103,32 @@ def rotary_tables(b: NodeBuilder, rotation: Rotation, x: gs.Tensor, seq_axis: in
             full = b("Concat", [half, half], {"axis": -1}, dtype=cache.dtype)
         tables.append(b("Unsqueeze", [full, b.const([1])], dtype=cache.dtype))
     return tables[0], tables[1]
+
+
+def spell_rotation(b: NodeBuilder, x: gs.Tensor, cos: gs.Tensor, sin: gs.Tensor, rotary_dim: int, interleaved: int,
+                   output: gs.Tensor | None = None) -> gs.Tensor:
+    """`x·cos + turn(x)·sin` over x's first `rotary_dim` of its last axis (the rest passed through), in the
+    standard ops passes/match_rotary.py reads back: halves turned (`[-x2, x1]`), or pairs when `interleaved`.
+    x is 4-D with a static last axis; the tables broadcast to x's rotated part."""
+    head_dim, width = x.shape[-1], rotary_dim
+
+    def part(source: gs.Tensor, start: int, end: int, step: int = 1) -> gs.Tensor:
+        sliced = b("Slice", [source, b.const([start]), b.const([end]), b.const([-1]), b.const([step])], dtype=x.dtype)
+        sliced.shape = list(x.shape[:-1]) + [len(range(start, end, step))]
+        return sliced
+
+    rotated = part(x, 0, width) if width < head_dim else x
+    if interleaved:
+        pair = [b("Unsqueeze", [b("Neg", [part(rotated, 1, width, 2)], dtype=x.dtype), b.const([-1])], dtype=x.dtype),
+                b("Unsqueeze", [part(rotated, 0, width, 2), b.const([-1])], dtype=x.dtype)]
+        turned = b("Reshape", [b("Concat", pair, {"axis": -1}, dtype=x.dtype), b.const([0, 0, 0, width])], dtype=x.dtype)
+    else:
+        half = width // 2
+        turned = b("Concat", [b("Neg", [part(rotated, half, width)], dtype=x.dtype), part(rotated, 0, half)],
+                   {"axis": -1}, dtype=x.dtype)
+    products = [b("Mul", [rotated, cos], dtype=x.dtype), b("Mul", [turned, sin], dtype=x.dtype)]
+    if width == head_dim:
+        return b("Add", products, output=output)
+    rope = b("Add", products, dtype=x.dtype)
+    rope.shape = list(x.shape[:-1]) + [width]
+    return b("Concat", [rope, part(x, width, head_dim)], {"axis": -1}, output=output)

@@ -22,15 +22,19 @@ SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
 
 
+# the same sizes under GPT-2's names (GPT-J, CodeGen, GPTBigCode)
+GPT_SIZES = dict(n_embd=64, n_inner=128, n_layer=2, n_head=4, vocab_size=256, n_positions=256)
+
+
 def _export(config_class: str, model_class: str, path, *, dynamo: bool, with_past: bool, qkv_gain: float = 1.0,
-            **config):
+            sizes: dict = SIZES, **config):
     import torch
     import transformers
 
     from models.export import export_causal_lm
 
     torch.manual_seed(0)
-    settings = getattr(transformers, config_class)(**{**SIZES, **config})
+    settings = getattr(transformers, config_class)(**{**sizes, **config})
     model = getattr(transformers, model_class)(settings)
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("batched_mm")  # the grouped default cannot be exported
@@ -189,6 +193,29 @@ def test_falcon_heads_packed_by_kv_group_fuse_and_generate(packing, dynamo, tmp_
     quantized = load_artifact(compile_to(source, tmp_path / "int4", enable_compress_weight=True))
     ops = Counter(n.op_type for n in quantized.model.graph.node)
     assert ops["FusedAttention"] == layers and ops["MatMulInt4"] == 4 * layers, ops
+
+
+@pytest.mark.parametrize("family, dynamo", [("gptj", False), ("gptj", True), ("codegen", False), ("codegen", True),
+                                            ("gpt_bigcode", False), ("gpt_bigcode", True)])
+def test_heads_rotated_before_their_transpose_or_cut_with_a_unit_head_axis_fuse_and_generate(family, dynamo, tmp_path):
+    """GPT-J and CodeGen rotate q and k (pairwise, the first 8 of 16 dims) on [B, S, H, D], before the heads
+    move forward; CodeGen packs q, v and k in one projection over 4 shards. GPTBigCode's multi-query
+    attention (StarCoder) cuts its one key and value head from a view of the projection with a head axis of
+    one. Each fuses (no Softmax left), with onnxruntime's logits on the export (contiguous, both backends),
+    and generates onnxruntime's tokens paged."""
+    config_class, model_class, config = {
+        "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(rotary_dim=8)),
+        "codegen": ("CodeGenConfig", "CodeGenForCausalLM", dict(rotary_dim=8, n_ctx=256)),
+        "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(multi_query=True)),
+    }[family]
+    source = _export(config_class, model_class, tmp_path, dynamo=dynamo, with_past=False, qkv_gain=4.0,
+                     sizes=GPT_SIZES, **config)
+    contiguous = _contiguous_equals_onnxruntime(source, tmp_path / "contiguous")
+    ops = Counter(n.op_type for n in contiguous.model.graph.node)
+    assert ops["FusedAttention"] == GPT_SIZES["n_layer"] and ops["Softmax"] == 0, ops
+    om = compile_to(source, tmp_path / "paged", enable_paged_attention=True)
+    assert Counter(n.op_type for n in load_artifact(om).model.graph.node)["PagedAttention"] == GPT_SIZES["n_layer"]
+    _paged_equals_onnxruntime(source, om, [[5, 6, 7], list(range(3, 40))], 12)
 
 
 def test_a_per_head_norm_after_the_rotary_runs_on_onnxruntime(tmp_path):
