@@ -90,9 +90,12 @@ class FuseAttention(FusionPass):
         rank = len(softmax.inputs[0].shape or [])
         if softmax.attrs.get("axis", -1) not in (-1, rank - 1) or rank != 4:
             return "not a softmax over the last axis of [B, H, S, T] scores"
-        logits, mask = split_mask(softmax.inputs[0])
+        logits, mask, outside = split_mask(softmax.inputs[0])
         capped, softcap = match_softcap(logits)
+        if softcap and outside != 1.0:
+            return "a scale outside a softcap"
         scores_tensor, scale = match_scale(capped)
+        scale *= outside
         scores = producer(scores_tensor, "MatMul")
         if scores is None:
             return "the softmax input is not a (scaled, masked) MatMul"

@@ -88,12 +88,26 @@ def _peel_cast(tensor: gs.Tensor) -> gs.Tensor:
     return node.inputs[0] if node is not None and dtype_kind(node.inputs[0].dtype) == "f" else tensor
 
 
-def split_mask(logits: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor | None]:
-    """(scaled scores, additive or boolean mask) of a softmax input; the mask None when there is none.
+def split_mask(logits: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor | None, float]:
+    """(scaled scores, additive or boolean mask, a factor outside them) of a softmax input; the mask None when
+    there is none, the factor 1.0.
 
-    A boolean mask (True attends) comes from masked_fill, `Where(allowed, scores, -big)`.
+    A boolean mask (True attends) comes from masked_fill, `Where(allowed, scores, -big)`. A positive scalar
+    outside the masked scores, `(scores + mask)·c` (transformers 4.57's CodeGen adds its mask before it
+    divides), scales the scores: a mask of zeros and large negative values hides the same keys times c.
     """
     logits = _peel_cast(logits)
+    scores, mask = _split_mask(logits)
+    if mask is None:
+        inner, factor = match_scale(logits)
+        if inner is not logits and factor > 0:
+            scores, mask = _split_mask(_peel_cast(inner))
+            if mask is not None:
+                return scores, mask, factor
+    return scores, mask, 1.0
+
+
+def _split_mask(logits: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor | None]:
     add = producer(logits, "Add")
     if add is not None:
         for scored, candidate in (add.inputs, add.inputs[::-1]):

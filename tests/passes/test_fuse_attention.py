@@ -84,6 +84,38 @@ def test_one_key_head_broadcast_by_the_matmuls_fuses(tmp_path):
     assert_parity(original, fused, _feeds(original), tmp_path)
 
 
+@pytest.mark.parametrize("outside, fuses", [(4.0, True), (-4.0, False)])
+def test_a_mask_added_before_the_scale_fuses_when_the_scale_is_positive(outside, fuses, tmp_path):
+    """transformers 4.57's CodeGen adds its mask to the scores and then divides them: the tiny Llama's
+    `Add(scores·s, mask)` respelled `(scores·s/c + mask)·c`, fused with the scale s and equal to onnxruntime
+    on the edited graph; a negative c (which would turn the mask into a bonus) is refused."""
+    graph = _before_attention(False)
+    for softmax in [n for n in graph.nodes if n.op == "Softmax"]:
+        add = producer(softmax.inputs[0], "Add")
+        scaled, mask = add.inputs
+        inner = gs.Variable(f"{add.name}/inner", dtype=np.float32, shape=scaled.shape)
+        graph.nodes.append(gs.Node("Mul", inputs=[scaled, gs.Constant(f"{add.name}/in", np.array(1 / outside, np.float32))],
+                                   outputs=[inner]))
+        add.inputs[0] = inner
+        outer = gs.Variable(f"{add.name}/outer", dtype=np.float32, shape=add.outputs[0].shape)
+        graph.nodes.append(gs.Node("Mul", inputs=[add.outputs[0], gs.Constant(f"{add.name}/out", np.array(outside, np.float32))],
+                                   outputs=[outer]))
+        softmax.inputs[0] = outer
+    graph.cleanup().toposort()
+    original = gs.export_onnx(graph.copy(), do_type_check=False)
+    result = FuseAttention().run(graph)
+    if not fuses:
+        assert result.effect_times == 0
+        assert all("not a (scaled, masked) MatMul" in reason for reason in result.rejections)
+        return
+    assert result.effect_times == 2
+    fused = gs.export_onnx(graph, do_type_check=False)
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in next(n for n in fused.graph.node
+                                                                     if n.op_type == "FusedAttention").attribute}
+    assert abs(attrs["scale"] - 0.25) < 1e-7
+    assert_parity(original, fused, _feeds(original), tmp_path)
+
+
 def _softmax(graph):
     return next(n for n in graph.nodes if n.op == "Softmax")
 
