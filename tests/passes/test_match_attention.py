@@ -94,7 +94,7 @@ def test_an_additive_mask_is_split_from_the_scores_in_either_order(order):
     nodes = _scores_nodes() + [helper.make_node("Add", operands, ["logits"])]
     graph = _graph(nodes, SCORE_INPUTS + [_value("mask", [B, 1, T, T])], [_value("logits", [B, 2, T, T])],
                    [_const("scale", 0.5, np.float32)])
-    scored, mask = split_mask(_tensor(graph, "logits"))
+    scored, mask, _ = split_mask(_tensor(graph, "logits"))
     assert (scored.name, mask.name) == ("scaled", "mask")
 
 
@@ -103,7 +103,7 @@ def test_masked_fill_is_a_boolean_mask():
     graph = _graph(nodes, SCORE_INPUTS + [_value("allowed", [B, 1, T, T], TensorProto.BOOL)],
                    [_value("logits", [B, 2, T, T])], [_const("scale", 0.5, np.float32),
                                                       _const("fill", np.finfo(np.float32).min, np.float32)])
-    scored, mask = split_mask(_tensor(graph, "logits"))
+    scored, mask, _ = split_mask(_tensor(graph, "logits"))
     assert (scored.name, mask.name) == ("scaled", "allowed")
 
 
@@ -112,7 +112,7 @@ def test_a_where_that_fills_with_an_ordinary_value_is_not_a_mask(fill):
     nodes = _scores_nodes() + [helper.make_node("Where", ["allowed", "scaled", "fill"], ["logits"])]
     graph = _graph(nodes, SCORE_INPUTS + [_value("allowed", [B, 1, T, T], TensorProto.BOOL)],
                    [_value("logits", [B, 2, T, T])], [_const("scale", 0.5, np.float32), _const("fill", fill, np.float32)])
-    scored, mask = split_mask(_tensor(graph, "logits"))
+    scored, mask, _ = split_mask(_tensor(graph, "logits"))
     assert scored.name == "logits" and mask is None
 
 
