@@ -81,8 +81,11 @@ def _onnxruntime_cpu_ops() -> frozenset[tuple[str, str]]:
 
 
 def reference_ops() -> list[type]:
-    """The registry's session kernels as onnx.reference custom ops (OpRun classes), one per registered op."""
+    """The registry's session kernels as onnx.reference custom ops (OpRun classes), one per registered op, and
+    the standard ops whose onnx.reference form cannot run what exporters write (runtime/kernels/reference_fixes.py)."""
     from onnx.reference.op_run import OpRun
+
+    from runtime.kernels.reference_fixes import REPLACED
 
     classes = []
     for (domain, op_type), registered in KERNELS.items():
@@ -94,7 +97,7 @@ def reference_ops() -> list[type]:
             return outputs if isinstance(outputs, tuple) else (outputs,)
 
         classes.append(type(op_type, (OpRun,), {"op_domain": domain, "_run": _run}))
-    return classes
+    return classes + list(REPLACED)
 
 
 def supports(domain: str | None, op_type: str) -> bool:
