@@ -62,8 +62,8 @@ class TextTokenizer:
     def decode_stream(self):
         """A function taking one sequence's tokens one at a time and returning the text each adds, None while
         the text ends in an incomplete character; special tokens dropped, as `decode` drops them.
-        tokenizers' own incremental decoder: one call a token, where a window was decoded twice (a SmolLM2
-        token's delta 20 µs against 25 in the engine, whose run leaves every cache cold, 1.3 against 2 alone)."""
+        tokenizers' own incremental decoder: one short decode a token in Rust, where a window decoded twice
+        from Python took ~25 µs of a 3.7 ms INT4 decode step."""
         stream = decoders.DecodeStream(skip_special_tokens=True)
         return lambda token_id: stream.step(self._tokenizer, token_id)
 
