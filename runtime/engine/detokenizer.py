@@ -9,28 +9,29 @@ class IncrementalDetokenizer:
     """Turns one sequence's output tokens into text deltas.
 
     A token's text can depend on its neighbours (byte-level BPE splits characters across tokens, and
-    some decoders drop a leading space at the start of a text): the tokenizer's incremental decoder
-    (`TextTokenizer.decode_stream`) gives each token's delta, nothing while the text ends in an incomplete
-    character. While the request runs, the last `len(longest stop) - 1` characters are held back too, so a
-    stop string is never half-streamed.
+    some decoders drop a leading space at the start of a text), so each delta is the difference of two
+    decodes over a short window, held back while it ends in an incomplete character. While the request
+    runs, the last `len(longest stop) - 1` characters are held back too, so a stop string is never
+    half-streamed.
     """
 
     def __init__(self, tokenizer: TextTokenizer, stop: tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
         self.stop = stop
         self.text = ""
         self.emitted = 0
-        self._step = tokenizer.decode_stream()
-        self._taken = 0
+        self._prefix_offset = 0
+        self._read_offset = 0
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self.matched_stop: str | None = None
 
     def add(self, output_ids: list[int]) -> tuple[str, bool]:
         """Take the whole output so far; returns (new text to emit, whether a stop string ended it)."""
-        for token_id in output_ids[self._taken:]:
-            delta = self._step(token_id)
-            if delta:
-                self.text += delta
-        self._taken = len(output_ids)
+        prefix = self.tokenizer.decode(output_ids[self._prefix_offset:self._read_offset])
+        full = self.tokenizer.decode(output_ids[self._prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix):]
+            self._prefix_offset, self._read_offset = self._read_offset, len(output_ids)
         for stop in self.stop:
             at = self.text.find(stop, max(0, self.emitted - len(stop)))
             if at >= 0:

@@ -64,16 +64,3 @@ def test_sentencepiece_byte_fallback_tokens_are_their_byte():
     ids = tokenizer.encode("hi 🙂 hé")
     assert sum(tokenizer.token_text(i).startswith("<0x") or tokenizer.token_text(i) == "\ufffd" for i in ids) >= 5
     assert b"".join(tokenizer.token_bytes(i) for i in ids) == " hi 🙂 hé".encode("utf-8")
-
-
-def test_pieces_are_the_whole_decode_under_a_chat_models_tokenizer():
-    """SmolLM2's byte-level BPE (the embedded default model's), its special tokens among the ids: the pieces,
-    token by token, add up to decoding the whole output with special tokens dropped."""
-    from models.prepare import smollm2_hf_folder
-
-    tokenizer = TextTokenizer({"tokenizer.json": (smollm2_hf_folder() / "tokenizer.json").read_text(encoding="utf-8")})
-    ids = tokenizer.encode("<|im_start|>assistant\nnaïve café — 日本語, 🙂 and  two spaces.<|im_end|>\n Next line")
-    detok = IncrementalDetokenizer(tokenizer)
-    pieces = [detok.add(ids[:n])[0] for n in range(1, len(ids) + 1)] + [detok.flush()]
-    assert "".join(pieces) == tokenizer.decode(ids)
-    assert not any("\ufffd" in piece for piece in pieces)
