@@ -51,7 +51,7 @@ def test_a_tokens_bytes_are_what_it_stands_for_not_its_replacement_character():
     assert b"".join(tokenizer.token_bytes(i) for i in ids) == TEXT.encode("utf-8")
 
 
-def test_sentencepiece_byte_fallback_tokens_are_their_byte():
+def _sentencepiece() -> TextTokenizer:
     """Llama's layout: `▁` for a space, a character outside the vocabulary as `<0xNN>` tokens."""
     from tokenizers import Tokenizer, decoders, models, normalizers
 
@@ -60,7 +60,37 @@ def test_sentencepiece_byte_fallback_tokens_are_their_byte():
     spm.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
     spm.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(" ", 1, 0)])
-    tokenizer = TextTokenizer({"tokenizer.json": spm.to_str()})
+    return TextTokenizer({"tokenizer.json": spm.to_str()})
+
+
+def test_sentencepiece_byte_fallback_tokens_are_their_byte():
+    tokenizer = _sentencepiece()
     ids = tokenizer.encode("hi 🙂 hé")
     assert sum(tokenizer.token_text(i).startswith("<0x") or tokenizer.token_text(i) == "\ufffd" for i in ids) >= 5
     assert b"".join(tokenizer.token_bytes(i) for i in ids) == " hi 🙂 hé".encode("utf-8")
+
+
+def test_pieces_are_the_whole_decode_under_a_chat_models_tokenizer():
+    """SmolLM2's byte-level BPE (the embedded default model's), its special tokens among the ids: the pieces,
+    token by token, add up to decoding the whole output with special tokens dropped."""
+    from models.prepare import smollm2_hf_folder
+
+    tokenizer = TextTokenizer({"tokenizer.json": (smollm2_hf_folder() / "tokenizer.json").read_text(encoding="utf-8")})
+    ids = tokenizer.encode("<|im_start|>assistant\nnaïve café — 日本語, 🙂 and  two spaces.<|im_end|>\n Next line")
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.add(ids[:n])[0] for n in range(1, len(ids) + 1)] + [detok.flush()]
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert not any("\ufffd" in piece for piece in pieces)
+
+
+def test_bytes_that_never_make_a_character_are_streamed_as_replacement_characters():
+    """A sampled run of byte-fallback tokens need not be valid UTF-8 (`<0xE2><0x80>` then a space): the
+    stream goes on, each byte that makes no character a replacement character. The newline before them was
+    a whole character when it came and stays streamed, where decoding the whole output at once replaces it
+    too (tokenizers' own DecodeStream raises here instead)."""
+    tokenizer = _sentencepiece()
+    h, i = tokenizer.encode("hi")[-2:]
+    ids = [h, i, 1 + 0x0A, 1 + 0xE2, 1 + 0x80, 257, h]
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.add(ids[:n])[0] for n in range(1, len(ids) + 1)] + [detok.flush()]
+    assert "".join(pieces) == "hi\n\ufffd\ufffd h"
