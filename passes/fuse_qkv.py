@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from passes.graph_utils import split_into
 from passes.merge_weights import WeightSource, can_merge, merge_weights, weight_source
 from passes.pattern import FusionPass, producer
 from runtime.ops import CUSTOM_DOMAIN, FUSED_ATTENTION, input_at
@@ -137,19 +138,8 @@ class FuseQkv(FusionPass):
                 graph.nodes.append(gs.Node("Add", name=f"{name}/Add", inputs=[packed, bias], outputs=[biased]))
                 packed = biased
             if match.roots is not None:
-                _split_into(graph, packed, [w.shape[1] for w in match.weights], match.roots, f"{name}/Split")
+                split_into(graph, packed, [w.shape[1] for w in match.weights], match.roots, f"{name}/Split")
                 return
         attention.inputs[Slot.QUERY] = packed
         attention.inputs[Slot.KEY] = gs.Variable.empty()
         attention.inputs[Slot.VALUE] = gs.Variable.empty()
-
-
-def _split_into(graph: gs.Graph, packed: gs.Tensor, widths: list[int], parts: list[gs.Tensor], name: str) -> None:
-    """`parts` (each taken from its producer) become the last-axis Split of `packed` by `widths`."""
-    for part in parts:
-        part.inputs.clear()
-    if graph.opset >= 13:
-        inputs, attrs = [packed, gs.Constant(f"{name}_sizes", np.asarray(widths, np.int64))], {"axis": -1}
-    else:
-        inputs, attrs = [packed], {"axis": -1, "split": widths}
-    graph.nodes.append(gs.Node("Split", name=name, attrs=attrs, inputs=inputs, outputs=list(parts)))

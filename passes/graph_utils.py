@@ -166,3 +166,14 @@ def position_table_rows(graph: gs.Graph) -> int | None:
         if table is not None and _positional(node.inputs[1], position_ids):
             rows.append(int(table.shape[0]))
     return min(rows) if rows else None
+
+
+def split_into(graph: gs.Graph, packed: gs.Tensor, widths: list[int], parts: list[gs.Tensor], name: str) -> None:
+    """`parts` (each taken from its producer) become the last-axis Split of `packed` by `widths`."""
+    for part in parts:
+        part.inputs.clear()
+    if graph.opset >= 13:
+        inputs, attrs = [packed, gs.Constant(f"{name}_sizes", np.asarray(widths, np.int64))], {"axis": -1}
+    else:
+        inputs, attrs = [packed], {"axis": -1, "split": widths}
+    graph.nodes.append(gs.Node("Split", name=name, attrs=attrs, inputs=inputs, outputs=list(parts)))

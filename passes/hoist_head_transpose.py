@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import onnx_graphsurgeon as gs
 
+from passes.canonicalize_layout import HEADS
+from passes.match_attention import is_transpose
 from passes.match_rotary import Rotary, match_rotary
 from passes.pattern import FusionPass
 from passes.rotary_tables import NodeBuilder, spell_rotation
-
-HEADS = [0, 2, 1, 3]
 
 
 @dataclass
@@ -39,8 +39,10 @@ class HoistHeadTranspose(FusionPass):
         return super().run(graph)
 
     def match(self, graph: gs.Graph, node: gs.Node) -> HoistMatch | str:
-        if list(node.attrs.get("perm", [])) != HEADS:
+        if not is_transpose(node, HEADS):
             return "not a head transpose"
+        if graph.opset < 13:  # the rotation is spelled with Unsqueeze's axes as an input
+            return "an opset before 13"
         found = match_rotary(node.inputs[0])
         if found is None:
             return "not a rotation"

@@ -6,7 +6,8 @@ and one value head: the key and value come out as [B, 1, S, D], heads already fi
 attention fusion can follow back to a projection, and the query is reshaped from a 4-D piece. Each piece
 is the same tensor as `Transpose(0, 2, 1, 3)(Reshape(piece of the projection, [0, 0, 1, n]))`, which is
 what replaces it; a Reshape reading a piece (the query's into heads) reads the projection's piece directly,
-the same elements in the same order. Runs before the q/k/v splitting passes and AttentionFusionPass.
+the same elements in the same order, unless its target copies one of the piece's axes (a 0). Runs before
+the q/k/v splitting passes and AttentionFusionPass.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from dataclasses import dataclass
 
 import onnx_graphsurgeon as gs
 
+from passes.canonicalize_layout import HEADS
+from passes.graph_utils import split_into
 from passes.pattern import FusionPass, axes_of, const_ints, producer
 from passes.rotary_tables import NodeBuilder
-
-HEADS = [0, 2, 1, 3]
+from passes.shape_values import shape_elements
 
 
 @dataclass
@@ -29,9 +31,19 @@ class UnitHeadMatch:
 
 
 def _sizes(split: gs.Node) -> list[int] | None:
-    if "split" in split.attrs:  # before opset 13
-        return [int(n) for n in split.attrs["split"]]
-    return const_ints(split.inputs[1]) if len(split.inputs) > 1 else None
+    if len(split.inputs) > 1 and split.inputs[1].name:  # opset 13 on; an empty name is no input
+        return const_ints(split.inputs[1])
+    sizes = split.attrs.get("split")  # before opset 13; opset 18's num_outputs alone gives none
+    return [int(n) for n in sizes] if sizes is not None else None
+
+
+def _reads_the_elements(reshape: gs.Node, tensor: gs.Tensor) -> bool:
+    """Whether `reshape` lays out `tensor`'s elements by a target of its own: one whose elements can be read
+    and copy none of the input's axes (no 0, unless `allowzero` makes a 0 a 0)."""
+    if reshape.inputs[0] is not tensor:
+        return False
+    target = shape_elements(reshape.inputs[1])
+    return target is not None and (reshape.attrs.get("allowzero", 0) == 1 or 0 not in target)
 
 
 class SplitUnitHeadAxis(FusionPass):
@@ -63,14 +75,10 @@ class SplitUnitHeadAxis(FusionPass):
         b = NodeBuilder(graph, split.name or "unit_heads")
         pieces = [gs.Variable(f"{b.prefix}/piece_{i}", dtype=projection.dtype, shape=[*projection.shape[:2], n])
                   for i, n in enumerate(sizes)]
-        graph.nodes.append(gs.Node("Split", name=f"{b.prefix}/Split", attrs={"axis": -1},
-                                   inputs=[projection, b.const(sizes)], outputs=pieces))
+        split_into(graph, projection, sizes, pieces, f"{b.prefix}/Split")
         for tensor, piece, width in zip(old, pieces, sizes):
             for reader in list(tensor.outputs):
-                # a Reshape lays out the same elements in the same order from either view; only a constant
-                # 0 (copy the input's dim) reads the view's axes. A computed target holds the dims the
-                # exporter meant (torch's exporters compute sizes, never 0 for a dim that is not empty)
-                if reader.op == "Reshape" and reader.inputs[0] is tensor and 0 not in (const_ints(reader.inputs[1]) or []):
+                if reader.op == "Reshape" and _reads_the_elements(reader, tensor):
                     reader.inputs[0] = piece
             if not tensor.outputs and tensor not in graph.outputs:
                 continue
