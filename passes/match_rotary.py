@@ -86,7 +86,9 @@ def match_rotary(tensor: gs.Tensor) -> tuple[gs.Tensor, Rotary] | None:
     """(the un-rotated input, its rotary parameters) if `tensor` is a RoPE output (half or pairwise)."""
     passed_through = None
     concat = producer(tensor, "Concat")
-    if concat is not None and len(concat.inputs) == 2 and producer(concat.inputs[1], "Slice") is not None:
+    rank = len(tensor.shape or [])
+    if concat is not None and len(concat.inputs) == 2 and producer(concat.inputs[1], "Slice") is not None \
+            and concat.attrs.get("axis") in (-1, rank - 1):
         tensor, passed_through = concat.inputs  # partial rotary: [rope(x[:R]), x[R:]]
     add = producer(tensor, "Add")
     if add is None:
@@ -113,7 +115,9 @@ def match_rotary(tensor: gs.Tensor) -> tuple[gs.Tensor, Rotary] | None:
                 if head is None or tail is None or head.inputs[0] is not tail.inputs[0]:
                     return None
                 source = head.inputs[0]
-                if slice_bounds(head, source) != (0, width) or (slice_bounds(tail, source) or (0,))[0] != width:
+                tail_bounds, head_dim = slice_bounds(tail, source), (source.shape or [None])[-1]
+                if slice_bounds(head, source) != (0, width) or tail_bounds is None or tail_bounds[0] != width \
+                        or not isinstance(head_dim, int) or tail_bounds[1] < head_dim:
                     return None
             return source, Rotary(cos, sin, width, interleaved)
     return None

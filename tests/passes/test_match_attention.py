@@ -374,6 +374,23 @@ def test_a_rotation_that_turns_the_wrong_way_is_not_rope():
     assert match_rotary(_tensor(graph, "y")) is None
 
 
+@pytest.mark.parametrize("change", ["short_tail", "other_axis"])
+def test_a_partial_rotation_must_pass_the_rest_of_the_head_through_whole(change):
+    """[rope(x[:R]), x[R:]] is a partial rotation only when the tail runs to the head's end and the two are
+    joined on the last axis: a tail cut short, or a Concat on another axis, is no rotation of x."""
+    graph = gs.import_onnx(_lowered_rotary(4, 0))
+    graph.fold_constants()
+    graph.cleanup()
+    InferShapes().run(graph)
+    output = _tensor(graph, "y").inputs[0]
+    if change == "short_tail":
+        tail = output.inputs[1].inputs[0]
+        tail.inputs[2] = gs.Constant("short_end", np.array([D * 2 - 2], np.int64))
+    else:
+        output.attrs["axis"] = 2
+    assert match_rotary(_tensor(graph, "y")) is None
+
+
 def test_dtype_kind_reads_the_onnx_enums_graphsurgeon_keeps_for_types_numpy_lacks():
     assert dtype_kind(TensorProto.BFLOAT16) == "V" and dtype_kind(TensorProto.FLOAT8E4M3FN) == "V"
     assert dtype_kind(np.int64) == "i" and dtype_kind(np.bool_) == "b" and dtype_kind(None) == "f"
