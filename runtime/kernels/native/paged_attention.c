@@ -502,14 +502,13 @@ static inline void narrow_prefetch(const float* kp, const float* vp, int64_t r0,
    (sum16) into 16 scores, each block of 16 rows scored for every query vector while it is in L1; the
    output accumulates in registers over a page's value rows, CW vectors of head-dim columns at a time, the
    page's correction applied as they are loaded. */
-static inline __attribute__((always_inline)) void attend_narrow(const Attend* a, int64_t b, int64_t first, int64_t rows,
-                                                                int64_t kv, const int64_t D, const int NQ, int64_t lo,
-                                                                int64_t hi, float* part) {
+static inline __attribute__((always_inline)) void attend_narrow(const Attend* a, int64_t b, int64_t first, int64_t kv,
+                                                                const int64_t D, const int NQ, int64_t lo, int64_t hi,
+                                                                float* part) {
   const Kernel* k = a->k;
   const int64_t group = k->num_heads / k->kv_heads, PS = k->page_size;
   const int DV = (int)(D / 16), CW = NQ <= 3 ? 4 : 2;
   const int64_t first_pos = first_position(a, b, first);
-  (void)rows;
   __m512 q[WIDE_MIN][8];
   float acc[NQ][D] __attribute__((aligned(64)));
   float scores[NQ][PS];
@@ -624,8 +623,8 @@ static void attend_item(void* data, size_t item) {
   const int64_t n = rows * (a->k->num_heads / a->k->kv_heads), vectors = (n + 15) / 16;
   if (n < WIDE_MIN && (a->k->head_dim == 64 || a->k->head_dim == 128)) {
     switch (n * 1000 + a->k->head_dim) {
-#define NARROW(count) case count * 1000 + 64: attend_narrow(a, b, first, rows, kv, 64, count, lo, hi, part); return; \
-                      case count * 1000 + 128: attend_narrow(a, b, first, rows, kv, 128, count, lo, hi, part); return;
+#define NARROW(count) case count * 1000 + 64: attend_narrow(a, b, first, kv, 64, count, lo, hi, part); return; \
+                      case count * 1000 + 128: attend_narrow(a, b, first, kv, 128, count, lo, hi, part); return;
       NARROW(1) NARROW(2) NARROW(3) NARROW(4) NARROW(5) NARROW(6) NARROW(7)
 #undef NARROW
       default: break;
