@@ -38,6 +38,7 @@ from passes.prune_logits import PruneLogits
 from passes.quant.calibration import text_samples
 from passes.quant.quantize_weights import QuantizeWeights
 from passes.truncate_layers import TruncateLayers
+from passes.unfold_batched_heads import UnfoldBatchedHeads
 from passes.weight_spill import WeightSpill
 from runtime.errors import AtcError
 
@@ -107,6 +108,7 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: Wei
         HoistHeadTranspose(),  # GPT-J's and CodeGen's heads rotated before their transpose
         SplitInterleavedQkv(),  # GPT-NeoX's head-by-head q/k/v, as three blocks
         SplitGroupedQkv(),  # Falcon's and InternLM2's q/k/v packed by KV group, as three blocks
+        UnfoldBatchedHeads(),  # BLOOM's heads folded into the batch for its MatMuls
         FuseAttention(),
         FuseQkv(),
         FuseMoe(),  # before SwiGlu: the routed experts' SiLU is the op's, the shared expert's SwiGlu's

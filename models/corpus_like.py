@@ -7,7 +7,7 @@ over them before anyone else does:
 
 `--families` also takes the architectures users bring beyond them (`ARCHITECTURES`: Llama 3.2's rope
 scaling, Phi-3.5's longrope, Gemma 2 and 3, GLM-4, Granite, GraniteMoe, OLMo-2, Mixtral, Phi-2, StableLM, GPT-NeoX, Falcon,
-OPT, GPT-J, CodeGen, GPTBigCode),
+BLOOM, MPT, OPT, GPT-J, CodeGen, GPTBigCode),
 in the same sizes and layout.
 
 Each folder holds `model.onnx`, `reference.npz` (the torch model's outputs on the corpus's two cases, a
@@ -75,6 +75,13 @@ ARCHITECTURES: dict[str, TinySpec] = {
     "falcon_grouped": TinySpec("FalconConfig", "FalconForCausalLM", dict(
         num_key_value_heads=None, head_dim=None, intermediate_size=None, ffn_hidden_size=128,
         new_decoder_architecture=True, num_kv_heads=2)),
+    # ALiBi: BLOOM's added on heads folded into the batch, MPT's a sliced ramp (Falcon-RW's exports do not run in
+    # onnxruntime, the tests' reference here: tests/test_architecture_variants.py checks it against torch)
+    "bloom": TinySpec("BloomConfig", "BloomForCausalLM", dict(num_key_value_heads=None, head_dim=None,
+                                                              intermediate_size=None)),
+    "mpt": TinySpec("MptConfig", "MptForCausalLM", dict(num_key_value_heads=None, head_dim=None, intermediate_size=None,
+                                                        max_position_embeddings=None, max_seq_len=512,
+                                                        expansion_ratio=2)),
     # OPT: a learned position table, the query scaled before its product
     "opt": TinySpec("OPTConfig", "OPTForCausalLM", dict(num_key_value_heads=None, head_dim=None,
                                                        intermediate_size=None, ffn_dim=128, word_embed_proj_dim=64)),
@@ -102,7 +109,8 @@ def build(family: str):
         spec = TINY_FAMILIES[family]
         sizes = {**spec.sizes, **(_GPT2_SIZES if family == "gpt2" else _SIZES)}
     config = getattr(transformers, spec.config_class)(**sizes)
-    if family != "gemma2":  # transformers' default for Gemma 2 is eager (its sdpa cannot softcap)
+    # transformers' default: sdpa where the model has it (Gemma 2's cannot softcap; BLOOM and MPT have none)
+    if family != "gemma2" and getattr(transformers, spec.model_class)._supports_sdpa:
         config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = getattr(transformers, spec.model_class)(config)

@@ -31,6 +31,7 @@ from passes.match_attention import (
     match_gqa_repeat,
     match_head_merge,
     match_head_split,
+    mask_alibi,
     match_kv_concat,
     match_mask_source,
     match_probabilities,
@@ -38,6 +39,7 @@ from passes.match_attention import (
     match_softcap,
     split_mask,
 )
+from passes.match_alibi import peel_alibi
 from passes.match_rotary import Rotary, match_rotary
 from passes.pattern import FusionPass, fused_node, producer, sole_consumer
 from runtime.ops import FUSED_ATTENTION, FusedAttentionInput, FusedAttentionOutput, positional
@@ -63,6 +65,7 @@ class AttentionMatch:
     output: gs.Tensor
     name: str
     softcap: float = 0.0
+    alibi: tuple[float, ...] = ()
 
 
 def _transposed_keys(tensor: gs.Tensor) -> tuple[gs.Tensor, float] | None:
@@ -91,6 +94,9 @@ class FuseAttention(FusionPass):
         if softmax.attrs.get("axis", -1) not in (-1, rank - 1) or rank != 4:
             return "not a softmax over the last axis of [B, H, S, T] scores"
         logits, mask, outside = split_mask(softmax.inputs[0])
+        logits, slopes = peel_alibi(logits)
+        if slopes is None and mask is not None:
+            mask, slopes = mask_alibi(mask)
         capped, softcap = match_softcap(logits)
         if softcap and outside != 1.0:
             return "a scale outside a softcap"
@@ -142,6 +148,8 @@ class FuseAttention(FusionPass):
         head_dim = query4.shape[-1]
         if kv_heads != value_heads or heads % kv_heads:
             return f"{heads} query heads cannot share {kv_heads} key and {value_heads} value heads"
+        if slopes is not None and len(slopes) != heads:
+            return f"ALiBi's term holds {len(slopes)} slopes for {heads} heads"
         if kv_heads == 1:  # one key and value head, broadcast by the MatMuls (Falcon-7B through Optimum)
             key_repeats, value_repeats = (heads if r == 1 else r for r in (key_repeats, value_repeats))
         if any(r is not None and r * kv_heads != heads for r in (key_repeats, value_repeats)):
@@ -159,7 +167,7 @@ class FuseAttention(FusionPass):
         return AttentionMatch(query, key, value, key_cache.past, value_cache.past, key_cache.present,
                               value_cache.present, source.attention_mask, source.causal, window, rotary, heads,
                               kv_heads, head_dim, scale, output, softmax.name.rsplit("/", 1)[0] + "/" + FUSED_ATTENTION.name,
-                              softcap)
+                              softcap, () if slopes is None else tuple(float(m) * outside for m in slopes))
 
     def rewrite(self, graph: gs.Graph, match: AttentionMatch) -> None:
         def flat(projection: Projection) -> gs.Tensor:
@@ -201,4 +209,5 @@ class FuseAttention(FusionPass):
             head_dim=match.head_dim, scale=float(match.scale), causal=match.causal,
             rotary_dim=rotary.rotary_dim if rotary else 0, rotary_interleaved=rotary.interleaved if rotary else 0,
             **({"sliding_window": match.window} if match.window else {}),
-            **({"softcap": match.softcap} if match.softcap else {})))
+            **({"softcap": match.softcap} if match.softcap else {}),
+            **({"alibi_slopes": list(match.alibi)} if match.alibi else {})))

@@ -4,7 +4,7 @@ AttentionFusionPass (passes/fuse_attention.py) composes them from the Softmax ou
 it found, or None (or a reason string) when the tensor is not that part; each has its own tests.
 
     scale      x · a, x / b, a · x (scalar constants), nested: the product of the factors
-    mask       scores + mask (either order), or Where(allowed, scores, -big) (masked_fill)
+    mask       scores + mask (either order), Where(allowed, scores, -big) or Where(hidden, -big, scores)
     softmax    Softmax(Cast?(logits)) → Cast? → NaN guard Where(IsNaN(p), 0, p)?
     heads      Transpose(0, 2, 1, 3)(Reshape([B, S, H, D])(projection)), an optional per-head RmsNorm
     merge      Transpose(0, 2, 1, 3) → Reshape([B, S, H·D]) (or [B·S, H·D] rows)
@@ -26,6 +26,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from onnx import helper
 
+from passes.match_alibi import match_alibi, peel_alibi
 from passes.pattern import axes_of, const_ints, producer, scalar, sole_consumer
 from runtime.ops import CUSTOM_DOMAIN, RMS_NORM, RmsNormInput
 
@@ -107,19 +108,36 @@ def split_mask(logits: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor | None, float]:
     return scores, mask, 1.0
 
 
+def _scored(tensor: gs.Tensor) -> bool:
+    """Scores of a MatMul, scaled, capped, with an ALiBi term added (each optional)."""
+    return producer(match_scale(match_softcap(peel_alibi(tensor)[0])[0])[0], "MatMul") is not None
+
+
 def _split_mask(logits: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor | None]:
     add = producer(logits, "Add")
     if add is not None:
         for scored, candidate in (add.inputs, add.inputs[::-1]):
-            if producer(match_scale(match_softcap(scored)[0])[0], "MatMul") is not None \
-                    and not isinstance(candidate, gs.Constant):
+            if _scored(scored) and not isinstance(candidate, gs.Constant) and match_alibi(candidate) is None:
                 return scored, candidate
     where = producer(logits, "Where")
-    if where is not None and producer(match_scale(match_softcap(where.inputs[1])[0])[0], "MatMul") is not None:
-        fill = scalar(where.inputs[2])
-        if fill is not None and fill <= MASKED_BELOW:
-            return where.inputs[1], where.inputs[0]
+    if where is not None:  # Where(allowed, scores, fill), or masked_fill's Where(hidden, fill, scores) (MPT)
+        for scored, fill in ((where.inputs[1], where.inputs[2]), (where.inputs[2], where.inputs[1])):
+            value = scalar(fill)
+            if value is not None and value <= MASKED_BELOW and _scored(scored):
+                return scored, where.inputs[0]
     return logits, None
+
+
+def mask_alibi(mask: gs.Tensor) -> tuple[gs.Tensor, np.ndarray | None]:
+    """A mask that carries ALiBi's term → (the mask without it, the slopes): `Where(hidden, fill, term)`
+    (Falcon-RW fills the term where keys are hidden) gives `hidden`, `mask + term` gives `mask`; (mask,
+    None) when it carries none."""
+    where = producer(_peel_cast(mask), "Where")
+    if where is not None:
+        fill, slopes = scalar(where.inputs[1]), match_alibi(where.inputs[2])
+        if fill is not None and fill <= MASKED_BELOW and slopes is not None:
+            return where.inputs[0], slopes
+    return peel_alibi(mask)
 
 
 def match_probabilities(graph: gs.Graph, softmax: gs.Node) -> gs.Tensor:

@@ -46,6 +46,11 @@ class PagedKvCache:
             _sizes_from_tokens(graph, inputs["input_ids"])
         if "position_ids" not in inputs and attentions:
             _positions_from_an_input(graph, attentions[0])
+            if all(n.attrs.get("alibi_slopes") and input_at(n.inputs, Fused.COS) is None for n in attentions) \
+                    and not any(t.name == "position_ids" for t in graph.inputs):
+                # ALiBi gives the positions (BLOOM, MPT and Falcon-RW export none): the input every paged
+                # artifact takes, read by the attention's metadata alone
+                graph.inputs.append(gs.Variable("position_ids", dtype=np.int64, shape=[1, "num_tokens"]))
             inputs = {t.name: t for t in graph.inputs}
         self._check(graph, attentions)
         metadata = {m.slot: gs.Variable(m.name, dtype=m.dtype, shape=list(m.shape)) for m in PAGED_METADATA}
@@ -58,13 +63,16 @@ class PagedKvCache:
             operands = positional(Paged, {**{paged: input_at(node.inputs, fused) for paged, fused in _KEPT.items()},
                                           **metadata}, gs.Variable.empty())
             defaults = {**FUSED_ATTENTION.defaults, **node.attrs}
-            # flash_prefill attends causally and uncapped: sliding-window and softcapped layers attend without it
-            flash = self.flash and not defaults["sliding_window"] and not defaults["softcap"]
+            # flash_prefill attends causally, uncapped and unbiased: sliding-window, softcapped and ALiBi layers
+            # attend without it
+            flash = self.flash and not defaults["sliding_window"] and not defaults["softcap"] \
+                and not defaults["alibi_slopes"]
             name = node.name.removesuffix(FUSED_ATTENTION.name) + PAGED_ATTENTION.name
             graph.nodes.append(fused_node(
                 PAGED_ATTENTION.name, operands, [node.outputs[FusedOutput.OUTPUT]], name,
                 **{key: defaults[key] for key in _KEPT_ATTRIBUTES}, layer=layer, page_size=self.page_size,
-                flash=int(flash), **({"softcap": defaults["softcap"]} if defaults["softcap"] else {})))
+                flash=int(flash), **({"softcap": defaults["softcap"]} if defaults["softcap"] else {}),
+                **({"alibi_slopes": list(defaults["alibi_slopes"])} if defaults["alibi_slopes"] else {})))
             node.inputs.clear()
             node.outputs.clear()
         for name in TOKEN_INPUTS:

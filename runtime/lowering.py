@@ -132,13 +132,17 @@ def _fused_attention(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
         cap = b.const(attrs["softcap"], np.float32)
         scores = b("Mul", b("Tanh", b("Div", scores, cap)), cap)
     allowed = None
-    window = attrs["sliding_window"]
-    if causal or window:
+    window, slopes = attrs["sliding_window"], attrs["alibi_slopes"]
+    if causal or window or slopes:
         seq = b("Squeeze", b("Shape", q, start=2, end=3), b.const([0]))
         total = b("Squeeze", b("Shape", k, start=2, end=3), b.const([0]))
         zero, one = b.const(0), b.const(1)
         rows = b("Unsqueeze", b("Add", b("Range", zero, seq, one), b("Sub", total, seq)), b.const([1]))
         cols = b("Unsqueeze", b("Range", zero, total, one), b.const([0]))
+        if slopes:  # m_h·(key position - query position), [Hkv, G, 1, 1] · [S, T]
+            distance = b("Cast", b("Sub", cols, rows), to=onnx.TensorProto.FLOAT)
+            per_head = b.const(np.asarray(slopes, np.float32).reshape(kv_heads, heads // kv_heads, 1, 1), np.float32)
+            scores = b("Add", scores, b("Mul", per_head, distance))
         if causal:
             allowed = b("LessOrEqual", cols, rows)
         if window:

@@ -134,13 +134,14 @@ RMS_NORM = Op("RmsNorm", RmsNormInput, defaults={"epsilon": 1e-6})
 ADD_RMS_NORM = Op("AddRmsNorm", AddRmsNormInput, AddRmsNormOutput, defaults={"epsilon": 1e-6})
 SWIGLU = Op("SwiGlu", SwiGluInput)
 MOE = Op("MoE", MoEInput, defaults={"normalize_routing_weights": 0})
-# `softcap` c > 0: scores become c·tanh(scores / c) before the mask (Gemma 2)
+# `softcap` c > 0: scores become c·tanh(scores / c) before the mask (Gemma 2); `alibi_slopes` m_h (one a
+# query head, ALiBi: BLOOM, MPT, Falcon-RW, Baichuan-13B): m_h·(key position - query position) added after it
 FUSED_ATTENTION = Op("FusedAttention", FusedAttentionInput, FusedAttentionOutput, defaults={
     "causal": 1, "rotary_dim": 0, "rotary_interleaved": 0, "bias_per_head": 0, "bias_is_bool": 0,
-    "sliding_window": 0, "softcap": 0.0})
+    "sliding_window": 0, "softcap": 0.0, "alibi_slopes": ()})
 # always causal; `layer` picks the pool's layer, `flash` sends long prompt chunks through flash_prefill
 PAGED_ATTENTION = Op("PagedAttention", PagedAttentionInput, defaults={
-    "rotary_interleaved": 0, "sliding_window": 0, "softcap": 0.0, "flash": 0})
+    "rotary_interleaved": 0, "sliding_window": 0, "softcap": 0.0, "alibi_slopes": (), "flash": 0})
 MATMUL_INT4 = Op("MatMulInt4", MatMulQuantInput, defaults={"bits": 4, "accuracy_level": 0})
 MATMUL_INT8 = Op("MatMulInt8", MatMulQuantInput)
 GATHER_INT4 = Op("GatherInt4", GatherInt4Input, defaults={"bits": 4})
@@ -252,11 +253,28 @@ class Attr:
         return None if self.low <= value <= self.high else f"{value} is outside [{self.low}, {self.high}]"
 
 
+@dataclass(frozen=True)
+class FloatsAttr:
+    """A list of finite floats, at most `longest` (how many an op wants is cross-checked with its other
+    attributes)."""
+
+    longest: int = MAX_HEADS
+
+    def check(self, value) -> str | None:
+        """Why `value` breaks the rule, or None."""
+        if not isinstance(value, (list, tuple)) or len(value) > self.longest:
+            return f"is not a list of at most {self.longest} numbers"
+        if not all(isinstance(v, float) and np.isfinite(v) for v in value):
+            return "holds a value that is not a finite number"
+        return None
+
+
 _FLAG = Attr(choices=(0, 1))
 _HEADS = Attr(low=1, high=MAX_HEADS)
 _ATTENTION_ATTRS = {"num_heads": _HEADS, "kv_num_heads": _HEADS, "head_dim": Attr(low=1, high=MAX_HEAD_DIM),
                     "scale": Attr(float, low=0, high=1e6), "rotary_interleaved": _FLAG,
-                    "sliding_window": Attr(low=0), "softcap": Attr(float, low=0, high=1e6)}
+                    "sliding_window": Attr(low=0), "softcap": Attr(float, low=0, high=1e6),
+                    "alibi_slopes": FloatsAttr()}
 _QUANT_ATTRS = {"K": Attr(low=1), "bits": Attr(choices=(4, 8)), "block_size": Attr(choices=BLOCK_SIZES)}
 ATTRIBUTE_RULES: dict[str, dict[str, Attr]] = {
     RMS_NORM.name: {"epsilon": Attr(float, low=0, high=1)},
@@ -330,6 +348,8 @@ def _attention_checks(node, attrs, shape_of, slots) -> str | None:
         return f"rotary_dim {attrs['rotary_dim']} is odd or larger than head_dim {head_dim}"
     if head_dim % 2 and attrs["rotary_interleaved"]:
         return f"head_dim {head_dim} is odd, rotary_interleaved needs pairs"
+    if attrs["alibi_slopes"] and len(attrs["alibi_slopes"]) != heads:
+        return f"alibi_slopes has {len(attrs['alibi_slopes'])} values for num_heads {heads}"
     packed = input_at(list(node.input), slots.KEY) is None
     if packed != (input_at(list(node.input), slots.VALUE) is None):
         return "key and value are given one without the other"
@@ -365,8 +385,9 @@ def _fused_attention_checks(node, attrs, shape_of) -> str | None:
 def _paged_attention_checks(node, attrs, shape_of) -> str | None:
     if attrs["page_size"] % 16:
         return f"page_size {attrs['page_size']} is not a multiple of 16"
-    if attrs["flash"] and (attrs["sliding_window"] or attrs["softcap"]):
-        return "flash is set with a sliding_window or a softcap (flash_prefill attends causally, uncapped)"
+    if attrs["flash"] and (attrs["sliding_window"] or attrs["softcap"] or attrs["alibi_slopes"]):
+        return ("flash is set with a sliding_window, a softcap or alibi_slopes (flash_prefill attends causally, "
+                "uncapped, unbiased)")
     for slot in (PagedAttentionInput.QUERY_START_LOC, PagedAttentionInput.SEQ_LENS, PagedAttentionInput.BLOCK_TABLES,
                  PagedAttentionInput.SLOT_MAPPING):
         if input_at(list(node.input), slot) != slot.name.lower():

@@ -55,6 +55,13 @@ def attention_mask_bias(seq: int, total: int, attention_mask: np.ndarray | None,
     return np.where(allowed, np.float32(0), np.finfo(dtype).min).astype(dtype)
 
 
+def alibi_bias(slopes, kv_num_heads: int, seq: int, total: int) -> np.ndarray:
+    """[Hkv, G, S, T]: m_h·(j - p_i), query i at position p_i = T - S + i, key j at j (ALiBi, relative: any
+    constant a query row adds leaves its softmax unchanged)."""
+    distance = np.arange(total)[None, :] - (np.arange(seq)[:, None] + (total - seq))
+    return (np.asarray(slopes, np.float32).reshape(kv_num_heads, -1, 1, 1) * distance).astype(np.float32)
+
+
 def explicit_bias(bias: np.ndarray, kv_num_heads: int, group: int, dtype=np.float32) -> np.ndarray:
     """An [B|1, H|1, S, T] mask (boolean: True attends; float: added) as an additive [B|1, Hkv|1, G|1, S, T]."""
     if bias.dtype == np.bool_:
@@ -68,9 +75,10 @@ def explicit_bias(bias: np.ndarray, kv_num_heads: int, group: int, dtype=np.floa
 def FusedAttention(query, key=None, value=None, past_key=None, past_value=None, attention_mask=None,
                    cos=None, sin=None, attention_bias=None, *, num_heads: int, kv_num_heads: int, head_dim: int,
                    scale: float, causal: int, rotary_dim: int, rotary_interleaved: int, bias_per_head: int,
-                   bias_is_bool: int, sliding_window: int, softcap: float = 0.0):
+                   bias_is_bool: int, sliding_window: int, softcap: float = 0.0, alibi_slopes=()):
     """softmax(rope(q) · rope(k)ᵀ · scale + mask [+ bias]) · v over all heads (with `softcap` c > 0 the
-    scaled scores capped to c·tanh(scores / c) first); returns (output, present_key, present_value).
+    scaled scores capped to c·tanh(scores / c) first; with `alibi_slopes` m_h, m_h·(j - p) added to head h's
+    score of the key at position j from a query at p); returns (output, present_key, present_value).
 
     `rotary_dim` restates cos's last dimension, `bias_per_head` the bias's head axis (H, else 1) and
     `bias_is_bool` its type, for lowerings that need them before run time.
@@ -93,6 +101,8 @@ def FusedAttention(query, key=None, value=None, past_key=None, past_value=None, 
     scores = np.matmul(q5, np.swapaxes(k, -1, -2)[:, :, None]) * np.float32(scale)
     if softcap:
         scores = np.float32(softcap) * np.tanh(scores / np.float32(softcap))
+    if len(alibi_slopes):
+        scores = scores + alibi_bias(alibi_slopes, kv_num_heads, seq, k.shape[2])[None]
     scores = scores + attention_mask_bias(seq, k.shape[2], attention_mask, causal, q.dtype, sliding_window)[:, :, None]
     if attention_bias is not None:
         scores = scores + explicit_bias(attention_bias, kv_num_heads, group, q.dtype)

@@ -36,6 +36,7 @@ from runtime.ops import PAGED_ATTENTION
 PARALLEL_WORK = 2048  # query·key pairs in a layer's call from which numba's threads pay for their wake-up
 PARALLEL_ROTATE_TOKENS = 64  # the same for rotating and storing a step's tokens
 FLASH_MIN_QUERIES = 64  # prompt chunks at least this long attend through flash_prefill
+NO_SLOPES = np.zeros(0, np.float32)  # no ALiBi: the numba kernels' empty slopes
 
 
 @cache
@@ -109,10 +110,11 @@ def _context(cache: np.ndarray, pages: np.ndarray, length: int) -> np.ndarray:
 
 
 def paged_attention_reference(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale,
-                              sliding_window: int = 0, softcap: float = 0.0):
+                              sliding_window: int = 0, softcap: float = 0.0, alibi_slopes=NO_SLOPES):
     """Causal attention of each sequence's queries over its paged context (with a sliding window W > 0,
     over the last W positions up to each query's own; with softcap c > 0, the scaled scores capped to
-    c·tanh(s / c)); q `[T, Hq, D]` → `[T, Hq, D]`."""
+    c·tanh(s / c); with `alibi_slopes` m_h, m_h·(key position - query position) added to head h's scores);
+    q `[T, Hq, D]` → `[T, Hq, D]`."""
     kv_heads, page_size = key_cache.shape[1], key_cache.shape[2]
     group = q.shape[1] // kv_heads
     out = np.empty_like(q)
@@ -125,6 +127,9 @@ def paged_attention_reference(q, key_cache, value_cache, query_start_loc, seq_le
         if softcap:
             scores = np.float32(softcap) * np.tanh(scores / np.float32(softcap))
         positions = np.arange(length - (end - start), length)
+        if len(alibi_slopes):
+            distance = np.arange(length)[None, :] - positions[:, None]
+            scores = scores + np.float32(alibi_slopes).reshape(kv_heads, group, 1, 1) * distance.astype(np.float32)
         visible = np.arange(length)[None, :] <= positions[:, None]
         if sliding_window:
             visible &= np.arange(length)[None, :] > positions[:, None] - sliding_window
@@ -139,22 +144,28 @@ def paged_attention_reference(q, key_cache, value_cache, query_start_loc, seq_le
 # ---- the fast kernels ------------------------------------------------------------------------------
 
 def paged_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window: int = 0,
-                    softcap: float = 0.0):
+                    softcap: float = 0.0, alibi_slopes=NO_SLOPES):
     """The numba kernel: same contract as `paged_attention_reference`, pages read in place."""
     check_paged_metadata(query_start_loc, seq_lens, block_tables, (), key_cache.shape[0], key_cache.shape[2], q.shape[0],
                          stores=False)
     check_heads(q.shape[1], key_cache, q.shape[2])
     batch = PagedBatch.of(query_start_loc, seq_lens, block_tables, np.zeros(0, np.int64))
     out = np.empty_like(q)
-    _attend(batch, q, key_cache, value_cache, scale, out, sliding_window, softcap)
+    _attend(batch, q, key_cache, value_cache, scale, out, sliding_window, softcap, _slopes(alibi_slopes))
     return out
 
 
-def _attend(batch: "PagedBatch", q, key_cache, value_cache, scale, out, window: int = 0, softcap: float = 0.0) -> None:
+def _slopes(alibi_slopes) -> np.ndarray:
+    """The numba kernels' slopes operand: float32, empty for none."""
+    return np.asarray(alibi_slopes, np.float32) if len(alibi_slopes) else NO_SLOPES
+
+
+def _attend(batch: "PagedBatch", q, key_cache, value_cache, scale, out, window: int = 0, softcap: float = 0.0,
+            slopes: np.ndarray = NO_SLOPES) -> None:
     kernels = _numba_kernels()
     kernel = kernels._attend_parallel if batch.parallel else kernels._attend_serial
     kernel(q, key_cache, value_cache, batch.block_tables, batch.token_seq, batch.positions, np.int64(window),
-           np.float32(scale), np.float32(softcap), out)
+           np.float32(scale), np.float32(softcap), slopes, out)
 
 
 @dataclass
@@ -283,13 +294,13 @@ def _check_operands(query, key, value, cos, sin, kv_cache, layer, num_heads, kv_
 @register_kernel(PAGED_ATTENTION, host=True)
 def PagedAttention(query, key, value, cos, sin, query_start_loc, seq_lens, block_tables, slot_mapping, *,
                    num_heads: int, kv_num_heads: int, head_dim: int, scale: float, rotary_interleaved: int,
-                   sliding_window: int, softcap: float, layer: int, page_size: int, flash: int,
+                   sliding_window: int, softcap: float, alibi_slopes, layer: int, page_size: int, flash: int,
                    run: HostRun) -> np.ndarray:
     """Rotate, store the new keys and values in layer `layer` of `run.kv_cache`, attend; returns `[1, T, Hq·D]`.
 
-    `flash` sends long prompt chunks through `flash_prefill` (never set with a `sliding_window` or a
-    `softcap`: flash_prefill attends causally, uncapped). The metadata is prepared once per run (`PagedBatch.of`) for all
-    the layers; `run.fast=False` runs the numpy references. `page_size` is the pool's, restated.
+    `flash` sends long prompt chunks through `flash_prefill` (never set with a `sliding_window`, a `softcap` or
+    `alibi_slopes`: flash_prefill attends causally, uncapped, unbiased). The metadata is prepared once per run
+    (`PagedBatch.of`) for all the layers; `run.fast=False` runs the numpy references. `page_size` is the pool's, restated.
     """
     del page_size
     _check_operands(query, key, value, cos, sin, run.kv_cache, layer, num_heads, kv_num_heads, head_dim)
@@ -301,38 +312,40 @@ def PagedAttention(query, key, value, cos, sin, query_start_loc, seq_lens, block
                              key_cache.shape[2], query.shape[1])
         batch = run.shared[memo] = PagedBatch.of(query_start_loc, seq_lens, block_tables, slot_mapping,
                                                  flash=bool(flash))
+    slopes = _slopes(alibi_slopes)
     if run.fast and batch.decode:
         return _decode(query, key, value, cos, sin, batch, key_cache, value_cache, num_heads, kv_num_heads, head_dim,
-                       scale, rotary_interleaved, sliding_window, softcap)
+                       scale, rotary_interleaved, sliding_window, softcap, slopes)
     heads = dict(num_heads=num_heads, kv_num_heads=kv_num_heads, head_dim=head_dim, rotary_interleaved=rotary_interleaved)
     if run.fast:
         q = rotate_and_store(query, key, value, cos, sin, batch.slot_mapping, key_cache, value_cache, **heads)
-        out = _fast_attention(batch, q, key_cache, value_cache, scale, sliding_window, softcap)
+        out = _fast_attention(batch, q, key_cache, value_cache, scale, sliding_window, softcap, slopes)
     else:
         q = rotate_and_store_reference(query, key, value, cos, sin, batch.slot_mapping, key_cache, value_cache,
                                        **heads)
         out = paged_attention_reference(q, key_cache, value_cache, batch.query_start_loc, batch.seq_lens,
-                                        batch.block_tables, scale, sliding_window, softcap)
+                                        batch.block_tables, scale, sliding_window, softcap, slopes)
     return out.reshape(1, q.shape[0], num_heads * head_dim)
 
 
 def _decode(query, key, value, cos, sin, batch, key_cache, value_cache, num_heads, kv_num_heads, head_dim, scale,
-            interleaved, window, softcap):
+            interleaved, window, softcap, slopes):
     qsrc, ksrc, kofs, vsrc, vofs = split_heads(query, key, value, num_heads, kv_num_heads, head_dim)
     cos, sin = rotary_tables(cos, sin, qsrc.shape[0])
     out = np.empty((qsrc.shape[0], num_heads, head_dim), np.float32)
     kernels = _numba_kernels()
     kernel = kernels._decode_step_parallel if batch.parallel else kernels._decode_step
     kernel(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, batch.slot_mapping, batch.seq_lens, batch.block_tables,
-           key_cache, value_cache, np.int64(window), np.float32(scale), np.float32(softcap), out)
+           key_cache, value_cache, np.int64(window), np.float32(scale), np.float32(softcap), slopes, out)
     return out.reshape(1, qsrc.shape[0], num_heads * head_dim)
 
 
-def _fast_attention(batch: PagedBatch, q, key_cache, value_cache, scale, window: int = 0, softcap: float = 0.0):
+def _fast_attention(batch: PagedBatch, q, key_cache, value_cache, scale, window: int = 0, softcap: float = 0.0,
+                    slopes: np.ndarray = NO_SLOPES):
     """Long prompt chunks through flash_prefill, everything else (decodes, short chunks) through numba."""
     out = np.empty_like(q)
     if not batch.flash:
-        _attend(batch, q, key_cache, value_cache, scale, out, window, softcap)
+        _attend(batch, q, key_cache, value_cache, scale, out, window, softcap, slopes)
         return out
     page_size = key_cache.shape[2]
     starts, contexts, tables = batch.query_start_loc, batch.seq_lens, batch.block_tables
@@ -343,6 +356,7 @@ def _fast_attention(batch: PagedBatch, q, key_cache, value_cache, scale, window:
     if batch.short is not None:
         rows = batch.short_rows
         part = np.empty((len(rows),) + q.shape[1:], q.dtype)
-        _attend(batch.short, np.ascontiguousarray(q[rows]), key_cache, value_cache, scale, part, window, softcap)
+        _attend(batch.short, np.ascontiguousarray(q[rows]), key_cache, value_cache, scale, part, window, softcap,
+                slopes)
         out[rows] = part
     return out

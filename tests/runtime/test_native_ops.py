@@ -136,6 +136,24 @@ def test_a_softcap_caps_the_scores_alike_in_the_native_op_the_numba_kernel_and_t
     np.testing.assert_allclose(out, expected, atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("mix", MIXES)
+def test_alibi_slopes_bias_the_scores_alike_in_the_native_op_the_numba_kernel_and_the_reference(mix):
+    """ALiBi's m_h·(key position - query position) on each head's scaled scores (BLOOM, MPT, Falcon-RW):
+    decodes, prefill chunks and a mix of both."""
+    pages = 40
+    inputs = _step(mix, pages, True, 0)
+    slopes = [0.25 / 2 ** h for h in range(HEADS)]
+    attrs = dict(num_heads=HEADS, kv_num_heads=KV_HEADS, head_dim=DIM, scale=0.2, alibi_slopes=slopes)
+    expected = _node(inputs, *_pool(pages), fast=False, **attrs)
+    assert not np.allclose(expected, _node(inputs, *_pool(pages), fast=False, **{**attrs, "alibi_slopes": []}),
+                           atol=1e-3)
+    np.testing.assert_allclose(_node(inputs, *_pool(pages), fast=True, **attrs), expected, atol=2e-5, rtol=0)
+    pool_key, pool_value = _two_layer_pool(pages)
+    (out,) = _session(attrs, True, False).run(None, {**_feeds(inputs, True, False), POOL_KEY: pool_key,
+                                                     POOL_VALUE: pool_value})
+    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=0)
+
+
 def test_a_long_prefill_spread_over_threads_equals_the_reference():
     mix = [(300, 300), (1, 120)]
     inputs = _step(mix, 40, True, DIM)
@@ -246,13 +264,14 @@ def test_the_native_plan_keeps_float32_swiglu_for_the_library_and_lowers_the_res
 
 
 def _one_node_session(heads: int, kv_heads: int, dim: int, window: int = 0, page: int = PAGE,
-                      rotary_interleaved: int | None = None, library: Path | None = None):
-    """One PagedAttention node on packed [q | k | v]; with `rotary_interleaved` (0 or 1) it takes cos and sin;
-    run with `library` (default: the one built here)."""
+                      rotary_interleaved: int | None = None, library: Path | None = None, slopes=()):
+    """One PagedAttention node on packed [q | k | v]; with `rotary_interleaved` (0 or 1) it takes cos and sin,
+    with `slopes` ALiBi's; run with `library` (default: the one built here)."""
     rotary = ["cos", "sin"] if rotary_interleaved is not None else ["", ""]
     node = helper.make_node("PagedAttention", ["qkv", "", "", *rotary, *(m.name for m in PAGED_METADATA)], ["out"],
                             domain=CUSTOM_DOMAIN, num_heads=heads, kv_num_heads=kv_heads, head_dim=dim, scale=0.2,
-                            layer=0, page_size=page, sliding_window=window, rotary_interleaved=rotary_interleaved or 0)
+                            layer=0, page_size=page, sliding_window=window, rotary_interleaved=rotary_interleaved or 0,
+                            **({"alibi_slopes": list(slopes)} if len(slopes) else {}))
     inputs = [helper.make_tensor_value_info("qkv", onnx.TensorProto.FLOAT, [1, "T", (heads + 2 * kv_heads) * dim])]
     inputs += [helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, ["T", dim]) for name in rotary if name]
     for meta in PAGED_METADATA:
@@ -362,10 +381,10 @@ def test_prefill_tiles_on_pages_of_128_attend_as_the_reference(dim, heads, kv_he
     np.testing.assert_array_equal(value[0], ref_value)
 
 
-def _decode_step_against_the_reference(rng, heads, kv_heads, dim, rows, lengths, tables, window, library):
+def _decode_step_against_the_reference(rng, heads, kv_heads, dim, rows, lengths, tables, window, library, slopes=()):
     """One PagedAttention node over a pool of pages of 128 holding random keys and values, `rows` query rows
     ending each sequence of `lengths` (block tables `tables`, naming pages below tables.max() + 1), against
-    the reference."""
+    the reference; with ALiBi's `slopes` when given."""
     from runtime.kernels.paged_attention import paged_attention_reference, rotate_and_store_reference
 
     page, pages = 128, int(tables.max()) + 1
@@ -379,10 +398,10 @@ def _decode_step_against_the_reference(rng, heads, kv_heads, dim, rows, lengths,
     ref_key, ref_value = key[0].copy(), value[0].copy()
     q = rotate_and_store_reference(qkv, None, None, None, None, slots, ref_key, ref_value, num_heads=heads,
                                    kv_num_heads=kv_heads, head_dim=dim)
-    expected = paged_attention_reference(q, ref_key, ref_value, starts, lengths, tables, 0.2,
-                                         sliding_window=window).reshape(1, tokens, -1)
+    expected = paged_attention_reference(q, ref_key, ref_value, starts, lengths, tables, 0.2, sliding_window=window,
+                                         alibi_slopes=np.asarray(slopes, np.float32)).reshape(1, tokens, -1)
     feeds = dict(zip((m.name for m in PAGED_METADATA), (starts, lengths, tables, slots)))
-    session = _one_node_session(heads, kv_heads, dim, window, page, library=library)
+    session = _one_node_session(heads, kv_heads, dim, window, page, library=library, slopes=slopes)
     (out,) = session.run(None, {"qkv": qkv, **feeds, POOL_KEY: key, POOL_VALUE: value})
     np.testing.assert_allclose(out, expected, atol=2e-5, rtol=0)
 
@@ -399,6 +418,16 @@ def test_long_contexts_decoded_in_parts_attend_as_the_reference(dim, heads, kv_h
     tables = rng.permutation(51).reshape(3, 17).astype(np.int32)
     library = request.getfixturevalue("avx2_library") if build == "avx2" else None
     _decode_step_against_the_reference(rng, heads, kv_heads, dim, rows, [2100, 700, 5], tables, window, library)
+
+
+def test_long_contexts_decoded_in_parts_add_alibi_at_each_keys_own_position():
+    """ALiBi over a context cut into parts (each part's keys at their positions in the whole context), and a
+    window beside it."""
+    rng = np.random.default_rng(11)
+    tables = rng.permutation(51).reshape(3, 17).astype(np.int32)
+    slopes = [2.0 ** -(h + 1) / 8 for h in range(6)]
+    _decode_step_against_the_reference(rng, 6, 2, 64, [1, 2, 1], [2100, 700, 5], tables, 0, None, slopes)
+    _decode_step_against_the_reference(rng, 6, 2, 64, [1, 1, 1], [2100, 700, 5], tables, 300, None, slopes)
 
 
 @pytest.mark.parametrize("build", ["native", "avx2"] if AVX2_BUILD else ["native"])

@@ -82,6 +82,10 @@ typedef OrtStatus* (*ORT_TYPE_KernelContext_GetOutput)(OrtKernelContext* context
                                                       size_t count, OrtValue** out);
 #define ORT_SLOT_ReleaseStatus 93
 typedef void (*ORT_TYPE_ReleaseStatus)(OrtStatus* status);
+#define ORT_SLOT_KernelInfoGetAttributeArray_float 162
+/* out NULL: *size becomes the attribute's length (ALiBi's slopes, PagedAttention) */
+typedef OrtStatus* (*ORT_TYPE_KernelInfoGetAttributeArray_float)(const OrtKernelInfo* info, const char* name, float* out,
+                                                                size_t* size);
 #define ORT_SLOT_ReleaseTensorTypeAndShapeInfo 99
 typedef void (*ORT_TYPE_ReleaseTensorTypeAndShapeInfo)(OrtTensorTypeAndShapeInfo* info);
 #define ORT_SLOT_KernelContext_ParallelFor 274

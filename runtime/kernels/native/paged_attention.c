@@ -40,6 +40,8 @@ typedef struct {
   float scale;
   float softcap; /* > 0: the scaled scores capped to softcap * tanh(s / softcap) (Gemma 2), in attend_tile only */
   int64_t split_items; /* items a decode step wants at least (split_long_contexts), fixed when the kernel is made */
+  int64_t alibi_heads;  /* 0, or num_heads: ALiBi's slopes follow, one a query head, in attend_tile only */
+  float alibi[];        /* slope m_h: m_h * (key position - query position) added to head h's scaled scores */
 } Kernel;
 
 /* ---- rotary embedding and the cache write ---------------------------------------------------------- */
@@ -206,6 +208,11 @@ static inline __attribute__((always_inline)) void attend_tile(const Attend* a, i
     if (k->softcap > 0.0f)
       for (int64_t i = 0; i < n; i++)
         for (int64_t r = 0; r < count; r++) scores[i][r] = k->softcap * tanhf(scores[i][r] / k->softcap);
+    if (k->alibi_heads)
+      for (int64_t i = 0; i < n; i++) {
+        const float slope = k->alibi[kv * group + i % group];
+        for (int64_t r = 0; r < count; r++) scores[i][r] += slope * (float)(base + r - position[i]);
+      }
     for (int64_t i = 0; i < n; i++) {
       const float correction = page_softmax(k, scores[i], count, position[i], base, &running_max[i], &total[i]);
       for (int64_t d = 0; d < D; d++) acc[i][d] *= correction;
@@ -615,7 +622,7 @@ static void attend_item(void* data, size_t item) {
       return;
     }
   }
-  if (a->k->softcap > 0.0f) { /* the cap is applied by the generic tile alone */
+  if (a->k->softcap > 0.0f || a->k->alibi_heads) { /* the cap and ALiBi are applied by the generic tile alone */
     attend_tile(a, b, first, rows, kv, a->k->head_dim, lo, hi, part);
     return;
   }
@@ -902,9 +909,21 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
 static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
   (void)op;
   (void)api;
-  Kernel* k = (Kernel*)calloc(1, sizeof(Kernel));
+  size_t slopes = 0; /* ALiBi's, when the node has them: the kernel's allocation holds them */
+  OrtStatus* no_slopes = ORT_CALL(g_api, KernelInfoGetAttributeArray_float)(info, "alibi_slopes", NULL, &slopes);
+  if (no_slopes) { /* the registry's default: none */
+    ORT_CALL(g_api, ReleaseStatus)(no_slopes);
+    slopes = 0;
+  }
+  Kernel* k = (Kernel*)calloc(1, sizeof(Kernel) + slopes * sizeof(float));
   if (!k) return fail("out of memory for a PagedAttention kernel");
-  OrtStatus* status = int_attribute(info, "num_heads", &k->num_heads);
+  k->alibi_heads = (int64_t)slopes;
+  OrtStatus* status = NULL;
+  if (slopes) {
+    size_t read = slopes;
+    status = ORT_CALL(g_api, KernelInfoGetAttributeArray_float)(info, "alibi_slopes", k->alibi, &read);
+  }
+  if (!status) status = int_attribute(info, "num_heads", &k->num_heads);
   if (!status) status = int_attribute(info, "kv_num_heads", &k->kv_heads);
   if (!status) status = int_attribute(info, "head_dim", &k->head_dim);
   if (!status) status = int_attribute(info, "layer", &k->layer);
@@ -927,6 +946,8 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api, const 
     status = fail("PagedInputError: the node's heads, head_dim, page_size and layer must be positive");
   if (!status && !(k->softcap >= 0.0f && k->softcap <= 1e6f))
     status = fail("PagedInputError: the node's softcap must lie in [0, 1e6]");
+  if (!status && k->alibi_heads && k->alibi_heads != k->num_heads)
+    status = fail("PagedInputError: the node's alibi_slopes must hold one slope a query head");
   if (status) {
     free(k);
     return status;
