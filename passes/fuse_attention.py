@@ -66,6 +66,7 @@ class AttentionMatch:
     name: str
     softcap: float = 0.0
     alibi: tuple[float, ...] = ()
+    alibi_from_mask: bool = False
 
 
 def _transposed_keys(tensor: gs.Tensor) -> tuple[gs.Tensor, float] | None:
@@ -94,9 +95,12 @@ class FuseAttention(FusionPass):
         if softmax.attrs.get("axis", -1) not in (-1, rank - 1) or rank != 4:
             return "not a softmax over the last axis of [B, H, S, T] scores"
         logits, mask, outside = split_mask(softmax.inputs[0])
-        logits, slopes = peel_alibi(logits)
-        if slopes is None and mask is not None:
-            mask, slopes = mask_alibi(mask)
+        logits, alibi = peel_alibi(logits)
+        if alibi is None and mask is not None:
+            mask, alibi = mask_alibi(mask)
+        if alibi is not None and alibi.rounded:
+            # transformers' Falcon-RW rounds each slope·position to bfloat16: far from a float32 bias
+            return "ALiBi's term is computed below float32 precision, which the fused op's bias would not repeat"
         capped, softcap = match_softcap(logits)
         if softcap and outside != 1.0:
             return "a scale outside a softcap"
@@ -148,8 +152,8 @@ class FuseAttention(FusionPass):
         head_dim = query4.shape[-1]
         if kv_heads != value_heads or heads % kv_heads:
             return f"{heads} query heads cannot share {kv_heads} key and {value_heads} value heads"
-        if slopes is not None and len(slopes) != heads:
-            return f"ALiBi's term holds {len(slopes)} slopes for {heads} heads"
+        if alibi is not None and len(alibi.slopes) != heads:
+            return f"ALiBi's term holds {len(alibi.slopes)} slopes for {heads} heads"
         if kv_heads == 1:  # one key and value head, broadcast by the MatMuls (Falcon-7B through Optimum)
             key_repeats, value_repeats = (heads if r == 1 else r for r in (key_repeats, value_repeats))
         if any(r is not None and r * kv_heads != heads for r in (key_repeats, value_repeats)):
@@ -164,10 +168,13 @@ class FuseAttention(FusionPass):
             return f"the mask's window ({source.window}) is not the cache's ({key_cache.window})"
         if window and not source.causal:
             return "a sliding window without a causal mask"
+        if alibi is not None and alibi.mask is not None and alibi.mask is not source.attention_mask:
+            return "ALiBi counts positions over another input than the attention mask"
         return AttentionMatch(query, key, value, key_cache.past, value_cache.past, key_cache.present,
                               value_cache.present, source.attention_mask, source.causal, window, rotary, heads,
                               kv_heads, head_dim, scale, output, softmax.name.rsplit("/", 1)[0] + "/" + FUSED_ATTENTION.name,
-                              softcap, () if slopes is None else tuple(float(m) * outside for m in slopes))
+                              softcap, () if alibi is None else tuple(float(m) * outside for m in alibi.slopes),
+                              alibi is not None and alibi.mask is not None)
 
     def rewrite(self, graph: gs.Graph, match: AttentionMatch) -> None:
         def flat(projection: Projection) -> gs.Tensor:
@@ -210,4 +217,5 @@ class FuseAttention(FusionPass):
             rotary_dim=rotary.rotary_dim if rotary else 0, rotary_interleaved=rotary.interleaved if rotary else 0,
             **({"sliding_window": match.window} if match.window else {}),
             **({"softcap": match.softcap} if match.softcap else {}),
-            **({"alibi_slopes": list(match.alibi)} if match.alibi else {})))
+            **({"alibi_slopes": list(match.alibi)} if match.alibi else {}),
+            **({"alibi_from_mask": 1} if match.alibi_from_mask else {})))

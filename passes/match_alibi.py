@@ -4,16 +4,18 @@
     core       Mul(slopes, positions)  or  Slice(ramp) along its last axis, step 1
     slopes     a float constant of one value a head ([H, 1], [1, H, 1, 1], ...)
     positions  CumSum(attention_mask) along the keys, moved by a constant, times the mask (BLOOM,
-               Falcon-RW), or Range(start, end, 1): the keys' positions, through casts and unsqueezes
+               Falcon-RW): the keys' positions counted over the keys the mask keeps
     ramp       a float constant [.., H, .., L], linear along its last axis for each head (MPT keeps
                m_h·(j - L + 1) for j < L)
 
 A bias that shifts a query row by a constant leaves the row's softmax unchanged, so every one of these is
-m_h·(key position - query position) to the fused op: a left-padded row's keys sit at their index minus its
-padding, a constant again.
+m_h·(key position - query position) to the fused op, positions counted by the mask where the term counts
+them so (a key after a hole in the mask moves back), by the keys' index otherwise.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -24,12 +26,27 @@ _THROUGH = ("Cast", "Reshape", "Unsqueeze", "Squeeze", "Expand")
 _RAMP_RTOL = 1e-4
 
 
-def _float_constant(tensor: gs.Tensor) -> np.ndarray | None:
+@dataclass
+class Alibi:
+    """What an ALiBi term adds: `slopes` (one a head, its factors multiplied in) times key positions, counted
+    by `mask` (a 2-D graph input: BLOOM and Falcon-RW count the keys it keeps) or by the keys' index (None);
+    `rounded` when the exported term is computed in a low precision (Falcon-RW's bfloat16), which the fused
+    op's float32 bias would not reproduce."""
+
+    slopes: np.ndarray
+    mask: gs.Tensor | None = None
+    rounded: bool = False
+
+
+def _float_constant(tensor: gs.Tensor) -> tuple[np.ndarray, bool] | None:
+    """A float constant's values, and whether they are held in fewer bits than float32."""
     if not isinstance(tensor, gs.Constant):
         return None
     values = np.asarray(tensor.values)
     # bfloat16 (Falcon's slopes) reads as ml_dtypes' type, of kind "V"
-    return values.astype(np.float32).astype(np.float64) if values.dtype.kind in "fV" else None
+    if values.dtype.kind not in "fV":
+        return None
+    return values.astype(np.float32).astype(np.float64), values.dtype.itemsize < 4
 
 
 def _per_head(values: np.ndarray) -> np.ndarray | None:
@@ -37,18 +54,19 @@ def _per_head(values: np.ndarray) -> np.ndarray | None:
     return values.reshape(-1) if sum(n > 1 for n in values.shape) <= 1 and values.size >= 1 else None
 
 
-def _is_mask_input(tensor: gs.Tensor) -> bool:
-    """A 2-D graph input of integers or booleans, through casts: the attention mask."""
+def _input_through_casts(tensor: gs.Tensor) -> gs.Tensor | None:
+    """The 2-D graph input `tensor` is, through casts (an attention mask), or None."""
     while (cast := producer(tensor, "Cast")) is not None:
         tensor = cast.inputs[0]
-    return not tensor.inputs and not isinstance(tensor, gs.Constant) and tensor.shape is not None \
-        and len(tensor.shape) == 2
+    graph_input = not tensor.inputs and not isinstance(tensor, gs.Constant)
+    return tensor if graph_input and tensor.shape is not None and len(tensor.shape) == 2 else None
 
 
-def _key_positions(tensor: gs.Tensor) -> float | None:
-    """The factor on the keys' positions that `tensor` holds (positions moved by a constant, or zeroed
-    where the mask hides a key, count as positions), or None when it is something else."""
-    factor = 1.0
+def _key_positions(tensor: gs.Tensor) -> tuple[float, gs.Tensor] | None:
+    """(the factor on them, the mask that counts them) of the keys' positions `tensor` holds: the running
+    count of a 2-D input along its last axis, moved by a constant, zeroed where that input hides a key; None
+    for anything else."""
+    factor, mask = 1.0, None
     for _ in range(16):
         node = producer(tensor)
         if node is None:
@@ -63,17 +81,19 @@ def _key_positions(tensor: gs.Tensor) -> float | None:
                 factor, tensor = factor * scalar(second), first
             elif scalar(first) is not None:
                 factor, tensor = factor * scalar(first), second
-            elif _is_mask_input(second):
-                tensor = first
-            elif _is_mask_input(first):
-                tensor = second
+            elif (hidden := _input_through_casts(second)) is not None and (mask is None or mask is hidden):
+                mask, tensor = hidden, first
+            elif (hidden := _input_through_casts(first)) is not None and (mask is None or mask is hidden):
+                mask, tensor = hidden, second
             else:
                 return None
         elif node.op == "CumSum":
-            axis = const_ints(node.inputs[1])
-            return factor if axis in ([1], [-1]) and _is_mask_input(node.inputs[0]) else None
-        elif node.op == "Range":
-            return factor if scalar(node.inputs[2]) == 1 else None
+            counted = _input_through_casts(node.inputs[0])
+            plain = not node.attrs.get("reverse", 0) and not node.attrs.get("exclusive", 0)
+            if const_ints(node.inputs[1]) not in ([1], [-1]) or not plain or counted is None \
+                    or not (mask is None or mask is counted):
+                return None
+            return factor, counted
         else:
             return None
     return None
@@ -85,7 +105,8 @@ def _ramp_slopes(slice_node: gs.Node) -> np.ndarray | None:
     slices = [slice_node]
     while (inner := producer(slices[-1].inputs[0], "Slice")) is not None:
         slices.append(inner)
-    values = _float_constant(slices[-1].inputs[0])
+    found = _float_constant(slices[-1].inputs[0])
+    values = found[0] if found is not None and not found[1] else None  # a ramp in float32 or wider
     if values is None or values.ndim < 2 or values.shape[-1] < 2:
         return None
     for node in slices:
@@ -107,8 +128,8 @@ def _ramp_slopes(slice_node: gs.Node) -> np.ndarray | None:
     return step[:, 0]
 
 
-def match_alibi(tensor: gs.Tensor) -> np.ndarray | None:
-    """The per-head slopes (float32, any scalar factors on the term multiplied in) of an ALiBi term, or None."""
+def match_alibi(tensor: gs.Tensor) -> Alibi | None:
+    """The ALiBi term `tensor` is, or None."""
     factor = 1.0
     for _ in range(16):
         node = producer(tensor)
@@ -123,24 +144,24 @@ def match_alibi(tensor: gs.Tensor) -> np.ndarray | None:
             continue
         if node.op == "Slice":
             slopes = _ramp_slopes(node)
-            return None if slopes is None else (slopes * factor).astype(np.float32)
+            return None if slopes is None else Alibi((slopes * factor).astype(np.float32))
         if node.op == "Mul":
             for constant, positions in (node.inputs, node.inputs[::-1]):
-                values = _float_constant(constant)
-                slopes = _per_head(values) if values is not None and values.size > 1 else None
-                scale = _key_positions(positions) if slopes is not None else None
-                if scale is not None:
-                    return (slopes * scale * factor).astype(np.float32)
+                found = _float_constant(constant)
+                slopes = _per_head(found[0]) if found is not None and found[0].size > 1 else None
+                counted = _key_positions(positions) if slopes is not None else None
+                if counted is not None:
+                    return Alibi((slopes * counted[0] * factor).astype(np.float32), counted[1], found[1])
         return None
     return None
 
 
-def peel_alibi(tensor: gs.Tensor) -> tuple[gs.Tensor, np.ndarray | None]:
-    """`x + term` (either order) with an ALiBi term → (x, slopes); (tensor, None) when it is not one."""
+def peel_alibi(tensor: gs.Tensor) -> tuple[gs.Tensor, Alibi | None]:
+    """`x + term` (either order) with an ALiBi term → (x, the term); (tensor, None) when it is not one."""
     add = producer(tensor, "Add")
     if add is not None:
         for rest, term in (add.inputs, add.inputs[::-1]):
-            slopes = match_alibi(term)
-            if slopes is not None:
-                return rest, slopes
+            alibi = match_alibi(term)
+            if alibi is not None:
+                return rest, alibi
     return tensor, None

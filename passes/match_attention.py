@@ -26,7 +26,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from onnx import helper
 
-from passes.match_alibi import match_alibi, peel_alibi
+from passes.match_alibi import Alibi, match_alibi, peel_alibi
 from passes.pattern import axes_of, const_ints, producer, scalar, sole_consumer
 from runtime.ops import CUSTOM_DOMAIN, RMS_NORM, RmsNormInput
 
@@ -128,15 +128,15 @@ def _split_mask(logits: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor | None]:
     return logits, None
 
 
-def mask_alibi(mask: gs.Tensor) -> tuple[gs.Tensor, np.ndarray | None]:
-    """A mask that carries ALiBi's term → (the mask without it, the slopes): `Where(hidden, fill, term)`
+def mask_alibi(mask: gs.Tensor) -> tuple[gs.Tensor, Alibi | None]:
+    """A mask that carries ALiBi's term → (the mask without it, the term): `Where(hidden, fill, term)`
     (Falcon-RW fills the term where keys are hidden) gives `hidden`, `mask + term` gives `mask`; (mask,
     None) when it carries none."""
     where = producer(_peel_cast(mask), "Where")
     if where is not None:
-        fill, slopes = scalar(where.inputs[1]), match_alibi(where.inputs[2])
-        if fill is not None and fill <= MASKED_BELOW and slopes is not None:
-            return where.inputs[0], slopes
+        fill, alibi = scalar(where.inputs[1]), match_alibi(where.inputs[2])
+        if fill is not None and fill <= MASKED_BELOW and alibi is not None:
+            return where.inputs[0], alibi
     return peel_alibi(mask)
 
 

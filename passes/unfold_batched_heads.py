@@ -6,8 +6,8 @@ to the scaled scores), views the scores as [B, H, S, T] for the mask and the sof
 probabilities back as [B·H, S, T] for the values, and the context as [B, H, S, D]. Two rules, each exact:
 
 - scores: `Reshape([B, H, S, T])(f(MatMul(Reshape(q), Transpose(Reshape(k), 0, 2, 1))))`, f elementwise
-  (scalar factors, casts, terms of [B·H, 1|S, T]) → f on `MatMul(q, Transpose(k, 0, 1, 3, 2))`, each term
-  viewed as [B, H, 1|S, T];
+  (scalar factors, casts, terms of [B·H, 1|S, T] or shared [1, ·, ·]) → f on `MatMul(q, Transpose(k, 0, 1,
+  3, 2))`, each [B·H, ·, ·] term viewed as [B, H, ·, ·];
 - context: `Reshape([B, H, S, D])(MatMul(Reshape(p), Reshape(v)))` → `MatMul(p, v)`.
 
 Folding [B, H] into B·H and unfolding B·H into [B, H] are inverse when the unfold's second dim is H; every
@@ -138,11 +138,17 @@ def _chain_to(tensor: gs.Tensor, op: str, depth: int = 8) -> list[tuple[gs.Node,
     return None
 
 
-def _unfold_term(build: NodeBuilder, term: gs.Tensor, heads: int) -> gs.Tensor | None:
-    """A scalar as it is; a [B·H, 1|S, T] term viewed as [B, H, 1|S, T]; None for anything else."""
-    if scalar(term) is not None:
+def _unfold_term(build: NodeBuilder, term: gs.Tensor, query: gs.Tensor) -> gs.Tensor | None:
+    """A scalar, or a [1, ·, ·] term shared by every head of every row, as it is; a [B·H, ·, ·] term viewed as
+    [B, H, ·, ·]; None for anything else."""
+    if scalar(term) is not None or term.shape is not None and len(term.shape) <= 2:
         return term
     if term.shape is None or len(term.shape) != 3:
+        return None
+    if term.shape[0] == 1:
+        return term
+    heads = query.shape[1]
+    if not _product(term.shape[0], query.shape[0], heads):
         return None
     trailing = build("Slice", [build("Shape", [term]), build.const([1]), build.const([3])])
     return build("Reshape", [term, build("Concat", [build.const([-1, heads]), trailing], {"axis": 0})])
@@ -174,7 +180,7 @@ def unfold_scores(graph: gs.Graph, reshape: gs.Node) -> bool:
     terms = {}
     for node, index in chain:
         if node.op != "Cast":
-            terms[id(node)] = _unfold_term(build, node.inputs[1 - index], heads)
+            terms[id(node)] = _unfold_term(build, node.inputs[1 - index], query)
             if terms[id(node)] is None:
                 return False  # what was built for the terms reads nothing kept: the cleanup drops it
     result = reshape.outputs[0]

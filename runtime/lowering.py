@@ -139,10 +139,18 @@ def _fused_attention(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
         zero, one = b.const(0), b.const(1)
         rows = b("Unsqueeze", b("Add", b("Range", zero, seq, one), b("Sub", total, seq)), b.const([1]))
         cols = b("Unsqueeze", b("Range", zero, total, one), b.const([0]))
-        if slopes:  # m_h·(key position - query position), [Hkv, G, 1, 1] · [S, T]
-            distance = b("Cast", b("Sub", cols, rows), to=onnx.TensorProto.FLOAT)
+        if slopes:  # m_h·(key position - query position), [Hkv, G, 1, 1] · [S, T] (or [B, 1, 1, S, T])
+            if attrs["alibi_from_mask"]:  # positions counted over the keys the mask keeps
+                kept = b("Cast", b("Cast", mask, to=onnx.TensorProto.BOOL), to=onnx.TensorProto.INT64)
+                counted = b("Sub", b("CumSum", kept, b.const(-1)), one)
+                query_rows = b("Slice", counted, b("Unsqueeze", b("Sub", total, seq), b.const([0])),
+                               b("Unsqueeze", total, b.const([0])), b.const([1]))
+                distance = b("Sub", b("Unsqueeze", counted, b.const([1])), b("Unsqueeze", query_rows, b.const([2])))
+                distance = b("Unsqueeze", distance, b.const([1, 2]))
+            else:
+                distance = b("Sub", cols, rows)
             per_head = b.const(np.asarray(slopes, np.float32).reshape(kv_heads, heads // kv_heads, 1, 1), np.float32)
-            scores = b("Add", scores, b("Mul", per_head, distance))
+            scores = b("Add", scores, b("Mul", per_head, b("Cast", distance, to=onnx.TensorProto.FLOAT)))
         if causal:
             allowed = b("LessOrEqual", cols, rows)
         if window:

@@ -135,10 +135,11 @@ ADD_RMS_NORM = Op("AddRmsNorm", AddRmsNormInput, AddRmsNormOutput, defaults={"ep
 SWIGLU = Op("SwiGlu", SwiGluInput)
 MOE = Op("MoE", MoEInput, defaults={"normalize_routing_weights": 0})
 # `softcap` c > 0: scores become c·tanh(scores / c) before the mask (Gemma 2); `alibi_slopes` m_h (one a
-# query head, ALiBi: BLOOM, MPT, Falcon-RW, Baichuan-13B): m_h·(key position - query position) added after it
+# query head, ALiBi: BLOOM, MPT): m_h·(key position - query position) added after it, positions counted over
+# the keys attention_mask keeps with `alibi_from_mask` (BLOOM), the keys' index otherwise
 FUSED_ATTENTION = Op("FusedAttention", FusedAttentionInput, FusedAttentionOutput, defaults={
     "causal": 1, "rotary_dim": 0, "rotary_interleaved": 0, "bias_per_head": 0, "bias_is_bool": 0,
-    "sliding_window": 0, "softcap": 0.0, "alibi_slopes": ()})
+    "sliding_window": 0, "softcap": 0.0, "alibi_slopes": (), "alibi_from_mask": 0})
 # always causal; `layer` picks the pool's layer, `flash` sends long prompt chunks through flash_prefill
 PAGED_ATTENTION = Op("PagedAttention", PagedAttentionInput, defaults={
     "rotary_interleaved": 0, "sliding_window": 0, "softcap": 0.0, "alibi_slopes": (), "flash": 0})
@@ -283,7 +284,7 @@ ATTRIBUTE_RULES: dict[str, dict[str, Attr]] = {
     MOE.name: {"num_experts": Attr(low=1, high=MAX_HEADS), "top_k": Attr(low=1, high=MAX_HEADS),
                "normalize_routing_weights": _FLAG},
     FUSED_ATTENTION.name: {**_ATTENTION_ATTRS, "causal": _FLAG, "rotary_dim": Attr(low=0, high=MAX_HEAD_DIM),
-                           "bias_per_head": _FLAG, "bias_is_bool": _FLAG},
+                           "bias_per_head": _FLAG, "bias_is_bool": _FLAG, "alibi_from_mask": _FLAG},
     PAGED_ATTENTION.name: {**_ATTENTION_ATTRS, "layer": Attr(low=0, high=MAX_HEADS),
                            "page_size": Attr(low=PAGE_SIZE_RANGE[0], high=PAGE_SIZE_RANGE[1]), "flash": _FLAG},
     MATMUL_INT4.name: {**_QUANT_ATTRS, "N": Attr(low=1), "accuracy_level": Attr(choices=(0, 1, 2, 3, 4))},
@@ -373,6 +374,9 @@ def _fused_attention_checks(node, attrs, shape_of) -> str | None:
     problem = _attention_checks(node, attrs, shape_of, FusedAttentionInput)
     if problem:
         return problem
+    if attrs["alibi_from_mask"] and not (attrs["alibi_slopes"] and input_at(list(node.input),
+                                                                           FusedAttentionInput.ATTENTION_MASK)):
+        return "alibi_from_mask is set without alibi_slopes and an attention_mask to count positions by"
     for slot in (FusedAttentionInput.PAST_KEY, FusedAttentionInput.PAST_VALUE):
         shape = _operand(node, slot, shape_of)
         for axis, expected, label in ((1, attrs["kv_num_heads"], "kv_num_heads"), (3, attrs["head_dim"], "head_dim")):

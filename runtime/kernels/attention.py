@@ -55,11 +55,18 @@ def attention_mask_bias(seq: int, total: int, attention_mask: np.ndarray | None,
     return np.where(allowed, np.float32(0), np.finfo(dtype).min).astype(dtype)
 
 
-def alibi_bias(slopes, kv_num_heads: int, seq: int, total: int) -> np.ndarray:
-    """[Hkv, G, S, T]: m_h·(j - p_i), query i at position p_i = T - S + i, key j at j (ALiBi, relative: any
-    constant a query row adds leaves its softmax unchanged)."""
-    distance = np.arange(total)[None, :] - (np.arange(seq)[:, None] + (total - seq))
-    return (np.asarray(slopes, np.float32).reshape(kv_num_heads, -1, 1, 1) * distance).astype(np.float32)
+def alibi_bias(slopes, kv_num_heads: int, seq: int, total: int, attention_mask: np.ndarray | None = None
+               ) -> np.ndarray:
+    """[B|1, Hkv, G, S, T]: m_h·(position of key j - position of query i), positions the keys' index (query i
+    at T - S + i) or, given `attention_mask`, counted over the keys it keeps (ALiBi; relative, as any constant
+    a query row adds leaves its softmax unchanged)."""
+    if attention_mask is None:
+        positions = np.arange(total)[None]
+    else:
+        positions = np.cumsum(attention_mask != 0, axis=-1) - 1
+    distance = positions[:, None, :] - positions[:, total - seq:, None]
+    return (np.asarray(slopes, np.float32).reshape(1, kv_num_heads, -1, 1, 1)
+            * distance[:, None, None].astype(np.float32))
 
 
 def explicit_bias(bias: np.ndarray, kv_num_heads: int, group: int, dtype=np.float32) -> np.ndarray:
@@ -75,10 +82,12 @@ def explicit_bias(bias: np.ndarray, kv_num_heads: int, group: int, dtype=np.floa
 def FusedAttention(query, key=None, value=None, past_key=None, past_value=None, attention_mask=None,
                    cos=None, sin=None, attention_bias=None, *, num_heads: int, kv_num_heads: int, head_dim: int,
                    scale: float, causal: int, rotary_dim: int, rotary_interleaved: int, bias_per_head: int,
-                   bias_is_bool: int, sliding_window: int, softcap: float = 0.0, alibi_slopes=()):
+                   bias_is_bool: int, sliding_window: int, softcap: float = 0.0, alibi_slopes=(),
+                   alibi_from_mask: int = 0):
     """softmax(rope(q) · rope(k)ᵀ · scale + mask [+ bias]) · v over all heads (with `softcap` c > 0 the
     scaled scores capped to c·tanh(scores / c) first; with `alibi_slopes` m_h, m_h·(j - p) added to head h's
-    score of the key at position j from a query at p); returns (output, present_key, present_value).
+    score of the key at position j from a query at p, positions counted over the keys attention_mask keeps
+    with `alibi_from_mask`); returns (output, present_key, present_value).
 
     `rotary_dim` restates cos's last dimension, `bias_per_head` the bias's head axis (H, else 1) and
     `bias_is_bool` its type, for lowerings that need them before run time.
@@ -102,7 +111,8 @@ def FusedAttention(query, key=None, value=None, past_key=None, past_value=None, 
     if softcap:
         scores = np.float32(softcap) * np.tanh(scores / np.float32(softcap))
     if len(alibi_slopes):
-        scores = scores + alibi_bias(alibi_slopes, kv_num_heads, seq, k.shape[2])[None]
+        counted = attention_mask if alibi_from_mask else None
+        scores = scores + alibi_bias(alibi_slopes, kv_num_heads, seq, k.shape[2], counted)
     scores = scores + attention_mask_bias(seq, k.shape[2], attention_mask, causal, q.dtype, sliding_window)[:, :, None]
     if attention_bias is not None:
         scores = scores + explicit_bias(attention_bias, kv_num_heads, group, q.dtype)

@@ -4,6 +4,7 @@ claimed m_h·(key position) must be one constant per query row (what leaves the 
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
@@ -25,13 +26,18 @@ def _model(nodes, inputs, output, initializers) -> onnx.ModelProto:
         output, TensorProto.FLOAT, None)], initializers), opset_imports=[helper.make_opsetid("", 17)])
 
 
-def _matched(model: onnx.ModelProto, output: str):
+def _matched(model: onnx.ModelProto, output: str) -> np.ndarray | None:
+    """The slopes match_alibi reads from `output` (None: no term); a term counted over an input names it."""
     graph = gs.import_onnx(model)
     InferShapes().run(graph)
-    return match_alibi(graph.tensors()[output])
+    alibi = match_alibi(graph.tensors()[output])
+    if alibi is not None and alibi.mask is not None:
+        assert alibi.mask is graph.tensors()["attention_mask"]
+    return None if alibi is None else alibi.slopes
 
 
-def _positions_term(cumsum_axis: int = -1, scale: float | None = None, positions_input: bool = False):
+def _positions_term(cumsum_axis: int = -1, scale: float | None = None, positions_input: bool = False,
+                    reverse: int = 0):
     """BLOOM's build_alibi_tensor: slopes[H, 1] · ((cumsum(mask) - 1) · mask)[:, None, :], viewed [B·H, 1, T]
     (then divided by `scale`, as Falcon-RW divides by sqrt(head_dim))."""
     mask = helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["B", T])
@@ -42,7 +48,7 @@ def _positions_term(cumsum_axis: int = -1, scale: float | None = None, positions
              numpy_helper.from_array(np.array([-1, 1, T], np.int64), "view"),
              numpy_helper.from_array(np.array(scale or 1.0, np.float32), "scale")]
     source = "positions_in" if positions_input else "kept"
-    nodes = [helper.make_node("CumSum", ["attention_mask", "axis"], ["summed"]),
+    nodes = [helper.make_node("CumSum", ["attention_mask", "axis"], ["summed"], reverse=reverse),
              helper.make_node("Sub", ["summed", "one"], ["moved"]),
              helper.make_node("Mul", ["moved", "attention_mask"], ["kept"]),
              helper.make_node("Unsqueeze", [source, "axes1"], ["unsqueezed"]),
@@ -89,6 +95,21 @@ def test_slopes_times_another_input_are_no_term():
     assert _matched(_positions_term(positions_input=True), "scaled") is None
 
 
+def test_a_count_from_the_end_is_no_position():
+    """CumSum(reverse=1) counts down the keys: slopes of the other sign, which the term does not claim."""
+    assert _matched(_positions_term(reverse=1), "scaled") is None
+
+
+def test_slopes_held_in_bfloat16_mark_the_term_rounded():
+    """Falcon-RW multiplies bfloat16 slopes: the term is rounded there, which a float32 bias would not repeat."""
+    model = _positions_term()
+    slopes = next(t for t in model.graph.initializer if t.name == "slopes")
+    slopes.CopyFrom(numpy_helper.from_array(SLOPES.reshape(H, 1).astype(ml_dtypes.bfloat16), "slopes"))
+    graph = gs.import_onnx(model)
+    alibi = match_alibi(graph.tensors()["scaled"])
+    assert alibi is not None and alibi.rounded and np.allclose(alibi.slopes, SLOPES)
+
+
 def _ramp_term(ramp: np.ndarray, axis: int = -1, step: int = 1):
     """MPT: its [H, 1, L] buffer m_h·(j - L + 1) sliced to the last T positions."""
     length = ramp.shape[-1]
@@ -133,8 +154,8 @@ def test_peel_takes_the_term_off_either_side_of_an_add():
     for operands in ([scores, term], [term, scores]):
         summed = gs.Variable(f"sum{id(operands)}", dtype=np.float32)
         graph.nodes.append(gs.Node("Add", inputs=operands, outputs=[summed]))
-        rest, slopes = peel_alibi(summed)
-        assert rest is scores and np.allclose(slopes, SLOPES)
+        rest, alibi = peel_alibi(summed)
+        assert rest is scores and np.allclose(alibi.slopes, SLOPES) and not alibi.rounded
     plain = gs.Variable("plain", dtype=np.float32)
     graph.nodes.append(gs.Node("Add", inputs=[scores, graph.tensors()["attention_mask"]], outputs=[plain]))
     assert peel_alibi(plain) == (plain, None)
