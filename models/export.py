@@ -83,8 +83,9 @@ def example_inputs(config, with_past: bool, batch: int = EXAMPLE_BATCH, seq: int
 
 
 def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, dynamo: bool, with_past: bool,
-                     external_data: bool = False) -> Path:
-    """Export `model` to `path`; the file is written atomically (temp name, then rename)."""
+                     external_data: bool = False, opset: int = 17) -> Path:
+    """Export `model` to `path` (TorchScript at `opset`); the file is written atomically (temp name, then
+    rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     model = model.eval()
@@ -114,7 +115,7 @@ def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, dynamo:
                 axes[name] = {0: "batch", 2: "total"}
             torch.onnx.export(
                 wrapper, args, str(tmp), input_names=input_names, output_names=output_names,
-                dynamic_axes=axes, opset_version=17, dynamo=False,
+                dynamic_axes=axes, opset_version=opset, dynamo=False,
             )
             if external_data:
                 import onnx

@@ -134,8 +134,9 @@ def _fused_attention(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
     allowed = None
     window, slopes = attrs["sliding_window"], attrs["alibi_slopes"]
     if causal or window or slopes:
-        seq = b("Squeeze", b("Shape", q, start=2, end=3), b.const([0]))
-        total = b("Squeeze", b("Shape", k, start=2, end=3), b.const([0]))
+        # Gather, not Shape's start and end (opset 15): the lowering keeps the model's opset, 14 included
+        seq = b("Gather", b("Shape", q), b.const(2), axis=0)
+        total = b("Gather", b("Shape", k), b.const(2), axis=0)
         zero, one = b.const(0), b.const(1)
         rows = b("Unsqueeze", b("Add", b("Range", zero, seq, one), b("Sub", total, seq)), b.const([1]))
         cols = b("Unsqueeze", b("Range", zero, total, one), b.const([0]))

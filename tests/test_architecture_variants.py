@@ -308,6 +308,20 @@ def test_alibi_fuses_and_generates(family, dynamo, tmp_path):
         assert got == expected, host_attention
 
 
+def test_a_model_exported_at_opset_14_compiles_to_an_artifact_that_runs(tmp_path):
+    """TorchScript at opset 14 (an opset users still pick): the attention's lowering reads lengths without
+    Shape's start and end (opset 15), so the contiguous artifact loads and matches onnxruntime on the export,
+    and the paged one generates its greedy tokens."""
+    from models.export import export_causal_lm
+
+    source = export_causal_lm(_build("LlamaConfig", "LlamaForCausalLM"), tmp_path / "model.onnx", dynamo=False,
+                              with_past=True, opset=14)
+    loaded = _contiguous_equals_onnxruntime(source, tmp_path / "contiguous")
+    assert Counter(n.op_type for n in loaded.model.graph.node)["FusedAttention"] == SIZES["num_hidden_layers"]
+    _paged_equals_onnxruntime(source, compile_to(source, tmp_path / "paged", enable_paged_attention=True),
+                              [[5, 6, 7], list(range(3, 40))], 8)
+
+
 def test_alibi_computed_in_bfloat16_is_not_fused(tmp_path, capsys):
     """Falcon-RW's ALiBi reaches the attention inside its mask, computed in bfloat16 (transformers rounds each
     slope·position there): a float32 bias would move the scores, so the attention stays as exported
