@@ -203,6 +203,11 @@ def _check_tensors(graph: onnx.GraphProto, path: Path) -> None:
     for info in graph.input:
         if info.type.HasField("tensor_type"):
             _check_input_type(path, info.name, info.type.tensor_type.elem_type)
+    for info in graph.output:
+        if info.type.HasField("tensor_type") and info.type.tensor_type.elem_type == TensorProto.BFLOAT16:
+            raise AtcError("E10041", path, reason=f"output {info.name} is bfloat16: the model computes in bfloat16, "
+                                                  "which onnxruntime's CPU kernels do not run; export it in float32 "
+                                                  "(`--precision_mode` then chooses how the weights are stored)")
 
 
 def _check_input_type(path: Path, name: str, elem_type: int) -> None:

@@ -322,6 +322,34 @@ def test_a_model_exported_at_opset_14_compiles_to_an_artifact_that_runs(tmp_path
                               [[5, 6, 7], list(range(3, 40))], 8)
 
 
+def test_a_float16_export_runs_as_exported_and_a_paged_compile_is_refused(tmp_path, capsys):
+    """A model exported in float16 (dynamo): the fused attention's kernels compute in float32, so its
+    attention stays as exported (W10005) and the artifact runs, its logits onnxruntime's on the export to
+    float16's precision with the same argmax; a paged compile is refused (E10055), never an artifact
+    onnxruntime would refuse at load."""
+    from cli.atc import run
+
+    from models.export import export_causal_lm
+
+    source = export_causal_lm(_build("LlamaConfig", "LlamaForCausalLM").half(), tmp_path / "model.onnx",
+                              dynamo=True, with_past=False)
+    capsys.readouterr()
+    assert run([f"--model={source}", "--framework=5", f"--output={tmp_path / 'contiguous'}",
+                "--soc_version=Ascend910B"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("W10005: 2 attention block(s)")
+    loaded = load_artifact(tmp_path / "contiguous.om")
+    feeds = causal_lm_inputs(loaded.metadata["signature"], loaded.metadata["model"], np.arange(3, 20)[None])
+    want = ort_reference(source, feeds)["logits"].astype(np.float32)
+    for backend in ("onnxruntime", "reference"):
+        got = Executor(loaded, backend).run(feeds)["logits"].astype(np.float32)
+        np.testing.assert_allclose(got, want, atol=2e-3, rtol=0)
+        assert (got.argmax(-1) == want.argmax(-1)).all()
+    status = run([f"--model={source}", "--framework=5", f"--output={tmp_path / 'paged'}",
+                  "--soc_version=Ascend910B", "--enable_paged_attention=1"])
+    said = capsys.readouterr()
+    assert status != 0 and "E10055" in said.out + said.err and not (tmp_path / "paged.om").exists()
+
+
 def test_alibi_computed_in_bfloat16_is_not_fused(tmp_path, capsys):
     """Falcon-RW's ALiBi reaches the attention inside its mask, computed in bfloat16 (transformers rounds each
     slope·position there): a float32 bias would move the scores, so the attention stays as exported

@@ -38,6 +38,12 @@ def _embedding(ids_type=TensorProto.INT64, axis=0) -> onnx.ModelProto:
                   [vi("input_ids", ids_type, [1, 3])], [vi("y", TensorProto.FLOAT, [1, 3, 4])], [table])
 
 
+def _bfloat16_model() -> onnx.ModelProto:
+    """A dynamo export of a model loaded in bfloat16 computes in it: its logits are bfloat16."""
+    return _model([helper.make_node("Relu", ["x"], ["logits"])], [vi("x", TensorProto.BFLOAT16, [1, 4])],
+                  [vi("logits", TensorProto.BFLOAT16, [1, 4])])
+
+
 def _string_weight() -> onnx.ModelProto:
     words = helper.make_tensor("vocab", TensorProto.STRING, [2], [b"a", b"b"])
     return _model([helper.make_node("Identity", ["vocab"], ["y"])], [], [vi("y", TensorProto.STRING, [2])], [words])
@@ -71,8 +77,9 @@ def _refused(capsys, tmp_path, model: onnx.ModelProto) -> str:
     (lambda: _embedding(axis=5), "axis must be in [-r, r-1]"),
     (lambda: _relu([3, 4], opset=99), "the model imports ai.onnx opset 99; supported are opsets 7 to"),
     (lambda: _relu([3, 4], opset=5), "the model imports ai.onnx opset 5; supported are opsets 7 to"),
+    (_bfloat16_model, "output logits is bfloat16: the model computes in bfloat16"),
 ], ids=["negative-dim", "huge-dim", "rank-65", "negative-weight-dim", "string-weight", "float-input-ids",
-        "gather-axis", "opset-99", "opset-5"])
+        "gather-axis", "opset-99", "opset-5", "bfloat16-compute"])
 def test_a_model_we_cannot_run_is_refused_with_the_reason(capsys, tmp_path, make, words):
     assert words in _refused(capsys, tmp_path, make())
 
