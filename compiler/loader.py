@@ -36,6 +36,38 @@ def drop_trailing_empty_inputs(graph: gs.Graph) -> None:
                 node.inputs.pop()
 
 
+def cast_like_as_cast(graph: gs.Graph) -> None:
+    """`CastLike(x, like)` → `Cast(x, to=like's element type)` where that type is known. onnxruntime expands
+    the function op itself, so its kernel list lacks it (the dynamo exporter writes it with `optimize=False`);
+    the passes read Casts."""
+    for node in graph.nodes:
+        if node.op != "CastLike" or node.domain not in ("", "ai.onnx", None) or len(node.inputs) != 2:
+            continue
+        like = node.inputs[1]
+        dtype = like.values.dtype if isinstance(like, gs.Constant) else like.dtype
+        if dtype is None:
+            continue
+        to = dtype if isinstance(dtype, int) else helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        node.op = "Cast"
+        node.attrs = {"to": to, **({"saturate": node.attrs["saturate"]} if "saturate" in node.attrs else {})}
+        del node.inputs[1]
+
+
+_CONSTANT_ATTRIBUTES = {"value_float": np.float32, "value_floats": np.float32, "value_int": np.int64,
+                        "value_ints": np.int64}
+
+
+def typed_constants(graph: gs.Graph) -> None:
+    """Constant nodes given by `value_float(s)` or `value_int(s)` → their tensor of float32 or int64, the types
+    ONNX gives them: graphsurgeon's folding reads a Python float as float64 and then fails to fold what it
+    feeds (the dynamo exporter writes them with `optimize=False`)."""
+    for node in graph.nodes:
+        found = [name for name in _CONSTANT_ATTRIBUTES if name in node.attrs] if node.op == "Constant" else []
+        if len(found) == 1:
+            values = np.asarray(node.attrs.pop(found[0]), _CONSTANT_ATTRIBUTES[found[0]])
+            node.attrs["value"] = gs.Constant(f"{node.name}_value", values)
+
+
 def load_onnx(path: str | os.PathLike, external_data: bool = True) -> onnx.ModelProto:
     """The checked model, with its external data read into memory unless `external_data` is False."""
     path = Path(path)
@@ -110,6 +142,8 @@ def import_graph(path: str | os.PathLike) -> tuple[onnx.ModelProto, gs.Graph]:
     model = load_onnx(path, external_data=False)
     graph = gs.import_onnx(model)
     drop_trailing_empty_inputs(graph)
+    cast_like_as_cast(graph)
+    typed_constants(graph)
     flatten_constant_conditionals(graph)
     check_subgraphs(graph, path)
     maps: dict[Path, mmap.mmap] = {}

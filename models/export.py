@@ -83,9 +83,9 @@ def example_inputs(config, with_past: bool, batch: int = EXAMPLE_BATCH, seq: int
 
 
 def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, dynamo: bool, with_past: bool,
-                     external_data: bool = False, opset: int = 17) -> Path:
-    """Export `model` to `path` (TorchScript at `opset`); the file is written atomically (temp name, then
-    rename)."""
+                     external_data: bool = False, opset: int = 17, optimize: bool = True) -> Path:
+    """Export `model` to `path` (TorchScript at `opset`; dynamo with its graph optimizer or, `optimize=False`,
+    as traced); the file is written atomically (temp name, then rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     model = model.eval()
@@ -103,7 +103,7 @@ def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, dynamo:
             shapes = ({0: dynamic, 1: dynamic},) * 3 + ((past_shapes,) if with_past else ())
             program = torch.onnx.export(
                 wrapper, args, input_names=input_names, output_names=output_names,
-                dynamic_shapes=shapes, dynamo=True, optimize=True,
+                dynamic_shapes=shapes, dynamo=True, optimize=optimize,
             )
             program.save(str(tmp), external_data=external_data)
         else:

@@ -3,7 +3,8 @@
 Identity; Dropout (inference); single-input Concat/Sum/Max/Min/Mean (TorchScript's DynamicCache leaves a
 one-input Concat on each past KV input); Cast to the type the value already has (TorchScript exports put
 float32→float32 Casts around every RMSNorm); x·1, 1·x, x/1, x+0, 0+x, x-0 with a scalar constant of x's
-type and x of rank ≥ 1 (so broadcasting changes nothing; RoPE's attention_scaling of 1.0 is one).
+type and x of rank ≥ 1 (so broadcasting changes nothing; RoPE's attention_scaling of 1.0 is one); a Slice
+of whole axes (0 to the end, step 1).
 Removing them lets later fusions see the real structure.
 """
 
@@ -15,7 +16,7 @@ from onnx.helper import np_dtype_to_tensor_dtype
 
 from passes.base import PassResult
 from passes.graph_utils import bypass_node
-from passes.pattern import scalar
+from passes.pattern import const_ints, scalar
 
 _VARIADIC = ("Concat", "Sum", "Max", "Min", "Mean")
 _NEUTRAL = {"Mul": 1.0, "Div": 1.0, "Add": 0.0, "Sub": 0.0}
@@ -53,7 +54,21 @@ def passthrough_input(node: gs.Node) -> gs.Tensor | None:
         return source if same else None
     if node.op in _NEUTRAL and len(node.inputs) == 2:
         return _neutral_operand(node)
+    if node.op == "Slice" and _whole_slice(node):
+        return node.inputs[0]
     return None
+
+
+def _whole_slice(node: gs.Node) -> bool:
+    """A Slice from 0 to the end of every axis it names, step 1 (the dynamo exporter's `x[:, :]` with
+    `optimize=False`)."""
+    operands = [t if t.name else None for t in node.inputs] + [None] * (5 - len(node.inputs))
+    starts, ends, axes, steps = (const_ints(t) if t is not None else None for t in operands[1:5])
+    if starts is None or ends is None or (operands[3] is not None and axes is None):
+        return False
+    if operands[4] is not None and (steps is None or any(step != 1 for step in steps)):
+        return False
+    return all(start == 0 for start in starts) and all(end >= 2**31 - 1 for end in ends)
 
 
 class EliminateIdentity:

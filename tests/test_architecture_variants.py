@@ -11,6 +11,7 @@ import sys
 from collections import Counter
 
 import numpy as np
+import onnx
 import pytest
 from conftest import compile_to, ort_reference
 from generation_utils import engine_greedy, ort_greedy
@@ -316,6 +317,21 @@ def test_a_model_exported_at_opset_14_compiles_to_an_artifact_that_runs(tmp_path
 
     source = export_causal_lm(_build("LlamaConfig", "LlamaForCausalLM"), tmp_path / "model.onnx", dynamo=False,
                               with_past=True, opset=14)
+    loaded = _contiguous_equals_onnxruntime(source, tmp_path / "contiguous")
+    assert Counter(n.op_type for n in loaded.model.graph.node)["FusedAttention"] == SIZES["num_hidden_layers"]
+    _paged_equals_onnxruntime(source, compile_to(source, tmp_path / "paged", enable_paged_attention=True),
+                              [[5, 6, 7], list(range(3, 40))], 8)
+
+
+def test_a_dynamo_export_without_its_optimizer_fuses_and_generates(tmp_path):
+    """`torch.onnx.export(dynamo=True, optimize=False)` keeps what the optimizer would fold: CastLike (a
+    function op onnxruntime expands, read as Cast), Constants given as value_float (float32, not the float64
+    graphsurgeon's folding made of them) and whole-axis Slices (`x[:, :]`, dropped)."""
+    from models.export import export_causal_lm
+
+    source = export_causal_lm(_build("LlamaConfig", "LlamaForCausalLM"), tmp_path / "model.onnx", dynamo=True,
+                              with_past=True, optimize=False)
+    assert {"CastLike", "Slice"} <= {n.op_type for n in onnx.load(source).graph.node}
     loaded = _contiguous_equals_onnxruntime(source, tmp_path / "contiguous")
     assert Counter(n.op_type for n in loaded.model.graph.node)["FusedAttention"] == SIZES["num_hidden_layers"]
     _paged_equals_onnxruntime(source, compile_to(source, tmp_path / "paged", enable_paged_attention=True),
