@@ -5,7 +5,9 @@ dynamo exporter writes every linear layer on a 2-D input as `Gemm(x, W, transB=1
 expert and routers). The weight passes that follow (QKV, SwiGLU, quantization, 28-bit and panel storage)
 read one spelling, `MatMul(x, W[K, N])`; in this one the Gemm's weights are quantized and packed like every
 other layer's. Exact: `transB` is applied to the constant, `alpha` folded into it, `beta` into a constant C.
-A Gemm whose A is transposed, or whose B is computed, stays.
+A Gemm whose A is transposed, or whose B is computed, stays. onnxsim writes a biased layer on 3-D tokens as
+`Reshape(x, [-1, K])` → Gemm → Reshape: the MatMul reads x itself there, and the head split after it sees the
+projection the attention fusion follows.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from passes.base import PassResult
-from passes.pattern import FusionPass
+from passes.pattern import FusionPass, const_ints, is_graph_output, producer
+from passes.shape_values import shape_elements
 from passes.weight_memory import Deferred, read_values
 
 
@@ -65,6 +68,9 @@ class CanonicalizeGemm(FusionPass):
             bias = self._constant(f"{bias.name}_beta", _scaled(read_values(bias), float(node.attrs["beta"])))
         node.inputs.clear()
         node.outputs.clear()
+        tokens = _flattened_tokens(graph, x, output)
+        if tokens is not None:  # the product stays [.., N] rows of the tokens, as the Reshape after it reads
+            x, output.shape = tokens, None
         # the Gemm's name goes to its MatMul, so patterns that name the layer (skip_layers) still find it
         name = node.name or f"{output.name}/MatMul"
         if bias is None:
@@ -105,6 +111,27 @@ class CanonicalizeGemm(FusionPass):
             candidate, number = f"{name}_{number}", number + 1
         self._names.add(candidate)
         return candidate
+
+
+def _flattened_tokens(graph: gs.Graph, x: gs.Tensor, output: gs.Tensor) -> gs.Tensor | None:
+    """t when the Gemm reads `Reshape(t, [-1, K])` of [.., K] tokens and only a Reshape reads its product
+    (onnxsim's spelling of a biased linear layer): the MatMul may read t itself, the Reshape after it sees the
+    same elements in the same order (a target holding a 0, which copies an input dim, is left alone)."""
+    flatten = producer(x, "Reshape")
+    if flatten is None or const_ints(flatten.inputs[1]) is None or len(const_ints(flatten.inputs[1])) != 2:
+        return None
+    tokens = flatten.inputs[0]
+    if tokens.shape is None or len(tokens.shape) < 3 or x.shape is None or tokens.shape[-1] != x.shape[-1] \
+            or const_ints(flatten.inputs[1])[0] != -1 or is_graph_output(graph, output) or len(output.outputs) != 1:
+        return None
+    reader = output.outputs[0]
+    if reader.op == "Add" and any(isinstance(t, gs.Constant) and len(t.shape or ()) == 1 for t in reader.inputs) \
+            and len(reader.outputs[0].outputs) == 1 and not is_graph_output(graph, reader.outputs[0]):
+        reader = reader.outputs[0].outputs[0]
+    target = shape_elements(reader.inputs[1]) if reader.op == "Reshape" else None
+    if target is None or 0 in target and not reader.attrs.get("allowzero", 0):
+        return None
+    return tokens
 
 
 def _scaled(values: np.ndarray, factor: float) -> np.ndarray:

@@ -15,6 +15,7 @@ from conftest import compile_to, ort_reference
 from onnx import TensorProto, helper, numpy_helper
 
 from passes.canonicalize_gemm import CanonicalizeGemm
+from passes.infer_shapes import InferShapes
 from runtime import Executor, load_artifact
 from runtime.feeds import causal_lm_inputs
 from runtime.ort_session import session_options
@@ -102,3 +103,28 @@ def test_gpt2s_conv1d_layers_are_quantized_and_follow_the_float_model(dynamo, tm
         logits = Executor(loaded, backend).run(feeds)["logits"]
         # 4-bit weights move the logits, but they still follow the float model's
         assert np.corrcoef(logits.reshape(-1), expected.reshape(-1))[0, 1] > 0.95
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("target, reads_tokens", [([2, 3, 1, 5], True), ([0, 5], False)])
+def test_onnxsims_flattened_biased_layer_multiplies_the_tokens_themselves(target, reads_tokens):
+    """onnxsim writes a biased linear layer on [B, S, K] tokens as Reshape([-1, K]) → Gemm → Reshape (the
+    head split): the MatMul reads the tokens, so the projection stays [B, S, N] for the attention fusion; a
+    Reshape target copying an input dim (0) would change meaning, and keeps the rows."""
+    tokens = RNG.standard_normal((2, 3, 8)).astype(np.float32)
+    rows = [2 * 3, 5]
+    initializers = {"flat": np.array([-1, 8], np.int64), "w": W_KN, "b": BIAS, "heads": np.array(target, np.int64)}
+    nodes = [helper.make_node("Reshape", ["tokens", "flat"], ["x2d"]), helper.make_node("Gemm", ["x2d", "w", "b"], ["y2d"]),
+             helper.make_node("Reshape", ["y2d", "heads"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("tokens", TensorProto.FLOAT, [2, 3, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(v, k) for k, v in initializers.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    imported = gs.import_onnx(model)
+    InferShapes().run(imported)
+    CanonicalizeGemm().run(imported)
+    matmul = next(n for n in imported.nodes if n.op == "MatMul")
+    assert (matmul.inputs[0].name == "tokens") == reads_tokens
+    after = gs.export_onnx(imported)
+    np.testing.assert_allclose(_run(after, {"tokens": tokens})[0], _run(model, {"tokens": tokens})[0], atol=1e-5)
+    assert list(_run(after, {"tokens": tokens})[0].shape) == ([2, 3, 1, 5] if reads_tokens else rows)
