@@ -128,11 +128,22 @@ def _split_mask(logits: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor | None]:
     return logits, None
 
 
+def _first_keys(tensor: gs.Tensor) -> gs.Tensor:
+    """x of `Slice(x)` keeping the first keys (from 0 on the last of 4 axes, step 1), as transformers 4.57 cuts
+    each layer's mask to its keys (`mask[:, :, :, :kv_len]`): the keys kept keep their positions."""
+    node = producer(tensor, "Slice")
+    if node is None or len(node.inputs) < 4:
+        return tensor
+    starts, axes = const_ints(node.inputs[1]), const_ints(node.inputs[3])
+    steps = const_ints(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4].name else [1]
+    return node.inputs[0] if starts == [0] and axes in ([3], [-1]) and steps == [1] else tensor
+
+
 def mask_alibi(mask: gs.Tensor) -> tuple[gs.Tensor, Alibi | None]:
     """A mask that carries ALiBi's term → (the mask without it, the term): `Where(hidden, fill, term)`
     (Falcon-RW fills the term where keys are hidden) gives `hidden`, `mask + term` gives `mask`; (mask,
     None) when it carries none."""
-    where = producer(_peel_cast(mask), "Where")
+    where = producer(_peel_cast(_first_keys(_peel_cast(mask))), "Where")
     if where is not None:
         fill, alibi = scalar(where.inputs[1]), match_alibi(where.inputs[2])
         if fill is not None and fill <= MASKED_BELOW and alibi is not None:

@@ -248,11 +248,11 @@ def test_a_router_that_softmaxes_its_top_k_fuses(dynamo, tmp_path):
     _paged_equals_onnxruntime(source, om, [[5, 6, 7], list(range(3, 40))], 12)
 
 
-# ALiBi's families at the suite's sizes (each with attention sharp enough, and BLOOM's init wide enough, for
+# ALiBi's families at the suite's sizes (each with attention sharp enough, and its init wide enough, for
 # the slopes to decide tokens)
 ALIBI = {
     "bloom": ("BloomConfig", "BloomForCausalLM", dict(initializer_range=0.3)),
-    "mpt": ("MptConfig", "MptForCausalLM", dict(max_seq_len=256, expansion_ratio=2)),
+    "mpt": ("MptConfig", "MptForCausalLM", dict(max_seq_len=256, expansion_ratio=2, initializer_range=0.6)),
 }
 
 
@@ -297,8 +297,8 @@ def test_alibi_fuses_and_generates(family, dynamo, tmp_path):
         want = ort_reference(source, feeds)["logits"]
         rows = np.ones(tokens.shape, bool) if mask is None else mask.astype(bool)
         for backend in ("onnxruntime", "reference"):
-            got = Executor(loaded, backend).run(feeds)["logits"]
-            np.testing.assert_allclose(got[rows], want[rows], atol=1e-4, rtol=0)
+            got = Executor(loaded, backend).run(feeds)["logits"]  # logits of a few units, a wide init's
+            np.testing.assert_allclose(got[rows], want[rows], atol=5e-4, rtol=0)  # float32 rounding: ~3e-4
     om = compile_to(source, tmp_path / "paged", enable_paged_attention=True, enable_flash_attention=True)
     attrs = [{a.name: a for a in n.attribute} for n in load_artifact(om).model.graph.node if n.op_type == "PagedAttention"]
     assert [a["flash"].i for a in attrs] == [0, 0]  # flash_prefill attends without a bias

@@ -159,3 +159,28 @@ def test_peel_takes_the_term_off_either_side_of_an_add():
     plain = gs.Variable("plain", dtype=np.float32)
     graph.nodes.append(gs.Node("Add", inputs=[scores, graph.tensors()["attention_mask"]], outputs=[plain]))
     assert peel_alibi(plain) == (plain, None)
+
+
+def test_a_mask_filled_with_the_term_and_cut_to_the_keys_gives_its_condition_and_the_term():
+    """Falcon-RW fills the term where keys are hidden, `Where(hidden, min, term)`; transformers 4.57 (Optimum)
+    then cuts each layer's mask to its keys, `mask[:, :, :, :kv_len]`, which keeps the keys' positions. A cut
+    starting past the first key is no longer that mask."""
+    from passes.match_attention import mask_alibi
+
+    for start, found in ((0, True), (1, False)):
+        model = _positions_term()
+        graph = gs.import_onnx(model)
+        term = graph.tensors()["scaled"]
+        hidden = gs.Variable("hidden", dtype=bool, shape=["B", 1, 1, T])
+        filled = gs.Variable("filled", dtype=np.float32)
+        cut = gs.Variable("cut", dtype=np.float32)
+        viewed = gs.Variable("viewed", dtype=np.float32)
+        graph.nodes += [
+            gs.Node("Reshape", inputs=[term, gs.Constant("four", np.array([-1, H, 1, T], np.int64))], outputs=[viewed]),
+            gs.Node("Where", inputs=[hidden, gs.Constant("fill", np.array(-3.4e38, np.float32)), viewed],
+                    outputs=[filled]),
+            gs.Node("Slice", inputs=[filled, gs.Constant(f"s{start}", np.array([start], np.int64)),
+                                     gs.Constant("e", np.array([T], np.int64)), gs.Constant("a", np.array([3], np.int64))],
+                    outputs=[cut])]
+        rest, alibi = mask_alibi(cut)
+        assert (rest is hidden and np.allclose(alibi.slopes, SLOPES)) if found else (rest is cut and alibi is None)
