@@ -43,8 +43,7 @@ def cast_like_as_cast(graph: gs.Graph) -> None:
     for node in graph.nodes:
         if node.op != "CastLike" or node.domain not in ("", "ai.onnx", None) or len(node.inputs) != 2:
             continue
-        like = node.inputs[1]
-        dtype = like.values.dtype if isinstance(like, gs.Constant) else like.dtype
+        dtype = node.inputs[1].dtype  # a constant's, read from its proto: its values stay where they are
         if dtype is None:
             continue
         to = dtype if isinstance(dtype, int) else helper.np_dtype_to_tensor_dtype(np.dtype(dtype))

@@ -68,7 +68,8 @@ class CanonicalizeGemm(FusionPass):
             bias = self._constant(f"{bias.name}_beta", _scaled(read_values(bias), float(node.attrs["beta"])))
         node.inputs.clear()
         node.outputs.clear()
-        tokens = _flattened_tokens(graph, x, output)
+        per_column = bias is None or isinstance(bias, gs.Constant) and len(bias.shape or ()) <= 1
+        tokens = _flattened_tokens(graph, x, output) if per_column else None  # a bias of rows needs the rows
         if tokens is not None:  # the product stays [.., N] rows of the tokens, as the Reshape after it reads
             x, output.shape = tokens, None
         # the Gemm's name goes to its MatMul, so patterns that name the layer (skip_layers) still find it

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from passes.match_attention import in_float32
 from passes.pattern import FusionPass, fused_node, producer
 from passes.rotary_tables import NodeBuilder, Rotation, paired_rotation, rotary_tables
 from runtime.ops import FUSED_ATTENTION, FusedAttentionInput, FusedAttentionOutput, input_at, positional
@@ -64,6 +65,8 @@ class ConvertAttention(FusionPass):
             return "the qk output is read"
         if bool(past_key.name) != bool(past_value.name):
             return "a cache for only one of keys and values"
+        if not in_float32(q, k, v, past_key if past_key.name else None):
+            return "not float32 (the fused op computes in float32)"
         rank = len(q.shape or [])
         if rank == 4:
             heads, kv_heads, head_dim = q.shape[1], (k.shape or [None, None])[1], q.shape[3]

@@ -208,7 +208,7 @@ def _positions_input(graph: gs.Graph) -> gs.Tensor:
 def _derived_positions(b: NodeBuilder, query: gs.Tensor, seqlens_k: gs.Tensor, total: gs.Tensor) -> gs.Tensor:
     """[B, S] positions as GroupQueryAttention derives them: past length + index, the past length being
     0 for a first prompt (S = total_sequence_length) and seqlens_k + 1 - S otherwise."""
-    seq = b("Shape", [query], {"start": 1, "end": 2}, dtype=np.int64)  # [1]
+    seq = b("Gather", [b("Shape", [query], dtype=np.int64), b.const([1])], {"axis": 0}, dtype=np.int64)  # [1]
     total64 = b("Reshape", [b("Cast", [total], {"to": 7}, dtype=np.int64), b.const([1])], dtype=np.int64)
     past = b("Sub", [b("Add", [b("Cast", [seqlens_k], {"to": 7}, dtype=np.int64), b.const([1])], dtype=np.int64), seq],
              dtype=np.int64)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from passes.match_attention import in_float32
 from passes.pattern import FusionPass, fused_node, producer
 from passes.rotary_tables import NodeBuilder, Rotation, paired_rotation, rotary_tables
 from runtime.ops import FUSED_ATTENTION, FusedAttentionInput, FusedAttentionOutput, input_at, positional
@@ -82,6 +83,8 @@ class ConvertMultiHeadAttention(FusionPass):
         q, k, v = (input_at(node.inputs, i) for i in range(3))
         if k is None or v is None:
             return "packed query, key and value"
+        if not in_float32(q, k, v, input_at(node.inputs, 6)):
+            return "not float32 (the fused op computes in float32)"
         # shape inference may not know a contrib RotaryEmbedding's output: its input's shape is the same
         shapes = [(_unrotated(t).shape) for t in (q, k, v)]
         if any(shape is None or len(shape) != 3 for shape in shapes):

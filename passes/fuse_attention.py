@@ -27,6 +27,7 @@ import onnx_graphsurgeon as gs
 from passes.match_attention import (
     MaskSource,
     Projection,
+    in_float32,
     is_transpose,
     match_gqa_repeat,
     match_head_merge,
@@ -122,9 +123,8 @@ class FuseAttention(FusionPass):
         output = match_head_merge(graph, context.outputs[0])
         if isinstance(output, str):
             return output
-        if output.dtype is not None and not isinstance(output.dtype, int) and np.dtype(output.dtype) != np.float32:
-            # the fused op's kernels and lowering compute in float32 (an export in float16 runs as exported)
-            return f"the attention computes in {np.dtype(output.dtype).name}; the fused op computes in float32"
+        if not in_float32(output):  # an export in float16 runs as exported
+            return "the attention does not compute in float32, as the fused op does"
 
         query_rope = match_rotary(query4)
         key_present, key_repeats = _repeated(key_rep)

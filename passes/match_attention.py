@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 from onnx import helper
 
@@ -40,6 +41,20 @@ def dtype_kind(dtype, default=np.float32) -> str:
     if dtype is None:
         dtype = default
     return np.dtype(helper.tensor_dtype_to_np_dtype(dtype) if isinstance(dtype, int) else dtype).kind
+
+
+def in_float32(*tensors: gs.Tensor | None) -> bool:
+    """Whether none of `tensors` is known to hold another type than float32 (the fused attention's kernels and
+    lowering compute in float32: a float16 FusedAttention makes an artifact onnxruntime refuses at load)."""
+    for tensor in tensors:
+        dtype = None if tensor is None else tensor.dtype
+        if dtype is None:
+            continue
+        if isinstance(dtype, int) and dtype != onnx.TensorProto.FLOAT:  # an ONNX enum numpy lacks: bfloat16
+            return False
+        if not isinstance(dtype, int) and np.dtype(dtype) != np.float32:
+            return False
+    return True
 
 
 def is_transpose(node: gs.Node | None, perm: list[int]) -> bool:

@@ -81,8 +81,8 @@ def computation(tensor: gs.Tensor | None) -> tuple:
 def offset_positions(b: NodeBuilder, offset: gs.Tensor, x: gs.Tensor, seq_axis: int = 1) -> gs.Tensor:
     """[1, S] positions offset, offset + 1, ... for the S tokens of x (on `seq_axis`)."""
     start = b("Reshape", [b("Cast", [offset], {"to": 7}, dtype=np.int64), b.const([])], dtype=np.int64)
-    span = {"start": seq_axis, "end": seq_axis + 1}
-    length = b("Squeeze", [b("Shape", [x], span, dtype=np.int64), b.const([0])], dtype=np.int64)
+    # Gather, not Shape's start and end (opset 15): the graph keeps its opset, 14 included
+    length = b("Gather", [b("Shape", [x], dtype=np.int64), b.const(seq_axis)], {"axis": 0}, dtype=np.int64)
     steps = b("Range", [b.const(0), length, b.const(1)], dtype=np.int64)
     return b("Unsqueeze", [b("Add", [steps, start], dtype=np.int64), b.const([0])], dtype=np.int64)
 

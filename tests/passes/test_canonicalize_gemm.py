@@ -106,14 +106,15 @@ def test_gpt2s_conv1d_layers_are_quantized_and_follow_the_float_model(dynamo, tm
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("target, reads_tokens", [([2, 3, 1, 5], True), ([0, 5], False)])
-def test_onnxsims_flattened_biased_layer_multiplies_the_tokens_themselves(target, reads_tokens):
+@pytest.mark.parametrize("target, bias, reads_tokens", [([2, 3, 1, 5], BIAS, True), ([0, 5], BIAS, False),
+                                                        ([2, 3, 1, 5], np.tile(BIAS, (6, 1)), False)])
+def test_onnxsims_flattened_biased_layer_multiplies_the_tokens_themselves(target, bias, reads_tokens):
     """onnxsim writes a biased linear layer on [B, S, K] tokens as Reshape([-1, K]) → Gemm → Reshape (the
     head split): the MatMul reads the tokens, so the projection stays [B, S, N] for the attention fusion; a
-    Reshape target copying an input dim (0) would change meaning, and keeps the rows."""
+    Reshape target copying an input dim (0) would change meaning, and a bias of rows ([B·S, N]) needs the
+    rows: both keep them."""
     tokens = RNG.standard_normal((2, 3, 8)).astype(np.float32)
-    rows = [2 * 3, 5]
-    initializers = {"flat": np.array([-1, 8], np.int64), "w": W_KN, "b": BIAS, "heads": np.array(target, np.int64)}
+    initializers = {"flat": np.array([-1, 8], np.int64), "w": W_KN, "b": bias, "heads": np.array(target, np.int64)}
     nodes = [helper.make_node("Reshape", ["tokens", "flat"], ["x2d"]), helper.make_node("Gemm", ["x2d", "w", "b"], ["y2d"]),
              helper.make_node("Reshape", ["y2d", "heads"], ["y"])]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("tokens", TensorProto.FLOAT, [2, 3, 8])],
@@ -127,4 +128,3 @@ def test_onnxsims_flattened_biased_layer_multiplies_the_tokens_themselves(target
     assert (matmul.inputs[0].name == "tokens") == reads_tokens
     after = gs.export_onnx(imported)
     np.testing.assert_allclose(_run(after, {"tokens": tokens})[0], _run(model, {"tokens": tokens})[0], atol=1e-5)
-    assert list(_run(after, {"tokens": tokens})[0].shape) == ([2, 3, 1, 5] if reads_tokens else rows)

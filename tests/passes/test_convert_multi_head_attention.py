@@ -90,6 +90,16 @@ def test_multi_head_attention_becomes_fused_attention(variant, tmp_path):
     assert_parity(model, fused, _feeds(**options), tmp_path, atol=2e-5)
 
 
+def test_offset_positions_at_opset_14_run_after_the_conversion(tmp_path):
+    """The positions counted from an offset read the token count with Gather, not Shape's start and end
+    (opset 15): an opset-14 graph converts into one onnxruntime runs."""
+    model = _model(offset=True)
+    model.opset_import[0].version = 14
+    fused, (result,) = apply_pass(model, ConvertMultiHeadAttention())
+    assert result.effect_times == 1
+    assert_parity(model, fused, _feeds(offset=True), tmp_path, atol=2e-5)
+
+
 @pytest.mark.parametrize("options, reason", [
     (dict(key_interleaved=1), "different tables"),
     (dict(key_rotary_dim=8), "rotary caches are not"),
