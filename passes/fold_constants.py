@@ -28,6 +28,7 @@ import onnxruntime as ort
 from onnx_graphsurgeon.logger import G_LOGGER
 
 from passes.base import PassResult
+from passes.pattern import producer
 
 log = logging.getLogger("atc")
 
@@ -39,6 +40,24 @@ TOTAL_BYTES = 1 << 30
 WORK_BUDGET = 4 << 30
 CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
 CONTRACTIONS = frozenset({"MatMul", "Gemm", "MatMulInteger", "Conv", "ConvTranspose", "Einsum"})
+
+
+def compose_gathers(graph: gs.Graph) -> None:
+    """`Gather(Gather(v, i), j)` of a 1-D v with constant indices → `Gather(v, i[j])`. onnxruntime's own
+    optimizer writes `Shape(Transpose(x, p))` as `Gather(Shape(x), p)`, and a dim read from it as one more
+    Gather: composed, graphsurgeon folds the static dims of `Shape(x)` they pick (Llama's rotary half-width)."""
+    for node in graph.nodes:
+        inner = producer(node.inputs[0], "Gather") if node.op == "Gather" else None
+        if inner is None or node.attrs.get("axis", 0) != 0 or inner.attrs.get("axis", 0) != 0:
+            continue
+        data, first, second = inner.inputs[0], inner.inputs[1], node.inputs[1]
+        if data.shape is None or len(data.shape) != 1 or not all(isinstance(t, gs.Constant) for t in (first, second)):
+            continue
+        picked = np.asarray(first.values)
+        if picked.ndim != 1:
+            continue
+        node.inputs[0] = data
+        node.inputs[1] = gs.Constant(f"{node.name}_indices", np.asarray(picked[np.asarray(second.values)], np.int64))
 
 
 class FoldConstants:
@@ -59,6 +78,7 @@ class FoldConstants:
         G_LOGGER.severity = G_LOGGER.ERROR
         ort.set_default_logger_severity(3)
         try:
+            compose_gathers(graph)
             graph.toposort()
             budget = _Budget(*self.budget, stored=self.size_threshold)
             try:

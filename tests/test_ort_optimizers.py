@@ -1,7 +1,8 @@
 """Graphs that onnxruntime's transformer optimizer and onnxscript's rewriters have already fused compile into
 the cann op set, contiguous and paged, and compute what onnxruntime computes on them.
 
-The source is the tiny Llama's dynamo export with KV cache (transformers' default sdpa attention). On it,
+The source is the tiny Llama's dynamo export with KV cache (transformers' default sdpa attention; the
+TorchScript one for onnxruntime's own basic optimizations, saved by a session). On it,
 `onnxruntime.transformers.optimizer` (model type gpt2, the one its Llama recipe uses) and onnxscript's
 `optimize_for_ort` write SimplifiedLayerNormalization and SkipSimplifiedLayerNormalization and leave the
 attention as it is; onnxscript's opset-23 fusions write RMSNormalization and onnx's RotaryEmbedding on the
@@ -55,11 +56,25 @@ def _onnxscript_opset23(source: Path, target: Path) -> None:
     onnx.save(ir.serde.serialize_model(converted), target)
 
 
+def _onnxruntime_basic(source: Path, target: Path) -> None:
+    """The graph onnxruntime saves after its basic optimizations (`optimized_model_filepath`), of the
+    TorchScript export: among them `Shape(Transpose(x, p))` becomes `Gather(Shape(x), p)`, which hid the
+    rotary half-width a Gather further."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.optimized_model_filepath = str(target)
+    ort.InferenceSession(str(tiny_onnx("llama", dynamo=False, with_past=True)), options,
+                         providers=["CPUExecutionProvider"])
+
+
 TOOLS = {
     "onnxruntime-optimizer": (_onnxruntime_optimizer, {"SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 4}),
     "onnxscript-optimize_for_ort": (_onnxscript_for_ort, {"SimplifiedLayerNormalization": 1,
                                                           "SkipSimplifiedLayerNormalization": 4}),
     "onnxscript-opset23": (_onnxscript_opset23, {"RMSNormalization": 5, "RotaryEmbedding": 4}),
+    "onnxruntime-basic": (_onnxruntime_basic, {"Constant": 0, "Shape": 20}),  # constants folded, Shapes shared
 }
 
 
