@@ -19,6 +19,7 @@ from passes.convert_precision import ConvertPrecision
 from passes.convert_rms_normalization import ConvertRmsNormalization
 from passes.eliminate_dead_code import EliminateDeadCode
 from passes.eliminate_identity import EliminateIdentity
+from passes.expand_onnxruntime_rewrites import ExpandOnnxRuntimeRewrites
 from passes.expand_rotary_embedding import ExpandRotaryEmbedding
 from passes.fold_constants import FoldConstants
 from passes.fuse_add_rms_norm import FuseAddRmsNorm
@@ -94,6 +95,7 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: Wei
         InferShapes(),
         # Phase 1: normalisation (and onnxruntime's quantized matmul, whose layout MatMulInt4 shares)
         ConvertMatMulNBits(),
+        ExpandOnnxRuntimeRewrites(),  # onnxruntime's FusedMatMul, QuickGelu and rotate_half Split, as standard ops
         ConvertRmsNormalization(),
         ConvertSimplifiedLayerNorm(),
         ConvertSkipSimplifiedLayerNorm(),

@@ -56,17 +56,28 @@ def _onnxscript_opset23(source: Path, target: Path) -> None:
     onnx.save(ir.serde.serialize_model(converted), target)
 
 
+def _saved_by_a_session(source: Path, target: Path, level: str) -> None:
+    # in a process of its own, as a user's: a session saves the opset of every domain registered in its
+    # process, and this one's tests register the cann ops
+    script = ("import onnxruntime as ort, sys\n"
+              "options = ort.SessionOptions()\n"
+              f"options.graph_optimization_level = ort.GraphOptimizationLevel.{level}\n"
+              "options.optimized_model_filepath = sys.argv[2]\n"
+              "ort.InferenceSession(sys.argv[1], options, providers=['CPUExecutionProvider'])\n")
+    subprocess.run([sys.executable, "-c", script, str(source), str(target)], check=True, capture_output=True)
+
+
 def _onnxruntime_basic(source: Path, target: Path) -> None:
     """The graph onnxruntime saves after its basic optimizations (`optimized_model_filepath`), of the
     TorchScript export: among them `Shape(Transpose(x, p))` becomes `Gather(Shape(x), p)`, which hid the
     rotary half-width a Gather further."""
-    import onnxruntime as ort
+    _saved_by_a_session(tiny_onnx("llama", dynamo=False, with_past=True), target, "ORT_ENABLE_BASIC")
 
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    options.optimized_model_filepath = str(target)
-    ort.InferenceSession(str(tiny_onnx("llama", dynamo=False, with_past=True)), options,
-                         providers=["CPUExecutionProvider"])
+
+def _onnxruntime_extended(source: Path, target: Path) -> None:
+    """After its extended optimizations: FusedMatMul (the scale in the scores' MatMul), QuickGelu (SiLU) and
+    rotate_half's Slices as one Split, which OnnxRuntimeRewriteExpansionPass writes back."""
+    _saved_by_a_session(source, target, "ORT_ENABLE_EXTENDED")
 
 
 TOOLS = {
@@ -75,6 +86,7 @@ TOOLS = {
                                                           "SkipSimplifiedLayerNormalization": 4}),
     "onnxscript-opset23": (_onnxscript_opset23, {"RMSNormalization": 5, "RotaryEmbedding": 4}),
     "onnxruntime-basic": (_onnxruntime_basic, {"Constant": 0, "Shape": 20}),  # constants folded, Shapes shared
+    "onnxruntime-extended": (_onnxruntime_extended, {"FusedMatMul": LAYERS, "QuickGelu": LAYERS}),
 }
 
 
