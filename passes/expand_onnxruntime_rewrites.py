@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_graphsurgeon as gs
+from onnx import helper
 
 from passes.base import PassResult
 from passes.infer_shapes import InferShapes
@@ -33,37 +34,47 @@ def _swapped(build: NodeBuilder, tensor: gs.Tensor) -> gs.Tensor | None:
     return build("Transpose", [tensor], {"perm": list(range(rank - 2)) + [rank - 1, rank - 2]}, dtype=tensor.dtype)
 
 
-def _scalar_like(name: str, value: float, like: gs.Tensor) -> gs.Constant:
-    dtype = like.dtype if like.dtype is not None and not isinstance(like.dtype, int) else np.float32
-    return gs.Constant(name, np.array(value, dtype=dtype))
+def _dtype(node: gs.Node):
+    """The numpy type of a node's float operands or result, where inference or the file gives one (onnxruntime
+    saves its optimized graphs without the types of their values), else None."""
+    for tensor in (*node.inputs, *node.outputs):
+        if tensor.dtype is not None:
+            return helper.tensor_dtype_to_np_dtype(tensor.dtype) if isinstance(tensor.dtype, int) else tensor.dtype
+    return None
 
 
 def expand_fused_matmul(graph: gs.Graph, node: gs.Node) -> str | None:
     """The rewrite above, or why not."""
     if node.attrs.get("transBatchA", 0) or node.attrs.get("transBatchB", 0):
         return "a batch transpose"
+    alpha, dtype = float(node.attrs.get("alpha", 1.0)), _dtype(node)
+    if alpha != 1.0 and dtype is None:
+        return "alpha's type is not known"
     build = NodeBuilder(graph, node.name or node.outputs[0].name)
     operands = []
     for tensor, flag in zip(node.inputs[:2], ("transA", "transB")):
         operands.append(_swapped(build, tensor) if node.attrs.get(flag, 0) else tensor)
         if operands[-1] is None:
             return f"{flag} on an operand of unknown rank"
-    output, alpha = node.outputs[0], float(node.attrs.get("alpha", 1.0))
+    output = node.outputs[0]
     node.outputs.clear()
     if alpha == 1.0:
         build("MatMul", operands, output=output)
     else:
         product = build("MatMul", operands, dtype=output.dtype)
-        build("Mul", [product, _scalar_like(f"{output.name}_alpha", alpha, operands[0])], output=output)
+        build("Mul", [product, gs.Constant(f"{output.name}_alpha", np.array(alpha, dtype))], output=output)
     return None
 
 
 def expand_quick_gelu(graph: gs.Graph, node: gs.Node) -> str | None:
-    """The rewrite above."""
-    build = NodeBuilder(graph, node.name or node.outputs[0].name)
-    x, output, alpha = node.inputs[0], node.outputs[0], float(node.attrs.get("alpha", 1.702))
+    """The rewrite above, or why not."""
+    x, output, alpha, dtype = node.inputs[0], node.outputs[0], float(node.attrs.get("alpha", 1.702)), _dtype(node)
+    if alpha != 1.0 and dtype is None:
+        return "alpha's type is not known"
+    build = NodeBuilder(graph, node.name or output.name)
     node.outputs.clear()
-    scaled = x if alpha == 1.0 else build("Mul", [x, _scalar_like(f"{output.name}_alpha", alpha, x)], dtype=x.dtype)
+    scaled = x if alpha == 1.0 else build("Mul", [x, gs.Constant(f"{output.name}_alpha", np.array(alpha, dtype))],
+                                          dtype=x.dtype)
     build("Mul", [x, build("Sigmoid", [scaled], dtype=x.dtype)], output=output)
     return None
 

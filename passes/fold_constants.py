@@ -53,11 +53,11 @@ def compose_gathers(graph: gs.Graph) -> None:
         data, first, second = inner.inputs[0], inner.inputs[1], node.inputs[1]
         if data.shape is None or len(data.shape) != 1 or not all(isinstance(t, gs.Constant) for t in (first, second)):
             continue
-        picked = np.asarray(first.values)
-        if picked.ndim != 1:
-            continue
+        picked, chosen = np.asarray(first.values), np.asarray(second.values)
+        if picked.ndim != 1 or np.any((chosen < -len(picked)) | (chosen >= len(picked))):
+            continue  # an index out of range stays for onnxruntime to report
         node.inputs[0] = data
-        node.inputs[1] = gs.Constant(f"{node.name}_indices", np.asarray(picked[np.asarray(second.values)], np.int64))
+        node.inputs[1] = gs.Constant(f"{node.outputs[0].name}_composed_indices", np.asarray(picked[chosen], np.int64))
 
 
 class FoldConstants:

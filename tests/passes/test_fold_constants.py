@@ -19,6 +19,7 @@ from compiler.loader import import_graph
 from models.nested_conditionals import nested_conditionals
 from passes.fold_constants import FoldConstants
 from passes.infer_shapes import InferShapes
+from passes.infer_shapes import InferShapes
 from runtime import Executor, load_artifact
 
 vi = helper.make_tensor_value_info
@@ -143,3 +144,26 @@ def test_conditionals_on_a_run_time_flag_keep_one_copy_of_their_weight_and_compu
         feeds = {"x": x, "flag": np.array(flag)}
         np.testing.assert_allclose(Executor(loaded).run(feeds)["y"], ort_reference(path, feeds)["y"], rtol=1e-4,
                                    atol=1e-5, err_msg=f"flag={flag}")
+
+
+def test_gathers_of_a_shape_compose_and_fold_each_to_its_own_dim():
+    """onnxruntime writes a dim of `Shape(Transpose(x, p))` as Gather(Gather(Shape(x), p), j): composed, the
+    static dims fold. Two such chains in nodes without names (names are optional) keep their own indices:
+    the batch (known only at run time) stays computed, dim 3's static 4 folds."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 3, 4, 5])
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Gather", ["s", "i"], ["a"]), helper.make_node("Gather", ["a", "j"], ["batch"]),
+             helper.make_node("Gather", ["s", "i2"], ["a2"]), helper.make_node("Gather", ["a2", "j2"], ["width"])]
+    inits = [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("i", [0, 2]), ("j", 0), ("i2", [3, 2]),
+                                                                            ("j2", 1))]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.INT64, None) for n in ("batch", "width")]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], outputs, inits), opset_imports=[helper.make_opsetid("", 17)])
+    graph = gs.import_onnx(model)
+    InferShapes().run(graph)
+    FoldConstants().run(graph)
+    assert isinstance(graph.outputs[1], gs.Constant) and int(graph.outputs[1].values) == 4
+    folded = gs.export_onnx(graph)
+    for batch in (2, 7):
+        got = ort.InferenceSession(folded.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, {"x": np.zeros((batch, 3, 4, 5), np.float32)})
+        assert [int(v) for v in got] == [batch, 4]
