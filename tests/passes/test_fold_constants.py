@@ -19,7 +19,6 @@ from compiler.loader import import_graph
 from models.nested_conditionals import nested_conditionals
 from passes.fold_constants import FoldConstants
 from passes.infer_shapes import InferShapes
-from passes.infer_shapes import InferShapes
 from runtime import Executor, load_artifact
 
 vi = helper.make_tensor_value_info
