@@ -27,6 +27,7 @@ from models.recipes import detect_family
 from passes.graph_utils import position_table_rows, unfused_attention
 from passes.per_sequence_rotary import rotary_switch_length
 from passes.pipeline_stages import layer_ranges, stage_graph
+from passes.upgrade_opset import upgrade_opset
 from passes.weight_memory import detach_weights
 from passes.weight_spill import weight_spill
 from runtime.artifact import write_artifact
@@ -51,7 +52,20 @@ class CompileResult:
 
 
 COLLECT_FROM_BYTES = 64 << 20
+LOWERED_OPSET = 13  # the default-domain opset the cann ops' lowerings are written for
 FUSION_RESULT = "fusion_result.json"
+
+
+def _at_lowered_opset(graph: gs.Graph) -> gs.Graph:
+    """`graph` at LOWERED_OPSET at least: the cann ops' onnxruntime lowerings write opset-13 forms (Unsqueeze and
+    Split take axes and sizes as inputs), and an artifact of an older export (TorchScript at opset 11 or 12)
+    was refused at load. Where onnx's converter cannot convert the graph, it stays as it is."""
+    try:
+        return upgrade_opset(graph, LOWERED_OPSET)
+    except Exception as error:  # noqa: BLE001 - onnx's converter refuses some old ops; they stay as they are
+        log.warning("opset %d kept: onnx's version converter could not raise it to %d (%s)", graph.opset,
+                    LOWERED_OPSET, str(error).splitlines()[0] if str(error) else type(error).__name__)
+        return graph
 
 
 def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResult:
@@ -70,6 +84,7 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
     unsupported = unsupported_types(check_ops(graph))
     if unsupported:
         raise AtcError("E16002", ", ".join(unsupported))
+    graph = _at_lowered_opset(graph)
     # weights a pass replaced hang in reference cycles with their old nodes; collecting after each pass frees
     # them (or the copies graphsurgeon loaded them into) before the next pass makes more; a pass that changed
     # nothing replaced none. A collection takes ~0.1 s, so small models, where the memory is no concern, skip it.

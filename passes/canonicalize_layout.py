@@ -10,6 +10,8 @@ Exporters spell one transpose several ways; the fusions that follow read one. Ea
 - `Reshape(x)` to the shape x already has (every dim known, symbolically equal) → x.
 - `Transpose(0, 2, 3, 1)` of [B, S, H, D] keys into the scores' MatMul → the head split, then kᵀ; a head
   split followed by kᵀ is never composed back.
+- `Reshape(Softmax(Flatten(x, axis=rank-1)), Shape(x))` (onnx's version converter's opset-12 Softmax) →
+  `Softmax(x, axis=-1)`.
 """
 
 from __future__ import annotations
@@ -121,8 +123,28 @@ def split_key_transpose(graph: gs.Graph, node: gs.Node) -> bool:
     return True
 
 
+def unflatten_softmax(graph: gs.Graph, node: gs.Node) -> bool:
+    """`Reshape(Softmax(Flatten(x, axis=rank-1)), Shape(x))` → `Softmax(x, axis=-1)`: onnx's version converter
+    writes an opset-12 Softmax on the last axis so; the same values."""
+    flatten = producer(node.inputs[0], "Flatten")
+    readers = node.outputs[0].outputs
+    if flatten is None or len(readers) != 1 or readers[0].op != "Reshape" or node.attrs.get("axis", -1) not in (-1, 1):
+        return False
+    x, reshape = flatten.inputs[0], readers[0]
+    shape = producer(reshape.inputs[1], "Shape")
+    if x.shape is None or flatten.attrs.get("axis", 1) != len(x.shape) - 1 or shape is None or shape.inputs[0] is not x \
+            or shape.attrs.get("start", 0) != 0 or shape.attrs.get("end") is not None:
+        return False
+    result = reshape.outputs[0]
+    reshape.outputs.clear()
+    node.inputs[0] = x
+    node.attrs["axis"] = -1
+    node.outputs[0] = result
+    return True
+
+
 RULES = (("Transpose", split_key_transpose), ("Transpose", compose_transposes), ("Transpose", merge_viewed_transpose),
-         ("Reshape", drop_same_shape_reshape))
+         ("Reshape", drop_same_shape_reshape), ("Softmax", unflatten_softmax))
 
 
 class CanonicalizeLayout:

@@ -1,5 +1,6 @@
 """Raise a graph's default-domain opset with onnx's version converter (blocked INT4 DequantizeLinear
-needs opset 21). The converter runs on the light model, so weights are neither copied nor serialised."""
+needs opset 21; the cann ops' lowerings write opset-13 forms). The converter runs on the light model, so
+weights are neither copied nor serialised."""
 
 from __future__ import annotations
 

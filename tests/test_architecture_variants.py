@@ -323,6 +323,22 @@ def test_a_model_exported_at_opset_14_compiles_to_an_artifact_that_runs(tmp_path
                               [[5, 6, 7], list(range(3, 40))], 8)
 
 
+def test_a_model_exported_at_opset_12_compiles_to_an_artifact_that_runs(tmp_path):
+    """TorchScript at opset 12 (eager attention): the compile raises the graph to opset 13, the forms the cann
+    ops' lowerings write (the artifact was refused at load), and reads the converter's flattened Softmax as
+    the softmax over the last axis it is: the attention fuses, contiguous and paged, with onnxruntime's
+    numbers and tokens on the export."""
+    from models.export import export_causal_lm
+
+    source = export_causal_lm(_build("LlamaConfig", "LlamaForCausalLM", attn_implementation="eager"),
+                              tmp_path / "model.onnx", dynamo=False, with_past=True, opset=12)
+    loaded = _contiguous_equals_onnxruntime(source, tmp_path / "contiguous")
+    assert next(o.version for o in loaded.model.opset_import if o.domain == "") >= 13
+    assert Counter(n.op_type for n in loaded.model.graph.node)["FusedAttention"] == SIZES["num_hidden_layers"]
+    _paged_equals_onnxruntime(source, compile_to(source, tmp_path / "paged", enable_paged_attention=True),
+                              [[5, 6, 7], list(range(3, 40))], 8)
+
+
 def test_a_dynamo_export_without_its_optimizer_fuses_and_generates(tmp_path):
     """`torch.onnx.export(dynamo=True, optimize=False)` keeps what the optimizer would fold: CastLike (a
     function op onnxruntime expands, read as Cast), Constants given as value_float (float32, not the float64
