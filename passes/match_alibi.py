@@ -62,18 +62,24 @@ def _input_through_casts(tensor: gs.Tensor) -> gs.Tensor | None:
     return tensor if graph_input and tensor.shape is not None and len(tensor.shape) == 2 else None
 
 
+def _first_op(tensor: gs.Tensor) -> gs.Node | None:
+    """The first node behind `tensor` that is not a cast or a view (None at a graph input or a constant)."""
+    node = producer(tensor)
+    while node is not None and node.op in _THROUGH:
+        node = producer(node.inputs[0])
+    return node
+
+
 def _key_positions(tensor: gs.Tensor) -> tuple[float, gs.Tensor] | None:
     """(the factor on them, the mask that counts them) of the keys' positions `tensor` holds: the running
     count of a 2-D input along its last axis, moved by a constant, zeroed where that input hides a key; None
     for anything else."""
     factor, mask = 1.0, None
     for _ in range(16):
-        node = producer(tensor)
+        node = _first_op(tensor)
         if node is None:
             return None
-        if node.op in _THROUGH:
-            tensor = node.inputs[0]
-        elif node.op in ("Add", "Sub") and scalar(node.inputs[1]) is not None:
+        if node.op in ("Add", "Sub") and scalar(node.inputs[1]) is not None:
             tensor = node.inputs[0]
         elif node.op == "Mul":
             first, second = node.inputs
@@ -132,12 +138,9 @@ def match_alibi(tensor: gs.Tensor) -> Alibi | None:
     """The ALiBi term `tensor` is, or None."""
     factor = 1.0
     for _ in range(16):
-        node = producer(tensor)
+        node = _first_op(tensor)
         if node is None:
             return None
-        if node.op in _THROUGH:
-            tensor = node.inputs[0]
-            continue
         if node.op in ("Mul", "Div") and scalar(node.inputs[1]) not in (None, 0.0):
             value = scalar(node.inputs[1])
             factor, tensor = factor * (value if node.op == "Mul" else 1.0 / value), node.inputs[0]
