@@ -35,6 +35,7 @@ from passes.quant.config import BITS, DEFAULT_CALIBRATION_TEXT, HESSIAN_METHODS,
 from passes.quant.quantize_weights import QuantizeWeights
 from passes.quant.quantize_weights_qdq import QDQ_OPSET, QuantizeWeightsQDQ
 from passes.quant.staged_calibration import StagedStatistics
+from passes.upcast_float_compute import compute_in_float32
 from passes.upgrade_opset import upgrade_opset
 from runtime.errors import AtcError
 from runtime.progress import note
@@ -54,6 +55,7 @@ def quantize_to_qdq(model_path: Path, cfg: QuantConfig, out_dir: Path, progress:
          enabled=progress)
     with _fused_statistics(model_path, cfg, progress) as statistics:
         graph = gs.import_onnx(model)
+        compute_in_float32(graph)  # as atc reads a bfloat16 or float16 model: the QDQ model computes in float32
         InferShapes().run(graph)
         CanonicalizeGemm().run(graph)  # atc quantizes a Gemm's weight as a MatMul's: so does the QDQ route
         graph = upgrade_opset(graph, QDQ_OPSET)
@@ -80,7 +82,8 @@ def quantize_to_qdq(model_path: Path, cfg: QuantConfig, out_dir: Path, progress:
 def fused_graph(cfg: CompileConfig) -> gs.Graph:
     """The graph atc's weight quantization would see: every pass of the pipeline before it."""
     _, graph = import_graph(cfg.model)  # weights memory-mapped, as atc reads them
-    run_passes(graph, [p for p in build_pipeline(cfg) if not isinstance(p, QuantizeWeights)], {})
+    origin = compute_in_float32(graph)
+    run_passes(graph, [p for p in build_pipeline(cfg, origin=origin) if not isinstance(p, QuantizeWeights)], {})
     return graph
 
 

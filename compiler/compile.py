@@ -27,6 +27,7 @@ from models.recipes import detect_family
 from passes.graph_utils import position_table_rows, unfused_attention
 from passes.per_sequence_rotary import rotary_switch_length
 from passes.pipeline_stages import layer_ranges, stage_graph
+from passes.upcast_float_compute import compute_in_float32
 from passes.upgrade_opset import upgrade_opset
 from passes.weight_memory import detach_weights
 from passes.weight_spill import weight_spill
@@ -75,6 +76,8 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
     _check_writable(output)
     start = time.perf_counter()
     model, graph = import_graph(cfg.model)
+    # before the I/O flags: --output_type=FP16 asks for float16 outputs of the float32 graph
+    origin = compute_in_float32(graph)
     if cfg.input_shapes:
         apply_input_shape(graph, cfg.input_shapes)
     if cfg.out_nodes:
@@ -94,7 +97,8 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
     collect = gc.collect if weights >= COLLECT_FROM_BYTES else None
     # the weights the passes pack stay on disk, not in memory, until they are written
     with weight_spill(output.parent) as spill:
-        report = run_passes(graph, build_pipeline(cfg, progress=progress, spill=spill), cfg.fusion_switches,
+        report = run_passes(graph, build_pipeline(cfg, progress=progress, spill=spill, origin=origin),
+                            cfg.fusion_switches,
                             after_each=collect, progress=progress)
         causal_lm = "input_ids" in {t.name for t in graph.inputs} and "logits" in {t.name for t in graph.outputs}
         unfused = unfused_attention(graph)
@@ -103,6 +107,10 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
             "--log=debug says why AttentionFusionPass refused each"
         warnings = [f"W10005: {unfused} attention block(s) did not fuse and run as the export wrote them (slower; "
                     f"no paged KV cache): {why}"] if unfused else []
+        if origin:
+            warnings.append(f"W10006: the model computes in {origin}; it was compiled to compute in float32 (its "
+                            f"inputs and outputs float32 too), so its outputs differ from a {origin} run within "
+                            f"{origin}'s precision; its weights are stored as {cfg.precision.storing(origin).stored}")
         if cfg.auto_tune_mode and not causal_lm:
             raise AtcError("E10055", "--auto_tune_mode measures a causal LM's decode and prefill; this model has no "
                                      "input_ids and logits")

@@ -203,28 +203,6 @@ def _check_tensors(graph: onnx.GraphProto, path: Path) -> None:
     for info in graph.input:
         if info.type.HasField("tensor_type"):
             _check_input_type(path, info.name, info.type.tensor_type.elem_type)
-    computed = _computed_in_bfloat16(graph)
-    if computed:
-        raise AtcError("E10041", path, reason=f"{computed} is bfloat16: the model computes in bfloat16, which "
-                                              "onnxruntime's CPU kernels do not run; export it in float32 "
-                                              "(`--precision_mode` then chooses how the weights are stored)")
-
-
-def _computed_in_bfloat16(graph: onnx.GraphProto) -> str | None:
-    """What of `graph` computes in bfloat16, if anything: an input, output or annotated value, a Cast to it, or a
-    weight an op other than a Cast reads (bfloat16 weights cast up to float32 before use compute in float32)."""
-    bfloat16 = TensorProto.BFLOAT16
-    for kind, infos in (("input", graph.input), ("output", graph.output), ("value", graph.value_info)):
-        for info in infos:
-            if info.type.HasField("tensor_type") and info.type.tensor_type.elem_type == bfloat16:
-                return f"{kind} {info.name}"
-    weights = {t.name for t in graph.initializer if t.data_type == bfloat16}
-    for node in graph.node:
-        if node.op_type == "Cast" and any(a.name == "to" and a.i == bfloat16 for a in node.attribute):
-            return f"the output of Cast {node.name}"
-        if node.op_type != "Cast" and weights.intersection(node.input):
-            return f"weight {sorted(weights.intersection(node.input))[0]}, read by {node.op_type} {node.name},"
-    return None
 
 
 def _check_input_type(path: Path, name: str, elem_type: int) -> None:

@@ -75,10 +75,12 @@ def _samples_if_useful(cfg: CompileConfig | None) -> list[np.ndarray] | None:
     return None
 
 
-def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: WeightSpill | None = None) -> list[Pass]:
+def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: WeightSpill | None = None,
+                   origin: str | None = None) -> list[Pass]:
     """The passes `cfg` asks for, in order; switched-off ones are skipped by the runner, not dropped here.
     `progress`: the weight quantization shows its calibration and quantization on stderr; `spill`: it keeps
-    the weights it packs on disk until they are written (passes/weight_spill.py)."""
+    the weights it packs on disk until they are written (passes/weight_spill.py); `origin`: the low
+    precision the model computed in before compute_in_float32 raised it (passes/upcast_float_compute.py)."""
     quant = cfg.quantization if cfg is not None else None
     passes: list[Pass] = [
         # Phase 0: canonical form, so that later patterns see one spelling of each structure. Folding
@@ -128,7 +130,7 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: Wei
         passes += [PagedKvCache(cfg.paging.page_size, cfg.enable_flash_attention), PerSequenceRotary(), PruneLogits()]
     if cfg is not None:
         # Phase 5: the dtype float weights are stored in (passes/precision_config.py), then how float32 ones are
-        passes.append(ConvertPrecision(cfg.precision))
+        passes.append(ConvertPrecision(cfg.precision.storing(origin)))
         if cfg.compress_fp32_weight:
             passes.append(CompressFloatWeights(spill))
     return passes

@@ -64,8 +64,9 @@ def io_names(num_layers: int, with_past: bool) -> tuple[list[str], list[str]]:
 
 
 def example_inputs(config, with_past: bool, batch: int = EXAMPLE_BATCH, seq: int = EXAMPLE_SEQ,
-                   past: int = EXAMPLE_PAST, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Inputs that exercise every dynamic axis; right-padded last row so the mask matters."""
+                   past: int = EXAMPLE_PAST, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Inputs that exercise every dynamic axis; right-padded last row so the mask matters; the past in `dtype`,
+    the model's."""
     gen = torch.Generator().manual_seed(seed)
     past = past if with_past else 0
     num_layers, kv_heads, head_dim = kv_geometry(config)
@@ -78,7 +79,7 @@ def example_inputs(config, with_past: bool, batch: int = EXAMPLE_BATCH, seq: int
     if with_past:
         for i in range(num_layers):
             for kind in ("key", "value"):
-                feeds[f"past_key_values.{i}.{kind}"] = torch.randn(batch, kv_heads, past, head_dim, generator=gen)
+                feeds[f"past_key_values.{i}.{kind}"] = torch.randn(batch, kv_heads, past, head_dim, generator=gen).to(dtype)
     return feeds
 
 
@@ -91,7 +92,7 @@ def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, dynamo:
     model = model.eval()
     num_layers, _, _ = kv_geometry(model.config)
     input_names, output_names = io_names(num_layers, with_past)
-    feeds = example_inputs(model.config, with_past)
+    feeds = example_inputs(model.config, with_past, dtype=next(model.parameters()).dtype)
     args = tuple(feeds[name] for name in input_names)
     wrapper = _CausalLMWithFlatCache(model, with_past).eval()
     tmp = path.with_name(f"{path.stem}.{os.getpid()}.partial.onnx")

@@ -99,9 +99,6 @@ class FuseAttention(FusionPass):
         logits, alibi = peel_alibi(logits)
         if alibi is None and mask is not None:
             mask, alibi = mask_alibi(mask)
-        if alibi is not None and alibi.rounded:
-            # transformers' Falcon-RW rounds each slope·position to bfloat16: far from a float32 bias
-            return "ALiBi's term is computed below float32 precision, which the fused op's bias would not repeat"
         capped, softcap = match_softcap(logits)
         if softcap and outside != 1.0:
             return "a scale outside a softcap"

@@ -29,24 +29,18 @@ _RAMP_RTOL = 1e-4
 @dataclass
 class Alibi:
     """What an ALiBi term adds: `slopes` (one a head, its factors multiplied in) times key positions, counted
-    by `mask` (a 2-D graph input: BLOOM and Falcon-RW count the keys it keeps) or by the keys' index (None);
-    `rounded` when the exported term is computed in a low precision (Falcon-RW's bfloat16), which the fused
-    op's float32 bias would not reproduce."""
+    by `mask` (a 2-D graph input: BLOOM and Falcon-RW count the keys it keeps) or by the keys' index (None)."""
 
     slopes: np.ndarray
     mask: gs.Tensor | None = None
-    rounded: bool = False
 
 
-def _float_constant(tensor: gs.Tensor) -> tuple[np.ndarray, bool] | None:
-    """A float constant's values, and whether they are held in fewer bits than float32."""
+def _float_constant(tensor: gs.Tensor) -> np.ndarray | None:
+    """A float constant's values (the compiler computes in float32 or wider: passes/upcast_float_compute.py)."""
     if not isinstance(tensor, gs.Constant):
         return None
     values = np.asarray(tensor.values)
-    # bfloat16 (Falcon's slopes) reads as ml_dtypes' type, of kind "V"
-    if values.dtype.kind not in "fV":
-        return None
-    return values.astype(np.float32).astype(np.float64), values.dtype.itemsize < 4
+    return values.astype(np.float64) if values.dtype.kind == "f" else None
 
 
 def _per_head(values: np.ndarray) -> np.ndarray | None:
@@ -111,8 +105,7 @@ def _ramp_slopes(slice_node: gs.Node) -> np.ndarray | None:
     slices = [slice_node]
     while (inner := producer(slices[-1].inputs[0], "Slice")) is not None:
         slices.append(inner)
-    found = _float_constant(slices[-1].inputs[0])
-    values = found[0] if found is not None and not found[1] else None  # a ramp in float32 or wider
+    values = _float_constant(slices[-1].inputs[0])
     if values is None or values.ndim < 2 or values.shape[-1] < 2:
         return None
     for node in slices:
@@ -151,10 +144,10 @@ def match_alibi(tensor: gs.Tensor) -> Alibi | None:
         if node.op == "Mul":
             for constant, positions in (node.inputs, node.inputs[::-1]):
                 found = _float_constant(constant)
-                slopes = _per_head(found[0]) if found is not None and found[0].size > 1 else None
+                slopes = _per_head(found) if found is not None and found.size > 1 else None
                 counted = _key_positions(positions) if slopes is not None else None
                 if counted is not None:
-                    return Alibi((slopes * counted[0] * factor).astype(np.float32), counted[1], found[1])
+                    return Alibi((slopes * counted[0] * factor).astype(np.float32), counted[1])
         return None
     return None
 

@@ -10,15 +10,18 @@ float weights are *stored* in, in the artifact, never the arithmetic:
 | force_fp16, cube_fp16in_fp32out | float16 | float16 |
 | allow_mix_precision, allow_mix_precision_fp16 | float16 | float32 (precision-sensitive, as in ATC's mixed mode) |
 | allow_mix_precision_bf16 | bfloat16 | float32 |
-| allow_fp32_to_fp16, allow_fp32_to_bf16, force_fp32, must_keep_origin_dtype | unchanged | unchanged |
+| must_keep_origin_dtype | unchanged (a float16 or bfloat16 model's: that dtype) | the same |
+| allow_fp32_to_fp16, allow_fp32_to_bf16, force_fp32 | unchanged (a float16 or bfloat16 model's: float32) | the same |
 
+A model computing in float16 or bfloat16 is raised to float32 arithmetic at import
+(passes/upcast_float_compute.py); `storing` gives its weights back their dtype where the mode keeps it.
 The `allow_fp32_to_*` modes lower only ops that lack a float32 implementation; every op here has one.
 Weights outside the target dtype's finite range stay float32 in every mode.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from runtime.errors import AtcError
 
@@ -50,6 +53,20 @@ class PrecisionPolicy:
         weight_dtype, convert_table = _STORAGE.get(mode, (None, False))
         names, op_types = _read_keep_dtype(keep_dtype) if keep_dtype else ((), ())
         return cls(mode, weight_dtype, convert_table, names, op_types)
+
+    def storing(self, origin: str | None) -> "PrecisionPolicy":
+        """This policy for a model that computed in `origin` ("float16", "bfloat16"; None: float32) before its
+        arithmetic was raised to float32: must_keep_origin_dtype stores its float weights in `origin` again."""
+        if origin is None or self.mode != "must_keep_origin_dtype":
+            return self
+        return replace(self, weight_dtype=origin, convert_table=True)
+
+    @property
+    def stored(self) -> str:
+        """How float weights are stored, in words."""
+        if self.weight_dtype is None:
+            return "float32"
+        return self.weight_dtype if self.convert_table else f"{self.weight_dtype} (the embedding table float32)"
 
 
 def _read_keep_dtype(path: str) -> tuple[tuple[str, ...], tuple[str, ...]]:

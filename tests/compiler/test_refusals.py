@@ -38,21 +38,6 @@ def _embedding(ids_type=TensorProto.INT64, axis=0) -> onnx.ModelProto:
                   [vi("input_ids", ids_type, [1, 3])], [vi("y", TensorProto.FLOAT, [1, 3, 4])], [table])
 
 
-def _bfloat16_model() -> onnx.ModelProto:
-    """A dynamo export of a model loaded in bfloat16 computes in it: its logits are bfloat16."""
-    return _model([helper.make_node("Relu", ["x"], ["logits"])], [vi("x", TensorProto.BFLOAT16, [1, 4])],
-                  [vi("logits", TensorProto.BFLOAT16, [1, 4])])
-
-
-def _bfloat16_weights_float_logits() -> onnx.ModelProto:
-    """transformers before 4.45 cast the logits of a bfloat16 model to float32: the model still computes in
-    bfloat16 (its weights read by a MatMul)."""
-    weight = helper.make_tensor("w", TensorProto.BFLOAT16, [4, 4], np.ones(16, np.uint16).tolist(), raw=False)
-    nodes = [helper.make_node("Cast", ["x"], ["xb"], name="down", to=TensorProto.BFLOAT16),
-             helper.make_node("MatMul", ["xb", "w"], ["h"]), helper.make_node("Cast", ["h"], ["logits"], to=1)]
-    return _model(nodes, [vi("x", TensorProto.FLOAT, [1, 4])], [vi("logits", TensorProto.FLOAT, [1, 4])], [weight])
-
-
 def _string_weight() -> onnx.ModelProto:
     words = helper.make_tensor("vocab", TensorProto.STRING, [2], [b"a", b"b"])
     return _model([helper.make_node("Identity", ["vocab"], ["y"])], [], [vi("y", TensorProto.STRING, [2])], [words])
@@ -86,10 +71,8 @@ def _refused(capsys, tmp_path, model: onnx.ModelProto) -> str:
     (lambda: _embedding(axis=5), "axis must be in [-r, r-1]"),
     (lambda: _relu([3, 4], opset=99), "the model imports ai.onnx opset 99; supported are opsets 7 to"),
     (lambda: _relu([3, 4], opset=5), "the model imports ai.onnx opset 5; supported are opsets 7 to"),
-    (_bfloat16_model, "input x is bfloat16: the model computes in bfloat16"),
-    (_bfloat16_weights_float_logits, "the output of Cast down is bfloat16: the model computes in bfloat16"),
 ], ids=["negative-dim", "huge-dim", "rank-65", "negative-weight-dim", "string-weight", "float-input-ids",
-        "gather-axis", "opset-99", "opset-5", "bfloat16-compute", "bfloat16-weights-float32-logits"])
+        "gather-axis", "opset-99", "opset-5"])
 def test_a_model_we_cannot_run_is_refused_with_the_reason(capsys, tmp_path, make, words):
     assert words in _refused(capsys, tmp_path, make())
 

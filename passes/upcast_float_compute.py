@@ -1,0 +1,93 @@
+"""`compute_in_float32(graph)`: a graph that computes in float16 or bfloat16, rewritten to compute in float32.
+
+transformers 5 loads a checkpoint in the dtype it was saved in (`dtype="auto"`), so a model exported the way
+users load it computes in bfloat16 (Llama, Qwen, Gemma, SmolLM2) or float16; onnxruntime's CPU kernels lack
+most bfloat16 ops (it refuses such a graph at load), and the cann ops' kernels compute in float32. As
+ATC's `force_fp32` and llama.cpp's CPU backend do, the arithmetic is raised to float32: every float16 or
+bfloat16 weight, constant, value, graph input and output becomes float32, and a Cast to either type a Cast
+to float32, which the canonical passes then drop where it casts nothing. The graph is then the one a
+float32 export of the same weights would have been, so every fusion reads it; the weights' storage is
+`--precision_mode`'s choice (passes/precision_config.py: must_keep_origin_dtype keeps the model's dtype).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import onnx_graphsurgeon as gs
+from onnx import TensorProto, numpy_helper
+from onnx_graphsurgeon.ir.tensor import LazyValues
+
+LOW_TYPES = {TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16"}
+_LOW_DTYPES = {np.dtype(np.float16): "float16", np.dtype(ml_dtypes.bfloat16): "bfloat16"}
+# the int attributes that name an element type: Cast's `to`, and `dtype` (EyeLike, the Random ops)
+_TYPE_ATTRIBUTES = ("to", "dtype")
+
+
+def _low(dtype) -> str | None:
+    """"float16" or "bfloat16" for those dtypes (numpy, ml_dtypes or ONNX's enum), else None."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, int) and not isinstance(dtype, bool):
+        return LOW_TYPES.get(dtype)
+    try:
+        return _LOW_DTYPES.get(np.dtype(dtype))
+    except TypeError:  # graphsurgeon's types numpy cannot name (the float8s)
+        return None
+
+
+def _upcast(constant: gs.Constant) -> None:
+    lazy = constant._values
+    # read from the proto directly: graphsurgeon's own read of a bfloat16 proto warns that numpy lacks the type
+    values = numpy_helper.to_array(lazy.tensor) if isinstance(lazy, LazyValues) else np.asarray(lazy)
+    constant.values = values.astype(np.float32)
+    constant.export_dtype = None  # written as the values' type, not a type recorded at import
+
+
+def _graphs(graph: gs.Graph) -> list[gs.Graph]:
+    return [graph, *graph.subgraphs(recursive=True)]
+
+
+def low_precision_compute(graph: gs.Graph) -> str | None:
+    """The low precision `graph` computes in ("float16" or "bfloat16"), or None: a value of that type, a Cast
+    or typed constant making one, or such a weight read by an op other than a Cast (weights only stored in
+    it and cast up before use are computed in float32 already)."""
+    for g in _graphs(graph):
+        for tensor in g.tensors().values():
+            if isinstance(tensor, gs.Variable) and _low(tensor.dtype):
+                return _low(tensor.dtype)
+        for node in g.nodes:
+            for name in _TYPE_ATTRIBUTES:
+                if _low(node.attrs.get(name)):
+                    return _low(node.attrs[name])
+            value = node.attrs.get("value")
+            if isinstance(value, gs.Constant) and _low(value.dtype):
+                return _low(value.dtype)
+            if node.op != "Cast":
+                for tensor in node.inputs:
+                    if isinstance(tensor, gs.Constant) and _low(tensor.dtype):
+                        return _low(tensor.dtype)
+    return None
+
+
+def compute_in_float32(graph: gs.Graph) -> str | None:
+    """Rewrite `graph` (and its subgraphs) in place to compute in float32 if it computes in float16 or
+    bfloat16; returns which of the two it did (the model's origin dtype), or None when it changed nothing.
+    Values keep their numbers: both types convert to float32 exactly."""
+    origin = low_precision_compute(graph)
+    if origin is None:
+        return None
+    for g in _graphs(graph):
+        for tensor in g.tensors().values():
+            if isinstance(tensor, gs.Constant) and _low(tensor.dtype):
+                _upcast(tensor)
+            elif isinstance(tensor, gs.Variable) and _low(tensor.dtype):
+                tensor.dtype = np.float32
+        for node in g.nodes:
+            for name in _TYPE_ATTRIBUTES:
+                if _low(node.attrs.get(name)):
+                    node.attrs[name] = TensorProto.FLOAT
+            value = node.attrs.get("value")
+            if isinstance(value, gs.Constant) and _low(value.dtype):
+                _upcast(value)
+    return origin
