@@ -19,6 +19,7 @@ import onnx_graphsurgeon as gs
 from passes.base import PassResult
 from passes.graph_utils import lm_head, naming_patterns
 from passes.precision_config import OP_TYPE_PREFIX, PrecisionPolicy
+from passes.weight_memory import read_values
 from runtime.errors import AtcError
 
 _DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -77,7 +78,7 @@ class ConvertPrecision:
             result.match_times += 1
             kept = self._kept_by(constant, head)
             matched.update(kept)
-            values = np.asarray(constant.values)
+            values = read_values(constant)  # a deferred weight computed for the conversion, not kept
             if kept:
                 result.rejections.append(f"{constant.name}: kept by --keep_dtype {', '.join(sorted(kept))}")
             elif role == "table" and not policy.convert_table:

@@ -18,6 +18,9 @@ import onnx_graphsurgeon as gs
 from onnx import TensorProto, numpy_helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
+from passes.weight_memory import Deferred
+from runtime.artifact import EXTERNAL_MIN_BYTES
+
 LOW_TYPES = {TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16"}
 _LOW_DTYPES = {np.dtype(np.float16): "float16", np.dtype(ml_dtypes.bfloat16): "bfloat16"}
 # the int attributes that name an element type: Cast's `to`, and `dtype` (EyeLike, the Random ops)
@@ -37,11 +40,18 @@ def _low(dtype) -> str | None:
 
 
 def _upcast(constant: gs.Constant) -> None:
-    lazy = constant._values
-    # read from the proto directly: graphsurgeon's own read of a bfloat16 proto warns that numpy lacks the type
-    values = numpy_helper.to_array(lazy.tensor) if isinstance(lazy, LazyValues) else np.asarray(lazy)
-    constant.values = values.astype(np.float32)
+    source = constant._values
+    shape = tuple(source.shape)
+    if int(np.prod(shape, dtype=np.int64)) * 4 < EXTERNAL_MIN_BYTES:
+        constant.values = _read(source).astype(np.float32)
+    else:  # a weight: converted when a pass or the writer reads it, never all of them held at once
+        constant.values = Deferred(shape, np.float32, lambda: _read(source).astype(np.float32))
     constant.export_dtype = None  # written as the values' type, not a type recorded at import
+
+
+def _read(source) -> np.ndarray:
+    # from the proto directly: graphsurgeon's own read of a bfloat16 proto warns that numpy lacks the type
+    return numpy_helper.to_array(source.tensor) if isinstance(source, LazyValues) else np.asarray(source)
 
 
 def _graphs(graph: gs.Graph) -> list[gs.Graph]:
