@@ -86,6 +86,9 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: Wei
         # Phase 0: canonical form, so that later patterns see one spelling of each structure. Folding
         # runs twice: shapes inferred after the first round make more Shape → Gather chains static.
         InferShapes(),
+        # onnxruntime's own ops written back first: shape inference stops at them (FusedMatMul), and the
+        # folding and canonical forms below need the shapes past them
+        ExpandOnnxRuntimeRewrites(),  # onnxruntime's FusedMatMul, QuickGelu and rotate_half Split, as standard ops
         FoldConstants(),
         EliminateIdentity(),
         InferShapes(),
@@ -97,7 +100,6 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: Wei
         InferShapes(),
         # Phase 1: normalisation (and onnxruntime's quantized matmul, whose layout MatMulInt4 shares)
         ConvertMatMulNBits(),
-        ExpandOnnxRuntimeRewrites(),  # onnxruntime's FusedMatMul, QuickGelu and rotate_half Split, as standard ops
         ConvertRmsNormalization(),
         ConvertSimplifiedLayerNorm(),
         ConvertSkipSimplifiedLayerNorm(),

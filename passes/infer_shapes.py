@@ -102,7 +102,9 @@ class InferShapes:
         # the graph's signature is what the exporter declared; inference may only fill what it left open
         declared = {id(t) for t in list(graph.inputs) + list(graph.outputs) if t.shape is not None}
         for name, tensor in graph.tensors().items():
-            value = found.get(name)
+            # past an op onnx's inference does not know (onnxruntime's SimplifiedLayerNormalization, which
+            # its optimizer writes in the default domain) only the symbolic inference has a value
+            value = found.get(name) or symbolic.get(name)
             if isinstance(tensor, gs.Constant) or value is None or not value.type.HasField("tensor_type"):
                 continue
             result.match_times += 1

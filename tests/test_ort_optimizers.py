@@ -80,6 +80,13 @@ def _onnxruntime_extended(source: Path, target: Path) -> None:
     _saved_by_a_session(source, target, "ORT_ENABLE_EXTENDED")
 
 
+def _onnxruntime_extended_torchscript(source: Path, target: Path) -> None:
+    """The TorchScript export after the extended optimizations: also SimplifiedLayerNormalization in the
+    default domain, past which onnx's shape inference knows nothing (only the symbolic one does), and every
+    reshape target computed from shapes, which fold only once FusedMatMul no longer stops the symbolic one."""
+    _saved_by_a_session(tiny_onnx("llama", dynamo=False, with_past=True), target, "ORT_ENABLE_EXTENDED")
+
+
 TOOLS = {
     "onnxruntime-optimizer": (_onnxruntime_optimizer, {"SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 4}),
     "onnxscript-optimize_for_ort": (_onnxscript_for_ort, {"SimplifiedLayerNormalization": 1,
@@ -87,6 +94,9 @@ TOOLS = {
     "onnxscript-opset23": (_onnxscript_opset23, {"RMSNormalization": 5, "RotaryEmbedding": 4}),
     "onnxruntime-basic": (_onnxruntime_basic, {"Constant": 0, "Shape": 20}),  # constants folded, Shapes shared
     "onnxruntime-extended": (_onnxruntime_extended, {"FusedMatMul": LAYERS, "QuickGelu": LAYERS}),
+    "onnxruntime-extended-torchscript": (_onnxruntime_extended_torchscript,
+                                         {"FusedMatMul": LAYERS, "QuickGelu": LAYERS,
+                                          "SimplifiedLayerNormalization": 2 * LAYERS + 1}),
 }
 
 
