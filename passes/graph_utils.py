@@ -100,9 +100,14 @@ def lm_head(graph: gs.Graph, output_name: str = "logits", ops: tuple[str, ...] =
     return None
 
 
+# attention ops of onnx and onnxruntime a conversion pass left as they are (they run in onnxruntime)
+_ATTENTION_OPS = ("Attention", "MultiHeadAttention", "GroupQueryAttention")
+
+
 def unfused_attention(graph: gs.Graph) -> int:
-    """Attention left as the export wrote it: Softmaxes whose probabilities multiply a MatMul (the values)."""
-    return sum(1 for node in graph.nodes if node.op == "Softmax" and any(
+    """Attention left as the export wrote it: Softmaxes whose probabilities multiply a MatMul (the values),
+    and onnx's or onnxruntime's attention ops no conversion took."""
+    return sum(1 for node in graph.nodes if node.op in _ATTENTION_OPS or node.op == "Softmax" and any(
         consumer.op == "MatMul" for out in node.outputs for consumer in _through_casts(out)))
 
 

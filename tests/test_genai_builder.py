@@ -99,3 +99,61 @@ def test_engine_greedy_equals_genai(built, paged, tmp_path):
         for request in requests:
             request.result()
         assert [request.output_ids for request in requests] == expected
+
+
+def _float16_feeds(names: list[str], tokens: list[int]) -> dict[str, np.ndarray]:
+    feeds = {"input_ids": np.array([tokens], np.int64), "attention_mask": np.ones((1, len(tokens)), np.int64),
+             "position_ids": np.arange(len(tokens))[None]}
+    feeds.update({name: np.zeros((1, KV_HEADS, 0, HEAD_DIM), np.float16) for name in names if name.startswith("past")})
+    return {name: feeds[name] for name in names}
+
+
+def _logits_near_onnxruntime(source, loaded) -> None:
+    """The artifact (float32 arithmetic) against onnxruntime running the float16 model: float16's precision,
+    the same argmax at every position."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(source), providers=["CPUExecutionProvider"])
+    tokens = [5, 17, 200, 33, 90, 7, 41, 12]
+    want = session.run(["logits"], _float16_feeds([i.name for i in session.get_inputs()], tokens))[0].astype(np.float32)
+    feeds = {name: value.astype(np.float32) if value.dtype == np.float16 else value
+             for name, value in _float16_feeds(loaded.input_names, tokens).items()}
+    got = Executor(loaded, "onnxruntime").run(feeds)["logits"]
+    np.testing.assert_allclose(got, want, atol=2e-2, rtol=0)
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_the_gpu_float16_model_compiles_fused_in_float32_contiguous_and_paged(tmp_path, capsys):
+    """`-p fp16 -e cuda`: GroupQueryAttention in float16, raised to float32 arithmetic (W10006) and fused."""
+    from cli.atc import run
+
+    source = genai_model("fp16", provider="cuda") / "model.onnx"
+    assert _counts(onnx.load(source, load_external_data=False))["GroupQueryAttention"] == LAYERS
+    capsys.readouterr()
+    assert run([f"--model={source}", "--framework=5", f"--output={tmp_path / 'm'}", "--soc_version=Ascend910B"]) == 0
+    assert "W10006: the model computes in float16" in capsys.readouterr().out
+    loaded = load_artifact(tmp_path / "m.om")
+    assert _counts(loaded.model)["FusedAttention"] == LAYERS
+    _logits_near_onnxruntime(source, loaded)
+    paged = load_artifact(compile_to(source, tmp_path / "paged", enable_paged_attention=True))
+    assert _counts(paged.model)["PagedAttention"] == LAYERS
+
+
+def test_the_cpu_float16_model_with_a_named_head_size_is_refused_until_given_one(tmp_path, capsys):
+    """`-p fp16 -e cpu` (which the builder calls no valid CPU combination, and writes): MultiHeadAttention after
+    separate RotaryEmbeddings does not convert, so nothing gives the cache's head size, which the export only
+    names (`kv_cache_dim`): E10055 and no artifact, never one its runtime cannot load. With the size given by
+    --input_shape it compiles, its unconverted attention counted by W10005, and runs."""
+    from cli.atc import run
+
+    source = genai_model("fp16") / "model.onnx"
+    assert _counts(onnx.load(source, load_external_data=False))["MultiHeadAttention"] == LAYERS
+    flags = [f"--model={source}", "--framework=5", f"--output={tmp_path / 'm'}", "--soc_version=Ascend910B"]
+    capsys.readouterr()
+    assert run(flags) != 0
+    assert "E10055" in capsys.readouterr().err and not (tmp_path / "m.om").exists()
+    shapes = ";".join(f"past_key_values.{i}.{kind}:-1,{KV_HEADS},-1,{HEAD_DIM}" for i in range(LAYERS)
+                      for kind in ("key", "value"))
+    assert run([*flags, f"--input_shape={shapes}"]) == 0
+    assert f"W10005: {LAYERS} attention block(s)" in capsys.readouterr().out
+    _logits_near_onnxruntime(source, load_artifact(tmp_path / "m.om"))
