@@ -82,7 +82,8 @@ def quantize_to_qdq(model_path: Path, cfg: QuantConfig, out_dir: Path, progress:
 def fused_graph(cfg: CompileConfig) -> gs.Graph:
     """The graph atc's weight quantization would see: every pass of the pipeline before it."""
     _, graph = import_graph(cfg.model)  # weights memory-mapped, as atc reads them
-    origin = compute_in_float32(graph)
+    raised = compute_in_float32(graph)
+    origin = raised.weights if raised else None
     run_passes(graph, [p for p in build_pipeline(cfg, origin=origin) if not isinstance(p, QuantizeWeights)], {})
     return graph
 

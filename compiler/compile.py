@@ -77,7 +77,8 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
     start = time.perf_counter()
     model, graph = import_graph(cfg.model)
     # before the I/O flags: --output_type=FP16 asks for float16 outputs of the float32 graph
-    origin = compute_in_float32(graph)
+    raised = compute_in_float32(graph)
+    origin = raised.weights if raised else None  # the dtype the weights are stored in again
     if cfg.input_shapes:
         apply_input_shape(graph, cfg.input_shapes)
     if cfg.out_nodes:
@@ -107,10 +108,11 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
             "--log=debug says why AttentionFusionPass refused each"
         warnings = [f"W10005: {unfused} attention block(s) did not fuse and run as the export wrote them (slower; "
                     f"no paged KV cache): {why}"] if unfused else []
-        if origin:
-            warnings.append(f"W10006: the model computes in {origin}; it was compiled to compute in float32 (its "
-                            f"inputs and outputs float32 too), so its outputs differ from a {origin} run within "
-                            f"{origin}'s precision; its weights are stored as {cfg.precision.storing(origin).stored}")
+        if raised:
+            low = raised.computed
+            warnings.append(f"W10006: the model computes in {low}; it was compiled to compute in float32 (its "
+                            f"inputs and outputs float32 too), so its outputs differ from a {low} run within "
+                            f"{low}'s precision; its weights are stored as {cfg.precision.storing(origin).stored}")
         if cfg.auto_tune_mode and not causal_lm:
             raise AtcError("E10055", "--auto_tune_mode measures a causal LM's decode and prefill; this model has no "
                                      "input_ids and logits")

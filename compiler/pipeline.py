@@ -80,7 +80,8 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: Wei
     """The passes `cfg` asks for, in order; switched-off ones are skipped by the runner, not dropped here.
     `progress`: the weight quantization shows its calibration and quantization on stderr; `spill`: it keeps
     the weights it packs on disk until they are written (passes/weight_spill.py); `origin`: the low
-    precision the model computed in before compute_in_float32 raised it (passes/upcast_float_compute.py)."""
+    precision most of the model's weights were in before compute_in_float32 raised them
+    (passes/upcast_float_compute.py)."""
     quant = cfg.quantization if cfg is not None else None
     passes: list[Pass] = [
         # Phase 0: canonical form, so that later patterns see one spelling of each structure. Folding

@@ -7,10 +7,14 @@ ATC's `force_fp32` and llama.cpp's CPU backend do, the arithmetic is raised to f
 bfloat16 weight, constant, value, graph input and output becomes float32, and a Cast to either type a Cast
 to float32, which the canonical passes then drop where it casts nothing. The graph is then the one a
 float32 export of the same weights would have been, so every fusion reads it; the weights' storage is
-`--precision_mode`'s choice (passes/precision_config.py: must_keep_origin_dtype keeps the model's dtype).
+`--precision_mode`'s choice (passes/precision_config.py: must_keep_origin_dtype keeps the dtype most of
+the weights were in).
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
@@ -80,13 +84,38 @@ def low_precision_compute(graph: gs.Graph) -> str | None:
     return None
 
 
-def compute_in_float32(graph: gs.Graph) -> str | None:
+@dataclass(frozen=True)
+class Raised:
+    """What compute_in_float32 raised: the low precision the model computed in, and the one most of its
+    weights' bytes were in (None: float32, as Falcon-RW's float32 weights beside its bfloat16 ALiBi term),
+    which must_keep_origin_dtype stores them in again."""
+
+    computed: str
+    weights: str | None
+
+
+def _weights_dtype(graph: gs.Graph) -> str | None:
+    """The low precision most bytes of `graph`'s float weights are in, or None when float32 (or wider) holds most."""
+    sizes: Counter = Counter()
+    for g in _graphs(graph):
+        for tensor in g.tensors().values():
+            if not isinstance(tensor, gs.Constant):
+                continue
+            low = _low(tensor.dtype)
+            if low is None and not (isinstance(tensor.dtype, np.dtype) and tensor.dtype.kind == "f"):
+                continue
+            sizes[low] += int(np.prod(tensor.shape, dtype=np.int64)) * (2 if low else tensor.dtype.itemsize)
+    return max(sizes, key=sizes.__getitem__) if sizes else None
+
+
+def compute_in_float32(graph: gs.Graph) -> Raised | None:
     """Rewrite `graph` (and its subgraphs) in place to compute in float32 if it computes in float16 or
-    bfloat16; returns which of the two it did (the model's origin dtype), or None when it changed nothing.
-    Values keep their numbers: both types convert to float32 exactly."""
-    origin = low_precision_compute(graph)
-    if origin is None:
+    bfloat16; returns what it raised, or None when it changed nothing. Values keep their numbers: both types
+    convert to float32 exactly."""
+    computed = low_precision_compute(graph)
+    if computed is None:
         return None
+    raised = Raised(computed, _weights_dtype(graph))
     for g in _graphs(graph):
         for tensor in g.tensors().values():
             if isinstance(tensor, gs.Constant) and _low(tensor.dtype):
@@ -100,4 +129,4 @@ def compute_in_float32(graph: gs.Graph) -> str | None:
             value = node.attrs.get("value")
             if isinstance(value, gs.Constant) and _low(value.dtype):
                 _upcast(value)
-    return origin
+    return raised

@@ -370,8 +370,10 @@ def test_alibi_computed_in_bfloat16_compiles_to_float32_arithmetic(tmp_path, cap
     capsys.readouterr()
     assert run([f"--model={source}", "--framework=5", f"--output={tmp_path / 'contiguous'}",
                 "--soc_version=Ascend910B"]) == 0
-    assert "W10006: the model computes in bfloat16" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "W10006: the model computes in bfloat16" in said and "its weights are stored as float32" in said
     loaded = load_artifact(tmp_path / "contiguous.om")
+    assert {t.data_type for t in loaded.model.graph.initializer if len(t.dims) == 2} == {onnx.TensorProto.FLOAT}
     fused = [n for n in loaded.model.graph.node if n.op_type == "FusedAttention"]
     assert len(fused) == SIZES["num_hidden_layers"]
     heads, head_dim = SIZES["num_attention_heads"], SIZES["hidden_size"] // SIZES["num_attention_heads"]

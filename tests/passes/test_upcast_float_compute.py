@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from passes.upcast_float_compute import compute_in_float32, low_precision_compute
+from passes.upcast_float_compute import Raised, compute_in_float32, low_precision_compute
 
 pytestmark = pytest.mark.unit
 RNG = np.random.default_rng(0)
@@ -48,7 +48,7 @@ def test_a_graph_computing_in_a_low_precision_computes_in_float32(low):
                               value_info=[helper.make_tensor_value_info("h", enum, [2, 3])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     imported = gs.import_onnx(model)
-    assert compute_in_float32(imported) == low
+    assert compute_in_float32(imported) == Raised(low, low)
     rewritten = gs.export_onnx(imported)
     types = {t.data_type for t in rewritten.graph.initializer}
     types |= {v.type.tensor_type.elem_type for v in rewritten.graph.value_info}
@@ -67,7 +67,7 @@ def test_float16_graph_inputs_and_outputs_become_float32():
     model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y]),
                               opset_imports=[helper.make_opsetid("", 17)])
     imported = gs.import_onnx(model)
-    assert compute_in_float32(imported) == "float16"
+    assert compute_in_float32(imported) == Raised("float16", None)  # no weights
     assert [t.dtype for t in (*imported.inputs, *imported.outputs)] == [np.float32, np.float32]
     feeds = {"x": RNG.standard_normal((2, 4)).astype(np.float32)}
     np.testing.assert_array_equal(_run(gs.export_onnx(imported), feeds)[0], np.maximum(feeds["x"], 0))
@@ -84,3 +84,16 @@ def test_weights_only_stored_low_and_cast_up_before_use_are_left_as_they_are():
     assert low_precision_compute(imported) is None
     assert compute_in_float32(imported) is None
     assert gs.export_onnx(imported).graph.initializer[0].data_type == TensorProto.BFLOAT16
+
+
+def test_float32_weights_beside_a_bfloat16_term_keep_float32_as_their_dtype():
+    """Falcon-RW under transformers 5: float32 weights, one term computed in bfloat16. The arithmetic is raised,
+    and the weights' own dtype (what must_keep_origin_dtype stores them in) stays float32."""
+    weight = RNG.standard_normal((64, 64)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Cast", ["h"], ["hl"], to=TensorProto.BFLOAT16),
+             helper.make_node("Cast", ["hl"], ["y"], to=TensorProto.FLOAT)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 64])],
+                              [helper.make_tensor("w", TensorProto.FLOAT, [64, 64], weight.tobytes(), raw=True)])
+    imported = gs.import_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    assert compute_in_float32(imported) == Raised("bfloat16", None)
