@@ -112,7 +112,7 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
             low = raised.computed
             warnings.append(f"W10006: the model computes in {low}; it was compiled to compute in float32 (its "
                             f"inputs and outputs float32 too), so its outputs differ from a {low} run within "
-                            f"{low}'s precision; its weights are stored as {cfg.precision.storing(origin).stored}")
+                            f"{low}'s precision; {cfg.precision.storing(origin).stored}")
         if cfg.auto_tune_mode and not causal_lm:
             raise AtcError("E10055", "--auto_tune_mode measures a causal LM's decode and prefill; this model has no "
                                      "input_ids and logits")
@@ -178,14 +178,16 @@ def _write(cfg: CompileConfig, output: Path, graph: gs.Graph, model: onnx.ModelP
 
 
 def _check_cache_dims(dims: dict) -> None:
-    """E10055 when the KV cache's heads or head size are only named (onnxruntime-genai's builder writes
-    `kv_cache_dim`) and no fused attention gives them: the runtime could not size the cache it feeds."""
-    for key in ("num_kv_heads", "head_dim"):
+    """E10055 when the KV cache's heads or head size, or the vocabulary, are only named in the export
+    (onnxruntime-genai's builder writes `kv_cache_dim`) and nothing fused gives them: the runtime could not
+    size the cache it feeds or the logits it reads."""
+    for key, fix in (("num_kv_heads", "--input_shape (every past_key_values.* input)"),
+                     ("head_dim", "--input_shape (every past_key_values.* input)"), ("vocab_size", None)):
         if key in dims and not isinstance(dims[key], int):
-            raise AtcError("E10055", f"the KV cache's {key.replace('_', ' ')} is the named dim {dims[key]!r} of "
-                                     "past_key_values.*, and no attention fused to give its size: give it with "
-                                     "--input_shape (every past_key_values.* input) or compile an export whose "
-                                     "attention fuses")
+            named = f"the named dim {dims[key]!r}" if dims[key] else "an unknown dim"
+            where = "logits" if key == "vocab_size" else "past_key_values.*"
+            raise AtcError("E10055", f"the model's {key.replace('_', ' ')} is {named} of {where}, and nothing "
+                                     "compiled gives its size" + (f": give it with {fix}" if fix else ""))
 
 
 def stage_paths(output: Path, stages: int) -> list[Path]:

@@ -93,7 +93,8 @@ REFUSED: dict[str, str] = {
     "singleop": "single-operator compilation is not provided; compile a whole ONNX model",
     "is_input_adjust_hw_layout": "NC1HWC0 input layouts are an NPU format",
     "is_output_adjust_hw_layout": "NC1HWC0 output layouts are an NPU format",
-    "input_fp16_nodes": "inputs keep the dtypes they were exported with (an LLM's are integer ids and positions)",
+    "input_fp16_nodes": "inputs keep the dtypes they were exported with (an LLM's are integer ids and positions; a "
+                        "float16 or bfloat16 model's float inputs become float32)",
 }
 
 

@@ -18,7 +18,6 @@ import onnx_graphsurgeon as gs
 from google.protobuf.message import DecodeError
 from onnx import external_data_helper, helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
-from onnx_graphsurgeon.logger import G_LOGGER
 
 from compiler.model_checks import check_model, check_subgraphs, stored_bytes
 from passes.constant_conditionals import flatten_constant_conditionals
@@ -140,12 +139,7 @@ def import_graph(path: str | os.PathLike) -> tuple[onnx.ModelProto, gs.Graph]:
     whose `If`s on constant conditions are already replaced by the branch they take."""
     path = Path(path)
     model = load_onnx(path, external_data=False)
-    # graphsurgeon warns that numpy has no bfloat16 and keeps ONNX's type: expected, handled at compile
-    level, G_LOGGER.severity = G_LOGGER.severity, G_LOGGER.ERROR
-    try:
-        graph = gs.import_onnx(model)
-    finally:
-        G_LOGGER.severity = level
+    graph = gs.import_onnx(model)
     drop_trailing_empty_inputs(graph)
     cast_like_as_cast(graph)
     typed_constants(graph)

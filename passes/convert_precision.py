@@ -85,6 +85,9 @@ class ConvertPrecision:
                 result.rejections.append(f"{constant.name}: the {policy.mode} mode keeps the embedding/lm_head table")
             elif np.abs(values).max(initial=0.0) > limit:
                 result.rejections.append(f"{constant.name}: values beyond {policy.weight_dtype}'s range")
+            elif policy.exact_only and not np.array_equal(values.astype(target).astype(values.dtype), values):
+                result.rejections.append(f"{constant.name}: values {policy.weight_dtype} does not hold exactly "
+                                         "(not the model's own dtype): kept float32")
             else:
                 self._convert(graph, constant, values.astype(target))
                 result.effect_times += 1

@@ -46,6 +46,7 @@ class PrecisionPolicy:
     convert_table: bool = False
     keep_names: tuple[str, ...] = ()
     keep_op_types: tuple[str, ...] = ()
+    exact_only: bool = False  # only weights whose values the dtype holds exactly (a raised model's own)
 
     @classmethod
     def of(cls, mode: str, keep_dtype: str = "") -> "PrecisionPolicy":
@@ -55,18 +56,24 @@ class PrecisionPolicy:
         return cls(mode, weight_dtype, convert_table, names, op_types)
 
     def storing(self, origin: str | None) -> "PrecisionPolicy":
-        """This policy for a model that computed in `origin` ("float16", "bfloat16"; None: float32) before its
-        arithmetic was raised to float32: must_keep_origin_dtype stores its float weights in `origin` again."""
+        """This policy for a model whose weights were mostly in `origin` ("float16", "bfloat16"; None: float32)
+        before its arithmetic was raised to float32: must_keep_origin_dtype stores those weights in `origin`
+        again, each only if that dtype holds its values exactly (a float32 or other-typed weight beside them
+        keeps every bit, in float32)."""
         if origin is None or self.mode != "must_keep_origin_dtype":
             return self
-        return replace(self, weight_dtype=origin, convert_table=True)
+        return replace(self, weight_dtype=origin, convert_table=True, exact_only=True)
 
     @property
     def stored(self) -> str:
         """How float weights are stored, in words."""
         if self.weight_dtype is None:
-            return "float32"
-        return self.weight_dtype if self.convert_table else f"{self.weight_dtype} (the embedding table float32)"
+            return "its weights are stored as float32"
+        where = "" if self.convert_table else ", the embedding table float32"
+        if self.exact_only:
+            where += f", any {self.weight_dtype} does not hold exactly float32"
+        return f"its linear layers' and embedding weights are stored as {self.weight_dtype}{where} (MoE experts' " \
+               "and other weights as float32)"
 
 
 def _read_keep_dtype(path: str) -> tuple[tuple[str, ...], tuple[str, ...]]:

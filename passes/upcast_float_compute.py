@@ -27,8 +27,11 @@ from runtime.artifact import EXTERNAL_MIN_BYTES
 
 LOW_TYPES = {TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16"}
 _LOW_DTYPES = {np.dtype(np.float16): "float16", np.dtype(ml_dtypes.bfloat16): "bfloat16"}
-# the int attributes that name an element type: Cast's `to`, and `dtype` (EyeLike, the Random ops)
-_TYPE_ATTRIBUTES = ("to", "dtype")
+# the int attributes that name an element type: Cast's `to`, `dtype` (EyeLike, the Random ops),
+# DequantizeLinear's `output_dtype`, the window ops' `output_datatype`
+_TYPE_ATTRIBUTES = ("to", "dtype", "output_dtype", "output_datatype")
+# ops whose type attribute is no arithmetic to raise: BitCast reinterprets the bits at that width
+_KEPT_TYPES = ("BitCast",)
 
 
 def _low(dtype) -> str | None:
@@ -123,7 +126,7 @@ def compute_in_float32(graph: gs.Graph) -> Raised | None:
             elif isinstance(tensor, gs.Variable) and _low(tensor.dtype):
                 tensor.dtype = np.float32
         for node in g.nodes:
-            for name in _TYPE_ATTRIBUTES:
+            for name in _TYPE_ATTRIBUTES if node.op not in _KEPT_TYPES else ():
                 if _low(node.attrs.get(name)):
                     node.attrs[name] = TensorProto.FLOAT
             value = node.attrs.get("value")

@@ -89,3 +89,28 @@ def test_bad_keep_dtype_entries_are_refused_without_output(capsys, tmp_path, tin
     err = capsys.readouterr().err
     assert status == 255 and f"{code}: [PID:" in err and "Traceback" not in err, err
     assert not list(tmp_path.glob("**/*.om"))
+
+
+def test_a_raised_models_weights_are_stored_back_only_where_their_dtype_holds_them_exactly():
+    """must_keep_origin_dtype for a model raised from bfloat16 (PrecisionPolicy.storing): a weight whose values
+    bfloat16 holds (the model's own) goes back to bfloat16; one beside it that bfloat16 would round (float32 in
+    the export, as Falcon-RW's beside its bfloat16 term) keeps every bit in float32."""
+    import ml_dtypes
+    import onnx_graphsurgeon as gs
+    from onnx import TensorProto, helper
+
+    from passes.convert_precision import ConvertPrecision
+    from passes.precision_config import PrecisionPolicy
+
+    rng = np.random.default_rng(0)
+    own = rng.standard_normal((8, 8)).astype(ml_dtypes.bfloat16).astype(np.float32)
+    other = rng.standard_normal((8, 8)).astype(np.float32)
+    weights = [onnx.numpy_helper.from_array(own, "own"), onnx.numpy_helper.from_array(other, "other")]
+    nodes = [helper.make_node("MatMul", ["x", "own"], ["h"]), helper.make_node("MatMul", ["h", "other"], ["y"])]
+    graph = gs.import_onnx(helper.make_model(helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])], weights)))
+    result = ConvertPrecision(PrecisionPolicy.of("must_keep_origin_dtype").storing("bfloat16")).run(graph)
+    stored = {t.name: t.data_type for t in gs.export_onnx(graph).graph.initializer}
+    assert stored == {"own_bfloat16": TensorProto.BFLOAT16, "other": TensorProto.FLOAT}
+    assert result.effect_times == 1 and "bfloat16 does not hold exactly" in result.rejections[0]
