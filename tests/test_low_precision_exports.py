@@ -35,7 +35,8 @@ def exports(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"{family}-{dtype}")
     model = build_tiny_model(family).to(getattr(torch, dtype))
     low = export_causal_lm(model, folder / "low" / "model.onnx", dynamo=dynamo, with_past=with_past)
-    twin = export_causal_lm(model.float(), folder / "float32" / "model.onnx", dynamo=dynamo, with_past=with_past)
+    # the reference only: TorchScript writes the same arithmetic in a tenth of the dynamo exporter's time
+    twin = export_causal_lm(model.float(), folder / "float32" / "model.onnx", dynamo=False, with_past=with_past)
     return low, twin, dtype
 
 
