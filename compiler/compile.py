@@ -78,7 +78,7 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
     model, graph = import_graph(cfg.model)
     # before the I/O flags: --output_type=FP16 asks for float16 outputs of the float32 graph
     raised = compute_in_float32(graph)
-    origin = raised.weights if raised else None  # the dtype the weights are stored in again
+    origin = raised.weights if raised else None  # what must_keep_origin_dtype stores them back in
     if cfg.input_shapes:
         apply_input_shape(graph, cfg.input_shapes)
     if cfg.out_nodes:
