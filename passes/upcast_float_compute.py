@@ -61,6 +61,11 @@ def _read(source) -> np.ndarray:
     return numpy_helper.to_array(source.tensor) if isinstance(source, LazyValues) else np.asarray(source)
 
 
+def _type_attributes(node: gs.Node) -> tuple[str, ...]:
+    """The names of `node`'s attributes that may give the element type it computes in."""
+    return () if node.op in _KEPT_TYPES else _TYPE_ATTRIBUTES
+
+
 def _graphs(graph: gs.Graph) -> list[gs.Graph]:
     return [graph, *graph.subgraphs(recursive=True)]
 
@@ -74,7 +79,7 @@ def low_precision_compute(graph: gs.Graph) -> str | None:
             if isinstance(tensor, gs.Variable) and _low(tensor.dtype):
                 return _low(tensor.dtype)
         for node in g.nodes:
-            for name in _TYPE_ATTRIBUTES:
+            for name in _type_attributes(node):
                 if _low(node.attrs.get(name)):
                     return _low(node.attrs[name])
             value = node.attrs.get("value")
@@ -126,7 +131,7 @@ def compute_in_float32(graph: gs.Graph) -> Raised | None:
             elif isinstance(tensor, gs.Variable) and _low(tensor.dtype):
                 tensor.dtype = np.float32
         for node in g.nodes:
-            for name in _TYPE_ATTRIBUTES if node.op not in _KEPT_TYPES else ():
+            for name in _type_attributes(node):
                 if _low(node.attrs.get(name)):
                     node.attrs[name] = TensorProto.FLOAT
             value = node.attrs.get("value")
