@@ -13,6 +13,7 @@ from passes.compress_float_weights import CompressFloatWeights
 from passes.convert_attention import ConvertAttention
 from passes.convert_group_query_attention import ConvertGroupQueryAttention
 from passes.convert_layer_norms import ConvertSimplifiedLayerNorm, ConvertSkipSimplifiedLayerNorm
+from passes.convert_integer_matmul import ConvertIntegerMatMul
 from passes.convert_matmul_nbits import ConvertMatMulNBits
 from passes.convert_multi_head_attention import ConvertMultiHeadAttention
 from passes.convert_precision import ConvertPrecision
@@ -90,6 +91,7 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: Wei
         # onnxruntime's own ops written back first: shape inference stops at them (FusedMatMul), and the
         # folding and canonical forms below need the shapes past them
         ExpandOnnxRuntimeRewrites(),  # onnxruntime's FusedMatMul, QuickGelu and rotate_half Split, as standard ops
+        ConvertIntegerMatMul(),  # its dynamic quantization's matmuls, as MatMuls of QDQ operands
         FoldConstants(),
         EliminateIdentity(),
         InferShapes(),

@@ -78,7 +78,8 @@ def merge_weights(graph: gs.Graph, sources: list[WeightSource], name: str) -> gs
             merged = np.concatenate(arrays, axis=1)
         else:  # per-channel scales and zero points [N]
             merged = np.concatenate(arrays, axis=0)
-        label = f"{name}_{('values', 'scales', 'zero_points')[index]}"
+        # not `{name}_scales`: the name of the packed weight's scales the quantization pass writes from it
+        label = f"{name}/{('values', 'scales', 'zero_points')[index]}"
         parts.append(packed_constant(label, merged) if np.dtype(merged.dtype).name in _SUB_BYTE
                      else gs.Constant(label, merged))
     output = gs.Variable(name, dtype=nodes[0].outputs[0].dtype,

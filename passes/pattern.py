@@ -76,7 +76,7 @@ class FusionPass:
     """Runs `match` on every node of type `anchor` and `rewrite` on each match."""
 
     name = "FusionPass"
-    anchor = ""
+    anchor: str | tuple[str, ...] = ""  # the op type(s) a match starts from
     switchable = True
 
     def match(self, graph: gs.Graph, node: gs.Node) -> Any:
@@ -87,7 +87,8 @@ class FusionPass:
 
     def run(self, graph: gs.Graph) -> PassResult:
         result = PassResult()
-        for node in [n for n in graph.nodes if n.op == self.anchor]:
+        anchors = (self.anchor,) if isinstance(self.anchor, str) else self.anchor
+        for node in [n for n in graph.nodes if n.op in anchors]:
             if not node.outputs or not any(node in t.inputs for t in node.outputs):
                 continue  # consumed by an earlier rewrite in this run
             found = self.match(graph, node)

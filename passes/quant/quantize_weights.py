@@ -115,6 +115,8 @@ class QuantizeWeights(FusionPass):
         if input_scale is not None:
             matmul.inputs[0] = scale_input(graph, matmul.inputs[0], input_scale, f"{matmul.name}_awq")
         int8_activations = self.config is not None and self.config.activations == "int8"
+        if choice.dynamic_input is not None:
+            matmul.inputs[0], int8_activations = choice.dynamic_input, True
         if runs_as_matmul_nbits(quantized, blocked, int8_activations):
             quantized, remainders = matmul_nbits_form(quantized, blocked)
             level = EIGHT_BIT_ACCURACY_LEVEL if quantized.bits == 8 else self._accuracy_level(activations, quantized,

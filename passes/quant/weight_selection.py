@@ -22,11 +22,24 @@ from runtime.ops import MoEInput
 @dataclass
 class WeightChoice:
     """A MatMul chosen for quantization: its QDQ integers to repack, or (`qdq` None) its float weight to
-    quantize, by the configured method or (`head_blocks`) as an INT4 model's 8-bit lm_head."""
+    quantize, by the configured method or (`head_blocks`) as an INT4 model's 8-bit lm_head; `dynamic_input`:
+    the float activations of a QDQ weight's MatMul whose model quantizes them at run time (onnxruntime's
+    dynamic quantization, passes/convert_integer_matmul.py), which then runs on int8 activations."""
 
     matmul: gs.Node
     qdq: QdqWeight | None = None
     head_blocks: bool = False
+    dynamic_input: gs.Tensor | None = None
+
+
+def dynamically_quantized(activations: gs.Tensor) -> gs.Tensor | None:
+    """`x` when `activations` = DequantizeLinear(DynamicQuantizeLinear(x)), else None."""
+    dequantize = producer(activations, "DequantizeLinear")
+    quantize = producer(dequantize.inputs[0], "DynamicQuantizeLinear") if dequantize is not None else None
+    if quantize is None or len(dequantize.inputs) != 3 or not all(
+            a is b for a, b in zip(dequantize.inputs, quantize.outputs)):
+        return None
+    return quantize.inputs[0]
 
 
 def float_weight(weight: gs.Tensor) -> bool:
@@ -74,7 +87,8 @@ def choose_weight(config: QuantConfig | None, matmul: gs.Node, head: gs.Node | N
     weight = matmul.inputs[1]
     qdq = read_qdq_weight(weight)
     if qdq is not None:
-        return qdq if isinstance(qdq, str) else WeightChoice(matmul, qdq=qdq)
+        return qdq if isinstance(qdq, str) else WeightChoice(matmul, qdq=qdq,
+                                                             dynamic_input=dynamically_quantized(matmul.inputs[0]))
     if config is None:
         return "weight compression is off"
     if not float_weight(weight):

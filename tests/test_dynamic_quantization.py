@@ -1,0 +1,190 @@
+"""Models quantized by onnxruntime's dynamic quantization, as users write them: `quantize_dynamic` on the tiny
+Llama's TorchScript export with a cache (per tensor int8; per column uint8 with zero points), the same saved
+by an onnxruntime session after its optimizations (MatMulIntegerToFloat, DynamicQuantizeMatMul), and
+Optimum's ORTQuantizer (`avx512_vnni`, dynamic) on its own export of the tiny Qwen2, which also quantizes
+the attention's and the rotary's activation-by-activation MatMuls.
+
+Each compiles fused (its projections merged, on 8-bit MatMulNBits with int8 activations), contiguous and
+paged; its logits are at least as close to the float model's as onnxruntime's on the quantized model are
+(both quantize the activations, this project per block of K rather than per tensor); the paged engine's
+greedy tokens are those of the contiguous artifact.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from conftest import compile_to, ort_reference
+from fusion_utils import apply_pass
+from generation_utils import engine_greedy, mixed_prompts
+
+from models.optimum_export import OptimumUnavailable, ensure_optimum_venv, optimum_onnx, venv_python
+from models.tiny import TINY_FAMILIES, tiny_onnx
+from passes.convert_integer_matmul import ConvertIntegerMatMul
+from runtime import Executor, load_artifact
+from runtime.ops import attributes
+
+LAYERS = TINY_FAMILIES["llama"].sizes["num_hidden_layers"]
+NEW_TOKENS = 24
+INTEGER_OPS = ("MatMulInteger", "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "DynamicQuantizeLinear")
+
+
+def _quantize_dynamic(source: Path, target: Path, **options) -> None:
+    # in a process of its own: onnxruntime.quantization imports a top-level `fusion_utils`, which
+    # tests/fusion_utils.py would shadow here
+    script = ("import sys\nfrom onnxruntime.quantization import QuantType, quantize_dynamic\n"
+              f"quantize_dynamic(sys.argv[1], sys.argv[2], {', '.join(f'{k}={v}' for k, v in options.items())})\n")
+    subprocess.run([sys.executable, "-c", script, str(source), str(target)], check=True, capture_output=True)
+
+
+def _saved_by_a_session(source: Path, target: Path) -> None:
+    script = ("import onnxruntime as ort, sys\n"
+              "options = ort.SessionOptions()\n"
+              "options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED\n"
+              "options.optimized_model_filepath = sys.argv[2]\n"
+              "ort.InferenceSession(sys.argv[1], options, providers=['CPUExecutionProvider'])\n")
+    subprocess.run([sys.executable, "-c", script, str(source), str(target)], check=True, capture_output=True)
+
+
+def _optimum_quantizer(source: Path, target: Path) -> None:
+    script = ("import sys, shutil\nfrom pathlib import Path\n"
+              "from optimum.onnxruntime import ORTQuantizer\n"
+              "from optimum.onnxruntime.configuration import AutoQuantizationConfig\n"
+              "quantizer = ORTQuantizer.from_pretrained(sys.argv[1], file_name='model.onnx')\n"
+              "quantizer.quantize(save_dir=sys.argv[2] + '.d', "
+              "quantization_config=AutoQuantizationConfig.avx512_vnni(is_static=False, per_channel=False))\n"
+              "shutil.move(sys.argv[2] + '.d/model_quantized.onnx', sys.argv[2])\n")
+    subprocess.run([str(venv_python()), "-c", script, str(source.parent), str(target)], check=True,
+                   capture_output=True)
+
+
+def _llama(tmp: Path, name: str, **options) -> tuple[Path, Path]:
+    source = tiny_onnx("llama", dynamo=False, with_past=True)
+    target = tmp / f"{name}.onnx"
+    _quantize_dynamic(source, target, **options)
+    return source, target
+
+
+def _session_saved(tmp: Path) -> tuple[Path, Path]:
+    source, quantized = _llama(tmp, "for-session")
+    target = tmp / "session-saved.onnx"
+    _saved_by_a_session(quantized, target)
+    return source, target
+
+
+def _optimum(tmp: Path) -> tuple[Path, Path]:
+    try:
+        ensure_optimum_venv()
+    except OptimumUnavailable as error:
+        pytest.skip(f"the optimum venv cannot be created: {error}")
+    source = optimum_onnx("qwen2")
+    target = tmp / "optimum-avx512_vnni.onnx"
+    _optimum_quantizer(source, target)
+    return source, target
+
+
+# name: (how the model is made, the integer ops it holds, whether the conversion alone is exact)
+MODELS = {
+    "quantize_dynamic": (lambda tmp: _llama(tmp, "per-tensor"),
+                         {"MatMulInteger": 7 * LAYERS + 1, "DynamicQuantizeLinear": 4 * LAYERS + 1}, True),
+    "quantize_dynamic-per-column-uint8": (
+        lambda tmp: _llama(tmp, "per-column", per_channel=True, weight_type="QuantType.QUInt8"),
+        {"MatMulInteger": 7 * LAYERS + 1}, True),
+    "session-saved": (_session_saved, {"MatMulIntegerToFloat": 5 * LAYERS, "DynamicQuantizeMatMul": 2 * LAYERS + 1},
+                      True),
+    "optimum-avx512_vnni": (_optimum, {"MatMulInteger": 9 * LAYERS + 2}, False),
+}
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def quantized(request, tmp_path_factory):
+    """(float export, its quantized model, the integer ops expected, whether converting alone is exact)."""
+    make, expected, exact = MODELS[request.param]
+    source, target = make(tmp_path_factory.mktemp(request.param))
+    return source, target, expected, exact
+
+
+def _feeds(model: Path, batch: int = 2, past: int = 3, seq: int = 4) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    inputs = {i.name: i for i in ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).get_inputs()}
+    feeds = {"input_ids": rng.integers(3, 256, (batch, seq)).astype(np.int64),
+             "attention_mask": np.ones((batch, past + seq), np.int64),
+             "position_ids": np.tile(np.arange(past, past + seq), (batch, 1)).astype(np.int64)}
+    for name, value in inputs.items():
+        if name.startswith("past_key_values"):
+            feeds[name] = rng.standard_normal((batch, value.shape[1], past, value.shape[3])).astype(np.float32)
+    return {name: value for name, value in feeds.items() if name in inputs}
+
+
+def test_the_quantizers_write_integer_ops(quantized):
+    _, model, expected, _ = quantized
+    counts = Counter(node.op_type for node in onnx.load(model).graph.node)
+    assert {op: counts[op] for op in expected} == expected
+
+
+def test_the_conversion_is_exact_where_it_keeps_the_quantization(quantized):
+    _, model, expected, exact = quantized
+    converted, (result,) = apply_pass(onnx.load(model), ConvertIntegerMatMul())
+    integer_matmuls = sum(count for op, count in expected.items() if op != "DynamicQuantizeLinear")
+    assert (result.match_times, result.effect_times, result.rejections) == (integer_matmuls, integer_matmuls, [])
+    assert not {node.op_type for node in converted.graph.node} & set(INTEGER_OPS[:3])
+    if exact:
+        feeds = _feeds(model)
+        session = ort.InferenceSession(converted.SerializeToString(), providers=["CPUExecutionProvider"])
+        got = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+        for name, value in ort_reference(model, feeds).items():
+            np.testing.assert_allclose(got[name], value, atol=1e-5, rtol=0, err_msg=name)
+
+
+def test_compiles_fused_on_int8_kernels_and_stays_near_the_float_model(quantized, tmp_path):
+    source, model, _, _ = quantized
+    loaded = load_artifact(compile_to(model, tmp_path / "m"))
+    nodes = loaded.model.graph.node
+    counts = Counter(node.op_type for node in nodes)
+    assert counts["FusedAttention"] == LAYERS and counts["Softmax"] == 0
+    assert not set(counts) & set(INTEGER_OPS)
+    quantized_matmuls = [attributes(node) for node in nodes if node.op_type == "MatMulInt4"]
+    assert len(quantized_matmuls) == 4 * LAYERS + 1  # q/k/v and gate/up merged, o, down; the lm_head
+    assert {(a["bits"], a["accuracy_level"]) for a in quantized_matmuls} == {(8, 4)}
+    feeds = _feeds(model)
+    float_logits = ort_reference(source, feeds)["logits"]
+    onnxruntime_error = np.abs(ort_reference(model, feeds)["logits"] - float_logits).max()
+    ours = Executor(loaded, "onnxruntime").run(feeds)["logits"]
+    assert np.abs(ours - float_logits).max() <= 1.25 * onnxruntime_error
+    np.testing.assert_allclose(Executor(loaded, "reference").run(feeds)["logits"], ours, atol=1e-4, rtol=0)
+
+
+def _contiguous_greedy(om: Path, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy tokens of a contiguous artifact, the whole sequence at every step (an empty past)."""
+    loaded = load_artifact(om)
+    executor = Executor(loaded, "onnxruntime")
+    empty = {name: np.zeros((1, shape[1], 0, shape[3]), np.float32)
+             for name, shape in _past_shapes(loaded.model).items()}
+    ids, tokens = list(prompt), []
+    for _ in range(new_tokens):
+        feeds = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, len(ids)), np.int64),
+                 "position_ids": np.arange(len(ids), dtype=np.int64)[None], **empty}
+        tokens.append(int(np.argmax(executor.run(feeds)["logits"][0, -1])))
+        ids.append(tokens[-1])
+    return tokens
+
+
+def _past_shapes(model: onnx.ModelProto) -> dict[str, list]:
+    return {i.name: [d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim]
+            for i in model.graph.input if i.name.startswith("past_key_values")}
+
+
+def test_paged_engine_greedy_equals_the_contiguous_artifact(quantized, tmp_path):
+    _, model, _, _ = quantized
+    paged = compile_to(model, tmp_path / "paged", enable_paged_attention=True)
+    contiguous = compile_to(model, tmp_path / "contiguous")
+    prompts = mixed_prompts(2, seed=7, high=40)
+    assert engine_greedy(paged, prompts, NEW_TOKENS) == [_contiguous_greedy(contiguous, p, NEW_TOKENS)
+                                                          for p in prompts]
