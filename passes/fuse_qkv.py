@@ -2,8 +2,9 @@
 
 Three MatMuls of the same input with constant (or QDQ) weights, each optionally plus a constant bias (as
 in Qwen2 and InternLM), become one MatMul against [Wq | Wk | Wv] (plus [bq | bk | bv]): one GEMM reads
-the activations once. Where q and k reach the attention through per-head ops (Qwen3's q and k norms: a
-Reshape to heads, an RmsNorm over each), the packed projection is split back into the three before them.
+the activations once. Three MatMulInt4 of one layout (onnxruntime's MatMulNBits) become one likewise.
+Where q and k reach the attention through per-head ops (Qwen3's q and k norms: a Reshape to heads, an
+RmsNorm over each), the packed projection is split back into the three before them.
 A projection already packed and cut by Slices or a Split (Phi-3's qkv_proj, Baichuan's W_pack) is fed to
 the attention as it is. Runs after AttentionFusionPass.
 """
@@ -16,7 +17,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from passes.graph_utils import split_into
-from passes.merge_weights import WeightSource, can_merge, merge_weights, weight_source
+from passes.merge_weights import WeightSource, can_merge, merged_projection, projection
 from passes.pattern import FusionPass, producer
 from runtime.ops import CUSTOM_DOMAIN, FUSED_ATTENTION, input_at
 from runtime.ops import FusedAttentionInput as Slot
@@ -50,11 +51,10 @@ def _linear(graph: gs.Graph, tensor: gs.Tensor) -> tuple[gs.Tensor, WeightSource
         tensor = next(t for t in add.inputs if not isinstance(t, gs.Constant))
         if len(tensor.outputs) != 1:
             return None
-    matmul = producer(tensor, "MatMul")
-    weight = weight_source(matmul.inputs[1]) if matmul is not None else None
-    if weight is None or (bias is not None and bias.shape[0] != weight.shape[1]):
+    found = projection(tensor)
+    if found is None or found[1] is None or (bias is not None and bias.shape[0] != found[1].shape[1]):
         return None
-    return matmul.inputs[0], weight, bias
+    return found[0], found[1], bias
 
 
 def _projected(graph: gs.Graph, tensor: gs.Tensor) -> tuple[gs.Tensor, tuple] | None:
@@ -127,11 +127,10 @@ class FuseQkv(FusionPass):
         packed = match.packed
         if packed is None:
             name = attention.name + "_qkv"
-            merged = merge_weights(graph, match.weights, f"{name}_weight")
             width = sum(w.shape[1] for w in match.weights)
             shape = None if match.x.shape is None else list(match.x.shape[:-1]) + [width]
             packed = gs.Variable(f"{name}_matmul", dtype=attention.inputs[Slot.QUERY].dtype, shape=shape)
-            graph.nodes.append(gs.Node("MatMul", name=f"{name}/MatMul", inputs=[match.x, merged], outputs=[packed]))
+            merged_projection(graph, match.x, match.weights, packed, f"{name}/MatMul", f"{name}_weight")
             if match.biases is not None:
                 biased = gs.Variable(f"{name}_bias", dtype=packed.dtype, shape=shape)
                 bias = gs.Constant(f"{name}_bias_values", np.concatenate(match.biases))

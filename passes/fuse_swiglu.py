@@ -2,8 +2,9 @@
 
 Anchored at the Sigmoid of SiLU = g · sigmoid(g). The gate and up halves come either from two MatMuls (a
 Gemm is one by now: passes/canonicalize_gemm.py) of the same input with constant weights (merged here into
-one [K, 2I] weight: one GEMM instead of two), or already from one fused projection (Phi-3's gate_up_proj)
-cut by Split or two Slices of the last axis, gate half first. Gemma's GELU MLP has no Sigmoid-gated product and is left alone.
+one [K, 2I] weight: one GEMM instead of two; two MatMulInt4 of one layout likewise), or already from one
+fused projection (Phi-3's gate_up_proj) cut by Split or two Slices of the last axis, gate half first.
+Gemma's GELU MLP has no Sigmoid-gated product and is left alone.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from passes.merge_weights import WeightSource, can_merge, merge_weights, weight_source
+from passes.merge_weights import WeightSource, can_merge, merged_projection, projection
 from passes.pattern import FusionPass, fused_node, other_input, producer, sole_consumer
 
 
@@ -81,11 +82,11 @@ class FuseSwiGlu(FusionPass):
         if up is None or isinstance(up, gs.Constant):
             return "SiLU(g) is not multiplied by an up projection"
         name = product.name.rsplit("/", 1)[0] + "/SwiGlu"
-        gate_mm, up_mm = producer(gate, "MatMul"), producer(up, "MatMul")
-        if gate_mm is not None and up_mm is not None:
-            x = gate_mm.inputs[0]
-            weights = [weight_source(gate_mm.inputs[1]), weight_source(up_mm.inputs[1])]
-            if up_mm.inputs[0] is not x:
+        gate_projection, up_projection = projection(gate), projection(up)
+        if gate_projection is not None and up_projection is not None:
+            x = gate_projection[0]
+            weights = [gate_projection[1], up_projection[1]]
+            if up_projection[0] is not x:
                 return "gate and up project different inputs"
             if not can_merge(weights) or weights[0].shape != weights[1].shape:
                 return "gate and up weights are not constant (or QDQ) 2-D matrices of one shape and kind"
@@ -100,9 +101,8 @@ class FuseSwiGlu(FusionPass):
     def rewrite(self, graph: gs.Graph, match: SwiGluMatch) -> None:
         source = match.merged_input
         if match.weights is not None:
-            merged = merge_weights(graph, match.weights, f"{match.name}_gate_up_weight")
             shape = None if match.x.shape is None else list(match.x.shape[:-1]) + [2 * match.weights[0].shape[1]]
             source = gs.Variable(f"{match.name}_gate_up", dtype=match.output.dtype, shape=shape)
-            graph.nodes.append(gs.Node("MatMul", name=f"{match.name}_GateUpMatMul", inputs=[match.x, merged],
-                                       outputs=[source]))
+            merged_projection(graph, match.x, match.weights, source, f"{match.name}_GateUpMatMul",
+                              f"{match.name}_gate_up_weight")
         graph.nodes.append(fused_node("SwiGlu", [source], [match.output], match.name))

@@ -1,8 +1,11 @@
-"""Side-by-side merging of MatMul weights [K, N1] … [K, Nm] → [K, N1 + … + Nm] for the projection fusions.
+"""Side-by-side merging of projections x·W1 … x·Wm, W [K, N1] … [K, Nm], into x·[W1 | … | Wm] for the
+projection fusions.
 
-A weight is either a float constant or a DequantizeLinear of constant integers (a QDQ model): the merged
-weight keeps that form (integers, scales and zero points concatenated along N), so quantized models
-merge like float ones and the quantization pass later packs the merged matrix as it would a float one.
+A weight is a float constant, a DequantizeLinear of constant integers (a QDQ model), or the packed weight
+of a cann::MatMulInt4 (onnxruntime's MatMulNBits, converted at import). The merged one keeps that form:
+integers, scales and zero points concatenated along N, so quantized models merge like float ones; the
+quantization pass later packs a merged QDQ matrix as it would a float one, and a MatMulInt4's bytes,
+stored a row of N at a time, are merged as they are.
 """
 
 from __future__ import annotations
@@ -15,24 +18,34 @@ import onnx_graphsurgeon as gs
 from passes.graph_utils import packed_constant
 from passes.pattern import producer
 from passes.weight_memory import Deferred, concatenated
+from runtime.ops import CUSTOM_DOMAIN, MATMUL_INT4, MatMulQuantInput
 
 _SUB_BYTE = ("int4", "uint4")
 
 
 @dataclass
 class WeightSource:
-    """A mergeable weight: the float matrix, or the parts of its DequantizeLinear."""
+    """A mergeable weight: the float matrix, the parts of its DequantizeLinear, or the MatMulInt4 that holds
+    it packed."""
 
     constant: gs.Constant | None = None
     dequantize: gs.Node | None = None
+    packed: gs.Node | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
+        if self.packed is not None:
+            return int(self.packed.attrs["K"]), int(self.packed.attrs["N"])
         source = self.constant if self.constant is not None else self.dequantize.inputs[0]
         return tuple(source.shape)
 
     def key(self) -> tuple:
         """What must agree between weights merged together."""
+        if self.packed is not None:
+            attrs = self.packed.attrs
+            parts = self.packed.inputs[MatMulQuantInput.B:]
+            return ("packed", self.shape[0], *(int(attrs[name]) for name in ("bits", "block_size", "accuracy_level")),
+                    tuple((np.dtype(t.dtype).name, len(t.shape)) for t in parts))
         if self.constant is not None:
             return ("float", np.dtype(self.constant.dtype).name, self.shape[0])
         node = self.dequantize
@@ -53,6 +66,24 @@ def weight_source(tensor: gs.Tensor) -> WeightSource | None:
     if node.attrs.get("axis", 1) not in (0, 1, -1):
         return None
     return WeightSource(dequantize=node)
+
+
+def _packed_source(node: gs.Node) -> WeightSource | None:
+    """A cann::MatMulInt4 of constant weight, scales and zero points (no input scale) as a mergeable weight."""
+    parts = node.inputs[MatMulQuantInput.B:]
+    if node.domain != CUSTOM_DOMAIN or len(node.inputs) > MatMulQuantInput.ZERO_POINTS + 1:
+        return None
+    if not all(isinstance(t, gs.Constant) for t in parts):
+        return None
+    return WeightSource(packed=node)
+
+
+def projection(tensor: gs.Tensor) -> tuple[gs.Tensor, WeightSource | None] | None:
+    """(x, W) when a MatMul or a MatMulInt4 computes `tensor` = x·W, W None when it cannot be merged; else None."""
+    node = producer(tensor, "MatMul", MATMUL_INT4.name)
+    if node is None:
+        return None
+    return node.inputs[0], weight_source(node.inputs[1]) if node.op == "MatMul" else _packed_source(node)
 
 
 def _source(constant: gs.Constant):
@@ -87,3 +118,23 @@ def merge_weights(graph: gs.Graph, sources: list[WeightSource], name: str) -> gs
     graph.nodes.append(gs.Node("DequantizeLinear", name=f"{name}/DequantizeLinear", attrs=dict(nodes[0].attrs),
                                inputs=parts, outputs=[output]))
     return output
+
+
+def merged_projection(graph: gs.Graph, x: gs.Tensor, sources: list[WeightSource], output: gs.Tensor, name: str,
+                      weight_name: str) -> None:
+    """Write `output` = x · [W1 | … | Wm] as one node `name`: a MatMul of the merged weight, or a MatMulInt4 of the
+    packed ones, whose weight, scales and zero points each hold N rows, concatenated."""
+    if sources[0].packed is None:
+        graph.nodes.append(gs.Node("MatMul", name=name, inputs=[x, merge_weights(graph, sources, weight_name)],
+                                   outputs=[output]))
+        return
+    nodes = [s.packed for s in sources]
+    parts = []
+    for index in range(MatMulQuantInput.B, len(nodes[0].inputs)):
+        arrays = [np.asarray(n.inputs[index].values) for n in nodes]
+        rows = np.concatenate([a.reshape(int(n.attrs["N"]), -1) for a, n in zip(arrays, nodes)])
+        label = f"{weight_name}/{MatMulQuantInput(index).name.lower()}"
+        parts.append(gs.Constant(label, rows.reshape((-1,) + arrays[0].shape[1:])))
+    attrs = dict(nodes[0].attrs, N=sum(int(n.attrs["N"]) for n in nodes))
+    graph.nodes.append(gs.Node(MATMUL_INT4.name, name=name, domain=CUSTOM_DOMAIN, attrs=attrs, inputs=[x, *parts],
+                               outputs=[output]))

@@ -1,13 +1,17 @@
-"""Models quantized by onnxruntime's dynamic quantization, as users write them: `quantize_dynamic` on the tiny
-Llama's TorchScript export with a cache (per tensor int8; per column uint8 with zero points), the same saved
-by an onnxruntime session after its optimizations (MatMulIntegerToFloat, DynamicQuantizeMatMul), and
-Optimum's ORTQuantizer (`avx512_vnni`, dynamic) on its own export of the tiny Qwen2, which also quantizes
-the attention's and the rotary's activation-by-activation MatMuls.
+"""Models quantized by onnxruntime's quantizers, as users write them.
 
-Each compiles fused (its projections merged, on 8-bit MatMulNBits with int8 activations), contiguous and
-paged; its logits are at least as close to the float model's as onnxruntime's on the quantized model are
-(both quantize the activations, this project per block of K rather than per tensor); the paged engine's
-greedy tokens are those of the contiguous artifact.
+Dynamic quantization: `quantize_dynamic` on the tiny Llama's TorchScript export with a cache (per tensor
+int8; per column uint8 with zero points), the same saved by an onnxruntime session after its optimizations
+(MatMulIntegerToFloat, DynamicQuantizeMatMul), and Optimum's ORTQuantizer (`avx512_vnni`, dynamic) on its
+own export of the tiny Qwen2, which also quantizes the attention's and the rotary's activation-by-activation
+MatMuls. Each compiles fused, its projections merged onto 8-bit MatMulNBits with int8 activations, and its
+logits are at least as close to the float model's as onnxruntime's on the quantized model are (both
+quantize the activations, this project per block of K rather than per tensor).
+
+Weight-only 4-bit: `MatMulNBitsQuantizer` (blocks of 32, int8 activations) on the same export writes
+MatMulNBits, kept byte for byte and merged: its logits are onnxruntime's on the quantized model.
+
+Contiguous and paged: the paged engine's greedy tokens are those of the contiguous artifact.
 """
 
 from __future__ import annotations
@@ -42,6 +46,23 @@ def _quantize_dynamic(source: Path, target: Path, **options) -> None:
     script = ("import sys\nfrom onnxruntime.quantization import QuantType, quantize_dynamic\n"
               f"quantize_dynamic(sys.argv[1], sys.argv[2], {', '.join(f'{k}={v}' for k, v in options.items())})\n")
     subprocess.run([sys.executable, "-c", script, str(source), str(target)], check=True, capture_output=True)
+
+
+def _matmul_nbits_quantizer(source: Path, target: Path) -> None:
+    script = ("import sys, onnx\n"
+              "from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer\n"
+              "quantizer = MatMulNBitsQuantizer(onnx.load(sys.argv[1]), block_size=32, is_symmetric=True, "
+              "accuracy_level=4)\n"
+              "quantizer.process()\n"
+              "quantizer.model.save_model_to_file(sys.argv[2])\n")
+    subprocess.run([sys.executable, "-c", script, str(source), str(target)], check=True, capture_output=True)
+
+
+def _four_bit(tmp: Path) -> tuple[Path, Path]:
+    source = tiny_onnx("llama", dynamo=False, with_past=True)
+    target = tmp / "matmul-nbits.onnx"
+    _matmul_nbits_quantizer(source, target)
+    return source, target
 
 
 def _saved_by_a_session(source: Path, target: Path) -> None:
@@ -90,25 +111,28 @@ def _optimum(tmp: Path) -> tuple[Path, Path]:
     return source, target
 
 
-# name: (how the model is made, the integer ops it holds, whether the conversion alone is exact)
+# name: (how the model is made, the integer ops it holds, (bits, accuracy level) of its compiled matmuls,
+# whether it computes what the quantized model does: the conversion alone and the compiled artifact)
 MODELS = {
     "quantize_dynamic": (lambda tmp: _llama(tmp, "per-tensor"),
-                         {"MatMulInteger": 7 * LAYERS + 1, "DynamicQuantizeLinear": 4 * LAYERS + 1}, True),
+                         {"MatMulInteger": 7 * LAYERS + 1, "DynamicQuantizeLinear": 4 * LAYERS + 1}, (8, 4), True),
     "quantize_dynamic-per-column-uint8": (
         lambda tmp: _llama(tmp, "per-column", per_channel=True, weight_type="QuantType.QUInt8"),
-        {"MatMulInteger": 7 * LAYERS + 1}, True),
+        {"MatMulInteger": 7 * LAYERS + 1}, (8, 4), True),
     "session-saved": (_session_saved, {"MatMulIntegerToFloat": 5 * LAYERS, "DynamicQuantizeMatMul": 2 * LAYERS + 1},
-                      True),
-    "optimum-avx512_vnni": (_optimum, {"MatMulInteger": 9 * LAYERS + 2}, False),
+                      (8, 4), True),
+    "optimum-avx512_vnni": (_optimum, {"MatMulInteger": 9 * LAYERS + 2}, (8, 4), False),
+    "matmul_nbits_quantizer": (_four_bit, {"MatMulNBits": 7 * LAYERS + 1}, (4, 4), True),
 }
 
 
 @pytest.fixture(scope="module", params=MODELS)
 def quantized(request, tmp_path_factory):
-    """(float export, its quantized model, the integer ops expected, whether converting alone is exact)."""
-    make, expected, exact = MODELS[request.param]
+    """(float export, its quantized model, the integer ops expected, the compiled matmuls' (bits, accuracy
+    level), whether the conversion is exact)."""
+    make, expected, form, exact = MODELS[request.param]
     source, target = make(tmp_path_factory.mktemp(request.param))
-    return source, target, expected, exact
+    return source, target, expected, form, exact
 
 
 def _feeds(model: Path, batch: int = 2, past: int = 3, seq: int = 4) -> dict[str, np.ndarray]:
@@ -124,15 +148,16 @@ def _feeds(model: Path, batch: int = 2, past: int = 3, seq: int = 4) -> dict[str
 
 
 def test_the_quantizers_write_integer_ops(quantized):
-    _, model, expected, _ = quantized
+    _, model, expected, _, _ = quantized
     counts = Counter(node.op_type for node in onnx.load(model).graph.node)
     assert {op: counts[op] for op in expected} == expected
 
 
 def test_the_conversion_is_exact_where_it_keeps_the_quantization(quantized):
-    _, model, expected, exact = quantized
+    _, model, expected, _, exact = quantized
     converted, (result,) = apply_pass(onnx.load(model), ConvertIntegerMatMul())
-    integer_matmuls = sum(count for op, count in expected.items() if op != "DynamicQuantizeLinear")
+    # MatMulNBits is not this pass's: MatMulNBitsConversionPass keeps its bytes
+    integer_matmuls = sum(count for op, count in expected.items() if op not in ("DynamicQuantizeLinear", "MatMulNBits"))
     assert (result.match_times, result.effect_times, result.rejections) == (integer_matmuls, integer_matmuls, [])
     assert not {node.op_type for node in converted.graph.node} & set(INTEGER_OPS[:3])
     if exact:
@@ -143,21 +168,24 @@ def test_the_conversion_is_exact_where_it_keeps_the_quantization(quantized):
             np.testing.assert_allclose(got[name], value, atol=1e-5, rtol=0, err_msg=name)
 
 
-def test_compiles_fused_on_int8_kernels_and_stays_near_the_float_model(quantized, tmp_path):
-    source, model, _, _ = quantized
+def test_compiles_fused_with_merged_quantized_projections(quantized, tmp_path):
+    source, model, expected, form, _ = quantized
     loaded = load_artifact(compile_to(model, tmp_path / "m"))
     nodes = loaded.model.graph.node
     counts = Counter(node.op_type for node in nodes)
-    assert counts["FusedAttention"] == LAYERS and counts["Softmax"] == 0
-    assert not set(counts) & set(INTEGER_OPS)
+    assert counts["FusedAttention"] == LAYERS and counts["Softmax"] == 0 and counts["SwiGlu"] == LAYERS
+    assert not set(counts) & set(INTEGER_OPS + ("MatMulNBits",))
     quantized_matmuls = [attributes(node) for node in nodes if node.op_type == "MatMulInt4"]
     assert len(quantized_matmuls) == 4 * LAYERS + 1  # q/k/v and gate/up merged, o, down; the lm_head
-    assert {(a["bits"], a["accuracy_level"]) for a in quantized_matmuls} == {(8, 4)}
+    assert {(a["bits"], a["accuracy_level"]) for a in quantized_matmuls} == {form}
     feeds = _feeds(model)
-    float_logits = ort_reference(source, feeds)["logits"]
-    onnxruntime_error = np.abs(ort_reference(model, feeds)["logits"] - float_logits).max()
     ours = Executor(loaded, "onnxruntime").run(feeds)["logits"]
-    assert np.abs(ours - float_logits).max() <= 1.25 * onnxruntime_error
+    theirs = ort_reference(model, feeds)["logits"]
+    if "MatMulNBits" in expected:
+        np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
+    else:
+        float_logits = ort_reference(source, feeds)["logits"]
+        assert np.abs(ours - float_logits).max() <= 1.25 * np.abs(theirs - float_logits).max()
     np.testing.assert_allclose(Executor(loaded, "reference").run(feeds)["logits"], ours, atol=1e-4, rtol=0)
 
 
@@ -182,7 +210,7 @@ def _past_shapes(model: onnx.ModelProto) -> dict[str, list]:
 
 
 def test_paged_engine_greedy_equals_the_contiguous_artifact(quantized, tmp_path):
-    _, model, _, _ = quantized
+    _, model, _, _, _ = quantized
     paged = compile_to(model, tmp_path / "paged", enable_paged_attention=True)
     contiguous = compile_to(model, tmp_path / "contiguous")
     prompts = mixed_prompts(2, seed=7, high=40)
