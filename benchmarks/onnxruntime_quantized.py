@@ -4,7 +4,7 @@
 
 Models, made once into the cache folder from the dynamo export `python -m models.prepare smollm2` writes:
 - dynamic: `onnxruntime.quantization.quantize_dynamic` with its defaults (int8 weights per tensor; uint8
-  activations quantized per tensor at run time), as Optimum's dynamic ORTQuantizer writes it too;
+  activations quantized per tensor at run time);
 - nbits: `MatMulNBitsQuantizer` (4 bits, blocks of 32, symmetric, accuracy level 4: int8 activations).
 
 Each is compiled paged + flash (benchmarks/peers.py's flags) and measured by `cann-run bench --onnx`: batch 1,

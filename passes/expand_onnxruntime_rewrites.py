@@ -10,7 +10,10 @@ Each rewrite is exact:
   is not 1 (each transpose swaps the last two axes); batch transposes (`transBatchA/B`) stay as they are;
 - `QuickGelu(x, alpha)` → `x · Sigmoid(alpha · x)` (SiLU when alpha is 1);
 - a Split of a 4-D tensor's last axis into two constant sizes, one of them negated (rotate_half) → two
-  Slices.
+  Slices;
+- copies of one DequantizeLinear (the same inputs and attributes), which its QDQ optimizations write so that
+  each reader has its own (a quantized embedding's lookup read by the first norm's Pow and Div) → one,
+  read by them all, as the fusions expect of one value.
 """
 
 from __future__ import annotations
@@ -96,6 +99,23 @@ def split_halves_as_slices(graph: gs.Graph, node: gs.Node) -> str | None:
     return None
 
 
+def shared_dequantizations(graph: gs.Graph) -> int:
+    """The DequantizeLinear rule above; how many copies were dropped."""
+    first: dict[tuple, gs.Node] = {}
+    dropped = 0
+    for node in [n for n in graph.nodes if n.op == "DequantizeLinear" and not n.domain and len(n.outputs) == 1]:
+        key = (tuple(id(t) for t in node.inputs), tuple(sorted((k, repr(v)) for k, v in node.attrs.items())))
+        kept, copy = first.setdefault(key, node), node.outputs[0]
+        if kept is node or any(t is copy for t in graph.outputs):
+            continue
+        for reader in list(copy.outputs):
+            for index, tensor in enumerate(reader.inputs):
+                if tensor is copy:
+                    reader.inputs[index] = kept.outputs[0]
+        dropped += 1
+    return dropped
+
+
 _CONTRIB = {"FusedMatMul": expand_fused_matmul, "QuickGelu": expand_quick_gelu}
 
 
@@ -116,6 +136,9 @@ class ExpandOnnxRuntimeRewrites:
                 result.effect_times += 1
             else:
                 result.rejections.append(f"{node.name}: {why}")
+        dropped = shared_dequantizations(graph)
+        result.match_times += dropped
+        result.effect_times += dropped
         graph.cleanup(remove_unused_graph_inputs=False).toposort()
         if result.effect_times:  # inference stopped at the contrib ops: what follows them gets its shapes now
             InferShapes().run(graph)

@@ -123,18 +123,17 @@ def merge_weights(graph: gs.Graph, sources: list[WeightSource], name: str) -> gs
 def merged_projection(graph: gs.Graph, x: gs.Tensor, sources: list[WeightSource], output: gs.Tensor, name: str,
                       weight_name: str) -> None:
     """Write `output` = x · [W1 | … | Wm] as one node `name`: a MatMul of the merged weight, or a MatMulInt4 of the
-    packed ones, whose weight, scales and zero points each hold N rows, concatenated."""
+    packed ones, whose weights, scales and zero points are concatenated along N."""
     if sources[0].packed is None:
         graph.nodes.append(gs.Node("MatMul", name=name, inputs=[x, merge_weights(graph, sources, weight_name)],
                                    outputs=[output]))
         return
     nodes = [s.packed for s in sources]
-    parts = []
-    for index in range(MatMulQuantInput.B, len(nodes[0].inputs)):
-        arrays = [np.asarray(n.inputs[index].values) for n in nodes]
-        rows = np.concatenate([a.reshape(int(n.attrs["N"]), -1) for a, n in zip(arrays, nodes)])
-        label = f"{weight_name}/{MatMulQuantInput(index).name.lower()}"
-        parts.append(gs.Constant(label, rows.reshape((-1,) + arrays[0].shape[1:])))
+    # each part's leading axis runs over N (the weight [N, blocks, bytes], scales and zero points [N, ·] or
+    # flat), so the parts concatenate along it, computed when read
+    parts = [gs.Constant(f"{weight_name}/{MatMulQuantInput(index).name.lower()}",
+                         concatenated([_source(n.inputs[index]) for n in nodes], axis=0))
+             for index in range(MatMulQuantInput.B, len(nodes[0].inputs))]
     attrs = dict(nodes[0].attrs, N=sum(int(n.attrs["N"]) for n in nodes))
     graph.nodes.append(gs.Node(MATMUL_INT4.name, name=name, domain=CUSTOM_DOMAIN, attrs=attrs, inputs=[x, *parts],
                                outputs=[output]))

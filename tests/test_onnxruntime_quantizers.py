@@ -174,6 +174,7 @@ def test_compiles_fused_with_merged_quantized_projections(quantized, tmp_path):
     nodes = loaded.model.graph.node
     counts = Counter(node.op_type for node in nodes)
     assert counts["FusedAttention"] == LAYERS and counts["Softmax"] == 0 and counts["SwiGlu"] == LAYERS
+    assert (counts["RmsNorm"], counts["AddRmsNorm"]) == (1, 2 * LAYERS)
     assert not set(counts) & set(INTEGER_OPS + ("MatMulNBits",))
     quantized_matmuls = [attributes(node) for node in nodes if node.op_type == "MatMulInt4"]
     assert len(quantized_matmuls) == 4 * LAYERS + 1  # q/k/v and gate/up merged, o, down; the lm_head

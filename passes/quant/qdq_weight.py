@@ -47,8 +47,9 @@ def read_qdq_weight(weight: gs.Tensor) -> QdqWeight | str | None:
     if bits and axis == 0 and block in BLOCK_SIZES:
         return QdqWeight(_blocked(q, np.asarray(scales.values, np.float32), zp, kind, bits, block), blocked=bits == 8)
     if kind in ("int8", "uint8") and axis in (1, -1) and not block and np.asarray(scales.values).size == q.shape[1]:
+        # one block of all K rows: the storage conventions are the blocked form's
         scale = np.asarray(scales.values, np.float32).reshape(1, -1)
-        return QdqWeight(QuantizedWeight(q, scale, None if zp is None else zp.reshape(1, -1), 8, q.shape[0]),
+        return QdqWeight(_blocked(q, scale, None if zp is None else zp.reshape(1, -1), kind, 8, q.shape[0]),
                          blocked=False)
     return f"unsupported DequantizeLinear ({kind}, axis {axis}, block {block})"
 
@@ -56,7 +57,9 @@ def read_qdq_weight(weight: gs.Tensor) -> QdqWeight | str | None:
 def _blocked(q: np.ndarray, scales: np.ndarray, zp: np.ndarray | None, kind: str, bits: int,
              block: int) -> QuantizedWeight:
     """A blocked DequantizeLinear's integers in MatMulNBits' terms: signed storage with nonzero zero points
-    moves to unsigned (offset by half the range), as the kernel takes unsigned zero points only."""
+    moves to unsigned (offset by half the range), as the kernel takes unsigned zero points only; unsigned
+    storage always has zero points (0 where the DequantizeLinear gives none), since a weight without them is
+    read as signed."""
     offset = 2 ** (bits - 1)
     if kind.startswith("int") and zp is not None and np.any(zp.astype(np.int16) != 0):
         return QuantizedWeight((q.astype(np.int16) + offset).astype(np.uint8), scales,

@@ -79,3 +79,24 @@ def test_rotate_halfs_split_becomes_two_slices(sizes):
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [numpy_helper.from_array(np.array(sizes), "sizes")]),
         opset_imports=[helper.make_opsetid("", 17)])
     _same_after(model, {"x": RNG.standard_normal((1, 2, 3, 8)).astype(np.float32)})
+
+
+def test_copies_of_one_dequantization_become_one():
+    """A quantized table's lookup dequantized once for each reader (onnxruntime's QDQ optimizations), as a
+    norm's Pow and Div read it: one DequantizeLinear, read by both."""
+    table = numpy_helper.from_array(RNG.integers(0, 256, (16, 8), dtype=np.uint8), "table")
+    scale = numpy_helper.from_array(np.array(0.02, np.float32), "scale")
+    zero = numpy_helper.from_array(np.array(120, np.uint8), "zero")
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["rows"]),
+             helper.make_node("DequantizeLinear", ["rows", "scale", "zero"], ["a"]),
+             helper.make_node("DequantizeLinear", ["rows", "scale", "zero"], ["b"]),
+             helper.make_node("Pow", ["a", "two"], ["squared"]),
+             helper.make_node("Div", ["b", "squared"], ["y"])]
+    graph = helper.make_graph(nodes, "copies", [helper.make_tensor_value_info("ids", TensorProto.INT64, [3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 8])],
+                              [table, scale, zero, numpy_helper.from_array(np.array(2.0, np.float32), "two")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    rewritten = _same_after(model, {"ids": np.array([0, 5, 15], np.int64)})
+    dequantize = [n for n in rewritten.graph.node if n.op_type == "DequantizeLinear"]
+    readers = {n.op_type: n.input[0] for n in rewritten.graph.node if n.op_type in ("Pow", "Div")}
+    assert len(dequantize) == 1 and readers == {"Pow": dequantize[0].output[0], "Div": dequantize[0].output[0]}
