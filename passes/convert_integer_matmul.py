@@ -13,8 +13,9 @@ reads. The weight is a QDQ weight, merged by the projection fusions and repacked
 WeightQuantizationPass; the activations' DequantizeLinear(DynamicQuantizeLinear(·)) tells that pass the
 model quantizes them at run time, so the merged matmul runs on int8 activations (per block of K, finer than
 the source's one scale a tensor). One DequantizeLinear is written per DynamicQuantizeLinear, so the
-projections that shared an activation still share one input. Taken: 2-D int8/uint8 constant weights with
-one scale (and zero point) for the tensor or for each of its N columns.
+projections that shared an activation still share one input. Taken: 2-D int8/uint8 constant weights (or
+the Transpose of one: a tied lm_head's) with one scale (and zero point) for the tensor or for each of its N
+columns.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import onnx_graphsurgeon as gs
 
 from passes.pattern import FusionPass, other_input, producer, sole_consumer
 from passes.rotary_tables import NodeBuilder
+from passes.weight_memory import Deferred
 
 DYNAMIC_QUANTIZE = "DynamicQuantizeLinear"
 _MICROSOFT = "com.microsoft"
@@ -71,6 +73,21 @@ def _per_column(tensor: gs.Tensor | None, n: int, dtype) -> np.ndarray | str | N
     if values.size not in (1, n):
         return f"a weight's scale or zero point has {values.size} values, neither one nor one a column ({n})"
     return np.broadcast_to(values, (n,)).astype(dtype)
+
+
+def _transposed_table(weight: gs.Tensor) -> gs.Constant | None:
+    """Eᵀ as a constant of its own, computed when read, when `weight` is the Transpose of a constant matrix E:
+    a lm_head tied to the embedding, whose quantized table the lookup also reads (left unfolded when large,
+    and the folding comes after this pass)."""
+    transpose = producer(weight, "Transpose")
+    if transpose is None or list(transpose.attrs.get("perm", [1, 0])) != [1, 0]:
+        return None
+    table = transpose.inputs[0]
+    if not isinstance(table, gs.Constant) or len(table.shape) != 2:
+        return None
+    values = table._values if isinstance(table._values, Deferred) else table.values
+    return gs.Constant(f"{weight.name}_transposed", Deferred(tuple(table.shape)[::-1], np.dtype(table.dtype),
+                                                               lambda: np.ascontiguousarray(np.asarray(values).T)))
 
 
 def _quantized_activation(a: gs.Tensor, scale: gs.Tensor | None, zero_point: gs.Tensor | None) -> gs.Node | None:
@@ -131,6 +148,7 @@ class ConvertIntegerMatMul(FusionPass):
 
     def _weight(self, x: gs.Tensor, quantize: gs.Node | None, weight: gs.Tensor, scale: gs.Tensor | None,
                 zero_point: gs.Tensor | None, bias: gs.Tensor | None, output: gs.Tensor) -> IntegerMatMul | str:
+        weight = _transposed_table(weight) or weight
         if not isinstance(weight, gs.Constant) or len(weight.shape) != 2:
             return "the weight is not a constant matrix"
         kind = np.dtype(weight.dtype)

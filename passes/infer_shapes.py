@@ -5,7 +5,9 @@ follows Shape → Gather → Concat → Reshape chains with sympy. TorchScript e
 target at run time that way, and onnx's inference leaves their results as fresh unknown dims; the
 symbolic one names them `batch`, `seq`, `past_seq + seq`, so a matcher can tell that two values have the
 same shape. The symbolic result is taken where it fixes more dims than onnx's; when it cannot run (an op
-it does not know), onnx's result stands alone.
+it does not know), onnx's result stands alone. Neither knows this project's `MatMulInt4`, and onnx's does not
+know onnxruntime's `MatMulNBits`: both run with each of them as a MatMul by a [K, N] stand-in, so what follows
+has its shapes too (GLM's gate/up halves are cut at bounds computed from a MatMulNBits' output).
 
 Both serialise the model, and a protobuf cannot exceed 2 GiB, so they run on a light copy
 (`light_model`) in which large weights are graph inputs of the same type and shape.
@@ -94,7 +96,7 @@ class InferShapes:
     switchable = False
 
     def run(self, graph: gs.Graph) -> PassResult:
-        inferred = onnx.shape_inference.infer_shapes(light_model(graph)[0], data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(_with_stand_ins(light_model(graph)[0]), data_prop=True)
         found = {v.name: v for v in inferred.graph.value_info}
         found.update({v.name: v for v in inferred.graph.output})
         symbolic = _symbolic(inferred) if _symbolic_can_add(graph, found) and not _has_custom_ops(inferred) else {}
@@ -127,6 +129,26 @@ class InferShapes:
             if (tensor.dtype, tensor.shape) != before:
                 result.effect_times += 1
         return result
+
+
+_QUANTIZED_MATMULS = ("MatMulNBits", "MatMulInt4")
+
+
+def _with_stand_ins(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The module docstring's stand-ins, in place: each quantized matmul of `model` (a light copy) becomes a
+    MatMul of A by a float32 [K, N] input of its own, which both inferences know."""
+    for node in model.graph.node:
+        attrs = {a.name: a for a in node.attribute}
+        if node.op_type not in _QUANTIZED_MATMULS or "K" not in attrs or "N" not in attrs:
+            continue
+        stand_in = f"{node.output[0]}__weight_stand_in"
+        model.graph.input.append(helper.make_tensor_value_info(stand_in, onnx.TensorProto.FLOAT,
+                                                               [attrs["K"].i, attrs["N"].i]))
+        a = node.input[0]
+        del node.input[:], node.attribute[:]
+        node.input.extend([a, stand_in])
+        node.op_type, node.domain = "MatMul", ""
+    return model
 
 
 def _one_past_length(model: onnx.ModelProto) -> dict[str, str]:

@@ -100,14 +100,35 @@ def _session_saved(tmp: Path) -> tuple[Path, Path]:
     return source, target
 
 
-def _optimum(tmp: Path) -> tuple[Path, Path]:
+def _optimum_export(family: str) -> Path:
     try:
         ensure_optimum_venv()
     except OptimumUnavailable as error:
         pytest.skip(f"the optimum venv cannot be created: {error}")
-    source = optimum_onnx("qwen2")
+    return optimum_onnx(family)
+
+
+def _optimum(tmp: Path) -> tuple[Path, Path]:
+    source = _optimum_export("qwen2")
     target = tmp / "optimum-avx512_vnni.onnx"
     _optimum_quantizer(source, target)
+    return source, target
+
+
+def _glm_four_bit(tmp: Path) -> tuple[Path, Path]:
+    """GLM's packed gate_up, cut in halves at bounds computed from the MatMulNBits' output shape."""
+    source = _optimum_export("glm")
+    target = tmp / "glm-matmul-nbits.onnx"
+    _matmul_nbits_quantizer(source, target)
+    return source, target
+
+
+def _every_matmul_tied(tmp: Path) -> tuple[Path, Path]:
+    """A tied lm_head (the dynamo export's Transpose of the embedding table) and the attention's MatMuls
+    quantized too."""
+    source = tiny_onnx("llama", dynamo=True, with_past=True, overrides={"tie_word_embeddings": True})
+    target = tmp / "every-matmul-tied.onnx"
+    _quantize_dynamic(source, target, extra_options={"MatMulConstBOnly": False})
     return source, target
 
 
@@ -122,7 +143,9 @@ MODELS = {
     "session-saved": (_session_saved, {"MatMulIntegerToFloat": 5 * LAYERS, "DynamicQuantizeMatMul": 2 * LAYERS + 1},
                       (8, 4), True),
     "optimum-avx512_vnni": (_optimum, {"MatMulInteger": 9 * LAYERS + 2}, (8, 4), False),
+    "quantize_dynamic-every-matmul-tied-head": (_every_matmul_tied, {"MatMulInteger": 9 * LAYERS + 1}, (8, 4), False),
     "matmul_nbits_quantizer": (_four_bit, {"MatMulNBits": 7 * LAYERS + 1}, (4, 4), True),
+    "matmul_nbits_quantizer-optimum-glm": (_glm_four_bit, {"MatMulNBits": 6 * LAYERS + 1}, (4, 4), True),
 }
 
 
