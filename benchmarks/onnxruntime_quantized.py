@@ -28,16 +28,9 @@ import click
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import ATC_FLAGS, cache_dir, smollm2_export  # noqa: E402
 
-QUANTIZERS = {
-    "dynamic": ("from onnxruntime.quantization import quantize_dynamic\n"
-                "quantize_dynamic(sys.argv[1], sys.argv[2])\n"),
-    "nbits": ("import onnx\n"
-              "from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer\n"
-              "quantizer = MatMulNBitsQuantizer(onnx.load(sys.argv[1]), block_size=32, is_symmetric=True, "
-              "accuracy_level=4)\n"
-              "quantizer.process()\n"
-              "quantizer.model.save_model_to_file(sys.argv[2])\n"),
-}
+from models.onnxruntime_quantizers import matmul_nbits, quantize_dynamic  # noqa: E402
+
+QUANTIZERS = {"dynamic": quantize_dynamic, "nbits": matmul_nbits}
 
 
 def quantized_model(kind: str) -> tuple[Path, Path]:
@@ -50,8 +43,7 @@ def quantized_model(kind: str) -> tuple[Path, Path]:
         for extra in source.parent.iterdir():  # the tokenizer and chat template atc packs
             if extra.suffix in (".json", ".jinja"):
                 shutil.copy(extra, folder / extra.name)
-        subprocess.run([sys.executable, "-c", "import sys\n" + QUANTIZERS[kind], str(source), str(model)],
-                       check=True, capture_output=True)
+        QUANTIZERS[kind](source, model)
     if not om.exists():
         subprocess.run([sys.executable, "-m", "cli.atc", f"--model={model}", f"--output={om.with_suffix('')}",
                         *ATC_FLAGS], check=True, capture_output=True)
@@ -68,7 +60,7 @@ def bench(model: Path, om: Path) -> dict:
         return json.loads(report.read_text())["batch1"]
 
 
-@click.command(help=__doc__)
+@click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
 @click.option("--rounds", default=3, show_default=True)
 def main(rounds: int) -> None:
     models = {kind: quantized_model(kind) for kind in QUANTIZERS}

@@ -16,8 +16,6 @@ Contiguous and paged: the paged engine's greedy tokens are those of the contiguo
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from conftest import compile_to, ort_reference
 from fusion_utils import apply_pass
 from generation_utils import engine_greedy, mixed_prompts
 
+from models.onnxruntime_quantizers import matmul_nbits, optimum_dynamic, quantize_dynamic, saved_by_a_session
 from models.optimum_export import OptimumUnavailable, ensure_optimum_venv, optimum_onnx, venv_python
 from models.tiny import TINY_FAMILIES, tiny_onnx
 from passes.convert_integer_matmul import ConvertIntegerMatMul
@@ -40,64 +39,21 @@ NEW_TOKENS = 24
 INTEGER_OPS = ("MatMulInteger", "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "DynamicQuantizeLinear")
 
 
-def _quantize_dynamic(source: Path, target: Path, **options) -> None:
-    # in a process of its own: onnxruntime.quantization imports a top-level `fusion_utils`, which
-    # tests/fusion_utils.py would shadow here
-    script = ("import sys\nfrom onnxruntime.quantization import QuantType, quantize_dynamic\n"
-              f"quantize_dynamic(sys.argv[1], sys.argv[2], {', '.join(f'{k}={v}' for k, v in options.items())})\n")
-    subprocess.run([sys.executable, "-c", script, str(source), str(target)], check=True, capture_output=True)
-
-
-def _matmul_nbits_quantizer(source: Path, target: Path) -> None:
-    script = ("import sys, onnx\n"
-              "from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer\n"
-              "quantizer = MatMulNBitsQuantizer(onnx.load(sys.argv[1]), block_size=32, is_symmetric=True, "
-              "accuracy_level=4)\n"
-              "quantizer.process()\n"
-              "quantizer.model.save_model_to_file(sys.argv[2])\n")
-    subprocess.run([sys.executable, "-c", script, str(source), str(target)], check=True, capture_output=True)
-
-
-def _four_bit(tmp: Path) -> tuple[Path, Path]:
-    source = tiny_onnx("llama", dynamo=False, with_past=True)
-    target = tmp / "matmul-nbits.onnx"
-    _matmul_nbits_quantizer(source, target)
-    return source, target
-
-
-def _saved_by_a_session(source: Path, target: Path) -> None:
-    script = ("import onnxruntime as ort, sys\n"
-              "options = ort.SessionOptions()\n"
-              "options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED\n"
-              "options.optimized_model_filepath = sys.argv[2]\n"
-              "ort.InferenceSession(sys.argv[1], options, providers=['CPUExecutionProvider'])\n")
-    subprocess.run([sys.executable, "-c", script, str(source), str(target)], check=True, capture_output=True)
-
-
-def _optimum_quantizer(source: Path, target: Path) -> None:
-    script = ("import sys, shutil\nfrom pathlib import Path\n"
-              "from optimum.onnxruntime import ORTQuantizer\n"
-              "from optimum.onnxruntime.configuration import AutoQuantizationConfig\n"
-              "quantizer = ORTQuantizer.from_pretrained(sys.argv[1], file_name='model.onnx')\n"
-              "quantizer.quantize(save_dir=sys.argv[2] + '.d', "
-              "quantization_config=AutoQuantizationConfig.avx512_vnni(is_static=False, per_channel=False))\n"
-              "shutil.move(sys.argv[2] + '.d/model_quantized.onnx', sys.argv[2])\n")
-    subprocess.run([str(venv_python()), "-c", script, str(source.parent), str(target)], check=True,
-                   capture_output=True)
-
-
 def _llama(tmp: Path, name: str, **options) -> tuple[Path, Path]:
     source = tiny_onnx("llama", dynamo=False, with_past=True)
-    target = tmp / f"{name}.onnx"
-    _quantize_dynamic(source, target, **options)
-    return source, target
+    return source, quantize_dynamic(source, tmp / f"{name}.onnx", **options)
 
 
 def _session_saved(tmp: Path) -> tuple[Path, Path]:
     source, quantized = _llama(tmp, "for-session")
-    target = tmp / "session-saved.onnx"
-    _saved_by_a_session(quantized, target)
-    return source, target
+    return source, saved_by_a_session(quantized, tmp / "session-saved.onnx")
+
+
+def _every_matmul_tied(tmp: Path) -> tuple[Path, Path]:
+    """A tied lm_head (the dynamo export's Transpose of the embedding table) and the attention's MatMuls
+    quantized too."""
+    source = tiny_onnx("llama", dynamo=True, with_past=True, overrides={"tie_word_embeddings": True})
+    return source, quantize_dynamic(source, tmp / "every-matmul-tied.onnx", extra_options={"MatMulConstBOnly": False})
 
 
 def _optimum_export(family: str) -> Path:
@@ -110,30 +66,20 @@ def _optimum_export(family: str) -> Path:
 
 def _optimum(tmp: Path) -> tuple[Path, Path]:
     source = _optimum_export("qwen2")
-    target = tmp / "optimum-avx512_vnni.onnx"
-    _optimum_quantizer(source, target)
-    return source, target
+    return source, optimum_dynamic(source, tmp / "optimum-avx512_vnni.onnx", venv_python())
+
+
+def _four_bit(tmp: Path) -> tuple[Path, Path]:
+    source = tiny_onnx("llama", dynamo=False, with_past=True)
+    return source, matmul_nbits(source, tmp / "matmul-nbits.onnx")
 
 
 def _glm_four_bit(tmp: Path) -> tuple[Path, Path]:
     """GLM's packed gate_up, cut in halves at bounds computed from the MatMulNBits' output shape."""
     source = _optimum_export("glm")
-    target = tmp / "glm-matmul-nbits.onnx"
-    _matmul_nbits_quantizer(source, target)
-    return source, target
+    return source, matmul_nbits(source, tmp / "glm-matmul-nbits.onnx")
 
 
-def _every_matmul_tied(tmp: Path) -> tuple[Path, Path]:
-    """A tied lm_head (the dynamo export's Transpose of the embedding table) and the attention's MatMuls
-    quantized too."""
-    source = tiny_onnx("llama", dynamo=True, with_past=True, overrides={"tie_word_embeddings": True})
-    target = tmp / "every-matmul-tied.onnx"
-    _quantize_dynamic(source, target, extra_options={"MatMulConstBOnly": False})
-    return source, target
-
-
-# name: (how the model is made, the integer ops it holds, (bits, accuracy level) of its compiled matmuls,
-# whether it computes what the quantized model does: the conversion alone and the compiled artifact)
 MODELS = {
     "quantize_dynamic": (lambda tmp: _llama(tmp, "per-tensor"),
                          {"MatMulInteger": 7 * LAYERS + 1, "DynamicQuantizeLinear": 4 * LAYERS + 1}, (8, 4), True),

@@ -1,0 +1,65 @@
+"""Models quantized by onnxruntime's own tools, as users quantize them: `quantize_dynamic`,
+`MatMulNBitsQuantizer`, a session's saved optimizations, and Optimum's dynamic ORTQuantizer (in the optimum
+venv, models/optimum_export.py). For tests and benchmarks.
+
+Each tool runs in a process of its own: `onnxruntime.quantization` imports a top-level `fusion_utils` module,
+which the test suite's tests/fusion_utils.py would shadow in the tests' process.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+_QUANTIZE_DYNAMIC = ("import sys\nfrom onnxruntime.quantization import QuantType, quantize_dynamic\n"
+                     "quantize_dynamic(sys.argv[1], sys.argv[2], {options})\n")
+_MATMUL_NBITS = ("import sys, onnx\n"
+                 "from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer\n"
+                 "quantizer = MatMulNBitsQuantizer(onnx.load(sys.argv[1]), block_size={block_size}, "
+                 "is_symmetric={symmetric}, accuracy_level={accuracy_level})\n"
+                 "quantizer.process()\n"
+                 "quantizer.model.save_model_to_file(sys.argv[2])\n")
+_SAVED_BY_A_SESSION = ("import onnxruntime as ort, sys\n"
+                       "options = ort.SessionOptions()\n"
+                       "options.graph_optimization_level = ort.GraphOptimizationLevel.{level}\n"
+                       "options.optimized_model_filepath = sys.argv[2]\n"
+                       "ort.InferenceSession(sys.argv[1], options, providers=['CPUExecutionProvider'])\n")
+_OPTIMUM_DYNAMIC = ("import sys, shutil\n"
+                    "from optimum.onnxruntime import ORTQuantizer\n"
+                    "from optimum.onnxruntime.configuration import AutoQuantizationConfig\n"
+                    "quantizer = ORTQuantizer.from_pretrained(sys.argv[1], file_name='model.onnx')\n"
+                    "quantizer.quantize(save_dir=sys.argv[2] + '.d', quantization_config=AutoQuantizationConfig."
+                    "{config}(is_static=False, per_channel={per_channel}))\n"
+                    "shutil.move(sys.argv[2] + '.d/model_quantized.onnx', sys.argv[2])\n"
+                    "shutil.rmtree(sys.argv[2] + '.d')\n")
+
+
+def _run(script: str, source: Path, target: Path, python: Path | str = sys.executable) -> Path:
+    subprocess.run([str(python), "-c", script, str(source), str(target)], check=True, capture_output=True)
+    return target
+
+
+def quantize_dynamic(source: Path, target: Path, **options: str) -> Path:
+    """`quantize_dynamic(source, target, **options)`; each option's value is Python source (e.g.
+    `weight_type="QuantType.QUInt8"`)."""
+    return _run(_QUANTIZE_DYNAMIC.format(options=", ".join(f"{k}={v}" for k, v in options.items())), source, target)
+
+
+def matmul_nbits(source: Path, target: Path, block_size: int = 32, symmetric: bool = True,
+                 accuracy_level: int = 4) -> Path:
+    """`MatMulNBitsQuantizer` (4 bits, QOperator format: MatMulNBits) on `source`."""
+    return _run(_MATMUL_NBITS.format(block_size=block_size, symmetric=symmetric, accuracy_level=accuracy_level),
+                source, target)
+
+
+def saved_by_a_session(source: Path, target: Path, level: str = "ORT_ENABLE_EXTENDED") -> Path:
+    """The graph an onnxruntime session saves after its optimizations at `level` (`optimized_model_filepath`)."""
+    return _run(_SAVED_BY_A_SESSION.format(level=level), source, target)
+
+
+def optimum_dynamic(export: Path, target: Path, python: Path, config: str = "avx512_vnni",
+                    per_channel: bool = False) -> Path:
+    """Optimum's ORTQuantizer with the dynamic `AutoQuantizationConfig.<config>` on the Optimum export `export`
+    (its folder's model.onnx), run by `python`, the optimum venv's."""
+    return _run(_OPTIMUM_DYNAMIC.format(config=config, per_channel=per_channel), export.parent, target, python)
