@@ -54,10 +54,6 @@ class ActivationProduct:
     output: gs.Tensor
 
 
-def _is(tensor: gs.Tensor | None, other: gs.Tensor) -> bool:
-    return tensor is not None and tensor is other
-
-
 def _optional(node: gs.Node, index: int) -> gs.Tensor | None:
     return node.inputs[index] if index < len(node.inputs) and node.inputs[index].name else None
 
@@ -137,7 +133,7 @@ class ConvertIntegerMatMul(FusionPass):
             return "its product is not cast to float"
         scaled = sole_consumer(graph, cast.outputs[0], "Mul")
         scales = producer(other_input(scaled, cast.outputs[0]), "Mul") if scaled is not None else None
-        if scales is None or not any(_is(t, quantize.outputs[1]) for t in scales.inputs):
+        if scales is None or not any(t is quantize.outputs[1] for t in scales.inputs):
             return "its product is not scaled by the activations' scale times the weight's"
         other_scale = other_input(scales, quantize.outputs[1])
         other = _quantized_activation(node.inputs[1], other_scale, _optional(node, 3))
