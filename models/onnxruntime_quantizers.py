@@ -15,9 +15,10 @@ from pathlib import Path
 _QUANTIZE_DYNAMIC = ("import sys\nfrom onnxruntime.quantization import QuantType, quantize_dynamic\n"
                      "quantize_dynamic(sys.argv[1], sys.argv[2], {options})\n")
 _MATMUL_NBITS = ("import sys, onnx\n"
+                 "from onnxruntime.quantization import QuantFormat\n"
                  "from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer\n"
                  "quantizer = MatMulNBitsQuantizer(onnx.load(sys.argv[1]), block_size={block_size}, "
-                 "is_symmetric={symmetric}, accuracy_level={accuracy_level})\n"
+                 "is_symmetric={symmetric}, accuracy_level={accuracy_level}, quant_format=QuantFormat.{format})\n"
                  "quantizer.process()\n"
                  "quantizer.model.save_model_to_file(sys.argv[2])\n")
 _SAVED_BY_A_SESSION = ("import onnxruntime as ort, sys\n"
@@ -47,10 +48,11 @@ def quantize_dynamic(source: Path, target: Path, **options: str) -> Path:
 
 
 def matmul_nbits(source: Path, target: Path, block_size: int = 32, symmetric: bool = True,
-                 accuracy_level: int = 4) -> Path:
-    """`MatMulNBitsQuantizer` (4 bits, QOperator format: MatMulNBits) on `source`."""
-    return _run(_MATMUL_NBITS.format(block_size=block_size, symmetric=symmetric, accuracy_level=accuracy_level),
-                source, target)
+                 accuracy_level: int = 4, format: str = "QOperator") -> Path:
+    """`MatMulNBitsQuantizer` (4 bits) on `source`: MatMulNBits (`format` QOperator), or blocked int4
+    DequantizeLinear weights (QDQ, the opset raised to 21)."""
+    return _run(_MATMUL_NBITS.format(block_size=block_size, symmetric=symmetric, accuracy_level=accuracy_level,
+                                     format=format), source, target)
 
 
 def saved_by_a_session(source: Path, target: Path, level: str = "ORT_ENABLE_EXTENDED") -> Path:

@@ -4,12 +4,15 @@ Dynamic quantization: `quantize_dynamic` on the tiny Llama's TorchScript export 
 int8; per column uint8 with zero points), the same saved by an onnxruntime session after its optimizations
 (MatMulIntegerToFloat, DynamicQuantizeMatMul), and Optimum's ORTQuantizer (`avx512_vnni`, dynamic) on its
 own export of the tiny Qwen2, which also quantizes the attention's and the rotary's activation-by-activation
-MatMuls. Each compiles fused, its projections merged onto 8-bit MatMulNBits with int8 activations, and its
+MatMuls, as `MatMulConstBOnly=False` does on a dynamo export with a tied head. Each compiles fused, its
+projections merged onto 8-bit MatMulNBits with int8 activations, and its
 logits are at least as close to the float model's as onnxruntime's on the quantized model are (both
 quantize the activations, this project per block of K rather than per tensor).
 
 Weight-only 4-bit: `MatMulNBitsQuantizer` (blocks of 32, int8 activations) on the same export writes
-MatMulNBits, kept byte for byte and merged: its logits are onnxruntime's on the quantized model.
+MatMulNBits, kept byte for byte and merged (also on Optimum's GLM, whose gate/up halves are cut at bounds
+computed from a MatMulNBits' shape); in its QDQ format, on the dynamo export, blocked int4
+DequantizeLinear weights, repacked. Their logits are onnxruntime's on the quantized model.
 
 Contiguous and paged: the paged engine's greedy tokens are those of the contiguous artifact.
 """
@@ -74,6 +77,13 @@ def _four_bit(tmp: Path) -> tuple[Path, Path]:
     return source, matmul_nbits(source, tmp / "matmul-nbits.onnx")
 
 
+def _four_bit_qdq(tmp: Path) -> tuple[Path, Path]:
+    """Its QDQ format: blocked int4 DequantizeLinear weights, float activations (the dynamo export: at opset 18
+    its ops stay valid when the quantizer raises the opset to 21)."""
+    source = tiny_onnx("llama", dynamo=True, with_past=True)
+    return source, matmul_nbits(source, tmp / "matmul-nbits-qdq.onnx", format="QDQ")
+
+
 def _glm_four_bit(tmp: Path) -> tuple[Path, Path]:
     """GLM's packed gate_up, cut in halves at bounds computed from the MatMulNBits' output shape."""
     source = _optimum_export("glm")
@@ -92,6 +102,9 @@ MODELS = {
     "quantize_dynamic-every-matmul-tied-head": (_every_matmul_tied, {"MatMulInteger": 9 * LAYERS + 1}, (8, 4), False),
     "matmul_nbits_quantizer": (_four_bit, {"MatMulNBits": 7 * LAYERS + 1}, (4, 4), True),
     "matmul_nbits_quantizer-optimum-glm": (_glm_four_bit, {"MatMulNBits": 6 * LAYERS + 1}, (4, 4), True),
+    # nothing for the conversion (and graphsurgeon's plain export, which the conversion test runs, does not
+    # write int4 constants back as onnxruntime reads them: the compile's own export does)
+    "matmul_nbits_quantizer-qdq": (_four_bit_qdq, {"DequantizeLinear": 7 * LAYERS + 1}, (4, 0), False),
 }
 
 
@@ -125,8 +138,8 @@ def test_the_quantizers_write_integer_ops(quantized):
 def test_the_conversion_is_exact_where_it_keeps_the_quantization(quantized):
     _, model, expected, _, exact = quantized
     converted, (result,) = apply_pass(onnx.load(model), ConvertIntegerMatMul())
-    # MatMulNBits is not this pass's: MatMulNBitsConversionPass keeps its bytes
-    integer_matmuls = sum(count for op, count in expected.items() if op not in ("DynamicQuantizeLinear", "MatMulNBits"))
+    # MatMulNBits and QDQ weights are not this pass's
+    integer_matmuls = sum(count for op, count in expected.items() if op in INTEGER_OPS[:3])
     assert (result.match_times, result.effect_times, result.rejections) == (integer_matmuls, integer_matmuls, [])
     assert not {node.op_type for node in converted.graph.node} & set(INTEGER_OPS[:3])
     if exact:
@@ -151,7 +164,7 @@ def test_compiles_fused_with_merged_quantized_projections(quantized, tmp_path):
     feeds = _feeds(model)
     ours = Executor(loaded, "onnxruntime").run(feeds)["logits"]
     theirs = ort_reference(model, feeds)["logits"]
-    if "MatMulNBits" in expected:
+    if not set(expected) & set(INTEGER_OPS):  # weight-only: the same arithmetic as onnxruntime's
         np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
     else:
         float_logits = ort_reference(source, feeds)["logits"]
