@@ -37,7 +37,9 @@ _OPTIMUM_DYNAMIC = ("import sys, shutil\n"
 
 
 def _run(script: str, source: Path, target: Path, python: Path | str = sys.executable) -> Path:
-    subprocess.run([str(python), "-c", script, str(source), str(target)], check=True, capture_output=True)
+    run = subprocess.run([str(python), "-c", script, str(source), str(target)], capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"the quantizer failed on {source}:\n{run.stderr[-3000:]}")
     return target
 
 

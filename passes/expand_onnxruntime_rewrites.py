@@ -11,9 +11,10 @@ Each rewrite is exact:
 - `QuickGelu(x, alpha)` → `x · Sigmoid(alpha · x)` (SiLU when alpha is 1);
 - a Split of a 4-D tensor's last axis into two constant sizes, one of them negated (rotate_half) → two
   Slices;
-- copies of one DequantizeLinear (the same inputs and attributes), which its QDQ optimizations write so that
-  each reader has its own (a quantized embedding's lookup read by the first norm's Pow and Div) → one,
-  read by them all, as the fusions expect of one value.
+- copies of one DequantizeLinear of a computed value (the same inputs and attributes), which its QDQ
+  optimizations write so that each reader has its own (a quantized embedding's lookup read by the first
+  norm's Pow and Div) → one, read by them all, as the fusions expect of one value. A weight's copies stay
+  apart: a projection fusion merges only a weight its own MatMul alone reads (layers sharing weights).
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ def shared_dequantizations(graph: gs.Graph) -> int:
     """The DequantizeLinear rule above; how many copies were dropped."""
     first: dict[tuple, gs.Node] = {}
     dropped = 0
-    for node in [n for n in graph.nodes if n.op == "DequantizeLinear" and not n.domain and len(n.outputs) == 1]:
+    for node in [n for n in graph.nodes if n.op == "DequantizeLinear" and not n.domain and len(n.outputs) == 1
+                 and not isinstance(n.inputs[0], gs.Constant)]:
         key = (tuple(id(t) for t in node.inputs), tuple(sorted((k, repr(v)) for k, v in node.attrs.items())))
         kept, copy = first.setdefault(key, node), node.outputs[0]
         if kept is node or any(t is copy for t in graph.outputs):

@@ -64,7 +64,8 @@ def _blocked(q: np.ndarray, scales: np.ndarray, zp: np.ndarray | None, kind: str
     if kind.startswith("int") and zp is not None and np.any(zp.astype(np.int16) != 0):
         return QuantizedWeight((q.astype(np.int16) + offset).astype(np.uint8), scales,
                                (zp.astype(np.int16) + offset).astype(np.uint8), bits, block)
+    # as they lie where they are bytes already (a view of the mapped file, not a copy each)
     if kind.startswith("int"):
-        return QuantizedWeight(q.astype(np.int8), scales, None, bits, block)
+        return QuantizedWeight(np.asarray(q, np.int8), scales, None, bits, block)
     zero = zp if zp is not None else np.zeros_like(scales, np.uint8)
-    return QuantizedWeight(q.astype(np.uint8), scales, zero.astype(np.uint8), bits, block)
+    return QuantizedWeight(np.asarray(q, np.uint8), scales, zero.astype(np.uint8), bits, block)

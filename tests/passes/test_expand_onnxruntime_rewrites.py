@@ -100,3 +100,19 @@ def test_copies_of_one_dequantization_become_one():
     dequantize = [n for n in rewritten.graph.node if n.op_type == "DequantizeLinear"]
     readers = {n.op_type: n.input[0] for n in rewritten.graph.node if n.op_type in ("Pow", "Div")}
     assert len(dequantize) == 1 and readers == {"Pow": dequantize[0].output[0], "Div": dequantize[0].output[0]}
+
+
+def test_copies_of_a_weights_dequantization_stay_apart():
+    """Layers sharing one quantized weight, each given its own DequantizeLinear: merged, the weight would have
+    two readers, which the projection fusions refuse to merge."""
+    weight = numpy_helper.from_array(RNG.integers(-127, 128, (8, 8), dtype=np.int8), "weight")
+    scale = numpy_helper.from_array(np.array(0.02, np.float32), "scale")
+    nodes = [helper.make_node("DequantizeLinear", ["weight", "scale"], ["w0"]),
+             helper.make_node("DequantizeLinear", ["weight", "scale"], ["w1"]),
+             helper.make_node("MatMul", ["x", "w0"], ["h"]),
+             helper.make_node("MatMul", ["h", "w1"], ["y"])]
+    graph = helper.make_graph(nodes, "shared", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 8])], [weight, scale])
+    graph = gs.import_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    result = ExpandOnnxRuntimeRewrites().run(graph)
+    assert result.effect_times == 0 and sum(n.op == "DequantizeLinear" for n in graph.nodes) == 2

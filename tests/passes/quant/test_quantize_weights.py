@@ -11,6 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from passes.quant.config import QuantConfig
 from passes.quant.math import quantize_blockwise
+from passes.quant.qdq_weight import read_qdq_weight
 from passes.quant.quantize_weights import QuantizeWeights
 from runtime.kernels.matmul_nbits_layout import dequantize_blockwise
 
@@ -115,3 +116,18 @@ def test_match_only_chooses_and_rewrite_quantizes_reporting_each_weight(capsys):
     lines = capsys.readouterr().err.splitlines()
     assert result.effect_times == 1 and lines[0] == "quantization: started, 1 weights"
     assert lines[-1].startswith("quantization: 1 weights in ")
+
+
+@pytest.mark.parametrize("storage,zero_point", [(np.int8, None), (np.uint8, 131)])
+def test_a_per_column_qdq_weight_is_read_as_it_lies(storage, zero_point):
+    """Its integers are the constant's own bytes, not a copy: WeightQuantizationPass matches every weight
+    before it packs one, so a copy each would hold the model's 8-bit weights twice."""
+    info = np.iinfo(storage)
+    values = np.random.default_rng(0).integers(info.min, info.max + 1, (16, 8)).astype(storage)
+    parts = [gs.Constant("w", values), gs.Constant("s", np.full(8, 0.02, np.float32))]
+    if zero_point is not None:
+        parts.append(gs.Constant("z", np.full(8, zero_point, storage)))
+    weight = gs.Variable("dq", dtype=np.float32, shape=[16, 8])
+    gs.Node("DequantizeLinear", inputs=parts, outputs=[weight], attrs={"axis": 1})
+    read = read_qdq_weight(weight)
+    assert np.shares_memory(read.quantized.values, values) and read.quantized.values.dtype == storage
