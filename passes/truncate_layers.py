@@ -42,7 +42,7 @@ class TruncateLayers:
         head = lm_head(graph, ops=_HEAD_OPS)
         if head is None:
             raise _refused("no lm_head MatMul computes the output 'logits'")
-        hidden = head.inputs[1].shape[0] if isinstance(head.inputs[1], gs.Constant) else None
+        hidden = _input_size(head)
         first_cut = norm_above(attentions[self.keep].inputs[FusedAttentionInput.QUERY], hidden)
         final = norm_above(head.inputs[0], hidden)
         if first_cut is None or final is None or first_cut is final:
@@ -80,3 +80,11 @@ def _read_from(graph: gs.Graph, final: gs.Node, residual: gs.Tensor) -> None:
     final.outputs.clear()
     graph.nodes.append(gs.Node("RmsNorm", name=f"{final.name}_truncated", domain=final.domain,
                                attrs=dict(final.attrs), inputs=[residual, weight], outputs=[normed]))
+
+
+def _input_size(head: gs.Node) -> int | None:
+    """The hidden size the lm_head reads: a MatMulInt4's K (its packed weight is [N, blocks, bytes]), else its
+    constant weight's rows."""
+    if head.op == "MatMulInt4":
+        return int(head.attrs["K"])
+    return head.inputs[1].shape[0] if isinstance(head.inputs[1], gs.Constant) else None

@@ -61,6 +61,18 @@ def test_the_first_layers_and_the_head_generate_as_the_truncated_model(tmp_path,
     assert list(output[0].outputs[0].token_ids) == _truncated_reference(family, overrides, keep)
 
 
+def test_a_model_of_onnxruntimes_4_bit_matmuls_is_cut_too(tmp_path):
+    """MatMulNBitsQuantizer's model: its lm_head a MatMulInt4, whose packed weight is [N, blocks, bytes]."""
+    from models.onnxruntime_quantizers import matmul_nbits
+
+    model, _ = _export("llama", dynamo=True)
+    om = compile_to(matmul_nbits(model, tmp_path / "int4.onnx"), tmp_path / "draft", keep_layers=1,
+                    enable_paged_attention=True)
+    metadata = OmFile(om).metadata
+    truncation = next(p for p in metadata["pass_report"]["passes"] if p["name"] == "LayerTruncationPass")
+    assert metadata["model"]["num_layers"] == 1 and (truncation["match_times"], truncation["effect_times"]) == (3, 2)
+
+
 def test_the_removed_layers_cache_inputs_and_outputs_are_gone(tmp_path):
     model, _ = _export("llama", True)
     om = compile_to(model, tmp_path / "draft", keep_layers=1)
