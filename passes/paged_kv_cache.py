@@ -16,7 +16,7 @@ import onnx_graphsurgeon as gs
 
 from passes.base import PassResult
 from passes.graph_utils import replace_all_uses
-from passes.pattern import fused_node
+from passes.pattern import fused_node, scalar
 from runtime.errors import AtcError
 from runtime.ops import FUSED_ATTENTION, PAGED_ATTENTION, PAGED_METADATA, input_at, positional
 from runtime.ops import FusedAttentionInput as Fused
@@ -117,12 +117,16 @@ class PagedKvCache:
 
 
 def _positions_from_an_input(graph: gs.Graph, attention: gs.Node) -> None:
-    """Give a graph that counts its positions from the past's length (Optimum's Gemma has no position_ids
-    input: `Range(past, past + S)`) a `position_ids` input in their place, as a flattened batch needs.
+    """Give a graph that counts its positions itself a `position_ids` input in their place, as a flattened
+    batch needs: from the past's length (Optimum's Gemma has no position_ids input: `Range(past, past + S)`),
+    or, in an export without a cache, from 0 to the tokens' count (an export of `input_ids` alone:
+    `Range(0, S)`, S read from input_ids' shape).
 
     The Range is looked for among what the rotary tables are computed from, and must start at a length
-    read from a past KV input; otherwise the graph is left alone (and refused for want of position_ids).
+    read from a past KV input, or at 0 where there is none; otherwise the graph is left alone (and refused
+    for want of position_ids).
     """
+    has_past = any(t.name.startswith("past_key_values") for t in graph.inputs)
     cos = input_at(attention.inputs, Fused.COS)
     if cos is None:
         return
@@ -133,7 +137,7 @@ def _positions_from_an_input(graph: gs.Graph, attention: gs.Node) -> None:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        if node.op == "Range" and _reads_past_length(node.inputs[0]):
+        if node.op == "Range" and (_reads_past_length(node.inputs[0]) if has_past else _counts_tokens(node)):
             positions = gs.Variable("position_ids", dtype=np.int64, shape=[1, "num_tokens"])
             flat = gs.Variable("position_ids_flat", dtype=np.int64, shape=["num_tokens"])
             graph.nodes.append(gs.Node("Reshape", name="position_ids/Flatten", outputs=[flat], inputs=[
@@ -142,6 +146,26 @@ def _positions_from_an_input(graph: gs.Graph, attention: gs.Node) -> None:
             graph.inputs.append(positions)
             return
         queue.extend(node.inputs)
+
+
+def _counts_tokens(node: gs.Node) -> bool:
+    """Whether the Range `node` is 0, 1, … up to the length of input_ids' sequence axis."""
+    start, limit, delta = node.inputs
+    if scalar(start) != 0 or scalar(delta) != 1:
+        return False
+    stack, found = [limit], False
+    while stack:
+        current = stack.pop()
+        if isinstance(current, gs.Constant):
+            continue
+        if not current.inputs:
+            return False  # a graph input read by value
+        reader = current.inputs[0]
+        if reader.op == "Shape":
+            found |= reader.inputs[0].name == "input_ids"
+            continue
+        stack.extend(reader.inputs)
+    return found
 
 
 def _reads_past_length(tensor: gs.Tensor) -> bool:

@@ -76,7 +76,9 @@ def ort_greedy(model_path, prompt: list[int], new_tokens: int) -> list[int]:
              for name, value in inputs.items() if name.startswith("past_key_values")}
     ids, tokens = list(prompt), []
     for _ in range(new_tokens):
-        feeds = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, len(ids)), np.int64), **empty}
+        feeds = {"input_ids": np.array([ids], np.int64), **empty}
+        if "attention_mask" in inputs:
+            feeds["attention_mask"] = np.ones((1, len(ids)), np.int64)
         if "position_ids" in inputs:
             feeds["position_ids"] = np.arange(len(ids), dtype=np.int64)[None]
         token = int(np.argmax(session.run(["logits"], feeds)[0][0, -1]))

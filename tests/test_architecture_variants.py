@@ -354,6 +354,29 @@ def test_a_dynamo_export_without_its_optimizer_fuses_and_generates(tmp_path):
                               [[5, 6, 7], list(range(3, 40))], 8)
 
 
+def test_an_export_of_input_ids_alone_compiles_paged(tmp_path):
+    """The export tutorials show: the logits of `input_ids` alone, no mask, positions or cache. The graph
+    counts its positions itself (`Range(0, S)`, S from input_ids' shape); a paged compile takes them as
+    the `position_ids` input every paged artifact has, and generates the export's greedy tokens."""
+    import torch
+
+    class Logits(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids):
+            return self.model(input_ids=input_ids, use_cache=False).logits
+
+    source = tmp_path / "model.onnx"
+    torch.onnx.export(Logits(_build("LlamaConfig", "LlamaForCausalLM")), (torch.tensor([[5, 17, 99, 3]]),),
+                      str(source), input_names=["input_ids"], output_names=["logits"], dynamo=True,
+                      dynamic_shapes={"input_ids": {0: torch.export.Dim("batch"), 1: torch.export.Dim("seq")}})
+    assert [i.name for i in onnx.load(source).graph.input] == ["input_ids"]
+    _paged_equals_onnxruntime(source, compile_to(source, tmp_path / "paged", enable_paged_attention=True),
+                              [[5, 6, 7], list(range(3, 40))], 8)
+
+
 def test_alibi_computed_in_bfloat16_compiles_to_float32_arithmetic(tmp_path, capsys):
     """Falcon-RW under transformers 5 computes its ALiBi term in bfloat16 (onnxruntime's CPU kernels cannot run
     the export): compiled to float32 arithmetic (W10006), its attention fuses with the slopes bfloat16 holds
