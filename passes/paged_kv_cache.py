@@ -16,7 +16,7 @@ import onnx_graphsurgeon as gs
 
 from passes.base import PassResult
 from passes.graph_utils import replace_all_uses
-from passes.pattern import fused_node, scalar
+from passes.pattern import const_ints, fused_node, producer, scalar
 from runtime.errors import AtcError
 from runtime.ops import FUSED_ATTENTION, PAGED_ATTENTION, PAGED_METADATA, input_at, positional
 from runtime.ops import FusedAttentionInput as Fused
@@ -119,16 +119,21 @@ class PagedKvCache:
 def _positions_from_an_input(graph: gs.Graph, attention: gs.Node) -> None:
     """Give a graph that counts its positions itself a `position_ids` input in their place, as a flattened
     batch needs: from the past's length (Optimum's Gemma has no position_ids input: `Range(past, past + S)`),
-    or, in an export without a cache, from 0 to the tokens' count (an export of `input_ids` alone:
-    `Range(0, S)`, S read from input_ids' shape).
+    or, in an export without a cache, from 0 to the tokens' count (an export of `input_ids`, with or without
+    its mask: `Range(0, S)`).
 
-    The Range is looked for among what the rotary tables are computed from, and must start at a length
-    read from a past KV input, or at 0 where there is none; otherwise the graph is left alone (and refused
-    for want of position_ids).
+    With rotary tables the Range is looked for among what they are computed from, and must start at a length
+    read from a past KV input, or count the tokens where there is no past; without them (GPT-2's learned
+    positions) every Range that counts the tokens of a graph without a past is taken. Otherwise the graph is
+    left alone (and refused for want of position_ids).
     """
     has_past = any(t.name.startswith("past_key_values") for t in graph.inputs)
     cos = input_at(attention.inputs, Fused.COS)
     if cos is None:
+        if not has_past:
+            counters = [n for n in graph.nodes if n.op == "Range" and _counts_tokens(n)]
+            if counters:
+                _read_from_an_input(graph, counters)
         return
     seen, queue = set(), [cos]
     while queue:
@@ -138,34 +143,60 @@ def _positions_from_an_input(graph: gs.Graph, attention: gs.Node) -> None:
             continue
         seen.add(id(node))
         if node.op == "Range" and (_reads_past_length(node.inputs[0]) if has_past else _counts_tokens(node)):
-            positions = gs.Variable("position_ids", dtype=np.int64, shape=[1, "num_tokens"])
-            flat = gs.Variable("position_ids_flat", dtype=np.int64, shape=["num_tokens"])
-            graph.nodes.append(gs.Node("Reshape", name="position_ids/Flatten", outputs=[flat], inputs=[
-                positions, gs.Constant("position_ids_flat_shape", np.array([-1], np.int64))]))
-            replace_all_uses(graph, node.outputs[0], flat)
-            graph.inputs.append(positions)
+            _read_from_an_input(graph, [node])
             return
         queue.extend(node.inputs)
 
 
+def _read_from_an_input(graph: gs.Graph, counters: list[gs.Node]) -> None:
+    """The values of each Range in `counters` read from a new `position_ids` input instead."""
+    positions = gs.Variable("position_ids", dtype=np.int64, shape=[1, "num_tokens"])
+    flat = gs.Variable("position_ids_flat", dtype=np.int64, shape=["num_tokens"])
+    graph.nodes.append(gs.Node("Reshape", name="position_ids/Flatten", outputs=[flat], inputs=[
+        positions, gs.Constant("position_ids_flat_shape", np.array([-1], np.int64))]))
+    for node in counters:
+        replace_all_uses(graph, node.outputs[0], flat)
+    graph.inputs.append(positions)
+
+
+# what may stand between a sequence length and the Range counting to it, and between the token lookup and
+# the Shape that reads the length (Gemma scales its embedding by a constant)
+_LENGTH_STEPS = ("Cast", "Squeeze", "Unsqueeze", "Reshape", "Identity")
+_SCALING = ("Mul", "Div", "Cast")
+
+
 def _counts_tokens(node: gs.Node) -> bool:
-    """Whether the Range `node` is 0, 1, … up to the length of input_ids' sequence axis."""
+    """Whether the Range `node` is 0, 1, … up to the sequence length of input_ids: read from axis 1 of the
+    shape of input_ids or of its embedding lookup (TorchScript reads it there), through casts and reshapes."""
     start, limit, delta = node.inputs
     if scalar(start) != 0 or scalar(delta) != 1:
         return False
-    stack, found = [limit], False
-    while stack:
-        current = stack.pop()
-        if isinstance(current, gs.Constant):
-            continue
-        if not current.inputs:
-            return False  # a graph input read by value
-        reader = current.inputs[0]
-        if reader.op == "Shape":
-            found |= reader.inputs[0].name == "input_ids"
-            continue
-        stack.extend(reader.inputs)
-    return found
+    length = limit
+    while (step := producer(length, *_LENGTH_STEPS)) is not None:
+        length = step.inputs[0]
+    read = producer(length, "Shape", "Gather")
+    if read is not None and read.op == "Gather":  # Gather(Shape(x), 1)
+        if const_ints(read.inputs[1]) != [1] or read.attrs.get("axis", 0) != 0:
+            return False
+        read = producer(read.inputs[0], "Shape")
+        axis = 1 if read is not None and read.attrs.get("start", 0) == 0 else None
+    else:  # Shape(x, start=1, end=2)
+        axis = read.attrs.get("start", 0) if read is not None and read.attrs.get("end") == read.attrs.get(
+            "start", 0) + 1 else None
+    return axis == 1 and _looked_up_from_tokens(read.inputs[0])
+
+
+def _looked_up_from_tokens(tensor: gs.Tensor) -> bool:
+    """Whether `tensor` is input_ids, or its embedding lookup (scaled by constants)."""
+    while (step := producer(tensor, *_SCALING)) is not None:
+        computed = [t for t in step.inputs if not isinstance(t, gs.Constant)]
+        if len(computed) != 1:
+            return False
+        tensor = computed[0]
+    lookup = producer(tensor, "Gather")
+    if lookup is not None and isinstance(lookup.inputs[0], gs.Constant) and lookup.attrs.get("axis", 0) == 0:
+        tensor = lookup.inputs[1]
+    return tensor.name == "input_ids" and not tensor.inputs
 
 
 def _reads_past_length(tensor: gs.Tensor) -> bool:

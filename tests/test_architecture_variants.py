@@ -354,10 +354,16 @@ def test_a_dynamo_export_without_its_optimizer_fuses_and_generates(tmp_path):
                               [[5, 6, 7], list(range(3, 40))], 8)
 
 
-def test_an_export_of_input_ids_alone_compiles_paged(tmp_path):
-    """The export tutorials show: the logits of `input_ids` alone, no mask, positions or cache. The graph
-    counts its positions itself (`Range(0, S)`, S from input_ids' shape); a paged compile takes them as
-    the `position_ids` input every paged artifact has, and generates the export's greedy tokens."""
+@pytest.mark.parametrize("config_class,model_class,dynamo,mask", [
+    ("LlamaConfig", "LlamaForCausalLM", True, False),  # Range(0, Shape(input_ids)[1])
+    ("LlamaConfig", "LlamaForCausalLM", False, True),  # TorchScript reads the length off the embedding lookup
+    ("GPT2Config", "GPT2LMHeadModel", True, False),  # learned positions: no rotary tables to search from
+])
+def test_an_export_of_the_tokens_alone_compiles_paged(config_class, model_class, dynamo, mask, tmp_path):
+    """The export tutorials show: the logits of `input_ids` (and its mask), no positions or cache. The graph
+    counts its positions itself (`Range(0, S)`, S read from input_ids' shape); a paged compile takes them as
+    the `position_ids` input every paged artifact has, and generates the export's greedy tokens. (TorchScript
+    cannot export input_ids alone: transformers' mask code calls `aten::diff`.)"""
     import torch
 
     class Logits(torch.nn.Module):
@@ -365,14 +371,23 @@ def test_an_export_of_input_ids_alone_compiles_paged(tmp_path):
             super().__init__()
             self.model = model
 
-        def forward(self, input_ids):
-            return self.model(input_ids=input_ids, use_cache=False).logits
+        def forward(self, input_ids, attention_mask=None):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
+    names = ["input_ids", "attention_mask"] if mask else ["input_ids"]
+    # GPT-2 drawn wider than its 0.02 default, so its greedy tokens do not settle on one at once
+    sizes, settings = (GPT_SIZES, {"initializer_range": 0.3}) if model_class.startswith("GPT2") else (SIZES, {})
+    model = Logits(_build(config_class, model_class, sizes=sizes, **settings))
+    sample = tuple(torch.ones(1, 5, dtype=torch.int64) * (5 if name == "input_ids" else 1) for name in names)
     source = tmp_path / "model.onnx"
-    torch.onnx.export(Logits(_build("LlamaConfig", "LlamaForCausalLM")), (torch.tensor([[5, 17, 99, 3]]),),
-                      str(source), input_names=["input_ids"], output_names=["logits"], dynamo=True,
-                      dynamic_shapes={"input_ids": {0: torch.export.Dim("batch"), 1: torch.export.Dim("seq")}})
-    assert [i.name for i in onnx.load(source).graph.input] == ["input_ids"]
+    if dynamo:
+        torch.onnx.export(model, sample, str(source), input_names=names, output_names=["logits"], dynamo=True,
+                          dynamic_shapes={name: {0: torch.export.Dim("batch"), 1: torch.export.Dim("seq")}
+                                          for name in names})
+    else:
+        torch.onnx.export(model, sample, str(source), input_names=names, output_names=["logits"], opset_version=17,
+                          dynamo=False, dynamic_axes={name: {0: "batch", 1: "seq"} for name in names + ["logits"]})
+    assert [i.name for i in onnx.load(source).graph.input] == names
     _paged_equals_onnxruntime(source, compile_to(source, tmp_path / "paged", enable_paged_attention=True),
                               [[5, 6, 7], list(range(3, 40))], 8)
 
