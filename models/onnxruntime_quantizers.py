@@ -43,9 +43,10 @@ def _run(script: str, source: Path, target: Path, python: Path | str = sys.execu
     return target
 
 
-def quantize_dynamic(source: Path, target: Path, **options: str) -> Path:
-    """`quantize_dynamic(source, target, **options)`; each option's value is Python source (e.g.
-    `weight_type="QuantType.QUInt8"`)."""
+def quantize_dynamic(source: Path, target: Path, **options: object) -> Path:
+    """`quantize_dynamic(source, target, **options)`; each option's value is written into the quantizer's
+    script as its `str()`: Python source such as `weight_type="QuantType.QUInt8"`, or a literal
+    (`extra_options={"MatMulConstBOnly": False}`)."""
     return _run(_QUANTIZE_DYNAMIC.format(options=", ".join(f"{k}={v}" for k, v in options.items())), source, target)
 
 
