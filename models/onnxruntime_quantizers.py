@@ -12,8 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-_QUANTIZE_DYNAMIC = ("import sys\nfrom onnxruntime.quantization import QuantType, quantize_dynamic\n"
-                     "quantize_dynamic(sys.argv[1], sys.argv[2], {options})\n")
+# given a path, quantize_dynamic writes `<model>-inferred.onnx` beside it and deletes it after: two runs on one
+# model at once (test workers) would race for that file; given the model, it infers in a folder of its own
+_QUANTIZE_DYNAMIC = ("import sys, onnx\nfrom onnxruntime.quantization import QuantType, quantize_dynamic\n"
+                     "quantize_dynamic(onnx.load(sys.argv[1]), sys.argv[2], {options})\n")
 _MATMUL_NBITS = ("import sys, onnx\n"
                  "from onnxruntime.quantization import QuantFormat\n"
                  "from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer\n"
