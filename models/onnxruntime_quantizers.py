@@ -1,6 +1,6 @@
-"""Models quantized by onnxruntime's own tools, as users quantize them: `quantize_dynamic`,
-`MatMulNBitsQuantizer`, a session's saved optimizations, and Optimum's dynamic ORTQuantizer (in the optimum
-venv, models/optimum_export.py). For tests and benchmarks.
+"""Models as onnxruntime's own tools write them, as users run the tools: `quantize_dynamic`,
+`MatMulNBitsQuantizer`, Optimum's dynamic ORTQuantizer (in the optimum venv, models/optimum_export.py), and a
+session's saved optimizations. For tests and benchmarks.
 
 Each tool runs in a process of its own: `onnxruntime.quantization` imports a top-level `fusion_utils` module,
 which the test suite's tests/fusion_utils.py would shadow in the tests' process.
@@ -61,7 +61,9 @@ def matmul_nbits(source: Path, target: Path, block_size: int = 32, symmetric: bo
 
 
 def saved_by_a_session(source: Path, target: Path, level: str = "ORT_ENABLE_EXTENDED") -> Path:
-    """The graph an onnxruntime session saves after its optimizations at `level` (`optimized_model_filepath`)."""
+    """The graph an onnxruntime session saves after its optimizations at `level` (`optimized_model_filepath`),
+    in a process of its own as a user's: a session saves the opset of every domain registered in its process,
+    and the tests' process registers the cann ops."""
     return _run(_SAVED_BY_A_SESSION.format(level=level), source, target)
 
 

@@ -26,6 +26,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from passes.graph_utils import transposed_constant
 from passes.pattern import FusionPass, other_input, producer, sole_consumer
 from passes.rotary_tables import NodeBuilder
 from passes.weight_memory import Deferred
@@ -75,11 +76,8 @@ def _transposed_table(weight: gs.Tensor) -> gs.Constant | None:
     """Eᵀ as a constant of its own, computed when read, when `weight` is the Transpose of a constant matrix E:
     a lm_head tied to the embedding, whose quantized table the lookup also reads (left unfolded when large,
     and the folding comes after this pass)."""
-    transpose = producer(weight, "Transpose")
-    if transpose is None or list(transpose.attrs.get("perm", [1, 0])) != [1, 0]:
-        return None
-    table = transpose.inputs[0]
-    if not isinstance(table, gs.Constant) or len(table.shape) != 2:
+    table = transposed_constant(weight)
+    if table is None:
         return None
     values = table._values if isinstance(table._values, Deferred) else table.values
     return gs.Constant(f"{weight.name}_transposed", Deferred(tuple(table.shape)[::-1], np.dtype(table.dtype),

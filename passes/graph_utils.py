@@ -104,6 +104,16 @@ def lm_head(graph: gs.Graph, output_name: str = "logits", ops: tuple[str, ...] =
 _ATTENTION_OPS = ("Attention", "MultiHeadAttention", "GroupQueryAttention")
 
 
+def transposed_constant(tensor: gs.Tensor) -> gs.Constant | None:
+    """The 2-D constant E when `tensor` = Transpose(E): how a lm_head tied to the embedding table reads it,
+    the Transpose left unfolded when the table is large."""
+    transpose = tensor.inputs[0] if tensor.inputs and tensor.inputs[0].op == "Transpose" else None
+    if transpose is None or list(transpose.attrs.get("perm", [1, 0])) != [1, 0]:
+        return None
+    table = transpose.inputs[0]
+    return table if isinstance(table, gs.Constant) and len(table.shape) == 2 else None
+
+
 def unfused_attention(graph: gs.Graph) -> int:
     """Attention left as the export wrote it: Softmaxes whose probabilities multiply a MatMul (the values),
     and onnx's or onnxruntime's attention ops no conversion took."""

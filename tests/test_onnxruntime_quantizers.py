@@ -5,9 +5,9 @@ int8; per column uint8 with zero points), the same saved by an onnxruntime sessi
 (MatMulIntegerToFloat, DynamicQuantizeMatMul), and Optimum's ORTQuantizer (`avx512_vnni`, dynamic) on its
 own export of the tiny Qwen2, which also quantizes the attention's and the rotary's activation-by-activation
 MatMuls, as `MatMulConstBOnly=False` does on a dynamo export with a tied head. Each compiles fused, its
-projections merged onto 8-bit MatMulNBits with int8 activations, and its
-logits are at least as close to the float model's as onnxruntime's on the quantized model are (both
-quantize the activations, this project per block of K rather than per tensor).
+projections merged onto 8-bit MatMulNBits with int8 activations, and its largest logit difference from the
+float model is within 1.25× of onnxruntime's on the quantized model (both quantize the activations, this
+project per block of K rather than per tensor).
 
 Weight-only 4-bit: `MatMulNBitsQuantizer` (blocks of 32, int8 activations) on the same export writes
 MatMulNBits, kept byte for byte and merged (also on Optimum's GLM, whose gate/up halves are cut at bounds

@@ -22,6 +22,7 @@ import pytest
 from conftest import compile_to, ort_reference
 from generation_utils import assert_paged_greedy_equals_onnxruntime
 
+from models.onnxruntime_quantizers import saved_by_a_session
 from models.tiny import TINY_FAMILIES, tiny_onnx
 from runtime import Executor, load_artifact
 
@@ -56,35 +57,24 @@ def _onnxscript_opset23(source: Path, target: Path) -> None:
     onnx.save(ir.serde.serialize_model(converted), target)
 
 
-def _saved_by_a_session(source: Path, target: Path, level: str) -> None:
-    # in a process of its own, as a user's: a session saves the opset of every domain registered in its
-    # process, and this one's tests register the cann ops
-    script = ("import onnxruntime as ort, sys\n"
-              "options = ort.SessionOptions()\n"
-              f"options.graph_optimization_level = ort.GraphOptimizationLevel.{level}\n"
-              "options.optimized_model_filepath = sys.argv[2]\n"
-              "ort.InferenceSession(sys.argv[1], options, providers=['CPUExecutionProvider'])\n")
-    subprocess.run([sys.executable, "-c", script, str(source), str(target)], check=True, capture_output=True)
-
-
 def _onnxruntime_basic(source: Path, target: Path) -> None:
     """The graph onnxruntime saves after its basic optimizations (`optimized_model_filepath`), of the
     TorchScript export: among them `Shape(Transpose(x, p))` becomes `Gather(Shape(x), p)`, which hid the
     rotary half-width a Gather further."""
-    _saved_by_a_session(tiny_onnx("llama", dynamo=False, with_past=True), target, "ORT_ENABLE_BASIC")
+    saved_by_a_session(tiny_onnx("llama", dynamo=False, with_past=True), target, "ORT_ENABLE_BASIC")
 
 
 def _onnxruntime_extended(source: Path, target: Path) -> None:
     """After its extended optimizations: FusedMatMul (the scale in the scores' MatMul), QuickGelu (SiLU) and
     rotate_half's Slices as one Split, which OnnxRuntimeRewriteExpansionPass writes back."""
-    _saved_by_a_session(source, target, "ORT_ENABLE_EXTENDED")
+    saved_by_a_session(source, target, "ORT_ENABLE_EXTENDED")
 
 
 def _onnxruntime_extended_torchscript(source: Path, target: Path) -> None:
     """The TorchScript export after the extended optimizations: also SimplifiedLayerNormalization in the
     default domain, past which onnx's shape inference knows nothing (only the symbolic one does), and every
     reshape target computed from shapes, which fold only once FusedMatMul no longer stops the symbolic one."""
-    _saved_by_a_session(tiny_onnx("llama", dynamo=False, with_past=True), target, "ORT_ENABLE_EXTENDED")
+    saved_by_a_session(tiny_onnx("llama", dynamo=False, with_past=True), target, "ORT_ENABLE_EXTENDED")
 
 
 TOOLS = {

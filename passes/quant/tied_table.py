@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from passes.pattern import fused_node, producer
+from passes.graph_utils import transposed_constant
+from passes.pattern import fused_node
 from passes.quant.accuracy_level import EIGHT_BIT_ACCURACY_LEVEL, TIED_HEAD_ACCURACY_LEVEL
 from passes.quant.math import EIGHT_BIT_BLOCKS, quantize_blockwise, quantize_full_range
 from passes.weight_spill import WeightSpill, kept
@@ -22,10 +23,9 @@ def tied_table(graph: gs.Graph, head: gs.Node) -> gs.Constant | None:
     """The embedding table E a lm_head MatMul reads as Eᵀ: through a Transpose (large tables, left unfolded)
     or as a folded copy equal to Eᵀ (small ones)."""
     weight = head.inputs[1]
-    transpose = producer(weight, "Transpose")
-    if transpose is not None and list(transpose.attrs.get("perm", [1, 0])) == [1, 0] \
-            and isinstance(transpose.inputs[0], gs.Constant) and len(transpose.inputs[0].shape) == 2:
-        return transpose.inputs[0]
+    table = transposed_constant(weight)
+    if table is not None:
+        return table
     if not isinstance(weight, gs.Constant) or len(weight.shape) != 2:
         return None
     for gather in (n for n in graph.nodes if n.op == "Gather" and isinstance(n.inputs[0], gs.Constant)):
