@@ -36,7 +36,7 @@ from runtime.compatibility import requirements
 from runtime.errors import AtcError
 from runtime.progress import note
 from runtime.safe_files import refuse_symlink
-from runtime.signature import io_signature, is_dynamic, llm_dimensions
+from runtime.signature import fixed_token_shape, io_signature, is_dynamic, llm_dimensions
 
 log = logging.getLogger("atc")
 
@@ -69,6 +69,13 @@ def _at_lowered_opset(graph: gs.Graph) -> gs.Graph:
         return graph
 
 
+def _fixed_by_the_export(cfg: CompileConfig, model: onnx.ModelProto) -> list[int] | None:
+    """input_ids' shape if the export fixed every dim of it and `--input_shape` does not set them."""
+    if any(name == "input_ids" for name in cfg.input_shapes or {}):
+        return None
+    return fixed_token_shape(io_signature(model))
+
+
 def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResult:
     """Compile `cfg.model` into `cfg.output`.om; raises AtcError, leaving no output file, on failure.
     `progress` prints the load, each pass (calibration and quantization included) and the write on stderr."""
@@ -78,6 +85,12 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
     model, graph = import_graph(cfg.model)
     # before the I/O flags: --output_type=FP16 asks for float16 outputs of the float32 graph
     raised = compute_in_float32(graph)
+    fixed = _fixed_by_the_export(cfg, model)
+    if fixed and cfg.paging is not None:
+        raise AtcError("E10055", f"--enable_paged_attention=1 is for generating, which feeds input_ids of another "
+                                 f"length each step, and this export fixed input_ids at {fixed} (it was exported "
+                                 f"without dynamic axes): export the model again with its batch and sequence axes "
+                                 f"dynamic (docs/exporting.md#fixed-shapes)")
     origin = raised.weights if raised else None  # what must_keep_origin_dtype stores them back in
     if cfg.input_shapes:
         apply_input_shape(graph, cfg.input_shapes)
@@ -108,6 +121,10 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
             "--log=debug says why AttentionFusionPass refused each"
         warnings = [f"W10005: {unfused} attention block(s) did not fuse and run as the export wrote them (slower; "
                     f"no paged KV cache): {why}"] if unfused else []
+        if fixed:
+            warnings.append(f"W10007: the export fixed input_ids at {fixed} (it was exported without dynamic axes), "
+                            f"so the artifact runs that one shape and cann-run and LLMEngine cannot generate with "
+                            f"it; export the model again with its batch and sequence axes dynamic to generate")
         if raised:
             low = raised.computed
             warnings.append(f"W10006: the model computes in {low}; it was compiled to compute in float32 (its "

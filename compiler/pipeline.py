@@ -31,6 +31,7 @@ from passes.fuse_rms_norm import FuseRmsNorm
 from passes.fuse_swiglu import FuseSwiGlu
 from passes.hoist_head_transpose import HoistHeadTranspose
 from passes.infer_shapes import InferShapes
+from passes.name_causal_lm_io import NameCausalLmIo
 from passes.paged_kv_cache import PagedKvCache
 from passes.per_sequence_rotary import PerSequenceRotary
 from passes.split_grouped_qkv import SplitGroupedQkv
@@ -90,6 +91,7 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: Wei
         InferShapes(),
         # onnxruntime's own ops written back first: shape inference stops at them (FusedMatMul), and the
         # folding and canonical forms below need the shapes past them
+        NameCausalLmIo(),  # input_ids and logits where the export named them otherwise (every pass after reads them)
         ExpandOnnxRuntimeRewrites(),  # onnxruntime's FusedMatMul, QuickGelu and rotate_half Split, as standard ops
         ConvertIntegerMatMul(),  # its dynamic quantization's matmuls, as MatMuls of QDQ operands
         FoldConstants(),

@@ -235,6 +235,27 @@ def _varies_by_head_or_position(tensor: gs.Tensor) -> bool:
     return False
 
 
+def _constant_positions(tensor: gs.Tensor) -> str | None:
+    """What a boolean or float constant of a mask (integers are positions, axes and shapes) says about
+    positions: None when it says nothing (fewer than 2 axes, or one value throughout), "causal" for the
+    causal pattern over its last two axes (queries the last Q of K keys: key k seen by query q when
+    k <= q + K - Q), marking the seen keys or the hidden ones, the same for every leading index, else
+    "other": a fixed-shape export's comparison of positions folded into a pattern the fusion cannot read,
+    and must not drop."""
+    if not isinstance(tensor, gs.Constant) or len(tensor.shape) < 2 or dtype_kind(tensor.dtype) not in "bfV":
+        return None
+    values = np.asarray(tensor.values)
+    if np.all(values == values.reshape(-1)[0]):
+        return None
+    queries, keys = values.shape[-2:]
+    stacked = values.reshape(-1, queries, keys)
+    marked = stacked[0] == stacked[0].max()
+    seen = np.tril(np.ones((queries, keys), bool), keys - queries)
+    if np.all(stacked == stacked[0]) and (np.array_equal(marked, seen) or np.array_equal(marked, ~seen)):
+        return "causal"
+    return "other"
+
+
 def match_mask_source(graph: gs.Graph, mask: gs.Tensor) -> MaskSource | str:
     """The graph input whose values the mask reads (values behind a Shape do not count), causality, and a
     sliding window: a position moved back by a constant W (`q_idx - W`) and compared, as transformers'
@@ -254,6 +275,10 @@ def match_mask_source(graph: gs.Graph, mask: gs.Tensor) -> MaskSource | str:
             continue
         if _varies_by_head_or_position(tensor):
             return "the mask adds values per head or position (ALiBi's slopes), which the fusion would drop"
+        pattern = _constant_positions(tensor)
+        if pattern == "other":
+            return f"the mask holds a constant pattern of positions ({tensor.name}) that is not the causal one"
+        causal |= pattern == "causal"
         node = producer(tensor)
         if node is None or node.op == "Shape":
             continue

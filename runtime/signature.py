@@ -28,6 +28,15 @@ def is_dynamic(signature: dict) -> bool:
     return any(not isinstance(d, int) or d < 0 for value in signature["inputs"] for d in value["shape"])
 
 
+def fixed_token_shape(signature: dict) -> list[int] | None:
+    """`input_ids`' shape when every dim of it is fixed (an export made without dynamic axes, or
+    `--input_shape` fixing them): such a graph runs that one shape, and generating needs others."""
+    shape = next((value["shape"] for value in signature["inputs"] if value["name"] == "input_ids"), None)
+    if shape and all(isinstance(dim, int) and dim > 0 for dim in shape):
+        return shape
+    return None
+
+
 def llm_dimensions(signature: dict) -> dict:
     """Layers, KV heads, head size and vocabulary of a causal LM with Optimum-style I/O (empty if not one)."""
     inputs = {v["name"]: v for v in signature["inputs"]}

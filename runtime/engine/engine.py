@@ -37,7 +37,7 @@ from runtime.engine.scheduler import ScheduledBatch, Scheduler
 from runtime.engine.sequence import RequestStats, Sequence, TokenLogprob
 from runtime.engine.speculation import NgramProposer
 from runtime.engine.structured import GrammarCompiler
-from runtime.engine.trial_step import trial_step
+from runtime.engine.trial_step import check_generator, trial_step
 from runtime.engine.tuning import tuned_settings
 from runtime.errors import AtcError, invalid_value
 from runtime.executor import Executor
@@ -177,6 +177,7 @@ class LLMEngine:
         max_batch_size, max_context_len, kv_cache_pages = config.max_batch_size, config.max_context_len, config.kv_cache_pages
         backend, threads = config.backend, config.threads
         metadata = self.loaded.metadata
+        check_generator(metadata, str(model_path))
         self.dims = metadata["model"]
         # a model that reads its positions from a table (GPT-2's learned ones) reads none past its rows: a
         # sequence ends there (its last token, sampled at the last row, is never read)
@@ -189,7 +190,7 @@ class LLMEngine:
             self.loaded.om.tokenizer_files()["tokenizer.json"], self.vocab_size, self.tokenizer.eos_token_ids)
         pipeline = metadata.get("pipeline")
         # a pipelined model's KV pages are spread over its stages: one page costs all the model's layers
-        layers = pipeline["num_layers"] if pipeline else self.dims["num_layers"]
+        layers = pipeline["num_layers"] if pipeline else self.dims.get("num_layers", 0)
         self.paged = self.loaded.paged
         if self.paged:
             self.page_size = self.loaded.kv_cache["page_size"]
@@ -201,8 +202,10 @@ class LLMEngine:
             self.page_size = max_context_len
             self.runner = ContiguousRunner(self._executor(), metadata["signature"], self.dims)
             blocks = BlockManager(max_batch_size, max_context_len, enable_prefix_caching=False)
+        # an export without past/present I/O recomputes its whole sequence each step and holds no cache
+        holds_kv = self.paged or self.dims.get("kv_cache_io")
         self.kv_bytes_per_page = PagePool.bytes_per_page(layers, self.page_size, self.dims["num_kv_heads"],
-                                                         self.dims["head_dim"])
+                                                         self.dims["head_dim"]) if holds_kv else 0
         try:
             trial_step(self.runner, self.vocab_size, self.loaded.om.path)
         except BaseException:

@@ -14,8 +14,30 @@ from runtime.engine.sequence import Sequence
 from runtime.errors import AtcError
 from runtime.executor import ORT_FAILURES
 from runtime.kernels.paged_attention import PagedInputError
+from runtime.signature import fixed_token_shape
 
 PROMPT = [0, 1]
+
+
+def check_generator(metadata: dict, path: str) -> None:
+    """Refuse, with E10055, an artifact the engine cannot generate with: one without `input_ids` in and
+    `logits` out, or whose export fixed `input_ids`' batch and sequence axes (an export made without
+    dynamic axes runs only the shape it was traced at, while each step of generation feeds another)."""
+    inputs = {value["name"]: value["shape"] for value in metadata["signature"]["inputs"]}
+    outputs = {value["name"] for value in metadata["signature"]["outputs"]}
+    if "input_ids" not in inputs or "logits" not in outputs:
+        raise AtcError("E10055", f"{path} is not a causal LM the engine can run: it needs an input_ids input and a "
+                                 f"logits output, and has inputs {sorted(inputs)} and outputs {sorted(outputs)}")
+    shape = fixed_token_shape(metadata["signature"])
+    if shape:
+        if "input_ids" in (metadata.get("shape_contract") or {}).get("input_shape", {}):
+            fixed, remedy = "atc's --input_shape fixed", "compile it again with -1 or a range for those axes"
+        else:
+            fixed = "its export fixed (exported without dynamic axes)"
+            remedy = "export the model again with them dynamic (docs/exporting.md#fixed-shapes) and compile that"
+        raise AtcError("E10055", f"{path} takes input_ids of the one shape {shape} only, which {fixed}, and "
+                                 f"generating feeds another length each step, so the batch and sequence axes "
+                                 f"must be free: {remedy}")
 
 
 def trial_step(runner: PagedRunner | ContiguousRunner, vocab_size: int, path: str) -> None:

@@ -326,6 +326,37 @@ def test_a_causal_buffer_or_a_rounded_fill_is_still_a_mask(extra):
     assert (source.attention_mask.name, source.causal) == ("attention_mask", 1)
 
 
+def _folded_mask_graph(pattern: np.ndarray, hidden: bool) -> gs.Graph:
+    """The padding mask And a constant of positions, as a fixed-shape export folds its comparison: the keys
+    each query sees (`hidden`: the keys it does not, Or-ed with the padding's holes instead)."""
+    nodes = [helper.make_node("Cast", ["attention_mask"], ["keep"], to=TensorProto.BOOL),
+             helper.make_node("Unsqueeze", ["keep", "axes"], ["keep4"])]
+    if hidden:
+        nodes += [helper.make_node("Not", ["keep4"], ["holes"]), helper.make_node("Or", ["positions", "holes"], ["off"]),
+                  helper.make_node("Where", ["off", "minimum", "zero"], ["mask"])]
+    else:
+        nodes += [helper.make_node("And", ["positions", "keep4"], ["allowed"]),
+                  helper.make_node("Where", ["allowed", "zero", "minimum"], ["mask"])]
+    return _graph(nodes, [_value("attention_mask", [1, T], TensorProto.INT64)], [_value("mask", None)],
+                  [_const("axes", [1, 2]), _const("positions", pattern[None, None], np.bool_),
+                   _const("zero", 0.0, np.float32), _const("minimum", -np.inf, np.float32)])
+
+
+@pytest.mark.parametrize("hidden", [False, True])
+def test_a_folded_causal_constant_is_read_as_causal(hidden):
+    seen = np.tril(np.ones((T, T), bool))
+    graph = _folded_mask_graph(~seen if hidden else seen, hidden)
+    source = match_mask_source(graph, _tensor(graph, "mask"))
+    assert (source.attention_mask.name, source.causal) == ("attention_mask", 1)
+
+
+@pytest.mark.parametrize("pattern", ["band", "anti-causal"])
+def test_a_folded_constant_of_other_positions_is_refused_not_dropped(pattern):
+    seen = np.tril(np.ones((T, T), bool))
+    graph = _folded_mask_graph(seen & ~np.tril(seen, -2) if pattern == "band" else seen.T, hidden=False)
+    assert "a constant pattern of positions" in match_mask_source(graph, _tensor(graph, "mask"))
+
+
 # ---- rotary embedding: what the lowering writes, the pattern reads back -----------------------------
 
 def _lowered_rotary(rotary_dim: int, interleaved: int) -> onnx.ModelProto:
