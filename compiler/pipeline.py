@@ -38,6 +38,7 @@ from passes.split_grouped_qkv import SplitGroupedQkv
 from passes.split_interleaved_qkv import SplitInterleavedQkv
 from passes.split_unit_head_axis import SplitUnitHeadAxis
 from passes.prune_logits import PruneLogits
+from passes.remove_logits_to_keep import RemoveLogitsToKeep
 from passes.quant.calibration import text_samples
 from passes.quant.quantize_weights import QuantizeWeights
 from passes.truncate_layers import TruncateLayers
@@ -92,6 +93,7 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: Wei
         # onnxruntime's own ops written back first: shape inference stops at them (FusedMatMul), and the
         # folding and canonical forms below need the shapes past them
         NameCausalLmIo(),  # input_ids and logits where the export named them otherwise (every pass after reads them)
+        RemoveLogitsToKeep(),  # every position's logits where a trace of transformers' logits_to_keep picked one
         ExpandOnnxRuntimeRewrites(),  # onnxruntime's FusedMatMul, QuickGelu and rotate_half Split, as standard ops
         ConvertIntegerMatMul(),  # its dynamic quantization's matmuls, as MatMuls of QDQ operands
         FoldConstants(),

@@ -84,9 +84,10 @@ def example_inputs(config, with_past: bool, batch: int = EXAMPLE_BATCH, seq: int
 
 
 def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, dynamo: bool, with_past: bool,
-                     external_data: bool = False, opset: int = 17, optimize: bool = True) -> Path:
-    """Export `model` to `path` (TorchScript at `opset`; dynamo with its graph optimizer or, `optimize=False`,
-    as traced); the file is written atomically (temp name, then rename)."""
+                     external_data: bool = False, opset: int | None = None, optimize: bool = True) -> Path:
+    """Export `model` to `path` (TorchScript at `opset`, 17 unless given; dynamo at `opset`, the exporter's
+    default unless given, with its graph optimizer or, `optimize=False`, as traced); the file is written
+    atomically (temp name, then rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     model = model.eval()
@@ -105,6 +106,7 @@ def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, dynamo:
             program = torch.onnx.export(
                 wrapper, args, input_names=input_names, output_names=output_names,
                 dynamic_shapes=shapes, dynamo=True, optimize=optimize,
+                **({"opset_version": opset} if opset is not None else {}),
             )
             program.save(str(tmp), external_data=external_data)
         else:
@@ -116,7 +118,7 @@ def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, dynamo:
                 axes[name] = {0: "batch", 2: "total"}
             torch.onnx.export(
                 wrapper, args, str(tmp), input_names=input_names, output_names=output_names,
-                dynamic_axes=axes, opset_version=opset, dynamo=False,
+                dynamic_axes=axes, opset_version=opset or 17, dynamo=False,
             )
             if external_data:
                 import onnx
