@@ -31,6 +31,7 @@ from passes.fuse_rms_norm import FuseRmsNorm
 from passes.fuse_swiglu import FuseSwiGlu
 from passes.hoist_head_transpose import HoistHeadTranspose
 from passes.infer_shapes import InferShapes
+from passes.inline_cache_branch import InlineCacheBranch
 from passes.name_causal_lm_io import NameCausalLmIo
 from passes.paged_kv_cache import PagedKvCache
 from passes.per_sequence_rotary import PerSequenceRotary
@@ -89,6 +90,7 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: Wei
     passes: list[Pass] = [
         # Phase 0: canonical form, so that later patterns see one spelling of each structure. Folding
         # runs twice: shapes inferred after the first round make more Shape → Gather chains static.
+        InlineCacheBranch(),  # a merged decoder (Optimum's legacy If on use_cache_branch) as its with-cache branch
         InferShapes(),
         # onnxruntime's own ops written back first: shape inference stops at them (FusedMatMul), and the
         # folding and canonical forms below need the shapes past them

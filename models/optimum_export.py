@@ -5,7 +5,9 @@ optimum-onnx needs transformers<4.58 and fails to import beside transformers 5, 
 cache). `optimum_onnx("llama")` returns the path of Optimum's `text-generation-with-past` export of the
 tiny model `models.tiny.build_tiny_model("llama")` — the same weights, saved by this venv and loaded by
 transformers 4.57 in the other — exporting it the first time; `export_families()` does several in one
-process. The export runs in the optimum venv through `models/optimum_worker.py`.
+process, and with `form="no-past"` Optimum's `text-generation` export (no cache inputs) or with
+`form="merged"` its legacy merged decoder (`decoder_model_merged.onnx`, an `If` on `use_cache_branch`)
+instead. The export runs in the optimum venv through `models/optimum_worker.py`.
 
     python -m models.optimum_export [FAMILY ...]      # create the venv and export (all families by default)
 """
@@ -47,9 +49,16 @@ def venv_python() -> Path:
     return venv_dir() / "bin" / "python"
 
 
-def export_dir(family: str, seed: int = 0) -> Path:
-    """The folder of one family's Optimum export."""
-    return cache_dir() / "optimum" / f"{family}-s{seed}"
+FORMS = ("with-past", "no-past", "merged")  # models/optimum_worker.py says what each is
+
+
+def export_dir(family: str, seed: int = 0, form: str = "with-past") -> Path:
+    """The folder of one family's Optimum export in `form`."""
+    return cache_dir() / "optimum" / f"{family}{'' if form == 'with-past' else '-' + form}-s{seed}"
+
+
+def _model_file(form: str) -> str:
+    return "decoder_model_merged.onnx" if form == "merged" else "model.onnx"
 
 
 def _locked(name: str):
@@ -101,23 +110,26 @@ def optimum_onnx(family: str, seed: int = 0) -> Path:
     return export_families([family], seed)[family]
 
 
-def export_families(families, seed: int = 0, log=print) -> dict[str, Path]:
-    """Optimum's exports of several tiny families, the missing ones made in one run of the optimum venv."""
+def export_families(families, seed: int = 0, log=print, form: str = "with-past") -> dict[str, Path]:
+    """Optimum's exports of several tiny families in `form` (FORMS), the missing ones made in one run of the
+    optimum venv."""
     unknown = [f for f in families if f not in OPTIMUM_FAMILIES]
     if unknown:
         raise ValueError(f"Optimum does not export {', '.join(unknown)} here; it exports {', '.join(OPTIMUM_FAMILIES)}")
-    paths = {family: export_dir(family, seed) / "model.onnx" for family in families}
+    if form not in FORMS:
+        raise ValueError(f"no Optimum form {form!r}: one of {', '.join(FORMS)}")
+    paths = {family: export_dir(family, seed, form) / _model_file(form) for family in families}
     if all(path.exists() for path in paths.values()):
         return paths
     python = ensure_optimum_venv(log)
     with _locked("optimum-export"):
         missing = [family for family, path in paths.items() if not path.exists()]
         if missing:
-            _export(python, missing, seed, log)
+            _export(python, missing, seed, log, form)
     return paths
 
 
-def _export(python: Path, families: list[str], seed: int, log) -> None:
+def _export(python: Path, families: list[str], seed: int, log, form: str) -> None:
     root = cache_dir() / "optimum"
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root, prefix=".staging-") as staging:
@@ -132,15 +144,15 @@ def _export(python: Path, families: list[str], seed: int, log) -> None:
                 build_tiny_model(family, seed).save_pretrained(checkpoint)
             jobs += [family, checkpoint, str(staging / family)]
         start = time.perf_counter()
-        log(f"exporting {', '.join(families)} with Optimum ...")
-        result = subprocess.run([str(python), "-m", "models.optimum_worker", str(seed), *jobs], cwd=REPO_ROOT,
-                                env=_worker_env(), capture_output=True, text=True)
+        log(f"exporting {', '.join(families)} with Optimum ({form}) ...")
+        result = subprocess.run([str(python), "-m", "models.optimum_worker", f"--form={form}", str(seed), *jobs],
+                                cwd=REPO_ROOT, env=_worker_env(), capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"Optimum's export failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
         log(f"exported {len(families)} families with Optimum in {time.perf_counter() - start:.1f} s")
         for family in families:
             (staging / family / "tokenizer.json").write_text(byte_tokenizer_json(), encoding="utf-8")
-            final = export_dir(family, seed)
+            final = export_dir(family, seed, form)
             shutil.rmtree(final, ignore_errors=True)
             (staging / family).replace(final)
 

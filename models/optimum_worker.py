@@ -1,19 +1,26 @@
 """Runs inside the optimum venv (transformers 4.57, optimum-onnx), never in the project's own venv.
 
-    python -m models.optimum_worker SEED FAMILY CHECKPOINT OUTPUT [FAMILY CHECKPOINT OUTPUT ...]
+    python -m models.optimum_worker [--form=FORM] SEED FAMILY CHECKPOINT OUTPUT [FAMILY CHECKPOINT OUTPUT ...]
 
-exports each checkpoint folder with Optimum's `text-generation-with-past` task into OUTPUT; CHECKPOINT
-`build` builds the tiny model here first (models.tiny.build_tiny_model, same sizes and seed).
+exports each checkpoint folder into OUTPUT in one of Optimum's forms: `with-past` (the default), its
+`text-generation-with-past` task (model.onnx); `no-past`, its `text-generation` task (model.onnx, no cache
+inputs); `merged`, as Optimum before its single-graph exports did: the decoder without a cache and the one
+with a cache, merged by `merge_decoders` into decoder_model_merged.onnx (an `If` on `use_cache_branch`).
+CHECKPOINT `build` builds the tiny model here first (models.tiny.build_tiny_model, same sizes and seed).
 """
 
 from __future__ import annotations
 
 import sys
 import tempfile
+from pathlib import Path
 
 
-def export(family: str, checkpoint: str, output: str, seed: int) -> None:
-    """Optimum's export of one checkpoint, as `optimum-cli export onnx --task text-generation-with-past`."""
+TASKS = {"with-past": "text-generation-with-past", "no-past": "text-generation"}
+
+
+def export(family: str, checkpoint: str, output: str, seed: int, form: str = "with-past") -> None:
+    """Optimum's export of one checkpoint, as `optimum-cli export onnx --task ...` does (`form` above)."""
     from optimum.exporters.onnx import main_export
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -22,13 +29,36 @@ def export(family: str, checkpoint: str, output: str, seed: int) -> None:
 
             checkpoint = f"{scratch}/{family}"
             build_tiny_model(family, seed).save_pretrained(checkpoint)
-        main_export(checkpoint, output=output, task="text-generation-with-past", device="cpu")
+        if form == "merged":
+            _merged_decoder(checkpoint, Path(output), Path(scratch))
+        else:
+            main_export(checkpoint, output=output, task=TASKS[form], device="cpu")
+
+
+def _merged_decoder(checkpoint: str, output: Path, scratch: Path) -> None:
+    from optimum.exporters.onnx.convert import export as export_onnx
+    from optimum.exporters.tasks import TasksManager
+    from optimum.onnx.graph_transformations import merge_decoders
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    config = TasksManager.get_exporter_config_constructor("onnx", model, task="text-generation-with-past",
+                                                          library_name="transformers")
+    for name, with_past in (("decoder_model.onnx", False), ("decoder_with_past_model.onnx", True)):
+        export_onnx(model, config(model.config, task="text-generation", use_past=True, use_past_in_inputs=with_past),
+                    scratch / name, opset=18)
+    output.mkdir(parents=True, exist_ok=True)
+    merge_decoders(scratch / "decoder_model.onnx", scratch / "decoder_with_past_model.onnx",
+                   save_path=output / "decoder_model_merged.onnx")
 
 
 def main(argv: list[str]) -> None:
+    form = "with-past"
+    if argv[0].startswith("--form="):
+        form, argv = argv[0].removeprefix("--form="), argv[1:]
     seed, jobs = int(argv[0]), argv[1:]
     for index in range(0, len(jobs), 3):
-        export(jobs[index], jobs[index + 1], jobs[index + 2], seed)
+        export(jobs[index], jobs[index + 1], jobs[index + 2], seed, form)
 
 
 if __name__ == "__main__":

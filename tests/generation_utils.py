@@ -81,6 +81,8 @@ def ort_greedy(model_path, prompt: list[int], new_tokens: int) -> list[int]:
             feeds["attention_mask"] = np.ones((1, len(ids)), np.int64)
         if "position_ids" in inputs:
             feeds["position_ids"] = np.arange(len(ids), dtype=np.int64)[None]
+        if "use_cache_branch" in inputs:  # a legacy merged decoder: its branch without a cache
+            feeds["use_cache_branch"] = np.array([False])
         token = int(np.argmax(session.run(["logits"], feeds)[0][0, -1]))
         tokens.append(token)
         ids.append(token)

@@ -1,6 +1,9 @@
 """Optimum's exports (optimum-onnx `text-generation-with-past`, transformers 4.57, in a venv of its own) of
 the tiny families: they fuse completely, reproduce onnxruntime on the original and generate through the
-paged engine what onnxruntime generates on the original. Exports are cached (models/optimum_export.py)."""
+paged engine what onnxruntime generates on the original. So do its exports without a cache (the
+`text-generation` task) and the legacy merged decoders (`decoder_model_merged.onnx`: an `If` on
+`use_cache_branch` over the decoders without and with a cache), as Optimum wrote them before its
+single-graph exports. Exports are cached (models/optimum_export.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ from runtime.feeds import causal_lm_inputs
 
 TOLERANCE = 1e-4
 NEW_TOKENS = 32
+# for the other forms: rotary with and without position_ids, and learned positions
+MERGED_FAMILIES = ("llama", "gemma", "gpt2")
 
 @pytest.fixture(scope="module")
 def optimum_exports():
@@ -28,6 +33,24 @@ def optimum_exports():
     except OptimumUnavailable as error:
         pytest.skip(f"the optimum venv cannot be created: {error}")
     return export_families(OPTIMUM_FAMILIES)
+
+
+@pytest.fixture(scope="module")
+def merged_exports():
+    try:
+        ensure_optimum_venv()
+    except OptimumUnavailable as error:
+        pytest.skip(f"the optimum venv cannot be created: {error}")
+    return export_families(MERGED_FAMILIES, form="merged")
+
+
+@pytest.fixture(scope="module")
+def no_past_exports():
+    try:
+        ensure_optimum_venv()
+    except OptimumUnavailable as error:
+        pytest.skip(f"the optimum venv cannot be created: {error}")
+    return export_families(MERGED_FAMILIES, form="no-past")
 
 
 def _rows_with_a_visible_key(mask: np.ndarray, seq: int) -> np.ndarray:
@@ -67,4 +90,40 @@ def test_optimum_export_generates_through_the_paged_engine(optimum_exports, fami
     source = optimum_exports[family]
     om = compile_to(source, tmp_path / "m", enable_paged_attention=True)
     assert load_artifact(om).metadata["kv_cache"]["layout"] == "paged"
+    assert_paged_greedy_equals_onnxruntime(source, om, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("family", MERGED_FAMILIES)
+def test_a_legacy_merged_decoder_compiles_as_its_branch_with_a_cache(merged_exports, family, tmp_path):
+    source = merged_exports[family]
+    loaded = load_artifact(compile_to(source, tmp_path / "m"))
+    counts = Counter(node.op_type for node in loaded.model.graph.node)
+    expected = RECIPES[family].expected_counts(2)
+    assert (counts["FusedAttention"], counts["RmsNorm"] + counts["AddRmsNorm"]) == (2, expected["norms"])
+    assert counts["If"] == counts["Softmax"] == 0
+    assert "use_cache_branch" not in [value["name"] for value in loaded.metadata["signature"]["inputs"]]
+    dims = loaded.metadata["model"]
+    for batch, seq, past, seed in ((2, 6, 3, 0), (3, 4, 0, 2)):
+        rng = np.random.default_rng(seed)
+        ids = rng.integers(0, dims["vocab_size"], (batch, seq), dtype=np.int64)
+        feeds = causal_lm_inputs(loaded.metadata["signature"], dims, ids, past, rng)
+        feeds["attention_mask"][-1, -1] = 0
+        # onnxruntime takes the merged model's branch for the case: with a past, the decoder with a cache
+        want = ort_reference(source, {**feeds, "use_cache_branch": np.array([past > 0])})
+        got = Executor(loaded).run(feeds)
+        rows = _rows_with_a_visible_key(feeds["attention_mask"], seq)
+        for name in want:
+            a, b = (got[name], want[name]) if name != "logits" else (got[name][rows], want[name][rows])
+            np.testing.assert_allclose(a, b, rtol=0, atol=TOLERANCE, err_msg=f"{name} {batch}x{seq}+{past}")
+    om = compile_to(source, tmp_path / "paged", enable_paged_attention=True)
+    assert_paged_greedy_equals_onnxruntime(source, om, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("family", MERGED_FAMILIES)
+def test_an_export_without_a_cache_compiles_paged(no_past_exports, family, tmp_path):
+    """Optimum's `text-generation` task: no cache inputs or outputs; the paged compile gives it a cache."""
+    source = no_past_exports[family]
+    om = compile_to(source, tmp_path / "paged", enable_paged_attention=True)
+    counts = Counter(node.op_type for node in load_artifact(om).model.graph.node)
+    assert counts["PagedAttention"] == 2 and counts["Softmax"] == 0
     assert_paged_greedy_equals_onnxruntime(source, om, NEW_TOKENS)
