@@ -25,6 +25,7 @@ from compiler.precheck import check_ops, unsupported_types
 from compiler.tokenizer_files import tokenizer_files
 from models.recipes import detect_family
 from passes.graph_utils import position_table_rows, unfused_attention
+from passes.name_causal_lm_io import token_input
 from passes.per_sequence_rotary import rotary_switch_length
 from passes.pipeline_stages import layer_ranges, stage_graph
 from passes.upcast_float_compute import compute_in_float32
@@ -36,7 +37,7 @@ from runtime.compatibility import requirements
 from runtime.errors import AtcError
 from runtime.progress import note
 from runtime.safe_files import refuse_symlink
-from runtime.signature import fixed_token_shape, io_signature, is_dynamic, llm_dimensions
+from runtime.signature import io_signature, is_dynamic, llm_dimensions
 
 log = logging.getLogger("atc")
 
@@ -69,11 +70,14 @@ def _at_lowered_opset(graph: gs.Graph) -> gs.Graph:
         return graph
 
 
-def _fixed_by_the_export(cfg: CompileConfig, model: onnx.ModelProto) -> list[int] | None:
-    """input_ids' shape if the export fixed every dim of it and `--input_shape` does not set them."""
-    if any(name == "input_ids" for name in cfg.input_shapes or {}):
+def _fixed_by_the_export(cfg: CompileConfig, graph: gs.Graph) -> list[int] | None:
+    """input_ids' shape (found as CausalLmIoNamingPass finds it) if the export fixed every dim of it and
+    `--input_shape` does not set them."""
+    tokens = token_input(graph)
+    if tokens is None or tokens.name in (cfg.input_shapes or {}) or tokens.shape is None:
         return None
-    return fixed_token_shape(io_signature(model))
+    shape = list(tokens.shape)
+    return shape if shape and all(isinstance(dim, int) and dim > 0 for dim in shape) else None
 
 
 def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResult:
@@ -85,7 +89,7 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
     model, graph = import_graph(cfg.model)
     # before the I/O flags: --output_type=FP16 asks for float16 outputs of the float32 graph
     raised = compute_in_float32(graph)
-    fixed = _fixed_by_the_export(cfg, model)
+    fixed = _fixed_by_the_export(cfg, graph)
     if fixed and cfg.paging is not None:
         raise AtcError("E10055", f"--enable_paged_attention=1 is for generating, which feeds input_ids of another "
                                  f"length each step, and this export fixed input_ids at {fixed} (it was exported "

@@ -17,6 +17,7 @@ from passes.convert_integer_matmul import ConvertIntegerMatMul
 from passes.convert_matmul_nbits import ConvertMatMulNBits
 from passes.convert_multi_head_attention import ConvertMultiHeadAttention
 from passes.convert_precision import ConvertPrecision
+from passes.drop_table_slices import DropTableSlices
 from passes.convert_rms_normalization import ConvertRmsNormalization
 from passes.eliminate_dead_code import EliminateDeadCode
 from passes.eliminate_identity import EliminateIdentity
@@ -103,6 +104,7 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: Wei
         InferShapes(),
         FoldConstants(),
         EliminateIdentity(),
+        DropTableSlices(),  # rotary buffers' first rows sliced before a Gather by positions (transformers < 4.38)
         CanonicalizeLayout(),
         CanonicalizeGemm(),
         EliminateDeadCode(),

@@ -93,28 +93,36 @@ class ConvertAttention(FusionPass):
         if mask.name and (mask.shape is None or len(mask.shape) != 4 or mask.shape[1] not in (1, heads)):
             return "the attn_mask is not [B|1, H|1, S, T]"
         caches, cache_window = [None] * 4, 0
-        if rank == 4:
+        if rank == 4 and not past_key.name:  # the op's own past holds the heads as its keys do
             found = self._before_repetition(k, v, heads)
             if isinstance(found, str):
                 return found
             k, v, kv_heads = found
-            if not past_key.name:
-                key_cache, value_cache = match_kv_concat(graph, k), match_kv_concat(graph, v)
-                if (key_cache.past is None) != (value_cache.past is None):
-                    return "a cache for only one of keys and values"
-                if key_cache.window != value_cache.window:
-                    return f"the key and value caches keep {key_cache.window - 1} and {value_cache.window - 1} tokens"
-                k, v, cache_window = key_cache.new, value_cache.new, key_cache.window
-                caches = [key_cache.past, value_cache.past, key_cache.present, value_cache.present]
+            key_cache, value_cache = match_kv_concat(graph, k), match_kv_concat(graph, v)
+            if (key_cache.past is None) != (value_cache.past is None):
+                return "a cache for only one of keys and values"
+            if key_cache.window != value_cache.window:
+                return f"the key and value caches keep {key_cache.window - 1} and {value_cache.window - 1} tokens"
+            if key_cache.past is not None and node.attrs.get("is_causal", 0):
+                # the op aligns is_causal to the top left of scores over past and new keys; the fused op to
+                # the bottom right, as a cache needs
+                return "is_causal over a cache concatenated outside the op"
+            k, v, cache_window = key_cache.new, value_cache.new, key_cache.window
+            caches = [key_cache.past, value_cache.past, key_cache.present, value_cache.present]
         source = MaskSource(None, 0)
         if mask.name and mask.shape[1] == 1:
             read = match_mask_source(graph, mask)
-            if isinstance(read, MaskSource) and (read.attention_mask is not None or read.causal) and (
-                    not read.window or read.causal and cache_window in (0, read.window)):
+            if isinstance(read, MaskSource) and (read.attention_mask is not None or read.causal):
                 source, mask = read, gs.Variable.empty()
+        if cache_window:
+            # a cache that keeps the last W - 1 tokens is read with the window W: the mask must say the same
+            if mask.name:
+                return "a sliding-window cache with an attn_mask the fusion does not read"
+            if not source.causal:
+                return "a sliding-window cache without a causal mask"
+            if source.window and source.window != cache_window:
+                return f"the mask's window ({source.window}) is not the cache's ({cache_window})"
         window = source.window or cache_window
-        if cache_window and not source.window and not (source.causal or node.attrs.get("is_causal", 0)):
-            return "a sliding-window cache without a causal mask"
         rotation = None
         paired = paired_rotation(_rotation(q, head_dim), _rotation(k, head_dim))
         if isinstance(paired, str):

@@ -6,8 +6,13 @@ on a boolean input (`use_cache_branch`) whose then- and else-branches are the tw
 shared in the outer graph. The branch that reads the past keys and values (the graph's rank-4 float
 inputs) computes a prompt too, given a past of length 0, which is how the single-graph exports work, so
 it replaces the `If` and the condition input goes: every later pass sees one decoder with a cache.
-Where the `If` does not compute the graph's outputs, or the branch that reads the past is not one, the
-graph is left as it is.
+
+Except where that branch was traced for one new token: transformers before 4.38 (and GPT-2's sdpa to
+4.43) made no causal mask for a single query, so Optimum's decoder with a cache compares no positions
+while the one without compares them. That branch is right only a token at a time, and the one without a
+cache replaces the `If` instead (its past inputs go too): a paged compile gives it a cache all the same, a
+contiguous one recomputes the sequence each step. Where the `If` does not compute the graph's outputs, or
+the branch that reads the past is not one, the graph is left as it is.
 """
 
 from __future__ import annotations
@@ -20,6 +25,15 @@ from passes.base import PassResult
 from passes.match_attention import dtype_kind
 
 log = logging.getLogger(__name__)
+
+
+_COMPARISONS = ("LessOrEqual", "GreaterOrEqual", "Less", "Greater", "Trilu")
+
+
+def _compares_positions(branch: gs.Graph) -> bool:
+    """Whether a branch (or a graph nested in it) compares anything, as a causal mask does."""
+    return any(node.op in _COMPARISONS or any(isinstance(v, gs.Graph) and _compares_positions(v)
+                                              for v in node.attrs.values()) for node in branch.nodes)
 
 
 def _reads(branch: gs.Graph) -> set[int]:
@@ -53,16 +67,22 @@ class InlineCacheBranch:
             if len(reading) != 1:
                 result.rejections.append(f"{node.name}: {len(reading)} branches read the past keys and values")
                 continue
-            branch = node.attrs[reading[0]]
+            chosen = reading[0]
+            other = "else_branch" if chosen == "then_branch" else "then_branch"
+            if not _compares_positions(node.attrs[chosen]) and _compares_positions(node.attrs[other]):
+                log.warning("%s: %s's branch with a cache masks no positions (traced for one new token), so its "
+                            "branch without a cache is compiled", self.name, node.name)
+                chosen = other
+            branch = node.attrs[chosen]
             local = {id(t) for n in branch.nodes for t in n.outputs}
             if len(branch.outputs) != len(node.outputs) or any(id(t) not in local for t in branch.outputs):
                 result.rejections.append(f"{node.name}: a branch output is not computed in the branch")
                 continue
             self._inline(graph, node, branch)
-            if not condition.outputs:
-                graph.inputs.remove(condition)
+            # the condition, and the past where the branch without a cache was taken, are read no more
+            graph.inputs = [t for t in graph.inputs if t.outputs or (t is not condition and id(t) not in past)]
             result.effect_times += 1
-            log.info("%s: %s's %s (the decoder with a cache) inlined", self.name, node.name, reading[0])
+            log.info("%s: %s's %s inlined", self.name, node.name, chosen)
         if result.effect_times:
             graph.cleanup(remove_unused_graph_inputs=False).toposort()
         return result
@@ -94,10 +114,15 @@ class InlineCacheBranch:
 
 
 def _let_go(branch: gs.Graph) -> None:
-    """Detaches every node of `branch`, and of the graphs nested in it, from the tensors it reads."""
+    """Detaches every node of `branch`, and of the graphs nested in it, from the tensors it reads. By
+    identity: graphsurgeon's own detaching removes the first node *equal* to it, and the two branches hold
+    nodes equal in name and op (the same model traced twice), so it would detach the kept branch's."""
     for node in branch.nodes:
         for value in node.attrs.values():
             if isinstance(value, gs.Graph):
                 _let_go(value)
-        node.inputs.clear()
-        node.outputs.clear()
+        for tensors, links in ((node.inputs, "outputs"), (node.outputs, "inputs")):
+            for tensor in tensors:
+                linked = getattr(tensor, links)
+                list.pop(linked, next(i for i, other in enumerate(linked) if other is node))
+            list.clear(tensors)

@@ -13,8 +13,9 @@ it found, or None (or a reason string) when the tensor is not that part; each ha
     repeat     GQA/MQA head repetition: Unsqueeze(2) or Reshape([B, KV, 1, T, D]), then Expand, Tile or a
                Concat of copies on axis 2, then Reshape([B, KV·n, T, D]); or Gather(axis 1) of heads
                [0, 0, 1, 1, ...]
-    mask source the 2-D integer graph input the mask reads (values behind Shape do not count),
-               whether it compares positions (causal), and a sliding window (a position moved back by W)
+    mask source the attention_mask input the mask reads (values behind Shape do not count; any other
+               input refuses), whether it compares key with query positions the causal way, and a sliding
+               window (`kv > q - W`); any other comparison of positions refuses
 """
 
 from __future__ import annotations
@@ -198,21 +199,6 @@ class MaskSource:
     window: int = 0
 
 
-def _window_offset(node: gs.Node) -> int | None:
-    """c when `node` is x - c or x + (-c) for a positive scalar integer constant c."""
-    if node.op not in ("Sub", "Add") or len(node.inputs) != 2:
-        return None
-    for index, constant in enumerate(node.inputs):
-        if not isinstance(constant, gs.Constant) or dtype_kind(constant.dtype) not in "iu":
-            continue
-        value = scalar(constant)
-        if value is None or (node.op == "Sub" and index == 0):
-            continue
-        offset = int(value) if node.op == "Sub" else -int(value)
-        return offset if offset > 0 else None
-    return None
-
-
 _BIAS_SCAN = 1 << 20  # elements a chunk: Baichuan-13B's ALiBi buffer is [40, 4096, 4096]
 
 
@@ -235,6 +221,9 @@ def _varies_by_head_or_position(tensor: gs.Tensor) -> bool:
     return False
 
 
+_IN_PLACE = ("And", "Or", "Not", "Add", "Sub", "Mul", "Where", "Equal", "Cast", "Expand", "Slice")
+
+
 def _constant_positions(tensor: gs.Tensor) -> str | None:
     """What a boolean or float constant of a mask (integers are positions, axes and shapes) says about
     positions: None when it says nothing (fewer than 2 axes, or one value throughout), "causal" for the
@@ -245,32 +234,134 @@ def _constant_positions(tensor: gs.Tensor) -> str | None:
     if not isinstance(tensor, gs.Constant) or len(tensor.shape) < 2 or dtype_kind(tensor.dtype) not in "bfV":
         return None
     values = np.asarray(tensor.values)
-    if np.all(values == values.reshape(-1)[0]):
+    if values.size == 0 or np.all(values == values.reshape(-1)[0]):
         return None
     queries, keys = values.shape[-2:]
     stacked = values.reshape(-1, queries, keys)
+    # read where it stands: combined element by element (or its rows sliced, as a causal buffer is), never
+    # moved between axes, so its last two axes stay the queries' and the keys'
     marked = stacked[0] == stacked[0].max()
     seen = np.tril(np.ones((queries, keys), bool), keys - queries)
-    if np.all(stacked == stacked[0]) and (np.array_equal(marked, seen) or np.array_equal(marked, ~seen)):
+    in_place = all(reader.op in _IN_PLACE for reader in tensor.outputs)
+    if in_place and np.all(stacked == stacked[0]) and (np.array_equal(marked, seen) or np.array_equal(marked, ~seen)):
         return "causal"
     return "other"
 
 
+_FLIPPED = {"LessOrEqual": "GreaterOrEqual", "GreaterOrEqual": "LessOrEqual", "Less": "Greater", "Greater": "Less"}
+
+
+def _role(tensor: gs.Tensor) -> str | None:
+    """"key" for positions laid along the last axis ([..., 1, T] or [T]), "query" along the one before it
+    ([..., S, 1]); None where the shape does not tell."""
+    if tensor.shape is None or not tensor.shape:
+        return None
+    last, before = tensor.shape[-1], tensor.shape[-2] if len(tensor.shape) > 1 else 1
+    if before == 1 and last != 1:
+        return "key"
+    if last == 1 and before != 1:
+        return "query"
+    return None
+
+
+def _moved_by(tensor: gs.Tensor) -> int:
+    """c when `tensor` is positions plus a scalar integer constant c (through Unsqueezes, Reshapes and Casts:
+    transformers before 4.38 wrote `(arange + 1).view(S, 1)`), else 0."""
+    steps = ("Add", "Sub", "Unsqueeze", "Reshape", "Cast")
+    node = producer(tensor, *steps)
+    while node is not None and node.op in steps[2:]:
+        node = producer(node.inputs[0], *steps)
+    if node is None or len(node.inputs) != 2:
+        return 0
+    for index, constant in enumerate(node.inputs):
+        value = scalar(constant) if isinstance(constant, gs.Constant) and dtype_kind(constant.dtype) in "iu" else None
+        if value is not None and not (node.op == "Sub" and index == 0):
+            return int(value) if node.op == "Add" else -int(value)
+    return 0
+
+
+def _reads(tensor: gs.Tensor, source: gs.Tensor) -> bool:
+    """Whether `tensor`'s values are computed from `source` (not through a Shape)."""
+    seen, queue = set(), [tensor]
+    while queue:
+        value = queue.pop()
+        if value is source:
+            return True
+        node = producer(value)
+        if node is None or node.op == "Shape" or id(node) in seen:
+            continue
+        seen.add(id(node))
+        queue.extend(node.inputs)
+    return False
+
+
+def _divides(tensor: gs.Tensor) -> bool:
+    """Whether `tensor` is computed by dividing integers (not through a Shape)."""
+    seen, queue = set(), [tensor]
+    while queue:
+        node = producer(queue.pop())
+        if node is None or node.op == "Shape" or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.op in ("Div", "Mod") and dtype_kind(node.outputs[0].dtype) in "iu":
+            return True
+        queue.extend(node.inputs)
+    return False
+
+
+def _comparison(node: gs.Node, padding: gs.Tensor | None) -> tuple[int, int] | str:
+    """What a comparison in a mask says: (causal, window W or 0) for key positions compared with query
+    positions the causal way (`kv <= q`, `kv < q + 1`, `kv > q` for the hidden ones) or a window's way
+    (`kv > q - W`); (0, 0) for the padding mask compared with a constant; otherwise a refusal. Where the
+    shapes do not tell keys from queries, the comparison is taken as causal."""
+    if node.op == "Trilu":
+        return 1, 0
+    left, right = node.inputs
+    if all(t.shape is not None and len(t.shape) <= 1 for t in (left, right)):
+        return 0, 0  # arithmetic on shapes
+    constants = [isinstance(t, gs.Constant) and int(np.prod(t.shape)) == 1 for t in (left, right)]
+    if any(constants):
+        computed = right if constants[0] else left
+        if padding is not None and _reads(computed, padding):
+            return 0, 0
+        return f"{node.name} compares positions with a constant, which the fusion does not read"
+    roles = (_role(left), _role(right))
+    if None in roles:
+        return 1, 0
+    op = node.op
+    if roles == ("query", "key"):
+        left, right, op = right, left, _FLIPPED[op]
+    elif roles != ("key", "query"):
+        return f"{node.name} compares positions along one axis, which the fusion does not read"
+    offset = _moved_by(right) - _moved_by(left)  # the keys compared with the queries moved by this much
+    if (op, offset) in (("LessOrEqual", 0), ("Less", 1), ("Greater", 0), ("GreaterOrEqual", 1)):
+        return 1, 0
+    if op == "Greater" and offset < 0:
+        return 1, -offset
+    return f"{node.name} compares key and query positions {op} with an offset of {offset}, neither causal nor a window"
+
+
 def match_mask_source(graph: gs.Graph, mask: gs.Tensor) -> MaskSource | str:
-    """The graph input whose values the mask reads (values behind a Shape do not count), causality, and a
-    sliding window: a position moved back by a constant W (`q_idx - W`) and compared, as transformers'
-    sliding-window overlay writes `kv_idx > q_idx - W`."""
+    """The attention_mask input whose values the mask reads (values behind a Shape do not count), causality,
+    and a sliding window: positions moved by a constant W and compared as transformers' sliding-window
+    overlay writes `kv_idx > q_idx - W`. A mask that reads another input, compares positions another way
+    (`_comparison`) or holds a constant pattern of positions other than the causal one is refused: the
+    fusion would drop what it does not read."""
     if mask.shape is not None and len(mask.shape) == 4 and isinstance(mask.shape[1], int) and mask.shape[1] > 1:
         return f"the mask differs per head ({mask.shape}: ALiBi's slopes?), which the fusion would drop"
     readers: dict[int, gs.Tensor] = {}
     causal, windows, seen, queue = 0, set(), set(), deque([mask])
     inputs = {id(t): t for t in graph.inputs}
+    padding = next((t for t in graph.inputs if t.name == "attention_mask"), None)
     while queue:
         tensor = queue.popleft()
         if id(tensor) in seen:
             continue
         seen.add(id(tensor))
         if id(tensor) in inputs:
+            if tensor is not padding or tensor.shape is None or len(tensor.shape) != 2 or \
+                    dtype_kind(tensor.dtype) not in "iub":
+                return f"the mask reads the input {tensor.name}, where the fusion reads a 2-D integer attention_mask"
             readers[id(tensor)] = tensor
             continue
         if _varies_by_head_or_position(tensor):
@@ -283,24 +374,23 @@ def match_mask_source(graph: gs.Graph, mask: gs.Tensor) -> MaskSource | str:
         if node is None or node.op == "Shape":
             continue
         if node.op in CAUSAL_OPS:
-            causal = 1
-            for operand in node.inputs:
-                moved = producer(operand, "Sub", "Add", "Unsqueeze", "Cast")
-                while moved is not None and moved.op in ("Unsqueeze", "Cast"):
-                    moved = producer(moved.inputs[0], "Sub", "Add", "Unsqueeze", "Cast")
-                offset = _window_offset(moved) if moved is not None else None
-                if offset is not None:
-                    windows.add(offset)
+            read = _comparison(node, padding)
+            if isinstance(read, str):
+                return read
+            causal |= read[0]
+            if read[1]:
+                windows.add(read[1])
+        elif node.op == "Equal" and {_role(node.inputs[0]), _role(node.inputs[1])} == {"key", "query"} and \
+                any(_divides(t) for t in node.inputs):
+            # keys and queries in one chunk (Llama 4's `kv // C == q // C`); transformers' test for packed
+            # sequences (`seq[kv] == seq[q]`, from breaks in the positions it counted itself) is always true
+            return f"{node.name} compares chunks of positions, which the fusion does not read"
         queue.extend(node.inputs)
-    candidates = [t for t in readers.values() if t.shape is not None and len(t.shape) == 2
-                  and dtype_kind(t.dtype) in "iub"]
-    if len(candidates) > 1:
-        return f"the mask reads several inputs ({', '.join(t.name for t in candidates)})"
-    if not candidates and not causal:
-        return "the mask reads no 2-D integer input and compares no positions"
+    if not readers and not causal:
+        return "the mask reads no attention_mask input and compares no positions"
     if len(windows) > 1:
         return f"the mask compares positions moved back by several constants ({sorted(windows)})"
-    return MaskSource(candidates[0] if candidates else None, causal, windows.pop() if windows else 0)
+    return MaskSource(padding if readers else None, causal, windows.pop() if windows else 0)
 
 
 # ---- heads ------------------------------------------------------------------------------------------

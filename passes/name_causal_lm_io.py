@@ -9,7 +9,8 @@ suffix (`attention_mask.1`). The engine, the paged rewrite and logits pruning re
 
     input_ids       the one rank-2 integer input whose values index the rows of a 2-D table (the embedding),
                     through Reshapes, Casts and Flattens
-    logits          the one float rank-3 output; of several, the one as wide as that table has rows
+    logits          the one float rank-3 output as wide as that table has rows (not a base model's
+                    hidden states)
     attention_mask, position_ids, input_ids
                     an input named so with TorchScript's `.N` suffix
 
@@ -56,6 +57,16 @@ def _rank(tensor: gs.Tensor) -> int | None:
     return None if tensor.shape is None else len(tensor.shape)
 
 
+def token_input(graph: gs.Graph) -> gs.Tensor | None:
+    """The graph input that is input_ids, by name or, as this pass would name it, by structure."""
+    by_name = [t for t in graph.inputs if t.name == "input_ids" or
+               ((match := _SUFFIX.match(t.name)) is not None and match.group(1) == "input_ids")]
+    if by_name:
+        return by_name[0]
+    indexing = [t for t in graph.inputs if _rank(t) == 2 and dtype_kind(t.dtype) in "iu" and _table_rows(t) is not None]
+    return indexing[0] if len(indexing) == 1 else None
+
+
 class NameCausalLmIo:
     """Renames a causal LM's token inputs and logits output to the names the runtime reads."""
 
@@ -88,10 +99,8 @@ class NameCausalLmIo:
             ids = next(t for t in graph.inputs if id(t) in indexing)
             vocab = indexing[id(ids)]
             rename(ids, "input_ids")
-        if "logits" not in {t.name for t in graph.outputs}:
-            floats = [t for t in graph.outputs if _rank(t) == 3 and dtype_kind(t.dtype) in "fV"]
-            if len(floats) > 1 and vocab is not None:
-                floats = [t for t in floats if t.shape[-1] == vocab]
+        if "logits" not in {t.name for t in graph.outputs} and vocab is not None:
+            floats = [t for t in graph.outputs if _rank(t) == 3 and dtype_kind(t.dtype) in "fV" and t.shape[-1] == vocab]
             if len(floats) == 1:
                 rename(floats[0], "logits")
         for old, new in renamed.items():

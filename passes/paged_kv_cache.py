@@ -122,18 +122,18 @@ def _positions_from_an_input(graph: gs.Graph, attention: gs.Node) -> None:
     or, in an export without a cache, from 0 to the tokens' count (an export of `input_ids`, with or without
     its mask: `Range(0, S)`).
 
-    With rotary tables the Range is looked for among what they are computed from, and must start at a length
-    read from a past KV input, or count the tokens where there is no past; without them (GPT-2's learned
-    positions) every Range that counts the tokens of a graph without a past is taken. Otherwise the graph is
-    left alone (and refused for want of position_ids).
+    With rotary tables the Range is looked for among what they are computed from; without them (GPT-2's
+    learned positions) every Range is taken. Either way it must start at a length read from a past KV input,
+    or count the tokens where there is no past. Otherwise the graph is left alone (and refused for want of
+    position_ids).
     """
     has_past = any(t.name.startswith("past_key_values") for t in graph.inputs)
     cos = input_at(attention.inputs, Fused.COS)
     if cos is None:
-        if not has_past:
-            counters = [n for n in graph.nodes if n.op == "Range" and _counts_tokens(n)]
-            if counters:
-                _read_from_an_input(graph, counters)
+        counters = [n for n in graph.nodes if n.op == "Range" and (
+            _reads_past_length(n.inputs[0]) if has_past else _counts_tokens(n))]
+        if counters:
+            _read_from_an_input(graph, counters)
         return
     seen, queue = set(), [cos]
     while queue:

@@ -22,7 +22,11 @@ PROMPT = [0, 1]
 def check_generator(metadata: dict, path: str) -> None:
     """Refuse, with E10055, an artifact the engine cannot generate with: one without `input_ids` in and
     `logits` out, or whose export fixed `input_ids`' batch and sequence axes (an export made without
-    dynamic axes runs only the shape it was traced at, while each step of generation feeds another)."""
+    dynamic axes runs only the shape it was traced at, while each step of generation feeds another). A
+    pipeline's stage is the pipeline's to check: its first stage reads the tokens, its last gives logits, and
+    only a paged compile, which refuses fixed shapes, splits."""
+    if metadata.get("pipeline"):
+        return
     inputs = {value["name"]: value["shape"] for value in metadata["signature"]["inputs"]}
     outputs = {value["name"] for value in metadata["signature"]["outputs"]}
     if "input_ids" not in inputs or "logits" not in outputs:

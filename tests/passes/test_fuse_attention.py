@@ -241,8 +241,8 @@ def _unshareable_heads(graph):
     (_untranspose_keys, "(0, 1, 3, 2)"),
     (_unrotate_query, "only one of q and k"),
     (_swap_key_tables, "different tables"),
-    (_extra_mask_input, "several inputs"),
-    (_float_mask, "no 2-D integer input"),
+    (_extra_mask_input, "reads the input segment_ids"),
+    (_float_mask, "reads the input attention_bias"),
     (_probabilities_read_twice, "do not multiply the values"),
 ])
 def test_attention_refusals(change, reason):

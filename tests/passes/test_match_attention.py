@@ -276,7 +276,7 @@ def test_a_padding_only_mask_is_not_causal():
 
 def test_a_mask_that_reads_two_inputs_is_refused():
     graph = _mask_graph(extra_input=True)
-    assert match_mask_source(graph, _tensor(graph, "mask")).startswith("the mask reads several inputs")
+    assert match_mask_source(graph, _tensor(graph, "mask")).startswith("the mask reads the input segments")
 
 
 def _mask_plus(extra: str) -> gs.Graph:
@@ -355,6 +355,58 @@ def test_a_folded_constant_of_other_positions_is_refused_not_dropped(pattern):
     seen = np.tril(np.ones((T, T), bool))
     graph = _folded_mask_graph(seen & ~np.tril(seen, -2) if pattern == "band" else seen.T, hidden=False)
     assert "a constant pattern of positions" in match_mask_source(graph, _tensor(graph, "mask"))
+
+
+def _compared_mask(kind: str) -> gs.Graph:
+    """The padding mask And a comparison of key positions `cols` [1, 1, 1, T] with query positions `rows`
+    [1, 1, T, 1], written as `kind`."""
+    compare = {
+        "causal": [helper.make_node("LessOrEqual", ["cols", "rows"], ["positions"])],
+        "flipped": [helper.make_node("GreaterOrEqual", ["rows", "cols"], ["positions"])],
+        "window on the keys": [helper.make_node("LessOrEqual", ["cols", "rows"], ["causal"]),
+                               helper.make_node("Add", ["cols", "three"], ["moved"]),
+                               helper.make_node("Greater", ["moved", "rows"], ["window"]),
+                               helper.make_node("And", ["causal", "window"], ["positions"])],
+        "strictly before": [helper.make_node("Less", ["cols", "rows"], ["positions"])],
+        "bidirectional": [helper.make_node("GreaterOrEqual", ["rows", "zero_int"], ["positions"])],
+        "distance": [helper.make_node("Sub", ["rows", "cols"], ["distance"]),
+                     helper.make_node("Less", ["distance", "three"], ["positions"])],
+        "chunked": [helper.make_node("LessOrEqual", ["cols", "rows"], ["causal"]),
+                    helper.make_node("Div", ["cols", "three"], ["key_chunk"]),
+                    helper.make_node("Div", ["rows", "three"], ["query_chunk"]),
+                    helper.make_node("Equal", ["key_chunk", "query_chunk"], ["same_chunk"]),
+                    helper.make_node("And", ["causal", "same_chunk"], ["positions"])],
+        "position_ids": [helper.make_node("Unsqueeze", ["position_ids", "axes"], ["rows_from_input"]),
+                         helper.make_node("Unsqueeze", ["rows_from_input", "last"], ["rows4"]),
+                         helper.make_node("LessOrEqual", ["cols", "rows4"], ["positions"])],
+    }[kind]
+    nodes = [helper.make_node("Cast", ["attention_mask"], ["keep"], to=TensorProto.BOOL),
+             helper.make_node("Unsqueeze", ["keep", "axes"], ["keep4"]), *compare,
+             helper.make_node("And", ["positions", "keep4"], ["allowed"]),
+             helper.make_node("Where", ["allowed", "zero", "minimum"], ["mask"])]
+    inputs = [_value("attention_mask", [1, T], TensorProto.INT64), _value("position_ids", [1, T], TensorProto.INT64)]
+    return _graph(nodes, inputs, [_value("mask", None)],
+                  [_const("axes", [1]), _const("last", [3]), _const("cols", np.arange(T)[None, None, None, :]),
+                   _const("rows", np.arange(T)[None, None, :, None]), _const("three", 3), _const("zero_int", 0),
+                   _const("zero", 0.0, np.float32), _const("minimum", -np.inf, np.float32)])
+
+
+@pytest.mark.parametrize("kind, window", [("causal", 0), ("flipped", 0), ("window on the keys", 3)])
+def test_key_and_query_positions_compared_the_causal_way(kind, window):
+    graph = _compared_mask(kind)
+    source = match_mask_source(graph, _tensor(graph, "mask"))
+    assert (source.attention_mask.name, source.causal, source.window) == ("attention_mask", 1, window)
+
+
+@pytest.mark.parametrize("kind, reason", [
+    ("strictly before", "with an offset of 0, neither causal nor a window"),
+    ("bidirectional", "compares positions with a constant"),
+    ("distance", "compares positions with a constant"),
+    ("chunked", "compares chunks of positions"),
+    ("position_ids", "reads the input position_ids")])
+def test_other_comparisons_of_positions_are_refused_not_dropped(kind, reason):
+    graph = _compared_mask(kind)
+    assert reason in match_mask_source(graph, _tensor(graph, "mask"))
 
 
 # ---- rotary embedding: what the lowering writes, the pattern reads back -----------------------------

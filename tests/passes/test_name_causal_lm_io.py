@@ -73,3 +73,10 @@ def test_no_unique_choice_and_taken_names_are_left_alone():
     taken = _graph([("input_ids", TensorProto.INT64)], [("out", ["b", "s", VOCAB])], ["input_ids"])
     next(t for t in taken.tensors().values() if t.name == "hidden").name = "logits"
     assert NameCausalLmIo().run(taken).effect_times == 0 and _names(taken)[1] == ["out"]
+
+
+def test_a_base_models_hidden_states_are_not_logits():
+    # a float rank-3 output narrower than the vocabulary: the export of a model without its head
+    graph = _graph([("tokens", TensorProto.INT64)], [("mul_660", ["b", "s", HIDDEN])], ["tokens"])
+    NameCausalLmIo().run(graph)
+    assert _names(graph) == (["input_ids"], ["mul_660"])

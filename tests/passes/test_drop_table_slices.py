@@ -1,0 +1,58 @@
+"""TableSliceRemovalPass: `cos_cached[:seq_len][position_ids]` (transformers before 4.38) reads the whole
+table, so its rows no longer depend on a length: same values as the export for every valid position, and a
+position past the slice's length (what a paged step of one token at position 2 asks) now reads its row."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from passes.drop_table_slices import DropTableSlices
+
+ROWS, WIDTH = 16, 4
+TABLE = np.arange(ROWS * WIDTH, dtype=np.float32).reshape(ROWS, WIDTH)
+
+
+def _model(start: int = 0, extra_reader: bool = False):
+    # the slice's length is the tokens' count, read from their shape
+    nodes = [helper.make_node("Shape", ["tokens"], ["shape"]),
+             helper.make_node("Gather", ["shape", "one"], ["length"], axis=0),
+             helper.make_node("Unsqueeze", ["length", "zero_axis"], ["end"]),
+             helper.make_node("Slice", ["table", "start", "end", "zero_axis"], ["rows"]),
+             helper.make_node("Cast", ["rows"], ["rows32"], to=TensorProto.FLOAT),
+             helper.make_node("Gather", ["rows32", "positions"], ["out"], axis=0)]
+    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)]
+    if extra_reader:
+        nodes.append(helper.make_node("ReduceSum", ["rows"], ["total"]))
+        outputs.append(helper.make_tensor_value_info("total", TensorProto.FLOAT, None))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("tokens", TensorProto.INT64, [1, "s"]),
+                                           helper.make_tensor_value_info("positions", TensorProto.INT64, [1, "s"])],
+                              outputs, [numpy_helper.from_array(TABLE, "table"),
+                                        numpy_helper.from_array(np.array(1), "one"),
+                                        numpy_helper.from_array(np.array([0]), "zero_axis"),
+                                        numpy_helper.from_array(np.array([start]), "start")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _run(model, tokens: int, positions: list[int]):
+    feeds = {"tokens": np.zeros((1, tokens), np.int64), "positions": np.array([positions])}
+    return ort.InferenceSession(model.SerializeToString()).run(["out"], feeds)[0]
+
+
+def test_the_gather_reads_the_whole_table():
+    model = _model()
+    graph = gs.import_onnx(model)
+    assert DropTableSlices().run(graph).effect_times == 1
+    rewritten = gs.export_onnx(graph)
+    assert "Slice" not in [n.op_type for n in rewritten.graph.node]
+    np.testing.assert_array_equal(_run(rewritten, 3, [0, 1, 2]), _run(model, 3, [0, 1, 2]))
+    np.testing.assert_array_equal(_run(rewritten, 1, [2]), TABLE[[2]][None])  # the export fails here
+
+
+@pytest.mark.parametrize("options", [dict(start=1), dict(extra_reader=True)])
+def test_a_slice_not_of_the_first_rows_or_read_otherwise_stays(options):
+    graph = gs.import_onnx(_model(**options))
+    assert DropTableSlices().run(graph).effect_times == 0 and "Slice" in [n.op for n in graph.nodes]
