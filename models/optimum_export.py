@@ -39,17 +39,22 @@ class OptimumUnavailable(RuntimeError):
     """The optimum venv could not be created (no package registry, say)."""
 
 
-def venv_dir() -> Path:
-    """Where the optimum venv lives."""
-    return cache_dir() / "optimum-venv"
+def venv_dir(legacy: bool = False) -> Path:
+    """Where the optimum venv (`legacy`: the one with optimum 1.17) lives."""
+    return cache_dir() / ("optimum-legacy-venv" if legacy else "optimum-venv")
 
 
-def venv_python() -> Path:
+def venv_python(legacy: bool = False) -> Path:
     """The optimum venv's interpreter."""
-    return venv_dir() / "bin" / "python"
+    return venv_dir(legacy) / "bin" / "python"
 
 
-FORMS = ("with-past", "no-past", "merged")  # models/optimum_worker.py says what each is
+FORMS = ("with-past", "no-past", "merged", "legacy", "legacy-merged")  # models/optimum_worker.py says what each is
+# optimum 1.17 with transformers 4.37, as most ONNX files on the Hugging Face Hub were made (the "legacy"
+# forms); it exports llama and mistral of the tiny families (it has no Qwen2 config, 4.37 no Gemma or Phi-3)
+LEGACY_REQUIREMENTS = ("optimum==1.17.1", "transformers==4.37.2", "torch==2.13.0", "onnx", "onnxruntime",
+                       "numpy<2")
+LEGACY_FAMILIES = ("llama", "mistral")
 
 
 def export_dir(family: str, seed: int = 0, form: str = "with-past") -> Path:
@@ -58,7 +63,7 @@ def export_dir(family: str, seed: int = 0, form: str = "with-past") -> Path:
 
 
 def _model_file(form: str) -> str:
-    return "decoder_model_merged.onnx" if form == "merged" else "model.onnx"
+    return "decoder_model_merged.onnx" if form.endswith("merged") else "model.onnx"
 
 
 def _locked(name: str):
@@ -68,31 +73,32 @@ def _locked(name: str):
     return exclusive(cache_dir() / f".{name}.lock")
 
 
-def ensure_optimum_venv(log=print) -> Path:
-    """The optimum venv's python, creating the venv if it is missing or was made for other requirements.
+def ensure_optimum_venv(log=print, legacy: bool = False) -> Path:
+    """The optimum venv's python (`legacy`: the one with optimum 1.17), creating the venv if it is missing or
+    was made for other requirements.
 
     Idempotent: a marker inside the venv records what was installed. Raises OptimumUnavailable if pip fails.
     """
-    marker = venv_dir() / ".installed"
-    wanted = "\n".join(REQUIREMENTS) + "\n"
-    if marker.is_file() and marker.read_text() == wanted and venv_python().exists():
-        return venv_python()
-    with _locked("optimum-venv"):
-        if marker.is_file() and marker.read_text() == wanted and venv_python().exists():
-            return venv_python()
+    requirements, folder, python = LEGACY_REQUIREMENTS if legacy else REQUIREMENTS, venv_dir(legacy), venv_python(legacy)
+    marker = folder / ".installed"
+    wanted = "\n".join(requirements) + "\n"
+    if marker.is_file() and marker.read_text() == wanted and python.exists():
+        return python
+    with _locked(folder.name):
+        if marker.is_file() and marker.read_text() == wanted and python.exists():
+            return python
         start = time.perf_counter()
-        log(f"creating {venv_dir()} for Optimum ({', '.join(REQUIREMENTS)}) ...")
-        shutil.rmtree(venv_dir(), ignore_errors=True)
-        _run([sys.executable, "-m", "venv", str(venv_dir())], "python -m venv")
-        _run([str(venv_python()), "-m", "pip", "install", "--progress-bar", "off", *REQUIREMENTS], "pip install",
-             log)
+        log(f"creating {folder} for Optimum ({', '.join(requirements)}) ...")
+        shutil.rmtree(folder, ignore_errors=True)
+        _run([sys.executable, "-m", "venv", str(folder)], "python -m venv", folder)
+        _run([str(python), "-m", "pip", "install", "--progress-bar", "off", *requirements], "pip install", folder, log)
         marker.write_text(wanted)
-        log(f"created {venv_dir()} in {time.perf_counter() - start:.0f} s")
-    return venv_python()
+        log(f"created {folder} in {time.perf_counter() - start:.0f} s")
+    return python
 
 
-def _run(command: list[str], what: str, log=None) -> None:
-    """Run a set-up step, echoing pip's 'Collecting'/'Installing' lines as progress."""
+def _run(command: list[str], what: str, folder: Path, log=None) -> None:
+    """Run a set-up step of the venv in `folder`, echoing pip's 'Collecting'/'Installing' lines as progress."""
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in process.stdout:
@@ -100,7 +106,7 @@ def _run(command: list[str], what: str, log=None) -> None:
         if log is not None and line.startswith(("Collecting", "Installing", "Successfully")):
             log("  " + line.rstrip())
     if process.wait() != 0:
-        shutil.rmtree(venv_dir(), ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
         errors = [line for line in lines if line.startswith("ERROR")] or lines[-1:]
         raise OptimumUnavailable(f"{what} failed (exit {process.returncode}): {errors[-1] if errors else 'no output'}")
 
@@ -113,15 +119,17 @@ def optimum_onnx(family: str, seed: int = 0) -> Path:
 def export_families(families, seed: int = 0, log=print, form: str = "with-past") -> dict[str, Path]:
     """Optimum's exports of several tiny families in `form` (FORMS), the missing ones made in one run of the
     optimum venv."""
-    unknown = [f for f in families if f not in OPTIMUM_FAMILIES]
-    if unknown:
-        raise ValueError(f"Optimum does not export {', '.join(unknown)} here; it exports {', '.join(OPTIMUM_FAMILIES)}")
     if form not in FORMS:
         raise ValueError(f"no Optimum form {form!r}: one of {', '.join(FORMS)}")
+    legacy = form.startswith("legacy")
+    exported = LEGACY_FAMILIES if legacy else OPTIMUM_FAMILIES
+    unknown = [f for f in families if f not in exported]
+    if unknown:
+        raise ValueError(f"Optimum ({form}) does not export {', '.join(unknown)} here; it exports {', '.join(exported)}")
     paths = {family: export_dir(family, seed, form) / _model_file(form) for family in families}
     if all(path.exists() for path in paths.values()):
         return paths
-    python = ensure_optimum_venv(log)
+    python = ensure_optimum_venv(log, legacy)
     with _locked("optimum-export"):
         missing = [family for family, path in paths.items() if not path.exists()]
         if missing:
@@ -137,7 +145,7 @@ def _export(python: Path, families: list[str], seed: int, log, form: str) -> Non
         jobs = []
         for family in families:
             checkpoint = "build"
-            if family not in BUILT_IN_OPTIMUM_VENV:
+            if family not in BUILT_IN_OPTIMUM_VENV and not form.startswith("legacy"):
                 from models.tiny import build_tiny_model
 
                 checkpoint = str(staging / "checkpoints" / family)

@@ -1,4 +1,5 @@
-"""Runs inside the optimum venv (transformers 4.57, optimum-onnx), never in the project's own venv.
+"""Runs inside an optimum venv (transformers 4.57 and optimum-onnx, or the legacy one: transformers 4.37 and
+optimum 1.17), never in the project's own venv.
 
     python -m models.optimum_worker [--form=FORM] SEED FAMILY CHECKPOINT OUTPUT [FAMILY CHECKPOINT OUTPUT ...]
 
@@ -6,6 +7,9 @@ exports each checkpoint folder into OUTPUT in one of Optimum's forms: `with-past
 `text-generation-with-past` task (model.onnx); `no-past`, its `text-generation` task (model.onnx, no cache
 inputs); `merged`, as Optimum before its single-graph exports did: the decoder without a cache and the one
 with a cache, merged by `merge_decoders` into decoder_model_merged.onnx (an `If` on `use_cache_branch`).
+In the legacy venv: `legacy`, optimum 1.17's `text-generation-with-past` export (model.onnx), and
+`legacy-merged`, its `legacy=True` export (decoder_model_merged.onnx among the three files it writes),
+both through TorchScript as every torch of that time exported (torch 2.13 defaults to dynamo).
 CHECKPOINT `build` builds the tiny model here first (models.tiny.build_tiny_model, same sizes and seed).
 """
 
@@ -31,8 +35,28 @@ def export(family: str, checkpoint: str, output: str, seed: int, form: str = "wi
             build_tiny_model(family, seed).save_pretrained(checkpoint)
         if form == "merged":
             _merged_decoder(checkpoint, Path(output), Path(scratch))
+        elif form.startswith("legacy"):
+            _with_torchscript()
+            main_export(checkpoint, output=output, task="text-generation-with-past", device="cpu",
+                        legacy=form == "legacy-merged")
         else:
             main_export(checkpoint, output=output, task=TASKS[form], device="cpu")
+
+
+def _with_torchscript() -> None:
+    """`torch.onnx.export` as optimum 1.x called it in its time: the TorchScript exporter."""
+    import torch
+
+    export = torch.onnx.export
+    if getattr(export, "torchscript_default", False):
+        return
+
+    def torchscript(*args, **kwargs):
+        kwargs.setdefault("dynamo", False)
+        return export(*args, **kwargs)
+
+    torchscript.torchscript_default = True
+    torch.onnx.export = torchscript
 
 
 def _merged_decoder(checkpoint: str, output: Path, scratch: Path) -> None:

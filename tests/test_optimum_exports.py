@@ -3,7 +3,9 @@ the tiny families: they fuse completely, reproduce onnxruntime on the original a
 paged engine what onnxruntime generates on the original. So do its exports without a cache (the
 `text-generation` task) and the legacy merged decoders (`decoder_model_merged.onnx`: an `If` on
 `use_cache_branch` over the decoders without and with a cache), as Optimum wrote them before its
-single-graph exports. Exports are cached (models/optimum_export.py)."""
+single-graph exports. And so do the files optimum 1.17 with transformers 4.37 wrote, as most ONNX LLMs
+on the Hugging Face Hub were made (rotary tables sliced to the sequence's length; a merged decoder whose
+branch with a cache has no causal mask). Exports are cached (models/optimum_export.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import pytest
 from conftest import compile_to, ort_reference
 from generation_utils import assert_paged_greedy_equals_onnxruntime
 
-from models.optimum_export import OPTIMUM_FAMILIES, OptimumUnavailable, ensure_optimum_venv, export_families
+from models.optimum_export import (LEGACY_FAMILIES, OPTIMUM_FAMILIES, OptimumUnavailable, ensure_optimum_venv,
+                                   export_families)
 from models.recipes import RECIPES
 from models.tiny import TINY_FAMILIES
 from runtime import Executor, load_artifact
@@ -126,4 +129,42 @@ def test_an_export_without_a_cache_compiles_paged(no_past_exports, family, tmp_p
     om = compile_to(source, tmp_path / "paged", enable_paged_attention=True)
     counts = Counter(node.op_type for node in load_artifact(om).model.graph.node)
     assert counts["PagedAttention"] == 2 and counts["Softmax"] == 0
+    assert_paged_greedy_equals_onnxruntime(source, om, NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def legacy_exports():
+    try:
+        ensure_optimum_venv(legacy=True)
+    except OptimumUnavailable as error:
+        pytest.skip(f"the legacy optimum venv cannot be created: {error}")
+    return {form: export_families(LEGACY_FAMILIES, form=form) for form in ("legacy", "legacy-merged")}
+
+
+@pytest.mark.parametrize("form", ["legacy", "legacy-merged"])
+@pytest.mark.parametrize("family", LEGACY_FAMILIES)
+def test_optimum_1_17s_exports_fuse_and_generate(legacy_exports, form, family, tmp_path):
+    source = legacy_exports[form][family]
+    loaded = load_artifact(compile_to(source, tmp_path / "m"))
+    counts = Counter(node.op_type for node in loaded.model.graph.node)
+    assert (counts["FusedAttention"], counts["RmsNorm"] + counts["AddRmsNorm"], counts["Softmax"]) == (2, 5, 0)
+    inputs = [value["name"] for value in loaded.metadata["signature"]["inputs"]]
+    # the merged decoder's branch with a cache was traced for one token, without a causal mask: the branch
+    # without a cache is the one compiled
+    assert any(name.startswith("past_key_values") for name in inputs) == (form == "legacy")
+    dims = loaded.metadata["model"]
+    for batch, seq, past, seed in ((2, 6, 3 if form == "legacy" else 0, 0), (3, 4, 0, 2)):
+        rng = np.random.default_rng(seed)
+        ids = rng.integers(0, dims["vocab_size"], (batch, seq), dtype=np.int64)
+        feeds = causal_lm_inputs(loaded.metadata["signature"], dims, ids, past, rng)
+        feeds["attention_mask"][-1, -1] = 0
+        original = dict(feeds)
+        if form == "legacy-merged":  # its branch without a cache, as Optimum ran a prompt
+            original.update({"use_cache_branch": np.array([False])}, **{
+                f"past_key_values.{i}.{kind}": np.zeros((batch, dims["num_kv_heads"], 0, dims["head_dim"]), np.float32)
+                for i in range(2) for kind in ("key", "value")})
+        want, got = ort_reference(source, original)["logits"], Executor(loaded).run(feeds)["logits"]
+        rows = _rows_with_a_visible_key(feeds["attention_mask"], seq)
+        np.testing.assert_allclose(got[rows], want[rows], rtol=0, atol=TOLERANCE, err_msg=f"{batch}x{seq}+{past}")
+    om = compile_to(source, tmp_path / "paged", enable_paged_attention=True)
     assert_paged_greedy_equals_onnxruntime(source, om, NEW_TOKENS)
