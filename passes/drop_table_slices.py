@@ -15,6 +15,7 @@ from __future__ import annotations
 import onnx_graphsurgeon as gs
 
 from passes.base import PassResult
+from passes.graph_utils import replace_all_uses
 from passes.pattern import const_ints
 
 
@@ -55,9 +56,7 @@ class DropTableSlices:
             if table is None or not _only_gathered(node.outputs[0]):
                 continue
             result.match_times += 1
-            sliced = node.outputs[0]
-            for reader in list(sliced.outputs):
-                reader.inputs[[id(t) for t in reader.inputs].index(id(sliced))] = table
+            replace_all_uses(graph, node.outputs[0], table)
             result.effect_times += 1
         if result.effect_times:
             graph.cleanup(remove_unused_graph_inputs=False)

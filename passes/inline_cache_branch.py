@@ -22,6 +22,7 @@ import logging
 import onnx_graphsurgeon as gs
 
 from passes.base import PassResult
+from passes.graph_utils import replace_all_uses
 from passes.match_attention import dtype_kind
 
 log = logging.getLogger(__name__)
@@ -97,12 +98,9 @@ class InlineCacheBranch:
                     tensor.name = f"{tensor.name}/{branch.name}"
         graph.nodes.extend(branch.nodes)
         for replaced, computed in zip(list(node.outputs), branch.outputs):
-            for reader in list(replaced.outputs):
-                reader.inputs[[id(t) for t in reader.inputs].index(id(replaced))] = computed
-            places = [index for index, t in enumerate(graph.outputs) if t is replaced]
-            for index in places:
-                graph.outputs[index] = computed
-            if places:
+            output = any(t is replaced for t in graph.outputs)
+            replace_all_uses(graph, replaced, computed)
+            if output:
                 computed.name = replaced.name
         node.outputs.clear()
         node.inputs.clear()

@@ -17,6 +17,7 @@ import logging
 import onnx_graphsurgeon as gs
 
 from passes.base import PassResult
+from passes.graph_utils import replace_all_uses
 from passes.match_attention import dtype_kind
 
 log = logging.getLogger(__name__)
@@ -62,9 +63,8 @@ class RemoveLogitsToKeep:
             if not _reaches_logits_alone(graph, gather.outputs[0], logits):
                 result.rejections.append(f"{tensor.name}: the position it picks feeds more than the lm_head")
                 continue
-            picked = gather.outputs[0]
-            reader = picked.outputs[0]
-            reader.inputs[reader.inputs.index(picked)] = hidden
+            reader = gather.outputs[0].outputs[0]
+            replace_all_uses(graph, gather.outputs[0], hidden)
             gather.outputs.clear()
             graph.inputs.remove(tensor)
             value = reader.outputs[0]

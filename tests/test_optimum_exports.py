@@ -28,32 +28,34 @@ NEW_TOKENS = 32
 # for the other forms: rotary with and without position_ids, and learned positions
 MERGED_FAMILIES = ("llama", "gemma", "gpt2")
 
+def _exports(families, form: str = "with-past"):
+    """The families' exports in `form`; the tests skip only if the venv cannot be created (no registry)."""
+    legacy = form.startswith("legacy")
+    try:
+        ensure_optimum_venv(legacy=legacy)
+    except OptimumUnavailable as error:
+        pytest.skip(f"the {'legacy ' if legacy else ''}optimum venv cannot be created: {error}")
+    return export_families(families, form=form)
+
+
 @pytest.fixture(scope="module")
 def optimum_exports():
-    """Every family's export; the tests skip only if the optimum venv cannot be created (no registry)."""
-    try:
-        ensure_optimum_venv()
-    except OptimumUnavailable as error:
-        pytest.skip(f"the optimum venv cannot be created: {error}")
-    return export_families(OPTIMUM_FAMILIES)
+    return _exports(OPTIMUM_FAMILIES)
 
 
 @pytest.fixture(scope="module")
 def merged_exports():
-    try:
-        ensure_optimum_venv()
-    except OptimumUnavailable as error:
-        pytest.skip(f"the optimum venv cannot be created: {error}")
-    return export_families(MERGED_FAMILIES, form="merged")
+    return _exports(MERGED_FAMILIES, "merged")
 
 
 @pytest.fixture(scope="module")
 def no_past_exports():
-    try:
-        ensure_optimum_venv()
-    except OptimumUnavailable as error:
-        pytest.skip(f"the optimum venv cannot be created: {error}")
-    return export_families(MERGED_FAMILIES, form="no-past")
+    return _exports(MERGED_FAMILIES, "no-past")
+
+
+@pytest.fixture(scope="module")
+def legacy_exports():
+    return {form: _exports(LEGACY_FAMILIES, form) for form in ("legacy", "legacy-merged")}
 
 
 def _rows_with_a_visible_key(mask: np.ndarray, seq: int) -> np.ndarray:
@@ -130,15 +132,6 @@ def test_an_export_without_a_cache_compiles_paged(no_past_exports, family, tmp_p
     counts = Counter(node.op_type for node in load_artifact(om).model.graph.node)
     assert counts["PagedAttention"] == 2 and counts["Softmax"] == 0
     assert_paged_greedy_equals_onnxruntime(source, om, NEW_TOKENS)
-
-
-@pytest.fixture(scope="module")
-def legacy_exports():
-    try:
-        ensure_optimum_venv(legacy=True)
-    except OptimumUnavailable as error:
-        pytest.skip(f"the legacy optimum venv cannot be created: {error}")
-    return {form: export_families(LEGACY_FAMILIES, form=form) for form in ("legacy", "legacy-merged")}
 
 
 @pytest.mark.parametrize("form", ["legacy", "legacy-merged"])
