@@ -312,8 +312,9 @@ def _divides(tensor: gs.Tensor) -> bool:
 def _comparison(node: gs.Node, padding: gs.Tensor | None) -> tuple[int, int] | str:
     """What a comparison in a mask says: (causal, window W or 0) for key positions compared with query
     positions the causal way (`kv <= q`, `kv < q + 1`, `kv > q` for the hidden ones) or a window's way
-    (`kv > q - W`); (0, 0) for the padding mask compared with a constant; otherwise a refusal. Where the
-    shapes do not tell keys from queries, the comparison is taken as causal."""
+    (`kv > q - W`, `kv <= q - W` for the hidden ones); (0, 0) for the padding mask compared with a
+    constant; otherwise a refusal. Where the shapes do not tell keys from queries, the comparison is taken
+    as causal."""
     if node.op == "Trilu":
         return 1, 0
     left, right = node.inputs
@@ -336,8 +337,11 @@ def _comparison(node: gs.Node, padding: gs.Tensor | None) -> tuple[int, int] | s
     offset = _moved_by(right) - _moved_by(left)  # the keys compared with the queries moved by this much
     if (op, offset) in (("LessOrEqual", 0), ("Less", 1), ("Greater", 0), ("GreaterOrEqual", 1)):
         return 1, 0
-    if op == "Greater" and offset < 0:
-        return 1, -offset
+    # a window W: the keys seen (`kv > q - W`, `kv >= q - W + 1`) or the ones hidden (`kv <= q - W`, as
+    # transformers 4.43's Mistral ors into its causal mask, or `kv < q - W + 1`)
+    window = {"Greater": -offset, "LessOrEqual": -offset, "GreaterOrEqual": 1 - offset, "Less": 1 - offset}[op]
+    if offset < 1 and window > 1:
+        return 1, window
     return f"{node.name} compares key and query positions {op} with an offset of {offset}, neither causal nor a window"
 
 

@@ -367,6 +367,11 @@ def _compared_mask(kind: str) -> gs.Graph:
                                helper.make_node("Add", ["cols", "three"], ["moved"]),
                                helper.make_node("Greater", ["moved", "rows"], ["window"]),
                                helper.make_node("And", ["causal", "window"], ["positions"])],
+        "hidden window": [helper.make_node("LessOrEqual", ["cols", "rows"], ["causal"]),
+                          helper.make_node("Sub", ["rows", "three"], ["back"]),
+                          helper.make_node("LessOrEqual", ["cols", "back"], ["too_old"]),
+                          helper.make_node("Not", ["too_old"], ["recent"]),
+                          helper.make_node("And", ["causal", "recent"], ["positions"])],
         "strictly before": [helper.make_node("Less", ["cols", "rows"], ["positions"])],
         "bidirectional": [helper.make_node("GreaterOrEqual", ["rows", "zero_int"], ["positions"])],
         "distance": [helper.make_node("Sub", ["rows", "cols"], ["distance"]),
@@ -391,7 +396,8 @@ def _compared_mask(kind: str) -> gs.Graph:
                    _const("zero", 0.0, np.float32), _const("minimum", -np.inf, np.float32)])
 
 
-@pytest.mark.parametrize("kind, window", [("causal", 0), ("flipped", 0), ("window on the keys", 3)])
+@pytest.mark.parametrize("kind, window", [("causal", 0), ("flipped", 0), ("window on the keys", 3),
+                                          ("hidden window", 3)])
 def test_key_and_query_positions_compared_the_causal_way(kind, window):
     graph = _compared_mask(kind)
     source = match_mask_source(graph, _tensor(graph, "mask"))
