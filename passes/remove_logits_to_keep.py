@@ -6,8 +6,9 @@
 `hidden_states[:, slice(-logits_to_keep, None)]` into `Gather(hidden, logits_to_keep, axis=1)` before the
 lm_head: the graph's logits are [batch, vocab] at the one position the input names, where transformers'
 default (0) means every position. With nothing but Casts and the lm_head's MatMul (and an Add of its bias)
-between that Gather and the `logits` output, the Gather is dropped, the logits are [batch, seq, vocab] as
-transformers computes them, and the input goes; anything else is left as it is.
+between that Gather and a graph output, the Gather is dropped, the logits are [batch, seq, vocab] as
+transformers computes them, the input goes, and the output is named `logits` if the export numbered it
+(no `output_names`); anything else is left as it is.
 """
 
 from __future__ import annotations
@@ -25,17 +26,18 @@ log = logging.getLogger(__name__)
 _TO_LOGITS = ("MatMul", "Add", "Cast")
 
 
-def _reaches_logits_alone(graph: gs.Graph, tensor: gs.Tensor, logits: gs.Tensor) -> bool:
-    """Whether `tensor` flows into `logits` through one chain of the lm_head's ops, feeding nothing else."""
+def _output_reached(graph: gs.Graph, tensor: gs.Tensor) -> gs.Tensor | None:
+    """The graph output `tensor` flows into through one chain of the lm_head's ops (MatMul by a weight, Add,
+    Cast), feeding nothing else on the way; None if it does not."""
     outputs = {id(t) for t in graph.outputs}
-    while tensor is not logits:
-        if id(tensor) in outputs or len(tensor.outputs) != 1 or tensor.outputs[0].op not in _TO_LOGITS:
-            return False
+    while id(tensor) not in outputs:
+        if len(tensor.outputs) != 1 or tensor.outputs[0].op not in _TO_LOGITS:
+            return None
         node = tensor.outputs[0]
         if node.op == "MatMul" and node.inputs[0] is not tensor:
-            return False
+            return None
         tensor = node.outputs[0]
-    return True
+    return tensor if not tensor.outputs else None
 
 
 class RemoveLogitsToKeep:
@@ -45,10 +47,7 @@ class RemoveLogitsToKeep:
     switchable = True
 
     def run(self, graph: gs.Graph) -> PassResult:
-        logits = next((t for t in graph.outputs if t.name == "logits"), None)
         result = PassResult()
-        if logits is None:
-            return result
         for tensor in list(graph.inputs):
             if tensor.shape is None or len(tensor.shape) != 0 or dtype_kind(tensor.dtype) not in "iu":
                 continue
@@ -60,7 +59,8 @@ class RemoveLogitsToKeep:
             if gather.attrs.get("axis", 0) not in (1, -2) or hidden.shape is None or len(hidden.shape) != 3:
                 continue
             result.match_times += 1
-            if not _reaches_logits_alone(graph, gather.outputs[0], logits):
+            logits = _output_reached(graph, gather.outputs[0])
+            if logits is None:
                 result.rejections.append(f"{tensor.name}: the position it picks feeds more than the lm_head")
                 continue
             reader = gather.outputs[0].outputs[0]
@@ -73,6 +73,8 @@ class RemoveLogitsToKeep:
                 if value is logits:
                     break
                 value = value.outputs[0].outputs[0]
+            if logits.name != "logits" and "logits" not in graph.tensors():
+                logits.name = "logits"  # TorchScript without output_names numbers it ("701")
             result.effect_times += 1
             log.info("%s: %s picked the one position whose logits the graph gave; every position's now",
                      self.name, tensor.name)

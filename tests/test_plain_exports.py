@@ -45,13 +45,15 @@ def _onnxruntime_greedy(path, prompt: list[int], new_tokens: int) -> list[int]:
     return ids[len(prompt):]
 
 
-def _torchscript_export(path):
+def _torchscript_export(path, output_names: bool):
     model = build_tiny_model("llama").eval()
     model.config.use_cache = False
     ids = torch.randint(0, 200, (2, 8))
-    axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}, "logits": {0: "batch"}}
+    axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}}
+    names = dict(output_names=["logits"], dynamic_axes={**axes, "logits": {0: "batch"}}) if output_names else \
+        dict(dynamic_axes=axes)  # the output numbered by the exporter
     torch.onnx.export(model, (ids, torch.ones_like(ids)), str(path), dynamo=False, opset_version=17,
-                      input_names=["input_ids", "attention_mask"], output_names=["logits"], dynamic_axes=axes)
+                      input_names=["input_ids", "attention_mask"], **names)
     return path
 
 
@@ -66,13 +68,15 @@ def _last_position_greedy(path, prompt: list[int], new_tokens: int) -> list[int]
     return ids[len(prompt):]
 
 
-def test_a_torchscript_export_of_the_model_itself_gives_every_positions_logits(tmp_path):
-    source = _torchscript_export(tmp_path / "model.onnx")
+@pytest.mark.parametrize("output_names", [True, False])
+def test_a_torchscript_export_of_the_model_itself_gives_every_positions_logits(output_names, tmp_path):
+    source = _torchscript_export(tmp_path / "model.onnx", output_names)
     session = ort.InferenceSession(str(source), providers=["CPUExecutionProvider"])
     assert [i.name for i in session.get_inputs()][-1] == "logits_to_keep"  # the trace the test is about
     contiguous = compile_model(CompileConfig(model=str(source), framework=5, output=str(tmp_path / "contiguous"),
                                              soc_version="Ascend910B"))
     assert [t["name"] for t in contiguous.metadata["signature"]["inputs"]] == ["input_ids", "attention_mask"]
+    assert [t["name"] for t in contiguous.metadata["signature"]["outputs"]] == ["logits"]
     ids = np.arange(3, 9)[None].repeat(2, 0)
     mask = np.ones_like(ids)
     mask[1, :2] = 0
