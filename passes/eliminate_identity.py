@@ -1,8 +1,7 @@
 """IdentityEliminationPass: drop nodes that pass one input through unchanged.
 
 Identity; Dropout (inference); single-input Concat/Sum/Max/Min/Mean (TorchScript's DynamicCache leaves a
-one-input Concat on each past KV input), and a Concat's operands that are empty along its axis
-(`drop_empty_operands`); Cast to the type the value already has (TorchScript exports put
+one-input Concat on each past KV input); Cast to the type the value already has (TorchScript exports put
 float32→float32 Casts around every RMSNorm); x·1, 1·x, x/1, x+0, 0+x, x-0 with a scalar constant of x's
 type and x of rank ≥ 1 (so broadcasting changes nothing; RoPE's attention_scaling of 1.0 is one); a Slice
 of whole axes (0 to the end, step 1).
@@ -72,22 +71,6 @@ def _whole_slice(node: gs.Node) -> bool:
     return all(start == 0 for start in starts) and all(end >= 2**31 - 1 for end in ends)
 
 
-def drop_empty_operands(node: gs.Node) -> bool:
-    """Drop the operands of a Concat that are empty along its axis (Phi-3's rotation of the whole head
-    concatenates `q[..., rotary_dim:]`, nothing, after it; the dynamo exporter's optimizer removes it, and
-    `optimize=False` leaves it), keeping one; whether any went."""
-    if node.op != "Concat" or len(node.inputs) < 2:
-        return False
-    axis = node.attrs.get("axis", 0)
-    empty = [t for t in node.inputs if t.shape is not None and -len(t.shape) <= axis < len(t.shape)
-             and t.shape[axis] == 0]
-    if not empty or len(empty) == len(node.inputs):
-        return False
-    for tensor in empty:
-        node.inputs.pop(next(i for i, t in enumerate(node.inputs) if t is tensor))
-    return True
-
-
 class EliminateIdentity:
     """Remove pass-through nodes."""
 
@@ -99,7 +82,6 @@ class EliminateIdentity:
         for node in list(graph.nodes):
             if (node.domain or "") not in ("", "ai.onnx") or len(node.outputs) < 1:
                 continue
-            drop_empty_operands(node)
             source = passthrough_input(node)
             if source is None:
                 continue

@@ -59,19 +59,6 @@ def test_identity_elimination_removes_pass_through_nodes():
     np.testing.assert_array_equal(_run(fused, FEEDS)[0], _run(model, FEEDS)[0])
 
 
-def test_a_concatenation_with_nothing_after_it_is_its_first_operand():
-    # Phi-3 rotating its whole head, exported with dynamo's optimize=False: cat([rotated, x[..., 8:]])
-    nodes = [helper.make_node("Relu", ["x"], ["rotated"]),
-             helper.make_node("Slice", ["x", "eight", "end", "last"], ["rest"]),
-             helper.make_node("Concat", ["rotated", "rest"], ["joined"], axis=-1),
-             helper.make_node("Neg", ["joined"], ["y"])]
-    constants = [numpy_helper.from_array(np.array([v]), n) for n, v in (("eight", 8), ("end", 2**62), ("last", -1))]
-    model = _model(nodes, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])], constants)
-    fused, _ = _apply(model, InferShapes(), EliminateIdentity(), EliminateDeadCode())
-    assert _ops(fused) == ["Relu", "Neg"]
-    np.testing.assert_array_equal(_run(fused, FEEDS)[0], _run(model, FEEDS)[0])
-
-
 def test_identity_elimination_keeps_an_identity_from_input_to_output():
     model = _model([helper.make_node("Identity", ["x"], ["y"])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])])
     fused, (result,) = _apply(model, EliminateIdentity())
