@@ -37,7 +37,7 @@ from runtime.compatibility import requirements
 from runtime.errors import AtcError
 from runtime.progress import note
 from runtime.safe_files import refuse_symlink
-from runtime.signature import io_signature, is_dynamic, llm_dimensions
+from runtime.signature import io_signature, is_dynamic, is_fixed, llm_dimensions
 
 log = logging.getLogger("atc")
 
@@ -77,7 +77,7 @@ def _fixed_by_the_export(cfg: CompileConfig, graph: gs.Graph) -> list[int] | Non
     if tokens is None or tokens.name in (cfg.input_shapes or {}) or tokens.shape is None:
         return None
     shape = list(tokens.shape)
-    return shape if shape and all(isinstance(dim, int) and dim > 0 for dim in shape) else None
+    return shape if is_fixed(shape) else None
 
 
 def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResult:

@@ -280,33 +280,27 @@ def _moved_by(tensor: gs.Tensor) -> int:
     return 0
 
 
-def _reads(tensor: gs.Tensor, source: gs.Tensor) -> bool:
-    """Whether `tensor`'s values are computed from `source` (not through a Shape)."""
-    seen, queue = set(), [tensor]
-    while queue:
-        value = queue.pop()
-        if value is source:
-            return True
-        node = producer(value)
-        if node is None or node.op == "Shape" or id(node) in seen:
-            continue
-        seen.add(id(node))
-        queue.extend(node.inputs)
-    return False
-
-
-def _divides(tensor: gs.Tensor) -> bool:
-    """Whether `tensor` is computed by dividing integers (not through a Shape)."""
+def _computed_from(tensor: gs.Tensor):
+    """The nodes `tensor`'s values are computed by, back to the graph's inputs (not through a Shape)."""
     seen, queue = set(), [tensor]
     while queue:
         node = producer(queue.pop())
         if node is None or node.op == "Shape" or id(node) in seen:
             continue
         seen.add(id(node))
-        if node.op in ("Div", "Mod") and dtype_kind(node.outputs[0].dtype) in "iu":
-            return True
+        yield node
         queue.extend(node.inputs)
-    return False
+
+
+def _reads(tensor: gs.Tensor, source: gs.Tensor) -> bool:
+    """Whether `tensor`'s values are computed from `source` (not through a Shape)."""
+    return tensor is source or any(any(t is source for t in node.inputs) for node in _computed_from(tensor))
+
+
+def _divides(tensor: gs.Tensor) -> bool:
+    """Whether `tensor` is computed by dividing integers (not through a Shape)."""
+    return any(node.op in ("Div", "Mod") and dtype_kind(node.outputs[0].dtype) in "iu"
+               for node in _computed_from(tensor))
 
 
 def _comparison(node: gs.Node, padding: gs.Tensor | None) -> tuple[int, int] | str:

@@ -89,15 +89,9 @@ class NameCausalLmIo:
             match = _SUFFIX.match(tensor.name)
             if match and match.group(1) in TOKEN_INPUT_NAMES:
                 rename(tensor, match.group(1))
-        indexing = {id(t): rows for t in graph.inputs
-                    if _rank(t) == 2 and dtype_kind(t.dtype) in "iu" and (rows := _table_rows(t)) is not None}
-        vocab = None
-        if "input_ids" in taken:
-            ids = next((t for t in graph.inputs if t.name == "input_ids"), None)
-            vocab = indexing.get(id(ids)) if ids is not None else None
-        elif len(indexing) == 1:
-            ids = next(t for t in graph.inputs if id(t) in indexing)
-            vocab = indexing[id(ids)]
+        ids = token_input(graph)
+        vocab = _table_rows(ids) if ids is not None else None
+        if ids is not None and ids.name != "input_ids":
             rename(ids, "input_ids")
         if "logits" not in {t.name for t in graph.outputs} and vocab is not None:
             floats = [t for t in graph.outputs if _rank(t) == 3 and dtype_kind(t.dtype) in "fV" and t.shape[-1] == vocab]

@@ -32,9 +32,12 @@ def fixed_token_shape(signature: dict) -> list[int] | None:
     """`input_ids`' shape when every dim of it is fixed (an export made without dynamic axes, or
     `--input_shape` fixing them): such a graph runs that one shape, and generating needs others."""
     shape = next((value["shape"] for value in signature["inputs"] if value["name"] == "input_ids"), None)
-    if shape and all(isinstance(dim, int) and dim > 0 for dim in shape):
-        return shape
-    return None
+    return shape if shape is not None and is_fixed(shape) else None
+
+
+def is_fixed(shape) -> bool:
+    """Whether every dim of `shape` (ints, or names of symbolic dims) is a known positive size."""
+    return bool(shape) and all(isinstance(dim, int) and dim > 0 for dim in shape)
 
 
 def llm_dimensions(signature: dict) -> dict:
