@@ -4,8 +4,11 @@ under that, the memory: one read of those weights' bytes on every core (numba, n
 
     python benchmarks/decode_floor.py --om .cache/smollm2.om --onnx .cache/smollm2-dynamo/model.onnx
 
-The four alternate step by step (same weights, same thread pool), so machine noise hits them alike;
-medians and ratios to the floor are printed.
+Where the native library has MatMulF32 (AVX-512), a fifth session holds the same matmuls as the runtime runs
+a float32 artifact's: MatMulF32 on the weights laid out in panels, in one arena of huge pages, in the graph's
+order; the paged step over it is what the step spends outside its matmuls. The five alternate step by step
+(same weights, same thread pool), so machine noise hits them alike; medians and ratios to the floor are
+printed.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from onnx import helper
 
 from runtime import Executor, load_artifact
 from runtime.engine.kv_cache import PagePool
+from runtime.huge_pages import HugePageArena
+from runtime.kernels import float32_panels, native
+from runtime.ops import CUSTOM_DOMAIN, MATMUL_F32
 from runtime.ort_session import enable_process_thread_pool, session_options
 
 
@@ -80,6 +86,32 @@ def matmul_session(weights: dict[str, np.ndarray], rows: int = 1) -> tuple[ort.I
     return session, {**feeds, **weights}
 
 
+def native_matmul_session(weights: dict[str, np.ndarray]) -> tuple[ort.InferenceSession, dict, dict] | None:
+    """The matmuls of `matmul_session` as the runtime runs a float32 artifact's (runtime/executor.py
+    `_float32_panels`): MatMulF32 on panels laid out in one huge-page arena, in `weights`' order; the session,
+    its feeds and the panels (kept alive while it runs). None where the library has no MatMulF32."""
+    if not native.has_float32_panel_matmul():
+        return None
+    arena = HugePageArena([4 * int(np.prod(float32_panels.shape_of(w))) for w in weights.values()])
+    panels = {f"{name}/panels": float32_panels.pack(w, arena.empty(float32_panels.shape_of(w), np.float32))
+              for name, w in weights.items()}
+    nodes, inputs = [], {}
+    for (name, weight), panel in zip(weights.items(), panels):
+        k, n = weight.shape
+        inputs.setdefault(k, helper.make_tensor_value_info(f"x{k}", onnx.TensorProto.FLOAT, [1, k]))
+        nodes.append(helper.make_node(MATMUL_F32.name, [f"x{k}", panel], [f"y{len(nodes)}"], domain=CUSTOM_DOMAIN,
+                                      K=int(k), N=int(n)))
+    typed = [helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, list(p.shape)) for name, p in panels.items()]
+    graph = helper.make_graph(nodes, "native floor", list(inputs.values()) + typed,
+                              [helper.make_tensor_value_info(n.output[0], onnx.TensorProto.FLOAT, None) for n in nodes])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(CUSTOM_DOMAIN, 1)])
+    options = session_options()
+    options.register_custom_ops_library(str(native.library_path()))
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    feeds = {f"x{k}": np.random.default_rng(0).standard_normal((1, k)).astype(np.float32) for k in inputs}
+    return session, {**feeds, **panels}, panels
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--om", "om_path", required=True, help="a paged artifact")
 @click.option("--onnx", "onnx_path", required=True, help="the original export with KV-cache I/O")
@@ -92,6 +124,7 @@ def main(om_path: str, onnx_path: str, context: int, steps: int) -> None:
     page_size, dims = loaded.metadata["kv_cache"]["page_size"], loaded.metadata["model"]
     weights = matmul_weights(loaded)
     floor, floor_feeds = matmul_session(weights)
+    native_floor = native_matmul_session(weights)
     executor = Executor(loaded)
     pages = -(-(context + steps) // page_size)
     pool = PagePool(dims["num_layers"], pages, page_size, dims["num_kv_heads"], dims["head_dim"])
@@ -110,6 +143,8 @@ def main(om_path: str, onnx_path: str, context: int, steps: int) -> None:
     past = {name.replace("present", "past_key_values", 1): value for name, value in zip(presents, outputs)}
     read = weight_read(weights)
     times = {"floor": [], "paged .om": [], "onnxruntime": [], "weight read": []}
+    if native_floor is not None:
+        times["native matmuls"] = []
     for step in range(steps):
         position = context + step
         start = time.perf_counter()
@@ -118,6 +153,10 @@ def main(om_path: str, onnx_path: str, context: int, steps: int) -> None:
         start = time.perf_counter()
         floor.run(None, floor_feeds)
         times["floor"].append(time.perf_counter() - start)
+        if native_floor is not None:
+            start = time.perf_counter()
+            native_floor[0].run(None, native_floor[1])
+            times["native matmuls"].append(time.perf_counter() - start)
         feeds = {"input_ids": np.array([[5]]), "position_ids": np.array([[position]]),
                  "query_start_loc": np.array([0, 1], np.int32), "seq_lens": np.array([position + 1], np.int32),
                  "block_tables": table, "slot_mapping": np.array([position]), "logits_indices": np.array([0])}
@@ -131,8 +170,11 @@ def main(om_path: str, onnx_path: str, context: int, steps: int) -> None:
         past = {name.replace("present", "past_key_values", 1): value for name, value in zip(presents, outputs[1:])}
     medians = {name: statistics.median(values[1:]) * 1000 for name, values in times.items()}
     for name, value in medians.items():
-        click.echo(f"{name:<12} {value:7.2f} ms  {value / medians['floor']:.2f}x the floor")
+        click.echo(f"{name:<14} {value:7.2f} ms  {value / medians['floor']:.2f}x the floor")
     click.echo(f"onnxruntime / paged .om: {medians['onnxruntime'] / medians['paged .om']:.2f}x")
+    if native_floor is not None:
+        click.echo(f"paged .om / native matmuls: {medians['paged .om'] / medians['native matmuls']:.3f}x; "
+                   f"weight read / native matmuls: {medians['weight read'] / medians['native matmuls']:.3f}x")
 
 
 if __name__ == "__main__":

@@ -51,10 +51,11 @@ def venv_python(legacy: bool = False) -> Path:
 
 FORMS = ("with-past", "no-past", "merged", "legacy", "legacy-merged")  # models/optimum_worker.py says what each is
 # optimum 1.17 with transformers 4.37, as most ONNX files on the Hugging Face Hub were made (the "legacy"
-# forms); it exports llama and mistral of the tiny families (it has no Qwen2 config, 4.37 no Gemma or Phi-3)
+# forms); it exports llama, mistral and gpt2 of the tiny families (it has no Qwen2 config, 4.37 no Gemma or
+# Phi-3), GPT-2 with eager attention, as 4.37 has no other for it
 LEGACY_REQUIREMENTS = ("optimum==1.17.1", "transformers==4.37.2", "torch==2.13.0", "onnx", "onnxruntime",
                        "numpy<2")
-LEGACY_FAMILIES = ("llama", "mistral")
+LEGACY_FAMILIES = ("llama", "mistral", "gpt2")
 
 
 def export_dir(family: str, seed: int = 0, form: str = "with-past") -> Path:

@@ -10,7 +10,8 @@ with a cache, merged by `merge_decoders` into decoder_model_merged.onnx (an `If`
 In the legacy venv: `legacy`, optimum 1.17's `text-generation-with-past` export (model.onnx), and
 `legacy-merged`, its `legacy=True` export (decoder_model_merged.onnx among the three files it writes),
 both through TorchScript as every torch of that time exported (torch 2.13 defaults to dynamo).
-CHECKPOINT `build` builds the tiny model here first (models.tiny.build_tiny_model, same sizes and seed).
+CHECKPOINT `build` builds the tiny model here first (models.tiny.build_tiny_model, same sizes and seed,
+this transformers' default attention).
 """
 
 from __future__ import annotations
@@ -29,10 +30,14 @@ def export(family: str, checkpoint: str, output: str, seed: int, form: str = "wi
 
     with tempfile.TemporaryDirectory() as scratch:
         if checkpoint == "build":
-            from models.tiny import build_tiny_model
+            import transformers
 
+            from models.tiny import TINY_FAMILIES, build_tiny_model
+
+            # transformers' default: sdpa where this version's class has it, eager where not (GPT-2 before 4.41)
+            sdpa = getattr(getattr(transformers, TINY_FAMILIES[family].model_class), "_supports_sdpa", False)
             checkpoint = f"{scratch}/{family}"
-            build_tiny_model(family, seed).save_pretrained(checkpoint)
+            build_tiny_model(family, seed, "sdpa" if sdpa else "eager").save_pretrained(checkpoint)
         if form == "merged":
             _merged_decoder(checkpoint, Path(output), Path(scratch))
         elif form.startswith("legacy"):

@@ -95,10 +95,11 @@ class FuseAttention(FusionPass):
         rank = len(softmax.inputs[0].shape or [])
         if softmax.attrs.get("axis", -1) not in (-1, rank - 1) or rank != 4:
             return "not a softmax over the last axis of [B, H, S, T] scores"
-        logits, mask, outside = split_mask(softmax.inputs[0])
+        logits, masks, outside = split_mask(softmax.inputs[0])
         logits, alibi = peel_alibi(logits)
-        if alibi is None and mask is not None:
-            mask, alibi = mask_alibi(mask)
+        if alibi is None and len(masks) == 1:
+            mask, alibi = mask_alibi(masks[0])
+            masks = (mask,)
         capped, softcap = match_softcap(logits)
         if softcap and outside != 1.0:
             return "a scale outside a softcap"
@@ -159,8 +160,8 @@ class FuseAttention(FusionPass):
         if any(r is not None and r * kv_heads != heads for r in (key_repeats, value_repeats)):
             return f"the keys and values are repeated {key_repeats} and {value_repeats} times for {heads} heads"
         source = MaskSource(None, 0)
-        if mask is not None:
-            source = match_mask_source(graph, mask)
+        if masks:
+            source = match_mask_source(graph, *masks)
             if isinstance(source, str):
                 return source
         window = source.window or key_cache.window

@@ -21,6 +21,7 @@ it found, or None (or a reason string) when the tensor is not that part; each ha
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,23 +106,25 @@ def _peel_cast(tensor: gs.Tensor) -> gs.Tensor:
     return node.inputs[0] if node is not None and dtype_kind(node.inputs[0].dtype) == "f" else tensor
 
 
-def split_mask(logits: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor | None, float]:
-    """(scaled scores, additive or boolean mask, a factor outside them) of a softmax input; the mask None when
-    there is none, the factor 1.0.
+def split_mask(logits: gs.Tensor) -> tuple[gs.Tensor, tuple[gs.Tensor, ...], float]:
+    """(scaled scores, the masks on them, a factor outside them) of a softmax input; no masks when there are
+    none, the factor 1.0.
 
-    A boolean mask (True attends) comes from masked_fill, `Where(allowed, scores, -big)`. A positive scalar
+    A mask is additive, or boolean (True attends) from masked_fill, `Where(allowed, scores, -big)`. Two are
+    stacked where a model fills its causal buffer in and then adds the padding mask, as GPT-2 did until
+    transformers 4.41 (`Where(causal, scores, min) + attention_mask`), outermost first. A positive scalar
     outside the masked scores, `(scores + mask)·c` (transformers 4.57's CodeGen adds its mask before it
     divides), scales the scores: a mask of zeros and large negative values hides the same keys times c.
     """
     logits = _peel_cast(logits)
-    scores, mask = _split_mask(logits)
-    if mask is None:
+    scores, masks = _split_masks(logits)
+    if not masks:
         inner, factor = match_scale(logits)
         if inner is not logits and factor > 0:
-            scores, mask = _split_mask(_peel_cast(inner))
-            if mask is not None:
-                return scores, mask, factor
-    return scores, mask, 1.0
+            scores, masks = _split_masks(_peel_cast(inner))
+            if masks:
+                return scores, masks, factor
+    return scores, masks, 1.0
 
 
 def _scored(tensor: gs.Tensor) -> bool:
@@ -129,18 +132,35 @@ def _scored(tensor: gs.Tensor) -> bool:
     return producer(match_scale(match_softcap(peel_alibi(tensor)[0])[0])[0], "MatMul") is not None
 
 
-def _split_mask(logits: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor | None]:
+def _masked_scores(tensor: gs.Tensor) -> bool:
+    """Scores (`_scored`) under one mask."""
+    return _split_mask(tensor, _scored)[1] is not None
+
+
+def _split_masks(logits: gs.Tensor) -> tuple[gs.Tensor, tuple[gs.Tensor, ...]]:
+    scores, mask = _split_mask(logits, _scored)
+    if mask is not None:
+        return scores, (mask,)
+    masked, outer = _split_mask(logits, _masked_scores)
+    if outer is None:
+        return logits, ()
+    scores, inner = _split_mask(masked, _scored)
+    return scores, (outer, inner)
+
+
+def _split_mask(logits: gs.Tensor, scored: Callable[[gs.Tensor], bool]) -> tuple[gs.Tensor, gs.Tensor | None]:
+    """(the operand `scored` accepts, the mask on it) of an Add or a masked_fill's Where; (logits, None)."""
     add = producer(logits, "Add")
     if add is not None:
-        for scored, candidate in (add.inputs, add.inputs[::-1]):
-            if _scored(scored) and not isinstance(candidate, gs.Constant) and match_alibi(candidate) is None:
-                return scored, candidate
+        for operand, candidate in (add.inputs, add.inputs[::-1]):
+            if scored(operand) and not isinstance(candidate, gs.Constant) and match_alibi(candidate) is None:
+                return operand, candidate
     where = producer(logits, "Where")
     if where is not None:  # Where(allowed, scores, fill), or masked_fill's Where(hidden, fill, scores) (MPT)
-        for scored, fill in ((where.inputs[1], where.inputs[2]), (where.inputs[2], where.inputs[1])):
+        for operand, fill in ((where.inputs[1], where.inputs[2]), (where.inputs[2], where.inputs[1])):
             value = scalar(fill)
-            if value is not None and value <= MASKED_BELOW and _scored(scored):
-                return scored, where.inputs[0]
+            if value is not None and value <= MASKED_BELOW and scored(operand):
+                return operand, where.inputs[0]
     return logits, None
 
 
@@ -339,16 +359,17 @@ def _comparison(node: gs.Node, padding: gs.Tensor | None) -> tuple[int, int] | s
     return f"{node.name} compares key and query positions {op} with an offset of {offset}, neither causal nor a window"
 
 
-def match_mask_source(graph: gs.Graph, mask: gs.Tensor) -> MaskSource | str:
-    """The attention_mask input whose values the mask reads (values behind a Shape do not count), causality,
+def match_mask_source(graph: gs.Graph, *masks: gs.Tensor) -> MaskSource | str:
+    """The attention_mask input whose values the masks read (values behind a Shape do not count), causality,
     and a sliding window: positions moved by a constant W and compared as transformers' sliding-window
     overlay writes `kv_idx > q_idx - W`. A mask that reads another input, compares positions another way
     (`_comparison`) or holds a constant pattern of positions other than the causal one is refused: the
     fusion would drop what it does not read."""
-    if mask.shape is not None and len(mask.shape) == 4 and isinstance(mask.shape[1], int) and mask.shape[1] > 1:
-        return f"the mask differs per head ({mask.shape}: ALiBi's slopes?), which the fusion would drop"
+    for mask in masks:
+        if mask.shape is not None and len(mask.shape) == 4 and isinstance(mask.shape[1], int) and mask.shape[1] > 1:
+            return f"the mask differs per head ({mask.shape}: ALiBi's slopes?), which the fusion would drop"
     readers: dict[int, gs.Tensor] = {}
-    causal, windows, seen, queue = 0, set(), set(), deque([mask])
+    causal, windows, seen, queue = 0, set(), set(), deque(masks)
     inputs = {id(t): t for t in graph.inputs}
     padding = next((t for t in graph.inputs if t.name == "attention_mask"), None)
     while queue:

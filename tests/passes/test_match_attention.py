@@ -94,8 +94,8 @@ def test_an_additive_mask_is_split_from_the_scores_in_either_order(order):
     nodes = _scores_nodes() + [helper.make_node("Add", operands, ["logits"])]
     graph = _graph(nodes, SCORE_INPUTS + [_value("mask", [B, 1, T, T])], [_value("logits", [B, 2, T, T])],
                    [_const("scale", 0.5, np.float32)])
-    scored, mask, _ = split_mask(_tensor(graph, "logits"))
-    assert (scored.name, mask.name) == ("scaled", "mask")
+    scored, masks, _ = split_mask(_tensor(graph, "logits"))
+    assert (scored.name, [m.name for m in masks]) == ("scaled", ["mask"])
 
 
 def test_masked_fill_is_a_boolean_mask():
@@ -103,8 +103,26 @@ def test_masked_fill_is_a_boolean_mask():
     graph = _graph(nodes, SCORE_INPUTS + [_value("allowed", [B, 1, T, T], TensorProto.BOOL)],
                    [_value("logits", [B, 2, T, T])], [_const("scale", 0.5, np.float32),
                                                       _const("fill", np.finfo(np.float32).min, np.float32)])
-    scored, mask, _ = split_mask(_tensor(graph, "logits"))
-    assert (scored.name, mask.name) == ("scaled", "allowed")
+    scored, masks, _ = split_mask(_tensor(graph, "logits"))
+    assert (scored.name, [m.name for m in masks]) == ("scaled", ["allowed"])
+
+
+@pytest.mark.parametrize("outer", ["padding", "causal"])
+def test_two_stacked_masks_are_both_split_from_the_scores(outer):
+    # GPT-2 before transformers 4.41: Where(causal, scores, min) + padding; the other nesting as well
+    if outer == "padding":
+        nodes = [helper.make_node("Where", ["allowed", "scaled", "fill"], ["filled"]),
+                 helper.make_node("Add", ["filled", "mask"], ["logits"])]
+    else:
+        nodes = [helper.make_node("Add", ["mask", "scaled"], ["added"]),
+                 helper.make_node("Where", ["allowed", "added", "fill"], ["logits"])]
+    graph = _graph(_scores_nodes() + nodes, SCORE_INPUTS + [_value("allowed", [B, 1, T, T], TensorProto.BOOL),
+                                                            _value("mask", [B, 1, T, T])],
+                   [_value("logits", [B, 2, T, T])], [_const("scale", 0.5, np.float32),
+                                                      _const("fill", np.finfo(np.float32).min, np.float32)])
+    scored, masks, _ = split_mask(_tensor(graph, "logits"))
+    expected = ["mask", "allowed"] if outer == "padding" else ["allowed", "mask"]
+    assert (scored.name, [m.name for m in masks]) == ("scaled", expected)
 
 
 @pytest.mark.parametrize("fill", [-1.0, 0.0])
@@ -112,8 +130,8 @@ def test_a_where_that_fills_with_an_ordinary_value_is_not_a_mask(fill):
     nodes = _scores_nodes() + [helper.make_node("Where", ["allowed", "scaled", "fill"], ["logits"])]
     graph = _graph(nodes, SCORE_INPUTS + [_value("allowed", [B, 1, T, T], TensorProto.BOOL)],
                    [_value("logits", [B, 2, T, T])], [_const("scale", 0.5, np.float32), _const("fill", fill, np.float32)])
-    scored, mask, _ = split_mask(_tensor(graph, "logits"))
-    assert scored.name == "logits" and mask is None
+    scored, masks, _ = split_mask(_tensor(graph, "logits"))
+    assert scored.name == "logits" and masks == ()
 
 
 def _softmax_graph(guard_value: float, cast: bool = False):
