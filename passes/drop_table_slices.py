@@ -7,7 +7,8 @@ Transformers before 4.38 kept the rotary tables as buffers of max_positions rows
 the positions. The slice changes nothing the Gather reads (positions are at least 0 and, in any run the
 export can make, under the length), but its length ties the table to the shapes: a paged compile, whose
 batch is a flat run of tokens with no past input, would read one row for a one-token step. So
-Gather(axis 0) of a Slice(table, 0, n) on axis 0 (through Casts) reads the table instead.
+Gather(axis 0) of a Slice(table, 0, n) on axis 0 (through Casts) reads the table instead, and so does the
+GatherND (no batch axes) that dynamo writes for the same indexing (transformers 4.44's Qwen2).
 """
 
 from __future__ import annotations
@@ -32,13 +33,23 @@ def _first_rows_of_a_table(node: gs.Node) -> gs.Constant | None:
     return table
 
 
+def _gathers_rows(node: gs.Node, tensor: gs.Tensor) -> bool:
+    """Whether `node` picks rows of `tensor` by index: a Gather on axis 0 (TorchScript's `table[positions]`), or
+    a GatherND without batch axes (dynamo's), whose indices address axis 0 first."""
+    if not node.inputs or node.inputs[0] is not tensor:
+        return False
+    if node.op == "Gather":
+        return node.attrs.get("axis", 0) == 0
+    return node.op == "GatherND" and node.attrs.get("batch_dims", 0) == 0
+
+
 def _only_gathered(tensor: gs.Tensor) -> bool:
-    """Whether `tensor` (through Casts) is only the data of Gathers on axis 0."""
+    """Whether `tensor` (through Casts) is only the data of row gathers (`_gathers_rows`)."""
     for reader in tensor.outputs:
         if reader.op == "Cast":
             if not _only_gathered(reader.outputs[0]):
                 return False
-        elif reader.op != "Gather" or reader.inputs[0] is not tensor or reader.attrs.get("axis", 0) != 0:
+        elif not _gathers_rows(reader, tensor):
             return False
     return bool(tensor.outputs)
 

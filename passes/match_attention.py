@@ -330,7 +330,7 @@ def _comparison(node: gs.Node, padding: gs.Tensor | None) -> tuple[int, int] | s
     constant; otherwise a refusal. Where the shapes do not tell keys from queries, the comparison is taken
     as causal."""
     if node.op == "Trilu":
-        return 1, 0
+        return _triangle(node)
     left, right = node.inputs
     if all(t.shape is not None and len(t.shape) <= 1 for t in (left, right)):
         return 0, 0  # arithmetic on shapes
@@ -357,6 +357,25 @@ def _comparison(node: gs.Node, padding: gs.Tensor | None) -> tuple[int, int] | s
     if offset < 1 and window > 1:
         return 1, window
     return f"{node.name} compares key and query positions {op} with an offset of {offset}, neither causal nor a window"
+
+
+def _triangle(node: gs.Node) -> tuple[int, int] | str:
+    """What a Trilu over [queries, keys] marks, read as `_comparison` reads a comparison: key j of query i where
+    j - i >= k (upper) or j - i <= k (lower). Causal: the keys seen (lower from k = 0) or hidden (upper from
+    k = 1); a window W: the keys hidden (lower from k = -W, transformers' `tril(diagonal=-W)` before 4.53) or
+    seen (upper from k = 1 - W). Any other diagonal is refused: read as causal it would be dropped."""
+    upper = int(node.attrs.get("upper", 1))
+    given = len(node.inputs) > 1 and node.inputs[1].name
+    k = scalar(node.inputs[1]) if given else 0
+    if k is None:
+        return f"{node.name} takes the triangle of a computed diagonal, which the fusion does not read"
+    k = int(k)
+    if (upper, k) in ((0, 0), (1, 1)):
+        return 1, 0
+    window = -k if upper == 0 else 1 - k
+    if window > 1:
+        return 1, window
+    return f"{node.name} takes the {'upper' if upper else 'lower'} triangle from diagonal {k}, neither causal nor a window"
 
 
 def match_mask_source(graph: gs.Graph, *masks: gs.Tensor) -> MaskSource | str:

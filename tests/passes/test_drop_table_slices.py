@@ -16,14 +16,19 @@ ROWS, WIDTH = 16, 4
 TABLE = np.arange(ROWS * WIDTH, dtype=np.float32).reshape(ROWS, WIDTH)
 
 
-def _model(start: int = 0, extra_reader: bool = False):
-    # the slice's length is the tokens' count, read from their shape
+def _model(start: int = 0, extra_reader: bool = False, gather: str = "Gather", batch_dims: int = 0):
+    # the slice's length is the tokens' count, read from their shape; the rows picked as TorchScript writes
+    # `rows[positions]` (Gather) or as dynamo does (GatherND of the positions with an axis of one index added)
     nodes = [helper.make_node("Shape", ["tokens"], ["shape"]),
              helper.make_node("Gather", ["shape", "one"], ["length"], axis=0),
              helper.make_node("Unsqueeze", ["length", "zero_axis"], ["end"]),
              helper.make_node("Slice", ["table", "start", "end", "zero_axis"], ["rows"]),
-             helper.make_node("Cast", ["rows"], ["rows32"], to=TensorProto.FLOAT),
-             helper.make_node("Gather", ["rows32", "positions"], ["out"], axis=0)]
+             helper.make_node("Cast", ["rows"], ["rows32"], to=TensorProto.FLOAT)]
+    if gather == "Gather":
+        nodes.append(helper.make_node("Gather", ["rows32", "positions"], ["out"], axis=0))
+    else:
+        nodes += [helper.make_node("Unsqueeze", ["positions", "last_axis"], ["indices"]),
+                  helper.make_node("GatherND", ["rows32", "indices"], ["out"], batch_dims=batch_dims)]
     outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)]
     if extra_reader:
         nodes.append(helper.make_node("ReduceSum", ["rows"], ["total"]))
@@ -33,6 +38,7 @@ def _model(start: int = 0, extra_reader: bool = False):
                               outputs, [numpy_helper.from_array(TABLE, "table"),
                                         numpy_helper.from_array(np.array(1), "one"),
                                         numpy_helper.from_array(np.array([0]), "zero_axis"),
+                                        numpy_helper.from_array(np.array([-1]), "last_axis"),
                                         numpy_helper.from_array(np.array([start]), "start")])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
@@ -42,8 +48,9 @@ def _run(model, tokens: int, positions: list[int]):
     return ort.InferenceSession(model.SerializeToString()).run(["out"], feeds)[0]
 
 
-def test_the_gather_reads_the_whole_table():
-    model = _model()
+@pytest.mark.parametrize("gather", ["Gather", "GatherND"])
+def test_the_gather_reads_the_whole_table(gather):
+    model = _model(gather=gather)
     graph = gs.import_onnx(model)
     assert DropTableSlices().run(graph).effect_times == 1
     rewritten = gs.export_onnx(graph)
@@ -52,7 +59,8 @@ def test_the_gather_reads_the_whole_table():
     np.testing.assert_array_equal(_run(rewritten, 1, [2]), TABLE[[2]][None])  # the export fails here
 
 
-@pytest.mark.parametrize("options", [dict(start=1), dict(extra_reader=True)])
+@pytest.mark.parametrize("options", [dict(start=1), dict(extra_reader=True),
+                                     dict(gather="GatherND", batch_dims=1)])
 def test_a_slice_not_of_the_first_rows_or_read_otherwise_stays(options):
     graph = gs.import_onnx(_model(**options))
     assert DropTableSlices().run(graph).effect_times == 0 and "Slice" in [n.op for n in graph.nodes]

@@ -433,6 +433,54 @@ def test_other_comparisons_of_positions_are_refused_not_dropped(kind, reason):
     assert reason in match_mask_source(graph, _tensor(graph, "mask"))
 
 
+def _triangle_mask(triangles: list[tuple[int, str]]) -> gs.Graph:
+    """Where(any of the Trilus of ones, min, 0) with the padding mask added: each triangle (upper, diagonal), the
+    diagonal a constant or "computed" (read from the padding mask's length)."""
+    nodes, marked, constants = [], [], [_const("ones", np.ones((T, T), bool)), _const("zero", 0.0, np.float32),
+                                        _const("minimum", np.finfo(np.float32).min, np.float32), _const("axes", [1, 2]),
+                                        _const("one", 1.0, np.float32)]
+    for index, (upper, diagonal) in enumerate(triangles):
+        if diagonal == "computed":
+            nodes += [helper.make_node("Shape", ["attention_mask"], ["mask_shape"]),
+                      helper.make_node("Gather", ["mask_shape", "last_axis"], [f"k{index}"])]
+            constants.append(_const("last_axis", np.array(1)))
+        else:
+            constants.append(_const(f"k{index}", np.array(int(diagonal))))
+        nodes.append(helper.make_node("Trilu", ["ones", f"k{index}"], [f"triangle{index}"], upper=upper))
+        marked.append(f"triangle{index}")
+    hidden = marked[0]
+    for index, other in enumerate(marked[1:]):
+        nodes.append(helper.make_node("Or", [hidden, other], [f"hidden{index}"]))
+        hidden = f"hidden{index}"
+    nodes += [helper.make_node("Where", [hidden, "minimum", "zero"], ["positions"]),
+              helper.make_node("Cast", ["attention_mask"], ["keep"], to=TensorProto.FLOAT),
+              helper.make_node("Unsqueeze", ["keep", "axes"], ["keep4"]),
+              helper.make_node("Sub", ["one", "keep4"], ["dropped"]),
+              helper.make_node("Mul", ["dropped", "minimum"], ["padding"]),
+              helper.make_node("Add", ["positions", "padding"], ["mask"])]
+    return _graph(nodes, [_value("attention_mask", [1, T], TensorProto.INT64)], [_value("mask", None)], constants)
+
+
+@pytest.mark.parametrize("triangles, window", [
+    ([(1, 1)], 0),  # the keys after the query hidden: transformers' triu(diagonal=1)
+    ([(0, 0)], 0),
+    ([(1, 1), (0, -3)], 3),  # Gemma 2 before transformers 4.53: tril(diagonal=-W) hides the keys W back
+    ([(1, 1), (1, -2)], 3)])
+def test_triangles_of_positions_read_as_causal_or_a_window(triangles, window):
+    graph = _triangle_mask(triangles)
+    source = match_mask_source(graph, _tensor(graph, "mask"))
+    assert (source.attention_mask.name, source.causal, source.window) == ("attention_mask", 1, window)
+
+
+@pytest.mark.parametrize("triangles, reason", [
+    ([(0, 1)], "lower triangle from diagonal 1, neither causal nor a window"),
+    ([(1, 0)], "upper triangle from diagonal 0, neither causal nor a window"),
+    ([(1, 1), (0, "computed")], "triangle of a computed diagonal")])
+def test_other_triangles_are_refused_not_dropped(triangles, reason):
+    graph = _triangle_mask(triangles)
+    assert reason in match_mask_source(graph, _tensor(graph, "mask"))
+
+
 # ---- rotary embedding: what the lowering writes, the pattern reads back -----------------------------
 
 def _lowered_rotary(rotary_dim: int, interleaved: int) -> onnx.ModelProto:
