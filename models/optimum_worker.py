@@ -34,7 +34,7 @@ def export(family: str, checkpoint: str, output: str, seed: int, form: str = "wi
 
             from models.tiny import TINY_FAMILIES, build_tiny_model
 
-            # transformers' default: sdpa where this version's class has it, eager where not (GPT-2 before 4.41)
+            # transformers' default: sdpa where this version's class has it, eager where not (GPT-2 before 4.42)
             sdpa = getattr(getattr(transformers, TINY_FAMILIES[family].model_class), "_supports_sdpa", False)
             checkpoint = f"{scratch}/{family}"
             build_tiny_model(family, seed, "sdpa" if sdpa else "eager").save_pretrained(checkpoint)

@@ -114,6 +114,8 @@ class ConvertAttention(FusionPass):
             read = match_mask_source(graph, mask)
             if isinstance(read, MaskSource) and (read.attention_mask is not None or read.causal):
                 source, mask = read, gs.Variable.empty()
+        if caches[0] is not None and (refusal := source.refusal_over_a_past()):
+            return refusal
         if cache_window:
             # a cache that keeps the last W - 1 tokens is read with the window W: the mask must say the same
             if mask.name:

@@ -164,6 +164,8 @@ class FuseAttention(FusionPass):
             source = match_mask_source(graph, *masks)
             if isinstance(source, str):
                 return source
+        if key_cache.past is not None and (refusal := source.refusal_over_a_past()):
+            return refusal
         window = source.window or key_cache.window
         if key_cache.window and source.window and key_cache.window != source.window:
             return f"the mask's window ({source.window}) is not the cache's ({key_cache.window})"

@@ -8,7 +8,7 @@ inputs) computes a prompt too, given a past of length 0, which is how the single
 it replaces the `If` and the condition input goes: every later pass sees one decoder with a cache.
 
 Except where that branch was traced for one new token: transformers before 4.38 (and GPT-2's sdpa,
-4.41 to 4.51) made no causal mask for a single query, so Optimum's decoder with a cache compares no positions
+4.42 to 4.51) made no causal mask for a single query, so Optimum's decoder with a cache compares no positions
 while the one without compares them. That branch is right only a token at a time, and the one without a
 cache replaces the `If` instead (its past inputs go too): a paged compile gives it a cache all the same, a
 contiguous one recomputes the sequence each step. Where the `If` does not compute the graph's outputs, or

@@ -4,7 +4,8 @@ AttentionFusionPass (passes/fuse_attention.py) composes them from the Softmax ou
 it found, or None (or a reason string) when the tensor is not that part; each has its own tests.
 
     scale      x · a, x / b, a · x (scalar constants), nested: the product of the factors
-    mask       scores + mask (either order), Where(allowed, scores, -big) or Where(hidden, -big, scores)
+    mask       scores + mask (either order), Where(allowed, scores, -big) or Where(hidden, -big, scores),
+               or two of them stacked (GPT-2's causal buffer filled in, then its padding added)
     softmax    Softmax(Cast?(logits)) → Cast? → NaN guard Where(IsNaN(p), 0, p)?
     heads      Transpose(0, 2, 1, 3)(Reshape([B, S, H, D])(projection)), an optional per-head RmsNorm
     merge      Transpose(0, 2, 1, 3) → Reshape([B, S, H·D]) (or [B·S, H·D] rows)
@@ -14,8 +15,9 @@ it found, or None (or a reason string) when the tensor is not that part; each ha
                Concat of copies on axis 2, then Reshape([B, KV·n, T, D]); or Gather(axis 1) of heads
                [0, 0, 1, 1, ...]
     mask source the attention_mask input the mask reads (values behind Shape do not count; any other
-               input refuses), whether it compares key with query positions the causal way, and a sliding
-               window (`kv > q - W`); any other comparison of positions refuses
+               input refuses), whether it compares key with query positions the causal way (or takes their
+               causal triangle), and a sliding window (`kv > q - W`, or a triangle's `tril(diagonal=-W)`);
+               any other comparison of positions refuses
 """
 
 from __future__ import annotations
@@ -111,8 +113,9 @@ def split_mask(logits: gs.Tensor) -> tuple[gs.Tensor, tuple[gs.Tensor, ...], flo
     none, the factor 1.0.
 
     A mask is additive, or boolean (True attends) from masked_fill, `Where(allowed, scores, -big)`. Two are
-    stacked where a model fills its causal buffer in and then adds the padding mask, as GPT-2 did until
-    transformers 4.41 (`Where(causal, scores, min) + attention_mask`), outermost first. A positive scalar
+    stacked where a model fills its causal buffer in and then adds the padding mask, as GPT-2's eager
+    attention does (`Where(causal, scores, min) + attention_mask`; its only one before transformers 4.42),
+    outermost first. A positive scalar
     outside the masked scores, `(scores + mask)·c` (transformers 4.57's CodeGen adds its mask before it
     divides), scales the scores: a mask of zeros and large negative values hides the same keys times c.
     """
@@ -138,6 +141,7 @@ def _masked_scores(tensor: gs.Tensor) -> bool:
 
 
 def _split_masks(logits: gs.Tensor) -> tuple[gs.Tensor, tuple[gs.Tensor, ...]]:
+    """(scores, their masks outermost first): one, two stacked, or none (then the scores are `logits`)."""
     scores, mask = _split_mask(logits, _scored)
     if mask is not None:
         return scores, (mask,)
@@ -212,11 +216,21 @@ def match_probabilities(graph: gs.Graph, softmax: gs.Node) -> gs.Tensor:
 @dataclass
 class MaskSource:
     """What a mask is made of: the 2-D padding mask it reads (None: none), whether it compares positions,
-    and a sliding window W (0: none) when it also hides keys W or more positions back."""
+    and a sliding window W (0: none) when it also hides keys W or more positions back; `window_from_first_key`
+    when that window is a triangle of the mask itself (`Trilu`), whose rows count from the first key."""
 
     attention_mask: gs.Tensor | None
     causal: int
     window: int = 0
+    window_from_first_key: bool = False
+
+    def refusal_over_a_past(self) -> str | None:
+        """Why this mask cannot be read where a past precedes the new keys, else None: a triangle's window
+        hides keys by their distance from the row, and over a past a row is not the query's position (transformers'
+        Gemma 2 before 4.53 exported with a cache), where the fused op counts from the query's position."""
+        if self.window_from_first_key:
+            return "the mask's window is a triangle counted from the first key, which over a past is not the query's position"
+        return None
 
 
 _BIAS_SCAN = 1 << 20  # elements a chunk: Baichuan-13B's ALiBi buffer is [40, 4096, 4096]
@@ -360,10 +374,11 @@ def _comparison(node: gs.Node, padding: gs.Tensor | None) -> tuple[int, int] | s
 
 
 def _triangle(node: gs.Node) -> tuple[int, int] | str:
-    """What a Trilu over [queries, keys] marks, read as `_comparison` reads a comparison: key j of query i where
-    j - i >= k (upper) or j - i <= k (lower). Causal: the keys seen (lower from k = 0) or hidden (upper from
-    k = 1); a window W: the keys hidden (lower from k = -W, transformers' `tril(diagonal=-W)` before 4.53) or
-    seen (upper from k = 1 - W). Any other diagonal is refused: read as causal it would be dropped."""
+    """What a Trilu over [queries, keys] marks, read as `_comparison` reads a comparison: key j of row i where
+    j - i >= k (upper) or j - i <= k (lower). Causal: the upper part from k = 1 (the keys after the query,
+    transformers' `triu(diagonal=1)`) or the lower one from k = 0; a window W: the lower part from k = -W,
+    the keys W or more back that Gemma 2's `tril(diagonal=-W)` hides before transformers 4.53. Any other
+    triangle, or a diagonal the graph computes, is refused: read as causal, it would be dropped."""
     upper = int(node.attrs.get("upper", 1))
     given = len(node.inputs) > 1 and node.inputs[1].name
     k = scalar(node.inputs[1]) if given else 0
@@ -372,9 +387,8 @@ def _triangle(node: gs.Node) -> tuple[int, int] | str:
     k = int(k)
     if (upper, k) in ((0, 0), (1, 1)):
         return 1, 0
-    window = -k if upper == 0 else 1 - k
-    if window > 1:
-        return 1, window
+    if upper == 0 and k < -1:
+        return 1, -k
     return f"{node.name} takes the {'upper' if upper else 'lower'} triangle from diagonal {k}, neither causal nor a window"
 
 
@@ -389,6 +403,7 @@ def match_mask_source(graph: gs.Graph, *masks: gs.Tensor) -> MaskSource | str:
             return f"the mask differs per head ({mask.shape}: ALiBi's slopes?), which the fusion would drop"
     readers: dict[int, gs.Tensor] = {}
     causal, windows, seen, queue = 0, set(), set(), deque(masks)
+    triangle_window = False
     inputs = {id(t): t for t in graph.inputs}
     padding = next((t for t in graph.inputs if t.name == "attention_mask"), None)
     while queue:
@@ -418,6 +433,7 @@ def match_mask_source(graph: gs.Graph, *masks: gs.Tensor) -> MaskSource | str:
             causal |= read[0]
             if read[1]:
                 windows.add(read[1])
+                triangle_window |= node.op == "Trilu"
         elif node.op == "Equal" and {_role(node.inputs[0]), _role(node.inputs[1])} == {"key", "query"} and \
                 any(_divides(t) for t in node.inputs):
             # keys and queries in one chunk (Llama 4's `kv // C == q // C`); transformers' test for packed
@@ -428,7 +444,7 @@ def match_mask_source(graph: gs.Graph, *masks: gs.Tensor) -> MaskSource | str:
         return "the mask reads no attention_mask input and compares no positions"
     if len(windows) > 1:
         return f"the mask compares positions moved back by several constants ({sorted(windows)})"
-    return MaskSource(padding if readers else None, causal, windows.pop() if windows else 0)
+    return MaskSource(padding if readers else None, causal, windows.pop() if windows else 0, triangle_window)
 
 
 # ---- heads ------------------------------------------------------------------------------------------

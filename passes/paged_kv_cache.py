@@ -15,7 +15,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from passes.base import PassResult
-from passes.graph_utils import replace_all_uses
+from passes.graph_utils import replace_all_uses, unfused_attention
 from passes.pattern import const_ints, fused_node, producer, scalar
 from runtime.errors import AtcError
 from runtime.ops import FUSED_ATTENTION, PAGED_ATTENTION, PAGED_METADATA, input_at, positional
@@ -94,6 +94,12 @@ class PagedKvCache:
             raise AtcError("E10055", "--enable_paged_attention=1 needs the attention fused into FusedAttention, "
                                      "and this model has none (see fusion_result.json); compile it with "
                                      "--enable_paged_attention=0")
+        unfused = unfused_attention(graph)
+        if unfused:
+            # before the checks below: what they find in an unfused block (its mask's Shape, say) hides why
+            raise AtcError("E10055", f"--enable_paged_attention=1 needs every attention block fused into "
+                                     f"FusedAttention, and {unfused} did not (W10005; --log=debug says why "
+                                     "AttentionFusionPass refused each); compile it with --enable_paged_attention=0")
         missing = [name for name in TOKEN_INPUTS if name not in names]
         if missing:
             raise AtcError("E10055", f"--enable_paged_attention=1 needs the graph inputs {', '.join(TOKEN_INPUTS)}; "

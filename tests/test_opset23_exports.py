@@ -52,3 +52,37 @@ def test_an_opset_23_or_24_dynamo_export_fuses_and_compiles_paged(family, opset,
     np.testing.assert_allclose(got[mask.astype(bool)], want[mask.astype(bool)], atol=1e-4, rtol=0)
     assert_paged_greedy_equals_onnxruntime(source, compile_to(source, tmp_path / "paged", enable_paged_attention=True),
                                            new_tokens=16)
+
+
+def test_a_triangle_window_over_a_cache_outside_the_op_is_refused(tmp_path):
+    """A window written as a triangle of the attn_mask itself (Gemma 2's `tril(diagonal=-W)` before transformers
+    4.53) counts its rows from the first key, past included; the fused op counts from the query's position, so
+    over a cache concatenated outside the op the Attention is left as exported, not fused with another window."""
+    import onnx_graphsurgeon as gs
+
+    from compiler.loader import load_onnx
+    from compiler.pass_manager import run_passes
+    from compiler.pipeline import build_pipeline
+    from passes.convert_attention import ConvertAttention
+
+    source = export_causal_lm(build_tiny_model("llama"), tmp_path / "model.onnx", dynamo=True, with_past=True, opset=23)
+    graph = gs.import_onnx(load_onnx(source))
+    passes = build_pipeline(None)
+    run_passes(graph, passes[:[p.name for p in passes].index(ConvertAttention.name)], {})
+    for index, node in enumerate(n for n in list(graph.nodes) if n.op == "Attention"):
+        mask = node.inputs[3]  # attn_mask: True where a key is seen
+        shape, ones = gs.Variable(f"w{index}/shape", np.int64), gs.Variable(f"w{index}/ones", np.bool_)
+        hidden = gs.Variable(f"w{index}/hidden", np.bool_, mask.shape)
+        windowed = gs.Variable(f"w{index}/mask", np.bool_, mask.shape)
+        graph.nodes += [
+            gs.Node("Shape", inputs=[mask], outputs=[shape]),
+            gs.Node("ConstantOfShape", inputs=[shape], outputs=[ones],
+                    attrs={"value": onnx.numpy_helper.from_array(np.array([True]))}),
+            gs.Node("Trilu", inputs=[ones, gs.Constant(f"w{index}/k", np.array(-3, np.int64))], outputs=[hidden],
+                    attrs={"upper": 0}),
+            gs.Node("Where", inputs=[hidden, gs.Constant(f"w{index}/no", np.array(False)), mask], outputs=[windowed])]
+        node.inputs[3] = windowed
+    graph.cleanup().toposort()
+    result = ConvertAttention().run(graph)
+    assert result.effect_times == 0 and len(result.rejections) == 2
+    assert all("triangle counted from the first key" in reason for reason in result.rejections)

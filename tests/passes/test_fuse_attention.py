@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 import pytest
+from conftest import compile_to
 from fusion_utils import assert_parity, op_counts
 
 from compiler.loader import load_onnx
@@ -21,6 +22,7 @@ from passes.match_attention import match_gqa_repeat
 from passes.pattern import producer
 from runtime.feeds import causal_lm_inputs
 from runtime.ops import FusedAttentionInput
+from runtime.errors import AtcError
 from runtime.signature import io_signature, llm_dimensions
 
 
@@ -59,6 +61,64 @@ def test_attention_then_qkv_fuse_each_layer_and_keep_the_numbers(dynamo, tmp_pat
     assert (attrs["num_heads"], attrs["kv_num_heads"], attrs["head_dim"], attrs["causal"]) == (4, 2, 16, 1)
     assert attrs["rotary_dim"] == 16 and abs(attrs["scale"] - 0.25) < 1e-7
     assert_parity(original, fused, _feeds(original), tmp_path)
+
+
+def _with_a_triangle_window(graph: gs.Graph, window: int, layers: int = 2) -> None:
+    """The first `layers` layers' masks also hide the keys `window` or more back as Gemma 2 did before
+    transformers 4.53: `Where(tril(ones_like(mask), diagonal=-window), min, mask)`."""
+    for index, softmax in enumerate([n for n in graph.nodes if n.op == "Softmax"][:layers]):
+        add = producer(softmax.inputs[0], "Add")
+        mask = add.inputs[1]
+        shape, ones = gs.Variable(f"w{index}/shape", np.int64), gs.Variable(f"w{index}/ones", np.bool_)
+        hidden, windowed = gs.Variable(f"w{index}/hidden", np.bool_), gs.Variable(f"w{index}/mask", np.float32)
+        graph.nodes += [
+            gs.Node("Shape", inputs=[mask], outputs=[shape]),
+            gs.Node("ConstantOfShape", inputs=[shape], outputs=[ones],
+                    attrs={"value": onnx.numpy_helper.from_array(np.array([True]))}),
+            gs.Node("Trilu", inputs=[ones, gs.Constant(f"w{index}/k", np.array(-window, np.int64))], outputs=[hidden],
+                    attrs={"upper": 0}),
+            gs.Node("Where", inputs=[hidden, gs.Constant(f"w{index}/min", np.array(np.finfo(np.float32).min,
+                                                                                  np.float32)), mask],
+                    outputs=[windowed])]
+        add.inputs[1] = windowed
+    graph.cleanup().toposort()
+
+
+def test_a_triangle_window_fuses_without_a_past_and_is_refused_over_one(tmp_path):
+    """Gemma 2's window before transformers 4.53 is a triangle of the mask's own rows and keys: without a past
+    its rows are the queries, and it fuses as the window; over a past its rows count from the first key, not
+    from the queries' positions, and the attention stays as exported rather than fused with another window."""
+    graph = _before_attention(False, with_past=False)
+    _with_a_triangle_window(graph, 3)
+    original = gs.export_onnx(graph.copy(), do_type_check=False)
+    assert FuseAttention().run(graph).effect_times == 2
+    fused = gs.export_onnx(graph, do_type_check=False)
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in next(n for n in fused.graph.node
+                                                                     if n.op_type == "FusedAttention").attribute}
+    assert (attrs["causal"], attrs["sliding_window"]) == (1, 3)
+    signature = io_signature(original)
+    dims, rng = llm_dimensions(signature), np.random.default_rng(3)
+    feeds = causal_lm_inputs(signature, dims, rng.integers(0, dims["vocab_size"], (2, 6)), 0, rng)
+    feeds["attention_mask"][0, 2] = 0  # a hole, not left padding: a query row that sees no key is undefined
+    assert_parity(original, fused, feeds, tmp_path)
+
+    graph = _before_attention(False, with_past=True)
+    _with_a_triangle_window(graph, 3)
+    result = FuseAttention().run(graph)
+    assert result.effect_times == 0
+    assert len(result.rejections) == 2
+    assert all("triangle counted from the first key" in reason for reason in result.rejections)
+
+
+def test_a_paged_compile_with_one_block_unfused_says_so(tmp_path):
+    """One layer's attention refused (a triangle window over a past), the other fused: the paged compile
+    names the unfused block, not what the unfused block happens to read (its mask's Shape)."""
+    graph = _before_attention(False, with_past=True)
+    _with_a_triangle_window(graph, 3, layers=1)
+    onnx.save(gs.export_onnx(graph, do_type_check=False), tmp_path / "windowed.onnx")
+    with pytest.raises(AtcError) as refused:
+        compile_to(tmp_path / "windowed.onnx", tmp_path / "paged", enable_paged_attention=True)
+    assert refused.value.code == "E10055" and "1 did not (W10005" in str(refused.value)
 
 
 def test_one_key_head_broadcast_by_the_matmuls_fuses(tmp_path):

@@ -464,17 +464,27 @@ def _triangle_mask(triangles: list[tuple[int, str]]) -> gs.Graph:
 @pytest.mark.parametrize("triangles, window", [
     ([(1, 1)], 0),  # the keys after the query hidden: transformers' triu(diagonal=1)
     ([(0, 0)], 0),
-    ([(1, 1), (0, -3)], 3),  # Gemma 2 before transformers 4.53: tril(diagonal=-W) hides the keys W back
-    ([(1, 1), (1, -2)], 3)])
+    ([(1, 1), (0, -3)], 3)])  # Gemma 2 before transformers 4.53: tril(diagonal=-W) hides the keys W back
 def test_triangles_of_positions_read_as_causal_or_a_window(triangles, window):
     graph = _triangle_mask(triangles)
     source = match_mask_source(graph, _tensor(graph, "mask"))
     assert (source.attention_mask.name, source.causal, source.window) == ("attention_mask", 1, window)
+    # a triangle counts its rows from the first key: over a past, not the queries' positions
+    assert source.window_from_first_key == bool(window)
+    assert (source.refusal_over_a_past() is not None) == bool(window)
+
+
+def test_a_window_of_compared_positions_counts_from_the_query():
+    graph = _compared_mask("window on the keys")
+    source = match_mask_source(graph, _tensor(graph, "mask"))
+    assert (source.window, source.window_from_first_key, source.refusal_over_a_past()) == (3, False, None)
 
 
 @pytest.mark.parametrize("triangles, reason", [
     ([(0, 1)], "lower triangle from diagonal 1, neither causal nor a window"),
     ([(1, 0)], "upper triangle from diagonal 0, neither causal nor a window"),
+    # the keys from 2 back on, hidden with those after the query: read as a window it would be its opposite
+    ([(1, 1), (1, -2)], "upper triangle from diagonal -2, neither causal nor a window"),
     ([(1, 1), (0, "computed")], "triangle of a computed diagonal")])
 def test_other_triangles_are_refused_not_dropped(triangles, reason):
     graph = _triangle_mask(triangles)
