@@ -115,9 +115,9 @@ def split_mask(logits: gs.Tensor) -> tuple[gs.Tensor, tuple[gs.Tensor, ...], flo
     A mask is additive, or boolean (True attends) from masked_fill, `Where(allowed, scores, -big)`. Two are
     stacked where a model fills its causal buffer in and then adds the padding mask, as GPT-2's eager
     attention does (`Where(causal, scores, min) + attention_mask`; its only one before transformers 4.42),
-    outermost first. A positive scalar
-    outside the masked scores, `(scores + mask)·c` (transformers 4.57's CodeGen adds its mask before it
-    divides), scales the scores: a mask of zeros and large negative values hides the same keys times c.
+    outermost first. A positive scalar outside the masked scores, `(scores + mask)·c` (transformers 4.57's
+    CodeGen adds its mask before it divides), scales the scores: a mask of zeros and large negative values
+    hides the same keys times c.
     """
     logits = _peel_cast(logits)
     scores, masks = _split_masks(logits)
@@ -343,8 +343,6 @@ def _comparison(node: gs.Node, padding: gs.Tensor | None) -> tuple[int, int] | s
     (`kv > q - W`, `kv <= q - W` for the hidden ones); (0, 0) for the padding mask compared with a
     constant; otherwise a refusal. Where the shapes do not tell keys from queries, the comparison is taken
     as causal."""
-    if node.op == "Trilu":
-        return _triangle(node)
     left, right = node.inputs
     if all(t.shape is not None and len(t.shape) <= 1 for t in (left, right)):
         return 0, 0  # arithmetic on shapes
@@ -373,23 +371,57 @@ def _comparison(node: gs.Node, padding: gs.Tensor | None) -> tuple[int, int] | s
     return f"{node.name} compares key and query positions {op} with an offset of {offset}, neither causal nor a window"
 
 
-def _triangle(node: gs.Node) -> tuple[int, int] | str:
-    """What a Trilu over [queries, keys] marks, read as `_comparison` reads a comparison: key j of row i where
-    j - i >= k (upper) or j - i <= k (lower). Causal: the upper part from k = 1 (the keys after the query,
-    transformers' `triu(diagonal=1)`) or the lower one from k = 0; a window W: the lower part from k = -W,
-    the keys W or more back that Gemma 2's `tril(diagonal=-W)` hides before transformers 4.53. Any other
-    triangle, or a diagonal the graph computes, is refused: read as causal, it would be dropped."""
+def _triangle(node: gs.Node) -> tuple[int, int, bool] | str:
+    """What a Trilu over [queries, keys] marks, read as `_comparison` reads a comparison, and whether it counts
+    from the first key: key j of row i where j - i >= k (upper) or j - i <= k (lower). Causal: the upper part
+    from k = 1 (the keys after the query, transformers' `triu(diagonal=1)`) or the lower one from k = 0; a
+    window W: the lower part from k = -W, the keys W or more back that Gemma 2's `tril(diagonal=-W)` hides
+    before transformers 4.53, counted from the first key. A diagonal computed from shapes plus a constant,
+    the past's length P + c as transformers before 4.43 wrote Mistral's and Qwen2's window
+    (`triu(diagonal=P - W + 1)`, the keys seen), counts from the query's position: the upper part from
+    P + 1 is causal, from P + 1 - W a window W. Any other triangle is refused: read as causal, it would be
+    dropped."""
     upper = int(node.attrs.get("upper", 1))
     given = len(node.inputs) > 1 and node.inputs[1].name
     k = scalar(node.inputs[1]) if given else 0
     if k is None:
-        return f"{node.name} takes the triangle of a computed diagonal, which the fusion does not read"
+        past, k = _shape_plus_constant(node.inputs[1])
+        if past is None:
+            return f"{node.name} takes the triangle of a computed diagonal, which the fusion does not read"
+        if upper == 1 and k == 1:
+            return 1, 0, False
+        if upper == 1 and k < 0:
+            return 1, 1 - k, False
+        side = "upper" if upper else "lower"
+        return f"{node.name} takes the {side} triangle from a length plus {k}, neither causal nor a window"
     k = int(k)
     if (upper, k) in ((0, 0), (1, 1)):
-        return 1, 0
+        return 1, 0, False
     if upper == 0 and k < -1:
-        return 1, -k
+        return 1, -k, True
     return f"{node.name} takes the {'upper' if upper else 'lower'} triangle from diagonal {k}, neither causal nor a window"
+
+
+def _shape_plus_constant(tensor: gs.Tensor) -> tuple[gs.Tensor | None, int]:
+    """(x, c) for `tensor` = x + c, c the scalar integer constants added and subtracted on top and x computed
+    from shapes alone (no input's values); (None, 0) otherwise."""
+    offset = 0
+    while (node := producer(tensor, "Add", "Sub")) is not None and len(node.inputs) == 2:
+        constants = [scalar(t) if isinstance(t, gs.Constant) and dtype_kind(t.dtype) in "iu" else None
+                     for t in node.inputs]
+        if constants[1] is not None:
+            offset += int(constants[1]) if node.op == "Add" else -int(constants[1])
+            tensor = node.inputs[0]
+        elif constants[0] is not None and node.op == "Add":
+            offset += int(constants[0])
+            tensor = node.inputs[1]
+        else:
+            break
+    if producer(tensor) is None:
+        return None, 0
+    reads_values = any(not isinstance(t, gs.Constant) and producer(t) is None
+                       for node in _computed_from(tensor) for t in node.inputs)
+    return (None, 0) if reads_values else (tensor, offset)
 
 
 def match_mask_source(graph: gs.Graph, *masks: gs.Tensor) -> MaskSource | str:
@@ -427,13 +459,13 @@ def match_mask_source(graph: gs.Graph, *masks: gs.Tensor) -> MaskSource | str:
         if node is None or node.op == "Shape":
             continue
         if node.op in CAUSAL_OPS:
-            read = _comparison(node, padding)
+            read = _triangle(node) if node.op == "Trilu" else _comparison(node, padding)
             if isinstance(read, str):
                 return read
             causal |= read[0]
             if read[1]:
                 windows.add(read[1])
-                triangle_window |= node.op == "Trilu"
+                triangle_window |= node.op == "Trilu" and read[2]
         elif node.op == "Equal" and {_role(node.inputs[0]), _role(node.inputs[1])} == {"key", "query"} and \
                 any(_divides(t) for t in node.inputs):
             # keys and queries in one chunk (Llama 4's `kv // C == q // C`); transformers' test for packed

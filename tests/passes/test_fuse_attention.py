@@ -36,6 +36,12 @@ def _before_attention(dynamo: bool, with_past: bool = True, family: str = "llama
     return graph
 
 
+def _first_fused_attributes(model: onnx.ModelProto) -> dict:
+    """The attributes of the first FusedAttention node of `model`."""
+    node = next(n for n in model.graph.node if n.op_type == "FusedAttention")
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
 def _feeds(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     signature = io_signature(model)
     rng = np.random.default_rng(3)
@@ -56,8 +62,7 @@ def test_attention_then_qkv_fuse_each_layer_and_keep_the_numbers(dynamo, tmp_pat
     assert (attention.match_times, attention.effect_times, qkv.effect_times) == (2, 2, 2)
     assert counts["FusedAttention"] == 2 and counts["MatMul"] == 2 * 5 + 1  # qkv, o, gate, up, down; lm_head
     assert not {"Softmax", "Where", "Expand", "Neg", "Transpose"} & set(counts)
-    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in next(n for n in fused.graph.node
-                                                                     if n.op_type == "FusedAttention").attribute}
+    attrs = _first_fused_attributes(fused)
     assert (attrs["num_heads"], attrs["kv_num_heads"], attrs["head_dim"], attrs["causal"]) == (4, 2, 16, 1)
     assert attrs["rotary_dim"] == 16 and abs(attrs["scale"] - 0.25) < 1e-7
     assert_parity(original, fused, _feeds(original), tmp_path)
@@ -93,8 +98,7 @@ def test_a_triangle_window_fuses_without_a_past_and_is_refused_over_one(tmp_path
     original = gs.export_onnx(graph.copy(), do_type_check=False)
     assert FuseAttention().run(graph).effect_times == 2
     fused = gs.export_onnx(graph, do_type_check=False)
-    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in next(n for n in fused.graph.node
-                                                                     if n.op_type == "FusedAttention").attribute}
+    attrs = _first_fused_attributes(fused)
     assert (attrs["causal"], attrs["sliding_window"]) == (1, 3)
     signature = io_signature(original)
     dims, rng = llm_dimensions(signature), np.random.default_rng(3)
@@ -138,8 +142,7 @@ def test_one_key_head_broadcast_by_the_matmuls_fuses(tmp_path):
     original = gs.export_onnx(graph.copy(), do_type_check=False)
     assert FuseAttention().run(graph).effect_times == 2
     fused = gs.export_onnx(graph, do_type_check=False)
-    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in next(n for n in fused.graph.node
-                                                                     if n.op_type == "FusedAttention").attribute}
+    attrs = _first_fused_attributes(fused)
     assert (attrs["num_heads"], attrs["kv_num_heads"]) == (4, 1)
     assert_parity(original, fused, _feeds(original), tmp_path)
 
@@ -170,8 +173,7 @@ def test_a_mask_added_before_the_scale_fuses_when_the_scale_is_positive(outside,
         return
     assert result.effect_times == 2
     fused = gs.export_onnx(graph, do_type_check=False)
-    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in next(n for n in fused.graph.node
-                                                                     if n.op_type == "FusedAttention").attribute}
+    attrs = _first_fused_attributes(fused)
     assert abs(attrs["scale"] - 0.25) < 1e-7
     assert_parity(original, fused, _feeds(original), tmp_path)
 

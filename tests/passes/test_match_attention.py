@@ -433,17 +433,24 @@ def test_other_comparisons_of_positions_are_refused_not_dropped(kind, reason):
     assert reason in match_mask_source(graph, _tensor(graph, "mask"))
 
 
-def _triangle_mask(triangles: list[tuple[int, str]]) -> gs.Graph:
+def _triangle_mask(triangles: list[tuple[int, int | tuple[str, int]]]) -> gs.Graph:
     """Where(any of the Trilus of ones, min, 0) with the padding mask added: each triangle (upper, diagonal), the
-    diagonal a constant or "computed" (read from the padding mask's length)."""
+    diagonal a constant, or computed ("length", c): the padding mask's length plus c, as transformers before 4.43
+    wrote the past's length, or ("values", c): the count of its kept keys plus c."""
     nodes, marked, constants = [], [], [_const("ones", np.ones((T, T), bool)), _const("zero", 0.0, np.float32),
                                         _const("minimum", np.finfo(np.float32).min, np.float32), _const("axes", [1, 2]),
                                         _const("one", 1.0, np.float32)]
     for index, (upper, diagonal) in enumerate(triangles):
-        if diagonal == "computed":
-            nodes += [helper.make_node("Shape", ["attention_mask"], ["mask_shape"]),
-                      helper.make_node("Gather", ["mask_shape", "last_axis"], [f"k{index}"])]
-            constants.append(_const("last_axis", np.array(1)))
+        if isinstance(diagonal, tuple):
+            kind, offset = diagonal
+            if kind == "length":
+                nodes += [helper.make_node("Shape", ["attention_mask"], [f"shape{index}"]),
+                          helper.make_node("Gather", [f"shape{index}", "last_axis"], [f"length{index}"])]
+                constants.append(_const("last_axis", np.array(1)))
+            else:
+                nodes.append(helper.make_node("ReduceSum", ["attention_mask"], [f"length{index}"], keepdims=0))
+            nodes.append(helper.make_node("Add", [f"length{index}", f"offset{index}"], [f"k{index}"]))
+            constants.append(_const(f"offset{index}", np.array(offset)))
         else:
             constants.append(_const(f"k{index}", np.array(int(diagonal))))
         nodes.append(helper.make_node("Trilu", ["ones", f"k{index}"], [f"triangle{index}"], upper=upper))
@@ -464,14 +471,19 @@ def _triangle_mask(triangles: list[tuple[int, str]]) -> gs.Graph:
 @pytest.mark.parametrize("triangles, window", [
     ([(1, 1)], 0),  # the keys after the query hidden: transformers' triu(diagonal=1)
     ([(0, 0)], 0),
-    ([(1, 1), (0, -3)], 3)])  # Gemma 2 before transformers 4.53: tril(diagonal=-W) hides the keys W back
+    ([(1, 1), (0, -3)], 3),  # Gemma 2 before transformers 4.53: tril(diagonal=-W) hides the keys W back
+    # Mistral and Qwen2 before transformers 4.43: triu(diagonal=P - W + 1), the keys seen, P the past's length
+    ([(1, 1), (1, ("length", -2))], 3),
+    ([(1, ("length", 1))], 0)])
 def test_triangles_of_positions_read_as_causal_or_a_window(triangles, window):
     graph = _triangle_mask(triangles)
     source = match_mask_source(graph, _tensor(graph, "mask"))
     assert (source.attention_mask.name, source.causal, source.window) == ("attention_mask", 1, window)
-    # a triangle counts its rows from the first key: over a past, not the queries' positions
-    assert source.window_from_first_key == bool(window)
-    assert (source.refusal_over_a_past() is not None) == bool(window)
+    # a constant diagonal counts rows from the first key, over a past not the queries' positions; one moved
+    # by the past's length counts from the query's position
+    from_first_key = bool(window) and not isinstance(triangles[-1][1], tuple)
+    assert source.window_from_first_key == from_first_key
+    assert (source.refusal_over_a_past() is not None) == from_first_key
 
 
 def test_a_window_of_compared_positions_counts_from_the_query():
@@ -485,7 +497,8 @@ def test_a_window_of_compared_positions_counts_from_the_query():
     ([(1, 0)], "upper triangle from diagonal 0, neither causal nor a window"),
     # the keys from 2 back on, hidden with those after the query: read as a window it would be its opposite
     ([(1, 1), (1, -2)], "upper triangle from diagonal -2, neither causal nor a window"),
-    ([(1, 1), (0, "computed")], "triangle of a computed diagonal")])
+    ([(1, 1), (0, ("length", -3))], "lower triangle from a length plus -3"),
+    ([(1, 1), (1, ("values", -2))], "triangle of a computed diagonal")])
 def test_other_triangles_are_refused_not_dropped(triangles, reason):
     graph = _triangle_mask(triangles)
     assert reason in match_mask_source(graph, _tensor(graph, "mask"))
