@@ -385,8 +385,8 @@ def _triangle(node: gs.Node) -> tuple[int, int, bool] | str:
     given = len(node.inputs) > 1 and node.inputs[1].name
     k = scalar(node.inputs[1]) if given else 0
     if k is None:
-        past, k = _shape_plus_constant(node.inputs[1])
-        if past is None:
+        k = _offset_on_shapes(node.inputs[1])
+        if k is None:
             return f"{node.name} takes the triangle of a computed diagonal, which the fusion does not read"
         if upper == 1 and k == 1:
             return 1, 0, False
@@ -402,9 +402,9 @@ def _triangle(node: gs.Node) -> tuple[int, int, bool] | str:
     return f"{node.name} takes the {'upper' if upper else 'lower'} triangle from diagonal {k}, neither causal nor a window"
 
 
-def _shape_plus_constant(tensor: gs.Tensor) -> tuple[gs.Tensor | None, int]:
-    """(x, c) for `tensor` = x + c, c the scalar integer constants added and subtracted on top and x computed
-    from shapes alone (no input's values); (None, 0) otherwise."""
+def _offset_on_shapes(tensor: gs.Tensor) -> int | None:
+    """c for `tensor` = x + c, c the scalar integer constants added and subtracted on top and x computed from
+    shapes alone (no input's values); None otherwise."""
     offset = 0
     while (node := producer(tensor, "Add", "Sub")) is not None and len(node.inputs) == 2:
         constants = [scalar(t) if isinstance(t, gs.Constant) and dtype_kind(t.dtype) in "iu" else None
@@ -418,10 +418,10 @@ def _shape_plus_constant(tensor: gs.Tensor) -> tuple[gs.Tensor | None, int]:
         else:
             break
     if producer(tensor) is None:
-        return None, 0
+        return None
     reads_values = any(not isinstance(t, gs.Constant) and producer(t) is None
                        for node in _computed_from(tensor) for t in node.inputs)
-    return (None, 0) if reads_values else (tensor, offset)
+    return None if reads_values else offset
 
 
 def match_mask_source(graph: gs.Graph, *masks: gs.Tensor) -> MaskSource | str:
