@@ -217,19 +217,25 @@ def match_probabilities(graph: gs.Graph, softmax: gs.Node) -> gs.Tensor:
 class MaskSource:
     """What a mask is made of: the 2-D padding mask it reads (None: none), whether it compares positions,
     and a sliding window W (0: none) when it also hides keys W or more positions back; `window_from_first_key`
-    when that window is a triangle of the mask itself (`Trilu`), whose rows count from the first key."""
+    when that window is a triangle of the mask itself (`Trilu`), whose rows count from the first key;
+    `queries_from_first_key` when it compares keys with query positions counted from 0 (`arange(S)`), not
+    from the past's length."""
 
     attention_mask: gs.Tensor | None
     causal: int
     window: int = 0
     window_from_first_key: bool = False
+    queries_from_first_key: bool = False
 
     def refusal_over_a_past(self) -> str | None:
-        """Why this mask cannot be read where a past precedes the new keys, else None: a triangle's window
-        hides keys by their distance from the row, and over a past a row is not the query's position (transformers'
-        Gemma 2 before 4.53 exported with a cache), where the fused op counts from the query's position."""
+        """Why this mask cannot be read where a past precedes the new keys, else None: over a past, a row
+        counted from the first key is not the query's position, where the fused op counts from the query's
+        position. Transformers' Gemma 2 before 4.53, exported with a cache, does both: its window is a
+        triangle of the mask's own rows, and its queries are `arange(S)` whatever the past."""
         if self.window_from_first_key:
             return "the mask's window is a triangle counted from the first key, which over a past is not the query's position"
+        if self.queries_from_first_key:
+            return "the mask compares keys with query positions counted from 0, which over a past are not the queries' positions"
         return None
 
 
@@ -314,6 +320,48 @@ def _moved_by(tensor: gs.Tensor) -> int:
     return 0
 
 
+def _counted_from(tensor: gs.Tensor) -> gs.Node | None:
+    """The Range `tensor`'s positions are taken from, through Unsqueezes, Reshapes, Casts and scalar integer
+    constants added or subtracted, when that Range starts at a constant; None otherwise (a start read from
+    shapes, as `arange(past, past + S)` is, or positions added to a computed length)."""
+    while (node := producer(tensor, "Unsqueeze", "Reshape", "Cast", "Add", "Sub", "Range")) is not None:
+        if node.op == "Range":
+            return node if isinstance(node.inputs[0], gs.Constant) else None
+        if node.op in ("Add", "Sub"):
+            constant = [isinstance(t, gs.Constant) and int(np.prod(t.shape)) == 1 for t in node.inputs]
+            if constant != [False, True] and not (node.op == "Add" and constant == [True, False]):
+                return None
+            tensor = node.inputs[constant.index(False)]
+        else:
+            tensor = node.inputs[0]
+    return None
+
+
+def _same_values(a: gs.Tensor, b: gs.Tensor, depth: int = 8) -> bool:
+    """Whether two tensors are computed alike from the same tensors (TorchScript traces `arange(n)` twice
+    where the model wrote it once)."""
+    if a is b:
+        return True
+    if isinstance(a, gs.Constant) and isinstance(b, gs.Constant):
+        return a.shape == b.shape and np.array_equal(np.asarray(a.values), np.asarray(b.values))
+    first, second = producer(a), producer(b)
+    if depth == 0 or first is None or second is None or first.op != second.op or first.attrs != second.attrs \
+            or len(first.inputs) != len(second.inputs) or first.outputs.index(a) != second.outputs.index(b):
+        return False
+    return all(_same_values(x, y, depth - 1) for x, y in zip(first.inputs, second.inputs))
+
+
+def _queries_from_first_key(keys: gs.Tensor, queries: gs.Tensor) -> bool:
+    """Whether the query positions are `arange(S)` from a constant while the keys are other positions: the
+    queries then count from the first key, not from the past's length (transformers 4.44's Gemma 2, which
+    ignores the cache it is given). Keys and queries from one Range are a square block, placed among the
+    past's keys by whatever joins it (transformers 4.37's `cat([zeros(S, P), causal(S)])`)."""
+    query_range, key_range = _counted_from(queries), _counted_from(keys)
+    if query_range is None:
+        return False
+    return key_range is None or not all(_same_values(x, y) for x, y in zip(query_range.inputs, key_range.inputs))
+
+
 def _computed_from(tensor: gs.Tensor):
     """The nodes `tensor`'s values are computed by, back to the graph's inputs (not through a Shape)."""
     seen, queue = set(), [tensor]
@@ -337,37 +385,39 @@ def _divides(tensor: gs.Tensor) -> bool:
                for node in _computed_from(tensor))
 
 
-def _comparison(node: gs.Node, padding: gs.Tensor | None) -> tuple[int, int] | str:
-    """What a comparison in a mask says: (causal, window W or 0) for key positions compared with query
-    positions the causal way (`kv <= q`, `kv < q + 1`, `kv > q` for the hidden ones) or a window's way
-    (`kv > q - W`, `kv <= q - W` for the hidden ones); (0, 0) for the padding mask compared with a
-    constant; otherwise a refusal. Where the shapes do not tell keys from queries, the comparison is taken
-    as causal."""
+def _comparison(node: gs.Node, padding: gs.Tensor | None) -> tuple[int, int, bool] | str:
+    """What a comparison in a mask says, read as `_triangle` reads a triangle: (causal, window W or 0,
+    whether the queries count from the first key, `_queries_from_first_key`) for key positions compared
+    with query positions the causal way (`kv <= q`, `kv < q + 1`, `kv > q` for the hidden ones) or a
+    window's way (`kv > q - W`, `kv <= q - W` for the hidden ones); (0, 0, False) for the padding mask
+    compared with a constant; otherwise a refusal. Where the shapes do not tell keys from queries, the
+    comparison is taken as causal."""
     left, right = node.inputs
     if all(t.shape is not None and len(t.shape) <= 1 for t in (left, right)):
-        return 0, 0  # arithmetic on shapes
+        return 0, 0, False  # arithmetic on shapes
     constants = [isinstance(t, gs.Constant) and int(np.prod(t.shape)) == 1 for t in (left, right)]
     if any(constants):
         computed = right if constants[0] else left
         if padding is not None and _reads(computed, padding):
-            return 0, 0
+            return 0, 0, False
         return f"{node.name} compares positions with a constant, which the fusion does not read"
     roles = (_role(left), _role(right))
     if None in roles:
-        return 1, 0
+        return 1, 0, False
     op = node.op
     if roles == ("query", "key"):
         left, right, op = right, left, _FLIPPED[op]
     elif roles != ("key", "query"):
         return f"{node.name} compares positions along one axis, which the fusion does not read"
     offset = _moved_by(right) - _moved_by(left)  # the keys compared with the queries moved by this much
+    from_first_key = _queries_from_first_key(left, right)
     if (op, offset) in (("LessOrEqual", 0), ("Less", 1), ("Greater", 0), ("GreaterOrEqual", 1)):
-        return 1, 0
+        return 1, 0, from_first_key
     # a window W: the keys seen (`kv > q - W`, `kv >= q - W + 1`) or the ones hidden (`kv <= q - W`, as
     # transformers 4.43's Mistral ors into its causal mask, or `kv < q - W + 1`)
     window = {"Greater": -offset, "LessOrEqual": -offset, "GreaterOrEqual": 1 - offset, "Less": 1 - offset}[op]
     if offset < 1 and window > 1:
-        return 1, window
+        return 1, window, from_first_key
     return f"{node.name} compares key and query positions {op} with an offset of {offset}, neither causal nor a window"
 
 
@@ -435,7 +485,7 @@ def match_mask_source(graph: gs.Graph, *masks: gs.Tensor) -> MaskSource | str:
             return f"the mask differs per head ({mask.shape}: ALiBi's slopes?), which the fusion would drop"
     readers: dict[int, gs.Tensor] = {}
     causal, windows, seen, queue = 0, set(), set(), deque(masks)
-    triangle_window = False
+    triangle_window = queries_from_first_key = False
     inputs = {id(t): t for t in graph.inputs}
     padding = next((t for t in graph.inputs if t.name == "attention_mask"), None)
     while queue:
@@ -466,6 +516,7 @@ def match_mask_source(graph: gs.Graph, *masks: gs.Tensor) -> MaskSource | str:
             if read[1]:
                 windows.add(read[1])
                 triangle_window |= node.op == "Trilu" and read[2]
+            queries_from_first_key |= node.op != "Trilu" and read[2]
         elif node.op == "Equal" and {_role(node.inputs[0]), _role(node.inputs[1])} == {"key", "query"} and \
                 any(_divides(t) for t in node.inputs):
             # keys and queries in one chunk (Llama 4's `kv // C == q // C`); transformers' test for packed
@@ -476,7 +527,8 @@ def match_mask_source(graph: gs.Graph, *masks: gs.Tensor) -> MaskSource | str:
         return "the mask reads no attention_mask input and compares no positions"
     if len(windows) > 1:
         return f"the mask compares positions moved back by several constants ({sorted(windows)})"
-    return MaskSource(padding if readers else None, causal, windows.pop() if windows else 0, triangle_window)
+    return MaskSource(padding if readers else None, causal, windows.pop() if windows else 0, triangle_window,
+                      queries_from_first_key)
 
 
 # ---- heads ------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@
     turn(x)  = Concat(-x[R/2:R], x[:R/2])                  half rotation (Llama / NeoX)
              | Reshape(Concat(Unsqueeze(-x[1::2]), Unsqueeze(x[0::2])))   pairs (GPT-J / GLM)
     partial  = Concat(rope(x[:R]), x[R:])                  only the first R dims of a head rotate
+             | Concat(rope(x), x[D:])                      all D of them, and nothing after (Phi-3, dynamo)
 
 It is the spelling `runtime/lowering.py: rotary_embedding` writes when it lowers a FusedAttention, and a
 test holds the two together: what the lowering builds, this pattern reads back.
@@ -112,7 +113,13 @@ def match_rotary(tensor: gs.Tensor) -> tuple[gs.Tensor, Rotary] | None:
             source = rotated
             if passed_through is not None:
                 head, tail = producer(rotated, "Slice"), producer(passed_through, "Slice")
-                if head is None or tail is None or head.inputs[0] is not tail.inputs[0]:
+                if head is None and tail.inputs[0] is rotated:
+                    # the whole head rotated and nothing passed through, `cat([rope(x), x[..., D:]])`: Phi-3
+                    # through dynamo's optimize=False (TorchScript slices `x[..., :D]` first, read below)
+                    if (slice_bounds(tail, rotated) or (None,))[0] != width:
+                        return None
+                    return rotated, Rotary(cos, sin, width, interleaved)
+                if head is None or head.inputs[0] is not tail.inputs[0]:
                     return None
                 source = head.inputs[0]
                 tail_bounds, head_dim = slice_bounds(tail, source), (source.shape or [None])[-1]

@@ -339,13 +339,17 @@ def test_a_model_exported_at_opset_12_compiles_to_an_artifact_that_runs(tmp_path
                               [[5, 6, 7], list(range(3, 40))], 8)
 
 
-def test_a_dynamo_export_without_its_optimizer_fuses_and_generates(tmp_path):
+@pytest.mark.parametrize("config_class,model_class,config", [
+    ("LlamaConfig", "LlamaForCausalLM", {}),
+    # the whole head rotated, then its empty rest concatenated: cat([rope(q), q[..., head_dim:]])
+    ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0})])
+def test_a_dynamo_export_without_its_optimizer_fuses_and_generates(config_class, model_class, config, tmp_path):
     """`torch.onnx.export(dynamo=True, optimize=False)` keeps what the optimizer would fold: CastLike (a
     function op onnxruntime expands, read as Cast), Constants given as value_float (float32, not the float64
-    graphsurgeon's folding made of them) and whole-axis Slices (`x[:, :]`, dropped)."""
+    graphsurgeon's folding made of them), whole-axis Slices (`x[:, :]`, dropped) and empty ones (Phi-3's)."""
     from models.export import export_causal_lm
 
-    source = export_causal_lm(_build("LlamaConfig", "LlamaForCausalLM"), tmp_path / "model.onnx", dynamo=True,
+    source = export_causal_lm(_build(config_class, model_class, **config), tmp_path / "model.onnx", dynamo=True,
                               with_past=True, optimize=False)
     assert {"CastLike", "Slice"} <= {n.op_type for n in onnx.load(source).graph.node}
     loaded = _contiguous_equals_onnxruntime(source, tmp_path / "contiguous")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
+import onnxruntime as ort
 import pytest
 from conftest import compile_to
 from fusion_utils import assert_parity, op_counts
@@ -23,6 +24,8 @@ from passes.pattern import producer
 from runtime.feeds import causal_lm_inputs
 from runtime.ops import FusedAttentionInput
 from runtime.errors import AtcError
+from runtime.executor import Executor
+from runtime.loader import load_artifact
 from runtime.signature import io_signature, llm_dimensions
 
 
@@ -112,6 +115,40 @@ def test_a_triangle_window_fuses_without_a_past_and_is_refused_over_one(tmp_path
     assert result.effect_times == 0
     assert len(result.rejections) == 2
     assert all("triangle counted from the first key" in reason for reason in result.rejections)
+
+
+def _with_queries_from_zero(graph: gs.Graph) -> None:
+    """The masks compare keys with query positions `arange(S)`, not `past + arange(S)`, as transformers 4.44's
+    Gemma 2 does whatever cache it is given: each query then sees the keys from the first on, as if no past."""
+    moved = [n for n in graph.nodes if n.op == "Add" and producer(n.inputs[0], "Range") is not None
+             and not isinstance(n.inputs[1], gs.Constant)]
+    assert moved, "the tiny export's query positions are arange(S) plus the past's length"
+    for add in moved:
+        for reader in list(add.outputs[0].outputs):
+            reader.inputs[reader.inputs.index(add.outputs[0])] = add.inputs[0]
+    graph.cleanup().toposort()
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["ts", "dynamo"])
+def test_queries_counted_from_zero_over_a_past_are_left_as_exported(dynamo, tmp_path):
+    """Fused, such a mask would count each query from its position after the past: over a past the
+    attention stays as exported, and the compiled model keeps the export's numbers there."""
+    from models.tiny import tiny_onnx
+
+    graph = _before_attention(dynamo)
+    _with_queries_from_zero(graph)
+    result = FuseAttention().run(graph)
+    assert result.effect_times == 0 and len(result.rejections) == 2
+    assert all("query positions counted from 0" in reason for reason in result.rejections)
+
+    export = gs.import_onnx(load_onnx(tiny_onnx("llama", dynamo=dynamo, with_past=True)))
+    _with_queries_from_zero(export)
+    edited = gs.export_onnx(export, do_type_check=False)
+    onnx.save(edited, tmp_path / "from_zero.onnx")
+    feeds = _feeds(edited)
+    expected = ort.InferenceSession(edited.SerializeToString()).run(["logits"], feeds)[0]
+    executor = Executor(load_artifact(compile_to(tmp_path / "from_zero.onnx", tmp_path / "from_zero")))
+    np.testing.assert_allclose(executor.run(feeds)["logits"][1], expected[1], atol=1e-4)  # row 0 is left-padded
 
 
 def test_a_paged_compile_with_one_block_unfused_says_so(tmp_path):

@@ -433,6 +433,51 @@ def test_other_comparisons_of_positions_are_refused_not_dropped(kind, reason):
     assert reason in match_mask_source(graph, _tensor(graph, "mask"))
 
 
+def _ranged_mask(queries: str) -> gs.Graph:
+    """The padding mask And `kv <= q`, with key positions `arange(T)` (T the attention_mask's length) and the
+    query positions written as `queries` says, as exports compute them from shapes."""
+    length = lambda source, axis, out: [  # noqa: E731
+        helper.make_node("Shape", [source], [f"{out}_shape"]),
+        helper.make_node("Gather", [f"{out}_shape", f"axis{axis}"], [out])]
+    nodes = [*length("attention_mask", 1, "total"), *length("input_ids", 1, "new"), *length("past", 2, "past_length"),
+             helper.make_node("Range", ["zero_int", "total", "one_int"], ["keys"]),
+             helper.make_node("Unsqueeze", ["keys", "key_axes"], ["cols"])]
+    nodes += {
+        "from zero": [helper.make_node("Range", ["zero_int", "new", "one_int"], ["rows1"])],
+        "after the past": [helper.make_node("Range", ["zero_int", "new", "one_int"], ["counted"]),
+                           helper.make_node("Add", ["counted", "past_length"], ["rows1"])],
+        "from the past": [helper.make_node("Range", ["past_length", "total", "one_int"], ["rows1"])],
+        "one range": [helper.make_node("Identity", ["keys"], ["rows1"])],
+        "traced twice": [*length("attention_mask", 1, "again"),
+                         helper.make_node("Range", ["zero_int", "again", "one_int"], ["rows1"])],
+    }[queries]
+    nodes += [helper.make_node("Unsqueeze", ["rows1", "query_axes"], ["rows"]),
+              helper.make_node("LessOrEqual", ["cols", "rows"], ["positions"]),
+              helper.make_node("Cast", ["attention_mask"], ["keep"], to=TensorProto.BOOL),
+              helper.make_node("Unsqueeze", ["keep", "axes"], ["keep4"]),
+              helper.make_node("And", ["positions", "keep4"], ["allowed"]),
+              helper.make_node("Where", ["allowed", "zero", "minimum"], ["mask"])]
+    inputs = [_value("attention_mask", [1, "total"], TensorProto.INT64), _value("input_ids", [1, "new"], TensorProto.INT64),
+              _value("past", [1, 2, "past_length", 16])]
+    return _graph(nodes, inputs, [_value("mask", None)],
+                  [_const("axis1", 1), _const("axis2", 2), _const("zero_int", 0), _const("one_int", 1),
+                   _const("key_axes", [0, 1, 2]), _const("query_axes", [0, 1, 3]), _const("axes", [1, 2]),
+                   _const("zero", 0.0, np.float32), _const("minimum", -np.inf, np.float32)])
+
+
+@pytest.mark.parametrize("queries, from_first_key", [
+    ("from zero", True),  # transformers 4.44's Gemma 2: arange(S) whatever the past
+    ("after the past", False), ("from the past", False),  # arange(S) + P, arange(P, P + S)
+    # one square block of positions, placed after the past's keys by what joins it (transformers 4.37)
+    ("one range", False), ("traced twice", False)])
+def test_queries_counted_from_zero_are_refused_over_a_past(queries, from_first_key):
+    graph = _ranged_mask(queries)
+    source = match_mask_source(graph, _tensor(graph, "mask"))
+    assert (source.attention_mask.name, source.causal, source.window) == ("attention_mask", 1, 0)
+    assert source.queries_from_first_key == from_first_key
+    assert (source.refusal_over_a_past() is not None) == from_first_key
+
+
 def _triangle_mask(triangles: list[tuple[int, int | tuple[str, int]]]) -> gs.Graph:
     """Where(any of the Trilus of ones, min, 0) with the padding mask added: each triangle (upper, diagonal), the
     diagonal a constant, or computed ("length", c): the padding mask's length plus c, as transformers before 4.43
