@@ -33,6 +33,7 @@ from cli.llm_commands import engine_options, open_engine
 from models.data_files import EVAL_TEXT
 from runtime.ort_session import session_options
 from runtime.progress import Progress, progress
+from runtime.signature import PAST_NAME, present_name
 
 DECODE_PROMPT_TOKENS = 128  # the prompt of each batch-1 decode measurement
 
@@ -59,14 +60,14 @@ class OnnxRuntimeLoop:
         # the same thread setup as the engine's sessions (runtime/ort_session.py)
         self.session = ort.InferenceSession(path, session_options(), providers=["CPUExecutionProvider"])
         self.inputs = {i.name: i for i in self.session.get_inputs()}
-        self.presents = [o.name for o in self.session.get_outputs() if o.name.startswith("present")]
+        self.carried = {present_name(name): name for name in self.inputs if PAST_NAME.match(name)}
 
     def generate(self, prompt: list[int], new_tokens: int) -> tuple[float, float]:
         """Greedy generation; returns (time to first token, total time) in seconds."""
         start = time.perf_counter()
         ids = np.asarray([prompt], np.int64)
         past = {name: np.zeros((1, v.shape[1], 0, v.shape[3]), np.float32)
-                for name, v in self.inputs.items() if name.startswith("past_key_values")}
+                for name, v in self.inputs.items() if PAST_NAME.match(name)}
         length, first = 0, None
         for _ in range(new_tokens):
             feeds = {"input_ids": ids, **past}
@@ -74,10 +75,10 @@ class OnnxRuntimeLoop:
                 feeds["attention_mask"] = np.ones((1, length + ids.shape[1]), np.int64)
             if "position_ids" in self.inputs:
                 feeds["position_ids"] = np.arange(length, length + ids.shape[1], dtype=np.int64)[None]
-            outputs = self.session.run(["logits", *self.presents], feeds)
+            outputs = self.session.run(["logits", *self.carried], feeds)
             length += ids.shape[1]
             ids = np.asarray([[int(np.argmax(outputs[0][0, -1]))]], np.int64)
-            past = {name.replace("present", "past_key_values", 1): value for name, value in zip(self.presents, outputs[1:])}
+            past = {self.carried[name]: value for name, value in zip(self.carried, outputs[1:])}
             first = first or time.perf_counter() - start
         return first, time.perf_counter() - start
 

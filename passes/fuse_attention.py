@@ -36,6 +36,7 @@ from passes.match_attention import (
     match_kv_concat,
     match_mask_source,
     match_probabilities,
+    peel_empty_row_guard,
     match_scale,
     match_softcap,
     split_mask,
@@ -118,7 +119,7 @@ class FuseAttention(FusionPass):
         context = sole_consumer(graph, probabilities, "MatMul")
         if context is None or context.inputs[0] is not probabilities:
             return "the probabilities do not multiply the values"
-        output = match_head_merge(graph, context.outputs[0])
+        output = match_head_merge(graph, peel_empty_row_guard(graph, context.outputs[0], masks))
         if isinstance(output, str):
             return output
         if not in_float32(output):  # an export in float16 runs as exported

@@ -573,6 +573,40 @@ def match_head_split(heads4: gs.Tensor) -> Projection | str:
     return Projection(norm.outputs[0], heads, True) if norm is not None else Projection(projection, heads)
 
 
+def peel_empty_row_guard(graph: gs.Graph, context: gs.Tensor, masks: tuple[gs.Tensor, ...]) -> gs.Tensor:
+    """What `context` [B, H, S, D] is merged from: the output of the Where that zeroes its rows seeing no key,
+    `Where(ReduceSum(Cast(m), -1, keepdims) < 1, 0, context)` with m the boolean of the keys seen, that the
+    scores' mask hides where it is False (transformers 5's own ONNX exporter writes it), where that Where is
+    its sole reader; else
+    `context`. The rows it zeroes attend to nothing, whose output is the fused op's own, as a left-padded
+    row's is; every other row it passes on unchanged."""
+    where = sole_consumer(graph, context, "Where")
+    if where is None or where.inputs[2] is not context or scalar(where.inputs[1]) != 0.0:
+        return context
+    less = producer(where.inputs[0], "Less")
+    total = producer(less.inputs[0], "ReduceSum") if less is not None and scalar(less.inputs[1]) == 1.0 else None
+    if total is None or int(total.attrs.get("keepdims", 1)) != 1:
+        return context
+    seen = producer(total.inputs[0], "Cast")
+    seen = seen.inputs[0] if seen is not None else total.inputs[0]
+    rank = len(seen.shape or [])
+    axes = const_ints(total.inputs[1]) if len(total.inputs) > 1 else total.attrs.get("axes")
+    if dtype_kind(seen.dtype) != "b" or rank < 2 or axes is None or [a % rank for a in axes] != [rank - 1]:
+        return context
+    return where.outputs[0] if any(_hides_where_false(mask, seen) for mask in masks) else context
+
+
+def _hides_where_false(mask: gs.Tensor, seen: gs.Tensor) -> bool:
+    """Whether the scores' `mask` hides the keys where boolean `seen` is False: computed from `Not(seen)`
+    (`Cast(Not(seen)) · min`, transformers 5's exporter) or from `Where(seen, 0, min)`."""
+    for node in _computed_from(mask):
+        if node.inputs and node.inputs[0] is seen and (
+                node.op == "Not" or node.op == "Where" and scalar(node.inputs[1]) == 0.0
+                and (scalar(node.inputs[2]) or 0.0) <= MASKED_BELOW):
+            return True
+    return False
+
+
 def match_head_merge(graph: gs.Graph, context: gs.Tensor) -> gs.Tensor | str:
     """The output that `context` [B, H, S, D] is merged into: [B, S, H·D], or [B·S, H·D] rows for a 2-D
     projection (GPT-2's Conv1D, a MatMul on 2-D rows)."""

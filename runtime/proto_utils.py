@@ -16,7 +16,10 @@ def initializers_as_inputs(model: onnx.ModelProto,
     graph = model.graph
     moved = [t for t in graph.initializer if which(t)]
     kept = [t for t in graph.initializer if not which(t)]
-    inputs = list(graph.input) + [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in moved]
+    # `keep_initializers_as_inputs=True` (TorchScript) already lists them as inputs: listed twice is not SSA
+    listed = {value.name for value in graph.input}
+    inputs = list(graph.input) + [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                                  for t in moved if t.name not in listed]
     light = onnx.ModelProto()
     light.ir_version, light.producer_name = model.ir_version, model.producer_name
     light.opset_import.extend(model.opset_import)

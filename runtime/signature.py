@@ -7,7 +7,14 @@ import re
 import onnx
 from onnx import helper
 
-_PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+PAST_NAME = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+# what a contiguous artifact's engine feeds besides the cache
+CONTIGUOUS_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def present_name(past: str) -> str:
+    """The output that gives back the cache input `past` (past_key_values.N.key → present.N.key)."""
+    return "present" + past[len("past_key_values"):]
 
 
 def _value(value: onnx.ValueInfoProto) -> dict:
@@ -46,7 +53,7 @@ def llm_dimensions(signature: dict) -> dict:
     outputs = {v["name"]: v for v in signature["outputs"]}
     if "input_ids" not in inputs or "logits" not in outputs:
         return {}
-    layers = {int(m.group(1)) for name in inputs if (m := _PAST.match(name))}
+    layers = {int(m.group(1)) for name in inputs if (m := PAST_NAME.match(name))}
     dims = {"vocab_size": outputs["logits"]["shape"][-1], "kv_cache_io": bool(layers)}
     if layers:
         past = inputs["past_key_values.0.key"]["shape"]

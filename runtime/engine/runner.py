@@ -15,6 +15,7 @@ from runtime.engine.sequence import Sequence
 from runtime.executor import Executor
 from runtime.feeds import causal_lm_inputs
 from runtime.ops import LAST_POSITIONS, paged_metadata_feeds
+from runtime.signature import PAST_NAME, present_name
 
 
 class PagedRunner:
@@ -77,7 +78,9 @@ class ContiguousRunner:
     def __init__(self, executor: Executor, signature: dict, dims: dict):
         self.executor, self.signature, self.dims = executor, signature, dims
         self.has_past = bool(dims.get("kv_cache_io"))
-        self.present_names = [n for n in executor.output_names if n.startswith("present")]
+        # each cache input's present output (the load checks that each has one), carried to the next step
+        self.carried = {present_name(value["name"]): value["name"] for value in signature["inputs"]
+                        if PAST_NAME.match(value["name"])}
         self._past: dict[int, dict[str, np.ndarray]] = {}
 
     def run(self, batch: ScheduledBatch) -> np.ndarray:
@@ -89,10 +92,9 @@ class ContiguousRunner:
             if self.has_past and past:
                 # the cache may run past `past` by a rejected draft: only the first `past` positions are kept
                 feeds.update({name: value[:, :, :past] for name, value in self._past[seq.seq_id].items()})
-            outputs = self.executor.run(feeds, ["logits"] + self.present_names)
+            outputs = self.executor.run(feeds, ["logits", *self.carried])
             if self.has_past:
-                self._past[seq.seq_id] = {name.replace("present", "past_key_values", 1): outputs[name]
-                                          for name in self.present_names}
+                self._past[seq.seq_id] = {past: outputs[present] for present, past in self.carried.items()}
             rows.append(outputs["logits"][0, -seq.logit_rows(count):])
         return np.concatenate(rows)
 

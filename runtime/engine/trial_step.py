@@ -14,7 +14,7 @@ from runtime.engine.sequence import Sequence
 from runtime.errors import AtcError
 from runtime.executor import ORT_FAILURES
 from runtime.kernels.paged_attention import PagedInputError
-from runtime.signature import fixed_token_shape
+from runtime.signature import CONTIGUOUS_INPUTS, PAST_NAME, fixed_token_shape, present_name
 
 PROMPT = [0, 1]
 
@@ -32,6 +32,8 @@ def check_generator(metadata: dict, path: str) -> None:
     if "input_ids" not in inputs or "logits" not in outputs:
         raise AtcError("E10055", f"{path} is not a causal LM the engine can run: it needs an input_ids input and a "
                                  f"logits output, and has inputs {sorted(inputs)} and outputs {sorted(outputs)}")
+    if (metadata.get("kv_cache") or {}).get("layout") != "paged":  # a paged artifact's inputs are the compiler's
+        _check_contiguous_io(metadata["signature"], path)
     shape = fixed_token_shape(metadata["signature"])
     if shape:
         if "input_ids" in (metadata.get("shape_contract") or {}).get("input_shape", {}):
@@ -42,6 +44,29 @@ def check_generator(metadata: dict, path: str) -> None:
         raise AtcError("E10055", f"{path} takes input_ids of the one shape {shape} only, which {fixed}, and "
                                  f"generating feeds another length each step, so the batch and sequence axes "
                                  f"must be free: {remedy}")
+
+
+def _check_contiguous_io(signature: dict, path: str) -> None:
+    """Refuse, with E10055, a contiguous artifact with an input the engine does not feed (it feeds
+    CONTIGUOUS_INPUTS and the cache `past_key_values.N.key|value`), a cache input of one fixed length, or
+    one without its `present.N.key|value` output, which carries the cache to the next step."""
+    inputs = [value["name"] for value in signature["inputs"]]
+    outputs = {value["name"] for value in signature["outputs"]}
+    unfed = [name for name in inputs if name not in CONTIGUOUS_INPUTS and not PAST_NAME.match(name)]
+    if unfed:
+        raise AtcError("E10055", f"{path} takes inputs the engine does not feed: {', '.join(unfed)} (it feeds "
+                                 f"{', '.join(CONTIGUOUS_INPUTS)} and a cache named past_key_values.N.key and "
+                                 f".value, given back as present.N.key and .value)")
+    fixed = [(value["name"], value["shape"][2]) for value in signature["inputs"] if PAST_NAME.match(value["name"])
+             and len(value["shape"]) == 4 and isinstance(value["shape"][2], int) and value["shape"][2] >= 0]
+    if fixed:
+        raise AtcError("E10055", f"{path} takes {fixed[0][0]} of the one past length {fixed[0][1]}, which its export "
+                                 f"fixed, and the cache grows each step: export it again with that axis dynamic "
+                                 f"(TorchScript applies dynamic_axes only to inputs named in input_names)")
+    uncarried = [name for name in inputs if PAST_NAME.match(name) and present_name(name) not in outputs]
+    if uncarried:
+        raise AtcError("E10055", f"{path} takes the cache input {uncarried[0]} but gives no {present_name(uncarried[0])} "
+                                 f"output to carry it to the next step (outputs: {', '.join(sorted(outputs))})")
 
 
 def trial_step(runner: PagedRunner | ContiguousRunner, vocab_size: int, path: str) -> None:

@@ -12,14 +12,14 @@ import onnx_graphsurgeon as gs
 import onnxruntime as ort
 import pytest
 from conftest import compile_to
-from fusion_utils import assert_parity, op_counts
+from fusion_utils import assert_parity, op_counts, run_fused, run_original
 
 from compiler.loader import load_onnx
 from compiler.pass_manager import run_passes
 from compiler.pipeline import build_pipeline
 from passes.fuse_attention import FuseAttention
 from passes.fuse_qkv import FuseQkv
-from passes.match_attention import match_gqa_repeat
+from passes.match_attention import match_gqa_repeat, match_probabilities
 from passes.pattern import producer
 from runtime.feeds import causal_lm_inputs
 from runtime.ops import FusedAttentionInput
@@ -149,6 +149,65 @@ def test_queries_counted_from_zero_over_a_past_are_left_as_exported(dynamo, tmp_
     expected = ort.InferenceSession(edited.SerializeToString()).run(["logits"], feeds)[0]
     executor = Executor(load_artifact(compile_to(tmp_path / "from_zero.onnx", tmp_path / "from_zero")))
     np.testing.assert_allclose(executor.run(feeds)["logits"][1], expected[1], atol=1e-4)  # row 0 is left-padded
+
+
+def _with_empty_row_guard(graph: gs.Graph, seen_by: str) -> None:
+    """`Where(ReduceSum(Cast(seen), -1, keepdims) < 1, 0, context)` after each attention's context, as
+    transformers 5's own ONNX exporter writes, `seen_by`: "scores", the boolean of the keys seen that the
+    scores' mask is made from; "hidden", the boolean of the hidden keys, the scores' mask made again from
+    it (`Where(hidden, min, 0)`); "other", one made from the scores' mask, which that mask does not read."""
+    for index, softmax in enumerate([n for n in graph.nodes if n.op == "Softmax"]):
+        add = producer(softmax.inputs[0], "Add")
+        mask = add.inputs[1]
+        where = producer(mask, "Where")
+        if seen_by == "scores":
+            seen = where.inputs[0]
+        elif seen_by == "hidden":
+            seen, remade = gs.Variable(f"g{index}/hidden", np.bool_, mask.shape), gs.Variable(f"g{index}/mask", np.float32)
+            graph.nodes += [gs.Node("Not", inputs=[where.inputs[0]], outputs=[seen]),
+                            gs.Node("Where", inputs=[seen, where.inputs[2], where.inputs[1]], outputs=[remade])]
+            add.inputs[1] = remade
+        else:
+            seen = gs.Variable(f"g{index}/seen", np.bool_, mask.shape)
+            graph.nodes.append(gs.Node("Equal", inputs=[mask, gs.Constant(f"g{index}/zero", np.array(0, np.float32))],
+                                       outputs=[seen]))
+        context = next(n for n in match_probabilities(graph, softmax).outputs if n.op == "MatMul").outputs[0]
+        readers = list(context.outputs)
+        count, total, few = (gs.Variable(f"g{index}/{name}", dtype) for name, dtype in
+                             (("count", np.float32), ("total", np.float32), ("few", np.bool_)))
+        guarded = gs.Variable(f"g{index}/guarded", np.float32, context.shape)
+        graph.nodes += [
+            gs.Node("Cast", inputs=[seen], outputs=[count], attrs={"to": onnx.TensorProto.FLOAT}),
+            gs.Node("ReduceSum", inputs=[count, gs.Constant(f"g{index}/axes", np.array([-1], np.int64))],
+                    outputs=[total], attrs={"keepdims": 1}),
+            gs.Node("Less", inputs=[total, gs.Constant(f"g{index}/one", np.array(1.0, np.float32))], outputs=[few]),
+            gs.Node("Where", inputs=[few, gs.Constant(f"g{index}/nothing", np.array(0.0, np.float32)), context],
+                    outputs=[guarded])]
+        for reader in readers:
+            reader.inputs[reader.inputs.index(context)] = guarded
+    graph.cleanup().toposort()
+
+
+@pytest.mark.parametrize("seen_by", ["scores", "hidden", "other"])
+def test_rows_zeroed_where_they_see_no_key_fuse_only_from_the_scores_mask(seen_by, tmp_path):
+    """Zeroing the rows whose mask sees no key changes only rows that attend to nothing, when that mask is
+    the keys the scores' mask lets through; zeroing rows by another mask (or by the hidden keys, which zeroes
+    the rows that see every key) is the export's own computation."""
+    graph = _before_attention(False, with_past=False)
+    assert all(producer(producer(n.inputs[0], "Add").inputs[1], "Where") is not None
+               for n in graph.nodes if n.op == "Softmax"), "the tiny export masks with Where(seen, 0, min)"
+    _with_empty_row_guard(graph, seen_by)
+    original = gs.export_onnx(graph.copy(), do_type_check=False)
+    result = FuseAttention().run(graph)
+    if seen_by != "scores":
+        assert result.effect_times == 0
+        assert all("not merged back" in reason for reason in result.rejections)
+        return
+    assert result.effect_times == 2
+    feeds = _feeds(original)  # row 0's first position is padding: it sees no key
+    expected = run_original(original, feeds)[0]
+    got = run_fused(gs.export_onnx(graph, do_type_check=False), feeds, "onnxruntime", tmp_path)[0]
+    np.testing.assert_allclose(got[:, 1:], expected[:, 1:], atol=1e-5)
 
 
 def test_a_paged_compile_with_one_block_unfused_says_so(tmp_path):
