@@ -37,7 +37,6 @@ import onnx_graphsurgeon as gs
 
 from passes.base import PassResult
 from passes.match_attention import dtype_kind
-from passes.pattern import producer
 from runtime.signature import PAST_NAME, present_name
 
 log = logging.getLogger(__name__)
@@ -100,17 +99,18 @@ def _appended(past: gs.Tensor) -> gs.Node | None:
     return concats[0] if len(concats) == 1 else None
 
 
-def _reached(start: gs.Tensor, stop: Callable[[gs.Node], bool]) -> gs.Node | None:
+def _reached(start: gs.Tensor, stop: Callable[[gs.Node], bool]) -> tuple[gs.Node, gs.Tensor] | None:
     """The first node (breadth first, within _SEARCH nodes, not through a MatMul) reading a value computed
-    from `start` for which `stop(node)` holds."""
+    from `start` for which `stop(node)` holds, and the value it reads."""
     queue, seen = [start], set()
     while queue and len(seen) < _SEARCH * 4:
-        for node in queue.pop(0).outputs:
+        value = queue.pop(0)
+        for node in value.outputs:
             if id(node) in seen:
                 continue
             seen.add(id(node))
             if stop(node):
-                return node
+                return node, value
             if node.op != "MatMul":
                 queue.extend(node.outputs)
     return None
@@ -118,35 +118,21 @@ def _reached(start: gs.Tensor, stop: Callable[[gs.Node], bool]) -> gs.Node | Non
 
 def _cache_kind(concat: gs.Node) -> tuple[gs.Node, str] | None:
     """(the attention the cache belongs to, "key" or "value"): that attention's probabilities·values
-    MatMul (or ONNX's Attention op). A cache whose first MatMul leads to a Softmax holds keys, and its
-    attention is the MatMul the Softmax's probabilities reach; otherwise it holds values, and its attention
-    is that first MatMul."""
-    reader = _reached(concat.outputs[0], lambda node: node.op in ("MatMul", "Attention"))
-    if reader is None:
+    MatMul (or ONNX's Attention op, by the operand it reads). A cache whose first MatMul leads to a Softmax
+    holds keys, and its attention is the MatMul the Softmax's probabilities reach; otherwise it holds
+    values, and its attention is that first MatMul."""
+    found = _reached(concat.outputs[0], lambda node: node.op in ("MatMul", "Attention"))
+    if found is None:
         return None
+    reader, operand = found
     if reader.op == "Attention":
-        index = next((i for i, t in enumerate(reader.inputs) if _reads_from(t, concat.outputs[0])), None)
+        index = next(i for i, t in enumerate(reader.inputs) if t is operand)
         return (reader, {1: "key", 2: "value"}[index]) if index in (1, 2) else None
     scores = _reached(reader.outputs[0], lambda node: node.op in ("Softmax", "MatMul"))
-    if scores is None or scores.op != "Softmax":
+    if scores is None or scores[0].op != "Softmax":
         return reader, "value"
-    context = _reached(scores.outputs[0], lambda node: node.op == "MatMul")
-    return (context, "key") if context is not None else None
-
-
-def _reads_from(tensor: gs.Tensor, source: gs.Tensor) -> bool:
-    """Whether `tensor` is `source` or computed from it within _SEARCH nodes back."""
-    queue = [tensor]
-    for _ in range(_SEARCH):
-        if not queue:
-            return False
-        value = queue.pop(0)
-        if value is source:
-            return True
-        node = producer(value)
-        if node is not None:
-            queue.extend(node.inputs)
-    return False
+    context = _reached(scores[0].outputs[0], lambda node: node.op == "MatMul")
+    return (context[0], "key") if context is not None else None
 
 
 def _present(concat: gs.Node, outputs: list[gs.Tensor]) -> gs.Tensor | None:
