@@ -69,31 +69,30 @@ def _export_unnamed(path, dynamo: bool, family: str = "llama", reverse: bool = F
     return path
 
 
-def _export_with_transformers(path, with_past: bool):
-    """transformers' own ONNX exporter (`transformers.exporters`), dynamic shapes."""
+def _export_with_transformers(path):
+    """transformers' own ONNX exporter (`transformers.exporters`), dynamic shapes, with a cache."""
     exporter_onnx = pytest.importorskip("transformers.exporters.exporter_onnx")
     from transformers import DynamicCache
     from transformers.exporters.configs import OnnxConfig
 
     model = build_tiny_model("llama").eval()
-    feeds = example_inputs(model.config, with_past=with_past)
+    feeds = example_inputs(model.config, with_past=True)
+    past = [feeds[name] for name in CACHE_NAMES]
     sample = {name: feeds[name] for name in ("input_ids", "attention_mask", "position_ids")}
-    if with_past:
-        past = [feeds[name] for name in CACHE_NAMES]
-        sample.update(past_key_values=DynamicCache(ddp_cache_data=list(zip(past[0::2], past[1::2])),
-                                                   config=model.config), use_cache=True)
+    sample.update(past_key_values=DynamicCache(ddp_cache_data=list(zip(past[0::2], past[1::2])), config=model.config),
+                  use_cache=True)
     exported = exporter_onnx.OnnxExporter().export(model, sample, config=OnnxConfig(dynamic=True))
     exporter_onnx.OnnxExporter.save_program(exported.program, str(path))
     return path
 
 
-def _assert_generates_as_transformers(source, tmp_path, with_past: bool = True, family: str = "llama"):
+def _assert_generates_as_transformers(source, tmp_path, family: str = "llama"):
     expected = hf_greedy(family, tuple(map(tuple, PROMPTS)), NEW_TOKENS)
     for paged in (False, True):
         om = _compile(source, tmp_path / ("paged" if paged else "contiguous"), enable_paged_attention=paged)
         loaded = load_artifact(om)
         assert Counter(n.op_type for n in loaded.model.graph.node)["PagedAttention" if paged else "FusedAttention"] == 2
-        if not paged and with_past:
+        if not paged:
             signature = loaded.metadata["signature"]
             assert sorted(v["name"] for v in signature["inputs"][3:]) == CACHE_NAMES
             assert sorted(v["name"] for v in signature["outputs"][1:]) == [
@@ -106,7 +105,7 @@ def _assert_generates_as_transformers(source, tmp_path, with_past: bool = True, 
     (False, "llama", True, None),  # in no exporter's order: read from what each input does, not where it stands
     (True, "llama", True, 23),  # ONNX's Attention op, reading the cache concatenated outside it
     (False, "gpt2", False, None),  # Conv1D projections, keys and values split from one
-    (True, "mistral", False, None)])  # one KV head broadcast to the query heads
+    (False, "mistral", False, None)])  # one KV head broadcast to the query heads
 def test_a_cache_the_exporter_named_is_read_by_structure(dynamo, family, reverse, opset, tmp_path):
     source = _export_unnamed(tmp_path / "model.onnx", dynamo, family, reverse, opset)
     if opset:
@@ -120,12 +119,12 @@ def test_a_cache_the_exporter_named_is_read_by_structure(dynamo, family, reverse
     _assert_generates_as_transformers(source, tmp_path, family=family)
 
 
-@pytest.mark.parametrize("with_past", [False, True], ids=["no-cache", "cache"])
-def test_transformers_own_onnx_exporter_fuses_and_generates(with_past, tmp_path):
+def test_transformers_own_onnx_exporter_fuses_and_generates(tmp_path):
     """Its sdpa zeroes the rows that see no key (`Where(sum(mask) < 1, 0, context)`) between the context and
-    the head merge: read as the context, those rows attending to nothing."""
-    source = _export_with_transformers(tmp_path / "model.onnx", with_past)
-    _assert_generates_as_transformers(source, tmp_path, with_past)
+    the head merge: read as the context, those rows attending to nothing. Its cache is
+    `past_key_values.layers.N.keys` in and `cache.layers.N.keys` out."""
+    source = _export_with_transformers(tmp_path / "model.onnx")
+    _assert_generates_as_transformers(source, tmp_path)
 
 
 def test_initializers_kept_as_inputs_compile(tmp_path):
