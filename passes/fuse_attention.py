@@ -36,9 +36,9 @@ from passes.match_attention import (
     match_kv_concat,
     match_mask_source,
     match_probabilities,
-    peel_empty_row_guard,
     match_scale,
     match_softcap,
+    peel_empty_row_guard,
     split_mask,
 )
 from passes.match_alibi import peel_alibi

@@ -359,7 +359,7 @@ def _queries_from_first_key(keys: gs.Tensor, queries: gs.Tensor) -> bool:
     query_range, key_range = _counted_from(queries), _counted_from(keys)
     if query_range is None:
         return False
-    return key_range is None or not all(_same_values(x, y) for x, y in zip(query_range.inputs, key_range.inputs))
+    return key_range is None or not _same_values(query_range.outputs[0], key_range.outputs[0])
 
 
 def _computed_from(tensor: gs.Tensor):
