@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -14,10 +15,10 @@ from runtime.kernels import native
 from runtime.ort_session import session_options
 
 
-def native_session(model: onnx.ModelProto) -> ort.InferenceSession:
-    """`model` on two threads with the native library registered."""
+def native_session(model: onnx.ModelProto, library: Path | None = None) -> ort.InferenceSession:
+    """`model` on two threads with the native library (this machine's, or `library`) registered."""
     options = session_options(2)
-    options.register_custom_ops_library(str(native.library_path()))
+    options.register_custom_ops_library(str(library or native.library_path()))
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 

@@ -27,6 +27,21 @@ from runtime.ops import CUSTOM_DOMAIN
 KERNEL = pytest.mark.skipif(not native.has_float32_panel_matmul(), reason="this CPU has no AVX-512: no native MatMulF32")
 
 
+@pytest.fixture(scope="module", params=["this CPU's prefetch", "the other prefetch"])
+def f32_library(request):
+    """The library as built here, then one whose MatMulF32 decode takes the other prefetch form (software
+    prefetch ahead of each stream, or the hardware's alone: the library picks by CPU vendor), so both are tested
+    on any machine."""
+    if not native.has_float32_panel_matmul():
+        pytest.skip("this CPU has no AVX-512: no native MatMulF32")
+    here = native.library_path()
+    if request.param == "this CPU's prefetch":
+        return here
+    other = native.library_path((f"-DGEMV_SOFTWARE_PREFETCH={0 if native.float32_software_prefetch(here) else 1}",))
+    assert native.float32_software_prefetch(other) != native.float32_software_prefetch(here)
+    return other
+
+
 def _weight(k: int, n: int, seed: int = 0) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal((k, n)) * 0.02).astype(np.float32)
 
@@ -82,9 +97,9 @@ def test_the_op_is_built_where_the_cpu_has_avx512():
 @pytest.mark.parametrize("k,n", [(576, 960), (64, 48), (33, 47), (1, 16), (1536, 40), (100, 1000), (70, 1100),
                                  (40, 290)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 11, 12, 13, 25, 64])
-def test_the_native_op_equals_the_product(k, n, rows):
+def test_the_native_op_equals_the_product(k, n, rows, f32_library):
     w = _weight(k, n, seed=k + n)
-    session = native_session(_f32_model(k, n, float32_panels.pack(w)))
+    session = native_session(_f32_model(k, n, float32_panels.pack(w)), f32_library)
     x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
     assert_close_to_product(session.run(None, {"x": x})[0], x, w)
 
@@ -116,9 +131,9 @@ def test_the_native_op_refuses_operands_that_break_the_layout(x_shape, panels_sh
 # or 4 (3, 1100) panels
 @pytest.mark.parametrize("k,n", [(1, 16), (1, 17), (2, 1), (3, 48), (4, 33), (64, 80), (5, 5), (3, 280), (5, 1000),
                                  (1, 1000), (3, 1100)])
-def test_the_native_op_reads_nothing_past_its_operands(k, n):
+def test_the_native_op_reads_nothing_past_its_operands(k, n, f32_library):
     w = _weight(k, n, seed=k * 100 + n)
-    session = native_session(_f32_model(k, n, None))
+    session = native_session(_f32_model(k, n, None), f32_library)
     keep: list = []
     panels = at_a_page_end(float32_panels.pack(w), keep)
     for rows in (1, 3, 4, 5, 13):

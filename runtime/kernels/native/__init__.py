@@ -141,6 +141,12 @@ def has_float32_panel_matmul() -> bool:
         return False
 
 
+def float32_software_prefetch(library: Path) -> bool:
+    """Whether `library`'s MatMulF32 prefetches its decode streams in software on this CPU (not on AMD's, or
+    as built with -DGEMV_SOFTWARE_PREFETCH=0|1); the library says so itself."""
+    return bool(ctypes.CDLL(str(library)).cann_matmul_f32_software_prefetch())
+
+
 def available() -> bool:
     """Whether the library exists or can be built here."""
     try:

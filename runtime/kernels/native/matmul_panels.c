@@ -15,7 +15,8 @@
    Up to GEMV_ROWS rows (decode) each task streams a range of panels once, four side by side, reading
    (unpacking) each group once for every row, with software prefetch ahead: the panels and the prefetch are what
    make a step faster than onnxruntime's MatMul on the same float32 bytes, and F28's 3.5 bytes a weight faster still
-   (docs/performance.md#fp32-weights-in-panels). From more rows on, each task runs 12-row by 32-column tiles
+   (docs/performance.md#fp32-weights-in-panels). On AMD's cores float32 panels are read without it: their own
+   prefetchers stream them faster alone. From more rows on, each task runs 12-row by 32-column tiles
    over pairs of panels, the shape of MLAS's own SGEMM kernel, so that prefill stays as fast as onnxruntime's
    MatMul: float32 panels where they lie, F28 ones unpacked a few pairs at a time into a scratch of the task's
    own (exceptions in place). An infinite activation meets an F28 exception's weight as 0 · inf = NaN in the
@@ -134,6 +135,19 @@ static inline void prefetch_within(const char* ahead, const char* stop) {
   _mm_prefetch(ahead < stop ? ahead : stop, _MM_HINT_T1);
 }
 
+/* whether float32 decode prefetches its streams: not on AMD's cores (Zen 4), where the hardware's prefetch alone
+   read SmolLM2's FP32 step 1.17-1.18x faster (docs/performance.md#fp32-weights-in-panels), as on Intel's, where
+   the prefetch was tuned. -DGEMV_SOFTWARE_PREFETCH=0|1 fixes it at build time (the tests build the other form). */
+static int software_prefetch(void) {
+#ifdef GEMV_SOFTWARE_PREFETCH
+  return GEMV_SOFTWARE_PREFETCH;
+#else
+  __builtin_cpu_init();
+  return !__builtin_cpu_is("amd");
+#endif
+}
+static int g_f32_prefetch = 1; /* set once, as the op is registered */
+
 /* the offset from a stream's panel STREAM_PREFETCH ahead of `at`: past the panel's P bytes, in the stream's panel
    of the next S */
 static inline int64_t stream_ahead(int64_t at, int64_t P, int64_t S) {
@@ -146,7 +160,7 @@ static inline int64_t stream_ahead(int64_t at, int64_t P, int64_t S) {
    panel in the next S. More streams kept more lines in flight: SmolLM2's F28 decode step 1.07x faster than one
    stream a task, its float32 one level (docs/performance.md#fp32-weights-in-panels). FORMAT f32 or f28: GROUP
    its bytes, SETUP what LOAD(src, kk, K, last) needs, EXCEPTIONS whether it has them */
-#define GEMV(FORMAT, ROWS, S, GROUP, SETUP, LOAD, EXCEPTIONS)                                                       \
+#define GEMV(FORMAT, ROWS, S, GROUP, SETUP, LOAD, EXCEPTIONS, PF)                                                     \
   static void gemv_##FORMAT##_##ROWS##_##S(const Work* w, int64_t p, const char* stop) {                           \
     const Kernel* k = w->k;                                                                                          \
     const int64_t K = k->K, P = K * GROUP;                                                                           \
@@ -156,7 +170,8 @@ static inline int64_t stream_ahead(int64_t at, int64_t P, int64_t S) {
     for (int r = 0; r < ROWS; r++)                                                                                   \
       for (int s = 0; s < S; s++) acc[r][s] = _mm512_setzero_ps();                                                  \
     for (int64_t kk = 0; kk < K - 1; kk++) {                                                                         \
-      for (int s = 0; s < S; s++) prefetch_within((const char*)src + s * P + stream_ahead(kk * GROUP, P, S), stop); \
+      if (PF)                                                                                                        \
+        for (int s = 0; s < S; s++) prefetch_within((const char*)src + s * P + stream_ahead(kk * GROUP, P, S), stop); \
       __m512 av[ROWS];                                                                                               \
       for (int r = 0; r < ROWS; r++) av[r] = _mm512_set1_ps(w->a[r * K + kk]);                                       \
       for (int s = 0; s < S; s++) {                                                                                  \
@@ -166,7 +181,7 @@ static inline int64_t stream_ahead(int64_t at, int64_t P, int64_t S) {
     }                                                                                                                \
     const int last = p + S == w->panels; /* its last panel is the tensor's, read to its end and no further */      \
     for (int s = 0; s < S; s++) {                                                                                    \
-      prefetch_within((const char*)src + s * P + stream_ahead((K - 1) * GROUP, P, S), stop);                        \
+      if (PF) prefetch_within((const char*)src + s * P + stream_ahead((K - 1) * GROUP, P, S), stop);               \
       const __m512 wv = LOAD(src + s * P, K - 1, K, last && s == S - 1);                                           \
       float sums[ROWS * 16];                                                                                         \
       for (int r = 0; r < ROWS; r++)                                                                                 \
@@ -177,16 +192,16 @@ static inline int64_t stream_ahead(int64_t at, int64_t P, int64_t S) {
         _mm512_mask_storeu_ps(w->y + r * k->N + (p + s) * 16, mask, _mm512_loadu_ps(sums + r * 16));                \
     }                                                                                                                \
   }
-#define GEMV_ROWS_OF(FORMAT, S, GROUP, SETUP, LOAD, EXCEPTIONS)                                                     \
-  GEMV(FORMAT, 1, S, GROUP, SETUP, LOAD, EXCEPTIONS)                                                                 \
-  GEMV(FORMAT, 2, S, GROUP, SETUP, LOAD, EXCEPTIONS)                                                                 \
-  GEMV(FORMAT, 3, S, GROUP, SETUP, LOAD, EXCEPTIONS)                                                                 \
-  GEMV(FORMAT, 4, S, GROUP, SETUP, LOAD, EXCEPTIONS)
-#define GEMV_ALL(FORMAT, GROUP, SETUP, LOAD, EXCEPTIONS)                                                            \
-  GEMV_ROWS_OF(FORMAT, 1, GROUP, SETUP, LOAD, EXCEPTIONS)                                                            \
-  GEMV_ROWS_OF(FORMAT, 2, GROUP, SETUP, LOAD, EXCEPTIONS)                                                            \
-  GEMV_ROWS_OF(FORMAT, 3, GROUP, SETUP, LOAD, EXCEPTIONS)                                                            \
-  GEMV_ROWS_OF(FORMAT, 4, GROUP, SETUP, LOAD, EXCEPTIONS)                                                            \
+#define GEMV_ROWS_OF(FORMAT, S, GROUP, SETUP, LOAD, EXCEPTIONS, PF)                                                     \
+  GEMV(FORMAT, 1, S, GROUP, SETUP, LOAD, EXCEPTIONS, PF)                                                             \
+  GEMV(FORMAT, 2, S, GROUP, SETUP, LOAD, EXCEPTIONS, PF)                                                             \
+  GEMV(FORMAT, 3, S, GROUP, SETUP, LOAD, EXCEPTIONS, PF)                                                             \
+  GEMV(FORMAT, 4, S, GROUP, SETUP, LOAD, EXCEPTIONS, PF)
+#define GEMV_ALL(FORMAT, GROUP, SETUP, LOAD, EXCEPTIONS, PF)                                                        \
+  GEMV_ROWS_OF(FORMAT, 1, GROUP, SETUP, LOAD, EXCEPTIONS, PF)                                                        \
+  GEMV_ROWS_OF(FORMAT, 2, GROUP, SETUP, LOAD, EXCEPTIONS, PF)                                                        \
+  GEMV_ROWS_OF(FORMAT, 3, GROUP, SETUP, LOAD, EXCEPTIONS, PF)                                                        \
+  GEMV_ROWS_OF(FORMAT, 4, GROUP, SETUP, LOAD, EXCEPTIONS, PF)                                                        \
   _Static_assert(GEMV_ROWS == 4 && GEMV_STREAMS == 4, "the table below is written out for 4 rows and 4 streams"); \
   typedef void (*Gemv_##FORMAT)(const Work*, int64_t, const char*);                                                 \
   static const Gemv_##FORMAT GEMV_##FORMAT[GEMV_ROWS][GEMV_STREAMS] = {                                             \
@@ -195,10 +210,11 @@ static inline int64_t stream_ahead(int64_t at, int64_t P, int64_t S) {
       {gemv_##FORMAT##_3_1, gemv_##FORMAT##_3_2, gemv_##FORMAT##_3_3, gemv_##FORMAT##_3_4},                         \
       {gemv_##FORMAT##_4_1, gemv_##FORMAT##_4_2, gemv_##FORMAT##_4_3, gemv_##FORMAT##_4_4}};
 #define LOAD_F32(src, kk, K, last) load16((src) + (kk) * GROUP_F32)
-GEMV_ALL(f32, GROUP_F32, , LOAD_F32, 0)
+GEMV_ALL(f32, GROUP_F32, , LOAD_F32, 0, 1)
+GEMV_ALL(f32_hw, GROUP_F32, , LOAD_F32, 0, 0) /* the hardware's prefetch alone */
 #if MATMUL_F28_ISA
 #define LOAD_F28(src, kk, K, last) unpack_at(&u, src, kk, K, last)
-GEMV_ALL(f28, GROUP_F28, const Unpacker u = unpacker(k->bias);, LOAD_F28, 1)
+GEMV_ALL(f28, GROUP_F28, const Unpacker u = unpacker(k->bias);, LOAD_F28, 1, 1)
 #endif
 
 /* a decode task: its panels [p0, p1) GEMV_STREAMS at a time (fewer at its end) */
@@ -207,9 +223,11 @@ static void gemv_task(void* work, size_t task) {
   const int64_t p0 = (int64_t)task * w->per_task, p1 = p0 + w->per_task < w->panels ? p0 + w->per_task : w->panels;
   const char* stop = (const char*)w->packed + p1 * w->k->K * w->k->group - 64;
   const int64_t rows = (w->m < GEMV_ROWS ? w->m : GEMV_ROWS) - 1, P = w->k->K * w->k->group;
+  const int f32_prefetch = g_f32_prefetch;
   /* the first STREAM_PREFETCH bytes of each stream, which the loop's prefetch ahead does not reach */
-  for (int64_t s = 0; s < GEMV_STREAMS && p0 + s < p1; s++)
-    for (int64_t at = 0; at < STREAM_PREFETCH; at += 64) prefetch_within((const char*)w->packed + (p0 + s) * P + at, stop);
+  if (w->k->group != GROUP_F32 || f32_prefetch)
+    for (int64_t s = 0; s < GEMV_STREAMS && p0 + s < p1; s++)
+      for (int64_t at = 0; at < STREAM_PREFETCH; at += 64) prefetch_within((const char*)w->packed + (p0 + s) * P + at, stop);
   for (int64_t p = p0; p < p1; p += GEMV_STREAMS) {
     const int64_t streams = (p1 - p < GEMV_STREAMS ? p1 - p : GEMV_STREAMS) - 1;
 #if MATMUL_F28_ISA
@@ -218,7 +236,7 @@ static void gemv_task(void* work, size_t task) {
       continue;
     }
 #endif
-    GEMV_f32[rows][streams](w, p, stop);
+    (f32_prefetch ? GEMV_f32 : GEMV_f32_hw)[rows][streams](w, p, stop);
   }
 }
 
@@ -459,6 +477,7 @@ static OrtStatus* create_f32(const OrtCustomOp* op, const OrtApi* api, const Ort
 static const char* f32_name(const OrtCustomOp* op) { (void)op; return "MatMulF32"; }
 
 int matmul_f32_op(OrtCustomOp* op) {
+  g_f32_prefetch = software_prefetch();
   common_op(op);
   op->GetName = f32_name;
   op->GetInputType = float32;
@@ -517,3 +536,11 @@ int matmul_f28_op(OrtCustomOp* op) {
 /* whether this build registers MatMulF28 and MatMulF32 (runtime/kernels/native/__init__.py asks, through ctypes) */
 __attribute__((visibility("default"))) int cann_matmul_f28_built(void) { return MATMUL_F28_ISA; }
 __attribute__((visibility("default"))) int cann_matmul_f32_built(void) { return MATMUL_PANELS_ISA; }
+/* whether MatMulF32's decode prefetches its streams in software on this CPU (benchmarks report it) */
+__attribute__((visibility("default"))) int cann_matmul_f32_software_prefetch(void) {
+#if MATMUL_PANELS_ISA
+  return software_prefetch();
+#else
+  return 0;
+#endif
+}
