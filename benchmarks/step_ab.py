@@ -9,7 +9,8 @@ fall in one regime and the next in another. Here the two executors (same artifac
 same 128 cached tokens) take turns every step, the order reversed every other step, and the ratio is the
 median of the per-step ratios (baseline over this checkout: above 1 is faster here), beside each side's
 median step. It prints the logits' largest difference too: two libraries computing alike give the same
-numbers to rounding.
+numbers to rounding. The artifact's ops are chosen by what this checkout's library registers: a baseline from
+before MatMulF32 or MatMulF28 existed cannot run them.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def executor_on(library: Path, om_path: str, context: int, steps: int) -> tuple[
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--om", "om_path", required=True, help="a paged artifact")
 @click.option("--baseline", required=True, help="the git revision whose native library is the baseline")
-@click.option("--steps", default=100, show_default=True, help="decode steps each")
+@click.option("--steps", default=100, show_default=True, type=click.IntRange(min=3),
+              help="decode steps each (the first two are not counted)")
 @click.option("--context", default=128, show_default=True, help="tokens cached before the measured steps")
 @click.option("--threads", default=2, show_default=True)
 def main(om_path: str, baseline: str, steps: int, context: int, threads: int) -> None:

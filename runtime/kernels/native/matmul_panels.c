@@ -135,9 +135,10 @@ static inline void prefetch_within(const char* ahead, const char* stop) {
   _mm_prefetch(ahead < stop ? ahead : stop, _MM_HINT_T1);
 }
 
-/* whether float32 decode prefetches its streams: not on AMD's cores (Zen 4), where the hardware's prefetch alone
-   read SmolLM2's FP32 step 1.17-1.18x faster (docs/performance.md#fp32-weights-in-panels), as on Intel's, where
-   the prefetch was tuned. -DGEMV_SOFTWARE_PREFETCH=0|1 fixes it at build time (the tests build the other form). */
+/* whether float32 decode prefetches its streams: not on AMD's cores, where the hardware's prefetch alone read the
+   step's float32 panels 1.20-1.29x faster on a Zen 4 host (docs/performance.md#the-hardwares-prefetch-on-amds-cores);
+   Intel's keep it, where it was tuned. -DGEMV_SOFTWARE_PREFETCH=0|1 fixes it at build time (the tests build the
+   other form). */
 static int software_prefetch(void) {
 #ifdef GEMV_SOFTWARE_PREFETCH
   return GEMV_SOFTWARE_PREFETCH;
@@ -146,7 +147,9 @@ static int software_prefetch(void) {
   return !__builtin_cpu_is("amd");
 #endif
 }
-static int g_f32_prefetch = 1; /* set once, as the op is registered */
+/* chosen as the library loads, before any session can register it, so no compute reads it while it is written */
+static int g_f32_prefetch = 1;
+__attribute__((constructor)) static void choose_f32_prefetch(void) { g_f32_prefetch = software_prefetch(); }
 
 /* the offset from a stream's panel STREAM_PREFETCH ahead of `at`: past the panel's P bytes, in the stream's panel
    of the next S */
@@ -156,9 +159,10 @@ static inline int64_t stream_ahead(int64_t at, int64_t P, int64_t S) {
 }
 
 /* decode: ROWS rows times the S panels from p, each group read (unpacked) once, the S panels read side by side:
-   one stream of lines a panel, each prefetched STREAM_PREFETCH ahead, near a panel's end into the start of its
-   panel in the next S. More streams kept more lines in flight: SmolLM2's F28 decode step 1.07x faster than one
-   stream a task, its float32 one level (docs/performance.md#fp32-weights-in-panels). FORMAT f32 or f28: GROUP
+   one stream of lines a panel, each prefetched STREAM_PREFETCH ahead where PF (F28 always, float32 where
+   software_prefetch()), near a panel's end into the start of its panel in the next S. More streams kept more
+   lines in flight: SmolLM2's F28 decode step 1.07x faster than one stream a task, its float32 one level
+   (docs/performance.md#fp32-weights-in-panels). FORMAT f32 or f28: GROUP
    its bytes, SETUP what LOAD(src, kk, K, last) needs, EXCEPTIONS whether it has them */
 #define GEMV(FORMAT, ROWS, S, GROUP, SETUP, LOAD, EXCEPTIONS, PF)                                                     \
   static void gemv_##FORMAT##_##ROWS##_##S(const Work* w, int64_t p, const char* stop) {                           \
@@ -477,7 +481,6 @@ static OrtStatus* create_f32(const OrtCustomOp* op, const OrtApi* api, const Ort
 static const char* f32_name(const OrtCustomOp* op) { (void)op; return "MatMulF32"; }
 
 int matmul_f32_op(OrtCustomOp* op) {
-  g_f32_prefetch = software_prefetch();
   common_op(op);
   op->GetName = f32_name;
   op->GetInputType = float32;
@@ -536,7 +539,7 @@ int matmul_f28_op(OrtCustomOp* op) {
 /* whether this build registers MatMulF28 and MatMulF32 (runtime/kernels/native/__init__.py asks, through ctypes) */
 __attribute__((visibility("default"))) int cann_matmul_f28_built(void) { return MATMUL_F28_ISA; }
 __attribute__((visibility("default"))) int cann_matmul_f32_built(void) { return MATMUL_PANELS_ISA; }
-/* whether MatMulF32's decode prefetches its streams in software on this CPU (benchmarks report it) */
+/* whether MatMulF32's decode prefetches its streams in software on this CPU (the tests ask, to build the other form) */
 __attribute__((visibility("default"))) int cann_matmul_f32_software_prefetch(void) {
 #if MATMUL_PANELS_ISA
   return software_prefetch();
