@@ -30,7 +30,7 @@ KERNEL = pytest.mark.skipif(not native.has_float32_panel_matmul(), reason="this 
 @pytest.fixture(scope="module", params=["this CPU's prefetch", "the other prefetch"])
 def f32_library(request):
     """The library as built here, then one whose MatMulF32 decode takes the other prefetch form (software
-    prefetch ahead of each stream, or the hardware's alone: the library picks by CPU vendor), so both are tested
+    prefetch ahead of each stream, or the hardware's alone: the library picks by CPU: not on AMD's Zen 4), so both are tested
     on any machine."""
     if not native.has_float32_panel_matmul():
         pytest.skip("this CPU has no AVX-512: no native MatMulF32")

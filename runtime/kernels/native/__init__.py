@@ -142,8 +142,8 @@ def has_float32_panel_matmul() -> bool:
 
 
 def float32_software_prefetch(library: Path) -> bool:
-    """Whether `library`'s MatMulF32 prefetches its decode streams in software on this CPU (not on AMD's, or
-    as built with -DGEMV_SOFTWARE_PREFETCH=0|1); the library says so itself."""
+    """Whether `library`'s MatMulF32 prefetches its decode streams in software on this CPU (not on AMD's Zen 4,
+    or as built with -DGEMV_SOFTWARE_PREFETCH=0|1); the library says so itself."""
     return bool(ctypes.CDLL(str(library)).cann_matmul_f32_software_prefetch())
 
 

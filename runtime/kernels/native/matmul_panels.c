@@ -15,7 +15,7 @@
    Up to GEMV_ROWS rows (decode) each task streams a range of panels once, four side by side, reading
    (unpacking) each group once for every row, with software prefetch ahead: the panels and the prefetch are what
    make a step faster than onnxruntime's MatMul on the same float32 bytes, and F28's 3.5 bytes a weight faster still
-   (docs/performance.md#fp32-weights-in-panels). On AMD's cores float32 panels are read without it: their own
+   (docs/performance.md#fp32-weights-in-panels). On AMD's Zen 4 float32 panels are read without it: its own
    prefetchers stream them faster alone. From more rows on, each task runs 12-row by 32-column tiles
    over pairs of panels, the shape of MLAS's own SGEMM kernel, so that prefill stays as fast as onnxruntime's
    MatMul: float32 panels where they lie, F28 ones unpacked a few pairs at a time into a scratch of the task's
@@ -42,6 +42,7 @@
 
 #if MATMUL_PANELS_ISA
 
+#include <cpuid.h>
 #include <immintrin.h>
 
 #define GROUP_F28 56       /* bytes of one k of an F28 panel: 16 codes of 28 bits */
@@ -135,16 +136,20 @@ static inline void prefetch_within(const char* ahead, const char* stop) {
   _mm_prefetch(ahead < stop ? ahead : stop, _MM_HINT_T1);
 }
 
-/* whether float32 decode prefetches its streams: not on AMD's cores, where the hardware's prefetch alone read the
-   step's float32 panels 1.20-1.29x faster on a Zen 4 host (docs/performance.md#the-hardwares-prefetch-on-amds-cores);
-   Intel's keep it, where it was tuned. -DGEMV_SOFTWARE_PREFETCH=0|1 fixes it at build time (the tests build the
-   other form). */
+/* whether float32 decode prefetches its streams: not on AMD's family 25 (Zen 4; Zen 3 has no AVX-512), where the
+   hardware's prefetch alone read the step's float32 panels 1.20-1.29x faster
+   (docs/performance.md#the-hardwares-prefetch-on-zen-4); Intel's and AMD's family 26 keep it, as measured
+   when it was tuned. -DGEMV_SOFTWARE_PREFETCH=0|1 fixes it at build time (the tests build the other form). */
 static int software_prefetch(void) {
 #ifdef GEMV_SOFTWARE_PREFETCH
   return GEMV_SOFTWARE_PREFETCH;
 #else
-  __builtin_cpu_init();
-  return !__builtin_cpu_is("amd");
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return 1;
+  const int amd = ebx == 0x68747541u && edx == 0x69746e65u && ecx == 0x444d4163u; /* "AuthenticAMD" */
+  if (!amd || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 1;
+  const unsigned family = ((eax >> 8) & 0xf) == 0xf ? 0xf + ((eax >> 20) & 0xff) : (eax >> 8) & 0xf;
+  return family != 25;
 #endif
 }
 /* chosen as the library loads, before any session can register it, so no compute reads it while it is written */
