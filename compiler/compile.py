@@ -23,6 +23,7 @@ from compiler.pass_manager import PassReport, run_passes
 from compiler.pipeline import build_pipeline
 from compiler.precheck import check_ops, unsupported_types
 from compiler.tokenizer_files import tokenizer_files
+from compiler.traced_loops import describe, unrolled_loops
 from models.recipes import detect_family
 from passes.graph_utils import position_table_rows, unfused_attention
 from passes.name_causal_lm_io import token_input
@@ -95,6 +96,9 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
                                  f"length each step, and this export fixed input_ids at {fixed} (it was exported "
                                  f"without dynamic axes): export the model again with its batch and sequence axes "
                                  f"dynamic (docs/exporting.md#fixed-shapes)")
+    unrolled = unrolled_loops(graph)
+    if unrolled and cfg.paging is not None:
+        raise AtcError("E10055", f"--enable_paged_attention=1 is for generating, and {describe(unrolled)}")
     origin = raised.weights if raised else None  # what must_keep_origin_dtype stores them back in
     if cfg.input_shapes:
         apply_input_shape(graph, cfg.input_shapes)
@@ -129,6 +133,8 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
             warnings.append(f"W10007: the export fixed input_ids at {fixed} (it was exported without dynamic axes), "
                             f"so the artifact runs that one shape and cann-run and LLMEngine cannot generate with "
                             f"it; export the model again with its batch and sequence axes dynamic to generate")
+        if unrolled:
+            warnings.append(f"W10008: {describe(unrolled)}")
         if raised:
             low = raised.computed
             warnings.append(f"W10006: the model computes in {low}; it was compiled to compute in float32 (its "
