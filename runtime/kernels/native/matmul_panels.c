@@ -547,7 +547,7 @@ __attribute__((visibility("default"))) int cann_matmul_f32_built(void) { return 
 /* whether MatMulF32's decode prefetches its streams in software on this CPU (the tests ask, to build the other form) */
 __attribute__((visibility("default"))) int cann_matmul_f32_software_prefetch(void) {
 #if MATMUL_PANELS_ISA
-  return software_prefetch();
+  return g_f32_prefetch; /* what the constructor chose, not a second reading of the CPU */
 #else
   return 0;
 #endif
