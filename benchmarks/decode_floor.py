@@ -1,6 +1,6 @@
 """Where batch-1 decode time goes: a paged `.om`'s step, onnxruntime's step on the original export, and
 the floor under both, one session doing nothing but the model's matmuls (M = 1), in one process; and
-under that, the memory: one read of those weights' bytes on every core (numba, no arithmetic).
+under that, the memory: one read of those weights' bytes on every core (benchmarks/memory_read.py).
 
     python benchmarks/decode_floor.py --om .cache/smollm2.om --onnx .cache/smollm2-dynamo/model.onnx
 
@@ -20,26 +20,18 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import click
-import numba
 import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import helper
 
+from memory_read import part_reader
 from runtime import Executor, load_artifact
 from runtime.engine.kv_cache import PagePool
 from runtime.huge_pages import HugePageArena
 from runtime.kernels import float32_panels, native
 from runtime.ops import CUSTOM_DOMAIN, MATMUL_F32
 from runtime.ort_session import enable_process_thread_pool, session_options
-
-
-@numba.njit(nogil=True, fastmath=True)
-def _touch(flat):
-    total = np.float32(0.0)
-    for i in range(flat.size):
-        total += flat[i]
-    return total
 
 
 def matmul_weights(loaded) -> dict[str, np.ndarray]:
@@ -61,13 +53,13 @@ def matmul_weights(loaded) -> dict[str, np.ndarray]:
 
 
 def weight_read(weights: dict[str, np.ndarray]) -> Callable[[], None]:
-    """A function reading the weights' bytes once, split between a thread per core."""
+    """A function reading the weights' bytes once, split between a thread per core (memory_read's read)."""
     flat = np.concatenate([np.asarray(w, np.float32).reshape(-1) for w in weights.values()])
     cores = os.cpu_count() or 1
     parts = np.array_split(flat, cores)
     pool = ThreadPoolExecutor(cores)
-    _touch(parts[0][:16])
-    return lambda: list(pool.map(_touch, parts))
+    _, read = part_reader()
+    return lambda: list(pool.map(read, parts))
 
 
 def matmul_session(weights: dict[str, np.ndarray], rows: int = 1) -> tuple[ort.InferenceSession, dict[str, np.ndarray]]:

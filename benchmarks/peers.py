@@ -396,6 +396,7 @@ def ceiling_share(runner, ids: list[int], bursts: int, weights: int) -> dict:
     import numpy as np
 
     from decode_floor import weight_read
+    from memory_read import part_reader
 
     read = weight_read({"buffer": np.ones(weights // 4, np.float32)})
     read()
@@ -410,7 +411,7 @@ def ceiling_share(runner, ids: list[int], bursts: int, weights: int) -> dict:
             reads.append(time.perf_counter() - start)
         since[0] = time.perf_counter()
     runner.each_token(ids, bursts * BURST, after)
-    return share_of_ceiling(tokens, reads, weights)
+    return {**share_of_ceiling(tokens, reads, weights), "read_probe": part_reader()[0]}
 
 
 def share_of_ceiling(token_s: list[float], read_s: list[float], weights: int) -> dict:
@@ -501,6 +502,7 @@ def summarize(engines: list[Engine], samples: dict[str, list[dict]], weights: di
             row["of_ceiling"] = statistics.median(run["of_ceiling"] for run in runs)
             row["bandwidth_bytes_per_s"] = statistics.median(run["bandwidth_bytes_per_s"] for run in runs)
             row["bursts_by_round"] = [run["bursts"] for run in runs]
+            row["read_probe"] = runs[0]["read_probe"]
         row["prompt_ids"], row["output_ids"] = runs[0]["prompt_ids"], runs[0]["output_ids"]
         rows[engine.name] = row
     return {"rows": rows, "ratios": ratios(rows), "agreement": agreement(rows)}
@@ -563,10 +565,11 @@ def table(report: dict) -> list[str]:
         lines.append(f"{name:<24} {row['weights_bytes'] / 1e6:>6.1f} MB {row['decode_tok_s']:>13.1f} {share:>11} "
                      f"{row['prefill_s']:>10.2f} {row['ttft_s'] * 1e3:>8.1f} {row['peak_rss_bytes'] / 2**20:>6.0f} MB "
                      f" {row['prompt_tokens']}/{row['prefill_tokens']}")
-    reads = [f"{name} {row['bandwidth_bytes_per_s'] / 1e9:.1f}" for name, row in report["rows"].items()
-             if "bandwidth_bytes_per_s" in row]
-    if reads:
-        lines.append(f"read bandwidth beside each row's tokens, GB/s: {', '.join(reads)}")
+    read = {name: row for name, row in report["rows"].items() if "bandwidth_bytes_per_s" in row}
+    if read:
+        probe = next(iter(read.values()))["read_probe"]
+        lines.append(f"read bandwidth beside each row's tokens ({probe} read), GB/s: "
+                     + ", ".join(f"{name} {row['bandwidth_bytes_per_s'] / 1e9:.1f}" for name, row in read.items()))
     if report["ratios"]:
         lines += ["", f"{'ours / peer':<48} {'decode':>7} {'at equal GB/s':>14} {'prefill':>8} {'TTFT':>6} "
                       f"{'peak RSS':>9}  decode by round"]

@@ -25,7 +25,7 @@ def _run(decode, prefill, rss, output=(1, 2, 3, 4), prompt=(7, 8), share=None):
            "prefill_s": prefill, "peak_rss_bytes": rss, "load_s": 1.0, "prompt_ids": list(prompt),
            "output_ids": list(output)}
     if share is not None:
-        run.update({"of_ceiling": share, "bandwidth_bytes_per_s": share * 1e10, "bursts": 8})
+        run.update({"of_ceiling": share, "bandwidth_bytes_per_s": share * 1e10, "bursts": 8, "read_probe": "C"})
     return run
 
 
