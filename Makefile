@@ -6,7 +6,7 @@ CACHE ?= .cache
 QUESTION ?= What is the capital of France?
 FOLLOW_UP ?= And of Germany?
 
-.PHONY: install demo model support codegen test test-fast clean optimum browser
+.PHONY: install demo model support codegen test test-fast clean optimum fixtures browser
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,9 +38,13 @@ codegen: model
 	$(BIN)/python -m apps.codegen serve --model $(CACHE)/smollm2.om
 
 # Optimum's exports of the tiny families, for tests/test_optimum_exports.py: optimum-onnx needs transformers<4.58,
-# so it gets its own venv under the cache (made once, ~1 min; without a registry the tests skip and say why)
+# so it gets its own venvs under the cache (made once, ~2 min; without a registry the tests skip and say why)
 optimum: install
 	$(BIN)/python -m models.optimum_export
+
+# every export the tests read (SmolLM2's, the tiny families', Optimum's), made once into the cache on both cores
+fixtures: install
+	$(BIN)/python -m models.fixtures --jobs 2
 
 # Debian's Chromium, for the customer-service page's browser test (Playwright drives it and downloads no
 # browser of its own); installed once, as root or through sudo
@@ -48,8 +52,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 browser:
 	@command -v chromium >/dev/null || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium) >/dev/null
 
-test: install optimum browser
-	$(BIN)/python -m models.prepare smollm2 --out $(CACHE)/smollm2-dynamo
+test: install fixtures browser
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # the unit tier: tests that need no exported model, compiled artifact or server (marked `unit`), in seconds

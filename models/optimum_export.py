@@ -9,7 +9,7 @@ process, and with `form="no-past"` Optimum's `text-generation` export (no cache 
 `form="merged"` its legacy merged decoder (`decoder_model_merged.onnx`, an `If` on `use_cache_branch`)
 instead. The export runs in the optimum venv through `models/optimum_worker.py`.
 
-    python -m models.optimum_export [FAMILY ...]      # create the venv and export (all families by default)
+    python -m models.optimum_export [FAMILY ...]      # create the venvs and export (every form the tests read)
 """
 
 from __future__ import annotations
@@ -56,6 +56,10 @@ FORMS = ("with-past", "no-past", "merged", "legacy", "legacy-merged")  # models/
 LEGACY_REQUIREMENTS = ("optimum==1.17.1", "transformers==4.37.2", "torch==2.13.0", "onnx", "onnxruntime",
                        "numpy<2")
 LEGACY_FAMILIES = ("llama", "mistral", "gpt2")
+# the families the test suite reads in each form: the forms without a cache and the merged decoders on
+# rotary with and without position_ids, and learned positions
+FORM_FAMILIES = {"with-past": OPTIMUM_FAMILIES, "no-past": ("llama", "gemma", "gpt2"),
+                 "merged": ("llama", "gemma", "gpt2"), "legacy": LEGACY_FAMILIES, "legacy-merged": LEGACY_FAMILIES}
 
 
 def export_dir(family: str, seed: int = 0, form: str = "with-past") -> Path:
@@ -174,17 +178,33 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
+def every_form_exported() -> bool:
+    """Whether the cache holds every form's exports of its FORM_FAMILIES."""
+    return all((export_dir(family, 0, form) / _model_file(form)).exists()
+               for form, families in FORM_FAMILIES.items() for family in families)
+
+
+def export_every_form(log=print) -> dict[str, dict[str, Path]]:
+    """Every form's exports of its FORM_FAMILIES (what the test suite reads), by form; a form whose venv
+    cannot be created is left out with a warning: the tests that need it skip and say why, the rest of the
+    suite still runs."""
+    made = {}
+    for form, families in FORM_FAMILIES.items():
+        try:
+            made[form] = export_families(families, log=log, form=form)
+        except OptimumUnavailable as error:
+            print(f"warning: the {'legacy ' if form.startswith('legacy') else ''}optimum venv cannot be created, "
+                  f"its tests will be skipped: {error}", file=sys.stderr)
+    return made
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Create the optimum venv and export FAMILY ... (default: every family Optimum exports)."""
-    families = (argv if argv is not None else sys.argv[1:]) or list(OPTIMUM_FAMILIES)
-    try:
-        paths = export_families(families)
-    except OptimumUnavailable as error:
-        # the tests that need it skip and say why; the rest of the suite still runs
-        print(f"warning: the optimum venv cannot be created, its tests will be skipped: {error}", file=sys.stderr)
-        return
-    for family, path in paths.items():
-        print(f"{family}: {path}")
+    """Create the optimum venvs and export FAMILY ... (default: every form's families the tests read)."""
+    families = argv if argv is not None else sys.argv[1:]
+    made = {"with-past": export_families(families)} if families else export_every_form()
+    for form, paths in made.items():
+        for family, path in paths.items():
+            print(f"{family} ({form}): {path}")
 
 
 if __name__ == "__main__":

@@ -106,18 +106,25 @@ def byte_tokenizer_json() -> str:
     return tokenizer.to_str()
 
 
+def tiny_onnx_path(family: str, *, dynamo: bool, with_past: bool, seed: int = 0, attention: str = "sdpa",
+                   overrides: dict | None = None) -> Path:
+    """Where `tiny_onnx` keeps that export (it may not be made yet)."""
+    tag = f"{family}-{'dynamo' if dynamo else 'ts'}-{'kv' if with_past else 'nokv'}-{attention}-s{seed}"
+    tag += "".join(f"-{key}={value}" for key, value in sorted((overrides or {}).items()))
+    # the sizes are part of the name, so a changed TinySpec never reads a stale export
+    sizes = json.dumps(TINY_FAMILIES[family].sizes, sort_keys=True, default=str)
+    tag += "-" + hashlib.sha1(sizes.encode()).hexdigest()[:8]
+    return cache_dir() / "tiny" / tag / "model.onnx"
+
+
 def tiny_onnx(family: str, *, dynamo: bool, with_past: bool, seed: int = 0, attention: str = "sdpa",
               overrides: dict | None = None) -> Path:
     """Path of the exported tiny model (its byte tokenizer beside it), exporting it on first use."""
     from models.export import export_causal_lm
     from runtime.made_once import made_once
 
-    tag = f"{family}-{'dynamo' if dynamo else 'ts'}-{'kv' if with_past else 'nokv'}-{attention}-s{seed}"
-    tag += "".join(f"-{key}={value}" for key, value in sorted((overrides or {}).items()))
-    # the sizes are part of the name, so a changed TinySpec never reads a stale export
-    sizes = json.dumps(TINY_FAMILIES[family].sizes, sort_keys=True, default=str)
-    tag += "-" + hashlib.sha1(sizes.encode()).hexdigest()[:8]
-    path = cache_dir() / "tiny" / tag / "model.onnx"
+    path = tiny_onnx_path(family, dynamo=dynamo, with_past=with_past, seed=seed, attention=attention,
+                          overrides=overrides)
     # parallel test workers want the same exports at the same time: one exports, the others wait for it
     made_once(path, lambda: export_causal_lm(build_tiny_model(family, seed, attention, overrides), path,
                                              dynamo=dynamo, with_past=with_past), "export.lock")

@@ -16,26 +16,14 @@ import pytest
 
 from compiler.compile import compile_model
 from compiler.config import CompileConfig
+from models.fixtures import TINY_EXPORTS
 from runtime.made_once import made_once
 from runtime.ort_session import session_options
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-def _exports():
-    from models.recipes import RECIPES
-    from models.tiny import ATTENTIONS, TINY_FAMILIES
-
-    return [(family, dynamo, with_past, attention) for family in TINY_FAMILIES for dynamo in (False, True)
-            for with_past in (False, True) for attention in ATTENTIONS
-            if ("dynamo" if dynamo else "ts") in RECIPES[family].exporters
-            and not (dynamo and not with_past and attention == "eager")]
-
-
-# every tiny family × exporter × {prefill, KV cache} × {sdpa, eager}, but for one corner: a dynamo export
-# costs ~7 s of a core whatever the model's size (a TorchScript one ~0.3 s), so the dynamo exports without a
-# KV cache are sdpa's alone (transformers' default); eager attention through dynamo is its KV-cache exports',
-# and eager without a cache TorchScript's, so every pair of the three choices is still tested
-EXPORTS = _exports()
+# every tiny family × exporter × {prefill, KV cache} × attention, as models/fixtures.py says and makes
+EXPORTS = TINY_EXPORTS
 
 
 def export_id(case) -> str:

@@ -17,8 +17,8 @@ import pytest
 from conftest import compile_to, ort_reference
 from generation_utils import assert_paged_greedy_equals_onnxruntime
 
-from models.optimum_export import (LEGACY_FAMILIES, OPTIMUM_FAMILIES, OptimumUnavailable, ensure_optimum_venv,
-                                   export_families)
+from models.optimum_export import (FORM_FAMILIES, LEGACY_FAMILIES, OPTIMUM_FAMILIES, OptimumUnavailable,
+                                   ensure_optimum_venv, export_families)
 from models.recipes import RECIPES
 from models.tiny import TINY_FAMILIES
 from runtime import Executor, load_artifact
@@ -26,8 +26,6 @@ from runtime.feeds import causal_lm_inputs
 
 TOLERANCE = 1e-4
 NEW_TOKENS = 32
-# for the other forms: rotary with and without position_ids, and learned positions
-MERGED_FAMILIES = ("llama", "gemma", "gpt2")
 
 def _exports(families, form: str = "with-past"):
     """The families' exports in `form`; the tests skip only if the venv cannot be created (no registry)."""
@@ -46,12 +44,12 @@ def optimum_exports():
 
 @pytest.fixture(scope="module")
 def merged_exports():
-    return _exports(MERGED_FAMILIES, "merged")
+    return _exports(FORM_FAMILIES["merged"], "merged")
 
 
 @pytest.fixture(scope="module")
 def no_past_exports():
-    return _exports(MERGED_FAMILIES, "no-past")
+    return _exports(FORM_FAMILIES["no-past"], "no-past")
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +97,7 @@ def test_optimum_export_generates_through_the_paged_engine(optimum_exports, fami
     assert_paged_greedy_equals_onnxruntime(source, om, NEW_TOKENS)
 
 
-@pytest.mark.parametrize("family", MERGED_FAMILIES)
+@pytest.mark.parametrize("family", FORM_FAMILIES["merged"])
 def test_a_legacy_merged_decoder_compiles_as_its_branch_with_a_cache(merged_exports, family, tmp_path):
     source = merged_exports[family]
     loaded = load_artifact(compile_to(source, tmp_path / "m"))
@@ -125,7 +123,7 @@ def test_a_legacy_merged_decoder_compiles_as_its_branch_with_a_cache(merged_expo
     assert_paged_greedy_equals_onnxruntime(source, om, NEW_TOKENS)
 
 
-@pytest.mark.parametrize("family", MERGED_FAMILIES)
+@pytest.mark.parametrize("family", FORM_FAMILIES["no-past"])
 def test_an_export_without_a_cache_compiles_paged(no_past_exports, family, tmp_path):
     """Optimum's `text-generation` task: no cache inputs or outputs; the paged compile gives it a cache."""
     source = no_past_exports[family]

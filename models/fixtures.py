@@ -1,0 +1,93 @@
+"""The exports the test suite reads, made into the cache before it runs (`make test` runs this first):
+SmolLM2's export, every tiny family through each exporter (TINY_EXPORTS), and Optimum's exports in each form
+the tests read. Each is made exactly as the tests would make it on first use (`models.tiny.tiny_onnx`,
+`models.prepare.prepare_smollm2`, `models.optimum_export`), so a suite run without this step makes them
+itself, one at a time inside its tests; here they are made on --jobs processes, the longest first, and those
+already in the cache are skipped.
+
+    python -m models.fixtures [--jobs 2]
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+
+import click
+
+from models.recipes import RECIPES
+from models.tiny import ATTENTIONS, TINY_FAMILIES, cache_dir
+
+
+def _tiny_exports() -> list[tuple[str, bool, bool, str]]:
+    return [(family, dynamo, with_past, attention) for family in TINY_FAMILIES for dynamo in (False, True)
+            for with_past in (False, True) for attention in ATTENTIONS
+            if ("dynamo" if dynamo else "ts") in RECIPES[family].exporters
+            and not (dynamo and not with_past and attention == "eager")]
+
+
+# every tiny family × exporter × {prefill, KV cache} × {sdpa, eager} (family, dynamo, with_past, attention), but
+# for one corner: a dynamo export costs ~6 s of a core whatever the model's size (a TorchScript one ~0.3 s), so
+# the dynamo exports without a KV cache are sdpa's alone (transformers' default); eager attention through dynamo
+# is its KV-cache exports', and eager without a cache TorchScript's, so every pair of the three choices is
+# still tested
+TINY_EXPORTS = _tiny_exports()
+
+
+def _smollm2_path():
+    return cache_dir() / "smollm2-dynamo" / "model.onnx"
+
+
+def _smollm2() -> str:
+    from models.prepare import prepare_smollm2
+
+    prepare_smollm2(_smollm2_path().parent)
+    return "SmolLM2-135M-Instruct (dynamo, KV cache)"
+
+
+def _optimum() -> str:
+    from models.optimum_export import export_every_form
+
+    made = export_every_form(log=lambda message: None)
+    return f"Optimum's exports in {len(made)} forms"
+
+
+def _tiny(family: str, dynamo: bool, with_past: bool, attention: str) -> str:
+    from models.tiny import tiny_onnx
+
+    tiny_onnx(family, dynamo=dynamo, with_past=with_past, attention=attention)
+    return f"tiny {family} ({'dynamo' if dynamo else 'TorchScript'}, {'KV cache' if with_past else 'prefill'}, {attention})"
+
+
+def missing_jobs() -> list[tuple]:
+    """The exports the cache lacks, each as (function, *arguments), the longest first: Optimum's venvs and
+    exports (minutes on a fresh machine), SmolLM2's, then the tiny dynamo exports and the TorchScript ones."""
+    from models.optimum_export import every_form_exported
+    from models.tiny import tiny_onnx_path
+
+    work = [] if every_form_exported() else [(_optimum,)]
+    work += [] if _smollm2_path().exists() else [(_smollm2,)]
+    return work + [(_tiny, *case) for case in sorted(TINY_EXPORTS, key=lambda case: not case[1])
+                   if not tiny_onnx_path(case[0], dynamo=case[1], with_past=case[2], attention=case[3]).exists()]
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--jobs", "processes", default=2, show_default=True, help="exports made at once")
+def main(processes: int) -> None:
+    """Make every export the test suite reads that the cache does not hold yet."""
+    work = missing_jobs()
+    if not work:
+        click.echo(f"the test suite's exports are in {cache_dir()}")
+        return
+    start = time.perf_counter()
+    click.echo(f"making {len(work)} exports the test suite reads, {processes} at a time ...")
+    # spawned workers: no torch state forked from this process
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pending = [pool.submit(job[0], *job[1:]) for job in work]
+        for done, future in enumerate(as_completed(pending), 1):
+            click.echo(f"[{done}/{len(work)}] {future.result()} ({time.perf_counter() - start:.0f} s)")
+    click.echo(f"the test suite's exports are in {cache_dir()} ({time.perf_counter() - start:.0f} s)")
+
+if __name__ == "__main__":
+    main()
