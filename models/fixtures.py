@@ -11,6 +11,7 @@ already in the cache are skipped.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
@@ -60,6 +61,13 @@ def _tiny(family: str, dynamo: bool, with_past: bool, attention: str) -> str:
     return f"tiny {family} ({'dynamo' if dynamo else 'TorchScript'}, {'KV cache' if with_past else 'prefill'}, {attention})"
 
 
+def _quiet(log: str) -> None:
+    """A worker's own output (exporters' progress, warnings) goes to `log`, not between the progress lines."""
+    handle = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(handle, 1)
+    os.dup2(handle, 2)
+
+
 def missing_jobs() -> list[tuple]:
     """The exports the cache lacks, each as (function, *arguments), the longest first: Optimum's venvs and
     exports (minutes on a fresh machine), SmolLM2's, then the tiny dynamo exports and the TorchScript ones."""
@@ -81,12 +89,21 @@ def main(processes: int) -> None:
         click.echo(f"the test suite's exports are in {cache_dir()}")
         return
     start = time.perf_counter()
-    click.echo(f"making {len(work)} exports the test suite reads, {processes} at a time ...")
+    log = cache_dir() / "fixtures.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("")
+    click.echo(f"making {len(work)} exports the test suite reads, {processes} at a time (their output: {log}) ...")
     # spawned workers: no torch state forked from this process
-    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"), initializer=_quiet,
+                             initargs=(str(log),)) as pool:
         pending = [pool.submit(job[0], *job[1:]) for job in work]
         for done, future in enumerate(as_completed(pending), 1):
-            click.echo(f"[{done}/{len(work)}] {future.result()} ({time.perf_counter() - start:.0f} s)")
+            try:
+                made = future.result()
+            except Exception as error:
+                pool.shutdown(cancel_futures=True)  # the exports not started yet are not made
+                raise click.ClickException(f"an export failed ({log} has its output): {error}") from error
+            click.echo(f"[{done}/{len(work)}] {made} ({time.perf_counter() - start:.0f} s)")
     click.echo(f"the test suite's exports are in {cache_dir()} ({time.perf_counter() - start:.0f} s)")
 
 if __name__ == "__main__":
