@@ -231,6 +231,14 @@ static inline __attribute__((always_inline)) void attend_tile(const Attend* a, i
 
 /* ---- the wide tile: query vectors in the lanes, for prefill ---------------------------------------- */
 #if defined(__AVX512F__)
+/* `x`, which the compiler must then hold in a register: left to itself, GCC folds a vector used by four FMAs
+   into each of them as a memory operand, four loads where one does, and the tile's loops then wait on the
+   load ports rather than the FMAs (docs/performance.md#prefill-attention) */
+static inline __attribute__((always_inline)) __m512 in_register(__m512 x) {
+  __asm__("" : "+v"(x));
+  return x;
+}
+
 #define WIDE_VECTORS 4 /* vectors of 16 query lanes a wide tile holds at most (64 query vectors) */
 #define WIDE_CHUNK 4   /* head-dim columns of the output kept in registers while a block's values are read */
 #define WIDE_KEYS 32   /* key rows a block: its scores (8 KB) stay in L1 beside the queries and the output */
@@ -279,11 +287,14 @@ static inline __attribute__((always_inline)) void attend_wide(const Attend* a, i
         __m512 s[4][WIDE_VECTORS];
         for (int j = 0; j < 4; j++)
           for (int v = 0; v < NV; v++) s[j][v] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d++)
+        for (int64_t d = 0; d < D; d++) {
+          __m512 q[WIDE_VECTORS];
+          for (int v = 0; v < NV; v++) q[v] = in_register(_mm512_load_ps(&qt[d][16 * v]));
           for (int j = 0; j < 4; j++) {
             const __m512 key = _mm512_set1_ps(kp[(r + j) * D + d]);
-            for (int v = 0; v < NV; v++) s[j][v] = _mm512_fmadd_ps(_mm512_load_ps(&qt[d][16 * v]), key, s[j][v]);
+            for (int v = 0; v < NV; v++) s[j][v] = _mm512_fmadd_ps(q[v], key, s[j][v]);
           }
+        }
         for (int j = 0; j < 4; j++)
           for (int v = 0; v < NV; v++) _mm512_store_ps(&scores[r + j][16 * v], s[j][v]);
       }
@@ -335,7 +346,7 @@ static inline __attribute__((always_inline)) void attend_wide(const Attend* a, i
         for (r = 0; r < count; r++) {
           const float* value = vp + r * D + d0;
           for (int v = 0; v < NV; v++) {
-            const __m512 p = _mm512_load_ps(&scores[r][16 * v]);
+            const __m512 p = in_register(_mm512_load_ps(&scores[r][16 * v]));
             for (int dd = 0; dd < WIDE_CHUNK; dd++) o[dd][v] = _mm512_fmadd_ps(p, _mm512_set1_ps(value[dd]), o[dd][v]);
           }
         }
@@ -375,6 +386,12 @@ static inline __m256 seen8(__m256i pos, __m256i key, int64_t window) {
    time (2·NV sums), keys in blocks of WIDE_KEYS rows as there (their scores stay in L1, a block every
    query sees unmasked), the visibility recomputed where it is needed rather than kept, and the output
    accumulating 8 / NV head-dim columns at a time in registers over a block's rows. */
+/* as in_register for attend_wide */
+static inline __attribute__((always_inline)) __m256 in_register8(__m256 x) {
+  __asm__("" : "+x"(x));
+  return x;
+}
+
 static inline __attribute__((always_inline)) void attend_wide8(const Attend* a, int64_t b, int64_t first, int64_t rows,
                                                                int64_t kv, const int64_t D, const int NV) {
   const Kernel* k = a->k;
@@ -416,7 +433,7 @@ static inline __attribute__((always_inline)) void attend_wide8(const Attend* a, 
         for (int64_t d = 0; d < D; d++) {
           const __m256 k0 = _mm256_set1_ps(kp[r * D + d]), k1 = _mm256_set1_ps(kp[(r + 1) * D + d]);
           for (int v = 0; v < NV; v++) {
-            const __m256 q = _mm256_load_ps(&qt[d][8 * v]);
+            const __m256 q = in_register8(_mm256_load_ps(&qt[d][8 * v]));
             s0[v] = _mm256_fmadd_ps(q, k0, s0[v]);
             s1[v] = _mm256_fmadd_ps(q, k1, s1[v]);
           }
@@ -468,7 +485,7 @@ static inline __attribute__((always_inline)) void attend_wide8(const Attend* a, 
         for (r = 0; r < count; r++) {
           const float* value = vp + r * D + d0;
           for (int v = 0; v < NV; v++) {
-            const __m256 p = _mm256_load_ps(&scores[r][8 * v]);
+            const __m256 p = in_register8(_mm256_load_ps(&scores[r][8 * v]));
             for (int dd = 0; dd < CH; dd++) o[dd][v] = _mm256_fmadd_ps(p, _mm256_set1_ps(value[dd]), o[dd][v]);
           }
         }
