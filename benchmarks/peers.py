@@ -31,9 +31,10 @@ the rounds. A process loads its engine, warms it (the prefill prompt, four token
 - prefill: one prompt of --prefill tokens of plain text (eval.txt), to its first token;
 - peak RSS: the process's high-water mark (VmHWM), after both;
 - of ceiling: then --ceiling-bursts bursts of 8 more tokens of the chat prompt, each burst followed, once
-  the engine's threads are quiet, by one read of a buffer as large as the model's weights on every core
-  (benchmarks/decode_floor.py's read): a burst's share of the ceiling is that read's time over the burst's
-  median token (its first two left out: the first after a pause is slow), the ceiling being the rate at which
+  the engine's threads are quiet, by two reads of a buffer as large as the model's weights on every core
+  (benchmarks/memory_read.py's read; the first after the pause is slow, as tokens are): a burst's share of
+  the ceiling is the second read's time over the burst's median token (its first two left out: the first
+  after a pause is slow), the ceiling being the rate at which
   reading the weights once a token would take all of the machine's read bandwidth at that moment; a round's
   share is the median over its bursts, the row's the median over the rounds. Read beside the tokens, the
   ceiling moves with the host's bandwidth as they do (a probe in a process of its own, minutes away, read
@@ -74,7 +75,9 @@ WARM_TOKENS = 4
 # FP32 tokens then read 93-96% of the ceiling, 82% after a pause of 0.1 s)
 SETTLE_S = 0.1
 # the share of the ceiling is read after every BURST tokens, and a burst's first COLD tokens are left out: after
-# a read (or any pause) the engine's next two tokens took 1.2-1.4x as long as the ones that follow, back to back
+# a read (or any pause) the engine's next two tokens took 1.2-1.4x as long as the ones that follow, back to back.
+# The memory is as slow to wake: on a Zen 4 host, in minutes when reads back to back ran 45-52 GB/s, the read
+# just after a pause of SETTLE_S ran 30-40 and the one after it 41-53, so the timed read is the second one
 BURST, COLD = 8, 2
 
 
@@ -389,8 +392,8 @@ def measure(runner, job: dict) -> dict:
 
 
 def ceiling_share(runner, ids: list[int], bursts: int, weights: int) -> dict:
-    """`bursts` bursts of BURST tokens of `ids`, each followed by one read of `weights` bytes on every core
-    (`share_of_ceiling` of the two). A token's time runs from the end of what followed the token before (the
+    """`bursts` bursts of BURST tokens of `ids`, each followed by two reads of `weights` bytes on every core, the
+    second timed (`share_of_ceiling` of the two). A token's time runs from the end of what followed the token before (the
     generation's start for the first) to the runner's call after it, so every runner's token includes its
     own loop, sampling and Python."""
     import numpy as np
@@ -406,6 +409,7 @@ def ceiling_share(runner, ids: list[int], bursts: int, weights: int) -> dict:
         tokens.append(time.perf_counter() - since[0])
         if len(tokens) % BURST == 0:
             time.sleep(SETTLE_S)
+            read()  # the read after a pause is the cold one, as a burst's first tokens are
             start = time.perf_counter()
             read()
             reads.append(time.perf_counter() - start)
