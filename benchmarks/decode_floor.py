@@ -163,7 +163,8 @@ def main(om_path: str, onnx_path: str, context: int, steps: int) -> None:
     medians = {name: statistics.median(values[1:]) * 1000 for name, values in times.items()}
     for name, value in medians.items():
         click.echo(f"{name:<14} {value:7.2f} ms  {value / medians['floor']:.2f}x the floor")
-    click.echo(f"onnxruntime / paged .om: {medians['onnxruntime'] / medians['paged .om']:.2f}x")
+    click.echo(f"onnxruntime / paged .om: {medians['onnxruntime'] / medians['paged .om']:.2f}x "
+               f"(the weight read: {part_reader()[0]}'s)")
     if native_floor is not None:
         click.echo(f"paged .om / native matmuls: {medians['paged .om'] / medians['native matmuls']:.3f}x; "
                    f"weight read / native matmuls: {medians['weight read'] / medians['native matmuls']:.3f}x")

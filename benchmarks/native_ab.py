@@ -31,7 +31,7 @@ def library_at(revision: str, folder: Path, flags: tuple[str, ...] = ()) -> Path
         (sources / name).write_text(text)
     target = folder / "libcann_native.so"
     units = [str(sources / name) for name in native.SOURCES if name.endswith(".c")]
-    subprocess.run([native._compiler(), *native.FLAGS, *flags, "-I", str(sources), *units, "-o", str(target), "-lm"],
+    subprocess.run([native.c_compiler(), *native.FLAGS, *flags, "-I", str(sources), *units, "-o", str(target), "-lm"],
                    check=True, capture_output=True, timeout=300)
     return target
 

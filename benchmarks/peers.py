@@ -77,7 +77,7 @@ SETTLE_S = 0.1
 # the share of the ceiling is read after every BURST tokens, and a burst's first COLD tokens are left out: after
 # a read (or any pause) the engine's next two tokens took 1.2-1.4x as long as the ones that follow, back to back.
 # The memory is as slow to wake: on a Zen 4 host, in minutes when reads back to back ran 45-52 GB/s, the read
-# just after a pause of SETTLE_S ran 30-40 and the one after it 41-53, so the timed read is the second one
+# just after a pause of SETTLE_S ran 30-41 and the one after it 41-53, so the timed read is the second one
 BURST, COLD = 8, 2
 
 
@@ -419,7 +419,7 @@ def ceiling_share(runner, ids: list[int], bursts: int, weights: int) -> dict:
 
 
 def share_of_ceiling(token_s: list[float], read_s: list[float], weights: int) -> dict:
-    """Each burst of BURST tokens paired with the read right after it: the read's time over the burst's median
+    """Each burst of BURST tokens paired with the second read after it: that read's time over the burst's median
     token after its first COLD ones (a burst's first token is the prompt's prefill or comes after a read); the
     median of those shares over the bursts, their count, and the reads' median rate."""
     shares = [read / statistics.median(token_s[i * BURST + COLD:(i + 1) * BURST])

@@ -1,8 +1,8 @@
 /* A probe, not part of the runtime: one read of `n` bytes from `a` at the rate this core can read memory, for the
    bandwidth ceiling in benchmarks/decode_floor.py and benchmarks/peers.py (a thread per core calls it on a part
    each). Four independent sums of 64-byte loads and nothing else: the adds hide under the loads, and the
-   hardware's prefetchers follow the one linear stream. numba's loop over the same bytes read 42-43 GB/s on a
-   Zen 4 host in minutes where this one read 58-63 (docs/performance.md#the-bandwidth-ceiling). */
+   hardware's prefetchers follow the one linear stream. numba's loop over the same bytes read 42-45 GB/s on a
+   Zen 4 host in minutes where this one read 52-53 (docs/performance.md#the-share-of-the-ceiling-beside-each-token). */
 #include <stddef.h>
 #include <string.h>
 

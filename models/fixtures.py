@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
+import traceback
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
 import click
@@ -44,21 +45,42 @@ def _smollm2() -> str:
     from models.prepare import prepare_smollm2
 
     prepare_smollm2(_smollm2_path().parent)
-    return "SmolLM2-135M-Instruct (dynamo, KV cache)"
+    return ""
 
 
 def _optimum() -> str:
     from models.optimum_export import export_every_form
 
-    made = export_every_form(log=lambda message: None)
-    return f"Optimum's exports in {len(made)} forms"
+    made, skipped = export_every_form(log=lambda message: None)
+    return "".join(f"; its {form} form not made, its tests will skip: {why[:300]}" for form, why in skipped.items())
 
 
 def _tiny(family: str, dynamo: bool, with_past: bool, attention: str) -> str:
     from models.tiny import tiny_onnx
 
     tiny_onnx(family, dynamo=dynamo, with_past=with_past, attention=attention)
-    return f"tiny {family} ({'dynamo' if dynamo else 'TorchScript'}, {'KV cache' if with_past else 'prefill'}, {attention})"
+    return ""
+
+
+def label(job: tuple) -> str:
+    """What a job makes, in words."""
+    function, *arguments = job
+    if function is _tiny:
+        family, dynamo, with_past, attention = arguments
+        return (f"tiny {family} ({'dynamo' if dynamo else 'TorchScript'}, {'KV cache' if with_past else 'prefill'}, "
+                f"{attention})")
+    return {_smollm2: "SmolLM2-135M-Instruct (dynamo, KV cache)", _optimum: "Optimum's exports"}[function]
+
+
+def _make(job: tuple) -> str:
+    """One job, in a worker: a failure comes back as a RuntimeError naming the export (an exporter's own
+    exception may not survive the way back between processes), its traceback in the log."""
+    function, *arguments = job
+    try:
+        return function(*arguments)
+    except Exception as error:
+        traceback.print_exc()
+        raise RuntimeError(f"{label(job)}: {type(error).__name__}: {error}") from None
 
 
 def _quiet(log: str) -> None:
@@ -66,6 +88,7 @@ def _quiet(log: str) -> None:
     handle = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(handle, 1)
     os.dup2(handle, 2)
+    os.close(handle)
 
 
 def missing_jobs() -> list[tuple]:
@@ -83,7 +106,8 @@ def missing_jobs() -> list[tuple]:
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--jobs", "processes", default=2, show_default=True, help="exports made at once")
 def main(processes: int) -> None:
-    """Make every export the test suite reads that the cache does not hold yet."""
+    """Make every export the test suite reads that the cache does not hold yet. An export that fails is named
+    and the others are still made; the test asking for it makes it again and shows why it fails."""
     work = missing_jobs()
     if not work:
         click.echo(f"the test suite's exports are in {cache_dir()}")
@@ -93,18 +117,23 @@ def main(processes: int) -> None:
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
     click.echo(f"making {len(work)} exports the test suite reads, {processes} at a time (their output: {log}) ...")
+    failed = []
     # spawned workers: no torch state forked from this process
     with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"), initializer=_quiet,
                              initargs=(str(log),)) as pool:
-        pending = [pool.submit(job[0], *job[1:]) for job in work]
+        pending = {pool.submit(_make, job): job for job in work}
         for done, future in enumerate(as_completed(pending), 1):
             try:
-                made = future.result()
+                said = f"{label(pending[future])}{future.result()}"
             except Exception as error:
-                pool.shutdown(cancel_futures=True)  # the exports not started yet are not made
-                raise click.ClickException(f"an export failed ({log} has its output): {error}") from error
-            click.echo(f"[{done}/{len(work)}] {made} ({time.perf_counter() - start:.0f} s)")
+                failed.append(error)
+                said = f"FAILED {error}"
+            click.echo(f"[{done}/{len(work)}] {said} ({time.perf_counter() - start:.0f} s)")
+    for error in failed:
+        click.echo(f"warning: not made, its tests will make it again and show why ({log} has the traceback): "
+                   f"{error}", err=True)
     click.echo(f"the test suite's exports are in {cache_dir()} ({time.perf_counter() - start:.0f} s)")
+
 
 if __name__ == "__main__":
     main()

@@ -58,8 +58,9 @@ LEGACY_REQUIREMENTS = ("optimum==1.17.1", "transformers==4.37.2", "torch==2.13.0
 LEGACY_FAMILIES = ("llama", "mistral", "gpt2")
 # the families the test suite reads in each form: the forms without a cache and the merged decoders on
 # rotary with and without position_ids, and learned positions
-FORM_FAMILIES = {"with-past": OPTIMUM_FAMILIES, "no-past": ("llama", "gemma", "gpt2"),
-                 "merged": ("llama", "gemma", "gpt2"), "legacy": LEGACY_FAMILIES, "legacy-merged": LEGACY_FAMILIES}
+ROTARY_AND_LEARNED = ("llama", "gemma", "gpt2")
+FORM_FAMILIES = {"with-past": OPTIMUM_FAMILIES, "no-past": ROTARY_AND_LEARNED, "merged": ROTARY_AND_LEARNED,
+                 "legacy": LEGACY_FAMILIES, "legacy-merged": LEGACY_FAMILIES}
 
 
 def export_dir(family: str, seed: int = 0, form: str = "with-past") -> Path:
@@ -184,28 +185,38 @@ def every_form_exported() -> bool:
                for form, families in FORM_FAMILIES.items() for family in families)
 
 
-def export_every_form(log=print) -> dict[str, dict[str, Path]]:
-    """Every form's exports of its FORM_FAMILIES (what the test suite reads), by form; a form whose venv
-    cannot be created is left out with a warning: the tests that need it skip and say why, the rest of the
-    suite still runs."""
-    made = {}
+def export_every_form(log=print) -> tuple[dict[str, dict[str, Path]], dict[str, str]]:
+    """Every form's exports of its FORM_FAMILIES (what the test suite reads) by form, and the forms left out
+    with why: a venv that cannot be created (no package registry, say) is tried once and leaves out its
+    forms; the tests that need them skip and say why, and the rest of the suite still runs."""
+    made, skipped, unavailable = {}, {}, {}
     for form, families in FORM_FAMILIES.items():
+        legacy = form.startswith("legacy")
+        if legacy in unavailable:
+            skipped[form] = unavailable[legacy]
+            continue
         try:
             made[form] = export_families(families, log=log, form=form)
         except OptimumUnavailable as error:
-            print(f"warning: the {'legacy ' if form.startswith('legacy') else ''}optimum venv cannot be created, "
-                  f"its tests will be skipped: {error}", file=sys.stderr)
-    return made
+            skipped[form] = unavailable[legacy] = str(error)
+    return made, skipped
 
 
 def main(argv: list[str] | None = None) -> None:
     """Create the optimum venvs and export FAMILY ... (default: every form's families the tests read)."""
     families = argv if argv is not None else sys.argv[1:]
-    made = {"with-past": export_families(families)} if families else export_every_form()
+    if not families:
+        made, skipped = export_every_form()
+    else:
+        try:
+            made, skipped = {"with-past": export_families(families)}, {}
+        except OptimumUnavailable as error:
+            made, skipped = {}, {"with-past": str(error)}
     for form, paths in made.items():
         for family, path in paths.items():
             print(f"{family} ({form}): {path}")
-
+    for form, why in skipped.items():
+        print(f"warning: Optimum's {form} exports cannot be made, their tests will be skipped: {why}", file=sys.stderr)
 
 if __name__ == "__main__":
     main()

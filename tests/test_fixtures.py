@@ -21,7 +21,7 @@ def test_the_path_checked_before_making_is_the_one_the_tests_read(case):
 def test_an_empty_cache_gets_every_export_the_longest_first(tmp_path, monkeypatch):
     monkeypatch.setenv("CANN_LLM_CACHE", str(tmp_path))
     work = missing_jobs()
-    assert [job[0] for job in work[:2]] == [fixtures._optimum, fixtures._smollm2]
+    assert [fixtures.label(job) for job in work[:2]] == ["Optimum's exports", "SmolLM2-135M-Instruct (dynamo, KV cache)"]
     tiny = [job[1:] for job in work[2:]]
     assert sorted(tiny) == sorted(TINY_EXPORTS)
     dynamo = [case[1] for case in tiny]

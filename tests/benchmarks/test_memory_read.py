@@ -3,7 +3,6 @@ the machine has a compiler, and threads reading parts add up to the whole."""
 
 from __future__ import annotations
 
-import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,11 +13,13 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from memory_read import part_reader  # noqa: E402
 
+from runtime.kernels.native import c_compiler  # noqa: E402
+
 pytestmark = pytest.mark.unit
 
 
 def test_the_read_is_the_c_probe_where_a_compiler_builds_it():
-    assert part_reader()[0] == ("C" if shutil.which("cc") else "numba")
+    assert part_reader()[0] == ("C" if c_compiler() else "numba")
 
 
 @pytest.mark.parametrize("count", [1, 63, 64, 65, 1_000_003])

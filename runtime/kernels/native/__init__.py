@@ -41,29 +41,54 @@ class NativeUnavailable(RuntimeError):
     """Why there is no native library on this machine (no compiler, or the build failed)."""
 
 
-def _compiler() -> str | None:
+def c_compiler() -> str | None:
+    """The system's C compiler (`$CC`, else `cc`), or None where there is none."""
     chosen = os.environ.get("CC") or "cc"
     return shutil.which(chosen)
 
 
-def _key(compiler: str, extra_flags: tuple[str, ...]) -> str:
+def build_key(compiler: str, files: list[Path], flags: tuple[str, ...]) -> str:
+    """A digest of what a build of `files` with `compiler` and `flags` depends on here: the files' bytes, the
+    compiler and its version, the flags, the architecture and the CPU's features (a `-march=native` build
+    runs only where it was built, and a home directory may be shared between machines)."""
     digest = hashlib.sha256()
-    for name in SOURCES:
-        digest.update((SOURCE_DIR / name).read_bytes())
+    for path in files:
+        digest.update(path.read_bytes())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    for part in (compiler, version, " ".join(FLAGS + extra_flags), platform.machine(), " ".join(sorted(cpu_features()))):
+    for part in (compiler, version, " ".join(flags), platform.machine(), " ".join(sorted(cpu_features()))):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
+
+
+def compile_shared(target: Path, command: list[str]) -> Path:
+    """Run the compiler `command` (all but its `-o`) into the shared library `target`, atomically: a concurrent
+    reader sees the whole file or none; raises NativeUnavailable when it fails or takes over five minutes."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as partial:
+        pass
+    try:
+        try:
+            built = subprocess.run([*command, "-o", partial.name], capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired as error:
+            raise NativeUnavailable(f"{Path(command[0]).name} took over {error.timeout:.0f} s") from error
+        if built.returncode != 0:
+            raise NativeUnavailable(f"{Path(command[0]).name} failed: {built.stderr.strip()[-400:]}")
+        os.replace(partial.name, target)
+    finally:
+        if os.path.exists(partial.name):
+            os.unlink(partial.name)
+    return target
 
 
 @functools.lru_cache(maxsize=None)
 def library_path(extra_flags: tuple[str, ...] = ()) -> Path:
     """The built library (built now if this machine has none yet), `extra_flags` as in `build`; raises
     NativeUnavailable."""
-    compiler = _compiler()
+    compiler = c_compiler()
     if compiler is None:
         raise NativeUnavailable("no C compiler (set CC, or install gcc)")
-    target = user_cache_dir("native") / _key(compiler, extra_flags) / "libcann_native.so"
+    key = build_key(compiler, [SOURCE_DIR / name for name in SOURCES], FLAGS + extra_flags)
+    target = user_cache_dir("native") / key / "libcann_native.so"
     # processes starting together (a server's replicas, test workers) would each spend ~15 s of a core on
     # the same build: one builds, the others wait for its file
     return made_once(target, lambda: build(target, compiler, extra_flags), "build.lock")
@@ -73,20 +98,8 @@ def build(target: Path, compiler: str, extra_flags: tuple[str, ...] = ()) -> Pat
     """Compile the library into `target` (atomically: a concurrent reader sees the whole file or none), with
     `extra_flags` after FLAGS (e.g. `-mno-avx512f`, to build the AVX2 kernels on an AVX-512 machine);
     raises NativeUnavailable when the compiler fails."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as partial:
-        pass
     units = [str(SOURCE_DIR / name) for name in SOURCES if name.endswith(".c")]
-    command = [compiler, *FLAGS, *extra_flags, "-I", str(SOURCE_DIR), *units, "-o", partial.name, "-lm"]
-    try:
-        built = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        if built.returncode != 0:
-            raise NativeUnavailable(f"{Path(compiler).name} failed: {built.stderr.strip()[-400:]}")
-        os.replace(partial.name, target)
-    finally:
-        if os.path.exists(partial.name):
-            os.unlink(partial.name)
-    return target
+    return compile_shared(target, [compiler, *FLAGS, *extra_flags, "-I", str(SOURCE_DIR), *units, "-lm"])
 
 
 MATMUL_BLOCKS = {4: (32, 64, 128), 8: (64, 128)}  # bits: block sizes (a quarter, half, one or two 64-byte pieces of a row)
