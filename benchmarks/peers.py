@@ -107,12 +107,9 @@ ENGINES = (
 
 def smollm2_export() -> Path:
     """The dynamo export with KV cache that `python -m models.prepare smollm2` writes, made if missing."""
-    path = cache_dir() / "smollm2-dynamo" / "model.onnx"
-    if not path.exists():
-        from models.prepare import prepare_smollm2
+    from models.prepare import smollm2_onnx
 
-        prepare_smollm2(path.parent)
-    return path
+    return smollm2_onnx()
 
 
 def cann_artifact(precision: str, f28: bool = False) -> Path:

@@ -37,21 +37,17 @@ def _tiny_exports() -> list[tuple[str, bool, bool, str]]:
 TINY_EXPORTS = _tiny_exports()
 
 
-def _smollm2_path():
-    return cache_dir() / "smollm2-dynamo" / "model.onnx"
-
-
 def _smollm2() -> str:
-    from models.prepare import prepare_smollm2
+    from models.prepare import smollm2_onnx
 
-    prepare_smollm2(_smollm2_path().parent)
+    smollm2_onnx()
     return ""
 
 
 def _optimum() -> str:
     from models.optimum_export import export_every_form
 
-    made, skipped = export_every_form(log=lambda message: None)
+    _, skipped = export_every_form(log=lambda message: None)
     return "".join(f"; its {form} form not made, its tests will skip: {why[:300]}" for form, why in skipped.items())
 
 
@@ -95,10 +91,11 @@ def missing_jobs() -> list[tuple]:
     """The exports the cache lacks, each as (function, *arguments), the longest first: Optimum's venvs and
     exports (minutes on a fresh machine), SmolLM2's, then the tiny dynamo exports and the TorchScript ones."""
     from models.optimum_export import every_form_exported
+    from models.prepare import smollm2_dir
     from models.tiny import tiny_onnx_path
 
     work = [] if every_form_exported() else [(_optimum,)]
-    work += [] if _smollm2_path().exists() else [(_smollm2,)]
+    work += [] if (smollm2_dir() / "model.onnx").exists() else [(_smollm2,)]
     return work + [(_tiny, *case) for case in sorted(TINY_EXPORTS, key=lambda case: not case[1])
                    if not tiny_onnx_path(case[0], dynamo=case[1], with_past=case[2], attention=case[3]).exists()]
 

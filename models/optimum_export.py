@@ -68,6 +68,11 @@ def export_dir(family: str, seed: int = 0, form: str = "with-past") -> Path:
     return cache_dir() / "optimum" / f"{family}{'' if form == 'with-past' else '-' + form}-s{seed}"
 
 
+def export_paths(families, seed: int = 0, form: str = "with-past") -> dict[str, Path]:
+    """Each family's model file in `form`, made or not."""
+    return {family: export_dir(family, seed, form) / _model_file(form) for family in families}
+
+
 def _model_file(form: str) -> str:
     return "decoder_model_merged.onnx" if form.endswith("merged") else "model.onnx"
 
@@ -132,7 +137,7 @@ def export_families(families, seed: int = 0, log=print, form: str = "with-past")
     unknown = [f for f in families if f not in exported]
     if unknown:
         raise ValueError(f"Optimum ({form}) does not export {', '.join(unknown)} here; it exports {', '.join(exported)}")
-    paths = {family: export_dir(family, seed, form) / _model_file(form) for family in families}
+    paths = export_paths(families, seed, form)
     if all(path.exists() for path in paths.values()):
         return paths
     python = ensure_optimum_venv(log, legacy)
@@ -181,8 +186,8 @@ def _worker_env() -> dict[str, str]:
 
 def every_form_exported() -> bool:
     """Whether the cache holds every form's exports of its FORM_FAMILIES."""
-    return all((export_dir(family, 0, form) / _model_file(form)).exists()
-               for form, families in FORM_FAMILIES.items() for family in families)
+    return all(path.exists() for form, families in FORM_FAMILIES.items()
+               for path in export_paths(families, form=form).values())
 
 
 def export_every_form(log=print) -> tuple[dict[str, dict[str, Path]], dict[str, str]]:
@@ -217,6 +222,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{family} ({form}): {path}")
     for form, why in skipped.items():
         print(f"warning: Optimum's {form} exports cannot be made, their tests will be skipped: {why}", file=sys.stderr)
+
 
 if __name__ == "__main__":
     main()

@@ -88,6 +88,19 @@ def prepare_smollm2(out_dir: Path, *, dynamo: bool = True, with_past: bool = Tru
     return export_checkpoint(cfg, log)
 
 
+def smollm2_dir(dynamo: bool = True, with_past: bool = True) -> Path:
+    """Where the default model's export lives in the cache (`python -m models.prepare smollm2` writes it)."""
+    return cache_dir() / f"smollm2-{'dynamo' if dynamo else 'ts'}{'' if with_past else '-nokv'}"
+
+
+def smollm2_onnx() -> Path:
+    """The default model's dynamo export with KV cache in the cache, exported if missing."""
+    path = smollm2_dir() / "model.onnx"
+    if not path.exists():
+        prepare_smollm2(path.parent)
+    return path
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("name", type=click.Choice(["smollm2"]))
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None, help="output folder")
@@ -96,7 +109,7 @@ def prepare_smollm2(out_dir: Path, *, dynamo: bool = True, with_past: bool = Tru
 @click.option("--force", is_flag=True, help="export again even if the model exists")
 def main(name: str, out_dir: Path | None, dynamo: bool, with_past: bool, force: bool) -> None:
     """Prepare the default model NAME for `atc`."""
-    out_dir = out_dir or cache_dir() / f"{name}-{'dynamo' if dynamo else 'ts'}{'' if with_past else '-nokv'}"
+    out_dir = out_dir or smollm2_dir(dynamo, with_past)
     path = out_dir / "model.onnx"
     if path.exists() and not force:
         click.echo(f"{path} exists (use --force to export again)")

@@ -54,13 +54,9 @@ def tiny_llama_path() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """SmolLM2-135M-Instruct exported with KV cache (dynamo), prepared once per cache."""
-    from models.prepare import prepare_smollm2
-    from models.tiny import cache_dir
+    from models.prepare import smollm2_onnx
 
-    path = cache_dir() / "smollm2-dynamo" / "model.onnx"
-    if not path.exists():
-        prepare_smollm2(path.parent)
-    return path
+    return smollm2_onnx()
 
 
 @pytest.fixture(scope="session")
