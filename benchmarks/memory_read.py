@@ -1,5 +1,7 @@
 """Reading memory as fast as a core can, for the bandwidth ceiling of benchmarks/decode_floor.py and
-benchmarks/peers.py: `part_reader()` gives a function that reads one array's bytes once.
+benchmarks/peers.py: `part_reader(streams)` gives a function that reads one array's bytes once, as one linear
+stream or as four side by side (STREAMS; the ceiling is the faster of the two, which differs from minute to
+minute on one host).
 
 The read is read_probe.c beside this file, built once per machine, source and compiler with the system's C
 compiler (`$CC`, else `cc`) into the user's cache directory as the runtime builds its native library; without
@@ -34,8 +36,11 @@ def _touch(flat):
     return total
 
 
+STREAMS = (1, 4)  # read_probe.c's two forms
+
+
 @functools.lru_cache(maxsize=None)
-def _c_read() -> Callable[[int, int], float] | None:
+def _c_reads() -> dict[int, Callable[[int, int], float]] | None:
     compiler = native.c_compiler()
     if compiler is None:
         return None
@@ -45,16 +50,20 @@ def _c_read() -> Callable[[int, int], float] | None:
         library = ctypes.CDLL(str(built))
     except (OSError, native.NativeUnavailable):
         return None
-    library.read_bytes.restype = ctypes.c_float
-    library.read_bytes.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return library.read_bytes
+    reads = {1: library.read_one_stream, 4: library.read_four_streams}
+    for read in reads.values():
+        read.restype = ctypes.c_float
+        read.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return reads
 
 
-def part_reader() -> tuple[str, Callable[[np.ndarray], object]]:
-    """The read's name ("C" or "numba") and a function reading a contiguous array's bytes once, releasing the
-    GIL so that a thread per core can each read a part; compiled and warmed before it returns."""
-    read = _c_read()
-    if read is None:
+def part_reader(streams: int = 1) -> tuple[str, Callable[[np.ndarray], object]]:
+    """The read's name ("C" or "numba") and a function reading a contiguous array's bytes once in `streams` (one of
+    STREAMS; numba's loop has one form), releasing the GIL so that a thread per core can each read a part;
+    compiled and warmed before it returns."""
+    reads = _c_reads()
+    if reads is None:
         _touch(np.zeros(16, np.float32))
         return "numba", _touch
+    read = reads[streams]
     return "C", lambda part: read(part.ctypes.data, part.nbytes)

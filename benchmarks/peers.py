@@ -31,10 +31,11 @@ the rounds. A process loads its engine, warms it (the prefill prompt, four token
 - prefill: one prompt of --prefill tokens of plain text (eval.txt), to its first token;
 - peak RSS: the process's high-water mark (VmHWM), after both;
 - of ceiling: then --ceiling-bursts bursts of 8 more tokens of the chat prompt, each burst followed, once
-  the engine's threads are quiet, by two reads of a buffer as large as the model's weights on every core
-  (benchmarks/memory_read.py's read; the first after the pause is slow, as tokens are): a burst's share of
-  the ceiling is the second read's time over the burst's median token (its first two left out: the first
-  after a pause is slow), the ceiling being the rate at which
+  the engine's threads are quiet, by reads of a buffer as large as the model's weights on every core
+  (benchmarks/memory_read.py's reads; the first after the pause is slow, as tokens are, and not timed; then
+  one in each of its two forms, one stream a core and four, whichever is the faster at that minute): a
+  burst's share of the ceiling is the faster timed read's time over the burst's median token (its first two
+  left out: the first after a pause is slow), the ceiling being the rate at which
   reading the weights once a token would take all of the machine's read bandwidth at that moment; a round's
   share is the median over its bursts, the row's the median over the rounds. Read beside the tokens, the
   ceiling moves with the host's bandwidth as they do (a probe in a process of its own, minutes away, read
@@ -389,10 +390,10 @@ def measure(runner, job: dict) -> dict:
 
 
 def ceiling_share(runner, ids: list[int], bursts: int, weights: int) -> dict:
-    """`bursts` bursts of BURST tokens of `ids`, each followed by two reads of `weights` bytes on every core, the
-    second timed (`share_of_ceiling` of the two). A token's time runs from the end of what followed the token before (the
-    generation's start for the first) to the runner's call after it, so every runner's token includes its
-    own loop, sampling and Python."""
+    """`bursts` bursts of BURST tokens of `ids`, each followed by reads of `weights` bytes on every core: one round
+    untimed, then one timed in each of memory_read's forms, the faster kept (`share_of_ceiling` of the two). A
+    token's time runs from the end of what followed the token before (the generation's start for the first) to
+    the runner's call after it, so every runner's token includes its own loop, sampling and Python."""
     import numpy as np
 
     from decode_floor import weight_read
@@ -407,16 +408,14 @@ def ceiling_share(runner, ids: list[int], bursts: int, weights: int) -> dict:
         if len(tokens) % BURST == 0:
             time.sleep(SETTLE_S)
             read()  # the read after a pause is the cold one, as a burst's first tokens are
-            start = time.perf_counter()
-            read()
-            reads.append(time.perf_counter() - start)
+            reads.append(read())
         since[0] = time.perf_counter()
     runner.each_token(ids, bursts * BURST, after)
     return {**share_of_ceiling(tokens, reads, weights), "read_probe": part_reader()[0]}
 
 
 def share_of_ceiling(token_s: list[float], read_s: list[float], weights: int) -> dict:
-    """Each burst of BURST tokens paired with the second read after it: that read's time over the burst's median
+    """Each burst of BURST tokens paired with the timed read after it: that read's time over the burst's median
     token after its first COLD ones (a burst's first token is the prompt's prefill or comes after a read); the
     median of those shares over the bursts, their count, and the reads' median rate."""
     shares = [read / statistics.median(token_s[i * BURST + COLD:(i + 1) * BURST])
@@ -569,7 +568,7 @@ def table(report: dict) -> list[str]:
     read = {name: row for name, row in report["rows"].items() if "bandwidth_bytes_per_s" in row}
     if read:
         probe = next(iter(read.values()))["read_probe"]
-        lines.append(f"read bandwidth beside each row's tokens ({probe} read), GB/s: "
+        lines.append(f"read bandwidth beside each row's tokens ({probe} read, the faster of one stream and four a core), GB/s: "
                      + ", ".join(f"{name} {row['bandwidth_bytes_per_s'] / 1e9:.1f}" for name, row in read.items()))
     if report["ratios"]:
         lines += ["", f"{'ours / peer':<48} {'decode':>7} {'at equal GB/s':>14} {'prefill':>8} {'TTFT':>6} "

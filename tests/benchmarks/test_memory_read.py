@@ -1,5 +1,5 @@
-"""benchmarks/memory_read.py: the read behind the bandwidth ceiling reads every float it is given, in C where
-the machine has a compiler, and threads reading parts add up to the whole."""
+"""benchmarks/memory_read.py: the reads behind the bandwidth ceiling, one stream and four, read every float they
+are given, in C where the machine has a compiler, and threads reading parts add up to the whole."""
 
 from __future__ import annotations
 
@@ -34,3 +34,10 @@ def test_parts_read_on_threads_cover_the_buffer():
     _, read = part_reader()
     with ThreadPoolExecutor(2) as pool:
         assert sum(pool.map(read, np.array_split(values, 2))) == values.size
+
+
+@pytest.mark.parametrize("count", [1, 63, 64, 255, 256, 257, 1_000_003])
+def test_the_four_stream_read_sums_every_float_including_those_after_its_four_parts(count):
+    values = np.arange(count, dtype=np.float32) % 7
+    _, read = part_reader(4)
+    assert read(values) == float(values.sum(dtype=np.float64))
