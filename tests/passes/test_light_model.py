@@ -1,0 +1,40 @@
+"""light_model: a real export as ONNX without its weights' bytes, for the tools that serialise a model (shape
+inference, the version converter). It must describe the same graph: every large constant an input of the same
+dtype and shape, the small ones still initializers, shapes inferred as on the full model, and the graph left
+as it was."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import pytest
+
+from compiler.loader import import_graph
+from passes.graph_utils import LIGHT_WEIGHT_LIMIT, light_model
+
+
+def _shapes(model: onnx.ModelProto) -> dict[str, list]:
+    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    return {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in inferred.graph.value_info}
+
+
+@pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "torchscript"])
+def test_large_constants_become_typed_inputs_and_shapes_infer_as_on_the_full_model(dynamo):
+    from models.tiny import tiny_onnx
+
+    _, graph = import_graph(tiny_onnx("llama", dynamo=dynamo, with_past=True))
+    before = gs.export_onnx(graph, do_type_check=False).SerializeToString(deterministic=True)
+    light, weights = light_model(graph)
+    constants = {name: t for name, t in graph.tensors().items() if isinstance(t, gs.Constant)}
+    large = {name for name, t in constants.items() if int(np.prod(t.shape, dtype=np.int64)) * 8 > LIGHT_WEIGHT_LIMIT}
+    assert set(weights) == large and len(large) >= 9  # the embedding and each layer's projections at least
+    inputs = {i.name: i for i in light.graph.input}
+    for name in large:
+        tensor_type = inputs[name].type.tensor_type
+        assert onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type) == np.dtype(constants[name].dtype)
+        assert [d.dim_value for d in tensor_type.shape.dim] == list(constants[name].shape)
+    assert {i.name for i in light.graph.initializer} == set(constants) - large
+    assert light.ByteSize() < sum(constants[name].values.nbytes for name in large)
+    assert _shapes(light) == _shapes(gs.export_onnx(graph, do_type_check=False))
+    assert gs.export_onnx(graph, do_type_check=False).SerializeToString(deterministic=True) == before
