@@ -38,3 +38,18 @@ def test_large_constants_become_typed_inputs_and_shapes_infer_as_on_the_full_mod
     assert light.ByteSize() < sum(constants[name].values.nbytes for name in large)
     assert _shapes(light) == _shapes(gs.export_onnx(graph, do_type_check=False))
     assert gs.export_onnx(graph, do_type_check=False).SerializeToString(deterministic=True) == before
+
+
+def test_a_small_sparse_constant_stays_a_sparse_initializer():
+    from onnx import TensorProto, helper, numpy_helper
+
+    values = numpy_helper.from_array(np.array([1.0, 2.0], np.float32), "bias")
+    indices = numpy_helper.from_array(np.array([0, 3], np.int64), "bias_indices")
+    sparse = helper.make_sparse_tensor(values, indices, [4])
+    graph = helper.make_graph([helper.make_node("Add", ["x", "bias"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], sparse_initializer=[sparse])
+    light, weights = light_model(gs.import_onnx(helper.make_model(graph)))
+    assert weights == {} and not light.graph.initializer
+    assert [s.values.name for s in light.graph.sparse_initializer] == ["bias"]
+    assert _shapes(light) == {} and onnx.checker.check_model(light) is None
