@@ -32,8 +32,8 @@ the rounds. A process loads its engine, warms it (the prefill prompt, four token
 - peak RSS: the process's high-water mark (VmHWM), after both;
 - of ceiling: then --ceiling-bursts bursts of 8 more tokens of the chat prompt, each burst followed, once
   the engine's threads are quiet, by reads of a buffer as large as the model's weights on every core
-  (benchmarks/memory_read.py's reads; the first after the pause is slow, as tokens are, and not timed; then
-  one in each of its two forms, one stream a core and four, whichever is the faster at that minute): a
+  (benchmarks/memory_read.py's reads; the first round after the pause is slow, as tokens are, and not timed;
+  then one in each of its two forms, one stream a core and four, whichever is the faster at that minute): a
   burst's share of the ceiling is the faster timed read's time over the burst's median token (its first two
   left out: the first after a pause is slow), the ceiling being the rate at which
   reading the weights once a token would take all of the machine's read bandwidth at that moment; a round's

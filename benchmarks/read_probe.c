@@ -3,7 +3,7 @@
    each). 64-byte loads into independent sums and nothing else, so the adds hide under the loads. Two forms, since
    neither is the faster everywhere: one linear stream, the faster on a Zen 4 host in minutes when it read 52-53
    GB/s on two threads (numba's loop read 42-45), and four equal parts read side by side, a stream each, the faster
-   in that host's slow minutes (21.6-25.1 GB/s against 17.5-20.5), when more streams keep more lines in flight
+   in that host's slow minutes (21.6-25.9 GB/s against 17.5-22.4), when more streams keep more lines in flight
    (docs/performance.md#the-share-of-the-ceiling-beside-each-token). */
 #include <stddef.h>
 #include <string.h>

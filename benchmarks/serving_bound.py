@@ -5,7 +5,7 @@
 
 Two floors are measured here, in one process (medians): the model's matmuls on 512 rows at once, where
 they are compute-bound (seconds per token through the layers, and per logits row through the lm_head),
-and one bare read of the weights on every core (benchmarks/decode_floor.py), the least a one-token step
+and one bare read of the weights on every core (benchmarks/decode_floor.py, the faster of two forms), the least a one-token step
 costs. For the bench's requests (P prompt tokens, G generated, R requests; P + G - R tokens pass through
 the layers, G rows through the head):
 - serving one request at a time, one token a step, takes at least: P tokens of compute and R head rows

@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from onnx import helper
-from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, update_import_domains
+from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx, update_import_domains
 from onnx_graphsurgeon.ir.tensor import SparseValues
 
 LIGHT_WEIGHT_LIMIT = 4096
@@ -62,7 +62,8 @@ def light_model(graph: gs.Graph) -> tuple[onnx.ModelProto, dict[str, gs.Constant
     weights = {name: tensor for name, tensor in tensors.items() if isinstance(tensor, gs.Constant)
                and int(np.prod(tensor.shape, dtype=np.int64)) * 8 > LIGHT_WEIGHT_LIMIT}
     inputs = [OnnxExporter.export_value_info_proto(t, do_type_check=False) for t in graph.inputs]
-    inputs += [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype)), list(t.shape))
+    # dtype_to_onnx: a weight of a type numpy cannot name (bfloat16, float8) unloaded has its ONNX number
+    inputs += [helper.make_tensor_value_info(name, dtype_to_onnx(t.dtype), list(t.shape))
                for name, t in weights.items()]
     signature = {t.name for t in list(graph.inputs) + list(graph.outputs)}
     small = [t for name, t in tensors.items() if isinstance(t, gs.Constant) and name not in weights]
@@ -79,7 +80,15 @@ def light_model(graph: gs.Graph) -> tuple[onnx.ModelProto, dict[str, gs.Constant
                     and (t.dtype is not None or t.shape is not None)],
         doc_string=graph.doc_string,
     )
-    model = helper.make_model(proto, opset_imports=update_import_domains(graph),
+    # graphsurgeon's update_import_domains writes the domains into the graph it is given: a list of its own
+    # here, so the graph keeps the opsets it had
+    domains = graph.import_domains
+    graph.import_domains = None if domains is None else list(domains)
+    try:
+        opsets = update_import_domains(graph)
+    finally:
+        graph.import_domains = domains
+    model = helper.make_model(proto, opset_imports=opsets,
                               functions=[OnnxExporter.export_function(f) for f in graph.functions])
     model.producer_name = graph.producer_name
     model.producer_version = graph.producer_version
