@@ -15,6 +15,7 @@ from pathlib import Path
 from compiler.dynamic_shapes import Dim, gears, parse_batch_sizes, parse_dims, parse_shape_ranges
 from compiler.fusion_switch import parse_fusion_switch_file, parse_switch_list, read_mixlist
 from compiler.inapplicable_flags import NOT_APPLICABLE, REFUSED, check_inapplicable, warning
+from compiler.model_checks import MAX_DIM
 from compiler.paged_config import PagedConfig
 from compiler.soc import SOC_VERSIONS, SocProfile
 from passes.precision_config import PrecisionPolicy
@@ -334,10 +335,10 @@ def parse_input_shape(text: str) -> dict[str, tuple[Dim, ...]]:
         for dim in filter(None, dims_text.split(",")):
             if "~" in dim:
                 low, _, high = dim.partition("~")
-                if not (low.isdigit() and high.isdigit()) or int(low) > int(high) or int(low) < 1:
+                if not (low.isdigit() and high.isdigit()) or int(low) > int(high) or int(low) < 1 or int(high) > MAX_DIM:
                     raise AtcError("E10011", item, dim)
                 dims.append((int(low), int(high)))
-            elif dim == "-1" or dim.isdigit() and int(dim) > 0:
+            elif dim == "-1" or dim.isdigit() and 0 < int(dim) <= MAX_DIM:
                 dims.append(int(dim))
             else:
                 raise AtcError("E10011", item, dim)

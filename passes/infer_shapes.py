@@ -96,10 +96,14 @@ class InferShapes:
     switchable = False
 
     def run(self, graph: gs.Graph) -> PassResult:
-        inferred = onnx.shape_inference.infer_shapes(_with_stand_ins(light_model(graph)[0]), data_prop=True)
+        # both inferences compute the values of shape tensors (a Range over the sequence, say) element by
+        # element: past PROPAGATED_DIM a fixed input dim would take them gigabytes, so only shapes are inferred
+        propagate = _largest_input_dim(graph) <= PROPAGATED_DIM
+        inferred = onnx.shape_inference.infer_shapes(_with_stand_ins(light_model(graph)[0]), data_prop=propagate)
         found = {v.name: v for v in inferred.graph.value_info}
         found.update({v.name: v for v in inferred.graph.output})
-        symbolic = _symbolic(inferred) if _symbolic_can_add(graph, found) and not _has_custom_ops(inferred) else {}
+        symbolic = (_symbolic(inferred) if propagate and _symbolic_can_add(graph, found) and not _has_custom_ops(inferred)
+                    else {})
         result = PassResult()
         # the graph's signature is what the exporter declared; inference may only fill what it left open
         declared = {id(t) for t in list(graph.inputs) + list(graph.outputs) if t.shape is not None}
@@ -132,6 +136,11 @@ class InferShapes:
 
 
 _QUANTIZED_MATMULS = ("MatMulNBits", "MatMulInt4")
+PROPAGATED_DIM = 1 << 20  # a fixed input dim above which values are not propagated (a million tokens)
+
+
+def _largest_input_dim(graph: gs.Graph) -> int:
+    return max((dim for tensor in graph.inputs for dim in tensor.shape or () if isinstance(dim, int)), default=0)
 
 
 def _with_stand_ins(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -203,6 +203,24 @@ def _atc_process(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "cli.atc", "--framework=5", SOC, *argv], capture_output=True, text=True)
 
 
+def test_a_sequence_of_a_billion_tokens_compiles_in_a_bounded_address_space(tmp_path):
+    """Inference propagates the values of shape tensors element by element (a Range over the sequence): given
+    a billion tokens it took all of the machine's 24 GB until the kernel killed it; past a million tokens
+    only shapes are inferred, so the compile stays small (the attention then runs unfused, with W10005)."""
+    import resource
+
+    from models.tiny import tiny_onnx
+
+    source = tiny_onnx("llama", dynamo=False, with_past=False)
+    fixed = ";".join(f"{name}:1,1000000000" for name in ("input_ids", "attention_mask", "position_ids"))
+    limit = 4 << 30
+    proc = subprocess.run([sys.executable, "-m", "cli.atc", "--framework=5", SOC, f"--model={source}",
+                           f"--output={tmp_path / 'm'}", f"--input_shape={fixed}"], capture_output=True, text=True,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "m.om").is_file() and "W10005" in proc.stdout
+
+
 def test_atc_prints_a_line_per_pass_in_pipeline_order_with_its_counts_and_time(tmp_path, tiny_llama_path):
     switch = tmp_path / "switch.cfg"
     switch.write_text("AttentionFusionPass:off\n")

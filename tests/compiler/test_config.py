@@ -70,6 +70,14 @@ def test_input_shape_grammar():
     assert caught.value.code == "E10002"
 
 
+@pytest.mark.parametrize("dims", ["1,2147483648", "1,1~2147483648", "1,99999999999"])
+def test_input_shape_values_past_int32_are_refused(dims):
+    assert parse_input_shape("input_ids:1,2147483647") == {"input_ids": (1, 2**31 - 1)}
+    with pytest.raises(AtcError) as caught:
+        parse_input_shape(f"input_ids:{dims}")
+    assert caught.value.code == "E10011"
+
+
 def test_auto_tune_mode_takes_atcs_values():
     assert CompileConfig.from_flags(**BASE, auto_tune_mode="RL,GA").auto_tune_mode == "RL,GA"
     with pytest.raises(AtcError, match="E10001.*auto_tune_mode"):
