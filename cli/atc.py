@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shlex
+import signal
 import sys
 import traceback
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ from typing import Iterator
 
 import click
 
+from cli.coded_errors import reader_gone
 from cli.common_options import LOG_LEVELS, StderrHandler
 from compiler.config import CompileConfig
 from compiler.inapplicable_flags import NOT_APPLICABLE, REFUSED
@@ -164,6 +166,15 @@ def _atc_log(level: str) -> Iterator[None]:
         logger.setLevel(saved_level)
 
 
+class _Terminated(BaseException):
+    """SIGTERM (a CI job's timeout, `docker stop`) raised where atc is, as Ctrl-C raises KeyboardInterrupt, so
+    that the way out removes the weights' scratch folder and any half-written file as it does for Ctrl-C."""
+
+
+def _terminate(signum, frame) -> None:
+    raise _Terminated()
+
+
 def _fail(text: str) -> int:
     sys.stdout.flush()
     click.echo(FAILURE, err=True)
@@ -185,6 +196,12 @@ def run(argv: list[str]) -> int:
         cfg = CompileConfig.from_flags(**flags)
         with _atc_log(cfg.log):
             warnings = [*cfg.warnings, *_dispatch(cfg)]
+    except (KeyboardInterrupt, _Terminated) as stop:
+        signum = signal.SIGINT if isinstance(stop, KeyboardInterrupt) else signal.SIGTERM
+        _fail(f"atc was stopped by {signal.Signals(signum).name}")
+        return 128 + signum
+    except BrokenPipeError:
+        raise  # stdout's reader is gone: `main` ends quietly
     except _FlagError as error:
         click.echo(f"ERROR: {error}", err=True)
         return _fail(AtcError("E10001", " ".join(argv), "command line", str(error)).render())
@@ -259,7 +276,14 @@ def _precheck(cfg: CompileConfig) -> None:
 
 def main() -> None:
     """Console entry point."""
-    sys.exit(run(sys.argv[1:]))
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        status = run(sys.argv[1:])
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # from here on the default ending leaves nothing behind
+        sys.stdout.flush()
+    except BrokenPipeError:
+        status = reader_gone()
+    sys.exit(status)
 
 
 if __name__ == "__main__":

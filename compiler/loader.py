@@ -71,11 +71,14 @@ def load_onnx(path: str | os.PathLike, external_data: bool = True) -> onnx.Model
     """The checked model, with its external data read into memory unless `external_data` is False."""
     path = Path(path)
     if not path.is_file():
-        reason = "the path is a directory" if path.is_dir() else "No such file or directory"
+        reason = ("the path is a directory" if path.is_dir() else "not a regular file" if path.exists()
+                  else "No such file or directory")
         raise AtcError("E13001", path, reason)
     try:
         model = onnx.load(str(path), load_external_data=False)
-    except (DecodeError, ValueError, RuntimeError, OSError) as error:
+    except OSError as error:  # there but unreadable (its permissions, an I/O error): it cannot be opened
+        raise AtcError("E13001", path, error.strerror or str(error)) from None
+    except (DecodeError, ValueError, RuntimeError) as error:
         raise AtcError("E10041", path, reason=f"the file is not an ONNX model: {error}") from None
     if not model.HasField("graph") or not model.graph.node:
         if model.ByteSize() == 0 or not model.HasField("graph"):

@@ -67,7 +67,11 @@ def _read(path: Path, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> n
 def weight_spill(beside: Path) -> Iterator[WeightSpill]:
     """A spill in a fresh hidden folder in `beside` (the output's folder: a temporary folder may be memory),
     removed with its file when the block ends, by a return or an exception."""
-    with tempfile.TemporaryDirectory(prefix=SPILL_PREFIX, dir=beside) as folder:
+    try:
+        scratch = tempfile.TemporaryDirectory(prefix=SPILL_PREFIX, dir=beside)
+    except OSError as error:  # a folder the user cannot write (a read-only mount, /sys): the output's fault
+        raise AtcError("E13004", beside, error.strerror or str(error)) from None
+    with scratch as folder:
         yield WeightSpill(Path(folder))
 
 

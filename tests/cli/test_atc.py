@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import onnx
@@ -118,6 +120,8 @@ def test_input_shape_and_out_nodes_change_the_signature(capsys, tmp_path, tiny_l
 
 @pytest.mark.parametrize("argv, code", [
     (["--framework=5", SOC, "--model={tmp}/absent.onnx"], "E13001"),
+    (["--framework=5", SOC, "--model=/dev/null"], "E13001"),  # there, but not a regular file
+    (["--framework=5", SOC, "--model=/proc/self/mem"], "E13001"),  # a regular file whose read fails (EIO)
     (["--framework=5", SOC, "--model={tmp}/junk.onnx"], "E10041"),
     (["--framework=5", SOC, "--model={tmp}/truncated/ext.onnx"], "E10041"),
     (["--framework=5", SOC, "--model={tmp}/bad_checker.onnx"], "E10041"),
@@ -143,7 +147,8 @@ def test_bad_input_is_refused_with_its_code(capsys, tmp_path, tiny_llama_path, a
 
 def test_unwritable_output_is_refused(capsys, tmp_path, tiny_llama_path):
     (tmp_path / "file").write_text("")
-    for output in (tmp_path / "missing" / "m", tmp_path / "file" / "m"):
+    # /sys: a folder that looks writable to root, where the weights' scratch folder cannot be made
+    for output in (tmp_path / "missing" / "m", tmp_path / "file" / "m", "/sys/m"):
         status, _, err = _atc(capsys, f"--model={tiny_llama_path}", "--framework=5", SOC, f"--output={output}")
         assert status == 255 and "E13004" in err
     assert not list(tmp_path.glob("**/*.om"))
@@ -201,6 +206,39 @@ PASS_LINE = re.compile(r"^\[ *(\d+)/(\d+)\] (\w+) +(?:matched (\d+), applied (\d
 
 def _atc_process(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "cli.atc", "--framework=5", SOC, *argv], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_compile_stopped_by_a_signal_midway_leaves_nothing_in_the_output_folder(tmp_path, tiny_llama_path, signum):
+    """A CI job's timeout sends SIGTERM, a user Ctrl-C: either ends atc with 128 + the signal's number, ATC's
+    failure banner and no traceback, and neither leaves the weights' scratch folder or a model behind. The
+    signal goes once the scratch folder exists: the compile is then inside its passes."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "cli.atc", "--framework=5", SOC, f"--model={tiny_llama_path}",
+                             f"--output={out / 'm'}", "--enable_compress_weight=1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not list(out.glob(".atc-weights-*")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.002)
+    proc.send_signal(signum)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signum, stderr[-2000:]
+    assert "Traceback" not in stdout + stderr
+    assert f"ATC run failed" in stderr and signal.Signals(signum).name in stderr
+    assert list(out.iterdir()) == []
+
+
+def test_a_reader_that_closes_stdout_ends_atc_quietly_with_sigpipes_status(tmp_path, tiny_llama_path):
+    """`atc ... | grep -q "ATC start"`: the reader leaves after one line; atc ends as a C tool killed by SIGPIPE
+    would (141), without a traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "cli.atc", "--framework=5", SOC, f"--model={tiny_llama_path}",
+                             f"--output={tmp_path / 'm'}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=300) == 141
+    assert "Traceback" not in stderr and "E19999" not in stderr
 
 
 def test_a_sequence_of_a_billion_tokens_compiles_in_a_bounded_address_space(tmp_path):
