@@ -226,7 +226,7 @@ def test_a_compile_stopped_by_a_signal_midway_leaves_nothing_in_the_output_folde
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signum, stderr[-2000:]
     assert "Traceback" not in stdout + stderr
-    assert f"ATC run failed" in stderr and signal.Signals(signum).name in stderr
+    assert "ATC run failed" in stderr and signal.Signals(signum).name in stderr
     assert list(out.iterdir()) == []
 
 
