@@ -59,8 +59,18 @@ def create_app(server: Server) -> FastAPI:
             server.authorise(http.headers.get("authorization"))
         except Refusal as refusal:
             return _refused(refusal)
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "cann-llm"}
-                                           for name in server.model_names()]}
+        return {"object": "list", "data": [_model_card(name) for name in server.model_names()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def retrieve_model(name: str, http: Request):
+        try:
+            server.authorise(http.headers.get("authorization"))
+            if name not in server.model_names():
+                raise Refusal(404, f"model {name!r} is not served; see /v1/models", "invalid_request_error",
+                              param="model")
+        except Refusal as refusal:
+            return _refused(refusal)
+        return _model_card(name)
 
     @app.post("/generate")
     async def generate(body: GenerateBody, http: Request):
@@ -145,7 +155,11 @@ async def _start(server: Server, http: Request, body: CompletionBody | ChatBody,
     except BodyError as error:  # fields that pass one by one but not together
         raise Refusal(400, str(error), "invalid_request_error", param=error.param) from None
     return await asyncio.to_thread(server.start_choices, http.headers.get("authorization"), body.model, endpoint,
-                                   params, body.n, **prompt)
+                                   params, body.n, tokens_asked=body.tokens_asked(), **prompt)
+
+
+def _model_card(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "cann-llm"}
 
 
 def _shape(kind: type[Completion], model: str, engine) -> Completion:

@@ -218,13 +218,15 @@ class Server:
 
     def start_choices(self, authorization: str | None, model: str | None, endpoint: str, params: dict, n: int, *,
                       prompt: str | list[int] | None = None, messages: list[dict] | None = None,
-                      tools: list[dict] | None = None,
-                      conversation: tuple[str, str | None, str] | None = None) -> list[Generation]:
+                      tools: list[dict] | None = None, conversation: tuple[str, str | None, str] | None = None,
+                      tokens_asked: int | None = None) -> list[Generation]:
         """Admit `n` choices of one prompt together and submit them (a `prompt`, or chat `messages` with their
         `tools` through the model's template, or the next turn of a `conversation` the server keeps: (its id,
         a system message or None, the user's text); `params` the engine's sampling settings, the i-th choice
         seeded `seed + i`). The prompt is tokenized, reserved in the quota and charged once; the queue places
-        and every choice's new tokens are reserved at once, so either all run or none does (Refusal)."""
+        and every choice's new tokens are reserved at once, so either all run or none does (Refusal). A prompt
+        that leaves less room than `tokens_asked` (new tokens the request set explicitly) is refused, as
+        OpenAI refuses it; a conversation kept here is compacted to leave that room instead."""
         key, name, engine = self.engine_for(authorization, model)
         if self.guard.blocked(_said(prompt, messages, tools)):
             self._reject(name, Refusal(400, "the prompt contains blocked content", "content_filter"))
@@ -245,6 +247,12 @@ class Server:
             except Exception as error:  # the chat template's own errors (jinja's), or a prompt it cannot tokenize
                 self._reject(name, Refusal(400, f"the prompt cannot be rendered or tokenized: {error}",
                                            "invalid_request_error"))
+            if kept is None and tokens_asked is not None and len(ids) + tokens_asked > engine.max_context_len:
+                self._reject(name, Refusal(
+                    400, f"This model's maximum context length is {engine.max_context_len} tokens. However, you "
+                         f"requested {len(ids) + tokens_asked} tokens ({len(ids)} in the prompt, {tokens_asked} in "
+                         f"the completion). Please reduce the length of the prompt or completion.",
+                    "invalid_request_error", param="max_tokens"))
             choices = [sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i) for i in range(n)]
             return self._admit(name, key, endpoint, blocked, ids, choices, kept)
         except BaseException:

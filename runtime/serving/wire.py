@@ -196,6 +196,11 @@ class CompletionBody(_Sampling):
     echo: bool = False
     suffix: None = None  # OpenAI's insertion mode: only its absence is supported
 
+    def tokens_asked(self) -> int | None:
+        """`max_tokens` when the request set it: a prompt and completion past the context are then refused, as
+        OpenAI refuses them; the default is cut to what the context leaves."""
+        return self.max_tokens if "max_tokens" in self.model_fields_set else None
+
     def sampling(self) -> dict:
         prompt_logprobs = self.logprobs if self.echo else None  # echoed, the prompt's tokens are scored too
         return {"max_new_tokens": self.max_tokens, "logprobs": self.logprobs, "prompt_logprobs": prompt_logprobs,
@@ -315,6 +320,10 @@ class ChatBody(_Sampling):
         system = "\n\n".join(m["content"] for m in said[:-1]) or None
         return self.conversation_id, system, said[-1]["content"]
 
+    def tokens_asked(self) -> int | None:
+        """`max_completion_tokens` or `max_tokens` when the request set one (see CompletionBody's)."""
+        return self.max_completion_tokens or self.max_tokens
+
     def sampling(self) -> dict:
         if self.top_logprobs is not None and not self.logprobs:
             raise BodyError("top_logprobs needs logprobs set to true", "top_logprobs")
@@ -389,9 +398,12 @@ def validation_error_body(errors: list[dict]) -> dict:
     said = {}
     for error in errors:  # pydantic names a union's members in the location: only fields and indices are kept
         where = ".".join(str(p) for p in error["loc"][1:] if isinstance(p, int) or str(p).isidentifier())
+        if error.get("type") == "json_invalid":  # its location is a character offset into the body, no field
+            where = ""
+
         why = "not supported by this server" if error.get("type") == "extra_forbidden" else error["msg"]
         said.setdefault(where or "body", []).append(why)
-    param = next(iter(said), None)
+    param = next((where for where in said if where != "body"), None)
     said = "; ".join(f"{where}: {' or '.join(why)}" for where, why in list(said.items())[:5])
     return error_body(400, f"invalid request: {said}", "invalid_request_error", param)
 

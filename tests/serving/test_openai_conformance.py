@@ -215,6 +215,7 @@ def test_chat_logprobs_carry_each_tokens_bytes(client):
     ({"response_format": {"type": "json_object"}, "extra_body": {"structured_outputs": {"regex": "a"}}},
      openai.BadRequestError, "structured_outputs"),
     ({"model": "absent"}, openai.NotFoundError, "model"),
+    ({"max_tokens": 2048}, openai.BadRequestError, "max_tokens"),  # the prompt and 2,048 more past the context
     ({"tool_choice": "auto"}, openai.BadRequestError, "tool_choice"),
 ])
 def test_refusals_reach_the_sdk_as_its_own_errors(client, request_args, error, param):
@@ -224,6 +225,12 @@ def test_refusals_reach_the_sdk_as_its_own_errors(client, request_args, error, p
     body = raised.value.body
     assert set(body) == {"message", "type", "param", "code"} and body["param"] == param
     assert body["code"] == raised.value.status_code
+
+
+def test_the_sdk_retrieves_a_model_by_its_name(client):
+    assert client.models.retrieve("smollm2").id == "smollm2"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("absent")
 
 
 def test_a_wrong_key_is_the_sdks_authentication_error(client):

@@ -80,6 +80,7 @@ def test_the_seeds_generate_endpoint(server, engine):
     ("/v1/completions", {"model": "tiny", "prompt": [-1], "max_tokens": 4}, 400),
     ("/v1/completions", {"model": "nope", "prompt": "x"}, 404),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": "many"}, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 10 ** 6}, 400),       # past the context
     ("/v1/completions", '{"model": "tiny", "prompt": "x", "temperature": NaN}', 400),
     ("/v1/completions", '{"model": "tiny", "prompt": "x", "top_p": Infinity}', 400),
     ("/v1/completions", '{"model": "tiny", "prompt": "a \\ud800 lone surrogate"}', 400),
@@ -100,6 +101,28 @@ def test_bad_requests_are_refused_cleanly(server, path, payload, status):
     assert response.status_code == status
     error = response.json()["error"]
     assert error["code"] == status and error["type"] == ("invalid_request_error" if status == 400 else error["type"])
+
+
+def test_refusals_name_the_field_at_fault_or_none(server):
+    """OpenAI's `param`: the field a refusal is about; none for a body that is not JSON at all (its location
+    is a character offset, not a field), `max_tokens` for a completion the context cannot hold."""
+    def error_of(response):
+        assert response.status_code == 400
+        return response.json()["error"]
+
+    headers = {"content-type": "application/json"}
+    assert error_of(httpx.post(f"{server.url}/v1/chat/completions", content='{"model": "tiny", "messages": [',
+                               headers=headers, timeout=60))["param"] is None
+    refused = error_of(httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10 ** 6}))
+    assert refused["param"] == "max_tokens" and "maximum context length" in refused["message"]
+
+
+def test_a_model_is_retrieved_by_its_name(server):
+    card = httpx.get(f"{server.url}/v1/models/tiny", timeout=60)
+    assert card.status_code == 200 and card.json() == httpx.get(f"{server.url}/v1/models", timeout=60).json()["data"][0]
+    absent = httpx.get(f"{server.url}/v1/models/nope", timeout=60)
+    assert absent.status_code == 404 and absent.json()["error"]["param"] == "model"
 
 
 def test_a_body_over_the_limit_is_413_whether_or_not_its_length_is_declared(server):
@@ -165,10 +188,10 @@ def test_metrics_add_up(server):
     outcomes = {o: server.metric("cann_llm:requests_total", model_name="tiny", outcome=o)
                 for o in ("completed", "rejected", "cancelled", "failed")}
     # what the tests above sent: 6 answered (a completion and a chat, each also streamed, /generate, and the
-    # stream beside hostile ones), 6 refused by the engine's checks (an over-long prompt, 4 with ids outside
-    # the vocabulary, an overflowing penalty), 1 stream left mid-way; unknown models and bodies that fail
-    # validation never reach an engine
-    assert outcomes == {"completed": 6, "rejected": 6, "cancelled": 1, "failed": 0}
+    # stream beside hostile ones), 8 refused by the engine's checks or for the context (an over-long prompt,
+    # 4 with ids outside the vocabulary, an overflowing penalty, 2 asking for more tokens than the context
+    # holds), 1 stream left mid-way; unknown models and bodies that fail validation never reach an engine
+    assert outcomes == {"completed": 6, "rejected": 8, "cancelled": 1, "failed": 0}
     assert server.metric("cann_llm:request_success_total", model_name="tiny", finished_reason="length") >= 1
     drafted = server.metric("cann_llm:spec_decode_num_draft_tokens_total", model_name="tiny")
     assert drafted > 0 and 0 <= server.metric("cann_llm:spec_decode_num_accepted_tokens_total", model_name="tiny") <= drafted
