@@ -180,8 +180,9 @@ def _json(body: dict, status: int, headers: dict | None = None) -> Response:
 
 
 def _logprobs(generation: Generation) -> list | None:
+    """Each token's log-probabilities, when asked for: of the tokens whose text was returned."""
     seq = generation.request.seq
-    return list(seq.logprobs) if seq.params.logprobs is not None else None
+    return list(seq.logprobs[:generation.tokens_in_text()]) if seq.params.logprobs is not None else None
 
 
 def _prompt_logprobs(generation: Generation) -> list | None:
@@ -256,11 +257,16 @@ async def _events(server: Server, generations: list[Generation], shape: Completi
         spelled[index] += sum(len(shape.token_text(t.token_id)) for t in logprobs or ())
         return framed(shape.chunk(index, text, reason, logprobs, offset))
 
-    def new_logprobs(index: int) -> list | None:
+    def new_logprobs(index: int, finished: bool = False) -> list | None:
+        """The log-probabilities of the tokens whose text has gone out since the last chunk (a stream holds
+        back text that may begin a stop string, and the tokens it came from with it)."""
         logprobs = _logprobs(generations[index])
         if logprobs is None:
             return None
-        fresh, sent[index] = logprobs[sent[index]:], len(logprobs)
+        detok = generations[index].request.detokenizer
+        if not finished and detok is not None and detok.stop:
+            logprobs = logprobs[:generations[index].tokens_in_text(detok.emitted)]
+        fresh, sent[index] = logprobs[sent[index]:], max(sent[index], len(logprobs))
         return fresh
     try:
         for index in range(len(generations)):
@@ -285,7 +291,7 @@ async def _events(server: Server, generations: list[Generation], shape: Completi
                 if choice is not None and choice.tool_calls:
                     yield framed(shape.calls_chunk(index, choice.tool_calls))
                 reason = choice.finish_reason if choice is not None else generations[index].finish_reason
-                yield chunk(index, "", reason, new_logprobs(index))
+                yield chunk(index, "", reason, new_logprobs(index, finished=True))
             elif not holding:
                 yield chunk(index, piece, None, new_logprobs(index))
         else:

@@ -83,6 +83,20 @@ class Generation:
     def text(self) -> str:
         return self.request.text
 
+    def tokens_in_text(self, characters: int | None = None) -> int:
+        """How many output tokens make the first `characters` of the text (all of it by default): the fewest
+        whose text reaches that far, so that the tokens of a stop string cut from the text, or of text still
+        held back while a stream may yet match one, are not among them (a token the cut splits is)."""
+        ids = self.request.seq.output_ids
+        detok = self.request.detokenizer
+        wanted = len(self.text) if characters is None else characters
+        if detok is None or (characters is None and detok.matched_stop is None):
+            return len(ids)
+        count = len(ids)
+        while count > 0 and len(detok.tokenizer.decode(ids[:count - 1])) >= wanted:
+            count -= 1
+        return count
+
     @property
     def finish_reason(self) -> str:
         """OpenAI's finish reason: `content_filter` when a block-listed term stopped it."""

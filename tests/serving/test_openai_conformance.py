@@ -152,6 +152,23 @@ def test_a_stream_of_two_choices_with_usage_and_logprobs(client):
     assert texts == [c.message.content for c in plain.choices]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_logprobs_stop_with_the_text_a_stop_string_cut(client, stream):
+    """The tokens scored are those of the text returned: not the stop string's, cut from the text (nor, while
+    streaming, those of text held back in case a stop string begins there)."""
+    args = dict(model="smollm2", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, logprobs=0, stop=[" 7"])
+    if stream:
+        text, tokens = "", []
+        for chunk in client.completions.create(**args, stream=True):
+            (choice,) = chunk.choices
+            text += choice.text
+            tokens += choice.logprobs.tokens if choice.logprobs else []
+    else:
+        (choice,) = client.completions.create(**args).choices
+        text, tokens = choice.text, choice.logprobs.tokens
+    assert text == " 5, 6," and "".join(tokens) == text
+
+
 def test_content_parts_and_echo(client):
     parts = client.chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": " hi"}]}],
