@@ -101,7 +101,9 @@ def _value_errors_as_codes(fn):
         try:
             return fn(*args, **kwargs)
         except ValueError as error:
-            raise AtcError("E10001", "request", "--prompt", str(error)) from None
+            said = kwargs.get("prompt")
+            value = repr(said if len(said) <= 40 else said[:37] + "...") if isinstance(said, str) else "request"
+            raise AtcError("E10001", value, "--prompt", str(error)) from None
         except GenerationFailed as error:  # a fault inside the engine's step: ours, not the request's
             raise AtcError("E19999", reason=str(error)) from None
     return run

@@ -135,6 +135,10 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
                             f"it; export the model again with its batch and sequence axes dynamic to generate")
         if unrolled:
             warnings.append(f"W10008: {describe(unrolled)}")
+        if causal_lm and not tokenizer_files(cfg):
+            warnings.append("W10009: no tokenizer was packed (no tokenizer.json beside the model and no --tokenizer), "
+                            "so the artifact takes token ids, not text: cann-run generate, chat and serve need one; "
+                            "compile with --tokenizer=DIR, the folder of the model's tokenizer.json")
         if raised:
             low = raised.computed
             warnings.append(f"W10006: the model computes in {low}; it was compiled to compute in float32 (its "

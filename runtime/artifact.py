@@ -291,6 +291,10 @@ class OmFile:
         fields = _HEADER.unpack_from(self._mm, 0)
         magic, headsize, version = fields[:3]
         if magic != MAGIC:
+            # an ONNX ModelProto opens with its ir_version, field 1 as a varint: 0x08, then a small number
+            if self._mm[0] == 0x08 and 3 <= self._mm[1] <= 32:
+                raise AtcError("E13015", self.path, "it is an ONNX model, not an offline model: compile it with atc "
+                                                    "first (atc --model=MODEL.onnx --framework=5 --output=NAME)")
             raise AtcError("E13015", self.path, f"it is not an offline model: magic {magic:#010x}, expected {MAGIC:#010x}")
         if headsize != HEADER_SIZE or version != MODEL_VERSION:
             raise AtcError("E13015", self.path, f"unsupported header (size {headsize}, version {version:#x})")

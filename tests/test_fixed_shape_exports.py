@@ -88,7 +88,8 @@ def test_fixing_input_ids_with_input_shape_is_named_when_the_engine_refuses(tmp_
 def test_the_documented_re_export_compiles_paged_and_generates(tmp_path):
     source = _export(tmp_path / "model.onnx", dynamo=True, dynamic=True)
     result = compile_model(_config(source, tmp_path / "paged", enable_paged_attention=True))
-    assert result.metadata["model"]["num_layers"] == 2 and not result.warnings
+    # its only warning: exported here without a tokenizer, it takes token ids
+    assert result.metadata["model"]["num_layers"] == 2 and [w[:6] for w in result.warnings] == ["W10009"]
     assert_paged_greedy_equals_onnxruntime(source, result.output, new_tokens=16)
 
 

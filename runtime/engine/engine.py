@@ -705,6 +705,6 @@ class LLMEngine:
 
     def _require_tokenizer(self) -> TextTokenizer:
         if self.tokenizer is None:
-            raise ValueError("the model was compiled without a tokenizer: pass token ids, or recompile with "
-                             "atc --tokenizer=DIR")
+            raise ValueError("the model was compiled without a tokenizer, so it takes token ids, not text: compile "
+                             "it again with atc --tokenizer=DIR (the folder of its tokenizer.json)")
         return self.tokenizer

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -143,6 +144,17 @@ def test_bad_input_is_refused_with_its_code(capsys, tmp_path, tiny_llama_path, a
     onnx.save(helper.make_model(bad, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "bad_checker.onnx"))
     argv = [a.format(tmp=tmp_path, llama=tiny_llama_path) for a in argv]
     _assert_refused(capsys, tmp_path, code, *argv)
+
+
+def test_a_language_model_compiled_without_a_tokenizer_is_warned_about(capsys, tmp_path, tiny_llama_path):
+    (tmp_path / "bare").mkdir()
+    shutil.copyfile(tiny_llama_path, tmp_path / "bare" / "model.onnx")  # no tokenizer.json beside this copy
+    status, out, _ = _atc(capsys, f"--model={tmp_path / 'bare' / 'model.onnx'}", "--framework=5", SOC,
+                          f"--output={tmp_path / 'm'}")
+    assert status == 0 and "W10009: no tokenizer was packed" in out
+    status, out, _ = _atc(capsys, f"--model={tmp_path / 'bare' / 'model.onnx'}", "--framework=5", SOC,
+                          f"--output={tmp_path / 'm'}", f"--tokenizer={tiny_llama_path.parent}")
+    assert status == 0 and "W10009" not in out
 
 
 def test_unwritable_output_is_refused(capsys, tmp_path, tiny_llama_path):

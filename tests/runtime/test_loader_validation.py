@@ -263,6 +263,12 @@ def test_a_crafted_container_with_valid_checksums_is_refused(case, contiguous_om
     assert phrase in error.value.message
 
 
+def test_an_onnx_model_given_for_an_artifact_is_told_to_compile_first(tiny_llama_path):
+    with pytest.raises(AtcError) as error:
+        load_artifact(tiny_llama_path)
+    assert error.value.code == "E13015" and "it is an ONNX model, not an offline model" in error.value.message
+
+
 def test_the_packer_alone_makes_a_loadable_file(contiguous_om, paged_om, tmp_path):
     # the cases above differ from a good file only in what each changes
     for source in (contiguous_om, paged_om):
