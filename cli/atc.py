@@ -176,9 +176,11 @@ def _terminate(signum, frame) -> None:
 
 
 def _fail(text: str) -> int:
-    sys.stdout.flush()
-    click.echo(FAILURE, err=True)
-    click.echo(text, err=True)
+    # on stdout, as ATC prints them (a CI script's `atc ... > atc.log; grep -E 'E[0-9]{5}' atc.log` finds them);
+    # stderr flushed first, so a terminal shows the detail log before the verdict
+    sys.stderr.flush()
+    click.echo(FAILURE)
+    click.echo(text)
     return EXIT_FAILURE
 
 

@@ -86,7 +86,7 @@ def test_bad_keep_dtype_entries_are_refused_without_output(capsys, tmp_path, tin
     keep.write_text(content)
     status = atc([f"--model={tiny_llama_path}", "--framework=5", f"--output={tmp_path / 'out'}",
                   "--soc_version=Ascend910B", "--precision_mode=force_fp16", f"--keep_dtype={keep}"])
-    err = capsys.readouterr().err
+    err = capsys.readouterr().out
     assert status == 255 and f"{code}: [PID:" in err and "Traceback" not in err, err
     assert not list(tmp_path.glob("**/*.om"))
 

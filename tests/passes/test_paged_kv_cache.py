@@ -109,7 +109,7 @@ def test_unfused_attention_is_refused_with_no_output(capsys, tmp_path):
     switches.write_text("AttentionFusionPass:off\n")
     status = run([f"--model={source}", "--framework=5", f"--output={tmp_path / 'g'}", "--soc_version=Ascend910B",
                   "--enable_paged_attention=1", f"--fusion_switch_file={switches}"])
-    err = capsys.readouterr().err
+    err = capsys.readouterr().out
     assert status == 255 and "E10055" in err and "FusedAttention" in err
     assert not list(tmp_path.glob("*.om"))
 

@@ -135,7 +135,7 @@ def test_compile_refuses_symlinked_om_and_fusion_result_and_leaves_the_targets(c
     for planted in ("m.om", "fusion_result.json"):
         _plant(out / planted, victim)
         assert atc(_compile_argv(tiny_llama_path, out / "m")) == 255
-        err = capsys.readouterr().err
+        err = capsys.readouterr().out
         assert "E13004" in err and "symbolic link" in err and "Traceback" not in err, err
         _assert_untouched(victim)
         assert sorted(p.name for p in out.iterdir()) == [planted]
@@ -147,7 +147,7 @@ def test_an_unwritable_fusion_result_fails_the_run_and_leaves_no_new_om(capsys, 
     out.mkdir()
     (out / "fusion_result.json").mkdir()  # the rename onto it fails, after the passes ran
     assert atc(_compile_argv(tiny_llama_path, out / "m")) == 255
-    err = capsys.readouterr().err
+    err = capsys.readouterr().out
     assert "E13004" in err and "fusion_result.json" in err and "Traceback" not in err
     assert sorted(p.name for p in out.iterdir()) == ["fusion_result.json"]
 
@@ -157,10 +157,10 @@ def test_check_report_and_json_refuse_a_symlink(capsys, tmp_path, victim, tiny_l
     _plant(tmp_path / "report.json", victim)
     assert atc(["--mode=3", f"--model={tiny_llama_path}", "--framework=5", SOC,
                 f"--check_report={tmp_path / 'report.json'}"]) == 255
-    assert "E13004" in capsys.readouterr().err
+    assert "E13004" in capsys.readouterr().out
     _plant(tmp_path / "dump.json", victim)
     assert atc(["--mode=1", f"--om={om}", f"--json={tmp_path / 'dump.json'}"]) == 255
-    assert "E13004" in capsys.readouterr().err
+    assert "E13004" in capsys.readouterr().out
     _assert_untouched(victim)
 
 
@@ -198,7 +198,7 @@ def test_a_tokenizer_linked_from_outside_the_model_folder_is_refused(capsys, tmp
     secret.write_text('{"not": "yours"}')
     model = _model_with_tokenizer_link(tmp_path, secret)
     assert atc(_compile_argv(model, tmp_path / "out")) == 255
-    err = capsys.readouterr().err
+    err = capsys.readouterr().out
     assert "E13001" in err and "outside the model folder" in err and "Traceback" not in err
     assert not list(tmp_path.glob("*.om"))
 
@@ -217,12 +217,12 @@ def test_a_hugging_face_cache_snapshot_may_link_into_its_own_blobs(capsys, tmp_p
     secret.write_text('{"not": "yours"}')
     (snapshot / "tokenizer.json").unlink()
     os.symlink(secret, snapshot / "tokenizer.json")  # outside the repository's blobs: still refused
-    assert atc(argv) == 255 and "E13001" in capsys.readouterr().err
+    assert atc(argv) == 255 and "E13001" in capsys.readouterr().out
 
 
 def test_a_tokenizer_that_is_not_json_is_refused(capsys, tmp_path):
     model = _model_with_tokenizer_link(tmp_path, "tokenizer.real")
     (tmp_path / "model" / "tokenizer.real").write_text("{broken")
     assert atc(_compile_argv(model, tmp_path / "out")) == 255
-    assert "E10032" in capsys.readouterr().err
+    assert "E10032" in capsys.readouterr().out
     assert not list(tmp_path.glob("*.om"))
