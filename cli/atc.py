@@ -11,6 +11,7 @@ import difflib
 import json
 import logging
 import os
+import re
 import shlex
 import signal
 import sys
@@ -129,11 +130,11 @@ def parse_flags(argv: list[str]) -> dict[str, str | None]:
     params.append(click.Argument(["positional"], nargs=-1))
     command = click.Command("atc", params=params, add_help_option=False)
     try:
-        context = command.make_context("atc", list(argv), resilient_parsing=False)
+        context = command.make_context("atc", [_two_dashes(word) for word in argv], resilient_parsing=False)
     except click.NoSuchOption as error:
         name = error.option_name.lstrip("-")
-        close = difflib.get_close_matches(name.replace("-", "_"), [flag for flag, _, _ in FLAGS], n=1, cutoff=0.75)
-        hint = f". Did you mean '--{close[0]}'?" if close else ""
+        close = _nearest_flag(name.replace("-", "_"))
+        hint = f". Did you mean '--{close}'?" if close else ""
         raise _FlagError(f"unknown command line flag '{name}'{hint}") from None
     except click.BadOptionUsage as error:
         raise _FlagError(f"flag '{error.option_name}' is missing its argument") from None
@@ -146,6 +147,32 @@ def parse_flags(argv: list[str]) -> dict[str, str | None]:
 
 class _FlagError(Exception):
     pass
+
+
+_SINGLE_DASH = re.compile(r"-[A-Za-z][A-Za-z0-9_-]+(=.*)?", re.DOTALL)
+
+
+def _two_dashes(word: str) -> str:
+    """`-model=x` as `--model=x`: ATC's gflags parser takes a flag after one dash or two."""
+    return "-" + word if _SINGLE_DASH.fullmatch(word) else word
+
+
+def _nearest_flag(name: str) -> str | None:
+    """The flag a typo most likely meant: of those difflib finds close, the fewest edits away counting a swap of
+    two neighbours as one (`modle` is `model`, not `mode`), a flag of the typo's length first among equals."""
+    close = difflib.get_close_matches(name, [flag for flag, _, _ in FLAGS], n=5, cutoff=0.75)
+    return min(close, key=lambda flag: (_edits(name, flag), len(flag) != len(name)), default=None)
+
+
+def _edits(a: str, b: str) -> int:
+    """Optimal string alignment distance: insertions, deletions, substitutions and adjacent swaps."""
+    rows = [list(range(len(b) + 1))] + [[i] + [0] * len(b) for i in range(1, len(a) + 1)]
+    for i in range(1, len(a) + 1):
+        for j in range(1, len(b) + 1):
+            rows[i][j] = min(rows[i - 1][j] + 1, rows[i][j - 1] + 1, rows[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                rows[i][j] = min(rows[i][j], rows[i - 2][j - 2] + 1)
+    return rows[len(a)][len(b)]
 
 
 @contextmanager

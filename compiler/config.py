@@ -331,6 +331,8 @@ def parse_input_shape(text: str) -> dict[str, tuple[Dim, ...]]:
         name, sep, dims_text = item.rpartition(":")
         if not sep or not name:
             raise AtcError("E10002", item, "the input name and its shape must be separated by ':'", fmt)
+        if name in shapes:
+            raise AtcError("E10002", text, f"input {name} is given more than once", fmt)
         dims: list[Dim] = []
         for dim in filter(None, dims_text.split(",")):
             if "~" in dim:

@@ -61,7 +61,8 @@ def gears(input_shape: dict[str, tuple[Dim, ...]], batch_sizes: tuple[int, ...],
         if profile in seen:
             raise AtcError("E10039", text, flag, ",".join(map(str, profile)))
         seen.add(profile)
-    shape_text = ";".join(f"{name}:{','.join(map(str, d))}" for name, d in input_shape.items())
+    shape_text = ";".join(f"{name}:{','.join(f'{x[0]}~{x[1]}' if isinstance(x, tuple) else str(x) for x in d)}"
+                          for name, d in input_shape.items())
     if any(isinstance(d, tuple) for dims_ in input_shape.values() for d in dims_):
         raise AtcError("E10040", shape_text, flag)
     free = [(name, axis) for name, shape in input_shape.items() for axis, d in enumerate(shape) if d == -1]

@@ -71,7 +71,7 @@ class PrecisionPolicy:
             return "its weights are stored as float32"
         where = "" if self.convert_table else ", the embedding table float32"
         if self.exact_only:
-            where += f", any {self.weight_dtype} does not hold exactly float32"
+            where += f", but as float32 any weight that {self.weight_dtype} does not hold exactly"
         return f"its linear layers' and embedding weights are stored as {self.weight_dtype}{where} (MoE experts' " \
                "and other weights as float32)"
 

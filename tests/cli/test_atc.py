@@ -15,7 +15,7 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from cli.atc import run
+from cli.atc import parse_flags, run
 from runtime.artifact import OmFile
 
 SOC = "--soc_version=Ascend910B"
@@ -168,13 +168,21 @@ def test_unwritable_output_is_refused(capsys, tmp_path, tiny_llama_path):
 
 
 @pytest.mark.parametrize("argv, line", [
-    (["--modle=x.onnx"], "ERROR: unknown command line flag 'modle'"),
+    (["--modle=x.onnx"], "ERROR: unknown command line flag 'modle'. Did you mean '--model'?"),  # a swap, not '--mode'
+    (["-modle=x.onnx"], "ERROR: unknown command line flag 'modle'. Did you mean '--model'?"),
+    (["--soc_verison=Ascend910B"], "Did you mean '--soc_version'?"),
     (["--model"], "ERROR: flag '--model' is missing its argument"),
     (["stray"], "ERROR: Non-option parameter: stray"),
 ])
 def test_command_line_errors_use_atcs_lines(capsys, argv, line):
     status, _, err = _atc(capsys, *argv)
     assert status == 255 and line in err
+
+
+def test_flags_after_one_dash_are_taken_as_atcs_parser_takes_them(tmp_path, tiny_llama_path):
+    assert parse_flags([f"-model={tiny_llama_path}", "-framework", "5", "-soc_version=Ascend910B",
+                        f"--output={tmp_path / 'm'}"]) == parse_flags(
+        [f"--model={tiny_llama_path}", "--framework=5", "--soc_version=Ascend910B", f"--output={tmp_path / 'm'}"])
 
 
 def test_the_installed_command_exits_255_without_traceback(tmp_path):

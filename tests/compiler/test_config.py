@@ -68,6 +68,9 @@ def test_input_shape_grammar():
     with pytest.raises(AtcError) as caught:
         parse_input_shape("1,16")
     assert caught.value.code == "E10002"
+    with pytest.raises(AtcError, match="input input_ids is given more than once") as caught:
+        parse_input_shape("input_ids:1,8;input_ids:2,8")
+    assert caught.value.code == "E10002"
 
 
 @pytest.mark.parametrize("dims", ["1,2147483648", "1,1~2147483648", "1,99999999999"])

@@ -130,6 +130,12 @@ def test_dynamic_shape_mistakes_get_atcs_codes(flags, code):
     assert caught.value.code == code
 
 
+def test_a_range_is_quoted_as_it_was_written():
+    with pytest.raises(AtcError) as caught:
+        _config(input_shape={"input_ids": ((1, 8), -1)}, dynamic_batch_size=(1, 2))
+    assert "Value input_ids:1~8,-1 for parameter --input_shape" in caught.value.message
+
+
 def test_the_flags_parse_as_atc_writes_them(tmp_path, source, capsys):
     cfg = CompileConfig.from_flags(model=source, framework="5", output="o", soc_version="Ascend910B",
                                    input_shape="input_ids:1,-1;attention_mask:1,-1;position_ids:1,-1",
