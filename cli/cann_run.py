@@ -31,6 +31,7 @@ from runtime.feeds import causal_lm_inputs, made_up_inputs, page_pool, parse_sha
 from runtime.kernels.paged_attention import PagedInputError
 from runtime.loader import LoadedModel, load_artifact
 from runtime.safe_files import atomic_writer, make_dir, write_text
+from runtime.shape_contract import ShapeContract
 
 
 class _RunByDefault(click.Group):
@@ -130,6 +131,10 @@ def _run_once(executor: Executor, feeds: dict[str, np.ndarray], kv_cache) -> dic
 @click.option("--pure_data_type", type=click.Choice(["zero", "random"]), default="zero", show_default=True,
               help="made-up inputs when --input is absent")
 @click.option("--dymShape", "dym_shape", default="", help='shapes of dynamic inputs: "input_ids:1,16;..."')
+@click.option("--dymBatch", "dym_batch", type=click.IntRange(min=1), default=None,
+              help="run at the gear of this batch size (atc --dynamic_batch_size), as msame takes it")
+@click.option("--dymDims", "dym_dims", default="",
+              help='run at the gear of these shapes (atc --dynamic_dims): "input_ids:1,16;attention_mask:1,16"')
 @click.option("--batchsize", type=click.IntRange(min=1), default=1, show_default=True, help="for throughput only")
 @click.option("--backend", type=click.Choice(BACKENDS), default="onnxruntime", show_default=True)
 @click.option("--prompt", default=None, help="tokenize this text and print the most likely next tokens")
@@ -137,7 +142,7 @@ def _run_once(executor: Executor, feeds: dict[str, np.ndarray], kv_cache) -> dic
 @click.option("--device", "-d", default="0",
               help="accepted for msame compatibility; no effect here: execution is on the host CPU")
 def run_command(model, input_files, output, output_dirname, outfmt, loop, warmup_count, pure_data_type,
-                dym_shape, batchsize, backend, prompt, topk, device) -> None:
+                dym_shape, dym_batch, dym_dims, batchsize, backend, prompt, topk, device) -> None:
     """Execute a compiled model once or in a loop and report its timing."""
     del device
     loaded = load_artifact(model)
@@ -148,6 +153,10 @@ def run_command(model, input_files, output, output_dirname, outfmt, loop, warmup
             click.echo(line)
         return
     signature, shapes = loaded.metadata["signature"], parse_shapes(dym_shape)
+    if dym_batch is not None or dym_dims:
+        contract = ShapeContract.of(loaded.metadata) or ShapeContract({}, (), {})
+        gear = contract.gear(dym_batch, parse_shapes(dym_dims, "--dymDims") if dym_dims else None)
+        shapes = {**shapes, **{name: list(shape) for name, shape in gear.items()}}
     if input_files:
         feeds = read_input_files(input_files.split(","), signature, shapes)
     else:

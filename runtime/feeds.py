@@ -20,17 +20,17 @@ DEFAULT_SEQ = 16
 MAX_POOL_BYTES = 1 << 36  # a pool for `cann-run run`: virtual memory, backed only where pages are written
 
 
-def parse_shapes(text: str) -> dict[str, list[int]]:
-    """`"input_ids:1,16;past_key_values.0.key:1,3,8,64"` → {name: dims}."""
+def parse_shapes(text: str, flag: str = "--dymShape") -> dict[str, list[int]]:
+    """`"input_ids:1,16;past_key_values.0.key:1,3,8,64"` → {name: dims}; `flag` names it in an error."""
     shapes = {}
     for item in filter(None, (text or "").split(";")):
         name, _, dims = item.rpartition(":")
         try:
             shapes[name] = [int(d) for d in dims.split(",") if d]
         except ValueError:
-            raise AtcError("E10001", item, "--dymShape", "dims must be integers") from None
+            raise AtcError("E10001", item, flag, "dims must be integers") from None
         if not name or any(d < 0 for d in shapes[name]):
-            raise AtcError("E10001", item, "--dymShape", "expected name:d1,d2,... with dims >= 0")
+            raise AtcError("E10001", item, flag, "expected name:d1,d2,... with dims >= 0")
     return shapes
 
 

@@ -63,6 +63,21 @@ class ShapeContract:
                     real[symbol] = f
         return padded, real
 
+    def gear(self, batch: int | None = None, dims: dict[str, list[int]] | None = None) -> dict[str, tuple[int, ...]]:
+        """The gear msame's `--dymBatch N` (the gear of batch N) or `--dymDims "name:d1,d2;..."` (the gear of
+        exactly those shapes) names: each input's shape in it. E10001 when the artifact has no such gear."""
+        flag, said = ("--dymBatch", str(batch)) if dims is None else (
+            "--dymDims", ";".join(f"{n}:{','.join(map(str, d))}" for n, d in dims.items()))
+        if not self.gears:
+            raise AtcError("E10001", said, flag, "the model was compiled without gears (atc --dynamic_batch_size "
+                                                 "or --dynamic_dims)")
+        for gear in self.gears:
+            if dims is None and all(shape[0] == batch for shape in gear.values()):
+                return dict(gear)
+            if dims is not None and {n: tuple(d) for n, d in dims.items()} == gear:
+                return dict(gear)
+        raise AtcError("E10001", said, flag, f"it names none of the gears the model was compiled for: {self._gear_text()}")
+
     def cut(self, outputs: dict[str, np.ndarray], real: dict[str, int], signature: dict) -> dict[str, np.ndarray]:
         """Outputs with each dim named by a padded input's symbol cut back to that input's real size."""
         if not real:

@@ -81,6 +81,30 @@ def test_dims_gears_equal_static_compiles_and_pad_between(build):
         geared.run(_feeds(1, 33))
 
 
+@pytest.mark.parametrize("gear_flag, shape", [
+    (["--dymBatch", "2"], (2, SEQ, 256)),
+    (["--dymDims", "input_ids:1,16;attention_mask:1,16;position_ids:1,16"], (1, 16, 256)),
+])
+def test_cann_run_runs_the_gear_msame_names_and_refuses_one_not_compiled(build, tmp_path, gear_flag, shape):
+    """msame's `--dymBatch N` and `--dymDims` pick the gear an ATC runner script asks for (made-up inputs of
+    its shapes); a gear the artifact lacks is E10001 listing the gears it has."""
+    import subprocess
+    import sys
+
+    geared = build("batch-gears", input_shape={name: (-1, SEQ) for name in NAMES}, dynamic_batch_size=(1, 2, 4)) \
+        if gear_flag[0] == "--dymBatch" else build("dims-gears", input_shape={name: (1, -1) for name in NAMES},
+                                                   input_format="ND", dynamic_dims=((8, 8, 8), (16, 16, 16), (32, 32, 32)))
+    command = [sys.executable, "-m", "cli.cann_run", "run", "-m", str(geared.loaded.om.path), "--outfmt", "NPY"]
+    done = subprocess.run([*command, *gear_flag, "-o", str(tmp_path), "--output_dirname", "out"], capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    assert np.load(tmp_path / "out" / "pure_infer_data_0.npy").shape == shape
+    absent = [gear_flag[0], "3" if gear_flag[0] == "--dymBatch" else "input_ids:1,12"]
+    refused = subprocess.run([*command, *absent], capture_output=True, text=True)
+    assert refused.returncode == 1 and "E10001" in refused.stderr and "names none of the gears" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
 def test_input_shape_ranges_are_held_at_run_time(build):
     ranged = build("ranged", input_shape={name: ((1, 8), -1) for name in NAMES})
     assert ranged.run(_feeds(3, 5))["logits"].shape == (3, 5, 256)
