@@ -54,8 +54,8 @@ FLAGS: list[tuple[str, str, str]] = [
     ("tokenizer", "Input", "Folder with tokenizer.json (+ chat template) to embed; default: beside --model"),
     ("output", "Output", "Output file path and name, without the .om suffix"),
     ("out_nodes", "Output", 'Outputs to keep: "name1;name2" or "node:0;node:1"'),
-    ("output_type", "Output", "FP32 or FP16: float outputs cast to it (FP16 not on a model with a KV cache); "
-                              "UINT8, INT8: E10055"),
+    ("output_type", "Output", "FP32 or FP16: float outputs cast to it, or per output \"node:0:FP16;...\" (FP16 "
+                              "not on a model with a KV cache); UINT8, INT8: E10055"),
     ("soc_version", "Target", "Target profile (e.g. Ascend910B, Ascend310P3); execution is on the host CPU"),
     ("precision_mode", "Feature", "Storage dtype of float weights (compute is float32 on the CPU): "
                                   "must_keep_origin_dtype (default here), force_fp16, allow_mix_precision, "

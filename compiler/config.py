@@ -244,11 +244,11 @@ class CompileConfig:
                                      ("precision_mode_v2", self.precision_mode_v2, ("", *PRECISION_MODES_V2)),
                                      ("input_format", self.input_format, INPUT_FORMATS),
                                      ("oo_level", self.oo_level, OO_LEVELS),
-                                     ("output_type", self.output_type, ("", *OUTPUT_TYPES)),
                                      ("export_compile_stat", self.export_compile_stat, (0, 1, 2))):
             if value not in allowed:
                 allowed = [choice for choice in allowed if choice != ""]
                 raise not_in_range(value, flag, allowed)
+        parse_output_type(self.output_type)  # its errors, before any work
         if self.kv_cache_layout and self.kv_cache_layout not in KV_CACHE_LAYOUTS:
             raise not_in_range(self.kv_cache_layout, "kv_cache_layout", KV_CACHE_LAYOUTS)
         if self.model_type and self.model_type not in MODEL_TYPES:
@@ -321,6 +321,25 @@ def _convert(name: str, raw: str) -> object:
     if name == "out_nodes":
         return tuple(part for part in raw.split(";") if part)
     return raw
+
+
+def parse_output_type(text: str) -> dict[tuple[str, int] | None, str]:
+    """`--output_type`: one type for every float output (`"FP16"` → {None: "FP16"}), or per output in ATC's
+    form `"node:0:FP16;node2:1:FP32"` → {("node", 0): "FP16", ...} (a node's output by index; an output's own
+    name with index 0 also names it); E10001 in ATC's words for a type it does not know."""
+    types: dict[tuple[str, int] | None, str] = {}
+    for item in filter(None, text.split(";")):
+        parts = item.rsplit(":", 2)
+        if len(parts) == 3 and parts[0] and parts[1].isdigit():
+            key, kind = (parts[0], int(parts[1])), parts[2]
+        elif len(parts) == 1 and ";" not in text.strip(";"):
+            key, kind = None, parts[0]
+        else:
+            raise invalid_value(text, "output_type", 'the value must be a type, or "node:index:type;..." per output')
+        if kind not in OUTPUT_TYPES:
+            raise invalid_value(text, "output_type", f"Only support {', '.join(OUTPUT_TYPES)}.")
+        types[key] = kind
+    return types
 
 
 def parse_input_shape(text: str) -> dict[str, tuple[Dim, ...]]:

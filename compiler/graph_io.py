@@ -6,7 +6,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from onnx import helper
 
-from compiler.config import Dim
+from compiler.config import Dim, parse_output_type
 from runtime.errors import AtcError
 
 
@@ -51,25 +51,46 @@ _FLOATS = (np.float16, np.float32, np.float64)
 
 
 def apply_output_type(graph: gs.Graph, output_type: str, paged: bool) -> None:
-    """Float outputs cast to FP32 or FP16 at the end of the graph (integer outputs, such as ids, keep theirs).
+    """Float outputs cast to FP32 or FP16 at the end of the graph (integer outputs, such as ids, keep theirs):
+    every one, or those `--output_type` names per output (`"node:0:FP16"`, compiler/config.py).
 
     The quantized output types need a scale per output that nothing here would consume; the engine samples
     from float32 logits and feeds a cache back as float32, so a model with a KV cache keeps FP32."""
-    target = {"FP32": np.float32, "FP16": np.float16}.get(output_type)
-    if target is None:
-        raise AtcError("E10055", f"--output_type={output_type}: quantized outputs are not provided; use FP32 or FP16")
+    types = parse_output_type(output_type)
+    targets = {}
+    for key, kind in types.items():
+        target = {"FP32": np.float32, "FP16": np.float16}.get(kind)
+        if target is None:
+            raise AtcError("E10055", f"--output_type={output_type}: quantized outputs are not provided; use FP32 or FP16")
+        for tensor in graph.outputs if key is None else [_named_output(graph, *key, output_type)]:
+            targets[tensor.name] = target
     has_cache = paged or any(tensor.name.startswith("past_key_values") for tensor in graph.inputs)
-    if has_cache and target is not np.float32:
+    if has_cache and any(target is not np.float32 for target in targets.values()):
         raise AtcError("E10055", f"--output_type={output_type} on a model with a KV cache: the engine samples from "
                                  "float32 logits and feeds the cache back as float32")
     outputs = []
     for tensor in graph.outputs:
-        if tensor.dtype is None or np.dtype(tensor.dtype).type not in _FLOATS or np.dtype(tensor.dtype) == target:
+        target = targets.get(tensor.name)
+        if target is None or tensor.dtype is None or np.dtype(tensor.dtype).type not in _FLOATS \
+                or np.dtype(tensor.dtype) == target:
             outputs.append(tensor)
             continue
         cast = gs.Variable(tensor.name, dtype=target, shape=tensor.shape)
         tensor.name = f"{tensor.name}_before_output_type"
-        graph.nodes.append(gs.Node("Cast", name=f"{cast.name}_output_type", attrs={"to": helper.np_dtype_to_tensor_dtype(np.dtype(target))},
+        graph.nodes.append(gs.Node("Cast", name=f"{cast.name}_output_type",
+                                   attrs={"to": helper.np_dtype_to_tensor_dtype(np.dtype(target))},
                                    inputs=[tensor], outputs=[cast]))
         outputs.append(cast)
     graph.outputs = outputs
+
+
+def _named_output(graph: gs.Graph, node: str, index: int, output_type: str) -> gs.Variable:
+    """The graph output that `node:index` names: that node's output, or an output of that name (index 0)."""
+    outputs = {id(tensor): tensor for tensor in graph.outputs}
+    for candidate in graph.nodes:
+        if candidate.name == node and index < len(candidate.outputs) and id(candidate.outputs[index]) in outputs:
+            return candidate.outputs[index]
+    named = [tensor for tensor in graph.outputs if tensor.name == node]
+    if named and index == 0:
+        return named[0]
+    raise AtcError("E10016", f"{node}:{index}", "output_type")

@@ -165,6 +165,36 @@ def test_output_type_fp16_casts_float_outputs(tmp_path):
     assert parse_flags(["--output_type=FP16"])["output_type"] == "FP16"
 
 
+def test_output_type_per_output_in_atcs_form(tmp_path):
+    """ATC's `"node:index:type;..."`: the output a node's index names (or the output of that name) is cast,
+    the rest keep their type; a type ATC does not know is E10001 in its words, an output not there E10016."""
+    import numpy as np
+    import onnx
+
+    from compiler.compile import compile_model
+    from compiler.config import parse_output_type
+    from models.tiny import tiny_onnx
+    from runtime.artifact import OmFile
+
+    assert parse_output_type("node_a:1:FP16;logits:0:FP32") == {("node_a", 1): "FP16", ("logits", 0): "FP32"}
+    assert parse_output_type("FP16") == {None: "FP16"}
+    for bad, words in (("FP64", "Only support FP32, FP16, UINT8, INT8."), ("FP16;FP32", "per output"),
+                       ("logits:x:FP16", "per output")):
+        with pytest.raises(AtcError, match="E10001") as caught:
+            CompileConfig.from_flags(**BASE, output_type=bad)
+        assert words in caught.value.message
+    source = tiny_onnx("llama", dynamo=True, with_past=False)
+    producer = next(n.name for n in onnx.load(str(source), load_external_data=False).graph.node if "logits" in n.output)
+    flags = dict(framework="5", soc_version="Ascend910B", model=str(source))
+    for name, spec in (("by_node", f"{producer}:0:FP16"), ("by_name", "logits:0:FP16")):
+        compile_model(CompileConfig.from_flags(**flags, output=str(tmp_path / name), output_type=spec))
+        outputs = OmFile(tmp_path / f"{name}.om").metadata["signature"]["outputs"]
+        assert [(o["name"], np.dtype(o["dtype"])) for o in outputs] == [("logits", np.float16)]
+    with pytest.raises(AtcError) as caught:
+        compile_model(CompileConfig.from_flags(**flags, output=str(tmp_path / "absent"), output_type="nope:0:FP16"))
+    assert caught.value.code == "E10016"
+
+
 def test_docs_atc_names_every_flags_behaviour():
     from pathlib import Path
 
