@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import re
+import select
 import shlex
 import signal
 import sys
@@ -22,7 +23,6 @@ from typing import Iterator
 
 import click
 
-from cli.coded_errors import reader_gone
 from cli.common_options import LOG_LEVELS, StderrHandler
 from compiler.config import CompileConfig
 from compiler.inapplicable_flags import NOT_APPLICABLE, REFUSED
@@ -130,7 +130,7 @@ def parse_flags(argv: list[str]) -> dict[str, str | None]:
     params.append(click.Argument(["positional"], nargs=-1))
     command = click.Command("atc", params=params, add_help_option=False)
     try:
-        context = command.make_context("atc", [_two_dashes(word) for word in argv], resilient_parsing=False)
+        context = command.make_context("atc", _two_dashes(argv), resilient_parsing=False)
     except click.NoSuchOption as error:
         name = error.option_name.lstrip("-")
         close = _nearest_flag(name.replace("-", "_"))
@@ -152,16 +152,29 @@ class _FlagError(Exception):
 _SINGLE_DASH = re.compile(r"-[A-Za-z][A-Za-z0-9_-]+(=.*)?", re.DOTALL)
 
 
-def _two_dashes(word: str) -> str:
-    """`-model=x` as `--model=x`: ATC's gflags parser takes a flag after one dash or two."""
-    return "-" + word if _SINGLE_DASH.fullmatch(word) else word
+def _two_dashes(argv: list[str]) -> list[str]:
+    """`-model=x` as `--model=x`: ATC's gflags parser takes a flag after one dash or two. Only a word where a
+    flag may stand: not the value after a flag given without `=` (every flag takes one), nor past `--`."""
+    words, value_next = [], False
+    for at, word in enumerate(argv):
+        if word == "--":
+            return words + argv[at:]
+        if not value_next and _SINGLE_DASH.fullmatch(word):
+            word = "-" + word
+        value_next = not value_next and word.startswith("--") and "=" not in word
+        words.append(word)
+    return words
 
 
 def _nearest_flag(name: str) -> str | None:
-    """The flag a typo most likely meant: of those difflib finds close, the fewest edits away counting a swap of
-    two neighbours as one (`modle` is `model`, not `mode`), a flag of the typo's length first among equals."""
-    close = difflib.get_close_matches(name, [flag for flag, _, _ in FLAGS], n=5, cutoff=0.75)
-    return min(close, key=lambda flag: (_edits(name, flag), len(flag) != len(name)), default=None)
+    """The flag a typo most likely meant: the fewest edits away, a swap of two neighbours counting as one, a
+    flag of the typo's length first among equals, if at most a quarter of its letters are off; else the one
+    difflib finds alike (a flag cut short: `dynamic_batch`)."""
+    flags = [flag for flag, _, _ in FLAGS]
+    best = min(flags, key=lambda flag: (_edits(name, flag), len(flag) != len(name)))
+    if _edits(name, best) <= max(1, len(name) // 4):
+        return best
+    return next(iter(difflib.get_close_matches(name, flags, n=1, cutoff=0.75)), None)
 
 
 def _edits(a: str, b: str) -> int:
@@ -193,13 +206,35 @@ def _atc_log(level: str) -> Iterator[None]:
         logger.setLevel(saved_level)
 
 
-class _Terminated(BaseException):
-    """SIGTERM (a CI job's timeout, `docker stop`) raised where atc is, as Ctrl-C raises KeyboardInterrupt, so
-    that the way out removes the weights' scratch folder and any half-written file as it does for Ctrl-C."""
+class _Stopped(BaseException):
+    """SIGTERM (a CI job's timeout, `docker stop`) or SIGINT raised where atc is, so that the way out removes
+    the weights' scratch folder and any half-written file."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
-def _terminate(signum, frame) -> None:
-    raise _Terminated()
+def _stop(signum, frame) -> None:
+    # once: a second signal while the way out runs would cut the clean-up short
+    for each in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(each, signal.SIG_IGN)
+    raise _Stopped(signum)
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe its reader has closed (a broken stderr is not that)."""
+    poller = select.poll()
+    poller.register(sys.stdout.fileno(), select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def reader_gone() -> int:
+    """The exit status once whoever read stdout has closed it (`| head -1`, `| grep -q`): what is left to print
+    goes to /dev/null (so the interpreter's last flush cannot fail again), and the status is the one a process
+    ended by SIGPIPE has, 141, as a C tool's would be."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
 
 
 def _fail(text: str) -> int:
@@ -216,17 +251,17 @@ def run(argv: list[str]) -> int:
     if any(word in HELP_WORDS for word in argv):
         click.echo(usage())
         return 0
-    click.echo(START)
     debug = False
     try:
+        click.echo(START)
         flags = parse_flags(argv)
         debug = flags.get("log") == "debug"
         flags["cmdline"] = "atc " + " ".join(shlex.quote(word) for word in argv)
         cfg = CompileConfig.from_flags(**flags)
         with _atc_log(cfg.log):
             warnings = [*cfg.warnings, *_dispatch(cfg)]
-    except (KeyboardInterrupt, _Terminated) as stop:
-        signum = signal.SIGINT if isinstance(stop, KeyboardInterrupt) else signal.SIGTERM
+    except (KeyboardInterrupt, _Stopped) as stop:
+        signum = signal.SIGINT if isinstance(stop, KeyboardInterrupt) else stop.signum
         _fail(f"atc was stopped by {signal.Signals(signum).name}")
         return 128 + signum
     except BrokenPipeError:
@@ -304,14 +339,25 @@ def _precheck(cfg: CompileConfig) -> None:
 
 
 def main() -> None:
-    """Console entry point."""
-    signal.signal(signal.SIGTERM, _terminate)
+    """Console entry point. Stopped by SIGINT or SIGTERM, atc ends by that signal once it has cleaned up, so
+    that the shell running it (a loop over models, say) sees it was stopped."""
+    signal.signal(signal.SIGTERM, _stop)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # a background job's ignored SIGINT stays so
+        signal.signal(signal.SIGINT, _stop)
     try:
         status = run(sys.argv[1:])
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # from here on the default ending leaves nothing behind
         sys.stdout.flush()
+    except _Stopped as stop:  # one that came while the verdict was printed
+        status = 128 + stop.signum
     except BrokenPipeError:
-        status = reader_gone()
+        status = reader_gone() if _stdout_gone() else _fail(AtcError(
+            "E19999", reason="BrokenPipeError: the reader of stderr closed it").render())
+    signum = status - 128
+    if signum in (signal.SIGINT, signal.SIGTERM):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
     sys.exit(status)
 
 

@@ -153,8 +153,10 @@ def run_command(model, input_files, output, output_dirname, outfmt, loop, warmup
             click.echo(line)
         return
     signature, shapes = loaded.metadata["signature"], parse_shapes(dym_shape)
+    if dym_batch is not None and dym_dims:
+        raise AtcError("E10001", dym_dims, "--dymDims", "--dymBatch and --dymDims name a gear each: give one")
     if dym_batch is not None or dym_dims:
-        contract = ShapeContract.of(loaded.metadata) or ShapeContract({}, (), {})
+        contract = ShapeContract.of(loaded.metadata) or ShapeContract({}, (), {})  # no gears: refused below
         gear = contract.gear(dym_batch, parse_shapes(dym_dims, "--dymDims") if dym_dims else None)
         shapes = {**shapes, **{name: list(shape) for name, shape in gear.items()}}
     if input_files:

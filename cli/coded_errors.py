@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import sys
 import traceback
 
@@ -15,22 +13,12 @@ from runtime.errors import AtcError
 EXIT_FAILURE = 1
 
 
-def reader_gone() -> int:
-    """The exit status once whoever read stdout has closed it (`| head -1`, `| grep -q`): what is left to print
-    goes to /dev/null (so the interpreter's last flush cannot fail again), and the status is the one a process
-    ended by SIGPIPE has, 141, as a C tool's would be."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 128 + signal.SIGPIPE
-
-
 def main_with_codes(command: click.Command) -> None:
     """Run `command`; an AtcError prints as `[ERROR] Exxxxx: ...` (never a traceback) and exits 1, and so
     does any other failure, as the internal error E19999 (onnxruntime refusing a shape at run time, say), its
     traceback printed only with debug logging on."""
     try:
         command.main(standalone_mode=False)
-    except BrokenPipeError:
-        sys.exit(reader_gone())
     except AtcError as error:
         click.echo(f"[ERROR] {error.render()}", err=True)
         sys.exit(EXIT_FAILURE)

@@ -328,7 +328,7 @@ def parse_output_type(text: str) -> dict[tuple[str, int] | None, str]:
     form `"node:0:FP16;node2:1:FP32"` → {("node", 0): "FP16", ...} (a node's output by index; an output's own
     name with index 0 also names it); E10001 in ATC's words for a type it does not know."""
     types: dict[tuple[str, int] | None, str] = {}
-    for item in filter(None, text.split(";")):
+    for item in filter(None, (part.strip() for part in text.split(";"))):
         parts = item.rsplit(":", 2)
         if len(parts) == 3 and parts[0] and parts[1].isdigit():
             key, kind = (parts[0], int(parts[1])), parts[2]
@@ -338,6 +338,8 @@ def parse_output_type(text: str) -> dict[tuple[str, int] | None, str]:
             raise invalid_value(text, "output_type", 'the value must be a type, or "node:index:type;..." per output')
         if kind not in OUTPUT_TYPES:
             raise invalid_value(text, "output_type", f"Only support {', '.join(OUTPUT_TYPES)}.")
+        if key in types:
+            raise invalid_value(text, "output_type", f"{key[0]}:{key[1]} is given more than once")
         types[key] = kind
     return types
 

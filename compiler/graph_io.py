@@ -62,7 +62,9 @@ def apply_output_type(graph: gs.Graph, output_type: str, paged: bool) -> None:
         target = {"FP32": np.float32, "FP16": np.float16}.get(kind)
         if target is None:
             raise AtcError("E10055", f"--output_type={output_type}: quantized outputs are not provided; use FP32 or FP16")
-        for tensor in graph.outputs if key is None else [_named_output(graph, *key, output_type)]:
+        for tensor in graph.outputs if key is None else [_named_output(graph, *key)]:
+            if key is not None and tensor.name in targets:  # one output named twice, by its node and its name
+                raise AtcError("E10001", output_type, "--output_type", f"{tensor.name} is named more than once")
             targets[tensor.name] = target
     has_cache = paged or any(tensor.name.startswith("past_key_values") for tensor in graph.inputs)
     if has_cache and any(target is not np.float32 for target in targets.values()):
@@ -84,7 +86,7 @@ def apply_output_type(graph: gs.Graph, output_type: str, paged: bool) -> None:
     graph.outputs = outputs
 
 
-def _named_output(graph: gs.Graph, node: str, index: int, output_type: str) -> gs.Variable:
+def _named_output(graph: gs.Graph, node: str, index: int) -> gs.Variable:
     """The graph output that `node:index` names: that node's output, or an output of that name (index 0)."""
     outputs = {id(tensor): tensor for tensor in graph.outputs}
     for candidate in graph.nodes:

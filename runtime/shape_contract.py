@@ -24,6 +24,7 @@ class ShapeContract:
     input_shape: dict[str, list]
     gears: tuple[dict[str, tuple[int, ...]], ...]
     symbols: dict[str, list]  # each input's dims as the signature names them (str for a symbolic dim)
+    gear_kind: str | None = None  # "batch" (--dynamic_batch_size) or "dims" (--dynamic_dims)
 
     @classmethod
     def of(cls, metadata: dict) -> "ShapeContract | None":
@@ -33,7 +34,7 @@ class ShapeContract:
             return None
         symbols = {value["name"]: value["shape"] for value in metadata["signature"]["inputs"]}
         gears = tuple({name: tuple(shape) for name, shape in gear.items()} for gear in section.get("gears") or ())
-        return cls(section["input_shape"], gears, symbols)
+        return cls(section["input_shape"], gears, symbols, section.get("gear_kind"))
 
     def fit(self, feeds: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, int]]:
         """The feeds as they run (padded up to the smallest gear holding them), and {symbol: real size} for
@@ -66,11 +67,11 @@ class ShapeContract:
     def gear(self, batch: int | None = None, dims: dict[str, list[int]] | None = None) -> dict[str, tuple[int, ...]]:
         """The gear msame's `--dymBatch N` (the gear of batch N) or `--dymDims "name:d1,d2;..."` (the gear of
         exactly those shapes) names: each input's shape in it. E10001 when the artifact has no such gear."""
-        flag, said = ("--dymBatch", str(batch)) if dims is None else (
-            "--dymDims", ";".join(f"{n}:{','.join(map(str, d))}" for n, d in dims.items()))
-        if not self.gears:
-            raise AtcError("E10001", said, flag, "the model was compiled without gears (atc --dynamic_batch_size "
-                                                 "or --dynamic_dims)")
+        flag, said, kind = ("--dymBatch", str(batch), "batch") if dims is None else (
+            "--dymDims", ";".join(f"{n}:{','.join(map(str, d))}" for n, d in dims.items()), "dims")
+        if self.gear_kind != kind:
+            raise AtcError("E10001", said, flag, f"the model was not compiled with atc --dynamic_{kind}"
+                                                 f"{'_size' if kind == 'batch' else ''}")
         for gear in self.gears:
             if dims is None and all(shape[0] == batch for shape in gear.values()):
                 return dict(gear)

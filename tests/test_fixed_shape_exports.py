@@ -34,7 +34,7 @@ class _TokensAndMask(torch.nn.Module):
 def _export(path, dynamo: bool, dynamic: bool = False):
     ids = torch.randint(0, 200, SHAPE)
     kwargs = dict(input_names=["input_ids", "attention_mask"], output_names=["logits"], dynamo=dynamo)
-    if dynamic:  # the re-export docs/exporting.md#fixed-shapes gives
+    if dynamic:  # the same export with its axes dynamic (the plain call docs/exporting.md gives: test_plain_exports.py)
         batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
         kwargs["dynamic_shapes"] = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
     if not dynamo:

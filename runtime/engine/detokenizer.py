@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+
 from runtime.tokenizer import TextTokenizer
 
 
@@ -24,6 +26,9 @@ class IncrementalDetokenizer:
         self._read_offset = 0
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self.matched_stop: str | None = None
+        # where each output token's text ends in `text` (before a stop string's cut): tokens read together,
+        # or bytes of one character, end where the last of them does
+        self.ends: list[int] = []
 
     def add(self, output_ids: list[int]) -> tuple[str, bool]:
         """Take the whole output so far; returns (new text to emit, whether a stop string ended it)."""
@@ -32,6 +37,7 @@ class IncrementalDetokenizer:
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.text += full[len(prefix):]
             self._prefix_offset, self._read_offset = self._read_offset, len(output_ids)
+            self.ends += [len(self.text)] * (len(output_ids) - len(self.ends))
         for stop in self.stop:
             at = self.text.find(stop, max(0, self.emitted - len(stop)))
             if at >= 0:
@@ -39,6 +45,15 @@ class IncrementalDetokenizer:
                 self.matched_stop = stop
                 return self._take(len(self.text)), True
         return self._take(len(self.text) - self._holdback), False
+
+    def tokens_within(self, characters: int) -> int:
+        """How many output tokens make the first `characters` of the text: the fewest whose text reaches
+        that far (a token a cut splits counts, with the tokens it ends together with; one whose text is not
+        complete yet does not)."""
+        count = bisect.bisect_right(self.ends, characters)
+        if count < len(self.ends) and (self.ends[count - 1] if count else 0) < characters:
+            count = bisect.bisect_right(self.ends, self.ends[count])
+        return count
 
     def flush(self) -> str:
         """What was held back, once the request has finished."""

@@ -251,6 +251,7 @@ async def _events(server: Server, generations: list[Generation], shape: Completi
 
     sent = [0] * len(generations)     # each choice's log-probabilities sent so far
     spelled = [0] * len(generations)  # and the characters of their tokens' text (completions' text_offset)
+    spoken = [0] * len(generations)   # and the characters of its text sent
 
     def chunk(index: int, text: str, reason: str | None, logprobs: list | None = None) -> str:
         offset = spelled[index]
@@ -258,14 +259,13 @@ async def _events(server: Server, generations: list[Generation], shape: Completi
         return framed(shape.chunk(index, text, reason, logprobs, offset))
 
     def new_logprobs(index: int, finished: bool = False) -> list | None:
-        """The log-probabilities of the tokens whose text has gone out since the last chunk (a stream holds
-        back text that may begin a stop string, and the tokens it came from with it)."""
+        """The log-probabilities of the tokens whose text goes out with this chunk, none ahead of it: the
+        engine runs ahead of the stream, and a stream holds back text that may begin a stop string."""
         logprobs = _logprobs(generations[index])
         if logprobs is None:
             return None
-        detok = generations[index].request.detokenizer
-        if not finished and detok is not None and detok.stop:
-            logprobs = logprobs[:generations[index].tokens_in_text(detok.emitted)]
+        if not finished:
+            logprobs = logprobs[:generations[index].tokens_in_text(spoken[index])]
         fresh, sent[index] = logprobs[sent[index]:], max(sent[index], len(logprobs))
         return fresh
     try:
@@ -293,6 +293,7 @@ async def _events(server: Server, generations: list[Generation], shape: Completi
                 reason = choice.finish_reason if choice is not None else generations[index].finish_reason
                 yield chunk(index, "", reason, new_logprobs(index, finished=True))
             elif not holding:
+                spoken[index] += len(piece)
                 yield chunk(index, piece, None, new_logprobs(index))
         else:
             if body.include_usage:

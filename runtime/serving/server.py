@@ -84,18 +84,13 @@ class Generation:
         return self.request.text
 
     def tokens_in_text(self, characters: int | None = None) -> int:
-        """How many output tokens make the first `characters` of the text (all of it by default): the fewest
-        whose text reaches that far, so that the tokens of a stop string cut from the text, or of text still
-        held back while a stream may yet match one, are not among them (a token the cut splits is)."""
-        ids = self.request.seq.output_ids
+        """How many output tokens make the first `characters` the client has of the text (all of it, when it
+        has ended): every one, but where a stop string was cut from the text, or a stream has not yet sent
+        the text of some, the fewest that make it (IncrementalDetokenizer.tokens_within)."""
         detok = self.request.detokenizer
-        wanted = len(self.text) if characters is None else characters
         if detok is None or (characters is None and detok.matched_stop is None):
-            return len(ids)
-        count = len(ids)
-        while count > 0 and len(detok.tokenizer.decode(ids[:count - 1])) >= wanted:
-            count -= 1
-        return count
+            return len(self.request.seq.output_ids)
+        return detok.tokens_within(len(self.text) if characters is None else characters)
 
     @property
     def finish_reason(self) -> str:
@@ -233,14 +228,14 @@ class Server:
     def start_choices(self, authorization: str | None, model: str | None, endpoint: str, params: dict, n: int, *,
                       prompt: str | list[int] | None = None, messages: list[dict] | None = None,
                       tools: list[dict] | None = None, conversation: tuple[str, str | None, str] | None = None,
-                      tokens_asked: int | None = None) -> list[Generation]:
+                      tokens_asked: tuple[int, str] | None = None) -> list[Generation]:
         """Admit `n` choices of one prompt together and submit them (a `prompt`, or chat `messages` with their
         `tools` through the model's template, or the next turn of a `conversation` the server keeps: (its id,
         a system message or None, the user's text); `params` the engine's sampling settings, the i-th choice
         seeded `seed + i`). The prompt is tokenized, reserved in the quota and charged once; the queue places
         and every choice's new tokens are reserved at once, so either all run or none does (Refusal). A prompt
-        that leaves less room than `tokens_asked` (new tokens the request set explicitly) is refused, as
-        OpenAI refuses it; a conversation kept here is compacted to leave that room instead."""
+        that leaves less room than `tokens_asked` (new tokens the request set explicitly, and the field that
+        set them) is refused, as OpenAI refuses it; a conversation kept here is compacted for them instead."""
         key, name, engine = self.engine_for(authorization, model)
         if self.guard.blocked(_said(prompt, messages, tools)):
             self._reject(name, Refusal(400, "the prompt contains blocked content", "content_filter"))
@@ -261,12 +256,13 @@ class Server:
             except Exception as error:  # the chat template's own errors (jinja's), or a prompt it cannot tokenize
                 self._reject(name, Refusal(400, f"the prompt cannot be rendered or tokenized: {error}",
                                            "invalid_request_error"))
-            if kept is None and tokens_asked is not None and len(ids) + tokens_asked > engine.max_context_len:
+            asked, field = tokens_asked or (0, "")
+            if kept is None and tokens_asked is not None and len(ids) + asked > engine.max_context_len:
                 self._reject(name, Refusal(
                     400, f"This model's maximum context length is {engine.max_context_len} tokens. However, you "
-                         f"requested {len(ids) + tokens_asked} tokens ({len(ids)} in the prompt, {tokens_asked} in "
-                         f"the completion). Please reduce the length of the prompt or completion.",
-                    "invalid_request_error", param="max_tokens"))
+                         f"requested {len(ids) + asked} tokens ({len(ids)} in the prompt, {asked} in the "
+                         f"completion). Please reduce the length of the prompt or completion.",
+                    "invalid_request_error", param=field))
             choices = [sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i) for i in range(n)]
             return self._admit(name, key, endpoint, blocked, ids, choices, kept)
         except BaseException:

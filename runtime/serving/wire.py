@@ -196,10 +196,10 @@ class CompletionBody(_Sampling):
     echo: bool = False
     suffix: None = None  # OpenAI's insertion mode: only its absence is supported
 
-    def tokens_asked(self) -> int | None:
-        """`max_tokens` when the request set it: a prompt and completion past the context are then refused, as
-        OpenAI refuses them; the default is cut to what the context leaves."""
-        return self.max_tokens if "max_tokens" in self.model_fields_set else None
+    def tokens_asked(self) -> tuple[int, str] | None:
+        """(`max_tokens`, its field) when the request set it: a prompt and completion past the context are then
+        refused, as OpenAI refuses them; the default is cut to what the context leaves."""
+        return (self.max_tokens, "max_tokens") if "max_tokens" in self.model_fields_set else None
 
     def sampling(self) -> dict:
         prompt_logprobs = self.logprobs if self.echo else None  # echoed, the prompt's tokens are scored too
@@ -320,16 +320,18 @@ class ChatBody(_Sampling):
         system = "\n\n".join(m["content"] for m in said[:-1]) or None
         return self.conversation_id, system, said[-1]["content"]
 
-    def tokens_asked(self) -> int | None:
-        """`max_completion_tokens` or `max_tokens` when the request set one (see CompletionBody's)."""
-        return self.max_completion_tokens or self.max_tokens
+    def tokens_asked(self) -> tuple[int, str] | None:
+        """(`max_completion_tokens` or `max_tokens`, the field) when the request set one (see CompletionBody's)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return (self.max_tokens, "max_tokens") if self.max_tokens is not None else None
 
     def sampling(self) -> dict:
         if self.top_logprobs is not None and not self.logprobs:
             raise BodyError("top_logprobs needs logprobs set to true", "top_logprobs")
         if self.tool_choice is not None and not self.tools:
             raise BodyError("tool_choice is only allowed when tools are given", "tool_choice")
-        said = {"max_new_tokens": self.max_completion_tokens or self.max_tokens or 256,
+        said = {"max_new_tokens": (self.tokens_asked() or (256, ""))[0],
                 "logprobs": (self.top_logprobs or 0) if self.logprobs else None, **super().sampling()}
         calls = tools.constraint(self.tool_dicts(), self.choice(), self.parallel_tool_calls) if self.tools else None
         if calls is not None:

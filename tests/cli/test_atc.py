@@ -122,7 +122,6 @@ def test_input_shape_and_out_nodes_change_the_signature(capsys, tmp_path, tiny_l
 
 @pytest.mark.parametrize("argv, code", [
     (["--framework=5", SOC, "--model={tmp}/absent.onnx"], "E13001"),
-    (["--framework=5", SOC, "--model=/dev/null"], "E13001"),  # there, but not a regular file
     (["--framework=5", SOC, "--model=/proc/self/mem"], "E13001"),  # a regular file whose read fails (EIO)
     (["--framework=5", SOC, "--model={tmp}/junk.onnx"], "E10041"),
     (["--framework=5", SOC, "--model={tmp}/truncated/ext.onnx"], "E10041"),
@@ -158,13 +157,26 @@ def test_a_language_model_compiled_without_a_tokenizer_is_warned_about(capsys, t
     assert status == 0 and "W10009" not in out
 
 
-def test_unwritable_output_is_refused(capsys, tmp_path, tiny_llama_path):
+def test_a_path_that_is_not_a_regular_file_is_named_so(capsys, tmp_path):
+    out = _assert_refused(capsys, tmp_path, "E13001", "--framework=5", SOC, "--model=/dev/null")
+    assert "Reason: not a regular file." in out
+
+
+def test_unwritable_output_is_refused(capsys, tmp_path, tiny_llama_path, monkeypatch):
     (tmp_path / "file").write_text("")
-    # /sys: a folder that looks writable to root, where the weights' scratch folder cannot be made
-    for output in (tmp_path / "missing" / "m", tmp_path / "file" / "m", "/sys/m"):
+    for output in (tmp_path / "missing" / "m", tmp_path / "file" / "m"):
         status, out, _ = _atc(capsys, f"--model={tiny_llama_path}", "--framework=5", SOC, f"--output={output}")
         assert status == 255 and "E13004" in out
     assert not list(tmp_path.glob("**/*.om"))
+    # a folder that passes the check for writing but where the weights' scratch folder cannot be made (root
+    # in /sys): the system's refusal, given as mkdir gives it
+    import passes.weight_spill
+
+    def refused(*args, **kwargs):
+        raise PermissionError(1, "Operation not permitted")
+    monkeypatch.setattr(passes.weight_spill.tempfile, "TemporaryDirectory", refused)
+    status, out, _ = _atc(capsys, f"--model={tiny_llama_path}", "--framework=5", SOC, f"--output={tmp_path / 'm'}")
+    assert status == 255 and "E13004" in out and "Operation not permitted" in out and "Traceback" not in out
 
 
 @pytest.mark.parametrize("argv, line", [
@@ -183,6 +195,9 @@ def test_flags_after_one_dash_are_taken_as_atcs_parser_takes_them(tmp_path, tiny
     assert parse_flags([f"-model={tiny_llama_path}", "-framework", "5", "-soc_version=Ascend910B",
                         f"--output={tmp_path / 'm'}"]) == parse_flags(
         [f"--model={tiny_llama_path}", "--framework=5", "--soc_version=Ascend910B", f"--output={tmp_path / 'm'}"])
+    # a value after its flag stays a value, however it is spelled
+    assert parse_flags(["--output", "-model", "-log", "-error"])["output"] == "-model"
+    assert parse_flags(["-log", "-error"])["log"] == "-error"
 
 
 def test_the_installed_command_exits_255_without_traceback(tmp_path):
@@ -231,21 +246,24 @@ def _atc_process(*argv: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_compile_stopped_by_a_signal_midway_leaves_nothing_in_the_output_folder(tmp_path, tiny_llama_path, signum):
-    """A CI job's timeout sends SIGTERM, a user Ctrl-C: either ends atc with 128 + the signal's number, ATC's
-    failure banner and no traceback, and neither leaves the weights' scratch folder or a model behind. The
-    signal goes once the scratch folder exists: the compile is then inside its passes."""
+    """A CI job's timeout sends SIGTERM, a user Ctrl-C: either ends atc, after ATC's failure banner and no
+    traceback, by that same signal (so a shell loop over models stops too), and neither leaves the weights'
+    scratch folder or a model behind. The signal goes once the scratch folder exists: the compile is then
+    inside its passes. (SIGINT set back to its default in the child: a job started in the background
+    inherits it ignored, and atc keeps it so, as a background job should.)"""
     out = tmp_path / "out"
     out.mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "cli.atc", "--framework=5", SOC, f"--model={tiny_llama_path}",
                              f"--output={out / 'm'}", "--enable_compress_weight=1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 300
     while not list(out.glob(".atc-weights-*")):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.002)
     proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 128 + signum, stderr[-2000:]
+    assert proc.returncode == -signum, stderr[-2000:]
     assert "Traceback" not in stdout + stderr
     assert "ATC run failed" in stdout and signal.Signals(signum).name in stdout
     assert list(out.iterdir()) == []
@@ -265,7 +283,7 @@ def test_a_reader_that_closes_stdout_ends_atc_quietly_with_sigpipes_status(tmp_p
 def test_a_sequence_of_a_billion_tokens_compiles_in_a_bounded_address_space(tmp_path):
     """Inference propagates the values of shape tensors element by element (a Range over the sequence): given
     a billion tokens it took all of the machine's 24 GB until the kernel killed it; past a million tokens
-    only shapes are inferred, so the compile stays small (the attention then runs unfused, with W10005)."""
+    only shapes are inferred, so the compile stays small."""
     import resource
 
     from models.tiny import tiny_onnx
@@ -277,7 +295,7 @@ def test_a_sequence_of_a_billion_tokens_compiles_in_a_bounded_address_space(tmp_
                            f"--output={tmp_path / 'm'}", f"--input_shape={fixed}"], capture_output=True, text=True,
                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (tmp_path / "m.om").is_file() and "W10005" in proc.stdout
+    assert (tmp_path / "m.om").is_file()
 
 
 def test_atc_prints_a_line_per_pass_in_pipeline_order_with_its_counts_and_time(tmp_path, tiny_llama_path):

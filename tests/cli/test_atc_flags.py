@@ -178,8 +178,9 @@ def test_output_type_per_output_in_atcs_form(tmp_path):
 
     assert parse_output_type("node_a:1:FP16;logits:0:FP32") == {("node_a", 1): "FP16", ("logits", 0): "FP32"}
     assert parse_output_type("FP16") == {None: "FP16"}
+    assert parse_output_type("a:0:FP16; b:1:FP32") == {("a", 0): "FP16", ("b", 1): "FP32"}
     for bad, words in (("FP64", "Only support FP32, FP16, UINT8, INT8."), ("FP16;FP32", "per output"),
-                       ("logits:x:FP16", "per output")):
+                       ("logits:x:FP16", "per output"), ("a:0:FP16;a:0:FP32", "a:0 is given more than once")):
         with pytest.raises(AtcError, match="E10001") as caught:
             CompileConfig.from_flags(**BASE, output_type=bad)
         assert words in caught.value.message
@@ -193,6 +194,10 @@ def test_output_type_per_output_in_atcs_form(tmp_path):
     with pytest.raises(AtcError) as caught:
         compile_model(CompileConfig.from_flags(**flags, output=str(tmp_path / "absent"), output_type="nope:0:FP16"))
     assert caught.value.code == "E10016"
+    with pytest.raises(AtcError, match="logits is named more than once") as caught:
+        compile_model(CompileConfig.from_flags(**flags, output=str(tmp_path / "twice"),
+                                               output_type=f"{producer}:0:FP16;logits:0:FP32"))
+    assert caught.value.code == "E10001"
 
 
 def test_docs_atc_names_every_flags_behaviour():

@@ -147,10 +147,12 @@ def test_each_corrupted_partition_is_named(written):
 
 def test_a_foreign_file_is_refused(tmp_path):
     path = tmp_path / "model.om"
-    path.write_bytes(_model().SerializeToString())
-    with pytest.raises(AtcError) as caught:
-        OmFile(path)
-    assert caught.value.code == "E13015" and "magic" in caught.value.message
+    for content, words in ((_model().SerializeToString(), "it is an ONNX model, not an offline model"),
+                           (b"GGUF" + bytes(300), "it is not an offline model: magic 0x46554747")):
+        path.write_bytes(content)
+        with pytest.raises(AtcError) as caught:
+            OmFile(path)
+        assert caught.value.code == "E13015" and words in caught.value.message
 
 
 def test_a_missing_file_is_refused(tmp_path):

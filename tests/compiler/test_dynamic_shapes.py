@@ -100,9 +100,13 @@ def test_cann_run_runs_the_gear_msame_names_and_refuses_one_not_compiled(build, 
     assert done.returncode == 0, done.stderr
     assert np.load(tmp_path / "out" / "pure_infer_data_0.npy").shape == shape
     absent = [gear_flag[0], "3" if gear_flag[0] == "--dymBatch" else "input_ids:1,12"]
-    refused = subprocess.run([*command, *absent], capture_output=True, text=True)
-    assert refused.returncode == 1 and "E10001" in refused.stderr and "names none of the gears" in refused.stderr
-    assert "Traceback" not in refused.stderr
+    other = ["--dymDims", "input_ids:1,8"] if gear_flag[0] == "--dymBatch" else ["--dymBatch", "1"]
+    for args, words in ((absent, "names none of the gears"), (other, "not compiled with atc --dynamic_"),
+                        ([*gear_flag, "--dymBatch" if gear_flag[0] == "--dymDims" else "--dymDims",
+                          "1" if gear_flag[0] == "--dymDims" else "input_ids:1,8"], "give one")):
+        refused = subprocess.run([*command, *args], capture_output=True, text=True)
+        assert refused.returncode == 1 and "E10001" in refused.stderr and words in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
 
 
 def test_input_shape_ranges_are_held_at_run_time(build):

@@ -113,9 +113,10 @@ def test_refusals_name_the_field_at_fault_or_none(server):
     headers = {"content-type": "application/json"}
     assert error_of(httpx.post(f"{server.url}/v1/chat/completions", content='{"model": "tiny", "messages": [',
                                headers=headers, timeout=60))["param"] is None
-    refused = error_of(httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
-        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10 ** 6}))
-    assert refused["param"] == "max_tokens" and "maximum context length" in refused["message"]
+    for field in ("max_tokens", "max_completion_tokens"):
+        refused = error_of(httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "x"}], field: 10 ** 6}))
+        assert refused["param"] == field and "maximum context length" in refused["message"]
 
 
 def test_a_model_is_retrieved_by_its_name(server):
@@ -188,10 +189,10 @@ def test_metrics_add_up(server):
     outcomes = {o: server.metric("cann_llm:requests_total", model_name="tiny", outcome=o)
                 for o in ("completed", "rejected", "cancelled", "failed")}
     # what the tests above sent: 6 answered (a completion and a chat, each also streamed, /generate, and the
-    # stream beside hostile ones), 8 refused by the engine's checks or for the context (an over-long prompt,
-    # 4 with ids outside the vocabulary, an overflowing penalty, 2 asking for more tokens than the context
+    # stream beside hostile ones), 9 refused by the engine's checks or for the context (an over-long prompt,
+    # 4 with ids outside the vocabulary, an overflowing penalty, 3 asking for more tokens than the context
     # holds), 1 stream left mid-way; unknown models and bodies that fail validation never reach an engine
-    assert outcomes == {"completed": 6, "rejected": 8, "cancelled": 1, "failed": 0}
+    assert outcomes == {"completed": 6, "rejected": 9, "cancelled": 1, "failed": 0}
     assert server.metric("cann_llm:request_success_total", model_name="tiny", finished_reason="length") >= 1
     drafted = server.metric("cann_llm:spec_decode_num_draft_tokens_total", model_name="tiny")
     assert drafted > 0 and 0 <= server.metric("cann_llm:spec_decode_num_accepted_tokens_total", model_name="tiny") <= drafted

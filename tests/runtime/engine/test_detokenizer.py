@@ -44,6 +44,20 @@ def test_a_stop_string_ends_the_text_and_is_never_half_streamed():
     assert not any("S" in piece for piece in pieces)
 
 
+def test_the_tokens_of_a_text_cut_by_a_stop_string_are_those_it_was_made_of():
+    """A stop string's tokens are not the text's (their log-probabilities are left out), and every byte of a
+    character the text kept is: "日本" is six byte tokens, and the cut falls after them."""
+    tokenizer = _tokenizer()
+    ids = tokenizer.encode("a日本STOP語")
+    detok = IncrementalDetokenizer(tokenizer, ("STOP",))
+    for n in range(1, len(ids) + 1):
+        _, stopped = detok.add(ids[:n])
+        if stopped:
+            break
+    assert detok.text == "a日本" and detok.tokens_within(len(detok.text)) == len(tokenizer.encode("a日本")) == 7
+    assert detok.tokens_within(2) == 4 and detok.tokens_within(1) == 1 and detok.tokens_within(0) == 0
+
+
 def test_a_tokens_bytes_are_what_it_stands_for_not_its_replacement_character():
     tokenizer = _tokenizer()  # byte-level: one token a byte, most of TEXT's characters split across tokens
     ids = tokenizer.encode(TEXT)
