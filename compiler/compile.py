@@ -135,7 +135,8 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
                             f"it; export the model again with its batch and sequence axes dynamic to generate")
         if unrolled:
             warnings.append(f"W10008: {describe(unrolled)}")
-        if causal_lm and not tokenizer_files(cfg):
+        tokenizer = tokenizer_files(cfg)  # read once: the warning below and each artifact written take it
+        if causal_lm and not tokenizer:
             warnings.append("W10009: no tokenizer was packed (no tokenizer.json beside the model and no --tokenizer), "
                             "so the artifact takes token ids, not text: cann-run generate, chat and serve need one; "
                             "compile with --tokenizer=DIR, the folder of the model's tokenizer.json")
@@ -153,9 +154,9 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
             report.write_fusion_result(fusion_result)
         try:
             if cfg.pipeline_stages > 1:
-                written = _write_stages(cfg, graph, model, report, progress)
+                written = _write_stages(cfg, graph, model, report, progress, tokenizer)
             else:
-                written = [_write(cfg, output, graph, model, report, progress)]
+                written = [_write(cfg, output, graph, model, report, progress, tokenizer)]
         except BaseException:
             if fusion_result is not None:
                 fusion_result.unlink(missing_ok=True)
@@ -168,7 +169,8 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
 
 
 def _write(cfg: CompileConfig, output: Path, graph: gs.Graph, model: onnx.ModelProto, report: PassReport,
-           progress: bool, stage: dict | None = None, vocab: dict | None = None) -> tuple[Path, int, dict]:
+           progress: bool, tokenizer: dict[str, str], stage: dict | None = None,
+           vocab: dict | None = None) -> tuple[Path, int, dict]:
     """Write `graph` as the artifact `output`: (its path, its size, its metadata). A pipeline `stage`'s
     metadata says which layers it holds, with the whole model's vocabulary (`vocab`) for its runtime."""
     start = time.perf_counter()
@@ -203,7 +205,7 @@ def _write(cfg: CompileConfig, output: Path, graph: gs.Graph, model: onnx.ModelP
                    "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import}},
         "pass_report": report.as_dict(),
     }
-    size = write_artifact(output, lowered, metadata, tokenizer_files(cfg), detached)
+    size = write_artifact(output, lowered, metadata, tokenizer, detached)
     note(f"write: {output.name}, {size / 2**20:.1f} MiB, {time.perf_counter() - start:.2f} s", enabled=progress)
     return output, size, metadata
 
@@ -227,7 +229,7 @@ def stage_paths(output: Path, stages: int) -> list[Path]:
 
 
 def _write_stages(cfg: CompileConfig, graph: gs.Graph, model: onnx.ModelProto, report: PassReport,
-                  progress: bool) -> list[tuple[Path, int, dict]]:
+                  progress: bool, tokenizer: dict[str, str]) -> list[tuple[Path, int, dict]]:
     """One artifact per layer range (passes/pipeline_stages.py), each told the whole model's vocabulary;
     none is left behind when one fails."""
     logits = next(t for t in graph.outputs if t.name == "logits")
@@ -243,8 +245,8 @@ def _write_stages(cfg: CompileConfig, graph: gs.Graph, model: onnx.ModelProto, r
             first, end = ranges[index]
             stage = {"stage": index, "stages": len(ranges), "layers": [first, end], "num_layers": num_layers,
                      "files": [path.name for path in paths]}
-            written.append(_write(cfg, paths[index], stage_graph(graph, first, end), model, report, progress, stage,
-                                  vocab))
+            written.append(_write(cfg, paths[index], stage_graph(graph, first, end), model, report, progress,
+                                  tokenizer, stage, vocab))
     except BaseException:
         for path, _, _ in written:
             path.unlink(missing_ok=True)

@@ -256,8 +256,8 @@ class Server:
             except Exception as error:  # the chat template's own errors (jinja's), or a prompt it cannot tokenize
                 self._reject(name, Refusal(400, f"the prompt cannot be rendered or tokenized: {error}",
                                            "invalid_request_error"))
-            asked, field = tokens_asked or (0, "")
-            if kept is None and tokens_asked is not None and len(ids) + asked > engine.max_context_len:
+            if kept is None and tokens_asked is not None and len(ids) + tokens_asked[0] > engine.max_context_len:
+                asked, field = tokens_asked
                 self._reject(name, Refusal(
                     400, f"This model's maximum context length is {engine.max_context_len} tokens. However, you "
                          f"requested {len(ids) + asked} tokens ({len(ids)} in the prompt, {asked} in the "
