@@ -16,7 +16,7 @@ from runtime.long_context import SCORINGS, LongContext
 from runtime.engine.config import EngineConfig
 from runtime.engine.engine import GenerationFailed
 from runtime.errors import AtcError
-from runtime.safe_files import write_text
+from runtime.safe_files import read_text, write_text
 
 
 def _engine_option(item):
@@ -144,11 +144,11 @@ def generate_command(prompt, chat_template, json_path, context_file, context_sco
     """Generate a continuation of --prompt, streamed to stdout (or, with --context_file, an answer to it
     from the document)."""
     params = _sampling(kwargs)
+    document = read_text(context_file) if context_file else None  # before the model loads: a bad file fails at once
     with open_engine(**kwargs) as engine:
-        if context_file:
-            with open(context_file, encoding="utf-8") as document:
-                long_context = LongContext(engine.tokenizer, scoring=context_scoring, embed=engine.embed_tokens)
-                text, selection = long_context.prompt(engine, document.read(), prompt, params["max_new_tokens"])
+        if document is not None:
+            long_context = LongContext(engine.tokenizer, scoring=context_scoring, embed=engine.embed_tokens)
+            text, selection = long_context.prompt(engine, document, prompt, params["max_new_tokens"])
             click.echo(f"[INFO] context: {len(selection.chunks)} passages, {selection.tokens} of the document's "
                        f"{selection.document_tokens} tokens", err=True)
         else:

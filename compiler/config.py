@@ -106,6 +106,7 @@ class CompileConfig:
     warnings: tuple[str, ...] = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
+        self._type_flags()
         for name, raw in self.inapplicable.items():
             check_inapplicable(name, raw)
         self._check_choices()
@@ -226,6 +227,21 @@ class CompileConfig:
                             "(\"input_ids:1~8,-1\"). Applied as given.")
         warnings += filter(None, (warning(name, raw) for name, raw in self.inapplicable.items()))
         return tuple(warnings)
+
+    def _type_flags(self) -> None:
+        """The integer and switch flags as their types when given from Python: a string as atc's command line
+        reads it ("0", "1", "true"), 0 or 1 for a switch; ATC's codes for anything else."""
+        for name in (*_INT_FLAGS, *_BOOL_FLAGS, *_BOOL_FLAGS_01):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = _convert(name, value)
+            elif name in _INT_FLAGS and value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                value = _convert(name, repr(value))  # refused with the flag's code
+            elif name not in _INT_FLAGS and value is not None and not isinstance(value, bool):
+                if value not in (0, 1) or isinstance(value, float):
+                    raise AtcError("E10005" if name in _BOOL_FLAGS else "E10006", repr(value), name)
+                value = bool(value)
+            object.__setattr__(self, name, value)
 
     def _check_choices(self) -> None:
         if self.mode not in MODES:

@@ -234,7 +234,7 @@ class OmFile:
     def __init__(self, path: str | os.PathLike, verify_weights: bool = True):
         self.path = Path(path)
         if not self.path.is_file():
-            raise AtcError("E13001", self.path, "No such file or directory")
+            raise AtcError("E13001", self.path, "Is a directory" if self.path.is_dir() else "No such file or directory")
         with open(self.path, "rb") as handle:
             size = os.fstat(handle.fileno()).st_size
             if size < HEADER_SIZE:

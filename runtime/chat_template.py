@@ -62,8 +62,21 @@ class ChatTemplate:
         for message in messages:
             if not isinstance(message, dict) or "role" not in message or "content" not in message:
                 raise ValueError("each message must be a dict with 'role' and 'content'")
+        messages = [{**m, "content": content_text(m["content"])} for m in messages]
         return self._template.render(messages=messages, tools=tools, documents=None,
                                      add_generation_prompt=add_generation_prompt, **self._special)
+
+
+def content_text(content) -> str:
+    """A message's content as one text, as templates that do not loop over parts expect: OpenAI's content
+    parts (`[{"type": "text", "text": ...}]`) joined, None (an assistant turn of tool calls only) empty."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise ValueError("a message's content is a string, a list of text parts ({'type': 'text', 'text': ...}) or None")
 
 
 def compile_template(source: str):

@@ -79,7 +79,16 @@ class Conversation:
     def say(self, text: str, **sampling) -> str:
         """The model's answer to the user's `text` (sampling settings as `SamplingParams` takes them)."""
         params = SamplingParams(**sampling)
-        answer = self.engine.submit(self.prompt(text, params.max_new_tokens), params).result()
+        prompt = self.prompt(text, params.max_new_tokens)
+        request = None
+        try:
+            request = self.engine.submit(prompt, params)
+            answer = request.result()
+        except BaseException:  # refused, failed or interrupted: a turn without an answer is not kept
+            if request is not None:
+                request.cancel()
+            self.turns.pop()
+            raise
         self.reply(answer)
         return answer
 
@@ -165,6 +174,8 @@ class ConversationManager:
     recently used is forgotten. `lock(id)` serialises the turns of one conversation."""
 
     def __init__(self, engine, settings: ConversationSettings | None = None, max_conversations: int = 1024):
+        if isinstance(max_conversations, bool) or not isinstance(max_conversations, int) or max_conversations < 1:
+            raise ValueError(f"max_conversations must be a positive integer, not {max_conversations!r}")
         self.engine, self.settings, self.max_conversations = engine, settings or ConversationSettings(), max_conversations
         self._conversations: OrderedDict[str, tuple[Conversation, threading.Lock]] = OrderedDict()
         self._lock = threading.Lock()

@@ -16,7 +16,7 @@ and the host kernels' numpy references: the executable spec the fast path is tes
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -136,12 +136,35 @@ class Executor:
             kv_cache: PagePool | None = None) -> dict[str, np.ndarray]:
         """Outputs named `output_names` (default all) for `feeds`; a paged artifact needs `kv_cache`. Feeds
         outside the shapes the artifact was compiled for are refused (E10001), and with gears run at the
-        smallest gear that holds them (runtime/shape_contract.py)."""
+        smallest gear that holds them (runtime/shape_contract.py). ValueError naming a feed the artifact
+        has no input for, an input not fed, a feed of the wrong rank, or an output it does not have."""
         names = output_names or self.output_names
+        self._check_request(feeds, names)
         if self.shape_contract is None:
             return self._run(dict(feeds), names, kv_cache)
         padded, real = self.shape_contract.fit(feeds)
         return self.shape_contract.cut(self._run(dict(padded), names, kv_cache), real, self.loaded.metadata["signature"])
+
+    def _check_request(self, feeds: dict[str, np.ndarray], names: list[str]) -> None:
+        if not isinstance(feeds, Mapping):
+            raise TypeError(f"feeds are a dict of input name to array, not {type(feeds).__name__}")
+        inputs = {value["name"]: value for value in self.loaded.metadata["signature"]["inputs"]}
+        unknown = [name for name in feeds if name not in inputs]
+        missing = [name for name in inputs if name not in feeds]
+        if unknown or missing:
+            said = [f"no input named {', '.join(map(repr, unknown))}"] if unknown else []
+            said += [f"{', '.join(map(repr, missing))} not fed"] if missing else []
+            raise ValueError(f"{'; '.join(said)}: the model's inputs are {', '.join(inputs)}")
+        for name, value in feeds.items():
+            rank = len(inputs[name]["shape"])
+            if np.ndim(value) != rank:
+                raise ValueError(f"input {name!r} has {rank} dimensions {inputs[name]['shape']}; the feed has "
+                                 f"{np.ndim(value)} {list(np.shape(value))}")
+        outputs = set(self.output_names)
+        unknown = [name for name in names if name not in outputs]
+        if unknown:
+            raise ValueError(f"no output named {', '.join(map(repr, unknown))}: the model's outputs are "
+                             f"{', '.join(self.output_names)}")
 
     def _run(self, values: dict, names: list[str], kv_cache: PagePool | None) -> dict[str, np.ndarray]:
         for gathered in self._embeddings:

@@ -42,14 +42,21 @@ class LoadedModel:
 
     def embed_tokens(self, ids: np.ndarray) -> np.ndarray:
         """Rows `ids` of the input embedding table the graph gathers `input_ids` from, as float32 `[n, hidden]`
-        (an INT4 table dequantized); ValueError when the graph reads no such table."""
+        (an INT4 table dequantized); ValueError for an id outside the table or when the graph reads no such
+        table."""
         from runtime.kernels.matmul_nbits_layout import dequantize_matmul_nbits
 
-        ids = np.asarray(ids, dtype=np.int64)
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
+            raise TypeError("token ids are a sequence of integers")
+        ids = ids.astype(np.int64)
         for node in self.model.graph.node:
             if node.input[1:2] != ["input_ids"] or node.input[0] not in self.weights:
                 continue
             table = self.weights[node.input[0]]
+            outside = ids[(ids < 0) | (ids >= table.shape[0])]
+            if outside.size:  # numpy would count a negative id from the end
+                raise ValueError(f"token id {outside[0]} is outside the vocabulary [0, {table.shape[0]})")
             if node.op_type == "Gather" and table.ndim == 2:
                 # read, not indexed through the mapping: a document's thousands of distinct tokens would map
                 # most of the table into this process (runtime/embedding_rows.py says why)

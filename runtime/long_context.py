@@ -95,6 +95,8 @@ class LongContext:
         """The highest-scoring chunks whose tokens (overlaps counted once) fit `budget_tokens`, then, while
         room is left, the rest by score and position; merged and in document order."""
         chunks, ids, offsets = self._split(document)
+        if not ids:
+            return Selection([], 0, 0, 0)
         scores = _bm25(chunks, question)
         if self.scoring == "hybrid":
             similarity = _embedding_similarity(self.embed, [ids[c.start:c.end] for c in chunks],
@@ -155,8 +157,11 @@ def _bm25(chunks: list[Chunk], question: str) -> list[float]:
     (words,) = bm25s.tokenize([question], stopwords="en", stemmer=_STEMMER, return_ids=False, show_progress=False)
     if not words:
         return [0.0] * len(chunks)
+    corpus = bm25s.tokenize([c.text for c in chunks], stopwords="en", stemmer=_STEMMER, show_progress=False)
+    if not corpus.vocab:  # a document of whitespace, punctuation or stopwords: no word to match
+        return [0.0] * len(chunks)
     retriever = bm25s.BM25()
-    retriever.index(bm25s.tokenize([c.text for c in chunks], stopwords="en", stemmer=_STEMMER, show_progress=False), show_progress=False)
+    retriever.index(corpus, show_progress=False)
     return [float(score) for score in retriever.get_scores(words)]
 
 

@@ -1,5 +1,6 @@
 """Every file cann-llm writes goes through here: a fresh temp file, created exclusively in the target's own
-folder, renamed into place; a symbolic link at an output path is refused, never followed.
+folder, renamed into place; a symbolic link at an output path is refused, never followed. So do the user's
+text files it reads, for one coded error (E13001) whatever is wrong with them.
 
 A predictable temp name (`.x.om.<pid>.tmp`) lets another user plant a symlink there and have us overwrite
 the file it points to; `mkstemp` creates a name no one could have guessed, with O_EXCL, so it never opens
@@ -69,6 +70,17 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
 def write_text(path: str | os.PathLike, text: str) -> None:
     """`text` as UTF-8, atomically at `path` (see `atomic_writer`)."""
     write_bytes(path, text.encode("utf-8"))
+
+
+def read_text(path: str | os.PathLike) -> str:
+    """A user's UTF-8 text file (a chat template, a document); E13001 naming why it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except UnicodeDecodeError as error:
+        raise AtcError("E13001", path, f"the file is not UTF-8 text: {error}") from None
+    except OSError as error:
+        raise AtcError("E13001", path, error.strerror or str(error)) from None
 
 
 def open_append(path: str | os.PathLike) -> IO[str]:

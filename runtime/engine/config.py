@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from runtime.engine.checked import boolean, integer, text
 from runtime.executor import BACKENDS
 
 
@@ -65,6 +66,11 @@ class EngineConfig:
         "help": "a jinja chat template file to use instead of the one compiled into the artifact", "path": True})
 
     def __post_init__(self) -> None:
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if value is not None or "None" not in item.type:
+                kind = item.type.split(" |")[0]
+                object.__setattr__(self, item.name, {"int": integer, "bool": boolean, "str": text}[kind](item.name, value))
         for item in fields(self):
             value, low = getattr(self, item.name), item.metadata.get("min")
             if low is not None and value is not None and value < low:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import numbers
 import os
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from pathlib import Path
 from concurrent.futures import Future
@@ -44,6 +46,7 @@ from runtime.executor import Executor
 from runtime.heap_trim import release_free_heap
 from runtime.loader import load_artifact
 from runtime.ops import LAST_POSITIONS
+from runtime.safe_files import read_text
 from runtime.ort_session import enable_process_thread_pool
 from runtime.tokenizer import TextTokenizer
 
@@ -53,6 +56,59 @@ UTILISATION_SAMPLES = 100_000
 
 class GenerationFailed(RuntimeError):
     """A request the engine could not finish: its step failed for it (its batch-mates went on)."""
+
+
+def _params(params: SamplingParams | None, settings: dict) -> SamplingParams:
+    """`params` with keyword `settings` (SamplingParams fields) over it, or the settings alone."""
+    if params is None:
+        return SamplingParams(**settings)
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"sampling settings must be a SamplingParams, not {type(params).__name__}")
+    return replace(params, **settings) if settings else params
+
+
+def _token_ids(prompt) -> list[int]:
+    """A prompt given as token ids, as ints; TypeError for anything else."""
+    try:
+        items = list(prompt)
+    except TypeError:
+        raise TypeError(f"a prompt is a text or a sequence of token ids, not {type(prompt).__name__}") from None
+    bad = next((t for t in items if not isinstance(t, numbers.Integral)), None)
+    if bad is not None:
+        raise TypeError(f"token ids are integers, not {type(bad).__name__} ({bad!r})")
+    return [int(t) for t in items]
+
+
+def _work(engine: "weakref.ref[LLMEngine]", wake: threading.Event) -> None:
+    """The engine's worker thread. It holds the engine only while it takes a turn, so an engine that its
+    caller drops without closing it is collected, and its finalizer wakes this thread to end."""
+    while (held := engine()) is not None:
+        state = held._turn()
+        del held
+        if state is None:
+            return
+        if not state:
+            wake.wait()
+            wake.clear()
+
+
+def _release(wake: threading.Event, grammars: GrammarCompiler | None, runner) -> None:
+    """What an engine holds beyond its memory, let go once (by close() or when it is collected)."""
+    wake.set()
+    if grammars is not None:
+        grammars.close()
+    runner.close()
+
+
+def _texts(requests: list["Request"]) -> list[str]:
+    """Each request's text once all have finished. A caller that stops waiting (Ctrl-C, a failed request, an
+    asyncio cancellation) cancels those still running: no one is left to read them."""
+    try:
+        return [request.result() for request in requests]
+    except BaseException:
+        for request in requests:
+            request.cancel()
+        raise
 
 
 @dataclass
@@ -79,6 +135,17 @@ class Request:
     def finish_reason(self) -> str | None:
         return self.seq.finish_reason
 
+    @property
+    def stop_reason(self) -> str | int | None:
+        """What stopped it, as vLLM reports it: the stop string matched, the stop token id sampled, or None
+        (end-of-sequence, the length limit, a cancellation)."""
+        if self.detokenizer is not None and self.detokenizer.matched_stop is not None:
+            return self.detokenizer.matched_stop
+        seq, ids = self.seq, self.seq.output_ids
+        if seq.finish_reason != "stop" or not ids or ids[-1] not in seq.params.stop_token_ids:
+            return None
+        return None if ids[-1] in seq.eos_token_ids and not seq.params.ignore_eos else ids[-1]
+
     def result(self, timeout: float | None = None) -> str:
         """Block until finished; the generated text."""
         return self.future.result(timeout)
@@ -87,17 +154,27 @@ class Request:
         """`iter_text` for asyncio: the engine wakes the awaiting loop as pieces arrive."""
         loop = asyncio.get_running_loop()
         arrived = asyncio.Event()
-        self._wakers.append(lambda: loop.call_soon_threadsafe(arrived.set))
-        while True:
+
+        def wake() -> None:
             try:
-                piece = self._pieces.get_nowait()
-            except queue.Empty:
-                await arrived.wait()
-                arrived.clear()
-                continue
-            if piece is _DONE:
-                return
-            yield piece
+                loop.call_soon_threadsafe(arrived.set)
+            except RuntimeError:  # the loop has closed under a reader it abandoned: no one is waiting
+                pass
+
+        self._wakers.append(wake)
+        try:
+            while True:
+                try:
+                    piece = self._pieces.get_nowait()
+                except queue.Empty:
+                    await arrived.wait()
+                    arrived.clear()
+                    continue
+                if piece is _DONE:
+                    return
+                yield piece
+        finally:
+            self._wakers.remove(wake)
 
     def iter_text(self) -> Iterator[str]:
         """Text pieces as they are generated, until the request ends (consumes them: one reader)."""
@@ -186,6 +263,8 @@ class LLMEngine:
         self.vocab_size = int(self.dims["vocab_size"])
         self.tokenizer = self.loaded.tokenizer
         self._chat_template: ChatTemplate | None = None
+        self._chat_template_source = None if config.chat_template_file is None else read_text(
+            config.chat_template_file)
         self._grammars = None if self.tokenizer is None else GrammarCompiler(
             self.loaded.om.tokenizer_files()["tokenizer.json"], self.vocab_size, self.tokenizer.eos_token_ids)
         pipeline = metadata.get("pipeline")
@@ -234,6 +313,8 @@ class LLMEngine:
         self._closed = False
         self._start_lock = threading.Lock()
         self._post_lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _release, self._wake, self._grammars, self.runner)
+        self._finalizer.atexit = False  # an engine still running at exit goes with the process, mid-step or not
         release_free_heap()  # what loading freed (the tokenizer's JSON, graph protos) leaves the resident set
 
     def _executor(self) -> Executor:
@@ -271,7 +352,7 @@ class LLMEngine:
         """Queue one request (text, or token ids) for one sequence; returns its handle at once. ValueError
         for a prompt or settings it would refuse (see `encode`), a structured output that does not compile,
         or `n` > 1 (`generate` takes that)."""
-        params = params or SamplingParams(**kwargs)
+        params = _params(params, kwargs)
         if params.n != 1:
             raise ValueError("submit runs one sequence: pass n > 1 to generate, or submit n requests")
         for name, ids in (("stop token id", params.stop_token_ids), ("logit_bias token id", [t for t, _ in params.logit_bias])):
@@ -303,15 +384,20 @@ class LLMEngine:
             kwargs["max_new_tokens"], sampling_params = sampling_params, None
         if temperature is not None:
             kwargs["temperature"] = temperature
-        many = isinstance(prompts, (list, tuple)) and bool(prompts) and not isinstance(prompts[0], int)
-        if sampling_params is not None and kwargs:
-            sampling_params = replace(sampling_params, **kwargs)
-        params = sampling_params or SamplingParams(**kwargs)
-        if not many and sampling_params is None and params.n == 1:
-            return self.submit(prompts, params).result()
+        # a list of prompts, not one prompt's token ids
+        many = isinstance(prompts, (list, tuple)) and bool(prompts) and isinstance(prompts[0], (str, list, tuple, np.ndarray))
+        many_params = isinstance(sampling_params, (list, tuple))
+        if many_params:  # vLLM's one SamplingParams per prompt
+            if not many or len(sampling_params) != len(prompts):
+                raise ValueError("a list of SamplingParams needs a list of prompts of the same length")
+            each = [_params(p, kwargs) for p in sampling_params]
+        else:
+            each = [_params(sampling_params, kwargs)] * (len(prompts) if many else 1)
+        if not many and sampling_params is None and each[0].n == 1:
+            return _texts([self.submit(prompts, each[0])])[0]
         started: list[tuple[object, list[Request]]] = []
         try:
-            for prompt in list(prompts) if many else [prompts]:
+            for prompt, params in zip(list(prompts) if many else [prompts], each):
                 started.append((prompt, []))
                 for i in range(params.n):
                     seed = None if params.seed is None else params.seed + i
@@ -321,32 +407,39 @@ class LLMEngine:
                 for request in requests:
                     request.cancel()
             raise
+        _texts([request for _, requests in started for request in requests])
         return [self._request_output(prompt, requests) for prompt, requests in started]
 
     def _request_output(self, prompt, requests: list[Request]) -> RequestOutput:
-        for request in requests:
-            request.result()
         first = requests[0].seq
         outputs = [CompletionOutput(i, r.text, list(r.output_ids), r.finish_reason,
                                     list(r.seq.logprobs) if r.seq.params.logprobs is not None else None,
-                                    r.detokenizer.matched_stop if r.detokenizer else None)
+                                    r.stop_reason)
                    for i, r in enumerate(requests)]
         return RequestOutput(str(first.seq_id), prompt if isinstance(prompt, str) else None,
                              first.token_ids[:first.num_prompt], outputs, [r.stats for r in requests],
                              list(first.prompt_logprobs) if first.params.prompt_logprobs is not None else None)
 
-    def generate_batch(self, prompts: list[str | list[int]], **kwargs) -> list[str]:
+    def generate_batch(self, prompts: list[str | list[int]], params: SamplingParams | None = None, **kwargs) -> list[str]:
         """Completions of all `prompts` (one each), computed together."""
-        return [output.outputs[0].text for output in self.generate(list(prompts), **kwargs)]
+        if _params(params, kwargs).n != 1:
+            raise ValueError("generate_batch returns one completion a prompt: pass n > 1 to generate")
+        return [output.outputs[0].text for output in self.generate(list(prompts), params, **kwargs)]
 
-    async def generate_async(self, prompt: str | list[int], **kwargs) -> str:
-        """`generate` for asyncio: concurrent callers share the engine's batches."""
-        request = self.submit(prompt, **kwargs)
-        return await asyncio.wrap_future(request.future)
+    async def generate_async(self, prompt: str | list[int], params: SamplingParams | None = None, **kwargs) -> str:
+        """`generate` for asyncio: concurrent callers share the engine's batches; cancelling the awaiting task
+        cancels the request."""
+        request = self.submit(prompt, params, **kwargs)
+        try:
+            return await asyncio.wrap_future(request.future)
+        except BaseException:
+            request.cancel()
+            raise
 
-    def stream(self, prompt: str | list[int], **kwargs) -> Iterator[str]:
-        """Text pieces as they are generated; closing the iterator early cancels the request."""
-        request = self.submit(prompt, **kwargs)
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, **kwargs) -> Iterator[str]:
+        """Text pieces as they are generated; closing the iterator early cancels the request, and a request
+        that fails raises `GenerationFailed` after the pieces it made."""
+        request = self.submit(prompt, params, **kwargs)
         finished = False
         try:
             yield from request.iter_text()
@@ -354,10 +447,13 @@ class LLMEngine:
         finally:
             if not finished:
                 request.cancel()
+        request.result()
 
-    def chat(self, messages: list[dict], **kwargs) -> str:
-        """The assistant's reply to `messages`, through the model's chat template."""
-        return self.submit(self.chat_prompt(messages), **kwargs).result()
+    def chat(self, messages: list[dict], params: SamplingParams | None = None, tools: list[dict] | None = None,
+             **kwargs) -> str:
+        """The assistant's reply to `messages`, through the model's chat template (with `tools`, OpenAI's
+        function definitions, where the template renders them)."""
+        return _texts([self.submit(self.chat_prompt(messages, tools), params, **kwargs)])[0]
 
     def embed_tokens(self, ids) -> np.ndarray:
         """Rows `ids` of the model's input embedding table, float32 `[n, hidden]` (LongContext's hybrid scoring)."""
@@ -401,15 +497,14 @@ class LLMEngine:
         self._post(("reset", None))
 
     def close(self) -> None:
-        """Stop the worker; requests still in flight are cancelled."""
+        """Stop the worker; requests still in flight are cancelled. An engine dropped without it is closed
+        when it is collected, its requests with it (none is left that anyone holds)."""
         with self._post_lock:
             self._closed = True
         self._wake.set()
         if self._worker is not None:
             self._worker.join()
-        if self._grammars is not None:
-            self._grammars.close()
-        self.runner.close()
+        self._finalizer()
 
     def __enter__(self) -> "LLMEngine":
         return self
@@ -434,27 +529,28 @@ class LLMEngine:
     def _ensure_worker(self) -> None:
         with self._start_lock:
             if self._worker is None:
-                self._worker = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
+                self._worker = threading.Thread(target=_work, args=(weakref.ref(self), self._wake), name="llm-engine",
+                                                daemon=True)
                 self._worker.start()
 
-    def _loop(self) -> None:
-        while True:
-            closed = self._closed
-            self._drain_inbox()
-            if closed:
-                for request in list(self._requests.values()):
-                    self._cancel(request)
-                return
-            self._expire()
-            if not self.scheduler.has_work():
-                self._wake.wait()
-                self._wake.clear()
-                continue
-            try:
-                self.step()
-            except Exception as error:  # no one sequence's fault (step isolates those): fail the step's
-                for seq in list(self.scheduler.running) or list(self.scheduler.waiting)[:1]:
-                    self._fail(seq, error)  # the one being admitted, if none ran: the next step progresses
+    def _turn(self) -> bool | None:
+        """One turn of the worker: True when it stepped, False when there is nothing to do until woken, None
+        once the engine is closed (the requests still in flight cancelled)."""
+        closed = self._closed
+        self._drain_inbox()
+        if closed:
+            for request in list(self._requests.values()):
+                self._cancel(request)
+            return None
+        self._expire()
+        if not self.scheduler.has_work():
+            return False
+        try:
+            self.step()
+        except Exception as error:  # no one sequence's fault (step isolates those): fail the step's
+            for seq in list(self.scheduler.running) or list(self.scheduler.waiting)[:1]:
+                self._fail(seq, error)  # the one being admitted, if none ran: the next step progresses
+        return True
 
     def _drain_inbox(self) -> None:
         while True:
@@ -667,9 +763,8 @@ class LLMEngine:
         """The chat template, compiled on first use and kept."""
         if self._chat_template is None:
             files = dict(self.loaded.om.tokenizer_files())
-            if self.config.chat_template_file is not None:
-                with open(self.config.chat_template_file, encoding="utf-8") as source:
-                    files["chat_template.jinja"] = source.read()
+            if self._chat_template_source is not None:
+                files["chat_template.jinja"] = self._chat_template_source
             self._chat_template = ChatTemplate(files)
         return self._chat_template
 
@@ -680,7 +775,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             ids = self._encode_text(prompt)
         else:
-            ids = [int(t) for t in prompt]
+            ids = _token_ids(prompt)
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")

@@ -48,12 +48,15 @@ class StageWorker:
         self.pool = PagePool(dims["num_layers"], num_pages, loaded.kv_cache["page_size"], dims["num_kv_heads"],
                              dims["head_dim"])
         self.output = loaded.output_names[0]
+        self.inputs = set(loaded.input_names)
         release_free_heap()
 
     def run(self, feeds: dict[str, np.ndarray], hidden: np.ndarray | None = None) -> np.ndarray:
         """This stage's output for one micro-batch: the next stage's hidden states, or the logits."""
+        # every stage is sent the batch's metadata; each takes what its own graph reads
+        feeds = {name: value for name, value in feeds.items() if name in self.inputs}
         if hidden is not None:
-            feeds = {**feeds, HIDDEN_IN: hidden}
+            feeds[HIDDEN_IN] = hidden
         return self.executor.run(feeds, [self.output], kv_cache=self.pool)[self.output]
 
     def copy_pages(self, copies: list[tuple[int, int, int]]) -> None:

@@ -5,12 +5,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from runtime.engine.checked import boolean, integer, real
 from runtime.engine.structured import StructuredOutput
 
 MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 # beyond these a penalty or a temperature scales float32 logits past their range (inf - inf is NaN)
 PENALTY_RANGE = (1e-2, 1e2)
 MIN_TEMPERATURE = 1e-3
+INTEGERS = ("max_new_tokens", "top_k", "min_tokens", "n", "priority")
+OPTIONAL_INTEGERS = ("seed", "logprobs", "prompt_logprobs", "max_tokens")
+REALS = ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 @dataclass(frozen=True)
@@ -23,8 +27,8 @@ class SamplingParams:
     time), `min_tokens` before end-of-sequence may come, `logprobs` top alternatives reported per
     generated token (0: the chosen token's alone; computed from the model's own logits, before any
     penalty or temperature), `logit_bias` {token id: bias} added to the logits (OpenAI's, in [-100, 100]),
-    `prompt_logprobs` the same for each prompt token after the first (the
-    prompt is then computed whole, never taken from the prefix cache), `structured_output` a constraint on the text (runtime/engine/structured.py),
+    `prompt_logprobs` the same for each prompt token after the first (the prompt is then computed whole, never
+    taken from the prefix cache), `structured_output` a constraint on the text (runtime/engine/structured.py),
     and `n` outputs per prompt for `LLMEngine.generate` (each a sequence of its own, seeded `seed + i`).
     `priority` orders admission as vLLM's priority scheduling does: lower is admitted first, ties by arrival,
     and a waiting request rises a level every `EngineConfig.priority_aging_s` seconds, so none starves.
@@ -51,16 +55,10 @@ class SamplingParams:
     max_tokens: int | None = None  # vLLM's name for max_new_tokens; wins when given
 
     def __post_init__(self) -> None:
+        self._coerce_types()
         if self.max_tokens is not None:
             object.__setattr__(self, "max_new_tokens", self.max_tokens)
             object.__setattr__(self, "max_tokens", None)
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
-        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or ()
-        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         numbers = {"temperature": self.temperature, "top_p": self.top_p, "repetition_penalty": self.repetition_penalty,
                    "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty}
         for name, value in numbers.items():
@@ -88,6 +86,31 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    def _coerce_types(self) -> None:
+        """Each field as its type (numpy's integers and floats taken as Python's); TypeError for a value of
+        another type, so a request is refused when it is made rather than failing in a step."""
+        def put(name, value):
+            object.__setattr__(self, name, value)
+
+        for name in INTEGERS:
+            put(name, integer(name, getattr(self, name)))
+        for name in OPTIONAL_INTEGERS:
+            if getattr(self, name) is not None:
+                put(name, integer(name, getattr(self, name)))
+        for name in REALS:
+            put(name, real(name, getattr(self, name)))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if not all(isinstance(text, str) for text in stop):
+            raise TypeError("stop must be a string or a sequence of strings")
+        put("stop", stop)
+        put("stop_token_ids", tuple(integer("a stop token id", t) for t in self.stop_token_ids or ()))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or ()
+        put("logit_bias", tuple((integer("a logit_bias token id", t), real("a logit_bias value", b)) for t, b in bias))
+        put("ignore_eos", boolean("ignore_eos", self.ignore_eos))
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise TypeError(f"structured_output must be a StructuredOutput (StructuredOutput(json=schema), "
+                            f"...), not {type(self.structured_output).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -18,6 +18,7 @@ from typing import Annotated, Callable, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
+from runtime.chat_template import content_text
 from runtime.engine.sampling import MAX_LOGPROBS
 from runtime.engine.sequence import TokenLogprob
 from runtime.engine.structured import StructuredOutput
@@ -241,8 +242,8 @@ class Message(BaseModel):
     def for_template(self) -> dict:
         """The message as chat templates take it (content parts joined into one text, as transformers'
         templates that do not loop over parts expect)."""
-        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
-        said = {"role": self.role, "content": content if content is not None else ""}
+        content = self.content if not isinstance(self.content, list) else [p.model_dump() for p in self.content]
+        said = {"role": self.role, "content": content_text(content)}
         if self.name is not None:
             said["name"] = self.name
         if self.tool_call_id is not None:

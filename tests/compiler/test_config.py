@@ -121,3 +121,14 @@ def test_flags_stay_as_given_and_paging_is_resolved_once():
 def test_resolved_settings_are_not_flags():
     with pytest.raises(TypeError):
         CompileConfig(**{**BASE, "framework": 5}, paging=None)
+
+
+def test_flags_given_from_python_are_typed_as_the_command_line_types_them():
+    assert CompileConfig(**{**BASE, "framework": "5", "enable_paged_attention": "0"}).paging is None
+    made = CompileConfig(**{**BASE, "framework": 5, "enable_paged_attention": 1, "kv_cache_layout": "paged"})
+    assert made.enable_paged_attention is True and made.paging is not None
+    for flags, code in ((dict(framework=5.0), "E10007"), (dict(enable_paged_attention=2), "E10005"),
+                        (dict(enable_paged_attention=0.0), "E10005"), (dict(display_model_info="yes"), "E10006")):
+        with pytest.raises(AtcError) as caught:
+            CompileConfig(**{**BASE, **flags})
+        assert caught.value.code == code

@@ -32,6 +32,22 @@ def test_bad_settings_are_refused(settings, message):
         EngineConfig(**settings)
 
 
+@pytest.mark.parametrize("settings, message", [(dict(kv_cache_pages=3.5), "kv_cache_pages must be an integer, not float"),
+                                               (dict(max_batch_size="8"), "max_batch_size must be an integer, not str"),
+                                               (dict(enable_prefix_caching="0"), "enable_prefix_caching must be True or False"),
+                                               (dict(chat_template_file=3), "chat_template_file must be a string")])
+def test_settings_of_the_wrong_type_are_refused(settings, message):
+    with pytest.raises(TypeError, match=message):
+        EngineConfig(**settings)
+
+
+def test_a_missing_chat_template_file_is_e13001_when_the_engine_is_made(contiguous_om, tmp_path):
+    from runtime.errors import AtcError
+
+    with pytest.raises(AtcError, match="E13001.*nope.jinja"):
+        LLMEngine(contiguous_om, chat_template_file=tmp_path / "nope.jinja")
+
+
 def test_an_unknown_setting_is_refused(contiguous_om):
     with pytest.raises(TypeError, match="max_batch"):
         LLMEngine(contiguous_om, max_batch=4)

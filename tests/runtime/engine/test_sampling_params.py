@@ -39,3 +39,28 @@ def test_a_distribution_that_overflowed_is_refused_not_drawn_from():
     object.__setattr__(params, "repetition_penalty", 1e-3)  # past the check: 3e38 / 1e-3 is inf in float32
     with pytest.raises(ValueError, match="the sampling distribution is not finite"):
         sample_token(logits, params, [0], np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"top_k": 2.5}, r"top_k must be an integer, not float \(2.5\)"),
+    ({"priority": "high"}, r"priority must be an integer, not str"),
+    ({"max_new_tokens": 1.5}, "max_new_tokens must be an integer"),
+    ({"seed": 1.5}, "seed must be an integer"),
+    ({"n": True}, "n must be an integer, not bool"),
+    ({"temperature": "0.5"}, "temperature must be a number, not str"),
+    ({"stop": [1]}, "stop must be a string or a sequence of strings"),
+    ({"stop_token_ids": [2.0]}, "a stop token id must be an integer"),
+    ({"logit_bias": {"5": 1.0}}, "a logit_bias token id must be an integer"),
+    ({"ignore_eos": 1}, "ignore_eos must be True or False"),
+    ({"structured_output": "json"}, "structured_output must be a StructuredOutput"),
+])
+def test_a_setting_of_the_wrong_type_is_refused_when_made(settings, message):
+    with pytest.raises(TypeError, match=message):
+        SamplingParams(**settings)
+
+
+def test_numpy_numbers_are_taken_as_python_numbers():
+    params = SamplingParams(top_k=np.int32(3), seed=np.uint64(7), temperature=np.float32(0.5),
+                            logit_bias={np.int64(4): np.float64(1)}, stop_token_ids=np.array([9]))
+    assert (type(params.top_k), type(params.seed), type(params.temperature)) == (int, int, float)
+    assert params.logit_bias == ((4, 1.0),) and params.stop_token_ids == (9,)
