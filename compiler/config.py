@@ -83,7 +83,7 @@ class CompileConfig:
     kv_cache_layout: str = ""
     paged_config: str = ""
     large_model_compilation: bool = False
-    enable_compress_weight: bool = False
+    enable_compress_weight: bool | None = None  # None: not given (--compress_weight_conf alone turns it on, as in ATC)
     compress_weight_conf: str = ""
     compress_fp32_weight: bool = False  # float32 MatMul weights in 28 bits each, losslessly (MatMulF28)
     auto_tune_mode: str = ""
@@ -225,6 +225,9 @@ class CompileConfig:
         if self.input_shape_range:
             warnings.append("W10004: --input_shape_range is deprecated in ATC; write the ranges in --input_shape "
                             "(\"input_ids:1~8,-1\"). Applied as given.")
+        if self.enable_compress_weight is False and self.compress_weight_conf:
+            warnings.append("W10010: --enable_compress_weight=false does not turn off --compress_weight_conf, which "
+                            "turns weight compression on by itself as in ATC: the weights are quantized as it says.")
         warnings += filter(None, (warning(name, raw) for name, raw in self.inapplicable.items()))
         return tuple(warnings)
 

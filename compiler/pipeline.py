@@ -41,16 +41,18 @@ from passes.split_interleaved_qkv import SplitInterleavedQkv
 from passes.split_unit_head_axis import SplitUnitHeadAxis
 from passes.prune_logits import PruneLogits
 from passes.remove_logits_to_keep import RemoveLogitsToKeep
-from passes.quant.calibration import text_samples
+from passes.quant.calibration_windows import declared_positions, text_samples, window_length
 from passes.quant.quantize_weights import QuantizeWeights
 from passes.truncate_layers import TruncateLayers
 from passes.unfold_batched_heads import UnfoldBatchedHeads
 from passes.weight_spill import WeightSpill
-from runtime.errors import AtcError
+from runtime.errors import AtcError, invalid_value
+from runtime.safe_files import read_text
 
 
 def calibration_samples(cfg: CompileConfig) -> list[np.ndarray]:
-    """Token windows of the calibration text, tokenized with the model's own tokenizer."""
+    """Token windows of the calibration text, tokenized with the model's own tokenizer, none longer than the
+    model's config.json says it reads (E10001 for a seq_len given longer)."""
     from runtime.tokenizer import TextTokenizer
 
     quant = cfg.quantization
@@ -58,12 +60,12 @@ def calibration_samples(cfg: CompileConfig) -> list[np.ndarray]:
     if not files:
         raise AtcError("E10001", "calibration", "--compress_weight_conf",
                        f"{quant.method} calibrates on text and needs the model's tokenizer: give --tokenizer=DIR.")
-    with open(quant.calibration_text, encoding="utf-8") as handle:
-        ids = TextTokenizer(files).encode(handle.read())
-    samples = text_samples(ids, quant.num_samples, quant.seq_len)
+    length = window_length(quant, declared_positions(cfg.model))
+    ids = TextTokenizer(files).encode(read_text(quant.calibration_text))
+    samples = text_samples(ids, quant.num_samples, length)
     if not samples:
-        raise AtcError("E10001", quant.calibration_text, "calibration text_file",
-                       f"The text has {len(ids)} tokens, fewer than one sample of {quant.seq_len}.")
+        raise invalid_value(quant.calibration_text, quant.parameter("calibration_text"),
+                            f"The text has {len(ids)} tokens, fewer than one sample of {length}.")
     return samples
 
 

@@ -15,7 +15,6 @@ import onnx
 import onnx_graphsurgeon as gs
 import onnxruntime as ort
 
-from passes.graph_utils import position_table_rows
 from passes.weight_memory import detach_weights
 from runtime.feeds import causal_lm_inputs
 from runtime.lowering import lower_for_onnxruntime
@@ -94,16 +93,3 @@ def accumulate(statistics: dict[str, InputStatistics], name: str, value: np.ndar
     stats.rows += rows.shape[0]
     # a copy: a view would keep the whole sample's activations alive
     stats.kept.append(rows[:: max(1, rows.shape[0] * samples // KEPT_ROWS)][: KEPT_ROWS // samples + 1].copy())
-
-
-def within_positions(graph: gs.Graph, samples: list[np.ndarray]) -> list[np.ndarray]:
-    """`samples` cut to the rows of the table the graph reads at each position (GPT-2's), where it has one: a
-    window longer than the table would index past it."""
-    rows = position_table_rows(graph)
-    return samples if rows is None else [sample[:rows] for sample in samples]
-
-
-def text_samples(token_ids: list[int], num_samples: int, seq_len: int) -> list[np.ndarray]:
-    """Consecutive, non-overlapping windows of `seq_len` tokens; as many as asked and the text allows."""
-    count = min(num_samples, len(token_ids) // seq_len)
-    return [np.asarray(token_ids[i * seq_len:(i + 1) * seq_len], np.int64) for i in range(count)]

@@ -25,7 +25,8 @@ from passes.base import PassResult
 from passes.graph_utils import lm_head
 from passes.pattern import FusionPass
 from passes.quant.accuracy_level import EIGHT_BIT_ACCURACY_LEVEL, four_bit_accuracy_level
-from passes.quant.calibration import InputStatistics, collect_input_statistics, within_positions
+from passes.quant.calibration import InputStatistics, collect_input_statistics
+from passes.quant.calibration_windows import within_positions
 from passes.quant.config import HESSIAN_METHODS, QuantConfig
 from passes.quant.configured_method import quantize_configured
 from passes.quant.input_scale import scale_input
@@ -96,7 +97,7 @@ class QuantizeWeights(FusionPass):
         config, samples = self.config, self.samples
         if not samples:
             return contextlib.nullcontext({})
-        samples = within_positions(graph, samples)
+        samples = within_positions(graph, samples, config)
         calibrating = config.needs_calibration
         if calibrating and config.method in HESSIAN_METHODS:
             return StagedStatistics(graph, samples, progress=self.progress)

@@ -85,19 +85,132 @@ def test_qdq_model_equals_the_original_with_dequantized_weights(tmp_path, dynamo
                 np.testing.assert_allclose(got[name], expected[name], atol=1e-5, rtol=0, err_msg=name)
 
 
-@pytest.mark.parametrize("flags, code", [
-    (("--bits", "3"), "E10001"), (("--group-size", "100"), "E10001"), (("--quant-method", "fp3"), "E10001"),
-    (("--quant-method", "smooth_quant"), "E10055"), (("--skip", "no_such_layer*"), "E10001"),
-    (("--quant-method", "gptq", "--bits", "8"), "E10001"),
-])
-def test_bad_settings_are_refused_without_output(tmp_path, tiny_llama_path, flags, code):
+def _run_quant(model, out, *flags):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "cli.quant", "--model", str(tiny_llama_path), "--output",
-                           str(tmp_path / "q"), *flags], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "cli.quant", "--model", str(model), "--output", str(out), *flags],
+                          capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("flags, code, parameter", [
+    (("--bits", "3"), "E10001", "--bits"), (("--group-size", "100"), "E10001", "--group-size"),
+    (("--quant-method", "fp3"), "E10001", "--quant-method"), (("--quant-method", "smooth_quant"), "E10055", None),
+    (("--skip", "no_such_layer*"), "E10001", "--skip"), (("--quant-method", "gptq", "--bits", "8"), "E10001", "--quant-method"),
+    (("--quant-method", "awq", "--seq-len", "100000", "--num-samples", "2"), "E10001", "--seq-len"),
+    (("--quant-method", "gptq", "--num-samples", "0"), "E10001", "--num-samples"),
+    (("--quant-method", "gptq", "--num-samples", "1000", "--seq-len", "2048"), "E10001", "--num-samples"),
+])
+def test_bad_settings_are_refused_in_the_flags_names_creating_nothing(tmp_path, tiny_llama_path, flags, code, parameter):
+    proc = _run_quant(tiny_llama_path, tmp_path / "out" / "q", *flags)
     assert proc.returncode == 1 and f"{code}: [PID:" in proc.stderr and "Traceback" not in proc.stderr
-    assert not (tmp_path / "q" / "model.onnx").exists()
+    if parameter:
+        assert f"for parameter {parameter} is invalid" in proc.stderr, proc.stderr
+    assert "parameter --compress_weight_conf" not in proc.stderr and "--tokenizer" not in proc.stderr
+    assert not (tmp_path / "out").exists()  # not even the folder
+
+
+def test_a_missing_model_creates_no_output_folder(tmp_path):
+    proc = _run_quant(tmp_path / "nope.onnx", tmp_path / "qb" / "x")
+    assert proc.returncode == 1 and "E13001: [PID:" in proc.stderr and "nope.onnx" in proc.stderr
+    assert not (tmp_path / "qb").exists()
+
+
+def test_an_output_under_a_file_is_refused_before_any_work(tmp_path, tiny_llama_path):
+    (tmp_path / "file").write_text("")
+    proc = _run_quant(tiny_llama_path, tmp_path / "file" / "q")
+    assert proc.returncode == 1 and "E13004: [PID:" in proc.stderr and "is not a directory" in proc.stderr
+    assert "load: " not in proc.stderr  # refused before the model was read
+
+
+def test_a_calibrating_method_without_a_tokenizer_names_cann_llm_quants_own_flags(tmp_path, tiny_llama_path):
+    import shutil
+
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copy(tiny_llama_path, alone / "model.onnx")  # no tokenizer.json beside it
+    proc = _run_quant(alone / "model.onnx", tmp_path / "q", "--quant-method", "awq")
+    assert proc.returncode == 1 and "E10001: [PID:" in proc.stderr
+    assert "Value awq for parameter --quant-method is invalid" in proc.stderr
+    assert "tokenizer.json beside the model" in proc.stderr and "--tokenizer" not in proc.stderr
+    assert "--compress_weight_conf" not in proc.stderr and not (tmp_path / "q").exists()
+
+
+@pytest.fixture()
+def binary_text(tmp_path):
+    path = tmp_path / "binary.bin"
+    path.write_bytes(bytes(range(128, 256)) * 8)  # no UTF-8 text starts with a continuation byte
+    return path
+
+
+@pytest.mark.parametrize("algorithms", [[{"name": "awq"}], [{"name": "rtn"}]], ids=["awq", "rtn"])
+def test_calibration_text_that_is_not_utf8_is_refused_by_atc_without_output(tmp_path, tiny_llama_path, binary_text,
+                                                                           algorithms):
+    from runtime.errors import AtcError
+
+    config = tmp_path / "quant.json"  # RTN reads the text too: its accuracy level is chosen on it
+    config.write_text(json.dumps({"algorithms": algorithms, "calibration": {"text_file": str(binary_text)}}))
+    with pytest.raises(AtcError) as caught:
+        compile_to(tiny_llama_path, tmp_path / "m", enable_compress_weight=True, compress_weight_conf=str(config))
+    assert caught.value.code == "E13001" and "the file is not UTF-8 text" in caught.value.message
+    assert str(binary_text) in caught.value.message and sorted(p.name for p in tmp_path.iterdir()) == [
+        "binary.bin", "quant.json"]
+
+
+def test_calibration_text_that_is_not_utf8_is_refused_by_cann_llm_quant_without_output(tmp_path, tiny_llama_path,
+                                                                                      binary_text):
+    proc = _run_quant(tiny_llama_path, tmp_path / "q", "--quant-method", "gptq", "--calibration-text", str(binary_text))
+    assert proc.returncode == 1 and "E13001: [PID:" in proc.stderr and "the file is not UTF-8 text" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "q").exists()
+
+
+@pytest.fixture()
+def llama_with_config(tmp_path, tiny_llama_path):
+    """The tiny Llama beside its tokenizer and a Hugging Face config.json declaring 128 positions."""
+    import shutil
+
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    for name in ("model.onnx", "tokenizer.json"):
+        shutil.copy(tiny_llama_path.parent / name, folder / name)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 128}))
+    return folder / "model.onnx"
+
+
+def test_a_window_longer_than_the_config_declares_is_refused_and_the_default_fits(tmp_path, llama_with_config):
+    from compiler.config import CompileConfig
+    from compiler.pipeline import calibration_samples
+    from runtime.errors import AtcError
+
+    config = tmp_path / "quant.json"
+    config.write_text(json.dumps({"algorithms": [{"name": "awq"}], "group_size": 32,
+                                  "calibration": {"num_samples": 2, "seq_len": 256}}))
+    with pytest.raises(AtcError) as caught:
+        compile_to(llama_with_config, tmp_path / "m", enable_compress_weight=True, compress_weight_conf=str(config))
+    assert caught.value.code == "E10001" and "--compress_weight_conf calibration.seq_len" in caught.value.message
+    assert f"at most 128 positions (max_position_embeddings in {llama_with_config.parent / 'config.json'})" \
+           in caught.value.message
+    proc = _run_quant(llama_with_config, tmp_path / "q", "--quant-method", "gptq", "--seq-len", "256")
+    assert "Value 256 for parameter --seq-len is invalid" in proc.stderr and not (tmp_path / "q").exists()
+    config.write_text(json.dumps({"algorithms": [{"name": "awq"}], "group_size": 32, "calibration": {"num_samples": 2}}))
+    cfg = CompileConfig(model=str(llama_with_config), framework=5, output=str(tmp_path / "m"), soc_version="Ascend910B",
+                        enable_compress_weight=True, compress_weight_conf=str(config))
+    assert [len(sample) for sample in calibration_samples(cfg)] == [128, 128]  # not the default 512
+
+
+def test_a_window_longer_than_the_position_table_is_refused_before_calibration(tmp_path):
+    from models.tiny import tiny_onnx
+    from runtime.errors import AtcError
+
+    source = tiny_onnx("gpt2", dynamo=True, with_past=True)  # GPT-2's learned positions: a table of 256 rows
+    config = tmp_path / "quant.json"
+    config.write_text(json.dumps({"algorithms": [{"name": "awq"}], "group_size": 32,
+                                  "calibration": {"num_samples": 2, "seq_len": 512}}))
+    with pytest.raises(AtcError) as caught:
+        compile_to(source, tmp_path / "m", enable_compress_weight=True, compress_weight_conf=str(config))
+    assert caught.value.code == "E10001" and "--compress_weight_conf calibration.seq_len" in caught.value.message
+    assert "at most 256 positions (the rows of its position table)" in caught.value.message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["quant.json"]  # no artifact, no spilled weights
 
 
 CALIBRATION = {"num_samples": 4, "seq_len": 64}
@@ -248,6 +361,7 @@ def test_w8a8_smooth_quant_runs_integer_matmuls_close_to_the_float_model(tmp_pat
     assert [n.op_type for n in ops].count("MatMulInt4") == 2 * 4 and len(ops) == 2 * 4 + 1  # and the float lm_head
     assert all({a.name: a.i for a in n.attribute}.get("bits") == 8 and
                {a.name: a.i for a in n.attribute}["accuracy_level"] == 4 for n in ops if n.op_type == "MatMulInt4")
+    assert loaded.metadata["config"]["quantization"]["accuracy_level"] == "4"  # what they run at, not "auto"
     feeds = _feeds(loaded)
     fast = Executor(loaded).run(feeds, ["logits"])["logits"]
     reference = Executor(loaded, "reference").run(feeds, ["logits"])["logits"]  # rounds activations the same way
@@ -268,7 +382,12 @@ def test_w8a8_smooth_quant_runs_integer_matmuls_close_to_the_float_model(tmp_pat
                                   {"quant_mode": "INT4", "lm_head_group_size": True},
                                   {"quant_mode": "INT4", "zero_points": "float"},  # symmetric by default
                                   {"quant_mode": "INT8", "symmetric": False, "zero_points": "float"},
-                                  {"quant_mode": "INT4", "symmetric": False, "zero_points": "fp8"}])
+                                  {"quant_mode": "INT4", "symmetric": False, "zero_points": "fp8"},
+                                  {"quant_mode": "INT4", "algorithms": []}, {"quant_mode": "INT4", "symmetric": "false"},
+                                  {"quant_mode": "W8A8", "accuracy_level": 0},
+                                  {"algorithms": [{"name": "gptq", "params": {"damp": -1}}]},
+                                  {"algorithms": [{"name": "awq"}], "calibration": {"seq_len": 20000, "num_samples": 2}},
+                                  {"calibration": {"num_sample": 4}}])
 def test_bad_compression_configs_are_refused_without_output(tmp_path, tiny_llama_path, conf):
     from runtime.errors import AtcError
 

@@ -132,3 +132,12 @@ def test_flags_given_from_python_are_typed_as_the_command_line_types_them():
         with pytest.raises(AtcError) as caught:
             CompileConfig(**{**BASE, **flags})
         assert caught.value.code == code
+
+
+def test_a_compress_weight_conf_quantizes_and_a_switch_set_false_beside_it_is_warned(tmp_path):
+    conf = tmp_path / "int8.json"
+    conf.write_text('{"quant_mode": "INT8"}')
+    alone = CompileConfig.from_flags(**BASE, compress_weight_conf=str(conf))
+    switched_off = CompileConfig.from_flags(**BASE, compress_weight_conf=str(conf), enable_compress_weight="false")
+    assert alone.quantization.bits == switched_off.quantization.bits == 8
+    assert not alone.warnings and [w[:6] for w in switched_off.warnings] == ["W10010"]
