@@ -63,6 +63,10 @@ class TextTokenizer:
         """One token as text, keeping leading spaces visible to a reader."""
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def token_chars(self, token_id: int) -> int:
+        """Characters one token adds to decoded text: none for a special token, which `decode` drops."""
+        return len(self._tokenizer.decode([token_id], skip_special_tokens=True))
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for: a token holding part of a character (a byte-level piece, a
         `<0xE2>` byte-fallback token) is its bytes, where its text would show a replacement character."""

@@ -34,10 +34,14 @@ class Guard:
         """(key, None) when the call may go on, else (None, reason) for a 401."""
         if not self.api_keys:
             return None, None
-        key = header[len("Bearer "):].strip() if header and header.startswith("Bearer ") else None
+        key = self.presented_key(header)
         if key not in self.api_keys:
             return None, "a valid API key is required (Authorization: Bearer <key>)"
         return key, None
+
+    def presented_key(self, header: str | None) -> str | None:
+        """The key a request presents, valid or not (for the audit log, which records it hashed)."""
+        return header[len("Bearer "):].strip() if header and header.startswith("Bearer ") else None
 
     def reserve(self, key: str | None, tokens: int) -> int | None:
         """Set `tokens` of `key`'s quota aside for a request, unless fewer are left: then the number left

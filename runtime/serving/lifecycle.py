@@ -97,8 +97,10 @@ class _Process(uvicorn.Server):
                 self.say(line)
 
     def handle_exit(self, sig, frame) -> None:
+        if self._draining and self.server.stop_waiting():  # a second signal: what still runs ends now (503)
+            return
         if self._draining or not self.started:
-            super().handle_exit(sig, frame)  # a second signal, or one before listening: uvicorn's own way
+            super().handle_exit(sig, frame)  # a third signal, or one before listening: uvicorn's own way
             return
         self._draining = True
         # a signal handler may not touch the loop but through its thread-safe door

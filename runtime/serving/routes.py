@@ -24,14 +24,24 @@ from runtime.serving.wire import (BodyError, ChatBody, ChatCompletion, Choice, C
                                   validation_error_body)
 
 
+GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")  # the requests the audit log records
+
+
 def create_app(server: Server) -> FastAPI:
     """The application answering for `server` (which its owner loads and drains)."""
     app = FastAPI(title="cann-llm")
     app.add_middleware(BodyLimit, max_bytes=server.settings.max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
-    async def malformed(_, error: RequestValidationError):
+    async def malformed(http: Request, error: RequestValidationError):
+        if http.url.path in GENERATION_PATHS:
+            server.refused(http.headers.get("authorization"), None, http.url.path, 400)
         return _json(validation_error_body(list(error.errors())), 400)
+
+    def refused(http: Request, model: str | None, endpoint: str, refusal: Refusal) -> Response:
+        """A generation request's refusal, recorded in the audit log."""
+        server.refused(http.headers.get("authorization"), model, endpoint, refusal.status)
+        return _refused(refusal)
 
     @app.exception_handler(HTTPException)
     async def refused_by_the_framework(_, error: HTTPException):
@@ -77,8 +87,11 @@ def create_app(server: Server) -> FastAPI:
         try:
             generation = await asyncio.to_thread(server.start, http.headers.get("authorization"), body.model,
                                                  "/generate", body.sampling(), prompt=body.prompt)
-            done = await server.complete(generation, http.is_disconnected)
         except Refusal as refusal:
+            return refused(http, body.model, "/generate", refusal)
+        try:
+            done = await server.complete(generation, http.is_disconnected)
+        except Refusal as refusal:  # ended after admission: the audit has it from the engine's accounting
             return _refused(refusal)
         stats = done.request.stats
         return generate_response(done.text, stats.total_s or 0.0, stats.prompt_tokens, stats.output_tokens,
@@ -93,7 +106,7 @@ def create_app(server: Server) -> FastAPI:
                               "invalid_request_error", param="echo")
             generations = await _start(server, http, body, "/v1/completions", prompt=body.prompt)
         except Refusal as refusal:
-            return _refused(refusal)
+            return refused(http, body.model, "/v1/completions", refusal)
         echo = (body.prompt if isinstance(body.prompt, str) else engine.tokenizer.decode(body.prompt)) if body.echo else ""
         shape = _shape(Completion, generations[0].model, engine)
         return await _answer(server, http, generations, shape, body, echo)
@@ -108,7 +121,7 @@ def create_app(server: Server) -> FastAPI:
             generations = await _start(server, http, body, "/v1/chat/completions", messages=body.message_dicts(),
                                        tools=body.tool_dicts(), conversation=conversation)
         except Refusal as refusal:
-            return _refused(refusal)
+            return refused(http, body.model, "/v1/chat/completions", refusal)
         engine = server.engines[generations[0].model]
         return await _answer(server, http, generations, _shape(ChatCompletion, generations[0].model, engine), body)
 
@@ -166,11 +179,13 @@ def _shape(kind: type[Completion], model: str, engine) -> Completion:
     """An answer's shapes, spelling tokens with the model's tokenizer (as their ids without one)."""
     if engine.tokenizer is None:
         return kind(model)
-    return kind(model, engine.tokenizer.token_text, engine.tokenizer.token_bytes)
+    return kind(model, engine.tokenizer.token_text, engine.tokenizer.token_bytes, engine.tokenizer.token_chars)
 
 
 def _refused(refusal: Refusal) -> Response:
     headers = {"Retry-After": str(refusal.retry_after_s)} if refusal.retry_after_s is not None else None
+    if refusal.status in (429, 503) and headers is None:  # one that waiting will not clear: clients that retry
+        headers = {"x-should-retry": "false"}  # such statuses by themselves (the openai SDK) are told not to
     return _json(error_body(refusal.status, refusal.message, refusal.kind, refusal.param), refusal.status, headers)
 
 
@@ -255,7 +270,7 @@ async def _events(server: Server, generations: list[Generation], shape: Completi
 
     def chunk(index: int, text: str, reason: str | None, logprobs: list | None = None) -> str:
         offset = spelled[index]
-        spelled[index] += sum(len(shape.token_text(t.token_id)) for t in logprobs or ())
+        spelled[index] += sum(shape.token_chars(t.token_id) for t in logprobs or ())
         return framed(shape.chunk(index, text, reason, logprobs, offset))
 
     def new_logprobs(index: int, finished: bool = False) -> list | None:

@@ -20,7 +20,8 @@ import os
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+from functools import partial
 from typing import AsyncIterator, Awaitable, Callable, NoReturn
 
 from runtime.conversation import Conversation, ConversationManager
@@ -158,6 +159,7 @@ class Server:
         self.breakers: dict[str, CircuitBreaker] = {}  # by model name; one per engine
         self._lock = threading.Lock()  # accounting happens on the engines' threads
         self._closed = False
+        self._grace_over = False
 
     # ---- the engines ---------------------------------------------------------------------------------
 
@@ -217,7 +219,8 @@ class Server:
         if status != "ok":
             why = {"loading": "the models are still loading", "shutting down": "the server is shutting down",
                    "error": f"the models could not be loaded: {self.error}"}[status]
-            raise Refusal(503, why, "unavailable")
+            # a load that failed stays failed: no Retry-After, so a client does not wait for it
+            raise Refusal(503, why, "unavailable", None if status == "error" else self.settings.retry_after_s)
         key = self.authorise(authorization)
         name = model or next(iter(self.engines))
         if name not in self.engines:
@@ -237,6 +240,8 @@ class Server:
         that leaves less room than `tokens_asked` (new tokens the request set explicitly, and the field that
         set them) is refused, as OpenAI refuses it; a conversation kept here is compacted for them instead."""
         key, name, engine = self.engine_for(authorization, model)
+        fault = partial(_param_at_fault, prompt="messages" if messages is not None else "prompt",
+                        schema="tools" if tools else "response_format")
         if self.guard.blocked(_said(prompt, messages, tools)):
             self._reject(name, Refusal(400, "the prompt contains blocked content", "content_filter"))
         blocked = self.guard.blocked_terms
@@ -252,7 +257,7 @@ class Server:
                         messages = _with_system(messages, described(tools))
                     ids = engine.encode(engine.chat_prompt(messages, tools or None) if messages is not None else prompt)
             except ValueError as error:
-                self._reject(name, Refusal(400, str(error), "invalid_request_error"))
+                self._reject(name, Refusal(400, str(error), "invalid_request_error", param=fault(error)))
             except Exception as error:  # the chat template's own errors (jinja's), or a prompt it cannot tokenize
                 self._reject(name, Refusal(400, f"the prompt cannot be rendered or tokenized: {error}",
                                            "invalid_request_error"))
@@ -264,7 +269,7 @@ class Server:
                          f"completion). Please reduce the length of the prompt or completion.",
                     "invalid_request_error", param=field))
             choices = [sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i) for i in range(n)]
-            return self._admit(name, key, endpoint, blocked, ids, choices, kept)
+            return self._admit(name, key, endpoint, blocked, ids, choices, kept, fault)
         except BaseException:
             if kept is not None:
                 kept.end(None)
@@ -288,7 +293,8 @@ class Server:
         return self.start_choices(authorization, model, endpoint, params, 1, **prompt)[0]
 
     def _admit(self, name: str, key: str | None, endpoint: str, blocked: tuple[str, ...], ids: list[int],
-               choices: list[SamplingParams], turn: Turn | None = None) -> list[Generation]:
+               choices: list[SamplingParams], turn: Turn | None = None,
+               fault: Callable[[ValueError], str | None] = lambda _: None) -> list[Generation]:
         """Take the choices' places in the model's queue and reserve the quota they may use, all at once (so
         concurrent requests cannot all pass one check), then submit them; if one is refused by the engine,
         those submitted before it are ended as refused and their reservation given back whole."""
@@ -297,17 +303,19 @@ class Server:
         reserved = len(ids) + sum(each)
         with self._lock:
             if self.closing:  # the drain began while this one was being tokenized
-                raise Refusal(503, "the server is shutting down", "unavailable")
+                raise Refusal(503, "the server is shutting down", "unavailable", self.settings.retry_after_s)
+            if len(choices) > self.settings.max_pending:  # would never be admitted: not worth a retry
+                self._reject(name, Refusal(400, f"n is {len(choices)}: more choices than the server runs at once "
+                                                f"({self.settings.max_pending})", "invalid_request_error", param="n"))
             if self.pending[name] + len(choices) > self.settings.max_pending:
                 self._reject(name, Refusal(429, "the server is at capacity; retry shortly", "rate_limit_exceeded",
                                            self.settings.retry_after_s))
             pages = [-(-(len(ids) + n) // engine.page_size) for n in each]
             self._check_memory(name, engine, sum(pages))
             left = self.guard.reserve(key, reserved)
-            if left is not None:
+            if left is not None:  # a quota never refills: no Retry-After (OpenAI's insufficient_quota)
                 self._reject(name, Refusal(429, f"the token quota of this key is spent: this request may use "
-                                                f"{reserved} tokens, {left} are left", "quota_exceeded",
-                                           self.settings.retry_after_s))
+                                                f"{reserved} tokens, {left} are left", "insufficient_quota"))
             # last: once the breaker lets a half-open probe through, the request must run
             wait = self.breakers[name].admit() if self.settings.breaker_threshold else None
             if wait is not None:
@@ -339,7 +347,7 @@ class Server:
                 self._kv_demand[id(engine)] -= sum(pages[len(started):])
             self.guard.refund(key, reserved - sum(g.reserved for g in started))
             if isinstance(error, ValueError):
-                self._reject(name, Refusal(400, str(error), "invalid_request_error"))
+                self._reject(name, Refusal(400, str(error), "invalid_request_error", param=fault(error)))
             raise
         return started
 
@@ -356,10 +364,19 @@ class Server:
             demand = self._kv_demand.get(id(each), 0) + (pages if each is engine else 0)
             growth += max(0, min(demand, each.blocks.num_pages) - each.blocks.touched) * each.kv_bytes_per_page
         projected = resident_bytes() + growth
-        if projected > limit * 2 ** 20:
-            self._reject(name, Refusal(503, f"the server is near its memory limit ({limit} MiB): this request could "
-                                            f"take it to {projected / 2 ** 20:.0f} MiB; retry shortly", "unavailable",
-                                       self.settings.retry_after_s))
+        if projected <= limit * 2 ** 20:
+            return
+        if not any(self.pending.values()):  # nothing else holds memory that will come back: waiting cannot help
+            self._reject(name, Refusal(400, f"the request could take the server's memory past its limit ({limit} "
+                                            f"MiB) even alone: {projected / 2 ** 20:.0f} MiB; ask for fewer tokens",
+                                       "invalid_request_error", param="max_tokens"))
+        self._reject(name, Refusal(503, f"the server is near its memory limit ({limit} MiB): this request could "
+                                        f"take it to {projected / 2 ** 20:.0f} MiB; retry shortly", "unavailable",
+                                   self.settings.retry_after_s))
+
+    def refused(self, authorization: str | None, model: str | None, endpoint: str, status: int) -> None:
+        """Record a generation request refused (`status`) before it ran: the audit log has every request."""
+        self.guard.audit(self.guard.presented_key(authorization), model or "", endpoint, status)
 
     def _reject(self, name: str, refusal: Refusal) -> NoReturn:
         self.metrics.rejected(name)
@@ -410,7 +427,8 @@ class Server:
 
     async def stream(self, generation: Generation) -> AsyncIterator[str]:
         """The answer's text pieces as they come; Refusal at the end unless it completed (503 when the
-        shutdown ended it, 500 when it failed). Leaving early cancels it."""
+        shutdown ended it, 504 past the request timeout, 500 when it failed). Leaving early cancels it."""
+        generation.request.expire_at(time.monotonic() + self.settings.request_timeout_s)
         finished = False
         try:
             async for piece in generation.request.aiter_text():
@@ -422,7 +440,7 @@ class Server:
         # the end is sent once the request is accounted: a conversation's next turn, or the same key's next
         # request, sees its lock released and its quota refunded
         await asyncio.wrap_future(generation.settled)
-        if generation.ended_by == "shutdown" or generation.request.finish_reason == "error":
+        if generation.ended_by == "shutdown" or generation.request.finish_reason in ("error", "timeout"):
             self._raise_unless_completed(generation)
 
     def end(self, generation: Generation, by: str) -> None:
@@ -488,7 +506,7 @@ class Server:
         rest (503), wait until the engines are done with every request, then close."""
         self.closing = True
         deadline = time.monotonic() + (self.settings.shutdown_grace_s if grace_s is None else grace_s)
-        while self._admitted() and time.monotonic() < deadline:
+        while self._admitted() and time.monotonic() < deadline and not self._grace_over:
             await asyncio.sleep(_POLL_S)
         # each engine ends its cancelled requests before its next step: bounded by one step. Ended again
         # each round: one admitted while the signal came (past the closing check, still being submitted)
@@ -500,6 +518,12 @@ class Server:
                 self.end(generation, "shutdown")
             await asyncio.sleep(_POLL_S)
         self.close()
+
+    def stop_waiting(self) -> bool:
+        """End the drain's grace now, so what is still in flight is ended with 503 (a second signal); False
+        when it was already over."""
+        cut, self._grace_over = not self._grace_over, True
+        return cut
 
     def close(self) -> None:
         """Close the engines (what still runs is cancelled, its pages freed) and the audit log."""
@@ -523,6 +547,25 @@ def _poll_interval(deadline: float) -> float:
     cancelled request winds down)."""
     left = deadline - time.monotonic()
     return min(0.25, left) if left > 0 else 0.25
+
+
+def _param_at_fault(error: ValueError, prompt: str, schema: str) -> str | None:
+    """The request field a refusal by the engine's checks is about, as OpenAI names it: a sampling setting
+    (named first in its message), the prompt (`prompt` or `messages`), or the schema a structured output or
+    a tool call is generated under (`response_format` or `tools`)."""
+    message = str(error)
+    starts = (("stop strings", "stop"), ("stop token id", "stop_token_ids"), ("logit_bias", "logit_bias"),
+              ("the turn does not fit", "max_tokens"), ("token id", prompt), ("the prompt", prompt))
+    param = next((param for start, param in starts if message.startswith(start)), None)
+    first = message.split(" ", 1)[0]
+    if param is None and first in _SAMPLING_FIELDS:
+        param = "max_tokens" if first == "max_new_tokens" else first
+    if param is None and ("structured output" in message or "JSON schema" in message or "grammar" in message):
+        param = schema
+    return param
+
+
+_SAMPLING_FIELDS = frozenset(item.name for item in fields(SamplingParams))
 
 
 def _said(prompt: str | list[int] | None, messages: list[dict] | None, tools: list[dict] | None) -> str:

@@ -436,11 +436,13 @@ class Choice:
 @dataclass(frozen=True)
 class Completion:
     """The shapes of one `/v1/completions` answer: its body, or the chunks of its stream. `token_text`
-    spells a token id for log-probabilities, `token_bytes` gives the bytes it stands for."""
+    spells a token id for log-probabilities, `token_bytes` gives the bytes it stands for, `token_chars` the
+    characters it adds to the text (none for a special token, which the text leaves out)."""
 
     model: str
     token_text: Callable[[int], str] = str
     token_bytes: Callable[[int], bytes] = lambda token_id: str(token_id).encode()
+    token_chars: Callable[[int], int] = lambda token_id: len(str(token_id))
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
     kind: ClassVar[str] = "text_completion"
@@ -469,7 +471,8 @@ class Completion:
         if logprobs is None:
             return None
         texts = [self.token_text(t.token_id) for t in logprobs]
-        offsets = list(itertools.accumulate(map(len, texts[:-1]), initial=offset)) if texts else []
+        lengths = [self.token_chars(t.token_id) for t in logprobs[:-1]]
+        offsets = list(itertools.accumulate(lengths, initial=offset)) if texts else []
         return {"tokens": texts, "token_logprobs": [t.logprob for t in logprobs],
                 "top_logprobs": [None if t.logprob is None else {self.token_text(i): lp for i, lp in t.top}
                                  for t in logprobs],

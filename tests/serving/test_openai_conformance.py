@@ -206,6 +206,20 @@ def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_ask(client
     assert len(tokens) == len(prompt) + 8 and offsets == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
 
 
+def test_echoed_text_offsets_index_the_text_when_the_prompt_has_a_special_token(client, om):
+    """A special token is echoed among the tokens but not in the text (decoding drops it): it takes no
+    characters, and every other token's offset points at its own text."""
+    tokenizer = TextTokenizer(load_artifact(om).om.tokenizer_files())
+    special = tokenizer._tokenizer.token_to_id("<|im_start|>")
+    prompt = [special, *tokenizer.encode("The capital of France is", add_special_tokens=False)]
+    choice = client.completions.create(model="smollm2", prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                       logprobs=0).choices[0]
+    assert not choice.text.startswith("<|im_start|>")
+    tokens, offsets = choice.logprobs.tokens, choice.logprobs.text_offset
+    assert tokens[0] == "<|im_start|>" and offsets[:2] == [0, 0]
+    assert all(choice.text[offset:offset + len(token)] == token for token, offset in zip(tokens[1:], offsets[1:]))
+
+
 def test_chat_logprobs_carry_each_tokens_bytes(client):
     """Characters split across tokens (byte-level pieces show as U+FFFD alone): the bytes add up to the text."""
     answer = client.chat.completions.create(
@@ -222,13 +236,13 @@ def test_chat_logprobs_carry_each_tokens_bytes(client):
     ({"extra_body": {"top_logprobs": 2}}, openai.BadRequestError, "top_logprobs"),
     ({"logit_bias": {"five": 1.0}}, openai.BadRequestError, "logit_bias.five"),
     ({"logit_bias": {"5": 101.0}}, openai.BadRequestError, "logit_bias"),
-    ({"logit_bias": {"999999999": 1.0}}, openai.BadRequestError, None),
+    ({"logit_bias": {"999999999": 1.0}}, openai.BadRequestError, "logit_bias"),
     ({"temperature": -1}, openai.BadRequestError, "temperature"),
     ({"n": 17}, openai.BadRequestError, "n"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      openai.BadRequestError, "messages.0.content"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
-     openai.BadRequestError, None),
+     openai.BadRequestError, "response_format"),
     ({"response_format": {"type": "json_object"}, "extra_body": {"structured_outputs": {"regex": "a"}}},
      openai.BadRequestError, "structured_outputs"),
     ({"model": "absent"}, openai.NotFoundError, "model"),

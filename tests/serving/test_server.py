@@ -117,6 +117,13 @@ def test_refusals_name_the_field_at_fault_or_none(server):
         refused = error_of(httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
             "model": "tiny", "messages": [{"role": "user", "content": "x"}], field: 10 ** 6}))
         assert refused["param"] == field and "maximum context length" in refused["message"]
+    # the engine's own checks name the field they refuse
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for extra, param in (({"temperature": 0.0005}, "temperature"), ({"min_tokens": 9}, "min_tokens"),
+                         ({"stop_token_ids": [999999]}, "stop_token_ids"), ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+                         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+                          "response_format")):
+        assert error_of(httpx.post(f"{server.url}/v1/chat/completions", json={**chat, **extra}, timeout=60))["param"] == param
 
 
 def test_a_model_is_retrieved_by_its_name(server):
@@ -189,10 +196,11 @@ def test_metrics_add_up(server):
     outcomes = {o: server.metric("cann_llm:requests_total", model_name="tiny", outcome=o)
                 for o in ("completed", "rejected", "cancelled", "failed")}
     # what the tests above sent: 6 answered (a completion and a chat, each also streamed, /generate, and the
-    # stream beside hostile ones), 9 refused by the engine's checks or for the context (an over-long prompt,
+    # stream beside hostile ones), 14 refused by the engine's checks or for the context (an over-long prompt,
     # 4 with ids outside the vocabulary, an overflowing penalty, 3 asking for more tokens than the context
-    # holds), 1 stream left mid-way; unknown models and bodies that fail validation never reach an engine
-    assert outcomes == {"completed": 6, "rejected": 9, "cancelled": 1, "failed": 0}
+    # holds, 5 with a setting out of range), 1 stream left mid-way; unknown models and bodies that fail
+    # validation never reach an engine
+    assert outcomes == {"completed": 6, "rejected": 14, "cancelled": 1, "failed": 0}
     assert server.metric("cann_llm:request_success_total", model_name="tiny", finished_reason="length") >= 1
     drafted = server.metric("cann_llm:spec_decode_num_draft_tokens_total", model_name="tiny")
     assert drafted > 0 and 0 <= server.metric("cann_llm:spec_decode_num_accepted_tokens_total", model_name="tiny") <= drafted
@@ -262,9 +270,14 @@ def test_keys_quotas_timeouts_capacity_filter_and_audit(om, tmp_path):
         url = f"{server.url}/v1/completions"
         # a token a step, EOS held off (a cached prompt and an early EOS could otherwise finish within 0.1 s)
         slow = {"prompt": "x" * 200, "max_tokens": 3500, "temperature": 0, "ignore_eos": True}
-        assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code == 401
-        k1, k2 = {"Authorization": "Bearer k1"}, {"Authorization": "Bearer k2"}
-        assert httpx.post(url, json={"prompt": "a Forbidden word", "max_tokens": 2}, headers=k1, timeout=60).status_code == 400
+        got = [httpx.post(url, json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code]
+        k1, k2, k3 = ({"Authorization": f"Bearer {key}"} for key in ("k1", "k2", "k3"))
+        got.append(httpx.post(url, json={"prompt": "a Forbidden word", "max_tokens": 2}, headers=k1, timeout=60).status_code)
+        assert got == [401, 400]
+        # more choices than --max-pending could ever admit: a 400 naming n, not a 429 to retry
+        too_many = httpx.post(url, json={"prompt": "hi", "max_tokens": 2, "n": 3}, headers=k1, timeout=60)
+        assert (too_many.status_code, too_many.json()["error"]["param"]) == (400, "n")
+        got.append(400)
         with httpx.Client(timeout=30) as client:
             import concurrent.futures
 
@@ -272,35 +285,51 @@ def test_keys_quotas_timeouts_capacity_filter_and_audit(om, tmp_path):
                 statuses = list(pool.map(lambda _: client.post(url, json=slow, headers=k2), range(6)))
         codes = sorted(r.status_code for r in statuses)
         assert 429 in codes and 504 in codes and set(codes) <= {429, 504}
-        assert all(r.headers["retry-after"] == "1" for r in statuses if r.status_code == 429)
+        # over capacity, retry shortly; past k2's quota (one such request reserves 3,700 tokens of its 4,000), never
+        kinds = {(r.json()["error"]["type"], r.headers.get("retry-after")) for r in statuses if r.status_code == 429}
+        assert kinds <= {("rate_limit_exceeded", "1"), ("insufficient_quota", None)}
         assert httpx.post(url, json=slow, headers=k1, timeout=30).status_code == 504
+        got += codes + [504]
+        # a stream is held to the same deadline: it ends with OpenAI's error event, then [DONE]
+        with httpx.stream("POST", url, json={**slow, "max_tokens": 2000, "stream": True}, headers=k3,
+                          timeout=30) as response:
+            events = [line for line in response.iter_lines() if line]
+        assert events[-1] == "data: [DONE]" and json.loads(events[-2].removeprefix("data: "))["error"]["code"] == 504
+        got.append(504)
         assert server.metric("cann_llm:kv_cache_usage_perc", model_name="tiny") == 0
         # a slow request reserves its prompt and all it may generate (3,700 tokens) and is refunded what it did
         # not use: k1 has at most 3,800 left, not enough for a request that may use 3,902
         spent = httpx.post(url, json={"prompt": "hi", "max_tokens": 3900}, headers=k1, timeout=60)
         assert spent.status_code == 429 and "quota" in spent.json()["error"]["message"]
+        got.append(429)
         # the same refusals as the openai SDK's own exception types, in OpenAI's shape
         sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="k1", max_retries=0, timeout=30)
         with pytest.raises(openai.RateLimitError) as limited:
             sdk.completions.create(model="tiny", prompt="hi", max_tokens=3900)
-        assert limited.value.body["type"] == "quota_exceeded" and limited.value.response.headers["retry-after"] == "1"
+        # a quota never refills: the client is told not to retry (the SDK would, by itself, on a 429)
+        headers = limited.value.response.headers
+        assert limited.value.body["type"] == "insufficient_quota" and "retry-after" not in headers
+        assert headers["x-should-retry"] == "false"
+        got.append(429)
         # on a key of its own: what k1 has left depends on how soon its timed-out request was stopped
         sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="k3", max_retries=0, timeout=30)
         with pytest.raises(openai.InternalServerError) as late:
             sdk.completions.create(model="tiny", prompt="x" * 200, max_tokens=2000, temperature=0,
                                    extra_body={"ignore_eos": True})
         assert late.value.status_code == 504 and late.value.body["type"] == "timeout"
+        got.append(504)
         # a short answer fits the 0.1 s deadline unless the host stalls the server that long: tried until it
         # does, and the audit read against what each try got
         tries: list[int] = []
         while len(tries) < 10 and 200 not in tries:
             tries.append(httpx.post(url, json={"prompt": "hi", "max_tokens": 2}, headers=k1, timeout=60).status_code)
         assert tries[-1] == 200 and set(tries) <= {200, 504}
+        # every request, refused or answered, with the status its client got
         records = [json.loads(line) for line in audit.read_text().splitlines()]
-        assert records and all(r["key_id"].startswith("key-") and "k1" not in json.dumps(r) for r in records)
-        earlier = records[:-len(tries)]
-        assert [r["status"] for r in records[-len(tries):]] == tries and {r["status"] for r in earlier} == {504}
-        assert all(r["tokens_in"] == 200 for r in earlier)
+        assert sorted(r["status"] for r in records) == sorted(got + tries)
+        assert [r["status"] for r in records[-len(tries):]] == tries
+        assert records[0]["key_id"] == "anonymous" and all(r["key_id"].startswith("key-") for r in records[1:])
+        assert "k1" not in audit.read_text() and all(r["tokens_in"] == 200 for r in records if r["status"] == 504)
     finally:
         server.stop()
 
@@ -324,7 +353,7 @@ def test_twelve_concurrent_requests_cannot_overdraw_a_60_token_quota(om, tmp_pat
             answers = list(pool.map(ask, range(12)))
         assert sorted(a.status_code for a in answers) == [200] * 6 + [429] * 6
         assert all(a.json()["usage"]["total_tokens"] == 10 for a in answers if a.status_code == 200)
-        assert {a.json()["error"]["type"] for a in answers if a.status_code == 429} == {"quota_exceeded"}
+        assert {a.json()["error"]["type"] for a in answers if a.status_code == 429} == {"insufficient_quota"}
         records = [json.loads(line) for line in audit.read_text().splitlines()]
         assert sum(r["tokens_in"] + r["tokens_out"] for r in records) == 60
     finally:
@@ -406,6 +435,32 @@ def test_sigterm_answers_every_request_in_flight_and_accounts_for_it(om, tmp_pat
     assert sorted(json.loads(line)["status"] for line in audit.read_text().splitlines()) == sorted(statuses)
     log = server.stderr.all()
     assert "Traceback" not in log and "Cancel" not in log, log
+
+
+def test_a_second_signal_ends_what_is_running_at_once_with_503(om):
+    """With a grace period far longer than the test, a second SIGTERM ends the request in flight now, with
+    OpenAI's 503, rather than handing over to uvicorn (which cut it with a plain-text 500 after 10 s)."""
+    server = Server("--model", f"tiny={om}", "--kv_cache_pages", "300", "--max_context_len", "32768",
+                    "--shutdown-grace", "600")
+    url = f"{server.url}/v1/completions"
+    endless = {"model": "tiny", "prompt": "x" * 1000, "max_tokens": 30000, "temperature": 0, "ignore_eos": True}
+    answers = []
+    client = threading.Thread(target=lambda: answers.append(httpx.post(url, json=endless, timeout=300)))
+    client.start()
+    deadline = time.time() + 120
+    while server.metric("cann_llm:num_requests_running", model_name="tiny") < 1:
+        assert time.time() < deadline, "the request never reached the engine"
+        time.sleep(0.05)
+    server.process.send_signal(signal.SIGTERM)
+    while httpx.get(f"{server.url}/health", timeout=60).json()["status"] != "shutting down":
+        assert time.time() < deadline, "the drain never began"
+        time.sleep(0.05)
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(timeout=120) in (0, -signal.SIGTERM)
+    client.join(timeout=120)
+    assert answers[0].status_code == 503
+    assert answers[0].json()["error"]["message"] == "the server shut down before the request finished"
+    assert "Traceback" not in server.stderr.all()
 
 
 def test_sigterm_during_32_streaming_and_plain_requests_with_a_core_busy(tmp_path):

@@ -49,7 +49,8 @@ def _refused(call) -> Refusal:
 
 def test_refusals_before_any_work(om, tmp_path):
     unloaded = Server({"tiny": str(om)})
-    assert _refused(lambda: unloaded.start(None, None, "/v1/completions", GREEDY, prompt="hi")).status == 503
+    loading = _refused(lambda: unloaded.start(None, None, "/v1/completions", GREEDY, prompt="hi"))
+    assert (loading.status, loading.retry_after_s) == (503, 1)
     block = tmp_path / "block.txt"
     block.write_text("forbidden\n")
     server = _server(om, api_keys=["k"], blocklist=str(block), settings=ServerSettings(max_pending=1))
@@ -126,7 +127,8 @@ def test_concurrent_requests_cannot_overdraw_a_quota(om):
         for asker in askers:
             asker.join(timeout=120)
         assert len(admitted) == 6 and sum(g.reserved for g in admitted) == 60
-        assert {(r.status, r.kind) for r in refused} == {(429, "quota_exceeded")} and len(refused) == 6
+        assert {(r.status, r.kind, r.retry_after_s) for r in refused} == {(429, "insufficient_quota", None)}
+        assert len(refused) == 6
         for generation in admitted:
             asyncio.run(server.complete(generation))
         assert server.guard.used == {"k": 60} and _count(server, "rejected") == 6 and _count(server, "completed") == 6
@@ -179,10 +181,11 @@ def test_n_choices_are_admitted_together_and_charge_their_prompt_once(om, tmp_pa
     server = _server(om, tmp_path, api_keys=["k"], quota_tokens=100, settings=ServerSettings(max_pending=3))
     params = {**GREEDY, "max_new_tokens": 8, "ignore_eos": True, "seed": 1}
     try:
+        # more choices than the server ever runs at once: no wait would let them in
         too_many = _refused(lambda: server.start_choices("Bearer k", None, "/x", params, 4, prompt="abc"))
         over_quota = _refused(lambda: server.start_choices("Bearer k", None, "/x", {**params, "max_new_tokens": 40},
                                                            3, prompt="abc"))
-        assert (too_many.kind, over_quota.kind) == ("rate_limit_exceeded", "quota_exceeded")
+        assert (too_many.status, too_many.param, over_quota.kind) == (400, "n", "insufficient_quota")
         assert server.guard.used.get("k", 0) == 0 and server.pending == {"tiny": 0}
         choices = server.start_choices("Bearer k", None, "/v1/completions", params, 3, prompt="abc")
         assert [g.reserved for g in choices] == [3 + 8, 8, 8] and server.guard.used == {"k": 27}
@@ -441,7 +444,15 @@ def test_a_request_that_could_outgrow_the_memory_limit_is_refused(om):
         _wait_until(lambda: server.in_flight == 0)
         assert resident_bytes() <= limit_mb * 2 ** 20
         # what the ended requests reserved is given back
-        assert len(server.start_choices(None, None, "/x", long, 16, prompt="hi")) == 16
+        again = server.start_choices(None, None, "/x", long, 16, prompt="hi")
+        assert len(again) == 16
+        for generation in again:
+            server.end(generation, "client")
+        _wait_until(lambda: server.in_flight == 0)
+        # a request that could not fit even with nothing else running is told so, not to retry
+        server.settings.max_memory_mb = resident_bytes() // 2 ** 20 + 1
+        alone = _refused(lambda: server.start_choices(None, None, "/x", long, 16, prompt="hi"))
+        assert (alone.status, alone.param, alone.retry_after_s) == (400, "max_tokens", None)
     finally:
         server.close()
 
