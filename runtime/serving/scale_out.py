@@ -44,9 +44,10 @@ class Scaling:
     imbalanced_threshold: int = 8   # queue-length spread past which load outweighs a cached prefix
 
     def deployment_options(self, max_pending: int, models: int, target_ongoing: int) -> dict:
-        """EngineReplica's `.options()`. A replica is sent as many requests as its server admits (`max_pending`
-        per model, so its 429 stays its own) and the ingress queues up to one replica's worth more before
-        answering 429 itself."""
+        """EngineReplica's `.options()`. A replica is sent at most as many requests as its server admits
+        (`max_pending` per model, whatever they ask for: a /v1/models call waits in the queue rather than let a
+        generation through that the replica would refuse), and the ingress queues up to one replica's worth
+        more before answering 429 itself."""
         from ray.serve.config import RequestRouterConfig
 
         scale = ({"autoscaling_config": {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
@@ -55,7 +56,7 @@ class Scaling:
                  if self.max_replicas else {"num_replicas": self.replicas})
         router = ROUTERS[self.router]
         kwargs = {"imbalanced_threshold": self.imbalanced_threshold} if self.router == "prefix" else {}
-        return {**scale, "max_ongoing_requests": max_pending * models + 8, "max_queued_requests": max_pending,
+        return {**scale, "max_ongoing_requests": max_pending * models, "max_queued_requests": max_pending,
                 "ray_actor_options": {"num_cpus": self.cpus},
                 "health_check_period_s": 2, "health_check_timeout_s": 30,
                 **({"request_router_config": RequestRouterConfig(request_router_class=router,
