@@ -27,10 +27,12 @@ from pathlib import Path
 import click
 import numpy as np
 
+from cli.bench_settings import BenchSettings
 from cli.common_options import shows_progress
 from cli.json_output import write_json
 from cli.llm_commands import engine_options, open_engine
 from models.data_files import EVAL_TEXT
+from runtime.errors import invalid_value
 from runtime.ort_session import session_options
 from runtime.progress import Progress, progress
 from runtime.signature import PAST_NAME, present_name
@@ -81,6 +83,15 @@ class OnnxRuntimeLoop:
             past = {self.carried[name]: value for name, value in zip(self.carried, outputs[1:])}
             first = first or time.perf_counter() - start
         return first, time.perf_counter() - start
+
+
+def _onnxruntime_loop(path: str) -> OnnxRuntimeLoop:
+    """The loop on `path`; E10001 naming --onnx when onnxruntime cannot load it (not ONNX, external data
+    missing, an operator it lacks)."""
+    try:
+        return OnnxRuntimeLoop(path)
+    except Exception as error:  # onnxruntime's own exception types, by what it found wrong
+        raise invalid_value(path, "onnx", f"onnxruntime cannot load it: {error}") from None
 
 
 def _engine_generate(engine, prompt: list[int], new_tokens: int, cold: bool = True):
@@ -226,10 +237,11 @@ def _print_table(report: dict, err: bool) -> None:
     echo("")
     echo("concurrency lookup requests  tok/s    TTFT p50/p99 ms   TPOT p50/p99 ms  KV pages live  peak seqs")
     for row in report["serving"]:
-        util = row["kv_page_utilisation"]
+        # a contiguous artifact has no pages to report
+        util = "-" if row["kv_page_utilisation"] is None else f"{row['kv_page_utilisation']:.3f}"
         echo(f"{row['concurrency']:>11} {row['lookup']:>6} {row['requests']:>8} {row['tokens_per_s']:>6.1f} "
                    f"{row['ttft_ms_p50']:>9.0f}/{row['ttft_ms_p99']:<7.0f} {row['tpot_ms_p50'] or 0:>8.1f}/"
-                   f"{row['tpot_ms_p99'] or 0:<7.1f} {util if util is None else f'{util:.3f}':>13} "
+                   f"{row['tpot_ms_p99'] or 0:<7.1f} {util:>13} "
                    f"{row['peak_sequences']:>10}")
     memory = report["kv_memory"]
     if memory["ratio"]:
@@ -252,10 +264,6 @@ def _print_table(report: dict, err: bool) -> None:
                    f"{row['full_scores_mb_per_layer']:.0f} MB)")
 
 
-def _ints(text: str) -> list[int]:
-    return [int(part) for part in text.split(",") if part.strip()]
-
-
 @click.command("bench")
 @engine_options
 @click.option("--onnx", "onnx_path", default=None, help="the original export with KV cache, run by onnxruntime beside")
@@ -275,24 +283,30 @@ def _ints(text: str) -> list[int]:
 def bench_command(onnx_path, text_file, num_requests, concurrency, prompt_lengths, output_lengths, prefill_tokens,
                   decode_tokens, repeats, long_prefill, seed, json_path, **engine_kwargs) -> None:
     """Measure batch-1 latency, serving throughput and KV memory; print a table and write JSON."""
-    levels = _ints(concurrency)
+    bench = BenchSettings.from_flags(onnx=onnx_path, text_file=text_file, requests=num_requests,
+                                     concurrency=concurrency, prompt_lengths=prompt_lengths,
+                                     output_lengths=output_lengths, prefill_tokens=prefill_tokens,
+                                     decode_tokens=decode_tokens, repeats=repeats, long_prefill=long_prefill, seed=seed)
+    levels = bench.concurrency
     engine_kwargs["max_batch_size"] = max([engine_kwargs["max_batch_size"], *levels])
     # a prompt of N tokens needs room for N + 1: every prompt the bench sends must fit
-    prompts = [prefill_tokens, DECODE_PROMPT_TOKENS, max(_ints(prompt_lengths)), *_ints(long_prefill)]
+    prompts = [DECODE_PROMPT_TOKENS, *bench.prompt_sizes().values()]
     engine_kwargs["max_context_len"] = max([engine_kwargs["max_context_len"], *(n + 1 for n in prompts)])
     rng = np.random.default_rng(seed)
     with open_engine(**engine_kwargs) as engine:
+        # a model that reads its positions from a table holds fewer than asked: say so before measuring
+        bench.check_fits(engine.max_context_len)
         loaded_kib = _resident_kib("VmRSS")
-        ids = engine._require_tokenizer().encode(Path(text_file).read_text(encoding="utf-8"))
-        ort_loop = OnnxRuntimeLoop(onnx_path) if onnx_path else None
+        ids = engine._require_tokenizer().encode(bench.text)
+        ort_loop = _onnxruntime_loop(onnx_path) if onnx_path else None
         # load the kernels and warm the sessions (a prefill as long as the measured ones, then decodes)
         _engine_generate(engine, ids[:prefill_tokens], 4)
         if ort_loop is not None:
             ort_loop.generate(ids[:prefill_tokens], 4)
         batch1 = _batch1(engine, ort_loop, _windows(ids, [prefill_tokens] * repeats, rng),
                          _windows(ids, [DECODE_PROMPT_TOKENS] * repeats, rng), decode_tokens)
-        low, high = _ints(prompt_lengths)
-        out_low, out_high = _ints(output_lengths)
+        low, high = bench.prompt_lengths
+        out_low, out_high = bench.output_lengths
         requests = list(zip(_windows(ids, rng.integers(low, high + 1, num_requests).tolist(), rng),
                             rng.integers(out_low, out_high + 1, num_requests).tolist()))
         serving = [_closed_loop(engine, requests, level) for level in levels]
@@ -313,7 +327,7 @@ def bench_command(onnx_path, text_file, num_requests, concurrency, prompt_length
             "kv_memory": {"peak_sequences": busiest["peak_sequences"], "peak_pages": busiest["peak_pages"],
                           "max_context_len": engine.max_context_len, "contiguous_sequences": fits,
                           "ratio": busiest["peak_sequences"] / fits if fits else None},
-            "long_prefill": _long_prefills(engine, ids, _ints(long_prefill), engine.dims.get("num_heads", 0)),
+            "long_prefill": _long_prefills(engine, ids, list(bench.long_prefill), engine.dims.get("num_heads", 0)),
         }
     to_stdout = json_path == "-"
     _print_table(report, err=to_stdout)

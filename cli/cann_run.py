@@ -22,24 +22,26 @@ import click
 import numpy as np
 
 from cli.coded_errors import main_with_codes
-from cli.common_options import CONTEXT_SETTINGS, dashes_for_underscores, log_level_option, shows_progress
+from cli.common_options import CONTEXT_SETTINGS, EXISTING_FILE, log_level_option, shows_progress
 from cli.json_output import write_json
 from cli.loading import loading
+from cli.text_inputs import checked_text
 from runtime.errors import AtcError
 from runtime.executor import BACKENDS, Executor
-from runtime.feeds import causal_lm_inputs, made_up_inputs, page_pool, parse_shapes, read_input_files
+from runtime.feeds import causal_lm_inputs, compiled_shapes, made_up_inputs, page_pool, parse_shapes, read_input_files
 from runtime.kernels.paged_attention import PagedInputError
 from runtime.loader import LoadedModel, load_artifact
-from runtime.safe_files import atomic_writer, make_dir, write_text
+from runtime.safe_files import atomic_writer, make_dir, read_text, write_text
 from runtime.shape_contract import ShapeContract
 
 
 class _RunByDefault(click.Group):
-    """msame-style calls (`cann-run --model x.om`) go to the `run` subcommand; every subcommand gets
-    `--log-level`, `-h` and both spellings of its long options."""
+    """msame-style calls (`cann-run --model x.om`, options first) go to the `run` subcommand, and so does
+    `cann-run` alone (which `run` then asks for --model); a first word that is no option must name a command.
+    Every subcommand gets `--log-level`, `-h` and both spellings of its long options."""
 
     def parse_args(self, ctx, args):
-        if args and dashes_for_underscores(args[0]) not in self.commands and args[0] not in ("--help", "-h", "--version"):
+        if not args or (args[0].startswith("-") and args[0] not in ("--help", "-h", "--version")):
             args = ["run", *args]
         return super().parse_args(ctx, args)
 
@@ -149,10 +151,16 @@ def run_command(model, input_files, output, output_dirname, outfmt, loop, warmup
     click.echo(f"[INFO] load model {model} success")
     executor = Executor(loaded, backend)
     if prompt is not None:
+        if not checked_text(prompt, "--prompt"):
+            raise AtcError("E10001", "''", "--prompt", "The prompt is empty: give text whose next token to rank.")
         for line in _top_tokens(loaded, executor, prompt, topk):
             click.echo(line)
         return
     signature, shapes = loaded.metadata["signature"], parse_shapes(dym_shape)
+    names = [value["name"] for value in signature["inputs"]]
+    unknown = next((name for name in shapes if name not in names), None)
+    if unknown is not None:
+        raise AtcError("E10016", unknown, "dymShape")
     if dym_batch is not None and dym_dims:
         raise AtcError("E10001", dym_dims, "--dymDims", "--dymBatch and --dymDims name a gear each: give one")
     if dym_batch is not None or dym_dims:
@@ -162,7 +170,9 @@ def run_command(model, input_files, output, output_dirname, outfmt, loop, warmup
     if input_files:
         feeds = read_input_files(input_files.split(","), signature, shapes)
     else:
-        feeds = made_up_inputs(signature, loaded.metadata.get("model", {}), shapes, pure_data_type,
+        # msame's made-up inputs take the compiled shapes (the smallest gear) unless told otherwise
+        compiled = compiled_shapes(ShapeContract.of(loaded.metadata)) if not (dym_batch or dym_dims) else {}
+        feeds = made_up_inputs(signature, loaded.metadata.get("model", {}), {**compiled, **shapes}, pure_data_type,
                                page_size=loaded.kv_cache.get("page_size"))
     # a paged artifact's keys and values live in a pool the runtime owns: one sized for the feeds' pages
     kv_cache = page_pool(loaded.metadata, feeds) if loaded.paged else None
@@ -191,7 +201,7 @@ def run_command(model, input_files, output, output_dirname, outfmt, loop, warmup
 
 @cli.command("eval-ppl")
 @click.option("--model", "-m", required=True, help="the .om to evaluate (with its tokenizer)")
-@click.option("--text", "text_file", required=True, type=click.Path(exists=True, dir_okay=False), help="a UTF-8 text file")
+@click.option("--text", "text_file", required=True, type=EXISTING_FILE, help="a UTF-8 text file")
 @click.option("--window", type=click.IntRange(min=2), default=512, show_default=True)
 @click.option("--stride", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--max_tokens", type=click.IntRange(min=2), default=None, help="score only the first N tokens")
@@ -206,8 +216,10 @@ def eval_ppl_command(model, text_file, window, stride, max_tokens, backend, json
     with loading(model):
         loaded = load_artifact(model)
         executor = Executor(loaded, backend)
-    ids = TextTokenizer(loaded.om.tokenizer_files()).encode(Path(text_file).read_text(encoding="utf-8"))
+    ids = TextTokenizer(loaded.om.tokenizer_files()).encode(read_text(text_file))
     ids = ids[:max_tokens] if max_tokens else ids
+    if len(ids) < 2:  # the first token is never scored: nothing would be
+        raise AtcError("E10001", text_file, "--text", f"It has {len(ids)} tokens; perplexity needs at least 2.")
     start = time.perf_counter()
     result = perplexity(executor, ids, window, min(stride, window), show_progress=shows_progress())
     seconds = time.perf_counter() - start

@@ -1,34 +1,119 @@
-"""Running a click command so that coded errors end it cleanly: one message, exit status 1."""
+"""Running a click command so that every way it ends is one a script can read: a failure is one coded message
+and exit status 1 (a bad command line too), Ctrl-C one line and death by SIGINT (130 in a shell), a reader
+that closed stdout exit status 141, as SIGPIPE ends a C tool."""
 
 from __future__ import annotations
 
+import difflib
 import logging
+import os
+import select
+import signal
 import sys
 import traceback
 
 import click
+from click.utils import _detect_program_name
 
+from cli.common_options import dashes_for_underscores
 from runtime.errors import AtcError
 
 EXIT_FAILURE = 1
 
 
 def main_with_codes(command: click.Command) -> None:
-    """Run `command`; an AtcError prints as `[ERROR] Exxxxx: ...` (never a traceback) and exits 1, and so
-    does any other failure, as the internal error E19999 (onnxruntime refusing a shape at run time, say), its
-    traceback printed only with debug logging on."""
+    """Run `command` on the process's arguments and exit. An AtcError prints as `[ERROR] Exxxxx: ...` (never a
+    traceback) and exits 1; so does a command line click refuses (E10001; E13001 for a file), and any other
+    failure, as the internal error E19999 (onnxruntime refusing a shape at run time, say), its traceback
+    printed only with debug logging on."""
+    args = sys.argv[1:]
+    interrupted = signal.getsignal(signal.SIGINT) is signal.default_int_handler  # a background job's stays ignored
+    if interrupted:
+        signal.signal(signal.SIGINT, _interrupt)
     try:
-        command.main(standalone_mode=False)
-    except AtcError as error:
-        click.echo(f"[ERROR] {error.render()}", err=True)
-        sys.exit(EXIT_FAILURE)
-    except click.exceptions.Abort:
-        sys.exit(EXIT_FAILURE)
+        with command.make_context(_detect_program_name(), args) as ctx:
+            command.invoke(ctx)
+        sys.stdout.flush()
+    except click.exceptions.Exit as done:  # --help, --version
+        sys.exit(done.exit_code)
+    except KeyboardInterrupt:
+        _die_by_sigint(_detect_program_name())
+    except BrokenPipeError:
+        if _stdout_gone():
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the last flush at exit cannot fail
+            sys.exit(128 + signal.SIGPIPE)
+        _fail(AtcError("E19999", reason="BrokenPipeError: the reader of stderr closed it"))
+    except click.UsageError as error:
+        _fail(_usage_error(error, args))
     except click.ClickException as error:
-        error.show()
-        sys.exit(error.exit_code)
+        _fail(AtcError("E10001", "the command line", "command line", error.format_message()))
+    except AtcError as error:
+        _fail(error)
     except Exception as error:
         if logging.getLogger().isEnabledFor(logging.DEBUG):
             traceback.print_exc()
-        click.echo(f"[ERROR] {AtcError('E19999', reason=f'{type(error).__name__}: {error}').render()}", err=True)
-        sys.exit(EXIT_FAILURE)
+        _fail(AtcError("E19999", reason=f"{type(error).__name__}: {error}"))
+
+
+def _fail(error: AtcError) -> None:
+    click.echo(f"[ERROR] {error.render()}", err=True)
+    sys.exit(EXIT_FAILURE)
+
+
+def _interrupt(signum, frame) -> None:
+    # once: a second Ctrl-C while the engine's worker is joined would leave it inside onnxruntime at exit
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def _die_by_sigint(program: str) -> None:
+    """One line, then the end a shell reads as Ctrl-C's (status 130), as atc ends."""
+    click.echo(f"\n{program} was stopped by SIGINT", err=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe its reader has closed (a broken stderr is not that)."""
+    poller = select.poll()
+    poller.register(sys.stdout.fileno(), select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def _usage_error(error: click.UsageError, args: list[str]) -> AtcError:
+    """click's refusal of the command line as E10001, naming the flag as the user typed it."""
+    if isinstance(error, click.NoSuchOption):
+        typed = _typed(error.option_name, args) or error.option_name
+        command = error.ctx.command if error.ctx else None
+        names = [opt for param in getattr(command, "params", []) for opt in getattr(param, "opts", [])]
+        close = difflib.get_close_matches(typed.replace("-", "_"), [n.replace("-", "_") for n in names], n=1)
+        hint = f" Did you mean '{next(n for n in names if n.replace('-', '_') == close[0])}'?" if close else ""
+        return AtcError("E10001", typed, "command line", f"No such option.{hint}")
+    if isinstance(error, click.BadParameter) and error.param is not None and error.param.opts:
+        flag = error.param.opts[0]
+        value = _value_of(error.param.opts, args)
+        reason = error.format_message() if isinstance(error, click.MissingParameter) else error.message
+        return AtcError("E10001", repr(value) if value is not None else "(none)", flag, reason)
+    if error.format_message().startswith("No such command") and args:
+        word = next((arg for arg in args if not arg.startswith("-")), args[0])
+        return AtcError("E10001", repr(word), "command", error.format_message())
+    return AtcError("E10001", repr(" ".join(args)[:80]), "command line", error.format_message())
+
+
+def _typed(normalized: str, args: list[str]) -> str | None:
+    """The word of `args` that click read as option `normalized` (it compares names with dashes)."""
+    return next((word.split("=", 1)[0] for word in args
+                 if dashes_for_underscores(word.split("=", 1)[0]) == normalized), None)
+
+
+def _value_of(opts: list[str], args: list[str]) -> str | None:
+    """The value given after one of `opts` (`--flag value` or `--flag=value`), the last one given."""
+    wanted = {dashes_for_underscores(opt) for opt in opts}
+    found = None
+    for at, word in enumerate(args):
+        name, eq, value = word.partition("=")
+        if dashes_for_underscores(name) in wanted:
+            found = value if eq else (args[at + 1] if at + 1 < len(args) else None)
+    return found

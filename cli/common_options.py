@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import click
+
+from runtime.errors import AtcError
 
 LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 DEFAULT_LOG_LEVEL = "warning"
@@ -69,3 +72,20 @@ def log_level_option(command):
         command.params.append(click.Option(["--log-level"], **_LOG_LEVEL))
         return command
     return click.option("--log-level", **_LOG_LEVEL)(command)
+
+
+class _ExistingFile(click.ParamType):
+    """A path to a file that exists: E13001 naming it otherwise (a directory too), as a file that cannot be
+    read is everywhere else, where click's own Path check would exit 2 uncoded."""
+
+    name = "file"
+
+    def convert(self, value, param, ctx):
+        if not os.path.exists(value):
+            raise AtcError("E13001", value, "No such file or directory")
+        if os.path.isdir(value):
+            raise AtcError("E13001", value, "Is a directory")
+        return value
+
+
+EXISTING_FILE = _ExistingFile()

@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
-import json
+import re
 import sys
 from dataclasses import fields
 from functools import wraps
 
 import click
 from click.core import ParameterSource
+from jinja2.exceptions import TemplateError
 
+from cli.common_options import EXISTING_FILE, shows_progress
+from cli.json_output import write_json
 from cli.loading import loading
+from cli.text_inputs import checked_text, shown
+from runtime.chat_template import compile_template
 from runtime.conversation import COMPACTIONS, Conversation, ConversationSettings
 from runtime.long_context import SCORINGS, LongContext
 from runtime.engine.config import EngineConfig
 from runtime.engine.engine import GenerationFailed
-from runtime.errors import AtcError
-from runtime.safe_files import read_text, write_text
+from runtime.engine.sampling import MIN_TEMPERATURE, PENALTY_RANGE, SamplingParams
+from runtime.errors import AtcError, invalid_value
+from runtime.safe_files import read_text
 
 
 def _engine_option(item):
@@ -25,7 +31,7 @@ def _engine_option(item):
     if "choices" in meta:
         kind = click.Choice(meta["choices"])
     elif meta.get("path"):
-        kind = click.Path(exists=True, dir_okay=False)
+        kind = EXISTING_FILE
     elif item.type in (bool, "bool"):
         return click.option(f"--{item.name}/--no_{item.name}", default=item.default, show_default=True, help=meta["help"])
     else:
@@ -50,11 +56,13 @@ def engine_options(command):
 
 _SAMPLING_OPTIONS = [
     click.option("--max_new_tokens", type=click.IntRange(min=1), default=128, show_default=True),
-    click.option("--temperature", type=click.FloatRange(min=0), default=0.7, show_default=True, help="0 is greedy"),
+    # no click range: 0, then a gap up to MIN_TEMPERATURE, which SamplingParams refuses naming the flag
+    click.option("--temperature", type=float, default=0.7, show_default=True,
+                 help=f"0 is greedy; otherwise at least {MIN_TEMPERATURE:g}"),
     click.option("--top_p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True),
     click.option("--top_k", type=click.IntRange(min=0), default=0, show_default=True),
-    click.option("--repetition_penalty", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True),
-    click.option("--seed", type=int, default=None),
+    click.option("--repetition_penalty", type=click.FloatRange(*PENALTY_RANGE), default=1.0, show_default=True),
+    click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=None),
     click.option("--stop", multiple=True, help="stop string (repeatable)"),
 ]
 
@@ -82,17 +90,43 @@ def given(settings: dict) -> dict:
 
 def open_engine(model, **settings):
     """An LLMEngine from the shared options (`EngineConfig`'s fields); AtcError for a file that is not a
-    runnable artifact."""
+    runnable artifact. The settings are checked before the model loads, which takes seconds."""
     from runtime.engine.engine import LLMEngine
 
+    overrides = given(settings)
+    EngineConfig(**overrides)  # its ValueError names the setting
+    template_file = overrides.get("chat_template_file")
+    if template_file is not None:
+        try:
+            compile_template(read_text(template_file))
+        except TemplateError as error:
+            raise invalid_value(template_file, "chat_template_file", f"It is not a jinja template: {error}.") from None
     # the command owns its process, so the engine's sessions may share onnxruntime's process-wide pool
     with loading(model):
-        return LLMEngine(model, **given(settings), process_thread_pool=True)
+        return LLMEngine(model, **overrides, process_thread_pool=True)
 
 
-def _sampling(kwargs: dict) -> dict:
+def _sampling(kwargs: dict) -> SamplingParams:
+    """The sampling options taken out of `kwargs`, checked before the model loads."""
     keys = ("max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop")
-    return {key: kwargs.pop(key) for key in keys}
+    return SamplingParams(**{key: kwargs.pop(key) for key in keys})
+
+
+_WORDS = re.compile(r"[A-Za-z_]+")
+
+
+def refused(error: ValueError, flag: str, value) -> AtcError:
+    """E10001 for what the engine or a setting refused, naming the option its message is about, else `flag`
+    (as printed: `--prompt`, `stdin`) with `value`. A setting's message opens with its name or names it
+    (`... num_speculative_tokens ...`: names with an underscore are never plain words); one about "the prompt"
+    is the prompt's (or the turn's) even where it names the limit it broke."""
+    options = click.get_current_context().params
+    words = _WORDS.findall(str(error))
+    candidates = [] if words[:2] == ["the", "prompt"] else [*words[:1], *(w for w in words if "_" in w), *words]
+    named = next((word for word in candidates if word in options), None)
+    if named is not None:
+        flag, value = f"--{named}", options[named]
+    return AtcError("E10001", shown(value), flag, str(error))
 
 
 def _value_errors_as_codes(fn):
@@ -101,21 +135,25 @@ def _value_errors_as_codes(fn):
         try:
             return fn(*args, **kwargs)
         except ValueError as error:
-            said = kwargs.get("prompt")
-            value = repr(said if len(said) <= 40 else said[:37] + "...") if isinstance(said, str) else "request"
-            raise AtcError("E10001", value, "--prompt", str(error)) from None
+            raise refused(error, "--prompt", kwargs.get("prompt", "request")) from None
         except GenerationFailed as error:  # a fault inside the engine's step: ours, not the request's
             raise AtcError("E19999", reason=str(error)) from None
     return run
 
 
-def _stream(engine, prompt, params: dict, out):
-    request = engine.submit(prompt, **params)
+def _stream(engine, prompt, params: SamplingParams, out):
+    request = engine.submit(prompt, params)
     for piece in request.iter_text():
         out.write(piece)
         out.flush()
     request.result()
     return request
+
+
+def _info(line: str) -> None:
+    """An `[INFO]` line on stderr, unless `--log-level error` asked for errors only."""
+    if shows_progress():
+        click.echo(line, err=True)
 
 
 def _stats_line(request) -> str:
@@ -132,8 +170,9 @@ def _stats_line(request) -> str:
 @click.option("--prompt", "-p", required=True, help="the text to continue")
 @click.option("--chat_template/--no_chat_template", default=False, show_default=True,
               help="wrap the prompt as one user message in the model's chat template")
-@click.option("--json", "json_path", default=None, help="write the text and the request's stats here")
-@click.option("--context_file", type=click.Path(exists=True, dir_okay=False), default=None,
+@click.option("--json", "json_path", default=None,
+              help="write the text and the request's stats here; - is stdout (the text then streams to stderr)")
+@click.option("--context_file", type=EXISTING_FILE, default=None,
               help="a document to answer --prompt from: its passages most relevant to the question (BM25) that "
                    "fit the context are given to the model with it, through the chat template")
 @click.option("--context_scoring", type=click.Choice(SCORINGS), default="bm25", show_default=True,
@@ -148,20 +187,22 @@ def generate_command(prompt, chat_template, json_path, context_file, context_sco
     with open_engine(**kwargs) as engine:
         if document is not None:
             long_context = LongContext(engine.tokenizer, scoring=context_scoring, embed=engine.embed_tokens)
-            text, selection = long_context.prompt(engine, document, prompt, params["max_new_tokens"])
-            click.echo(f"[INFO] context: {len(selection.chunks)} passages, {selection.tokens} of the document's "
-                       f"{selection.document_tokens} tokens", err=True)
+            text, selection = long_context.prompt(engine, document, prompt, params.max_new_tokens)
+            _info(f"[INFO] context: {len(selection.chunks)} passages, {selection.tokens} of the document's "
+                  f"{selection.document_tokens} tokens")
         else:
-            text = engine.chat_prompt([{"role": "user", "content": prompt}]) if chat_template else prompt
-        request = _stream(engine, text, params, sys.stdout)
-    click.echo()
-    click.echo(_stats_line(request), err=True)
+            text = engine.chat_prompt([{"role": "user", "content": checked_text(prompt, "--prompt")}]) \
+                if chat_template else prompt
+        out = sys.stderr if json_path == "-" else sys.stdout  # stdout is the JSON's alone then
+        request = _stream(engine, text, params, out)
+    click.echo(file=out)
+    _info(_stats_line(request))
     if json_path:
         stats = request.stats
-        write_text(json_path, json.dumps({
+        write_json(json_path, {
             "text": request.text, "finish_reason": request.finish_reason, "prompt_tokens": stats.prompt_tokens,
             "cached_tokens": stats.cached_tokens, "output_tokens": stats.output_tokens, "ttft_s": stats.ttft_s,
-            "total_s": stats.total_s, "output_ids": request.output_ids}, indent=2) + "\n")
+            "total_s": stats.total_s, "output_ids": request.output_ids})
 
 
 @click.command("chat")
@@ -182,8 +223,13 @@ def chat_command(system, message, context_budget, compaction, **kwargs) -> None:
     are summarised by the model (or dropped) and a line says so.
     """
     params = _sampling(kwargs)
+    system = None if system is None else checked_text(system, "--system")
+    for turn in message:
+        if not checked_text(turn, "--message").strip():
+            raise invalid_value(repr(turn), "message", "A turn is empty: give text, or leave the turn out.")
     interactive = not message and sys.stdin.isatty()
-    turns = iter(message) if message else (line.rstrip("\n") for line in sys.stdin)
+    source = "--message" if message else "stdin"
+    turns = iter(message) if message else _stdin_turns()
     with open_engine(**kwargs) as engine:
         conversation = Conversation(engine, ConversationSettings(context_budget, compaction), system)
         while True:
@@ -195,14 +241,26 @@ def chat_command(system, message, context_budget, compaction, **kwargs) -> None:
             if not interactive:
                 click.echo(f"user> {turn}")
             seen = len(conversation.compactions)
-            prompt = conversation.prompt(turn, params["max_new_tokens"])
-            for compacted in conversation.compactions[seen:]:
-                click.echo(_compaction_line(engine, compacted), err=True)
-            click.echo("assistant> ", nl=False)
-            request = _stream(engine, prompt, params, sys.stdout)
+            try:
+                prompt = conversation.prompt(turn, params.max_new_tokens)
+                for compacted in conversation.compactions[seen:]:
+                    _info(_compaction_line(engine, compacted))
+                click.echo("assistant> ", nl=False)
+                request = _stream(engine, prompt, params, sys.stdout)
+            except ValueError as error:  # the turn, or the pool's size for it
+                raise refused(error, source, turn) from None
             click.echo()
-            click.echo(_stats_line(request), err=True)
+            _info(_stats_line(request))
             conversation.reply(request.text)
+
+
+def _stdin_turns():
+    """stdin's lines, each refused (E10001) unless it is UTF-8."""
+    try:
+        for line in sys.stdin:
+            yield checked_text(line.rstrip("\n"), "stdin")
+    except UnicodeDecodeError as error:
+        raise AtcError("E10001", "a line", "stdin", f"It is not UTF-8 text: {error}.") from None
 
 
 def _compaction_line(engine, compacted) -> str:

@@ -6,7 +6,7 @@ import os
 
 import click
 
-from cli.common_options import shows_progress
+from cli.common_options import EXISTING_FILE, shows_progress
 from cli.llm_commands import engine_options_without_model, given
 from runtime.errors import AtcError
 
@@ -34,7 +34,7 @@ def _models(values: tuple[str, ...]) -> dict[str, str]:
 @click.option("--api-key", "api_keys", multiple=True, help="accepted key (repeatable; or CANN_LLM_API_KEYS=a,b)")
 @click.option("--quota-tokens", type=click.IntRange(min=1), default=None, help="tokens in+out allowed per key")
 @click.option("--audit-log", default=None, help="append one JSON line per request here")
-@click.option("--blocklist", type=click.Path(exists=True, dir_okay=False), default=None,
+@click.option("--blocklist", type=EXISTING_FILE, default=None,
               help="a file of terms (one a line) refused in prompts and cut from outputs")
 @click.option("--max-pending", type=click.IntRange(min=1), default=256, show_default=True,
               help="requests admitted per model before 429")

@@ -20,6 +20,7 @@ from typing import Callable
 
 from compiler.tokenizer_files import TOKENIZER_FILES  # what atc packs into the artifact
 from runtime.errors import AtcError
+from runtime.safe_files import FILE_MODE
 
 EXPORTERS = ("dynamo", "torchscript")
 # protobuf cannot hold a model over 2 GiB; well below that, one file is easier to carry around
@@ -193,6 +194,9 @@ def export_checkpoint(cfg: ExportConfig, log: Callable[[str], None] = lambda mes
                            reason=message[-1] if message else type(error).__name__) from None
         # model.onnx last: a folder holding it holds everything it needs
         for item in sorted(staging.iterdir(), key=lambda p: p.name == "model.onnx"):
+            # as a plainly created file would be: the exporter writes its external data with mkstemp's 0600,
+            # which another user's atc could not read
+            os.chmod(item, FILE_MODE)
             item.replace(output / item.name)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -34,6 +34,23 @@ def parse_shapes(text: str, flag: str = "--dymShape") -> dict[str, list[int]]:
     return shapes
 
 
+def compiled_shapes(contract) -> dict[str, list[int]]:
+    """The shapes an artifact compiled with `--input_shape` (its `ShapeContract`, or None) runs made-up inputs
+    at: its smallest gear, else each input's fixed dims with a range's lowest value; an input with a free dim
+    (-1) is left to the defaults."""
+    if contract is None:
+        return {}
+    if contract.gears:
+        smallest = min(contract.gears, key=lambda gear: sorted(int(np.prod(s)) for s in gear.values()))
+        return {name: list(shape) for name, shape in smallest.items()}
+    shapes = {}
+    for name, dims in contract.input_shape.items():
+        concrete = [d[0] if isinstance(d, list) else d for d in dims]
+        if all(d >= 0 for d in concrete):
+            shapes[name] = concrete
+    return shapes
+
+
 def _shape(value: dict, shapes: dict[str, list[int]]) -> list[int]:
     if value["name"] in shapes:
         return shapes[value["name"]]
@@ -52,7 +69,7 @@ def read_input_files(paths: list[str], signature: dict, shapes: dict[str, list[i
         dtype = np.dtype(value["dtype"])
         file = Path(path)
         if not file.is_file():
-            raise AtcError("E13001", path, "No such file or directory")
+            raise AtcError("E13001", path, "Is a directory" if file.is_dir() else "No such file or directory")
         if file.suffix == ".npy":
             try:
                 array = np.load(file, allow_pickle=False)
@@ -65,6 +82,9 @@ def read_input_files(paths: list[str], signature: dict, shapes: dict[str, list[i
                 raise AtcError("E10001", path, "--input", f"{array.size} {dtype} values do not fill shape {shape} "
                                                           f"of {value['name']}; give --dymShape")
             array = array.reshape(shape)
+        if array.ndim != len(value["shape"]):
+            raise AtcError("E10001", path, "--input", f"{value['name']} has {len(value['shape'])} dimensions "
+                                                      f"{value['shape']}; the file holds {array.ndim} {list(array.shape)}")
         if array.dtype != dtype:
             raise AtcError("E10001", path, "--input", f"{value['name']} needs {dtype}, the file holds {array.dtype}")
         feeds[value["name"]] = array

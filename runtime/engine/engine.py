@@ -325,12 +325,25 @@ class LLMEngine:
                         native_matmul=config.native_matmul, share_weights=config.share_weights,
                         huge_pages=config.huge_pages)
 
+    def _pool_too_large(self, kv_cache_pages: int, error: OSError) -> AtcError:
+        """E10001 naming the setting that sized a page pool the machine cannot map, and what it would take."""
+        per_page = PagePool.bytes_per_page(self.dims["num_layers"], self.page_size, self.dims["num_kv_heads"],
+                                           self.dims["head_dim"])
+        megabytes = self.config.kv_cache_memory_mb
+        flag, value = ("kv_cache_pages", kv_cache_pages) if megabytes is None else ("kv_cache_memory_mb", megabytes)
+        return invalid_value(value, flag, f"A pool of {kv_cache_pages} pages of {self.page_size} tokens would take "
+                                          f"{kv_cache_pages * per_page / 2**30:.1f} GiB, more than this machine can "
+                                          f"map ({error.strerror or error}).")
+
     def _paged_runner(self, model_path, pipeline: dict | None, kv_cache_pages: int) -> PagedRunner:
         """The runner over this process's page pool, or over the stages' pools when the artifact is the first
         stage of a pipeline (its other stages are read beside it)."""
         if not pipeline:
-            pool = PagePool(self.dims["num_layers"], kv_cache_pages, self.page_size, self.dims["num_kv_heads"],
-                            self.dims["head_dim"])
+            try:
+                pool = PagePool(self.dims["num_layers"], kv_cache_pages, self.page_size, self.dims["num_kv_heads"],
+                                self.dims["head_dim"])
+            except OSError as error:  # mmap's ENOMEM: more than the machine will map, even lazily
+                raise self._pool_too_large(kv_cache_pages, error) from None
             return PagedRunner(self._executor(), pool)
         if pipeline["stage"] != 0:
             first = pipeline["files"][0]
@@ -360,6 +373,7 @@ class LLMEngine:
             if bad is not None:
                 raise ValueError(f"{name} {bad} is outside the vocabulary [0, {self.vocab_size})")
         ids = self.encode(prompt)
+        self._check_pool_holds(len(ids), params.max_new_tokens)
         constraint = None
         if params.structured_output is not None:
             if self._grammars is None:
@@ -371,6 +385,18 @@ class LLMEngine:
         request = Request(seq, detok, self)
         self._post(("add", request))
         return request
+
+    def _check_pool_holds(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """ValueError naming the pool's setting for a request that the whole pool could not hold: alone it
+        would be preempted by itself and end early, truncated, rather than waiting for pages never to come."""
+        # the last token is sampled, never computed: it takes no slot
+        slots = min(prompt_tokens + max_new_tokens, self.max_context_len) - 1
+        needed = -(-slots // self.page_size)
+        if needed > self.blocks.num_pages:
+            setting = "kv_cache_pages" if self.config.kv_cache_memory_mb is None else "kv_cache_memory_mb"
+            raise ValueError(f"{setting} gives a pool of {self.blocks.num_pages} pages of {self.page_size} tokens; "
+                             f"this request needs {needed} pages: {prompt_tokens} prompt tokens and up to "
+                             f"{max_new_tokens} new ones")
 
     def generate(self, prompts, sampling_params: SamplingParams | int | None = None,
                  temperature: float | None = None, **kwargs):

@@ -555,7 +555,8 @@ def _param_at_fault(error: ValueError, prompt: str, schema: str) -> str | None:
     a tool call is generated under (`response_format` or `tools`)."""
     message = str(error)
     starts = (("stop strings", "stop"), ("stop token id", "stop_token_ids"), ("logit_bias", "logit_bias"),
-              ("the turn does not fit", "max_tokens"), ("token id", prompt), ("the prompt", prompt))
+              ("the turn does not fit", "max_tokens"), ("kv_cache_", "max_tokens"), ("token id", prompt),
+              ("the prompt", prompt))
     param = next((param for start, param in starts if message.startswith(start)), None)
     first = message.split(" ", 1)[0]
     if param is None and first in _SAMPLING_FIELDS:

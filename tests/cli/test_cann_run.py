@@ -196,3 +196,39 @@ def test_made_up_inputs_of_a_graph_that_is_no_language_model_take_the_shapes_giv
     assert result.exit_code == 0, result.output
     written = list((tmp_path / "out").rglob("*.npy"))
     assert len(written) == 1 and np.load(written[0]).shape == (2, 3)
+
+
+def _cann_run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli.cann_run", *argv], capture_output=True, text=True, timeout=300)
+
+
+def test_made_up_inputs_take_the_shapes_the_model_was_compiled_with(tmp_path):
+    from models.tiny import tiny_onnx
+
+    fixed = compile_to(tiny_onnx("llama", dynamo=False, with_past=False), tmp_path / "fixed",
+                       input_shape={name: (1, 8) for name in ("input_ids", "attention_mask", "position_ids")})
+    result = _invoke("--model", str(fixed), "--output", str(tmp_path / "out"), "--output_dirname", "r")
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "out" / "r_summary.json").read_text())["outputs"]["logits"] == [1, 8, 256]
+
+
+def test_run_refuses_inputs_it_cannot_take_with_their_code(om_path, tmp_path):
+    np.save(tmp_path / "flat.npy", np.zeros(4, np.int64))
+    cases = [(["--dymShape", "foo:1,5"], "E10016", "Op name foo specified in --dymShape"),
+             (["--input", ",".join([str(tmp_path)] * 7)], "E13001", "Is a directory"),
+             (["--input", ",".join([str(tmp_path / "flat.npy")] * 7)], "E10001", "input_ids has 2 dimensions"),
+             (["--prompt", ""], "E10001", "The prompt is empty"),
+             (["--prompt", "Hi \udcff"], "E10001", "not valid UTF-8")]
+    for argv, code, words in cases:
+        proc = _cann_run("--model", str(om_path), *argv)
+        assert proc.returncode == 1 and f"[ERROR] {code}" in proc.stderr and words in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+def test_eval_ppl_refuses_a_text_that_is_not_utf8_or_empty(om_path, tmp_path):
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\n")
+    (tmp_path / "empty.txt").write_text("")
+    for name, code in (("latin1.txt", "E13001"), ("empty.txt", "E10001"), ("absent.txt", "E13001")):
+        proc = _eval_ppl(om_path, tmp_path / name)
+        assert proc.returncode == 1 and f"[ERROR] {code}" in proc.stderr and name in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr

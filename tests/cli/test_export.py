@@ -14,6 +14,7 @@ from generation_utils import hf_greedy, mixed_prompts
 
 from cann_llm import LLMEngine
 from runtime import load_artifact
+from runtime.safe_files import FILE_MODE
 
 FAMILY = "qwen2"  # q/k/v biases and a separate lm_head: a lost weight would show
 NEW_TOKENS = 32
@@ -49,6 +50,8 @@ def test_exported_checkpoint_compiles_paged_and_generates_like_transformers(chec
     proc = _cann_run("export", "--model", str(checkpoint), "--output", str(out), "--exporter", exporter)
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in out.iterdir()) == ["generation_config.json", "model.onnx", "tokenizer.json"]
+    # readable as any file the user makes (another user's atc compiles it)
+    assert {p.stat().st_mode & 0o777 for p in out.iterdir()} == {FILE_MODE}
     om = compile_to(out / "model.onnx", tmp_path / "m", enable_paged_attention=True)
     assert {"tokenizer.json", "generation_config.json"} <= set(load_artifact(om).om.tokenizer_files())
     prompts = mixed_prompts(4)

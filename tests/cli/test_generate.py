@@ -139,3 +139,136 @@ def test_generate_answers_from_a_context_file_that_does_not_fit(chat_om, tmp_pat
                                                result.stderr).groups())
     prompt = int(re.search(r"\[INFO\] prompt (\d+) tokens", result.stderr).group(1))
     assert total > 20_000 and kept < 1024 and passages >= 1 and prompt + 8 <= 1024
+
+
+@pytest.fixture(scope="module")
+def contiguous_om(tmp_path_factory, chat_om):
+    """The same tiny model and tokenizer with contiguous past/present I/O."""
+    import shutil
+
+    from conftest import compile_to
+
+    from models.tiny import tiny_onnx
+
+    source = tiny_onnx("llama", dynamo=False, with_past=True)
+    folder = tmp_path_factory.mktemp("tokenizer")
+    shutil.copy(source.with_name("tokenizer.json"), folder / "tokenizer.json")
+    return compile_to(source, tmp_path_factory.mktemp("om") / "contiguous", tokenizer=str(folder))
+
+
+BENCH_SMALL = ("--requests", "2", "--concurrency", "1", "--prompt_lengths", "8,16", "--output_lengths", "2,4",
+               "--prefill_tokens", "16", "--decode_tokens", "4", "--repeats", "1", "--long_prefill", "",
+               "--max_context_len", "64", "--log-level", "error")
+
+
+def test_bench_of_a_contiguous_artifact_prints_its_table_and_writes_json(contiguous_om, tmp_path):
+    out = tmp_path / "bench.json"
+    result = _cann_run("bench", "--model", str(contiguous_om), *BENCH_SMALL, "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["paged"] is False and report["serving"][0]["kv_page_utilisation"] is None
+    row = next(line for line in result.stdout.splitlines() if re.match(r"\s+1\s+0\s+2 ", line))
+    assert row.split()[-2] == "-"  # no pages to report
+
+
+@pytest.mark.parametrize("argv,code,flag", [
+    (["--concurrency", "a,b"], "E10001", "--concurrency"), (["--concurrency", "0"], "E10001", "--concurrency"),
+    (["--concurrency", "-1"], "E10001", "--concurrency"), (["--concurrency", ""], "E10001", "--concurrency"),
+    (["--prompt_lengths", "16,8"], "E10001", "--prompt_lengths"), (["--prompt_lengths", "8"], "E10001", "--prompt_lengths"),
+    (["--output_lengths", "0,4"], "E10001", "--output_lengths"), (["--long_prefill", "abc"], "E10001", "--long_prefill"),
+    (["--text", "{tmp}/absent.txt"], "E13001", "absent.txt"), (["--text", "{tmp}/latin1.txt"], "E13001", "not UTF-8"),
+    (["--text", "{tmp}/empty.txt"], "E10001", "--text"), (["--onnx", "{tmp}/absent.onnx"], "E13001", "absent.onnx"),
+    (["--onnx", "{tmp}/empty.txt"], "E10001", "--onnx"),
+])
+def test_bench_refuses_a_bad_flag_with_its_code_before_measuring(chat_om, tmp_path, argv, code, flag):
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9 au lait\n")
+    (tmp_path / "empty.txt").write_text(" \n")
+    argv = [word.format(tmp=tmp_path) for word in argv]
+    result = _cann_run("bench", "--model", str(chat_om), "--kv_cache_pages", "16", *BENCH_SMALL, *argv,
+                       "--json", str(tmp_path / "bench.json"))
+    assert result.returncode == 1 and f"[ERROR] {code}" in result.stderr and flag in result.stderr, result.stderr
+    assert "E19999" not in result.stderr and not (tmp_path / "bench.json").exists()
+
+
+@pytest.mark.parametrize("argv,flag,words", [
+    (["--prompt", "hi", "--kv_cache_pages", "1", "--max_new_tokens", "200"], "--kv_cache_pages", "needs 2 pages"),
+    (["--prompt", "word " * 60, "--kv_cache_pages", "2"], "--kv_cache_pages", "needs 4 pages"),
+    (["--prompt", "hi", "--kv_cache_pages", str(10**12)], "--kv_cache_pages", "more than this machine can map"),
+    (["--prompt", "hi", "--seed", "-5"], "--seed", "0<=x<="),
+    (["--prompt", "hi", "--stop", ""], "--stop", "stop strings must not be empty"),
+    (["--prompt", "hi", "--temperature", "nan"], "--temperature", "finite"),
+    (["--prompt", "hi", "--temperature", "1e-30"], "--temperature", "at least 0.001"),
+    (["--prompt", "hi", "--repetition_penalty", "0.001"], "--repetition_penalty", "0.01<=x<=100"),
+    (["--prompt", "hi", "--draft_model", "{om}"], "--num_speculative_tokens", "at least 1"),
+    (["--prompt", "hi", "--chat_template_file", "{tmp}/broken.jinja"], "--chat_template_file", "not a jinja template"),
+    (["--prompt", "Hi \udcff"], "--prompt", "not valid UTF-8"),
+    (["--prompt", "hi", "--max_new_token", "3"], "--max_new_token", "Did you mean '--max_new_tokens'?"),
+])
+def test_generate_names_the_flag_it_refuses(chat_om, tmp_path, argv, flag, words):
+    (tmp_path / "broken.jinja").write_text("{% for m in messages %}{{ m.content }")
+    argv = [word.format(om=chat_om, tmp=tmp_path) for word in argv]
+    result = _cann_run("generate", "--model", str(chat_om), "--temperature", "0", *argv)
+    assert result.returncode == 1 and "[ERROR] E10001" in result.stderr, result.stderr
+    assert f"parameter {flag} is invalid" in result.stderr or f"Value {flag} for" in result.stderr, result.stderr
+    assert words in result.stderr and "Traceback" not in result.stderr
+
+
+def test_generate_settings_are_checked_before_the_model_loads(chat_om):
+    result = _cann_run("generate", "--model", str(chat_om), "--prompt", "hi", "--temperature", "nan")
+    assert result.returncode == 1 and "loading" not in result.stderr
+
+
+@pytest.mark.parametrize("argv,stdin,flag", [
+    ([], "Hi \udcff\n", "stdin"), (["--message", "Hi \udcff"], None, "--message"),
+    (["--message", "hi", "--system", "Hi \udcff"], None, "--system"),
+    (["--message", "hi", "--message", "", "--message", "bye"], None, "--message"),
+    (["--max_context_len", "64", "--message", "w" * 100], None, "--message"),
+])
+def test_chat_refuses_a_turn_it_cannot_take_naming_where_it_came_from(chat_om, argv, stdin, flag):
+    result = subprocess.run([sys.executable, "-m", "cli.cann_run", "chat", "--model", str(chat_om), "--max_new_tokens",
+                             "4", "--kv_cache_pages", "16", *argv], capture_output=True, timeout=300,
+                            input=None if stdin is None else stdin.encode("utf-8", "surrogateescape"),
+                            env={**__import__("os").environ, "PYTHONUTF8": "1"})
+    stderr = result.stderr.decode("utf-8", "replace")
+    assert result.returncode == 1 and f"parameter {flag} is invalid" in stderr and "Traceback" not in stderr, stderr
+    assert b"user> bye" not in result.stdout
+
+
+def test_generate_json_to_stdout_streams_the_text_to_stderr_and_error_level_hides_info(chat_om):
+    result = _cann_run("generate", "--model", str(chat_om), "--prompt", "hello", "--temperature", "0",
+                       "--max_new_tokens", "6", "--kv_cache_pages", "16", "--json", "-", "--log-level", "error")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["output_tokens"] == 6 and report["text"] in result.stderr
+    assert "[INFO]" not in result.stderr and "loading" not in result.stderr
+
+
+def test_a_mistyped_command_is_named_and_the_msame_call_still_runs(chat_om):
+    result = _cann_run("genrate", "--model", str(chat_om), "-p", "hi")
+    assert result.returncode == 1 and "No such command 'genrate'" in result.stderr and "'generate'" in result.stderr
+    assert "[ERROR] E10001" in result.stderr
+    missing = _cann_run("generate", "--model", str(chat_om), "--prompt", "x", "--context_file", "absent.txt")
+    assert missing.returncode == 1 and "[ERROR] E13001" in missing.stderr and "absent.txt" in missing.stderr
+
+
+def test_ctrl_c_ends_generate_by_sigint_with_one_line(chat_om):
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "cli.cann_run", "generate", "--model", str(chat_om), "--prompt", "hi",
+                             "--max_new_tokens", "30000", "--max_context_len", "32768", "--kv_cache_pages", "256",
+                             "--temperature", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc.stdout.read(1)  # generating: the engine's worker is running
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGINT, stderr.decode()[-2000:]
+    assert b"Traceback" not in stderr and stderr.decode().rstrip().endswith("was stopped by SIGINT")
+
+
+def test_a_reader_that_closes_stdout_ends_generate_with_sigpipes_status(chat_om):
+    proc = subprocess.Popen([sys.executable, "-m", "cli.cann_run", "generate", "--model", str(chat_om), "--prompt", "hi",
+                             "--max_new_tokens", "2000", "--kv_cache_pages", "32", "--temperature", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=300) == 141 and b"Traceback" not in stderr and b"ERROR" not in stderr
