@@ -1,4 +1,6 @@
-"""`python -m apps.codegen generate|optimize|serve --model x.om ...`: code from the command line or over HTTP."""
+"""`python -m apps.codegen generate|optimize|serve --model x.om ...`: code from the command line or over HTTP.
+A user's mistake (a model that is missing, not compiled or without a chat template, an unreadable or
+empty input, an input too long for the model) is one coded message and a non-zero exit status."""
 
 from __future__ import annotations
 
@@ -6,7 +8,13 @@ import sys
 
 import click
 
+from apps.chat_model import DoesNotFit
+from apps.command import HOST, MAX_BODY, listen, max_new_tokens_option, open_chat_model, port_option, serve_on
+from apps.text_check import unusable
+from cli.coded_errors import main_with_codes
 from cli.common_options import CONTEXT_SETTINGS as HELP
+from runtime.errors import AtcError
+from runtime.safe_files import read_text
 
 
 @click.group(context_settings=HELP)
@@ -15,14 +23,13 @@ def main() -> None:
 
 
 def _generator(model: str, max_new_tokens: int):
-    from apps.codegen.service import CodeGenerator
-    from cli.llm_commands import open_engine
+    from apps.codegen.service import SHORTEST, CodeGenerator
 
-    return CodeGenerator(open_engine(model), max_new_tokens=max_new_tokens)
+    return CodeGenerator(open_chat_model(model, max_new_tokens, SHORTEST), max_new_tokens=max_new_tokens)
 
 
 _MODEL = click.option("--model", "-m", required=True, help="a chat model's .om (with its tokenizer)")
-_TOKENS = click.option("--max_new_tokens", default=512, show_default=True)
+_TOKENS = max_new_tokens_option(512)
 _LANGUAGE = click.option("--language", "-l", default="python", show_default=True)
 
 
@@ -33,51 +40,76 @@ _LANGUAGE = click.option("--language", "-l", default="python", show_default=True
 @click.argument("description")
 def generate(model: str, max_new_tokens: int, language: str, description: str) -> None:
     """Print code for DESCRIPTION in --language."""
-    generator = _generator(model, max_new_tokens)
-    try:
-        _print(generator.generate_code(description, language))
-    finally:
-        generator.engine.close()
+    _check(description, "DESCRIPTION", _shown(description))
+    _check(language, "--language", _shown(language))
+    _run(model, max_new_tokens, (_shown(description), "DESCRIPTION"),
+         lambda generator: generator.generate_code(description, language))
 
 
 @main.command(context_settings=HELP)
 @_MODEL
 @_TOKENS
 @_LANGUAGE
-@click.argument("source", type=click.File("r"))
-def optimize(model: str, max_new_tokens: int, language: str, source) -> None:
+@click.argument("source")
+def optimize(model: str, max_new_tokens: int, language: str, source: str) -> None:
     """Print a faster, clearer version of the code in SOURCE (a file, or - for stdin)."""
-    generator = _generator(model, max_new_tokens)
-    try:
-        _print(generator.optimize_code(source.read(), language))
-    finally:
-        generator.engine.close()
+    code = _stdin() if source == "-" else read_text(source)  # before the model loads: a bad file fails at once
+    _check(code, "SOURCE", source)
+    _check(language, "--language", _shown(language))
+    _run(model, max_new_tokens, (source, "SOURCE"), lambda generator: generator.optimize_code(code, language))
 
 
 @main.command(context_settings=HELP)
 @_MODEL
 @_TOKENS
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8081, show_default=True)
-def serve(model: str, max_new_tokens: int, host: str, port: int) -> None:
+@HOST
+@port_option(8081)
+@MAX_BODY
+def serve(model: str, max_new_tokens: int, host: str, port: int, max_body_bytes: int) -> None:
     """Serve POST /generate and POST /optimize."""
-    import uvicorn
-
     from apps.codegen.app import create_app
 
-    generator = _generator(model, max_new_tokens)
-    click.echo(f"codegen serving on http://{host}:{port}", err=True)
+    with listen(host, port) as listener:
+        generator = _generator(model, max_new_tokens)
+        try:
+            serve_on(listener, create_app(generator, max_body_bytes), "codegen serving on {url}")
+        finally:
+            generator.engine.close()
+
+
+def _stdin() -> str:
     try:
-        uvicorn.run(create_app(generator), host=host, port=port, log_level="warning")
+        return sys.stdin.buffer.read().decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise AtcError("E13001", "-", f"the standard input is not UTF-8 text: {error}") from None
+
+
+def _shown(text: str) -> str:
+    """`text` as an error message quotes it: short, and printable whatever it holds."""
+    return ascii(text if len(text) <= 40 else text[:37] + "...")
+
+
+def _check(text: str, name: str, shown: str) -> None:
+    """E10001 for text the service would refuse too (blank, or not UTF-8)."""
+    reason = unusable(text)
+    if reason is not None:
+        raise AtcError("E10001", shown, name, reason)
+
+
+def _run(model: str, max_new_tokens: int, given: tuple[str, str], ask) -> None:
+    """Print the code `ask(generator)` makes; E10001 naming `given` (the input as shown, its parameter) when
+    the input does not fit the model's context."""
+    generator = _generator(model, max_new_tokens)
+    try:
+        result = ask(generator)
+    except DoesNotFit as error:
+        raise AtcError("E10001", *given, str(error)) from None
     finally:
         generator.engine.close()
-
-
-def _print(result) -> None:
     sys.stdout.write(result.code)
     checked = "" if result.valid is None else (" (parses)" if result.valid else f" (does not parse: {result.error})")
     click.echo(f"[INFO] {result.attempts} answer(s){checked}", err=True)
 
 
 if __name__ == "__main__":
-    main()
+    main_with_codes(main)

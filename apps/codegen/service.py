@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
+from apps.chat_model import DoesNotFit, fitting_prompt
 from apps.codegen.extract import extract_code
 from runtime.engine.sampling import SamplingParams
 
@@ -17,6 +18,8 @@ OPTIMIZE = ("You are an expert {language} programmer. Rewrite the {language} cod
             "```{language}\n{code}\n```")
 PYTHON = ("python", "py", "python3")
 RETRY = "That code does not parse: {error}. Answer again with corrected code in one ```{language} block."
+# the messages of the shortest request: the model's context must hold them and an answer
+SHORTEST = [{"role": "user", "content": GENERATE.format(language="c", description="x")}]
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,8 @@ class CodeResult:
 
 class CodeGenerator:
     """Code from `engine` (an `LLMEngine` with a chat template); `max_new_tokens` per answer, greedy unless
-    `temperature` says otherwise."""
+    `temperature` says otherwise. A request whose prompt leaves less than `max_new_tokens` of the model's
+    context raises `DoesNotFit`."""
 
     def __init__(self, engine, max_new_tokens: int = 512, temperature: float = 0.0):
         self.engine = engine
@@ -54,13 +58,17 @@ class CodeGenerator:
         if error is not None:  # once more, shown what is wrong
             messages += [{"role": "assistant", "content": answer},
                          {"role": "user", "content": RETRY.format(error=error, language=language)}]
-            answer, code, error = self._answer(messages, language)
-            attempts = 2
+            try:
+                answer, code, error = self._answer(messages, language)
+                attempts = 2
+            except DoesNotFit:  # no room left to show the model its error: the first answer stands
+                pass
         checked = language.lower() in PYTHON
         return CodeResult(code, answer, (error is None) if checked else None, error, attempts)
 
     def _answer(self, messages: list[dict], language: str) -> tuple[str, str, str | None]:
-        answer = self.engine.submit(self.engine.chat_prompt(messages), self.params).result()
+        prompt = fitting_prompt(self.engine, messages, self.params.max_new_tokens)
+        answer = self.engine.submit(prompt, self.params).result()
         code = extract_code(answer, language)
         return answer, code, syntax_error(code, language)
 

@@ -1,5 +1,6 @@
 """The bot over HTTP: `POST /chat {"conversation_id", "message"}` answers `{"text", "sources", "escalated"}`;
-`GET /` is a small chat page (HTML and JavaScript, no build step); `GET /health`."""
+`GET /` is a small chat page (HTML and JavaScript, no build step); `GET /health`. A request too large
+(413), malformed or blank (422), or too long for the model's context (422) is refused with the reason."""
 
 from __future__ import annotations
 
@@ -12,18 +13,20 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel, Field
 
 from apps.customer_service.bot import CustomerServiceBot
+from apps.web import Text, guard
 
 PAGE = Path(__file__).with_name("static") / "index.html"
 
 
 class ChatBody(BaseModel):
     conversation_id: str = Field(min_length=1, max_length=128)
-    message: str = Field(min_length=1, max_length=4000)
+    message: Text = Field(min_length=1, max_length=4000)
 
 
-def create_app(bot: CustomerServiceBot) -> FastAPI:
-    """The service answering with `bot` (each message on a worker thread; one turn of a conversation at a time)."""
-    app = FastAPI(title="cann-llm customer service")
+def create_app(bot: CustomerServiceBot, max_body_bytes: int) -> FastAPI:
+    """The service answering with `bot` (each message on a worker thread; one turn of a conversation at a
+    time); bodies over `max_body_bytes` get 413."""
+    app = guard(FastAPI(title="cann-llm customer service"), max_body_bytes)
 
     @app.get("/")
     async def page():
