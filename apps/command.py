@@ -54,15 +54,6 @@ def open_chat_model(model: str, max_new_tokens: int, shortest: list[dict]):
     return engine
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A socket listening on HOST:PORT, taken before the model loads so that a port in use fails at once;
-    E10001 when it cannot be had (taken, not ours to take, or no such address)."""
-    try:
-        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
-    except OSError as error:
-        raise AtcError("E10001", f"{host}:{port}", "--host/--port", error.strerror or str(error)) from None
-
-
 def serve_on(listener: socket.socket, app, banner: str) -> None:
     """Serve `app` on `listener` until interrupted, having said `banner` on stderr with `{url}` replaced by
     where it listens (the port the system chose, for --port 0)."""

@@ -36,12 +36,12 @@ from runtime.shape_contract import ShapeContract
 
 
 class _RunByDefault(click.Group):
-    """msame-style calls (`cann-run --model x.om`, options first) go to the `run` subcommand, and so does
-    `cann-run` alone (which `run` then asks for --model); a first word that is no option must name a command.
-    Every subcommand gets `--log-level`, `-h` and both spellings of its long options."""
+    """msame-style calls (`cann-run --model x.om`, options first) go to the `run` subcommand; `cann-run` alone
+    lists the commands; a first word that is no option must name a command. Every subcommand gets
+    `--log-level`, `-h` and both spellings of its long options."""
 
     def parse_args(self, ctx, args):
-        if not args or (args[0].startswith("-") and args[0] not in ("--help", "-h", "--version")):
+        if args and args[0].startswith("-") and args[0] not in ("--help", "-h", "--version"):
             args = ["run", *args]
         return super().parse_args(ctx, args)
 

@@ -27,8 +27,8 @@ def main_with_codes(command: click.Command) -> None:
     failure, as the internal error E19999 (onnxruntime refusing a shape at run time, say), its traceback
     printed only with debug logging on."""
     args = sys.argv[1:]
-    interrupted = signal.getsignal(signal.SIGINT) is signal.default_int_handler  # a background job's stays ignored
-    if interrupted:
+    # a background job's ignored SIGINT stays ignored
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _interrupt)
     try:
         with command.make_context(_detect_program_name(), args) as ctx:
@@ -36,13 +36,16 @@ def main_with_codes(command: click.Command) -> None:
         sys.stdout.flush()
     except click.exceptions.Exit as done:  # --help, --version
         sys.exit(done.exit_code)
+    except click.exceptions.NoArgsIsHelpError as bare:  # a command group alone: what it offers
+        click.echo(bare.ctx.get_help())
+        sys.exit(0)
     except KeyboardInterrupt:
         _die_by_sigint(_detect_program_name())
-    except BrokenPipeError:
+    except BrokenPipeError as error:
         if _stdout_gone():
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the last flush at exit cannot fail
             sys.exit(128 + signal.SIGPIPE)
-        _fail(AtcError("E19999", reason="BrokenPipeError: the reader of stderr closed it"))
+        _fail(AtcError("E19999", reason=f"BrokenPipeError: {error}"))
     except click.UsageError as error:
         _fail(_usage_error(error, args))
     except click.ClickException as error:
@@ -61,8 +64,9 @@ def _fail(error: AtcError) -> None:
 
 
 def _interrupt(signum, frame) -> None:
-    # once: a second Ctrl-C while the engine's worker is joined would leave it inside onnxruntime at exit
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # the first Ctrl-C unwinds, closing the engine (its worker joined, so none is left inside onnxruntime at
+    # exit); a second while that waits on a long step ends the process at once, skipping what exit runs
+    signal.signal(signal.SIGINT, lambda *_: os._exit(128 + signal.SIGINT))
     raise KeyboardInterrupt
 
 
@@ -73,6 +77,7 @@ def _die_by_sigint(program: str) -> None:
     sys.stderr.flush()
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGINT)
+    sys.exit(128 + signal.SIGINT)  # where SIGINT is blocked, the status a shell gives it
 
 
 def _stdout_gone() -> bool:

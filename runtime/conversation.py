@@ -98,7 +98,7 @@ class Conversation:
         self.turns.append({"role": "user", "content": text})
         try:
             return self._fit(self.budget - reply_tokens, reply_tokens)
-        except Exception:
+        except BaseException:  # refused, failed or interrupted while compacting: the turn is not kept
             self.turns.pop()
             raise
 

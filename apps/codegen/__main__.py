@@ -9,7 +9,8 @@ import sys
 import click
 
 from apps.chat_model import DoesNotFit
-from apps.command import HOST, MAX_BODY, listen, max_new_tokens_option, open_chat_model, port_option, serve_on
+from apps.command import HOST, MAX_BODY, max_new_tokens_option, open_chat_model, port_option, serve_on
+from runtime.serving.lifecycle import listen
 from apps.text_check import unusable
 from cli.coded_errors import main_with_codes
 from cli.common_options import CONTEXT_SETTINGS as HELP

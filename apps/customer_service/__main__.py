@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from apps.command import HOST, MAX_BODY, listen, max_new_tokens_option, open_chat_model, port_option, serve_on
+from apps.command import HOST, MAX_BODY, max_new_tokens_option, open_chat_model, port_option, serve_on
+from runtime.serving.lifecycle import listen
 from cli.coded_errors import main_with_codes
 from cli.common_options import CONTEXT_SETTINGS
 

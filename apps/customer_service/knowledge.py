@@ -58,6 +58,8 @@ class KnowledgeBase:
         self.documents = [_document(path) for path in files]
         tokens = bm25s.tokenize([f"{d.title}\n{d.text}" for d in self.documents], stopwords=_STOPWORDS,
                                 stemmer=_STEMMER, show_progress=False)
+        if not tokens.vocab:  # empty files, or only stopwords: nothing a question could match
+            raise AtcError("E10001", folder, "--knowledge", "the folder's documents hold no words to search")
         stems = {index: stem for stem, index in tokens.vocab.items()}
         self._stems = [{stems[index] for index in ids} for ids in tokens.ids]
         self._index = bm25s.BM25()

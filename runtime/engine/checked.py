@@ -7,6 +7,8 @@ from __future__ import annotations
 import numbers
 import os
 
+import numpy as np
+
 
 def integer(name: str, value) -> int:
     """`value` as an int; TypeError for a bool, a float or anything not integral."""
@@ -24,7 +26,7 @@ def real(name: str, value) -> float:
 
 def boolean(name: str, value) -> bool:
     """`value` as a bool (True, False, or numpy's); TypeError for anything else, such as the string "0"."""
-    if not isinstance(value, bool) and type(value).__name__ != "bool_":
+    if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, not {type(value).__name__} ({value!r})")
     return bool(value)
 

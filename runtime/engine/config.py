@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from runtime.engine.checked import boolean, integer, text
+from runtime.engine.checked import boolean, integer, real, text
 from runtime.executor import BACKENDS
 
 
@@ -70,7 +70,8 @@ class EngineConfig:
             value = getattr(self, item.name)
             if value is not None or "None" not in item.type:
                 kind = item.type.split(" |")[0]
-                object.__setattr__(self, item.name, {"int": integer, "bool": boolean, "str": text}[kind](item.name, value))
+                checks = {"int": integer, "float": real, "bool": boolean, "str": text}
+                object.__setattr__(self, item.name, checks[kind](item.name, value))
         for item in fields(self):
             value, low = getattr(self, item.name), item.metadata.get("min")
             if low is not None and value is not None and value < low:

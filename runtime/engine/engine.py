@@ -101,8 +101,8 @@ def _release(wake: threading.Event, grammars: GrammarCompiler | None, runner) ->
 
 
 def _texts(requests: list["Request"]) -> list[str]:
-    """Each request's text once all have finished. A caller that stops waiting (Ctrl-C, a failed request, an
-    asyncio cancellation) cancels those still running: no one is left to read them."""
+    """Each request's text once all have finished. A caller that stops waiting (Ctrl-C, a failed request)
+    cancels those still running: no one is left to read them."""
     try:
         return [request.result() for request in requests]
     except BaseException:
@@ -325,7 +325,7 @@ class LLMEngine:
                         native_matmul=config.native_matmul, share_weights=config.share_weights,
                         huge_pages=config.huge_pages)
 
-    def _pool_too_large(self, kv_cache_pages: int, error: OSError) -> AtcError:
+    def _pool_too_large(self, kv_cache_pages: int, error: OSError | OverflowError) -> AtcError:
         """E10001 naming the setting that sized a page pool the machine cannot map, and what it would take."""
         per_page = PagePool.bytes_per_page(self.dims["num_layers"], self.page_size, self.dims["num_kv_heads"],
                                            self.dims["head_dim"])
@@ -333,7 +333,7 @@ class LLMEngine:
         flag, value = ("kv_cache_pages", kv_cache_pages) if megabytes is None else ("kv_cache_memory_mb", megabytes)
         return invalid_value(value, flag, f"A pool of {kv_cache_pages} pages of {self.page_size} tokens would take "
                                           f"{kv_cache_pages * per_page / 2**30:.1f} GiB, more than this machine can "
-                                          f"map ({error.strerror or error}).")
+                                          f"map ({getattr(error, 'strerror', None) or error}).")
 
     def _paged_runner(self, model_path, pipeline: dict | None, kv_cache_pages: int) -> PagedRunner:
         """The runner over this process's page pool, or over the stages' pools when the artifact is the first
@@ -342,7 +342,7 @@ class LLMEngine:
             try:
                 pool = PagePool(self.dims["num_layers"], kv_cache_pages, self.page_size, self.dims["num_kv_heads"],
                                 self.dims["head_dim"])
-            except OSError as error:  # mmap's ENOMEM: more than the machine will map, even lazily
+            except (OSError, OverflowError) as error:  # mmap's ENOMEM, or a size past its range
                 raise self._pool_too_large(kv_cache_pages, error) from None
             return PagedRunner(self._executor(), pool)
         if pipeline["stage"] != 0:
@@ -373,7 +373,7 @@ class LLMEngine:
             if bad is not None:
                 raise ValueError(f"{name} {bad} is outside the vocabulary [0, {self.vocab_size})")
         ids = self.encode(prompt)
-        self._check_pool_holds(len(ids), params.max_new_tokens)
+        self._check_pool_holds(len(ids))
         constraint = None
         if params.structured_output is not None:
             if self._grammars is None:
@@ -386,17 +386,15 @@ class LLMEngine:
         self._post(("add", request))
         return request
 
-    def _check_pool_holds(self, prompt_tokens: int, max_new_tokens: int) -> None:
-        """ValueError naming the pool's setting for a request that the whole pool could not hold: alone it
-        would be preempted by itself and end early, truncated, rather than waiting for pages never to come."""
-        # the last token is sampled, never computed: it takes no slot
-        slots = min(prompt_tokens + max_new_tokens, self.max_context_len) - 1
-        needed = -(-slots // self.page_size)
+    def _check_pool_holds(self, prompt_tokens: int) -> None:
+        """ValueError naming the pool's setting for a prompt that the whole pool could not hold. Its output is
+        bounded by the pool as by max_context_len instead: one that outgrows it ends with "length" (refusing
+        on max_new_tokens would refuse requests that stop long before it)."""
+        needed = -(-prompt_tokens // self.page_size)
         if needed > self.blocks.num_pages:
             setting = "kv_cache_pages" if self.config.kv_cache_memory_mb is None else "kv_cache_memory_mb"
             raise ValueError(f"{setting} gives a pool of {self.blocks.num_pages} pages of {self.page_size} tokens; "
-                             f"this request needs {needed} pages: {prompt_tokens} prompt tokens and up to "
-                             f"{max_new_tokens} new ones")
+                             f"the prompt's {prompt_tokens} tokens need {needed}")
 
     def generate(self, prompts, sampling_params: SamplingParams | int | None = None,
                  temperature: float | None = None, **kwargs):
@@ -419,8 +417,6 @@ class LLMEngine:
             each = [_params(p, kwargs) for p in sampling_params]
         else:
             each = [_params(sampling_params, kwargs)] * (len(prompts) if many else 1)
-        if not many and sampling_params is None and each[0].n == 1:
-            return _texts([self.submit(prompts, each[0])])[0]
         started: list[tuple[object, list[Request]]] = []
         try:
             for prompt, params in zip(list(prompts) if many else [prompts], each):
@@ -428,12 +424,14 @@ class LLMEngine:
                 for i in range(params.n):
                     seed = None if params.seed is None else params.seed + i
                     started[-1][1].append(self.submit(prompt, replace(params, n=1, seed=seed)))
-        except BaseException:  # one refused: none of the batch runs
+            texts = _texts([request for _, requests in started for request in requests])
+        except BaseException:  # one refused, or the wait given up: none of the batch runs on
             for _, requests in started:
                 for request in requests:
                     request.cancel()
             raise
-        _texts([request for _, requests in started for request in requests])
+        if not many and sampling_params is None and each[0].n == 1:
+            return texts[0]
         return [self._request_output(prompt, requests) for prompt, requests in started]
 
     def _request_output(self, prompt, requests: list[Request]) -> RequestOutput:

@@ -38,13 +38,15 @@ def serve(server: Server, host: str, port: int, stats_interval_s: float, say: Ca
     (models: …)` once every engine has loaded and the socket listens, then every `stats_interval_s`
     seconds (0: never) a stats line per engine whose state changed. AtcError E10001 when HOST:PORT
     cannot be listened on, before anything loads."""
-    listener = _listen(host, port)
+    listener = listen(host, port)
     config = uvicorn.Config(create_app(server), host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=FLUSH_TIMEOUT_S, timeout_keep_alive=KEEP_ALIVE_S)
     _Process(config, server, stats_interval_s, say).run(sockets=[listener])
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on HOST:PORT, taken before anything loads so that a port in use fails at once;
+    E10001 when it cannot be had."""
     try:
         return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     except OSError as error:  # taken, not ours to take, or no such address

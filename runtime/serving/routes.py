@@ -184,8 +184,8 @@ def _shape(kind: type[Completion], model: str, engine) -> Completion:
 
 def _refused(refusal: Refusal) -> Response:
     headers = {"Retry-After": str(refusal.retry_after_s)} if refusal.retry_after_s is not None else None
-    if refusal.status in (429, 503) and headers is None:  # one that waiting will not clear: clients that retry
-        headers = {"x-should-retry": "false"}  # such statuses by themselves (the openai SDK) are told not to
+    if refusal.final:  # the openai SDK retries a 429 or 503 by itself unless told not to
+        headers = {**(headers or {}), "x-should-retry": "false"}
     return _json(error_body(refusal.status, refusal.message, refusal.kind, refusal.param), refusal.status, headers)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import threading
 import time
@@ -34,6 +35,7 @@ from runtime.serving.metrics import DEFAULT_PREFIX, ServerMetrics
 from runtime.serving.tools import described
 
 _POLL_S = 0.05  # how often a drain looks at what is still in flight
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,13 +55,14 @@ class ServerSettings:
 
 class Refusal(Exception):
     """Why a request gets no answer: an HTTP status and OpenAI's error fields (`param` the field at fault,
-    `Retry-After` for a 429)."""
+    `Retry-After` for a 429); `final` when no retry can succeed (a spent quota, models that failed to load),
+    which clients that retry a 429 or 503 by themselves are told."""
 
     def __init__(self, status: int, message: str, kind: str, retry_after_s: int | None = None,
-                 param: str | None = None):
+                 param: str | None = None, final: bool = False):
         super().__init__(message)
         self.status, self.message, self.kind, self.retry_after_s = status, message, kind, retry_after_s
-        self.param = param
+        self.param, self.final = param, final
 
 
 @dataclass(eq=False)
@@ -219,8 +222,9 @@ class Server:
         if status != "ok":
             why = {"loading": "the models are still loading", "shutting down": "the server is shutting down",
                    "error": f"the models could not be loaded: {self.error}"}[status]
-            # a load that failed stays failed: no Retry-After, so a client does not wait for it
-            raise Refusal(503, why, "unavailable", None if status == "error" else self.settings.retry_after_s)
+            if status == "error":  # a load that failed stays failed
+                raise Refusal(503, why, "unavailable", final=True)
+            raise Refusal(503, why, "unavailable", self.settings.retry_after_s)
         key = self.authorise(authorization)
         name = model or next(iter(self.engines))
         if name not in self.engines:
@@ -315,7 +319,8 @@ class Server:
             left = self.guard.reserve(key, reserved)
             if left is not None:  # a quota never refills: no Retry-After (OpenAI's insufficient_quota)
                 self._reject(name, Refusal(429, f"the token quota of this key is spent: this request may use "
-                                                f"{reserved} tokens, {left} are left", "insufficient_quota"))
+                                                f"{reserved} tokens, {left} are left", "insufficient_quota",
+                                           final=True))
             # last: once the breaker lets a half-open probe through, the request must run
             wait = self.breakers[name].admit() if self.settings.breaker_threshold else None
             if wait is not None:
@@ -375,8 +380,12 @@ class Server:
                                    self.settings.retry_after_s))
 
     def refused(self, authorization: str | None, model: str | None, endpoint: str, status: int) -> None:
-        """Record a generation request refused (`status`) before it ran: the audit log has every request."""
-        self.guard.audit(self.guard.presented_key(authorization), model or "", endpoint, status)
+        """Record a generation request refused (`status`) before it ran: the audit log has every request. A
+        log that cannot be written (a full disk) does not turn the refusal into a 500."""
+        try:
+            self.guard.audit(self.guard.presented_key(authorization), model or "", endpoint, status)
+        except OSError as error:
+            _log.error("the audit log could not record a refused request: %s", error)
 
     def _reject(self, name: str, refusal: Refusal) -> NoReturn:
         self.metrics.rejected(name)
@@ -508,6 +517,7 @@ class Server:
         deadline = time.monotonic() + (self.settings.shutdown_grace_s if grace_s is None else grace_s)
         while self._admitted() and time.monotonic() < deadline and not self._grace_over:
             await asyncio.sleep(_POLL_S)
+        self._grace_over = True  # a signal from here on is uvicorn's to handle
         # each engine ends its cancelled requests before its next step: bounded by one step. Ended again
         # each round: one admitted while the signal came (past the closing check, still being submitted)
         # is ended too once it is in flight, and the engines are not closed under it

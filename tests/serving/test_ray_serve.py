@@ -350,12 +350,3 @@ def _command(pid: int) -> str:
     except OSError:
         return ""
 
-
-@pytest.mark.parametrize("max_pending, models", [(1, 1), (4, 2)])
-def test_a_replica_is_sent_no_more_requests_than_its_server_admits(max_pending, models):
-    """Ray counts every call a replica has in hand: past what its server admits, the next generation would be
-    refused by the replica (its own 429) instead of waiting in the ingress's queue."""
-    from runtime.serving.scale_out import Scaling
-
-    options = Scaling().deployment_options(max_pending, models, target_ongoing=8)
-    assert options["max_ongoing_requests"] == max_pending * models and options["max_queued_requests"] == max_pending

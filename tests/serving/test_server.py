@@ -458,7 +458,7 @@ def test_a_second_signal_ends_what_is_running_at_once_with_503(om):
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(timeout=120) in (0, -signal.SIGTERM)
     client.join(timeout=120)
-    assert answers[0].status_code == 503
+    assert answers[0].status_code == 503 and "x-should-retry" not in answers[0].headers  # another replica may answer
     assert answers[0].json()["error"]["message"] == "the server shut down before the request finished"
     assert "Traceback" not in server.stderr.all()
 

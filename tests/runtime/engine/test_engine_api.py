@@ -176,7 +176,11 @@ def test_an_engine_dropped_without_close_is_collected_and_its_worker_ends(om):
     engine.generate([5, 6], 3, 0)
     worker, collected = engine._worker, weakref.ref(engine)
     del engine
-    gc.collect()
+    # the worker holds the engine while it finishes its turn: collected once that is over
+    deadline = time.monotonic() + 60
+    while collected() is not None and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
     assert collected() is None
     worker.join(timeout=60)
     assert not worker.is_alive()
