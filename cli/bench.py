@@ -21,6 +21,7 @@ import statistics
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
@@ -288,12 +289,13 @@ def bench_command(onnx_path, text_file, num_requests, concurrency, prompt_length
                                      output_lengths=output_lengths, prefill_tokens=prefill_tokens,
                                      decode_tokens=decode_tokens, repeats=repeats, long_prefill=long_prefill, seed=seed)
     levels = bench.concurrency
-    engine_kwargs["max_batch_size"] = max([engine_kwargs["max_batch_size"], *levels])
-    # a prompt of N tokens needs room for N + 1: every prompt the bench sends must fit
+    # raised past what was given (or the default) to what the bench sends: every client runs at once, and a
+    # prompt of N tokens has room for N + 1
     prompts = [DECODE_PROMPT_TOKENS, *bench.prompt_sizes().values()]
-    engine_kwargs["max_context_len"] = max([engine_kwargs["max_context_len"], *(n + 1 for n in prompts)])
+    forced = {"max_batch_size": max([engine_kwargs["max_batch_size"], *levels]),
+              "max_context_len": max([engine_kwargs["max_context_len"], *(n + 1 for n in prompts)])}
     rng = np.random.default_rng(seed)
-    with open_engine(**engine_kwargs) as engine:
+    with open_engine(forced=forced, **engine_kwargs) as engine:
         # a model that reads its positions from a table holds fewer than asked: say so before measuring
         bench.check_fits(engine.max_context_len)
         loaded_kib = _resident_kib("VmRSS")
@@ -320,7 +322,8 @@ def bench_command(onnx_path, text_file, num_requests, concurrency, prompt_length
         fits = busiest["peak_pages"] * engine.page_size / engine.max_context_len
         report = {
             "model": engine_kwargs["model"], "onnx": onnx_path, "paged": engine.paged, "page_size": engine.page_size,
-            "settings": {**engine_kwargs, "requests": num_requests, "prompt_lengths": [low, high],
+            # the engine's own settings: what it ran with, the artifact's tuned ones included
+            "settings": {**engine_kwargs, **asdict(engine.config), "requests": num_requests, "prompt_lengths": [low, high],
                          "output_lengths": [out_low, out_high], "prefill_tokens": prefill_tokens,
                          "decode_tokens": decode_tokens, "repeats": repeats, "seed": seed},
             "batch1": batch1, "serving": serving, "resident_memory": resident,

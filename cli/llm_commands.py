@@ -88,12 +88,13 @@ def given(settings: dict) -> dict:
             if context.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)}
 
 
-def open_engine(model, **settings):
-    """An LLMEngine from the shared options (`EngineConfig`'s fields); AtcError for a file that is not a
-    runnable artifact. The settings are checked before the model loads, which takes seconds."""
+def open_engine(model, forced: dict | None = None, **settings):
+    """An LLMEngine from the shared options (`EngineConfig`'s fields) and the settings a command itself
+    requires (`forced`, which win); AtcError for a file that is not a runnable artifact. The settings are
+    checked before the model loads, which takes seconds."""
     from runtime.engine.engine import LLMEngine
 
-    overrides = given(settings)
+    overrides = {**given(settings), **(forced or {})}
     EngineConfig(**overrides)  # its ValueError names the setting
     template_file = overrides.get("chat_template_file")
     if template_file is not None:

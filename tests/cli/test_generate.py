@@ -99,6 +99,8 @@ def test_bench_measures_and_writes_json(chat_om, tmp_path):
     assert [(row["concurrency"], row["lookup"]) for row in report["serving"]] == [(1, 4), (3, 4), (1, 0)]
     assert all(row["requests"] == 6 and row["output_tokens"] >= 6 * 4 for row in report["serving"])
     assert 1 <= report["serving"][1]["peak_sequences"] <= 3  # how many overlap depends on timing
+    # --max_batch_size left out: raised past its default of 8 only where a level needs it (none here)
+    assert (report["settings"]["max_batch_size"], report["settings"]["max_context_len"]) == (8, 257)
     assert 0 < report["serving"][1]["kv_page_utilisation"] <= 1
     prefill = report["long_prefill"][0]
     assert prefill["tokens"] == 256 and prefill["kv_pages_mb"] > 0 and prefill["peak_rss_added_mb"] >= 0
@@ -277,3 +279,14 @@ def test_cann_run_alone_lists_its_commands():
     result = _cann_run()
     assert result.returncode == 0 and "Commands:" in result.stdout and "generate" in result.stdout
     assert result.stderr == ""
+
+
+def test_bench_runs_every_client_of_its_highest_concurrency_at_once(chat_om, tmp_path):
+    """--max_batch_size left at its default of 8: a concurrency of 12 raises it, or 4 clients would wait."""
+    out = tmp_path / "bench.json"
+    result = _cann_run("bench", "--model", str(chat_om), "--requests", "12", "--concurrency", "12",
+                       "--prompt_lengths", "8,12", "--output_lengths", "4,6", "--prefill_tokens", "16",
+                       "--decode_tokens", "4", "--repeats", "1", "--long_prefill", "", "--kv_cache_pages", "32",
+                       "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(out.read_text())["settings"]["max_batch_size"] == 12
