@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+from runtime.tokenizer import lone_surrogate
+
 
 def unusable(text: str) -> str | None:
     """Why `text` cannot be asked of the model, or None when it can: it is blank, or it holds a lone
     surrogate (JSON's "\\ud800", or a command-line argument that is not UTF-8), which no tokenizer takes."""
     if not text.strip():
         return "it is empty"
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        return f"it is not valid UTF-8 (a lone surrogate at character {error.start})"
-    return None
+    at = lone_surrogate(text)
+    return None if at is None else f"it is not valid UTF-8 (a lone surrogate at character {at})"

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import re
-import select
 import shlex
 import signal
 import sys
@@ -24,6 +23,7 @@ from typing import Iterator
 import click
 
 from cli.common_options import LOG_LEVELS, StderrHandler
+from cli.process_end import die_by, reader_gone, stdout_gone
 from compiler.config import CompileConfig
 from compiler.inapplicable_flags import NOT_APPLICABLE, REFUSED
 from runtime.artifact import OmFile
@@ -222,21 +222,6 @@ def _stop(signum, frame) -> None:
     raise _Stopped(signum)
 
 
-def _stdout_gone() -> bool:
-    """Whether stdout is a pipe its reader has closed (a broken stderr is not that)."""
-    poller = select.poll()
-    poller.register(sys.stdout.fileno(), select.POLLOUT)
-    return any(events & select.POLLERR for _, events in poller.poll(0))
-
-
-def reader_gone() -> int:
-    """The exit status once whoever read stdout has closed it (`| head -1`, `| grep -q`): what is left to print
-    goes to /dev/null (so the interpreter's last flush cannot fail again), and the status is the one a process
-    ended by SIGPIPE has, 141, as a C tool's would be."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 128 + signal.SIGPIPE
-
-
 def _fail(text: str) -> int:
     # on stdout, as ATC prints them (a CI script's `atc ... > atc.log; grep -E 'E[0-9]{5}' atc.log` finds them);
     # stderr flushed first, so a terminal shows the detail log before the verdict
@@ -350,14 +335,10 @@ def main() -> None:
     except _Stopped as stop:  # one that came while the verdict was printed
         status = 128 + stop.signum
     except BrokenPipeError:
-        status = reader_gone() if _stdout_gone() else _fail(AtcError(
+        status = reader_gone() if stdout_gone() else _fail(AtcError(
             "E19999", reason="BrokenPipeError: the reader of stderr closed it").render())
-    signum = status - 128
-    if signum in (signal.SIGINT, signal.SIGTERM):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+    if status - 128 in (signal.SIGINT, signal.SIGTERM):
+        die_by(status - 128)
     sys.exit(status)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import difflib
 import logging
 import os
-import select
 import signal
 import sys
 import traceback
@@ -16,6 +15,7 @@ import click
 from click.utils import _detect_program_name
 
 from cli.common_options import dashes_for_underscores
+from cli.process_end import die_by, reader_gone, stdout_gone
 from runtime.errors import AtcError
 
 EXIT_FAILURE = 1
@@ -42,9 +42,8 @@ def main_with_codes(command: click.Command) -> None:
     except KeyboardInterrupt:
         _die_by_sigint(_detect_program_name())
     except BrokenPipeError as error:
-        if _stdout_gone():
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the last flush at exit cannot fail
-            sys.exit(128 + signal.SIGPIPE)
+        if stdout_gone():
+            sys.exit(reader_gone())
         _fail(AtcError("E19999", reason=f"BrokenPipeError: {error}"))
     except click.UsageError as error:
         _fail(_usage_error(error, args))
@@ -73,18 +72,7 @@ def _interrupt(signum, frame) -> None:
 def _die_by_sigint(program: str) -> None:
     """One line, then the end a shell reads as Ctrl-C's (status 130), as atc ends."""
     click.echo(f"\n{program} was stopped by SIGINT", err=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGINT)
-    sys.exit(128 + signal.SIGINT)  # where SIGINT is blocked, the status a shell gives it
-
-
-def _stdout_gone() -> bool:
-    """Whether stdout is a pipe its reader has closed (a broken stderr is not that)."""
-    poller = select.poll()
-    poller.register(sys.stdout.fileno(), select.POLLOUT)
-    return any(events & select.POLLERR for _, events in poller.poll(0))
+    die_by(signal.SIGINT)
 
 
 def _usage_error(error: click.UsageError, args: list[str]) -> AtcError:

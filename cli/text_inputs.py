@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from runtime.errors import AtcError
+from runtime.tokenizer import lone_surrogate
 
 SHOWN_CHARS = 40
 
@@ -17,10 +18,8 @@ def shown(value) -> str:
 def checked_text(text: str, source: str) -> str:
     """`text` itself if it is valid UTF-8; otherwise E10001 naming `source` (`--prompt`, `stdin`). Bytes that
     are not UTF-8 reach Python as lone surrogates, which no tokenizer takes."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise AtcError("E10001", shown(text), source,
-                       f"It is not valid UTF-8 text (byte {error.object[error.start].encode('utf-8', 'surrogateescape')!r} "
-                       f"at character {error.start}).") from None
+    at = lone_surrogate(text)
+    if at is not None:
+        raise AtcError("E10001", shown(text), source, f"It is not valid UTF-8 text (byte "
+                                                      f"{text[at].encode('utf-8', 'surrogateescape')!r} at character {at}).")
     return text

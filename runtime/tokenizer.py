@@ -10,6 +10,16 @@ from tokenizers import Tokenizer, decoders
 from runtime.errors import AtcError
 
 
+def lone_surrogate(text: str) -> int | None:
+    """Where `text` holds a lone surrogate, which no tokenizer takes (bytes that are not UTF-8 reach Python so,
+    from a command line or a file read with surrogateescape; JSON can spell one), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return error.start
+    return None
+
+
 class TextTokenizer:
     """Encode and decode with the tokenizer the model was compiled with."""
 

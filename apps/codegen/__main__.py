@@ -12,6 +12,7 @@ from apps.chat_model import DoesNotFit
 from apps.command import HOST, MAX_BODY, max_new_tokens_option, open_chat_model, port_option, serve_on
 from runtime.serving.lifecycle import listen
 from apps.text_check import unusable
+from cli.text_inputs import shown
 from cli.coded_errors import main_with_codes
 from cli.common_options import CONTEXT_SETTINGS as HELP
 from runtime.errors import AtcError
@@ -41,9 +42,9 @@ _LANGUAGE = click.option("--language", "-l", default="python", show_default=True
 @click.argument("description")
 def generate(model: str, max_new_tokens: int, language: str, description: str) -> None:
     """Print code for DESCRIPTION in --language."""
-    _check(description, "DESCRIPTION", _shown(description))
-    _check(language, "--language", _shown(language))
-    _run(model, max_new_tokens, (_shown(description), "DESCRIPTION"),
+    _check(description, "DESCRIPTION", shown(description))
+    _check(language, "--language", shown(language))
+    _run(model, max_new_tokens, (shown(description), "DESCRIPTION"),
          lambda generator: generator.generate_code(description, language))
 
 
@@ -56,7 +57,7 @@ def optimize(model: str, max_new_tokens: int, language: str, source: str) -> Non
     """Print a faster, clearer version of the code in SOURCE (a file, or - for stdin)."""
     code = _stdin() if source == "-" else read_text(source)  # before the model loads: a bad file fails at once
     _check(code, "SOURCE", source)
-    _check(language, "--language", _shown(language))
+    _check(language, "--language", shown(language))
     _run(model, max_new_tokens, (source, "SOURCE"), lambda generator: generator.optimize_code(code, language))
 
 
@@ -85,16 +86,11 @@ def _stdin() -> str:
         raise AtcError("E13001", "-", f"the standard input is not UTF-8 text: {error}") from None
 
 
-def _shown(text: str) -> str:
-    """`text` as an error message quotes it: short, and printable whatever it holds."""
-    return ascii(text if len(text) <= 40 else text[:37] + "...")
-
-
-def _check(text: str, name: str, shown: str) -> None:
+def _check(text: str, name: str, quoted: str) -> None:
     """E10001 for text the service would refuse too (blank, or not UTF-8)."""
     reason = unusable(text)
     if reason is not None:
-        raise AtcError("E10001", shown, name, reason)
+        raise AtcError("E10001", quoted, name, reason)
 
 
 def _run(model: str, max_new_tokens: int, given: tuple[str, str], ask) -> None:

@@ -48,7 +48,7 @@ from runtime.loader import load_artifact
 from runtime.ops import LAST_POSITIONS
 from runtime.safe_files import read_text
 from runtime.ort_session import enable_process_thread_pool
-from runtime.tokenizer import TextTokenizer
+from runtime.tokenizer import TextTokenizer, lone_surrogate
 
 _DONE = object()
 UTILISATION_SAMPLES = 100_000
@@ -811,10 +811,9 @@ class LLMEngine:
 
     def _encode_text(self, text: str) -> list[int]:
         tokenizer = self._require_tokenizer()
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as error:
-            raise ValueError(f"the prompt is not valid UTF-8 (a lone surrogate at character {error.start})") from None
+        at = lone_surrogate(text)
+        if at is not None:
+            raise ValueError(f"the prompt is not valid UTF-8 (a lone surrogate at character {at})")
         # no token is longer than the longest string of the vocabulary: a longer text cannot fit
         most = self.max_context_len * tokenizer.max_token_chars
         if len(text) > most:
