@@ -10,10 +10,11 @@ from runtime.engine.engine import EngineStats, GenerationFailed, LLMEngine, Requ
 from runtime.engine.outputs import CompletionOutput, RequestOutput
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.sequence import RequestStats, TokenLogprob
+from runtime.engine.setting_error import SettingError
 from runtime.engine.structured import StructuredOutput
 from runtime.long_context import LongContext, Selection
 
 __all__ = ["CompileConfig", "CompletionOutput", "Conversation", "ConversationManager", "ConversationSettings",
            "EngineConfig", "EngineStats", "Executor", "GenerationFailed", "LLMEngine", "LoadedModel", "LongContext",
-           "Request", "RequestOutput", "RequestStats", "SamplingParams", "Selection", "StructuredOutput", "TokenLogprob",
-           "__version__", "compile_model", "load_artifact"]
+           "Request", "RequestOutput", "RequestStats", "SamplingParams", "Selection", "SettingError",
+           "StructuredOutput", "TokenLogprob", "__version__", "compile_model", "load_artifact"]

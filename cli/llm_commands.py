@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import sys
 from dataclasses import fields
 from functools import wraps
@@ -113,19 +112,12 @@ def _sampling(kwargs: dict) -> SamplingParams:
     return SamplingParams(**{key: kwargs.pop(key) for key in keys})
 
 
-_WORDS = re.compile(r"[A-Za-z_]+")
-
-
 def refused(error: ValueError, flag: str, value) -> AtcError:
-    """E10001 for what the engine or a setting refused, naming the option its message is about, else `flag`
-    (as printed: `--prompt`, `stdin`) with `value`. A setting's message opens with its name or names it
-    (`... num_speculative_tokens ...`: names with an underscore are never plain words); one about "the prompt"
-    is the prompt's (or the turn's) even where it names the limit it broke."""
+    """E10001 for what the engine or a setting refused, naming the option of the setting it is about, else
+    `flag` (as printed: `--prompt`, `stdin`) with `value`: the prompt's or the turn's own flag for the prompt."""
     options = click.get_current_context().params
-    words = _WORDS.findall(str(error))
-    candidates = [] if words[:2] == ["the", "prompt"] else [*words[:1], *(w for w in words if "_" in w), *words]
-    named = next((word for word in candidates if word in options), None)
-    if named is not None:
+    named = getattr(error, "setting", None)
+    if named in options:
         flag, value = f"--{named}", options[named]
     return AtcError("E10001", shown(value), flag, str(error))
 

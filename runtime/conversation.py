@@ -15,6 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from runtime.engine.sampling import SamplingParams
+from runtime.engine.setting_error import SettingError
 
 COMPACTIONS = ("summarize", "drop")
 SUMMARY_REQUEST = ("Summarise the conversation below in a few sentences, so that the assistant can continue it. "
@@ -116,7 +117,7 @@ class Conversation:
                 system = [{"role": "system", "content": self.system}] if self.system else []
                 alone = len(self.engine.chat_prompt(system + self.turns[-1:]))
                 if alone > limit:
-                    raise ValueError(f"the turn does not fit the context: {alone} prompt tokens and {reply_tokens} "
+                    raise SettingError("prompt", f"the turn does not fit the context: {alone} prompt tokens and {reply_tokens} "
                                      f"for the reply, {self.budget} allowed")
             older = len(self.turns) - 1 - 2 * self.settings.keep_recent
             count = older if older > 0 else len(self.turns) - 1  # the recent ones too, when nothing else is left
@@ -126,7 +127,7 @@ class Conversation:
                 self.summary = None
                 self.compactions.append(Compaction(0))
             else:
-                raise ValueError(f"the turn does not fit the context: {len(ids)} prompt tokens and {reply_tokens} "
+                raise SettingError("prompt", f"the turn does not fit the context: {len(ids)} prompt tokens and {reply_tokens} "
                                  f"for the reply, {self.budget} allowed")
 
     def _compact(self, count: int) -> None:

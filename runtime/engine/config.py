@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from runtime.engine.checked import boolean, integer, real, text
+from runtime.engine.setting_error import SettingError
 from runtime.executor import BACKENDS
 
 
@@ -75,8 +76,8 @@ class EngineConfig:
         for item in fields(self):
             value, low = getattr(self, item.name), item.metadata.get("min")
             if low is not None and value is not None and value < low:
-                raise ValueError(f"{item.name} must be at least {low}, not {value}")
+                raise SettingError(item.name, f"{item.name} must be at least {low}, not {value}")
         if self.draft_model is not None and self.num_speculative_tokens < 1:
-            raise ValueError("a draft model drafts num_speculative_tokens tokens a step: set it to at least 1")
+            raise SettingError("num_speculative_tokens", "a draft model drafts num_speculative_tokens tokens a step: set it to at least 1")
         if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {self.backend!r}")
+            raise SettingError("backend", f"backend must be one of {', '.join(BACKENDS)}, not {self.backend!r}")

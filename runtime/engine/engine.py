@@ -37,6 +37,7 @@ from runtime.engine.sampler import draw, process_logits, token_logprobs
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.scheduler import ScheduledBatch, Scheduler
 from runtime.engine.sequence import RequestStats, Sequence, TokenLogprob
+from runtime.engine.setting_error import SettingError
 from runtime.engine.speculation import NgramProposer
 from runtime.engine.structured import GrammarCompiler
 from runtime.engine.trial_step import check_generator, trial_step
@@ -367,17 +368,18 @@ class LLMEngine:
         or `n` > 1 (`generate` takes that)."""
         params = _params(params, kwargs)
         if params.n != 1:
-            raise ValueError("submit runs one sequence: pass n > 1 to generate, or submit n requests")
-        for name, ids in (("stop token id", params.stop_token_ids), ("logit_bias token id", [t for t, _ in params.logit_bias])):
+            raise SettingError("n", "submit runs one sequence: pass n > 1 to generate, or submit n requests")
+        for setting, name, ids in (("stop_token_ids", "stop token id", params.stop_token_ids),
+                                   ("logit_bias", "logit_bias token id", [t for t, _ in params.logit_bias])):
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
-                raise ValueError(f"{name} {bad} is outside the vocabulary [0, {self.vocab_size})")
+                raise SettingError(setting, f"{name} {bad} is outside the vocabulary [0, {self.vocab_size})")
         ids = self.encode(prompt)
         self._check_pool_holds(len(ids))
         constraint = None
         if params.structured_output is not None:
             if self._grammars is None:
-                raise ValueError("a structured output needs the model's tokenizer; recompile with atc --tokenizer=DIR")
+                raise SettingError("structured_output", "a structured output needs the model's tokenizer; recompile with atc --tokenizer=DIR")
             constraint = self._grammars.constraint(params.structured_output)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         seq = Sequence(list(ids), params, eos, constraint=constraint)
@@ -393,7 +395,7 @@ class LLMEngine:
         needed = -(-prompt_tokens // self.page_size)
         if needed > self.blocks.num_pages:
             setting = "kv_cache_pages" if self.config.kv_cache_memory_mb is None else "kv_cache_memory_mb"
-            raise ValueError(f"{setting} gives a pool of {self.blocks.num_pages} pages of {self.page_size} tokens; "
+            raise SettingError(setting, f"{setting} gives a pool of {self.blocks.num_pages} pages of {self.page_size} tokens; "
                              f"the prompt's {prompt_tokens} tokens need {needed}")
 
     def generate(self, prompts, sampling_params: SamplingParams | int | None = None,
@@ -802,27 +804,27 @@ class LLMEngine:
             ids = _token_ids(prompt)
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
-                raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+                raise SettingError("prompt", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if not ids:
-            raise ValueError("the prompt is empty")
+            raise SettingError("prompt", "the prompt is empty")
         if len(ids) >= self.max_context_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; max_context_len is {self.max_context_len}")
+            raise SettingError("prompt", f"the prompt has {len(ids)} tokens; max_context_len is {self.max_context_len}")
         return ids
 
     def _encode_text(self, text: str) -> list[int]:
         tokenizer = self._require_tokenizer()
         at = lone_surrogate(text)
         if at is not None:
-            raise ValueError(f"the prompt is not valid UTF-8 (a lone surrogate at character {at})")
+            raise SettingError("prompt", f"the prompt is not valid UTF-8 (a lone surrogate at character {at})")
         # no token is longer than the longest string of the vocabulary: a longer text cannot fit
         most = self.max_context_len * tokenizer.max_token_chars
         if len(text) > most:
-            raise ValueError(f"the prompt has {len(text)} characters; at most {most} can fit in max_context_len "
+            raise SettingError("prompt", f"the prompt has {len(text)} characters; at most {most} can fit in max_context_len "
                              f"({self.max_context_len}) tokens")
         return tokenizer.encode(text)
 
     def _require_tokenizer(self) -> TextTokenizer:
         if self.tokenizer is None:
-            raise ValueError("the model was compiled without a tokenizer, so it takes token ids, not text: compile "
+            raise SettingError("prompt", "the model was compiled without a tokenizer, so it takes token ids, not text: compile "
                              "it again with atc --tokenizer=DIR (the folder of its tokenizer.json)")
         return self.tokenizer

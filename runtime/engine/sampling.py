@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from runtime.engine.checked import boolean, integer, real
+from runtime.engine.setting_error import SettingError
 from runtime.engine.structured import StructuredOutput
 
 MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
@@ -63,7 +64,7 @@ class SamplingParams:
                    "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty}
         for name, value in numbers.items():
             if not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, not {value!r}")
+                raise SettingError(name, f"{name} must be a finite number, not {value!r}")
         low, high = PENALTY_RANGE
         checks = (
             (self.max_new_tokens >= 1, "max_new_tokens must be at least 1"),
@@ -84,8 +85,8 @@ class SamplingParams:
             (all(math.isfinite(b) and -100 <= b <= 100 for _, b in self.logit_bias), "logit_bias values must be in [-100, 100]"),
         )
         for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+            if not ok:  # each message opens with the field's name
+                raise SettingError(message.split(" ", 1)[0], message)
 
     def _coerce_types(self) -> None:
         """Each field as its type (numpy's integers and floats taken as Python's); TypeError for a value of

@@ -17,6 +17,8 @@ import llguidance
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
+from runtime.engine.setting_error import SettingError
+
 MAX_CHOICES, MAX_GRAMMAR_CHARS = 1024, 1 << 20
 # JSON written as json.dumps writes it: with whitespace allowed anywhere, small models fill arrays with
 # newlines until max_tokens (seen on SmolLM2). A schema's own "x-guidance" options override these
@@ -41,14 +43,14 @@ class StructuredOutput:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
-            raise ValueError("a structured output takes exactly one of json, json_object, regex, choice or grammar"
+            raise SettingError("structured_output", "a structured output takes exactly one of json, json_object, regex, choice or grammar"
                              + (f", not {' and '.join(given)}" if given else ""))
         if self.choice is not None and not (0 < len(self.choice) <= MAX_CHOICES and all(
                 isinstance(c, str) and c for c in self.choice)):
-            raise ValueError(f"choice must be 1 to {MAX_CHOICES} non-empty strings")
+            raise SettingError("structured_output", f"choice must be 1 to {MAX_CHOICES} non-empty strings")
         text = self.grammar or self.regex or ""
         if len(text) > MAX_GRAMMAR_CHARS:
-            raise ValueError(f"the grammar has {len(text)} characters; at most {MAX_GRAMMAR_CHARS}")
+            raise SettingError("structured_output", f"the grammar has {len(text)} characters; at most {MAX_GRAMMAR_CHARS}")
 
     def llguidance_grammar(self) -> str:
         """This constraint as a grammar llguidance compiles."""
@@ -58,13 +60,13 @@ class StructuredOutput:
                 try:
                     schema = json.loads(schema)
                 except json.JSONDecodeError as error:
-                    raise ValueError(f"the JSON schema is not JSON: {error}") from None
+                    raise SettingError("structured_output", f"the JSON schema is not JSON: {error}") from None
             if not isinstance(schema, dict):
-                raise ValueError("the JSON schema must be an object")
+                raise SettingError("structured_output", "the JSON schema must be an object")
             try:
                 return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
             except Exception as error:  # llguidance's compiler raises on a schema it cannot take
-                raise ValueError(f"the JSON schema cannot be used: {error}") from None
+                raise SettingError("structured_output", f"the JSON schema cannot be used: {error}") from None
         if self.regex is not None:
             return llguidance.LLMatcher.grammar_from_regex(self.regex)
         if self.choice is not None:  # JSON's string escapes are Lark's
@@ -93,10 +95,10 @@ class GrammarCompiler:
         grammar = spec.llguidance_grammar()
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error:
-            raise ValueError(f"the structured output cannot be compiled: {error.strip()}")
+            raise SettingError("structured_output", f"the structured output cannot be compiled: {error.strip()}")
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise ValueError(f"the structured output cannot be compiled: {matcher.get_error()}")
+            raise SettingError("structured_output", f"the structured output cannot be compiled: {matcher.get_error()}")
         return Constraint(matcher, self.vocab_size)
 
     def masks(self, constraints: list["Constraint"]) -> "MaskBatch":

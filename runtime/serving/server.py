@@ -560,20 +560,13 @@ def _poll_interval(deadline: float) -> float:
 
 
 def _param_at_fault(error: ValueError, prompt: str, schema: str) -> str | None:
-    """The request field a refusal by the engine's checks is about, as OpenAI names it: a sampling setting
-    (named first in its message), the prompt (`prompt` or `messages`), or the schema a structured output or
-    a tool call is generated under (`response_format` or `tools`)."""
-    message = str(error)
-    starts = (("stop strings", "stop"), ("stop token id", "stop_token_ids"), ("logit_bias", "logit_bias"),
-              ("the turn does not fit", "max_tokens"), ("kv_cache_", "max_tokens"), ("token id", prompt),
-              ("the prompt", prompt))
-    param = next((param for start, param in starts if message.startswith(start)), None)
-    first = message.split(" ", 1)[0]
-    if param is None and first in _SAMPLING_FIELDS:
-        param = "max_tokens" if first == "max_new_tokens" else first
-    if param is None and ("structured output" in message or "JSON schema" in message or "grammar" in message):
-        param = schema
-    return param
+    """The request field a refusal by the engine's checks is about, as OpenAI names it: a sampling setting,
+    the prompt (`prompt` or `messages`, also when the KV pool cannot hold it), or the schema a structured
+    output or a tool call is generated under (`response_format` or `tools`); None for any other refusal."""
+    setting = getattr(error, "setting", None)
+    renamed = {"prompt": prompt, "kv_cache_pages": prompt, "kv_cache_memory_mb": prompt,
+               "max_new_tokens": "max_tokens", "structured_output": schema}
+    return renamed.get(setting, setting if setting in _SAMPLING_FIELDS else None)
 
 
 _SAMPLING_FIELDS = frozenset(item.name for item in fields(SamplingParams))

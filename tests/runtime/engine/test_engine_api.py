@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from generation_utils import compile_tiny_chat_model
 
-from cann_llm import Conversation, ConversationManager, GenerationFailed, LLMEngine, LongContext, SamplingParams
+from cann_llm import (Conversation, ConversationManager, GenerationFailed, LLMEngine, LongContext, SamplingParams,
+                      SettingError, StructuredOutput)
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
             "{% if tools %}<tools>{{ tools | length }}{% endif %}{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -191,6 +192,21 @@ def test_embedding_rows_outside_the_table_are_refused(engine):
     for bad in ([-1], [engine.vocab_size]):
         with pytest.raises(ValueError, match="outside the vocabulary"):
             engine.embed_tokens(bad)
+
+
+@pytest.mark.parametrize("prompt, settings, setting", [
+    ("", {}, "prompt"), ([10 ** 9], {}, "prompt"), ("hi \udcff", {}, "prompt"), ("word " * 300, {}, "prompt"),
+    ("hi", {"stop_token_ids": [10 ** 9]}, "stop_token_ids"), ("hi", {"logit_bias": {10 ** 9: 1.0}}, "logit_bias"),
+    ("hi", {"n": 2}, "n"), ("hi", {"structured_output": StructuredOutput(json='{"type": "bogus"}')}, "structured_output"),
+])
+def test_a_refusal_names_the_setting_it_is_about(engine, prompt, settings, setting):
+    """What a command line names as its flag and a server as its request field."""
+    with pytest.raises(SettingError) as refused:
+        engine.submit(prompt, **settings)
+    assert refused.value.setting == setting
+    with pytest.raises(SettingError) as refused:
+        Conversation(engine).prompt("word " * 300, 4)
+    assert refused.value.setting == "prompt" and "does not fit" in str(refused.value)
 
 
 def test_a_refused_or_failed_turn_leaves_no_trace_in_the_conversation(engine):

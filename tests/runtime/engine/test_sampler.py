@@ -7,6 +7,7 @@ import pytest
 
 from runtime.engine.sampler import apply_repetition_penalty, probabilities, sample_token
 from runtime.engine.sampling import SamplingParams
+from runtime.engine.setting_error import SettingError
 
 pytestmark = pytest.mark.unit
 
@@ -52,7 +53,10 @@ def test_a_seed_makes_a_request_reproducible():
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-1),
-                                 dict(max_new_tokens=0), dict(repetition_penalty=0), dict(stop=[""])])
-def test_bad_settings_are_refused(bad):
-    with pytest.raises(ValueError):
+                                 dict(max_new_tokens=0), dict(repetition_penalty=0), dict(stop=[""]),
+                                 dict(min_tokens=9, max_new_tokens=2), dict(logit_bias={3: 101}),
+                                 dict(temperature=float("nan"))])
+def test_bad_settings_are_refused_naming_the_setting(bad):
+    with pytest.raises(SettingError) as refused:
         SamplingParams(**bad)
+    assert refused.value.setting == next(iter(bad))
