@@ -78,6 +78,7 @@ class EngineConfig:
             if low is not None and value is not None and value < low:
                 raise SettingError(item.name, f"{item.name} must be at least {low}, not {value}")
         if self.draft_model is not None and self.num_speculative_tokens < 1:
-            raise SettingError("num_speculative_tokens", "a draft model drafts num_speculative_tokens tokens a step: set it to at least 1")
+            raise SettingError("num_speculative_tokens",
+                               "a draft model drafts num_speculative_tokens tokens a step: set it to at least 1")
         if self.backend not in BACKENDS:
             raise SettingError("backend", f"backend must be one of {', '.join(BACKENDS)}, not {self.backend!r}")

@@ -379,7 +379,8 @@ class LLMEngine:
         constraint = None
         if params.structured_output is not None:
             if self._grammars is None:
-                raise SettingError("structured_output", "a structured output needs the model's tokenizer; recompile with atc --tokenizer=DIR")
+                raise SettingError("structured_output",
+                                   "a structured output needs the model's tokenizer; recompile with atc --tokenizer=DIR")
             constraint = self._grammars.constraint(params.structured_output)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         seq = Sequence(list(ids), params, eos, constraint=constraint)

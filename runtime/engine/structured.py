@@ -43,8 +43,9 @@ class StructuredOutput:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
-            raise SettingError("structured_output", "a structured output takes exactly one of json, json_object, regex, choice or grammar"
-                             + (f", not {' and '.join(given)}" if given else ""))
+            raise SettingError("structured_output",
+                               "a structured output takes exactly one of json, json_object, regex, choice or grammar"
+                               + (f", not {' and '.join(given)}" if given else ""))
         if self.choice is not None and not (0 < len(self.choice) <= MAX_CHOICES and all(
                 isinstance(c, str) and c for c in self.choice)):
             raise SettingError("structured_output", f"choice must be 1 to {MAX_CHOICES} non-empty strings")
