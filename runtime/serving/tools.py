@@ -68,11 +68,29 @@ def parse(text: str, tools: list[dict], choice, parallel: bool = True) -> tuple[
     if isinstance(choice, dict):
         return None, [ToolCall(choice["function"]["name"], text)]
     if choice == "required":
-        return None, [ToolCall(c["name"], _dump(c["parameters"])) for c in json.loads(text)]
+        return None, [ToolCall(c["name"], _dump(c["parameters"])) for c in _whole_items(text)]
     if choice == "none":
         return text, []
     content, calls = _parse_auto(text, names)
     return content, calls if parallel else calls[:1]
+
+
+def _whole_items(text: str) -> list:
+    """The items of the JSON array `text`, or of as much of it as was written: an array cut short (by
+    max_tokens) keeps the items it completed. ValueError when not even its first item is whole."""
+    decoder, items, at = json.JSONDecoder(), [], text.index("[") + 1
+    while True:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        if at == len(text) or text[at] == "]":
+            return items
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            if items:
+                return items
+            raise
+        items.append(item)
 
 
 def _parse_auto(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:

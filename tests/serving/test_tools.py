@@ -53,3 +53,17 @@ def test_without_parallel_calls_only_the_first_is_kept():
             '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
     assert [c.name for c in tools.parse(text, TOOLS, "auto", parallel=True)[1]] == ["get_weather", "get_time"]
     assert [c.name for c in tools.parse(text, TOOLS, "auto", parallel=False)[1]] == ["get_weather"]
+
+
+@pytest.mark.parametrize("text,names", [
+    ('[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Pa', ["get_time"]),
+    ('[{"name": "get_time", "parameters": {}},\n {"name": "get_weather", "parameters": {}}, ', ["get_time", "get_weather"]),
+    ('[{"name": "get_time", "parameters": {}}', ["get_time"]),
+])
+def test_required_calls_cut_short_by_max_tokens_keep_the_calls_they_completed(text, names):
+    assert [c.name for c in tools.parse(text, TOOLS, "required")[1]] == names
+
+
+def test_required_output_with_no_whole_call_is_refused_for_the_text_to_stand():
+    with pytest.raises(ValueError):
+        tools.parse('[{"name": "get_ti', TOOLS, "required")
