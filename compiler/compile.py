@@ -16,7 +16,7 @@ from compiler import __version__
 from compiler.auto_tune import auto_tune
 from compiler.config import CompileConfig
 from compiler.graph_metadata import (attention_dimensions, float28_weights, int8_activations, kv_cache_metadata,
-                                     shape_contract_metadata)
+                                     shape_contract_metadata, weight_formats)
 from compiler.graph_io import apply_input_shape, apply_out_nodes, apply_output_type
 from compiler.loader import import_graph, weight_bytes
 from compiler.pass_manager import PassReport, run_passes
@@ -28,6 +28,7 @@ from models.recipes import detect_family
 from passes.graph_utils import position_table_rows, unfused_attention
 from passes.name_causal_lm_io import token_input
 from passes.per_sequence_rotary import rotary_switch_length
+from passes.quant.quantize_weights import QuantizeWeights
 from passes.pipeline_stages import layer_ranges, stage_graph
 from passes.upcast_float_compute import compute_in_float32
 from passes.upgrade_opset import upgrade_opset
@@ -36,6 +37,7 @@ from passes.weight_spill import weight_spill
 from runtime.artifact import write_artifact
 from runtime.compatibility import requirements
 from runtime.errors import AtcError
+from runtime.ops import MATMUL_INT4, MATMUL_INT8
 from runtime.progress import note
 from runtime.safe_files import refuse_symlink
 from runtime.signature import io_signature, is_dynamic, is_fixed, llm_dimensions
@@ -145,6 +147,13 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
             warnings.append(f"W10006: the model computes in {low}; it was compiled to compute in float32 (its "
                             f"inputs and outputs float32 too), so its outputs differ from a {low} run within "
                             f"{low}'s precision; {cfg.precision.storing(origin).stored}")
+        quantized = next((r for r in report.records if r.name == QuantizeWeights.name and r.enabled), None)
+        if cfg.quantization is not None and quantized is not None and quantized.effect_times == 0:
+            came = sum(node.op in (MATMUL_INT4.name, MATMUL_INT8.name) for node in graph.nodes)
+            why = (f"the model's {came} linear layers came quantized and are kept as they are, so the settings "
+                   f"of weight compression do not apply to them" if came else "the model has no weight it takes")
+            warnings.append(f"W10011: weight compression quantized no weight: {why} (atc --mode=6 shows how the "
+                            f"artifact stores its weights)")
         if cfg.auto_tune_mode and not causal_lm:
             raise AtcError("E10055", "--auto_tune_mode measures a causal LM's decode and prefill; this model has no "
                                      "input_ids and logits")
@@ -200,6 +209,7 @@ def _write(cfg: CompileConfig, output: Path, graph: gs.Graph, model: onnx.ModelP
         "kv_cache": kv_cache_metadata(cfg),
         **shape_contract_metadata(cfg),
         **({"pipeline": stage} if stage else {}),
+        "weights": weight_formats(lowered),
         "requires": requirements(cfg.soc.family, int8_activations(lowered), float28_weights(lowered)),
         "source": {"file": Path(cfg.model).name, "producer": f"{model.producer_name} {model.producer_version}".strip(),
                    "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import}},

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections import Counter
 
-from runtime.ops import ATTENTION_OPS, MATMUL_F28, MATMUL_INT4, attributes
+import onnx
+
+from runtime.ops import ATTENTION_OPS, GATHER_F28, GATHER_INT4, MATMUL_F28, MATMUL_INT4, MATMUL_INT8, attributes
 
 
 def attention_dimensions(graph) -> dict:
@@ -48,3 +51,50 @@ def float28_weights(model) -> bool:
     """Whether some matmul of the lowered graph reads float32 weights in 28 bits (MatMulF28), whose kernel
     needs AVX-512 VBMI (elsewhere the runtime unpacks them at load: float32 speed, runtime/compatibility.py)."""
     return any(node.op_type == MATMUL_F28.name for node in model.graph.node)
+
+
+def weight_formats(model) -> dict:
+    """How the lowered graph stores the weights of its linear layers and its embedding table, as compiled (a
+    model quantized before it came here included): each format with its count, e.g.
+    `{"matmuls": [{"format": "int4", "block_size": 128, "int8_activations": True, "count": 120}, ...],
+    "embedding": {"format": "int4", "block_size": 32}}`."""
+    graph = model.graph
+    stored = {t.name: t.data_type for t in graph.initializer}
+    made_by = {out: node for node in graph.node for out in node.output}
+    inputs = {value.name for value in graph.input}
+    counts: Counter = Counter()
+    embedding = None
+    for node in graph.node:
+        kind = None
+        if node.op_type in (MATMUL_INT4.name, GATHER_INT4.name):
+            attrs = attributes(node)
+            kind = (("format", f"int{attrs['bits']}"), ("block_size", attrs["block_size"]),
+                    *((("int8_activations", True),) if attrs.get("accuracy_level") == 4 else ()))
+        elif node.op_type == MATMUL_INT8.name:
+            kind = (("format", "int8"),)
+        elif node.op_type in (MATMUL_F28.name, GATHER_F28.name):
+            kind = (("format", "float28"),)
+        elif node.op_type in ("MatMul", "Gemm", "Gather") and len(node.input) > 1:
+            dtype = _stored_type(node.input[0 if node.op_type == "Gather" else 1], stored, made_by)
+            kind = (("format", dtype),) if dtype is not None else None
+        if kind is None:
+            continue
+        if node.op_type in (GATHER_INT4.name, GATHER_F28.name, "Gather"):
+            if node.input[-1 if node.op_type == GATHER_F28.name else 1] in inputs:  # the table input_ids index
+                embedding = dict(kind)
+        else:
+            counts[kind] += 1
+    matmuls = [{**dict(kind), "count": n} for kind, n in sorted(counts.items(), key=lambda item: -item[1])]
+    return {"matmuls": matmuls, **({"embedding": embedding} if embedding else {})}
+
+
+def _stored_type(name: str, stored: dict, made_by: dict) -> str | None:
+    """The element type a weight is stored in, read through the layout ops between it and its use (None when
+    `name` is not a weight)."""
+    while name not in stored:
+        node = made_by.get(name)
+        if node is None or node.op_type not in ("Transpose", "Cast", "Reshape", "Squeeze", "Unsqueeze"):
+            return None
+        name = node.input[0]
+    return onnx.helper.tensor_dtype_to_np_dtype(stored[name]).name if stored[name] != onnx.TensorProto.BFLOAT16 \
+        else "bfloat16"

@@ -39,9 +39,25 @@ def display_model_info(om: OmFile) -> str:
         f"llm      info: layers[{dims.get('num_layers', '-')}], kv_heads[{dims.get('num_kv_heads', '-')}], "
         f"head_dim[{dims.get('head_dim', '-')}], vocab_size[{dims.get('vocab_size', '-')}], "
         f"kv_cache_layout[{kv.get('layout', '-')}{page}], tokenizer[{'yes' if om.tokenizer_files() else 'no'}].",
+        f"weight   info: {_weights_line(meta.get('weights'))}.",
         "============ Display Model Info end   ============",
     ]
     return "\n".join(lines)
+
+
+def _weights_line(weights: dict | None) -> str:
+    """How the linear layers and the embedding are stored, e.g. `matmuls[120 int4 block 128 int8-activations,
+    1 int4 block 32 int8-activations], embedding[int4 block 32]` (`-` for an artifact that does not record it)."""
+    if weights is None:
+        return "-"
+
+    def said(kind: dict) -> str:
+        return " ".join([kind["format"], *([f"block {kind['block_size']}"] if "block_size" in kind else []),
+                         *(["int8-activations"] if kind.get("int8_activations") else [])])
+
+    matmuls = ", ".join(f"{kind['count']} {said(kind)}" for kind in weights["matmuls"])
+    embedding = f", embedding[{said(weights['embedding'])}]" if "embedding" in weights else ""
+    return f"matmuls[{matmuls or 'none'}]{embedding}"
 
 
 def _desc(name: str, elem_type: int, dims: list) -> dict:

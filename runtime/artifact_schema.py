@@ -103,6 +103,7 @@ class Obj:
 
 _VALUE = Obj(required={"name": Of(str), "dtype": DType(), "shape": ListOf(Dim(), most=64)})
 _HEADS = Int(1, MAX_HEADS)
+_WEIGHT_FORMAT = {"format": Of(str)}, {"block_size": Int(1), "int8_activations": Of(bool)}
 
 METADATA = Obj(
     required={
@@ -114,6 +115,9 @@ METADATA = Obj(
                         optional={"page_size": Int(*PAGE_SIZE_RANGE)}),
         "name": Of(str), "atc_version": Of(str), "soc_version": Of(str), "framework_type": Int(0, 255),
         "cmdline": Of(str), "config": Of(dict), "is_dynamic": Of(bool), "source": Of(dict), "pass_report": Of(dict),
+        "weights": Obj(required={"matmuls": ListOf(Obj(required={**_WEIGHT_FORMAT[0], "count": Int(0)},
+                                                        optional=_WEIGHT_FORMAT[1]))},
+                       optional={"embedding": Obj(required=_WEIGHT_FORMAT[0], optional=_WEIGHT_FORMAT[1])}),
         "model": Obj(optional={
             "vocab_size": Int(1), "kv_cache_io": Of(bool), "num_layers": Int(1, MAX_HEADS), "num_heads": _HEADS,
             "num_kv_heads": _HEADS, "head_dim": Int(1, MAX_HEAD_DIM), "family": Of((str, type(None))),

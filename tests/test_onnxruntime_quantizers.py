@@ -34,6 +34,8 @@ from models.onnxruntime_quantizers import matmul_nbits, optimum_dynamic, quantiz
 from models.optimum_export import OptimumUnavailable, ensure_optimum_venv, optimum_onnx, venv_python
 from models.tiny import TINY_FAMILIES, tiny_onnx
 from passes.convert_integer_matmul import ConvertIntegerMatMul
+from compiler.compile import compile_model
+from compiler.config import CompileConfig
 from runtime import Executor, load_artifact
 from runtime.ops import attributes
 
@@ -161,6 +163,12 @@ def test_compiles_fused_with_merged_quantized_projections(quantized, tmp_path):
     quantized_matmuls = [attributes(node) for node in nodes if node.op_type == "MatMulInt4"]
     assert len(quantized_matmuls) == 4 * LAYERS + 1  # q/k/v and gate/up merged, o, down; the lm_head
     assert {(a["bits"], a["accuracy_level"]) for a in quantized_matmuls} == {form}
+    # the artifact records what it holds, though no flag asked for quantization
+    recorded = Counter()
+    for kind in loaded.metadata["weights"]["matmuls"]:
+        recorded[(kind["format"], kind.get("int8_activations", False))] += kind["count"]
+    bits, level = form
+    assert recorded == {(f"int{bits}", level == 4): 4 * LAYERS + 1}
     feeds = _feeds(model)
     ours = Executor(loaded, "onnxruntime").run(feeds)["logits"]
     theirs = ort_reference(model, feeds)["logits"]
@@ -199,3 +207,21 @@ def test_paged_engine_greedy_equals_the_contiguous_artifact(quantized, tmp_path)
     prompts = mixed_prompts(2, seed=7, high=40)
     assert engine_greedy(paged, prompts, NEW_TOKENS) == [_contiguous_greedy(contiguous, p, NEW_TOKENS)
                                                           for p in prompts]
+
+
+def test_compression_asked_of_a_model_that_came_quantized_warns_that_it_quantized_nothing(tmp_path):
+    """MatMulNBitsQuantizer's blocks of 32 are kept whatever the conf says: the artifact records them, and the
+    compile says the conf did not apply (W10011)."""
+    _, model = _four_bit(tmp_path)
+    result = compile_model(CompileConfig(model=str(model), framework=5, output=str(tmp_path / "m"),
+                                         soc_version="Ascend910B", enable_compress_weight=True))
+    came = 4 * LAYERS + 1
+    assert [w.split(":")[0] for w in result.warnings if "W10011" in w] == ["W10011"]
+    assert f"the model's {came} linear layers came quantized" in next(w for w in result.warnings if "W10011" in w)
+    assert [(kind["format"], kind["block_size"], kind["count"]) for kind in result.metadata["weights"]["matmuls"]] \
+        == [("int4", 32, came)]
+    assert result.metadata["config"]["quantization"]["group_size"] == 128  # the flags, as given
+    float_model = tiny_onnx("llama", dynamo=False, with_past=True)
+    quantized_here = compile_model(CompileConfig(model=str(float_model), framework=5, output=str(tmp_path / "f"),
+                                                 soc_version="Ascend910B", enable_compress_weight=True))
+    assert not [w for w in quantized_here.warnings if "W10011" in w]

@@ -90,6 +90,9 @@ def test_mode_6_displays_info(capsys, tmp_path, tiny_llama_path):
     assert status == 0
     assert "soc_version[Ascend910B], framework_type[5]." in out
     assert f"weight_size[{OmFile(tmp_path / 'm.om').partition_sizes()['WEIGHTS_DATA']} B]" in out
+    layers = OmFile(tmp_path / "m.om").metadata["model"]["num_layers"]
+    # q/k/v and gate/up merged, o, down; the lm_head
+    assert f"weight   info: matmuls[{4 * layers + 1} float32], embedding[float32]." in out
 
 
 def test_mode_3_lists_every_unsupported_op_at_once(capsys, tmp_path, monkeypatch):
