@@ -1,0 +1,44 @@
+"""The console scripts' entry points. Each imports its command (about a second: onnxruntime, numpy, click)
+with Ctrl-C ending the process by SIGINT and one line, as a Ctrl-C while the command runs does, not with a
+traceback from the middle of an import. Nothing here imports more than the standard library."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from importlib import import_module
+
+from cli.process_end import die_by
+
+
+def atc() -> None:
+    """`atc`."""
+    _run("cli.atc")
+
+
+def cann_run() -> None:
+    """`cann-run`."""
+    _run("cli.cann_run")
+
+
+def cann_llm_quant() -> None:
+    """`cann-llm-quant`."""
+    _run("cli.quant")
+
+
+def _run(module: str) -> None:
+    program = os.path.basename(sys.argv[0])
+
+    def stopped(signum, _frame) -> None:
+        os.write(sys.stderr.fileno(), f"\n{program} was stopped by SIGINT\n".encode())
+        die_by(signum)
+
+    # a background job's ignored SIGINT stays ignored
+    interruptible = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if interruptible:
+        signal.signal(signal.SIGINT, stopped)
+    main = import_module(module).main
+    if interruptible:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    main()
