@@ -6,11 +6,14 @@ checks and restarts, autoscaling on ongoing requests.
 
 A replica that dies under a request: if nothing of the answer was sent yet, the request is tried once more
 on another replica; otherwise it ends with an error the client can retry on (503 in OpenAI's shape, or an
-SSE `error` event in a stream). `/metrics` sums the replicas' metrics (runtime/serving/metrics_merge.py),
+SSE `error` event and `[DONE]` in a stream). At shutdown the ingress drains before the application goes:
+new requests and /health get 503 in OpenAI's shape, what is in flight has the grace period, and what is
+still running then ends as a dead replica's answer does. `/metrics` sums the replicas' metrics (runtime/serving/metrics_merge.py),
 `/metrics/replicas` keeps them apart, `/replicas` says which process and node each replica is."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -39,6 +42,11 @@ _NAMESPACE = "serve"
 _PUSH_EVERY_S = 1.0               # a replica's metrics are at most this old (and fresher after each request)
 _STALE_AFTER_S = 5.0              # a replica not heard from for this long is gone
 _RETRYABLE = (RayActorError, ActorUnavailableError)
+_SHUTTING_DOWN = "the server is shutting down"
+
+
+class _Cut(Exception):
+    """The drain's grace is over: the call in flight ends now."""
 
 
 @ray.remote(num_cpus=0)
@@ -142,13 +150,40 @@ class EngineReplica:
 class Ingress:
     """The HTTP face of the deployment: forwards each request to a replica and streams back its answer."""
 
-    def __init__(self, replicas: DeploymentHandle, metrics_prefix: str, max_body_bytes: int):
+    def __init__(self, replicas: DeploymentHandle, metrics_prefix: str, max_body_bytes: int, retry_after_s: int):
         self.replicas = replicas.options(stream=True)
-        self.prefix, self.max_body_bytes = metrics_prefix, max_body_bytes
+        self.prefix, self.max_body_bytes, self.retry_after_s = metrics_prefix, max_body_bytes, retry_after_s
         self.board = metrics_board()
+        self.draining = False
+        self.cut = asyncio.Event()  # the drain's grace is over
+        self.open = 0  # forwarded calls whose answer is not all out
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuse what comes from now on (503), give the calls in flight `grace_s` to finish, then end the rest
+        (`stop_waiting` ends the grace sooner); returns once none is left."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._all_out(), grace_s)
+        except asyncio.TimeoutError:
+            pass
+        self.cut.set()
+        await self._all_out()
+
+    def stop_waiting(self) -> None:
+        """End the drain's grace now."""
+        self.cut.set()
+
+    async def _all_out(self) -> None:
+        while self.open:
+            await asyncio.sleep(0.05)
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
+        if self.draining:
+            if path == "/health":
+                return JSONResponse({"status": "shutting down"}, status_code=503,
+                                    headers={"Retry-After": str(self.retry_after_s)})
+            return _error(503, _SHUTTING_DOWN, "unavailable", retry_after_s=self.retry_after_s)
         if request.method == "GET" and path in ("/metrics", "/metrics/replicas", "/replicas", "/health"):
             return await self._about_replicas(path)
         declared = request.headers.get("content-length", "")
@@ -160,7 +195,14 @@ class Ingress:
             return too_large
         call = HttpCall.of(request.method, path, request.scope.get("query_string", b""),
                            list(request.scope.get("headers", [])), body)
-        return await self._forward(call)
+        self.open += 1
+        response = None
+        try:
+            response = await self._forward(call)
+            return response
+        finally:
+            if not isinstance(response, StreamingResponse):  # a streamed answer is out when `_rest` ends
+                self.open -= 1
 
     async def _forward(self, call: HttpCall) -> Response:
         """Send `call` to a replica; tried once more elsewhere when the replica died before any of its answer
@@ -168,10 +210,13 @@ class Ingress:
         for attempt in (1, 2):
             stream = self.replicas.handle.remote(call)
             try:
-                start: ResponseStart = await stream.__anext__()
-                first = await anext(stream, b"")
+                start: ResponseStart = await self._unless_cut(stream.__anext__)
+                first = await self._unless_cut(lambda: anext(stream, b""))
             except BackPressureError:
                 return _error(429, "the server is at capacity; retry shortly", "rate_limit_exceeded", retry_after_s=1)
+            except _Cut:
+                stream.cancel()
+                return _error(503, _SHUTTING_DOWN, "unavailable", retry_after_s=self.retry_after_s)
             except _RETRYABLE as error:
                 stream.cancel()
                 _log.warning("replica failed before answering (attempt %d): %s", attempt, error)
@@ -182,19 +227,42 @@ class Ingress:
             return response
         return _error(503, "the replica serving this request failed twice; retry", "unavailable", retry_after_s=1)
 
+    async def _unless_cut(self, step):
+        """What `step()` gives, awaited, unless the drain's grace ends first (_Cut)."""
+        if self.cut.is_set():
+            raise _Cut
+        task, cut = asyncio.ensure_future(step()), asyncio.ensure_future(self.cut.wait())
+        try:
+            await asyncio.wait((task, cut), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            cut.cancel()
+        if not task.done():
+            task.cancel()
+            raise _Cut
+        return task.result()
+
     async def _rest(self, first: bytes, stream, start: ResponseStart):
         finished = False
+        streamed = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in start.headers)
         try:
             yield first
             try:
-                async for piece in stream:
+                while True:
+                    try:
+                        piece = await self._unless_cut(stream.__anext__)
+                    except StopAsyncIteration:
+                        break
                     yield piece
-            except _RETRYABLE:  # part of the answer is out: the client has to retry it
-                if any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in start.headers):
-                    failure = error_body(503, "the replica serving this request failed mid-answer; retry", "unavailable")
-                    yield f"data: {json.dumps(failure)}\n\n".encode()
+            except (*_RETRYABLE, _Cut) as error:  # part of the answer is out: the client has to retry it
+                if isinstance(error, _Cut):
+                    stream.cancel()
+                if streamed:
+                    why = _SHUTTING_DOWN if isinstance(error, _Cut) else \
+                        "the replica serving this request failed mid-answer; retry"
+                    yield f"data: {json.dumps(error_body(503, why, 'unavailable'))}\n\ndata: [DONE]\n\n".encode()
             finished = True
         finally:
+            self.open -= 1
             if not finished:  # the client went away: the replica stops generating
                 stream.cancel()
 
@@ -239,4 +307,4 @@ def build_app(spec: ReplicaSpec, scaling: Scaling):
                                          target_ongoing=spec.engine_overrides.get("max_batch_size", 8))
     replicas = EngineReplica.options(**options, graceful_shutdown_timeout_s=spec.settings.shutdown_grace_s).bind(spec)
     ingress = Ingress.options(max_ongoing_requests=scaling.most * spec.settings.max_pending + 64)
-    return ingress.bind(replicas, spec.settings.metrics_prefix, spec.settings.max_body_bytes)
+    return ingress.bind(replicas, spec.settings.metrics_prefix, spec.settings.max_body_bytes, spec.settings.retry_after_s)

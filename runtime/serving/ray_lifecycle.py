@@ -52,9 +52,13 @@ def serve_on_ray(spec, scaling, host: str, port: int, address: str | None, say: 
     except BaseException:
         _stop_head(head)
         raise
-    stop = threading.Event()
+    stop, again = threading.Event(), threading.Event()  # a signal; a second one
+
+    def signalled(*_) -> None:
+        (again if stop.is_set() else stop).set()
+
     for number in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs handlers of its own
-        signal.signal(number, lambda *_: stop.set())
+        signal.signal(number, signalled)
     deployed = False
     try:
         _check_capacity(ray, where, scaling)
@@ -87,6 +91,10 @@ def serve_on_ray(spec, scaling, host: str, port: int, address: str | None, say: 
     finally:
         try:
             if deployed:
+                try:
+                    _drain(serve, APP_NAME, spec.settings.shutdown_grace_s, again)
+                except Exception as error:  # the ingress died: the application goes all the same
+                    say(f"the drain failed ({_first_line(error)}); stopping")
                 serve.delete(APP_NAME)
             if head is not None:  # the cluster is this process's own: Serve goes with it
                 serve.shutdown()
@@ -97,6 +105,26 @@ def serve_on_ray(spec, scaling, host: str, port: int, address: str | None, say: 
 
 _DEPLOY_TIMEOUT_S = 900   # loading a large model on every replica takes minutes; placing them should not
 _REPORT_TIMEOUT_S = 60
+_CUT_TIMEOUT_S = 30       # for the answers still running when the grace ends to be ended
+
+
+def _drain(serve, name: str, grace_s: float, again: threading.Event) -> None:
+    """Have the application's ingress drain (runtime/serving/ray_app.py: refuse new requests, give those in
+    flight `grace_s`, end the rest), its routes kept meanwhile; `again` (a second signal) ends the grace."""
+    application = serve.status().applications.get(name)
+    if application is None or application.status != "RUNNING":  # stopped while deploying: nothing to drain
+        return
+    ingress = serve.get_app_handle(name)
+    drained = ingress.drain.remote(grace_s)
+    deadline = time.monotonic() + grace_s + _CUT_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            drained.result(timeout_s=0.25)
+            return
+        except TimeoutError:
+            if again.is_set():
+                again.clear()
+                ingress.stop_waiting.remote()
 
 
 def _start_serve(ray, serve, http_options: dict, attempts: int = 3) -> None:

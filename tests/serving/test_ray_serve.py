@@ -6,6 +6,7 @@ load loses no request without an error while Ray brings it back."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -290,11 +291,16 @@ def test_scale_out_flags_are_checked_before_anything_starts(om, argv, code):
     assert result.returncode == 1 and code in result.stderr and "Traceback" not in result.stderr
 
 
-def test_without_an_address_it_starts_a_cluster_of_its_own_autoscaled_and_stops_it_on_sigterm(om, engine):
+def test_without_an_address_it_starts_a_cluster_of_its_own_autoscaled_and_drains_it_on_sigterm(om, engine):
+    """The first SIGTERM drains: the routes stay, new requests and /health get OpenAI's 503; a second ends the
+    grace, and a stream still running ends with an error event and [DONE]."""
     port = free_port()
+    url = f"http://127.0.0.1:{port}"
     process = subprocess.Popen([sys.executable, "-m", "cli.cann_run", "serve", "--ray", "--autoscale", "1:2",
-                                "--port", str(port), "--model", f"tiny={om}"],
+                                "--port", str(port), "--model", f"tiny={om}", "--max_context_len", "32768",
+                                "--kv_cache_pages", "256", "--shutdown-grace", "600"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    signals = 0
     try:
         _lines_until(process, "ready in", timeout=300)
         head = [pid for pid in _children(process.pid) if "ray.scripts.scripts" in _command(pid)]
@@ -306,8 +312,40 @@ def test_without_an_address_it_starts_a_cluster_of_its_own_autoscaled_and_stops_
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                             json={"model": "tiny", "prompt": "hello", "max_tokens": 16, "temperature": 0})
         assert answer.json()["choices"][0]["text"] == engine.generate("hello", max_new_tokens=16, temperature=0)
-    finally:
+
+        events: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            body = {"model": "tiny", "prompt": "hello", "max_tokens": 32000, "temperature": 0, "ignore_eos": True,
+                    "stream": True}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
+                for line in response.iter_lines():
+                    events.append(line)
+                    started.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert started.wait(120), "the stream sent nothing"
         process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while (health := httpx.get(f"{url}/health", timeout=10)).status_code == 200:
+            assert time.monotonic() < deadline, "the drain did not begin"
+            time.sleep(0.05)
+        assert (health.status_code, health.json(), health.headers["retry-after"]) == (503, {"status": "shutting down"}, "1")
+        refused = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=10)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["message"] == "the server is shutting down"
+        assert reader.is_alive(), "the stream ended within the grace, before the second signal"
+        process.send_signal(signal.SIGTERM)
+        signals = 2
+        reader.join(timeout=120)
+        said = [line for line in events if line]
+        assert said[-1] == "data: [DONE]" and json.loads(said[-2].removeprefix("data: "))["error"]["code"] == 503
+        assert len(said) > 3  # text came before the cut
+    finally:
+        if not signals:
+            process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=120) == 0
     deadline = time.monotonic() + 60
     while any(os.path.exists(f"/proc/{pid}") for pid in [*head, *node]):
