@@ -18,7 +18,7 @@ from compiler.config import CompileConfig
 from compiler.graph_metadata import (attention_dimensions, float28_weights, int8_activations, kv_cache_metadata,
                                      shape_contract_metadata, weight_formats)
 from compiler.graph_io import apply_input_shape, apply_out_nodes, apply_output_type
-from compiler.loader import import_graph, weight_bytes
+from compiler.loader import import_graph, require_model_file, weight_bytes
 from compiler.pass_manager import PassReport, run_passes
 from compiler.pipeline import build_pipeline
 from compiler.precheck import check_ops, unsupported_types
@@ -87,6 +87,7 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
     """Compile `cfg.model` into `cfg.output`.om; raises AtcError, leaving no output file, on failure.
     `progress` prints the load, each pass (calibration and quantization included) and the write on stderr."""
     output = cfg.output_path
+    require_model_file(cfg.model)  # what is missing first, then where it would go
     _check_writable(output)
     start = time.perf_counter()
     model, graph = import_graph(cfg.model)

@@ -296,6 +296,9 @@ class CompileConfig:
             path = getattr(self, flag)
             if path and not os.path.isfile(path):
                 raise invalid_value(path, flag, f"File defined by {flag} is not found.")
+        if self.tokenizer and os.path.isfile(self.tokenizer):
+            raise invalid_value(self.tokenizer, "tokenizer", f"It is a file; give the folder that holds the tokenizer "
+                                                             f"files: --tokenizer={os.path.dirname(self.tokenizer) or '.'}")
         if self.tokenizer and not os.path.isdir(self.tokenizer):
             raise invalid_value(self.tokenizer, "tokenizer", "The tokenizer directory is not found.")
 

@@ -67,13 +67,19 @@ def typed_constants(graph: gs.Graph) -> None:
             node.attrs["value"] = gs.Constant(f"{node.name}_value", values)
 
 
-def load_onnx(path: str | os.PathLike, external_data: bool = True) -> onnx.ModelProto:
-    """The checked model, with its external data read into memory unless `external_data` is False."""
+def require_model_file(path: str | os.PathLike) -> None:
+    """E13001 unless `path` is a regular file."""
     path = Path(path)
     if not path.is_file():
         reason = ("the path is a directory" if path.is_dir() else "not a regular file" if path.exists()
                   else "No such file or directory")
         raise AtcError("E13001", path, reason)
+
+
+def load_onnx(path: str | os.PathLike, external_data: bool = True) -> onnx.ModelProto:
+    """The checked model, with its external data read into memory unless `external_data` is False."""
+    path = Path(path)
+    require_model_file(path)
     try:
         model = onnx.load(str(path), load_external_data=False)
     except OSError as error:  # there but unreadable (its permissions, an I/O error): it cannot be opened

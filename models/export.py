@@ -9,7 +9,9 @@ Torch is a model-preparation dependency only; nothing under `runtime/` imports t
 from __future__ import annotations
 
 import inspect
+import logging
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -97,8 +99,13 @@ def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, dynamo:
     args = tuple(feeds[name] for name in input_names)
     wrapper = _CausalLMWithFlatCache(model, with_past).eval()
     tmp = path.with_name(f"{path.stem}.{os.getpid()}.partial.onnx")
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
         if dynamo:
+            # notices a user cannot act on: torchvision's detection ops (which no LLM uses) left unregistered,
+            # and a deprecation inside torch.export's own code
+            logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                    category=FutureWarning)
             dynamic = torch.export.Dim.DYNAMIC
             # forward(*past) is one positional slot to torch.export: its shapes nest in a tuple
             past_shapes = tuple({0: dynamic, 2: dynamic} for _ in input_names[3:])

@@ -41,6 +41,11 @@ class _Generation(Extension):
         return nodes.Scope(body, lineno=lineno)
 
 
+NO_TEMPLATE = ("chat needs a chat template, and the model was compiled without one (its tokenizer folder had no "
+               "chat_template.jinja and no chat_template in tokenizer_config.json): give one with --chat_template_file "
+               "(chat_template_file= in Python), or compile again with atc --tokenizer=DIR of a folder that has one")
+
+
 class ChatTemplate:
     """Renders `messages` into the prompt text the model was trained on."""
 
@@ -50,8 +55,7 @@ class ChatTemplate:
         if isinstance(source, list):  # named templates: the default one
             source = next((t["template"] for t in source if t.get("name") == "default"), None)
         if not source:
-            raise AtcError("E10001", "chat", "--model", "The model was compiled without a chat template; "
-                                                      "recompile with atc --tokenizer=DIR holding tokenizer_config.json.")
+            raise AtcError("E10055", NO_TEMPLATE)
         self._template = compile_template(source)
         self.renders_tools = "tools" in source
         self._special = {name: _token_text(config.get(name)) for name in SPECIAL_TOKENS if config.get(name)}

@@ -108,7 +108,7 @@ def create_app(server: Server) -> FastAPI:
         except Refusal as refusal:
             return refused(http, body.model, "/v1/completions", refusal)
         echo = (body.prompt if isinstance(body.prompt, str) else engine.tokenizer.decode(body.prompt)) if body.echo else ""
-        shape = _shape(Completion, generations[0].model, engine)
+        shape = _shape(Completion, generations[0], engine, body)
         return await _answer(server, http, generations, shape, body, echo)
 
     @app.post("/v1/chat/completions")
@@ -123,7 +123,7 @@ def create_app(server: Server) -> FastAPI:
         except Refusal as refusal:
             return refused(http, body.model, "/v1/chat/completions", refusal)
         engine = server.engines[generations[0].model]
-        return await _answer(server, http, generations, _shape(ChatCompletion, generations[0].model, engine), body)
+        return await _answer(server, http, generations, _shape(ChatCompletion, generations[0], engine, body), body)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeBody, http: Request):
@@ -175,11 +175,15 @@ def _model_card(name: str) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "cann-llm"}
 
 
-def _shape(kind: type[Completion], model: str, engine) -> Completion:
-    """An answer's shapes, spelling tokens with the model's tokenizer (as their ids without one)."""
+def _shape(kind: type[Completion], generation: Generation, engine, body: CompletionBody | ChatBody) -> Completion:
+    """An answer's shapes, spelling tokens with the model's tokenizer (as their ids without one). Token ids
+    are returned when asked for, and always by a model without a tokenizer, whose text is empty."""
+    seq = generation.request.seq
+    prompt_ids = tuple(seq.token_ids[:seq.num_prompt]) if body.return_token_ids or engine.tokenizer is None else None
     if engine.tokenizer is None:
-        return kind(model)
-    return kind(model, engine.tokenizer.token_text, engine.tokenizer.token_bytes, engine.tokenizer.token_chars)
+        return kind(generation.model, prompt_ids=prompt_ids)
+    return kind(generation.model, engine.tokenizer.token_text, engine.tokenizer.token_bytes,
+                engine.tokenizer.token_chars, prompt_ids=prompt_ids)
 
 
 def _refused(refusal: Refusal) -> Response:
@@ -219,7 +223,11 @@ async def _answer(server: Server, http: Request, generations: list[Generation], 
         await server.complete_all(generations, http.is_disconnected)
     except Refusal as refusal:
         return _refused(refusal)
-    return shape.body([_choice(body, g, echo) for g in generations], _usage(generations))
+    choices = [_choice(body, g, echo) for g in generations]
+    if shape.prompt_ids is not None:
+        for choice, generation in zip(choices, generations):
+            choice.token_ids = list(generation.request.output_ids)
+    return shape.body(choices, _usage(generations))
 
 
 def _choice(body: CompletionBody | ChatBody, generation: Generation, echo: str = "") -> Choice:
@@ -267,11 +275,17 @@ async def _events(server: Server, generations: list[Generation], shape: Completi
     sent = [0] * len(generations)     # each choice's log-probabilities sent so far
     spelled = [0] * len(generations)  # and the characters of their tokens' text (completions' text_offset)
     spoken = [0] * len(generations)   # and the characters of its text sent
+    given = [0] * len(generations)    # and its token ids sent (when they are returned)
+    begun = [False] * len(generations)  # whether its first chunk went out
 
     def chunk(index: int, text: str, reason: str | None, logprobs: list | None = None) -> str:
         offset = spelled[index]
         spelled[index] += sum(shape.token_chars(t.token_id) for t in logprobs or ())
-        return framed(shape.chunk(index, text, reason, logprobs, offset))
+        ids = generations[index].request.output_ids
+        upto = len(ids) if reason is not None else generations[index].tokens_in_text(spoken[index])
+        fresh, first = ids[given[index]:upto], not begun[index]
+        given[index], begun[index] = max(given[index], upto), True
+        return framed(shape.chunk(index, text, reason, logprobs, offset, fresh, first))
 
     def new_logprobs(index: int, finished: bool = False) -> list | None:
         """The log-probabilities of the tokens whose text goes out with this chunk, none ahead of it: the

@@ -29,6 +29,7 @@ from runtime.conversation import Conversation, ConversationManager
 from runtime.engine.config import EngineConfig
 from runtime.engine.engine import LLMEngine, Request
 from runtime.engine.sampling import SamplingParams
+from runtime.errors import AtcError
 from runtime.serving.breaker import CircuitBreaker
 from runtime.serving.guard import Guard
 from runtime.serving.metrics import DEFAULT_PREFIX, ServerMetrics
@@ -262,6 +263,8 @@ class Server:
                     ids = engine.encode(engine.chat_prompt(messages, tools or None) if messages is not None else prompt)
             except ValueError as error:
                 self._reject(name, Refusal(400, str(error), "invalid_request_error", param=fault(error)))
+            except AtcError as error:  # a chat request to a model without a chat template
+                self._reject(name, Refusal(400, error.message, "invalid_request_error", param="messages"))
             except Exception as error:  # the chat template's own errors (jinja's), or a prompt it cannot tokenize
                 self._reject(name, Refusal(400, f"the prompt cannot be rendered or tokenized: {error}",
                                            "invalid_request_error"))

@@ -117,6 +117,7 @@ class _Sampling(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says (benchmarks)
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
     user: Text | None = None  # OpenAI's end-user id: recorded nowhere, changes nothing
     priority: int = Field(0, ge=-(2 ** 31), lt=2 ** 31)  # vLLM's: lower is admitted first
     response_format: ResponseFormat | None = None
@@ -431,18 +432,22 @@ class Choice:
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
     tool_calls: list[tools.ToolCall] | None = None
+    token_ids: list[int] | None = None  # every token it generated, when they are returned
 
 
 @dataclass(frozen=True)
 class Completion:
     """The shapes of one `/v1/completions` answer: its body, or the chunks of its stream. `token_text`
     spells a token id for log-probabilities, `token_bytes` gives the bytes it stands for, `token_chars` the
-    characters it adds to the text (none for a special token, which the text leaves out)."""
+    characters it adds to the text (none for a special token, which the text leaves out). With `prompt_ids`
+    the answer carries token ids as vLLM's `return_token_ids` has them: each choice's `token_ids` (a chunk's:
+    those of its text) and the prompt's `prompt_token_ids` (in a stream, in the first chunk)."""
 
     model: str
     token_text: Callable[[int], str] = str
     token_bytes: Callable[[int], bytes] = lambda token_id: str(token_id).encode()
     token_chars: Callable[[int], int] = lambda token_id: len(str(token_id))
+    prompt_ids: tuple[int, ...] | None = None
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
     kind: ClassVar[str] = "text_completion"
@@ -452,14 +457,22 @@ class Completion:
         return None
 
     def chunk(self, index: int, text: str, reason: str | None, logprobs: list[TokenLogprob] | None = None,
-              offset: int = 0) -> dict:
+              offset: int = 0, token_ids: list[int] | None = None, first: bool = False) -> dict:
+        """A chunk of choice `index`; `first`: the choice's first."""
         return self._frame(self.kind, [{"index": index, "text": text, "logprobs": self._logprobs(logprobs, offset),
-                                        "finish_reason": reason}])
+                                        "finish_reason": reason, **self._ids(token_ids, first)}])
 
     def body(self, choices: list[Choice], tokens: dict) -> dict:
         return {**self._frame(self.kind, [{"index": i, "text": c.text, "logprobs": self._logprobs(c.logprobs, 0),
-                                           "finish_reason": c.finish_reason} for i, c in enumerate(choices)]),
+                                           "finish_reason": c.finish_reason, **self._ids(c.token_ids, True)}
+                                          for i, c in enumerate(choices)]),
                 "usage": tokens}
+
+    def _ids(self, token_ids: list[int] | None, with_prompt: bool) -> dict:
+        """A choice's token id fields (none unless they are returned)."""
+        if self.prompt_ids is None:
+            return {}
+        return {**({"prompt_token_ids": list(self.prompt_ids)} if with_prompt else {}), "token_ids": token_ids or []}
 
     def usage_chunk(self, tokens: dict) -> dict:
         """`stream_options.include_usage`'s last chunk: no choices, the usage of all of them."""
@@ -490,20 +503,25 @@ class ChatCompletion(Completion):
     kind: ClassVar[str] = "chat.completion"
 
     def opening(self, index: int) -> dict | None:
-        """The assistant's role, before any content."""
-        return self._frame("chat.completion.chunk", [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                                      "logprobs": None, "finish_reason": None}])
+        """The assistant's role, before any content (the first also with the prompt's ids, when returned)."""
+        opening = self._frame("chat.completion.chunk", [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                         "logprobs": None, "finish_reason": None}])
+        return {**opening, **self._prompt_ids()} if index == 0 else opening
 
     def chunk(self, index: int, text: str, reason: str | None, logprobs: list[TokenLogprob] | None = None,
-              offset: int = 0) -> dict:
+              offset: int = 0, token_ids: list[int] | None = None, first: bool = False) -> dict:
         return self._frame("chat.completion.chunk", [{"index": index, "delta": {"content": text} if text else {},
                                                       "logprobs": self._logprobs(logprobs, offset),
-                                                      "finish_reason": reason}])
+                                                      "finish_reason": reason, **self._ids(token_ids, False)}])
 
     def body(self, choices: list[Choice], tokens: dict) -> dict:
         return {**self._frame(self.kind, [{"index": i, "message": _message(c), "logprobs": self._logprobs(c.logprobs, 0),
-                                           "finish_reason": c.finish_reason} for i, c in enumerate(choices)]),
-                "usage": tokens}
+                                           "finish_reason": c.finish_reason, **self._ids(c.token_ids, False)}
+                                          for i, c in enumerate(choices)]),
+                "usage": tokens, **self._prompt_ids()}
+
+    def _prompt_ids(self) -> dict:
+        return {} if self.prompt_ids is None else {"prompt_token_ids": list(self.prompt_ids)}
 
     def calls_chunk(self, index: int, calls: list[tools.ToolCall]) -> dict:
         """The tool calls of choice `index`, as one delta."""

@@ -119,8 +119,8 @@ def not_text(tmp_path_factory):
 @pytest.mark.parametrize("argv,said", [
     (["generate", "--model", "/nope.om", "add"], ["E13001", "/nope.om"]),
     (["generate", "--model", "{onnx}", "add"], ["E13015", "ONNX model"]),
-    (["generate", "--model", "{no_template}", "add"], ["E10001", "compiled without a chat template"]),
-    (["serve", "--model", "{no_template}"], ["E10001", "compiled without a chat template"]),
+    (["generate", "--model", "{no_template}", "add"], ["E10055", "compiled without one"]),
+    (["serve", "--model", "{no_template}"], ["E10055", "compiled without one"]),
     (["optimize", "--model", "{om}", "{inputs}/binary.bin"], ["E13001", "not UTF-8"]),
     (["optimize", "--model", "{om}", "{inputs}/empty.py"], ["E10001", "SOURCE", "it is empty"]),
     (["generate", "--model", "{om}", ""], ["E10001", "DESCRIPTION", "it is empty"]),

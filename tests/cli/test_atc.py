@@ -149,6 +149,12 @@ def test_bad_input_is_refused_with_its_code(capsys, tmp_path, tiny_llama_path, a
     _assert_refused(capsys, tmp_path, code, *argv)
 
 
+def test_a_missing_model_is_named_before_a_missing_output_folder(capsys, tmp_path):
+    status, out, _ = _atc(capsys, "--framework=5", SOC, f"--model={tmp_path / 'absent.onnx'}",
+                          f"--output={tmp_path / 'no' / 'such' / 'm'}")
+    assert status == 255 and "E13001" in out and "absent.onnx" in out and "E13004" not in out
+
+
 def test_a_language_model_compiled_without_a_tokenizer_is_warned_about(capsys, tmp_path, tiny_llama_path):
     (tmp_path / "bare").mkdir()
     shutil.copyfile(tiny_llama_path, tmp_path / "bare" / "model.onnx")  # no tokenizer.json beside this copy

@@ -141,3 +141,10 @@ def test_a_compress_weight_conf_quantizes_and_a_switch_set_false_beside_it_is_wa
     switched_off = CompileConfig.from_flags(**BASE, compress_weight_conf=str(conf), enable_compress_weight="false")
     assert alone.quantization.bits == switched_off.quantization.bits == 8
     assert not alone.warnings and [w[:6] for w in switched_off.warnings] == ["W10010"]
+
+
+def test_a_tokenizer_file_for_its_folder_is_refused_naming_the_folder(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(AtcError) as caught:
+        CompileConfig.from_flags(**BASE, tokenizer=str(tmp_path / "tokenizer.json"))
+    assert caught.value.code == "E10001" and f"--tokenizer={tmp_path}" in caught.value.message

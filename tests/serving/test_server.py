@@ -539,8 +539,82 @@ def test_a_model_without_a_tokenizer_serves_token_ids_and_refuses_echo(tiny_llam
     served = Server("--model", f"bare={bare}", "--kv_cache_pages", "16", "--max_context_len", "256")
     try:
         body = {"model": "bare", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
-        assert httpx.post(f"{served.url}/v1/completions", json=body, timeout=60).status_code == 200
+        answer = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60)
+        # no text to give: the ids are the answer, unasked
+        choice = answer.json()["choices"][0]
+        assert answer.status_code == 200 and choice["prompt_token_ids"] == [5, 6, 7] and len(choice["token_ids"]) == 4
+        with LLMEngine(bare, kv_cache_pages=16, max_context_len=256) as engine:
+            assert choice["token_ids"] == _greedy_ids(engine, [5, 6, 7], 4)
         refused = httpx.post(f"{served.url}/v1/completions", json={**body, "echo": True}, timeout=60)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
     finally:
         served.stop()
+
+
+def test_one_name_for_two_artifacts_is_refused_and_one_artifact_under_two_names_is_served(om, tmp_path):
+    """Names default to the file's stem, so two artifacts compiled as out/model.om collide."""
+    other = tmp_path / "elsewhere" / om.name
+    other.parent.mkdir()
+    other.write_bytes(om.read_bytes())
+    result = subprocess.run([sys.executable, "-m", "cli.cann_run", "serve", "--port", "0", "--model", str(om),
+                             "--model", str(other)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "E10001" in result.stderr and "name each model: NAME=path.om" in result.stderr
+    assert "loading" not in result.stderr and "Traceback" not in result.stderr
+    server = Server("--model", f"a={om}", "--model", f"a={om}", "--model", f"b={om}", "--kv_cache_pages", "32")
+    try:
+        assert sorted(m["id"] for m in httpx.get(f"{server.url}/v1/models", timeout=60).json()["data"]) == ["a", "b"]
+    finally:
+        server.stop()
+
+
+def test_chat_with_a_model_compiled_without_a_chat_template_is_a_400_naming_the_fix(tmp_path_factory):
+    no_template = compile_tiny_chat_model(tmp_path_factory, "", name="plain")
+    server = Server("--model", f"plain={no_template}", "--kv_cache_pages", "32")
+    try:
+        chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "model": "plain", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        error = chat.json()["error"]
+        assert (chat.status_code, error["type"], error["param"]) == (400, "invalid_request_error", "messages")
+        assert "compiled without one" in error["message"] and "--chat_template_file" in error["message"]
+        assert "parameter --model" not in error["message"]
+        text = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                          json={"model": "plain", "prompt": "hi", "max_tokens": 2})
+        assert text.status_code == 200
+    finally:
+        server.stop()
+
+
+def test_return_token_ids_gives_the_prompts_and_each_choices_ids_as_vllm_does(server, engine):
+    """vLLM's `return_token_ids`: `prompt_token_ids` on a completion's choice (chat: on the answer; a stream:
+    in its first chunk) and each choice's `token_ids`, which a stream sends with the text they make."""
+    ask = {"model": "tiny", "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    expected = _greedy_ids(engine, "hello", 12)
+    choice = httpx.post(f"{server.url}/v1/completions", json={**ask, "prompt": "hello"}, timeout=60).json()["choices"][0]
+    assert (choice["prompt_token_ids"], choice["token_ids"]) == (engine.encode("hello"), expected)
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**ask, "prompt": "hello", "stream": True},
+                      timeout=60) as response:
+        chunks = [json.loads(line[6:])["choices"][0] for line in response.iter_lines()
+                  if line.startswith("data: {")]
+    assert chunks[0]["prompt_token_ids"] == engine.encode("hello")
+    assert not any("prompt_token_ids" in c for c in chunks[1:])
+    assert [t for c in chunks for t in c["token_ids"]] == expected
+
+    messages = [{"role": "user", "content": "Say something"}]
+    prompt = engine.chat_prompt(messages)
+    expected = _greedy_ids(engine, prompt, 12)
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={**ask, "messages": messages}, timeout=60).json()
+    assert (chat["prompt_token_ids"], chat["choices"][0]["token_ids"]) == (prompt, expected)
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={**ask, "messages": messages, "stream": True},
+                      timeout=60) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert chunks[0]["prompt_token_ids"] == prompt and not any("prompt_token_ids" in c for c in chunks[1:])
+    assert [t for c in chunks for t in c["choices"][0].get("token_ids", [])] == expected
+    plain = httpx.post(f"{server.url}/v1/completions", json={**ask, "prompt": "hello", "return_token_ids": False},
+                       timeout=60).json()["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+
+
+def _greedy_ids(engine: LLMEngine, prompt, new_tokens: int) -> list[int]:
+    request = engine.submit(prompt, max_new_tokens=new_tokens, temperature=0)
+    request.result()
+    return request.output_ids
