@@ -73,7 +73,7 @@ FLAGS: list[tuple[str, str, str]] = [
                                       "without a paged KV cache ignored with warning W10002"),
     ("enable_paged_attention", "LLM", "Paged KV cache owned by the runtime (true/false, 1/0)"),
     ("kv_cache_layout", "LLM", "contiguous (past/present graph I/O) or paged (the same as --enable_paged_attention=1)"),
-    ("paged_config", "LLM", 'JSON with the paged KV cache\'s settings: {"page_size": 128}; used only when paged'),
+    ("paged_config", "LLM", 'a JSON file of the paged KV cache\'s settings, such as {"page_size": 128}; used only when paged'),
     ("large_model_compilation", "LLM", "Accepted for compatibility; no effect here: every compile bounds its memory "
                                        "(weights memory-mapped, merged weights computed as they are written, "
                                        "packed weights kept on disk until written, calibration layer by layer)"),

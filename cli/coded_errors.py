@@ -31,7 +31,7 @@ def main_with_codes(command: click.Command) -> None:
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _interrupt)
     try:
-        with command.make_context(_detect_program_name(), args) as ctx:
+        with command.make_context(_detect_program_name(), list(args)) as ctx:  # click consumes the list it is given
             command.invoke(ctx)
         sys.stdout.flush()
     except click.exceptions.Exit as done:  # --help, --version

@@ -19,10 +19,11 @@ from models.hf_export import EXPORTERS, ExportConfig
               help="KV-cache inputs and outputs; --no-past gives a prefill-only graph")
 def export_command(model, output, exporter, with_past) -> None:
     """Export a causal LM to ONNX as users do (transformers' default attention), for `atc --model=OUTPUT/model.onnx`."""
-    from models.hf_export import export_checkpoint
+    from models.hf_export import export_checkpoint, require_export_packages
 
     start = time.perf_counter()
     cfg = ExportConfig(model=model, output=output, exporter=exporter, with_past=with_past)
+    require_export_packages(cfg)
     path = export_checkpoint(cfg, log=lambda message: click.echo(f"[INFO] {message}", err=True))
     click.echo(f"[INFO] wrote {path} in {time.perf_counter() - start:.1f} s", err=True)
     click.echo(f"next: atc --model={path} --framework=5 --output={path.parent / 'model'} --soc_version=Ascend910B "

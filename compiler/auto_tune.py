@@ -78,7 +78,8 @@ def _better(result: dict, current: dict, rates: tuple[str, ...]) -> bool:
 
 
 def _measure(path: Path, settings: dict) -> dict:
-    process = subprocess.run([sys.executable, "-m", "runtime.engine.tuning", str(path), json.dumps(settings)],
+    # absolute: the trial runs from the package's folder, not the caller's
+    process = subprocess.run([sys.executable, "-m", "runtime.engine.tuning", str(Path(path).resolve()), json.dumps(settings)],
                              capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     if process.returncode != 0:
         lines = process.stderr.strip().splitlines()

@@ -173,7 +173,13 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
             raise
     output, size, metadata = written[0][0], sum(size for _, size, _ in written), written[0][2]
     if cfg.auto_tune_mode:
-        metadata["tuning"] = auto_tune(output, progress)
+        try:
+            metadata["tuning"] = auto_tune(output, progress)
+        except BaseException:  # a failed search leaves nothing behind, as a failed compile does
+            output.unlink(missing_ok=True)
+            if fusion_result is not None:
+                fusion_result.unlink(missing_ok=True)
+            raise
         size = output.stat().st_size
     return CompileResult(output=output, size=size, report=report, metadata=metadata, warnings=warnings)
 

@@ -11,6 +11,7 @@ export leaves the output folder as it was. Failures the user can cause are `AtcE
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import tempfile
@@ -50,6 +51,22 @@ class LoadedCheckpoint:
     model: object
     tokenizer_folder: Path | None = None   # copy the tokenizer files found here
     tokenizer: object = None               # or save this tokenizer (GGUF, sentencepiece-only checkpoints)
+
+
+def require_export_packages(cfg: ExportConfig) -> None:
+    """E10055 naming the extra to install when a package this export needs is missing (they are the
+    `models` extra, not the runtime's dependencies)."""
+    needed = ["torch", "transformers", *(["onnxscript"] if cfg.exporter == "dynamo" else []),
+              *(["gguf"] if cfg.model.endswith(".gguf") else [])]
+    missing = []
+    for name in needed:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise AtcError("E10055", f"exporting needs {' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+                                 f"not installed: pip install 'cann-llm[models]'")
 
 
 def is_gguf(path: Path) -> bool:

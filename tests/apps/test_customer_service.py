@@ -140,7 +140,7 @@ def folders(tmp_path_factory):
     (["--knowledge", "{folders}/pdf"], ["E10001", "--knowledge", "holds no .md or .txt files"]),
     (["--knowledge", "{folders}/latin1"], ["E13001", "returns.txt", "not UTF-8"]),
     (["--model", "{no_template}"], ["E10055", "compiled without one"]),
-    (["--port", "99999"], ["99999 is not in the range 0<=x<=65535"]),
+    (["--port", "99999"], ["Value '99999' for parameter --port", "99999 is not in the range 0<=x<=65535"]),
     (["--max_new_tokens", "0"], ["0 is not in the range x>=1"]),
     (["--max_new_tokens", "5000"], ["E10001", "--max_new_tokens", "context holds 4096"]),
     (["--threshold", "2"], ["2.0 is not in the range 0<=x<=1"]),

@@ -123,3 +123,14 @@ def test_an_exporter_failure_is_e10055_and_leaves_the_output_folder_as_it_was(tm
     _assert_refused(proc, "E10055")
     assert "the torchscript exporter cannot export GlmForCausalLM" in proc.stderr
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_export_without_the_models_extra_names_it(tmp_path):
+    """A runtime-only install (no torch or transformers): one coded line naming the extra."""
+    blocked = ("import sys; sys.modules['torch'] = sys.modules['transformers'] = None; "
+               "sys.argv = ['cann-run', 'export', '--model', 'folder', '--output', 'out']; "
+               "from cli.entry import cann_run; cann_run()")
+    proc = subprocess.run([sys.executable, "-c", blocked], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "E10055" in proc.stderr and "exporting needs torch and transformers" in proc.stderr
+    assert "pip install 'cann-llm[models]'" in proc.stderr and not (tmp_path / "out").exists()

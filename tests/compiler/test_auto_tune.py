@@ -5,6 +5,9 @@ fast as the defaults in both rates) hold on what was recorded."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 from conftest import compile_to
 
@@ -18,8 +21,14 @@ from runtime.errors import AtcError
 
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory, tiny_llama_path):
-    return compile_to(tiny_llama_path, tmp_path_factory.mktemp("tuned") / "m", enable_paged_attention=True,
-                      enable_compress_weight=True, auto_tune_mode="RL,GA")
+    """Compiled with a relative --output, as from a shell in its folder: the trials run from elsewhere."""
+    folder, before = tmp_path_factory.mktemp("tuned"), os.getcwd()
+    os.chdir(folder)
+    try:
+        return folder / compile_to(tiny_llama_path, Path("m"), enable_paged_attention=True,
+                                   enable_compress_weight=True, auto_tune_mode="RL,GA")
+    finally:
+        os.chdir(before)
 
 
 def test_the_search_is_recorded_with_its_trials_and_effect(tuned):
