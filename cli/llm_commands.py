@@ -116,7 +116,8 @@ def refused(error: ValueError, flag: str, value) -> AtcError:
     """E10001 for what the engine or a setting refused, naming the option of the setting it is about, else
     `flag` (as printed: `--prompt`, `stdin`) with `value`: the prompt's or the turn's own flag for the prompt."""
     options = click.get_current_context().params
-    named = getattr(error, "setting", None)
+    # a model without a tokenizer cannot take a text prompt: the model is the one to change
+    named = {"tokenizer": "model"}.get(getattr(error, "setting", None), getattr(error, "setting", None))
     if named in options:
         flag, value = f"--{named}", options[named]
     return AtcError("E10001", shown(value), flag, str(error))

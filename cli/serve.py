@@ -21,7 +21,8 @@ def _models(values: tuple[str, ...]) -> dict[str, str]:
             raise AtcError("E10001", value, "--model", "expected NAME=path.om or path.om")
         if not os.path.isfile(path):
             raise AtcError("E13001", path, "No such file or directory")
-        if models.get(name, path) != path:  # one name, two artifacts: requests could reach only one of them
+        # one name, two artifacts: requests could reach only one of them
+        if os.path.realpath(models.get(name, path)) != os.path.realpath(path):
             raise AtcError("E10001", value, "--model", f"the name {name!r} is given to {models[name]} already; "
                                                        f"name each model: NAME=path.om")
         models[name] = path

@@ -216,7 +216,7 @@ def _write(cfg: CompileConfig, output: Path, graph: gs.Graph, model: onnx.ModelP
         "kv_cache": kv_cache_metadata(cfg),
         **shape_contract_metadata(cfg),
         **({"pipeline": stage} if stage else {}),
-        "weights": weight_formats(lowered),
+        "weights": weight_formats(lowered, token.name if (token := token_input(graph)) is not None else None),
         "requires": requirements(cfg.soc.family, int8_activations(lowered), float28_weights(lowered)),
         "source": {"file": Path(cfg.model).name, "producer": f"{model.producer_name} {model.producer_version}".strip(),
                    "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import}},

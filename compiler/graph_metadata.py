@@ -53,15 +53,15 @@ def float28_weights(model) -> bool:
     return any(node.op_type == MATMUL_F28.name for node in model.graph.node)
 
 
-def weight_formats(model) -> dict:
+def weight_formats(model, token_input: str | None) -> dict:
     """How the lowered graph stores the weights of its linear layers and its embedding table, as compiled (a
     model quantized before it came here included): each format with its count, e.g.
     `{"matmuls": [{"format": "int4", "block_size": 128, "int8_activations": True, "count": 120}, ...],
-    "embedding": {"format": "int4", "block_size": 32}}`."""
+    "embedding": {"format": "int4", "block_size": 32}}`; the embedding is the table `token_input` (the graph's
+    input_ids) indexes."""
     graph = model.graph
     stored = {t.name: t.data_type for t in graph.initializer}
     made_by = {out: node for node in graph.node for out in node.output}
-    inputs = {value.name for value in graph.input}
     counts: Counter = Counter()
     embedding = None
     for node in graph.node:
@@ -80,7 +80,8 @@ def weight_formats(model) -> dict:
         if kind is None:
             continue
         if node.op_type in (GATHER_INT4.name, GATHER_F28.name, "Gather"):
-            if node.input[-1 if node.op_type == GATHER_F28.name else 1] in inputs:  # the table input_ids index
+            indices = node.input[-1 if node.op_type == GATHER_F28.name else 1]
+            if token_input is not None and _source(indices, made_by) == token_input:
                 embedding = dict(kind)
         else:
             counts[kind] += 1
@@ -88,13 +89,21 @@ def weight_formats(model) -> dict:
     return {"matmuls": matmuls, **({"embedding": embedding} if embedding else {})}
 
 
+def _source(name: str, made_by: dict) -> str:
+    """`name` traced back through the casts and reshapes between it and what it was made from."""
+    while (node := made_by.get(name)) is not None and node.op_type in _LAYOUT_OPS:
+        name = node.input[0]
+    return name
+
+
+_LAYOUT_OPS = ("Transpose", "Cast", "Reshape", "Squeeze", "Unsqueeze", "Flatten")
+
+
 def _stored_type(name: str, stored: dict, made_by: dict) -> str | None:
     """The element type a weight is stored in, read through the layout ops between it and its use (None when
     `name` is not a weight)."""
-    while name not in stored:
-        node = made_by.get(name)
-        if node is None or node.op_type not in ("Transpose", "Cast", "Reshape", "Squeeze", "Unsqueeze"):
-            return None
-        name = node.input[0]
+    name = _source(name, made_by)
+    if name not in stored:
+        return None
     return onnx.helper.tensor_dtype_to_np_dtype(stored[name]).name if stored[name] != onnx.TensorProto.BFLOAT16 \
         else "bfloat16"

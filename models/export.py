@@ -12,6 +12,7 @@ import inspect
 import logging
 import os
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -85,6 +86,17 @@ def example_inputs(config, with_past: bool, batch: int = EXAMPLE_BATCH, seq: int
     return feeds
 
 
+@contextmanager
+def _logging_at(logger: logging.Logger, level: int):
+    """`logger` at `level` for the block, then as it was."""
+    before = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
+
+
 def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, dynamo: bool, with_past: bool,
                      external_data: bool = False, opset: int | None = None, optimize: bool = True) -> Path:
     """Export `model` to `path` (TorchScript at `opset`, 17 unless given; dynamo at `opset`, the exporter's
@@ -99,11 +111,11 @@ def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, dynamo:
     args = tuple(feeds[name] for name in input_names)
     wrapper = _CausalLMWithFlatCache(model, with_past).eval()
     tmp = path.with_name(f"{path.stem}.{os.getpid()}.partial.onnx")
-    with torch.no_grad(), warnings.catch_warnings():
+    # notices a user cannot act on: torchvision's detection ops (which no LLM uses) left unregistered, and a
+    # deprecation inside torch.export's own code
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    with torch.no_grad(), warnings.catch_warnings(), _logging_at(registration, logging.ERROR):
         if dynamo:
-            # notices a user cannot act on: torchvision's detection ops (which no LLM uses) left unregistered,
-            # and a deprecation inside torch.export's own code
-            logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
             warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                                     category=FutureWarning)
             dynamic = torch.export.Dim.DYNAMIC

@@ -163,8 +163,9 @@ class Conversation:
             if len(asked) <= room:
                 return asked
             if not transcript:
-                raise ValueError(f"the context ({self.engine.max_context_len} tokens) is too small to ask for a "
-                                 f"summary of {self._summary_tokens} tokens; compact by dropping turns instead")
+                raise SettingError("compaction", f"the context ({self.engine.max_context_len} tokens) is too small "
+                                                 f"to ask for a summary of {self._summary_tokens} tokens; compact by "
+                                                 f"dropping turns instead")
             # a character is at least part of a token: cutting as many characters as there are tokens too many,
             # or an eighth, converges in a few rounds whatever the tokenizer
             transcript = transcript[max(len(asked) - room, len(transcript) // 8):]

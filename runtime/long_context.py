@@ -21,6 +21,7 @@ from typing import Callable
 import numpy as np
 import Stemmer
 
+from runtime.engine.setting_error import SettingError
 from runtime.tokenizer import TextTokenizer
 
 # words matched by their stems ("refunds" finds "refund"), as bm25s recommends for English
@@ -121,8 +122,8 @@ class LongContext:
         with `reply_tokens` left, and the selection."""
         room = engine.max_context_len - reply_tokens - len(engine.chat_prompt(_messages("", question)))
         if room <= 0:
-            raise ValueError(f"the question and a {reply_tokens}-token reply leave no room for the document "
-                             f"in a {engine.max_context_len}-token context")
+            raise SettingError("max_new_tokens", f"the question and a {reply_tokens}-token reply leave no room for "
+                                                 f"the document in a {engine.max_context_len}-token context")
         budget = room
         while True:  # passages joined may tokenize a few tokens longer than counted apart
             selection = self.select(document, question, budget)

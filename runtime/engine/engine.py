@@ -450,7 +450,7 @@ class LLMEngine:
     def generate_batch(self, prompts: list[str | list[int]], params: SamplingParams | None = None, **kwargs) -> list[str]:
         """Completions of all `prompts` (one each), computed together."""
         if _params(params, kwargs).n != 1:
-            raise ValueError("generate_batch returns one completion a prompt: pass n > 1 to generate")
+            raise SettingError("n", "generate_batch returns one completion a prompt: pass n > 1 to generate")
         return [output.outputs[0].text for output in self.generate(list(prompts), params, **kwargs)]
 
     async def generate_async(self, prompt: str | list[int], params: SamplingParams | None = None, **kwargs) -> str:
@@ -826,6 +826,7 @@ class LLMEngine:
 
     def _require_tokenizer(self) -> TextTokenizer:
         if self.tokenizer is None:
-            raise SettingError("prompt", "the model was compiled without a tokenizer, so it takes token ids, not text: compile "
-                             "it again with atc --tokenizer=DIR (the folder of its tokenizer.json)")
+            raise SettingError("tokenizer", "the model was compiled without a tokenizer, so it takes token ids, not "
+                                            "text: compile it again with atc --tokenizer=DIR (the folder of its "
+                                            "tokenizer.json)")
         return self.tokenizer

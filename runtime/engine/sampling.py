@@ -67,26 +67,29 @@ class SamplingParams:
                 raise SettingError(name, f"{name} must be a finite number, not {value!r}")
         low, high = PENALTY_RANGE
         checks = (
-            (self.max_new_tokens >= 1, "max_new_tokens must be at least 1"),
-            (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE,
+            ("max_new_tokens", self.max_new_tokens >= 1, "max_new_tokens must be at least 1"),
+            ("temperature", self.temperature == 0 or self.temperature >= MIN_TEMPERATURE,
              f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.top_k >= 0, "top_k must be 0 (off) or positive"),
-            (low <= self.repetition_penalty <= high, f"repetition_penalty must be in [{low:g}, {high:g}]"),
-            (self.seed is None or 0 <= self.seed < 2 ** 64, "seed must be in [0, 2**64)"),
-            (all(self.stop), "stop strings must not be empty"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-            (0 <= self.min_tokens <= self.max_new_tokens, "min_tokens must be in [0, max_new_tokens]"),
-            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            ("top_p", 0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            ("top_k", self.top_k >= 0, "top_k must be 0 (off) or positive"),
+            ("repetition_penalty", low <= self.repetition_penalty <= high,
+             f"repetition_penalty must be in [{low:g}, {high:g}]"),
+            ("seed", self.seed is None or 0 <= self.seed < 2 ** 64, "seed must be in [0, 2**64)"),
+            ("stop", all(self.stop), "stop strings must not be empty"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            ("min_tokens", 0 <= self.min_tokens <= self.max_new_tokens, "min_tokens must be in [0, max_new_tokens]"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"logprobs must be in [0, {MAX_LOGPROBS}]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
              f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]"),
-            (self.n >= 1, "n must be at least 1"),
-            (all(math.isfinite(b) and -100 <= b <= 100 for _, b in self.logit_bias), "logit_bias values must be in [-100, 100]"),
+            ("n", self.n >= 1, "n must be at least 1"),
+            ("logit_bias", all(math.isfinite(b) and -100 <= b <= 100 for _, b in self.logit_bias),
+             "logit_bias values must be in [-100, 100]"),
         )
-        for ok, message in checks:
-            if not ok:  # each message opens with the field's name
-                raise SettingError(message.split(" ", 1)[0], message)
+        for setting, ok, message in checks:
+            if not ok:
+                raise SettingError(setting, message)
 
     def _coerce_types(self) -> None:
         """Each field as its type (numpy's integers and floats taken as Python's); TypeError for a value of

@@ -43,6 +43,7 @@ _PUSH_EVERY_S = 1.0               # a replica's metrics are at most this old (an
 _STALE_AFTER_S = 5.0              # a replica not heard from for this long is gone
 _RETRYABLE = (RayActorError, ActorUnavailableError)
 _SHUTTING_DOWN = "the server is shutting down"
+_CUT_S = 10.0  # for the answers still running when the grace ends to end
 
 
 class _Cut(Exception):
@@ -167,10 +168,13 @@ class Ingress:
         except asyncio.TimeoutError:
             pass
         self.cut.set()
-        await self._all_out()
+        try:  # bounded: a call whose client left before its answer began is never counted out
+            await asyncio.wait_for(self._all_out(), _CUT_S)
+        except asyncio.TimeoutError:
+            pass
 
-    def stop_waiting(self) -> None:
-        """End the drain's grace now."""
+    async def stop_waiting(self) -> None:
+        """End the drain's grace now (async: the event belongs to this replica's loop)."""
         self.cut.set()
 
     async def _all_out(self) -> None:
@@ -186,6 +190,16 @@ class Ingress:
             return _error(503, _SHUTTING_DOWN, "unavailable", retry_after_s=self.retry_after_s)
         if request.method == "GET" and path in ("/metrics", "/metrics/replicas", "/replicas", "/health"):
             return await self._about_replicas(path)
+        self.open += 1  # from here on the call has the drain's grace, its body still arriving included
+        response = None
+        try:
+            response = await self._forward_request(request)
+            return response
+        finally:
+            if not isinstance(response, StreamingResponse):  # a streamed answer is out when `_rest` ends
+                self.open -= 1
+
+    async def _forward_request(self, request: Request) -> Response:
         declared = request.headers.get("content-length", "")
         too_large = _error(413, f"the request body is larger than {self.max_body_bytes} bytes", "invalid_request_error")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
@@ -193,16 +207,8 @@ class Ingress:
         body = await request.body()
         if len(body) > self.max_body_bytes:
             return too_large
-        call = HttpCall.of(request.method, path, request.scope.get("query_string", b""),
-                           list(request.scope.get("headers", [])), body)
-        self.open += 1
-        response = None
-        try:
-            response = await self._forward(call)
-            return response
-        finally:
-            if not isinstance(response, StreamingResponse):  # a streamed answer is out when `_rest` ends
-                self.open -= 1
+        return await self._forward(HttpCall.of(request.method, request.url.path, request.scope.get("query_string", b""),
+                                               list(request.scope.get("headers", [])), body))
 
     async def _forward(self, call: HttpCall) -> Response:
         """Send `call` to a replica; tried once more elsewhere when the replica died before any of its answer
@@ -233,11 +239,12 @@ class Ingress:
             raise _Cut
         task, cut = asyncio.ensure_future(step()), asyncio.ensure_future(self.cut.wait())
         try:
-            await asyncio.wait((task, cut), return_when=asyncio.FIRST_COMPLETED)
-        finally:
+            done, _ = await asyncio.wait((task, cut), return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this caller is cancelled (its client gone): no task is left behind
             cut.cancel()
-        if not task.done():
-            task.cancel()
+            if not task.done():
+                task.cancel()
+        if task not in done:
             raise _Cut
         return task.result()
 
@@ -246,6 +253,7 @@ class Ingress:
         streamed = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in start.headers)
         try:
             yield first
+            piece = first
             try:
                 while True:
                     try:
@@ -256,7 +264,7 @@ class Ingress:
             except (*_RETRYABLE, _Cut) as error:  # part of the answer is out: the client has to retry it
                 if isinstance(error, _Cut):
                     stream.cancel()
-                if streamed:
+                if streamed and not piece.endswith(b"data: [DONE]\n\n"):  # unless all of it is out
                     why = _SHUTTING_DOWN if isinstance(error, _Cut) else \
                         "the replica serving this request failed mid-answer; retry"
                     yield f"data: {json.dumps(error_body(503, why, 'unavailable'))}\n\ndata: [DONE]\n\n".encode()

@@ -112,7 +112,10 @@ def _drain(serve, name: str, grace_s: float, again: threading.Event) -> None:
     """Have the application's ingress drain (runtime/serving/ray_app.py: refuse new requests, give those in
     flight `grace_s`, end the rest), its routes kept meanwhile; `again` (a second signal) ends the grace."""
     application = serve.status().applications.get(name)
-    if application is None or application.status != "RUNNING":  # stopped while deploying: nothing to drain
+    # the ingress (one replica) serves once it is healthy, whatever the engine replicas are doing (scaling,
+    # one of them restarting); before that, nothing was answered: nothing to drain
+    ingress_status = application.deployments.get("Ingress") if application is not None else None
+    if ingress_status is None or ingress_status.status != "HEALTHY":
         return
     ingress = serve.get_app_handle(name)
     drained = ingress.drain.remote(grace_s)
@@ -125,6 +128,7 @@ def _drain(serve, name: str, grace_s: float, again: threading.Event) -> None:
             if again.is_set():
                 again.clear()
                 ingress.stop_waiting.remote()
+                deadline = min(deadline, time.monotonic() + _CUT_TIMEOUT_S)
 
 
 def _start_serve(ray, serve, http_options: dict, attempts: int = 3) -> None:

@@ -567,7 +567,7 @@ def _param_at_fault(error: ValueError, prompt: str, schema: str) -> str | None:
     the prompt (`prompt` or `messages`, also when the KV pool cannot hold it), or the schema a structured
     output or a tool call is generated under (`response_format` or `tools`); None for any other refusal."""
     setting = getattr(error, "setting", None)
-    renamed = {"prompt": prompt, "kv_cache_pages": prompt, "kv_cache_memory_mb": prompt,
+    renamed = {"prompt": prompt, "tokenizer": prompt, "kv_cache_pages": prompt, "kv_cache_memory_mb": prompt,
                "max_new_tokens": "max_tokens", "structured_output": schema}
     return renamed.get(setting, setting if setting in _SAMPLING_FIELDS else None)
 

@@ -82,6 +82,8 @@ def _whole_items(text: str) -> list:
     while True:
         while at < len(text) and text[at] in " \t\r\n,":
             at += 1
+        if at == len(text) and not items:
+            raise ValueError("the array was cut before its first call was whole")
         if at == len(text) or text[at] == "]":
             return items
         try:

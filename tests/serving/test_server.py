@@ -598,6 +598,11 @@ def test_return_token_ids_gives_the_prompts_and_each_choices_ids_as_vllm_does(se
     assert chunks[0]["prompt_token_ids"] == engine.encode("hello")
     assert not any("prompt_token_ids" in c for c in chunks[1:])
     assert [t for c in chunks for t in c["token_ids"]] == expected
+    # each chunk's ids are those of its text, not all held for the last one
+    for k in range(1, len(chunks)):
+        ids, text = [t for c in chunks[:k] for t in c["token_ids"]], "".join(c["text"] for c in chunks[:k])
+        assert engine.tokenizer.decode(ids) == text
+    assert sum(bool(c["token_ids"]) for c in chunks) > 2
 
     messages = [{"role": "user", "content": "Say something"}]
     prompt = engine.chat_prompt(messages)

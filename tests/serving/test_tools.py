@@ -64,6 +64,7 @@ def test_required_calls_cut_short_by_max_tokens_keep_the_calls_they_completed(te
     assert [c.name for c in tools.parse(text, TOOLS, "required")[1]] == names
 
 
-def test_required_output_with_no_whole_call_is_refused_for_the_text_to_stand():
+@pytest.mark.parametrize("text", ['[{"name": "get_ti', "[", "[ \n"])
+def test_required_output_with_no_whole_call_is_refused_for_the_text_to_stand(text):
     with pytest.raises(ValueError):
-        tools.parse('[{"name": "get_ti', TOOLS, "required")
+        tools.parse(text, TOOLS, "required")
