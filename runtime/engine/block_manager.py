@@ -63,6 +63,17 @@ class BlockManager:
     def num_used(self) -> int:
         return self.num_pages - self.num_free
 
+    def limit_pages(self, pages: int) -> int:
+        """Use at most `pages` pages (never fewer than those written already): pages never written past that
+        are dropped, so the pool's memory stays within a budget however much the prefix cache keeps (cached
+        pages are then reused for new tokens sooner). Only before requests run. Returns the pages kept."""
+        pages = min(self.num_pages, max(pages, self.touched))
+        unwritten = [page for page in self._blank if not self._pages[page].written]
+        for page in unwritten[:self.num_pages - pages]:
+            del self._blank[page]
+        self.num_pages = pages
+        return pages
+
     def pages_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New pages `seq` needs to hold its first `num_tokens` tokens (a shared last page counts once more)."""
         needed = max(0, -(-num_tokens // self.page_size) - len(seq.block_table))

@@ -86,6 +86,8 @@ class _Process(uvicorn.Server):
         if self.server.error:
             self.say(f"the models could not be loaded ({self.server.error}); /health reports it")
             return
+        for line in self.server.pool_lines():
+            self.say(line)
         host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
         port = self.servers[0].sockets[0].getsockname()[1]
         self.say(f"ready in {time.perf_counter() - self._began:.1f} s: http://{host}:{port} "

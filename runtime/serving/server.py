@@ -185,6 +185,7 @@ class Server:
                 engine = LLMEngine(path, self.engine_config, **self.engine_overrides)
                 self.engines.update(dict.fromkeys(names, engine))
                 engine.warm_up()  # before /health says ready, so no first request pays for it
+            self._fit_pools_to_memory()
             managers = {id(engine): ConversationManager(engine) for engine in self.engines.values()}
             self.conversations = {name: managers[id(engine)] for name, engine in self.engines.items()}
             breakers = {id(engine): CircuitBreaker(self.settings.breaker_threshold, self.settings.breaker_cooldown_s)
@@ -195,6 +196,29 @@ class Server:
             self.error = f"{type(error).__name__}: {error}"
         finally:
             self.ready.set()
+
+    def _fit_pools_to_memory(self) -> None:
+        """With `max_memory_mb`, each engine's KV pool keeps only the pages the limit leaves room for (shared
+        equally, a tenth of the limit kept for everything else that grows): the pool is written lazily and its
+        prefix cache keeps pages resident, so a pool larger than that would grow past the limit and stay
+        there."""
+        limit = self.settings.max_memory_mb
+        if limit is None:
+            return
+        engines = list({id(e): e for e in self.engines.values()}.values())
+        spare = (limit * 2 ** 20 * (1 - _MEMORY_MARGIN) - resident_bytes()) / len(engines)
+        for engine in engines:
+            engine.blocks.limit_pages(engine.blocks.touched + max(0, int(spare // engine.kv_bytes_per_page)))
+
+    def pool_lines(self) -> list[str]:
+        """A line per engine: its KV pool's pages and the memory they take once written."""
+        lines = []
+        for engine in {id(e): e for e in self.engines.values()}.values():
+            names = ", ".join(name for name, e in self.engines.items() if e is engine)
+            pages = engine.blocks.num_pages
+            lines.append(f"{names}: KV pool of {pages} pages of {engine.page_size} tokens, "
+                         f"{pages * engine.kv_bytes_per_page / 2 ** 20:.0f} MiB once all are written")
+        return lines
 
     def status(self) -> str:
         """`shutting down`, `loading`, `error` (the load failed) or `ok`."""
@@ -371,10 +395,12 @@ class Server:
         for each in {id(e): e for e in self.engines.values()}.values():
             demand = self._kv_demand.get(id(each), 0) + (pages if each is engine else 0)
             growth += max(0, min(demand, each.blocks.num_pages) - each.blocks.touched) * each.kv_bytes_per_page
-        projected = resident_bytes() + growth
+        resident = resident_bytes()
+        projected = resident + growth
         if projected <= limit * 2 ** 20:
             return
-        if not any(self.pending.values()):  # nothing else holds memory that will come back: waiting cannot help
+        # the request's own pages past the limit, with nothing else running: waiting cannot help
+        if not any(self.pending.values()) and resident <= limit * 2 ** 20:
             self._reject(name, Refusal(400, f"the request could take the server's memory past its limit ({limit} "
                                             f"MiB) even alone: {projected / 2 ** 20:.0f} MiB; ask for fewer tokens",
                                        "invalid_request_error", param="max_tokens"))
@@ -547,6 +573,9 @@ class Server:
         for engine in set(self.engines.values()):
             engine.close()
         self.guard.close()
+
+
+_MEMORY_MARGIN = 0.1  # of --max-memory, left to what grows beside the KV pools
 
 
 def resident_bytes() -> int:

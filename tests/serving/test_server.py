@@ -488,7 +488,8 @@ def test_serve_says_ready_only_once_its_engines_are_loaded_then_reports_stats(om
     try:
         ready = stderr.wait_for(lambda line: line.startswith("ready in "))
         before = stderr.lines[:stderr.lines.index(ready)]
-        assert before == [f"loading a, b ({om}) …"]  # one engine for the one file; nothing says "serving" early
+        assert before[0] == f"loading a, b ({om}) …" and len(before) == 2  # one engine for the one file
+        assert re.fullmatch(r"a, b: KV pool of 32 pages of \d+ tokens, \d+ MiB once all are written", before[1])
         address = re.fullmatch(r"ready in \d+\.\d s: (http://127\.0\.0\.1:\d+) \(models: a, b\)", ready)
         assert address, ready
         # sent the moment the line is out, no /health polling: the engine is loaded by then
@@ -496,7 +497,8 @@ def test_serve_says_ready_only_once_its_engines_are_loaded_then_reports_stats(om
                                                                   "temperature": 0}, timeout=60)
         assert answer.status_code == 200
         assert answer.json()["choices"][0]["text"] == engine.generate("hey", max_new_tokens=8, temperature=0)
-        stats = stderr.wait_for(lambda line: line.startswith("a, b: ") and " 0.0 tokens/s" not in line)
+        stats = stderr.wait_for(lambda line: line.startswith("a, b: ") and " running, " in line
+                                and " 0.0 tokens/s" not in line)
         assert re.fullmatch(r"a, b: \d+ running, \d+ waiting, \d+\.\d tokens/s, KV pages \d+/32", stats), stats
     finally:
         process.terminate()

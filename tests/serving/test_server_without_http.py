@@ -457,6 +457,30 @@ def test_a_request_that_could_outgrow_the_memory_limit_is_refused(om):
         server.close()
 
 
+def test_a_memory_limit_bounds_the_kv_pool_so_the_prefix_cache_cannot_lock_the_server_out(om):
+    """The prefix cache keeps freed pages resident; under --max-memory the pool holds only the pages the limit
+    leaves room for, and a stream of different prompts reuses cached pages instead of writing new ones."""
+    from runtime.serving.server import resident_bytes
+
+    engine = EngineConfig(kv_cache_pages=4096, max_context_len=4096)  # 128 MiB of pages, mapped lazily
+    limit_mb = int((resident_bytes() + 48 * 2 ** 20) / 0.9) // 2 ** 20 + 1
+    server = Server({"tiny": str(om)}, engine, ServerSettings(max_memory_mb=limit_mb))
+    server.load()
+    try:
+        tiny = server.engines["tiny"]
+        pool = tiny.blocks.num_pages
+        assert pool < 4096 and resident_bytes() + (pool - tiny.blocks.touched) * tiny.kv_bytes_per_page <= limit_mb * 2 ** 20
+        pages_each = -(-(300 + 8) // tiny.page_size)
+        rounds = 2 * pool // pages_each + 1  # twice the pool, each prompt its own, all of it cached
+        for number in range(rounds):
+            generation = server.start(None, None, "/x", {**GREEDY, "max_new_tokens": 8},
+                                      prompt=[3 + number % 200] + [5 + (number * 7 + i) % 250 for i in range(299)])
+            asyncio.run(server.complete(generation))
+        assert tiny.blocks.touched <= pool
+    finally:
+        server.close()
+
+
 def test_loading_warms_the_engine_up_before_it_says_ready(om):
     server = _server(om)
     try:
