@@ -20,7 +20,7 @@ def _models(values: tuple[str, ...]) -> dict[str, str]:
         if not name or not path:
             raise AtcError("E10001", value, "--model", "expected NAME=path.om or path.om")
         if not os.path.isfile(path):
-            raise AtcError("E13001", path, "No such file or directory")
+            raise AtcError("E13001", path, "the path is a directory" if os.path.isdir(path) else "No such file or directory")
         # one name, two artifacts: requests could reach only one of them
         if os.path.realpath(models.get(name, path)) != os.path.realpath(path):
             raise AtcError("E10001", value, "--model", f"the name {name!r} is given to {models[name]} already; "
@@ -81,7 +81,13 @@ def serve_command(model_specs, host, port, api_keys, quota_tokens, audit_log, bl
     vLLM's /tokenize and /detokenize, /health and /metrics; with --ray, as replicas on a Ray cluster."""
     from runtime.serving.server import ServerSettings
 
-    keys = list(api_keys) or [k for k in os.environ.get("CANN_LLM_API_KEYS", "").split(",") if k]
+    keys = [k.strip() for k in api_keys] or [k.strip() for k in os.environ.get("CANN_LLM_API_KEYS", "").split(",")
+                                              if k.strip()]
+    if any(not key for key in keys):  # would be a key no client can present: every request refused
+        raise AtcError("E10001", "''", "--api-key", "an API key must not be empty or blank")
+    if quota_tokens is not None and not keys:
+        raise AtcError("E10055", "--quota-tokens counts tokens per API key: give the keys with --api-key (or "
+                                 "CANN_LLM_API_KEYS)")
     settings = ServerSettings(max_pending=max_pending, request_timeout_s=request_timeout, shutdown_grace_s=shutdown_grace,
                               max_body_bytes=max_body_bytes, metrics_prefix=metrics_prefix, max_memory_mb=max_memory,
                               breaker_threshold=breaker_threshold, breaker_cooldown_s=breaker_cooldown)

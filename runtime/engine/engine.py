@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import logging
 import numbers
 import os
 import queue
@@ -53,6 +54,9 @@ from runtime.tokenizer import TextTokenizer, lone_surrogate
 
 _DONE = object()
 UTILISATION_SAMPLES = 100_000
+
+
+_log = logging.getLogger(__name__)
 
 
 class GenerationFailed(RuntimeError):
@@ -680,6 +684,7 @@ class LLMEngine:
         self.scheduler.abort(seq, "error")
         self.runner.release(seq)
         request = self._requests.get(seq.seq_id)
+        _log.error("request %s failed", seq.seq_id, exc_info=(type(error), error, error.__traceback__))
         if request is not None:
             failure = GenerationFailed(f"request {seq.seq_id} failed: {type(error).__name__}: {error}")
             self._complete(request, failure)

@@ -131,12 +131,8 @@ def create_app(server: Server) -> FastAPI:
             _, _, engine = server.engine_for(http.headers.get("authorization"), body.model)
             if (body.prompt is None) == (body.messages is None):
                 raise Refusal(400, "give either prompt or messages", "invalid_request_error", param="prompt")
-            try:
-                if body.messages is not None:
-                    text = engine.chat_text([m.for_template() for m in body.messages], body.add_generation_prompt)
-                    ids = engine.tokenizer.encode(text, add_special_tokens=False)
-                else:
-                    ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            try:  # off the event loop: a long prompt takes seconds to tokenize, /health must not wait for it
+                ids = await asyncio.to_thread(_tokenized, engine, body)
             except Exception as error:  # a template's own error, or a model without a tokenizer
                 raise Refusal(400, f"the prompt cannot be rendered or tokenized: {error}", "invalid_request_error")
         except Refusal as refusal:
@@ -169,6 +165,13 @@ async def _start(server: Server, http: Request, body: CompletionBody | ChatBody,
         raise Refusal(400, str(error), "invalid_request_error", param=error.param) from None
     return await asyncio.to_thread(server.start_choices, http.headers.get("authorization"), body.model, endpoint,
                                    params, body.n, tokens_asked=body.tokens_asked(), **prompt)
+
+
+def _tokenized(engine, body: TokenizeBody) -> list[int]:
+    if body.messages is not None:
+        text = engine.chat_text([m.for_template() for m in body.messages], body.add_generation_prompt)
+        return engine.tokenizer.encode(text, add_special_tokens=False)
+    return engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
 
 
 def _model_card(name: str) -> dict:

@@ -506,7 +506,12 @@ class Server:
         finally:  # even if the accounting failed (a full disk under the audit log): no slot or waiter is left
             with self._lock:
                 if self.settings.breaker_threshold:
-                    self.breakers[generation.model].record(outcome)
+                    breaker = self.breakers[generation.model]
+                    was_open = breaker.is_open
+                    breaker.record(outcome)
+                    if breaker.is_open and not was_open:
+                        _log.error("model %s: %d requests failed in a row; refusing its requests for %g s",
+                                   generation.model, breaker.failures, self.settings.breaker_cooldown_s)
                 self.pending[generation.model] -= 1
                 self._kv_demand[id(self.engines[generation.model])] -= generation.kv_pages
                 self._in_flight.discard(generation)

@@ -4,6 +4,7 @@ streaming, metrics, and every refusal (each server runs in its own process, as u
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -625,3 +626,30 @@ def _greedy_ids(engine: LLMEngine, prompt, new_tokens: int) -> list[int]:
     request = engine.submit(prompt, max_new_tokens=new_tokens, temperature=0)
     request.result()
     return request.output_ids
+
+
+@pytest.mark.parametrize("argv, env, said", [
+    (["--quota-tokens", "50"], {}, "E10055"),                                  # a quota counts per key
+    (["--api-key", " "], {}, "an API key must not be empty"),
+    ([], {"CANN_LLM_API_KEYS": " k1 ,, k2 "}, None),                           # trimmed, empty entries skipped
+    (["--model", "x={tmp}"], {}, "the path is a directory"),
+])
+def test_serving_settings_an_operator_gets_wrong_are_refused_at_start(om, tmp_path, argv, env, said):
+    argv = [arg.format(tmp=tmp_path) for arg in argv]
+    command = [sys.executable, "-m", "cli.cann_run", "serve", "--port", "0", "--model", f"tiny={om}", *argv]
+    if said is None:  # starts: keys trimmed, empty entries dropped
+        server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+        try:
+            ready = StderrLines(server.stderr).wait_for(lambda line: line.startswith("ready in "), timeout=600)
+            url = re.search(r"http://127\.0\.0\.1:\d+", ready)[0]
+            for key, status in (("k1", 200), ("k2", 200), ("k3", 401)):
+                answer = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
+                                    json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+                assert answer.status_code == status, (key, answer.text)
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+        return
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+    assert result.returncode == 1 and said in result.stderr and "Traceback" not in result.stderr
+    assert "loading" not in result.stderr

@@ -153,7 +153,7 @@ def _gone_after(generation, tokens: int):
     return gone
 
 
-def test_a_request_that_fails_in_a_step_is_a_500_counted_failed_and_hurts_no_other(om):
+def test_a_request_that_fails_in_a_step_is_a_500_counted_failed_and_hurts_no_other(om, caplog):
     server = _server(om)
     try:
         good = server.start(None, None, "/v1/completions", {**GREEDY, "max_new_tokens": 40, "ignore_eos": True},
@@ -164,6 +164,9 @@ def test_a_request_that_fails_in_a_step_is_a_500_counted_failed_and_hurts_no_oth
         [bad] = server._admit("tiny", None, "/v1/completions", (), [5, 6, 7], [params])
         failed = _refused(lambda: asyncio.run(server.complete(bad)))
         assert (failed.status, failed.kind) == (500, "server_error") and bad.request.finish_reason == "error"
+        # the operator's log has what the client is not told: which request, and the traceback
+        logged = [r for r in caplog.records if r.name == "runtime.engine.engine" and r.levelname == "ERROR"]
+        assert logged and logged[0].getMessage() == f"request {bad.request.seq.seq_id} failed" and logged[0].exc_info
         [streamed] = server._admit("tiny", None, "/v1/completions", (), [5, 6, 7], [params])
 
         async def read():
@@ -493,7 +496,7 @@ def test_loading_warms_the_engine_up_before_it_says_ready(om):
         server.close()
 
 
-def test_a_failing_engine_opens_its_circuit_breaker_until_a_probe_succeeds(om):
+def test_a_failing_engine_opens_its_circuit_breaker_until_a_probe_succeeds(om, caplog):
     server = _server(om, settings=ServerSettings(breaker_threshold=2, breaker_cooldown_s=30))
     failing = SamplingParams(max_new_tokens=8, temperature=1.0)
     object.__setattr__(failing, "repetition_penalty", 1e-308)  # past the checks: inf - inf in the sampler
@@ -504,6 +507,8 @@ def test_a_failing_engine_opens_its_circuit_breaker_until_a_probe_succeeds(om):
         _wait_until(lambda: server.in_flight == 0)
         shed = _refused(lambda: server.start(None, None, "/x", GREEDY, prompt="hi"))
         assert (shed.status, shed.kind) == (503, "unavailable") and "failing" in shed.message and shed.retry_after_s >= 1
+        assert [r.getMessage() for r in caplog.records if r.name == "runtime.serving.server"] == [
+            "model tiny: 2 requests failed in a row; refusing its requests for 30 s"]
         # the cool-down over (moved back rather than waited for: a busy host could take the whole of a short one
         # between the failures and the check above): one request is let through to try the engine
         server.breakers["tiny"].opened_at -= 31
