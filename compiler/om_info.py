@@ -10,6 +10,8 @@ import onnx
 from onnx import helper
 
 from runtime.artifact import OmFile, Partition
+from runtime.artifact_schema import SchemaViolation, check_metadata
+from runtime.errors import AtcError
 
 _DTYPES = {
     onnx.TensorProto.FLOAT: "DT_FLOAT", onnx.TensorProto.FLOAT16: "DT_FLOAT16", onnx.TensorProto.INT8: "DT_INT8",
@@ -22,8 +24,12 @@ _DTYPES = {
 
 
 def display_model_info(om: OmFile) -> str:
-    """The --mode=6 / --display_model_info=1 block."""
+    """The --mode=6 / --display_model_info=1 block; E13015 for metadata that breaks its schema."""
     meta, sizes = om.metadata, om.partition_sizes()
+    try:
+        check_metadata(meta)
+    except SchemaViolation as error:
+        raise AtcError("E13015", om.path, str(error)) from None
     weights, graph = sizes.get("WEIGHTS_DATA", 0), sizes.get("MODEL_DEF", 0)
     dims = meta.get("model", {})
     kv = meta.get("kv_cache", {})

@@ -84,6 +84,18 @@ class ListOf:
 
 
 @dataclass(frozen=True)
+class MapOf:
+    """A JSON object of any keys, each value held to `value`."""
+
+    value: Any
+
+    def check(self, value, where: str) -> None:
+        Of(dict).check(value, where)
+        for name, item in value.items():
+            self.value.check(item, f"{where}.{name}")
+
+
+@dataclass(frozen=True)
 class Obj:
     """A JSON object: `required` and `optional` fields by name; others are allowed (metadata grows)."""
 
@@ -104,6 +116,8 @@ class Obj:
 _VALUE = Obj(required={"name": Of(str), "dtype": DType(), "shape": ListOf(Dim(), most=64)})
 _HEADS = Int(1, MAX_HEADS)
 _WEIGHT_FORMAT = {"format": Of(str)}, {"block_size": Int(1), "int8_activations": Of(bool)}
+# per CPU architecture, groups of features one of which must (required) or should (preferred) be present
+_FEATURE_GROUPS = MapOf(ListOf(ListOf(Of(str))))
 
 METADATA = Obj(
     required={
@@ -115,6 +129,8 @@ METADATA = Obj(
                         optional={"page_size": Int(*PAGE_SIZE_RANGE)}),
         "name": Of(str), "atc_version": Of(str), "soc_version": Of(str), "framework_type": Int(0, 255),
         "cmdline": Of(str), "config": Of(dict), "is_dynamic": Of(bool), "source": Of(dict), "pass_report": Of(dict),
+        "requires": Obj(optional={"runtime": Of(str), "soc_family": Of(str),
+                                  "isa": Obj(optional={"required": _FEATURE_GROUPS, "preferred": _FEATURE_GROUPS})}),
         "weights": Obj(required={"matmuls": ListOf(Obj(required={**_WEIGHT_FORMAT[0], "count": Int(0)},
                                                         optional=_WEIGHT_FORMAT[1]))},
                        optional={"embedding": Obj(required=_WEIGHT_FORMAT[0], optional=_WEIGHT_FORMAT[1])}),

@@ -380,3 +380,12 @@ def test_a_newer_runtime_needed_refuses_and_a_missing_preference_warns(int4_om, 
     with caplog.at_level("WARNING", logger="cann_llm"):
         load_artifact(slower)
     assert any(r.getMessage().startswith("W13001") and absent in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("path, value", [(("requires", "isa"), "avx2"), (("requires", "isa", "required"), ["avx2"]),
+                                         (("requires", "runtime"), 3), (("weights", "matmuls"), 5)])
+def test_a_malformed_record_of_what_the_artifact_needs_or_holds_is_refused_naming_it(int4_om, tmp_path, path, value):
+    edited = _rewrite(int4_om, tmp_path / "edited.om", _set_metadata(path, value))
+    with pytest.raises(AtcError) as caught:
+        load_artifact(edited)
+    assert "metadata." + ".".join(path) in str(caught.value)
