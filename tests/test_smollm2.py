@@ -131,41 +131,9 @@ def test_force_fp16_stores_every_matmul_weight_and_the_tied_table_in_half_the_by
     assert (got[0].argmax(-1) == expected[0].argmax(-1)).mean() >= 0.95
 
 
-@pytest.fixture(scope="module")
-def smollm2_ts_path():
-    """SmolLM2 (its Hugging Face folder) exported by `cann-run export --exporter torchscript` (7,612 nodes),
-    once per cache."""
-    import subprocess
-    import sys
-
-    from models.prepare import smollm2_hf_folder
-    from models.tiny import cache_dir
-
-    path = cache_dir() / "smollm2-ts" / "model.onnx"
-    if not path.exists():  # from the saved folder: reading the GGUF again would add ~35 s
-        proc = subprocess.run([sys.executable, "-m", "cli.cann_run", "export", "--model", str(smollm2_hf_folder()),
-                               "--output", str(path.parent), "--exporter", "torchscript"], capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return path
-
-
-@pytest.fixture(scope="module")
-def smollm2_ts_paged_om(smollm2_ts_path, compiled):
-    return compiled(smollm2_ts_path, enable_paged_attention=True)
-
-
-@pytest.mark.parametrize("om", ["smollm2_paged_om", "smollm2_ts_paged_om"], ids=["dynamo", "torchscript"])
-def test_cann_run_exports_compile_paged_with_every_layer_fused(request, om):
-    """Both exporters' `cann-run export` of SmolLM2 (smollm2_path is one: models.prepare runs its code)."""
-    ops = [node.op_type for node in load_artifact(request.getfixturevalue(om)).model.graph.node]
+def test_the_export_compiles_paged_with_every_layer_fused(smollm2_paged_om):
+    """SmolLM2 as `models.prepare` exports it (`cann-run export`'s code); TorchScript's export is held to the
+    same at tiny scale (tests/cli/test_export.py) and in the corpus (Llama by TorchScript)."""
+    ops = [node.op_type for node in load_artifact(smollm2_paged_om).model.graph.node]
     assert ops.count("PagedAttention") == 30 and ops.count("RmsNorm") + ops.count("AddRmsNorm") == 61
     assert "Softmax" not in ops
-
-
-def test_torchscript_export_generates_like_transformers(smollm2_ts_paged_om, smollm2_greedy):
-    from runtime.engine.engine import LLMEngine
-
-    prompts, expected = smollm2_greedy
-    with LLMEngine(smollm2_ts_paged_om, max_batch_size=1, max_context_len=256, kv_cache_pages=8) as engine:
-        generation = engine.submit(prompts[0], max_new_tokens=64, temperature=0, ignore_eos=True)
-        assert generation.result() is not None and generation.output_ids == expected[0]
