@@ -14,6 +14,7 @@ from runtime.tokenizer import TextTokenizer
 pytestmark = pytest.mark.slow
 RELATIVE_TOLERANCE = 1e-4
 PROMPT = "The capital of France is"
+NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,7 @@ GREEDY_PROMPTS = ["The capital of France is", "Once upon a time, in a small vill
 
 @pytest.fixture(scope="module")
 def smollm2_greedy(smollm2_om):
-    """transformers' greedy continuation (64 tokens, eos ignored) of each prompt: one left-padded batch, masked
+    """transformers' greedy continuation (NEW_TOKENS, eos ignored) of each prompt: one left-padded batch, masked
     (9x faster than one at a time on 2 cores, the same tokens)."""
     import torch
 
@@ -90,8 +91,8 @@ def smollm2_greedy(smollm2_om):
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=64, min_new_tokens=64, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
     return prompts, [row[width:].tolist() for row in out]
 
 
@@ -110,9 +111,9 @@ def test_engine_greedy_equals_transformers(request, smollm2_greedy, layout, draf
         prompts, expected = prompts[:4], expected[:4]
     with LLMEngine(om, max_batch_size=16, max_context_len=512, kv_cache_pages=32, num_speculative_tokens=drafts,
                    speculative_max_batch=16) as engine:
-        alone = engine.submit(prompts[0], max_new_tokens=64, temperature=0, ignore_eos=True)
+        alone = engine.submit(prompts[0], max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
         assert alone.result() is not None and alone.output_ids == expected[0]
-        requests = [engine.submit(p, max_new_tokens=64, temperature=0, ignore_eos=True) for p in prompts]
+        requests = [engine.submit(p, max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True) for p in prompts]
         assert [r.result() is not None and r.output_ids for r in requests] == expected
         assert engine.blocks.num_free == engine.blocks.num_pages
         assert (engine.stats.accepted_tokens > 0) == bool(drafts)
