@@ -117,7 +117,8 @@ def refused(error: ValueError, flag: str, value) -> AtcError:
     `flag` (as printed: `--prompt`, `stdin`) with `value`: the prompt's or the turn's own flag for the prompt."""
     options = click.get_current_context().params
     # a model without a tokenizer cannot take a text prompt: the model is the one to change
-    named = {"tokenizer": "model"}.get(getattr(error, "setting", None), getattr(error, "setting", None))
+    setting = getattr(error, "setting", None)
+    named = "model" if setting == "tokenizer" else setting
     if named in options:
         flag, value = f"--{named}", options[named]
     return AtcError("E10001", shown(value), flag, str(error))

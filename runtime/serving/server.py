@@ -197,6 +197,10 @@ class Server:
         finally:
             self.ready.set()
 
+    def _distinct_engines(self) -> list[LLMEngine]:
+        """Each engine once, in load order (one file under two names is one engine)."""
+        return list(dict.fromkeys(self.engines.values()))
+
     def _fit_pools_to_memory(self) -> None:
         """With `max_memory_mb`, each engine's KV pool keeps only the pages the limit leaves room for (shared
         equally, a tenth of the limit kept for everything else that grows): the pool is written lazily and its
@@ -205,7 +209,7 @@ class Server:
         limit = self.settings.max_memory_mb
         if limit is None:
             return
-        engines = list({id(e): e for e in self.engines.values()}.values())
+        engines = self._distinct_engines()
         spare = (limit * 2 ** 20 * (1 - _MEMORY_MARGIN) - resident_bytes()) / len(engines)
         for engine in engines:
             engine.blocks.limit_pages(engine.blocks.touched + max(0, int(spare // engine.kv_bytes_per_page)))
@@ -213,7 +217,7 @@ class Server:
     def pool_lines(self) -> list[str]:
         """A line per engine: its KV pool's pages and the memory they take once written."""
         lines = []
-        for engine in {id(e): e for e in self.engines.values()}.values():
+        for engine in self._distinct_engines():
             names = ", ".join(name for name, e in self.engines.items() if e is engine)
             pages = engine.blocks.num_pages
             lines.append(f"{names}: KV pool of {pages} pages of {engine.page_size} tokens, "
@@ -392,7 +396,7 @@ class Server:
         if limit is None:
             return
         growth = 0
-        for each in {id(e): e for e in self.engines.values()}.values():
+        for each in self._distinct_engines():
             demand = self._kv_demand.get(id(each), 0) + (pages if each is engine else 0)
             growth += max(0, min(demand, each.blocks.num_pages) - each.blocks.touched) * each.kv_bytes_per_page
         resident = resident_bytes()
@@ -575,7 +579,7 @@ class Server:
         if self._closed:
             return
         self._closed = True
-        for engine in set(self.engines.values()):
+        for engine in self._distinct_engines():
             engine.close()
         self.guard.close()
 
