@@ -91,7 +91,7 @@ FLAGS: list[tuple[str, str, str]] = [
                                        "fastest in the artifact, which the runtime then uses by default"),
     ("om", "Debug", "The .om to read in modes 1 and 6 (an .onnx in mode 1 with --framework=5)"),
     ("json", "Debug", "JSON output path of mode 1 (a path ending in .onnx writes the graph as ONNX)"),
-    ("check_report", "Debug", "Pre-check report path (default check_result.json)"),
+    ("check_report", "Debug", "Pre-check report path (default check_result.json in $ASCEND_WORK_PATH if set, else here)"),
     ("export_compile_stat", "Debug", "1 (default) or 2: write fusion_result.json beside the output; 0: do not"),
     ("display_model_info", "Debug", "Print the model info block after compiling (0/1)"),
     ("log", "Debug", "Log level: debug, info, warning, error, null (default); --log-level is the same flag"),
@@ -215,7 +215,33 @@ class _Stopped(BaseException):
         self.signum = signum
 
 
+class _StdoutFailed(Exception):
+    """stdout refused a line (a full disk under `atc ... > atc.log`, a closed descriptor)."""
+
+
+def _say(text: str) -> None:
+    """A line on stdout, where ATC prints its verdicts."""
+    try:
+        click.echo(text)
+    except BrokenPipeError:
+        raise
+    except OSError as error:
+        raise _StdoutFailed(error.strerror or str(error)) from None
+
+
+# set once the artifact is in place: a signal then has nothing left to stop but the verdict's few lines, so
+# it is ignored, and atc ends as it would have (success), never "stopped" beside a complete new artifact
+_late = False
+
+
+def _in_place() -> None:
+    global _late
+    _late = True
+
+
 def _stop(signum, frame) -> None:
+    if _late:
+        return
     # once: a second signal while the way out runs would cut the clean-up short
     for each in (signal.SIGINT, signal.SIGTERM):
         signal.signal(each, signal.SIG_IGN)
@@ -226,19 +252,21 @@ def _fail(text: str) -> int:
     # on stdout, as ATC prints them (a CI script's `atc ... > atc.log; grep -E 'E[0-9]{5}' atc.log` finds them);
     # stderr flushed first, so a terminal shows the detail log before the verdict
     sys.stderr.flush()
-    click.echo(FAILURE)
-    click.echo(text)
+    _say(FAILURE)
+    _say(text)
     return EXIT_FAILURE
 
 
 def run(argv: list[str]) -> int:
     """Run atc with `argv` (no program name); returns the exit status."""
+    global _late
+    _late = False
     if any(word in HELP_WORDS for word in argv):
-        click.echo(usage())
+        _say(usage())
         return 0
     debug = False
     try:
-        click.echo(START)
+        _say(START)
         flags = parse_flags(argv)
         debug = flags.get("log") == "debug"
         flags["cmdline"] = "atc " + " ".join(shlex.quote(word) for word in argv)
@@ -249,8 +277,8 @@ def run(argv: list[str]) -> int:
         signum = signal.SIGINT if isinstance(stop, KeyboardInterrupt) else stop.signum
         _fail(f"atc was stopped by {signal.Signals(signum).name}")
         return 128 + signum
-    except BrokenPipeError:
-        raise  # stdout's reader is gone: `main` ends quietly
+    except (BrokenPipeError, _StdoutFailed):
+        raise  # stdout's reader is gone (`main` ends quietly), or stdout cannot be written (`main` says so on stderr)
     except _FlagError as error:
         click.echo(f"ERROR: {error}", err=True)
         return _fail(AtcError("E10001", " ".join(argv), "command line", str(error)).render())
@@ -262,9 +290,9 @@ def run(argv: list[str]) -> int:
         if debug:
             traceback.print_exc()
         return _fail(AtcError("E19999", reason=f"{type(error).__name__}: {error}").render())
-    click.echo(SUCCESS)
+    _say(SUCCESS)
     for warning in warnings:
-        click.echo(warning)
+        _say(warning)
     return 0
 
 
@@ -276,17 +304,17 @@ def _dispatch(cfg: CompileConfig) -> list[str]:
         from compiler.compile import compile_model
 
         # ATC's console progress, whatever --log says: that sets the level of the detail log
-        result = compile_model(cfg, progress=True)
+        result = compile_model(cfg, progress=True, committed=_in_place)
         logging.getLogger("atc").info("wrote %s (%d bytes)", result.output, result.size)
         if cfg.display_model_info:
-            click.echo(display_model_info(OmFile(result.output, verify_weights=False)))
+            _say(display_model_info(OmFile(result.output, verify_weights=False)))
         return result.warnings
     if cfg.mode == 1:
         _dump_json(cfg)
     elif cfg.mode == 3:
         _precheck(cfg)
     elif cfg.mode == 6:
-        click.echo(display_model_info(OmFile(cfg.om)))
+        _say(display_model_info(OmFile(cfg.om)))
     return []
 
 
@@ -331,12 +359,21 @@ def main() -> None:
         signal.signal(signal.SIGINT, _stop)
     try:
         status = run(sys.argv[1:])
-        sys.stdout.flush()
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as error:
+            raise _StdoutFailed(error.strerror or str(error)) from None
     except _Stopped as stop:  # one that came while the verdict was printed
         status = 128 + stop.signum
     except BrokenPipeError:
         status = reader_gone() if stdout_gone() else _fail(AtcError(
             "E19999", reason="BrokenPipeError: the reader of stderr closed it").render())
+    except _StdoutFailed as error:  # the verdict goes to stderr, and what stdout still buffers nowhere
+        sys.stderr.write(f"{FAILURE}\n{AtcError('E13004', '<stdout>', str(error)).render()}\n")
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        status = EXIT_FAILURE
     if status - 128 in (signal.SIGINT, signal.SIGTERM):
         die_by(status - 128)
     sys.exit(status)

@@ -73,6 +73,23 @@ def _summary_lines(stats: dict, batch: int) -> list[str]:
     ]
 
 
+def _fresh_folder(parent: Path) -> Path:
+    """A new folder in `parent` named for this second, as ais_bench names it, with `_1`, `_2`, … where runs
+    started in the same second took it: parallel runs never write into one folder."""
+    make_dir(parent)
+    stamp = time.strftime("%Y_%m_%d-%H_%M_%S")
+    number = 0
+    while True:
+        folder = parent / (f"{stamp}_{number}" if number else stamp)
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            number += 1
+        except OSError as error:
+            raise AtcError("E13004", folder, error.strerror) from None
+
+
 def _save_outputs(outputs: dict[str, np.ndarray], folder: Path, prefix: str, outfmt: str) -> list[str]:
     make_dir(folder)
     written = []
@@ -189,9 +206,10 @@ def run_command(model, input_files, output, output_dirname, outfmt, loop, warmup
     for line in _summary_lines(stats, batchsize):
         click.echo(line)
     if output:
-        name = output_dirname or time.strftime("%Y_%m_%d-%H_%M_%S")
+        folder = Path(output) / output_dirname if output_dirname else _fresh_folder(Path(output))
+        name = folder.name
         prefix = Path(input_files.split(",")[0]).stem if input_files else "pure_infer_data"
-        files = _save_outputs(outputs, Path(output) / name, prefix, outfmt.upper())
+        files = _save_outputs(outputs, folder, prefix, outfmt.upper())
         summary = {"model": model, "backend": backend, "loop": loop, "warmup_count": warmup_count,
                    "batchsize": batchsize, "NPU_compute_time": stats, "throughput": 1000 * batchsize / stats["mean"],
                    "outputs": {k: list(v.shape) for k, v in outputs.items()}, "files": files}

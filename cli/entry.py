@@ -28,6 +28,7 @@ def cann_llm_quant() -> None:
 
 
 def _run(module: str) -> None:
+    _standard_streams()
     program = os.path.basename(sys.argv[0])
 
     def stopped(signum, _frame) -> None:
@@ -42,3 +43,14 @@ def _run(module: str) -> None:
     if interruptible:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     main()
+
+
+def _standard_streams() -> None:
+    """/dev/null on a closed stdin, stdout or stderr (`atc ... >&-`): else the next file opened takes its
+    descriptor, and what is printed, by Python or by a library's C code, lands in that file (an artifact)."""
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: this one, those below being open
+            setattr(sys, name, open(fd, mode, closefd=False))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +41,7 @@ from runtime.compatibility import requirements
 from runtime.errors import AtcError
 from runtime.ops import MATMUL_INT4, MATMUL_INT8
 from runtime.progress import note
-from runtime.safe_files import refuse_symlink
+from runtime.safe_files import Staged, reap_abandoned, refuse_symlink, staged
 from runtime.signature import io_signature, is_dynamic, is_fixed, llm_dimensions
 
 log = logging.getLogger("atc")
@@ -83,12 +85,25 @@ def _fixed_by_the_export(cfg: CompileConfig, graph: gs.Graph) -> list[int] | Non
     return shape if is_fixed(shape) else None
 
 
-def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResult:
+def compile_model(cfg: CompileConfig, *, progress: bool = False,
+                  committed: Callable[[], None] | None = None) -> CompileResult:
     """Compile `cfg.model` into `cfg.output`.om; raises AtcError, leaving no output file, on failure.
-    `progress` prints the load, each pass (calibration and quantization included) and the write on stderr."""
+    `progress` prints the load, each pass (calibration and quantization included) and the write on stderr.
+
+    Everything is written under hidden names first and put in place at the end, together, with SIGINT and
+    SIGTERM held meanwhile: whatever stops a compile, the output path holds what it held before (a previous
+    artifact and its fusion_result.json included) or the whole new artifact. `committed` is called the
+    moment it is in place, with those signals still held. Output folders that do not exist are made, as
+    ATC makes them, and removed again if the compile fails."""
     output = cfg.output_path
     require_model_file(cfg.model)  # what is missing first, then where it would go
-    _check_writable(output)
+    with _output_folder(output), staged() as stage:
+        result = _compile(cfg, output, stage, progress)
+        stage.commit(committed)
+    return result
+
+
+def _compile(cfg: CompileConfig, output: Path, stage: Staged, progress: bool) -> CompileResult:
     start = time.perf_counter()
     model, graph = import_graph(cfg.model)
     # before the I/O flags: --output_type=FP16 asks for float16 outputs of the float32 graph
@@ -158,37 +173,26 @@ def compile_model(cfg: CompileConfig, *, progress: bool = False) -> CompileResul
         if cfg.auto_tune_mode and not causal_lm:
             raise AtcError("E10055", "--auto_tune_mode measures a causal LM's decode and prefill; this model has no "
                                      "input_ids and logits")
-        # the side output first: a run that cannot write it fails before a new .om exists
-        fusion_result = output.parent / FUSION_RESULT if cfg.export_compile_stat else None
+        fusion_result = stage.path(output.parent / FUSION_RESULT) if cfg.export_compile_stat else None
         if fusion_result is not None:
             report.write_fusion_result(fusion_result)
-        try:
-            if cfg.pipeline_stages > 1:
-                written = _write_stages(cfg, graph, model, report, progress, tokenizer)
-            else:
-                written = [_write(cfg, output, graph, model, report, progress, tokenizer)]
-        except BaseException:
-            if fusion_result is not None:
-                fusion_result.unlink(missing_ok=True)
-            raise
-    output, size, metadata = written[0][0], sum(size for _, size, _ in written), written[0][2]
-    if cfg.auto_tune_mode:
-        try:
-            metadata["tuning"] = auto_tune(output, progress)
-        except BaseException:  # a failed search leaves nothing behind, as a failed compile does
-            output.unlink(missing_ok=True)
-            if fusion_result is not None:
-                fusion_result.unlink(missing_ok=True)
-            raise
-        size = output.stat().st_size
+        if cfg.pipeline_stages > 1:
+            written = _write_stages(cfg, graph, model, report, progress, tokenizer, stage)
+        else:
+            written = [_write(cfg, output, stage.path(output), graph, model, report, progress, tokenizer)]
+    (output, to), size, metadata = written[0][0], sum(size for _, size, _ in written), written[0][2]
+    if cfg.auto_tune_mode:  # on the staged file: a search that fails or is stopped leaves the old artifact
+        metadata["tuning"] = auto_tune(to, progress)
+        size = to.stat().st_size
     return CompileResult(output=output, size=size, report=report, metadata=metadata, warnings=warnings)
 
 
-def _write(cfg: CompileConfig, output: Path, graph: gs.Graph, model: onnx.ModelProto, report: PassReport,
+def _write(cfg: CompileConfig, output: Path, to: Path, graph: gs.Graph, model: onnx.ModelProto, report: PassReport,
            progress: bool, tokenizer: dict[str, str], stage: dict | None = None,
-           vocab: dict | None = None) -> tuple[Path, int, dict]:
-    """Write `graph` as the artifact `output`: (its path, its size, its metadata). A pipeline `stage`'s
-    metadata says which layers it holds, with the whole model's vocabulary (`vocab`) for its runtime."""
+           vocab: dict | None = None) -> tuple[tuple[Path, Path], int, dict]:
+    """Write `graph` as the artifact `output`, at `to` (where it is staged): ((`output`, `to`), its size, its
+    metadata). A pipeline `stage`'s metadata says which layers it holds, with the whole model's vocabulary
+    (`vocab`) for its runtime."""
     start = time.perf_counter()
     detected = detect_family(graph)
     dimensions = attention_dimensions(graph)
@@ -222,9 +226,9 @@ def _write(cfg: CompileConfig, output: Path, graph: gs.Graph, model: onnx.ModelP
                    "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import}},
         "pass_report": report.as_dict(),
     }
-    size = write_artifact(output, lowered, metadata, tokenizer, detached)
+    size = write_artifact(to, lowered, metadata, tokenizer, detached)
     note(f"write: {output.name}, {size / 2**20:.1f} MiB, {time.perf_counter() - start:.2f} s", enabled=progress)
-    return output, size, metadata
+    return (output, to), size, metadata
 
 
 def _check_cache_dims(dims: dict) -> None:
@@ -246,28 +250,23 @@ def stage_paths(output: Path, stages: int) -> list[Path]:
 
 
 def _write_stages(cfg: CompileConfig, graph: gs.Graph, model: onnx.ModelProto, report: PassReport,
-                  progress: bool, tokenizer: dict[str, str]) -> list[tuple[Path, int, dict]]:
-    """One artifact per layer range (passes/pipeline_stages.py), each told the whole model's vocabulary;
-    none is left behind when one fails."""
+                  progress: bool, tokenizer: dict[str, str],
+                  stage: Staged) -> list[tuple[tuple[Path, Path], int, dict]]:
+    """One artifact per layer range (passes/pipeline_stages.py), each told the whole model's vocabulary,
+    each staged in `stage`."""
     logits = next(t for t in graph.outputs if t.name == "logits")
     vocab = {"vocab_size": int(logits.shape[-1])}
     ranges = layer_ranges(graph, cfg.pipeline_stages)
     num_layers = ranges[-1][1]
     paths = stage_paths(cfg.output_path, len(ranges))
-    for path in paths:
-        refuse_symlink(path)
-    written: list[tuple[Path, int, dict]] = []
-    try:
-        for index in range(len(ranges)):
-            first, end = ranges[index]
-            stage = {"stage": index, "stages": len(ranges), "layers": [first, end], "num_layers": num_layers,
-                     "files": [path.name for path in paths]}
-            written.append(_write(cfg, paths[index], stage_graph(graph, first, end), model, report, progress,
-                                  tokenizer, stage, vocab))
-    except BaseException:
-        for path, _, _ in written:
-            path.unlink(missing_ok=True)
-        raise
+    staged_at = [stage.path(path) for path in paths]
+    written = []
+    for index in range(len(ranges)):
+        first, end = ranges[index]
+        layers = {"stage": index, "stages": len(ranges), "layers": [first, end], "num_layers": num_layers,
+                  "files": [path.name for path in paths]}
+        written.append(_write(cfg, paths[index], staged_at[index], stage_graph(graph, first, end), model, report,
+                              progress, tokenizer, layers, vocab))
     return written
 
 
@@ -299,12 +298,40 @@ def _drop_outer_copies(graph: onnx.GraphProto, outer: frozenset[str] = frozenset
                 _drop_outer_copies(sub, visible)
 
 
-def _check_writable(output: Path) -> None:
-    """Refuse, before any work, an output the write would refuse at the end."""
+@contextlib.contextmanager
+def _output_folder(output: Path) -> Iterator[None]:
+    """`output`'s folder, made with its missing parents before any work (ATC makes them too); those made are
+    removed again, if still empty, when the compile fails. Refused (E13004) where nothing could be written.
+    Scratch files a killed compile of the same output left there are removed first."""
     folder = output.parent
-    refuse_symlink(output)
-    refuse_symlink(folder / FUSION_RESULT)
-    if not folder.is_dir():
-        raise AtcError("E13004", output, f"the directory {folder} does not exist")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise AtcError("E13004", output, f"the directory {folder} is not writable")
+    for path in (output, folder / FUSION_RESULT):
+        if refuse_symlink(path).is_dir():
+            raise AtcError("E13004", path, "the path is a directory")
+    missing = [path for path in (folder, *folder.parents) if not path.exists() and not path.is_symlink()]
+    present = missing[-1].parent if missing else folder
+    if not present.is_dir():
+        raise AtcError("E13004", output, f"{present} is not a directory")
+    if not os.access(present, os.W_OK | os.X_OK):
+        raise AtcError("E13004", output, f"the directory {present} is not writable")
+    made = []
+    try:
+        for path in reversed(missing):
+            path.mkdir()
+            made.append(path)
+    except OSError as error:
+        _remove_empty(made)
+        raise AtcError("E13004", output, error.strerror or str(error)) from None
+    reap_abandoned(folder, f".{output.name}.*.tmp", f".{FUSION_RESULT}.*.tmp")
+    try:
+        yield
+    except BaseException:
+        _remove_empty(made)
+        raise
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    for folder in reversed(folders):  # the innermost first
+        try:
+            folder.rmdir()
+        except OSError:  # no longer empty: something else writes there now
+            return

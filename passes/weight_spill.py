@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -23,6 +24,7 @@ import numpy as np
 from passes.weight_memory import Deferred
 from runtime.artifact import EXTERNAL_MIN_BYTES
 from runtime.errors import AtcError
+from runtime.safe_files import maker, reap_abandoned, signals_held
 
 SPILL_PREFIX = ".atc-weights-"
 
@@ -66,13 +68,18 @@ def _read(path: Path, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> n
 @contextlib.contextmanager
 def weight_spill(beside: Path) -> Iterator[WeightSpill]:
     """A spill in a fresh hidden folder in `beside` (the output's folder: a temporary folder may be memory),
-    removed with its file when the block ends, by a return or an exception."""
+    removed with its file when the block ends, by a return, an exception or a signal (held until it is gone).
+    Those a killed compile left there are removed first (`reap_abandoned`)."""
+    reap_abandoned(beside, f"{SPILL_PREFIX}*")
     try:
-        scratch = tempfile.TemporaryDirectory(prefix=SPILL_PREFIX, dir=beside)
+        folder = tempfile.mkdtemp(prefix=f"{SPILL_PREFIX}{maker()}-", dir=beside)
     except OSError as error:  # a folder the user cannot write (a read-only mount, /sys): the output's fault
         raise AtcError("E13004", beside, error.strerror or str(error)) from None
-    with scratch as folder:
+    try:
         yield WeightSpill(Path(folder))
+    finally:
+        with signals_held():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def kept(spill: WeightSpill | None, values: np.ndarray) -> np.ndarray | Deferred:

@@ -36,6 +36,8 @@ TEMPLATES: dict[str, str] = {
     "E10038": "Value {0} for parameter --{1} is invalid. Reason: each dimension must be a positive integer.",
     "E10039": "Value {0} for parameter --{1} is invalid. Reason: profile {2} is given more than once.",
     "E10040": "Value {0} for parameter --input_shape is invalid. Reason: a range (~) cannot be combined with --{1}.",
+    "E10021": "Path for parameter --{0} is too long. Keep the length within {1}.",
+    "E10022": "Path {0} for parameter --{1} does not include the file name.",
     "E10041": "Failed to load the model from {0}.",
     "E10045": "Value {0} for parameter --dynamic_dims is invalid. Reason: each profile must give one value per -1 "
               "in --input_shape ({1} in {2}).",

@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
+import signal
+import socket
 import tempfile
+import threading
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Callable, Iterator
 
 from runtime.errors import AtcError
 
@@ -23,6 +28,9 @@ from runtime.errors import AtcError
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 FILE_MODE = 0o666 & ~_UMASK
+_HOST = re.sub(r"[^A-Za-z0-9-]", "_", socket.gethostname()) or "host"
+# `.<name>.<pid>@<host>.<random>.tmp`, `.atc-weights-<pid>@<host>-<random>`: who made a scratch file
+_MAKER = re.compile(r"[.-](\d+)@([A-Za-z0-9_-]+)[.-]")
 
 
 def refuse_symlink(path: str | os.PathLike) -> Path:
@@ -42,7 +50,7 @@ def atomic_writer(path: str | os.PathLike, mode: str = "wb", encoding: str | Non
     if not folder.is_dir():
         raise AtcError("E13004", path, f"the directory {folder} does not exist")
     try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.{maker()}.", suffix=".tmp")
     except OSError as error:
         raise AtcError("E13004", path, error.strerror) from None
     try:
@@ -59,6 +67,113 @@ def atomic_writer(path: str | os.PathLike, mode: str = "wb", encoding: str | Non
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def maker() -> str:
+    """`<pid>@<host>`, put in every scratch name so that `reap_abandoned` can tell whose maker is gone."""
+    return f"{os.getpid()}@{_HOST}"
+
+
+def reap_abandoned(folder: str | os.PathLike, *patterns: str) -> list[Path]:
+    """Remove the scratch files and folders in `folder` matching `patterns` whose maker, a process of this
+    host, is gone: one killed by SIGKILL or the OOM killer cleans up nothing, and a weights scratch folder
+    of a large model is gigabytes. A maker still running, or of another host sharing the folder, is left
+    alone. Returns what was removed."""
+    removed = []
+    for pattern in patterns:
+        for path in Path(folder).glob(pattern):
+            made = _MAKER.search(path.name)
+            if made is None or made.group(2) != _HOST or _running(int(made.group(1))) or path.is_symlink():
+                continue
+            try:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+            except OSError:  # another user's, or gone meanwhile: not ours to insist on
+                continue
+            removed.append(path)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+class Staged:
+    """Files written under hidden names beside where they go, then put in place together by `commit`, or
+    removed, leaving every target as it was: a compile's artifact and its fusion_result.json are both new or
+    both as they were, whatever stops it."""
+
+    def __init__(self):
+        self._pairs: list[tuple[Path, Path]] = []
+
+    def path(self, final: str | os.PathLike) -> Path:
+        """A fresh hidden file beside `final`, to write in full (renamed over it by `commit`); E13004 when
+        `final` could not be replaced (a link, a directory) or its folder takes no new file."""
+        final = refuse_symlink(final)
+        if final.is_dir():
+            raise AtcError("E13004", final, "the path is a directory")
+        try:
+            fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.{maker()}.", suffix=".tmp")
+        except OSError as error:
+            raise AtcError("E13004", final, error.strerror) from None
+        os.close(fd)
+        self._pairs.append((Path(tmp), final))
+        return Path(tmp)
+
+    def commit(self, then: Callable[[], None] | None = None) -> None:
+        """Rename every staged file over its target, with SIGINT and SIGTERM held until all are in place and
+        `then` has run."""
+        with signals_held():
+            for tmp, final in self._pairs:
+                refuse_symlink(final)
+                try:
+                    os.chmod(tmp, FILE_MODE)
+                    os.replace(tmp, final)
+                except OSError as error:
+                    raise AtcError("E13004", final, error.strerror) from None
+            self._pairs.clear()
+            if then is not None:
+                then()
+
+    def discard(self) -> None:
+        """Remove what was staged and not committed."""
+        for tmp, _ in self._pairs:
+            tmp.unlink(missing_ok=True)
+        self._pairs.clear()
+
+
+@contextlib.contextmanager
+def staged() -> Iterator[Staged]:
+    """A `Staged` whose uncommitted files are removed when the block ends, however it ends."""
+    stage = Staged()
+    try:
+        yield stage
+    finally:
+        stage.discard()
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM arriving in the block are handled when it ends, by the handlers they had (only the
+    main thread can hold them: elsewhere the block runs as it is)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    kinds = (signal.SIGINT, signal.SIGTERM)
+    saved = {kind: signal.signal(kind, lambda signum, frame: held.append(signum)) for kind in kinds}
+    try:
+        yield
+    finally:
+        for kind, handler in saved.items():
+            signal.signal(kind, signal.SIG_DFL if handler is None else handler)  # None: one set outside Python
+        for signum in dict.fromkeys(held):
+            signal.raise_signal(signum)
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -111,6 +112,13 @@ def test_mode_3_lists_every_unsupported_op_at_once(capsys, tmp_path, monkeypatch
     assert (report["result"], report["total"], report["pass"], report["fail"]) == ("failed", 3, 1, 2)
     assert [op["cause"][0]["code"] for op in report["op"]] == [1, 0, 1]
     assert "FindMax, TopKPlus" in _assert_refused(capsys, tmp_path, "E16002", f"--model={path}", "--framework=5", SOC)
+    # ATC's default place for the report is $ASCEND_WORK_PATH where it is set
+    (tmp_path / "work").mkdir()
+    monkeypatch.setenv("ASCEND_WORK_PATH", str(tmp_path / "work"))
+    (tmp_path / "check_result.json").unlink()
+    status, _, _ = _atc(capsys, "--mode=3", f"--model={path}", "--framework=5", SOC)
+    assert status == 255 and (tmp_path / "work" / "check_result.json").exists()
+    assert not (tmp_path / "check_result.json").exists()
 
 
 def test_input_shape_and_out_nodes_change_the_signature(capsys, tmp_path, tiny_llama_path):
@@ -173,19 +181,109 @@ def test_a_path_that_is_not_a_regular_file_is_named_so(capsys, tmp_path):
 
 def test_unwritable_output_is_refused(capsys, tmp_path, tiny_llama_path, monkeypatch):
     (tmp_path / "file").write_text("")
-    for output in (tmp_path / "missing" / "m", tmp_path / "file" / "m"):
+    (tmp_path / "m.om").mkdir()
+    for output, why in ((tmp_path / "file" / "m", "is not a directory"), (tmp_path / "m", "the path is a directory")):
         status, out, _ = _atc(capsys, f"--model={tiny_llama_path}", "--framework=5", SOC, f"--output={output}")
-        assert status == 255 and "E13004" in out
-    assert not list(tmp_path.glob("**/*.om"))
+        assert status == 255 and "E13004" in out and why in out
+    assert list(tmp_path.glob("**/*.om")) == [tmp_path / "m.om"]
     # a folder that passes the check for writing but where the weights' scratch folder cannot be made (root
     # in /sys): the system's refusal, given as mkdir gives it
     import passes.weight_spill
 
     def refused(*args, **kwargs):
         raise PermissionError(1, "Operation not permitted")
-    monkeypatch.setattr(passes.weight_spill.tempfile, "TemporaryDirectory", refused)
-    status, out, _ = _atc(capsys, f"--model={tiny_llama_path}", "--framework=5", SOC, f"--output={tmp_path / 'm'}")
+    monkeypatch.setattr(passes.weight_spill.tempfile, "mkdtemp", refused)
+    status, out, _ = _atc(capsys, f"--model={tiny_llama_path}", "--framework=5", SOC, f"--output={tmp_path / 'n'}")
     assert status == 255 and "E13004" in out and "Operation not permitted" in out and "Traceback" not in out
+
+
+def test_missing_output_folders_are_made_as_atc_makes_them_and_removed_again_when_the_compile_fails(
+        capsys, tmp_path, tiny_llama_path):
+    status, out, _ = _atc(capsys, f"--model={tiny_llama_path}", "--framework=5", SOC,
+                          f"--output={tmp_path / 'new' / 'sub' / 'm'}")
+    assert status == 0, out
+    assert sorted(p.name for p in (tmp_path / "new" / "sub").iterdir()) == ["fusion_result.json", "m.om"]
+    (tmp_path / "broken.onnx").write_bytes(b"not a model")
+    status, out, _ = _atc(capsys, f"--model={tmp_path / 'broken.onnx'}", "--framework=5", SOC,
+                          f"--output={tmp_path / 'other' / 'sub' / 'm'}")
+    assert status == 255 and "E10041" in out
+    assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.parametrize("output, code", [("{tmp}/folder/", "E10022"), ("{tmp}/folder/.", "E10022"),
+                                          ("{tmp}/" + "a" * 201, "E10021"), ("{tmp}/" + "a/" * 2100 + "m", "E10021")])
+def test_an_output_without_a_file_name_or_too_long_is_refused_with_atcs_codes(capsys, tmp_path, tiny_llama_path,
+                                                                             output, code):
+    """`--output=$DIR/$NAME` with NAME empty wrote a hidden `.om` and said success; a name the system cannot
+    take failed with E19999 at the end of the compile."""
+    (tmp_path / "folder").mkdir()
+    status, out, _ = _atc(capsys, f"--model={tiny_llama_path}", "--framework=5", SOC,
+                          f"--output={output.format(tmp=tmp_path)}")
+    assert status == 255 and f"{code}: [PID:" in out and "--output" in out
+    assert list((tmp_path / "folder").iterdir()) == []
+
+
+def test_a_failed_compile_leaves_the_previous_artifact_and_its_fusion_result_as_they_were(capsys, tmp_path,
+                                                                                           tiny_llama_path):
+    """Both are put in place together at the end; a failure before that touches neither (a failed compile
+    had removed a fusion_result.json it had replaced, another output's included)."""
+    status, _, _ = _atc(capsys, f"--model={tiny_llama_path}", "--framework=5", SOC, f"--output={tmp_path / 'a'}")
+    assert status == 0
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    (tmp_path / "broken.onnx").write_bytes(b"not a model")
+    for name in ("a", "b"):
+        status, out, _ = _atc(capsys, f"--model={tmp_path / 'broken.onnx'}", "--framework=5", SOC,
+                              f"--output={tmp_path / name}")
+        assert status == 255 and "E10041" in out
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name != "broken.onnx"} == before
+
+
+def test_scratch_that_a_killed_compile_left_is_removed_and_a_running_ones_kept(capsys, tmp_path, tiny_llama_path):
+    """SIGKILL (or the OOM killer) cleans nothing up: the weights' scratch folder (gigabytes for a large
+    model) and a staged artifact stay. The next compile into that folder removes those whose maker, named
+    in them, is gone, and leaves a running compile's alone."""
+    from runtime.safe_files import maker
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead, alive = maker().replace(str(os.getpid()), str(gone.pid), 1), maker()
+    left = [tmp_path / f".atc-weights-{dead}-x1", tmp_path / f".m.om.{dead}.x2.tmp", tmp_path / f".atc-weights-{alive}-x3",
+            tmp_path / f".m.om.{alive}.x4.tmp", tmp_path / ".atc-weights-unnamed"]
+    for path in left:
+        path.mkdir() if "weights" in path.name else path.write_bytes(b"")
+    status, _, _ = _atc(capsys, f"--model={tiny_llama_path}", "--framework=5", SOC, f"--output={tmp_path / 'm'}",
+                        "--enable_compress_weight=1")
+    assert status == 0
+    assert [path.exists() for path in left] == [False, False, True, True, True]
+
+
+def test_stdout_closed_or_full_is_one_coded_line_on_stderr(tmp_path, tiny_llama_path):
+    """`atc ... > atc.log` on a full disk raised a traceback from the middle of click; with stdout closed
+    (`>&-`) the next file opened took its descriptor. Closed, atc runs on (its verdicts go nowhere); full,
+    it says so on stderr and exits 255."""
+    entry = "import sys; sys.argv[0] = 'atc'; from cli.entry import atc; atc()"
+    argv = [sys.executable, "-c", entry, "--framework=5", SOC, f"--model={tiny_llama_path}"]
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([*argv, f"--output={tmp_path / 'full'}"], stdout=full, stderr=subprocess.PIPE, text=True)
+    assert proc.returncode == 255 and "Traceback" not in proc.stderr
+    assert "E13004" in proc.stderr and "<stdout>" in proc.stderr and "No space left on device" in proc.stderr
+    proc = subprocess.run([*argv, f"--output={tmp_path / 'closed'}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True, preexec_fn=lambda: os.close(1))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr
+    assert OmFile(tmp_path / "closed.om").metadata["name"] == "closed"
+
+
+def test_onnxruntime_leaves_no_usage_records_behind(tmp_path, tiny_llama_path):
+    """onnxruntime's builds keep a device id under ~/.cache/Microsoft and `.ses` files in $TMPDIR unless told
+    not to; a CI job's clean workspace should not collect them."""
+    home, scratch = tmp_path / "home", tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "HOME": str(home), "TMPDIR": str(scratch)}
+    env.pop("ORT_DISABLE_TELEMETRY", None)
+    proc = subprocess.run([sys.executable, "-m", "cli.atc", "--framework=5", SOC, f"--model={tiny_llama_path}",
+                           f"--output={tmp_path / 'm'}"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert list(scratch.iterdir()) == [] and not (home / ".cache" / "Microsoft").exists()
 
 
 @pytest.mark.parametrize("argv, line", [
@@ -276,6 +374,44 @@ def test_a_compile_stopped_by_a_signal_midway_leaves_nothing_in_the_output_folde
     assert "Traceback" not in stdout + stderr
     assert "ATC run failed" in stdout and signal.Signals(signum).name in stdout
     assert list(out.iterdir()) == []
+
+
+def test_a_signal_once_the_artifact_is_in_place_ends_atc_as_a_success(tmp_path, tiny_llama_path):
+    """The artifact and its fusion_result.json go in place together with SIGINT and SIGTERM held; a signal
+    from then on has nothing to stop. It said "ATC run failed ... stopped by SIGTERM" and exited 143 beside
+    a complete new artifact. The signal goes as soon as the .om exists (`--display_model_info` reads it back
+    and prints it after, so atc is still running)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "cli.atc", "--framework=5", SOC, f"--model={tiny_llama_path}",
+                             f"--output={out / 'm'}", "--display_model_info=1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (out / "m.om").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "ATC run success" in stdout and "ATC run failed" not in stdout, stdout + stderr
+    assert sorted(p.name for p in out.iterdir()) == ["fusion_result.json", "m.om"]
+    assert OmFile(out / "m.om").metadata["name"] == "m"
+
+
+def test_an_auto_tune_stopped_midway_leaves_the_previous_artifact(tmp_path, tiny_llama_path):
+    """The search runs on the staged artifact: stopped (or failing), the artifact compiled before stays, where
+    it had been removed (and a SIGKILL left an untuned one that looked complete)."""
+    argv = [sys.executable, "-m", "cli.atc", "--framework=5", SOC, f"--model={tiny_llama_path}",
+            f"--output={tmp_path / 'm'}", "--enable_paged_attention=1"]
+    assert subprocess.run(argv, capture_output=True).returncode == 0
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    proc = subprocess.Popen([*argv, "--auto_tune_mode=GA"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:  # the first trial's line: the search is under way
+        if line.startswith("auto tune:"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGTERM and "stopped by SIGTERM" in stdout
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
 def test_a_reader_that_closes_stdout_ends_atc_quietly_with_sigpipes_status(tmp_path, tiny_llama_path):

@@ -235,3 +235,20 @@ def test_eval_ppl_refuses_a_text_that_is_not_utf8_or_empty(om_path, tmp_path):
         proc = _eval_ppl(om_path, tmp_path / name)
         assert proc.returncode == 1 and f"[ERROR] {code}" in proc.stderr and name in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_runs_in_the_same_second_write_their_outputs_to_folders_of_their_own(om_path, tmp_path, monkeypatch):
+    """The output folder is named for the second a run ends in (as ais_bench names it); parallel runs shared
+    one and overwrote each other's files, each saying it wrote them."""
+    import cli.cann_run
+
+    monkeypatch.setattr(cli.cann_run.time, "strftime", lambda form: "2026_12_06-22_41_40")
+    folders = []
+    for _ in range(3):
+        result = _invoke("--model", str(om_path), "--loop", "1", "--output", str(tmp_path), "--outfmt", "NPY",
+                         "--dymShape", "input_ids:1,3;past_key_values.0.key:1,2,0,16")
+        assert result.exit_code == 0, result.output
+        folders.append(result.output.split("[INFO] output path:")[1].strip())
+    names = [folder.rsplit("/", 1)[1] for folder in folders]
+    assert names == ["2026_12_06-22_41_40", "2026_12_06-22_41_40_1", "2026_12_06-22_41_40_2"]
+    assert {p.name for p in tmp_path.glob("*_summary.json")} == {f"{name}_summary.json" for name in names}
