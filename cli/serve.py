@@ -58,6 +58,8 @@ def _models(values: tuple[str, ...]) -> dict[str, str]:
               help="failed requests in a row after which a model sheds load (503) for --breaker-cooldown; 0: never")
 @click.option("--breaker-cooldown", type=click.FloatRange(min=0), default=10.0, show_default=True,
               help="seconds a failing model sheds load before one request tries it again")
+@click.option("--access-log", is_flag=True, default=False,
+              help="a line per request on stdout (uvicorn's: client, method, path, status)")
 @click.option("--ray", "on_ray", is_flag=True, default=False,
               help="serve as a Ray Serve application: replicas behind one endpoint, prefix-aware routing "
                    "(docs/scale-out.md)")
@@ -75,7 +77,7 @@ def _models(values: tuple[str, ...]) -> dict[str, str]:
                    "(pow2, Ray Serve's default), or in turn")
 def serve_command(model_specs, host, port, api_keys, quota_tokens, audit_log, blocklist, max_pending, request_timeout,
                   shutdown_grace, max_body_bytes, stats_interval, metrics_prefix, max_memory, breaker_threshold,
-                  breaker_cooldown, on_ray, ray_address, replicas, autoscale, replica_cpus, router,
+                  breaker_cooldown, access_log, on_ray, ray_address, replicas, autoscale, replica_cpus, router,
                   **engine_kwargs) -> None:
     """Serve /generate, OpenAI's /v1/completions and /v1/chat/completions (tools, structured outputs),
     vLLM's /tokenize and /detokenize, /health and /metrics; with --ray, as replicas on a Ray cluster."""
@@ -91,6 +93,9 @@ def serve_command(model_specs, host, port, api_keys, quota_tokens, audit_log, bl
     settings = ServerSettings(max_pending=max_pending, request_timeout_s=request_timeout, shutdown_grace_s=shutdown_grace,
                               max_body_bytes=max_body_bytes, metrics_prefix=metrics_prefix, max_memory_mb=max_memory,
                               breaker_threshold=breaker_threshold, breaker_cooldown_s=breaker_cooldown)
+    if on_ray and access_log:
+        raise AtcError("E10055", "--access-log is the single process's; with --ray, Ray Serve logs each request "
+                                 "under /tmp/ray/session_latest/logs/serve")
     ray_only = {"--ray-address": ray_address is not None, "--replicas": replicas != 1, "--autoscale": autoscale is not None,
                 "--replica-cpus": replica_cpus != 1, "--router": router != "prefix"}
     if not on_ray and any(ray_only.values()):
@@ -109,7 +114,7 @@ def serve_command(model_specs, host, port, api_keys, quota_tokens, audit_log, bl
     # the server owns its process: the engines' sessions may share onnxruntime's process-wide pool
     server = Server(_models(model_specs), None, settings, guard,
                     engine_overrides={**given(engine_kwargs), "process_thread_pool": True})
-    serve(server, host, port, stats_interval, _say)
+    serve(server, host, port, stats_interval, _say, access_log)
 
 
 def _serve_on_ray(model_specs, host, port, keys, quota_tokens, audit_log, blocklist, settings, address, scaling,

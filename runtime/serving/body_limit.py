@@ -14,6 +14,20 @@ from runtime.serving.wire import error_body
 DRAIN_BYTES = 64 * 1024 * 1024
 
 
+async def drain(receive) -> bool:
+    """Read and drop what is left of a request's body (within `DRAIN_BYTES`); False when the client left
+    meanwhile (nobody to answer)."""
+    dropped = 0
+    while dropped < DRAIN_BYTES:
+        message = await receive()
+        if message["type"] != "http.request":
+            return False
+        dropped += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return True
+
+
 class BodyLimit:
     """Wraps an ASGI app: HTTP request bodies of more than `max_bytes` get 413 and never reach it whole."""
 
@@ -54,15 +68,8 @@ class BodyLimit:
 
     async def _refuse(self, receive, send) -> None:
         """Drop what is left of the body (within `DRAIN_BYTES`), then answer 413."""
-        dropped = 0
-        while dropped < DRAIN_BYTES:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left: nobody to answer
-            dropped += len(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        await self._answer(send)
+        if await drain(receive):
+            await self._answer(send)
 
     async def _answer(self, send) -> None:
         body = json.dumps(error_body(413, f"the request body is larger than {self.max_bytes} bytes (--max-body-bytes)",

@@ -12,6 +12,7 @@ only then is uvicorn told to exit, when every request has its answer and only th
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
 import time
@@ -31,16 +32,19 @@ FLUSH_TIMEOUT_S = 10  # uvicorn's graceful timeout: it starts once the drain has
 KEEP_ALIVE_S = 75
 
 
-def serve(server: Server, host: str, port: int, stats_interval_s: float, say: Callable[[str], None]) -> None:
+def serve(server: Server, host: str, port: int, stats_interval_s: float, say: Callable[[str], None],
+          access_log: bool = False) -> None:
     """Serve `server` until SIGTERM or SIGINT (a second one stops waiting); `say` prints a log line.
 
     Says `loading <models> (<path>) …` as each engine starts loading, `ready in N.N s: http://HOST:PORT
     (models: …)` once every engine has loaded and the socket listens, then every `stats_interval_s`
     seconds (0: never) a stats line per engine whose state changed. AtcError E10001 when HOST:PORT
-    cannot be listened on, before anything loads."""
+    cannot be listened on, before anything loads. `access_log`: uvicorn's line per request, on stdout."""
     listener = listen(host, port)
-    config = uvicorn.Config(create_app(server), host=host, port=port, log_level="warning",
+    config = uvicorn.Config(create_app(server), host=host, port=port, log_level="warning", access_log=access_log,
                             timeout_graceful_shutdown=FLUSH_TIMEOUT_S, timeout_keep_alive=KEEP_ALIVE_S)
+    if access_log:  # uvicorn's own warnings only, but each request's line (at INFO)
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     _Process(config, server, stats_interval_s, say).run(sockets=[listener])
 
 

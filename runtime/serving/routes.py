@@ -1,7 +1,7 @@
 """The HTTP routes over a `Server`: the seed's `/generate`, OpenAI's completions and chat completions (with
 SSE streaming, `n` choices, log-probabilities, structured outputs), vLLM's `/tokenize` and `/detokenize`,
 `/v1/models`, `/health` and Prometheus `/metrics`. Each parses its body (400 when it is
-malformed, 413 past `--max-body-bytes`), calls the Server, and serialises what it returns or the `Refusal`
+malformed, 413 past `--max-body-bytes`, 401 before any of that without a valid API key), calls the Server, and serialises what it returns or the `Refusal`
 it raises. Admission (tokenizing the prompt included) runs on a worker thread, so a long prompt never holds
 up the event loop and /health."""
 
@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from runtime.serving.body_limit import BodyLimit
+from runtime.serving.key_check import KeyCheck
 from runtime.serving import tools
 from runtime.serving.server import Generation, Refusal, Server
 from runtime.serving.wire import (BodyError, ChatBody, ChatCompletion, Choice, Completion, CompletionBody,
@@ -30,6 +31,13 @@ GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")  # t
 def create_app(server: Server) -> FastAPI:
     """The application answering for `server` (which its owner loads and drains)."""
     app = FastAPI(title="cann-llm")
+
+    def key_refused(authorization: str | None, path: str) -> None:
+        if path in GENERATION_PATHS:
+            server.refused(authorization, None, path, 401)
+
+    # the last added runs first: the body's size, then the key, both before the body is parsed
+    app.add_middleware(KeyCheck, guard=server.guard, refused=key_refused)
     app.add_middleware(BodyLimit, max_bytes=server.settings.max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
@@ -64,22 +72,14 @@ def create_app(server: Server) -> FastAPI:
         return PlainTextResponse(generate_latest(server.metrics.registry).decode(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def list_models(http: Request):
-        try:
-            server.authorise(http.headers.get("authorization"))
-        except Refusal as refusal:
-            return _refused(refusal)
+    async def list_models():
         return {"object": "list", "data": [_model_card(name) for name in server.model_names()]}
 
     @app.get("/v1/models/{name:path}")
-    async def retrieve_model(name: str, http: Request):
-        try:
-            server.authorise(http.headers.get("authorization"))
-            if name not in server.model_names():
-                raise Refusal(404, f"model {name!r} is not served; see /v1/models", "invalid_request_error",
-                              param="model")
-        except Refusal as refusal:
-            return _refused(refusal)
+    async def retrieve_model(name: str):
+        if name not in server.model_names():
+            return _refused(Refusal(404, f"model {name!r} is not served; see /v1/models", "invalid_request_error",
+                                    param="model"))
         return _model_card(name)
 
     @app.post("/generate")

@@ -631,14 +631,15 @@ def _greedy_ids(engine: LLMEngine, prompt, new_tokens: int) -> list[int]:
 @pytest.mark.parametrize("argv, env, said", [
     (["--quota-tokens", "50"], {}, "E10055"),                                  # a quota counts per key
     (["--api-key", " "], {}, "an API key must not be empty"),
-    ([], {"CANN_LLM_API_KEYS": " k1 ,, k2 "}, None),                           # trimmed, empty entries skipped
+    (["--access-log"], {"CANN_LLM_API_KEYS": " k1 ,, k2 "}, None),             # trimmed, empty entries skipped
     (["--model", "x={tmp}"], {}, "the path is a directory"),
 ])
 def test_serving_settings_an_operator_gets_wrong_are_refused_at_start(om, tmp_path, argv, env, said):
     argv = [arg.format(tmp=tmp_path) for arg in argv]
     command = [sys.executable, "-m", "cli.cann_run", "serve", "--port", "0", "--model", f"tiny={om}", *argv]
     if said is None:  # starts: keys trimmed, empty entries dropped
-        server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+        server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, **env})
         try:
             ready = StderrLines(server.stderr).wait_for(lambda line: line.startswith("ready in "), timeout=600)
             url = re.search(r"http://127\.0\.0\.1:\d+", ready)[0]
@@ -646,9 +647,24 @@ def test_serving_settings_an_operator_gets_wrong_are_refused_at_start(om, tmp_pa
                 answer = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
                                     json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
                 assert answer.status_code == status, (key, answer.text)
+            # the key is checked before the body is read: a caller without one learns nothing of what the body
+            # would have been (it was a 400 naming the field at fault); liveness and the scrape need none
+            for path, body in (("/v1/chat/completions", b"{not json"), ("/tokenize", b'{"prompt": 5}')):
+                answer = httpx.post(f"{url}{path}", content=body, headers={"content-type": "application/json"},
+                                    timeout=60)
+                assert (answer.status_code, answer.json()["error"]["type"]) == (401, "authentication_error")
+            assert httpx.get(f"{url}/v1/models", timeout=60).status_code == 401
+            assert [httpx.get(f"{url}{path}", timeout=60).status_code for path in ("/health", "/metrics")] == [200, 200]
         finally:
             server.terminate()
             server.wait(timeout=60)
+        stdout = server.stdout.read()  # a few lines: the pipe never filled
+        # --access-log: a line for each request, with the status its client got
+        logged = re.findall(r'"(GET|POST) (/\S*) HTTP/1\.1" (\d+)', stdout)
+        assert [(path, int(status)) for _, path, status in logged] == [
+            ("/v1/completions", 200), ("/v1/completions", 200), ("/v1/completions", 401),
+            ("/v1/chat/completions", 401), ("/tokenize", 401), ("/v1/models", 401), ("/health", 200),
+            ("/metrics", 200)]
         return
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, **env})
     assert result.returncode == 1 and said in result.stderr and "Traceback" not in result.stderr
