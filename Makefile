@@ -23,9 +23,15 @@ demo: model
 	$(BIN)/cann-run chat --model $(CACHE)/smollm2.om --temperature 0 --max_new_tokens 128 \
 		--message "$(QUESTION)" --message "$(FOLLOW_UP)"
 
-# the default model, prepared and compiled (what demo, support and codegen run)
-model: install
+# the default model, prepared and compiled (what demo, support and codegen run); compiled again only when
+# the export, the install or the compiler's code is newer than the artifact
+COMPILER_CODE := $(shell find compiler passes runtime models -name '*.py' 2>/dev/null)
+model: $(CACHE)/smollm2.om
+
+$(CACHE)/smollm2-dynamo/model.onnx: | $(VENV)/.installed
 	$(BIN)/python -m models.prepare smollm2 --out $(CACHE)/smollm2-dynamo
+
+$(CACHE)/smollm2.om: $(CACHE)/smollm2-dynamo/model.onnx $(VENV)/.installed $(COMPILER_CODE)
 	$(BIN)/atc --model=$(CACHE)/smollm2-dynamo/model.onnx --framework=5 --output=$(CACHE)/smollm2 \
 		--soc_version=Ascend910B --enable_paged_attention=1 --kv_cache_layout=paged --enable_flash_attention=1 \
 		--display_model_info=1
