@@ -31,6 +31,15 @@ def export_id(case) -> str:
     return f"{family}-{'dynamo' if dynamo else 'ts'}-{'kv' if with_past else 'nokv'}-{attention}"
 
 
+def pytest_configure(config):
+    # `make test` runs two workers on two cores: torch's pool of a thread per core in each spun against the
+    # other's, and transformers' reference generation of a tiny model ran 2.4-8x slower than on one thread
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _logging_as_it_was():
     """Commands run in-process (`atc`'s run, click's CliRunner with --log-level) configure the root and `atc`
