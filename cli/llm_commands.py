@@ -138,11 +138,33 @@ def _value_errors_as_codes(fn):
 
 def _stream(engine, prompt, params: SamplingParams, out):
     request = engine.submit(prompt, params)
+    if engine.tokenizer is None:  # ids, not text: printed once they are all there
+        request.result()
+        out.write(" ".join(map(str, request.output_ids)))
+        return request
     for piece in request.iter_text():
         out.write(piece)
         out.flush()
     request.result()
     return request
+
+
+def _prompt_ids(prompt: str | None, prompt_ids: str | None, chat_template: bool,
+                context_file: str | None) -> list[int] | None:
+    """--prompt_ids as a list (None when --prompt is given); E10001 unless exactly one of the two is, or
+    for ids with what only text takes."""
+    if (prompt is None) == (prompt_ids is None):
+        raise invalid_value(prompt_ids if prompt is not None else "(none)", "prompt_ids",
+                            "Give either --prompt (text) or --prompt_ids (token ids), one of them.")
+    if prompt_ids is None:
+        return None
+    for flag, given in (("--chat_template", chat_template), ("--context_file", context_file)):
+        if given:
+            raise invalid_value(prompt_ids, "prompt_ids", f"{flag} takes text: use --prompt with it.")
+    words = prompt_ids.replace(",", " ").split()
+    if not words or not all(word.isdigit() for word in words):
+        raise invalid_value(prompt_ids, "prompt_ids", "Give token ids as non-negative integers, \"1,2,3\".")
+    return [int(word) for word in words]
 
 
 def _info(line: str) -> None:
@@ -162,7 +184,10 @@ def _stats_line(request) -> str:
 @click.command("generate")
 @engine_options
 @sampling_options
-@click.option("--prompt", "-p", required=True, help="the text to continue")
+@click.option("--prompt", "-p", default=None, help="the text to continue")
+@click.option("--prompt_ids", default=None,
+              help="token ids to continue instead of text, \"1,2,3\" (what a model compiled without a tokenizer "
+                   "takes; it prints the ids it generates)")
 @click.option("--chat_template/--no_chat_template", default=False, show_default=True,
               help="wrap the prompt as one user message in the model's chat template")
 @click.option("--json", "json_path", default=None,
@@ -174,13 +199,16 @@ def _stats_line(request) -> str:
               help="how --context_file's passages are ranked: BM25, or hybrid (BM25 fused with the model's own "
                    "token embeddings, for questions worded unlike the document)")
 @_value_errors_as_codes
-def generate_command(prompt, chat_template, json_path, context_file, context_scoring, **kwargs) -> None:
-    """Generate a continuation of --prompt, streamed to stdout (or, with --context_file, an answer to it
-    from the document)."""
+def generate_command(prompt, prompt_ids, chat_template, json_path, context_file, context_scoring, **kwargs) -> None:
+    """Generate a continuation of --prompt (or of the token ids --prompt_ids), streamed to stdout (or, with
+    --context_file, an answer to it from the document)."""
     params = _sampling(kwargs)
+    ids = _prompt_ids(prompt, prompt_ids, chat_template, context_file)
     document = read_text(context_file) if context_file else None  # before the model loads: a bad file fails at once
     with open_engine(**kwargs) as engine:
-        if document is not None:
+        if ids is not None:
+            text = ids
+        elif document is not None:
             long_context = LongContext(engine.tokenizer, scoring=context_scoring, embed=engine.embed_tokens)
             text, selection = long_context.prompt(engine, document, prompt, params.max_new_tokens)
             _info(f"[INFO] context: {len(selection.chunks)} passages, {selection.tokens} of the document's "

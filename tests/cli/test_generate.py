@@ -290,3 +290,30 @@ def test_bench_runs_every_client_of_its_highest_concurrency_at_once(chat_om, tmp
                        "--json", str(out))
     assert result.returncode == 0, result.stderr
     assert json.loads(out.read_text())["settings"]["max_batch_size"] == 12
+
+
+def test_generate_continues_token_ids_on_a_model_compiled_without_a_tokenizer(tmp_path, tiny_llama_path):
+    """W10009's artifact takes token ids: `--prompt_ids` gives them and the ids generated are printed (it
+    could only be refused before). Exactly one of --prompt and --prompt_ids, and ids only where no text is
+    needed."""
+    import shutil
+
+    from conftest import compile_to
+
+    (tmp_path / "bare").mkdir()
+    shutil.copyfile(tiny_llama_path, tmp_path / "bare" / "model.onnx")  # no tokenizer.json beside this copy
+    om = compile_to(tmp_path / "bare" / "model.onnx", tmp_path / "bare_om", enable_paged_attention=True)
+    result = _cann_run("generate", "--model", str(om), "--prompt_ids", "5, 6,7", "--temperature", "0",
+                       "--max_new_tokens", "12", "--kv_cache_pages", "16")
+    assert result.returncode == 0, result.stderr
+    with LLMEngine(om, kv_cache_pages=16) as engine:
+        request = engine.submit([5, 6, 7], max_new_tokens=12, temperature=0)
+        request.result()
+        expected = request.output_ids
+    assert [int(word) for word in result.stdout.split()] == expected and len(expected) == 12
+    for argv, said in ((["--prompt", "hi", "--prompt_ids", "1"], "one of them"), ([], "one of them"),
+                       (["--prompt_ids", "1,x"], "non-negative integers"),
+                       (["--prompt_ids", "1", "--chat_template"], "--chat_template takes text")):
+        result = _cann_run("generate", "--model", str(om), *argv)
+        assert result.returncode == 1 and "E10001" in result.stderr and said in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
