@@ -156,8 +156,9 @@ def _compile(cfg: CompileConfig, output: Path, stage: Staged, progress: bool) ->
         tokenizer = tokenizer_files(cfg)  # read once: the warning below and each artifact written take it
         if causal_lm and not tokenizer:
             warnings.append("W10009: no tokenizer was packed (no tokenizer.json beside the model and no --tokenizer), "
-                            "so the artifact takes token ids, not text (cann-run generate --prompt_ids); chat and serve's text need one; "
-                            "compile with --tokenizer=DIR, the folder of the model's tokenizer.json")
+                            "so the artifact takes token ids, not text (cann-run generate --prompt_ids); chat and "
+                            "serve's text need one: compile with --tokenizer=DIR, the folder of the model's "
+                            "tokenizer.json")
         if raised:
             low = raised.computed
             warnings.append(f"W10006: the model computes in {low}; it was compiled to compute in float32 (its "
