@@ -32,6 +32,11 @@ class _EngineCollector:
         "num_requests_waiting": ("Sequences waiting to be scheduled", lambda e: len(e.scheduler.waiting)),
         "kv_cache_usage_perc": ("Fraction of KV pages owned by sequences (0-1)",
                                 lambda e: e.blocks.num_used / e.blocks.num_pages),
+        # the pool is mapped lazily and a page once written stays resident (the prefix cache keeps it): this,
+        # not the usage above, is what the pool holds of the process's memory. A contiguous engine's caches
+        # live and go with its requests: 0
+        "kv_cache_resident_bytes": ("Bytes of the KV pool written so far, resident from then on (paged)",
+                                    lambda e: e.blocks.touched * e.kv_bytes_per_page if e.paged else 0),
     }
     COUNTERS = {
         "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", lambda e: e.blocks.prefix_queries),

@@ -191,7 +191,7 @@ def test_an_idle_connection_is_kept_past_the_clients_keep_alive_expiry(server):
     assert first.extensions["network_stream"] is second.extensions["network_stream"]  # the same connection
 
 
-def test_metrics_add_up(server):
+def test_metrics_add_up(server, engine):
     text = httpx.get(f"{server.url}/metrics", timeout=60).text
     assert "cann_llm:time_to_first_token_seconds_bucket" in text and "cann_llm:num_requests_running" in text
     outcomes = {o: server.metric("cann_llm:requests_total", model_name="tiny", outcome=o)
@@ -218,6 +218,9 @@ def test_metrics_add_up(server):
         assert server.metric(f"cann_llm:{name}_count", model_name="tiny") == ran, name
     assert server.metric("cann_llm:request_prompt_tokens_sum", model_name="tiny") == server.metric(
         "cann_llm:prompt_tokens_total", model_name="tiny")
+    # the pool's written pages, which stay resident: whole pages, some written, at most the 32 of the pool
+    resident = server.metric("cann_llm:kv_cache_resident_bytes", model_name="tiny")
+    assert resident % engine.kv_bytes_per_page == 0 and 0 < resident <= 32 * engine.kv_bytes_per_page
 
 
 # (after test_metrics_add_up, which counts the requests of the tests before it)
