@@ -13,7 +13,7 @@ import json
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from starlette.exceptions import HTTPException
 
 from runtime.serving.body_limit import BodyLimit
@@ -65,11 +65,15 @@ def create_app(server: Server) -> FastAPI:
         return JSONResponse({"status": status, **({"error": server.error} if server.error else {})},
                             status_code=503)
 
+    # while the models load there are no engines to read, but the process is there: a scrape that failed then
+    # would mark the target down for the whole load
+    loading = CollectorRegistry()
+    ProcessCollector(registry=loading)
+
     @app.get("/metrics")
     async def scrape():
-        if server.metrics is None:  # not loaded (yet)
-            return PlainTextResponse("", status_code=503)
-        return PlainTextResponse(generate_latest(server.metrics.registry).decode(), media_type=CONTENT_TYPE_LATEST)
+        registry = loading if server.metrics is None else server.metrics.registry
+        return PlainTextResponse(generate_latest(registry).decode(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def list_models():

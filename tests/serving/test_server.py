@@ -371,15 +371,18 @@ def test_two_names_for_one_file_share_one_engine_and_health_waits_for_loading(om
                                stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        codes = []
+        codes, scrapes = [], []
         deadline = time.time() + 120
         while not codes or codes[-1] != 200:
             assert time.time() < deadline and process.poll() is None
             try:
                 codes.append(httpx.get(f"{url}/health", timeout=2).status_code)
+                if codes[-1] == 503:  # loading: the process's own metrics are scraped meanwhile
+                    scrape = httpx.get(f"{url}/metrics", timeout=2)
+                    scrapes.append((scrape.status_code, "process_resident_memory_bytes" in scrape.text))
             except httpx.TransportError:
                 time.sleep(0.05)
-        assert set(codes) <= {503, 200}
+        assert set(codes) <= {503, 200} and set(scrapes) <= {(200, True)}
         assert httpx.get(f"{url}/health", timeout=60).json()["models"] == ["a", "b"]
         expected = engine.generate("hey", max_new_tokens=8, temperature=0)
         for name in ("a", "b"):
