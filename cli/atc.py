@@ -232,11 +232,17 @@ def _say(text: str) -> None:
 # set once the artifact is in place: a signal then has nothing left to stop but the verdict's few lines, so
 # it is ignored, and atc ends as it would have (success), never "stopped" beside a complete new artifact
 _late = False
+_owns_the_process = False  # atc's own process (`main`), not a caller's run of `run`
 
 
 def _in_place() -> None:
     global _late
     _late = True
+    if _owns_the_process:
+        # ignored at the system's level too: the interpreter, ending, puts back the default action (death by
+        # the signal) in place of a handler, but leaves an ignored signal ignored
+        for each in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(each, signal.SIG_IGN)
 
 
 def _stop(signum, frame) -> None:
@@ -354,6 +360,8 @@ def _precheck(cfg: CompileConfig) -> None:
 def main() -> None:
     """Console entry point. Stopped by SIGINT or SIGTERM, atc ends by that signal once it has cleaned up, so
     that the shell running it (a loop over models, say) sees it was stopped."""
+    global _owns_the_process
+    _owns_the_process = True
     signal.signal(signal.SIGTERM, _stop)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # a background job's ignored SIGINT stays so
         signal.signal(signal.SIGINT, _stop)

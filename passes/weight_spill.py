@@ -71,15 +71,18 @@ def weight_spill(beside: Path) -> Iterator[WeightSpill]:
     removed with its file when the block ends, by a return, an exception or a signal (held until it is gone).
     Those a killed compile left there are removed first (`reap_abandoned`)."""
     reap_abandoned(beside, f"{SPILL_PREFIX}*")
+    folder = None
     try:
-        folder = tempfile.mkdtemp(prefix=f"{SPILL_PREFIX}{maker()}-", dir=beside)
-    except OSError as error:  # a folder the user cannot write (a read-only mount, /sys): the output's fault
-        raise AtcError("E13004", beside, error.strerror or str(error)) from None
-    try:
+        with signals_held():  # a signal between the folder's making and its name being kept would leave it
+            try:
+                folder = tempfile.mkdtemp(prefix=f"{SPILL_PREFIX}{maker()}-", dir=beside)
+            except OSError as error:  # a folder the user cannot write (a read-only mount, /sys): the output's fault
+                raise AtcError("E13004", beside, error.strerror or str(error)) from None
         yield WeightSpill(Path(folder))
     finally:
-        with signals_held():
-            shutil.rmtree(folder, ignore_errors=True)
+        if folder is not None:
+            with signals_held():
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def kept(spill: WeightSpill | None, values: np.ndarray) -> np.ndarray | Deferred:

@@ -49,11 +49,14 @@ def atomic_writer(path: str | os.PathLike, mode: str = "wb", encoding: str | Non
     folder = path.parent
     if not folder.is_dir():
         raise AtcError("E13004", path, f"the directory {folder} does not exist")
+    made: list[str] = []  # the temp file, once it is there to remove
     try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.{maker()}.", suffix=".tmp")
-    except OSError as error:
-        raise AtcError("E13004", path, error.strerror) from None
-    try:
+        with signals_held():  # a signal between the file's making and its name being kept would leave it
+            try:
+                fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.{maker()}.", suffix=".tmp")
+            except OSError as error:
+                raise AtcError("E13004", path, error.strerror) from None
+            made.append(tmp)
         with os.fdopen(fd, mode, encoding=encoding) as handle:
             yield handle
             handle.flush()
@@ -62,10 +65,12 @@ def atomic_writer(path: str | os.PathLike, mode: str = "wb", encoding: str | Non
         refuse_symlink(path)
         os.replace(tmp, path)
     except OSError as error:
-        os.unlink(tmp)
+        for tmp in made:
+            os.unlink(tmp)
         raise AtcError("E13004", path, error.strerror) from None
     except BaseException:
-        os.unlink(tmp)
+        for tmp in made:
+            os.unlink(tmp)
         raise
 
 
@@ -117,12 +122,13 @@ class Staged:
         final = refuse_symlink(final)
         if final.is_dir():
             raise AtcError("E13004", final, "the path is a directory")
-        try:
-            fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.{maker()}.", suffix=".tmp")
-        except OSError as error:
-            raise AtcError("E13004", final, error.strerror) from None
-        os.close(fd)
-        self._pairs.append((Path(tmp), final))
+        with signals_held():  # made and kept in the list at once: `discard` finds every one
+            try:
+                fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.{maker()}.", suffix=".tmp")
+            except OSError as error:
+                raise AtcError("E13004", final, error.strerror) from None
+            os.close(fd)
+            self._pairs.append((Path(tmp), final))
         return Path(tmp)
 
     def commit(self, then: Callable[[], None] | None = None) -> None:
@@ -159,19 +165,23 @@ def staged() -> Iterator[Staged]:
 
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """SIGINT and SIGTERM arriving in the block are handled when it ends, by the handlers they had (only the
-    main thread can hold them: elsewhere the block runs as it is)."""
+    """SIGINT and SIGTERM arriving in the block are handled when it ends, by the handlers they had, or by the
+    ones the block set for them (only the main thread can hold them: elsewhere the block runs as it is)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     held: list[int] = []
-    kinds = (signal.SIGINT, signal.SIGTERM)
-    saved = {kind: signal.signal(kind, lambda signum, frame: held.append(signum)) for kind in kinds}
+
+    def hold(signum, frame) -> None:
+        held.append(signum)
+
+    saved = {kind: signal.signal(kind, hold) for kind in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
         for kind, handler in saved.items():
-            signal.signal(kind, signal.SIG_DFL if handler is None else handler)  # None: one set outside Python
+            if signal.getsignal(kind) is hold:  # else the block set its own: it stays
+                signal.signal(kind, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
         for signum in dict.fromkeys(held):
             signal.raise_signal(signum)
 
