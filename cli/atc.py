@@ -15,6 +15,7 @@ import re
 import shlex
 import signal
 import sys
+import time
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
@@ -188,13 +189,23 @@ def _edits(a: str, b: str) -> int:
     return rows[len(a)][len(b)]
 
 
+class _AtcLogFormat(logging.Formatter):
+    """ATC's host log line, its time as ATC writes it (`2026-12-06-22:42:13.775.123`: milliseconds, then
+    microseconds), so that what parses ATC's logs parses these."""
+
+    def formatTime(self, record, datefmt=None):  # noqa: N802 - logging's name
+        micros = int(record.created * 1e6) % 1000000
+        return time.strftime("%Y-%m-%d-%H:%M:%S", time.localtime(record.created)) + \
+            f".{micros // 1000:03d}.{micros % 1000:03d}"
+
+
 @contextmanager
 def _atc_log(level: str) -> Iterator[None]:
     """ATC's detail log on stderr at `level` while a run lasts; the logger is as it was afterwards, so a run
     called in-process (tests, scripts) leaves no handler on a stream that may since have closed."""
     handler = StderrHandler()
-    handler.setFormatter(logging.Formatter(
-        f"[%(levelname)s] ATC({os.getpid()},atc):%(asctime)s [%(module)s.py:%(lineno)d] %(message)s"))
+    handler.setFormatter(_AtcLogFormat(f"[%(levelname)s] ATC({os.getpid()},atc):%(asctime)s [%(module)s.py:%(lineno)d]"
+                                       f"%(message)s"))
     logger = logging.getLogger("atc")
     saved_handlers, saved_level = logger.handlers[:], logger.level
     logger.handlers[:] = [handler]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -105,5 +106,8 @@ def test_atc_log_level_logs_as_log_does(capsys, tmp_path, tiny_llama_path):
         assert run([*argv, spelling]) == 0
         info = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[INFO] ATC(")]
         assert any("wrote" in line for line in info), spelling
+        # ATC's host log line, `[Level] Module(PID,program):yyyy-mm-dd-hh:mm:ss.SSS.SSS [file:line]msg`
+        assert all(re.fullmatch(r"\[INFO\] ATC\(\d+,atc\):\d{4}-\d\d-\d\d-\d\d:\d\d:\d\d\.\d{3}\.\d{3} "
+                                r"\[\w+\.py:\d+\]\S.*", line) for line in info), info[:2]
     assert run(argv) == 0  # --log=null, ATC's default: no detail log
     assert "[INFO] ATC(" not in capsys.readouterr().err
