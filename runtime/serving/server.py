@@ -215,13 +215,23 @@ class Server:
             engine.blocks.limit_pages(engine.blocks.touched + max(0, int(spare // engine.kv_bytes_per_page)))
 
     def pool_lines(self) -> list[str]:
-        """A line per engine: its KV pool's pages and the memory they take once written."""
+        """A line per engine: its KV pool's pages and the memory they take once written; and a warning when,
+        without --max-memory, the pools written in full would take more than the machine has available."""
         lines = []
-        for engine in self._distinct_engines():
+        engines = self._distinct_engines()
+        for engine in engines:
             names = ", ".join(name for name, e in self.engines.items() if e is engine)
             pages = engine.blocks.num_pages
             lines.append(f"{names}: KV pool of {pages} pages of {engine.page_size} tokens, "
                          f"{pages * engine.kv_bytes_per_page / 2 ** 20:.0f} MiB once all are written")
+        growth = sum((e.blocks.num_pages - e.blocks.touched) * e.kv_bytes_per_page for e in engines)
+        available = available_bytes()
+        if self.settings.max_memory_mb is None and available is not None and growth > available:
+            # the pools are mapped lazily and written pages stay (the prefix cache keeps them): enough distinct
+            # prompts write them all, long after the start went well
+            lines.append(f"warning: the KV pools written in full take {growth / 2 ** 20:.0f} MiB more, past the "
+                         f"{available / 2 ** 20:.0f} MiB this machine has available now, and enough distinct "
+                         f"prompts write them all; give --max-memory MiB (or fewer --kv_cache_pages)")
         return lines
 
     def status(self) -> str:
@@ -585,6 +595,18 @@ class Server:
 
 
 _MEMORY_MARGIN = 0.1  # of --max-memory, left to what grows beside the KV pools
+
+
+def available_bytes() -> int | None:
+    """The memory this machine can still give without swapping (Linux: MemAvailable); None if unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def resident_bytes() -> int:

@@ -484,6 +484,29 @@ def test_a_memory_limit_bounds_the_kv_pool_so_the_prefix_cache_cannot_lock_the_s
         server.close()
 
 
+def test_a_pool_that_would_outgrow_the_machines_memory_is_warned_about_at_start(om, monkeypatch):
+    """Mapped lazily, the pool starts small and grows as distinct prompts write it; past the memory the
+    machine has, the process would be killed long after a start that went well. Without --max-memory the
+    start says so; with it, the pool is cut to fit instead (the test above)."""
+    import runtime.serving.server
+
+    server = Server({"tiny": str(om)}, EngineConfig(kv_cache_pages=4096, max_context_len=4096))  # 128 MiB of pages
+    server.load()
+    try:
+        tiny = server.engines["tiny"]
+        growth = (tiny.blocks.num_pages - tiny.blocks.touched) * tiny.kv_bytes_per_page
+        for available, warned in ((growth - 2 ** 20, True), (growth + 2 ** 20, False)):
+            monkeypatch.setattr(runtime.serving.server, "available_bytes", lambda: available)
+            lines = server.pool_lines()
+            assert lines[0].startswith("tiny: KV pool of 4096 pages")
+            assert any("--max-memory" in line and line.startswith("warning:") for line in lines) == warned, lines
+        server.settings.max_memory_mb = 4096
+        monkeypatch.setattr(runtime.serving.server, "available_bytes", lambda: 2 ** 20)
+        assert len(server.pool_lines()) == 1
+    finally:
+        server.close()
+
+
 def test_loading_warms_the_engine_up_before_it_says_ready(om):
     server = _server(om)
     try:
