@@ -24,7 +24,7 @@ from typing import Iterator
 import click
 
 from cli.common_options import LOG_LEVELS, StderrHandler
-from cli.process_end import die_by, reader_gone, stdout_gone
+from cli.process_end import die_by, reader_gone, stdout_gone, stdout_to_devnull
 from compiler.config import CompileConfig
 from compiler.inapplicable_flags import NOT_APPLICABLE, REFUSED
 from runtime.artifact import OmFile
@@ -240,25 +240,21 @@ def _say(text: str) -> None:
         raise _StdoutFailed(error.strerror or str(error)) from None
 
 
-# set once the artifact is in place: a signal then has nothing left to stop but the verdict's few lines, so
-# it is ignored, and atc ends as it would have (success), never "stopped" beside a complete new artifact
-_late = False
 _owns_the_process = False  # atc's own process (`main`), not a caller's run of `run`
 
 
 def _in_place() -> None:
-    global _late
-    _late = True
+    """Once the artifact is in place, a signal has nothing left to stop but the verdict's few lines: atc's
+    own process ignores SIGINT and SIGTERM from then on and ends as it would have (success), never "stopped"
+    beside a complete new artifact. Ignored at the system's level: the interpreter, ending, puts back the
+    default action (death by the signal) in place of a handler, but leaves an ignored signal ignored. (A
+    caller's run of `run` keeps its own handlers: a late Ctrl-C there still stops it.)"""
     if _owns_the_process:
-        # ignored at the system's level too: the interpreter, ending, puts back the default action (death by
-        # the signal) in place of a handler, but leaves an ignored signal ignored
         for each in (signal.SIGINT, signal.SIGTERM):
             signal.signal(each, signal.SIG_IGN)
 
 
 def _stop(signum, frame) -> None:
-    if _late:
-        return
     # once: a second signal while the way out runs would cut the clean-up short
     for each in (signal.SIGINT, signal.SIGTERM):
         signal.signal(each, signal.SIG_IGN)
@@ -276,8 +272,6 @@ def _fail(text: str) -> int:
 
 def run(argv: list[str]) -> int:
     """Run atc with `argv` (no program name); returns the exit status."""
-    global _late
-    _late = False
     if any(word in HELP_WORDS for word in argv):
         _say(usage())
         return 0
@@ -362,10 +356,10 @@ def _precheck(cfg: CompileConfig) -> None:
     from compiler.precheck import check_ops, unsupported_types, write_check_report
 
     records = check_ops(gs.import_onnx(load_onnx(cfg.model)))
-    write_check_report(Path(cfg.check_report), Path(cfg.model).stem, records)
+    write_check_report(Path(cfg.check_report_path), Path(cfg.model).stem, records)
     unsupported = unsupported_types(records)
     if unsupported:
-        raise AtcError("E16002", ", ".join(unsupported), reason=f"details in {cfg.check_report}")
+        raise AtcError("E16002", ", ".join(unsupported), reason=f"details in {cfg.check_report_path}")
 
 
 def main() -> None:
@@ -391,7 +385,7 @@ def main() -> None:
             "E19999", reason="BrokenPipeError: the reader of stderr closed it").render())
     except _StdoutFailed as error:  # the verdict goes to stderr, and what stdout still buffers nowhere
         sys.stderr.write(f"{FAILURE}\n{AtcError('E13004', '<stdout>', str(error)).render()}\n")
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        stdout_to_devnull()
         status = EXIT_FAILURE
     if status - 128 in (signal.SIGINT, signal.SIGTERM):
         die_by(status - 128)

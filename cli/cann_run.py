@@ -73,11 +73,16 @@ def _summary_lines(stats: dict, batch: int) -> list[str]:
     ]
 
 
+def _second() -> str:
+    """This second, as ais_bench names its output folders."""
+    return time.strftime("%Y_%m_%d-%H_%M_%S")
+
+
 def _fresh_folder(parent: Path) -> Path:
     """A new folder in `parent` named for this second, as ais_bench names it, with `_1`, `_2`, … where runs
     started in the same second took it: parallel runs never write into one folder."""
     make_dir(parent)
-    stamp = time.strftime("%Y_%m_%d-%H_%M_%S")
+    stamp = _second()
     number = 0
     while True:
         folder = parent / (f"{stamp}_{number}" if number else stamp)
@@ -207,14 +212,13 @@ def run_command(model, input_files, output, output_dirname, outfmt, loop, warmup
         click.echo(line)
     if output:
         folder = Path(output) / output_dirname if output_dirname else _fresh_folder(Path(output))
-        name = folder.name
         prefix = Path(input_files.split(",")[0]).stem if input_files else "pure_infer_data"
         files = _save_outputs(outputs, folder, prefix, outfmt.upper())
         summary = {"model": model, "backend": backend, "loop": loop, "warmup_count": warmup_count,
                    "batchsize": batchsize, "NPU_compute_time": stats, "throughput": 1000 * batchsize / stats["mean"],
                    "outputs": {k: list(v.shape) for k, v in outputs.items()}, "files": files}
-        write_text(Path(output) / f"{name}_summary.json", json.dumps(summary, indent=2) + "\n")
-        click.echo(f"[INFO] output path:{Path(output) / name}")
+        write_text(folder.parent / f"{folder.name}_summary.json", json.dumps(summary, indent=2) + "\n")
+        click.echo(f"[INFO] output path:{folder}")
 
 
 @cli.command("eval-ppl")

@@ -119,6 +119,8 @@ def refused(error: ValueError, flag: str, value) -> AtcError:
     # a model without a tokenizer cannot take a text prompt: the model is the one to change
     setting = getattr(error, "setting", None)
     named = "model" if setting == "tokenizer" else setting
+    if named == "prompt" and options.get("prompt_ids") is not None:  # the prompt came as token ids
+        named = "prompt_ids"
     if named in options:
         flag, value = f"--{named}", options[named]
     return AtcError("E10001", shown(value), flag, str(error))
@@ -162,7 +164,7 @@ def _prompt_ids(prompt: str | None, prompt_ids: str | None, chat_template: bool,
         if given:
             raise invalid_value(prompt_ids, "prompt_ids", f"{flag} takes text: use --prompt with it.")
     words = prompt_ids.replace(",", " ").split()
-    if not words or not all(word.isdigit() for word in words):
+    if not words or not all(word.isascii() and word.isdigit() for word in words):
         raise invalid_value(prompt_ids, "prompt_ids", "Give token ids as non-negative integers, \"1,2,3\".")
     return [int(word) for word in words]
 
@@ -187,7 +189,7 @@ def _stats_line(request) -> str:
 @click.option("--prompt", "-p", default=None, help="the text to continue")
 @click.option("--prompt_ids", default=None,
               help="token ids to continue instead of text, \"1,2,3\" (what a model compiled without a tokenizer "
-                   "takes; it prints the ids it generates)")
+                   "takes; such a model prints the ids it generates, one with a tokenizer their text)")
 @click.option("--chat_template/--no_chat_template", default=False, show_default=True,
               help="wrap the prompt as one user message in the model's chat template")
 @click.option("--json", "json_path", default=None,

@@ -21,8 +21,14 @@ def reader_gone() -> int:
     """The exit status once whoever read stdout has closed it (`| head -1`, `| grep -q`): what is left to print
     goes to /dev/null (so the interpreter's last flush cannot fail again), and the status is the one a process
     ended by SIGPIPE has, 141."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    stdout_to_devnull()
     return 128 + signal.SIGPIPE
+
+
+def stdout_to_devnull() -> None:
+    """stdout's descriptor on /dev/null: what is still buffered for it, flushed as the interpreter ends,
+    cannot fail a second time."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def die_by(signum: int) -> None:

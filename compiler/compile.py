@@ -41,7 +41,7 @@ from runtime.compatibility import requirements
 from runtime.errors import AtcError
 from runtime.ops import MATMUL_INT4, MATMUL_INT8
 from runtime.progress import note
-from runtime.safe_files import Staged, reap_abandoned, refuse_symlink, staged
+from runtime.safe_files import SCRATCH_PREFIX, Staged, reap_abandoned, refuse_symlink, staged
 from runtime.signature import io_signature, is_dynamic, is_fixed, llm_dimensions
 
 log = logging.getLogger("atc")
@@ -314,15 +314,18 @@ def _output_folder(output: Path) -> Iterator[None]:
         raise AtcError("E13004", output, f"{present} is not a directory")
     if not os.access(present, os.W_OK | os.X_OK):
         raise AtcError("E13004", output, f"the directory {present} is not writable")
-    made = []
+    made = []  # by this compile: another one making the same folder at once keeps its own
     try:
         for path in reversed(missing):
-            path.mkdir()
+            try:
+                path.mkdir()
+            except FileExistsError:
+                continue
             made.append(path)
     except OSError as error:
         _remove_empty(made)
         raise AtcError("E13004", output, error.strerror or str(error)) from None
-    reap_abandoned(folder, f".{output.name}.*.tmp", f".{FUSION_RESULT}.*.tmp")
+    reap_abandoned(folder, SCRATCH_PREFIX)
     try:
         yield
     except BaseException:

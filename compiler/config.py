@@ -22,11 +22,10 @@ from passes.precision_config import PrecisionPolicy
 from passes.quant.config import QuantConfig
 from runtime.errors import AtcError, invalid_value, not_in_range
 
-# every flag that takes a path; checked for what the system takes (PATH_MAX, NAME_MAX). --output's name gets
-# `.om` and, while it is written, a hidden scratch name beside it of ~50 bytes more
+# every flag that takes a path; checked for what the system takes (PATH_MAX, NAME_MAX; --output's name gets `.om`)
 _PATH_FLAGS = ("model", "output", "om", "json", "check_report", "tokenizer", "keep_dtype", "fusion_switch_file",
                "paged_config", "compress_weight_conf", "modify_mixlist")
-_PATH_MAX, _NAME_MAX, _OUTPUT_NAME_MAX = 4096, 255, 200
+_PATH_MAX, _NAME_MAX = 4096, 255
 MODES = {0: "model to framework model", 1: "framework model to json", 3: "only pre-check",
          5: "pbtxt to json", 6: "display model info", 7: "convert a model to the OM2 format",
          30: "execute-om for nano"}
@@ -116,9 +115,6 @@ class CompileConfig:
             check_inapplicable(name, raw)
         self._check_choices()
         self._check_required()
-        if not self.check_report:
-            object.__setattr__(self, "check_report", os.path.join(os.environ.get("ASCEND_WORK_PATH", ""),
-                                                                  "check_result.json"))
         self._check_paths()
         self._check_files()
         object.__setattr__(self, "paging", self._resolve_paging())
@@ -158,6 +154,12 @@ class CompileConfig:
     def soc(self) -> SocProfile:
         """The target profile `--soc_version` names."""
         return SOC_VERSIONS[self.soc_version]
+
+    @property
+    def check_report_path(self) -> str:
+        """`--check_report`, or ATC's default: check_result.json in $ASCEND_WORK_PATH if set, else here (read
+        where it is used, so that the environment never reaches an artifact's recorded flags)."""
+        return self.check_report or os.path.join(os.environ.get("ASCEND_WORK_PATH", ""), "check_result.json")
 
     @property
     def output_path(self) -> Path:
@@ -304,14 +306,13 @@ class CompileConfig:
         """ATC's E10021 for a path the system could not take (before any work, where it would have been an OS
         error at the end), and E10022 for an --output that names a folder and no file (`--output=$DIR/`
         with an empty name would have written a hidden `.om`)."""
+        written = {"output": str(self.output_path) if self.output else "", "check_report": self.check_report_path}
         for flag in _PATH_FLAGS:
-            path = getattr(self, flag)
-            if not path:
-                continue
-            longest = _OUTPUT_NAME_MAX if flag == "output" else _NAME_MAX
-            if len(os.fsencode(path)) >= _PATH_MAX or \
-                    any(len(os.fsencode(part)) > longest for part in Path(path).parts):
-                raise AtcError("E10021", flag, f"{_PATH_MAX - 1} bytes, and {longest} for each name in it")
+            path = written.get(flag, getattr(self, flag))
+            if path and (len(os.fsencode(path)) >= _PATH_MAX or
+                         any(len(os.fsencode(part)) > _NAME_MAX for part in Path(path).parts)):
+                raise AtcError("E10021", flag, f"{_PATH_MAX - 1} bytes, and {_NAME_MAX} for each name in it"
+                                               + (" (the file's with .om)" if flag == "output" else ""))
         if self.output and os.path.basename(self.output) in ("", ".", ".."):
             raise AtcError("E10022", self.output, "output")
 

@@ -70,7 +70,7 @@ def weight_spill(beside: Path) -> Iterator[WeightSpill]:
     """A spill in a fresh hidden folder in `beside` (the output's folder: a temporary folder may be memory),
     removed with its file when the block ends, by a return, an exception or a signal (held until it is gone).
     Those a killed compile left there are removed first (`reap_abandoned`)."""
-    reap_abandoned(beside, f"{SPILL_PREFIX}*")
+    reap_abandoned(beside, SPILL_PREFIX)
     folder = None
     try:
         with signals_held():  # a signal between the folder's making and its name being kept would leave it

@@ -2,7 +2,7 @@
 folder, renamed into place; a symbolic link at an output path is refused, never followed. So do the user's
 text files it reads, for one coded error (E13001) whatever is wrong with them.
 
-A predictable temp name (`.x.om.<pid>.tmp`) lets another user plant a symlink there and have us overwrite
+A predictable temp name (`.x.om.<pid>.tmp`) would let another user plant a symlink there and have us overwrite
 the file it points to; `mkstemp` creates a name no one could have guessed, with O_EXCL, so it never opens
 an existing file. The final `rename` replaces a directory entry and does not follow a link either, so even
 a link planted after the check below cannot redirect the bytes: the check is there to say so clearly.
@@ -11,6 +11,7 @@ a link planted after the check below cannot redirect the bytes: the check is the
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import re
 import shutil
@@ -28,9 +29,22 @@ from runtime.errors import AtcError
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 FILE_MODE = 0o666 & ~_UMASK
-_HOST = re.sub(r"[^A-Za-z0-9-]", "_", socket.gethostname()) or "host"
-# `.<name>.<pid>@<host>.<random>.tmp`, `.atc-weights-<pid>@<host>-<random>`: who made a scratch file
-_MAKER = re.compile(r"[.-](\d+)@([A-Za-z0-9_-]+)[.-]")
+SCRATCH_PREFIX = ".atc-scratch-"  # every temp file beside an output: `.atc-scratch-<maker>-<random>.tmp`
+
+
+def _process_space() -> str:
+    """What tells this machine's boot and process-id namespace from any other's: a pid names one process
+    only within it (two containers may share a hostname and an output folder, each with its own pids; two
+    machines may both be `localhost`). Linux's boot id and pid-namespace inode; the hostname elsewhere."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as boot:
+            return boot.read().strip().replace("-", "")[:16] + "n" + str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname()) or "host"
+
+
+_SPACE = _process_space()
+_MAKER = re.compile(r"-(\d+)@([A-Za-z0-9_]+)-")  # `-<pid>@<space>-` inside a scratch name
 
 
 def refuse_symlink(path: str | os.PathLike) -> Path:
@@ -53,7 +67,7 @@ def atomic_writer(path: str | os.PathLike, mode: str = "wb", encoding: str | Non
     try:
         with signals_held():  # a signal between the file's making and its name being kept would leave it
             try:
-                fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.{maker()}.", suffix=".tmp")
+                fd, tmp = tempfile.mkstemp(dir=folder, prefix=f"{SCRATCH_PREFIX}{maker()}-", suffix=".tmp")
             except OSError as error:
                 raise AtcError("E13004", path, error.strerror) from None
             made.append(tmp)
@@ -75,20 +89,21 @@ def atomic_writer(path: str | os.PathLike, mode: str = "wb", encoding: str | Non
 
 
 def maker() -> str:
-    """`<pid>@<host>`, put in every scratch name so that `reap_abandoned` can tell whose maker is gone."""
-    return f"{os.getpid()}@{_HOST}"
+    """`<pid>@<process space>`, put in every scratch name so that `reap_abandoned` can tell whose maker is
+    gone (`-` around it in the name)."""
+    return f"{os.getpid()}@{_SPACE}"
 
 
-def reap_abandoned(folder: str | os.PathLike, *patterns: str) -> list[Path]:
-    """Remove the scratch files and folders in `folder` matching `patterns` whose maker, a process of this
-    host, is gone: one killed by SIGKILL or the OOM killer cleans up nothing, and a weights scratch folder
-    of a large model is gigabytes. A maker still running, or of another host sharing the folder, is left
-    alone. Returns what was removed."""
+def reap_abandoned(folder: str | os.PathLike, *prefixes: str) -> list[Path]:
+    """Remove the scratch files and folders in `folder` whose names start with one of `prefixes` and whose
+    maker, a process of this boot and pid namespace, is gone: one killed by SIGKILL or the OOM killer
+    cleans up nothing, and a weights scratch folder of a large model is gigabytes. A maker still running,
+    or of another machine or container sharing the folder, is left alone. Returns what was removed."""
     removed = []
-    for pattern in patterns:
-        for path in Path(folder).glob(pattern):
-            made = _MAKER.search(path.name)
-            if made is None or made.group(2) != _HOST or _running(int(made.group(1))) or path.is_symlink():
+    for prefix in prefixes:
+        for path in Path(folder).glob(glob.escape(prefix) + "*"):
+            made = _MAKER.search(path.name[len(prefix) - 1:])
+            if made is None or made.group(2) != _SPACE or _running(int(made.group(1))) or path.is_symlink():
                 continue
             try:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -119,12 +134,10 @@ class Staged:
     def path(self, final: str | os.PathLike) -> Path:
         """A fresh hidden file beside `final`, to write in full (renamed over it by `commit`); E13004 when
         `final` could not be replaced (a link, a directory) or its folder takes no new file."""
-        final = refuse_symlink(final)
-        if final.is_dir():
-            raise AtcError("E13004", final, "the path is a directory")
+        final = _replaceable(final)
         with signals_held():  # made and kept in the list at once: `discard` finds every one
             try:
-                fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.{maker()}.", suffix=".tmp")
+                fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f"{SCRATCH_PREFIX}{maker()}-", suffix=".tmp")
             except OSError as error:
                 raise AtcError("E13004", final, error.strerror) from None
             os.close(fd)
@@ -135,8 +148,9 @@ class Staged:
         """Rename every staged file over its target, with SIGINT and SIGTERM held until all are in place and
         `then` has run."""
         with signals_held():
+            for _, final in self._pairs:  # every target before the first rename: all of them, or none
+                _replaceable(final)
             for tmp, final in self._pairs:
-                refuse_symlink(final)
                 try:
                     os.chmod(tmp, FILE_MODE)
                     os.replace(tmp, final)
@@ -151,6 +165,13 @@ class Staged:
         for tmp, _ in self._pairs:
             tmp.unlink(missing_ok=True)
         self._pairs.clear()
+
+
+def _replaceable(final: Path) -> Path:
+    """`final`, refused (E13004) where a rename could not put a file: a link, a directory."""
+    if refuse_symlink(final).is_dir():
+        raise AtcError("E13004", final, "the path is a directory")
+    return final
 
 
 @contextlib.contextmanager

@@ -1,5 +1,5 @@
 """`KeyCheck`: an ASGI middleware that answers 401 (OpenAI's error shape) to a request without a valid API key
-before its body is read, validated or tokenized, so that a caller without a key learns nothing about what the
+before its body is parsed, validated or tokenized, so that a caller without a key learns nothing about what the
 server would have made of the body, and the server spends nothing on it (vLLM checks keys the same way)."""
 
 from __future__ import annotations

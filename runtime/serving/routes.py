@@ -1,9 +1,10 @@
 """The HTTP routes over a `Server`: the seed's `/generate`, OpenAI's completions and chat completions (with
 SSE streaming, `n` choices, log-probabilities, structured outputs), vLLM's `/tokenize` and `/detokenize`,
-`/v1/models`, `/health` and Prometheus `/metrics`. Each parses its body (400 when it is malformed, 413 past
-`--max-body-bytes`, 401 before any of that without a valid API key), calls the Server, and serialises what
-it returns or the `Refusal` it raises. Admission (tokenizing the prompt included) runs on a worker thread,
-so a long prompt never holds up the event loop and /health."""
+`/v1/models`, `/health` and Prometheus `/metrics`. A body past `--max-body-bytes` is 413, then a request
+without a valid API key 401, both before the body is parsed; each route parses its body (400 when it is
+malformed), calls the Server, and serialises what it returns or the `Refusal` it raises. Admission
+(tokenizing the prompt included) runs on a worker thread, so a long prompt never holds up the event loop
+and /health."""
 
 from __future__ import annotations
 

@@ -211,7 +211,7 @@ def test_missing_output_folders_are_made_as_atc_makes_them_and_removed_again_whe
 
 
 @pytest.mark.parametrize("output, code", [("{tmp}/folder/", "E10022"), ("{tmp}/folder/.", "E10022"),
-                                          ("{tmp}/" + "a" * 201, "E10021"), ("{tmp}/" + "a/" * 2100 + "m", "E10021")])
+                                          ("{tmp}/" + "a" * 253, "E10021"), ("{tmp}/" + "a/" * 2100 + "m", "E10021")])
 def test_an_output_without_a_file_name_or_too_long_is_refused_with_atcs_codes(capsys, tmp_path, tiny_llama_path,
                                                                              output, code):
     """`--output=$DIR/$NAME` with NAME empty wrote a hidden `.om` and said success; a name the system cannot
@@ -240,21 +240,25 @@ def test_a_failed_compile_leaves_the_previous_artifact_and_its_fusion_result_as_
 
 def test_scratch_that_a_killed_compile_left_is_removed_and_a_running_ones_kept(capsys, tmp_path, tiny_llama_path):
     """SIGKILL (or the OOM killer) cleans nothing up: the weights' scratch folder (gigabytes for a large
-    model) and a staged artifact stay. The next compile into that folder removes those whose maker, named
-    in them, is gone, and leaves a running compile's alone."""
-    from runtime.safe_files import maker
+    model) and staged files stay. The next compile into that folder removes those whose maker, named in
+    them, is gone, and leaves alone a running compile's and another machine's or container's (a pid names
+    a process only within its boot and pid namespace)."""
+    from passes.weight_spill import SPILL_PREFIX
+    from runtime.safe_files import SCRATCH_PREFIX, maker
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     dead, alive = maker().replace(str(os.getpid()), str(gone.pid), 1), maker()
-    left = [tmp_path / f".atc-weights-{dead}-x1", tmp_path / f".m.om.{dead}.x2.tmp", tmp_path / f".atc-weights-{alive}-x3",
-            tmp_path / f".m.om.{alive}.x4.tmp", tmp_path / ".atc-weights-unnamed"]
+    elsewhere = f"{gone.pid}@0123456789abcdefn4026531836"
+    left = [tmp_path / f"{SPILL_PREFIX}{dead}-x1", tmp_path / f"{SCRATCH_PREFIX}{dead}-x2.tmp",
+            tmp_path / f"{SPILL_PREFIX}{alive}-x3", tmp_path / f"{SCRATCH_PREFIX}{alive}-x4.tmp",
+            tmp_path / f"{SCRATCH_PREFIX}{elsewhere}-x5.tmp", tmp_path / f"{SPILL_PREFIX}unnamed"]
     for path in left:
-        path.mkdir() if "weights" in path.name else path.write_bytes(b"")
+        path.mkdir() if path.name.startswith(SPILL_PREFIX) else path.write_bytes(b"")
     status, _, _ = _atc(capsys, f"--model={tiny_llama_path}", "--framework=5", SOC, f"--output={tmp_path / 'm'}",
                         "--enable_compress_weight=1")
     assert status == 0
-    assert [path.exists() for path in left] == [False, False, True, True, True]
+    assert [path.exists() for path in left] == [False, False, True, True, True, True]
 
 
 def test_stdout_closed_or_full_is_one_coded_line_on_stderr(tmp_path, tiny_llama_path):
@@ -278,7 +282,7 @@ def test_onnxruntime_leaves_no_usage_records_behind(tmp_path, tiny_llama_path):
     not to; a CI job's clean workspace should not collect them."""
     home, scratch = tmp_path / "home", tmp_path / "tmp"
     scratch.mkdir()
-    env = {**os.environ, "HOME": str(home), "TMPDIR": str(scratch)}
+    env = {**os.environ, "HOME": str(home), "TMPDIR": str(scratch), "XDG_CACHE_HOME": str(home / ".cache")}
     env.pop("ORT_DISABLE_TELEMETRY", None)
     proc = subprocess.run([sys.executable, "-m", "cli.atc", "--framework=5", SOC, f"--model={tiny_llama_path}",
                            f"--output={tmp_path / 'm'}"], capture_output=True, text=True, env=env)

@@ -242,7 +242,7 @@ def test_runs_in_the_same_second_write_their_outputs_to_folders_of_their_own(om_
     one and overwrote each other's files, each saying it wrote them."""
     import cli.cann_run
 
-    monkeypatch.setattr(cli.cann_run.time, "strftime", lambda form: "2026_12_06-22_41_40")
+    monkeypatch.setattr(cli.cann_run, "_second", lambda: "2026_12_06-22_41_40")
     folders = []
     for _ in range(3):
         result = _invoke("--model", str(om_path), "--loop", "1", "--output", str(tmp_path), "--outfmt", "NPY",
@@ -252,3 +252,8 @@ def test_runs_in_the_same_second_write_their_outputs_to_folders_of_their_own(om_
     names = [folder.rsplit("/", 1)[1] for folder in folders]
     assert names == ["2026_12_06-22_41_40", "2026_12_06-22_41_40_1", "2026_12_06-22_41_40_2"]
     assert {p.name for p in tmp_path.glob("*_summary.json")} == {f"{name}_summary.json" for name in names}
+    # a folder named by the user, nested: the path printed and the summary beside the folder it names
+    result = _invoke("--model", str(om_path), "--loop", "1", "--output", str(tmp_path), "--output_dirname", "a/b",
+                     "--outfmt", "NPY", "--dymShape", "input_ids:1,3;past_key_values.0.key:1,2,0,16")
+    assert result.exit_code == 0 and f"[INFO] output path:{tmp_path / 'a' / 'b'}" in result.output, result.output
+    assert (tmp_path / "a" / "b_summary.json").exists() and list((tmp_path / "a" / "b").glob("*.npy"))

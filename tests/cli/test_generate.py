@@ -312,7 +312,8 @@ def test_generate_continues_token_ids_on_a_model_compiled_without_a_tokenizer(tm
         expected = request.output_ids
     assert [int(word) for word in result.stdout.split()] == expected and len(expected) == 12
     for argv, said in ((["--prompt", "hi", "--prompt_ids", "1"], "one of them"), ([], "one of them"),
-                       (["--prompt_ids", "1,x"], "non-negative integers"),
+                       (["--prompt_ids", "1,x"], "non-negative integers"), (["--prompt_ids", "1,²"], "integers"),
+                       (["--prompt_ids", "1,99999"], "--prompt_ids"),
                        (["--prompt_ids", "1", "--chat_template"], "--chat_template takes text")):
         result = _cann_run("generate", "--model", str(om), *argv)
         assert result.returncode == 1 and "E10001" in result.stderr and said in result.stderr, result.stderr

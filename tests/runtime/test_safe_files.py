@@ -226,3 +226,35 @@ def test_a_tokenizer_that_is_not_json_is_refused(capsys, tmp_path):
     assert atc(_compile_argv(model, tmp_path / "out")) == 255
     assert "E10032" in capsys.readouterr().out
     assert not list(tmp_path.glob("*.om"))
+
+
+def test_signals_held_come_after_the_block_to_the_handler_in_place_then():
+    """A signal in the block runs its handler once the block is over; a handler the block sets stays (atc
+    ignores signals once its artifact is in place); off the main thread the block simply runs."""
+    import signal
+    import threading
+
+    from runtime.safe_files import signals_held
+
+    seen = []
+    saved = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        with signals_held():
+            signal.raise_signal(signal.SIGTERM)
+            seen.append("inside")
+        assert seen == ["inside", signal.SIGTERM]
+        with signals_held():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.raise_signal(signal.SIGTERM)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN and seen == ["inside", signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, saved)
+    ran = []
+
+    def elsewhere():
+        with signals_held():
+            ran.append(threading.current_thread().name)
+    worker = threading.Thread(target=elsewhere, name="worker")
+    worker.start()
+    worker.join()
+    assert ran == ["worker"]
