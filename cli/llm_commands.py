@@ -265,10 +265,9 @@ def chat_command(system, message, context_budget, compaction, **kwargs) -> None:
                 break
             if not interactive:
                 click.echo(f"user> {turn}")
-            seen = len(conversation.compactions)
             try:
                 prompt = conversation.prompt(turn, params.max_new_tokens)
-                for compacted in conversation.compactions[seen:]:
+                for compacted in conversation.compactions:
                     _info(_compaction_line(engine, compacted))
                 click.echo("assistant> ", nl=False)
                 request = _stream(engine, prompt, params, sys.stdout)

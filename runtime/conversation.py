@@ -11,6 +11,7 @@ server or an application.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -21,6 +22,10 @@ COMPACTIONS = ("summarize", "drop")
 SUMMARY_REQUEST = ("Summarise the conversation below in a few sentences, so that the assistant can continue it. "
                    "Keep names, numbers, facts and decisions; leave out greetings.\n\n{transcript}")
 SUMMARY_HEADING = "Summary of the conversation so far: "
+
+
+class CompactionInterrupted(RuntimeError):
+    """The model's summary was ended before it was written (its engine closing)."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,10 @@ class Conversation:
     system: str | None = None
     summary: str | None = None
     turns: list[dict] = field(default_factory=list)  # user and assistant messages after the system message
+    # the latest turn's compactions only: a summary's request is as long as the context, and a server keeps
+    # a thousand conversations for as long as they last
     compactions: list[Compaction] = field(default_factory=list)
+    compacted: int = 0  # compactions over the whole conversation
 
     @property
     def budget(self) -> int:
@@ -93,12 +101,15 @@ class Conversation:
         self.reply(answer)
         return answer
 
-    def prompt(self, text: str, reply_tokens: int) -> list[int]:
+    def prompt(self, text: str, reply_tokens: int, deadline: float | None = None) -> list[int]:
         """The prompt for the user's `text` with `reply_tokens` left for the answer within the budget,
-        compacting earlier turns as needed; ValueError when the turn cannot fit even alone."""
+        compacting earlier turns as needed (`compactions` then lists them); ValueError when the turn cannot
+        fit even alone, TimeoutError when a summary is not written by `deadline` (a `time.monotonic()`
+        instant; the compactions done before it are kept)."""
+        self.compactions = []
         self.turns.append({"role": "user", "content": text})
         try:
-            return self._fit(self.budget - reply_tokens, reply_tokens)
+            return self._fit(self.budget - reply_tokens, reply_tokens, deadline)
         except BaseException:  # refused, failed or interrupted while compacting: the turn is not kept
             self.turns.pop()
             raise
@@ -107,7 +118,7 @@ class Conversation:
         """Record the assistant's answer to the last turn."""
         self.turns.append({"role": "assistant", "content": text})
 
-    def _fit(self, limit: int, reply_tokens: int) -> list[int]:
+    def _fit(self, limit: int, reply_tokens: int, deadline: float | None) -> list[int]:
         alone = None
         while True:
             ids = self.engine.chat_prompt(self.messages())
@@ -122,30 +133,46 @@ class Conversation:
             older = len(self.turns) - 1 - 2 * self.settings.keep_recent
             count = older if older > 0 else len(self.turns) - 1  # the recent ones too, when nothing else is left
             if count > 0:
-                self._compact(count)
+                self._compact(count, deadline)
             elif self.summary is not None:  # the summary alone is too long for this turn: it goes
                 self.summary = None
-                self.compactions.append(Compaction(0))
+                self._record(Compaction(0))
             else:
                 raise SettingError("prompt", f"the turn does not fit the context: {len(ids)} prompt tokens and {reply_tokens} "
                                  f"for the reply, {self.budget} allowed")
 
-    def _compact(self, count: int) -> None:
+    def _compact(self, count: int, deadline: float | None) -> None:
         """Take out the earliest exchange (drop), or the older half of the `count` compactable messages
         (summarize, at least one exchange)."""
         if self.settings.compaction == "drop":
             taken = min(2, count)
             del self.turns[:taken]
-            self.compactions.append(Compaction(taken))
+            self._record(Compaction(taken))
             return
         half = count // 2
         taken = min(count, max(2, half - half % 2))  # whole exchanges
         prompt = self._summary_prompt(self.turns[:taken])
-        summary = self.engine.submit(prompt, SamplingParams(max_new_tokens=self._summary_tokens,
-                                                            temperature=0)).result().strip()
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError("the conversation's deadline passed before its earlier turns were summarised")
+        request = self.engine.submit(prompt, SamplingParams(max_new_tokens=self._summary_tokens, temperature=0))
+        if deadline is not None:  # ended by the engine itself, however long it waits for a place in the batch
+            request.expire_at(deadline)
+        try:
+            summary = request.result().strip()
+        except BaseException:  # interrupted: the summary is not wanted any more
+            request.cancel()
+            raise
+        if request.finish_reason == "timeout":  # a summary cut short is not kept
+            raise TimeoutError("the conversation's deadline passed while its earlier turns were being summarised")
+        if request.finish_reason not in ("stop", "length"):
+            raise CompactionInterrupted(f"the summary of the conversation's earlier turns was {request.finish_reason}")
         del self.turns[:taken]
         self.summary = summary
-        self.compactions.append(Compaction(taken, prompt, summary))
+        self._record(Compaction(taken, prompt, summary))
+
+    def _record(self, compaction: Compaction) -> None:
+        self.compactions.append(compaction)
+        self.compacted += 1
 
     @property
     def _summary_tokens(self) -> int:

@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 import weakref
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -218,6 +218,7 @@ class EngineStats:
     peak_running: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    step_tokens: Counter = field(default_factory=Counter)  # steps by the tokens they ran (at most the step budget)
     # per-step samples, the latest UTILISATION_SAMPLES kept (a server runs for days)
     page_utilisation: deque = field(default_factory=lambda: deque(maxlen=UTILISATION_SAMPLES))
     token_utilisation: deque = field(default_factory=lambda: deque(maxlen=UTILISATION_SAMPLES))
@@ -640,6 +641,7 @@ class LLMEngine:
             self.scheduler.batch_cap = self.batch_control.observe(time.perf_counter() - started, len(batch.seqs),
                                                                   decode_only)
         self.stats.steps += 1
+        self.stats.step_tokens[sum(batch.num_tokens)] += 1
         done = ScheduledBatch()
         for seq, count, outcome, samples in zip(batch.seqs, batch.num_tokens, outcomes, sampling):
             try:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                     480.0, 960.0, 1920.0, 7680.0)
+# vLLM's: powers of two to the largest step budget its CUDA graphs are captured for
+_STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 OUTCOMES = ("completed", "rejected", "cancelled", "failed")
 DEFAULT_PREFIX = "cann_llm:"
@@ -60,6 +62,14 @@ class _EngineCollector:
             for model, engine in self.engines.items():
                 family.add_metric([model], read(engine))
             yield family
+        family = HistogramMetricFamily(self.prefix + "iteration_tokens_total", "Tokens per engine step",
+                                       labels=["model_name"])
+        for model, engine in self.engines.items():
+            steps = dict(engine.stats.step_tokens)  # a copy: the engine's thread adds to it
+            buckets = [(str(float(bound)), sum(n for tokens, n in steps.items() if tokens <= bound))
+                       for bound in _STEP_TOKEN_BUCKETS] + [("+Inf", sum(steps.values()))]
+            family.add_metric([model], buckets, sum(tokens * n for tokens, n in steps.items()))
+        yield family
 
 
 class ServerMetrics:
@@ -77,6 +87,12 @@ class ServerMetrics:
 
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
         self.inter_token = histogram("inter_token_latency_seconds", "Time between output tokens", _LATENCY_BUCKETS)
+        # vLLM's earlier name for the same, which its published dashboards still read
+        self.per_output_token = histogram("time_per_output_token_seconds", "Time between output tokens",
+                                          _LATENCY_BUCKETS)
+        self.request_per_output_token = histogram("request_time_per_output_token_seconds",
+                                                  "A request's decode time per output token after the first",
+                                                  _LATENCY_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Request latency, end to end", _REQUEST_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Time waiting before first scheduled", _REQUEST_BUCKETS)
         self.prefill = histogram("request_prefill_time_seconds", "Time from first scheduled to the first token",
@@ -113,6 +129,7 @@ class ServerMetrics:
             self.ttft.labels(model).observe(stats.ttft_s)
         for before, after in zip(stats.token_times, stats.token_times[1:]):
             self.inter_token.labels(model).observe(after - before)
+            self.per_output_token.labels(model).observe(after - before)
         if stats.total_s is not None:
             self.e2e.labels(model).observe(stats.total_s)
         if stats.scheduled_s is not None:
@@ -120,6 +137,9 @@ class ServerMetrics:
             if stats.ttft_s is not None and stats.total_s is not None:
                 self.prefill.labels(model).observe(stats.ttft_s - stats.scheduled_s)
                 self.decode.labels(model).observe(stats.total_s - stats.ttft_s)
+                if stats.output_tokens > 1:
+                    self.request_per_output_token.labels(model).observe(
+                        (stats.total_s - stats.ttft_s) / (stats.output_tokens - 1))
                 self.inference.labels(model).observe(stats.total_s - stats.scheduled_s)
         if outcome == "completed":
             self.success.labels(model, finish_reason or "stop").inc()

@@ -90,8 +90,8 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/generate")
     async def generate(body: GenerateBody, http: Request):
         try:
-            generation = await asyncio.to_thread(server.start, http.headers.get("authorization"), body.model,
-                                                 "/generate", body.sampling(), prompt=body.prompt)
+            generation, = await server.admit(http.headers.get("authorization"), body.model, "/generate",
+                                             body.sampling(), 1, prompt=body.prompt)
         except Refusal as refusal:
             return refused(http, body.model, "/generate", refusal)
         try:
@@ -163,13 +163,13 @@ def create_app(server: Server) -> FastAPI:
 
 async def _start(server: Server, http: Request, body: CompletionBody | ChatBody, endpoint: str,
                  **prompt) -> list[Generation]:
-    """The body's `n` choices admitted and submitted (admission, with its tokenizing, off the event loop)."""
+    """The body's `n` choices admitted and submitted."""
     try:
         params = body.sampling()
     except BodyError as error:  # fields that pass one by one but not together
         raise Refusal(400, str(error), "invalid_request_error", param=error.param) from None
-    return await asyncio.to_thread(server.start_choices, http.headers.get("authorization"), body.model, endpoint,
-                                   params, body.n, tokens_asked=body.tokens_asked(), **prompt)
+    return await server.admit(http.headers.get("authorization"), body.model, endpoint, params, body.n,
+                              tokens_asked=body.tokens_asked(), **prompt)
 
 
 def _tokenized(engine, body: TokenizeBody) -> list[int]:

@@ -20,12 +20,12 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from typing import AsyncIterator, Awaitable, Callable, NoReturn
 
-from runtime.conversation import Conversation, ConversationManager
+from runtime.conversation import CompactionInterrupted, Conversation, ConversationManager
 from runtime.engine.config import EngineConfig
 from runtime.engine.engine import LLMEngine, Request
 from runtime.engine.sampling import SamplingParams
@@ -79,6 +79,7 @@ class Generation:
     charges_prompt: bool = True     # the first of `n` choices carries the prompt they share
     turn: "Turn | None" = None      # the turn of a conversation the server keeps
     kv_pages: int = 0               # KV pages it may need at most (for --max-memory)
+    deadline: float = float("inf")  # the `time.monotonic()` instant it is ended at (504), set on arrival
     ended_by: str | None = None     # who cancelled it: "client", "timeout", "shutdown", "failed" or "refused"
     # done once the server has accounted it: the engine's future can read done (set by the engine's thread)
     # before its callbacks, the accounting among them, have run
@@ -161,6 +162,11 @@ class Server:
         self._in_flight: set[Generation] = set()
         self._kv_demand: dict[int, int] = {}  # by engine: KV pages the requests in flight may need at most
         self.breakers: dict[str, CircuitBreaker] = {}  # by model name; one per engine
+        # a conversation's turn may wait for the model to summarise its history: on threads of its own, so
+        # that turns compacting at once never hold up every other request's admission (asyncio's default
+        # pool has min(32, cores + 4) threads); one per sequence the engines run at once, as more could only
+        # queue in the engines
+        self._turns: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()  # accounting happens on the engines' threads
         self._closed = False
         self._grace_over = False
@@ -188,6 +194,8 @@ class Server:
             self._fit_pools_to_memory()
             managers = {id(engine): ConversationManager(engine) for engine in self.engines.values()}
             self.conversations = {name: managers[id(engine)] for name, engine in self.engines.items()}
+            self._turns = ThreadPoolExecutor(sum(e.config.max_batch_size for e in self._distinct_engines()),
+                                             thread_name_prefix="conversation-turn")
             breakers = {id(engine): CircuitBreaker(self.settings.breaker_threshold, self.settings.breaker_cooldown_s)
                         for engine in self.engines.values()}
             self.breakers = {name: breakers[id(engine)] for name, engine in self.engines.items()}
@@ -271,18 +279,33 @@ class Server:
                           param="model")
         return key, name, self.engines[name]
 
+    async def admit(self, authorization: str | None, model: str | None, endpoint: str, params: dict, n: int,
+                    **prompt) -> list[Generation]:
+        """`start_choices` off the event loop (tokenizing a long prompt takes seconds), its request timeout
+        counted from now: a conversation's turn on the threads kept for turns, anything else on asyncio's."""
+        deadline = time.monotonic() + self.settings.request_timeout_s
+        pool = self._turns if prompt.get("conversation") is not None else None
+        return await asyncio.get_running_loop().run_in_executor(pool, partial(
+            self.start_choices, authorization, model, endpoint, params, n, deadline=deadline, **prompt))
+
     def start_choices(self, authorization: str | None, model: str | None, endpoint: str, params: dict, n: int, *,
                       prompt: str | list[int] | None = None, messages: list[dict] | None = None,
                       tools: list[dict] | None = None, conversation: tuple[str, str | None, str] | None = None,
-                      tokens_asked: tuple[int, str] | None = None) -> list[Generation]:
+                      tokens_asked: tuple[int, str] | None = None, deadline: float | None = None) -> list[Generation]:
         """Admit `n` choices of one prompt together and submit them (a `prompt`, or chat `messages` with their
         `tools` through the model's template, or the next turn of a `conversation` the server keeps: (its id,
         a system message or None, the user's text); `params` the engine's sampling settings, the i-th choice
         seeded `seed + i`). The prompt is tokenized, reserved in the quota and charged once; the queue places
         and every choice's new tokens are reserved at once, so either all run or none does (Refusal). A prompt
         that leaves less room than `tokens_asked` (new tokens the request set explicitly, and the field that
-        set them) is refused, as OpenAI refuses it; a conversation kept here is compacted for them instead."""
+        set them) is refused, as OpenAI refuses it; a conversation kept here is compacted for them instead.
+        Every choice is ended (504) at `deadline`, a `time.monotonic()` instant (the request timeout from now
+        by default); a conversation's compaction is bound by it too."""
+        if deadline is None:
+            deadline = time.monotonic() + self.settings.request_timeout_s
         key, name, engine = self.engine_for(authorization, model)
+        if time.monotonic() >= deadline:  # it waited that long for a thread
+            self._reject(name, self._timed_out())
         fault = partial(_param_at_fault, prompt="messages" if messages is not None else "prompt",
                         schema="tools" if tools else "response_format")
         if self.guard.blocked(_said(prompt, messages, tools)):
@@ -293,7 +316,7 @@ class Server:
             try:
                 sampling = SamplingParams(**{**params, "stop": list(params["stop"]) + list(blocked)})
                 if kept is not None:  # its history compacted as needed to leave room for the reply
-                    ids = kept.conversation.prompt(conversation[2], sampling.max_new_tokens)
+                    ids = kept.conversation.prompt(conversation[2], sampling.max_new_tokens, deadline)
                     kept.asked = True
                 else:
                     if tools and not engine.template_renders_tools:  # told in a system message instead
@@ -303,6 +326,10 @@ class Server:
                 self._reject(name, Refusal(400, str(error), "invalid_request_error", param=fault(error)))
             except AtcError as error:  # a chat request to a model without a chat template
                 self._reject(name, Refusal(400, error.message, "invalid_request_error", param="messages"))
+            except TimeoutError:  # the conversation's summary was not written in time
+                self._reject(name, self._timed_out())
+            except CompactionInterrupted:  # the engine closed under the summary
+                self._reject(name, Refusal(503, "the server is shutting down", "unavailable", self.settings.retry_after_s))
             except Exception as error:  # the chat template's own errors (jinja's), or a prompt it cannot tokenize
                 self._reject(name, Refusal(400, f"the prompt cannot be rendered or tokenized: {error}",
                                            "invalid_request_error"))
@@ -314,7 +341,7 @@ class Server:
                          f"completion). Please reduce the length of the prompt or completion.",
                     "invalid_request_error", param=field))
             choices = [sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i) for i in range(n)]
-            return self._admit(name, key, endpoint, blocked, ids, choices, kept, fault)
+            return self._admit(name, key, endpoint, blocked, ids, choices, deadline, kept, fault)
         except BaseException:
             if kept is not None:
                 kept.end(None)
@@ -338,7 +365,7 @@ class Server:
         return self.start_choices(authorization, model, endpoint, params, 1, **prompt)[0]
 
     def _admit(self, name: str, key: str | None, endpoint: str, blocked: tuple[str, ...], ids: list[int],
-               choices: list[SamplingParams], turn: Turn | None = None,
+               choices: list[SamplingParams], deadline: float, turn: Turn | None = None,
                fault: Callable[[ValueError], str | None] = lambda _: None) -> list[Generation]:
         """Take the choices' places in the model's queue and reserve the quota they may use, all at once (so
         concurrent requests cannot all pass one check), then submit them; if one is refused by the engine,
@@ -375,8 +402,11 @@ class Server:
         try:
             for i, sampling in enumerate(choices):
                 request = engine.submit(ids, sampling)
+                # kept by the engine: whoever waits for it may wake late on a busy host
+                request.expire_at(deadline)
                 generation = Generation(name, key, endpoint, request, blocked, each[i] + (len(ids) if i == 0 else 0),
-                                        charges_prompt=i == 0, turn=turn if i == 0 else None, kv_pages=pages[i])
+                                        charges_prompt=i == 0, turn=turn if i == 0 else None, kv_pages=pages[i],
+                                        deadline=deadline)
                 started.append(generation)
                 with self._lock:
                     self._in_flight.add(generation)
@@ -447,9 +477,7 @@ class Server:
         then whether the caller is gone. Refusal unless all completed (499 client gone, 504 timeout, 503
         shutdown, 500 failed): once one cannot complete, the others are ended for the same cause."""
         futures = {asyncio.wrap_future(g.settled): g for g in generations}
-        deadline = time.monotonic() + self.settings.request_timeout_s
-        for generation in generations:  # kept by the engine too: this loop may wake late on a busy host
-            generation.request.expire_at(deadline)
+        deadline = min(g.deadline for g in generations)
         try:
             while not all(future.done() for future in futures):
                 # woken at the deadline itself, so a timeout shorter than the poll still fires on time
@@ -480,7 +508,6 @@ class Server:
     async def stream(self, generation: Generation) -> AsyncIterator[str]:
         """The answer's text pieces as they come; Refusal at the end unless it completed (503 when the
         shutdown ended it, 504 past the request timeout, 500 when it failed). Leaving early cancels it."""
-        generation.request.expire_at(time.monotonic() + self.settings.request_timeout_s)
         finished = False
         try:
             async for piece in generation.request.aiter_text():
@@ -507,11 +534,14 @@ class Server:
         if status == 500:
             raise Refusal(500, "generation failed", "server_error")
         if status == 504:
-            raise Refusal(504, f"the request took longer than {self.settings.request_timeout_s:g} s", "timeout")
+            raise self._timed_out()
         if status == 503:
             raise Refusal(503, "the server shut down before the request finished", "unavailable")
         if status == 499:
             raise Refusal(499, "the client closed the request", "cancelled")
+
+    def _timed_out(self) -> Refusal:
+        return Refusal(504, f"the request took longer than {self.settings.request_timeout_s:g} s", "timeout")
 
     def _settle(self, generation: Generation) -> None:
         status, outcome = generation.outcome()
@@ -589,6 +619,8 @@ class Server:
         if self._closed:
             return
         self._closed = True
+        if self._turns is not None:  # a turn still waiting for a thread is not started
+            self._turns.shutdown(wait=False, cancel_futures=True)
         for engine in self._distinct_engines():
             engine.close()
         self.guard.close()

@@ -21,12 +21,14 @@ def engine(tmp_path_factory):
 
 def test_summaries_are_the_models_own_and_the_budget_holds(engine):
     conversation = Conversation(engine, ConversationSettings(budget_tokens=400, summary_tokens=32), system="be brief")
+    summaries = []
     for turn in range(40):
         prompt = conversation.prompt(f"question {turn}: what next?", 24)
         assert len(prompt) + 24 <= 400
+        summaries += [c for c in conversation.compactions if c.summary is not None]
         conversation.reply(engine.generate(prompt, max_new_tokens=24, temperature=0))
-    summaries = [c for c in conversation.compactions if c.summary is not None]
     assert summaries and conversation.summary == summaries[-1].summary
+    assert conversation.compacted >= len(summaries)
     for compacted in summaries:  # what the model writes, greedy, for the request it was given
         assert compacted.summary == engine.generate(compacted.summary_prompt, max_new_tokens=32, temperature=0).strip()
     assert conversation.turns[-2]["content"] == "question 39: what next?"  # the latest exchange is whole
@@ -35,13 +37,16 @@ def test_summaries_are_the_models_own_and_the_budget_holds(engine):
 
 def test_dropping_takes_out_the_earliest_exchanges(engine):
     conversation = Conversation(engine, ConversationSettings(budget_tokens=200, compaction="drop"))
+    dropped = []
     for turn in range(12):
         prompt = conversation.prompt(f"q{turn}", 16)
         assert len(prompt) + 16 <= 200
+        dropped += conversation.compactions
         conversation.reply(engine.generate(prompt, max_new_tokens=16, temperature=0))
-    assert conversation.compactions and all(c.messages == 2 and c.summary is None for c in conversation.compactions)
+    assert dropped and all(c.messages == 2 and c.summary is None for c in dropped)
+    assert conversation.compacted == len(dropped)
     assert conversation.summary is None and conversation.turns[-2]["content"] == "q11"
-    assert len(conversation.turns) == 2 * 12 - 2 * len(conversation.compactions)
+    assert len(conversation.turns) == 2 * 12 - 2 * len(dropped)
 
 
 def test_a_turn_too_long_for_the_budget_is_refused_and_not_kept(engine):

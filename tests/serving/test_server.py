@@ -218,6 +218,15 @@ def test_metrics_add_up(server, engine):
         assert server.metric(f"cann_llm:{name}_count", model_name="tiny") == ran, name
     assert server.metric("cann_llm:request_prompt_tokens_sum", model_name="tiny") == server.metric(
         "cann_llm:prompt_tokens_total", model_name="tiny")
+    # every token a step ran, prompts' included: at least the tokens generated, and a step runs at least one
+    assert types["cann_llm:iteration_tokens_total"] == "histogram"
+    steps = server.metric("cann_llm:iteration_tokens_total_count", model_name="tiny")
+    assert server.metric("cann_llm:iteration_tokens_total_bucket", model_name="tiny", le="+Inf") == steps
+    assert server.metric("cann_llm:iteration_tokens_total_sum", model_name="tiny") >= max(steps, server.metric(
+        "cann_llm:generation_tokens_total", model_name="tiny"))
+    assert server.metric("cann_llm:inter_token_latency_seconds_count", model_name="tiny") == server.metric(
+        "cann_llm:time_per_output_token_seconds_count", model_name="tiny") > 0
+    assert 0 < server.metric("cann_llm:request_time_per_output_token_seconds_count", model_name="tiny") <= ran
     # the pool's written pages, which stay resident: whole pages, some written, at most the 32 of the pool
     resident = server.metric("cann_llm:kv_cache_resident_bytes", model_name="tiny")
     assert resident % engine.kv_bytes_per_page == 0 and 0 < resident <= 32 * engine.kv_bytes_per_page

@@ -41,6 +41,11 @@ def _count(server: Server, outcome: str) -> float:
     return server.metrics.requests.labels("tiny", outcome)._value.get()
 
 
+def _later() -> float:
+    """A deadline no test here reaches."""
+    return time.monotonic() + 600
+
+
 def _refused(call) -> Refusal:
     with pytest.raises(Refusal) as refusal:
         call()
@@ -161,13 +166,13 @@ def test_a_request_that_fails_in_a_step_is_a_500_counted_failed_and_hurts_no_oth
         alone = server.engines["tiny"].generate("hello", max_new_tokens=40, temperature=0, ignore_eos=True)
         params = SamplingParams(max_new_tokens=8, temperature=1.0)
         object.__setattr__(params, "repetition_penalty", 1e-308)  # past the checks: inf - inf in the sampler
-        [bad] = server._admit("tiny", None, "/v1/completions", (), [5, 6, 7], [params])
+        [bad] = server._admit("tiny", None, "/v1/completions", (), [5, 6, 7], [params], _later())
         failed = _refused(lambda: asyncio.run(server.complete(bad)))
         assert (failed.status, failed.kind) == (500, "server_error") and bad.request.finish_reason == "error"
         # the operator's log has what the client is not told: which request, and the traceback
         logged = [r for r in caplog.records if r.name == "runtime.engine.engine" and r.levelname == "ERROR"]
         assert logged and logged[0].getMessage() == f"request {bad.request.seq.seq_id} failed" and logged[0].exc_info
-        [streamed] = server._admit("tiny", None, "/v1/completions", (), [5, 6, 7], [params])
+        [streamed] = server._admit("tiny", None, "/v1/completions", (), [5, 6, 7], [params], _later())
 
         async def read():
             return [piece async for piece in server.stream(streamed)]
@@ -231,7 +236,7 @@ def test_a_choice_the_engine_refuses_ends_its_siblings_uncharged(om):
     good = SamplingParams(max_new_tokens=3000, temperature=0, ignore_eos=True)
     try:
         refusal = _refused(lambda: server._admit("tiny", "k", "/x", (), [5, 6, 7],
-                                                 [good, good, SamplingParams(stop_token_ids=(10 ** 6,))]))
+                                                 [good, good, SamplingParams(stop_token_ids=(10 ** 6,))], _later()))
         assert (refusal.status, refusal.param) == (400, None) and "outside the vocabulary" in refusal.message
         _wait_until(lambda: server.in_flight == 0)
         assert server.guard.used.get("k", 0) == 0 and server.pending == {"tiny": 0}
@@ -253,8 +258,7 @@ def test_choices_share_one_deadline_and_a_failing_choice_ends_the_rest(om):
         object.__setattr__(failing, "repetition_penalty", 1e-308)  # past the checks: inf - inf in the sampler
         # the failing choice fails in the first step; the other needs thousands (a token a step). The deadline
         # is not this half's subject: a busy host can take 0.5 s over the 1,000-token prefill alone
-        server.settings.request_timeout_s = 600
-        choices = server._admit("tiny", None, "/x", (), [5] * 1000, [failing, SamplingParams(**ENDLESS)])
+        choices = server._admit("tiny", None, "/x", (), [5] * 1000, [failing, SamplingParams(**ENDLESS)], _later())
         assert _refused(lambda: asyncio.run(server.complete_all(choices))).status == 500
         assert [g.outcome()[0] for g in choices] == [500, 500] and choices[1].ended_by == "failed"
         _wait_until(lambda: server.in_flight == 0)
@@ -525,7 +529,7 @@ def test_a_failing_engine_opens_its_circuit_breaker_until_a_probe_succeeds(om, c
     object.__setattr__(failing, "repetition_penalty", 1e-308)  # past the checks: inf - inf in the sampler
     try:
         for _ in range(2):
-            [bad] = server._admit("tiny", None, "/x", (), [5, 6, 7], [failing])
+            [bad] = server._admit("tiny", None, "/x", (), [5, 6, 7], [failing], _later())
             assert _refused(lambda: asyncio.run(server.complete(bad))).status == 500
         _wait_until(lambda: server.in_flight == 0)
         shed = _refused(lambda: server.start(None, None, "/x", GREEDY, prompt="hi"))
@@ -544,5 +548,57 @@ def test_a_failing_engine_opens_its_circuit_breaker_until_a_probe_succeeds(om, c
         _wait_until(lambda: server.in_flight == 0)
         assert not server.breakers["tiny"].is_open  # it completed: closed again
         asyncio.run(server.complete(server.start(None, None, "/x", {**GREEDY, "max_new_tokens": 4}, prompt="hi")))
+    finally:
+        server.close()
+
+
+def _long_history(server: Server, conversation_id: str) -> list[dict]:
+    """Two exchanges of 1,500 tokens each in `conversation_id` (the byte tokenizer: a character a token), so
+    that its next turn must summarise the first: a prompt of about 3,000 tokens, prefilled a token a step."""
+    kept = server.conversations["tiny"].get(conversation_id)
+    kept.turns = [{"role": role, "content": f"{conversation_id} {role} {turn} " + "a" * 1500}
+                  for turn in range(2) for role in ("user", "assistant")]
+    return list(kept.turns)
+
+
+def test_turns_being_summarised_hold_up_no_other_request(om):
+    server = _server(om)
+    engine = server.engines["tiny"]
+    params = {**GREEDY, "max_new_tokens": 4}
+
+    async def scenario():
+        turns = []
+        for i in range(engine.config.max_batch_size):  # more than asyncio's own pool has threads (6 here)
+            _long_history(server, f"c{i}")
+            turns.append(asyncio.ensure_future(server.admit(None, None, "/x", params, 1, messages=[],
+                                                            conversation=(f"c{i}", None, "next"))))
+        while len(engine.scheduler.running) + len(engine.scheduler.waiting) < len(turns):
+            await asyncio.sleep(0.01)  # every turn is waiting for its summary
+        plain, = await server.admit(None, None, "/x", params, 1, prompt="hi")
+        assert not any(turn.done() for turn in turns)  # admitted while every summary is still being written
+        server.close()  # a summary the closing engine ended is no summary: the turn is refused, nothing kept
+        ended = await asyncio.gather(*turns, return_exceptions=True)
+        assert [(type(e), getattr(e, "status", None)) for e in ended] == [(Refusal, 503)] * len(turns)
+        assert all(server.conversations["tiny"].get(f"c{i}").summary is None for i in range(len(turns)))
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.close()
+
+
+def test_a_turn_whose_summary_outlasts_the_request_timeout_is_ended_with_504(om):
+    server = _server(om, settings=ServerSettings(request_timeout_s=0.5))
+    try:
+        history = _long_history(server, "slow")
+        refusal = _refused(lambda: asyncio.run(server.admit(None, None, "/x", {**GREEDY, "max_new_tokens": 4}, 1,
+                                                            messages=[], conversation=("slow", None, "next"))))
+        assert (refusal.status, refusal.kind) == (504, "timeout")
+        kept = server.conversations["tiny"].get("slow")
+        assert kept.turns == history and kept.summary is None and kept.compacted == 0  # nothing half-done kept
+        assert server.conversations["tiny"].lock("slow").acquire(blocking=False)
+        engine = server.engines["tiny"]  # the summary's request was ended by the engine at the deadline
+        _wait_until(lambda: not engine.scheduler.running and not engine.scheduler.waiting)
+        assert _count(server, "rejected") == 1
     finally:
         server.close()
