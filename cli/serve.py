@@ -33,7 +33,8 @@ def _models(values: tuple[str, ...]) -> dict[str, str]:
 @click.option("--model", "-m", "model_specs", multiple=True, required=True,
               help="NAME=path.om (repeatable; the same file served twice is mapped once)")
 @engine_options_without_model
-@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="address to listen on (0.0.0.0: every IPv4 address; ::, every address, IPv6 and IPv4)")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--api-key", "api_keys", multiple=True, help="accepted key (repeatable; or CANN_LLM_API_KEYS=a,b)")
 @click.option("--quota-tokens", type=click.IntRange(min=1), default=None, help="tokens in+out allowed per key")

@@ -50,9 +50,12 @@ def serve(server: Server, host: str, port: int, stats_interval_s: float, say: Ca
 
 def listen(host: str, port: int) -> socket.socket:
     """A socket listening on HOST:PORT, taken before anything loads so that a port in use fails at once;
-    E10001 when it cannot be had."""
+    E10001 when it cannot be had. `::`, every address, takes IPv4's too where the system can (as
+    `python -m http.server --bind ::` does): on its own an IPv6 socket is made IPv6-only."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    both = host == "::" and socket.has_dualstack_ipv6()
     try:
-        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        return socket.create_server((host, port), family=family, dualstack_ipv6=both)
     except OSError as error:  # taken, not ours to take, or no such address
         raise AtcError("E10001", f"{host}:{port}", "--host/--port", error.strerror or str(error)) from None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 
@@ -602,3 +603,15 @@ def test_a_turn_whose_summary_outlasts_the_request_timeout_is_ended_with_504(om)
         assert _count(server, "rejected") == 1
     finally:
         server.close()
+
+
+@pytest.mark.skipif(not socket.has_dualstack_ipv6(), reason="the system has no dual-stack sockets")
+def test_listening_on_every_ipv6_address_takes_ipv4_too():
+    from runtime.serving.lifecycle import listen
+
+    with listen("::", 0) as listener:
+        port = listener.getsockname()[1]
+        for address in ("127.0.0.1", "::1"):
+            with socket.create_connection((address, port), timeout=10):
+                listener.settimeout(10)
+                listener.accept()[0].close()
