@@ -9,18 +9,23 @@ before any kernel module imports numba (runtime/kernels/__init__.py imports it f
 - `$NUMBA_CACHE_DIR` when the user set it;
 - else `$XDG_CACHE_HOME/cann-llm/numba` (XDG's default: ~/.cache), when it can be created and written;
 - else a fresh private temp directory for this process, removed at exit: the kernels compile again in
-  each process, but nothing runs from a directory another user could have prepared (numba's cache
-  holds pickled code, so a shared, predictable /tmp path would be code execution for whoever made it).
+  each process (seconds at every start, which W13004 says), but nothing runs from a directory another
+  user could have prepared (numba's cache holds pickled code, so a shared, predictable /tmp path would be
+  code execution for whoever made it).
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+
+_KEPT = {"numba": "the numba kernels' machine code", "native": "the native kernel library"}
 
 
 def _writable(folder: Path) -> bool:
@@ -47,6 +52,9 @@ def user_cache_dir(kind: str) -> Path:
         return preferred
     private = Path(tempfile.mkdtemp(prefix=f"cann-llm-{kind}-"))
     atexit.register(shutil.rmtree, private, ignore_errors=True)
+    logging.getLogger("cann_llm").warning(
+        "W13004: %s cannot be written: %s made in this process are not kept, and every process makes them again "
+        "(set CANN_LLM_CACHE to a folder this user can write)", preferred, _KEPT.get(kind, kind))
     return private
 
 
