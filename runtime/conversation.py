@@ -15,6 +15,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from runtime.engine.checked import integer, text
+from runtime.engine.engine import EngineClosed
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.setting_error import SettingError
 
@@ -38,12 +40,14 @@ class ConversationSettings:
     summary_tokens: int = 128         # the longest summary the model may write (at most a quarter of the context)
 
     def __post_init__(self) -> None:
-        if self.compaction not in COMPACTIONS:
-            raise ValueError(f"compaction must be one of {', '.join(COMPACTIONS)}, not {self.compaction!r}")
-        if self.budget_tokens is not None and self.budget_tokens < 2:
-            raise ValueError("budget_tokens must be at least 2")
-        if self.keep_recent < 0 or self.summary_tokens < 1:
-            raise ValueError("keep_recent must be at least 0 and summary_tokens at least 1")
+        if text("compaction", self.compaction) not in COMPACTIONS:
+            raise SettingError("compaction", f"compaction must be one of {', '.join(COMPACTIONS)}, not {self.compaction!r}")
+        for name, low in (("budget_tokens", 2), ("keep_recent", 0), ("summary_tokens", 1)):
+            value = getattr(self, name)
+            if value is not None or name != "budget_tokens":
+                object.__setattr__(self, name, integer(name, value))
+                if value < low:
+                    raise SettingError(name, f"{name} must be at least {low}, not {value}")
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,8 @@ class Conversation:
         try:
             request = self.engine.submit(prompt, params)
             answer = request.result()
+            if request.finish_reason == "cancelled":  # only the engine's closing cancels what nobody else holds
+                raise EngineClosed("the engine was closed before the answer was finished")
         except BaseException:  # refused, failed or interrupted: a turn without an answer is not kept
             if request is not None:
                 request.cancel()
@@ -107,6 +113,9 @@ class Conversation:
         fit even alone, TimeoutError when a summary is not written by `deadline` (a `time.monotonic()`
         instant; the compactions done before it are kept)."""
         self.compactions = []
+        if reply_tokens >= self.budget:
+            raise SettingError("max_new_tokens", f"a reply of {reply_tokens} tokens leaves no room for the prompt "
+                                                 f"within the conversation's budget of {self.budget} tokens")
         self.turns.append({"role": "user", "content": text})
         try:
             return self._fit(self.budget - reply_tokens, reply_tokens, deadline)

@@ -79,6 +79,9 @@ class AtcError(Exception):
         self.reason = reason
         super().__init__(f"{code}: {self.message}")
 
+    def __reduce__(self):  # pickled whole (multiprocessing, copy): not formatted again from its template
+        return _restored, (self.code, self.message, self.reason)
+
     def render(self) -> str:
         """The message block ATC prints after its failure banner."""
         now = time.time()
@@ -90,6 +93,13 @@ class AtcError(Exception):
             lines.append("        TraceBack (most recent call last):")
             lines += [f"        {line}" for line in self.reason.splitlines()]
         return "\n".join(lines)
+
+
+def _restored(code: str, message: str, reason: str | None) -> AtcError:
+    error = AtcError.__new__(AtcError)
+    error.code, error.message, error.reason = code, message, reason
+    Exception.__init__(error, f"{code}: {message}")
+    return error
 
 
 def invalid_value(value: object, flag: str, reason: str) -> AtcError:

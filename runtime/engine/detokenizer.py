@@ -38,12 +38,15 @@ class IncrementalDetokenizer:
             self.text += full[len(prefix):]
             self._prefix_offset, self._read_offset = self._read_offset, len(output_ids)
             self.ends += [len(self.text)] * (len(output_ids) - len(self.ends))
-        for stop in self.stop:
-            at = self.text.find(stop, max(0, self.emitted - len(stop)))
-            if at >= 0:
-                self.text = self.text[:at]
-                self.matched_stop = stop
-                return self._take(len(self.text)), True
+        # the stop string that begins first in the text ends it, whichever the list names first (one token's
+        # text can hold two)
+        found = [(at, i) for i, stop in enumerate(self.stop)
+                 if (at := self.text.find(stop, max(0, self.emitted - len(stop)))) >= 0]
+        if found:
+            at, first = min(found)
+            self.text = self.text[:at]
+            self.matched_stop = self.stop[first]
+            return self._take(len(self.text)), True
         return self._take(len(self.text) - self._holdback), False
 
     def tokens_within(self, characters: int) -> int:

@@ -9,6 +9,7 @@ any thread or event loop submit requests and wait for them: `generate`, `generat
 from __future__ import annotations
 
 import asyncio
+import atexit
 import heapq
 import logging
 import numbers
@@ -63,6 +64,24 @@ class GenerationFailed(RuntimeError):
     """A request the engine could not finish: its step failed for it (its batch-mates went on)."""
 
 
+class EngineClosed(RuntimeError):
+    """The engine was closed before a request could be submitted, or while a call waited for one to finish."""
+
+
+_OPEN: "weakref.WeakSet[LLMEngine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close the engines still open as the interpreter exits (after its other threads are joined, before it
+    finalizes): a worker left inside onnxruntime while the interpreter tears down ended the process with
+    SIGABRT ("terminate called without an active exception"). Each ends within a step; a forked child's
+    copies are not its own to close."""
+    for engine in list(_OPEN):
+        if engine._pid == os.getpid():
+            engine.close()
+
+
 def _params(params: SamplingParams | None, settings: dict) -> SamplingParams:
     """`params` with keyword `settings` (SamplingParams fields) over it, or the settings alone."""
     if params is None:
@@ -74,6 +93,8 @@ def _params(params: SamplingParams | None, settings: dict) -> SamplingParams:
 
 def _token_ids(prompt) -> list[int]:
     """A prompt given as token ids, as ints; TypeError for anything else."""
+    if isinstance(prompt, (bytes, bytearray, memoryview)):  # iterable as ints, but never meant as token ids
+        raise TypeError("a prompt is a text or a sequence of token ids, not bytes: decode it first")
     try:
         items = list(prompt)
     except TypeError:
@@ -107,13 +128,36 @@ def _release(wake: threading.Event, grammars: GrammarCompiler | None, runner) ->
 
 def _texts(requests: list["Request"]) -> list[str]:
     """Each request's text once all have finished. A caller that stops waiting (Ctrl-C, a failed request)
-    cancels those still running: no one is left to read them."""
+    cancels those still running: no one is left to read them. EngineClosed when the engine was closed under
+    them (their text is cut short)."""
     try:
-        return [request.result() for request in requests]
+        texts = [request.result() for request in requests]
     except BaseException:
         for request in requests:
             request.cancel()
         raise
+    _raise_if_closed_under(requests)
+    return texts
+
+
+def _raise_if_closed_under(requests: list["Request"]) -> None:
+    """EngineClosed when one of `requests`, which only their caller could have cancelled, was cancelled: the
+    engine closed under them."""
+    if any(request.finish_reason == "cancelled" for request in requests):
+        raise EngineClosed("the engine was closed before the request finished")
+
+
+def _streamed(request: "Request") -> Iterator[str]:
+    """`request`'s pieces (see `LLMEngine.stream`)."""
+    finished = False
+    try:
+        yield from request.iter_text()
+        finished = True
+    finally:
+        if not finished:
+            request.cancel()
+    request.result()
+    _raise_if_closed_under([request])
 
 
 @dataclass
@@ -176,15 +220,18 @@ class Request:
                     arrived.clear()
                     continue
                 if piece is _DONE:
+                    self._pieces.put(_DONE)  # the end stays the end, for whoever reads next
                     return
                 yield piece
         finally:
             self._wakers.remove(wake)
 
     def iter_text(self) -> Iterator[str]:
-        """Text pieces as they are generated, until the request ends (consumes them: one reader)."""
+        """Text pieces as they are generated, until the request ends (consumes them: one reader; a later one
+        gets what the first left, then the end). Leaving early does not cancel the request."""
         while (piece := self._pieces.get()) is not _DONE:
             yield piece
+        self._pieces.put(_DONE)  # the end stays the end, for whoever reads next
 
     def cancel(self) -> None:
         """Stop generating; the pages the request held go back to the pool."""
@@ -320,7 +367,9 @@ class LLMEngine:
         self._start_lock = threading.Lock()
         self._post_lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _release, self._wake, self._grammars, self.runner)
-        self._finalizer.atexit = False  # an engine still running at exit goes with the process, mid-step or not
+        self._finalizer.atexit = False  # _close_at_exit closes it, the worker first
+        self._pid = os.getpid()
+        _OPEN.add(self)
         release_free_heap()  # what loading freed (the tokenizer's JSON, graph protos) leaves the resident set
 
     def _executor(self) -> Executor:
@@ -456,6 +505,8 @@ class LLMEngine:
         """Completions of all `prompts` (one each), computed together."""
         if _params(params, kwargs).n != 1:
             raise SettingError("n", "generate_batch returns one completion a prompt: pass n > 1 to generate")
+        if len(prompts) == 0:
+            return []
         return [output.outputs[0].text for output in self.generate(list(prompts), params, **kwargs)]
 
     async def generate_async(self, prompt: str | list[int], params: SamplingParams | None = None, **kwargs) -> str:
@@ -469,22 +520,20 @@ class LLMEngine:
             raise
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, **kwargs) -> Iterator[str]:
-        """Text pieces as they are generated; closing the iterator early cancels the request, and a request
-        that fails raises `GenerationFailed` after the pieces it made."""
+        """Text pieces as they are generated. The request is submitted (or refused, as by `submit`) by this
+        call; closing or dropping the iterator early cancels it; one that fails raises `GenerationFailed`
+        after the pieces it made, and `EngineClosed` if the engine is closed under it."""
         request = self.submit(prompt, params, **kwargs)
-        finished = False
-        try:
-            yield from request.iter_text()
-            finished = True
-        finally:
-            if not finished:
-                request.cancel()
-        request.result()
+        pieces = _streamed(request)
+        weakref.finalize(pieces, request.cancel).atexit = False  # dropped before its first piece was read
+        return pieces
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, tools: list[dict] | None = None,
              **kwargs) -> str:
         """The assistant's reply to `messages`, through the model's chat template (with `tools`, OpenAI's
         function definitions, where the template renders them)."""
+        if not messages:
+            raise SettingError("prompt", "there are no messages to answer")
         return _texts([self.submit(self.chat_prompt(messages, tools), params, **kwargs)])[0]
 
     def embed_tokens(self, ids) -> np.ndarray:
@@ -549,11 +598,14 @@ class LLMEngine:
     def _post(self, message) -> None:
         # under the lock close() sets `_closed` by: a message is either refused or in the inbox before the
         # worker can read `_closed`, and the worker drains the inbox once more after reading it
+        if self._pid != os.getpid():  # its worker thread and onnxruntime's threads stayed in the parent
+            raise RuntimeError("an LLMEngine does not survive fork(): make it in the process that uses it (or use "
+                               "multiprocessing's 'spawn' or 'forkserver' start method)")
         with self._post_lock:
             if self._closed:
                 if message[0] in ("cancel", "deadline"):
                     return  # closing cancels every request still in flight
-                raise RuntimeError("the engine is closed")
+                raise EngineClosed("the engine is closed")
             self._inbox.put(message)
             self._ensure_worker()  # before close() can look for a worker to join
         self._wake.set()
@@ -592,6 +644,9 @@ class LLMEngine:
                 return
             if kind == "deadline":
                 heapq.heappush(self._deadlines, (deadline[0], request.seq.seq_id))
+                if len(self._deadlines) > 2 * len(self._requests) + 64:  # most for requests long finished
+                    self._deadlines = [d for d in self._deadlines if d[1] in self._requests]
+                    heapq.heapify(self._deadlines)
             elif kind == "add":
                 self._requests[request.seq.seq_id] = request
                 self.scheduler.add(request.seq)

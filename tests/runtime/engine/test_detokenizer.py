@@ -108,3 +108,13 @@ def test_bytes_that_never_make_a_character_are_streamed_as_replacement_character
     detok = IncrementalDetokenizer(tokenizer)
     pieces = [detok.add(ids[:n])[0] for n in range(1, len(ids) + 1)] + [detok.flush()]
     assert "".join(pieces) == "hi\n\ufffd\ufffd h"
+
+
+def test_the_stop_string_first_in_the_text_wins_whichever_is_listed_first():
+    """Both stop strings arrive in one token's text here: the cut is at the earlier of them."""
+    tokenizer = _tokenizer()
+    ids = tokenizer.encode("The capital is Paris.")
+    for stop in (("Pa", "ris"), ("ris", "Pa")):
+        detok = IncrementalDetokenizer(tokenizer, stop)
+        piece, stopped = detok.add(ids)  # the whole text at once, as one token's may be
+        assert stopped and (piece, detok.matched_stop) == ("The capital is ", "Pa")

@@ -5,8 +5,13 @@ prompts as numpy ids, and an engine dropped without close()."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import gc
+import os
+import pickle
 import signal
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -15,8 +20,8 @@ import numpy as np
 import pytest
 from generation_utils import compile_tiny_chat_model
 
-from cann_llm import (Conversation, ConversationManager, GenerationFailed, LLMEngine, LongContext, SamplingParams,
-                      SettingError, StructuredOutput)
+from cann_llm import (AtcError, Conversation, ConversationManager, ConversationSettings, EngineClosed,
+                      GenerationFailed, LLMEngine, LongContext, SamplingParams, SettingError, StructuredOutput)
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
             "{% if tools %}<tools>{{ tools | length }}{% endif %}{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -225,3 +230,150 @@ def test_an_empty_document_selects_nothing(engine):
     for document in ("", "   \n  "):
         selection = LongContext(engine.tokenizer).select(document, "what?", 100)
         assert selection.chunks == [] or selection.text.strip() == ""
+
+
+def _python(script: str, *argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=300, env=env)
+
+
+EXIT_WHILE_RUNNING = """
+import sys
+from cann_llm import LLMEngine
+engine = LLMEngine(sys.argv[1], max_context_len=4096, kv_cache_pages=64)
+request = engine.submit([5] * 10, max_new_tokens=4000, temperature=0, ignore_eos=True)
+next(request.iter_text())
+print("exiting with the request running", flush=True)
+"""
+
+
+def test_a_process_that_exits_with_a_request_running_exits_cleanly(om):
+    """The worker was left inside onnxruntime as the interpreter tore down: most such exits aborted
+    ("terminate called without an active exception", exit 134)."""
+    for _ in range(3):
+        ended = _python(EXIT_WHILE_RUNNING, str(om))
+        assert (ended.returncode, ended.stdout) == (0, "exiting with the request running\n"), ended.stderr
+        assert "terminate called" not in ended.stderr
+
+
+FORKED = """
+import os, signal, sys
+from cann_llm import LLMEngine
+engine = LLMEngine(sys.argv[1], max_context_len=256, kv_cache_pages=8)
+engine.generate([5, 6], 3, 0)  # the worker thread runs in this process, and a fork does not copy it
+child = os.fork()
+if child == 0:
+    signal.alarm(60)  # a hang ends the child with SIGALRM
+    try:
+        engine.generate([5, 6], 3, 0)
+        os._exit(3)
+    except RuntimeError as error:
+        print(error, flush=True)
+        os._exit(0)
+print("parent", engine.generate([5, 6], 3, 0) is not None, os.waitpid(child, 0)[1], flush=True)
+"""
+
+
+def test_an_engine_used_in_a_forked_child_is_refused_not_hung(om):
+    ran = _python(FORKED, str(om))
+    assert ran.returncode == 0, ran.stderr
+    said, parent = ran.stdout.splitlines()
+    assert "does not survive fork()" in said and parent == "parent True 0"
+
+
+def test_a_call_waiting_while_the_engine_closes_raises_engine_closed(om):
+    engine = LLMEngine(om, max_context_len=256, kv_cache_pages=8)
+    gate, outcomes = threading.Event(), {}
+    engine.runner.run = _held_once_tokens_are_out(engine, gate)
+
+    def wait(name, call):
+        try:
+            outcomes[name] = call()
+        except Exception as error:
+            outcomes[name] = error
+
+    long = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+    stream = engine.stream([6] * 10, **long)
+    waiting = [threading.Thread(target=wait, args=("generate", lambda: engine.generate([5] * 10, **long))),
+               threading.Thread(target=wait, args=("stream", lambda: "".join(stream))),
+               threading.Thread(target=wait, args=("say", lambda: Conversation(engine).say("hi", **long)))]
+    for thread in waiting:
+        thread.start()
+    while len(engine._requests) < 3 or not all(r.output_ids for r in engine._requests.values()):
+        time.sleep(0.01)
+    closing = threading.Thread(target=engine.close)
+    closing.start()
+    while not engine._closed:
+        time.sleep(0.001)
+    gate.set()
+    for thread in [closing, *waiting]:
+        thread.join(timeout=60)
+    # a text cut short by the closing is never returned as if it were the answer
+    assert {name: type(outcome) for name, outcome in outcomes.items()} == dict.fromkeys(outcomes, EngineClosed)
+    assert len(outcomes) == 3
+    with pytest.raises(EngineClosed):
+        engine.submit("x")
+
+
+def test_a_stream_is_submitted_or_refused_by_the_call(engine):
+    with pytest.raises(SettingError, match="empty"):
+        engine.stream("")
+    started = engine.stats.prompt_tokens
+    pieces = engine.stream([5, 6, 7], max_new_tokens=200, temperature=0, ignore_eos=True)
+    deadline = time.monotonic() + 60
+    while engine.stats.prompt_tokens == started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.stats.prompt_tokens == started + 3  # running before its first piece is asked for
+    del pieces  # dropped unread: its request is cancelled
+    gc.collect()
+    assert _idle(engine)
+
+
+def test_a_finished_requests_text_can_be_read_again_and_ends(engine):
+    request = engine.submit([5, 6], max_new_tokens=4, temperature=0, ignore_eos=True)
+    text = request.result(timeout=120)
+    assert "".join(request.iter_text()) == text
+    assert list(request.iter_text()) == []  # the end again, where it blocked for ever
+
+    async def read():
+        return [piece async for piece in request.aiter_text()]
+
+    assert asyncio.run(read()) == []
+
+
+def test_empty_batches_and_bytes_prompts(engine):
+    assert engine.generate_batch([]) == []
+    with pytest.raises(TypeError, match="not bytes"):
+        engine.generate(b"abc", 3, 0)
+    with pytest.raises(SettingError, match="no messages"):
+        engine.chat([])
+
+
+def test_an_atc_error_crosses_processes_whole():
+    error = AtcError("E13001", "/nope.om", "No such file")
+    for copied in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+        assert (type(copied), copied.code, copied.message, str(copied)) == (AtcError, error.code, error.message,
+                                                                             str(error))
+
+
+def test_conversation_settings_are_checked_for_their_type_and_range(engine):
+    with pytest.raises(TypeError, match="budget_tokens must be an integer"):
+        ConversationSettings(budget_tokens="100")
+    with pytest.raises(TypeError, match="keep_recent must be an integer"):
+        ConversationSettings(keep_recent=1.5)
+    with pytest.raises(SettingError) as refused:
+        ConversationSettings(summary_tokens=0)
+    assert refused.value.setting == "summary_tokens"
+    with pytest.raises(SettingError) as refused:  # the reply's length is at fault, not the prompt
+        Conversation(engine, ConversationSettings(budget_tokens=64)).say("hi", max_new_tokens=64)
+    assert refused.value.setting == "max_new_tokens"
+
+
+def test_finished_deadlines_are_not_kept(engine):
+    far = time.monotonic() + 3600
+    for _ in range(300):
+        request = engine.submit([5], max_new_tokens=1, temperature=0)
+        request.expire_at(far)
+        request.result(timeout=120)
+    engine.generate([5], 1, 0)  # a turn after the last deadline was posted
+    assert len(engine._deadlines) <= 64 + 2
