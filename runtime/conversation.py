@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from runtime.engine.checked import integer, text
-from runtime.engine.engine import EngineClosed
+from runtime.engine.engine import raise_if_closed_under
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.setting_error import SettingError
 
@@ -24,10 +24,6 @@ COMPACTIONS = ("summarize", "drop")
 SUMMARY_REQUEST = ("Summarise the conversation below in a few sentences, so that the assistant can continue it. "
                    "Keep names, numbers, facts and decisions; leave out greetings.\n\n{transcript}")
 SUMMARY_HEADING = "Summary of the conversation so far: "
-
-
-class CompactionInterrupted(RuntimeError):
-    """The model's summary was ended before it was written (its engine closing)."""
 
 
 @dataclass(frozen=True)
@@ -97,8 +93,7 @@ class Conversation:
         try:
             request = self.engine.submit(prompt, params)
             answer = request.result()
-            if request.finish_reason == "cancelled":  # only the engine's closing cancels what nobody else holds
-                raise EngineClosed("the engine was closed before the answer was finished")
+            raise_if_closed_under([request])
         except BaseException:  # refused, failed or interrupted: a turn without an answer is not kept
             if request is not None:
                 request.cancel()
@@ -173,8 +168,7 @@ class Conversation:
             raise
         if request.finish_reason == "timeout":  # a summary cut short is not kept
             raise TimeoutError("the conversation's deadline passed while its earlier turns were being summarised")
-        if request.finish_reason not in ("stop", "length"):
-            raise CompactionInterrupted(f"the summary of the conversation's earlier turns was {request.finish_reason}")
+        raise_if_closed_under([request])
         del self.turns[:taken]
         self.summary = summary
         self._record(Compaction(taken, prompt, summary))

@@ -80,7 +80,7 @@ class AtcError(Exception):
         super().__init__(f"{code}: {self.message}")
 
     def __reduce__(self):  # pickled whole (multiprocessing, copy): not formatted again from its template
-        return _restored, (self.code, self.message, self.reason)
+        return _restored, (self.code, self.message, self.reason), self.__dict__
 
     def render(self) -> str:
         """The message block ATC prints after its failure banner."""

@@ -79,7 +79,10 @@ def _close_at_exit() -> None:
     copies are not its own to close."""
     for engine in list(_OPEN):
         if engine._pid == os.getpid():
-            engine.close()
+            try:
+                engine.close()
+            except Exception as error:  # the others are still closed (a pipeline's Ray may have gone first)
+                _log.warning("an engine could not be closed at exit: %s", error)
 
 
 def _params(params: SamplingParams | None, settings: dict) -> SamplingParams:
@@ -136,13 +139,13 @@ def _texts(requests: list["Request"]) -> list[str]:
         for request in requests:
             request.cancel()
         raise
-    _raise_if_closed_under(requests)
+    raise_if_closed_under(requests)
     return texts
 
 
-def _raise_if_closed_under(requests: list["Request"]) -> None:
+def raise_if_closed_under(requests: list["Request"]) -> None:
     """EngineClosed when one of `requests`, which only their caller could have cancelled, was cancelled: the
-    engine closed under them."""
+    engine closed under them (their text is cut short)."""
     if any(request.finish_reason == "cancelled" for request in requests):
         raise EngineClosed("the engine was closed before the request finished")
 
@@ -157,7 +160,12 @@ def _streamed(request: "Request") -> Iterator[str]:
         if not finished:
             request.cancel()
     request.result()
-    _raise_if_closed_under([request])
+    raise_if_closed_under([request])
+
+
+def _cancel_unfinished(request: "Request") -> None:
+    if not request.future.done():
+        request.cancel()
 
 
 @dataclass
@@ -505,7 +513,8 @@ class LLMEngine:
         """Completions of all `prompts` (one each), computed together."""
         if _params(params, kwargs).n != 1:
             raise SettingError("n", "generate_batch returns one completion a prompt: pass n > 1 to generate")
-        if len(prompts) == 0:
+        prompts = list(prompts)
+        if not prompts:
             return []
         return [output.outputs[0].text for output in self.generate(list(prompts), params, **kwargs)]
 
@@ -514,10 +523,12 @@ class LLMEngine:
         cancels the request."""
         request = self.submit(prompt, params, **kwargs)
         try:
-            return await asyncio.wrap_future(request.future)
+            text = await asyncio.wrap_future(request.future)
         except BaseException:
             request.cancel()
             raise
+        raise_if_closed_under([request])
+        return text
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, **kwargs) -> Iterator[str]:
         """Text pieces as they are generated. The request is submitted (or refused, as by `submit`) by this
@@ -525,7 +536,7 @@ class LLMEngine:
         after the pieces it made, and `EngineClosed` if the engine is closed under it."""
         request = self.submit(prompt, params, **kwargs)
         pieces = _streamed(request)
-        weakref.finalize(pieces, request.cancel).atexit = False  # dropped before its first piece was read
+        weakref.finalize(pieces, _cancel_unfinished, request).atexit = False  # dropped before it was read
         return pieces
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, tools: list[dict] | None = None,

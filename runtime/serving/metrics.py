@@ -87,9 +87,6 @@ class ServerMetrics:
 
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
         self.inter_token = histogram("inter_token_latency_seconds", "Time between output tokens", _LATENCY_BUCKETS)
-        # vLLM's earlier name for the same, which its published dashboards still read
-        self.per_output_token = histogram("time_per_output_token_seconds", "Time between output tokens",
-                                          _LATENCY_BUCKETS)
         self.request_per_output_token = histogram("request_time_per_output_token_seconds",
                                                   "A request's decode time per output token after the first",
                                                   _LATENCY_BUCKETS)
@@ -129,7 +126,6 @@ class ServerMetrics:
             self.ttft.labels(model).observe(stats.ttft_s)
         for before, after in zip(stats.token_times, stats.token_times[1:]):
             self.inter_token.labels(model).observe(after - before)
-            self.per_output_token.labels(model).observe(after - before)
         if stats.total_s is not None:
             self.e2e.labels(model).observe(stats.total_s)
         if stats.scheduled_s is not None:

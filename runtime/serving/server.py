@@ -25,9 +25,9 @@ from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from typing import AsyncIterator, Awaitable, Callable, NoReturn
 
-from runtime.conversation import CompactionInterrupted, Conversation, ConversationManager
+from runtime.conversation import Conversation, ConversationManager
 from runtime.engine.config import EngineConfig
-from runtime.engine.engine import LLMEngine, Request
+from runtime.engine.engine import EngineClosed, GenerationFailed, LLMEngine, Request
 from runtime.engine.sampling import SamplingParams
 from runtime.errors import AtcError
 from runtime.serving.breaker import CircuitBreaker
@@ -283,10 +283,15 @@ class Server:
                     **prompt) -> list[Generation]:
         """`start_choices` off the event loop (tokenizing a long prompt takes seconds), its request timeout
         counted from now: a conversation's turn on the threads kept for turns, anything else on asyncio's."""
-        deadline = time.monotonic() + self.settings.request_timeout_s
+        deadline = self._deadline()
         pool = self._turns if prompt.get("conversation") is not None else None
-        return await asyncio.get_running_loop().run_in_executor(pool, partial(
-            self.start_choices, authorization, model, endpoint, params, n, deadline=deadline, **prompt))
+        try:
+            return await asyncio.get_running_loop().run_in_executor(pool, partial(
+                self.start_choices, authorization, model, endpoint, params, n, deadline=deadline, **prompt))
+        except RuntimeError:  # the turns' threads are gone: the server closed meanwhile
+            if self._closed:
+                raise self._shutting_down() from None
+            raise
 
     def start_choices(self, authorization: str | None, model: str | None, endpoint: str, params: dict, n: int, *,
                       prompt: str | list[int] | None = None, messages: list[dict] | None = None,
@@ -302,7 +307,7 @@ class Server:
         Every choice is ended (504) at `deadline`, a `time.monotonic()` instant (the request timeout from now
         by default); a conversation's compaction is bound by it too."""
         if deadline is None:
-            deadline = time.monotonic() + self.settings.request_timeout_s
+            deadline = self._deadline()
         key, name, engine = self.engine_for(authorization, model)
         if time.monotonic() >= deadline:  # it waited that long for a thread
             self._reject(name, self._timed_out())
@@ -328,8 +333,10 @@ class Server:
                 self._reject(name, Refusal(400, error.message, "invalid_request_error", param="messages"))
             except TimeoutError:  # the conversation's summary was not written in time
                 self._reject(name, self._timed_out())
-            except CompactionInterrupted:  # the engine closed under the summary
-                self._reject(name, Refusal(503, "the server is shutting down", "unavailable", self.settings.retry_after_s))
+            except EngineClosed:  # under the conversation's summary
+                self._reject(name, self._shutting_down())
+            except GenerationFailed:  # the conversation's summary failed in its step
+                self._reject(name, Refusal(500, "generation failed", "server_error"))
             except Exception as error:  # the chat template's own errors (jinja's), or a prompt it cannot tokenize
                 self._reject(name, Refusal(400, f"the prompt cannot be rendered or tokenized: {error}",
                                            "invalid_request_error"))
@@ -375,7 +382,7 @@ class Server:
         reserved = len(ids) + sum(each)
         with self._lock:
             if self.closing:  # the drain began while this one was being tokenized
-                raise Refusal(503, "the server is shutting down", "unavailable", self.settings.retry_after_s)
+                raise self._shutting_down()
             if len(choices) > self.settings.max_pending:  # would never be admitted: not worth a retry
                 self._reject(name, Refusal(400, f"n is {len(choices)}: more choices than the server runs at once "
                                                 f"({self.settings.max_pending})", "invalid_request_error", param="n"))
@@ -540,8 +547,15 @@ class Server:
         if status == 499:
             raise Refusal(499, "the client closed the request", "cancelled")
 
+    def _deadline(self) -> float:
+        """When a request arriving now is ended (504): the request timeout from now."""
+        return time.monotonic() + self.settings.request_timeout_s
+
     def _timed_out(self) -> Refusal:
         return Refusal(504, f"the request took longer than {self.settings.request_timeout_s:g} s", "timeout")
+
+    def _shutting_down(self) -> Refusal:
+        return Refusal(503, "the server is shutting down", "unavailable", self.settings.retry_after_s)
 
     def _settle(self, generation: Generation) -> None:
         status, outcome = generation.outcome()
@@ -619,8 +633,8 @@ class Server:
         if self._closed:
             return
         self._closed = True
-        if self._turns is not None:  # a turn still waiting for a thread is not started
-            self._turns.shutdown(wait=False, cancel_futures=True)
+        if self._turns is not None:  # a turn still waiting for a thread finds the server closed (503)
+            self._turns.shutdown(wait=False)
         for engine in self._distinct_engines():
             engine.close()
         self.guard.close()

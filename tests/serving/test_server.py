@@ -224,8 +224,6 @@ def test_metrics_add_up(server, engine):
     assert server.metric("cann_llm:iteration_tokens_total_bucket", model_name="tiny", le="+Inf") == steps
     assert server.metric("cann_llm:iteration_tokens_total_sum", model_name="tiny") >= max(steps, server.metric(
         "cann_llm:generation_tokens_total", model_name="tiny"))
-    assert server.metric("cann_llm:inter_token_latency_seconds_count", model_name="tiny") == server.metric(
-        "cann_llm:time_per_output_token_seconds_count", model_name="tiny") > 0
     assert 0 < server.metric("cann_llm:request_time_per_output_token_seconds_count", model_name="tiny") <= ran
     # the pool's written pages, which stay resident: whole pages, some written, at most the 32 of the pool
     resident = server.metric("cann_llm:kv_cache_resident_bytes", model_name="tiny")

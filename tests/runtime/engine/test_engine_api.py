@@ -318,15 +318,22 @@ def test_a_call_waiting_while_the_engine_closes_raises_engine_closed(om):
 def test_a_stream_is_submitted_or_refused_by_the_call(engine):
     with pytest.raises(SettingError, match="empty"):
         engine.stream("")
-    started = engine.stats.prompt_tokens
-    pieces = engine.stream([5, 6, 7], max_new_tokens=200, temperature=0, ignore_eos=True)
-    deadline = time.monotonic() + 60
-    while engine.stats.prompt_tokens == started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert engine.stats.prompt_tokens == started + 3  # running before its first piece is asked for
-    del pieces  # dropped unread: its request is cancelled
-    gc.collect()
+    gate, run = threading.Event(), engine.runner.run
+    started, generated = engine.stats.prompt_tokens, engine.stats.generated_tokens
+    engine.runner.run = _held_once_tokens_are_out(engine, gate)
+    try:
+        pieces = engine.stream([5, 6, 7], max_new_tokens=200, temperature=0, ignore_eos=True)
+        deadline = time.monotonic() + 60
+        while engine.stats.generated_tokens == generated and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.stats.prompt_tokens == started + 3  # running before its first piece is asked for
+        del pieces  # dropped unread: its request is cancelled
+        gc.collect()
+    finally:
+        gate.set()
+        engine.runner.run = run
     assert _idle(engine)
+    assert engine.stats.generated_tokens - generated < 200
 
 
 def test_a_finished_requests_text_can_be_read_again_and_ends(engine):
