@@ -47,6 +47,14 @@ class _CausalLMWithFlatCache(torch.nn.Module):
         return (out.logits, *flat)
 
 
+class _CausalLMWithoutPositions(_CausalLMWithFlatCache):
+    """The same, taking no position_ids: the model counts its positions itself, as when a user exports
+    `input_ids` and the mask alone."""
+
+    def forward(self, input_ids, attention_mask, *past):
+        return super().forward(input_ids, attention_mask, None, *past)
+
+
 def kv_geometry(config) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads, head_dim) of a transformers config."""
     heads = config.num_attention_heads
@@ -98,18 +106,22 @@ def _logging_at(logger: logging.Logger, level: int):
 
 
 def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, dynamo: bool, with_past: bool,
-                     external_data: bool = False, opset: int | None = None, optimize: bool = True) -> Path:
+                     external_data: bool = False, opset: int | None = None, optimize: bool = True,
+                     positions: bool = True) -> Path:
     """Export `model` to `path` (TorchScript at `opset`, 17 unless given; dynamo at `opset`, the exporter's
-    default unless given, with its graph optimizer or, `optimize=False`, as traced); the file is written
-    atomically (temp name, then rename)."""
+    default unless given, with its graph optimizer or, `optimize=False`, as traced; `positions=False`:
+    without a position_ids input); the file is written atomically (temp name, then rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     model = model.eval()
     num_layers, _, _ = kv_geometry(model.config)
     input_names, output_names = io_names(num_layers, with_past)
+    if not positions:
+        input_names.remove("position_ids")
+    tokens = 3 if positions else 2  # inputs before the past
     feeds = example_inputs(model.config, with_past, dtype=next(model.parameters()).dtype)
     args = tuple(feeds[name] for name in input_names)
-    wrapper = _CausalLMWithFlatCache(model, with_past).eval()
+    wrapper = (_CausalLMWithFlatCache if positions else _CausalLMWithoutPositions)(model, with_past).eval()
     tmp = path.with_name(f"{path.stem}.{os.getpid()}.partial.onnx")
     # notices a user cannot act on: torchvision's detection ops (which no LLM uses) left unregistered, and a
     # deprecation inside torch.export's own code
@@ -120,8 +132,8 @@ def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, dynamo:
                                     category=FutureWarning)
             dynamic = torch.export.Dim.DYNAMIC
             # forward(*past) is one positional slot to torch.export: its shapes nest in a tuple
-            past_shapes = tuple({0: dynamic, 2: dynamic} for _ in input_names[3:])
-            shapes = ({0: dynamic, 1: dynamic},) * 3 + ((past_shapes,) if with_past else ())
+            past_shapes = tuple({0: dynamic, 2: dynamic} for _ in input_names[tokens:])
+            shapes = ({0: dynamic, 1: dynamic},) * tokens + ((past_shapes,) if with_past else ())
             program = torch.onnx.export(
                 wrapper, args, input_names=input_names, output_names=output_names,
                 dynamic_shapes=shapes, dynamo=True, optimize=optimize,
@@ -131,7 +143,7 @@ def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, dynamo:
         else:
             axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "total"},
                     "position_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}
-            for name in input_names[3:]:
+            for name in input_names[tokens:]:
                 axes[name] = {0: "batch", 2: "past"}
             for name in output_names[1:]:
                 axes[name] = {0: "batch", 2: "total"}

@@ -108,6 +108,24 @@ def _peel_cast(tensor: gs.Tensor) -> gs.Tensor:
     return node.inputs[0] if node is not None and dtype_kind(node.inputs[0].dtype) == "f" else tensor
 
 
+# float16's lowest value: a floor at or below it only keeps -inf out of the softmax
+_LOWEST_FLOOR = -65504.0
+
+
+def _peel_floor(tensor: gs.Tensor) -> gs.Tensor:
+    """The scores under `Max(scores, lowest)`: the older Llama lineage (Baichuan, InternLM) floors its masked
+    scores at the dtype's lowest value, which keeps -inf out of the softmax and changes no weight it gives
+    a key that is not masked."""
+    node = producer(tensor, "Max")
+    if node is None or len(node.inputs) != 2:
+        return tensor
+    for kept, floor in (node.inputs, node.inputs[::-1]):
+        value = scalar(floor)
+        if value is not None and value <= _LOWEST_FLOOR:
+            return kept
+    return tensor
+
+
 def split_mask(logits: gs.Tensor) -> tuple[gs.Tensor, tuple[gs.Tensor, ...], float]:
     """(scaled scores, the masks on them, a factor outside them) of a softmax input; no masks when there are
     none, the factor 1.0.
@@ -117,9 +135,9 @@ def split_mask(logits: gs.Tensor) -> tuple[gs.Tensor, tuple[gs.Tensor, ...], flo
     attention does (`Where(causal, scores, min) + attention_mask`; its only one before transformers 4.42),
     outermost first. A positive scalar outside the masked scores, `(scores + mask)·c` (transformers 4.57's
     CodeGen adds its mask before it divides), scales the scores: a mask of zeros and large negative values
-    hides the same keys times c.
+    hides the same keys times c. A floor at the dtype's lowest value over it all is looked through.
     """
-    logits = _peel_cast(logits)
+    logits = _peel_cast(_peel_floor(_peel_cast(logits)))
     scores, masks = _split_masks(logits)
     if not masks:
         inner, factor = match_scale(logits)

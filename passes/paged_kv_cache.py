@@ -77,6 +77,9 @@ class PagedKvCache:
             node.outputs.clear()
         for name in TOKEN_INPUTS:
             inputs[name].shape = [1, "num_tokens"]
+        carried = _carried_through(graph)
+        cache_io.update(carried)
+        graph.outputs = [t for t in graph.outputs if t.name not in carried]
         graph.cleanup(remove_unused_graph_inputs=False)  # what only fed the replaced cache reads no input now
         still_read = sorted(t.name for t in graph.inputs if t.name in cache_io and t.outputs)
         if still_read:
@@ -122,22 +125,35 @@ class PagedKvCache:
                                      "cannot express; compile with --enable_paged_attention=0")
 
 
+def _carried_through(graph: gs.Graph) -> set[str]:
+    """Names of the cache's inputs that the graph only hands back as outputs (through Identity), and of
+    those outputs: state of the cache object the model never reads (transformers' own exporter passes a
+    sliding-window layer's `_sliding_window_tensor` through), which a paged cache does not keep."""
+    outputs = {id(t) for t in graph.outputs}
+    carried = set()
+    for tensor in graph.inputs:
+        readers = tensor.outputs
+        if tensor.name.startswith("past_key_values") and readers and all(
+                n.op == "Identity" and id(n.outputs[0]) in outputs for n in readers):
+            carried |= {tensor.name} | {n.outputs[0].name for n in readers}
+    return carried
+
+
 def _positions_from_an_input(graph: gs.Graph, attention: gs.Node) -> None:
     """Give a graph that counts its positions itself a `position_ids` input in their place, as a flattened
-    batch needs: from the past's length (Optimum's Gemma has no position_ids input: `Range(past, past + S)`),
-    or, in an export without a cache, from 0 to the tokens' count (an export of `input_ids`, with or without
-    its mask: `Range(0, S)`).
+    batch needs: from the past's length (Optimum's Gemma has no position_ids input: `Range(past, past + S)`;
+    transformers 5 counts `Range(0, S) + past`), or, in an export without a cache, from 0 to the tokens'
+    count (an export of `input_ids`, with or without its mask: `Range(0, S)`).
 
-    With rotary tables the Range is looked for among what they are computed from; without them (GPT-2's
-    learned positions) every Range is taken. Either way it must start at a length read from a past KV input,
-    or count the tokens where there is no past. Otherwise the graph is left alone (and refused for want of
-    position_ids).
+    With rotary tables the counter is looked for among what they are computed from; without them (GPT-2's
+    learned positions) every counter is taken. Either way it must start at a length read from a past KV
+    input, or count the tokens where there is no past. Otherwise the graph is left alone (and refused for
+    want of position_ids).
     """
     has_past = any(t.name.startswith("past_key_values") for t in graph.inputs)
     cos = input_at(attention.inputs, Fused.COS)
     if cos is None:
-        counters = [n for n in graph.nodes if n.op == "Range" and (
-            _reads_past_length(n.inputs[0]) if has_past else _counts_tokens(n))]
+        counters = [n for n in graph.nodes if _counts_positions(n, has_past)]
         if counters:
             _read_from_an_input(graph, counters)
         return
@@ -148,10 +164,21 @@ def _positions_from_an_input(graph: gs.Graph, attention: gs.Node) -> None:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        if node.op == "Range" and (_reads_past_length(node.inputs[0]) if has_past else _counts_tokens(node)):
+        if _counts_positions(node, has_past):
             _read_from_an_input(graph, [node])
             return
         queue.extend(node.inputs)
+
+
+def _counts_positions(node: gs.Node, has_past: bool) -> bool:
+    """Whether `node` gives each token its position: a Range from the past's length, or one from 0 with
+    the past's length added; a Range from 0 to the tokens' count where there is no past."""
+    if node.op == "Range":
+        return _reads_past_length(node.inputs[0]) if has_past else _counts_tokens(node)
+    if node.op != "Add" or not has_past:
+        return False
+    return any((counter := producer(first, "Range")) is not None and _counts_tokens(counter)
+               and _reads_past_length(second) for first, second in (node.inputs, node.inputs[::-1]))
 
 
 def _read_from_an_input(graph: gs.Graph, counters: list[gs.Node]) -> None:

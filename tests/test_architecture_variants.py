@@ -471,3 +471,59 @@ def test_gemma2_softcapped_attention_fuses_and_generates(dynamo, tmp_path):
     for host_attention in (False, True):
         got = engine_greedy(om, prompts, 12, max_context_len=160, kv_cache_pages=48, host_attention=host_attention)
         assert got == expected, host_attention
+
+
+def test_an_export_with_a_cache_and_no_position_ids_is_served_paged(tmp_path):
+    """An export of `input_ids`, the mask and the cache alone: transformers 5 counts its positions as
+    `Range(0, S)` plus the past's length, which a paged compile reads from a position_ids input instead."""
+    from models.export import export_causal_lm
+
+    source = export_causal_lm(_build("LlamaConfig", "LlamaForCausalLM"), tmp_path / "model.onnx", dynamo=True,
+                              with_past=True, positions=False)
+    om = compile_to(source, tmp_path / "paged", enable_paged_attention=True)
+    paged = load_artifact(om)
+    assert Counter(n.op_type for n in paged.model.graph.node)["PagedAttention"] == SIZES["num_hidden_layers"]
+    assert "position_ids" in [i.name for i in paged.model.graph.input]
+    _paged_equals_onnxruntime(source, om, [[5, 6, 7], list(range(3, 40))], 12)
+
+
+def _export_legacy(model, path, dynamo: bool):
+    """`model` (models/legacy_llama.py) exported with its flat cache, Optimum's names, dynamic shapes."""
+    import torch
+
+    from models.export import io_names
+
+    inputs, outputs = io_names(len(model.layers), with_past=True)
+    head_dim = model.layers[0].self_attn.head_dim
+    past = [torch.randn(2, model.kv_heads, 3, head_dim) for _ in inputs[3:]]
+    args = (torch.randint(0, 256, (2, 5)), torch.ones(2, 8, dtype=torch.long), torch.arange(3, 8)[None].repeat(2, 1),
+            *past)
+    with torch.no_grad():
+        if dynamo:
+            dynamic = torch.export.Dim.DYNAMIC
+            shapes = ({0: dynamic, 1: dynamic},) * 3 + (tuple({0: dynamic, 2: dynamic} for _ in past),)
+            torch.onnx.export(model, args, input_names=inputs, output_names=outputs, dynamic_shapes=shapes,
+                              dynamo=True).save(str(path))
+        else:
+            axes = {"input_ids": {0: "b", 1: "s"}, "attention_mask": {0: "b", 1: "t"}, "position_ids": {0: "b", 1: "s"},
+                    **{name: {0: "b", 2: "p"} for name in inputs[3:]}}
+            torch.onnx.export(model, args, str(path), input_names=inputs, output_names=outputs, dynamic_axes=axes,
+                              dynamo=False, opset_version=17)
+    return path
+
+
+@pytest.mark.parametrize("style, dynamo", [("baichuan", False), ("internlm2", True)])
+def test_the_older_llama_lineages_remote_code_is_served_paged(style, dynamo, tmp_path):
+    """Baichuan-7B's and InternLM2's remote code: masked scores floored at the lowest float before the
+    softmax, and rotary tables of `[1, 1, max_positions, dim]` sliced on their third axis to the length
+    the past's shape gives. Fused and read whole, each layer's attention is paged; the model's own greedy
+    tokens."""
+    from models.legacy_llama import build_legacy_model, greedy
+
+    model = build_legacy_model(style)
+    source = _export_legacy(model, tmp_path / "model.onnx", dynamo)
+    om = compile_to(source, tmp_path / "paged", enable_paged_attention=True)
+    assert Counter(n.op_type for n in load_artifact(om).model.graph.node)["PagedAttention"] == len(model.layers)
+    prompts = [[5, 6, 7], list(range(3, 40))]
+    got = engine_greedy(om, prompts, 12, max_context_len=160, kv_cache_pages=48)
+    assert got == [greedy(model, prompt, 12) for prompt in prompts]

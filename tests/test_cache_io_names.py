@@ -69,13 +69,13 @@ def _export_unnamed(path, dynamo: bool, family: str = "llama", reverse: bool = F
     return path
 
 
-def _export_with_transformers(path):
+def _export_with_transformers(path, family: str = "llama", overrides: dict | None = None):
     """transformers' own ONNX exporter (`transformers.exporters`), dynamic shapes, with a cache."""
     exporter_onnx = pytest.importorskip("transformers.exporters.exporter_onnx")
     from transformers import DynamicCache
     from transformers.exporters.configs import OnnxConfig
 
-    model = build_tiny_model("llama").eval()
+    model = build_tiny_model(family, overrides=overrides).eval()
     feeds = example_inputs(model.config, with_past=True)
     past = [feeds[name] for name in CACHE_NAMES]
     sample = {name: feeds[name] for name in ("input_ids", "attention_mask", "position_ids")}
@@ -125,6 +125,21 @@ def test_transformers_own_onnx_exporter_fuses_and_generates(tmp_path):
     `past_key_values.layers.N.keys` in and `cache.layers.N.keys` out."""
     source = _export_with_transformers(tmp_path / "model.onnx")
     _assert_generates_as_transformers(source, tmp_path)
+
+
+def test_transformers_own_exporter_on_a_sliding_window_model_is_served_paged(tmp_path):
+    """It passes each sliding-window layer's `_sliding_window_tensor` through the graph, input to output:
+    state of the cache object that the model never reads, which the paged compile drops with the cache (the
+    engine had nothing to feed it)."""
+    window = {"sliding_window": 4}
+    source = _export_with_transformers(tmp_path / "model.onnx", "mistral", window)
+    carried = [i.name for i in onnx.load(source, load_external_data=False).graph.input if "_sliding_window" in i.name]
+    assert carried
+    om = _compile(source, tmp_path / "paged", enable_paged_attention=True)
+    signature = load_artifact(om).metadata["signature"]
+    assert not [v["name"] for v in signature["inputs"] + signature["outputs"] if "_sliding_window" in v["name"]]
+    assert engine_greedy(om, PROMPTS, NEW_TOKENS) == hf_greedy("mistral", tuple(map(tuple, PROMPTS)), NEW_TOKENS,
+                                                               window)
 
 
 def test_initializers_kept_as_inputs_compile(tmp_path):

@@ -87,7 +87,8 @@ def trial_step(runner: PagedRunner | ContiguousRunner, vocab_size: int, path: st
                                                f"not [1, {vocab_size}] (one row of the vocabulary)")
             seq.num_computed += count
             seq.token_ids.append(0)
-    except ORT_FAILURES + (PagedInputError,) as error:
+    # ValueError: an input the runner does not feed (the executor names it)
+    except ORT_FAILURES + (PagedInputError, ValueError) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise AtcError("E13015", path, f"the graph fails a trial step: {reason}") from None
     finally:
