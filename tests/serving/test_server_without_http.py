@@ -594,21 +594,27 @@ def test_turns_being_summarised_hold_up_no_other_request(om):
 
 
 def test_a_turn_whose_summary_outlasts_the_request_timeout_is_ended_with_504(om):
-    # the summary's 3,000-token prompt is prefilled a token a step: seconds, however fast the host
-    server = _server(om, settings=ServerSettings(request_timeout_s=1.5))
+    server = _server(om, settings=ServerSettings(request_timeout_s=2.0))
+    engine = server.engines["tiny"]
+    # the summary's first step is held until well past the deadline, however fast the host
+    gate, run = threading.Event(), engine.runner.run
+    engine.runner.run = lambda batch: gate.wait(timeout=60) and run(batch)
     try:
         history = _long_history(server, "slow")
+        opening = threading.Timer(5.0, gate.set)
+        opening.start()
         refusal = _refused(lambda: asyncio.run(server.admit(None, None, "/x", {**GREEDY, "max_new_tokens": 4}, 1,
                                                             messages=[], conversation=("slow", None, "next"))))
+        opening.join()
         assert (refusal.status, refusal.kind) == (504, "timeout")
         kept = server.conversations["tiny"].get("slow")
         assert kept.turns == history and kept.summary is None and kept.compacted == 0  # nothing half-done kept
         assert server.conversations["tiny"].lock("slow").acquire(blocking=False)
-        engine = server.engines["tiny"]  # the summary's request ran, and the engine ended it at the deadline
-        assert engine.stats.prompt_tokens > 3000
+        assert engine.stats.prompt_tokens > 3000  # the summary's request ran, and the engine ended it at the deadline
         _wait_until(lambda: not engine.scheduler.running and not engine.scheduler.waiting)
         assert _count(server, "rejected") == 1
     finally:
+        gate.set()
         server.close()
 
 
