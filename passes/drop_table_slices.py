@@ -36,7 +36,7 @@ def _first_rows_of_a_table(node: gs.Node) -> tuple[gs.Constant, int] | None:
         if sliced is None or len(sliced) != 1:
             return None
         axis = sliced[0] % len(table.shape)
-        if any(size != 1 for size in table.shape[:axis]):
+        if table.shape[axis] == 1 or any(size != 1 for size in table.shape[:axis]):
             return None
     if steps is not None and steps.name and const_ints(steps) != [1]:
         return None

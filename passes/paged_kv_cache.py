@@ -178,7 +178,24 @@ def _counts_positions(node: gs.Node, has_past: bool) -> bool:
     if node.op != "Add" or not has_past:
         return False
     return any((counter := producer(first, "Range")) is not None and _counts_tokens(counter)
-               and _reads_past_length(second) for first, second in (node.inputs, node.inputs[::-1]))
+               and _is_past_length(second) for first, second in (node.inputs, node.inputs[::-1]))
+
+
+def _is_past_length(tensor: gs.Tensor) -> bool:
+    """Whether `tensor` is the past's length itself: axis 2 of a past KV input's shape (`Shape(past, start=2,
+    end=3)` or `Gather(Shape(past), 2)`), through casts and reshapes; nothing computed from it."""
+    while (step := producer(tensor, *_LENGTH_STEPS)) is not None:
+        tensor = step.inputs[0]
+    read = producer(tensor, "Shape", "Gather")
+    if read is not None and read.op == "Gather":
+        if const_ints(read.inputs[1]) != [2] or read.attrs.get("axis", 0) != 0:
+            return False
+        read = producer(read.inputs[0], "Shape")
+        axis = 2 if read is not None and read.attrs.get("start", 0) == 0 else None
+    else:
+        axis = read.attrs.get("start", 0) if read is not None and read.attrs.get("end") == read.attrs.get(
+            "start", 0) + 1 else None
+    return axis == 2 and read.inputs[0].name.startswith("past_key_values") and not read.inputs[0].inputs
 
 
 def _read_from_an_input(graph: gs.Graph, counters: list[gs.Node]) -> None:

@@ -50,6 +50,10 @@ ORT_FAILURES = tuple(getattr(ort_state, name) for name in ("Fail", "InvalidGraph
                                                             "InvalidProtobuf", "RuntimeException"))
 
 
+class FeedMismatch(ValueError):
+    """Feeds that do not match the artifact's inputs: one it has no input for, or an input not fed."""
+
+
 class Executor:
     """Runs a loaded artifact: `run(feeds) -> {output name: array}`.
 
@@ -154,7 +158,7 @@ class Executor:
         if unknown or missing:
             said = [f"no input named {', '.join(map(repr, unknown))}"] if unknown else []
             said += [f"{', '.join(map(repr, missing))} not fed"] if missing else []
-            raise ValueError(f"{'; '.join(said)}: the model's inputs are {', '.join(inputs)}")
+            raise FeedMismatch(f"{'; '.join(said)}: the model's inputs are {', '.join(inputs)}")
         for name, value in feeds.items():
             rank = len(inputs[name]["shape"])
             if np.ndim(value) != rank:

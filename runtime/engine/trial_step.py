@@ -12,7 +12,7 @@ from runtime.engine.sampling import SamplingParams
 from runtime.engine.scheduler import ScheduledBatch
 from runtime.engine.sequence import Sequence
 from runtime.errors import AtcError
-from runtime.executor import ORT_FAILURES
+from runtime.executor import ORT_FAILURES, FeedMismatch
 from runtime.kernels.paged_attention import PagedInputError
 from runtime.signature import CONTIGUOUS_INPUTS, PAST_NAME, fixed_token_shape, present_name
 
@@ -87,8 +87,8 @@ def trial_step(runner: PagedRunner | ContiguousRunner, vocab_size: int, path: st
                                                f"not [1, {vocab_size}] (one row of the vocabulary)")
             seq.num_computed += count
             seq.token_ids.append(0)
-    # ValueError: an input the runner does not feed (the executor names it)
-    except ORT_FAILURES + (PagedInputError, ValueError) as error:
+    # FeedMismatch: an input the runner does not feed (the executor names it)
+    except ORT_FAILURES + (PagedInputError, FeedMismatch) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise AtcError("E13015", path, f"the graph fails a trial step: {reason}") from None
     finally:

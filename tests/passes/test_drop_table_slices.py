@@ -64,3 +64,42 @@ def test_the_gather_reads_the_whole_table(gather):
 def test_a_slice_not_of_the_first_rows_or_read_otherwise_stays(options):
     graph = gs.import_onnx(_model(**options))
     assert DropTableSlices().run(graph).effect_times == 0 and "Slice" in [n.op for n in graph.nodes]
+
+
+def _buffer_model(squeezes: list[list[int] | None]):
+    """A `[1, 1, rows, width]` buffer sliced on its third axis to the tokens' count, then Squeezed (each
+    with its axes, or None: every unit axis) and its rows gathered: Baichuan-7B's and InternLM's
+    `cos_cached[:, :, :seq_len].squeeze(1).squeeze(0)[position_ids]`."""
+    nodes = [helper.make_node("Shape", ["tokens"], ["shape"]),
+             helper.make_node("Gather", ["shape", "one"], ["length"], axis=0),
+             helper.make_node("Unsqueeze", ["length", "zero_axis"], ["end"]),
+             helper.make_node("Slice", ["table", "start", "end", "third_axis"], ["rows0"])]
+    initializers = [numpy_helper.from_array(TABLE[None, None], "table"), numpy_helper.from_array(np.array(1), "one"),
+                    numpy_helper.from_array(np.array([0]), "zero_axis"), numpy_helper.from_array(np.array([2]), "third_axis"),
+                    numpy_helper.from_array(np.array([0]), "start")]
+    for i, axes in enumerate(squeezes):
+        inputs = [f"rows{i}"]
+        if axes is not None:
+            initializers.append(numpy_helper.from_array(np.array(axes), f"axes{i}"))
+            inputs.append(f"axes{i}")
+        nodes.append(helper.make_node("Squeeze", inputs, [f"rows{i + 1}"]))
+    nodes.append(helper.make_node("Gather", [f"rows{len(squeezes)}", "positions"], ["out"], axis=0))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("tokens", TensorProto.INT64, [1, "s"]),
+                                           helper.make_tensor_value_info("positions", TensorProto.INT64, [1, "s"])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_buffer_sliced_on_its_third_axis_is_read_whole():
+    model = _buffer_model([[1], [0]])
+    graph = gs.import_onnx(model)
+    assert DropTableSlices().run(graph).effect_times == 1
+    rewritten = gs.export_onnx(graph)
+    np.testing.assert_array_equal(_run(rewritten, 3, [0, 1, 2]), _run(model, 3, [0, 1, 2]))
+    np.testing.assert_array_equal(_run(rewritten, 1, [2]), TABLE[[2]][None])
+
+
+@pytest.mark.parametrize("squeezes", [[None], [[1], [1]], [[-3], [0]]])
+def test_a_squeeze_that_could_take_the_rows_axis_keeps_the_slice(squeezes):
+    """Every unit axis (one row is one too), the rows' own axis, or axes it cannot tell from their sign."""
+    assert DropTableSlices().run(gs.import_onnx(_buffer_model(squeezes))).effect_times == 0

@@ -617,3 +617,19 @@ def test_a_partial_rotation_must_pass_the_rest_of_the_head_through_whole(change)
 def test_dtype_kind_reads_the_onnx_enums_graphsurgeon_keeps_for_types_numpy_lacks():
     assert dtype_kind(TensorProto.BFLOAT16) == "V" and dtype_kind(TensorProto.FLOAT8E4M3FN) == "V"
     assert dtype_kind(np.int64) == "i" and dtype_kind(np.bool_) == "b" and dtype_kind(None) == "f"
+
+
+@pytest.mark.parametrize("floor, masked", [(float(np.finfo(np.float32).min), True), (-65504.0, True), (0.0, False),
+                                           (-1e4, False)])
+def test_a_floor_at_the_lowest_float_is_looked_through_and_no_other(floor, masked):
+    """`max(scores + mask, finfo.min)` (Baichuan's and InternLM's remote code) keeps -inf out of the softmax
+    and nothing else; a higher floor changes weights, and the scores under it are not read as masked."""
+    scores = gs.Variable("scores", np.float32, [1, 2, 3, 3])
+    gs.Node("MatMul", inputs=[gs.Variable("q", np.float32, [1, 2, 3, 4]), gs.Variable("k", np.float32, [1, 2, 4, 3])],
+            outputs=[scores])
+    mask = gs.Variable("mask", np.float32, [1, 1, 3, 3])
+    summed, floored = gs.Variable("summed", np.float32), gs.Variable("floored", np.float32)
+    gs.Node("Add", inputs=[scores, mask], outputs=[summed])
+    gs.Node("Max", inputs=[summed, gs.Constant("floor", np.array(floor, np.float32))], outputs=[floored])
+    found, masks, _ = split_mask(floored)
+    assert (found is scores and masks == (mask,)) if masked else masks == ()

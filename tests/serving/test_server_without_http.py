@@ -598,7 +598,11 @@ def test_a_turn_whose_summary_outlasts_the_request_timeout_is_ended_with_504(om)
     engine = server.engines["tiny"]
     # the summary's first step is held until well past the deadline, however fast the host
     gate, run = threading.Event(), engine.runner.run
-    engine.runner.run = lambda batch: gate.wait(timeout=60) and run(batch)
+    def held(batch):
+        assert gate.wait(timeout=60)
+        return run(batch)
+
+    engine.runner.run = held
     try:
         history = _long_history(server, "slow")
         opening = threading.Timer(5.0, gate.set)
