@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import weakref
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -62,21 +63,27 @@ def test_an_async_reader_whose_loop_closed_leaves_the_engine_working(engine):
     assert engine.generate([7] * 5, 4, 0) is not None
 
 
-def _held_once_tokens_are_out(engine: LLMEngine, gate: threading.Event):
-    """The runner's run, holding each step that finds every sequence with a token until `gate` opens: what a
-    test does meanwhile happens while the requests are in flight, however fast the tiny model is."""
-    run = engine.runner.run
+@contextmanager
+def _held_once_tokens_are_out(engine: LLMEngine):
+    """Within it, each step that finds every sequence with a token waits until the gate it yields opens
+    (opened, and the runner put back, on leaving): what a test does meanwhile happens while the requests are
+    in flight, however fast the tiny model is."""
+    gate, run = threading.Event(), engine.runner.run
 
     def held(batch):
         if all(seq.output_ids for seq in batch.seqs):
             gate.wait(timeout=60)
         return run(batch)
 
-    return held
+    engine.runner.run = held
+    try:
+        yield gate
+    finally:
+        gate.set()
+        engine.runner.run = run
 
 
 def test_a_cancelled_await_cancels_its_request(engine):
-    gate, run = threading.Event(), engine.runner.run
     started = engine.stats.generated_tokens
 
     async def give_up():
@@ -88,12 +95,8 @@ def test_a_cancelled_await_cancels_its_request(engine):
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    engine.runner.run = _held_once_tokens_are_out(engine, gate)
-    try:
+    with _held_once_tokens_are_out(engine):
         asyncio.run(give_up())
-    finally:
-        gate.set()
-        engine.runner.run = run
     assert _idle(engine)
     assert engine.stats.generated_tokens - started < 200
 
@@ -283,8 +286,7 @@ def test_an_engine_used_in_a_forked_child_is_refused_not_hung(om):
 
 def test_a_call_waiting_while_the_engine_closes_raises_engine_closed(om):
     engine = LLMEngine(om, max_context_len=256, kv_cache_pages=8)
-    gate, outcomes = threading.Event(), {}
-    engine.runner.run = _held_once_tokens_are_out(engine, gate)
+    outcomes = {}
 
     def wait(name, call):
         try:
@@ -293,21 +295,22 @@ def test_a_call_waiting_while_the_engine_closes_raises_engine_closed(om):
             outcomes[name] = error
 
     long = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
-    stream = engine.stream([6] * 10, **long)
-    waiting = [threading.Thread(target=wait, args=("generate", lambda: engine.generate([5] * 10, **long))),
-               threading.Thread(target=wait, args=("stream", lambda: "".join(stream))),
-               threading.Thread(target=wait, args=("say", lambda: Conversation(engine).say("hi", **long)))]
-    for thread in waiting:
-        thread.start()
-    while len(engine._requests) < 3 or not all(r.output_ids for r in engine._requests.values()):
-        time.sleep(0.01)
-    closing = threading.Thread(target=engine.close)
-    closing.start()
-    while not engine._closed:
-        time.sleep(0.001)
-    gate.set()
-    for thread in [closing, *waiting]:
-        thread.join(timeout=60)
+    with _held_once_tokens_are_out(engine) as gate:
+        stream = engine.stream([6] * 10, **long)
+        waiting = [threading.Thread(target=wait, args=("generate", lambda: engine.generate([5] * 10, **long))),
+                   threading.Thread(target=wait, args=("stream", lambda: "".join(stream))),
+                   threading.Thread(target=wait, args=("say", lambda: Conversation(engine).say("hi", **long)))]
+        for thread in waiting:
+            thread.start()
+        while len(engine._requests) < 3 or not all(r.output_ids for r in engine._requests.values()):
+            time.sleep(0.01)
+        closing = threading.Thread(target=engine.close)
+        closing.start()
+        while not engine._closed:
+            time.sleep(0.001)
+        gate.set()
+        for thread in [closing, *waiting]:
+            thread.join(timeout=60)
     # a text cut short by the closing is never returned as if it were the answer
     assert {name: type(outcome) for name, outcome in outcomes.items()} == dict.fromkeys(outcomes, EngineClosed)
     assert len(outcomes) == 3
@@ -318,10 +321,8 @@ def test_a_call_waiting_while_the_engine_closes_raises_engine_closed(om):
 def test_a_stream_is_submitted_or_refused_by_the_call(engine):
     with pytest.raises(SettingError, match="empty"):
         engine.stream("")
-    gate, run = threading.Event(), engine.runner.run
     started, generated = engine.stats.prompt_tokens, engine.stats.generated_tokens
-    engine.runner.run = _held_once_tokens_are_out(engine, gate)
-    try:
+    with _held_once_tokens_are_out(engine):
         pieces = engine.stream([5, 6, 7], max_new_tokens=200, temperature=0, ignore_eos=True)
         deadline = time.monotonic() + 60
         while engine.stats.generated_tokens == generated and time.monotonic() < deadline:
@@ -329,9 +330,6 @@ def test_a_stream_is_submitted_or_refused_by_the_call(engine):
         assert engine.stats.prompt_tokens == started + 3  # running before its first piece is asked for
         del pieces  # dropped unread: its request is cancelled
         gc.collect()
-    finally:
-        gate.set()
-        engine.runner.run = run
     assert _idle(engine)
     assert engine.stats.generated_tokens - generated < 200
 
