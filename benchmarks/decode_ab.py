@@ -22,10 +22,10 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # native_ab and engine_rounds, beside this file
 
-import runtime.kernels.native as native  # noqa: E402
+import cann_llm.runtime.kernels.native as native  # noqa: E402
 from engine_rounds import decode_rounds, report  # noqa: E402
 from native_ab import HERE, libraries  # noqa: E402
-from runtime.engine.engine import LLMEngine  # noqa: E402
+from cann_llm.runtime.engine.engine import LLMEngine  # noqa: E402
 
 PROMPT = [7 + i % 190 for i in range(32)]
 

@@ -27,12 +27,12 @@ import onnxruntime as ort
 from onnx import helper
 
 from memory_read import STREAMS, part_reader
-from runtime import Executor, load_artifact
-from runtime.engine.kv_cache import PagePool
-from runtime.huge_pages import HugePageArena
-from runtime.kernels import float32_panels, native
-from runtime.ops import CUSTOM_DOMAIN, MATMUL_F32
-from runtime.ort_session import enable_process_thread_pool, session_options
+from cann_llm.runtime import Executor, load_artifact
+from cann_llm.runtime.engine.kv_cache import PagePool
+from cann_llm.runtime.huge_pages import HugePageArena
+from cann_llm.runtime.kernels import float32_panels, native
+from cann_llm.runtime.ops import CUSTOM_DOMAIN, MATMUL_F32
+from cann_llm.runtime.ort_session import enable_process_thread_pool, session_options
 
 
 def matmul_weights(loaded) -> dict[str, np.ndarray]:
@@ -91,7 +91,7 @@ def matmul_session(weights: dict[str, np.ndarray], rows: int = 1) -> tuple[ort.I
 
 
 def native_matmul_session(weights: dict[str, np.ndarray]) -> tuple[ort.InferenceSession, dict, dict] | None:
-    """The matmuls of `matmul_session` as the runtime runs a float32 artifact's (runtime/executor.py
+    """The matmuls of `matmul_session` as the runtime runs a float32 artifact's (cann_llm/runtime/executor.py
     `_float32_panels`): MatMulF32 on panels laid out in one huge-page arena, in `weights`' order; the session,
     its feeds and the panels (kept alive while it runs). None where the library has no MatMulF32."""
     if not native.has_float32_panel_matmul():

@@ -4,7 +4,7 @@ a step) against the target with each draft, greedy, the same prompts, rounds alt
     python benchmarks/draft_speculation.py --target .cache/peers/smollm2-fp32.om \\
         --draft .cache/peers/smollm2-int4-awq-head4.om --draft .cache/peers/smollm2-w8a8.om [--tokens 128] [--k 4]
 
-Prompts are windows of models/data/eval.txt (held out: never used to choose anything), continued as plain
+Prompts are windows of cann_llm/models/data/eval.txt (held out: never used to choose anything), continued as plain
 text with EOS held off, so the output is new text rather than a copy of its prompt (where prompt lookup
 would do as well). Every engine runs in this process on onnxruntime's process-wide pool (as `cann-run`
 runs them: two sessions with pools of their own spin against each other on two cores). Prints tok/s per
@@ -23,8 +23,8 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.engine.engine import LLMEngine  # noqa: E402
-from runtime.engine.sampling import SamplingParams  # noqa: E402
+from cann_llm.runtime.engine.engine import LLMEngine  # noqa: E402
+from cann_llm.runtime.engine.sampling import SamplingParams  # noqa: E402
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -41,7 +41,7 @@ def main(target: str, drafts: tuple[str, ...], k: int, tokens: int, num_prompts:
     names = ["target alone", *drafts]
     engines = [LLMEngine(target, process_thread_pool=True)]
     engines += [LLMEngine(target, process_thread_pool=True, draft_model=d, num_speculative_tokens=k) for d in drafts]
-    text = (Path(__file__).resolve().parents[1] / "models" / "data" / "eval.txt").read_text()
+    text = (Path(__file__).resolve().parents[1] / "cann_llm" / "models" / "data" / "eval.txt").read_text()
     ids = engines[0].tokenizer.encode(text, add_special_tokens=False)
     stride = len(ids) // num_prompts
     prompts = [ids[i * stride:i * stride + prompt_tokens] for i in range(num_prompts)]

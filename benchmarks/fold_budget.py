@@ -19,10 +19,10 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from onnx import TensorProto, helper, numpy_helper
 
-from cli.atc import run as atc
-from models.nested_conditionals import nested_conditionals
-from passes.fold_constants import EVALUATION_BYTES, TOTAL_BYTES, WORK_BUDGET, FoldConstants
-from passes.infer_shapes import InferShapes
+from cann_llm.cli.atc import run as atc
+from cann_llm.models.nested_conditionals import nested_conditionals
+from cann_llm.passes.fold_constants import EVALUATION_BYTES, TOTAL_BYTES, WORK_BUDGET, FoldConstants
+from cann_llm.passes.infer_shapes import InferShapes
 
 
 def _fold(nodes, initializers, shape) -> tuple[float, int, int]:

@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from runtime.ort_session import session_options
+from cann_llm.runtime.ort_session import session_options
 
 SHAPES = ((576, 3072), (1536, 576), (576, 49152), (4096, 4096))
 

@@ -8,8 +8,8 @@ them that they come from memory, as a decode step's do): one as onnxruntime buil
 constant B), one with `session.disable_prepacking` (MLAS packs B on the fly each call, reading the weights as
 stored, which is what a second session or a native op over the same unpacked bytes would need), and where the
 native library has them, one of cann::MatMulF32 on the weights laid out in panels as the runtime lays them out
-at load (runtime/kernels/float32_panels.py) and one of cann::MatMulF28 on the same weights packed losslessly
-in 28 bits (runtime/kernels/float28.py). All on the process-wide pool of --threads, alternating --rounds
+at load (cann_llm/runtime/kernels/float32_panels.py) and one of cann::MatMulF28 on the same weights packed losslessly
+in 28 bits (cann_llm/runtime/kernels/float28.py). All on the process-wide pool of --threads, alternating --rounds
 times; prints the median µs per matmul and, at one row, the float32 weight bytes a second the time stands for
 (F28 reads 7/8 of them), and MLAS pre-packed over each native op. benchmarks/fp32_gemv_probe.c is a plain
 GEMV of our own on the same shapes.
@@ -26,9 +26,9 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
-from runtime.kernels import float28, float32_panels, native
-from runtime.ops import CUSTOM_DOMAIN
-from runtime.ort_session import enable_process_thread_pool, session_options
+from cann_llm.runtime.kernels import float28, float32_panels, native
+from cann_llm.runtime.ops import CUSTOM_DOMAIN
+from cann_llm.runtime.ort_session import enable_process_thread_pool, session_options
 
 
 def _weights(k: int, n: int, count: int) -> list[np.ndarray]:

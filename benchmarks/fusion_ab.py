@@ -22,11 +22,11 @@ import click
 
 from engine_rounds import decode_rounds, report
 
-from compiler.compile import compile_model
-from compiler.config import CompileConfig
-from models.tiny import TINY_FAMILIES, cache_dir
-from runtime import load_artifact
-from runtime.engine.engine import LLMEngine
+from cann_llm.compiler.compile import compile_model
+from cann_llm.compiler.config import CompileConfig
+from cann_llm.models.tiny import TINY_FAMILIES, cache_dir
+from cann_llm.runtime import load_artifact
+from cann_llm.runtime.engine.engine import LLMEngine
 
 PROMPT = [7 + i % 190 for i in range(32)]
 SMOLLM2_SIZES = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -38,7 +38,7 @@ def _export(family: str) -> Path:
     import torch
     import transformers
 
-    from models.export import export_causal_lm
+    from cann_llm.models.export import export_causal_lm
 
     path = cache_dir() / "bench" / f"{family}-smollm2-size" / "model.onnx"
     if not path.exists():

@@ -27,12 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import Engine, model_of  # noqa: E402
 from peers_perplexity import genai_window_logits  # noqa: E402
 
-from models.data_files import EVAL_TEXT  # noqa: E402
-from passes.quant.math import quantize_blockwise, quantize_full_range  # noqa: E402
-from passes.quant.search import clip_search  # noqa: E402
-from runtime.kernels.matmul_nbits_layout import dequantize_blockwise  # noqa: E402
-from runtime.perplexity import sliding_window_perplexity  # noqa: E402
-from runtime.tokenizer import TextTokenizer  # noqa: E402
+from cann_llm.models.data_files import EVAL_TEXT  # noqa: E402
+from cann_llm.passes.quant.math import quantize_blockwise, quantize_full_range  # noqa: E402
+from cann_llm.passes.quant.search import clip_search  # noqa: E402
+from cann_llm.runtime.kernels.matmul_nbits_layout import dequantize_blockwise  # noqa: E402
+from cann_llm.runtime.perplexity import sliding_window_perplexity  # noqa: E402
+from cann_llm.runtime.tokenizer import TextTokenizer  # noqa: E402
 
 HEAD = "lm_head.MatMul.weight"
 KINDS = {

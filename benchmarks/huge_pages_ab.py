@@ -4,7 +4,7 @@
                                        [--threads 2]      # or an FP32 or F28 artifact
 
 Two engines on the same artifact, one with `huge_pages` on (each native MatMulInt4's weight copied at load into
-memory mapped in 2 MB pages: runtime/huge_pages.py; MatMulF32's panels laid out in such memory; MatMulF28's
+memory mapped in 2 MB pages: cann_llm/runtime/huge_pages.py; MatMulF32's panels laid out in such memory; MatMulF28's
 panels read from the artifact's own mapping, whose page cache `atc` leaves in huge folios), one with it off
 (onnxruntime maps each weight of the artifact on its own: only the huge folios wholly inside a weight map as
 one; numpy's panels in huge pages only where 4 MB or more), both on onnxruntime's process-wide pool as
@@ -21,8 +21,8 @@ import click
 
 from engine_rounds import decode_rounds, report
 
-from runtime.engine.engine import LLMEngine
-from runtime.huge_pages import huge_pages_given
+from cann_llm.runtime.engine.engine import LLMEngine
+from cann_llm.runtime.huge_pages import huge_pages_given
 
 PROMPT = [7 + i % 190 for i in range(32)]
 

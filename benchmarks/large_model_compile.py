@@ -1,5 +1,5 @@
 """Compiling a model larger than the memory the compile may use: a synthetic Llama-architecture model of ~6 GB of
-float32 weights (models/synthetic_llama.py) compiled FP32, INT4 RTN and INT4 AWQ inside a memory cgroup
+float32 weights (cann_llm/models/synthetic_llama.py) compiled FP32, INT4 RTN and INT4 AWQ inside a memory cgroup
 limited to 2 GiB (the kernel enforces it: past the limit it reclaims page cache, and kills the compile if
 that is not enough), then checked against onnxruntime on the original.
 
@@ -86,8 +86,8 @@ def _reference(model: Path) -> tuple[list[int], np.ndarray]:
     """onnxruntime's greedy continuation of PROMPT on the original, and its first logits row."""
     import onnxruntime as ort
 
-    from runtime.feeds import causal_lm_inputs
-    from runtime.signature import io_signature, llm_dimensions
+    from cann_llm.runtime.feeds import causal_lm_inputs
+    from cann_llm.runtime.signature import io_signature, llm_dimensions
 
     session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     import onnx
@@ -106,8 +106,8 @@ def _reference(model: Path) -> tuple[list[int], np.ndarray]:
 
 def _ours(om: Path) -> tuple[list[int], dict[int, float]]:
     """The artifact's greedy continuation of PROMPT and the first step's 20 most likely log-probabilities."""
-    from runtime.engine.engine import LLMEngine
-    from runtime.engine.sampling import MAX_LOGPROBS, SamplingParams
+    from cann_llm.runtime.engine.engine import LLMEngine
+    from cann_llm.runtime.engine.sampling import MAX_LOGPROBS, SamplingParams
 
     with LLMEngine(om, max_context_len=64, kv_cache_pages=8, max_batch_size=1) as engine:
         output = engine.generate([PROMPT], SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True,
@@ -124,8 +124,8 @@ def _ours(om: Path) -> tuple[list[int], dict[int, float]]:
 @click.option("--compare_also", default="", help="modes compiled before (their .om in --folder) to compare too")
 def main(gigabytes: float, limit_mb: int, modes: str, folder: Path, compare_also: str) -> None:
     """Build the model if missing, compile it in each mode under the limit, compare with onnxruntime."""
-    from models.synthetic_llama import build
-    from models.tiny import byte_tokenizer_json
+    from cann_llm.models.synthetic_llama import build
+    from cann_llm.models.tiny import byte_tokenizer_json
 
     model = folder / "model.onnx"
     if not model.exists():

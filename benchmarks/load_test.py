@@ -4,7 +4,7 @@ oversized requests; then checks the server's own accounting.
     python benchmarks/load_test.py --url http://127.0.0.1:8000 --model smollm2 [--clients 64 --seconds 60]
 
 Each client loops: a streamed /v1/completions request of a random prompt length (windows of
-models/data/eval.txt, measured in characters) and random max_tokens; 10% of them close the stream after
+cann_llm/models/data/eval.txt, measured in characters) and random max_tokens; 10% of them close the stream after
 the first pieces. A share of requests (--abuse-share) is instead malformed JSON, a wrong type, or a
 prompt longer than the context. Reports TTFT p50/p99 and aggregate tokens/s of the completed streams, counts every status, and
 checks: no 5xx, the KV pool back to empty, and the server's requests_total (completed + rejected +
@@ -27,7 +27,7 @@ import click
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from models.data_files import EVAL_TEXT  # noqa: E402
+from cann_llm.models.data_files import EVAL_TEXT  # noqa: E402
 
 _METRIC = re.compile(r'^cann_llm:(\w+)\{([^}]*)\} ([0-9.e+-]+)$')
 

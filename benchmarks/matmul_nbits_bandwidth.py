@@ -1,4 +1,4 @@
-"""onnxruntime's MatMulNBits beside the native MatMulInt4 (runtime/kernels/native/matmul_int4.c) on the same bytes.
+"""onnxruntime's MatMulNBits beside the native MatMulInt4 (cann_llm/runtime/kernels/native/matmul_int4.c) on the same bytes.
 
     python benchmarks/matmul_nbits_bandwidth.py [--shapes 576x576,576x960,576x3072,1536x576,576x49152:8:64]
                                                 [--rows 1] [--megabytes 90] [--threads 2] [--rounds 3]
@@ -23,9 +23,9 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
-from runtime.kernels import native
-from runtime.ops import CUSTOM_DOMAIN
-from runtime.ort_session import enable_process_thread_pool, session_options
+from cann_llm.runtime.kernels import native
+from cann_llm.runtime.ops import CUSTOM_DOMAIN
+from cann_llm.runtime.ort_session import enable_process_thread_pool, session_options
 
 
 def weight_bytes(k: int, n: int, bits: int, block: int) -> int:

@@ -20,9 +20,9 @@ from typing import Callable
 import numba
 import numpy as np
 
-from runtime.kernels import native
-from runtime.kernels.numba_cache import user_cache_dir
-from runtime.made_once import made_once
+from cann_llm.runtime.kernels import native
+from cann_llm.runtime.kernels.numba_cache import user_cache_dir
+from cann_llm.runtime.made_once import made_once
 
 SOURCE = Path(__file__).with_name("read_probe.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")

@@ -21,8 +21,8 @@ import click
 import numpy as np
 from quant_sensitivity import eval_ids, quantize_float_graph, scoring_session
 
-from runtime.feeds import causal_lm_inputs
-from runtime.perplexity import perplexity
+from cann_llm.runtime.feeds import causal_lm_inputs
+from cann_llm.runtime.perplexity import perplexity
 
 
 class _Rounding:

@@ -22,10 +22,10 @@ import click
 import numpy as np
 from step_latency import median_ms  # benchmarks/ is the script's folder, so on its path
 
-from compiler.compile import compile_model
-from compiler.config import CompileConfig
-from runtime import Executor, load_artifact
-from runtime.feeds import causal_lm_inputs
+from cann_llm.compiler.compile import compile_model
+from cann_llm.compiler.config import CompileConfig
+from cann_llm.runtime import Executor, load_artifact
+from cann_llm.runtime.feeds import causal_lm_inputs
 
 
 def _compile(source: Path, output: Path, **flags) -> Path:
@@ -46,7 +46,7 @@ def _compile(source: Path, output: Path, **flags) -> Path:
 def main(family: str, experts: int, top_k: int, past: int, batch: int, prefill: int, rounds: int, repeat: int,
          threads: int) -> None:
     """Fused vs unfused MoE decode latency."""
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     sizes = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=experts,
                  num_experts_per_tok=top_k, moe_intermediate_size=256, norm_topk_prob=family == "qwen3_moe")

@@ -1,4 +1,4 @@
-"""This checkout's native library (runtime/kernels/native) against another git revision's, for benchmarks
+"""This checkout's native library (cann_llm/runtime/kernels/native) against another git revision's, for benchmarks
 that time a kernel both ways (`--baseline REV`): the revision's library built with this machine's compiler
 and `native.build`'s flags, one session per library on the process-wide pool, runs alternating so machine
 noise falls on both alike, and their outputs compared."""
@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from runtime.kernels import native
-from runtime.ort_session import enable_process_thread_pool, session_options
+from cann_llm.runtime.kernels import native
+from cann_llm.runtime.ort_session import enable_process_thread_pool, session_options
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = "this checkout"
@@ -26,7 +26,7 @@ def library_at(revision: str, folder: Path, flags: tuple[str, ...] = ()) -> Path
     sources = folder / "src"
     sources.mkdir(parents=True)
     for name in native.SOURCES:
-        text = subprocess.run(["git", "show", f"{revision}:runtime/kernels/native/{name}"], cwd=ROOT,
+        text = subprocess.run(["git", "show", f"{revision}:cann_llm/runtime/kernels/native/{name}"], cwd=ROOT,
                               capture_output=True, text=True, check=True).stdout
         (sources / name).write_text(text)
     target = folder / "libcann_native.so"

@@ -20,7 +20,7 @@ import time
 
 import click
 
-from runtime.engine.engine import LLMEngine
+from cann_llm.runtime.engine.engine import LLMEngine
 
 PROMPT = [7 + i % 190 for i in range(32)]
 

@@ -1,6 +1,6 @@
 """The needle test for long documents: a fact placed at 10 depths of a 32K-token document of held-out prose
-(models/data/eval.txt, repeated), a question about it, and the passages `--context_file` keeps for it
-(runtime/long_context.py). For each depth: whether the kept passages hold the fact, and whether the
+(cann_llm/models/data/eval.txt, repeated), a question about it, and the passages `--context_file` keeps for it
+(cann_llm/runtime/long_context.py). For each depth: whether the kept passages hold the fact, and whether the
 model's greedy answer states it.
 
     python benchmarks/needle.py --om .cache/smollm2.om [--tokens 32768] [--context 2048] [--depths 10] \\
@@ -17,10 +17,10 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.long_context import SCORINGS, LongContext  # noqa: E402
-from runtime.tokenizer import TextTokenizer  # noqa: E402
+from cann_llm.runtime.long_context import SCORINGS, LongContext  # noqa: E402
+from cann_llm.runtime.tokenizer import TextTokenizer  # noqa: E402
 
-PROSE = Path(__file__).resolve().parents[1] / "models" / "data" / "eval.txt"
+PROSE = Path(__file__).resolve().parents[1] / "cann_llm" / "models" / "data" / "eval.txt"
 NEEDLE = "The secret passphrase of the harbour office is amber-falcon-42."
 ANSWER = "amber-falcon-42"
 QUESTION = "What is the secret passphrase of the harbour office?"
@@ -50,7 +50,7 @@ def needle_document(tokenizer: TextTokenizer, tokens: int, depth: float) -> str:
               help="the question asked (a paraphrase tests ranking beyond shared words)")
 def main(om_path: str, tokens: int, context: int, depths: int, reply_tokens: int, scoring: str, question: str) -> None:
     """Print, per depth, whether the kept passages and the answer hold the needle, then the counts."""
-    from runtime.engine.engine import LLMEngine
+    from cann_llm.runtime.engine.engine import LLMEngine
 
     kept = answered = 0
     with LLMEngine(om_path, max_context_len=context, kv_cache_pages=max(64, context // 64)) as engine:

@@ -27,8 +27,8 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # peers_concurrency, beside this file
 
-import runtime.executor as executor_module  # noqa: E402
-from runtime.engine.engine import LLMEngine  # noqa: E402
+import cann_llm.runtime.executor as executor_module  # noqa: E402
+from cann_llm.runtime.engine.engine import LLMEngine  # noqa: E402
 
 
 def profiled(folder: str) -> None:
@@ -70,8 +70,8 @@ def run_mix(engine: LLMEngine, requests: int) -> list[str]:
     """peers_concurrency's mix on 32 clients; the step times it split into prompt-carrying and decode-only."""
     from peers_concurrency import request_mix
 
-    from cli.bench import _closed_loop
-    from models.data_files import EVAL_TEXT
+    from cann_llm.cli.bench import _closed_loop
+    from cann_llm.models.data_files import EVAL_TEXT
 
     mix = request_mix(engine.tokenizer.encode(EVAL_TEXT.read_text()), requests, 0)
     steps = {"with prompt tokens": [0, 0, 0.0], "decode only": [0, 0, 0.0]}

@@ -2,7 +2,7 @@
 
     python benchmarks/onnxruntime_quantized.py [--rounds 3]
 
-Models, made once into the cache folder from the dynamo export `python -m models.prepare smollm2` writes:
+Models, made once into the cache folder from the dynamo export `python -m cann_llm.models.prepare smollm2` writes:
 - dynamic: `onnxruntime.quantization.quantize_dynamic` with its defaults (int8 weights per tensor; uint8
   activations quantized per tensor at run time);
 - nbits: `MatMulNBitsQuantizer` (4 bits, blocks of 32, symmetric, accuracy level 4: int8 activations).
@@ -28,7 +28,7 @@ import click
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import ATC_FLAGS, cache_dir, smollm2_export  # noqa: E402
 
-from models.onnxruntime_quantizers import matmul_nbits, quantize_dynamic  # noqa: E402
+from cann_llm.models.onnxruntime_quantizers import matmul_nbits, quantize_dynamic  # noqa: E402
 
 QUANTIZERS = {"dynamic": quantize_dynamic, "nbits": matmul_nbits}
 
@@ -45,7 +45,7 @@ def quantized_model(kind: str) -> tuple[Path, Path]:
                 shutil.copy(extra, folder / extra.name)
         QUANTIZERS[kind](source, model)
     if not om.exists():
-        subprocess.run([sys.executable, "-m", "cli.atc", f"--model={model}", f"--output={om.with_suffix('')}",
+        subprocess.run([sys.executable, "-m", "cann_llm.cli.atc", f"--model={model}", f"--output={om.with_suffix('')}",
                         *ATC_FLAGS], check=True, capture_output=True)
     return model, om
 
@@ -54,7 +54,7 @@ def bench(model: Path, om: Path) -> dict:
     """One `cann-run bench` process: batch-1 prefill and decode of the engine and of onnxruntime."""
     with tempfile.TemporaryDirectory() as folder:
         report = Path(folder) / "bench.json"
-        subprocess.run([sys.executable, "-m", "cli.cann_run", "bench", "--model", str(om), "--onnx", str(model),
+        subprocess.run([sys.executable, "-m", "cann_llm.cli.cann_run", "bench", "--model", str(om), "--onnx", str(model),
                         "--concurrency", "1", "--requests", "4", "--long_prefill", "", "--threads", "2",
                         "--json", str(report)], check=True, capture_output=True)
         return json.loads(report.read_text())["batch1"]

@@ -12,10 +12,10 @@ import time
 import click
 import numpy as np
 
-from runtime import Executor, load_artifact
-from runtime.engine.kv_cache import PagePool
-from runtime.kernels import paged_attention
-from runtime.ops import paged_metadata_feeds
+from cann_llm.runtime import Executor, load_artifact
+from cann_llm.runtime.engine.kv_cache import PagePool
+from cann_llm.runtime.kernels import paged_attention
+from cann_llm.runtime.ops import paged_metadata_feeds
 
 
 def _decode_feeds(position: int, page_size: int) -> dict[str, np.ndarray]:

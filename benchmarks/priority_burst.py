@@ -4,7 +4,7 @@
     python benchmarks/priority_burst.py --om .cache/peers/smollm2-int4-awq-head4.om [--requests 200]
         [--urgent 0.2] [--prompt_tokens 64] [--new_tokens 32] [--max_batch_size 32]
 
-Prompts are distinct windows of models/data/eval.txt (no prefix shared), greedy, EOS held off. The same
+Prompts are distinct windows of cann_llm/models/data/eval.txt (no prefix shared), greedy, EOS held off. The same
 burst runs twice: with the priorities, and with every request at priority 0 (first come, first served),
 so the urgent class's TTFT can be set beside what it would be without them.
 """
@@ -20,8 +20,8 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.engine.engine import LLMEngine  # noqa: E402
-from runtime.engine.sampling import SamplingParams  # noqa: E402
+from cann_llm.runtime.engine.engine import LLMEngine  # noqa: E402
+from cann_llm.runtime.engine.sampling import SamplingParams  # noqa: E402
 
 
 def _p99(values: list[float]) -> float:
@@ -53,7 +53,7 @@ def main(om_path: str, requests: int, urgent_share: float, prompt_tokens: int, n
          max_batch_size: int) -> None:
     """Print each class's TTFT median and p99, with priorities and without."""
     with LLMEngine(om_path, max_batch_size=max_batch_size, kv_cache_pages=512, max_context_len=512) as engine:
-        text = (Path(__file__).resolve().parents[1] / "models" / "data" / "eval.txt").read_text()
+        text = (Path(__file__).resolve().parents[1] / "cann_llm" / "models" / "data" / "eval.txt").read_text()
         ids = engine.tokenizer.encode(text, add_special_tokens=False)
         prompts = [ids[i * prompt_tokens:(i + 1) * prompt_tokens] for i in range(requests)]
         urgent = set(random.Random(0).sample(range(requests), int(requests * urgent_share)))

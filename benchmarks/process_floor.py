@@ -18,7 +18,7 @@ import click
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = {"python": "pass", "numpy": "import numpy", "numpy + onnxruntime": "import numpy, onnxruntime",
-          "the engine": "import runtime.engine.engine"}
+          "the engine": "import cann_llm.runtime.engine.engine"}
 
 
 def _pss(pid: int) -> float:

@@ -21,22 +21,22 @@ import onnx
 import onnx_graphsurgeon as gs
 import onnxruntime as ort
 
-from cli.quant import fused_graph
-from compiler.config import CompileConfig
-from compiler.pipeline import calibration_samples, tokenizer_files
-from models.data_files import EVAL_TEXT
-from passes.graph_utils import lm_head
-from passes.quant.calibration import collect_input_statistics
-from passes.quant.config import QuantConfig
-from passes.quant.search import quantize_weights_together
-from passes.weight_memory import detach_weights
-from runtime.kernels.matmul_nbits_layout import QuantizedWeight, dequantize_blockwise
-from runtime.lowering import lower_for_onnxruntime
-from runtime.ort_session import session_options
-from runtime.perplexity import perplexity
-from runtime.proto_utils import initializers_as_inputs
-from runtime.signature import io_signature, llm_dimensions
-from runtime.tokenizer import TextTokenizer
+from cann_llm.cli.quant import fused_graph
+from cann_llm.compiler.config import CompileConfig
+from cann_llm.compiler.pipeline import calibration_samples, tokenizer_files
+from cann_llm.models.data_files import EVAL_TEXT
+from cann_llm.passes.graph_utils import lm_head
+from cann_llm.passes.quant.calibration import collect_input_statistics
+from cann_llm.passes.quant.config import QuantConfig
+from cann_llm.passes.quant.search import quantize_weights_together
+from cann_llm.passes.weight_memory import detach_weights
+from cann_llm.runtime.kernels.matmul_nbits_layout import QuantizedWeight, dequantize_blockwise
+from cann_llm.runtime.lowering import lower_for_onnxruntime
+from cann_llm.runtime.ort_session import session_options
+from cann_llm.runtime.perplexity import perplexity
+from cann_llm.runtime.proto_utils import initializers_as_inputs
+from cann_llm.runtime.signature import io_signature, llm_dimensions
+from cann_llm.runtime.tokenizer import TextTokenizer
 
 
 class FedWeightsSession:

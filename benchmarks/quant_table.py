@@ -5,7 +5,7 @@
 
 Compiles the model once per row with `atc --enable_compress_weight=1 --compress_weight_conf=...` or
 `--precision_mode=...` (recording the compiler's peak resident memory), then
-measures every row in the same run: perplexity on models/data/eval.txt (sliding window), and the median
+measures every row in the same run: perplexity on cann_llm/models/data/eval.txt (sliding window), and the median
 latency of one decode step after 256 cached tokens, rows interleaved so machine noise hits them alike.
 Writes a Markdown table and a JSON file to --out.
 """
@@ -24,11 +24,11 @@ from pathlib import Path
 import click
 import numpy as np
 
-from models.data_files import EVAL_TEXT
-from runtime import Executor, load_artifact
-from runtime.feeds import causal_lm_inputs
-from runtime.perplexity import perplexity
-from runtime.tokenizer import TextTokenizer
+from cann_llm.models.data_files import EVAL_TEXT
+from cann_llm.runtime import Executor, load_artifact
+from cann_llm.runtime.feeds import causal_lm_inputs
+from cann_llm.runtime.perplexity import perplexity
+from cann_llm.runtime.tokenizer import TextTokenizer
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ ROWS = {
 def _compile(onnx_path: Path, out: Path, name: str, row: Row) -> tuple[Path, float, float]:
     """The row's .om, compile seconds and the compiler's peak resident memory (GB)."""
     stem = out / name.replace(" ", "-").lower()
-    command = [sys.executable, "-m", "cli.atc", f"--model={onnx_path}", "--framework=5", f"--output={stem}",
+    command = [sys.executable, "-m", "cann_llm.cli.atc", f"--model={onnx_path}", "--framework=5", f"--output={stem}",
                "--soc_version=Ascend910B"]
     if row.conf is not None:
         conf_path = stem.with_suffix(".json")

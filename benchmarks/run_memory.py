@@ -14,7 +14,7 @@ import time
 
 import click
 
-from runtime.engine.engine import LLMEngine
+from cann_llm.runtime.engine.engine import LLMEngine
 
 
 def resident_mb() -> dict[str, int]:

@@ -3,7 +3,7 @@
     python benchmarks/scale_out.py --om .cache/peers/smollm2-int4-awq-head4.om [--rounds 2]
 
 Throughput: 2 replicas x 1 core against 1 replica x 2 cores (each a fresh `cann-run serve --ray` with its own
-local Ray head), the same 32 concurrent streamed completions (prompts cut from models/data/eval.txt, 50-600
+local Ray head), the same 32 concurrent streamed completions (prompts cut from cann_llm/models/data/eval.txt, 50-600
 characters, `--max_tokens` each with EOS held off), alternating configurations round by round: aggregate
 generated tokens/s, TTFT p50/p99.
 
@@ -32,7 +32,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from models.data_files import EVAL_TEXT  # noqa: E402
+from cann_llm.models.data_files import EVAL_TEXT  # noqa: E402
 
 
 class Deployment:
@@ -44,7 +44,7 @@ class Deployment:
             self.port = probe.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "cli.cann_run", "serve", "--ray", "--port", str(self.port), "--model", f"m={om}",
+            [sys.executable, "-m", "cann_llm.cli.cann_run", "serve", "--ray", "--port", str(self.port), "--model", f"m={om}",
              "--kv_cache_pages", "256", "--max_batch_size", "32", *argv],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         lines = []

@@ -26,8 +26,8 @@ from pathlib import Path
 import click
 from decode_floor import matmul_session, matmul_weights, weight_read
 
-from runtime import load_artifact
-from runtime.ort_session import enable_process_thread_pool
+from cann_llm.runtime import load_artifact
+from cann_llm.runtime.ort_session import enable_process_thread_pool
 
 ROWS = 512
 

@@ -1,5 +1,5 @@
 """What a second process serving the same artifact costs, with onnxruntime's pre-packed weights private to each
-process (the default) and shared through the on-disk cache (`share_weights`, runtime/prepacked_cache.py).
+process (the default) and shared through the on-disk cache (`share_weights`, cann_llm/runtime/prepacked_cache.py).
 
     python benchmarks/shared_weights.py --om .cache/peers/smollm2-fp32.om [--rounds 3] [--tokens 96]
 
@@ -41,8 +41,8 @@ def _rollup(pid: int) -> dict[str, float]:
 def child(om: str, share: bool, tokens: int) -> None:
     """Load, decode, report the rate on stdout, then hold the engine until stdin closes."""
     sys.path.insert(0, str(ROOT))
-    from runtime.engine.engine import LLMEngine
-    from runtime.engine.sampling import SamplingParams
+    from cann_llm.runtime.engine.engine import LLMEngine
+    from cann_llm.runtime.engine.sampling import SamplingParams
 
     engine = LLMEngine(om, process_thread_pool=True, max_batch_size=1, kv_cache_pages=16, share_weights=share)
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)

@@ -27,10 +27,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # native_ab, beside this file
 
 from native_ab import HERE, libraries  # noqa: E402
-from runtime import Executor, load_artifact  # noqa: E402
-from runtime.engine.kv_cache import PagePool  # noqa: E402
-from runtime.kernels import native  # noqa: E402
-from runtime.ort_session import enable_process_thread_pool  # noqa: E402
+from cann_llm.runtime import Executor, load_artifact  # noqa: E402
+from cann_llm.runtime.engine.kv_cache import PagePool  # noqa: E402
+from cann_llm.runtime.kernels import native  # noqa: E402
+from cann_llm.runtime.ort_session import enable_process_thread_pool  # noqa: E402
 
 
 def executor_on(library: Path, om_path: str, context: int, steps: int) -> tuple[Executor, PagePool, np.ndarray]:

@@ -17,9 +17,9 @@ from collections import defaultdict
 
 import click
 
-import runtime.engine.engine as engine_module
-from runtime.engine.engine import LLMEngine
-from runtime.executor import _HostStep
+import cann_llm.runtime.engine.engine as engine_module
+from cann_llm.runtime.engine.engine import LLMEngine
+from cann_llm.runtime.executor import _HostStep
 
 
 class Timers:

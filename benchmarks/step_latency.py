@@ -16,9 +16,9 @@ import click
 import numpy as np
 import onnxruntime as ort
 
-from runtime import Executor, load_artifact
-from runtime.feeds import causal_lm_inputs
-from runtime.ort_session import session_options
+from cann_llm.runtime import Executor, load_artifact
+from cann_llm.runtime.feeds import causal_lm_inputs
+from cann_llm.runtime.ort_session import session_options
 
 
 def median_ms(fn, repeat: int) -> float:

@@ -3,7 +3,7 @@ schema against the same decode without one, at batch 1 and 32.
 
     python benchmarks/structured_outputs.py --om .cache/peers/smollm2-int4-awq-head4.om
 
-1. Grammar engines (the choice behind runtime/engine/structured.py), on the model's own vocabulary: the time
+1. Grammar engines (the choice behind cann_llm/runtime/engine/structured.py), on the model's own vocabulary: the time
    to compile a JSON schema, and the median time of the token mask along the tokens of a valid instance,
    for llguidance and outlines-core (xgrammar is left out: its wheel requires torch, which the runtime may
    not). Each is asked for the mask as the sampler needs it (a bitmask over the vocabulary).
@@ -25,9 +25,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.engine.engine import LLMEngine  # noqa: E402
-from runtime.engine.sampling import SamplingParams  # noqa: E402
-from runtime.engine.structured import JSON_LAYOUT, StructuredOutput  # noqa: E402
+from cann_llm.runtime.engine.engine import LLMEngine  # noqa: E402
+from cann_llm.runtime.engine.sampling import SamplingParams  # noqa: E402
+from cann_llm.runtime.engine.structured import JSON_LAYOUT, StructuredOutput  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40},

@@ -22,9 +22,9 @@ _METRIC = re.compile(r'^cann_llm:(\w+)\{([^}]*)\} ([0-9.e+-]+)$')
 
 def compile_tiny(folder: Path) -> Path:
     """The tiny Llama as a paged `.om` with its tokenizer, compiled into `folder` (once)."""
-    from compiler.compile import compile_model
-    from compiler.config import CompileConfig
-    from models.tiny import tiny_onnx
+    from cann_llm.compiler.compile import compile_model
+    from cann_llm.compiler.config import CompileConfig
+    from cann_llm.models.tiny import tiny_onnx
 
     om = folder / "tiny.om"
     if om.exists():
@@ -50,7 +50,7 @@ class ServeProcess:
     def __init__(self, om: Path, *argv: str, timeout_s: float = 120):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.process = subprocess.Popen([sys.executable, "-m", "cli.cann_run", "serve", "--port", str(self.port),
+        self.process = subprocess.Popen([sys.executable, "-m", "cann_llm.cli.cann_run", "serve", "--port", str(self.port),
                                          "--model", f"tiny={om}", *argv], cwd=ROOT, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.PIPE, text=True, encoding="utf-8")
         self._lines: list[str] = []

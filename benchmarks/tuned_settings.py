@@ -1,5 +1,5 @@
 """The engine settings `atc --auto_tune_mode` recorded in an artifact against EngineConfig's defaults, measured
-side by side: batch-1 greedy decode and a 1,024-token prefill (runtime/engine/tuning.py), each setting in a
+side by side: batch-1 greedy decode and a 1,024-token prefill (cann_llm/runtime/engine/tuning.py), each setting in a
 process of its own, alternating, medians of the per-round ratios.
 
     python benchmarks/tuned_settings.py --om .cache/tuned/smollm2-int4.om [--rounds 5]
@@ -15,9 +15,9 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from compiler.auto_tune import compare_with_defaults  # noqa: E402
-from runtime.artifact import OmFile  # noqa: E402
-from runtime.engine.tuning import tuned_settings  # noqa: E402
+from cann_llm.compiler.auto_tune import compare_with_defaults  # noqa: E402
+from cann_llm.runtime.artifact import OmFile  # noqa: E402
+from cann_llm.runtime.engine.tuning import tuned_settings  # noqa: E402
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

@@ -14,15 +14,15 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from compiler.compile import compile_model
-from compiler.config import CompileConfig
-from models.fixtures import TINY_EXPORTS
-from runtime.made_once import made_once
-from runtime.ort_session import session_options
+from cann_llm.compiler.compile import compile_model
+from cann_llm.compiler.config import CompileConfig
+from cann_llm.models.fixtures import TINY_EXPORTS
+from cann_llm.runtime.made_once import made_once
+from cann_llm.runtime.ort_session import session_options
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# every tiny family × exporter × {prefill, KV cache} × attention, as models/fixtures.py says and makes
+# every tiny family × exporter × {prefill, KV cache} × attention, as cann_llm/models/fixtures.py says and makes
 EXPORTS = TINY_EXPORTS
 
 
@@ -55,7 +55,7 @@ def _logging_as_it_was():
 @pytest.fixture(scope="session")
 def tiny_llama_path() -> Path:
     """The TorchScript export of tiny Llama with KV-cache I/O."""
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     return tiny_onnx("llama", dynamo=False, with_past=True)
 
@@ -63,7 +63,7 @@ def tiny_llama_path() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """SmolLM2-135M-Instruct exported with KV cache (dynamo), prepared once per cache."""
-    from models.prepare import smollm2_onnx
+    from cann_llm.models.prepare import smollm2_onnx
 
     return smollm2_onnx()
 
@@ -72,7 +72,7 @@ def smollm2_path() -> Path:
 def avx2_library() -> Path:
     """The native library built with `-mno-avx512f`: its MatMulInt4 and attention tiles are the AVX2 kernels
     (on an AVX-512 machine, the library built here takes the others)."""
-    from runtime.kernels import native
+    from cann_llm.runtime.kernels import native
 
     built = native.library_path(("-mno-avx512f",))
     assert native.matmul_kernel(built) == 256

@@ -10,12 +10,12 @@ import onnx
 import onnx_graphsurgeon as gs
 import onnxruntime as ort
 
-from passes.infer_shapes import InferShapes
-from runtime import Executor, load_artifact
-from runtime.artifact import write_artifact
-from runtime.lowering import lower_for_onnxruntime
-from runtime.ort_session import session_options
-from runtime.signature import io_signature, llm_dimensions
+from cann_llm.passes.infer_shapes import InferShapes
+from cann_llm.runtime import Executor, load_artifact
+from cann_llm.runtime.artifact import write_artifact
+from cann_llm.runtime.lowering import lower_for_onnxruntime
+from cann_llm.runtime.ort_session import session_options
+from cann_llm.runtime.signature import io_signature, llm_dimensions
 
 
 def apply_pass(model: onnx.ModelProto, *passes):

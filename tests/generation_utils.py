@@ -17,7 +17,7 @@ def mixed_prompts(count: int, seed: int = 1, low: int = 2, high: int = 60) -> li
 
 @lru_cache(maxsize=None)
 def _model(family: str, overrides: tuple = ()):
-    from models.tiny import build_tiny_model
+    from cann_llm.models.tiny import build_tiny_model
 
     model = build_tiny_model(family, overrides=dict(overrides))
     model.generation_config.eos_token_id = None
@@ -53,7 +53,7 @@ def compile_tiny_chat_model(tmp_path_factory, template: str, name: str = "tiny",
 
     from conftest import compile_to
 
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     source = tiny_onnx("llama", dynamo=False, with_past=True)
     folder = tmp_path_factory.mktemp("tokenizer")

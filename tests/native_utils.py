@@ -11,8 +11,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from runtime.kernels import native
-from runtime.ort_session import session_options
+from cann_llm.runtime.kernels import native
+from cann_llm.runtime.ort_session import session_options
 
 
 def native_session(model: onnx.ModelProto, library: Path | None = None) -> ort.InferenceSession:

@@ -16,8 +16,8 @@ import pytest
 from conftest import compile_to, ort_reference
 from generation_utils import engine_greedy, ort_greedy
 
-from runtime import Executor, load_artifact
-from runtime.feeds import causal_lm_inputs
+from cann_llm.runtime import Executor, load_artifact
+from cann_llm.runtime.feeds import causal_lm_inputs
 
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
@@ -48,7 +48,7 @@ def _build(config_class: str, model_class: str, *, qkv_gain: float = 1.0, sizes:
 
 
 def _export(config_class: str, model_class: str, path, *, dynamo: bool, with_past: bool, **settings):
-    from models.export import export_causal_lm
+    from cann_llm.models.export import export_causal_lm
 
     return export_causal_lm(_build(config_class, model_class, **settings), path / "model.onnx", dynamo=dynamo,
                             with_past=with_past)
@@ -124,7 +124,7 @@ def test_longrope_factors_follow_each_sequence_not_its_batch(longrope):
 
 def test_longrope_perplexity_and_a_made_up_run_feed_the_last_positions(longrope, tmp_path):
     """`cann-run eval-ppl` and `cann-run run` build the paged feeds themselves."""
-    from runtime.perplexity import perplexity
+    from cann_llm.runtime.perplexity import perplexity
 
     source, om = longrope
     ids = list(range(3, 3 + 2 * SWITCH))
@@ -132,7 +132,7 @@ def test_longrope_perplexity_and_a_made_up_run_feed_the_last_positions(longrope,
     want = perplexity(Executor(load_artifact(contiguous)), ids, window=SWITCH + 8, stride=SWITCH // 2).perplexity
     got = perplexity(Executor(load_artifact(om)), ids, window=SWITCH + 8, stride=SWITCH // 2).perplexity
     assert got == pytest.approx(want, rel=1e-4)
-    done = subprocess.run([sys.executable, "-m", "cli.cann_run", "run", "--model", str(om), "--dymShape",
+    done = subprocess.run([sys.executable, "-m", "cann_llm.cli.cann_run", "run", "--model", str(om), "--dymShape",
                            "input_ids:2,4"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
 
@@ -159,7 +159,7 @@ def test_gpt_neox_heads_packed_one_by_one_fuse_and_generate(dynamo, tmp_path, ca
     """GPT-NeoX (Pythia) packs each head's q, k and v side by side in one projection: reordered into three
     blocks, its attention fuses and generates onnxruntime's tokens paged. With that pass switched off the
     attention stays as exported, and the compile says so (W10005) after its success line."""
-    from cli.atc import run
+    from cann_llm.cli.atc import run
 
     source = _export("GPTNeoXConfig", "GPTNeoXForCausalLM", tmp_path, dynamo=dynamo, with_past=False,
                      num_key_value_heads=4, rotary_pct=0.25)
@@ -315,7 +315,7 @@ def test_a_model_exported_at_opset_14_compiles_to_an_artifact_that_runs(tmp_path
     """TorchScript at opset 14 (an opset users still pick): the attention's lowering reads lengths without
     Shape's start and end (opset 15), so the contiguous artifact loads and matches onnxruntime on the export,
     and the paged one generates its greedy tokens."""
-    from models.export import export_causal_lm
+    from cann_llm.models.export import export_causal_lm
 
     source = export_causal_lm(_build("LlamaConfig", "LlamaForCausalLM"), tmp_path / "model.onnx", dynamo=False,
                               with_past=True, opset=14)
@@ -330,7 +330,7 @@ def test_a_model_exported_at_opset_12_compiles_to_an_artifact_that_runs(tmp_path
     ops' lowerings write (the artifact was refused at load), and reads the converter's flattened Softmax as
     the softmax over the last axis it is: the attention fuses, contiguous and paged, with onnxruntime's
     numbers and tokens on the export."""
-    from models.export import export_causal_lm
+    from cann_llm.models.export import export_causal_lm
 
     source = export_causal_lm(_build("LlamaConfig", "LlamaForCausalLM", attn_implementation="eager"),
                               tmp_path / "model.onnx", dynamo=False, with_past=True, opset=12)
@@ -349,7 +349,7 @@ def test_a_dynamo_export_without_its_optimizer_fuses_and_generates(config_class,
     """`torch.onnx.export(dynamo=True, optimize=False)` keeps what the optimizer would fold: CastLike (a
     function op onnxruntime expands, read as Cast), Constants given as value_float (float32, not the float64
     graphsurgeon's folding made of them), whole-axis Slices (`x[:, :]`, dropped) and empty ones (Phi-3's)."""
-    from models.export import export_causal_lm
+    from cann_llm.models.export import export_causal_lm
 
     source = export_causal_lm(_build(config_class, model_class, **config), tmp_path / "model.onnx", dynamo=True,
                               with_past=True, optimize=False)
@@ -406,8 +406,8 @@ def test_alibi_computed_in_bfloat16_compiles_to_float32_arithmetic(tmp_path, cap
     import torch
     from transformers.models.falcon.modeling_falcon import build_alibi_tensor
 
-    from cli.atc import run
-    from models.export import export_causal_lm
+    from cann_llm.cli.atc import run
+    from cann_llm.models.export import export_causal_lm
 
     model = _build("FalconConfig", "FalconForCausalLM", ffn_hidden_size=128, alibi=True, multi_query=False)
     source = export_causal_lm(model, tmp_path / "model.onnx", dynamo=True, with_past=False)
@@ -476,7 +476,7 @@ def test_gemma2_softcapped_attention_fuses_and_generates(dynamo, tmp_path):
 def test_an_export_with_a_cache_and_no_position_ids_is_served_paged(tmp_path):
     """An export of `input_ids`, the mask and the cache alone: transformers 5 counts its positions as
     `Range(0, S)` plus the past's length, which a paged compile reads from a position_ids input instead."""
-    from models.export import export_causal_lm
+    from cann_llm.models.export import export_causal_lm
 
     source = export_causal_lm(_build("LlamaConfig", "LlamaForCausalLM"), tmp_path / "model.onnx", dynamo=True,
                               with_past=True, positions=False)
@@ -488,10 +488,10 @@ def test_an_export_with_a_cache_and_no_position_ids_is_served_paged(tmp_path):
 
 
 def _export_legacy(model, path, dynamo: bool):
-    """`model` (models/legacy_llama.py) exported with its flat cache, Optimum's names, dynamic shapes."""
+    """`model` (cann_llm/models/legacy_llama.py) exported with its flat cache, Optimum's names, dynamic shapes."""
     import torch
 
-    from models.export import io_names
+    from cann_llm.models.export import io_names
 
     inputs, outputs = io_names(len(model.layers), with_past=True)
     head_dim = model.layers[0].self_attn.head_dim
@@ -518,7 +518,7 @@ def test_the_older_llama_lineages_remote_code_is_served_paged(style, dynamo, tmp
     softmax, and rotary tables of `[1, 1, max_positions, dim]` sliced on their third axis to the length
     the past's shape gives. Fused and read whole, each layer's attention is paged; the model's own greedy
     tokens."""
-    from models.legacy_llama import build_legacy_model, greedy
+    from cann_llm.models.legacy_llama import build_legacy_model, greedy
 
     model = build_legacy_model(style)
     source = _export_legacy(model, tmp_path / "model.onnx", dynamo)

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from cann_llm import CompileConfig, LLMEngine, compile_model
-from models.export import _CausalLMWithFlatCache, example_inputs
-from models.tiny import build_tiny_model, tiny_onnx
-from passes.infer_shapes import InferShapes
-from passes.name_causal_lm_io import NameCausalLmIo
-from runtime.errors import AtcError
-from runtime.loader import load_artifact
+from cann_llm.models.export import _CausalLMWithFlatCache, example_inputs
+from cann_llm.models.tiny import build_tiny_model, tiny_onnx
+from cann_llm.passes.infer_shapes import InferShapes
+from cann_llm.passes.name_causal_lm_io import NameCausalLmIo
+from cann_llm.runtime.errors import AtcError
+from cann_llm.runtime.loader import load_artifact
 from tests.generation_utils import engine_greedy, hf_greedy
 
 PROMPTS = [[5, 17, 42, 99, 3, 150], [7, 120, 33]]

@@ -15,8 +15,8 @@ import pytest
 from conftest import compile_to
 from generation_utils import assert_paged_greedy_equals_onnxruntime
 
-from models.tiny import REPO_ROOT
-from runtime import Executor, load_artifact
+from cann_llm.models.tiny import REPO_ROOT
+from cann_llm.runtime import Executor, load_artifact
 
 CORPUS = Path(os.environ.get("CANN_LLM_CORPUS", REPO_ROOT.parent / "shared" / "corpus"))
 MODELS = sorted(p.name for p in CORPUS.iterdir() if (p / "model.onnx").is_file()) if CORPUS.is_dir() else []

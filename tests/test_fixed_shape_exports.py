@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from cann_llm import CompileConfig, LLMEngine, compile_model
-from models.tiny import build_tiny_model, tiny_onnx
-from runtime.errors import AtcError
-from runtime.executor import Executor
-from runtime.loader import load_artifact
+from cann_llm.models.tiny import build_tiny_model, tiny_onnx
+from cann_llm.runtime.errors import AtcError
+from cann_llm.runtime.executor import Executor
+from cann_llm.runtime.loader import load_artifact
 from tests.generation_utils import assert_paged_greedy_equals_onnxruntime, engine_greedy, ort_greedy
 
 SHAPE = (1, 8)

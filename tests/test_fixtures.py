@@ -1,13 +1,13 @@
-"""models/fixtures.py: what `make test` makes before pytest is what the tests would make on first use, and
+"""cann_llm/models/fixtures.py: what `make test` makes before pytest is what the tests would make on first use, and
 nothing the cache already holds is made again."""
 
 from __future__ import annotations
 
 import pytest
 
-from models import fixtures
-from models.fixtures import TINY_EXPORTS, missing_jobs
-from models.tiny import tiny_onnx, tiny_onnx_path
+from cann_llm.models import fixtures
+from cann_llm.models.fixtures import TINY_EXPORTS, missing_jobs
+from cann_llm.models.tiny import tiny_onnx, tiny_onnx_path
 
 
 @pytest.mark.parametrize("case", [TINY_EXPORTS[0], TINY_EXPORTS[-1]], ids=str)

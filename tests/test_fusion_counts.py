@@ -1,4 +1,4 @@
-"""Fused-op counts on every tiny export: what each family's recipe (models/recipes.py) says it must give."""
+"""Fused-op counts on every tiny export: what each family's recipe (cann_llm/models/recipes.py) says it must give."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ from collections import Counter
 import pytest
 from conftest import EXPORTS, export_id
 
-from models.recipes import RECIPES
-from runtime import load_artifact
+from cann_llm.models.recipes import RECIPES
+from cann_llm.runtime import load_artifact
 
 LAYERS = 2
 
 
 @pytest.mark.parametrize("case", EXPORTS, ids=export_id)
 def test_fused_counts_follow_the_family_recipe(case, compiled):
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     family, dynamo, with_past, attention = case
     loaded = load_artifact(compiled(tiny_onnx(family, dynamo=dynamo, with_past=with_past, attention=attention)))

@@ -13,9 +13,9 @@ from conftest import compile_to, ort_reference
 from generation_utils import mixed_prompts
 
 from cann_llm import LLMEngine
-from models.genai_builder import PRECISIONS, builder_available, genai_model
-from models.tiny import TINY_FAMILIES
-from runtime import Executor, load_artifact
+from cann_llm.models.genai_builder import PRECISIONS, builder_available, genai_model
+from cann_llm.models.tiny import TINY_FAMILIES
+from cann_llm.runtime import Executor, load_artifact
 
 pytestmark = pytest.mark.skipif(not builder_available(),
                                 reason="onnxruntime-genai is not installed (pip install onnxruntime-genai; "
@@ -125,7 +125,7 @@ def _logits_near_onnxruntime(source, loaded) -> None:
 
 def test_the_gpu_float16_model_compiles_fused_in_float32_contiguous_and_paged(tmp_path, capsys):
     """`-p fp16 -e cuda`: GroupQueryAttention in float16, raised to float32 arithmetic (W10006) and fused."""
-    from cli.atc import run
+    from cann_llm.cli.atc import run
 
     source = genai_model("fp16", provider="cuda") / "model.onnx"
     assert _counts(onnx.load(source, load_external_data=False))["GroupQueryAttention"] == LAYERS
@@ -144,7 +144,7 @@ def test_the_cpu_float16_model_with_a_named_head_size_is_refused_until_given_one
     separate RotaryEmbeddings does not convert, so nothing gives the cache's head size, which the export only
     names (`kv_cache_dim`): E10055 and no artifact, never one its runtime cannot load. With the size given by
     --input_shape it compiles, its unconverted attention counted by W10005, and runs."""
-    from cli.atc import run
+    from cann_llm.cli.atc import run
 
     source = genai_model("fp16") / "model.onnx"
     assert _counts(onnx.load(source, load_external_data=False))["MultiHeadAttention"] == LAYERS

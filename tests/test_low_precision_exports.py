@@ -1,5 +1,5 @@
 """Models exported in bfloat16 or float16, as transformers 5 loads a checkpoint saved in them
-(`from_pretrained`'s `dtype="auto"`), compile to float32 arithmetic (passes/upcast_float_compute.py): their
+(`from_pretrained`'s `dtype="auto"`), compile to float32 arithmetic (cann_llm/passes/upcast_float_compute.py): their
 attention fuses, contiguous and paged, and the artifact computes what onnxruntime computes on the float32
 export of the same weights (onnxruntime cannot run the bfloat16 export itself on a CPU). The weights stay
 in the model's dtype unless `--precision_mode` asks otherwise; the compile says what it did (W10006)."""
@@ -14,9 +14,9 @@ import pytest
 from conftest import compile_to, ort_reference
 from generation_utils import assert_paged_greedy_equals_onnxruntime
 
-from models.tiny import TINY_FAMILIES
-from runtime import Executor, load_artifact
-from runtime.feeds import causal_lm_inputs
+from cann_llm.models.tiny import TINY_FAMILIES
+from cann_llm.runtime import Executor, load_artifact
+from cann_llm.runtime.feeds import causal_lm_inputs
 
 LOW = {"bfloat16": onnx.TensorProto.BFLOAT16, "float16": onnx.TensorProto.FLOAT16}
 CASES = [("llama", "bfloat16", True, True), ("qwen2", "bfloat16", True, False), ("llama", "float16", False, True)]
@@ -28,8 +28,8 @@ def exports(request, tmp_path_factory):
     """(the export in the low dtype, the float32 export of the same weights, the dtype's name)."""
     import torch
 
-    from models.export import export_causal_lm
-    from models.tiny import build_tiny_model
+    from cann_llm.models.export import export_causal_lm
+    from cann_llm.models.tiny import build_tiny_model
 
     family, dtype, dynamo, with_past = request.param
     folder = tmp_path_factory.mktemp(f"{family}-{dtype}")
@@ -47,7 +47,7 @@ def _stored_types(loaded) -> Counter:
 
 
 def test_compiles_fused_computing_what_onnxruntime_computes_on_the_float32_export(exports, tmp_path, capsys):
-    from cli.atc import run
+    from cann_llm.cli.atc import run
 
     low, twin, dtype = exports
     assert any(i.type.tensor_type.elem_type == LOW[dtype] for i in onnx.load(low).graph.output)

@@ -30,14 +30,14 @@ from conftest import compile_to, ort_reference
 from fusion_utils import apply_pass
 from generation_utils import engine_greedy, mixed_prompts
 
-from models.onnxruntime_quantizers import matmul_nbits, optimum_dynamic, quantize_dynamic, saved_by_a_session
-from models.optimum_export import OptimumUnavailable, ensure_optimum_venv, optimum_onnx, venv_python
-from models.tiny import TINY_FAMILIES, tiny_onnx
-from passes.convert_integer_matmul import ConvertIntegerMatMul
-from compiler.compile import compile_model
-from compiler.config import CompileConfig
-from runtime import Executor, load_artifact
-from runtime.ops import attributes
+from cann_llm.models.onnxruntime_quantizers import matmul_nbits, optimum_dynamic, quantize_dynamic, saved_by_a_session
+from cann_llm.models.optimum_export import OptimumUnavailable, ensure_optimum_venv, optimum_onnx, venv_python
+from cann_llm.models.tiny import TINY_FAMILIES, tiny_onnx
+from cann_llm.passes.convert_integer_matmul import ConvertIntegerMatMul
+from cann_llm.compiler.compile import compile_model
+from cann_llm.compiler.config import CompileConfig
+from cann_llm.runtime import Executor, load_artifact
+from cann_llm.runtime.ops import attributes
 
 LAYERS = TINY_FAMILIES["llama"].sizes["num_hidden_layers"]
 NEW_TOKENS = 24

@@ -15,11 +15,11 @@ import onnx
 import pytest
 
 from conftest import compile_to, ort_reference
-from models.export import export_causal_lm
-from models.tiny import build_tiny_model
-from runtime.executor import Executor
-from runtime.loader import load_artifact
-from runtime.ops import FusedAttentionInput
+from cann_llm.models.export import export_causal_lm
+from cann_llm.models.tiny import build_tiny_model
+from cann_llm.runtime.executor import Executor
+from cann_llm.runtime.loader import load_artifact
+from cann_llm.runtime.ops import FusedAttentionInput
 from tests.generation_utils import assert_paged_greedy_equals_onnxruntime
 
 CASES = [("llama", 23, True), ("llama", 24, False), ("mistral", 23, True)]
@@ -60,10 +60,10 @@ def test_a_triangle_window_over_a_cache_outside_the_op_is_refused(tmp_path):
     over a cache concatenated outside the op the Attention is left as exported, not fused with another window."""
     import onnx_graphsurgeon as gs
 
-    from compiler.loader import load_onnx
-    from compiler.pass_manager import run_passes
-    from compiler.pipeline import build_pipeline
-    from passes.convert_attention import ConvertAttention
+    from cann_llm.compiler.loader import load_onnx
+    from cann_llm.compiler.pass_manager import run_passes
+    from cann_llm.compiler.pipeline import build_pipeline
+    from cann_llm.passes.convert_attention import ConvertAttention
 
     source = export_causal_lm(build_tiny_model("llama"), tmp_path / "model.onnx", dynamo=True, with_past=True, opset=23)
     graph = gs.import_onnx(load_onnx(source))

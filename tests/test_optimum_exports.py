@@ -6,7 +6,7 @@ paged engine what onnxruntime generates on the original. So do its exports witho
 single-graph exports. And so do the files optimum 1.17 with transformers 4.37 wrote, as most ONNX LLMs
 on the Hugging Face Hub were made (rotary tables sliced to the sequence's length; a merged decoder whose
 branch with a cache has no causal mask; GPT-2's eager attention filling its causal buffer in, then adding
-the padding mask). Exports are cached (models/optimum_export.py)."""
+the padding mask). Exports are cached (cann_llm/models/optimum_export.py)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ import pytest
 from conftest import compile_to, ort_reference
 from generation_utils import assert_paged_greedy_equals_onnxruntime
 
-from models.optimum_export import (FORM_FAMILIES, LEGACY_FAMILIES, OPTIMUM_FAMILIES, OptimumUnavailable,
+from cann_llm.models.optimum_export import (FORM_FAMILIES, LEGACY_FAMILIES, OPTIMUM_FAMILIES, OptimumUnavailable,
                                    ensure_optimum_venv, export_families)
-from models.recipes import RECIPES
-from models.tiny import TINY_FAMILIES
-from runtime import Executor, load_artifact
-from runtime.feeds import causal_lm_inputs
+from cann_llm.models.recipes import RECIPES
+from cann_llm.models.tiny import TINY_FAMILIES
+from cann_llm.runtime import Executor, load_artifact
+from cann_llm.runtime.feeds import causal_lm_inputs
 
 TOLERANCE = 1e-4
 NEW_TOKENS = 32

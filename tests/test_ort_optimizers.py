@@ -22,9 +22,9 @@ import pytest
 from conftest import compile_to, ort_reference
 from generation_utils import assert_paged_greedy_equals_onnxruntime
 
-from models.onnxruntime_quantizers import saved_by_a_session
-from models.tiny import TINY_FAMILIES, tiny_onnx
-from runtime import Executor, load_artifact
+from cann_llm.models.onnxruntime_quantizers import saved_by_a_session
+from cann_llm.models.tiny import TINY_FAMILIES, tiny_onnx
+from cann_llm.runtime import Executor, load_artifact
 
 LAYERS = TINY_FAMILIES["llama"].sizes["num_hidden_layers"]
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 4, 2, 16, 64

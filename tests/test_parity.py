@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from conftest import EXPORTS, compile_to, export_id, ort_reference
 
-from models.recipes import RECIPES
-from runtime import Executor, load_artifact
-from runtime.feeds import causal_lm_inputs
+from cann_llm.models.recipes import RECIPES
+from cann_llm.runtime import Executor, load_artifact
+from cann_llm.runtime.feeds import causal_lm_inputs
 
 TOLERANCE = 1e-5
 
@@ -44,7 +44,7 @@ RUNS = [(case, backend, fusion) for case in EXPORTS for backend in ("onnxruntime
 
 @pytest.mark.parametrize("case,backend,fusion", RUNS, ids=[f"{export_id(c)}-{b}-{f}" for c, b, f in RUNS])
 def test_compiled_tiny_model_matches_onnxruntime(case, backend, fusion, all_off, compiled):
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     family, dynamo, with_past, attention = case
     source = tiny_onnx(family, dynamo=dynamo, with_past=with_past, attention=attention)
@@ -68,7 +68,7 @@ def test_compiled_tiny_model_matches_onnxruntime(case, backend, fusion, all_off,
 
 @pytest.mark.parametrize("dynamo", [False, True], ids=["ts", "dynamo"])
 def test_two_compiles_give_identical_bytes(dynamo, tmp_path):
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     source = tiny_onnx("qwen2", dynamo=dynamo, with_past=True)
     first = compile_to(source, tmp_path / "model").read_bytes()

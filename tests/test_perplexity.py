@@ -10,13 +10,13 @@ import pytest
 import torch
 from conftest import compile_to
 
-from runtime import Executor, load_artifact
-from runtime.perplexity import perplexity
+from cann_llm.runtime import Executor, load_artifact
+from cann_llm.runtime.perplexity import perplexity
 
 
 @pytest.fixture(scope="module", params=["contiguous", "paged"])
 def llama(tmp_path_factory, request):
-    from models.tiny import build_tiny_model, tiny_onnx
+    from cann_llm.models.tiny import build_tiny_model, tiny_onnx
 
     om = compile_to(tiny_onnx("llama", dynamo=True, with_past=True), tmp_path_factory.mktemp("ppl") / "m",
                     enable_paged_attention=request.param == "paged")

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from cann_llm import CompileConfig, compile_model
-from models.tiny import build_tiny_model
-from runtime.executor import Executor
-from runtime.loader import load_artifact
+from cann_llm.models.tiny import build_tiny_model
+from cann_llm.runtime.executor import Executor
+from cann_llm.runtime.loader import load_artifact
 from tests.generation_utils import engine_greedy
 
 VOCAB = 256

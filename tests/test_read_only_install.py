@@ -21,7 +21,6 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("cli", "compiler", "passes", "runtime", "models", "cann_llm")
 BIN = Path(sys.executable).parent
 NOBODY = 65534
 
@@ -44,8 +43,7 @@ def sandbox():
     root = Path(tempfile.mkdtemp(prefix="cann-llm-ro-", dir="/tmp"))
     try:
         site = root / "site"
-        for package in PACKAGES:
-            shutil.copytree(REPO / package, site / package, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(REPO / "cann_llm", site / "cann_llm", ignore=shutil.ignore_patterns("__pycache__"))
         for path in [site, *site.rglob("*")]:
             path.chmod(stat.S_IMODE(path.stat().st_mode) & ~0o222 | 0o444 | (0o111 if path.is_dir() else 0))
         work = root / "work"
@@ -83,7 +81,8 @@ def _model(path: Path) -> None:
 def test_a_read_only_install_compiles_runs_and_caches_numba_code_per_user(sandbox):
     site, work = sandbox
     before = _files(site)
-    found = _run(site, work, sys.executable, "-c", "import runtime.kernels, cli.atc; print(runtime.kernels.__file__)")
+    found = _run(site, work, sys.executable, "-c",
+                 "import cann_llm.runtime.kernels, cann_llm.cli.atc; print(cann_llm.runtime.kernels.__file__)")
     assert found.stdout.strip().startswith(str(site)), found.stdout  # the read-only copy, not the checkout
     assert "W13004: /nonexistent/.cache/cann-llm/numba cannot be written" in found.stderr  # said, once
     assert found.stderr.count("W13004") == 1, found.stderr
@@ -95,7 +94,7 @@ def test_a_read_only_install_compiles_runs_and_caches_numba_code_per_user(sandbo
     ran = _run(site, work, str(BIN / "cann-run"), "run", "--model", "model.om", "--input", "x.npy", "--output", "out",
                "--output_dirname", "r")
     assert "NPU_compute_time" in ran.stdout and (work / "out" / "r_summary.json").is_file()
-    warmed = _run(site, work, sys.executable, "-m", "runtime.kernels.warmup", cache=True)
+    warmed = _run(site, work, sys.executable, "-m", "cann_llm.runtime.kernels.warmup", cache=True)
     assert "numba kernels ready: 6 signatures" in warmed.stdout and "W13004" not in warmed.stderr
     cached = list((work / "cache" / "cann-llm" / "numba").rglob("*.nbi"))
     assert cached, sorted(_files(work))

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from conftest import compile_to, ort_reference
 
-from cli.cann_run import cli
-from runtime import Executor, load_artifact
-from runtime.feeds import causal_lm_inputs
-from runtime.tokenizer import TextTokenizer
+from cann_llm.cli.cann_run import cli
+from cann_llm.runtime import Executor, load_artifact
+from cann_llm.runtime.feeds import causal_lm_inputs
+from cann_llm.runtime.tokenizer import TextTokenizer
 
 pytestmark = pytest.mark.slow
 RELATIVE_TOLERANCE = 1e-4
@@ -82,7 +82,7 @@ def smollm2_greedy(smollm2_om):
     (9x faster than one at a time on 2 cores, the same tokens)."""
     import torch
 
-    from models.prepare import load_smollm2_hf
+    from cann_llm.models.prepare import load_smollm2_hf
 
     model = load_smollm2_hf()
     tokenizer = TextTokenizer(load_artifact(smollm2_om).om.tokenizer_files())
@@ -103,7 +103,7 @@ def smollm2_paged_om(smollm2_path, compiled):
 
 @pytest.mark.parametrize("layout,drafts", [("paged", 0), ("contiguous", 0), ("paged", 4)])
 def test_engine_greedy_equals_transformers(request, smollm2_greedy, layout, drafts):
-    from runtime.engine.engine import LLMEngine
+    from cann_llm.runtime.engine.engine import LLMEngine
 
     om = request.getfixturevalue("smollm2_paged_om" if layout == "paged" else "smollm2_om")
     prompts, expected = smollm2_greedy
@@ -133,7 +133,7 @@ def test_force_fp16_stores_every_matmul_weight_and_the_tied_table_in_half_the_by
 
 
 def test_the_export_compiles_paged_with_every_layer_fused(smollm2_paged_om):
-    """SmolLM2 as `models.prepare` exports it (`cann-run export`'s code); TorchScript's export is held to the
+    """SmolLM2 as `cann_llm.models.prepare` exports it (`cann-run export`'s code); TorchScript's export is held to the
     same at tiny scale (tests/cli/test_export.py) and in the corpus (Llama by TorchScript)."""
     ops = [node.op_type for node in load_artifact(smollm2_paged_om).model.graph.node]
     assert ops.count("PagedAttention") == 30 and ops.count("RmsNorm") + ops.count("AddRmsNorm") == 61

@@ -14,9 +14,9 @@ import onnxruntime as ort
 import pytest
 
 from cann_llm import CompileConfig, compile_model
-from models.export import export_causal_lm
-from models.tiny import build_tiny_model, tiny_onnx
-from runtime.errors import AtcError
+from cann_llm.models.export import export_causal_lm
+from cann_llm.models.tiny import build_tiny_model, tiny_onnx
+from cann_llm.runtime.errors import AtcError
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""An application run as its users run it (`python -m apps.<name> ...`): served on 127.0.0.1 at the port its
+"""An application run as its users run it (`python -m cann_llm.apps.<name> ...`): served on 127.0.0.1 at the port its
 startup line names, or run to its end for what it prints and its exit status."""
 
 from __future__ import annotations

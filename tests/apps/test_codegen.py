@@ -12,10 +12,10 @@ import pytest
 from app_process import app_process, assert_refused, run_app
 from generation_utils import compile_tiny_chat_model
 
-from apps.codegen import CodeGenerator, extract_code
-from apps.codegen.service import GENERATE, syntax_error
-from models.tiny import tiny_onnx
-from runtime.engine.engine import LLMEngine
+from cann_llm.apps.codegen import CodeGenerator, extract_code
+from cann_llm.apps.codegen.service import GENERATE, syntax_error
+from cann_llm.models.tiny import tiny_onnx
+from cann_llm.runtime.engine.engine import LLMEngine
 
 CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
 SQUARE = "def square(x):\n    return x * x\n"
@@ -82,7 +82,7 @@ def test_a_retry_the_context_cannot_hold_leaves_the_first_answer(om):
 
 
 def test_the_service_answers_over_http(om):
-    with app_process("apps.codegen", "serve", "--model", str(om), "--max_new_tokens", "16") as url:
+    with app_process("cann_llm.apps.codegen", "serve", "--model", str(om), "--max_new_tokens", "16") as url:
         made = httpx.post(f"{url}/generate", json={"description": "add two numbers"}, timeout=120).json()
         assert set(made) == {"code", "answer", "valid", "error", "attempts"} and made["attempts"] in (1, 2)
         optimized = httpx.post(f"{url}/optimize", json={"code": SQUARE, "language": "python"}, timeout=120).json()
@@ -92,7 +92,7 @@ def test_the_service_answers_over_http(om):
 
 def test_the_service_refuses_what_it_cannot_answer_with_the_reason(om):
     """The tiny model's byte tokenizer makes each emoji four tokens: 3,990 of them are past its 4,096."""
-    with app_process("apps.codegen", "serve", "--model", str(om), "--max_new_tokens", "16") as url:
+    with app_process("cann_llm.apps.codegen", "serve", "--model", str(om), "--max_new_tokens", "16") as url:
         for path, body in [("generate", {"description": "🚚" * 3990}), ("optimize", {"code": "x = 1\n" * 5000})]:
             refused = httpx.post(f"{url}/{path}", json=body, timeout=120)
             assert refused.status_code == 422 and "does not fit the context" in refused.json()["detail"]
@@ -133,13 +133,13 @@ def not_text(tmp_path_factory):
 def test_the_command_refuses_a_users_mistake_with_one_coded_message(argv, said, om, om_without_template, not_text):
     paths = {"om": om, "no_template": om_without_template, "inputs": not_text,
              "onnx": tiny_onnx("llama", dynamo=False, with_past=True)}
-    done = run_app("apps.codegen", *[arg.format(**paths) for arg in argv])
+    done = run_app("cann_llm.apps.codegen", *[arg.format(**paths) for arg in argv])
     assert_refused(done, *said)
     assert "codegen serving on" not in done.stderr and done.stdout == ""
 
 
 def test_a_port_in_use_is_refused_before_the_model_loads(om):
     with socket.create_server(("127.0.0.1", 0)) as taken:
-        done = run_app("apps.codegen", "serve", "--model", str(om), "--port", str(taken.getsockname()[1]))
+        done = run_app("cann_llm.apps.codegen", "serve", "--model", str(om), "--port", str(taken.getsockname()[1]))
     assert_refused(done, "E10001", "--host/--port")
     assert "loading" not in done.stderr

@@ -13,11 +13,11 @@ import pytest
 from app_process import app_process, assert_refused, run_app
 from generation_utils import compile_tiny_chat_model
 
-from apps.customer_service import CustomerServiceBot, KnowledgeBase
-from apps.customer_service.bot import ESCALATION
-from runtime.engine.engine import LLMEngine
+from cann_llm.apps.customer_service import CustomerServiceBot, KnowledgeBase
+from cann_llm.apps.customer_service.bot import ESCALATION
+from cann_llm.runtime.engine.engine import LLMEngine
 
-KNOWLEDGE = Path(__file__).resolve().parents[2] / "apps" / "customer_service" / "knowledge"
+KNOWLEDGE = Path(__file__).resolve().parents[2] / "cann_llm" / "apps" / "customer_service" / "knowledge"
 BROWSER = "/usr/bin/chromium"  # Debian's package, which `make test` installs
 CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
 
@@ -92,7 +92,7 @@ def test_a_one_document_knowledge_base_answers_what_it_covers(question, om, one_
 
 
 def test_the_service_and_its_page_over_http(om):
-    with app_process("apps.customer_service", "--model", str(om), "--max_new_tokens", "8") as url:
+    with app_process("cann_llm.apps.customer_service", "--model", str(om), "--max_new_tokens", "8") as url:
         page = httpx.get(url, timeout=30)
         assert page.status_code == 200 and 'id="ask"' in page.text and 'fetch("/chat"' in page.text
         reply = httpx.post(f"{url}/chat", json={"conversation_id": "web", "message": "Do you ship to Canada?"},
@@ -103,7 +103,7 @@ def test_the_service_and_its_page_over_http(om):
 
 def test_the_service_refuses_what_it_cannot_answer_with_the_reason(om):
     """The tiny model's byte tokenizer makes each emoji four tokens: 3,900 of them are past its 4,096."""
-    with app_process("apps.customer_service", "--model", str(om), "--max_new_tokens", "8") as url:
+    with app_process("cann_llm.apps.customer_service", "--model", str(om), "--max_new_tokens", "8") as url:
         chat = f"{url}/chat"
         refused = httpx.post(chat, json={"conversation_id": "a", "message": "How much does shipping cost? " + "🚚" * 3900},
                              timeout=120)
@@ -147,7 +147,7 @@ def folders(tmp_path_factory):
 ])
 def test_the_command_refuses_a_users_mistake_with_one_coded_message(argv, said, om, om_without_template, folders):
     paths = {"folders": folders, "no_template": om_without_template}
-    done = run_app("apps.customer_service", "--model", str(om), *[arg.format(**paths) for arg in argv])
+    done = run_app("cann_llm.apps.customer_service", "--model", str(om), *[arg.format(**paths) for arg in argv])
     assert_refused(done, *said)
     assert "customer service on" not in done.stderr
 
@@ -157,7 +157,7 @@ def test_the_page_in_a_real_browser(om):
     its source; a question no document covers shown as handed over."""
     from playwright.sync_api import sync_playwright
 
-    with app_process("apps.customer_service", "--model", str(om), "--max_new_tokens", "8") as url:
+    with app_process("cann_llm.apps.customer_service", "--model", str(om), "--max_new_tokens", "8") as url:
         with sync_playwright() as playwright:
             # flags for a closed network: no background connections, no first-run work
             browser = playwright.chromium.launch(executable_path=BROWSER, args=[

@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from memory_read import part_reader  # noqa: E402
 
-from runtime.kernels.native import c_compiler  # noqa: E402
+from cann_llm.runtime.kernels.native import c_compiler  # noqa: E402
 
 pytestmark = pytest.mark.unit
 

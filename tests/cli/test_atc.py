@@ -16,8 +16,8 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from cli.atc import parse_flags, run
-from runtime.artifact import OmFile
+from cann_llm.cli.atc import parse_flags, run
+from cann_llm.runtime.artifact import OmFile
 
 SOC = "--soc_version=Ascend910B"
 
@@ -188,11 +188,11 @@ def test_unwritable_output_is_refused(capsys, tmp_path, tiny_llama_path, monkeyp
     assert list(tmp_path.glob("**/*.om")) == [tmp_path / "m.om"]
     # a folder that passes the check for writing but where the weights' scratch folder cannot be made (root
     # in /sys): the system's refusal, given as mkdir gives it
-    import passes.weight_spill
+    from cann_llm.passes import weight_spill
 
     def refused(*args, **kwargs):
         raise PermissionError(1, "Operation not permitted")
-    monkeypatch.setattr(passes.weight_spill.tempfile, "mkdtemp", refused)
+    monkeypatch.setattr(weight_spill.tempfile, "mkdtemp", refused)
     status, out, _ = _atc(capsys, f"--model={tiny_llama_path}", "--framework=5", SOC, f"--output={tmp_path / 'n'}")
     assert status == 255 and "E13004" in out and "Operation not permitted" in out and "Traceback" not in out
 
@@ -243,8 +243,8 @@ def test_scratch_that_a_killed_compile_left_is_removed_and_a_running_ones_kept(c
     model) and staged files stay. The next compile into that folder removes those whose maker, named in
     them, is gone, and leaves alone a running compile's and another machine's or container's (a pid names
     a process only within its boot and pid namespace)."""
-    from passes.weight_spill import SPILL_PREFIX
-    from runtime.safe_files import SCRATCH_PREFIX, maker
+    from cann_llm.passes.weight_spill import SPILL_PREFIX
+    from cann_llm.runtime.safe_files import SCRATCH_PREFIX, maker
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
@@ -265,7 +265,7 @@ def test_stdout_closed_or_full_is_one_coded_line_on_stderr(tmp_path, tiny_llama_
     """`atc ... > atc.log` on a full disk raised a traceback from the middle of click; with stdout closed
     (`>&-`) the next file opened took its descriptor. Closed, atc runs on (its verdicts go nowhere); full,
     it says so on stderr and exits 255."""
-    entry = "import sys; sys.argv[0] = 'atc'; from cli.entry import atc; atc()"
+    entry = "import sys; sys.argv[0] = 'atc'; from cann_llm.cli.entry import atc; atc()"
     argv = [sys.executable, "-c", entry, "--framework=5", SOC, f"--model={tiny_llama_path}"]
     with open("/dev/full", "w") as full:
         proc = subprocess.run([*argv, f"--output={tmp_path / 'full'}"], stdout=full, stderr=subprocess.PIPE, text=True)
@@ -284,7 +284,7 @@ def test_onnxruntime_leaves_no_usage_records_behind(tmp_path, tiny_llama_path):
     scratch.mkdir()
     env = {**os.environ, "HOME": str(home), "TMPDIR": str(scratch), "XDG_CACHE_HOME": str(home / ".cache")}
     env.pop("ORT_DISABLE_TELEMETRY", None)
-    proc = subprocess.run([sys.executable, "-m", "cli.atc", "--framework=5", SOC, f"--model={tiny_llama_path}",
+    proc = subprocess.run([sys.executable, "-m", "cann_llm.cli.atc", "--framework=5", SOC, f"--model={tiny_llama_path}",
                            f"--output={tmp_path / 'm'}"], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert list(scratch.iterdir()) == [] and not (home / ".cache" / "Microsoft").exists()
@@ -312,11 +312,11 @@ def test_flags_after_one_dash_are_taken_as_atcs_parser_takes_them(tmp_path, tiny
 
 
 def test_the_installed_command_exits_255_without_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "cli.atc", f"--model={tmp_path}/absent.onnx", "--framework=5",
+    proc = subprocess.run([sys.executable, "-m", "cann_llm.cli.atc", f"--model={tmp_path}/absent.onnx", "--framework=5",
                            SOC, f"--output={tmp_path}/m"], capture_output=True, text=True)
     assert proc.returncode == 255
     assert "E13001" in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
-    assert subprocess.run([sys.executable, "-m", "cli.atc", "--help"], capture_output=True).returncode == 0
+    assert subprocess.run([sys.executable, "-m", "cann_llm.cli.atc", "--help"], capture_output=True).returncode == 0
 
 
 def test_one_pass_switched_off_by_name_and_debug_says_why_nothing_fused(capsys, tmp_path, tiny_llama_path):
@@ -352,7 +352,7 @@ PASS_LINE = re.compile(r"^\[ *(\d+)/(\d+)\] (\w+) +(?:matched (\d+), applied (\d
 
 
 def _atc_process(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli.atc", "--framework=5", SOC, *argv], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "cann_llm.cli.atc", "--framework=5", SOC, *argv], capture_output=True, text=True)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -364,7 +364,7 @@ def test_a_compile_stopped_by_a_signal_midway_leaves_nothing_in_the_output_folde
     inherits it ignored, and atc keeps it so, as a background job should.)"""
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "cli.atc", "--framework=5", SOC, f"--model={tiny_llama_path}",
+    proc = subprocess.Popen([sys.executable, "-m", "cann_llm.cli.atc", "--framework=5", SOC, f"--model={tiny_llama_path}",
                              f"--output={out / 'm'}", "--enable_compress_weight=1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -387,7 +387,7 @@ def test_a_signal_once_the_artifact_is_in_place_ends_atc_as_a_success(tmp_path, 
     and prints it after, so atc is still running)."""
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "cli.atc", "--framework=5", SOC, f"--model={tiny_llama_path}",
+    proc = subprocess.Popen([sys.executable, "-m", "cann_llm.cli.atc", "--framework=5", SOC, f"--model={tiny_llama_path}",
                              f"--output={out / 'm'}", "--display_model_info=1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
@@ -404,7 +404,7 @@ def test_a_signal_once_the_artifact_is_in_place_ends_atc_as_a_success(tmp_path, 
 def test_an_auto_tune_stopped_midway_leaves_the_previous_artifact(tmp_path, tiny_llama_path):
     """The search runs on the staged artifact: stopped (or failing), the artifact compiled before stays, where
     it had been removed (and a SIGKILL left an untuned one that looked complete)."""
-    argv = [sys.executable, "-m", "cli.atc", "--framework=5", SOC, f"--model={tiny_llama_path}",
+    argv = [sys.executable, "-m", "cann_llm.cli.atc", "--framework=5", SOC, f"--model={tiny_llama_path}",
             f"--output={tmp_path / 'm'}", "--enable_paged_attention=1"]
     assert subprocess.run(argv, capture_output=True).returncode == 0
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
@@ -421,7 +421,7 @@ def test_an_auto_tune_stopped_midway_leaves_the_previous_artifact(tmp_path, tiny
 def test_a_reader_that_closes_stdout_ends_atc_quietly_with_sigpipes_status(tmp_path, tiny_llama_path):
     """`atc ... | grep -q "ATC start"`: the reader leaves after one line; atc ends as a C tool killed by SIGPIPE
     would (141), without a traceback."""
-    proc = subprocess.Popen([sys.executable, "-m", "cli.atc", "--framework=5", SOC, f"--model={tiny_llama_path}",
+    proc = subprocess.Popen([sys.executable, "-m", "cann_llm.cli.atc", "--framework=5", SOC, f"--model={tiny_llama_path}",
                              f"--output={tmp_path / 'm'}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc.stdout.close()
     stderr = proc.stderr.read()
@@ -435,12 +435,12 @@ def test_a_sequence_of_a_billion_tokens_compiles_in_a_bounded_address_space(tmp_
     only shapes are inferred, so the compile stays small."""
     import resource
 
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     source = tiny_onnx("llama", dynamo=False, with_past=False)
     fixed = ";".join(f"{name}:1,1000000000" for name in ("input_ids", "attention_mask", "position_ids"))
     limit = 4 << 30
-    proc = subprocess.run([sys.executable, "-m", "cli.atc", "--framework=5", SOC, f"--model={source}",
+    proc = subprocess.run([sys.executable, "-m", "cann_llm.cli.atc", "--framework=5", SOC, f"--model={source}",
                            f"--output={tmp_path / 'm'}", f"--input_shape={fixed}"], capture_output=True, text=True,
                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -507,7 +507,7 @@ def test_the_installed_command_refuses_a_model_it_cannot_run_and_writes_nothing(
                               [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, dims)],
                               [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, dims)])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), str(tmp_path / "bad.onnx"))
-    proc = subprocess.run([sys.executable, "-m", "cli.atc", f"--model={tmp_path}/bad.onnx", "--framework=5", SOC,
+    proc = subprocess.run([sys.executable, "-m", "cann_llm.cli.atc", f"--model={tmp_path}/bad.onnx", "--framework=5", SOC,
                            f"--output={tmp_path}/m"], capture_output=True, text=True)
     assert proc.returncode == 255 and "E10041" in proc.stdout and words in proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr

@@ -10,11 +10,11 @@ from dataclasses import fields
 
 import pytest
 
-from cli.atc import FLAGS, parse_flags, run
-from compiler.config import CompileConfig
-from compiler.inapplicable_flags import NOT_APPLICABLE, REFUSED
-from runtime.artifact import OmFile
-from runtime.errors import AtcError
+from cann_llm.cli.atc import FLAGS, parse_flags, run
+from cann_llm.compiler.config import CompileConfig
+from cann_llm.compiler.inapplicable_flags import NOT_APPLICABLE, REFUSED
+from cann_llm.runtime.artifact import OmFile
+from cann_llm.runtime.errors import AtcError
 
 # ATC.md §1.3's flags (its table and its "rarely used" row), and the two §1.2 / §1.7 name
 ATC_FLAGS = """
@@ -141,18 +141,18 @@ def test_oo_level_o1_and_output_type_and_export_compile_stat_in_a_compile(tmp_pa
 
 
 def test_output_type_fp16_casts_float_outputs(tmp_path):
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     import numpy as np
 
-    from runtime.executor import Executor
-    from runtime.feeds import causal_lm_inputs
-    from runtime.loader import load_artifact
+    from cann_llm.runtime.executor import Executor
+    from cann_llm.runtime.feeds import causal_lm_inputs
+    from cann_llm.runtime.loader import load_artifact
 
     source = tiny_onnx("llama", dynamo=True, with_past=False)
     flags = dict(framework="5", soc_version="Ascend910B", model=str(source))
     for name, extra in (("fp32", {}), ("fp16", {"output_type": "FP16"})):
-        from compiler.compile import compile_model
+        from cann_llm.compiler.compile import compile_model
 
         compile_model(CompileConfig.from_flags(**flags, output=str(tmp_path / name), **extra))
     runs = {}
@@ -171,10 +171,10 @@ def test_output_type_per_output_in_atcs_form(tmp_path):
     import numpy as np
     import onnx
 
-    from compiler.compile import compile_model
-    from compiler.config import parse_output_type
-    from models.tiny import tiny_onnx
-    from runtime.artifact import OmFile
+    from cann_llm.compiler.compile import compile_model
+    from cann_llm.compiler.config import parse_output_type
+    from cann_llm.models.tiny import tiny_onnx
+    from cann_llm.runtime.artifact import OmFile
 
     assert parse_output_type("node_a:1:FP16;logits:0:FP32") == {("node_a", 1): "FP16", ("logits", 0): "FP32"}
     assert parse_output_type("FP16") == {None: "FP16"}

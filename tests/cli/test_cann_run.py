@@ -11,9 +11,9 @@ import pytest
 from click.testing import CliRunner
 from conftest import compile_to, ort_reference
 
-from cli.cann_run import cli
-from runtime import Executor, load_artifact
-from runtime.feeds import causal_lm_inputs
+from cann_llm.cli.cann_run import cli
+from cann_llm.runtime import Executor, load_artifact
+from cann_llm.runtime.feeds import causal_lm_inputs
 
 
 @pytest.fixture(scope="module")
@@ -74,19 +74,19 @@ def test_wrong_input_count_and_missing_tokenizer_are_clear_errors(om_path, tmp_p
     (tmp_path / "bare").mkdir()
     shutil.copyfile(tiny_llama_path, tmp_path / "bare" / "model.onnx")  # no tokenizer beside this copy
     bare = compile_to(tmp_path / "bare" / "model.onnx", tmp_path / "bare" / "m")
-    proc = subprocess.run([sys.executable, "-m", "cli.cann_run", "--model", str(om_path), "--input",
+    proc = subprocess.run([sys.executable, "-m", "cann_llm.cli.cann_run", "--model", str(om_path), "--input",
                            str(tmp_path / "a.npy")], capture_output=True, text=True)
     assert proc.returncode == 1 and "E10001" in proc.stderr and "the model has 7 inputs" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "cli.cann_run", "--model", str(bare), "--prompt", "hi"],
+    proc = subprocess.run([sys.executable, "-m", "cann_llm.cli.cann_run", "--model", str(bare), "--prompt", "hi"],
                           capture_output=True, text=True)
     assert proc.returncode == 1 and "compiled without a tokenizer" in proc.stderr and "Traceback" not in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "cli.cann_run", "generate", "--model", str(bare), "--prompt", "hi"],
+    proc = subprocess.run([sys.executable, "-m", "cann_llm.cli.cann_run", "generate", "--model", str(bare), "--prompt", "hi"],
                           capture_output=True, text=True)
     assert proc.returncode == 1 and "for parameter --model is invalid" in proc.stderr, proc.stderr
 
 
 def test_a_paged_artifact_runs_msame_style_with_one_sequence_per_input_row(paged_om_path, om_path, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "cli.cann_run", "--model", str(paged_om_path), "--loop", "2"],
+    proc = subprocess.run([sys.executable, "-m", "cann_llm.cli.cann_run", "--model", str(paged_om_path), "--loop", "2"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "NPU_compute_time (ms): min = " in proc.stdout and "Traceback" not in proc.stderr
@@ -121,7 +121,7 @@ def test_paged_input_files_addressing_no_page_are_a_coded_error(paged_om_path, t
     for name, array in feeds.items():
         np.save(tmp_path / f"{name}.npy", array)
         files.append(str(tmp_path / f"{name}.npy"))
-    proc = subprocess.run([sys.executable, "-m", "cli.cann_run", "--model", str(paged_om_path), "--input",
+    proc = subprocess.run([sys.executable, "-m", "cann_llm.cli.cann_run", "--model", str(paged_om_path), "--input",
                            ",".join(files)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1 and "E10001" in proc.stderr and "a slot is outside" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -136,20 +136,20 @@ def test_damaged_om_is_refused(om_path, tmp_path, damage):
         data[len(data) // 2] ^= 0x55
     broken = tmp_path / "broken.om"
     broken.write_bytes(bytes(data))
-    proc = subprocess.run([sys.executable, "-m", "cli.cann_run", "--model", str(broken)], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "cann_llm.cli.cann_run", "--model", str(broken)], capture_output=True, text=True)
     assert proc.returncode == 1
     assert "E13015" in proc.stderr and ("truncated" in proc.stderr or "corrupted" in proc.stderr)
     assert "Traceback" not in proc.stderr
 
 
 def _eval_ppl(om, text, *argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli.cann_run", "eval-ppl", "--model", str(om), "--text", str(text),
+    return subprocess.run([sys.executable, "-m", "cann_llm.cli.cann_run", "eval-ppl", "--model", str(om), "--text", str(text),
                            "--window", "64", "--stride", "32", *argv], capture_output=True, text=True, timeout=300)
 
 
 def test_eval_ppl_shows_loading_and_window_progress_on_stderr_and_json_on_stdout(om_path, tmp_path):
-    from runtime.perplexity import perplexity
-    from runtime.tokenizer import TextTokenizer
+    from cann_llm.runtime.perplexity import perplexity
+    from cann_llm.runtime.tokenizer import TextTokenizer
 
     text = tmp_path / "text.txt"
     text.write_text("Once upon a time there was a tiny model that counted bytes. " * 4)
@@ -187,7 +187,7 @@ def test_a_model_onnxruntime_fails_at_run_time_ends_in_a_code_not_a_traceback(tm
     om = _halves(tmp_path)
     odd = tmp_path / "odd.npy"
     np.save(odd, np.ones(3, np.float32))
-    proc = subprocess.run([sys.executable, "-m", "cli.cann_run", "--model", str(om), "--input", str(odd)],
+    proc = subprocess.run([sys.executable, "-m", "cann_llm.cli.cann_run", "--model", str(om), "--input", str(odd)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "E19999" in proc.stderr and "Reshape" in proc.stderr
     assert "Traceback (most recent call last)" not in proc.stderr and 'File "' not in proc.stderr
@@ -202,11 +202,11 @@ def test_made_up_inputs_of_a_graph_that_is_no_language_model_take_the_shapes_giv
 
 
 def _cann_run(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli.cann_run", *argv], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "cann_llm.cli.cann_run", *argv], capture_output=True, text=True, timeout=300)
 
 
 def test_made_up_inputs_take_the_shapes_the_model_was_compiled_with(tmp_path):
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     fixed = compile_to(tiny_onnx("llama", dynamo=False, with_past=False), tmp_path / "fixed",
                        input_shape={name: (1, 8) for name in ("input_ids", "attention_mask", "position_ids")})
@@ -240,9 +240,9 @@ def test_eval_ppl_refuses_a_text_that_is_not_utf8_or_empty(om_path, tmp_path):
 def test_runs_in_the_same_second_write_their_outputs_to_folders_of_their_own(om_path, tmp_path, monkeypatch):
     """The output folder is named for the second a run ends in (as ais_bench names it); parallel runs shared
     one and overwrote each other's files, each saying it wrote them."""
-    import cli.cann_run
+    from cann_llm.cli import cann_run
 
-    monkeypatch.setattr(cli.cann_run, "_second", lambda: "2026_12_06-22_41_40")
+    monkeypatch.setattr(cann_run, "_second", lambda: "2026_12_06-22_41_40")
     folders = []
     for _ in range(3):
         result = _invoke("--model", str(om_path), "--loop", "1", "--output", str(tmp_path), "--outfmt", "NPY",

@@ -13,19 +13,19 @@ from conftest import compile_to
 from generation_utils import hf_greedy, mixed_prompts
 
 from cann_llm import LLMEngine
-from runtime import load_artifact
-from runtime.safe_files import FILE_MODE
+from cann_llm.runtime import load_artifact
+from cann_llm.runtime.safe_files import FILE_MODE
 
 FAMILY = "qwen2"  # q/k/v biases and a separate lm_head: a lost weight would show
 NEW_TOKENS = 32
 
 
 def _cann_run(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli.cann_run", *argv], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "cann_llm.cli.cann_run", *argv], capture_output=True, text=True)
 
 
 def _save_checkpoint(family: str, folder):
-    from models.tiny import build_tiny_model, byte_tokenizer_json
+    from cann_llm.models.tiny import build_tiny_model, byte_tokenizer_json
 
     build_tiny_model(family).save_pretrained(str(folder))
     (folder / "tokenizer.json").write_text(byte_tokenizer_json(), encoding="utf-8")
@@ -129,7 +129,7 @@ def test_export_without_the_models_extra_names_it(tmp_path):
     """A runtime-only install (no torch or transformers): one coded line naming the extra."""
     blocked = ("import sys; sys.modules['torch'] = sys.modules['transformers'] = None; "
                "sys.argv = ['cann-run', 'export', '--model', 'folder', '--output', 'out']; "
-               "from cli.entry import cann_run; cann_run()")
+               "from cann_llm.cli.entry import cann_run; cann_run()")
     proc = subprocess.run([sys.executable, "-c", blocked], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "E10055" in proc.stderr and "exporting needs torch and transformers" in proc.stderr

@@ -11,7 +11,7 @@ import sys
 import pytest
 from generation_utils import compile_tiny_chat_model
 
-from runtime.engine.engine import LLMEngine
+from cann_llm.runtime.engine.engine import LLMEngine
 
 CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
 
@@ -22,7 +22,7 @@ def chat_om(tmp_path_factory):
 
 
 def _cann_run(*argv: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli.cann_run", *argv], capture_output=True, text=True, input=stdin,
+    return subprocess.run([sys.executable, "-m", "cann_llm.cli.cann_run", *argv], capture_output=True, text=True, input=stdin,
                           timeout=300)
 
 
@@ -81,7 +81,7 @@ def test_a_missing_model_is_a_coded_error(tmp_path):
 
 
 def test_bench_measures_and_writes_json(chat_om, tmp_path):
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     out = tmp_path / "bench.json"
     result = _cann_run("bench", "--model", str(chat_om), "--onnx", str(tiny_onnx("llama", dynamo=False, with_past=True)),
@@ -150,7 +150,7 @@ def contiguous_om(tmp_path_factory, chat_om):
 
     from conftest import compile_to
 
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     source = tiny_onnx("llama", dynamo=False, with_past=True)
     folder = tmp_path_factory.mktemp("tokenizer")
@@ -226,7 +226,7 @@ def test_generate_settings_are_checked_before_the_model_loads(chat_om):
     (["--max_context_len", "64", "--message", "w" * 100], None, "--message"),
 ])
 def test_chat_refuses_a_turn_it_cannot_take_naming_where_it_came_from(chat_om, argv, stdin, flag):
-    result = subprocess.run([sys.executable, "-m", "cli.cann_run", "chat", "--model", str(chat_om), "--max_new_tokens",
+    result = subprocess.run([sys.executable, "-m", "cann_llm.cli.cann_run", "chat", "--model", str(chat_om), "--max_new_tokens",
                              "4", "--kv_cache_pages", "16", *argv], capture_output=True, timeout=300,
                             input=None if stdin is None else stdin.encode("utf-8", "surrogateescape"),
                             env={**__import__("os").environ, "PYTHONUTF8": "1"})
@@ -255,7 +255,7 @@ def test_a_mistyped_command_is_named_and_the_msame_call_still_runs(chat_om):
 def test_ctrl_c_ends_generate_by_sigint_with_one_line(chat_om):
     import signal
 
-    proc = subprocess.Popen([sys.executable, "-m", "cli.cann_run", "generate", "--model", str(chat_om), "--prompt", "hi",
+    proc = subprocess.Popen([sys.executable, "-m", "cann_llm.cli.cann_run", "generate", "--model", str(chat_om), "--prompt", "hi",
                              "--max_new_tokens", "30000", "--max_context_len", "32768", "--kv_cache_pages", "256",
                              "--temperature", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -267,7 +267,7 @@ def test_ctrl_c_ends_generate_by_sigint_with_one_line(chat_om):
 
 
 def test_a_reader_that_closes_stdout_ends_generate_with_sigpipes_status(chat_om):
-    proc = subprocess.Popen([sys.executable, "-m", "cli.cann_run", "generate", "--model", str(chat_om), "--prompt", "hi",
+    proc = subprocess.Popen([sys.executable, "-m", "cann_llm.cli.cann_run", "generate", "--model", str(chat_om), "--prompt", "hi",
                              "--max_new_tokens", "2000", "--kv_cache_pages", "32", "--temperature", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()

@@ -8,10 +8,10 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from cli.atc import parse_flags, run
-from cli.cann_run import cli as cann_run
-from cli.quant import cli as quant
-from runtime.engine.config import EngineConfig
+from cann_llm.cli.atc import parse_flags, run
+from cann_llm.cli.cann_run import cli as cann_run
+from cann_llm.cli.quant import cli as quant
+from cann_llm.runtime.engine.config import EngineConfig
 
 pytestmark = pytest.mark.unit
 

@@ -11,10 +11,10 @@ from click.testing import CliRunner
 from conftest import compile_to, ort_reference
 from onnx import numpy_helper
 
-from cli.quant import cli
-from models.data_files import EVAL_TEXT
-from runtime import Executor, load_artifact
-from runtime.feeds import causal_lm_inputs
+from cann_llm.cli.quant import cli
+from cann_llm.models.data_files import EVAL_TEXT
+from cann_llm.runtime import Executor, load_artifact
+from cann_llm.runtime.feeds import causal_lm_inputs
 
 
 def _quantize(source, out, *flags):
@@ -32,7 +32,7 @@ def _feeds(loaded, seed=0):
                                    ("--bits", "8"), ("--bits", "4", "--group-size", "32", "--quantize-lm-head")],
                          ids=["int4-g32", "uint4-g64", "int8", "int4-g32-head8"])
 def test_qdq_model_equals_the_original_with_dequantized_weights(tmp_path, dynamo, flags):
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     source = tiny_onnx("llama", dynamo=dynamo, with_past=True)
     result = _quantize(source, tmp_path / "q", *flags)
@@ -89,7 +89,7 @@ def _run_quant(model, out, *flags):
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "cli.quant", "--model", str(model), "--output", str(out), *flags],
+    return subprocess.run([sys.executable, "-m", "cann_llm.cli.quant", "--model", str(model), "--output", str(out), *flags],
                           capture_output=True, text=True)
 
 
@@ -146,7 +146,7 @@ def binary_text(tmp_path):
 @pytest.mark.parametrize("algorithms", [[{"name": "awq"}], [{"name": "rtn"}]], ids=["awq", "rtn"])
 def test_calibration_text_that_is_not_utf8_is_refused_by_atc_without_output(tmp_path, tiny_llama_path, binary_text,
                                                                            algorithms):
-    from runtime.errors import AtcError
+    from cann_llm.runtime.errors import AtcError
 
     config = tmp_path / "quant.json"  # RTN reads the text too: its accuracy level is chosen on it
     config.write_text(json.dumps({"algorithms": algorithms, "calibration": {"text_file": str(binary_text)}}))
@@ -178,9 +178,9 @@ def llama_with_config(tmp_path, tiny_llama_path):
 
 
 def test_a_window_longer_than_the_config_declares_is_refused_and_the_default_fits(tmp_path, llama_with_config):
-    from compiler.config import CompileConfig
-    from compiler.pipeline import calibration_samples
-    from runtime.errors import AtcError
+    from cann_llm.compiler.config import CompileConfig
+    from cann_llm.compiler.pipeline import calibration_samples
+    from cann_llm.runtime.errors import AtcError
 
     config = tmp_path / "quant.json"
     config.write_text(json.dumps({"algorithms": [{"name": "awq"}], "group_size": 32,
@@ -199,8 +199,8 @@ def test_a_window_longer_than_the_config_declares_is_refused_and_the_default_fit
 
 
 def test_a_window_longer_than_the_position_table_is_refused_before_calibration(tmp_path):
-    from models.tiny import tiny_onnx
-    from runtime.errors import AtcError
+    from cann_llm.models.tiny import tiny_onnx
+    from cann_llm.runtime.errors import AtcError
 
     source = tiny_onnx("gpt2", dynamo=True, with_past=True)  # GPT-2's learned positions: a table of 256 rows
     config = tmp_path / "quant.json"
@@ -257,7 +257,7 @@ def test_both_routes_quantize_gemms_and_keep_routers_float_alike(tmp_path, famil
     shared experts and routers; a TorchScript router reaches its TopK through a Softmax and a Cast: the QDQ
     route quantizes what atc does (GPT-2's c_attn, attn.c_proj, c_fc and mlp.c_proj of each layer; Qwen2-MoE's
     q/k/v, o and shared gate/up and down) and keeps the routers float as atc does."""
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     source = tiny_onnx(family, dynamo=dynamo, with_past=family != "gpt2")
     result = _quantize(source, tmp_path / "q", "--bits", "4", "--group-size", "32")
@@ -276,8 +276,8 @@ def test_both_routes_quantize_gemms_and_keep_routers_float_alike(tmp_path, famil
 
 
 def test_gptq_and_awq_then_gptq_outputs_are_closer_to_the_float_model_than_rtn(tmp_path, tiny_llama_path):
-    from models.tiny import byte_tokenizer_json
-    from runtime.tokenizer import TextTokenizer
+    from cann_llm.models.tiny import byte_tokenizer_json
+    from cann_llm.runtime.tokenizer import TextTokenizer
 
     text = EVAL_TEXT.read_text()[:2000]
     ids = np.asarray([TextTokenizer({"tokenizer.json": byte_tokenizer_json()}).encode(text)[:256]], np.int64)
@@ -300,7 +300,7 @@ def test_gptq_and_awq_then_gptq_outputs_are_closer_to_the_float_model_than_rtn(t
 @pytest.mark.parametrize("dynamo", [False, True], ids=["ts", "dynamo"])
 @pytest.mark.parametrize("head_bits", [4, 8])
 def test_a_tied_lm_head_and_its_embedding_share_one_quantized_table_when_asked(tmp_path, dynamo, head_bits):
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     source = tiny_onnx("llama_tied", dynamo=dynamo, with_past=True)
     config = tmp_path / "quant.json"
@@ -329,7 +329,7 @@ def test_a_tied_lm_head_and_its_embedding_share_one_quantized_table_when_asked(t
 
 
 def test_accuracy_level_is_chosen_per_layer_by_measured_error(tmp_path, tiny_llama_path):
-    from passes.quant.accuracy_level import ACCURACY_THRESHOLD
+    from cann_llm.passes.quant.accuracy_level import ACCURACY_THRESHOLD
 
     levels = {}
     for setting in ("0", "auto"):
@@ -389,7 +389,7 @@ def test_w8a8_smooth_quant_runs_integer_matmuls_close_to_the_float_model(tmp_pat
                                   {"algorithms": [{"name": "awq"}], "calibration": {"seq_len": 20000, "num_samples": 2}},
                                   {"calibration": {"num_sample": 4}}])
 def test_bad_compression_configs_are_refused_without_output(tmp_path, tiny_llama_path, conf):
-    from runtime.errors import AtcError
+    from cann_llm.runtime.errors import AtcError
 
     config = tmp_path / "bad.json"
     config.write_text(json.dumps(conf))

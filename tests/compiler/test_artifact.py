@@ -10,8 +10,8 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from runtime.artifact import ALIGN, HEADER_SIZE, OmFile, write_artifact
-from runtime.errors import AtcError
+from cann_llm.runtime.artifact import ALIGN, HEADER_SIZE, OmFile, write_artifact
+from cann_llm.runtime.errors import AtcError
 
 pytestmark = pytest.mark.unit
 
@@ -84,7 +84,7 @@ def test_same_inputs_give_identical_bytes(tmp_path):
 def test_weights_detached_from_the_graph_are_written_byte_for_byte_as_inline_ones(tmp_path, dtype):
     import onnx_graphsurgeon as gs
 
-    from passes.weight_memory import detach_weights
+    from cann_llm.passes.weight_memory import detach_weights
 
     def graph():  # arrays of the compiler's making, as a pass leaves them
         made = gs.import_onnx(_model())

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from conftest import compile_to
 
-from cli.llm_commands import given
-from runtime.artifact import OmFile
-from runtime.engine.config import EngineConfig
-from runtime.engine.engine import LLMEngine
-from runtime.engine.tuning import TUNABLE, tuned_settings
-from runtime.errors import AtcError
+from cann_llm.cli.llm_commands import given
+from cann_llm.runtime.artifact import OmFile
+from cann_llm.runtime.engine.config import EngineConfig
+from cann_llm.runtime.engine.engine import LLMEngine
+from cann_llm.runtime.engine.tuning import TUNABLE, tuned_settings
+from cann_llm.runtime.errors import AtcError
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_the_search_is_recorded_with_its_trials_and_effect(tuned):
 
 
 def test_the_engine_starts_from_the_recorded_settings_and_explicit_ones_win(tuned, tmp_path):
-    from runtime.artifact import write_artifact
+    from cann_llm.runtime.artifact import write_artifact
 
     om = OmFile(tuned)
     model, metadata = om.graph(), om.metadata

@@ -8,12 +8,12 @@ import importlib.util
 import subprocess
 import sys
 
-from models.tiny import tiny_onnx
+from cann_llm.models.tiny import tiny_onnx
 
 _COMPILE = """
 import sys
-from compiler.compile import compile_model
-from compiler.config import CompileConfig
+from cann_llm.compiler.compile import compile_model
+from cann_llm.compiler.config import CompileConfig
 
 compile_model(CompileConfig(model=sys.argv[1], framework=5, output=sys.argv[2], soc_version="Ascend910B",
                             enable_paged_attention=True))

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from compiler.config import CompileConfig, parse_input_shape
-from compiler.fusion_switch import is_enabled, parse_fusion_switch_file
-from runtime.errors import AtcError
+from cann_llm.compiler.config import CompileConfig, parse_input_shape
+from cann_llm.compiler.fusion_switch import is_enabled, parse_fusion_switch_file
+from cann_llm.runtime.errors import AtcError
 
 pytestmark = pytest.mark.unit
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cli.atc import run as atc
-from compiler.compile import compile_model
-from compiler.config import CompileConfig
-from runtime.artifact import OmFile
-from runtime.engine.engine import LLMEngine
-from runtime.errors import AtcError
-from runtime.executor import Executor
-from runtime.loader import load_artifact
+from cann_llm.cli.atc import run as atc
+from cann_llm.compiler.compile import compile_model
+from cann_llm.compiler.config import CompileConfig
+from cann_llm.runtime.artifact import OmFile
+from cann_llm.runtime.engine.engine import LLMEngine
+from cann_llm.runtime.errors import AtcError
+from cann_llm.runtime.executor import Executor
+from cann_llm.runtime.loader import load_artifact
 
 NAMES = ("input_ids", "attention_mask", "position_ids")
 SEQ = 8
@@ -23,7 +23,7 @@ SEQ = 8
 
 @pytest.fixture(scope="module")
 def source():
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     return str(tiny_onnx("llama", dynamo=True, with_past=False))
 
@@ -94,7 +94,7 @@ def test_cann_run_runs_the_gear_msame_names_and_refuses_one_not_compiled(build, 
     geared = build("batch-gears", input_shape={name: (-1, SEQ) for name in NAMES}, dynamic_batch_size=(1, 2, 4)) \
         if gear_flag[0] == "--dymBatch" else build("dims-gears", input_shape={name: (1, -1) for name in NAMES},
                                                    input_format="ND", dynamic_dims=((8, 8, 8), (16, 16, 16), (32, 32, 32)))
-    command = [sys.executable, "-m", "cli.cann_run", "run", "-m", str(geared.loaded.om.path), "--outfmt", "NPY"]
+    command = [sys.executable, "-m", "cann_llm.cli.cann_run", "run", "-m", str(geared.loaded.om.path), "--outfmt", "NPY"]
     done = subprocess.run([*command, *gear_flag, "-o", str(tmp_path), "--output_dirname", "out"], capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr

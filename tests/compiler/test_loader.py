@@ -7,8 +7,8 @@ import onnx
 import onnx_graphsurgeon as gs
 from conftest import compile_to
 
-from compiler.loader import import_graph
-from runtime import load_artifact
+from cann_llm.compiler.loader import import_graph
+from cann_llm.runtime import load_artifact
 
 
 def _with_external_data(source, folder):

@@ -8,9 +8,9 @@ import numpy as np
 import onnx_graphsurgeon as gs
 import pytest
 
-from compiler.pass_manager import run_passes
-from passes.base import PassResult
-from passes.eliminate_identity import EliminateIdentity
+from cann_llm.compiler.pass_manager import run_passes
+from cann_llm.passes.base import PassResult
+from cann_llm.passes.eliminate_identity import EliminateIdentity
 
 pytestmark = pytest.mark.unit
 

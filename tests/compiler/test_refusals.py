@@ -11,11 +11,11 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from cli.atc import run as atc
-from compiler.loader import import_graph
-from compiler.model_checks import MAX_DIM, MAX_RANK, MAX_SUBGRAPHS, supported_opsets
-from models.nested_conditionals import nested_conditionals
-from passes.fold_constants import FoldConstants
+from cann_llm.cli.atc import run as atc
+from cann_llm.compiler.loader import import_graph
+from cann_llm.compiler.model_checks import MAX_DIM, MAX_RANK, MAX_SUBGRAPHS, supported_opsets
+from cann_llm.models.nested_conditionals import nested_conditionals
+from cann_llm.passes.fold_constants import FoldConstants
 
 pytestmark = pytest.mark.unit
 

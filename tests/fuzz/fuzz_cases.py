@@ -43,7 +43,7 @@ def _root(error: BaseException) -> BaseException:
 
 def classify(error: BaseException) -> dict:
     """The outcome record of a case that raised `error`."""
-    from runtime.errors import AtcError
+    from cann_llm.runtime.errors import AtcError
 
     root = _root(error)
     if isinstance(root, AtcError) and root.code != "E19999":
@@ -60,7 +60,7 @@ def classify(error: BaseException) -> dict:
 
 def run_om(path: str) -> dict:
     """Load the artifact and generate two tokens greedily (a text prompt when it carries a tokenizer)."""
-    from runtime.engine.engine import LLMEngine
+    from cann_llm.runtime.engine.engine import LLMEngine
 
     with LLMEngine(path, kv_cache_pages=8, max_context_len=64, max_batch_size=2, threads=1) as engine:
         prompt = "fuzz ok" if engine.tokenizer is not None else [1, 2, 3]
@@ -70,8 +70,8 @@ def run_om(path: str) -> dict:
 
 def run_onnx(path: str, flags: dict) -> dict:
     """Compile `path` with `flags`; for a model that compiles, then run it as `run_om` does."""
-    from compiler.compile import compile_model
-    from compiler.config import CompileConfig
+    from cann_llm.compiler.compile import compile_model
+    from cann_llm.compiler.config import CompileConfig
 
     output = Path(path).with_name("out")
     cfg = CompileConfig(model=path, framework=5, output=str(output), soc_version="Ascend910B", **flags)
@@ -95,8 +95,8 @@ def _serve() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE_LIMIT, ADDRESS_SPACE_LIMIT))
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # library prints must not interleave with the replies
-    import compiler.compile  # noqa: F401 - imported before "ready", so a case's time is its own
-    import runtime.engine.engine  # noqa: F401
+    import cann_llm.compiler.compile  # noqa: F401 - imported before "ready", so a case's time is its own
+    import cann_llm.runtime.engine.engine  # noqa: F401
 
     replies.write(json.dumps({"ready": True}) + "\n")
     for line in sys.stdin:

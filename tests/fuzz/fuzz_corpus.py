@@ -1,4 +1,4 @@
-"""What the fuzzers mutate, and how one case is made: real tiny exports (models/tiny.py) as ONNX bases,
+"""What the fuzzers mutate, and how one case is made: real tiny exports (cann_llm/models/tiny.py) as ONNX bases,
 their compiled artifacts (paged with a tokenizer, contiguous with FusedAttention) as `.om` bases."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class OnnxBase:
 
 def onnx_bases() -> list[OnnxBase]:
     """The ONNX bases, exported on first use."""
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     bases = []
     for name, family, dynamo, with_past, flags in ONNX_BASES:
@@ -44,8 +44,8 @@ def onnx_bases() -> list[OnnxBase]:
 
 def om_bases(folder: Path, bases: list[OnnxBase]) -> dict[str, bytes]:
     """The bytes of each base compiled (paged ones with the byte tokenizer)."""
-    from compiler.compile import compile_model
-    from compiler.config import CompileConfig
+    from cann_llm.compiler.compile import compile_model
+    from cann_llm.compiler.config import CompileConfig
 
     compiled = {}
     for base in bases:

@@ -1,5 +1,5 @@
 """Structure-aware mutation of `.om` files. `OmImage` splits a file into its header fields, partition table
-and partitions (docs/artifact.md, runtime/artifact.py); a mutation changes one of them (a header field, a
+and partitions (docs/artifact.md, cann_llm/runtime/artifact.py); a mutation changes one of them (a header field, a
 table entry, a metadata value, a graph node attribute, tokenizer text, weight bytes) and `OmImage.build`
 lays the file out again with every CRC32 and the table's SHA-256 recomputed, so the change gets past the
 integrity checks and reaches the validators behind them. A few mutations are left unrepaired on purpose.

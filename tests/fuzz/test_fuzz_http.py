@@ -32,7 +32,7 @@ def server(tmp_path_factory):
     om = compile_tiny_chat_model(tmp_path_factory, TEMPLATE)
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    argv = [sys.executable, "-m", "cli.cann_run", "serve", "--model", f"tiny={om}", "--port", str(port),
+    argv = [sys.executable, "-m", "cann_llm.cli.cann_run", "serve", "--model", f"tiny={om}", "--port", str(port),
             "--kv_cache_pages", "32", "--max_context_len", "256"]
     with open(log, "w") as handle:
         process = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT)

@@ -14,11 +14,11 @@ import pytest
 from conftest import compile_to, ort_reference
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.canonicalize_gemm import CanonicalizeGemm
-from passes.infer_shapes import InferShapes
-from runtime import Executor, load_artifact
-from runtime.feeds import causal_lm_inputs
-from runtime.ort_session import session_options
+from cann_llm.passes.canonicalize_gemm import CanonicalizeGemm
+from cann_llm.passes.infer_shapes import InferShapes
+from cann_llm.runtime import Executor, load_artifact
+from cann_llm.runtime.feeds import causal_lm_inputs
+from cann_llm.runtime.ort_session import session_options
 
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((3, 8)).astype(np.float32)
@@ -88,7 +88,7 @@ def test_a_transposed_a_a_computed_b_and_a_scaled_computed_c_stay_gemms():
 
 @pytest.mark.parametrize("dynamo", [False, True], ids=["ts", "dynamo"])
 def test_gpt2s_conv1d_layers_are_quantized_and_follow_the_float_model(dynamo, tmp_path):
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     source = tiny_onnx("gpt2", dynamo=dynamo, with_past=False)
     loaded = load_artifact(compile_to(source, tmp_path / "m", enable_compress_weight=True))

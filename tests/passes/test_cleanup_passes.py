@@ -9,11 +9,11 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.eliminate_dead_code import EliminateDeadCode
-from passes.eliminate_identity import EliminateIdentity
-from passes.fold_constants import FoldConstants
-from passes.infer_shapes import InferShapes
-from runtime.ort_session import session_options
+from cann_llm.passes.eliminate_dead_code import EliminateDeadCode
+from cann_llm.passes.eliminate_identity import EliminateIdentity
+from cann_llm.passes.fold_constants import FoldConstants
+from cann_llm.passes.infer_shapes import InferShapes
+from cann_llm.runtime.ort_session import session_options
 
 pytestmark = pytest.mark.unit
 
@@ -138,7 +138,7 @@ def test_neutral_elements_are_removed_only_where_they_change_nothing():
 def test_layout_canonicalization_leaves_a_key_transpose_of_the_wrong_rank_alone():
     # GPT-2's kᵀ spelling, Transpose(0, 2, 3, 1) into a MatMul, but of a rank-3 tensor: an invalid model
     # (onnxruntime refuses it) that the rule must not try to split into [B, H, S, D] views
-    from passes.canonicalize_layout import CanonicalizeLayout
+    from cann_llm.passes.canonicalize_layout import CanonicalizeLayout
 
     keys = helper.make_tensor_value_info("k", TensorProto.FLOAT, [2, 3, 4])
     query = helper.make_tensor_value_info("q", TensorProto.FLOAT, [2, 4, 3])

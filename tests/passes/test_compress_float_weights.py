@@ -1,4 +1,4 @@
-"""`--compress_fp32_weight` (passes/compress_float_weights.py): every float32 MatMul of a tiny export becomes a
+"""`--compress_fp32_weight` (cann_llm/passes/compress_float_weights.py): every float32 MatMul of a tiny export becomes a
 MatMulF28, a tied lm_head's through its Transpose with the embedding Gather still reading the float32 table,
 and the engine generates transformers' greedy tokens from the artifact, on the native op and on onnxruntime's
 MatMul over the unpacked weights."""
@@ -12,7 +12,7 @@ from conftest import compile_to
 from generation_utils import hf_greedy, mixed_prompts
 
 from cann_llm import LLMEngine
-from runtime.artifact import OmFile
+from cann_llm.runtime.artifact import OmFile
 
 
 def _op_counts(om) -> collections.Counter:
@@ -21,7 +21,7 @@ def _op_counts(om) -> collections.Counter:
 
 @pytest.mark.parametrize("family", ["llama_tied", "qwen2", "phi3"])
 def test_every_float_matmul_is_stored_in_28_bits_and_generates_as_transformers(family, tmp_path):
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     source = tiny_onnx(family, dynamo=True, with_past=True)
     plain = _op_counts(compile_to(source, tmp_path / "plain", enable_paged_attention=True))
@@ -47,16 +47,16 @@ def test_every_float_matmul_is_stored_in_28_bits_and_generates_as_transformers(f
 def test_a_tied_table_is_stored_once_and_its_rows_read_from_the_heads_panels(tmp_path):
     """A tied table too large to fold its transpose (as real vocabularies are): the head's MatMul and the
     embedding lookup share the packed weight, the artifact holds no float32 copy, and the rows read out of
-    the graph (runtime/embedding_rows.py) are the table's bit for bit, with the table's refusals."""
+    the graph (cann_llm/runtime/embedding_rows.py) are the table's bit for bit, with the table's refusals."""
     import numpy as np
     from onnx import numpy_helper
 
-    from models.tiny import tiny_onnx
-    from runtime.kernels import float28
-    from runtime.ops import attributes
-    from runtime.embedding_rows import PackedColumns, split_off
-    from runtime.errors import AtcError
-    from runtime.loader import load_artifact
+    from cann_llm.models.tiny import tiny_onnx
+    from cann_llm.runtime.kernels import float28
+    from cann_llm.runtime.ops import attributes
+    from cann_llm.runtime.embedding_rows import PackedColumns, split_off
+    from cann_llm.runtime.errors import AtcError
+    from cann_llm.runtime.loader import load_artifact
 
     overrides = {"vocab_size": 70001}  # over 16 MiB of table: past FoldConstants' size threshold; a part-filled last panel
     source = tiny_onnx("llama_tied", dynamo=True, with_past=True, overrides=overrides)
@@ -96,10 +96,10 @@ def test_a_contiguous_artifact_reproduces_onnxruntime_on_the_export(backend, tmp
     import numpy as np
     from conftest import ort_reference
 
-    from models.tiny import tiny_onnx
-    from runtime import Executor, load_artifact
-    from runtime.feeds import causal_lm_inputs
-    from runtime.kernels import native
+    from cann_llm.models.tiny import tiny_onnx
+    from cann_llm.runtime import Executor, load_artifact
+    from cann_llm.runtime.feeds import causal_lm_inputs
+    from cann_llm.runtime.kernels import native
 
     source = tiny_onnx("qwen2", dynamo=False, with_past=True)
     loaded = load_artifact(compile_to(source, tmp_path / "m", compress_fp32_weight=True))

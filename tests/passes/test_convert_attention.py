@@ -7,7 +7,7 @@ import pytest
 from fusion_utils import apply_pass, assert_parity, op_counts
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.convert_attention import ConvertAttention
+from cann_llm.passes.convert_attention import ConvertAttention
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ import pytest
 from fusion_utils import apply_pass, assert_parity, op_counts, run_fused, run_original
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.convert_group_query_attention import ConvertGroupQueryAttention
+from cann_llm.passes.convert_group_query_attention import ConvertGroupQueryAttention
 
 pytestmark = pytest.mark.unit
 
@@ -181,7 +181,7 @@ def test_shape_inference_of_a_contrib_graph_writes_nothing(tmp_path, monkeypatch
     point would then save the model into the working directory. ShapeInferencePass writes nothing."""
     import onnx_graphsurgeon as gs
 
-    from passes.infer_shapes import InferShapes
+    from cann_llm.passes.infer_shapes import InferShapes
 
     monkeypatch.chdir(tmp_path)
     graph = gs.import_onnx(_model())

@@ -11,8 +11,8 @@ import pytest
 from fusion_utils import apply_pass, op_counts, run_original
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.convert_integer_matmul import ConvertIntegerMatMul
-from passes.quant.quantize_weights import QuantizeWeights
+from cann_llm.passes.convert_integer_matmul import ConvertIntegerMatMul
+from cann_llm.passes.quant.quantize_weights import QuantizeWeights
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ import pytest
 from fusion_utils import apply_pass, assert_parity, op_counts
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.convert_layer_norms import ConvertSimplifiedLayerNorm, ConvertSkipSimplifiedLayerNorm
+from cann_llm.passes.convert_layer_norms import ConvertSimplifiedLayerNorm, ConvertSkipSimplifiedLayerNorm
 
 pytestmark = pytest.mark.unit
 

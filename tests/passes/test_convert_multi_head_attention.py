@@ -8,7 +8,7 @@ import pytest
 from fusion_utils import apply_pass, assert_parity, op_counts
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.convert_multi_head_attention import ConvertMultiHeadAttention
+from cann_llm.passes.convert_multi_head_attention import ConvertMultiHeadAttention
 
 pytestmark = pytest.mark.unit
 

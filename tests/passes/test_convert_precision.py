@@ -10,9 +10,9 @@ import onnx
 import pytest
 from conftest import compile_to
 
-from cli.atc import run as atc
-from runtime import Executor, load_artifact
-from runtime.feeds import causal_lm_inputs
+from cann_llm.cli.atc import run as atc
+from cann_llm.runtime import Executor, load_artifact
+from cann_llm.runtime.feeds import causal_lm_inputs
 
 FLOAT16, BFLOAT16, FLOAT = onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT
 
@@ -36,7 +36,7 @@ def _run(loaded, backend="onnxruntime"):
 ])
 @pytest.mark.parametrize("dynamo", [False, True], ids=["ts", "dynamo"])
 def test_modes_narrow_exactly_their_weights_and_keep_the_outputs(tmp_path, family, mode, dtype, narrowed, dynamo):
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     source = tiny_onnx(family, dynamo=dynamo, with_past=True)
     wide = load_artifact(compile_to(source, tmp_path / "fp32"))
@@ -99,8 +99,8 @@ def test_a_raised_models_weights_are_stored_back_only_where_their_dtype_holds_th
     import onnx_graphsurgeon as gs
     from onnx import TensorProto, helper
 
-    from passes.convert_precision import ConvertPrecision
-    from passes.precision_config import PrecisionPolicy
+    from cann_llm.passes.convert_precision import ConvertPrecision
+    from cann_llm.passes.precision_config import PrecisionPolicy
 
     rng = np.random.default_rng(0)
     own = rng.standard_normal((8, 8)).astype(ml_dtypes.bfloat16).astype(np.float32)

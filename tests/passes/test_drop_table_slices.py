@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.drop_table_slices import DropTableSlices
+from cann_llm.passes.drop_table_slices import DropTableSlices
 
 ROWS, WIDTH = 16, 4
 TABLE = np.arange(ROWS * WIDTH, dtype=np.float32).reshape(ROWS, WIDTH)

@@ -1,4 +1,4 @@
-"""OnnxRuntimeRewriteExpansionPass (passes/expand_onnxruntime_rewrites.py) alone: each spelling onnxruntime's
+"""OnnxRuntimeRewriteExpansionPass (cann_llm/passes/expand_onnxruntime_rewrites.py) alone: each spelling onnxruntime's
 extended optimizations write is rewritten into standard ops that compute what onnxruntime computes on the
 original (both graphs run), and none of the contrib ops is left."""
 
@@ -11,8 +11,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.expand_onnxruntime_rewrites import ExpandOnnxRuntimeRewrites
-from passes.infer_shapes import InferShapes
+from cann_llm.passes.expand_onnxruntime_rewrites import ExpandOnnxRuntimeRewrites
+from cann_llm.passes.infer_shapes import InferShapes
 
 pytestmark = pytest.mark.unit
 RNG = np.random.default_rng(0)

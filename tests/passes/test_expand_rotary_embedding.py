@@ -1,5 +1,5 @@
 """RotaryEmbeddingExpansionPass on hand-built rotary ops (onnx's opset-23 one and onnxruntime's), against
-onnxruntime; the expansion is what passes/match_rotary.py reads back."""
+onnxruntime; the expansion is what cann_llm/passes/match_rotary.py reads back."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from fusion_utils import apply_pass, assert_parity, op_counts
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.expand_rotary_embedding import ExpandRotaryEmbedding
-from passes.match_rotary import match_rotary
+from cann_llm.passes.expand_rotary_embedding import ExpandRotaryEmbedding
+from cann_llm.passes.match_rotary import match_rotary
 
 pytestmark = pytest.mark.unit
 

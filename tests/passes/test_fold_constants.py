@@ -15,11 +15,11 @@ import pytest
 from conftest import compile_to, ort_reference
 from onnx import TensorProto, helper, numpy_helper
 
-from compiler.loader import import_graph
-from models.nested_conditionals import nested_conditionals
-from passes.fold_constants import FoldConstants
-from passes.infer_shapes import InferShapes
-from runtime import Executor, load_artifact
+from cann_llm.compiler.loader import import_graph
+from cann_llm.models.nested_conditionals import nested_conditionals
+from cann_llm.passes.fold_constants import FoldConstants
+from cann_llm.passes.infer_shapes import InferShapes
+from cann_llm.runtime import Executor, load_artifact
 
 vi = helper.make_tensor_value_info
 

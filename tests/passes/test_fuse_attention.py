@@ -14,24 +14,24 @@ import pytest
 from conftest import compile_to
 from fusion_utils import assert_parity, op_counts, run_fused, run_original
 
-from compiler.loader import load_onnx
-from compiler.pass_manager import run_passes
-from compiler.pipeline import build_pipeline
-from passes.fuse_attention import FuseAttention
-from passes.fuse_qkv import FuseQkv
-from passes.match_attention import match_gqa_repeat, match_probabilities
-from passes.pattern import producer
-from runtime.feeds import causal_lm_inputs
-from runtime.ops import FusedAttentionInput
-from runtime.errors import AtcError
-from runtime.executor import Executor
-from runtime.loader import load_artifact
-from runtime.signature import io_signature, llm_dimensions
+from cann_llm.compiler.loader import load_onnx
+from cann_llm.compiler.pass_manager import run_passes
+from cann_llm.compiler.pipeline import build_pipeline
+from cann_llm.passes.fuse_attention import FuseAttention
+from cann_llm.passes.fuse_qkv import FuseQkv
+from cann_llm.passes.match_attention import match_gqa_repeat, match_probabilities
+from cann_llm.passes.pattern import producer
+from cann_llm.runtime.feeds import causal_lm_inputs
+from cann_llm.runtime.ops import FusedAttentionInput
+from cann_llm.runtime.errors import AtcError
+from cann_llm.runtime.executor import Executor
+from cann_llm.runtime.loader import load_artifact
+from cann_llm.runtime.signature import io_signature, llm_dimensions
 
 
 def _before_attention(dynamo: bool, with_past: bool = True, family: str = "llama") -> gs.Graph:
     """A tiny export (Llama's by default) taken through every pass that runs before the attention fusion."""
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     graph = gs.import_onnx(load_onnx(tiny_onnx(family, dynamo=dynamo, with_past=with_past)))
     passes = build_pipeline(None)
@@ -133,7 +133,7 @@ def _with_queries_from_zero(graph: gs.Graph) -> None:
 def test_queries_counted_from_zero_over_a_past_are_left_as_exported(dynamo, tmp_path):
     """Fused, such a mask would count each query from its position after the past: over a past the
     attention stays as exported, and the compiled model keeps the export's numbers there."""
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     graph = _before_attention(dynamo)
     _with_queries_from_zero(graph)

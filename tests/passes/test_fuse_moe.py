@@ -14,13 +14,13 @@ from conftest import compile_to, ort_reference
 from fusion_utils import apply_pass, assert_parity, op_counts
 from onnx import TensorProto, helper, numpy_helper
 
-from models.tiny import TINY_FAMILIES
-from passes.fuse_moe import FuseMoe
-from runtime import Executor, load_artifact
-from runtime.feeds import causal_lm_inputs
-from runtime.kernels.moe import MoE, swiglu_expert
-from runtime.lowering import lower_for_onnxruntime
-from runtime.ops import MoEInput
+from cann_llm.models.tiny import TINY_FAMILIES
+from cann_llm.passes.fuse_moe import FuseMoe
+from cann_llm.runtime import Executor, load_artifact
+from cann_llm.runtime.feeds import causal_lm_inputs
+from cann_llm.runtime.kernels.moe import MoE, swiglu_expert
+from cann_llm.runtime.lowering import lower_for_onnxruntime
+from cann_llm.runtime.ops import MoEInput
 
 E, H, I, K = 6, 16, 8, 2
 RNG = np.random.default_rng(3)
@@ -35,7 +35,7 @@ def _ints(name, values):
 
 
 def _expert_block(spelling="dynamo", normalize=False, change=None):
-    """transformers' batched_mm experts as the two exporters write them (see passes/fuse_moe.py); `change`
+    """transformers' batched_mm experts as the two exporters write them (see cann_llm/passes/fuse_moe.py); `change`
     names one structural difference the pass must refuse."""
     n = helper.make_node
     nodes = [n("MatMul", ["x", "router"], ["logits"]), n("Softmax", ["logits"], ["probs"], axis=-1),
@@ -106,7 +106,7 @@ def test_other_structures_are_refused(change, reason):
 
 def _expert_loop(normalize=False, change=None):
     """transformers 4.57's loop over every expert, unrolled as its TorchScript export writes it (see
-    passes/fuse_moe.py), on the same weights as `_expert_block`; `change` names a difference to refuse."""
+    cann_llm/passes/fuse_moe.py), on the same weights as `_expert_block`; `change` names a difference to refuse."""
     n = helper.make_node
     nodes = [n("MatMul", ["x", "router"], ["logits"]), n("Softmax", ["logits"], ["probs"], axis=1),
              n("TopK", ["probs", "k"], ["values", "indices"], axis=-1, largest=1)]
@@ -247,7 +247,7 @@ def _moe_counts(path):
 @pytest.mark.parametrize("dynamo", [False, True], ids=["ts", "dynamo"])
 def test_renormalised_qwen3_moe_matches_onnxruntime(dynamo, tmp_path):
     """Qwen3-MoE checkpoints route with norm_topk_prob=True (transformers' default is False)."""
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     source = tiny_onnx("qwen3_moe", dynamo=dynamo, with_past=True, overrides={"norm_topk_prob": True})
     loaded, counts = _moe_counts(compile_to(source, tmp_path / "m"))
@@ -267,7 +267,7 @@ def test_renormalised_qwen3_moe_matches_onnxruntime(dynamo, tmp_path):
 
 
 def test_switched_off_the_experts_stay_as_exported(tmp_path):
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     switch = tmp_path / "switch.cfg"
     switch.write_text("MoeFusionPass:off\n")
@@ -278,7 +278,7 @@ def test_switched_off_the_experts_stay_as_exported(tmp_path):
 
 @pytest.mark.parametrize("dynamo", [False, True], ids=["ts", "dynamo"])
 def test_weight_compression_quantizes_the_2d_matmuls_and_keeps_the_experts_float(dynamo, tmp_path):
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     source = tiny_onnx("qwen2_moe", dynamo=dynamo, with_past=True)
     loaded, counts = _moe_counts(compile_to(source, tmp_path / "m", enable_compress_weight=True))
@@ -303,7 +303,7 @@ def test_weight_compression_quantizes_the_2d_matmuls_and_keeps_the_experts_float
 
 
 def test_fp16_storage_converts_the_2d_weights_and_keeps_the_experts_float32(tmp_path):
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     source = tiny_onnx("qwen3_moe", dynamo=True, with_past=True)
     loaded, counts = _moe_counts(compile_to(source, tmp_path / "m", precision_mode="force_fp16"))

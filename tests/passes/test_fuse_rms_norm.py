@@ -7,8 +7,8 @@ import pytest
 from fusion_utils import apply_pass, assert_parity, op_counts
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.fuse_add_rms_norm import FuseAddRmsNorm
-from passes.fuse_rms_norm import FuseRmsNorm
+from cann_llm.passes.fuse_add_rms_norm import FuseAddRmsNorm
+from cann_llm.passes.fuse_rms_norm import FuseRmsNorm
 
 pytestmark = pytest.mark.unit
 
@@ -165,7 +165,7 @@ def _standard_rms(axis=-1, stash=1, scale_shape=(H,)):
 
 
 def test_the_standard_rms_normalization_op_becomes_rms_norm(tmp_path):
-    from passes.convert_rms_normalization import ConvertRmsNormalization
+    from cann_llm.passes.convert_rms_normalization import ConvertRmsNormalization
 
     model = _standard_rms()
     fused, (result,) = apply_pass(model, ConvertRmsNormalization())
@@ -177,7 +177,7 @@ def test_the_standard_rms_normalization_op_becomes_rms_norm(tmp_path):
 @pytest.mark.parametrize("kwargs, reason", [(dict(axis=1), "last axis"), (dict(stash=10), "float32"),
                                             (dict(scale_shape=(3, H)), "one value per")])
 def test_standard_rms_normalization_refusals(kwargs, reason):
-    from passes.convert_rms_normalization import ConvertRmsNormalization
+    from cann_llm.passes.convert_rms_normalization import ConvertRmsNormalization
 
     fused, (result,) = apply_pass(_standard_rms(**kwargs), ConvertRmsNormalization())
     assert result.effect_times == 0 and any(reason in r for r in result.rejections), result.rejections

@@ -7,8 +7,8 @@ import pytest
 from fusion_utils import apply_pass, assert_parity, op_counts
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.canonicalize_gemm import CanonicalizeGemm
-from passes.fuse_swiglu import FuseSwiGlu
+from cann_llm.passes.canonicalize_gemm import CanonicalizeGemm
+from cann_llm.passes.fuse_swiglu import FuseSwiGlu
 
 pytestmark = pytest.mark.unit
 

@@ -7,9 +7,9 @@ import onnx
 import pytest
 from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
-from compiler.loader import import_graph
-from passes.graph_utils import light_model
-from passes.infer_shapes import _one_past_length
+from cann_llm.compiler.loader import import_graph
+from cann_llm.passes.graph_utils import light_model
+from cann_llm.passes.infer_shapes import _one_past_length
 
 
 def _symbolic(model: onnx.ModelProto, merges: dict[str, str]) -> tuple[int, dict[str, list]]:
@@ -28,7 +28,7 @@ def _symbolic(model: onnx.ModelProto, merges: dict[str, str]) -> tuple[int, dict
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_the_past_lengths_given_as_one_dim_give_the_shapes_of_every_restart_in_one_run(family):
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     _, graph = import_graph(tiny_onnx(family, dynamo=True, with_past=True))
     model = onnx.shape_inference.infer_shapes(light_model(graph)[0], data_prop=True)

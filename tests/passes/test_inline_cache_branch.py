@@ -10,7 +10,7 @@ import onnx_graphsurgeon as gs
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.inline_cache_branch import InlineCacheBranch
+from cann_llm.passes.inline_cache_branch import InlineCacheBranch
 
 PAST = [1, 1, "p", 4]  # the past: the graph's rank-4 float input
 NEW = [1, "t", 4]

@@ -10,10 +10,10 @@ import onnx
 import onnx_graphsurgeon as gs
 import pytest
 
-from compiler.loader import import_graph
+from cann_llm.compiler.loader import import_graph
 from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
 
-from passes.graph_utils import LIGHT_WEIGHT_LIMIT, light_model
+from cann_llm.passes.graph_utils import LIGHT_WEIGHT_LIMIT, light_model
 
 
 def _shapes(model: onnx.ModelProto) -> dict[str, list]:
@@ -23,7 +23,7 @@ def _shapes(model: onnx.ModelProto) -> dict[str, list]:
 
 @pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "torchscript"])
 def test_large_constants_become_typed_inputs_and_shapes_infer_as_on_the_full_model(dynamo):
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     _, graph = import_graph(tiny_onnx("llama", dynamo=dynamo, with_past=True))
     before = gs.export_onnx(graph, do_type_check=False).SerializeToString(deterministic=True)

@@ -1,4 +1,4 @@
-"""ALiBi's term matcher (passes/match_alibi.py) on small graphs of the spellings BLOOM, Falcon-RW and MPT
+"""ALiBi's term matcher (cann_llm/passes/match_alibi.py) on small graphs of the spellings BLOOM, Falcon-RW and MPT
 export, one negative case per refusal. Every term it accepts is run in onnxruntime: the values minus the
 claimed m_h·(key position) must be one constant per query row (what leaves the softmax unchanged)."""
 
@@ -11,8 +11,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.infer_shapes import InferShapes
-from passes.match_alibi import match_alibi, peel_alibi
+from cann_llm.passes.infer_shapes import InferShapes
+from cann_llm.passes.match_alibi import match_alibi, peel_alibi
 
 pytestmark = pytest.mark.unit
 
@@ -154,7 +154,7 @@ def test_a_mask_filled_with_the_term_and_cut_to_the_keys_gives_its_condition_and
     """Falcon-RW fills the term where keys are hidden, `Where(hidden, min, term)`; transformers 4.57 (Optimum)
     then cuts each layer's mask to its keys, `mask[:, :, :, :kv_len]`, which keeps the keys' positions. A cut
     starting past the first key is no longer that mask."""
-    from passes.match_attention import mask_alibi
+    from cann_llm.passes.match_attention import mask_alibi
 
     for start, found in ((0, True), (1, False)):
         model = _positions_term()

@@ -1,4 +1,4 @@
-"""The attention sub-matchers alone (passes/match_attention.py, passes/match_rotary.py), each on small
+"""The attention sub-matchers alone (cann_llm/passes/match_attention.py, cann_llm/passes/match_rotary.py), each on small
 graphs of the spellings exporters write, one negative case per refusal; every spelling a matcher accepts
 is also run in onnxruntime and compared with what the matcher claims it computes."""
 
@@ -11,8 +11,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.infer_shapes import InferShapes
-from passes.match_attention import (
+from cann_llm.passes.infer_shapes import InferShapes
+from cann_llm.passes.match_attention import (
     dtype_kind,
     match_gqa_repeat,
     match_head_merge,
@@ -23,8 +23,8 @@ from passes.match_attention import (
     match_scale,
     split_mask,
 )
-from passes.match_rotary import match_rotary
-from runtime.lowering import Builder, rotary_embedding
+from cann_llm.passes.match_rotary import match_rotary
+from cann_llm.runtime.lowering import Builder, rotary_embedding
 
 pytestmark = pytest.mark.unit
 

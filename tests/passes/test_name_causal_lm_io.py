@@ -7,7 +7,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.name_causal_lm_io import NameCausalLmIo
+from cann_llm.passes.name_causal_lm_io import NameCausalLmIo
 
 VOCAB, HIDDEN = 32, 8
 

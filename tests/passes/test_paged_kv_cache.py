@@ -10,14 +10,14 @@ import onnx
 import pytest
 from conftest import EXPORTS, compile_to, export_id, ort_reference
 
-from cli.atc import run
-from compiler.config import CompileConfig
-from models.recipes import RECIPES
-from runtime import Executor, load_artifact
-from runtime.engine.kv_cache import PagePool
-from runtime.errors import AtcError
-from runtime.feeds import causal_lm_inputs
-from runtime.ops import FUSED_ATTENTION, PAGED_ATTENTION, PAGED_METADATA, PagedAttentionInput
+from cann_llm.cli.atc import run
+from cann_llm.compiler.config import CompileConfig
+from cann_llm.models.recipes import RECIPES
+from cann_llm.runtime import Executor, load_artifact
+from cann_llm.runtime.engine.kv_cache import PagePool
+from cann_llm.runtime.errors import AtcError
+from cann_llm.runtime.feeds import causal_lm_inputs
+from cann_llm.runtime.ops import FUSED_ATTENTION, PAGED_ATTENTION, PAGED_METADATA, PagedAttentionInput
 
 # sdpa exports (what users have); eager ones generate through the paged engine in test_engine_greedy
 PAGED_EXPORTS = [case for case in EXPORTS if RECIPES[case[0]].attention and case[3] == "sdpa"]
@@ -26,7 +26,7 @@ PAGE = 16
 
 def _compile_paged(case, compiled, tmp_path, page_size=PAGE):
     """(the export, its paged artifact from `compiled`: conftest's compile shared by the tests that read it)."""
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     family, dynamo, with_past, attention = case
     source = tiny_onnx(family, dynamo=dynamo, with_past=with_past, attention=attention)
@@ -102,7 +102,7 @@ def test_paged_logits_match_onnxruntime_on_the_original(case, plan, compiled, tm
 
 
 def test_unfused_attention_is_refused_with_no_output(capsys, tmp_path):
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     source = tiny_onnx("llama", dynamo=False, with_past=True)
     switches = tmp_path / "switches.cfg"
@@ -127,7 +127,7 @@ def test_bad_paged_configs_are_refused(tmp_path, content, code):
 
 
 def test_flash_attention_is_recorded_on_paged_nodes_and_ignored_with_a_warning_otherwise(tmp_path):
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     source = tiny_onnx("llama", dynamo=True, with_past=True)
     loaded = load_artifact(compile_to(source, tmp_path / "f", enable_paged_attention=True, enable_flash_attention=True))
@@ -148,8 +148,8 @@ def test_page_size_comes_from_the_soc_profile():
 def test_an_attention_without_a_causal_mask_is_refused():
     import onnx_graphsurgeon as gs
 
-    from passes.paged_kv_cache import PagedKvCache
-    from passes.pattern import fused_node
+    from cann_llm.passes.paged_kv_cache import PagedKvCache
+    from cann_llm.passes.pattern import fused_node
 
     ids, positions = (gs.Variable(name, dtype=np.int64, shape=[1, "s"]) for name in ("input_ids", "position_ids"))
     qkv, out = gs.Variable("qkv", dtype=np.float32, shape=[1, "s", 96]), gs.Variable("out", dtype=np.float32)

@@ -8,9 +8,9 @@ import numpy as np
 import onnx_graphsurgeon as gs
 import pytest
 
-from passes.per_sequence_rotary import PerSequenceRotary, rotary_switch_length
-from runtime.errors import AtcError
-from runtime.ops import LAST_POSITIONS, PAGED_ATTENTION
+from cann_llm.passes.per_sequence_rotary import PerSequenceRotary, rotary_switch_length
+from cann_llm.runtime.errors import AtcError
+from cann_llm.runtime.ops import LAST_POSITIONS, PAGED_ATTENTION
 
 pytestmark = pytest.mark.unit
 

@@ -7,7 +7,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.remove_logits_to_keep import RemoveLogitsToKeep
+from cann_llm.passes.remove_logits_to_keep import RemoveLogitsToKeep
 
 HIDDEN, VOCAB = 8, 16
 

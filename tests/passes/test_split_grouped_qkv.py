@@ -15,10 +15,10 @@ import onnx_graphsurgeon as gs
 import pytest
 from fusion_utils import apply_pass, run_original
 
-from passes.eliminate_identity import EliminateIdentity
-from passes.fold_constants import FoldConstants
-from passes.infer_shapes import InferShapes
-from passes.split_grouped_qkv import SplitGroupedQkv
+from cann_llm.passes.eliminate_identity import EliminateIdentity
+from cann_llm.passes.fold_constants import FoldConstants
+from cann_llm.passes.infer_shapes import InferShapes
+from cann_llm.passes.split_grouped_qkv import SplitGroupedQkv
 
 HIDDEN, HEADS, KV_HEADS, DIM = 64, 4, 2, 16
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 from conftest import compile_to
 
-from compiler.config import CompileConfig
-from runtime.artifact import OmFile
-from runtime.engine.engine import LLMEngine
-from runtime.engine.sampling import SamplingParams
-from runtime.errors import AtcError
+from cann_llm.compiler.config import CompileConfig
+from cann_llm.runtime.artifact import OmFile
+from cann_llm.runtime.engine.engine import LLMEngine
+from cann_llm.runtime.engine.sampling import SamplingParams
+from cann_llm.runtime.errors import AtcError
 
 LAYERS = {"num_hidden_layers": 3}
 PROMPT = [5, 17, 99, 3, 42, 8, 200, 31]
@@ -20,7 +20,7 @@ NEW_TOKENS = 12
 
 
 def _export(family: str, dynamo: bool):
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     overrides = {"n_layer": 3} if family == "gpt2" else LAYERS
     return tiny_onnx(family, dynamo=dynamo, with_past=True, overrides=overrides), overrides
@@ -30,7 +30,7 @@ def _truncated_reference(family: str, overrides: dict, keep: int) -> list[int]:
     """transformers' greedy tokens from the same weights with every layer past `keep` removed."""
     import torch
 
-    from models.tiny import build_tiny_model
+    from cann_llm.models.tiny import build_tiny_model
 
     model = build_tiny_model(family, overrides=overrides)
     if family == "gpt2":
@@ -63,7 +63,7 @@ def test_the_first_layers_and_the_head_generate_as_the_truncated_model(tmp_path,
 
 def test_a_model_of_onnxruntimes_4_bit_matmuls_is_cut_too(tmp_path):
     """MatMulNBitsQuantizer's model: its lm_head a MatMulInt4, whose packed weight is [N, blocks, bytes]."""
-    from models.onnxruntime_quantizers import matmul_nbits
+    from cann_llm.models.onnxruntime_quantizers import matmul_nbits
 
     model, _ = _export("llama", dynamo=True)
     om = compile_to(matmul_nbits(model, tmp_path / "int4.onnx"), tmp_path / "draft", keep_layers=1,

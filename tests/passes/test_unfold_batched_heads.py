@@ -1,4 +1,4 @@
-"""BatchedHeadsPass (passes/unfold_batched_heads.py) on BLOOM's spelling built by hand: q, k, v folded to
+"""BatchedHeadsPass (cann_llm/passes/unfold_batched_heads.py) on BLOOM's spelling built by hand: q, k, v folded to
 [B·H, ·, D], the scores scaled with a term added, unfolded for the softmax, the probabilities folded back
 for the values. Each graph the pass rewrites computes what it did before (onnxruntime, both graphs)."""
 
@@ -11,8 +11,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.infer_shapes import InferShapes
-from passes.unfold_batched_heads import UnfoldBatchedHeads
+from cann_llm.passes.infer_shapes import InferShapes
+from cann_llm.passes.unfold_batched_heads import UnfoldBatchedHeads
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""compute_in_float32 (passes/upcast_float_compute.py) alone: a graph computing in bfloat16 or float16 computes
+"""compute_in_float32 (cann_llm/passes/upcast_float_compute.py) alone: a graph computing in bfloat16 or float16 computes
 what numpy computes in float32 on the same weights (onnxruntime runs the rewritten graph; it cannot run the
 bfloat16 original), and a graph that only stores weights in a low precision is left as it is."""
 
@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from passes.upcast_float_compute import Raised, compute_in_float32, low_precision_compute
+from cann_llm.passes.upcast_float_compute import Raised, compute_in_float32, low_precision_compute
 
 pytestmark = pytest.mark.unit
 RNG = np.random.default_rng(0)

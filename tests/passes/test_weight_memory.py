@@ -1,4 +1,4 @@
-"""Merged weights cost no memory until written (passes/weight_memory.py): a merge of mapped weights is
+"""Merged weights cost no memory until written (cann_llm/passes/weight_memory.py): a merge of mapped weights is
 deferred, reading it for a computation does not keep it, detaching hands the writer the deferred values,
 and the artifact holds exactly the concatenation."""
 
@@ -8,9 +8,9 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from onnx import TensorProto
 
-from passes.merge_weights import merge_weights, weight_source
-from passes.weight_memory import Deferred, detach_weights, read_values
-from runtime.artifact import OmFile, write_artifact
+from cann_llm.passes.merge_weights import merge_weights, weight_source
+from cann_llm.passes.weight_memory import Deferred, detach_weights, read_values
+from cann_llm.runtime.artifact import OmFile, write_artifact
 
 
 def test_a_merge_is_deferred_until_written(tmp_path):

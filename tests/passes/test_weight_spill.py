@@ -1,4 +1,4 @@
-"""Packed weights kept on disk until written (passes/weight_spill.py): kept arrays read back equal from one
+"""Packed weights kept on disk until written (cann_llm/passes/weight_spill.py): kept arrays read back equal from one
 file and hold no file descriptor, small ones stay in memory, a failed write is E13004, the quantizer's
 packed weights are kept so during a compile, and the folder is gone when the compile ends, whether it
 wrote an artifact or failed after packing."""
@@ -13,14 +13,14 @@ import pytest
 from conftest import compile_to
 from onnx import TensorProto, helper, numpy_helper
 
-from compiler.config import CompileConfig
-from compiler.loader import import_graph
-from compiler.pass_manager import run_passes
-from compiler.pipeline import build_pipeline
-from passes.weight_memory import Deferred
-from passes.weight_spill import SPILL_PREFIX, weight_spill
-from runtime import load_artifact
-from runtime.errors import AtcError
+from cann_llm.compiler.config import CompileConfig
+from cann_llm.compiler.loader import import_graph
+from cann_llm.compiler.pass_manager import run_passes
+from cann_llm.compiler.pipeline import build_pipeline
+from cann_llm.passes.weight_memory import Deferred
+from cann_llm.passes.weight_spill import SPILL_PREFIX, weight_spill
+from cann_llm.runtime import load_artifact
+from cann_llm.runtime.errors import AtcError
 
 
 def test_kept_arrays_read_back_from_one_file_and_hold_no_descriptor(tmp_path):

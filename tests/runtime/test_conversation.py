@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from generation_utils import compile_tiny_chat_model
 
-from runtime.conversation import Conversation, ConversationManager, ConversationSettings
-from runtime.engine.engine import LLMEngine
+from cann_llm.runtime.conversation import Conversation, ConversationManager, ConversationSettings
+from cann_llm.runtime.engine.engine import LLMEngine
 
 CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
 

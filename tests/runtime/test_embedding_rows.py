@@ -1,4 +1,4 @@
-"""Token embeddings read with pread outside onnxruntime (runtime/embedding_rows.py): the rows equal the
+"""Token embeddings read with pread outside onnxruntime (cann_llm/runtime/embedding_rows.py): the rows equal the
 table's, the graph onnxruntime gets has no Gather of the table (and no table unless a tied head reads it),
 the executor's outputs equal onnxruntime on the original export, and ids outside the vocabulary are a
 coded refusal instead of a read past the table."""
@@ -10,12 +10,12 @@ import onnx
 import pytest
 from conftest import compile_to, ort_reference
 
-from models.tiny import tiny_onnx
-from runtime.embedding_rows import TableRows, split_off
-from runtime.errors import AtcError
-from runtime.executor import Executor
-from runtime.feeds import causal_lm_inputs
-from runtime.loader import load_artifact
+from cann_llm.models.tiny import tiny_onnx
+from cann_llm.runtime.embedding_rows import TableRows, split_off
+from cann_llm.runtime.errors import AtcError
+from cann_llm.runtime.executor import Executor
+from cann_llm.runtime.feeds import causal_lm_inputs
+from cann_llm.runtime.loader import load_artifact
 
 
 @pytest.fixture(scope="module", params=["llama", "llama_tied"])

@@ -8,7 +8,7 @@ import pytest
 from conftest import compile_to
 
 from cann_llm import Executor, load_artifact
-from runtime.errors import AtcError
+from cann_llm.runtime.errors import AtcError
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.kernels.fast_math import fast_exp_array
+from cann_llm.runtime.kernels.fast_math import fast_exp_array
 
 pytestmark = pytest.mark.unit
 

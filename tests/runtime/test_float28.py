@@ -1,5 +1,5 @@
-"""F28, float32 weights in 28 bits (runtime/kernels/float28.py): packing gives back every weight bit for bit, the
-native MatMulF28 (runtime/kernels/native/matmul_panels.c) computes the float64 product within float32 rounding on
+"""F28, float32 weights in 28 bits (cann_llm/runtime/kernels/float28.py): packing gives back every weight bit for bit, the
+native MatMulF28 (cann_llm/runtime/kernels/native/matmul_panels.c) computes the float64 product within float32 rounding on
 both of its paths (one to four rows, and the tiled one from five) and the shapes they split on, with
 exceptions of either kind (tiny weights below the exponent window and outliers above it), and the executor
 runs the op through onnxruntime's MatMul where the library does not take it."""
@@ -14,10 +14,10 @@ import pytest
 from native_utils import assert_close_to_product, at_a_page_end, native_session
 from onnx import helper, numpy_helper
 
-from runtime.errors import AtcError
-from runtime.executor import _ort_session, _unpacked_float28
-from runtime.kernels import float28, native
-from runtime.ops import CUSTOM_DOMAIN
+from cann_llm.runtime.errors import AtcError
+from cann_llm.runtime.executor import _ort_session, _unpacked_float28
+from cann_llm.runtime.kernels import float28, native
+from cann_llm.runtime.ops import CUSTOM_DOMAIN
 
 KERNEL = pytest.mark.skipif(not native.has_float28_matmul(), reason="this CPU has no AVX-512 VBMI: no native MatMulF28")
 

@@ -1,5 +1,5 @@
-"""Float32 MatMul weights laid out in panels at load (runtime/kernels/float32_panels.py) for the native MatMulF32
-(runtime/kernels/native/matmul_panels.c): the layout gives back every weight bit for bit, the native op
+"""Float32 MatMul weights laid out in panels at load (cann_llm/runtime/kernels/float32_panels.py) for the native MatMulF32
+(cann_llm/runtime/kernels/native/matmul_panels.c): the layout gives back every weight bit for bit, the native op
 computes the float64 product within float32 rounding on every row count and shape and reads nothing past its
 operands, and the runtime turns every float32 MatMul of an artifact (a tied head's through its Transpose)
 into one, generating transformers' greedy tokens, where onnxruntime's MatMul runs when the native matmuls
@@ -19,10 +19,10 @@ from native_utils import assert_close_to_product, at_a_page_end, native_session
 from onnx import helper, numpy_helper
 
 from cann_llm import LLMEngine
-from runtime.executor import Executor, _float32_panels
-from runtime.kernels import float32_panels, native
-from runtime.loader import load_artifact
-from runtime.ops import CUSTOM_DOMAIN
+from cann_llm.runtime.executor import Executor, _float32_panels
+from cann_llm.runtime.kernels import float32_panels, native
+from cann_llm.runtime.loader import load_artifact
+from cann_llm.runtime.ops import CUSTOM_DOMAIN
 
 KERNEL = pytest.mark.skipif(not native.has_float32_panel_matmul(), reason="this CPU has no AVX-512: no native MatMulF32")
 
@@ -85,7 +85,7 @@ def _f32_model(k: int, n: int, panels: np.ndarray | None) -> onnx.ModelProto:
 
 
 def test_the_op_is_built_where_the_cpu_has_avx512():
-    from runtime.compatibility import cpu_features
+    from cann_llm.runtime.compatibility import cpu_features
 
     if {"avx512f", "avx512bw"} <= cpu_features():
         assert native.has_float32_panel_matmul()
@@ -150,7 +150,7 @@ def test_the_reference_kernel_is_the_product():
 def test_a_tied_heads_transpose_and_every_float_matmul_become_matmulf32(tmp_path):
     """A tied table too large for its transpose to be folded (as real vocabularies are): the head reads the table
     through a Transpose, which goes with it; the table itself stays for the embedding rows."""
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     overrides = {"vocab_size": 70001}  # over 16 MiB of table: past FoldConstants' size threshold
     loaded = load_artifact(compile_to(tiny_onnx("llama_tied", dynamo=True, with_past=True, overrides=overrides),
@@ -210,7 +210,7 @@ def test_the_rewrite_keeps_what_else_reads_a_weight(huge):
 def test_the_engine_on_panels_generates_as_transformers(family, tmp_path, monkeypatch):
     """On the native op where the CPU has it, and with the native matmuls off or the weights shared (onnxruntime's
     MatMul, pre-packed): transformers' greedy tokens every way."""
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     monkeypatch.setenv("CANN_LLM_CACHE", str(tmp_path / "cache"))  # share_weights' pre-packed weights
     om = compile_to(tiny_onnx(family, dynamo=True, with_past=True), tmp_path / "m", enable_paged_attention=True)
@@ -236,9 +236,9 @@ def _anonymous_mib() -> int:
 def test_weights_laid_out_at_load_are_not_copied_by_onnxruntime(tmp_path):
     """The session uses the runtime's buffer as it is: onnxruntime copies an external initializer it is given,
     which would hold every float32 weight twice."""
-    from models.tiny import tiny_onnx
-    from runtime.artifact import OmFile
-    from runtime.executor import _made_at_load, _ort_session
+    from cann_llm.models.tiny import tiny_onnx
+    from cann_llm.runtime.artifact import OmFile
+    from cann_llm.runtime.executor import _made_at_load, _ort_session
 
     om = OmFile(compile_to(tiny_onnx("llama", dynamo=False, with_past=True), tmp_path / "m"))
     w = np.ones((64, 1 << 20), np.float32)  # 256 MiB, the only large thing made here

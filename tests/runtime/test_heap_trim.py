@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 _PROBE = r"""
 import json
-from runtime.heap_trim import release_free_heap
+from cann_llm.runtime.heap_trim import release_free_heap
 
 def resident():
     with open("/proc/self/status") as status:

@@ -1,4 +1,4 @@
-"""The native matmuls' streamed weights read from huge pages (runtime/huge_pages.py, runtime/executor.py
+"""The native matmuls' streamed weights read from huge pages (cann_llm/runtime/huge_pages.py, cann_llm/runtime/executor.py
 `_in_huge_pages`): the kernel's setting read as it is, the copies exact and aligned, every native MatMulInt4
 reading its copy (a tied head's table still read by the embedding lookup as it was), the artifact's pages of
 each copied weight released, every MatMulF28 reading the artifact's own pages, which `atc` writes in whole huge
@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from conftest import compile_to
 
-from runtime import artifact, huge_pages
-from runtime.engine.engine import LLMEngine
-from runtime.executor import Executor, _in_huge_pages, _native_nodes
-from runtime.kernels import native
-from runtime.loader import load_artifact
+from cann_llm.runtime import artifact, huge_pages
+from cann_llm.runtime.engine.engine import LLMEngine
+from cann_llm.runtime.executor import Executor, _in_huge_pages, _native_nodes
+from cann_llm.runtime.kernels import native
+from cann_llm.runtime.loader import load_artifact
 
 PROMPTS = [[5, 17, 99, 3, 42, 8, 61, 2], [7, 1, 250, 33], list(range(3, 40))]
 MATMUL = pytest.mark.skipif(not native.has_int8_matmul(), reason="no native MatMulInt4 on this CPU")
@@ -61,7 +61,7 @@ def test_the_arena_holds_exact_copies_each_on_a_cache_line():
 def tied_int4(tmp_path_factory):
     """INT4 with the tied head in 4 bits, as the peers' artifact: one table the head's MatMulInt4 and the
     embedding's GatherInt4 both read."""
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     folder = tmp_path_factory.mktemp("huge")
     conf = folder / "head4.json"
@@ -106,7 +106,7 @@ def _mapped_kib(path, field: str = "Rss") -> int:
 @MATMUL
 def test_the_artifacts_pages_of_a_copied_weight_are_released(tmp_path):
     """A table large enough to be counted in pages (70,001 rows in 4 bits, over 1 MB), copied for the head."""
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     conf = tmp_path / "head4.json"
     conf.write_text(json.dumps({"quant_mode": "INT4", "group_size": 128, "skip_layers": [], "lm_head_bits": 4,
@@ -141,9 +141,9 @@ def test_the_engine_generates_the_same_tokens_with_and_without_the_copies(tied_i
     """Every MatMulInt4 copied by default where the kernel gives huge pages (the copies made here either way:
     where it gives none they stand in small pages), none with the option off, the native matmuls off or the
     weights shared; the same tokens with the copies as without."""
-    import runtime.executor
+    from cann_llm.runtime import executor as executor_module
 
-    monkeypatch.setattr(runtime.executor, "huge_pages_given", lambda: True)
+    monkeypatch.setattr(executor_module, "huge_pages_given", lambda: True)
     monkeypatch.setenv("CANN_LLM_CACHE", str(tmp_path / "cache"))  # share_weights' pre-packed weights
     loaded = load_artifact(tied_int4)
     matmuls = {node.input[1] for node in loaded.model.graph.node if node.op_type == "MatMulInt4"}
@@ -156,7 +156,7 @@ def test_the_engine_generates_the_same_tokens_with_and_without_the_copies(tied_i
 @pytest.fixture(scope="module")
 def tied_f28(tmp_path_factory):
     """FP32 in 28 bits, paged, with a tied head."""
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     return compile_to(tiny_onnx("llama_tied", dynamo=True, with_past=True), tmp_path_factory.mktemp("f28") / "m",
                       enable_paged_attention=True, compress_fp32_weight=True)
@@ -178,9 +178,9 @@ def test_every_native_f28_matmul_reads_the_artifacts_own_pages(tied_f28):
 
 @F28
 def test_the_engine_generates_the_same_tokens_with_the_f28_panels_in_place(tied_f28, monkeypatch):
-    import runtime.executor
+    from cann_llm.runtime import executor as executor_module
 
-    monkeypatch.setattr(runtime.executor, "huge_pages_given", lambda: True)
+    monkeypatch.setattr(executor_module, "huge_pages_given", lambda: True)
     given = _copied(Executor(load_artifact(tied_f28)))
     assert given and all(name.removesuffix("/huge_pages") in load_artifact(tied_f28).weights for name in given)
     assert _copied(Executor(load_artifact(tied_f28), huge_pages=False)) == []
@@ -198,10 +198,10 @@ def test_float32_panels_are_laid_out_in_one_arena_of_huge_pages(tmp_path, monkey
     """Every MatMulF32's panels in one mapping that starts on a huge page, one after another, each on a cache
     line (numpy gives huge pages to arrays of 4 MB or more only: a decode step's smaller weights were left in
     small ones); elsewhere with the option off; the same values and the same tokens either way."""
-    import runtime.executor
-    from models.tiny import tiny_onnx
+    from cann_llm.runtime import executor as executor_module
+    from cann_llm.models.tiny import tiny_onnx
 
-    monkeypatch.setattr(runtime.executor, "huge_pages_given", lambda: True)
+    monkeypatch.setattr(executor_module, "huge_pages_given", lambda: True)
     om = compile_to(tiny_onnx("llama_tied", dynamo=True, with_past=True), tmp_path / "m", enable_paged_attention=True)
     together, apart_executor = Executor(load_artifact(om)), Executor(load_artifact(om), huge_pages=False)
     panels = _panels(together)  # views of the executors' memory: both kept alive to the end

@@ -11,11 +11,11 @@ import sys
 
 import pytest
 
-from runtime.kernels import native
+from cann_llm.runtime.kernels import native
 
 _GENERATE = """
 import json, sys
-from runtime.engine.engine import LLMEngine
+from cann_llm.runtime.engine.engine import LLMEngine
 
 with LLMEngine(sys.argv[1], max_batch_size=1, max_context_len=32, kv_cache_pages=4,
                host_attention=sys.argv[2] == "host") as engine:
@@ -31,7 +31,7 @@ def _in_a_fresh_process(*args: str) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("module", ["runtime.engine.engine", "cann_llm", "cli.cann_run", "cli.serve"])
+@pytest.mark.parametrize("module", ["cann_llm.runtime.engine.engine", "cann_llm", "cann_llm.cli.cann_run", "cann_llm.cli.serve"])
 def test_importing_the_runtime_imports_no_numba(module):
     assert _in_a_fresh_process("-c", f"import sys, {module}; print('numba' in sys.modules)") == "False"
 
@@ -56,7 +56,7 @@ def test_kernels_compile_while_torch_export_has_replaced_max_and_min(tmp_path):
     # the first kernel compiled before (numba's own typing set up, as in any process that ran one), the
     # attention kernels, which take the larger and smaller of two numbers, while the wrappers are in place
     script = ("from torch._export.non_strict_utils import _override_builtin_ops\n"
-              "from runtime.kernels import warmup\n"
+              "from cann_llm.runtime.kernels import warmup\n"
               "first, *kernels = warmup._signatures()[:3]\n"
               "first[0].compile(first[1])\n"
               "with _override_builtin_ops():\n"

@@ -1,6 +1,6 @@
 """Crafted `.om` files, every checksum valid, are refused by the loader with E13015 naming the field.
 
-Each case takes a real compiled artifact apart (runtime/artifact.py's reader), changes one thing and puts it
+Each case takes a real compiled artifact apart (cann_llm/runtime/artifact.py's reader), changes one thing and puts it
 back together through the writer or, for the container itself, a packer that lays partitions out as the
 writer does and recomputes their CRCs and the table's SHA-256: what the loader sees is a file only a
 deliberate hand could have made.
@@ -22,13 +22,13 @@ import pytest
 from conftest import compile_to
 from onnx import helper
 
-from runtime.artifact import (
+from cann_llm.runtime.artifact import (
     _ENTRY, _TABLE_HEAD, HEADER_SIZE, OmFile, Partition, _align, _pack_header, write_artifact,
 )
-from runtime.engine.engine import LLMEngine
-from runtime.errors import AtcError
-from runtime.executor import Executor
-from runtime.loader import load_artifact
+from cann_llm.runtime.engine.engine import LLMEngine
+from cann_llm.runtime.errors import AtcError
+from cann_llm.runtime.executor import Executor
+from cann_llm.runtime.loader import load_artifact
 
 
 @pytest.fixture(scope="module")
@@ -280,7 +280,7 @@ def test_cann_run_refuses_a_crafted_artifact_with_a_coded_error_and_no_traceback
                                                                                   tmp_path):
     artifact, edit, phrase = ATTRIBUTE_CASES[case]
     bad = _rewrite(contiguous_om if artifact == "contiguous" else paged_om, tmp_path / "bad.om", edit)
-    done = subprocess.run([sys.executable, "-m", "cli.cann_run", "run", "--model", str(bad)], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "cann_llm.cli.cann_run", "run", "--model", str(bad)], capture_output=True,
                           text=True, timeout=600, env={**os.environ, "NUMBA_BOUNDSCHECK": "1"})
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stdout + done.stderr
@@ -346,7 +346,7 @@ def test_nan_weights_make_nan_logits_not_an_exception_in_the_paged_kernel(paged_
 
 
 def test_an_artifact_records_what_it_needs(int4_om):
-    from runtime.compatibility import OLDEST_READER
+    from cann_llm.runtime.compatibility import OLDEST_READER
 
     needs = OmFile(int4_om).metadata["requires"]
     assert needs["runtime"] == OLDEST_READER and needs["soc_family"] == "Ascend910B"
@@ -355,7 +355,7 @@ def test_an_artifact_records_what_it_needs(int4_om):
 
 
 def test_features_this_cpu_lacks_refuse_the_artifact_naming_them(int4_om, tmp_path):
-    from runtime.compatibility import cpu_features, host_arch
+    from cann_llm.runtime.compatibility import cpu_features, host_arch
 
     absent = next(f for f in ("amx_tile", "avx10_2", "sme2", "sve2") if f not in cpu_features())
     edited = _rewrite(int4_om, tmp_path / "needs.om",
@@ -363,13 +363,13 @@ def test_features_this_cpu_lacks_refuse_the_artifact_naming_them(int4_om, tmp_pa
     with pytest.raises(AtcError) as caught:
         load_artifact(edited)
     assert caught.value.code == "E13016" and f"lacks: {absent}" in str(caught.value) and "avx2" not in str(caught.value)
-    proc = subprocess.run([sys.executable, "-m", "cli.cann_run", "run", "--model", str(edited)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "cann_llm.cli.cann_run", "run", "--model", str(edited)], capture_output=True,
                           text=True)
     assert proc.returncode != 0 and "E13016" in proc.stderr and absent in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_a_newer_runtime_needed_refuses_and_a_missing_preference_warns(int4_om, tmp_path, caplog):
-    from runtime.compatibility import cpu_features, host_arch
+    from cann_llm.runtime.compatibility import cpu_features, host_arch
 
     newer = _rewrite(int4_om, tmp_path / "newer.om", _set_metadata(("requires", "runtime"), "99.0.0"))
     with pytest.raises(AtcError, match="E13016.*needs runtime 99.0.0 or newer"):

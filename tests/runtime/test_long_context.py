@@ -1,4 +1,4 @@
-"""Long documents in a short context (runtime/long_context.py): chunks of tokens that overlap, BM25 ranking,
+"""Long documents in a short context (cann_llm/runtime/long_context.py): chunks of tokens that overlap, BM25 ranking,
 the budget held, and the needle test: a fact placed at 10 depths of a 32K-token document of held-out prose
 is among the passages kept for a question about it."""
 
@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 from generation_utils import compile_tiny_chat_model
 
-from models.tiny import byte_tokenizer_json
-from runtime.long_context import GAP, LongContext
-from runtime.tokenizer import TextTokenizer
+from cann_llm.models.tiny import byte_tokenizer_json
+from cann_llm.runtime.long_context import GAP, LongContext
+from cann_llm.runtime.tokenizer import TextTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from needle import NEEDLE, QUESTION, needle_document  # noqa: E402
 
-PROSE = (Path(__file__).resolve().parents[2] / "models" / "data" / "eval.txt").read_text()
+PROSE = (Path(__file__).resolve().parents[2] / "cann_llm" / "models" / "data" / "eval.txt").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_chunks_overlap_cover_the_document_and_the_budget_holds():
 
 
 def test_the_prompt_fits_the_engine_with_room_for_the_reply(tmp_path_factory):
-    from runtime.engine.engine import LLMEngine
+    from cann_llm.runtime.engine.engine import LLMEngine
 
     om = compile_tiny_chat_model(tmp_path_factory, "{% for m in messages %}{{ m['content'] }}{% endfor %}", "long")
     with LLMEngine(om, max_context_len=400, kv_cache_pages=8) as engine:
@@ -104,8 +104,8 @@ def test_embed_tokens_reads_float_and_int4_tables_alike(tmp_path_factory):
     import numpy as np
 
     from conftest import compile_to
-    from models.tiny import tiny_onnx
-    from runtime.loader import load_artifact
+    from cann_llm.models.tiny import tiny_onnx
+    from cann_llm.runtime.loader import load_artifact
 
     model = tiny_onnx("llama_tied", dynamo=True, with_past=True)
     folder = tmp_path_factory.mktemp("embed")

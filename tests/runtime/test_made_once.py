@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.made_once import made_once
+from cann_llm.runtime.made_once import made_once
 
 pytestmark = pytest.mark.unit
 

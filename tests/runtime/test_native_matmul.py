@@ -1,4 +1,4 @@
-"""The native MatMulInt4 (runtime/kernels/native/matmul_int4.c) inside onnxruntime: the same products as the
+"""The native MatMulInt4 (cann_llm/runtime/kernels/native/matmul_int4.c) inside onnxruntime: the same products as the
 numpy reference and as onnxruntime's own MatMulNBits on the same bytes, over the shapes its paths split on
 (whole groups of 16 columns and the columns after them, a partial last block, one row, a few and enough
 for the lane path), with an input scale, and the executor's choice of which nodes it takes and which
@@ -15,12 +15,12 @@ import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
 
-from runtime.compatibility import cpu_features
-from runtime.executor import _native_nodes
-from runtime.kernels import native
-from runtime.kernels.quant_matmul import MatMulInt4
-from runtime.lowering import lower_for_onnxruntime, with_input_scales
-from runtime.ops import CUSTOM_DOMAIN, attributes
+from cann_llm.runtime.compatibility import cpu_features
+from cann_llm.runtime.executor import _native_nodes
+from cann_llm.runtime.kernels import native
+from cann_llm.runtime.kernels.quant_matmul import MatMulInt4
+from cann_llm.runtime.lowering import lower_for_onnxruntime, with_input_scales
+from cann_llm.runtime.ops import CUSTOM_DOMAIN, attributes
 
 KERNEL = pytest.mark.skipif(not native.has_int8_matmul(), reason="this CPU has neither AVX-512 VNNI nor AVX2")
 
@@ -204,9 +204,9 @@ def test_a_library_built_without_avx2_has_no_matmul_and_every_matmul_is_left_to_
     wrapper.write_text(f'#!/bin/sh\nexec {compiler} "$@" -mno-avx2\n')
     wrapper.chmod(0o755)
     script = ("import onnx\n"
-              "from runtime.kernels import native\n"
+              "from cann_llm.runtime.kernels import native\n"
               "from tests.runtime.test_native_matmul import _graph_of, _matmul\n"
-              "from runtime.executor import _native_nodes\n"
+              "from cann_llm.runtime.executor import _native_nodes\n"
               "keep = _native_nodes(_graph_of([_matmul('level4')], onnx.TensorProto.UINT8))\n"
               "print(native.library_path().exists(), native.has_int8_matmul(), keep(_matmul('level4')))\n")
     env = {**os.environ, "CC": str(wrapper), "XDG_CACHE_HOME": str(tmp_path / "cache")}

@@ -1,4 +1,4 @@
-"""The native ops (runtime/kernels/native, built here with the machine's C compiler) inside onnxruntime:
+"""The native ops (cann_llm/runtime/kernels/native, built here with the machine's C compiler) inside onnxruntime:
 PagedAttention against the numpy reference of the same node on the same pages, SwiGlu against its numpy
 kernel."""
 
@@ -12,11 +12,11 @@ import onnxruntime as ort
 import pytest
 from onnx import helper
 
-from runtime.compatibility import cpu_features
-from runtime.kernels import native
-from runtime.kernels.paged_attention import PagedInputError
-from runtime.lowering import POOL_KEY, POOL_VALUE, with_pool_inputs
-from runtime.ops import CUSTOM_DOMAIN, PAGED_METADATA, PagedAttentionInput
+from cann_llm.runtime.compatibility import cpu_features
+from cann_llm.runtime.kernels import native
+from cann_llm.runtime.kernels.paged_attention import PagedInputError
+from cann_llm.runtime.lowering import POOL_KEY, POOL_VALUE, with_pool_inputs
+from cann_llm.runtime.ops import CUSTOM_DOMAIN, PAGED_METADATA, PagedAttentionInput
 from tests.runtime.test_paged_attention_kernels import (
     BAD_METADATA,
     DIM,
@@ -185,7 +185,7 @@ def test_without_a_c_compiler_there_is_no_library_and_paged_artifacts_run_on_hos
     import subprocess
     import sys
 
-    script = ("from runtime.kernels import native\n"
+    script = ("from cann_llm.runtime.kernels import native\n"
               "try:\n    native.library_path()\nexcept native.NativeUnavailable as why:\n    print('unavailable:', why)\n")
     env = {**__import__("os").environ, "CC": str(tmp_path / "no-such-cc"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
@@ -197,7 +197,7 @@ def test_without_a_c_compiler_there_is_no_library_and_paged_artifacts_run_on_hos
 def test_where_the_library_cannot_be_built_the_executor_cuts_the_graph_at_the_attention(compiled, tmp_path, monkeypatch):
     from tests.passes.test_paged_kv_cache import _compile_paged
 
-    from runtime import Executor
+    from cann_llm.runtime import Executor
 
     _, loaded = _compile_paged(("llama", False, True, "sdpa"), compiled, tmp_path)
     layers = sum(n.op_type == "PagedAttention" for n in loaded.model.graph.node)
@@ -218,7 +218,7 @@ def test_a_failing_build_leaves_no_library_behind(tmp_path):
     fake = tmp_path / "cc"
     fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo fake 1.0; exit 0; fi\necho 'cc: broken' >&2\nexit 1\n")
     fake.chmod(0o755)
-    script = ("from runtime.kernels import native\n"
+    script = ("from cann_llm.runtime.kernels import native\n"
               "try:\n    native.library_path()\nexcept native.NativeUnavailable as why:\n    print('unavailable:', why)\n")
     env = {**os.environ, "CC": str(fake), "XDG_CACHE_HOME": str(tmp_path / "cache")}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
@@ -229,7 +229,7 @@ def test_a_failing_build_leaves_no_library_behind(tmp_path):
 @pytest.mark.parametrize("build", ["native", "avx2"] if AVX2_BUILD else ["native"])
 @pytest.mark.parametrize("shape", [(1, 1, 3072), (1, 37, 96), (2, 5, 8), (3, 4, 42)])  # halves past 16 and 8 lanes
 def test_the_native_swiglu_equals_the_numpy_kernel(shape, build, request):
-    from runtime.kernels.norms import SwiGlu
+    from cann_llm.runtime.kernels.norms import SwiGlu
 
     rng = np.random.default_rng(1)
     x = (rng.standard_normal(shape) * 6).astype(np.float32)
@@ -253,8 +253,8 @@ def test_the_native_swiglu_equals_the_numpy_kernel(shape, build, request):
 def test_the_native_plan_keeps_float32_swiglu_for_the_library_and_lowers_the_rest(compiled, tmp_path):
     from tests.passes.test_paged_kv_cache import _compile_paged
 
-    from runtime.executor import _native_nodes
-    from runtime.lowering import lower_for_onnxruntime
+    from cann_llm.runtime.executor import _native_nodes
+    from cann_llm.runtime.lowering import lower_for_onnxruntime
 
     _, loaded = _compile_paged(("llama", False, True, "sdpa"), compiled, tmp_path)
     layers = sum(n.op_type == "PagedAttention" for n in loaded.model.graph.node)
@@ -285,7 +285,7 @@ def _one_node_session(heads: int, kv_heads: int, dim: int, window: int = 0, page
 
 
 def test_many_query_heads_on_one_kv_head_attend_as_the_reference():
-    from runtime.kernels.paged_attention import paged_attention_reference, rotate_and_store_reference
+    from cann_llm.runtime.kernels.paged_attention import paged_attention_reference, rotate_and_store_reference
 
     heads, dim, pages = 20, 32, 8  # multi-query attention: 20 query heads read one KV head
     rng = np.random.default_rng(4)
@@ -310,7 +310,7 @@ def test_many_query_heads_on_one_kv_head_attend_as_the_reference():
 def test_decode_tiles_of_whole_head_dim_vectors_attend_as_the_reference(dim, heads, kv_heads, window):
     """Head dims of 64 and 128 with fewer than 8 query vectors a tile (rows x the heads of a KV head: 1 to 7)
     take the narrow tile: sequences of one to three rows over several pages, one of them partly filled."""
-    from runtime.kernels.paged_attention import paged_attention_reference, rotate_and_store_reference
+    from cann_llm.runtime.kernels.paged_attention import paged_attention_reference, rotate_and_store_reference
 
     rng = np.random.default_rng(dim + heads)
     group = heads // kv_heads
@@ -353,7 +353,7 @@ def test_prefill_tiles_on_pages_of_128_attend_as_the_reference(dim, heads, kv_he
     query unmasked, the rest masked (causal, and by the window), with rotary in both layouts. A whole prompt
     over three pages (the last part-filled), a chunk continuing one, and a decode row beside them; on an
     AVX-512 machine the AVX2 tiles too."""
-    from runtime.kernels.paged_attention import paged_attention_reference, rotate_and_store_reference
+    from cann_llm.runtime.kernels.paged_attention import paged_attention_reference, rotate_and_store_reference
 
     page, pages = 128, 12
     rng = np.random.default_rng(dim + heads + window)
@@ -385,7 +385,7 @@ def _decode_step_against_the_reference(rng, heads, kv_heads, dim, rows, lengths,
     """One PagedAttention node over a pool of pages of 128 holding random keys and values, `rows` query rows
     ending each sequence of `lengths` (block tables `tables`, naming pages below tables.max() + 1), against
     the reference; with ALiBi's `slopes` when given."""
-    from runtime.kernels.paged_attention import paged_attention_reference, rotate_and_store_reference
+    from cann_llm.runtime.kernels.paged_attention import paged_attention_reference, rotate_and_store_reference
 
     page, pages = 128, int(tables.max()) + 1
     lengths = np.array(lengths, np.int32)

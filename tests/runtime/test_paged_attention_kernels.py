@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from runtime.kernels import HostRun, host_kernel, is_host_node
-from runtime.kernels.paged_attention import (
+from cann_llm.runtime.kernels import HostRun, host_kernel, is_host_node
+from cann_llm.runtime.kernels.paged_attention import (
     PARALLEL_ROTATE_TOKENS,
     PARALLEL_WORK,
     PagedAttention,
@@ -21,7 +21,7 @@ from runtime.kernels.paged_attention import (
     rotate_and_store,
     rotate_and_store_reference,
 )
-from runtime.ops import PAGED_ATTENTION, PAGED_METADATA, PagedAttentionInput
+from cann_llm.runtime.ops import PAGED_ATTENTION, PAGED_METADATA, PagedAttentionInput
 
 PAGE = 16
 HEADS, KV_HEADS, DIM = 8, 2, 32
@@ -83,7 +83,7 @@ def test_numba_and_flash_match_the_reference(mix):
     expected = paged_attention_reference(*args)
     np.testing.assert_allclose(paged_attention(*args), expected, atol=2e-5, rtol=0)
     batch = PagedBatch.of(starts, lengths, tables, np.zeros(0, np.int64), flash=True)
-    from runtime.kernels.paged_attention import _fast_attention
+    from cann_llm.runtime.kernels.paged_attention import _fast_attention
 
     np.testing.assert_allclose(_fast_attention(batch, q, key_cache, value_cache, 0.17), expected, atol=2e-5, rtol=0)
     assert bool(batch.flash) == any(n >= 64 for n, _ in mix)
@@ -93,7 +93,7 @@ def test_numba_and_flash_match_the_reference(mix):
                          ids=["chunk-after-a-key-block", "prompt-over-two-key-blocks", "chunk-over-three"])
 def test_flash_prefill_merges_key_blocks_as_the_reference_attends(queries, context):
     """Contexts longer than one key block (FLASH_KEY_BLOCK): the blocks' partial softmaxes are merged."""
-    from runtime.kernels.flash_prefill import FLASH_KEY_BLOCK, flash_prefill
+    from cann_llm.runtime.kernels.flash_prefill import FLASH_KEY_BLOCK, flash_prefill
 
     assert context > FLASH_KEY_BLOCK
     pages = -(-context // PAGE)
@@ -222,7 +222,7 @@ def test_the_numba_kernel_refuses_a_block_table_past_the_pool():
 
 
 def test_flash_prefill_refuses_pages_outside_the_pool():
-    from runtime.kernels.flash_prefill import flash_prefill
+    from cann_llm.runtime.kernels.flash_prefill import flash_prefill
 
     key_cache, value_cache = _pool(4)
     q = np.zeros((70, HEADS, DIM), np.float32)
@@ -262,7 +262,7 @@ def test_a_decode_step_in_one_call_equals_the_reference(interleaved, packed, len
 _PEAK_SCRIPT = """
 import sys
 import numpy as np
-from runtime.kernels.flash_prefill import flash_prefill
+from cann_llm.runtime.kernels.flash_prefill import flash_prefill
 
 length, page, heads, kv_heads, dim = (int(a) for a in sys.argv[1:])
 pages = -(-length // page)
@@ -304,7 +304,7 @@ def test_flash_prefill_scratch_memory_does_not_grow_with_the_square_of_the_conte
 def test_a_sliding_window_hides_the_same_keys_in_every_kernel(window, mix):
     """Each query sees the last `window` positions up to its own: the numba kernels (per row and the
     one-call decode step) against the reference, and the reference against the contiguous kernel's mask."""
-    from runtime.kernels.attention import attention_mask_bias
+    from cann_llm.runtime.kernels.attention import attention_mask_bias
 
     args = _batch(mix)
     q, key_cache, value_cache, starts, lengths, tables = args[:6]
@@ -328,10 +328,10 @@ def test_a_sliding_window_hides_the_same_keys_in_every_kernel(window, mix):
 
 _STEPS_SCRIPT = """
 import numpy as np
-from runtime.engine.kv_cache import PagePool
-from runtime.kernels import HostRun
-from runtime.kernels.paged_attention import PagedAttention
-from runtime.kernels.warmup import _signatures
+from cann_llm.runtime.engine.kv_cache import PagePool
+from cann_llm.runtime.kernels import HostRun
+from cann_llm.runtime.kernels.paged_attention import PagedAttention
+from cann_llm.runtime.kernels.warmup import _signatures
 
 heads, kv_heads, dim, page = 8, 2, 32, 16
 pool = PagePool(1, 1024, page, kv_heads, dim)

@@ -6,8 +6,8 @@ import io
 
 import pytest
 
-from runtime import progress as progress_module
-from runtime.progress import Progress, progress
+from cann_llm.runtime import progress as progress_module
+from cann_llm.runtime.progress import Progress, progress
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Standard ops replaced in the reference backend's evaluator (runtime/kernels/reference_fixes.py), against
+"""Standard ops replaced in the reference backend's evaluator (cann_llm/runtime/kernels/reference_fixes.py), against
 onnxruntime on the same graph."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-from runtime.kernels import reference_ops
+from cann_llm.runtime.kernels import reference_ops
 
 pytestmark = pytest.mark.unit
 

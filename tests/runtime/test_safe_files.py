@@ -13,11 +13,11 @@ from click.testing import CliRunner
 from conftest import compile_to
 from onnx import helper
 
-from cli.atc import run as atc
-from cli.cann_run import cli as cann_run
-from runtime.errors import AtcError
-from runtime.safe_files import FILE_MODE, atomic_writer, make_dir, open_append, write_bytes, write_text
-from runtime.serving.guard import Guard
+from cann_llm.cli.atc import run as atc
+from cann_llm.cli.cann_run import cli as cann_run
+from cann_llm.runtime.errors import AtcError
+from cann_llm.runtime.safe_files import FILE_MODE, atomic_writer, make_dir, open_append, write_bytes, write_text
+from cann_llm.runtime.serving.guard import Guard
 
 VICTIM_TEXT = "the victim's own bytes\n"
 SOC = "--soc_version=Ascend910B"
@@ -234,7 +234,7 @@ def test_signals_held_come_after_the_block_to_the_handler_in_place_then():
     import signal
     import threading
 
-    from runtime.safe_files import signals_held
+    from cann_llm.runtime.safe_files import signals_held
 
     seen = []
     saved = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))

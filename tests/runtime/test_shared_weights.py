@@ -1,4 +1,4 @@
-"""`share_weights`: onnxruntime's pre-packed weights saved once per machine (runtime/prepacked_cache.py) and
+"""`share_weights`: onnxruntime's pre-packed weights saved once per machine (cann_llm/runtime/prepacked_cache.py) and
 memory-mapped by every engine that serves the artifact: the same tokens as without, one cache entry per
 session however many engines load it, the saved weights mapped rather than read, and an unwritable cache
 leaving the weights unshared with a warning instead of failing the load."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from conftest import compile_to
 
-from runtime.engine.engine import LLMEngine
+from cann_llm.runtime.engine.engine import LLMEngine
 
 PROMPTS = [[5, 17, 99, 3, 42, 8], [7, 1, 250, 33]]
 

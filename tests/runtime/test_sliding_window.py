@@ -15,8 +15,8 @@ from conftest import compile_to
 from generation_utils import hf_greedy, mixed_prompts
 
 from cann_llm import LLMEngine
-from runtime import load_artifact
-from runtime.ops import ATTENTION_OPS
+from cann_llm.runtime import load_artifact
+from cann_llm.runtime.ops import ATTENTION_OPS
 
 WINDOW = {"sliding_window": 8}
 NEW_TOKENS = 32
@@ -32,7 +32,7 @@ def _windows(om) -> list[int]:
 @pytest.mark.parametrize("with_past,layout", [(True, "paged"), (True, "contiguous"), (False, "paged")],
                          ids=["kv-paged", "kv-contiguous", "nokv-paged"])
 def test_a_sliding_window_generates_as_transformers_does(exporter, with_past, layout, tmp_path):
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     source = tiny_onnx("mistral", dynamo=exporter == "dynamo", with_past=with_past, overrides=WINDOW)
     om = compile_to(source, tmp_path / "m", enable_paged_attention=layout == "paged")
@@ -48,7 +48,7 @@ def test_a_sliding_window_generates_as_transformers_does(exporter, with_past, la
 
 
 def test_the_default_window_is_kept_from_a_mistral_export(tmp_path):
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     for with_past in (True, False):
         om = compile_to(tiny_onnx("mistral", dynamo=True, with_past=with_past), tmp_path / f"m{with_past}")

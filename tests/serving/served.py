@@ -57,7 +57,7 @@ class Server:
     def __init__(self, *argv: str):
         # the server binds a port of its own and names it when ready: a port chosen here could be taken by
         # another process before the server binds it
-        self.process = subprocess.Popen([sys.executable, "-m", "cli.cann_run", "serve", "--port", "0", *argv],
+        self.process = subprocess.Popen([sys.executable, "-m", "cann_llm.cli.cann_run", "serve", "--port", "0", *argv],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, encoding="utf-8")
         self.stderr = StderrLines(self.process.stderr)
         # a hang guard, not a speed bound: a crash ends the stream (and the wait) at once

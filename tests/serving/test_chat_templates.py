@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from jinja2.exceptions import TemplateError
 
-from runtime.chat_template import ChatTemplate
+from cann_llm.runtime.chat_template import ChatTemplate
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
 TOOLS = [{"type": "function", "function": {

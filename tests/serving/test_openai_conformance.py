@@ -14,10 +14,10 @@ import pytest
 from conftest import ort_reference
 from served import Server
 
-from runtime import load_artifact
-from runtime.feeds import causal_lm_inputs
-from runtime.signature import io_signature, llm_dimensions
-from runtime.tokenizer import TextTokenizer
+from cann_llm.runtime import load_artifact
+from cann_llm.runtime.feeds import causal_lm_inputs
+from cann_llm.runtime.signature import io_signature, llm_dimensions
+from cann_llm.runtime.tokenizer import TextTokenizer
 
 pytestmark = pytest.mark.slow
 KEY = "conformance-key"

@@ -22,7 +22,7 @@ import pytest
 from generation_utils import compile_tiny_chat_model
 from served import free_port
 
-from runtime.engine.engine import LLMEngine
+from cann_llm.runtime.engine.engine import LLMEngine
 
 CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
 
@@ -59,7 +59,7 @@ class RayServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile("w+")  # a pipe nobody reads could fill and block the server
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "cli.cann_run", "serve", "--ray", "--ray-address", cluster.address,
+            [sys.executable, "-m", "cann_llm.cli.cann_run", "serve", "--ray", "--ray-address", cluster.address,
              "--port", str(self.port), "--replicas", str(replicas), *argv],
             stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         self.wait_for(lambda replicas_now: len(replicas_now) == replicas, "every replica to report")
@@ -207,7 +207,7 @@ def test_what_the_ingress_cannot_route_the_replica_refuses_in_openais_shape(ray_
 def test_a_deployment_the_cluster_cannot_take_is_refused_and_leaves_the_running_one_alone(ray_server, cluster, om,
                                                                                         argv, code, said):
     running = {r["pid"] for r in ray_server.wait_for(lambda now: len(now) == 2, "both replicas to report")}
-    result = subprocess.run([sys.executable, "-m", "cli.cann_run", "serve", "--ray", "--ray-address", cluster.address,
+    result = subprocess.run([sys.executable, "-m", "cann_llm.cli.cann_run", "serve", "--ray", "--ray-address", cluster.address,
                              "--port", str(free_port()), "--model", f"tiny={om}", *argv],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 1 and code in result.stderr and said in result.stderr, result.stderr
@@ -286,7 +286,7 @@ def test_a_replica_killed_under_load_fails_or_retries_each_request_and_ray_resta
     (["--ray", "--quota-tokens", "100"], "E10055"),
 ])
 def test_scale_out_flags_are_checked_before_anything_starts(om, argv, code):
-    result = subprocess.run([sys.executable, "-m", "cli.cann_run", "serve", "--model", f"tiny={om}", *argv],
+    result = subprocess.run([sys.executable, "-m", "cann_llm.cli.cann_run", "serve", "--model", f"tiny={om}", *argv],
                             capture_output=True, text=True, timeout=180)
     assert result.returncode == 1 and code in result.stderr and "Traceback" not in result.stderr
 
@@ -296,7 +296,7 @@ def test_without_an_address_it_starts_a_cluster_of_its_own_autoscaled_and_drains
     grace, and a stream still running ends with an error event and [DONE]."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen([sys.executable, "-m", "cli.cann_run", "serve", "--ray", "--autoscale", "1:2",
+    process = subprocess.Popen([sys.executable, "-m", "cann_llm.cli.cann_run", "serve", "--ray", "--autoscale", "1:2",
                                 "--port", str(port), "--model", f"tiny={om}", "--max_context_len", "32768",
                                 "--kv_cache_pages", "256", "--shutdown-grace", "600"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -20,7 +20,7 @@ import pytest
 from generation_utils import compile_tiny_chat_model
 from served import Server, StderrLines, free_port
 
-from runtime.engine.engine import LLMEngine
+from cann_llm.runtime.engine.engine import LLMEngine
 
 CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
 
@@ -373,7 +373,7 @@ def test_twelve_concurrent_requests_cannot_overdraw_a_60_token_quota(om, tmp_pat
 
 def test_two_names_for_one_file_share_one_engine_and_health_waits_for_loading(om, engine):
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "cli.cann_run", "serve", "--port", str(port), "--model", f"a={om}",
+    process = subprocess.Popen([sys.executable, "-m", "cann_llm.cli.cann_run", "serve", "--port", str(port), "--model", f"a={om}",
                                 "--model", f"b={om}", "--kv_cache_pages", "32"], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -495,7 +495,7 @@ def test_sigterm_during_32_streaming_and_plain_requests_with_a_core_busy(tmp_pat
 
 
 def test_serve_says_ready_only_once_its_engines_are_loaded_then_reports_stats(om, engine):
-    process = subprocess.Popen([sys.executable, "-m", "cli.cann_run", "serve", "--port", "0", "--model", f"a={om}",
+    process = subprocess.Popen([sys.executable, "-m", "cann_llm.cli.cann_run", "serve", "--port", "0", "--model", f"a={om}",
                                 "--model", f"b={om}", "--kv_cache_pages", "32", "--stats-interval", "0.1"],
                                stderr=subprocess.PIPE, text=True, encoding="utf-8")
     stderr = StderrLines(process.stderr)
@@ -537,7 +537,7 @@ def test_block_listed_output_is_cut_with_finish_reason_content_filter(om, engine
 def test_a_port_in_use_is_a_coded_error_before_anything_loads(om):
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "cli.cann_run", "serve", "--port", str(port), "--model",
+        result = subprocess.run([sys.executable, "-m", "cann_llm.cli.cann_run", "serve", "--port", str(port), "--model",
                                  f"tiny={om}"], capture_output=True, text=True, encoding="utf-8", timeout=120)
     assert result.returncode == 1
     assert "E10001" in result.stderr and f"Value 127.0.0.1:{port} for parameter --host/--port" in result.stderr
@@ -572,7 +572,7 @@ def test_one_name_for_two_artifacts_is_refused_and_one_artifact_under_two_names_
     other = tmp_path / "elsewhere" / om.name
     other.parent.mkdir()
     other.write_bytes(om.read_bytes())
-    result = subprocess.run([sys.executable, "-m", "cli.cann_run", "serve", "--port", "0", "--model", str(om),
+    result = subprocess.run([sys.executable, "-m", "cann_llm.cli.cann_run", "serve", "--port", "0", "--model", str(om),
                              "--model", str(other)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "E10001" in result.stderr and "name each model: NAME=path.om" in result.stderr
     assert "loading" not in result.stderr and "Traceback" not in result.stderr
@@ -649,7 +649,7 @@ def _greedy_ids(engine: LLMEngine, prompt, new_tokens: int) -> list[int]:
 ])
 def test_serving_settings_an_operator_gets_wrong_are_refused_at_start(om, tmp_path, argv, env, said):
     argv = [arg.format(tmp=tmp_path) for arg in argv]
-    command = [sys.executable, "-m", "cli.cann_run", "serve", "--port", "0", "--model", f"tiny={om}", *argv]
+    command = [sys.executable, "-m", "cann_llm.cli.cann_run", "serve", "--port", "0", "--model", f"tiny={om}", *argv]
     if said is None:  # starts: keys trimmed, empty entries dropped
         server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   env={**os.environ, **env})

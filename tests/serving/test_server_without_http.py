@@ -13,11 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from generation_utils import compile_tiny_chat_model
 
-from runtime.engine.config import EngineConfig
-from runtime.engine.sampling import SamplingParams
-from runtime.serving.guard import Guard
-from runtime.serving.server import Refusal, Server, ServerSettings
-from runtime.serving.stats_line import StatsLines
+from cann_llm.runtime.engine.config import EngineConfig
+from cann_llm.runtime.engine.sampling import SamplingParams
+from cann_llm.runtime.serving.guard import Guard
+from cann_llm.runtime.serving.server import Refusal, Server, ServerSettings
+from cann_llm.runtime.serving.stats_line import StatsLines
 
 GREEDY = {"temperature": 0, "top_p": 1.0, "top_k": 0, "seed": None, "repetition_penalty": 1.0, "stop": []}
 # a token a step and thousands of steps to go: nothing this long ends by itself while a test looks at it
@@ -172,7 +172,7 @@ def test_a_request_that_fails_in_a_step_is_a_500_counted_failed_and_hurts_no_oth
         failed = _refused(lambda: asyncio.run(server.complete(bad)))
         assert (failed.status, failed.kind) == (500, "server_error") and bad.request.finish_reason == "error"
         # the operator's log has what the client is not told: which request, and the traceback
-        logged = [r for r in caplog.records if r.name == "runtime.engine.engine" and r.levelname == "ERROR"]
+        logged = [r for r in caplog.records if r.name == "cann_llm.runtime.engine.engine" and r.levelname == "ERROR"]
         assert logged and logged[0].getMessage() == f"request {bad.request.seq.seq_id} failed" and logged[0].exc_info
         [streamed] = server._admit("tiny", None, "/v1/completions", (), [5, 6, 7], [params], _later())
 
@@ -429,7 +429,7 @@ def test_a_conversation_kept_by_the_server_grows_turn_by_turn(om):
 
 
 def test_a_request_that_could_outgrow_the_memory_limit_is_refused(om):
-    from runtime.serving.server import resident_bytes
+    from cann_llm.runtime.serving.server import resident_bytes
 
     engine = EngineConfig(kv_cache_pages=4096, max_context_len=4096)  # 128 MiB of pages, mapped lazily
     server = Server({"tiny": str(om)}, engine, ServerSettings())
@@ -469,7 +469,7 @@ def test_a_request_that_could_outgrow_the_memory_limit_is_refused(om):
 def test_a_memory_limit_bounds_the_kv_pool_so_the_prefix_cache_cannot_lock_the_server_out(om):
     """The prefix cache keeps freed pages resident; under --max-memory the pool holds only the pages the limit
     leaves room for, and a stream of different prompts reuses cached pages instead of writing new ones."""
-    from runtime.serving.server import resident_bytes
+    from cann_llm.runtime.serving.server import resident_bytes
 
     engine = EngineConfig(kv_cache_pages=4096, max_context_len=4096)  # 128 MiB of pages, mapped lazily
     limit_mb = int((resident_bytes() + 48 * 2 ** 20) / 0.9) // 2 ** 20 + 1
@@ -494,7 +494,7 @@ def test_a_pool_that_would_outgrow_the_machines_memory_is_warned_about_at_start(
     """Mapped lazily, the pool starts small and grows as distinct prompts write it; past the memory the
     machine has, the process would be killed long after a start that went well. Without --max-memory the
     start says so; with it, the pool is cut to fit instead (the test above)."""
-    import runtime.serving.server
+    from cann_llm.runtime.serving import server as server_module
 
     server = Server({"tiny": str(om)}, EngineConfig(kv_cache_pages=4096, max_context_len=4096))  # 128 MiB of pages
     server.load()
@@ -502,12 +502,12 @@ def test_a_pool_that_would_outgrow_the_machines_memory_is_warned_about_at_start(
         tiny = server.engines["tiny"]
         growth = (tiny.blocks.num_pages - tiny.blocks.touched) * tiny.kv_bytes_per_page
         for available, warned in ((growth - 2 ** 20, True), (growth + 2 ** 20, False)):
-            monkeypatch.setattr(runtime.serving.server, "available_bytes", lambda: available)
+            monkeypatch.setattr(server_module, "available_bytes", lambda: available)
             lines = server.pool_lines()
             assert lines[0].startswith("tiny: KV pool of 4096 pages")
             assert any("--max-memory" in line and line.startswith("warning:") for line in lines) == warned, lines
         server.settings.max_memory_mb = 4096
-        monkeypatch.setattr(runtime.serving.server, "available_bytes", lambda: 2 ** 20)
+        monkeypatch.setattr(server_module, "available_bytes", lambda: 2 ** 20)
         assert len(server.pool_lines()) == 1
     finally:
         server.close()
@@ -536,7 +536,7 @@ def test_a_failing_engine_opens_its_circuit_breaker_until_a_probe_succeeds(om, c
         _wait_until(lambda: server.in_flight == 0)
         shed = _refused(lambda: server.start(None, None, "/x", GREEDY, prompt="hi"))
         assert (shed.status, shed.kind) == (503, "unavailable") and "failing" in shed.message and shed.retry_after_s >= 1
-        assert [r.getMessage() for r in caplog.records if r.name == "runtime.serving.server"] == [
+        assert [r.getMessage() for r in caplog.records if r.name == "cann_llm.runtime.serving.server"] == [
             "model tiny: 2 requests failed in a row; refusing its requests for 30 s"]
         # the cool-down over (moved back rather than waited for: a busy host could take the whole of a short one
         # between the failures and the check above): one request is let through to try the engine
@@ -624,7 +624,7 @@ def test_a_turn_whose_summary_outlasts_the_request_timeout_is_ended_with_504(om)
 
 @pytest.mark.skipif(not socket.has_dualstack_ipv6(), reason="the system has no dual-stack sockets")
 def test_listening_on_every_ipv6_address_takes_ipv4_too():
-    from runtime.serving.lifecycle import listen
+    from cann_llm.runtime.serving.lifecycle import listen
 
     with listen("::", 0) as listener:
         port = listener.getsockname()[1]

@@ -1,4 +1,4 @@
-"""Tool calls read out of generated text (runtime/serving/tools.py), in the spellings chat templates teach,
+"""Tool calls read out of generated text (cann_llm/runtime/serving/tools.py), in the spellings chat templates teach,
 and the constraints a tool_choice puts on the output."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from runtime.serving import tools
+from cann_llm.runtime.serving import tools
 
 pytestmark = pytest.mark.unit
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},

@@ -1,4 +1,4 @@
-"""The request bodies' validation (runtime/serving/wire.py) and the quota's reservations (guard.py), on
+"""The request bodies' validation (cann_llm/runtime/serving/wire.py) and the quota's reservations (guard.py), on
 their own: no model, no server."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import threading
 import pydantic
 import pytest
 
-from runtime.serving.guard import Guard
-from runtime.serving.wire import ChatBody, CompletionBody, GenerateBody, validation_error_body
+from cann_llm.runtime.serving.guard import Guard
+from cann_llm.runtime.serving.wire import ChatBody, CompletionBody, GenerateBody, validation_error_body
 
 pytestmark = pytest.mark.unit
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from passes.quant.config import MAX_CALIBRATION_TOKENS, MAX_SEQ_LEN, QuantConfig
-from runtime.errors import AtcError
+from cann_llm.passes.quant.config import MAX_CALIBRATION_TOKENS, MAX_SEQ_LEN, QuantConfig
+from cann_llm.runtime.errors import AtcError
 
 pytestmark = pytest.mark.unit
 

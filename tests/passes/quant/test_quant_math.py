@@ -7,9 +7,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from passes.quant.math import quantize_blockwise, split_float_zeros
-from passes.quant.search import gptq_quantize
-from runtime.kernels.matmul_nbits_layout import (dequantize_blockwise, dequantize_matmul_nbits, pack_matmul_nbits,
+from cann_llm.passes.quant.math import quantize_blockwise, split_float_zeros
+from cann_llm.passes.quant.search import gptq_quantize
+from cann_llm.runtime.kernels.matmul_nbits_layout import (dequantize_blockwise, dequantize_matmul_nbits, pack_matmul_nbits,
                                                  unpack_matmul_nbits)
 
 pytestmark = pytest.mark.unit
@@ -75,7 +75,7 @@ def test_zero_blocks_and_bad_arguments():
 
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_clipping_lowers_the_output_error_of_heavy_tailed_weights(symmetric):
-    from passes.quant.search import CLIP_RATIOS, clip_search, output_error
+    from cann_llm.passes.quant.search import CLIP_RATIOS, clip_search, output_error
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((512, 100)).astype(np.float32) * np.linspace(0.1, 3, 100).astype(np.float32)
@@ -113,8 +113,8 @@ def test_matmul_nbits_packing_round_trips_exactly(bits, symmetric, rows, block):
 def test_matmul_int4_and_gather_int4_kernels_match_onnxruntime_on_the_same_bytes(bits, symmetric):
     from onnx import TensorProto, helper, numpy_helper
 
-    from runtime.kernels.quant_matmul import GatherInt4, MatMulInt4
-    from runtime.lowering import lower_for_onnxruntime
+    from cann_llm.runtime.kernels.quant_matmul import GatherInt4, MatMulInt4
+    from cann_llm.runtime.lowering import lower_for_onnxruntime
 
     rows, cols, block = 96, 40, 32
     rng = np.random.default_rng(bits)
@@ -149,7 +149,7 @@ def test_matmul_int4_and_gather_int4_kernels_match_onnxruntime_on_the_same_bytes
 def test_int8_activation_rounding_is_onnxruntimes_level_4_rounding_at_near_ties():
     from onnx import TensorProto, helper, numpy_helper
 
-    from runtime.kernels.matmul_nbits_layout import int8_blocks
+    from cann_llm.runtime.kernels.matmul_nbits_layout import int8_blocks
 
     # a 4-bit identity weight (scale 1, value 1 on the diagonal): MatMulNBits at level 4 returns its
     # int8-rounded activations themselves
@@ -178,7 +178,7 @@ def test_int8_activation_rounding_is_onnxruntimes_level_4_rounding_at_near_ties(
 
 
 def test_full_range_quantization_puts_each_blocks_extreme_on_the_lowest_level():
-    from passes.quant.math import quantize_full_range
+    from cann_llm.passes.quant.math import quantize_full_range
 
     rng = np.random.default_rng(7)
     weight = rng.standard_normal((96, 40)).astype(np.float32)
@@ -203,7 +203,7 @@ def test_full_range_quantization_puts_each_blocks_extreme_on_the_lowest_level():
     np.testing.assert_array_equal(dequantize_matmul_nbits(blob, scales, None, 96, 32), restored)
     from onnx import TensorProto, helper, numpy_helper
 
-    from runtime.lowering import lower_for_onnxruntime
+    from cann_llm.runtime.lowering import lower_for_onnxruntime
 
     node = helper.make_node("GatherInt4", ["b", "i", "s"], ["g"], domain="cann", K=96, block_size=32, bits=4)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("i", TensorProto.INT64, [2])],

@@ -9,11 +9,11 @@ import pytest
 from fusion_utils import apply_pass, assert_parity, op_counts, run_fused, run_original
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.quant.config import QuantConfig
-from passes.quant.math import quantize_blockwise
-from passes.quant.qdq_weight import read_qdq_weight
-from passes.quant.quantize_weights import QuantizeWeights
-from runtime.kernels.matmul_nbits_layout import dequantize_blockwise
+from cann_llm.passes.quant.config import QuantConfig
+from cann_llm.passes.quant.math import quantize_blockwise
+from cann_llm.passes.quant.qdq_weight import read_qdq_weight
+from cann_llm.passes.quant.quantize_weights import QuantizeWeights
+from cann_llm.runtime.kernels.matmul_nbits_layout import dequantize_blockwise
 
 pytestmark = pytest.mark.unit
 

@@ -5,17 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cli.quant import fused_graph
-from compiler.config import CompileConfig
-from passes.quant.calibration import collect_input_statistics
-from passes.quant.config import QuantConfig
-from passes.quant.staged_calibration import StagedStatistics
+from cann_llm.cli.quant import fused_graph
+from cann_llm.compiler.config import CompileConfig
+from cann_llm.passes.quant.calibration import collect_input_statistics
+from cann_llm.passes.quant.config import QuantConfig
+from cann_llm.passes.quant.staged_calibration import StagedStatistics
 
 
 @pytest.mark.parametrize("family, dynamo", [("qwen2", False), ("qwen2", True), ("glm", True), ("phi3", False),
                                            ("gemma", True), ("qwen2_moe", False), ("qwen2_moe", True), ("gpt2", False)])
 def test_staged_statistics_equal_the_whole_graph_run_and_are_released(tmp_path, family, dynamo):
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     source = tiny_onnx(family, dynamo=dynamo, with_past=True)
     graph = fused_graph(CompileConfig(model=str(source), framework=5, output=str(tmp_path / "m"),

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.engine.block_manager import BlockManager
-from runtime.engine.sampling import SamplingParams
-from runtime.engine.sequence import Sequence
+from cann_llm.runtime.engine.block_manager import BlockManager
+from cann_llm.runtime.engine.sampling import SamplingParams
+from cann_llm.runtime.engine.sequence import Sequence
 
 pytestmark = pytest.mark.unit
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from models.tiny import byte_tokenizer_json
-from runtime.engine.detokenizer import IncrementalDetokenizer
-from runtime.tokenizer import TextTokenizer
+from cann_llm.models.tiny import byte_tokenizer_json
+from cann_llm.runtime.engine.detokenizer import IncrementalDetokenizer
+from cann_llm.runtime.tokenizer import TextTokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -87,7 +87,7 @@ def test_sentencepiece_byte_fallback_tokens_are_their_byte():
 def test_pieces_are_the_whole_decode_under_a_chat_models_tokenizer():
     """SmolLM2's byte-level BPE (the embedded default model's), its special tokens among the ids: the pieces,
     token by token, add up to decoding the whole output with special tokens dropped."""
-    from models.prepare import smollm2_hf_folder
+    from cann_llm.models.prepare import smollm2_hf_folder
 
     tokenizer = TextTokenizer({"tokenizer.json": (smollm2_hf_folder() / "tokenizer.json").read_text(encoding="utf-8")})
     ids = tokenizer.encode("<|im_start|>assistant\nnaïve café — 日本語, 🙂 and  two spaces.<|im_end|>\n Next line")

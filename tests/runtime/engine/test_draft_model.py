@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (runtime/engine/draft_model.py) on tiny Llamas: the target's own
+"""Speculative decoding with a draft model (cann_llm/runtime/engine/draft_model.py) on tiny Llamas: the target's own
 tokens whatever the draft, greedy and seeded (so sampled outputs are distributed as the target's alone),
 drafts kept when the draft is the target itself, and drafts refused at load when they cannot serve."""
 
@@ -10,13 +10,13 @@ import pytest
 from conftest import compile_to
 from generation_utils import mixed_prompts
 
-from runtime.engine.engine import LLMEngine
-from runtime.engine.sampling import SamplingParams
-from runtime.errors import AtcError
+from cann_llm.runtime.engine.engine import LLMEngine
+from cann_llm.runtime.engine.sampling import SamplingParams
+from cann_llm.runtime.errors import AtcError
 
 
 def _paged(tmp_path_factory, seed: int, page_size: int):
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     folder = tmp_path_factory.mktemp(f"draft-s{seed}-p{page_size}")
     (folder / "paged.json").write_text(json.dumps({"page_size": page_size}))
@@ -67,7 +67,7 @@ def test_a_draft_that_is_the_target_itself_is_always_kept(target, itself):
 
 
 def test_drafts_that_cannot_serve_are_refused_at_load(target, tmp_path_factory):
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     contiguous = compile_to(tiny_onnx("llama", dynamo=False, with_past=True), tmp_path_factory.mktemp("c") / "m")
     with pytest.raises(AtcError, match="paged KV cache"):

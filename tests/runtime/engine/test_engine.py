@@ -27,7 +27,7 @@ def paged_om(tmp_path_factory):
 @pytest.fixture(scope="module")
 def small_pages_om(tmp_path_factory):
     """The same model with 16-token pages, so sequences cross page boundaries while they decode."""
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     folder = tmp_path_factory.mktemp("paged16")
     return compile_to(tiny_onnx("llama", dynamo=False, with_past=True), folder / "m", enable_paged_attention=True,
@@ -53,7 +53,7 @@ def test_preemption_by_recompute_keeps_greedy_output_and_frees_every_page(small_
 
 
 def test_flash_prefill_keeps_greedy_output(tmp_path):
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     om = compile_to(tiny_onnx("qwen2", dynamo=True, with_past=True), tmp_path / "m", enable_paged_attention=True,
                     enable_flash_attention=True)
@@ -259,8 +259,8 @@ def test_a_layer_whose_attention_did_not_fuse_still_gets_its_cache(tmp_path):
     import onnx
     from onnx import TensorProto, helper
 
-    from models.tiny import tiny_onnx
-    from runtime.artifact import OmFile
+    from cann_llm.models.tiny import tiny_onnx
+    from cann_llm.runtime.artifact import OmFile
 
     source = tiny_onnx("llama", dynamo=False, with_past=True)
     model = onnx.load(source)
@@ -294,8 +294,8 @@ def test_a_memory_budget_sizes_the_pool_in_whole_pages(small_pages_om):
 
 
 def test_a_budget_too_small_for_one_page_is_refused_with_e10001():
-    from runtime.engine.engine import _pages_in
-    from runtime.errors import AtcError
+    from cann_llm.runtime.engine.engine import _pages_in
+    from cann_llm.runtime.errors import AtcError
 
     smollm2 = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64}  # a 128-token page: 5.6 MiB of K and V
     assert _pages_in(6, smollm2, 128) == 1
@@ -335,7 +335,7 @@ def test_a_prompt_the_whole_pool_cannot_hold_is_refused_and_an_output_ends_at_it
 
 
 def test_a_pool_the_machine_cannot_map_is_e10001_naming_its_setting(small_pages_om):
-    from runtime.errors import AtcError
+    from cann_llm.runtime.errors import AtcError
 
     with pytest.raises(AtcError) as error:
         LLMEngine(small_pages_om, kv_cache_pages=10**13)

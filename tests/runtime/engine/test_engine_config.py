@@ -42,7 +42,7 @@ def test_settings_of_the_wrong_type_are_refused(settings, message):
 
 
 def test_a_missing_chat_template_file_is_e13001_when_the_engine_is_made(contiguous_om, tmp_path):
-    from runtime.errors import AtcError
+    from cann_llm.runtime.errors import AtcError
 
     with pytest.raises(AtcError, match="E13001.*nope.jinja"):
         LLMEngine(contiguous_om, chat_template_file=tmp_path / "nope.jinja")

@@ -12,8 +12,8 @@ from conftest import EXPORTS, export_id
 from generation_utils import NEW_TOKENS, hf_greedy, mixed_prompts
 
 from cann_llm import LLMEngine
-from models.recipes import RECIPES
-from models.tiny import TINY_FAMILIES
+from cann_llm.models.recipes import RECIPES
+from cann_llm.models.tiny import TINY_FAMILIES
 
 CASES = [(family, exporter, layout) for family in TINY_FAMILIES for exporter in RECIPES[family].exporters
          for layout in ("paged", "contiguous") if layout == "contiguous" or RECIPES[family].attention]
@@ -28,7 +28,7 @@ def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
 
 @pytest.mark.parametrize("family,exporter,layout", CASES, ids=["-".join(c) for c in CASES])
 def test_greedy_equals_transformers(family, exporter, layout, compiled):
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     source = tiny_onnx(family, dynamo=exporter == "dynamo", with_past=True)
     om = compiled(source, enable_paged_attention=layout == "paged")
@@ -51,7 +51,7 @@ PAGED_EXPORTS = [case for case in EXPORTS if RECIPES[case[0]].attention]
 def test_every_export_compiles_paged_and_generates_as_transformers(case, compiled):
     """Each tiny export as users make them (sdpa or eager, either exporter, with or without a KV cache)
     compiles paged, and four concurrent requests generate transformers' greedy tokens (32 new)."""
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     family, dynamo, with_past, attention = case
     om = compiled(tiny_onnx(family, dynamo=dynamo, with_past=with_past, attention=attention), enable_paged_attention=True)
@@ -71,9 +71,9 @@ def test_a_learned_position_table_ends_the_context(layout, compiled):
     it, and a sequence ends at it, whatever max_context_len asks (a request stops with finish_reason length,
     its tokens transformers' up to there, the last one sampled at the last row; a prompt that fills the table
     is refused)."""
-    from runtime import load_artifact
+    from cann_llm.runtime import load_artifact
 
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     rows = 320
     overrides = {"n_positions": rows}

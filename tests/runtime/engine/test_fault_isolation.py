@@ -10,9 +10,9 @@ import threading
 import pytest
 from generation_utils import compile_tiny_chat_model
 
-from runtime.engine.engine import GenerationFailed, LLMEngine, Request
-from runtime.engine.sampling import SamplingParams
-from runtime.engine.sequence import Sequence
+from cann_llm.runtime.engine.engine import GenerationFailed, LLMEngine, Request
+from cann_llm.runtime.engine.sampling import SamplingParams
+from cann_llm.runtime.engine.sequence import Sequence
 
 GOOD = [5, 6, 7, 8, 9, 10, 11, 12]
 

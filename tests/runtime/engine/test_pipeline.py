@@ -1,4 +1,4 @@
-"""Pipeline parallelism (`atc --pipeline_stages=K`, runtime/engine/pipeline.py): a 3-layer tiny model split
+"""Pipeline parallelism (`atc --pipeline_stages=K`, cann_llm/runtime/engine/pipeline.py): a 3-layer tiny model split
 into 2 and 3 stage artifacts, each run by a Ray actor of its own (a local Ray instance started by the
 engine), generates exactly the tokens the single artifact does, in batches cut into micro-batches, with
 prefix-cache page copies, across the spellings that matter (both exporters, Qwen3's per-head norms,
@@ -11,9 +11,9 @@ import os
 import pytest
 from conftest import compile_to
 
-from runtime.artifact import OmFile
-from runtime.engine.engine import LLMEngine
-from runtime.errors import AtcError
+from cann_llm.runtime.artifact import OmFile
+from cann_llm.runtime.engine.engine import LLMEngine
+from cann_llm.runtime.errors import AtcError
 
 PROMPTS = [[5, 17, 99, 3, 42, 8, 200, 31], [7] * 40, [1, 2, 3], list(range(60, 150))]
 NEW_TOKENS = 16
@@ -29,7 +29,7 @@ def ray_instance():
 
 
 def _export(family: str, dynamo: bool):
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     return tiny_onnx(family, dynamo=dynamo, with_past=True, overrides={"num_hidden_layers": 3})
 
@@ -89,8 +89,8 @@ def test_a_tied_head_is_stored_transposed_in_blocks_in_the_last_stage(tmp_path):
     """A table over the folding threshold reaches the artifact as the embedding plus a Transpose for the head.
     The last stage, which has no embedding, stores the head transposed in blocks (onnxruntime would fold the
     transpose and pre-pack the whole head at once while building the session: the stage's peak)."""
-    from models.tiny import tiny_onnx
-    from passes.pipeline_stages import WEIGHT_BLOCK_BYTES
+    from cann_llm.models.tiny import tiny_onnx
+    from cann_llm.passes.pipeline_stages import WEIGHT_BLOCK_BYTES
 
     vocab = 70_000  # × 64 float32: 17.9 MB, over the 16 MB folding threshold and one block
     model = tiny_onnx("llama_tied", dynamo=True, with_past=True, overrides={"num_hidden_layers": 3, "vocab_size": vocab})

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.engine.sampler import apply_repetition_penalty, probabilities, sample_token
-from runtime.engine.sampling import SamplingParams
-from runtime.engine.setting_error import SettingError
+from cann_llm.runtime.engine.sampler import apply_repetition_penalty, probabilities, sample_token
+from cann_llm.runtime.engine.sampling import SamplingParams
+from cann_llm.runtime.engine.setting_error import SettingError
 
 pytestmark = pytest.mark.unit
 

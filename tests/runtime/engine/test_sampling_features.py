@@ -13,13 +13,13 @@ import pytest
 from conftest import ort_reference
 from generation_utils import compile_tiny_chat_model
 
-from runtime.engine.engine import LLMEngine
-from runtime.engine.sampler import apply_output_penalties, draw, process_logits
-from runtime.engine.sampling import SamplingParams
-from runtime.engine.sequence import Sequence, TokenLogprob
-from runtime.engine.structured import StructuredOutput
-from runtime.feeds import causal_lm_inputs
-from runtime.signature import io_signature, llm_dimensions
+from cann_llm.runtime.engine.engine import LLMEngine
+from cann_llm.runtime.engine.sampler import apply_output_penalties, draw, process_logits
+from cann_llm.runtime.engine.sampling import SamplingParams
+from cann_llm.runtime.engine.sequence import Sequence, TokenLogprob
+from cann_llm.runtime.engine.structured import StructuredOutput
+from cann_llm.runtime.feeds import causal_lm_inputs
+from cann_llm.runtime.signature import io_signature, llm_dimensions
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 
@@ -66,7 +66,7 @@ def test_a_refused_prompt_in_a_batch_leaves_nothing_running(engine):
 def test_logprobs_are_log_softmax_of_the_logits(engine):
     import onnx
 
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     source = tiny_onnx("llama", dynamo=False, with_past=True)  # what the engine's artifact was compiled from
     signature = io_signature(onnx.load(str(source), load_external_data=False))
@@ -158,7 +158,7 @@ def test_a_grammar_that_does_not_compile_is_refused_before_it_runs(engine):
 def test_prompt_logprobs_whole_and_in_chunks(om, chunk):
     import onnx
 
-    from models.tiny import tiny_onnx
+    from cann_llm.models.tiny import tiny_onnx
 
     source = tiny_onnx("llama", dynamo=False, with_past=True)
     signature = io_signature(onnx.load(str(source), load_external_data=False))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.engine.sampler import sample_token
-from runtime.engine.sampling import SamplingParams
+from cann_llm.runtime.engine.sampler import sample_token
+from cann_llm.runtime.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.unit
 
@@ -64,3 +64,16 @@ def test_numpy_numbers_are_taken_as_python_numbers():
                             logit_bias={np.int64(4): np.float64(1)}, stop_token_ids=np.array([9]))
     assert (type(params.top_k), type(params.seed), type(params.temperature)) == (int, int, float)
     assert params.logit_bias == ((4, 1.0),) and params.stop_token_ids == (9,)
+
+
+def test_params_with_a_schema_given_as_a_dict_are_hashable_and_equal_schemas_hash_alike():
+    from cann_llm.runtime.engine.structured import StructuredOutput
+
+    def params(schema):
+        return SamplingParams(structured_output=StructuredOutput(json=schema))
+
+    one = params({"type": "object", "properties": {"a": {"type": "integer"}}})
+    same = params({"properties": {"a": {"type": "integer"}}, "type": "object"})
+    other = params({"type": "object", "properties": {"b": {"type": "string"}}})
+    assert one == same and hash(one) == hash(same)
+    assert len({one, same, other}) == 2

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.engine.block_manager import BlockManager
-from runtime.engine.sampling import SamplingParams
-from runtime.engine.scheduler import Scheduler
-from runtime.engine.sequence import Sequence
+from cann_llm.runtime.engine.block_manager import BlockManager
+from cann_llm.runtime.engine.sampling import SamplingParams
+from cann_llm.runtime.engine.scheduler import Scheduler
+from cann_llm.runtime.engine.sequence import Sequence
 
 pytestmark = pytest.mark.unit
 
@@ -151,7 +151,7 @@ def _admit_all(scheduler: Scheduler, seqs: list[Sequence]) -> None:
 
 
 def test_the_batch_cap_follows_the_step_time_target():
-    from runtime.engine.batch_control import BatchSizeController
+    from cann_llm.runtime.engine.batch_control import BatchSizeController
 
     control = BatchSizeController(target_s=0.020, most=32)
     assert control.observe(0.030, 32, decode_only=True) == 24  # over: a quarter off

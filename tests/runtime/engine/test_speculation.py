@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.engine.speculation import NgramProposer
+from cann_llm.runtime.engine.speculation import NgramProposer
 
 pytestmark = pytest.mark.unit
 

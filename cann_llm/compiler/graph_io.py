@@ -1,0 +1,98 @@
+"""Apply `--input_shape`, `--out_nodes` and `--output_type` to a graph's signature."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+from onnx import helper
+
+from cann_llm.compiler.config import Dim, parse_output_type
+from cann_llm.runtime.errors import AtcError
+
+
+def apply_input_shape(graph: gs.Graph, shapes: dict[str, tuple[Dim, ...]]) -> None:
+    """Fix the dims given as positive ints; -1 and `low~high` ranges stay dynamic."""
+    inputs = {tensor.name: tensor for tensor in graph.inputs}
+    for name, dims in shapes.items():
+        tensor = inputs.get(name)
+        if tensor is None:
+            raise AtcError("E10016", name, "input_shape")
+        current = list(tensor.shape) if tensor.shape is not None else [None] * len(dims)
+        if len(current) != len(dims):
+            raise AtcError("E10049", len(dims), len(current))
+        for axis, dim in enumerate(dims):
+            if isinstance(dim, int) and dim > 0:
+                if isinstance(current[axis], int) and current[axis] > 0 and current[axis] != dim:
+                    raise AtcError("E10001", f"{name}:{dim}", "--input_shape",
+                                   f"dimension {axis} of {name} is fixed to {current[axis]} in the model")
+                current[axis] = dim
+            elif not isinstance(current[axis], str):
+                current[axis] = f"{name}_dim{axis}"
+        tensor.shape = current
+
+
+def apply_out_nodes(graph: gs.Graph, out_nodes: tuple[str, ...]) -> None:
+    """Make the named tensors (`name`, or `node:index`) the graph's outputs, in the order given."""
+    tensors = graph.tensors()
+    nodes = {node.name: node for node in graph.nodes}
+    outputs = []
+    for item in out_nodes:
+        node_name, sep, index = item.rpartition(":")
+        if sep and index.isdigit() and node_name in nodes and int(index) < len(nodes[node_name].outputs):
+            outputs.append(nodes[node_name].outputs[int(index)])
+        elif item in tensors and not isinstance(tensors[item], gs.Constant):
+            outputs.append(tensors[item])
+        else:
+            raise AtcError("E10016", item, "out_nodes")
+    graph.outputs = outputs
+
+
+_FLOATS = (np.float16, np.float32, np.float64)
+
+
+def apply_output_type(graph: gs.Graph, output_type: str, paged: bool) -> None:
+    """Float outputs cast to FP32 or FP16 at the end of the graph (integer outputs, such as ids, keep theirs):
+    every one, or those `--output_type` names per output (`"node:0:FP16"`, cann_llm/compiler/config.py).
+
+    The quantized output types need a scale per output that nothing here would consume; the engine samples
+    from float32 logits and feeds a cache back as float32, so a model with a KV cache keeps FP32."""
+    types = parse_output_type(output_type)
+    targets = {}
+    for key, kind in types.items():
+        target = {"FP32": np.float32, "FP16": np.float16}.get(kind)
+        if target is None:
+            raise AtcError("E10055", f"--output_type={output_type}: quantized outputs are not provided; use FP32 or FP16")
+        for tensor in graph.outputs if key is None else [_named_output(graph, *key)]:
+            if key is not None and tensor.name in targets:  # one output named twice, by its node and its name
+                raise AtcError("E10001", output_type, "--output_type", f"{tensor.name} is named more than once")
+            targets[tensor.name] = target
+    has_cache = paged or any(tensor.name.startswith("past_key_values") for tensor in graph.inputs)
+    if has_cache and any(target is not np.float32 for target in targets.values()):
+        raise AtcError("E10055", f"--output_type={output_type} on a model with a KV cache: the engine samples from "
+                                 "float32 logits and feeds the cache back as float32")
+    outputs = []
+    for tensor in graph.outputs:
+        target = targets.get(tensor.name)
+        if target is None or tensor.dtype is None or np.dtype(tensor.dtype).type not in _FLOATS \
+                or np.dtype(tensor.dtype) == target:
+            outputs.append(tensor)
+            continue
+        cast = gs.Variable(tensor.name, dtype=target, shape=tensor.shape)
+        tensor.name = f"{tensor.name}_before_output_type"
+        graph.nodes.append(gs.Node("Cast", name=f"{cast.name}_output_type",
+                                   attrs={"to": helper.np_dtype_to_tensor_dtype(np.dtype(target))},
+                                   inputs=[tensor], outputs=[cast]))
+        outputs.append(cast)
+    graph.outputs = outputs
+
+
+def _named_output(graph: gs.Graph, node: str, index: int) -> gs.Variable:
+    """The graph output that `node:index` names: that node's output, or an output of that name (index 0)."""
+    outputs = {id(tensor): tensor for tensor in graph.outputs}
+    for candidate in graph.nodes:
+        if candidate.name == node and index < len(candidate.outputs) and id(candidate.outputs[index]) in outputs:
+            return candidate.outputs[index]
+    named = [tensor for tensor in graph.outputs if tensor.name == node]
+    if named and index == 0:
+        return named[0]
+    raise AtcError("E10016", f"{node}:{index}", "output_type")

@@ -1,0 +1,218 @@
+"""Exports in ../shared/corpus's layout for the families it holds back (Mistral, GLM, Phi-3, Gemma, Qwen2-MoE,
+Qwen3-MoE, GPT-2), made the way its README says its exports were made, so tests/test_corpus.py can be run
+over them before anyone else does:
+
+    python -m cann_llm.models.corpus_like --out .cache/corpus-like
+    CANN_LLM_CORPUS=.cache/corpus-like python -m pytest -n 2 tests/test_corpus.py
+
+`--families` also takes the architectures users bring beyond them (`ARCHITECTURES`: Llama 3.2's rope
+scaling, Phi-3.5's longrope, Gemma 2 and 3, GLM-4, Granite, GraniteMoe, OLMo-2, Mixtral, Phi-2, StableLM, GPT-NeoX, Falcon,
+BLOOM, MPT, OPT, GPT-J, CodeGen, GPTBigCode),
+in the same sizes and layout.
+
+Each folder holds `model.onnx`, `reference.npz` (the torch model's outputs on the corpus's two cases, a
+left-padded batch and a second shape) and a `meta.json` with the fields the tests read. An export the
+exporter refuses leaves a folder with only its `meta.json` (status `failed`), as in the corpus.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from pathlib import Path
+
+import click
+import numpy as np
+
+from cann_llm.models.export import export_causal_lm, io_names, kv_geometry
+from cann_llm.models.tiny import TINY_FAMILIES, TinySpec
+
+HELD_BACK = ("mistral", "glm", "phi3", "gemma", "qwen2_moe", "qwen3_moe", "gpt2")
+EXPORTS = {"ts": (False, False), "ts-kv": (False, True), "dynamo": (True, False), "dynamo-kv": (True, True)}
+# the corpus's sizes: hidden 64, 4 heads, 2 KV heads, head_dim 16, 2 layers, intermediate 128, vocab 512
+_SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=512)
+_GPT2_SIZES = dict(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=512)
+LAYERS = 2
+
+# GPT-2-named configurations (GPT-J, CodeGen, GPTBigCode) at the corpus's sizes; build() drops the Nones
+_GPT_NAMES = dict(hidden_size=None, intermediate_size=None, num_hidden_layers=None, num_attention_heads=None,
+                  num_key_value_heads=None, head_dim=None, max_position_embeddings=None, n_embd=64, n_head=4,
+                  n_layer=2, n_positions=512, n_inner=128)
+_HALF = _SIZES["head_dim"] // 2
+_ROPE = {"rope_theta": 10000.0}
+# what users bring beyond the corpus's families, the corpus's sizes otherwise (`--families` takes these
+# names too): rope scalings, Gemma 2 and 3, GPT-NeoX and the rest of tests/test_architecture_variants.py
+ARCHITECTURES: dict[str, TinySpec] = {
+    "llama32": TinySpec("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "phi35_longrope": TinySpec("Phi3Config", "Phi3ForCausalLM", dict(
+        pad_token_id=0, original_max_position_embeddings=64, rope_parameters={
+            **_ROPE, "rope_type": "longrope", "original_max_position_embeddings": 64,
+            "short_factor": [1.0 + 0.03 * i for i in range(_HALF)], "long_factor": [1.0 + 0.3 * i for i in range(_HALF)]})),
+    "gemma2": TinySpec("Gemma2Config", "Gemma2ForCausalLM", dict(
+        sliding_window=16, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0)),
+    "gemma3": TinySpec("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        sliding_window=16, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16)),
+    "glm4": TinySpec("Glm4Config", "Glm4ForCausalLM", dict(pad_token_id=0, partial_rotary_factor=0.5)),
+    "granite": TinySpec("GraniteConfig", "GraniteForCausalLM", dict(
+        embedding_multiplier=12.0, attention_multiplier=0.0078125, residual_multiplier=0.22, logits_scaling=8.0)),
+    "olmo2": TinySpec("Olmo2Config", "Olmo2ForCausalLM", dict(pad_token_id=0)),
+    "mixtral": TinySpec("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                                    intermediate_size=32)),
+    "granitemoe": TinySpec("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                                             intermediate_size=32)),
+    "phi": TinySpec("PhiConfig", "PhiForCausalLM", dict(num_key_value_heads=4, partial_rotary_factor=0.5)),
+    "stablelm": TinySpec("StableLmConfig", "StableLmForCausalLM", dict(partial_rotary_factor=0.25,
+                                                                       use_qkv_bias=True)),
+    "gpt_neox": TinySpec("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(num_key_value_heads=None, head_dim=None,
+                                                                     rotary_pct=0.25)),
+    # Falcon-7B: one key and value head packed after the queries; Falcon-40B/180B: q/k/v packed by KV group
+    "falcon": TinySpec("FalconConfig", "FalconForCausalLM", dict(num_key_value_heads=None, head_dim=None,
+                                                                 intermediate_size=None, ffn_hidden_size=128)),
+    "falcon_grouped": TinySpec("FalconConfig", "FalconForCausalLM", dict(
+        num_key_value_heads=None, head_dim=None, intermediate_size=None, ffn_hidden_size=128,
+        new_decoder_architecture=True, num_kv_heads=2)),
+    # ALiBi: BLOOM's added on heads folded into the batch, MPT's a sliced ramp (Falcon-RW's exports do not run in
+    # onnxruntime, the tests' reference here: tests/test_architecture_variants.py checks it against torch)
+    "bloom": TinySpec("BloomConfig", "BloomForCausalLM", dict(num_key_value_heads=None, head_dim=None,
+                                                              intermediate_size=None)),
+    "mpt": TinySpec("MptConfig", "MptForCausalLM", dict(num_key_value_heads=None, head_dim=None, intermediate_size=None,
+                                                        max_position_embeddings=None, max_seq_len=512,
+                                                        expansion_ratio=2)),
+    # OPT: a learned position table, the query scaled before its product
+    "opt": TinySpec("OPTConfig", "OPTForCausalLM", dict(num_key_value_heads=None, head_dim=None,
+                                                       intermediate_size=None, ffn_dim=128, word_embed_proj_dim=64)),
+    # GPT-J: pairwise rotary on the first 8 of 16 dims, applied before the heads move forward
+    "gptj": TinySpec("GPTJConfig", "GPTJForCausalLM", dict(_GPT_NAMES, rotary_dim=8)),
+    # CodeGen: GPT-J's rotary, q, v and k packed in one projection across 4 model-parallel shards
+    "codegen": TinySpec("CodeGenConfig", "CodeGenForCausalLM", dict(_GPT_NAMES, rotary_dim=8, n_ctx=512)),
+    # StarCoder: one key and value head cut from a view of the projection with a head axis of one (the
+    # config has no num_key_value_heads; the exporter reads it for the past's shape)
+    "gpt_bigcode": TinySpec("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(_GPT_NAMES, multi_query=True,
+                                                                              num_key_value_heads=1)),
+}
+
+
+def build(family: str):
+    """The corpus's initialisation: transformers' under seed 0, then norm weights 1+N(0, 0.1) (Gemma's,
+    used as 1+w, N(0, 0.1)), biases and MoE router weights N(0, 0.1), drawn in parameter-name order."""
+    import torch
+    import transformers
+
+    if family in ARCHITECTURES:  # the corpus's sizes with the architecture's own settings (None: left out)
+        spec = ARCHITECTURES[family]
+        sizes = {k: v for k, v in {**_SIZES, **spec.sizes}.items() if v is not None}
+    else:
+        spec = TINY_FAMILIES[family]
+        sizes = {**spec.sizes, **(_GPT2_SIZES if family == "gpt2" else _SIZES)}
+    config = getattr(transformers, spec.config_class)(**sizes)
+    # transformers' default: sdpa where the model has it (Gemma 2's cannot softcap; BLOOM and MPT have none)
+    if family != "gemma2" and getattr(transformers, spec.model_class)._supports_sdpa:
+        config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = getattr(transformers, spec.model_class)(config)
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("batched_mm")  # the grouped default cannot be exported
+    gen = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            norm = "norm" in name or ".ln_" in name
+            if norm and name.endswith("weight"):
+                draw = 0.1 * torch.randn(param.shape, generator=gen)
+                param.copy_(draw if family.startswith("gemma") else 1.0 + draw)
+            elif name.endswith("bias") or name.endswith("mlp.gate.weight") or "shared_expert_gate" in name:
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+    return model.eval()
+
+
+def _cases(config, with_past: bool) -> list[dict[str, np.ndarray]]:
+    """The corpus's two cases: batch 2 by 7 with row 1 left-padded by 2 (after a past of 5, so a 12-long
+    mask, with past inputs); then batch 3 by 4 with its last row left-padded by 2 (without past inputs) or one
+    decode step after a past of 11 (with them)."""
+    rng = np.random.default_rng(0)
+    layers, kv_heads, head_dim = kv_geometry(config)
+    shapes = [(2, 7, 5), (1, 1, 11)] if with_past else [(2, 7, 0), (3, 4, 0)]
+    cases = []
+    for batch, seq, past in shapes:
+        mask = np.ones((batch, past + seq), np.int64)
+        if batch > 1:
+            mask[-1, :2] = 0
+        positions = np.cumsum(mask, axis=1) - 1
+        positions[mask == 0] = 1
+        feeds = {"input_ids": rng.integers(0, config.vocab_size, (batch, seq)).astype(np.int64),
+                 "attention_mask": mask, "position_ids": positions[:, past:].astype(np.int64)}
+        feeds["input_ids"][mask[:, past:] == 0] = 0
+        if with_past:
+            for i in range(layers):
+                for kind in ("key", "value"):
+                    feeds[f"past_key_values.{i}.{kind}"] = rng.standard_normal(
+                        (batch, kv_heads, past, head_dim)).astype(np.float32)
+        cases.append(feeds)
+    return cases
+
+
+def _reference(model, with_past: bool) -> dict[str, np.ndarray]:
+    import torch
+
+    from cann_llm.models.export import _CausalLMWithFlatCache
+
+    wrapper = _CausalLMWithFlatCache(model, with_past).eval()
+    inputs, outputs = io_names(kv_geometry(model.config)[0], with_past)
+    arrays = {}
+    for prefix, feeds in zip(("", "alt_"), _cases(model.config, with_past)):
+        with torch.no_grad():
+            got = wrapper(*(torch.from_numpy(feeds[name]) for name in inputs))
+        got = got if isinstance(got, tuple) else (got,)
+        for name in inputs:
+            arrays[f"{prefix}input.{name}"] = feeds[name]
+        for name, value in zip(outputs, got):
+            arrays[f"{prefix}output.{name}"] = value.numpy()
+        seq = feeds["input_ids"].shape[1]
+        arrays[f"{prefix}valid_query_rows"] = feeds["attention_mask"][:, -seq:].astype(bool)
+    return arrays
+
+
+def expected_counts(model) -> dict[str, int]:
+    """What the corpus's meta.json says a compiler should find, counted on the torch model (not read from
+    this project's recipes): an attention block a layer, and its RMSNorm modules (or LayerNorm ones)."""
+    kinds = [type(module).__name__ for module in model.modules()]
+    rms = sum(kind.endswith("RMSNorm") for kind in kinds)
+    norms = {"rmsnorm": rms} if rms else {"layernorm": sum(kind == "LayerNorm" for kind in kinds)}
+    return {"attention_blocks": LAYERS, **norms}
+
+
+def write(family: str, exporter: str, out: Path) -> str:
+    """One folder; its status."""
+    dynamo, with_past = EXPORTS[exporter]
+    folder = out / f"{family}-{exporter}"
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = {"family": family, "exporter": exporter, "num_layers": LAYERS, "with_past": with_past, "status": "ok"}
+    try:
+        model = build(family)
+        meta["expected"] = expected_counts(model)
+        export_causal_lm(model, folder / "model.onnx", dynamo=dynamo, with_past=with_past)
+        np.savez(folder / "reference.npz", **_reference(model, with_past))
+    except Exception:
+        meta["status"] = "failed"
+        meta["error"] = traceback.format_exc(limit=3)
+        (folder / "model.onnx").unlink(missing_ok=True)
+    (folder / "meta.json").write_text(json.dumps(meta, indent=1))
+    return meta["status"]
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="the folder to fill")
+@click.option("--families", default=",".join(HELD_BACK), show_default=True,
+              help=f"also any of: {', '.join(ARCHITECTURES)}")
+def main(out: Path, families: str) -> None:
+    """Write the held-back families' exports (or other architectures') in the corpus's layout."""
+    for family in families.split(","):
+        for exporter in EXPORTS:
+            print(f"{family}-{exporter}: {write(family, exporter, out)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""AttentionFusionPass: the whole attention block → cann::FusedAttention.
+
+Anchored at the Softmax; the parts around it are matched by the small matchers of
+cann_llm/passes/match_attention.py and cann_llm/passes/match_rotary.py, on the graph LayoutCanonicalizationPass left:
+
+    scores  = MatMul(scale(q), scale(Transpose(k_rep, 0,1,3,2)))       the factors multiply into one scale
+    probs   = softmax(scale(scores) [+ mask])                           Casts and sdpa's NaN guard included
+    output  = merge(MatMul(probs, v_rep))                               → [B, S, H·D]
+    q       = rope?(heads(q_proj))
+    k_rep   = repeat?(present_k),  present_k = Concat(past_k, rope?(heads(k_proj))) or the new keys
+    v_rep   = repeat?(present_v),  present_v likewise without rope
+
+The mask is kept by meaning, not spelling: the graph input whose values it reads (a 2-D attention_mask)
+becomes the fused op's padding mask, a position comparison in its construction makes it causal, and a
+position moved back by a constant W before a comparison (or a cache that keeps W - 1 tokens) gives it a
+sliding window of W.
+The mask subgraph, the KV repetition and the rotations are left without readers and cleaned away.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from cann_llm.passes.match_attention import (
+    MaskSource,
+    Projection,
+    in_float32,
+    is_transpose,
+    match_gqa_repeat,
+    match_head_merge,
+    match_head_split,
+    mask_alibi,
+    match_kv_concat,
+    match_mask_source,
+    match_probabilities,
+    match_scale,
+    match_softcap,
+    peel_empty_row_guard,
+    split_mask,
+)
+from cann_llm.passes.match_alibi import peel_alibi
+from cann_llm.passes.match_rotary import Rotary, match_rotary
+from cann_llm.passes.pattern import FusionPass, fused_node, producer, sole_consumer
+from cann_llm.runtime.ops import FUSED_ATTENTION, FusedAttentionInput, FusedAttentionOutput, positional
+
+
+@dataclass
+class AttentionMatch:
+    query: Projection
+    key: Projection
+    value: Projection
+    past_key: gs.Tensor | None
+    past_value: gs.Tensor | None
+    present_key: gs.Tensor | None
+    present_value: gs.Tensor | None
+    mask: gs.Tensor | None
+    causal: int
+    window: int
+    rotary: Rotary | None
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    output: gs.Tensor
+    name: str
+    softcap: float = 0.0
+    alibi: tuple[float, ...] = ()
+    alibi_from_mask: bool = False
+
+
+def _transposed_keys(tensor: gs.Tensor) -> tuple[gs.Tensor, float] | None:
+    """(the keys, a scale) of kᵀ, a (0, 1, 3, 2) transpose with scalar factors on either side of it."""
+    outer, factor = match_scale(tensor)
+    transpose = producer(outer, "Transpose")
+    if not is_transpose(transpose, [0, 1, 3, 2]):
+        return None
+    keys, inner = match_scale(transpose.inputs[0])
+    return keys, factor * inner
+
+
+def _repeated(tensor: gs.Tensor) -> tuple[gs.Tensor, int | None]:
+    found = match_gqa_repeat(tensor)
+    return found if found is not None else (tensor, 1)
+
+
+class FuseAttention(FusionPass):
+    """Fuse scaled-dot-product attention blocks with their projections' head split, RoPE and KV cache."""
+
+    name = "AttentionFusionPass"
+    anchor = "Softmax"
+
+    def match(self, graph: gs.Graph, softmax: gs.Node) -> AttentionMatch | str:
+        rank = len(softmax.inputs[0].shape or [])
+        if softmax.attrs.get("axis", -1) not in (-1, rank - 1) or rank != 4:
+            return "not a softmax over the last axis of [B, H, S, T] scores"
+        logits, masks, outside = split_mask(softmax.inputs[0])
+        logits, alibi = peel_alibi(logits)
+        if alibi is None and len(masks) == 1:
+            mask, alibi = mask_alibi(masks[0])
+            masks = (mask,)
+        capped, softcap = match_softcap(logits)
+        if softcap and outside != 1.0:
+            return "a scale outside a softcap"
+        scores_tensor, scale = match_scale(capped)
+        scale *= outside
+        scores = producer(scores_tensor, "MatMul")
+        if scores is None:
+            return "the softmax input is not a (scaled, masked) MatMul"
+        query4, query_scale = match_scale(scores.inputs[0])
+        keys = _transposed_keys(scores.inputs[1])
+        if keys is None:
+            return "the keys are not transposed with (0, 1, 3, 2)"
+        key_rep, key_scale = keys
+        scale *= query_scale * key_scale
+        probabilities = match_probabilities(graph, softmax)
+        context = sole_consumer(graph, probabilities, "MatMul")
+        if context is None or context.inputs[0] is not probabilities:
+            return "the probabilities do not multiply the values"
+        output = match_head_merge(graph, peel_empty_row_guard(graph, context.outputs[0], masks))
+        if isinstance(output, str):
+            return output
+        if not in_float32(output):  # an export in float16 runs as exported
+            return "the attention does not compute in float32, as the fused op does"
+
+        query_rope = match_rotary(query4)
+        key_present, key_repeats = _repeated(key_rep)
+        key_cache = match_kv_concat(graph, key_present)
+        key4 = key_cache.new
+        key_rope = match_rotary(key4)
+        if (query_rope is None) != (key_rope is None):
+            return "rotary embedding on only one of q and k"
+        rotary = None
+        if query_rope is not None:
+            (query4, rotary), (key4, key_rotary) = query_rope, key_rope
+            if key_rotary.cos is not rotary.cos or key_rotary.sin is not rotary.sin \
+                    or (key_rotary.rotary_dim, key_rotary.interleaved) != (rotary.rotary_dim, rotary.interleaved):
+                return "q and k rotate with different tables"
+        value_present, value_repeats = _repeated(context.inputs[1])
+        value_cache = match_kv_concat(graph, value_present)
+        value4 = value_cache.new
+        if (key_cache.past is None) != (value_cache.past is None):
+            return "a cache for only one of keys and values"
+        if key_cache.window != value_cache.window:
+            return f"the key and value caches keep {key_cache.window - 1} and {value_cache.window - 1} tokens"
+        found = [match_head_split(t) for t in (query4, key4, value4)]
+        for item in found:
+            if isinstance(item, str):
+                return item
+        query, key, value = found
+        heads, kv_heads, value_heads = query.heads, key.heads, value.heads
+        head_dim = query4.shape[-1]
+        if kv_heads != value_heads or heads % kv_heads:
+            return f"{heads} query heads cannot share {kv_heads} key and {value_heads} value heads"
+        if alibi is not None and len(alibi.slopes) != heads:
+            return f"ALiBi's term holds {len(alibi.slopes)} slopes for {heads} heads"
+        if kv_heads == 1:  # one key and value head, broadcast by the MatMuls (Falcon-7B through Optimum)
+            key_repeats, value_repeats = (heads if r == 1 else r for r in (key_repeats, value_repeats))
+        if any(r is not None and r * kv_heads != heads for r in (key_repeats, value_repeats)):
+            return f"the keys and values are repeated {key_repeats} and {value_repeats} times for {heads} heads"
+        source = MaskSource(None, 0)
+        if masks:
+            source = match_mask_source(graph, *masks)
+            if isinstance(source, str):
+                return source
+        if key_cache.past is not None and (refusal := source.refusal_over_a_past()):
+            return refusal
+        window = source.window or key_cache.window
+        if key_cache.window and source.window and key_cache.window != source.window:
+            return f"the mask's window ({source.window}) is not the cache's ({key_cache.window})"
+        if window and not source.causal:
+            return "a sliding window without a causal mask"
+        if alibi is not None and alibi.mask is not None and alibi.mask is not source.attention_mask:
+            return "ALiBi counts positions over another input than the attention mask"
+        return AttentionMatch(query, key, value, key_cache.past, value_cache.past, key_cache.present,
+                              value_cache.present, source.attention_mask, source.causal, window, rotary, heads,
+                              kv_heads, head_dim, scale, output, softmax.name.rsplit("/", 1)[0] + "/" + FUSED_ATTENTION.name,
+                              softcap, () if alibi is None else tuple(float(m) * outside for m in alibi.slopes),
+                              alibi is not None and alibi.mask is not None)
+
+    def rewrite(self, graph: gs.Graph, match: AttentionMatch) -> None:
+        def flat(projection: Projection) -> gs.Tensor:
+            if not projection.per_head:
+                return projection.tensor
+            source = projection.tensor
+            if projection.heads_first:  # [B, H, S, D] to [B, S, H, D]
+                ordered = gs.Variable(f"{source.name}_heads_last", dtype=source.dtype,
+                                      shape=None if source.shape is None else [source.shape[i] for i in (0, 2, 1, 3)])
+                graph.nodes.append(gs.Node("Transpose", name=f"{source.name}/HeadsLast", attrs={"perm": [0, 2, 1, 3]},
+                                           inputs=[source], outputs=[ordered]))
+                source = ordered
+            shape = None if source.shape is None else list(source.shape[:2]) + [projection.heads * match.head_dim]
+            merged = gs.Variable(f"{source.name}_merged", dtype=source.dtype, shape=shape)
+            graph.nodes.append(gs.Node("Reshape", name=f"{source.name}/MergeHeads", outputs=[merged], inputs=[
+                source, gs.Constant(f"{source.name}_merged_shape", np.array([0, 0, -1], np.int64))]))
+            return merged
+
+        rotary = match.rotary
+        slot = FusedAttentionInput
+        query = flat(match.query)
+        inputs = positional(slot, {
+            slot.QUERY: query, slot.KEY: flat(match.key), slot.VALUE: flat(match.value), slot.PAST_KEY: match.past_key,
+            slot.PAST_VALUE: match.past_value, slot.ATTENTION_MASK: match.mask, slot.COS: rotary and rotary.cos,
+            slot.SIN: rotary and rotary.sin}, gs.Variable.empty())
+        output = match.output
+        if len(output.shape) == 2:  # rows for a 2-D projection: the op writes [B, S, H·D], a Reshape flattens it
+            output = gs.Variable(f"{match.name}_output", dtype=match.output.dtype,
+                                 shape=None if query.shape is None else list(query.shape[:2]) + [match.output.shape[-1]])
+            match.output.inputs.clear()
+            graph.nodes.append(gs.Node("Reshape", name=f"{match.name}/Rows", inputs=[
+                output, gs.Constant(f"{match.name}_rows", np.array([-1, match.output.shape[-1]], np.int64))],
+                outputs=[match.output]))
+        outputs = positional(FusedAttentionOutput, {
+            FusedAttentionOutput.OUTPUT: output, FusedAttentionOutput.PRESENT_KEY: match.present_key,
+            FusedAttentionOutput.PRESENT_VALUE: match.present_value}, gs.Variable.empty())
+        graph.nodes.append(fused_node(
+            FUSED_ATTENTION.name, inputs, outputs, match.name, num_heads=match.heads, kv_num_heads=match.kv_heads,
+            head_dim=match.head_dim, scale=float(match.scale), causal=match.causal,
+            rotary_dim=rotary.rotary_dim if rotary else 0, rotary_interleaved=rotary.interleaved if rotary else 0,
+            **({"sliding_window": match.window} if match.window else {}),
+            **({"softcap": match.softcap} if match.softcap else {}),
+            **({"alibi_slopes": list(match.alibi)} if match.alibi else {}),
+            **({"alibi_from_mask": 1} if match.alibi_from_mask else {})))

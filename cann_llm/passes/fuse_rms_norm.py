@@ -1,0 +1,99 @@
+"""RmsNormFusionPass: x / sqrt(mean(x²) + eps) · w, in every spelling exporters use → cann::RmsNorm.
+
+Anchored at the ReduceMean. Accepted: the square as Pow(x, 2) or Mul(x, x); the mean over the last axis
+(attribute or input axes) with keepdims; Add of a scalar epsilon (either order); Sqrt then Reciprocal,
+Div(1, ·) and Mul(x, ·) in either order, or Div(x, ·); Casts to float32 around the normalisation;
+the weight Mul in either order (no weight Mul means a weight of ones; Gemma's 1 + w arrives folded).
+Every intermediate value must have no other reader.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from cann_llm.passes.pattern import FusionPass, axes_of, fused_node, other_input, producer, scalar, sole_consumer
+
+
+@dataclass
+class RmsNormMatch:
+    x: gs.Tensor
+    weight: gs.Tensor
+    epsilon: float
+    output: gs.Tensor
+    name: str
+
+
+def _normalized(graph: gs.Graph, x: gs.Tensor, sqrt_out: gs.Tensor) -> gs.Tensor | str:
+    """The value x / sqrt(...) computed from the Sqrt's output, in one of the accepted spellings."""
+    step = sole_consumer(graph, sqrt_out, "Reciprocal", "Div")
+    if step is None:
+        return "Sqrt is not followed by Reciprocal or Div"
+    if step.op == "Div" and step.inputs[0] is x and step.inputs[1] is sqrt_out:
+        return step.outputs[0]
+    if step.op == "Div" and not (step.inputs[1] is sqrt_out and scalar(step.inputs[0]) == 1.0):
+        return "Div is neither x / rms nor 1 / rms"
+    inverse = step.outputs[0]
+    scale = sole_consumer(graph, inverse, "Mul")
+    if scale is None or other_input(scale, inverse) is not x:
+        return "1 / rms does not multiply the normalised input"
+    return scale.outputs[0]
+
+
+class FuseRmsNorm(FusionPass):
+    """Fuse RMS normalisation subgraphs."""
+
+    name = "RmsNormFusionPass"
+    anchor = "ReduceMean"
+
+    def match(self, graph: gs.Graph, mean: gs.Node) -> RmsNormMatch | str:
+        if mean.attrs.get("keepdims", 1) != 1:
+            return "ReduceMean drops the reduced axis"
+        square = producer(mean.inputs[0], "Pow", "Mul")
+        if square is None or sole_consumer(graph, square.outputs[0]) is not mean:
+            return "the mean is not of a square used only here"
+        x = square.inputs[0]
+        if square.op == "Pow" and scalar(square.inputs[1]) != 2.0:
+            return "the Pow exponent is not 2"
+        if square.op == "Mul" and square.inputs[1] is not x:
+            return "the Mul is not x·x"
+        rank = len(x.shape) if x.shape is not None else None
+        if rank is None or axes_of(mean) not in ([-1], [rank - 1]):
+            return f"the mean is not over the last axis (axes {axes_of(mean)}, rank {rank})"
+        hidden = x.shape[-1]
+        if not isinstance(hidden, int):
+            return "the normalised size is not static"
+        add = sole_consumer(graph, mean.outputs[0], "Add")
+        epsilon = scalar(other_input(add, mean.outputs[0])) if add is not None else None
+        if epsilon is None:
+            return "the mean is not followed by Add of a scalar epsilon"
+        sqrt = sole_consumer(graph, add.outputs[0], "Sqrt")
+        if sqrt is None:
+            return "mean + epsilon is not followed by Sqrt"
+        normalized = _normalized(graph, x, sqrt.outputs[0])
+        if isinstance(normalized, str):
+            return normalized
+        source = x
+        cast_in = producer(x, "Cast")
+        cast_out = sole_consumer(graph, normalized, "Cast")
+        if cast_in is not None and cast_out is not None and cast_in.inputs[0].dtype is not None:
+            source = cast_in.inputs[0]
+            normalized = cast_out.outputs[0]
+        weighting = sole_consumer(graph, normalized, "Mul")
+        weight = other_input(weighting, normalized) if weighting is not None else None
+        if isinstance(weight, gs.Constant) and tuple(weight.shape) == (hidden,):
+            output = weighting.outputs[0]
+        elif weighting is not None and weight is not None and not isinstance(weight, gs.Constant):
+            return "the weight is not a constant"
+        else:
+            weight = gs.Constant(f"{mean.name}_ones", np.ones(hidden, dtype=np.dtype(source.dtype or np.float32)))
+            output = normalized
+        if np.dtype(weight.dtype) != np.dtype(source.dtype or weight.dtype):
+            return f"the weight is {weight.dtype}, the input {source.dtype}"
+        return RmsNormMatch(source, weight, epsilon, output, mean.name.rsplit("/", 1)[0] + "/RmsNorm")
+
+    def rewrite(self, graph: gs.Graph, match: RmsNormMatch) -> None:
+        graph.nodes.append(fused_node("RmsNorm", [match.x, match.weight], [match.output], match.name,
+                                      epsilon=match.epsilon))

@@ -1,0 +1,50 @@
+"""LogitsPruningPass: compute the lm_head only for the tokens whose next-token distribution is wanted.
+
+In a flattened batch only each sequence's last scheduled token needs logits; the vocabulary projection
+is the largest matmul of a small model (49,152 × 576 in SmolLM2), so a prefill of T tokens would spend
+most of its time on T - B rows nobody reads. A `Gather` on the lm_head's input, driven by the new input
+`logits_indices [B]`, turns `logits [1, T, V]` into `logits [B, V]`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from cann_llm.passes.base import PassResult
+from cann_llm.passes.graph_utils import lm_head
+from cann_llm.runtime.errors import AtcError
+
+LOGITS_INDICES = "logits_indices"
+_PROJECTIONS = ("MatMul", "MatMulInt4", "MatMulInt8")
+
+
+class PruneLogits:
+    """Gather the wanted rows before the lm_head; `logits` becomes `[num_seqs, vocab]`."""
+
+    name = "LogitsPruningPass"
+    switchable = False
+
+    def run(self, graph: gs.Graph) -> PassResult:
+        logits = next((t for t in graph.outputs if t.name == "logits"), None)
+        head = lm_head(graph, ops=_PROJECTIONS)
+        if head is None or (head.inputs[0].shape is not None and len(head.inputs[0].shape) != 3):
+            raise AtcError("E10055", "no lm_head MatMul on [batch, seq, hidden] computes the output 'logits', so logits cannot "
+                                     "be pruned; "
+                                     "compile with --enable_paged_attention=0")
+        indices = gs.Variable(LOGITS_INDICES, dtype=np.int64, shape=["num_seqs"])
+        hidden = head.inputs[0]
+        picked = gs.Variable(f"{hidden.name}_picked", dtype=hidden.dtype)
+        graph.nodes.append(gs.Node("Gather", name=f"{head.name}_prune", attrs={"axis": 1},
+                                   inputs=[hidden, indices], outputs=[picked]))
+        head.inputs[0] = picked
+        vocab = logits.shape[-1] if logits.shape else "vocab"
+        rows = gs.Variable("logits", dtype=logits.dtype, shape=["num_seqs", vocab])
+        logits.name = f"{logits.name}_batched"
+        axes = gs.Constant("logits_squeeze_axes", np.array([0], dtype=np.int64))
+        graph.nodes.append(gs.Node("Squeeze", name="logits_squeeze", inputs=[logits, axes], outputs=[rows]))
+        graph.outputs = [rows if t is logits else t for t in graph.outputs]
+        graph.inputs.append(indices)
+        graph.toposort()
+        return PassResult(match_times=1, effect_times=1)
+

@@ -1,3 +1,0 @@
-"""The graph passes the compiler runs: each rewrites a canonicalised graph, one job a file."""
-
-import runtime  # noqa: E402,F401 - its settings of onnxruntime come before any import of onnxruntime here

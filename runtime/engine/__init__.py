@@ -1,2 +1,0 @@
-"""The serving engine: requests, sequences, the block manager and scheduler, the runners, sampling and
-speculation (`LLMEngine` in runtime/engine/engine.py)."""
