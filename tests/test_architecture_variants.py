@@ -527,3 +527,21 @@ def test_the_older_llama_lineages_remote_code_is_served_paged(style, dynamo, tmp
     prompts = [[5, 6, 7], list(range(3, 40))]
     got = engine_greedy(om, prompts, 12, max_context_len=160, kv_cache_pages=48)
     assert got == [greedy(model, prompt, 12) for prompt in prompts]
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_an_mlp_with_biases_fuses_its_swiglu(dynamo, tmp_path):
+    """A Llama with `mlp_bias` (and `attention_bias`): gate and up are each x·W + b; one SwiGlu a layer over
+    one merged projection and one merged bias, q, k and v packed with theirs, and the export's greedy tokens
+    paged; INT4 keeps the biases outside its matmuls."""
+    source = _export("LlamaConfig", "LlamaForCausalLM", tmp_path, dynamo=dynamo, with_past=True, mlp_bias=True,
+                     attention_bias=True)
+    om = compile_to(source, tmp_path / "paged", enable_paged_attention=True)
+    layers = SIZES["num_hidden_layers"]
+    ops = Counter(n.op_type for n in load_artifact(om).model.graph.node)
+    assert ops["SwiGlu"] == layers and ops["PagedAttention"] == layers, ops
+    _paged_equals_onnxruntime(source, om, [[5, 6, 7], list(range(3, 40))], 16)
+    int4 = Counter(n.op_type for n in load_artifact(compile_to(source, tmp_path / "int4", enable_compress_weight=True,
+                                                                enable_paged_attention=True)).model.graph.node)
+    # q, k and v packed, the output projection, gate and up packed, down: four a layer
+    assert int4["SwiGlu"] == layers and int4["MatMulInt4"] == 4 * layers, int4

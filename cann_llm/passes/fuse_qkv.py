@@ -17,7 +17,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from cann_llm.passes.graph_utils import split_into
-from cann_llm.passes.merge_weights import WeightSource, can_merge, merged_projection, projection
+from cann_llm.passes.merge_weights import WeightSource, biased_projection, can_merge, merged_biases, merged_projection
 from cann_llm.passes.pattern import FusionPass, producer
 from cann_llm.runtime.ops import CUSTOM_DOMAIN, FUSED_ATTENTION, input_at
 from cann_llm.runtime.ops import FusedAttentionInput as Slot
@@ -32,7 +32,7 @@ class QkvMatch:
     attention: gs.Node
     x: gs.Tensor | None
     weights: list[WeightSource]
-    biases: list[np.ndarray] | None
+    biases: list[np.ndarray | None]  # one a projection, None where it has none
     packed: gs.Tensor | None
     roots: list[gs.Tensor] | None = None  # the three projections' outputs, when per-head ops read them
 
@@ -42,19 +42,8 @@ def _linear(graph: gs.Graph, tensor: gs.Tensor) -> tuple[gs.Tensor, WeightSource
     attention."""
     if len(tensor.outputs) != 1 or any(t is tensor for t in graph.outputs):
         return None
-    bias, add = None, producer(tensor, "Add")
-    if add is not None:
-        constants = [t for t in add.inputs if isinstance(t, gs.Constant)]
-        if len(constants) != 1 or constants[0].shape is None or len(constants[0].shape) != 1:
-            return None
-        bias = np.asarray(constants[0].values)
-        tensor = next(t for t in add.inputs if not isinstance(t, gs.Constant))
-        if len(tensor.outputs) != 1:
-            return None
-    found = projection(tensor)
-    if found is None or found[1] is None or (bias is not None and bias.shape[0] != found[1].shape[1]):
-        return None
-    return found[0], found[1], bias
+    found = biased_projection(tensor)
+    return found if found is not None and found[1] is not None else None
 
 
 def _projected(graph: gs.Graph, tensor: gs.Tensor) -> tuple[gs.Tensor, tuple] | None:
@@ -104,7 +93,7 @@ class FuseQkv(FusionPass):
         q, k, v = (attention.inputs[slot] for slot in (Slot.QUERY, Slot.KEY, Slot.VALUE))
         packed = _packed_source(q, k, v)
         if packed is not None:
-            return QkvMatch(attention, None, [], None, packed)
+            return QkvMatch(attention, None, [], [], packed)
         found, roots = [_linear(graph, t) for t in (q, k, v)], None
         if any(f is None for f in found):
             traced = [_projected(graph, t) for t in (q, k, v)]
@@ -116,11 +105,7 @@ class FuseQkv(FusionPass):
         weights = [f[1] for f in found]
         if not can_merge(weights):
             return "the projection weights differ in kind, dtype, input size or quantization"
-        biases = None
-        if any(f[2] is not None for f in found):
-            dtype = q.dtype or np.float32
-            biases = [f[2] if f[2] is not None else np.zeros(f[1].shape[1], dtype) for f in found]
-        return QkvMatch(attention, found[0][0], weights, biases, None, roots)
+        return QkvMatch(attention, found[0][0], weights, [f[2] for f in found], None, roots)
 
     def rewrite(self, graph: gs.Graph, match: QkvMatch) -> None:
         attention = match.attention
@@ -131,11 +116,7 @@ class FuseQkv(FusionPass):
             shape = None if match.x.shape is None else list(match.x.shape[:-1]) + [width]
             packed = gs.Variable(f"{name}_matmul", dtype=attention.inputs[Slot.QUERY].dtype, shape=shape)
             merged_projection(graph, match.x, match.weights, packed, f"{name}/MatMul", f"{name}_weight")
-            if match.biases is not None:
-                biased = gs.Variable(f"{name}_bias", dtype=packed.dtype, shape=shape)
-                bias = gs.Constant(f"{name}_bias_values", np.concatenate(match.biases))
-                graph.nodes.append(gs.Node("Add", name=f"{name}/Add", inputs=[packed, bias], outputs=[biased]))
-                packed = biased
+            packed = merged_biases(graph, packed, match.biases, [w.shape[1] for w in match.weights], name)
             if match.roots is not None:
                 split_into(graph, packed, [w.shape[1] for w in match.weights], match.roots, f"{name}/Split")
                 return

@@ -1,8 +1,9 @@
 """SwiGluFusionPass: SiLU(x·Wg) · (x·Wu) → cann::SwiGlu(x·[Wg | Wu]), one MatMul for both projections.
 
 Anchored at the Sigmoid of SiLU = g · sigmoid(g). The gate and up halves come either from two MatMuls (a
-Gemm is one by now: cann_llm/passes/canonicalize_gemm.py) of the same input with constant weights (merged here into
-one [K, 2I] weight: one GEMM instead of two; two MatMulInt4 of one layout likewise), or already from one
+Gemm is one by now: cann_llm/passes/canonicalize_gemm.py) of the same input with constant weights, each optionally
+plus a constant bias (a Llama with `mlp_bias`), merged here into one [K, 2I] weight (one GEMM instead of two;
+two MatMulInt4 of one layout likewise) and one [2I] bias, or already from one
 fused projection (Phi-3's gate_up_proj) cut by Split or two Slices of the last axis, gate half first.
 Gemma's GELU MLP has no Sigmoid-gated product and is left alone.
 """
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from cann_llm.passes.merge_weights import WeightSource, can_merge, merged_projection, projection
+from cann_llm.passes.merge_weights import WeightSource, biased_projection, can_merge, merged_biases, merged_projection
 from cann_llm.passes.pattern import FusionPass, fused_node, other_input, producer, sole_consumer
 
 
@@ -22,6 +23,7 @@ from cann_llm.passes.pattern import FusionPass, fused_node, other_input, produce
 class SwiGluMatch:
     x: gs.Tensor
     weights: list[WeightSource] | None  # None: the input is already [gate | up]
+    biases: list[np.ndarray | None]  # gate's and up's, None where it has none
     merged_input: gs.Tensor | None
     output: gs.Tensor
     name: str
@@ -82,7 +84,7 @@ class FuseSwiGlu(FusionPass):
         if up is None or isinstance(up, gs.Constant):
             return "SiLU(g) is not multiplied by an up projection"
         name = product.name.rsplit("/", 1)[0] + "/SwiGlu"
-        gate_projection, up_projection = projection(gate), projection(up)
+        gate_projection, up_projection = biased_projection(gate), biased_projection(up)
         if gate_projection is not None and up_projection is not None:
             x = gate_projection[0]
             weights = [gate_projection[1], up_projection[1]]
@@ -92,11 +94,11 @@ class FuseSwiGlu(FusionPass):
                 return "gate and up weights are not constant (or QDQ) 2-D matrices of one shape and kind"
             if len(up.outputs) != 1 or any(t is up for t in graph.outputs):
                 return "the up projection has other readers"
-            return SwiGluMatch(x, weights, None, product.outputs[0], name)
+            return SwiGluMatch(x, weights, [gate_projection[2], up_projection[2]], None, product.outputs[0], name)
         whole = gate_up_halves(graph, gate, up)
         if isinstance(whole, str):
             return whole
-        return SwiGluMatch(whole, None, whole, product.outputs[0], name)
+        return SwiGluMatch(whole, None, [], whole, product.outputs[0], name)
 
     def rewrite(self, graph: gs.Graph, match: SwiGluMatch) -> None:
         source = match.merged_input
@@ -105,4 +107,6 @@ class FuseSwiGlu(FusionPass):
             source = gs.Variable(f"{match.name}_gate_up", dtype=match.output.dtype, shape=shape)
             merged_projection(graph, match.x, match.weights, source, f"{match.name}_GateUpMatMul",
                               f"{match.name}_gate_up_weight")
+            source = merged_biases(graph, source, match.biases, [w.shape[1] for w in match.weights],
+                                   f"{match.name}_gate_up")
         graph.nodes.append(fused_node("SwiGlu", [source], [match.output], match.name))

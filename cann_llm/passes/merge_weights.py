@@ -86,6 +86,38 @@ def projection(tensor: gs.Tensor) -> tuple[gs.Tensor, WeightSource | None] | Non
     return node.inputs[0], weight_source(node.inputs[1]) if node.op == "MatMul" else _packed_source(node)
 
 
+def biased_projection(tensor: gs.Tensor) -> tuple[gs.Tensor, WeightSource | None, np.ndarray | None] | None:
+    """(x, W, b) when `tensor` = x·W (+ b) with a constant b [N] (Qwen2's q, k and v, a Llama's MLP with
+    `mlp_bias`), the product read only by the bias's Add; W None when it cannot be merged; else None."""
+    bias, add = None, producer(tensor, "Add")
+    if add is not None:
+        constants = [t for t in add.inputs if isinstance(t, gs.Constant)]
+        if len(constants) != 1 or constants[0].shape is None or len(constants[0].shape) != 1:
+            return None
+        bias = np.asarray(constants[0].values)
+        tensor = next(t for t in add.inputs if not isinstance(t, gs.Constant))
+        if len(tensor.outputs) != 1:
+            return None
+    found = projection(tensor)
+    if found is None or (bias is not None and found[1] is not None and bias.shape[0] != found[1].shape[1]):
+        return None
+    return found[0], found[1], bias
+
+
+def merged_biases(graph: gs.Graph, projected: gs.Tensor, biases: list[np.ndarray | None], widths: list[int],
+                  name: str) -> gs.Tensor:
+    """`projected` + [b1 | … | bm], a missing bias as zeros of its projection's width; `projected` itself when
+    no part has a bias."""
+    if all(b is None for b in biases):
+        return projected
+    dtype = next(b.dtype for b in biases if b is not None)
+    values = np.concatenate([np.zeros(width, dtype) if b is None else b for b, width in zip(biases, widths)])
+    biased = gs.Variable(f"{name}_bias", dtype=projected.dtype, shape=projected.shape)
+    graph.nodes.append(gs.Node("Add", name=f"{name}/Add", inputs=[projected, gs.Constant(f"{name}_bias_values", values)],
+                               outputs=[biased]))
+    return biased
+
+
 def _source(constant: gs.Constant):
     """What a merge reads: a deferred weight stays deferred, an array (often a view of the mapped file) as is."""
     return constant._values if isinstance(constant._values, Deferred) else np.asarray(constant.values)
