@@ -47,11 +47,12 @@ def _build(config_class: str, model_class: str, *, qkv_gain: float = 1.0, sizes:
     return model.eval()
 
 
-def _export(config_class: str, model_class: str, path, *, dynamo: bool, with_past: bool, **settings):
+def _export(config_class: str, model_class: str, path, *, dynamo: bool, with_past: bool, opset: int | None = None,
+            **settings):
     from cann_llm.models.export import export_causal_lm
 
     return export_causal_lm(_build(config_class, model_class, **settings), path / "model.onnx", dynamo=dynamo,
-                            with_past=with_past)
+                            with_past=with_past, opset=opset)
 
 
 def _contiguous_equals_onnxruntime(source, output):
@@ -95,16 +96,20 @@ def test_a_head_behind_its_bias_or_scale_is_found(family, tmp_path):
 SWITCH = 32  # original_max_position_embeddings: past it a sequence's rotary takes the long factors
 
 
-@pytest.fixture(scope="module")
-def longrope(tmp_path_factory):
+def _longrope_export(folder, opset: int | None = None):
     """Phi-3.5's longrope, its long factors far from the short ones, so a sequence rotated with the wrong
     set generates other tokens. The dynamo export (TorchScript cannot export longrope's in-place copy)."""
-    folder = tmp_path_factory.mktemp("longrope")
     half = SIZES["hidden_size"] // SIZES["num_attention_heads"] // 2
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": SWITCH,
             "short_factor": [1.0 + 0.05 * i for i in range(half)], "long_factor": [2.0 + 0.5 * i for i in range(half)]}
-    source = _export("Phi3Config", "Phi3ForCausalLM", folder, dynamo=True, with_past=False, pad_token_id=0,
-                     original_max_position_embeddings=SWITCH, rope_parameters=rope, qkv_gain=20.0)
+    return _export("Phi3Config", "Phi3ForCausalLM", folder, dynamo=True, with_past=False, opset=opset, pad_token_id=0,
+                   original_max_position_embeddings=SWITCH, rope_parameters=rope, qkv_gain=20.0)
+
+
+@pytest.fixture(scope="module")
+def longrope(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("longrope")
+    source = _longrope_export(folder)
     return source, compile_to(source, folder / "paged", enable_paged_attention=True)
 
 
@@ -135,6 +140,20 @@ def test_longrope_perplexity_and_a_made_up_run_feed_the_last_positions(longrope,
     done = subprocess.run([sys.executable, "-m", "cann_llm.cli.cann_run", "run", "--model", str(om), "--dymShape",
                            "input_ids:2,4"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_longrope_exported_at_opset_23_is_served_paged(tmp_path):
+    """At opset 23 dynamo writes ONNX's Attention op but leaves longrope's rotation in standard ops (its
+    rewriter writes RotaryEmbedding for fixed tables only): the rotation is taken into the attention, its
+    tables switched per sequence; the export's greedy tokens on both sides of the switch."""
+    source = _longrope_export(tmp_path, opset=23)
+    exported = Counter(n.op_type for n in onnx.load(source).graph.node)
+    assert exported["Attention"] == SIZES["num_hidden_layers"] and exported["RotaryEmbedding"] == 0
+    om = compile_to(source, tmp_path / "paged", enable_paged_attention=True)
+    assert load_artifact(om).metadata["model"]["rotary_switch_length"] == SWITCH
+    prompts = [[5, 6, 7], list(range(10, 10 + SWITCH + 8))]
+    got = engine_greedy(om, prompts, 12, max_context_len=160, kv_cache_pages=48)
+    assert got == [ort_greedy(source, prompt, 12) for prompt in prompts]
 
 
 def test_longrope_pages_are_not_shared_across_the_switch(longrope):

@@ -6,7 +6,9 @@ flattened by a Transpose + Reshape, and the output turned back); an attn_mask of
 boolean or additive, becomes FusedAttention's explicit bias input; is_causal with the bottom-right
 alignment the op uses when there is a past cache; no softcap; no requested qk output. Rotary caches
 [max_position, R/2] gathered by position_ids (or already [B, S, R/2]) become FusedAttention's full-width
-cos/sin. Anything else stays a standard Attention node.
+cos/sin; 4-D q and k rotated in standard ops instead (`x·cos + turn(x)·sin`, what the exporter leaves where
+its rewriter writes no RotaryEmbedding: Phi-3's longrope, whose tables switch on the sequence's length) give
+the op their tables as they are. Anything else stays a standard Attention node.
 
 What PyTorch's dynamo exporter writes at opset 23 and 24 for transformers' sdpa attention is read as
 AttentionFusionPass reads the same attention spelled in standard ops: 4-D keys and values repeated per
@@ -25,7 +27,8 @@ import onnx_graphsurgeon as gs
 
 from cann_llm.passes.match_attention import MaskSource, in_float32, match_gqa_repeat, match_kv_concat, match_mask_source
 from cann_llm.passes.pattern import FusionPass, fused_node, producer
-from cann_llm.passes.rotary_tables import NodeBuilder, Rotation, paired_rotation, rotary_tables
+from cann_llm.passes.match_rotary import Rotary, match_rotary
+from cann_llm.passes.rotary_tables import NodeBuilder, Rotation, computation, paired_rotation, rotary_tables
 from cann_llm.runtime.ops import FUSED_ATTENTION, FusedAttentionInput, FusedAttentionOutput, input_at, positional
 
 
@@ -39,7 +42,7 @@ class StandardAttentionMatch:
     kv_heads: int
     head_dim: int
     four_d: bool
-    rotation: Rotation | None
+    rotation: Rotation | Rotary | None  # a RotaryEmbedding op's caches, or tables [B|1, 1, S, R] (standard ops)
     mask: gs.Tensor | None  # an explicit bias
     source: MaskSource  # the attention_mask input and causality read from attn_mask, when it is one
     past_key: gs.Tensor | None  # a cache concatenated outside the op: its past (a graph input) and present
@@ -57,6 +60,20 @@ def _rotation(tensor: gs.Tensor, head_dim: int) -> tuple[gs.Tensor, Rotation] | 
     rotary_dim = int(node.attrs.get("rotary_embedding_dim", 0)) or head_dim
     return node.inputs[0], Rotation(node.inputs[1], node.inputs[2], position_ids, rotary_dim,
                                     int(node.attrs.get("interleaved", 0)))
+
+
+def _standard_rotation(q: gs.Tensor, k: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor, Rotary] | str | None:
+    """(q, k before their rotation, its tables) when both 4-D heads rotate in standard ops by equal tables."""
+    found = match_rotary(q), match_rotary(k)
+    if found == (None, None):
+        return None
+    if None in found:
+        return "rotary embedding on only one of q and k"
+    (q, rotary), (k, key_rotary) = found
+    if [computation(t) for t in (rotary.cos, rotary.sin)] != [computation(t) for t in (key_rotary.cos, key_rotary.sin)] \
+            or (rotary.rotary_dim, rotary.interleaved) != (key_rotary.rotary_dim, key_rotary.interleaved):
+        return "q and k rotate with different tables"
+    return q, k, rotary
 
 
 class ConvertAttention(FusionPass):
@@ -127,6 +144,8 @@ class ConvertAttention(FusionPass):
         window = source.window or cache_window
         rotation = None
         paired = paired_rotation(_rotation(q, head_dim), _rotation(k, head_dim))
+        if paired is None and rank == 4:
+            paired = _standard_rotation(q, k)
         if isinstance(paired, str):
             return paired
         if paired is not None:
@@ -163,7 +182,9 @@ class ConvertAttention(FusionPass):
         query, key, value = flat(match.q), flat(match.k), flat(match.v)
         cos = sin = None
         rotation = match.rotation
-        if rotation is not None:
+        if isinstance(rotation, Rotary):
+            cos, sin = rotation.cos, rotation.sin
+        elif rotation is not None:
             cos, sin = rotary_tables(add, rotation, query)
         # the standard Attention's own inputs (ONNX spec): q, k, v, attn_mask, past_key, past_value
         inputs = list(node.inputs) + [gs.Variable.empty()] * (6 - len(node.inputs))
