@@ -127,15 +127,16 @@ def test_transformers_own_onnx_exporter_fuses_and_generates(tmp_path):
     _assert_generates_as_transformers(source, tmp_path)
 
 
-def test_transformers_own_exporter_on_a_sliding_window_model_is_served_paged(tmp_path):
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_transformers_own_exporter_on_a_sliding_window_model_is_served(paged, tmp_path):
     """It passes each sliding-window layer's `_sliding_window_tensor` through the graph, input to output:
-    state of the cache object that the model never reads, which the paged compile drops with the cache (the
-    engine had nothing to feed it)."""
+    state of the cache object that the model never reads, which every compile drops (no runner has anything
+    to feed it: the contiguous engine refused the artifact at load)."""
     window = {"sliding_window": 4}
     source = _export_with_transformers(tmp_path / "model.onnx", "mistral", window)
     carried = [i.name for i in onnx.load(source, load_external_data=False).graph.input if "_sliding_window" in i.name]
     assert carried
-    om = _compile(source, tmp_path / "paged", enable_paged_attention=True)
+    om = _compile(source, tmp_path / "om", enable_paged_attention=paged)
     signature = load_artifact(om).metadata["signature"]
     assert not [v["name"] for v in signature["inputs"] + signature["outputs"] if "_sliding_window" in v["name"]]
     assert engine_greedy(om, PROMPTS, NEW_TOKENS) == hf_greedy("mistral", tuple(map(tuple, PROMPTS)), NEW_TOKENS,

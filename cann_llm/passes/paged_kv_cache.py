@@ -77,9 +77,6 @@ class PagedKvCache:
             node.outputs.clear()
         for name in TOKEN_INPUTS:
             inputs[name].shape = [1, "num_tokens"]
-        carried = _carried_through(graph)
-        cache_io.update(carried)
-        graph.outputs = [t for t in graph.outputs if t.name not in carried]
         graph.cleanup(remove_unused_graph_inputs=False)  # what only fed the replaced cache reads no input now
         still_read = sorted(t.name for t in graph.inputs if t.name in cache_io and t.outputs)
         if still_read:
@@ -123,20 +120,6 @@ class PagedKvCache:
             users = sorted({c.op for c in mask.outputs if c.op != FUSED_ATTENTION.name})
             raise AtcError("E10055", f"attention_mask also feeds {', '.join(users)}, which a flattened batch "
                                      "cannot express; compile with --enable_paged_attention=0")
-
-
-def _carried_through(graph: gs.Graph) -> set[str]:
-    """Names of the cache's inputs that the graph only hands back as outputs (through Identity), and of
-    those outputs: state of the cache object the model never reads (transformers' own exporter passes a
-    sliding-window layer's `_sliding_window_tensor` through), which a paged cache does not keep."""
-    outputs = {id(t) for t in graph.outputs}
-    carried = set()
-    for tensor in graph.inputs:
-        readers = tensor.outputs
-        if tensor.name.startswith("past_key_values") and readers and all(
-                n.op == "Identity" and id(n.outputs[0]) in outputs for n in readers):
-            carried |= {tensor.name} | {n.outputs[0].name for n in readers}
-    return carried
 
 
 def _positions_from_an_input(graph: gs.Graph, attention: gs.Node) -> None:
