@@ -1,43 +1,24 @@
 """The public Python face of the project: `from cann_llm import ...` (compile, run, generate).
 
 Each name is imported on first use: every command lives under this package (`cann_llm.cli`), and `atc`
-should not pay for the engine, nor `cann-run` for the compiler."""
-
-# ruff: noqa: F401 - the imports for type checkers below are the package's exports, read through __all__
+should not pay for the engine, nor `cann-run` for the compiler. The names and their modules are the
+imports of `__init__.pyi`, which type checkers read."""
 
 from __future__ import annotations
 
+import ast
 from importlib import import_module
-from typing import TYPE_CHECKING
+from pathlib import Path
 
-_HOMES = {
-    "__version__": "cann_llm.compiler",
-    "compile_model": "cann_llm.compiler.compile",
-    "CompileConfig": "cann_llm.compiler.config",
-    "Executor": "cann_llm.runtime",
-    "LoadedModel": "cann_llm.runtime",
-    "load_artifact": "cann_llm.runtime",
-    "Conversation": "cann_llm.runtime.conversation",
-    "ConversationManager": "cann_llm.runtime.conversation",
-    "ConversationSettings": "cann_llm.runtime.conversation",
-    "EngineConfig": "cann_llm.runtime.engine.config",
-    "EngineClosed": "cann_llm.runtime.engine.engine",
-    "EngineStats": "cann_llm.runtime.engine.engine",
-    "GenerationFailed": "cann_llm.runtime.engine.engine",
-    "LLMEngine": "cann_llm.runtime.engine.engine",
-    "Request": "cann_llm.runtime.engine.engine",
-    "CompletionOutput": "cann_llm.runtime.engine.outputs",
-    "RequestOutput": "cann_llm.runtime.engine.outputs",
-    "SamplingParams": "cann_llm.runtime.engine.sampling",
-    "RequestStats": "cann_llm.runtime.engine.sequence",
-    "TokenLogprob": "cann_llm.runtime.engine.sequence",
-    "SettingError": "cann_llm.runtime.engine.setting_error",
-    "StructuredOutput": "cann_llm.runtime.engine.structured",
-    "AtcError": "cann_llm.runtime.errors",
-    "LongContext": "cann_llm.runtime.long_context",
-    "Selection": "cann_llm.runtime.long_context",
-}
 
+def _homes() -> dict[str, str]:
+    """{exported name: its module}, from the stub's `from module import name as name` lines."""
+    stub = ast.parse(Path(__file__).with_name("__init__.pyi").read_text(encoding="utf-8"))
+    return {alias.asname or alias.name: node.module for node in stub.body if isinstance(node, ast.ImportFrom)
+            for alias in node.names}
+
+
+_HOMES = _homes()
 __all__ = sorted(_HOMES)
 
 
@@ -52,20 +33,3 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_HOMES})
-
-
-if TYPE_CHECKING:  # what type checkers and editors read; tests/test_public_api.py keeps it equal to _HOMES
-    from cann_llm.compiler import __version__
-    from cann_llm.compiler.compile import compile_model
-    from cann_llm.compiler.config import CompileConfig
-    from cann_llm.runtime import Executor, LoadedModel, load_artifact
-    from cann_llm.runtime.conversation import Conversation, ConversationManager, ConversationSettings
-    from cann_llm.runtime.engine.config import EngineConfig
-    from cann_llm.runtime.engine.engine import EngineClosed, EngineStats, GenerationFailed, LLMEngine, Request
-    from cann_llm.runtime.engine.outputs import CompletionOutput, RequestOutput
-    from cann_llm.runtime.engine.sampling import SamplingParams
-    from cann_llm.runtime.engine.sequence import RequestStats, TokenLogprob
-    from cann_llm.runtime.engine.setting_error import SettingError
-    from cann_llm.runtime.engine.structured import StructuredOutput
-    from cann_llm.runtime.errors import AtcError
-    from cann_llm.runtime.long_context import LongContext, Selection

@@ -27,7 +27,7 @@ def _model(family: str, overrides: tuple = ()):
 def hf_greedy(family: str, prompts: tuple[tuple[int, ...], ...], new_tokens: int = NEW_TOKENS,
               overrides: dict | None = None) -> list[list[int]]:
     """transformers' greedy continuation of each prompt, one at a time (no padding), eos ignored;
-    `overrides` as models.tiny.build_tiny_model takes them."""
+    `overrides` as cann_llm.models.tiny.build_tiny_model takes them."""
     return [list(t) for t in _hf_greedy(family, prompts, new_tokens, tuple(sorted((overrides or {}).items())))]
 
 

@@ -112,9 +112,10 @@ def usage() -> str:
              "  atc --model=./model.onnx --framework=5 --output=./model --soc_version=Ascend910B",
              "  atc --mode=6 --om=./model.om",
              "flags: --flag=value or --flag value; dashes or underscores (--soc-version = --soc_version)", ""]
+    width = max(len(name) for name, _, _ in FLAGS) + 2
     for section in dict.fromkeys(s for _, s, _ in FLAGS):
         lines.append(f"[{section}]")
-        lines += [f"  --{name:<28}{text}" for name, s, text in FLAGS if s == section]
+        lines += [f"  --{name:<{width}}{text}" for name, s, text in FLAGS if s == section]
         lines.append("")
     return "\n".join(lines)
 

@@ -26,6 +26,7 @@ from cann_llm.cli.common_options import CONTEXT_SETTINGS, EXISTING_FILE, log_lev
 from cann_llm.cli.json_output import write_json
 from cann_llm.cli.loading import loading
 from cann_llm.cli.text_inputs import checked_text
+from cann_llm.models.data_files import EVAL_TEXT
 from cann_llm.runtime.errors import AtcError
 from cann_llm.runtime.executor import BACKENDS, Executor
 from cann_llm.runtime.feeds import causal_lm_inputs, compiled_shapes, made_up_inputs, page_pool, parse_shapes, read_input_files
@@ -223,7 +224,8 @@ def run_command(model, input_files, output, output_dirname, outfmt, loop, warmup
 
 @cli.command("eval-ppl")
 @click.option("--model", "-m", required=True, help="the .om to evaluate (with its tokenizer)")
-@click.option("--text", "text_file", required=True, type=EXISTING_FILE, help="a UTF-8 text file")
+@click.option("--text", "text_file", default=str(EVAL_TEXT), type=EXISTING_FILE,
+              help="a UTF-8 text file  [default: the shipped held-out text, cann_llm/models/data/eval.txt]")
 @click.option("--window", type=click.IntRange(min=2), default=512, show_default=True)
 @click.option("--stride", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--max_tokens", type=click.IntRange(min=2), default=None, help="score only the first N tokens")

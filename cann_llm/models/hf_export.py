@@ -56,8 +56,12 @@ class LoadedCheckpoint:
 def require_export_packages(cfg: ExportConfig) -> None:
     """E10055 naming the extra to install when a package this export needs is missing (they are the
     `models` extra, not the runtime's dependencies)."""
-    needed = ["torch", "transformers", *(["onnxscript"] if cfg.exporter == "dynamo" else []),
-              *(["gguf"] if cfg.model.endswith(".gguf") else [])]
+    require_packages(["torch", "transformers", *(["onnxscript"] if cfg.exporter == "dynamo" else []),
+                      *(["gguf"] if cfg.model.endswith(".gguf") else [])])
+
+
+def require_packages(needed: list[str]) -> None:
+    """E10055 naming the `models` extra when any of the `needed` packages cannot be imported."""
     missing = []
     for name in needed:
         try:

@@ -3,7 +3,7 @@
 optimum-onnx needs transformers<4.58 and fails to import beside transformers 5, so it is installed into
 `cache_dir()/optimum-venv` on first use (`python -m venv` + pip; about 30 s from this machine's wheel
 cache). `optimum_onnx("llama")` returns the path of Optimum's `text-generation-with-past` export of the
-tiny model `models.tiny.build_tiny_model("llama")` — the same weights, saved by this venv and loaded by
+tiny model `cann_llm.models.tiny.build_tiny_model("llama")` — the same weights, saved by this venv and loaded by
 transformers 4.57 in the other — exporting it the first time; `export_families()` does several in one
 process, and with `form="no-past"` Optimum's `text-generation` export (no cache inputs) or with
 `form="merged"` its legacy merged decoder (`decoder_model_merged.onnx`, an `If` on `use_cache_branch`)
@@ -177,7 +177,7 @@ def _export(python: Path, families: list[str], seed: int, log, form: str) -> Non
 
 
 def _worker_env() -> dict[str, str]:
-    """The optimum venv must see this repository (models.tiny) and nothing of the main venv."""
+    """The optimum venv must see this repository (cann_llm.models.tiny) and nothing of the main venv."""
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
     env["PYTHONPATH"] = str(REPO_ROOT)
     env["TOKENIZERS_PARALLELISM"] = "false"
@@ -210,6 +210,10 @@ def export_every_form(log=print) -> tuple[dict[str, dict[str, Path]], dict[str, 
 def main(argv: list[str] | None = None) -> None:
     """Create the optimum venvs and export FAMILY ... (default: every form's families the tests read)."""
     families = argv if argv is not None else sys.argv[1:]
+    if {"-h", "--help"} & set(families):
+        print(f"usage: python -m cann_llm.models.optimum_export [FAMILY ...]\n\n{main.__doc__}\n"
+              f"families: {' '.join(OPTIMUM_FAMILIES)}")
+        return
     if not families:
         made, skipped = export_every_form()
     else:

@@ -10,7 +10,7 @@ with a cache, merged by `merge_decoders` into decoder_model_merged.onnx (an `If`
 In the legacy venv: `legacy`, optimum 1.17's `text-generation-with-past` export (model.onnx), and
 `legacy-merged`, its `legacy=True` export (decoder_model_merged.onnx among the three files it writes),
 both through TorchScript as every torch of that time exported (torch 2.13 defaults to dynamo).
-CHECKPOINT `build` builds the tiny model here first (models.tiny.build_tiny_model, same sizes and seed,
+CHECKPOINT `build` builds the tiny model here first (cann_llm.models.tiny.build_tiny_model, same sizes and seed,
 this transformers' default attention).
 """
 

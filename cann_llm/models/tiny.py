@@ -2,7 +2,7 @@
 
 `tiny_onnx("llama", dynamo=True, with_past=True)` returns the path of an exported model, building it the
 first time. Attention is transformers' default implementation (`sdpa`), as users export it;
-`attention="eager"` gives the other spelling. The cache lives in `$CANN_LLM_CACHE` (default `<repo>/.cache`), which git ignores.
+`attention="eager"` gives the other spelling. The cache is `cache_dir()`'s folder (`.cache` in a checkout, which git ignores).
 """
 
 from __future__ import annotations
@@ -17,8 +17,16 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def cache_dir() -> Path:
-    """Where generated models and artifacts are kept."""
-    return Path(os.environ.get("CANN_LLM_CACHE", REPO_ROOT / ".cache"))
+    """Where generated models and artifacts are kept: `$CANN_LLM_CACHE`, else `.cache` in a checkout of the
+    project (git ignores it), else the user's cache folder (~/.cache/cann-llm), never inside an installed
+    package."""
+    if os.environ.get("CANN_LLM_CACHE"):
+        return Path(os.environ["CANN_LLM_CACHE"])
+    if (REPO_ROOT / "pyproject.toml").is_file():
+        return REPO_ROOT / ".cache"
+    from cann_llm.runtime.kernels.numba_cache import cache_home
+
+    return cache_home()
 
 
 def publish_folder(folder: Path, target: Path, marker: str) -> None:

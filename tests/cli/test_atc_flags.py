@@ -10,7 +10,7 @@ from dataclasses import fields
 
 import pytest
 
-from cann_llm.cli.atc import FLAGS, parse_flags, run
+from cann_llm.cli.atc import FLAGS, parse_flags, run, usage
 from cann_llm.compiler.config import CompileConfig
 from cann_llm.compiler.inapplicable_flags import NOT_APPLICABLE, REFUSED
 from cann_llm.runtime.artifact import OmFile
@@ -52,6 +52,10 @@ def test_every_atc_flag_has_one_behaviour_and_help():
         assert sum(kinds) == 1, name
     helped = {name for name, _, _ in FLAGS}
     assert set(ATC_FLAGS) <= helped | {"mode"}
+    # each flag's line in `atc -h` keeps its name apart from its text (the longest ran into it)
+    flag_lines = [line for line in usage().splitlines() if line.startswith("  --")]
+    assert len(flag_lines) == len(FLAGS)
+    assert all(line[4:].split(" ", 1)[0] in helped and "  " in line[4:] for line in flag_lines)
 
 
 @pytest.mark.parametrize("name", sorted(NOT_APPLICABLE))

@@ -169,6 +169,23 @@ def test_eval_ppl_shows_loading_and_window_progress_on_stderr_and_json_on_stdout
     assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout.startswith("perplexity ")
 
 
+def test_eval_ppl_without_text_scores_the_shipped_held_out_text(om_path, tmp_path):
+    """A wheel install has no repository to find eval.txt in: without --text the shipped text is scored."""
+    from cann_llm.models.data_files import EVAL_TEXT
+
+    given = _eval_ppl(om_path, EVAL_TEXT, "--max_tokens", "96", "--json", "-")
+    default = subprocess.run([sys.executable, "-m", "cann_llm.cli.cann_run", "eval-ppl", "--model", str(om_path),
+                              "--window", "64", "--stride", "32", "--max_tokens", "96", "--json", "-"],
+                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert given.returncode == 0 and default.returncode == 0, default.stderr
+    def scored(proc):
+        report = json.loads(proc.stdout)
+        report.pop("seconds")
+        return report
+
+    assert scored(default) == scored(given)
+
+
 def _halves(tmp_path):
     """A graph that is no language model: a Reshape of x [n] to [2, -1], which compiles, and which
     onnxruntime refuses only when run on an odd n."""

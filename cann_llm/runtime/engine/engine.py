@@ -22,7 +22,7 @@ from collections import Counter, deque
 from pathlib import Path
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Iterator, overload
 
 import numpy as np
 
@@ -461,7 +461,22 @@ class LLMEngine:
             raise SettingError(setting, f"{setting} gives a pool of {self.blocks.num_pages} pages of {self.page_size} tokens; "
                              f"the prompt's {prompt_tokens} tokens need {needed}")
 
-    def generate(self, prompts, sampling_params: SamplingParams | int | None = None,
+    # for type checkers: one prompt without SamplingParams is its text; prompts, or SamplingParams, outputs
+    # (with `n` > 1 in the keyword settings one prompt gives outputs too, which these cannot tell apart)
+    @overload
+    def generate(self, prompts: str | list[int], sampling_params: int | None = None,
+                 temperature: float | None = None, **kwargs: Any) -> str: ...
+
+    @overload
+    def generate(self, prompts: list[str] | list[list[int]], sampling_params: int | None = None,
+                 temperature: float | None = None, **kwargs: Any) -> list[RequestOutput]: ...
+
+    @overload
+    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams], temperature: float | None = None,
+                 **kwargs: Any) -> list[RequestOutput]: ...
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | int | None = None,
                  temperature: float | None = None, **kwargs):
         """`generate(prompt, max_new_tokens, temperature)`: the completion of one prompt, as text.
 
