@@ -42,6 +42,8 @@ class ExportConfig:
     def __post_init__(self):
         if self.exporter not in EXPORTERS:
             raise AtcError("E10001", self.exporter, "--exporter", f"The value must be one of {', '.join(EXPORTERS)}.")
+        if not Path(self.model).exists():  # before whether the export's packages are installed
+            raise AtcError("E13001", self.model, "No such file or directory")
 
 
 @dataclass

@@ -126,14 +126,22 @@ def test_an_exporter_failure_is_e10055_and_leaves_the_output_folder_as_it_was(tm
 
 
 def test_export_without_the_models_extra_names_it(tmp_path):
-    """A runtime-only install (no torch or transformers): one coded line naming the extra."""
-    blocked = ("import sys; sys.modules['torch'] = sys.modules['transformers'] = None; "
-               "sys.argv = ['cann-run', 'export', '--model', 'folder', '--output', 'out']; "
-               "from cann_llm.cli.entry import cann_run; cann_run()")
-    proc = subprocess.run([sys.executable, "-c", blocked], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    """A runtime-only install (no torch or transformers): one coded line naming the extra; a model path that
+    does not exist is said first, as with them."""
+    def blocked(model: str) -> subprocess.CompletedProcess:
+        program = ("import sys; sys.modules['torch'] = sys.modules['transformers'] = None; "
+                   f"sys.argv = ['cann-run', 'export', '--model', {model!r}, '--output', 'out']; "
+                   "from cann_llm.cli.entry import cann_run; cann_run()")
+        return subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120)
+
+    (tmp_path / "folder").mkdir()
+    proc = blocked("folder")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "E10055" in proc.stderr and "exporting needs torch and transformers" in proc.stderr
     assert "pip install 'cann-llm[models]'" in proc.stderr and not (tmp_path / "out").exists()
+    absent = blocked("absent")
+    assert absent.returncode == 1 and "E13001" in absent.stderr and "E10055" not in absent.stderr
 
 
 def test_preparing_the_default_model_without_the_models_extra_names_it_before_installing_anything(tmp_path):
