@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# where models/ and the tests keep their models too
+# where cann_llm/models/ and the tests keep their models too
 CACHE ?= $(or $(CANN_LLM_CACHE),.cache)
 QUESTION ?= What is the capital of France?
 FOLLOW_UP ?= And of Germany?

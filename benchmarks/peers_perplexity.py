@@ -5,7 +5,7 @@
 
 The text is cann_llm/models/data/eval.txt tokenized by SmolLM2's tokenizer (the same ids for every model: the builder
 keeps the Hugging Face tokenizer), scored window by window the same way for all
-(runtime.perplexity.sliding_window_perplexity): this project's artifacts through the executor, and
+(cann_llm.runtime.perplexity.sliding_window_perplexity): this project's artifacts through the executor, and
 onnxruntime-genai's builder models (`.cache/genai/smollm2-int4` and `-fp32`, made by benchmarks/peers.py) through
 onnxruntime itself, one forward pass per window with an empty cache, which is the graph its Generator runs.
 The artifacts default to the ones benchmarks/peers.py measures (`.cache/peers/smollm2-{fp32,int4}.om`);

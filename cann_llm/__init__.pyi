@@ -1,5 +1,5 @@
-"""What `cann_llm` exports, for type checkers (each re-exported by its `as` name), and where each name lives:
-`__init__.py` reads these imports to load each name on its first use."""
+"""What `cann_llm` exports, for type checkers: each name re-exported by its `as` name, from the module
+`__init__.py` loads it from on first use."""
 
 from cann_llm.compiler import __version__ as __version__
 from cann_llm.compiler.compile import compile_model as compile_model

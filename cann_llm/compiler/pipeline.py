@@ -17,6 +17,7 @@ from cann_llm.passes.convert_integer_matmul import ConvertIntegerMatMul
 from cann_llm.passes.convert_matmul_nbits import ConvertMatMulNBits
 from cann_llm.passes.convert_multi_head_attention import ConvertMultiHeadAttention
 from cann_llm.passes.convert_precision import ConvertPrecision
+from cann_llm.passes.drop_carried_state import DropCarriedState
 from cann_llm.passes.drop_table_slices import DropTableSlices
 from cann_llm.passes.convert_rms_normalization import ConvertRmsNormalization
 from cann_llm.passes.eliminate_dead_code import EliminateDeadCode
@@ -98,6 +99,7 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: Wei
         # onnxruntime's own ops written back first: shape inference stops at them (FusedMatMul), and the
         # folding and canonical forms below need the shapes past them
         NameCausalLmIo(),  # input_ids and logits where the export named them otherwise (every pass after reads them)
+        DropCarriedState(),  # cache inputs only handed back as outputs (transformers' exporter's sliding-window state)
         RemoveLogitsToKeep(),  # every position's logits where a trace of transformers' logits_to_keep picked one
         ExpandOnnxRuntimeRewrites(),  # onnxruntime's FusedMatMul, QuickGelu and rotate_half Split, as standard ops
         ConvertIntegerMatMul(),  # its dynamic quantization's matmuls, as MatMuls of QDQ operands

@@ -112,15 +112,15 @@ def main(name: str, out_dir: Path | None, dynamo: bool, with_past: bool, force: 
     """Prepare the default model NAME for `atc`."""
     from cann_llm.models.hf_export import require_packages
 
-    try:  # before anything is installed or read: the export cannot run without them
-        require_packages(["torch", "transformers", "gguf", *(["onnxscript"] if dynamo else [])])
-    except AtcError as error:
-        raise click.ClickException(str(error)) from None
     out_dir = out_dir or smollm2_dir(dynamo, with_past)
     path = out_dir / "model.onnx"
     if path.exists() and not force:
         click.echo(f"{path} exists (use --force to export again)")
         return
+    try:  # before anything is installed or read: the export cannot run without them
+        require_packages(["torch", "transformers", "gguf", *(["onnxscript"] if dynamo else [])])
+    except AtcError as error:
+        raise click.ClickException(str(error)) from None
     click.echo(f"exporting {name} to {path} ...")
     prepare_smollm2(out_dir, dynamo=dynamo, with_past=with_past, log=click.echo)
     click.echo(f"wrote {path}")

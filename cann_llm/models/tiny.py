@@ -10,8 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from cann_llm.runtime.cache_home import cache_home
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,14 +22,21 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def cache_dir() -> Path:
     """Where generated models and artifacts are kept: `$CANN_LLM_CACHE`, else `.cache` in a checkout of the
     project (git ignores it), else the user's cache folder (~/.cache/cann-llm), never inside an installed
-    package."""
+    package nor an application that vendors it."""
     if os.environ.get("CANN_LLM_CACHE"):
         return Path(os.environ["CANN_LLM_CACHE"])
-    if (REPO_ROOT / "pyproject.toml").is_file():
+    if _in_checkout():
         return REPO_ROOT / ".cache"
-    from cann_llm.runtime.kernels.numba_cache import cache_home
-
     return cache_home()
+
+
+def _in_checkout() -> bool:
+    """Whether the package runs from this project's own source tree (its pyproject.toml beside it)."""
+    try:
+        project = (REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    except OSError:
+        return False
+    return re.search(r'^name = "cann-llm"$', project, re.M) is not None
 
 
 def publish_folder(folder: Path, target: Path, marker: str) -> None:

@@ -73,6 +73,9 @@ def _standard_rotation(q: gs.Tensor, k: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor
     if [computation(t) for t in (rotary.cos, rotary.sin)] != [computation(t) for t in (key_rotary.cos, key_rotary.sin)] \
             or (rotary.rotary_dim, rotary.interleaved) != (key_rotary.rotary_dim, key_rotary.interleaved):
         return "q and k rotate with different tables"
+    for table in (rotary.cos, rotary.sin):  # the fused op's tables hold one row a token for every head
+        if table.shape is None or len(table.shape) > 4 or len(table.shape) == 4 and table.shape[1] != 1:
+            return f"the rotary table {table.name} is not [B|1, 1, S, R]"
     return q, k, rotary
 
 

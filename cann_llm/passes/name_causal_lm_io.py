@@ -24,10 +24,6 @@ suffix (`attention_mask.1`). The engine, the paged rewrite and logits pruning re
     attention_mask, position_ids, input_ids
                     an input named so with TorchScript's `.N` suffix
 
-A `past_key_values…` input that the graph only hands back as an output (through Identity) is dropped with
-that output: state of the cache object the model never reads (transformers' own exporter passes each
-sliding-window layer's `_sliding_window_tensor` through), which no runner feeds.
-
 A graph that already has a name, or where the choice is not unique, is left as it is.
 """
 
@@ -215,21 +211,5 @@ class NameCausalLmIo:
                 rename(present, present_name(name))
         for old, new in renamed.items():
             log.info("%s: the graph's %s is read as %s", self.name, old, new)
-        carried = _drop_carried_state(graph)
-        if carried:
-            log.info("%s: %s only passed from input to output, dropped", self.name, ", ".join(carried))
-        changed = len(renamed) + len(carried)
-        return PassResult(match_times=changed, effect_times=changed)
+        return PassResult(match_times=len(renamed), effect_times=len(renamed))
 
-
-def _drop_carried_state(graph: gs.Graph) -> list[str]:
-    """Drop the cache inputs that the graph only hands back as outputs (through Identity), and those outputs;
-    the inputs' names."""
-    outputs = {id(t) for t in graph.outputs}
-    carried = [tensor for tensor in graph.inputs if tensor.name.startswith("past_key_values") and tensor.outputs and all(
-        node.op == "Identity" and id(node.outputs[0]) in outputs for node in tensor.outputs)]
-    handed_back = {id(node.outputs[0]) for tensor in carried for node in tensor.outputs}
-    graph.outputs = [t for t in graph.outputs if id(t) not in handed_back]
-    graph.inputs = [t for t in graph.inputs if all(t is not c for c in carried)]
-    graph.cleanup(remove_unused_graph_inputs=False)
-    return [tensor.name for tensor in carried]

@@ -20,7 +20,7 @@ from typing import Callable
 import onnxruntime as ort
 
 from cann_llm.runtime.compatibility import cpu_features
-from cann_llm.runtime.kernels.numba_cache import cache_home
+from cann_llm.runtime.cache_home import cache_home
 
 MODEL, DATA = "model.onnx", "model.data"
 SAVE_OPTIONS = {"session.optimized_model_external_initializers_file_name": DATA,

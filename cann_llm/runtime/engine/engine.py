@@ -461,8 +461,12 @@ class LLMEngine:
             raise SettingError(setting, f"{setting} gives a pool of {self.blocks.num_pages} pages of {self.page_size} tokens; "
                              f"the prompt's {prompt_tokens} tokens need {needed}")
 
-    # for type checkers: one prompt without SamplingParams is its text; prompts, or SamplingParams, outputs
-    # (with `n` > 1 in the keyword settings one prompt gives outputs too, which these cannot tell apart)
+    # for type checkers: one prompt without SamplingParams is its text (or, with `n` given, outputs when
+    # n > 1); prompts, or SamplingParams, outputs
+    @overload
+    def generate(self, prompts: str | list[int], sampling_params: int | None = None,
+                 temperature: float | None = None, *, n: int, **kwargs: Any) -> str | list[RequestOutput]: ...
+
     @overload
     def generate(self, prompts: str | list[int], sampling_params: int | None = None,
                  temperature: float | None = None, **kwargs: Any) -> str: ...

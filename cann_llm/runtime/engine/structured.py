@@ -54,9 +54,10 @@ class StructuredOutput:
             raise SettingError("structured_output", f"the grammar has {len(text)} characters; at most {MAX_GRAMMAR_CHARS}")
 
     def __hash__(self) -> int:
-        # a schema given as a dict hashes as its canonical text: SamplingParams holding one are a frozen value
-        # like any other (a dict key, a set member), and equal schemas hash alike
-        schema = json.dumps(self.json, sort_keys=True) if isinstance(self.json, dict) else self.json
+        # a schema given as a dict hashes by its keys, which equal dicts share (its values may be unhashable,
+        # and equal values may print apart: 1 and 1.0): SamplingParams holding one are a frozen value like
+        # any other (a dict key, a set member)
+        schema = frozenset(self.json) if isinstance(self.json, dict) else self.json
         return hash((schema, self.json_object, self.regex, self.choice, self.grammar))
 
     def llguidance_grammar(self) -> str:

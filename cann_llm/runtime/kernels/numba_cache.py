@@ -24,6 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from cann_llm.runtime.cache_home import cache_home
 
 _KEPT = {"numba": "the numba kernels' machine code", "native": "the native kernel library"}
 
@@ -34,14 +35,6 @@ def _writable(folder: Path) -> bool:
     except OSError:
         return False
     return os.access(folder, os.W_OK | os.X_OK)
-
-
-def cache_home() -> Path:
-    """The project's cache folder: `$CANN_LLM_CACHE`, else `$XDG_CACHE_HOME/cann-llm` (~/.cache/cann-llm)."""
-    if os.environ.get("CANN_LLM_CACHE"):
-        return Path(os.environ["CANN_LLM_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "cann-llm"
 
 
 def user_cache_dir(kind: str) -> Path:

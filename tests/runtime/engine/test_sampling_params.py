@@ -77,3 +77,6 @@ def test_params_with_a_schema_given_as_a_dict_are_hashable_and_equal_schemas_has
     other = params({"type": "object", "properties": {"b": {"type": "string"}}})
     assert one == same and hash(one) == hash(same)
     assert len({one, same, other}) == 2
+    # equal dicts whose values print apart, and keys of mixed types
+    assert hash(params({"maximum": 1})) == hash(params({"maximum": 1.0}))
+    assert hash(params({"type": "object", 1: "x"})) == hash(params({1: "x", "type": "object"}))
