@@ -15,6 +15,7 @@ Runs after the fusions, so merged QKV and gate/up weights are quantized as the m
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from dataclasses import replace
 from typing import ContextManager
 
@@ -54,6 +55,7 @@ class QuantizeWeights(FusionPass):
         self.matched_patterns: set[str] = set()
         self._head: gs.Node | None = None
         self._statistics: dict[str, InputStatistics] | StagedStatistics = {}
+        self._readers: Counter[str] = Counter()  # chosen MatMuls still to quantize, by the input they read
         self._writer = QuantizedMatMulWriter(spill)
 
     def run(self, graph: gs.Graph) -> PassResult:
@@ -73,6 +75,7 @@ class QuantizeWeights(FusionPass):
                 result.rejections.append(f"{node.name}: {found}")
             else:
                 choices.append(found)
+        self._readers = Counter(choice.matmul.inputs[0].name for choice in choices)
         with self._calibration(graph) as self._statistics, \
                 Progress("quantization", total=len(choices), unit="weight",
                          enabled=self.progress and bool(choices)) as bar:
@@ -125,7 +128,9 @@ class QuantizeWeights(FusionPass):
             self._writer.matmul_nbits(graph, matmul, weight_name, quantized, remainders, level)
         else:
             self._writer.matmul_int8(graph, matmul, weight_name, quantized)
-        self._statistics.pop(activations, None)
+        self._readers[activations] -= 1
+        if not self._readers[activations]:  # kept until the last MatMul on this input (Gemma's gate and up)
+            self._statistics.pop(activations, None)
 
     def _accuracy_level(self, activations: str, quantized: QuantizedWeight, input_scale: np.ndarray | None) -> int:
         """A 4-bit weight's accuracy level; `activations` names the MatMul's input before any input scaling

@@ -131,3 +131,29 @@ def test_a_per_column_qdq_weight_is_read_as_it_lies(storage, zero_point):
     gs.Node("DequantizeLinear", inputs=parts, outputs=[weight], attrs={"axis": 1})
     read = read_qdq_weight(weight)
     assert np.shares_memory(read.quantized.values, values) and read.quantized.values.dtype == storage
+
+
+@pytest.mark.parametrize("mode", ["W8A8", "INT4"])
+def test_matmuls_that_share_an_input_each_read_its_calibration(mode, tmp_path):
+    """Gemma's GELU MLP keeps gate and up as two MatMuls of one input: the second read statistics the first
+    had released (W8A8 failed with E19999; INT4's accuracy level, chosen from them, differed within a pair)."""
+    import json
+
+    from conftest import compile_to
+
+    from cann_llm.models.tiny import tiny_onnx
+    from cann_llm.runtime import load_artifact
+
+    conf = tmp_path / "quant.json"
+    conf.write_text(json.dumps({"quant_mode": mode}))
+    om = compile_to(tiny_onnx("gemma", dynamo=True, with_past=True), tmp_path / "m", enable_paged_attention=True,
+                    enable_compress_weight=True, compress_weight_conf=str(conf))
+    graph = load_artifact(om).model.graph
+    scaled = {node.output[0]: node.input[0] for node in graph.node if node.op_type == "Mul"}  # SmoothQuant's
+    levels: dict[str, list[int]] = {}  # of the MatMuls reading each input, before any scaling of their own
+    for node in graph.node:
+        if node.op_type == "MatMulInt4":
+            source = scaled.get(node.input[0], node.input[0])
+            levels.setdefault(source, []).append(next(a.i for a in node.attribute if a.name == "accuracy_level"))
+    pairs = [found for found in levels.values() if len(found) == 2]
+    assert len(pairs) == 2 and all(len(set(found)) == 1 for found in levels.values()), levels  # a pair a layer
