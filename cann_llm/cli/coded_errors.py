@@ -4,12 +4,14 @@ that closed stdout exit status 141, as SIGPIPE ends a C tool."""
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 import os
 import signal
 import sys
 import traceback
+from collections.abc import Iterator
 
 import click
 from click.utils import _detect_program_name
@@ -41,6 +43,9 @@ def main_with_codes(command: click.Command) -> None:
         sys.exit(0)
     except KeyboardInterrupt:
         _die_by_sigint(_detect_program_name())
+    except Terminated:
+        click.echo(f"\n{_detect_program_name()} was stopped by SIGTERM", err=True)
+        die_by(signal.SIGTERM)
     except BrokenPipeError as error:
         if stdout_gone():
             sys.exit(reader_gone())
@@ -60,6 +65,27 @@ def main_with_codes(command: click.Command) -> None:
 def _fail(error: AtcError) -> None:
     click.echo(f"[ERROR] {error.render()}", err=True)
     sys.exit(EXIT_FAILURE)
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the command is (see `unwind_on_sigterm`)."""
+
+
+@contextlib.contextmanager
+def unwind_on_sigterm() -> Iterator[None]:
+    """Within it, SIGTERM (a CI job's timeout, `docker stop`) unwinds a command that writes files as Ctrl-C
+    does, so its clean-up runs, and the process then ends by SIGTERM. (`serve` keeps its own SIGTERM: a
+    drain.)"""
+    def terminated(signum, frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second one would cut the clean-up short
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is terminated:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _interrupt(signum, frame) -> None:

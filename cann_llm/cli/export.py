@@ -6,6 +6,7 @@ import time
 
 import click
 
+from cann_llm.cli.coded_errors import unwind_on_sigterm
 from cann_llm.models.hf_export import EXPORTERS, ExportConfig
 
 
@@ -24,7 +25,8 @@ def export_command(model, output, exporter, with_past) -> None:
     start = time.perf_counter()
     cfg = ExportConfig(model=model, output=output, exporter=exporter, with_past=with_past)
     require_export_packages(cfg)
-    path = export_checkpoint(cfg, log=lambda message: click.echo(f"[INFO] {message}", err=True))
+    with unwind_on_sigterm():  # the half-written export removed, as on Ctrl-C
+        path = export_checkpoint(cfg, log=lambda message: click.echo(f"[INFO] {message}", err=True))
     click.echo(f"[INFO] wrote {path} in {time.perf_counter() - start:.1f} s", err=True)
     click.echo(f"next: atc --model={path} --framework=5 --output={path.parent / 'model'} --soc_version=Ascend910B "
                "--enable_paged_attention=1")

@@ -4,8 +4,10 @@ what transformers generates; every refusal carries its ATC code and leaves no ou
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import onnx
 import pytest
@@ -154,3 +156,22 @@ def test_preparing_the_default_model_without_the_models_extra_names_it_before_in
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "E10055" in proc.stderr and "exporting needs torch, which is not installed" in proc.stderr
     assert "pip install 'cann-llm[models]'" in proc.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_an_export_stopped_by_a_signal_leaves_no_output_and_ends_by_it(checkpoint, signum, tmp_path):
+    """A CI job's timeout (SIGTERM) or Ctrl-C while the export writes: its folder goes, as on a failure, and
+    the process ends by that signal (SIGTERM had left the staging folder behind)."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "cann_llm.cli.cann_run", "export", "--model", str(checkpoint),
+                             "--output", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
+    deadline = time.monotonic() + 300
+    while not list(out.glob(".export-*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None, proc.communicate()  # still exporting: the staging folder is there
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == -signum, stderr
+    assert "Traceback" not in stderr and f"stopped by {signal.Signals(signum).name}" in stderr
+    assert not out.exists()
