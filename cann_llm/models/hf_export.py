@@ -6,7 +6,8 @@ writes out/model.onnx (external data beside it when the weights are large) with 
 tokenizer files and the generation config, so that `atc --model=out/model.onnx` finds the tokenizer.
 Attention is transformers' default implementation (`sdpa`), as users export. Everything is written into
 a staging folder inside the output folder and moved into place at the end, model.onnx last: a failed
-export leaves the output folder as it was. Failures the user can cause are `AtcError`s with ATC's codes.
+export leaves the output folder as it was, and a repeated one leaves none of the earlier export's files that
+it did not write itself (the user's other files are kept). Failures the user can cause are `AtcError`s with ATC's codes.
 """
 
 from __future__ import annotations
@@ -159,21 +160,47 @@ def _causal_lm_config(path: Path):
 
 
 def _from_pretrained(location: str, **kwargs):
+    import pickle
+
     import torch
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     try:
-        # float32 whatever the checkpoint stores: the paged kernels and the fusions work on float32 graphs
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, **kwargs)
+        # float32 whatever the checkpoint stores: the paged kernels and the fusions work on float32 graphs;
+        # mismatched sizes are loaded so that their names can be reported (transformers only prints them)
+        model, loading = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, output_loading_info=True,
+                                                              ignore_mismatched_sizes=True, **kwargs)
     except ValueError as error:  # e.g. "GGUF model with architecture x is not supported yet."
         raise AtcError("E10055", f"transformers cannot load {kwargs.get('gguf_file', location)}",
                        reason=str(error)) from None
     except OSError as error:
         raise AtcError("E13001", location, str(error).splitlines()[0] if str(error) else "unreadable") from None
+    except (SafetensorError, RuntimeError, pickle.UnpicklingError, EOFError) as error:
+        # a truncated or damaged weight file: safetensors' header check, torch.load's zip reader, pickle
+        first = str(error).strip().split(". ")[0] if str(error).strip() else type(error).__name__
+        raise AtcError("E13001", location, f"its weights cannot be read ({first})") from None
+    _check_loaded_weights(location, loading)
     if hasattr(model, "set_experts_implementation"):
         # the default grouped experts cannot be exported; batched_mm runs every expert on every token
         model.set_experts_implementation("batched_mm")
     return model.eval()
+
+
+def _check_loaded_weights(location: str, loading: dict) -> None:
+    """A weight the architecture needs that the checkpoint lacks, or holds with other sizes than config.json
+    gives, would be left randomly initialised: an export of it would talk garbage."""
+    mismatched = sorted(loading.get("mismatched_keys") or ())
+    missing = sorted(loading.get("missing_keys") or ())
+    if mismatched:
+        name, stored, expected = mismatched[0]
+        more = f" and {len(mismatched) - 1} more" if len(mismatched) > 1 else ""
+        raise AtcError("E10001", location, "--model", f"Its weights do not have the sizes its config.json gives: "
+                       f"{name} is {list(stored)} in the weights, {list(expected)} by the config{more}.")
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise AtcError("E10001", location, "--model", f"Its weights lack {missing[0]}{more}, which the architecture "
+                       "in its config.json needs.")
 
 
 def _auto_tokenizer(location: str):
@@ -215,12 +242,7 @@ def export_checkpoint(cfg: ExportConfig, log: Callable[[str], None] = lambda mes
             message = str(error).strip().splitlines()
             raise AtcError("E10055", f"the {cfg.exporter} exporter cannot export {architecture}",
                            reason=message[-1] if message else type(error).__name__) from None
-        # model.onnx last: a folder holding it holds everything it needs
-        for item in sorted(staging.iterdir(), key=lambda p: p.name == "model.onnx"):
-            # as a plainly created file would be: the exporter writes its external data with mkstemp's 0600,
-            # which another user's atc could not read
-            os.chmod(item, FILE_MODE)
-            item.replace(output / item.name)
+        _move_into_place(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         if created:
@@ -228,6 +250,21 @@ def export_checkpoint(cfg: ExportConfig, log: Callable[[str], None] = lambda mes
         raise
     staging.rmdir()
     return output / "model.onnx"
+
+
+def _move_into_place(staging: Path, output: Path) -> None:
+    """The staged export into `output`, model.onnx last (a folder holding it holds everything it needs). An
+    earlier export's files that this one did not write are removed first: atc packs every tokenizer file
+    beside the model, and a stale chat template or external data file would be read as this export's."""
+    written = {item.name for item in staging.iterdir()}
+    for name in (*TOKENIZER_FILES, "model.onnx", "model.onnx.data"):
+        if name not in written and (output / name).is_file():
+            (output / name).unlink()
+    for item in sorted(staging.iterdir(), key=lambda p: p.name == "model.onnx"):
+        # as a plainly created file would be: the exporter writes its external data with mkstemp's 0600,
+        # which another user's atc could not read
+        os.chmod(item, FILE_MODE)
+        item.replace(output / item.name)
 
 
 def _write_tokenizer(loaded: LoadedCheckpoint, folder: Path) -> None:

@@ -127,6 +127,71 @@ def test_an_exporter_failure_is_e10055_and_leaves_the_output_folder_as_it_was(tm
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
+def test_an_export_into_a_used_folder_leaves_none_of_the_earlier_exports_files(checkpoint, tmp_path):
+    """An earlier export of another checkpoint left a chat template and external data, which this checkpoint
+    has not: atc packs whatever tokenizer files lie beside the model, so they must go; the user's own stay."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, text in [("chat_template.jinja", "{{ 'stale' }}"), ("model.onnx.data", "stale"), ("model.onnx", "stale"),
+                       ("tokenizer.json", "stale"), ("keep.txt", "mine")]:
+        (out / name).write_text(text)
+    proc = _cann_run("export", "--model", str(checkpoint), "--output", str(out), "--exporter", "torchscript")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["generation_config.json", "keep.txt", "model.onnx", "tokenizer.json"]
+    assert (out / "tokenizer.json").read_text() == (checkpoint / "tokenizer.json").read_text()
+    assert (out / "keep.txt").read_text() == "mine"
+    om = compile_to(out / "model.onnx", tmp_path / "m", enable_paged_attention=True)
+    assert "chat_template.jinja" not in load_artifact(om).om.tokenizer_files()
+
+
+def _mismatched_sizes(folder):
+    config = json.loads((folder / "config.json").read_text())
+    config["intermediate_size"] *= 2
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _missing_weight(folder):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(folder / "model.safetensors"))
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _truncated_safetensors(folder):
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+def _truncated_bin(folder):
+    import torch
+    from safetensors.torch import load_file
+
+    torch.save(load_file(str(folder / "model.safetensors")), str(folder / "pytorch_model.bin"))
+    (folder / "model.safetensors").unlink()
+    data = (folder / "pytorch_model.bin").read_bytes()
+    (folder / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("damage, code, why", [
+    (_mismatched_sizes, "E10001", "model.layers.0.mlp.down_proj.weight is [64, 128] in the weights, [64, 256] by the "
+                                  "config and 5 more"),
+    (_missing_weight, "E10001", "Its weights lack model.layers.1.mlp.up_proj.weight, which the architecture"),
+    (_truncated_safetensors, "E13001", "its weights cannot be read (Error while deserializing header"),
+    (_truncated_bin, "E13001", "its weights cannot be read (PytorchStreamReader failed reading zip archive"),
+], ids=["mismatched-sizes", "missing-weight", "truncated-safetensors", "truncated-bin"])
+def test_weights_that_do_not_fit_the_config_are_refused_not_left_random(checkpoint, damage, code, why, tmp_path):
+    """transformers initialises a weight the checkpoint lacks at random and only prints a report (a missing
+    shard exported a model that talks garbage); a damaged file raised whatever its reader raises."""
+    import shutil
+
+    folder = shutil.copytree(checkpoint, tmp_path / "damaged")
+    damage(folder)
+    proc = _cann_run("export", "--model", str(folder), "--output", str(tmp_path / "out"))
+    _assert_refused(proc, code)
+    assert why in proc.stderr and not (tmp_path / "out").exists()
+
+
 def test_export_without_the_models_extra_names_it(tmp_path):
     """A runtime-only install (no torch or transformers): one coded line naming the extra; a model path that
     does not exist is said first, as with them."""
