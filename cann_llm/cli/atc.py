@@ -137,18 +137,20 @@ def parse_flags(argv: list[str]) -> dict[str, str | None]:
         name = error.option_name.lstrip("-")
         close = _nearest_flag(name.replace("-", "_"))
         hint = f". Did you mean '--{close}'?" if close else ""
-        raise _FlagError(f"unknown command line flag '{name}'{hint}") from None
+        raise _FlagError(f"unknown command line flag '{name}'{hint}", error.option_name) from None
     except click.BadOptionUsage as error:
-        raise _FlagError(f"flag '{error.option_name}' is missing its argument") from None
+        raise _FlagError(f"flag '{error.option_name}' is missing its argument", error.option_name) from None
     params = dict(context.params)
     positional = params.pop("positional")
     if positional:
-        raise _FlagError(f"Non-option parameter: {positional[0]}")
+        raise _FlagError(f"Non-option parameter: {positional[0]}", positional[0])
     return params
 
 
 class _FlagError(Exception):
-    pass
+    def __init__(self, message: str, word: str):
+        super().__init__(message)
+        self.word = word  # what was typed wrong: the coded error quotes it, not the whole command line
 
 
 _SINGLE_DASH = re.compile(r"-[A-Za-z][A-Za-z0-9_-]+(=.*)?", re.DOTALL)
@@ -293,7 +295,7 @@ def run(argv: list[str]) -> int:
         raise  # stdout's reader is gone (`main` ends quietly), or stdout cannot be written (`main` says so on stderr)
     except _FlagError as error:
         click.echo(f"ERROR: {error}", err=True)
-        return _fail(AtcError("E10001", " ".join(argv), "command line", str(error)).render())
+        return _fail(AtcError("E10001", error.word, "command line", str(error)).render())
     except AtcError as error:
         if debug:
             traceback.print_exc()

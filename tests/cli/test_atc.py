@@ -290,16 +290,19 @@ def test_onnxruntime_leaves_no_usage_records_behind(tmp_path, tiny_llama_path):
     assert list(scratch.iterdir()) == [] and not (home / ".cache" / "Microsoft").exists()
 
 
-@pytest.mark.parametrize("argv, line", [
-    (["--modle=x.onnx"], "ERROR: unknown command line flag 'modle'. Did you mean '--model'?"),  # a swap, not '--mode'
-    (["-modle=x.onnx"], "ERROR: unknown command line flag 'modle'. Did you mean '--model'?"),
-    (["--soc_verison=Ascend910B"], "Did you mean '--soc_version'?"),
-    (["--model"], "ERROR: flag '--model' is missing its argument"),
-    (["stray"], "ERROR: Non-option parameter: stray"),
+@pytest.mark.parametrize("argv, line, word", [
+    (["--modle=x.onnx"], "ERROR: unknown command line flag 'modle'. Did you mean '--model'?", "--modle"),  # a swap, not '--mode'
+    (["-modle=x.onnx"], "ERROR: unknown command line flag 'modle'. Did you mean '--model'?", "--modle"),
+    (["--soc_verison=Ascend910B"], "Did you mean '--soc_version'?", "--soc_verison"),
+    (["--model"], "ERROR: flag '--model' is missing its argument", "--model"),
+    (["stray"], "ERROR: Non-option parameter: stray", "stray"),
 ])
-def test_command_line_errors_use_atcs_lines(capsys, argv, line):
-    status, _, err = _atc(capsys, *argv)
+def test_command_line_errors_use_atcs_lines(capsys, argv, line, word):
+    """ATC's own line, then the coded error quoting the word typed wrong (not the whole command line, which
+    in a CI job's log is a screenful of flags)."""
+    status, out, err = _atc(capsys, "--framework=5", "--soc_version=Ascend910B", *argv)
     assert status == 255 and line in err
+    assert "E10001: " in out + err and f"Value {word} for parameter command line is invalid." in out + err
 
 
 def test_flags_after_one_dash_are_taken_as_atcs_parser_takes_them(tmp_path, tiny_llama_path):
