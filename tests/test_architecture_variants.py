@@ -506,26 +506,32 @@ def test_an_export_with_a_cache_and_no_position_ids_is_served_paged(tmp_path):
     _paged_equals_onnxruntime(source, om, [[5, 6, 7], list(range(3, 40))], 12)
 
 
-def _export_legacy(model, path, dynamo: bool):
-    """`model` (cann_llm/models/legacy_llama.py) exported with its flat cache, Optimum's names, dynamic shapes."""
+def _export_legacy(model, path, dynamo: bool, with_past: bool = True):
+    """`model` (cann_llm/models/legacy_llama.py) exported with its flat cache, Optimum's names, dynamic shapes.
+    The ALiBi styles take no positions, and their remote code runs a past only under one new token: traced so."""
     import torch
 
     from cann_llm.models.export import io_names
+    from cann_llm.models.legacy_llama import ALIBI_STYLES
 
-    inputs, outputs = io_names(len(model.layers), with_past=True)
+    alibi = model.style in ALIBI_STYLES
+    inputs, outputs = io_names(len(model.layers), with_past=with_past)
+    inputs = [name for name in inputs if not (alibi and name == "position_ids")]
     head_dim = model.layers[0].self_attn.head_dim
-    past = [torch.randn(2, model.kv_heads, 3, head_dim) for _ in inputs[3:]]
-    args = (torch.randint(0, 256, (2, 5)), torch.ones(2, 8, dtype=torch.long), torch.arange(3, 8)[None].repeat(2, 1),
-            *past)
+    held, new = (3 if with_past else 0), (1 if alibi and with_past else 5)
+    past = [torch.randn(2, model.kv_heads, held, head_dim) for name in inputs if name.startswith("past_key_values")]
+    positions = () if alibi else (torch.arange(held, held + new)[None].repeat(2, 1),)
+    args = (torch.randint(0, 256, (2, new)), torch.ones(2, held + new, dtype=torch.long), *positions, *past)
     with torch.no_grad():
         if dynamo:
             dynamic = torch.export.Dim.DYNAMIC
-            shapes = ({0: dynamic, 1: dynamic},) * 3 + (tuple({0: dynamic, 2: dynamic} for _ in past),)
+            rest = ({0: dynamic, 1: dynamic},) * len(positions) + tuple({0: dynamic, 2: dynamic} for _ in past)
+            shapes = ({0: dynamic, 1: dynamic}, {0: dynamic, 1: dynamic}, *([rest] if rest else []))  # (ids, mask, *rest)
             torch.onnx.export(model, args, input_names=inputs, output_names=outputs, dynamic_shapes=shapes,
                               dynamo=True).save(str(path))
         else:
             axes = {"input_ids": {0: "b", 1: "s"}, "attention_mask": {0: "b", 1: "t"}, "position_ids": {0: "b", 1: "s"},
-                    **{name: {0: "b", 2: "p"} for name in inputs[3:]}}
+                    **{name: {0: "b", 2: "p"} for name in inputs if name.startswith("past_key_values")}}
             torch.onnx.export(model, args, str(path), input_names=inputs, output_names=outputs, dynamic_axes=axes,
                               dynamo=False, opset_version=17)
     return path
@@ -546,6 +552,44 @@ def test_the_older_llama_lineages_remote_code_is_served_paged(style, dynamo, tmp
     prompts = [[5, 6, 7], list(range(3, 40))]
     got = engine_greedy(om, prompts, 12, max_context_len=160, kv_cache_pages=48)
     assert got == [greedy(model, prompt, 12) for prompt in prompts]
+
+
+@pytest.mark.parametrize("style, dynamo, with_past", [("baichuan13b", False, True), ("baichuan2_13b", False, True),
+                                                     ("baichuan2_13b", True, False)])
+def test_alibi_kept_with_the_causal_mask_in_one_buffer_is_served_paged(style, dynamo, with_past, tmp_path):
+    """Baichuan-13B's and Baichuan2-13B's remote code: ALiBi and the causal mask in one [H, L, L] buffer,
+    sliced to the keys and added to the scores (its last row under one new token; Baichuan2 adds its own
+    spelling of the padding mask first). Exported as the remote code runs: with a cache, traced under one new
+    token; or without one. Each attention fuses with the remote code's slopes and no per-head mask; a
+    contiguous compile of the cache-less export gives its logits on a batch with left padding and a hole;
+    the paged engine gives the model's own greedy tokens, which the slopes decide."""
+    import torch
+
+    from cann_llm.models.legacy_llama import _alibi_slopes, build_legacy_model, greedy
+
+    model = build_legacy_model(style)
+    source = _export_legacy(model, tmp_path / "model.onnx", dynamo, with_past)
+    loaded = load_artifact(compile_to(source, tmp_path / "contiguous"))
+    nodes = [n for n in loaded.model.graph.node if n.op_type == "FusedAttention"]
+    assert len(nodes) == len(model.layers)
+    for node in nodes:
+        np.testing.assert_allclose({a.name: a for a in node.attribute}["alibi_slopes"].floats, _alibi_slopes(4), rtol=1e-6)
+    if not with_past:
+        ids = np.arange(3, 43)[None]
+        holes = np.ones((2, 40), np.int64)
+        holes[0, :3] = holes[1, 17:20] = 0  # left padding; a hole in the middle
+        feeds = {"input_ids": np.concatenate([ids, ids + 1]), "attention_mask": holes}
+        want = ort_reference(source, feeds)["logits"]
+        got = Executor(loaded, "onnxruntime").run(feeds)["logits"]
+        np.testing.assert_allclose(got[holes.astype(bool)], want[holes.astype(bool)], atol=5e-4, rtol=0)
+    om = compile_to(source, tmp_path / "paged", enable_paged_attention=True)
+    assert Counter(n.op_type for n in load_artifact(om).model.graph.node)["PagedAttention"] == len(model.layers)
+    prompts = [[5, 6, 7], list(range(3, 40))]
+    expected = [greedy(model, prompt, 12) for prompt in prompts]
+    assert engine_greedy(om, prompts, 12, max_context_len=160, kv_cache_pages=48) == expected
+    with torch.no_grad():  # the slopes decide tokens: the causal mask alone gives others
+        model.future_mask.copy_(torch.where(torch.isinf(model.future_mask), model.future_mask, 0))
+    assert [greedy(model, prompt, 12) for prompt in prompts] != expected
 
 
 @pytest.mark.parametrize("dynamo", [False, True])

@@ -44,6 +44,7 @@ from cann_llm.passes.prune_logits import PruneLogits
 from cann_llm.passes.remove_logits_to_keep import RemoveLogitsToKeep
 from cann_llm.passes.quant.calibration_windows import declared_positions, text_samples, window_length
 from cann_llm.passes.quant.quantize_weights import QuantizeWeights
+from cann_llm.passes.split_alibi_buffer import SplitAlibiBuffer
 from cann_llm.passes.truncate_layers import TruncateLayers
 from cann_llm.passes.unfold_batched_heads import UnfoldBatchedHeads
 from cann_llm.passes.weight_spill import WeightSpill
@@ -109,6 +110,7 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: Wei
         FoldConstants(),
         EliminateIdentity(),
         DropTableSlices(),  # rotary buffers' first rows sliced before a Gather by positions (transformers < 4.38)
+        SplitAlibiBuffer(),  # ALiBi and the causal mask in one buffer (Baichuan-13B), as the two the fusion reads
         CanonicalizeLayout(),
         CanonicalizeGemm(),
         EliminateDeadCode(),

@@ -3,7 +3,15 @@
 cache as a flat tuple, a 4-D additive mask built by `_prepare_decoder_attention_mask`, the masked scores
 floored at the dtype's lowest value before the softmax, rotary tables kept as `[1, 1, max_positions, dim]`
 buffers sliced to the length, and the projections packed (Baichuan's `W_pack`: q, k and v blocks;
-InternLM2's `wqkv`: each KV group's queries, then its key and value). Random weights, for tests.
+InternLM2's `wqkv`: each KV group's queries, then its key and value).
+
+Baichuan-13B and Baichuan2-13B have no rotary: their remote code keeps ALiBi and the causal mask in one
+`[heads, max_positions, max_positions]` buffer (`m_h * j` at key j, -inf after the query), sliced to
+`[:heads, :T, :T]` for T keys and added to the scores, its last row alone when one token is new
+(`mask[:, -1:, :]`, the branch a trace with one new token takes). Baichuan-13B ignores the attention mask
+it is given; Baichuan2-13B turns it into `tril(m_i * m_j > 0) * (m_i - m_j == 0)` over query i and key j,
+hides what that clears with the lowest float and adds the buffer. Their exports take no `position_ids`.
+Random weights, for tests.
 """
 
 from __future__ import annotations
@@ -14,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-STYLES = ("baichuan", "internlm2")
+STYLES = ("baichuan", "internlm2", "baichuan13b", "baichuan2_13b")
+ALIBI_STYLES = ("baichuan13b", "baichuan2_13b")
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, VOCAB, MAX_POSITIONS = 64, 128, 2, 4, 256, 256
 
 
@@ -40,6 +49,25 @@ class _Rotary(nn.Module):
         return self.cos_cached[:, :, :length, ...], self.sin_cached[:, :, :length, ...]
 
 
+def _alibi_slopes(heads: int) -> list[float]:
+    """Baichuan's `_get_interleave`: ALiBi's slopes, the power-of-two sequence interleaved for other counts."""
+    def powers(n: int) -> list[float]:
+        start = 2 ** (-2 ** -(math.log2(n) - 3))
+        return [start * start ** i for i in range(n)]
+    if math.log2(heads).is_integer():
+        return powers(heads)
+    closest = 2 ** math.floor(math.log2(heads))
+    return powers(closest) + _alibi_slopes(2 * closest)[0::2][:heads - closest]
+
+
+def _alibi_buffer(heads: int, positions: int) -> torch.Tensor:
+    """Baichuan-13B's `_gen_alibi_mask`: [heads, positions, positions], m_h * j at key j, -inf after the query."""
+    slopes = torch.tensor(_alibi_slopes(heads))
+    alibi = (slopes[:, None, None] * torch.arange(positions)[None, None].expand(heads, -1, -1)).view(heads, 1, positions)
+    future = torch.triu(torch.full((positions, positions), float("-inf")), 1)
+    return future.unsqueeze(0) + alibi
+
+
 def _rotate_half(x):
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -49,26 +77,31 @@ class _Attention(nn.Module):
     def __init__(self, style: str, kv_heads: int):
         super().__init__()
         self.style, self.kv_heads, self.head_dim = style, kv_heads, HIDDEN // HEADS
-        if style == "baichuan":
+        if style != "internlm2":
             self.W_pack = nn.Linear(HIDDEN, 3 * HIDDEN, bias=False)
         else:
             self.wqkv = nn.Linear(HIDDEN, (HEADS + 2 * kv_heads) * self.head_dim, bias=False)
         self.o_proj = nn.Linear(HIDDEN, HIDDEN, bias=False)
-        self.rotary_emb = _Rotary(self.head_dim)
+        if style not in ALIBI_STYLES:
+            self.rotary_emb = _Rotary(self.head_dim)
 
     def forward(self, x, mask, position_ids, past):
         batch, length, _ = x.shape
-        if self.style == "baichuan":
+        if self.style != "internlm2":
             packed = self.W_pack(x).unflatten(-1, (3, HIDDEN)).unsqueeze(0).transpose(0, -2).squeeze(-2)
             q, k, v = (packed[i].view(batch, length, HEADS, self.head_dim).transpose(1, 2) for i in range(3))
         else:
             grouped = self.wqkv(x).view(batch, length, -1, HEADS // self.kv_heads + 2, self.head_dim)
             q = grouped[..., : HEADS // self.kv_heads, :].reshape(batch, length, HEADS, self.head_dim).transpose(1, 2)
             k, v = grouped[..., -2, :].transpose(1, 2), grouped[..., -1, :].transpose(1, 2)
-        cos, sin = self.rotary_emb(k.shape[-2] + (past[0].shape[-2] if past else 0))
-        cos = cos.squeeze(1).squeeze(0)[position_ids].unsqueeze(1)
-        sin = sin.squeeze(1).squeeze(0)[position_ids].unsqueeze(1)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if self.style in ALIBI_STYLES:
+            if length == 1:  # the remote code's "inference with cache": the mask's last row
+                mask = mask[:, :, -1:, :] if mask.dim() == 4 else mask[:, -1:, :]
+        else:
+            cos, sin = self.rotary_emb(k.shape[-2] + (past[0].shape[-2] if past else 0))
+            cos = cos.squeeze(1).squeeze(0)[position_ids].unsqueeze(1)
+            sin = sin.squeeze(1).squeeze(0)[position_ids].unsqueeze(1)
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         if past:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
         present = (k, v)
@@ -97,11 +130,14 @@ class _Layer(nn.Module):
 
 class LegacyLlama(nn.Module):
     """`forward(input_ids, attention_mask, position_ids, *past)` → (logits, *presents), the cache flat: each
-    layer's key, then its value, `[batch, kv_heads, length, head_dim]`."""
+    layer's key, then its value, `[batch, kv_heads, length, head_dim]`; without `position_ids` for the ALiBi
+    styles."""
 
     def __init__(self, style: str):
         super().__init__()
-        self.kv_heads = 2 if style == "internlm2" else HEADS
+        self.style, self.kv_heads = style, 2 if style == "internlm2" else HEADS
+        if style in ALIBI_STYLES:
+            self.register_buffer("future_mask", _alibi_buffer(HEADS, MAX_POSITIONS), persistent=False)
         self.embed_tokens = nn.Embedding(VOCAB, HIDDEN)
         self.layers = nn.ModuleList(_Layer(style, self.kv_heads) for _ in range(LAYERS))
         self.norm = _RmsNorm(HIDDEN)
@@ -121,9 +157,24 @@ class LegacyLlama(nn.Module):
         hidden = 1.0 - attention_mask[:, None, None, :].expand(batch, 1, length, length + past).to(dtype)
         return hidden.masked_fill(hidden.to(torch.bool), lowest) + causal
 
-    def forward(self, input_ids, attention_mask, position_ids, *past):
+    def _alibi_mask(self, attention_mask, keys: int, dtype):
+        """Baichuan-13B's (the buffer alone) or Baichuan2-13B's (the padding folded in) mask over `keys` keys."""
+        alibi = self.future_mask[:HEADS, :keys, :keys]
+        if self.style == "baichuan13b":
+            return alibi
+        kept = attention_mask.to(alibi.dtype)
+        kept = torch.tril(torch.gt(kept[:, :, None] * kept[:, None, :], 0)) * torch.eq(kept[:, :, None] - kept[:, None, :], 0)
+        kept = kept.unsqueeze(1).expand(attention_mask.shape[0], 1, keys, keys).to(alibi.dtype)
+        hidden = 1.0 - kept
+        return hidden.masked_fill(hidden.to(torch.bool), torch.finfo(dtype).min) + alibi.unsqueeze(0)
+
+    def forward(self, input_ids, attention_mask, *rest):
+        position_ids, past = (None, rest) if self.style in ALIBI_STYLES else (rest[0], rest[1:])
         x = self.embed_tokens(input_ids)
-        mask = self._mask(attention_mask, input_ids.shape[1], past[0].shape[2] if past else 0, x.dtype)
+        if self.style in ALIBI_STYLES:
+            mask = self._alibi_mask(attention_mask, input_ids.shape[1] + (past[0].shape[2] if past else 0), x.dtype)
+        else:
+            mask = self._mask(attention_mask, input_ids.shape[1], past[0].shape[2] if past else 0, x.dtype)
         presents = []
         for i, layer in enumerate(self.layers):
             x, present = layer(x, mask, position_ids, (past[2 * i], past[2 * i + 1]) if past else None)
@@ -151,6 +202,7 @@ def greedy(model: LegacyLlama, prompt: list[int], new_tokens: int) -> list[int]:
     with torch.no_grad():
         for _ in range(new_tokens):
             tokens = torch.tensor([ids])
-            logits = model(tokens, torch.ones_like(tokens), torch.arange(len(ids))[None])[0]
+            positions = () if model.style in ALIBI_STYLES else (torch.arange(len(ids))[None],)
+            logits = model(tokens, torch.ones_like(tokens), *positions)[0]
             ids.append(int(logits[0, -1].argmax()))
     return ids[len(prompt):]

@@ -82,6 +82,8 @@ class PagedKvCache:
         if still_read:
             raise AtcError("E10055", f"{', '.join(still_read)} also feed ops other than attention, which a paged "
                                      "cache cannot serve; compile with --enable_paged_attention=0")
+        # a mask the export takes and nothing reads (Baichuan-13B ignores it): a flattened batch has none to feed
+        cache_io.update(t.name for t in graph.inputs if t.name == "attention_mask" and not t.outputs)
         graph.inputs = [t for t in graph.inputs if t.name not in cache_io] + list(metadata.values())
         graph.outputs = [t for t in graph.outputs if t.name not in cache_io]
         graph.cleanup(remove_unused_graph_inputs=False).toposort()

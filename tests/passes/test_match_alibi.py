@@ -126,6 +126,17 @@ def test_mpt_ramp_sliced_on_its_last_axis_gives_the_slopes():
     np.testing.assert_allclose(rest, rest[..., :1] * np.ones_like(rest), atol=1e-5)
 
 
+def test_mpt_7bs_full_ramp_gives_its_slopes():
+    """MPT-7B: 32 heads, 2,048 positions. Its float32 ramp reaches 1,700, where the rounded products' steps
+    vary by more than 1e-4 of a slope; read as the line they are to that rounding."""
+    import torch
+    from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+
+    ramp = build_mpt_alibi_tensor(32, 2048, 8).numpy()
+    slopes = np.diff(build_mpt_alibi_tensor(32, 2, 8).to(torch.float64).numpy()[:, 0])[:, 0]
+    np.testing.assert_allclose(_matched(_ramp_term(ramp), "term"), slopes, rtol=1e-6)
+
+
 @pytest.mark.parametrize("case", ["not linear", "sliced on the heads", "every second key"])
 def test_ramps_that_are_no_alibi_are_refused(case):
     ramp = _ramp()

@@ -1,0 +1,138 @@
+"""AlibiBufferSplitPass: a constant holding ALiBi and the causal mask together, as Baichuan-13B's and
+Baichuan2-13B's remote code builds it, split into the causal mask and an ALiBi term on each attention's
+scores, the two spellings attention fusion reads.
+
+    buffer[h, i, j] = m_h·j  (j <= i)      one [H, L, L] (or [1, H, L, L]) constant: `future_mask`
+                      -inf   (j > i)
+
+The remote code slices it to `[:H, :T, :T]` for T keys, adds it (its last row alone when one token is new,
+`mask[:, -1:, :]`) to the padding mask it built, and adds that to every layer's scores. A mask holding
+values per head is not one the fusion can drop, so it refused such attention. Here the buffer becomes its
+causal part ([1, L, L]: 0 on and below the diagonal, the buffer's fill above), which the mask keeps, and
+each attention whose mask reads it gets `scores + ramp[..., :T]` with ramp[h, j] = m_h·j, MPT's spelling
+of the term (cann_llm/passes/match_alibi.py). The sum is unchanged value for value; a row's shift by a
+constant would not change its softmax either. Only where everything reading the buffer is the mask of an
+attention whose scores are found: anything else reading it would see other values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from cann_llm.passes.base import PassResult
+from cann_llm.passes.graph_utils import replace_all_uses
+from cann_llm.passes.match_alibi import line_slopes
+from cann_llm.passes.match_attention import MASKED_BELOW, _computed_from, split_mask
+
+
+def _alibi_buffer(tensor: gs.Constant) -> tuple[np.ndarray, np.ndarray] | None:
+    """(the causal part [1, L, L], the ramp [1, H, 1, L]) of a float [H, L, L] or [1, H, L, L] constant that is
+    m_h·j (plus a constant a head) on and below the diagonal, the same in every row, and a masking value
+    above it, with some slope not 0; else None."""
+    shape = tuple(tensor.shape or ())
+    if len(shape) not in (3, 4) or (len(shape) == 4 and shape[0] != 1) or shape[-1] != shape[-2] or shape[-1] < 2:
+        return None
+    values = np.asarray(tensor.values)
+    if values.dtype.kind != "f":
+        return None
+    values = values.reshape(shape[-3:])
+    if not (values[0, 0, 1] <= MASKED_BELOW < values[0, 1, 0]):  # a cheap look before reading it all
+        return None
+    length = shape[-1]
+    seen = np.tril(np.ones((length, length), bool))
+    rows = values[:, -1, :].astype(np.float64)  # the last row sees every key
+    slopes = line_slopes(rows, values.dtype)
+    if slopes is None or not np.any(slopes):
+        return None
+    # every row the last one's below the diagonal, to the rounding line_slopes allows
+    tolerance = 4 * float(np.finfo(values.dtype).eps) * max(float(np.abs(rows).max()), 1e-30)
+    fill = values[0, 0, 1]
+    for head in range(values.shape[0]):  # one head at a time: Baichuan2-13B's is [40, 4096, 4096]
+        plane = values[head]
+        if not (np.all(plane[~seen] <= MASKED_BELOW)
+                and np.abs(plane - plane[-1])[seen].max() <= tolerance):
+            return None
+    causal = np.where(seen, 0, fill).astype(values.dtype)[None]
+    ramp = (rows - rows[:, :1]).astype(values.dtype)[None, :, None, :]
+    return causal, ramp
+
+
+def _attention_adds(graph: gs.Graph, buffer: gs.Tensor) -> tuple[list[tuple[gs.Node, gs.Tensor]], list[gs.Tensor]] | str:
+    """(the Add of scores and a mask reading `buffer`, those scores) for every attention whose mask reads it,
+    and the masks' values computed from it, when nothing else reads it; else why not."""
+    adds, mask_nodes = [], set()
+    for softmax in (n for n in graph.nodes if n.op == "Softmax"):
+        scores, masks, factor = split_mask(softmax.inputs[0])
+        reading = [mask for mask in masks if any(buffer in node.inputs for node in _computed_from(mask))]
+        if not reading:
+            continue
+        add = next((n for n in scores.outputs if n.op == "Add" and any(m in n.inputs for m in reading)), None)
+        if add is None or factor != 1.0:
+            return f"{softmax.name}: its mask reads the buffer but is not added to its scores"
+        adds.append((add, scores))
+        mask_nodes |= {id(node) for mask in reading for node in _computed_from(mask)}
+    if not adds:
+        return "no attention's mask reads it"
+    ends, queue, computed = {id(add) for add, _ in adds}, [buffer], []
+    while queue:
+        for reader in queue.pop().outputs:
+            if id(reader) in ends or reader.op == "Shape":
+                continue
+            if id(reader) not in mask_nodes:
+                return f"{reader.name} reads it and is no attention's mask"
+            queue.extend(reader.outputs)
+            computed.extend(reader.outputs)
+    outputs = {id(t) for t in graph.outputs}
+    if any(id(t) in outputs for t in [buffer, *computed]):
+        return "a graph output is computed from it"
+    return adds, computed
+
+
+class SplitAlibiBuffer:
+    """ALiBi kept in one buffer with the causal mask → the causal mask, and ALiBi's term on the scores."""
+
+    name = "AlibiBufferSplitPass"
+    switchable = True
+
+    def run(self, graph: gs.Graph) -> PassResult:
+        result = PassResult()
+        candidates = {id(t): t for node in graph.nodes if node.op == "Slice"
+                      for t in node.inputs[:1] if isinstance(t, gs.Constant)}
+        for buffer in candidates.values():
+            split = _alibi_buffer(buffer)
+            if split is None:
+                continue
+            result.match_times += 1
+            found = _attention_adds(graph, buffer)
+            if isinstance(found, str):
+                result.rejections.append(f"{buffer.name}: {found}")
+                continue
+            adds, computed = found
+            causal, ramp = split
+            for tensor in computed:  # no longer one a head: inferred again
+                tensor.shape = None
+            replace_all_uses(graph, buffer, gs.Constant(f"{buffer.name}_causal", causal))
+            ramp_part = gs.Constant(f"{buffer.name}_alibi", ramp)
+            for index, (add, scores) in enumerate(adds):
+                self._add_term(graph, add, scores, ramp_part, f"{buffer.name}/alibi_{index}")
+            result.effect_times += 1
+        if result.effect_times:
+            graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        return result
+
+    @staticmethod
+    def _add_term(graph: gs.Graph, add: gs.Node, scores: gs.Tensor, ramp: gs.Constant, name: str) -> None:
+        """`scores + ramp[..., :keys]` in place of `scores` in `add`, keys the scores' last axis."""
+        shape, keys, term, biased = (gs.Variable(f"{name}_{part}", dtype=dtype) for part, dtype in (
+            ("shape", np.int64), ("keys", np.int64), ("term", ramp.values.dtype), ("scores", scores.dtype)))
+        graph.nodes += [
+            gs.Node("Shape", f"{name}/Shape", inputs=[scores], outputs=[shape]),
+            gs.Node("Gather", f"{name}/Keys", attrs={"axis": 0},
+                    inputs=[shape, gs.Constant(f"{name}_last", np.array([-1], np.int64))], outputs=[keys]),
+            gs.Node("Slice", f"{name}/Slice", outputs=[term], inputs=[
+                ramp, gs.Constant(f"{name}_start", np.array([0], np.int64)), keys,
+                gs.Constant(f"{name}_axis", np.array([-1], np.int64)), gs.Constant(f"{name}_step", np.array([1], np.int64))]),
+            gs.Node("Add", f"{name}/Add", inputs=[scores, term], outputs=[biased]),
+        ]
+        add.inputs[add.inputs.index(scores)] = biased

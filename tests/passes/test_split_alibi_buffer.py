@@ -1,0 +1,97 @@
+"""AlibiBufferSplitPass: ALiBi and the causal mask in one constant (Baichuan-13B's `future_mask`), sliced to the
+keys and added to the scores, becomes the causal mask and ALiBi's term on the scores: the same probabilities
+on onnxruntime, in the spellings attention fusion reads. A buffer anything else reads, or that is not ALiBi's
+(rows that differ below the diagonal, or no slope), is left as it was."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from cann_llm.passes.match_attention import split_mask
+from cann_llm.passes.match_alibi import peel_alibi
+from cann_llm.passes.split_alibi_buffer import SplitAlibiBuffer
+
+HEADS, LENGTH, HEAD_DIM = 4, 16, 8
+SLOPES = np.array([0.5, 0.25, 0.125, 0.0625], np.float32)
+
+
+def _buffer() -> np.ndarray:
+    """Baichuan-13B's `_gen_alibi_mask`: m_h·j, -inf after the query."""
+    alibi = SLOPES[:, None, None] * np.arange(LENGTH, dtype=np.float32)[None, None]
+    return (np.triu(np.full((LENGTH, LENGTH), -np.inf, np.float32), 1)[None] + alibi).astype(np.float32)
+
+
+def _model(buffer: np.ndarray, extra_reader: str = ""):
+    """Scores of q and k over S keys, plus `buffer[:, :S, :S]`, through a softmax; the mask also read by a
+    node (`extra_reader="node"`) or a graph output ("output")."""
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["qk"]),
+             helper.make_node("Div", ["qk", "root"], ["scores"]),
+             helper.make_node("Shape", ["q"], ["shape"]),
+             helper.make_node("Gather", ["shape", "two"], ["end"], axis=0),
+             helper.make_node("Slice", ["buffer", "zero", "end", "one"], ["rows"]),
+             helper.make_node("Slice", ["rows", "zero", "end", "two"], ["mask"]),
+             helper.make_node("Add", ["scores", "mask"], ["masked"]),
+             helper.make_node("Softmax", ["masked"], ["probabilities"], axis=-1)]
+    outputs = [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, None)]
+    if extra_reader == "node":
+        nodes.append(helper.make_node("ReduceSum", ["mask"], ["total"], name="Total"))
+        outputs.append(helper.make_tensor_value_info("total", TensorProto.FLOAT, None))
+    elif extra_reader == "output":
+        outputs.append(helper.make_tensor_value_info("mask", TensorProto.FLOAT, None))
+    inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, HEADS, "s", HEAD_DIM]) for name in ("q", "k")]
+    graph = helper.make_graph(nodes, "g", inputs, outputs, [
+        numpy_helper.from_array(buffer, "buffer"), numpy_helper.from_array(np.float32(HEAD_DIM ** 0.5), "root"),
+        numpy_helper.from_array(np.array([0]), "zero"), numpy_helper.from_array(np.array([1]), "one"),
+        numpy_helper.from_array(np.array([2]), "two")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _probabilities(model, length: int) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    feeds = {name: rng.standard_normal((1, HEADS, length, HEAD_DIM)).astype(np.float32) for name in ("q", "k")}
+    return ort.InferenceSession(model.SerializeToString()).run(["probabilities"], feeds)[0]
+
+
+def test_the_buffer_becomes_the_causal_mask_and_alibis_term_with_the_same_probabilities():
+    model = _model(_buffer())
+    graph = gs.import_onnx(model)
+    result = SplitAlibiBuffer().run(graph)
+    assert (result.match_times, result.effect_times) == (1, 1)
+    softmax = next(n for n in graph.nodes if n.op == "Softmax")
+    scores, (mask,), _ = split_mask(softmax.inputs[0])
+    _, alibi = peel_alibi(scores)
+    np.testing.assert_allclose(alibi.slopes, SLOPES, rtol=1e-6)
+    causal = next(t for t in graph.tensors().values() if isinstance(t, gs.Constant) and t.name == "buffer_causal")
+    assert tuple(causal.shape) == (1, LENGTH, LENGTH)
+    assert np.array_equal(np.isinf(causal.values[0]), np.triu(np.ones((LENGTH, LENGTH), bool), 1))
+    rewritten = gs.export_onnx(graph)
+    for length in (1, 5, LENGTH):
+        np.testing.assert_allclose(_probabilities(rewritten, length), _probabilities(model, length), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("reader, why", [("node", "Total reads it and is no attention's mask"),
+                                         ("output", "a graph output is computed from it")])
+def test_a_buffer_something_else_reads_is_left_alone(reader, why):
+    graph = gs.import_onnx(_model(_buffer(), extra_reader=reader))
+    result = SplitAlibiBuffer().run(graph)
+    assert (result.match_times, result.effect_times) == (1, 0)
+    assert result.rejections == [f"buffer: {why}"]
+    assert "buffer" in graph.tensors()
+
+
+@pytest.mark.parametrize("change", ["a row that differs below the diagonal", "no slope", "nothing hidden"])
+def test_a_buffer_that_is_not_alibi_with_the_causal_mask_is_not_matched(change):
+    buffer = _buffer()
+    if change == "a row that differs below the diagonal":
+        buffer[:, 5, 2] += 1.0
+    elif change == "no slope":
+        buffer = np.where(np.isinf(buffer), buffer, 0).astype(np.float32)
+    else:
+        buffer = np.where(np.isinf(buffer), 0, buffer).astype(np.float32)
+    result = SplitAlibiBuffer().run(gs.import_onnx(_model(buffer)))
+    assert (result.match_times, result.effect_times) == (0, 0)
