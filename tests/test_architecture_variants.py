@@ -592,6 +592,28 @@ def test_alibi_kept_with_the_causal_mask_in_one_buffer_is_served_paged(style, dy
     assert [greedy(model, prompt, 12) for prompt in prompts] != expected
 
 
+def test_a_sequence_first_cache_is_refused_by_name_and_the_cacheless_export_compiles(tmp_path):
+    """ChatGLM2's and ChatGLM3's remote code computes sequence-first and keeps its cache [past, batch, groups,
+    head dim]: a compile, contiguous or paged, refuses it with E10055 naming the layout (it read the batch
+    axis as the KV heads and asked for --input_shape). Exported without a cache, it compiles and gives the
+    export's logits."""
+    from cann_llm.models.chatglm import build_chatglm, export
+    from cann_llm.runtime.errors import AtcError
+
+    model = build_chatglm()
+    with_past = export(model, tmp_path / "past.onnx", with_past=True)
+    for flags in ({}, {"enable_paged_attention": True}):
+        with pytest.raises(AtcError) as refused:
+            compile_to(with_past, tmp_path / "refused", **flags)
+        assert refused.value.code == "E10055"
+        assert "past_key_values.0.key is laid out ['p', 'b', 2, 16], sequence-first" in str(refused.value)
+    cacheless = export(model, tmp_path / "cacheless.onnx", with_past=False)
+    loaded = load_artifact(compile_to(cacheless, tmp_path / "contiguous"))
+    feeds = {"input_ids": np.arange(3, 20)[None], "position_ids": np.arange(17)[None]}
+    got = Executor(loaded, "onnxruntime").run(feeds)["logits"]
+    np.testing.assert_allclose(got, ort_reference(cacheless, feeds)["logits"], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("dynamo", [False, True])
 def test_an_mlp_with_biases_fuses_its_swiglu(dynamo, tmp_path):
     """A Llama with `mlp_bias` (and `attention_bias`): gate and up are each x·W + b; one SwiGlu a layer over

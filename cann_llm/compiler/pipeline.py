@@ -9,6 +9,7 @@ from cann_llm.compiler.pass_manager import Pass
 from cann_llm.compiler.tokenizer_files import tokenizer_files
 from cann_llm.passes.canonicalize_gemm import CanonicalizeGemm
 from cann_llm.passes.canonicalize_layout import CanonicalizeLayout
+from cann_llm.passes.check_cache_layout import CheckCacheLayout
 from cann_llm.passes.compress_float_weights import CompressFloatWeights
 from cann_llm.passes.convert_attention import ConvertAttention
 from cann_llm.passes.convert_group_query_attention import ConvertGroupQueryAttention
@@ -101,6 +102,7 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: Wei
         # folding and canonical forms below need the shapes past them
         NameCausalLmIo(),  # input_ids and logits where the export named them otherwise (every pass after reads them)
         DropCarriedState(),  # cache inputs only handed back as outputs (transformers' exporter's sliding-window state)
+        CheckCacheLayout(),  # a sequence-first cache (ChatGLM2/3) refused by name, before anything misreads it
         RemoveLogitsToKeep(),  # every position's logits where a trace of transformers' logits_to_keep picked one
         ExpandOnnxRuntimeRewrites(),  # onnxruntime's FusedMatMul, QuickGelu and rotate_half Split, as standard ops
         ConvertIntegerMatMul(),  # its dynamic quantization's matmuls, as MatMuls of QDQ operands
