@@ -29,6 +29,8 @@ EXPORTERS = ("dynamo", "torchscript")
 EXTERNAL_DATA_BYTES = 256 << 20
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
 GGUF_MAGIC = b"GGUF"
+# what torch.load's RuntimeError says of a file it cannot read, as opposed to any other failure while loading
+_DAMAGED = ("PytorchStreamReader", "corrupted", "invalid load key", "unexpected EOF")
 
 
 @dataclass(frozen=True)
@@ -176,8 +178,14 @@ def _from_pretrained(location: str, **kwargs):
                        reason=str(error)) from None
     except OSError as error:
         raise AtcError("E13001", location, str(error).splitlines()[0] if str(error) else "unreadable") from None
+    except NotImplementedError as error:  # gguf-py: an architecture or a quantization it does not know
+        raise AtcError("E10055", f"transformers cannot load {kwargs.get('gguf_file', location)}",
+                       reason=str(error) or type(error).__name__) from None
     except (SafetensorError, RuntimeError, pickle.UnpicklingError, EOFError) as error:
-        # a truncated or damaged weight file: safetensors' header check, torch.load's zip reader, pickle
+        # a truncated or damaged weight file: safetensors' header check, torch.load's zip reader, pickle;
+        # any other RuntimeError (memory running out, say) is not the file's
+        if isinstance(error, RuntimeError) and not any(word in str(error) for word in _DAMAGED):
+            raise
         first = str(error).strip().split(". ")[0] if str(error).strip() else type(error).__name__
         raise AtcError("E13001", location, f"its weights cannot be read ({first})") from None
     _check_loaded_weights(location, loading)
@@ -257,8 +265,9 @@ def _move_into_place(staging: Path, output: Path) -> None:
     earlier export's files that this one did not write are removed first: atc packs every tokenizer file
     beside the model, and a stale chat template or external data file would be read as this export's."""
     written = {item.name for item in staging.iterdir()}
-    for name in (*TOKENIZER_FILES, "model.onnx", "model.onnx.data"):
-        if name not in written and (output / name).is_file():
+    # the earlier model.onnx first: stopped in between, the folder holds no model that lacks its files
+    for name in ("model.onnx", *TOKENIZER_FILES, "model.onnx.data"):
+        if (name == "model.onnx" or name not in written) and (output / name).is_file():
             (output / name).unlink()
     for item in sorted(staging.iterdir(), key=lambda p: p.name == "model.onnx"):
         # as a plainly created file would be: the exporter writes its external data with mkstemp's 0600,

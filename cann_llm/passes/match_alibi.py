@@ -122,15 +122,19 @@ def _ramp_slopes(slice_node: gs.Node) -> np.ndarray | None:
     return line_slopes(values.reshape(-1, values.shape[-1]), stored)
 
 
+def rounding_tolerance(rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """How far each row's values, each a product rounded to `dtype`, may stray from the exact ones: a few
+    units in the last place of the row's largest."""
+    return 4 * float(np.finfo(dtype).eps) * np.maximum(np.abs(rows).max(axis=-1), 1e-30)
+
+
 def line_slopes(rows: np.ndarray, dtype: np.dtype) -> np.ndarray | None:
-    """m of rows that are each a + m·j along their last axis, as far as `dtype`'s rounding of each value lets
-    them be (a few units in the last place of the largest: MPT-7B's float32 ramp reaches 1,700, where steps
-    of m vary by over 1e-4 of m); None for rows that are not lines."""
+    """m of rows that are each a + m·j along their last axis, to `rounding_tolerance` (MPT-7B's float32 ramp
+    reaches 1,700, where steps of m vary by over 1e-4 of m); None for rows that are not lines."""
     rows = rows.astype(np.float64)
     slopes = (rows[:, -1] - rows[:, 0]) / (rows.shape[-1] - 1)
     line = rows[:, :1] + slopes[:, None] * np.arange(rows.shape[-1])
-    tolerance = 4 * float(np.finfo(dtype).eps) * max(float(np.abs(rows).max()), 1e-30)
-    return slopes if np.abs(rows - line).max() <= tolerance else None
+    return slopes if np.all(np.abs(rows - line).max(axis=-1) <= rounding_tolerance(rows, dtype)) else None
 
 
 def match_alibi(tensor: gs.Tensor) -> Alibi | None:

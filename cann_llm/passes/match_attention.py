@@ -380,7 +380,7 @@ def _queries_from_first_key(keys: gs.Tensor, queries: gs.Tensor) -> bool:
     return key_range is None or not _same_values(query_range.outputs[0], key_range.outputs[0])
 
 
-def _computed_from(tensor: gs.Tensor):
+def computed_from(tensor: gs.Tensor):
     """The nodes `tensor`'s values are computed by, back to the graph's inputs (not through a Shape)."""
     seen, queue = set(), [tensor]
     while queue:
@@ -394,13 +394,13 @@ def _computed_from(tensor: gs.Tensor):
 
 def _reads(tensor: gs.Tensor, source: gs.Tensor) -> bool:
     """Whether `tensor`'s values are computed from `source` (not through a Shape)."""
-    return tensor is source or any(any(t is source for t in node.inputs) for node in _computed_from(tensor))
+    return tensor is source or any(any(t is source for t in node.inputs) for node in computed_from(tensor))
 
 
 def _divides(tensor: gs.Tensor) -> bool:
     """Whether `tensor` is computed by dividing integers (not through a Shape)."""
     return any(node.op in ("Div", "Mod") and dtype_kind(node.outputs[0].dtype) in "iu"
-               for node in _computed_from(tensor))
+               for node in computed_from(tensor))
 
 
 def _comparison(node: gs.Node, padding: gs.Tensor | None) -> tuple[int, int, bool] | str:
@@ -488,7 +488,7 @@ def _offset_on_shapes(tensor: gs.Tensor) -> int | None:
     if producer(tensor) is None:
         return None
     reads_values = any(not isinstance(t, gs.Constant) and producer(t) is None
-                       for node in _computed_from(tensor) for t in node.inputs)
+                       for node in computed_from(tensor) for t in node.inputs)
     return None if reads_values else offset
 
 
@@ -617,7 +617,7 @@ def peel_empty_row_guard(graph: gs.Graph, context: gs.Tensor, masks: tuple[gs.Te
 def _hides_where_false(mask: gs.Tensor, seen: gs.Tensor) -> bool:
     """Whether the scores' `mask` hides the keys where boolean `seen` is False: computed from `Not(seen)`
     (`Cast(Not(seen)) · min`, transformers 5's exporter) or from `Where(seen, 0, min)`."""
-    for node in _computed_from(mask):
+    for node in computed_from(mask):
         if node.inputs and node.inputs[0] is seen and (
                 node.op == "Not" or node.op == "Where" and scalar(node.inputs[1]) == 0.0
                 and (scalar(node.inputs[2]) or 0.0) <= MASKED_BELOW):

@@ -22,12 +22,13 @@ import onnx_graphsurgeon as gs
 
 from cann_llm.passes.base import PassResult
 from cann_llm.passes.graph_utils import replace_all_uses
-from cann_llm.passes.match_alibi import line_slopes
-from cann_llm.passes.match_attention import MASKED_BELOW, _computed_from, split_mask
+from cann_llm.passes.match_alibi import line_slopes, rounding_tolerance
+from cann_llm.passes.match_attention import MASKED_BELOW, computed_from, split_mask
+from cann_llm.passes.pattern import axes_of, const_ints
 
 
 def _alibi_buffer(tensor: gs.Constant) -> tuple[np.ndarray, np.ndarray] | None:
-    """(the causal part [1, L, L], the ramp [1, H, 1, L]) of a float [H, L, L] or [1, H, L, L] constant that is
+    """(the causal part [1, L, L] or [1, 1, L, L], the ramp [1, H, 1, L]) of a float [H, L, L] or [1, H, L, L] constant that is
     m_h·j (plus a constant a head) on and below the diagonal, the same in every row, and a masking value
     above it, with some slope not 0; else None."""
     shape = tuple(tensor.shape or ())
@@ -46,16 +47,45 @@ def _alibi_buffer(tensor: gs.Constant) -> tuple[np.ndarray, np.ndarray] | None:
     if slopes is None or not np.any(slopes):
         return None
     # every row the last one's below the diagonal, to the rounding line_slopes allows
-    tolerance = 4 * float(np.finfo(values.dtype).eps) * max(float(np.abs(rows).max()), 1e-30)
+    tolerance = rounding_tolerance(rows, values.dtype)
     fill = values[0, 0, 1]
     for head in range(values.shape[0]):  # one head at a time: Baichuan2-13B's is [40, 4096, 4096]
         plane = values[head]
         if not (np.all(plane[~seen] <= MASKED_BELOW)
-                and np.abs(plane - plane[-1])[seen].max() <= tolerance):
+                and np.abs(plane - plane[-1])[seen].max() <= tolerance[head]):
             return None
-    causal = np.where(seen, 0, fill).astype(values.dtype)[None]
+    # of the buffer's rank, so that the axes its readers name stay the same
+    causal = np.where(seen, 0, fill).astype(values.dtype).reshape((1,) * (len(shape) - 2) + (length, length))
     ramp = (rows - rows[:, :1]).astype(values.dtype)[None, :, None, :]
     return causal, ramp
+
+
+_ON_THE_WAY = ("Slice", "Unsqueeze", "Expand", "Cast", "Add", "Max", "Where")
+
+
+def _keeps_keys_and_heads(node: gs.Node, tensor: gs.Tensor, rank: int) -> str | None:
+    """Why `node`, on the way from the buffer to a mask, would make the ramp's term differ from what it adds
+    (None when it does not): anything but the ops of a mask, a new last axis, a slice of the keys with a
+    step, or one of the heads that leaves some out."""
+    if node.op not in _ON_THE_WAY:
+        return f"computes the mask from it by {node.op}, which the split does not follow"
+    if node.op == "Unsqueeze" and -1 in [a - len(node.outputs[0].shape or [0]) if a >= 0 else a for a in axes_of(node)]:
+        return "moves its keys off the last axis"
+    if node.op == "Slice" and node.inputs[0] is tensor:
+        axes = const_ints(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3].name else None
+        steps = const_ints(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4].name else [1] * len(axes or [])
+        starts, ends = const_ints(node.inputs[1]), const_ints(node.inputs[2])
+        here = len(tensor.shape or []) or rank
+        if axes is None or steps is None:
+            return "slices it along axes the split cannot read"
+        for at, axis in enumerate(axes):
+            axis %= here
+            if axis == here - 1 and steps[at] != 1:
+                return "slices its keys with a step"
+            if axis == here - 3 and (starts is None or ends is None or starts[at] != 0 or steps[at] != 1
+                                     or ends[at] < (tensor.shape or [0] * here)[axis]):
+                return "slices its heads"
+    return None
 
 
 def _attention_adds(graph: gs.Graph, buffer: gs.Tensor) -> tuple[list[tuple[gs.Node, gs.Tensor]], list[gs.Tensor]] | str:
@@ -64,23 +94,29 @@ def _attention_adds(graph: gs.Graph, buffer: gs.Tensor) -> tuple[list[tuple[gs.N
     adds, mask_nodes = [], set()
     for softmax in (n for n in graph.nodes if n.op == "Softmax"):
         scores, masks, factor = split_mask(softmax.inputs[0])
-        reading = [mask for mask in masks if any(buffer in node.inputs for node in _computed_from(mask))]
+        reading = [mask for mask in masks if any(buffer in node.inputs for node in computed_from(mask))]
         if not reading:
             continue
         add = next((n for n in scores.outputs if n.op == "Add" and any(m in n.inputs for m in reading)), None)
         if add is None or factor != 1.0:
             return f"{softmax.name}: its mask reads the buffer but is not added to its scores"
         adds.append((add, scores))
-        mask_nodes |= {id(node) for mask in reading for node in _computed_from(mask)}
+        mask_nodes |= {id(node) for mask in reading for node in computed_from(mask)}
     if not adds:
         return "no attention's mask reads it"
     ends, queue, computed = {id(add) for add, _ in adds}, [buffer], []
     while queue:
-        for reader in queue.pop().outputs:
-            if id(reader) in ends or reader.op == "Shape":
+        tensor = queue.pop()
+        for reader in tensor.outputs:
+            if id(reader) in ends:
                 continue
+            if reader.op == "Shape":
+                return f"{reader.name} reads its shape, whose heads the split changes"
             if id(reader) not in mask_nodes:
                 return f"{reader.name} reads it and is no attention's mask"
+            why = _keeps_keys_and_heads(reader, tensor, len(buffer.shape))
+            if why:
+                return f"{reader.name} {why}"
             queue.extend(reader.outputs)
             computed.extend(reader.outputs)
     outputs = {id(t) for t in graph.outputs}
