@@ -1,0 +1,136 @@
+"""PairRotaryCanonicalizationPass: a rotation of neighbouring pairs computed on a view of them, as ChatGLM2's
+and ChatGLM3's remote code writes it, in the spelling match_rotary reads.
+
+    xs   = Reshape(x[..., :R], [..., R/2, 2])          rc = the (cos, sin) pairs, [..., R/2, 2]
+    out  = Reshape(stack([xs0·c − xs1·s, xs1·c + xs0·s], -1), [..., R])     xs_i = xs[..., i], c = rc[..., 0], s = rc[..., 1]
+  → out  = x[..., :R]·cos + turn(x[..., :R])·sin       cos, sin = c, s with each value twice (pairs)
+
+`turn` is GPT-J's interleaving of (−x[1::2], x[0::2]), the same rotation value for value: the tables only
+repeat each angle's cosine and sine for the two members of its pair. Only where every piece is the one
+the pattern names, the halves of one view and of one table, with the view's leading axes the input's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from cann_llm.passes.base import PassResult
+from cann_llm.passes.graph_utils import replace_all_uses
+from cann_llm.passes.pattern import axes_of, producer, scalar
+
+
+def _last_axis(node: gs.Node, rank: int) -> bool:
+    return node.attrs.get("axis", 0) in (-1, rank - 1)
+
+
+def _half(tensor: gs.Tensor) -> tuple[gs.Tensor, int] | None:
+    """(v, i) when `tensor` is v[..., i] of a view v whose last axis holds a pair (i in 0, 1)."""
+    gather = producer(tensor, "Gather")
+    if gather is None:
+        return None
+    source, index = gather.inputs[0], scalar(gather.inputs[1])
+    if source.shape is None or source.shape[-1] != 2 or not _last_axis(gather, len(source.shape)) \
+            or index not in (0, 1) or len(gather.inputs[1].shape or []) != 0:
+        return None
+    return source, int(index)
+
+
+def _stacked(tensor: gs.Tensor) -> gs.Tensor | None:
+    """x when `tensor` is Unsqueeze(x) along a new last axis."""
+    node = producer(tensor, "Unsqueeze")
+    if node is None or tensor.shape is None or axes_of(node) not in ([-1], [len(tensor.shape) - 1]):
+        return None
+    return node.inputs[0]
+
+
+class CanonicalizePairRotary:
+    """ChatGLM's pair rotation → x·cos + turn(x)·sin."""
+
+    name = "PairRotaryCanonicalizationPass"
+    switchable = True
+
+    def run(self, graph: gs.Graph) -> PassResult:
+        result = PassResult()
+        for flatten in [n for n in graph.nodes if n.op == "Reshape"]:
+            found = self._match(flatten)
+            if found is None:
+                continue
+            result.match_times += 1
+            self._rewrite(graph, flatten, *found)
+            result.effect_times += 1
+        if result.effect_times:
+            graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        return result
+
+    @staticmethod
+    def _match(flatten: gs.Node) -> tuple[gs.Tensor, gs.Tensor, gs.Tensor] | None:
+        """(x[..., :R], c, s) of the pattern ending at `flatten`, or None."""
+        stack, out = producer(flatten.inputs[0], "Concat"), flatten.outputs[0]
+        if stack is None or len(stack.inputs) != 2 or out.shape is None or not isinstance(out.shape[-1], int) \
+                or stack.outputs[0].shape is None or not _last_axis(stack, len(stack.outputs[0].shape)):
+            return None
+        width = out.shape[-1]
+        first, second = (_stacked(t) for t in stack.inputs)
+        sub = producer(first, "Sub") if first is not None else None
+        add = producer(second, "Add") if second is not None else None
+        if sub is None or add is None:
+            return None
+        products = [producer(t, "Mul") for t in (*sub.inputs, *add.inputs)]
+        if any(product is None for product in products):
+            return None
+        factors = [[(_half(t), t) for t in product.inputs] for product in products]
+        if any(half is None for pair in factors for half, _ in pair):
+            return None
+        # a complex product reads alike either way round: the view is the one cut from a head's R dims
+        sources = {id(half[0]): half[0] for pair in factors for half, _ in pair}
+        views = [t for t in sources.values() if (cut := producer(t, "Reshape")) is not None
+                 and cut.inputs[0].shape is not None and cut.inputs[0].shape[-1] == width]
+        if len(sources) != 2 or len(views) != 1:
+            return None
+        view = views[0]
+        ordered = [sorted(pair, key=lambda factor: factor[0][0] is not view) for pair in factors]
+        if any(pair[0][0][0] is not view or pair[1][0][0] is view for pair in ordered):
+            return None
+        indices = [(pair[0][0][1], pair[1][0][1]) for pair in ordered]
+        # xs0·c − xs1·s, and xs1·c + xs0·s in either order
+        if indices[:2] != [(0, 0), (1, 1)] or sorted(indices[2:]) != [(0, 1), (1, 0)]:
+            return None
+        cos = {id(pair[1][1]): pair[1][1] for pair in ordered if pair[1][0][1] == 0}
+        sin = {id(pair[1][1]): pair[1][1] for pair in ordered if pair[1][0][1] == 1}
+        x = producer(view, "Reshape").inputs[0]
+        if len(cos) != 1 or len(sin) != 1 or view.shape is None or len(view.shape) != len(x.shape) + 1 \
+                or view.shape[-2] != width // 2 or list(view.shape[:-2]) != list(x.shape[:-1]):
+            return None
+        return x, next(iter(cos.values())), next(iter(sin.values()))
+
+    @staticmethod
+    def _rewrite(graph: gs.Graph, flatten: gs.Node, x: gs.Tensor, cos: gs.Tensor, sin: gs.Tensor) -> None:
+        name, width, dtype = flatten.name, x.shape[-1], x.dtype
+        nodes = []
+
+        def node(op: str, inputs: list, attrs: dict | None = None, shape=None) -> gs.Tensor:
+            out = gs.Variable(f"{name}/canonical_{len(nodes)}", dtype=dtype, shape=shape)
+            nodes.append(gs.Node(op, f"{name}/Canonical{op}_{len(nodes)}", attrs or {}, inputs, [out]))
+            return out
+
+        def const(label: str, values) -> gs.Constant:
+            return gs.Constant(f"{name}/canonical_{label}", np.array(values, np.int64))
+
+        last = const("last", [-1])
+
+        def doubled(half: gs.Tensor) -> gs.Tensor:
+            # each angle's value for both members of its pair
+            column = node("Unsqueeze", [half, last])
+            return node("Reshape", [node("Concat", [column, column], {"axis": -1}),
+                                    const(f"pairs_{half.name}", [0] * (len(half.shape) - 1) + [width])])
+
+        odd = node("Slice", [x, const("one", [1]), const("width", [width]), last, const("two", [2])])
+        even = node("Slice", [x, const("zero", [0]), const("width_even", [width]), last, const("two_even", [2])])
+        pairs = node("Concat", [node("Unsqueeze", [node("Neg", [odd]), last]), node("Unsqueeze", [even, last])],
+                     {"axis": -1})
+        turned = node("Reshape", [pairs, const("turned", [0] * (len(x.shape) - 1) + [width])])
+        rotated = node("Add", [node("Mul", [x, doubled(cos)]), node("Mul", [turned, doubled(sin)])],
+                       shape=list(flatten.outputs[0].shape))
+        graph.nodes.extend(nodes)
+        replace_all_uses(graph, flatten.outputs[0], rotated)
