@@ -592,26 +592,75 @@ def test_alibi_kept_with_the_causal_mask_in_one_buffer_is_served_paged(style, dy
     assert [greedy(model, prompt, 12) for prompt in prompts] != expected
 
 
-def test_a_sequence_first_cache_is_refused_by_name_and_the_cacheless_export_compiles(tmp_path):
-    """ChatGLM2's and ChatGLM3's remote code computes sequence-first and keeps its cache [past, batch, groups,
-    head dim]: a compile, contiguous or paged, refuses it with E10055 naming the layout (it read the batch
-    axis as the KV heads and asked for --input_shape). Exported without a cache, it compiles and gives the
-    export's logits."""
+@pytest.fixture(scope="module")
+def chatglm(tmp_path_factory):
+    """ChatGLM2/3's remote code (cann_llm/models/chatglm.py) and its TorchScript exports with and without a cache."""
     from cann_llm.models.chatglm import build_chatglm, export
+
+    folder = tmp_path_factory.mktemp("chatglm")
+    model = build_chatglm()
+    return model, export(model, folder / "past.onnx", with_past=True), export(model, folder / "cacheless.onnx",
+                                                                               with_past=False)
+
+
+@pytest.mark.parametrize("with_past", [True, False], ids=["cache", "cacheless"])
+def test_a_sequence_first_model_fuses_and_generates_contiguous_and_paged(chatglm, with_past, tmp_path):
+    """ChatGLM2's and ChatGLM3's remote code computes sequence-first ([S, B, hidden]), keeps its cache [past,
+    batch, groups, head dim], rotates pairs of a [..., R/2, 2] view and repeats its two groups by Expand:
+    every attention fuses, the artifact's cache is [batch, groups, past, head dim] as every cache it runs,
+    and the contiguous and the paged engine generate the model's own greedy tokens (INT4 too, paged)."""
+    from cann_llm.models.chatglm import LAYERS, greedy
+
+    model, past, cacheless = chatglm
+    source = past if with_past else cacheless
+    prompts = [[5, 6, 7], list(range(3, 40))]
+    expected = [greedy(model, prompt, 12) for prompt in prompts]
+    for flags in ({}, {"enable_paged_attention": True}):
+        om = compile_to(source, tmp_path / f"m{len(flags)}", **flags)
+        loaded = load_artifact(om)
+        ops = Counter(n.op_type for n in loaded.model.graph.node)
+        assert ops["PagedAttention" if flags else "FusedAttention"] == LAYERS and ops["Softmax"] == 0, ops
+        if with_past and not flags:
+            shapes = {v["name"]: v["shape"] for v in loaded.metadata["signature"]["inputs"]}
+            assert shapes["past_key_values.0.key"] == ["b", 2, "p", 16]
+        if with_past or flags:  # a contiguous artifact without a cache generates by recomputing: not an engine's
+            assert engine_greedy(om, prompts, 12, max_context_len=160, kv_cache_pages=48) == expected
+    int4 = compile_to(source, tmp_path / "int4", enable_paged_attention=True, enable_compress_weight=True)
+    assert Counter(n.op_type for n in load_artifact(int4).model.graph.node)["MatMulInt4"] == 4 * LAYERS
+
+
+def test_a_sequence_first_cache_step_gives_the_exports_logits_and_cache(chatglm, tmp_path):
+    """One step over a past with left padding: the contiguous artifact's logits are the export's, and its
+    present keys and values the export's moved to [batch, groups, length, head dim]."""
+    from cann_llm.models.chatglm import GROUPS, HEAD_DIM, LAYERS
+
+    _, source, _ = chatglm
+    loaded = load_artifact(compile_to(source, tmp_path / "contiguous"))
+    rng = np.random.default_rng(0)
+    mask = np.ones((2, 9), np.int64)
+    mask[0, :2] = 0
+    feeds = {"input_ids": np.array([[5, 6, 7, 8, 9], [9, 8, 7, 6, 5]]), "position_ids": np.array([[1, 2, 3, 4, 5],
+             [4, 5, 6, 7, 8]]), "attention_mask": mask}
+    past = {f"past_key_values.{i}.{kind}": rng.standard_normal((4, 2, GROUPS, HEAD_DIM)).astype(np.float32)
+            for i in range(LAYERS) for kind in ("key", "value")}
+    want = ort_reference(source, {**feeds, **past})
+    got = Executor(loaded, "onnxruntime").run({**feeds, **{k: v.transpose(1, 2, 0, 3) for k, v in past.items()}})
+    np.testing.assert_allclose(got["logits"], want["logits"], atol=1e-5, rtol=0)
+    for name in (n.replace("past_key_values", "present") for n in past):
+        np.testing.assert_allclose(got[name], want[name].transpose(1, 2, 0, 3), atol=1e-6, rtol=0)
+
+
+def test_a_sequence_first_cache_whose_attention_does_not_fuse_is_refused_by_name(chatglm, tmp_path):
+    """With the attention fusion switched off, the cache would be read with its batch axis taken for the
+    groups: E10055 names the layout (it asked for --input_shape)."""
     from cann_llm.runtime.errors import AtcError
 
-    model = build_chatglm()
-    with_past = export(model, tmp_path / "past.onnx", with_past=True)
-    for flags in ({}, {"enable_paged_attention": True}):
-        with pytest.raises(AtcError) as refused:
-            compile_to(with_past, tmp_path / "refused", **flags)
-        assert refused.value.code == "E10055"
-        assert "past_key_values.0.key is laid out ['p', 'b', 2, 16], sequence-first" in str(refused.value)
-    cacheless = export(model, tmp_path / "cacheless.onnx", with_past=False)
-    loaded = load_artifact(compile_to(cacheless, tmp_path / "contiguous"))
-    feeds = {"input_ids": np.arange(3, 20)[None], "position_ids": np.arange(17)[None]}
-    got = Executor(loaded, "onnxruntime").run(feeds)["logits"]
-    np.testing.assert_allclose(got, ort_reference(cacheless, feeds)["logits"], atol=1e-5, rtol=0)
+    switch = tmp_path / "switch.cfg"
+    switch.write_text("AttentionFusionPass:off\n")
+    with pytest.raises(AtcError) as refused:
+        compile_to(chatglm[1], tmp_path / "refused", fusion_switch_file=str(switch))
+    assert refused.value.code == "E10055"
+    assert "past_key_values.0.key is laid out ['p', 'b', 2, 16], sequence-first" in str(refused.value)
 
 
 @pytest.mark.parametrize("dynamo", [False, True])

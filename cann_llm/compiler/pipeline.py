@@ -103,7 +103,6 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: Wei
         # folding and canonical forms below need the shapes past them
         NameCausalLmIo(),  # input_ids and logits where the export named them otherwise (every pass after reads them)
         DropCarriedState(),  # cache inputs only handed back as outputs (transformers' exporter's sliding-window state)
-        CheckCacheLayout(),  # a sequence-first cache (ChatGLM2/3) refused by name, before anything misreads it
         RemoveLogitsToKeep(),  # every position's logits where a trace of transformers' logits_to_keep picked one
         ExpandOnnxRuntimeRewrites(),  # onnxruntime's FusedMatMul, QuickGelu and rotate_half Split, as standard ops
         ConvertIntegerMatMul(),  # its dynamic quantization's matmuls, as MatMuls of QDQ operands
@@ -137,6 +136,7 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: Wei
         SplitGroupedQkv(),  # Falcon's and InternLM2's q/k/v packed by KV group, as three blocks
         UnfoldBatchedHeads(),  # BLOOM's heads folded into the batch for its MatMuls
         FuseAttention(),
+        CheckCacheLayout(),  # a sequence-first cache whose attention did not fuse, refused by name
         FuseQkv(),
         FuseMoe(),  # before SwiGlu: the routed experts' SiLU is the op's, the shared expert's SwiGlu's
         FuseSwiGlu(),

@@ -17,7 +17,7 @@ import onnx_graphsurgeon as gs
 
 from cann_llm.passes.base import PassResult
 from cann_llm.passes.graph_utils import replace_all_uses
-from cann_llm.passes.pattern import axes_of, producer, scalar
+from cann_llm.passes.pattern import axes_of, const_ints, producer, scalar
 
 
 def _last_axis(node: gs.Node, rank: int) -> bool:
@@ -44,6 +44,22 @@ def _stacked(tensor: gs.Tensor) -> gs.Tensor | None:
     return node.inputs[0]
 
 
+def _table_source(half: gs.Tensor) -> tuple[gs.Tensor, int] | None:
+    """(T, i) when `half` is the i-th of the pairs of T [S, B, R/2, 2] viewed [S, B, 1, R/2, 2] after a slice of
+    its first S rows, S T's own: ChatGLM's `rope_cache[:sq].view(sq, -1, 1, R/2, 2)[..., i]`, which q and
+    k each view anew; read from T, the two rotations read one table."""
+    gather = producer(half, "Gather")
+    view = producer(gather.inputs[0], "Reshape") if gather is not None else None
+    rows = producer(view.inputs[0], "Slice") if view is not None else None
+    if rows is None or const_ints(rows.inputs[1]) != [0] or len(rows.inputs) < 4 or const_ints(rows.inputs[3]) != [0]:
+        return None
+    table, viewed, cut = rows.inputs[0], gather.inputs[0].shape, rows.outputs[0].shape
+    if table.shape is None or viewed is None or cut is None or len(table.shape) != 4 or \
+            list(viewed) != [table.shape[0], table.shape[1], 1, *table.shape[2:]] or cut[0] != table.shape[0]:
+        return None
+    return table, int(scalar(gather.inputs[1]))
+
+
 class CanonicalizePairRotary:
     """ChatGLM's pair rotation → x·cos + turn(x)·sin."""
 
@@ -52,12 +68,13 @@ class CanonicalizePairRotary:
 
     def run(self, graph: gs.Graph) -> PassResult:
         result = PassResult()
+        tables: list[tuple[tuple[gs.Tensor, int] | None, gs.Tensor]] = []  # (its source, a doubled table)
         for flatten in [n for n in graph.nodes if n.op == "Reshape"]:
             found = self._match(flatten)
             if found is None:
                 continue
             result.match_times += 1
-            self._rewrite(graph, flatten, *found)
+            self._rewrite(graph, flatten, *found, tables)
             result.effect_times += 1
         if result.effect_times:
             graph.cleanup(remove_unused_graph_inputs=False).toposort()
@@ -104,8 +121,10 @@ class CanonicalizePairRotary:
             return None
         return x, next(iter(cos.values())), next(iter(sin.values()))
 
+
     @staticmethod
-    def _rewrite(graph: gs.Graph, flatten: gs.Node, x: gs.Tensor, cos: gs.Tensor, sin: gs.Tensor) -> None:
+    def _rewrite(graph: gs.Graph, flatten: gs.Node, x: gs.Tensor, cos: gs.Tensor, sin: gs.Tensor,
+                 tables: list[tuple[tuple[gs.Tensor, int] | None, gs.Tensor]]) -> None:
         name, width, dtype = flatten.name, x.shape[-1], x.dtype
         nodes = []
 
@@ -121,9 +140,20 @@ class CanonicalizePairRotary:
 
         def doubled(half: gs.Tensor) -> gs.Tensor:
             # each angle's value for both members of its pair
+            # q's and k's halves are cut from two views of one table: the fusion asks for one table
+            source = _table_source(half)
+            known = next((table for seen, table in tables if source is not None and seen == source), None)
+            if known is not None:
+                return known
+            if source is not None:  # the view's own values: T's i-th halves with a unit axis for the heads
+                picked = node("Gather", [source[0], gs.Constant(f"{name}/canonical_half_{source[1]}",
+                                                                np.array(source[1], np.int64))], {"axis": -1})
+                half = node("Unsqueeze", [picked, const(f"heads_{source[1]}", [2])], shape=list(half.shape))
             column = node("Unsqueeze", [half, last])
-            return node("Reshape", [node("Concat", [column, column], {"axis": -1}),
-                                    const(f"pairs_{half.name}", [0] * (len(half.shape) - 1) + [width])])
+            table = node("Reshape", [node("Concat", [column, column], {"axis": -1}),
+                                     const(f"pairs_{half.name}", [0] * (len(half.shape) - 1) + [width])])
+            tables.append((source, table))
+            return table
 
         odd = node("Slice", [x, const("one", [1]), const("width", [width]), last, const("two", [2])])
         even = node("Slice", [x, const("zero", [0]), const("width_even", [width]), last, const("two_even", [2])])

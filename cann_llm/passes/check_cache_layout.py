@@ -1,11 +1,11 @@
-"""CacheLayoutCheckPass: refuse a KV cache kept sequence-first, which neither the fusions nor the runtime read.
+"""CacheLayoutCheckPass: refuse a KV cache still kept sequence-first once attention fusion has run.
 
-ChatGLM2's and ChatGLM3's remote code computes sequence-first (`[S, B, hidden]`) and keeps each layer's cache
-as `[past, batch, kv heads, head dim]`. Every cache this compiler serves is `[batch, kv heads, past, head
-dim]`: read the other way, the batch axis would be taken for the KV heads (and the compile would end
-asking for the heads' count), or a runner would feed the cache transposed. Refused by name before any of
-that, in every compile: E10055. A tensor is told sequence-first by its symbolic dims: its second axis
-carries the name `input_ids` gives its batch, its first another.
+ChatGLM2's and ChatGLM3's remote code keeps each layer's cache as `[past, batch, kv heads, head dim]`.
+AttentionFusionPass takes such a cache over in the fused op's layout, `[batch, kv heads, past, head dim]`,
+which is the one the runtime feeds every cache in. A cache whose attention did not fuse keeps the export's
+layout: read as the runtime reads a cache, its batch axis would be taken for the KV heads (and the compile
+would end asking for their count). Refused by name instead: E10055. A tensor is told sequence-first by its
+symbolic dims: its second axis carries the name `input_ids` gives its batch, its first another.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ class CheckCacheLayout:
         found = sequence_first_cache(graph)
         if found is not None:
             raise AtcError("E10055", f"{found.name} is laid out {list(found.shape)}, sequence-first (past, batch, kv "
-                                     "heads, head dim), as ChatGLM2's and ChatGLM3's remote code keeps its cache; "
-                                     "a cache is read as [batch, kv heads, past, head dim]")
+                                     "heads, head dim), as ChatGLM2's and ChatGLM3's remote code keeps its cache, and "
+                                     "its attention did not fuse (see fusion_result.json); a cache is read as "
+                                     "[batch, kv heads, past, head dim]")
         return PassResult()

@@ -15,6 +15,11 @@ becomes the fused op's padding mask, a position comparison in its construction m
 position moved back by a constant W before a comparison (or a cache that keeps W - 1 tokens) gives it a
 sliding window of W.
 The mask subgraph, the KV repetition and the rotations are left without readers and cleaned away.
+
+A model that computes sequence-first (ChatGLM2/3: q, k, v [S, B, H, D], the heads moved to the front by
+(1, 2, 0, 3), kᵀ by (1, 2, 3, 0), merged back by (2, 0, 1, 3), its cache [T, B, KV, D] concatenated on axis
+0) is read the same way; the fused op is given its inputs moved to [B, S, ...] and its output moved back,
+and the cache inputs and outputs take the op's [B, KV, T, D].
 """
 
 from __future__ import annotations
@@ -69,20 +74,33 @@ class AttentionMatch:
     softcap: float = 0.0
     alibi: tuple[float, ...] = ()
     alibi_from_mask: bool = False
+    tokens_first: bool = False  # q, k, v, the output and the cache sequence-first ([S, B, ...]), as ChatGLM's
 
 
-def _transposed_keys(tensor: gs.Tensor) -> tuple[gs.Tensor, float] | None:
-    """(the keys, a scale) of kᵀ, a (0, 1, 3, 2) transpose with scalar factors on either side of it."""
+# the heads moved to the front of a sequence-first [S, B, H, D]: [B, H, S, D], and kᵀ [B, H, D, S]
+_HEADS_OF_TOKENS_FIRST, _KEYS_T_OF_TOKENS_FIRST = [1, 2, 0, 3], [1, 2, 3, 0]
+
+
+def _transposed_keys(tensor: gs.Tensor) -> tuple[gs.Tensor, float, bool] | None:
+    """(the keys, a scale, whether they are sequence-first) of kᵀ: a (0, 1, 3, 2) transpose of [B, H, T, D],
+    or (1, 2, 3, 0) of [T, B, H, D], with scalar factors on either side of it."""
     outer, factor = match_scale(tensor)
     transpose = producer(outer, "Transpose")
-    if not is_transpose(transpose, [0, 1, 3, 2]):
+    tokens_first = is_transpose(transpose, _KEYS_T_OF_TOKENS_FIRST)
+    if not (tokens_first or is_transpose(transpose, [0, 1, 3, 2])):
         return None
     keys, inner = match_scale(transpose.inputs[0])
-    return keys, factor * inner
+    return keys, factor * inner, tokens_first
 
 
-def _repeated(tensor: gs.Tensor) -> tuple[gs.Tensor, int | None]:
-    found = match_gqa_repeat(tensor)
+def _tokens_first_heads(tensor: gs.Tensor) -> gs.Tensor | None:
+    """x [S, B, H, D] when `tensor` is its heads moved to the front, [B, H, S, D]."""
+    transpose = producer(tensor, "Transpose")
+    return transpose.inputs[0] if is_transpose(transpose, _HEADS_OF_TOKENS_FIRST) else None
+
+
+def _repeated(tensor: gs.Tensor, tokens_first: bool = False) -> tuple[gs.Tensor, int | None]:
+    found = match_gqa_repeat(tensor, tokens_first)
     return found if found is not None else (tensor, 1)
 
 
@@ -113,21 +131,26 @@ class FuseAttention(FusionPass):
         keys = _transposed_keys(scores.inputs[1])
         if keys is None:
             return "the keys are not transposed with (0, 1, 3, 2)"
-        key_rep, key_scale = keys
+        key_rep, key_scale, tokens_first = keys
         scale *= query_scale * key_scale
         probabilities = match_probabilities(graph, softmax)
         context = sole_consumer(graph, probabilities, "MatMul")
         if context is None or context.inputs[0] is not probabilities:
             return "the probabilities do not multiply the values"
-        output = match_head_merge(graph, peel_empty_row_guard(graph, context.outputs[0], masks))
+        value_rep = context.inputs[1]
+        if tokens_first:  # the heads moved to the front of [S, B, H, D] q and v as of k
+            query4, value_rep = _tokens_first_heads(query4), _tokens_first_heads(value_rep)
+            if query4 is None or value_rep is None:
+                return "the keys are sequence-first and the query or the values are not"
+        output = match_head_merge(graph, peel_empty_row_guard(graph, context.outputs[0], masks), tokens_first)
         if isinstance(output, str):
             return output
         if not in_float32(output):  # an export in float16 runs as exported
             return "the attention does not compute in float32, as the fused op does"
 
         query_rope = match_rotary(query4)
-        key_present, key_repeats = _repeated(key_rep)
-        key_cache = match_kv_concat(graph, key_present)
+        key_present, key_repeats = _repeated(key_rep, tokens_first)
+        key_cache = match_kv_concat(graph, key_present, tokens_first)
         key4 = key_cache.new
         key_rope = match_rotary(key4)
         if (query_rope is None) != (key_rope is None):
@@ -138,14 +161,14 @@ class FuseAttention(FusionPass):
             if key_rotary.cos is not rotary.cos or key_rotary.sin is not rotary.sin \
                     or (key_rotary.rotary_dim, key_rotary.interleaved) != (rotary.rotary_dim, rotary.interleaved):
                 return "q and k rotate with different tables"
-        value_present, value_repeats = _repeated(context.inputs[1])
-        value_cache = match_kv_concat(graph, value_present)
+        value_present, value_repeats = _repeated(value_rep, tokens_first)
+        value_cache = match_kv_concat(graph, value_present, tokens_first)
         value4 = value_cache.new
         if (key_cache.past is None) != (value_cache.past is None):
             return "a cache for only one of keys and values"
         if key_cache.window != value_cache.window:
             return f"the key and value caches keep {key_cache.window - 1} and {value_cache.window - 1} tokens"
-        found = [match_head_split(t) for t in (query4, key4, value4)]
+        found = [match_head_split(t, tokens_first) for t in (query4, key4, value4)]
         for item in found:
             if isinstance(item, str):
                 return item
@@ -174,14 +197,33 @@ class FuseAttention(FusionPass):
             return "a sliding window without a causal mask"
         if alibi is not None and alibi.mask is not None and alibi.mask is not source.attention_mask:
             return "ALiBi counts positions over another input than the attention mask"
+        if tokens_first:
+            for cache in (key_cache, value_cache):
+                # the fused op keeps its cache [B, KV, T, D]: the input takes that layout, which only its
+                # concatenation (which goes) and the Shapes that read it (which are told) may see
+                if cache.past is not None and any(n.op not in ("Shape", "Concat") or n.op == "Concat"
+                                                  and n.outputs[0] is not cache.present for n in cache.past.outputs):
+                    return f"{cache.past.name} is read by more than its cache's concatenation"
+                if cache.window:
+                    return "a sequence-first cache that keeps a window"
         return AttentionMatch(query, key, value, key_cache.past, value_cache.past, key_cache.present,
                               value_cache.present, source.attention_mask, source.causal, window, rotary, heads,
                               kv_heads, head_dim, scale, output, softmax.name.rsplit("/", 1)[0] + "/" + FUSED_ATTENTION.name,
                               softcap, () if alibi is None else tuple(float(m) * outside for m in alibi.slopes),
-                              alibi is not None and alibi.mask is not None)
+                              alibi is not None and alibi.mask is not None, tokens_first)
 
     def rewrite(self, graph: gs.Graph, match: AttentionMatch) -> None:
+        def transposed(tensor: gs.Tensor, perm: list[int], label: str) -> gs.Tensor:
+            # named by the attention: tables every layer reads are moved by each
+            moved = gs.Variable(f"{match.name}/{tensor.name}_{label}", dtype=tensor.dtype,
+                                shape=None if tensor.shape is None else [tensor.shape[i] for i in perm])
+            graph.nodes.append(gs.Node("Transpose", name=f"{match.name}/{tensor.name}/{label}", attrs={"perm": perm},
+                                       inputs=[tensor], outputs=[moved]))
+            return moved
+
         def flat(projection: Projection) -> gs.Tensor:
+            if match.tokens_first:  # [S, B, H·D] to [B, S, H·D]
+                return transposed(projection.tensor, [1, 0, 2], "batch_first")
             if not projection.per_head:
                 return projection.tensor
             source = projection.tensor
@@ -200,12 +242,28 @@ class FuseAttention(FusionPass):
         rotary = match.rotary
         slot = FusedAttentionInput
         query = flat(match.query)
+        cos, sin = (rotary.cos, rotary.sin) if rotary else (None, None)
+        if match.tokens_first:
+            if rotary:  # tables [S, B, 1, R] to [B, 1, S, R]
+                cos, sin = (transposed(t, [1, 2, 0, 3], "batch_first") for t in (cos, sin))
+            for past in (match.past_key, match.past_value):
+                if past is not None:
+                    _take_batch_first(graph, past)
+            for present in (match.present_key, match.present_value):
+                if present is not None and present.shape is not None:
+                    present.shape = [present.shape[i] for i in (1, 2, 0, 3)]
         inputs = positional(slot, {
             slot.QUERY: query, slot.KEY: flat(match.key), slot.VALUE: flat(match.value), slot.PAST_KEY: match.past_key,
-            slot.PAST_VALUE: match.past_value, slot.ATTENTION_MASK: match.mask, slot.COS: rotary and rotary.cos,
-            slot.SIN: rotary and rotary.sin}, gs.Variable.empty())
+            slot.PAST_VALUE: match.past_value, slot.ATTENTION_MASK: match.mask, slot.COS: cos, slot.SIN: sin},
+            gs.Variable.empty())
         output = match.output
-        if len(output.shape) == 2:  # rows for a 2-D projection: the op writes [B, S, H·D], a Reshape flattens it
+        if match.tokens_first:  # the op writes [B, S, H·D]; the model goes on with [S, B, H·D]
+            output = gs.Variable(f"{match.name}_output", dtype=match.output.dtype,
+                                 shape=None if match.output.shape is None else [match.output.shape[i] for i in (1, 0, 2)])
+            match.output.inputs.clear()
+            graph.nodes.append(gs.Node("Transpose", name=f"{match.name}/TokensFirst", attrs={"perm": [1, 0, 2]},
+                                       inputs=[output], outputs=[match.output]))
+        elif len(output.shape) == 2:  # rows for a 2-D projection: the op writes [B, S, H·D], a Reshape flattens it
             output = gs.Variable(f"{match.name}_output", dtype=match.output.dtype,
                                  shape=None if query.shape is None else list(query.shape[:2]) + [match.output.shape[-1]])
             match.output.inputs.clear()
@@ -223,3 +281,22 @@ class FuseAttention(FusionPass):
             **({"softcap": match.softcap} if match.softcap else {}),
             **({"alibi_slopes": list(match.alibi)} if match.alibi else {}),
             **({"alibi_from_mask": 1} if match.alibi_from_mask else {})))
+
+
+def _take_batch_first(graph: gs.Graph, past: gs.Tensor) -> None:
+    """A sequence-first cache input [P, B, KV, D] declared [B, KV, P, D], as the fused op keeps it (the
+    runtime feeds every cache so); the Shapes that read it are given its old shape's order back."""
+    if past.shape is not None:
+        past.shape = [past.shape[i] for i in (1, 2, 0, 3)]
+    for reader in [n for n in past.outputs if n.op == "Shape"]:
+        whole = gs.Variable(f"{reader.name}_batch_first", dtype=np.int64, shape=[4])
+        start, end = reader.attrs.get("start", 0), reader.attrs.get("end")
+        order = [2, 0, 1, 3][start:end]
+        shape = reader.outputs[0]
+        reader.outputs.clear()
+        reader.outputs.append(whole)
+        reader.attrs.pop("start", None)
+        reader.attrs.pop("end", None)
+        graph.nodes.append(gs.Node("Gather", name=f"{reader.name}/TokensFirstOrder", attrs={"axis": 0},
+                                   inputs=[whole, gs.Constant(f"{reader.name}_order", np.array(order, np.int64))],
+                                   outputs=[shape]))

@@ -114,8 +114,8 @@ _LOGITS_CONSTANT_OPERAND = ("Add", "Sub", "Mul", "Div")
 
 
 def lm_head(graph: gs.Graph, output_name: str = "logits", ops: tuple[str, ...] = ("MatMul",)) -> gs.Node | None:
-    """The projection (one of `ops`) that computes `logits` (through reshapes, casts, a bias, a scale or a
-    softcap), if any."""
+    """The projection (one of `ops`) that computes `logits` (through reshapes, casts, a move of the axes before
+    the vocabulary's, a bias, a scale or a softcap), if any."""
     tensor = next((t for t in graph.outputs if t.name == output_name), None)
     while tensor is not None and tensor.inputs:
         node = tensor.inputs[0]
@@ -127,11 +127,18 @@ def lm_head(graph: gs.Graph, output_name: str = "logits", ops: tuple[str, ...] =
             if len(computed) != 1:
                 return None
             tensor = computed[0]
-        elif node.op in _LOGITS_PASS_THROUGH:
+        elif node.op in _LOGITS_PASS_THROUGH or node.op == "Transpose" and _keeps_last_axis(node):
             tensor = node.inputs[0]
         else:
             return None
     return None
+
+
+def _keeps_last_axis(transpose: gs.Node) -> bool:
+    """Whether a Transpose only moves the axes before the last (ChatGLM's sequence-first logits to [B, S, V]):
+    every position's logits stay the same vector."""
+    perm = list(transpose.attrs.get("perm", []))
+    return bool(perm) and perm[-1] == len(perm) - 1
 
 
 # attention ops of onnx and onnxruntime a conversion pass left as they are (they run in onnxruntime)

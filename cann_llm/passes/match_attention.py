@@ -355,7 +355,7 @@ def _counted_from(tensor: gs.Tensor) -> gs.Node | None:
     return None
 
 
-def _same_values(a: gs.Tensor, b: gs.Tensor, depth: int = 8) -> bool:
+def same_values(a: gs.Tensor, b: gs.Tensor, depth: int = 8) -> bool:
     """Whether two tensors are computed alike from the same tensors (TorchScript traces `arange(n)` twice
     where the model wrote it once)."""
     if a is b:
@@ -366,7 +366,7 @@ def _same_values(a: gs.Tensor, b: gs.Tensor, depth: int = 8) -> bool:
     if depth == 0 or first is None or second is None or first.op != second.op or first.attrs != second.attrs \
             or len(first.inputs) != len(second.inputs) or first.outputs.index(a) != second.outputs.index(b):
         return False
-    return all(_same_values(x, y, depth - 1) for x, y in zip(first.inputs, second.inputs))
+    return all(same_values(x, y, depth - 1) for x, y in zip(first.inputs, second.inputs))
 
 
 def _queries_from_first_key(keys: gs.Tensor, queries: gs.Tensor) -> bool:
@@ -377,7 +377,7 @@ def _queries_from_first_key(keys: gs.Tensor, queries: gs.Tensor) -> bool:
     query_range, key_range = _counted_from(queries), _counted_from(keys)
     if query_range is None:
         return False
-    return key_range is None or not _same_values(query_range.outputs[0], key_range.outputs[0])
+    return key_range is None or not same_values(query_range.outputs[0], key_range.outputs[0])
 
 
 def computed_from(tensor: gs.Tensor):
@@ -563,8 +563,11 @@ class Projection:
     heads_first: bool = False
 
 
-def match_head_split(heads4: gs.Tensor) -> Projection | str:
-    """From [B, H, S, D] back to the [B, S, H·D] projection it was split from."""
+def match_head_split(heads4: gs.Tensor, tokens_first: bool = False) -> Projection | str:
+    """From [B, H, S, D] back to the [B, S, H·D] projection it was split from; with `tokens_first`, from
+    [S, B, H, D] (sequence-first, as ChatGLM computes, before its heads move to the front) back to [S, B, H·D]."""
+    if tokens_first:
+        return _projection(heads4, heads4, None)
     after = producer(heads4, RMS_NORM.name)
     if after is not None and after.domain == CUSTOM_DOMAIN:
         # a per-head norm after the transpose: over D, so the transpose is the same before or after it
@@ -579,6 +582,13 @@ def match_head_split(heads4: gs.Tensor) -> Projection | str:
     norm = producer(split, RMS_NORM.name)
     if norm is not None and norm.domain == CUSTOM_DOMAIN:
         split = norm.inputs[RmsNormInput.X]
+    else:
+        norm = None
+    return _projection(heads4, split, norm)
+
+
+def _projection(heads4: gs.Tensor, split: gs.Tensor, norm: gs.Node | None) -> Projection | str:
+    """The projection `split` (heads4's values, heads on its third axis) is a Reshape of, through `norm`."""
     reshape = producer(split, "Reshape")
     if reshape is None:
         return "the heads are not reshaped from a projection"
@@ -625,12 +635,13 @@ def _hides_where_false(mask: gs.Tensor, seen: gs.Tensor) -> bool:
     return False
 
 
-def match_head_merge(graph: gs.Graph, context: gs.Tensor) -> gs.Tensor | str:
+def match_head_merge(graph: gs.Graph, context: gs.Tensor, tokens_first: bool = False) -> gs.Tensor | str:
     """The output that `context` [B, H, S, D] is merged into: [B, S, H·D], or [B·S, H·D] rows for a 2-D
-    projection (GPT-2's Conv1D, a MatMul on 2-D rows)."""
+    projection (GPT-2's Conv1D, a MatMul on 2-D rows); with `tokens_first`, [S, B, H·D]."""
     merge = sole_consumer(graph, context, "Transpose")
     reshape = None
-    if is_transpose(merge, [0, 2, 1, 3]) and not any(t is merge.outputs[0] for t in graph.outputs):
+    if is_transpose(merge, [2, 0, 1, 3] if tokens_first else [0, 2, 1, 3]) \
+            and not any(t is merge.outputs[0] for t in graph.outputs):
         # Shapes that read the merged heads only compute the Reshape's target, which goes with it
         readers = [n for n in merge.outputs[0].outputs if n.op != "Shape"]
         reshape = readers[0] if len(readers) == 1 and readers[0].op == "Reshape" else None
@@ -657,27 +668,30 @@ class KvCache:
     window: int = 0
 
 
-def _kept_tail(node: gs.Node | None, rank: int) -> int | None:
+def _kept_tail(node: gs.Node | None, rank: int, tokens_first: bool = False) -> int | None:
     """n when `node` is Slice(x, [-n], [to the end]) on the sequence axis: x's last n rows."""
     if node is None or node.op != "Slice" or len(node.inputs) < 4:
         return None
     starts, ends, axes = (const_ints(t) for t in node.inputs[1:4])
     steps = const_ints(node.inputs[4]) if len(node.inputs) > 4 else [1]
-    if None in (starts, ends, axes, steps) or len(starts) != 1 or axes[0] not in (rank - 2, -2) or steps != [1]:
+    sequence = (0, -rank) if tokens_first else (rank - 2, -2)
+    if None in (starts, ends, axes, steps) or len(starts) != 1 or axes[0] not in sequence or steps != [1]:
         return None
     return -starts[0] if starts[0] < 0 and ends[0] >= 2 ** 31 - 1 else None
 
 
-def match_kv_concat(graph: gs.Graph, keys: gs.Tensor) -> KvCache:
-    """The cache that `keys` [B, KV, T, D] is, or `KvCache(None, keys, None)` when it is only the new keys."""
+def match_kv_concat(graph: gs.Graph, keys: gs.Tensor, tokens_first: bool = False) -> KvCache:
+    """The cache that `keys` [B, KV, T, D] ([T, B, KV, D] with `tokens_first`) is, or `KvCache(None, keys,
+    None)` when it is only the new keys."""
     concat = producer(keys, "Concat")
     rank = len(keys.shape) if keys.shape is not None else 4
     outputs = {id(t) for t in graph.outputs}
     inputs = {id(t) for t in graph.inputs}
-    if concat is None or len(concat.inputs) != 2 or concat.attrs.get("axis") not in (rank - 2, -2):
+    sequence = (0, -rank) if tokens_first else (rank - 2, -2)
+    if concat is None or len(concat.inputs) != 2 or concat.attrs.get("axis") not in sequence:
         return KvCache(None, keys, None)
     past, new = concat.inputs
-    kept = _kept_tail(producer(past, "Slice"), rank)
+    kept = _kept_tail(producer(past, "Slice"), rank, tokens_first)
     if kept is not None:
         past = producer(past, "Slice").inputs[0]
     if id(past) not in inputs:
@@ -685,33 +699,37 @@ def match_kv_concat(graph: gs.Graph, keys: gs.Tensor) -> KvCache:
     if kept is None:
         return KvCache(past, new, keys)
     present = next((reader.outputs[0] for reader in keys.outputs
-                    if _kept_tail(reader, rank) == kept and id(reader.outputs[0]) in outputs), None)
+                    if _kept_tail(reader, rank, tokens_first) == kept and id(reader.outputs[0]) in outputs), None)
     return KvCache(past, new, present, kept + 1)
 
 
-def _inserted_group_axis(tensor: gs.Tensor) -> gs.Tensor | None:
-    """x when `tensor` is x [B, KV, T, D] with a unit axis inserted at 2 (Unsqueeze or Reshape)."""
+def _inserted_group_axis(tensor: gs.Tensor, heads: int = 1) -> gs.Tensor | None:
+    """x when `tensor` is x [B, KV, T, D] (the KV heads on axis `heads`) with a unit axis inserted after the
+    heads (Unsqueeze or Reshape)."""
     node = producer(tensor, "Unsqueeze", "Reshape")
     if node is None:
         return None
     source = node.inputs[0]
+    inserted = heads + 1
     if node.op == "Unsqueeze":
-        return source if axes_of(node) == [2] else None
+        return source if axes_of(node) in ([inserted], [inserted - 5]) else None
     shape, inner = tensor.shape, source.shape
-    if shape is None or inner is None or len(shape) != 5 or len(inner) != 4 or shape[2] != 1:
+    if shape is None or inner is None or len(shape) != 5 or len(inner) != 4 or shape[inserted] != 1:
         return None
-    return source if [shape[0], shape[1], shape[3], shape[4]] == list(inner) else None
+    return source if list(shape[:inserted]) + list(shape[inserted + 1:]) == list(inner) else None
 
 
-def match_gqa_repeat(tensor: gs.Tensor) -> tuple[gs.Tensor, int | None] | None:
+def match_gqa_repeat(tensor: gs.Tensor, tokens_first: bool = False) -> tuple[gs.Tensor, int | None] | None:
     """(the KV heads, the repetition factor) when `tensor` repeats each KV head n times in place
     (head h reads KV head h // n); the factor is None when only run-time shapes tell it (an Expand
-    whose shape was not inferred). None when `tensor` is not such a repetition."""
+    whose shape was not inferred). None when `tensor` is not such a repetition. The heads are on axis 1
+    of [B, H, T, D], or on axis 2 of [T, B, H, D] with `tokens_first` (ChatGLM's groups)."""
+    heads = 2 if tokens_first else 1
     gather = producer(tensor, "Gather")
-    if gather is not None and gather.attrs.get("axis", 0) == 1:
+    if gather is not None and gather.attrs.get("axis", 0) == heads:
         indices = const_ints(gather.inputs[1])
         source = gather.inputs[0]
-        kv = source.shape[1] if source.shape is not None and len(source.shape) == 4 else None
+        kv = source.shape[heads] if source.shape is not None and len(source.shape) == 4 else None
         if indices and isinstance(kv, int) and len(indices) % kv == 0:
             repeats = len(indices) // kv
             if indices == [h // repeats for h in range(len(indices))]:
@@ -723,18 +741,19 @@ def match_gqa_repeat(tensor: gs.Tensor) -> tuple[gs.Tensor, int | None] | None:
     copies = producer(reshape.inputs[0], "Expand", "Tile", "Concat")
     if copies is None:
         return None
+    inserted = heads + 1
     if copies.op == "Concat":
-        if copies.attrs.get("axis") not in (2, -3) or any(t is not copies.inputs[0] for t in copies.inputs):
+        if copies.attrs.get("axis") not in (inserted, inserted - 5) or any(t is not copies.inputs[0] for t in copies.inputs):
             return None
-        source, repeats = _inserted_group_axis(copies.inputs[0]), len(copies.inputs)
+        source, repeats = _inserted_group_axis(copies.inputs[0], heads), len(copies.inputs)
     else:
-        source = _inserted_group_axis(copies.inputs[0])
+        source = _inserted_group_axis(copies.inputs[0], heads)
         grouped = copies.outputs[0].shape
-        repeats = grouped[2] if grouped is not None and len(grouped) == 5 else None
+        repeats = grouped[inserted] if grouped is not None and len(grouped) == 5 else None
         if copies.op == "Tile":
             multiples = const_ints(copies.inputs[1])
-            repeats = multiples[2] if multiples is not None and len(multiples) == 5 and \
-                multiples[:2] + multiples[3:] == [1, 1, 1, 1] else None
+            repeats = multiples[inserted] if multiples is not None and len(multiples) == 5 and \
+                multiples[:inserted] + multiples[inserted + 1:] == [1, 1, 1, 1] else None
     if source is None or (copies.op != "Expand" and not isinstance(repeats, int)):
         return None
     return source, repeats if isinstance(repeats, int) else None

@@ -28,6 +28,12 @@ class PruneLogits:
     def run(self, graph: gs.Graph) -> PassResult:
         logits = next((t for t in graph.outputs if t.name == "logits"), None)
         head = lm_head(graph, ops=_PROJECTIONS)
+        if head is not None and _tokens_first_logits(logits):
+            # the head runs on the hidden states moved to [B, S, hidden], whose rows are then the tokens'
+            hidden = gs.Variable(f"{head.inputs[0].name}_batch_first", dtype=head.inputs[0].dtype)
+            graph.nodes.append(gs.Node("Transpose", name=f"{head.name}_batch_first", attrs={"perm": [1, 0, 2]},
+                                       inputs=[head.inputs[0]], outputs=[hidden]))
+            head.inputs[0] = hidden
         if head is None or (head.inputs[0].shape is not None and len(head.inputs[0].shape) != 3):
             raise AtcError("E10055", "no lm_head MatMul on [batch, seq, hidden] computes the output 'logits', so logits cannot "
                                      "be pruned; "
@@ -48,3 +54,14 @@ class PruneLogits:
         graph.toposort()
         return PassResult(match_times=1, effect_times=1)
 
+
+
+def _tokens_first_logits(logits: gs.Tensor) -> bool:
+    """Whether sequence-first logits [S, B, V] are moved to [B, S, V] last (ChatGLM's head runs sequence-first);
+    if so, that Transpose becomes an Identity, and the caller moves the hidden states before the head instead."""
+    node = logits.inputs[0] if logits.inputs else None
+    if node is None or node.op != "Transpose" or list(node.attrs.get("perm", [])) != [1, 0, 2]:
+        return False
+    node.op = "Identity"
+    node.attrs.clear()
+    return True
