@@ -663,6 +663,19 @@ def test_a_sequence_first_cache_whose_attention_does_not_fuse_is_refused_by_name
     assert "past_key_values.0.key is laid out ['p', 'b', 2, 16], sequence-first" in str(refused.value)
 
 
+def test_a_cache_export_traced_with_one_new_token_is_refused_paged_saying_how_to_export_it(chatglm, tmp_path):
+    """ChatGLM's remote code builds no mask for one new token over a cache, so a trace of one leaves none:
+    its attention fuses without a causal mask, which a paged compile refuses, saying to trace several."""
+    from cann_llm.models.chatglm import export
+    from cann_llm.runtime.errors import AtcError
+
+    source = export(chatglm[0], tmp_path / "one.onnx", with_past=True, new_tokens=1)
+    with pytest.raises(AtcError) as refused:
+        compile_to(source, tmp_path / "paged", enable_paged_attention=True)
+    assert refused.value.code == "E10055"
+    assert "(an export traced with one new token over its cache has none: trace it with several)" in str(refused.value)
+
+
 @pytest.mark.parametrize("dynamo", [False, True])
 def test_an_mlp_with_biases_fuses_its_swiglu(dynamo, tmp_path):
     """A Llama with `mlp_bias` (and `attention_bias`): gate and up are each x·W + b; one SwiGlu a layer over

@@ -111,8 +111,11 @@ class PagedKvCache:
                 raise AtcError("E10055", f"{node.name} takes an explicit attention bias, which a paged cache "
                                          "cannot address; compile with --enable_paged_attention=0")
             if not node.attrs.get("causal", FUSED_ATTENTION.defaults["causal"]):
-                raise AtcError("E10055", f"{node.name} attends without a causal mask, and paged attention is causal; "
-                                         "compile with --enable_paged_attention=0")
+                # a step of one token over a cache needs no mask, and a trace of one leaves none in the graph
+                hint = (" (an export traced with one new token over its cache has none: trace it with several)"
+                        if input_at(node.inputs, Fused.PAST_KEY) is not None else "")
+                raise AtcError("E10055", f"{node.name} attends without a causal mask{hint}, and paged attention is "
+                                         "causal; compile with --enable_paged_attention=0")
             for slot in (Fused.PAST_KEY, Fused.PAST_VALUE):
                 past = input_at(node.inputs, slot)
                 if past is not None and past not in graph.inputs:
