@@ -537,12 +537,13 @@ def _export_legacy(model, path, dynamo: bool, with_past: bool = True):
     return path
 
 
-@pytest.mark.parametrize("style, dynamo", [("baichuan", False), ("internlm2", True)])
+@pytest.mark.parametrize("style, dynamo", [("baichuan", False), ("internlm", False), ("internlm", True),
+                                          ("internlm2", True)])
 def test_the_older_llama_lineages_remote_code_is_served_paged(style, dynamo, tmp_path):
-    """Baichuan-7B's and InternLM2's remote code: masked scores floored at the lowest float before the
-    softmax, and rotary tables of `[1, 1, max_positions, dim]` sliced on their third axis to the length
-    the past's shape gives. Fused and read whole, each layer's attention is paged; the model's own greedy
-    tokens."""
+    """Baichuan-7B's, InternLM-7B's (biased projections) and InternLM2's remote code: masked scores floored at the
+    lowest float before the softmax, and rotary tables of `[1, 1, max_positions, dim]` sliced on their third
+    axis to the length the past's shape gives. Fused and read whole, each layer's attention is paged; the
+    model's own greedy tokens."""
     from cann_llm.models.legacy_llama import build_legacy_model, greedy
 
     model = build_legacy_model(style)

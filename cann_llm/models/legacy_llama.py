@@ -1,9 +1,9 @@
 """Decoders of the older Llama lineage as their remote code writes them (Baichuan-7B's and InternLM's
-`modeling_*.py`, copied from transformers 4.30's Llama), which transformers itself no longer ships: the
-cache as a flat tuple, a 4-D additive mask built by `_prepare_decoder_attention_mask`, the masked scores
-floored at the dtype's lowest value before the softmax, rotary tables kept as `[1, 1, max_positions, dim]`
-buffers sliced to the length, and the projections packed (Baichuan's `W_pack`: q, k and v blocks;
-InternLM2's `wqkv`: each KV group's queries, then its key and value).
+`modeling_*.py`, copied from transformers 4.30's Llama; InternLM-7B's projections each with a bias), which
+transformers itself no longer ships: the cache as a flat tuple, a 4-D additive mask built by
+`_prepare_decoder_attention_mask`, the masked scores floored at the dtype's lowest value before the softmax,
+rotary tables kept as `[1, 1, max_positions, dim]` buffers sliced to the length, and the projections packed
+(Baichuan's `W_pack`: q, k and v blocks; InternLM2's `wqkv`: each KV group's queries, then its key and value).
 
 Baichuan-13B and Baichuan2-13B have no rotary: their remote code keeps ALiBi and the causal mask in one
 `[heads, max_positions, max_positions]` buffer (`m_h * j` at key j, -inf after the query), sliced to
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-STYLES = ("baichuan", "internlm2", "baichuan13b", "baichuan2_13b")
+STYLES = ("baichuan", "internlm", "internlm2", "baichuan13b", "baichuan2_13b")
 ALIBI_STYLES = ("baichuan13b", "baichuan2_13b")
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, VOCAB, MAX_POSITIONS = 64, 128, 2, 4, 256, 256
 
@@ -77,17 +77,22 @@ class _Attention(nn.Module):
     def __init__(self, style: str, kv_heads: int):
         super().__init__()
         self.style, self.kv_heads, self.head_dim = style, kv_heads, HIDDEN // HEADS
-        if style != "internlm2":
+        if style == "internlm":  # InternLM-7B: Llama's projections, each with a bias (its config's `bias`)
+            self.q_proj, self.k_proj, self.v_proj = (nn.Linear(HIDDEN, HIDDEN, bias=True) for _ in range(3))
+        elif style != "internlm2":
             self.W_pack = nn.Linear(HIDDEN, 3 * HIDDEN, bias=False)
         else:
             self.wqkv = nn.Linear(HIDDEN, (HEADS + 2 * kv_heads) * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.o_proj = nn.Linear(HIDDEN, HIDDEN, bias=style == "internlm")
         if style not in ALIBI_STYLES:
             self.rotary_emb = _Rotary(self.head_dim)
 
     def forward(self, x, mask, position_ids, past):
         batch, length, _ = x.shape
-        if self.style != "internlm2":
+        if self.style == "internlm":
+            q, k, v = (proj(x).view(batch, length, HEADS, self.head_dim).transpose(1, 2)
+                       for proj in (self.q_proj, self.k_proj, self.v_proj))
+        elif self.style != "internlm2":
             packed = self.W_pack(x).unflatten(-1, (3, HIDDEN)).unsqueeze(0).transpose(0, -2).squeeze(-2)
             q, k, v = (packed[i].view(batch, length, HEADS, self.head_dim).transpose(1, 2) for i in range(3))
         else:
