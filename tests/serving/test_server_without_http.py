@@ -429,7 +429,7 @@ def test_a_conversation_kept_by_the_server_grows_turn_by_turn(om):
 
 
 def test_a_request_that_could_outgrow_the_memory_limit_is_refused(om):
-    from cann_llm.runtime.serving.server import resident_bytes
+    from cann_llm.runtime.memory import resident_bytes
 
     engine = EngineConfig(kv_cache_pages=4096, max_context_len=4096)  # 128 MiB of pages, mapped lazily
     server = Server({"tiny": str(om)}, engine, ServerSettings())
@@ -469,7 +469,7 @@ def test_a_request_that_could_outgrow_the_memory_limit_is_refused(om):
 def test_a_memory_limit_bounds_the_kv_pool_so_the_prefix_cache_cannot_lock_the_server_out(om):
     """The prefix cache keeps freed pages resident; under --max-memory the pool holds only the pages the limit
     leaves room for, and a stream of different prompts reuses cached pages instead of writing new ones."""
-    from cann_llm.runtime.serving.server import resident_bytes
+    from cann_llm.runtime.memory import resident_bytes
 
     engine = EngineConfig(kv_cache_pages=4096, max_context_len=4096)  # 128 MiB of pages, mapped lazily
     limit_mb = int((resident_bytes() + 48 * 2 ** 20) / 0.9) // 2 ** 20 + 1

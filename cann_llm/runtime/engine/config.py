@@ -20,7 +20,9 @@ class EngineConfig:
     max_batch_size: int = field(default=8, metadata={"help": "sequences running at once", "min": 1})
     max_context_len: int = field(default=4096, metadata={
         "help": "tokens of prompt and output per sequence (at most a position table's rows + 1: GPT-2's)", "min": 2})
-    kv_cache_pages: int = field(default=1024, metadata={"help": "pages in the KV pool (paged artifacts)", "min": 1})
+    kv_cache_pages: int | None = field(default=None, metadata={
+        "help": "pages in the KV pool (paged artifacts; default: 1024, or as many as fit in half of this machine's "
+                "memory if fewer)", "min": 1})
     kv_cache_memory_mb: int | None = field(default=None, metadata={
         "help": "the KV pool's size in MiB instead of a page count: as many pages as fit (paged artifacts)",
         "min": 1})

@@ -44,6 +44,7 @@ from cann_llm.runtime.engine.speculation import NgramProposer
 from cann_llm.runtime.engine.structured import GrammarCompiler
 from cann_llm.runtime.engine.trial_step import check_generator, trial_step
 from cann_llm.runtime.engine.tuning import tuned_settings
+from cann_llm.runtime.memory import total_bytes
 from cann_llm.runtime.errors import AtcError, invalid_value
 from cann_llm.runtime.executor import Executor
 from cann_llm.runtime.heap_trim import release_free_heap
@@ -289,6 +290,20 @@ def _pages_in(megabytes: int, dims: dict, page_size: int) -> int:
     return pages
 
 
+DEFAULT_PAGES = 1024
+
+
+def default_pages(dims: dict, page_size: int, memory: int | None) -> int:
+    """The pool's pages when no setting gives them: DEFAULT_PAGES, or as many as fit in half of `memory` (the
+    machine's) if fewer, and at least one. The pool is mapped at once and written as it fills: 1024 pages of a
+    7B model's cache (128 MiB each) are more than a machine maps, where the pages a 24 GiB one can hold serve
+    12,288 tokens."""
+    if memory is None:
+        return DEFAULT_PAGES
+    per_page = PagePool.bytes_per_page(dims["num_layers"], page_size, dims["num_kv_heads"], dims["head_dim"])
+    return max(1, min(DEFAULT_PAGES, memory // 2 // per_page))
+
+
 class LLMEngine:
     """`LLMEngine("model.om", EngineConfig(max_batch_size=8))`, or `LLMEngine("model.om", max_batch_size=8)`.
 
@@ -336,6 +351,8 @@ class LLMEngine:
             self.page_size = self.loaded.kv_cache["page_size"]
             if config.kv_cache_memory_mb is not None:
                 kv_cache_pages = _pages_in(config.kv_cache_memory_mb, {**self.dims, "num_layers": layers}, self.page_size)
+            elif kv_cache_pages is None:
+                kv_cache_pages = default_pages({**self.dims, "num_layers": layers}, self.page_size, total_bytes())
             self.runner = self._paged_runner(model_path, pipeline, kv_cache_pages)
             blocks = BlockManager(kv_cache_pages, self.page_size, config.enable_prefix_caching)
         else:

@@ -30,6 +30,7 @@ from cann_llm.runtime.engine.config import EngineConfig
 from cann_llm.runtime.engine.engine import EngineClosed, GenerationFailed, LLMEngine, Request
 from cann_llm.runtime.engine.sampling import SamplingParams
 from cann_llm.runtime.errors import AtcError
+from cann_llm.runtime.memory import available_bytes, resident_bytes
 from cann_llm.runtime.serving.breaker import CircuitBreaker
 from cann_llm.runtime.serving.guard import Guard
 from cann_llm.runtime.serving.metrics import DEFAULT_PREFIX, ServerMetrics
@@ -641,24 +642,6 @@ class Server:
 
 
 _MEMORY_MARGIN = 0.1  # of --max-memory, left to what grows beside the KV pools
-
-
-def available_bytes() -> int | None:
-    """The memory this machine can still give without swapping (Linux: MemAvailable); None if unknown."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def resident_bytes() -> int:
-    """The process's resident memory now (Linux: /proc/self/statm)."""
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _poll_interval(deadline: float) -> float:

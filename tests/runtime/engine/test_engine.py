@@ -334,6 +334,23 @@ def test_a_prompt_the_whole_pool_cannot_hold_is_refused_and_an_output_ends_at_it
             engine.submit([5] * 4000, max_new_tokens=1)
 
 
+def test_the_default_pool_fits_in_half_the_machines_memory(small_pages_om):
+    """Without kv_cache_pages or kv_cache_memory_mb: 1024 pages, or as many as half the machine's memory holds
+    if fewer. A 7B model's cache (32 layers, 32 KV heads of 128) takes 128 MiB a page of 128 tokens: 1024 of
+    them (128 GiB) were more than a 24 GiB machine maps, and every engine on such a model failed to start."""
+    from cann_llm.runtime.engine.engine import default_pages
+    from cann_llm.runtime.memory import total_bytes
+
+    seven_b = {"num_layers": 32, "num_kv_heads": 32, "head_dim": 128}
+    assert default_pages(seven_b, 128, 24 * 2**30) == 96
+    assert default_pages(seven_b, 128, 100 * 2**30) == 400
+    assert default_pages(seven_b, 128, 2**20) == 1  # never none
+    assert default_pages(seven_b, 128, None) == 1024
+    with LLMEngine(small_pages_om) as engine:
+        expected = default_pages({**engine.dims}, engine.page_size, total_bytes())
+        assert engine.blocks.num_pages == expected == 1024  # a tiny model's pages are small
+
+
 def test_a_pool_the_machine_cannot_map_is_e10001_naming_its_setting(small_pages_om):
     from cann_llm.runtime.errors import AtcError
 
