@@ -169,7 +169,8 @@ class LegacyLlama(nn.Module):
             return alibi
         kept = attention_mask.to(alibi.dtype)
         kept = torch.tril(torch.gt(kept[:, :, None] * kept[:, None, :], 0)) * torch.eq(kept[:, :, None] - kept[:, None, :], 0)
-        kept = kept.unsqueeze(1).expand(attention_mask.shape[0], 1, keys, keys).to(alibi.dtype)
+        src_len, tgt_len = alibi.size()[-2:]  # as the remote code reads them: from the buffer's shape
+        kept = kept.unsqueeze(1).expand(attention_mask.shape[0], 1, src_len, tgt_len).to(alibi.dtype)
         hidden = 1.0 - kept
         return hidden.masked_fill(hidden.to(torch.bool), torch.finfo(dtype).min) + alibi.unsqueeze(0)
 

@@ -60,6 +60,29 @@ def _alibi_buffer(tensor: gs.Constant) -> tuple[np.ndarray, np.ndarray] | None:
     return causal, ramp
 
 
+def _reads_rows_and_keys_only(shape: gs.Node, rank: int, outputs: set[int]) -> bool:
+    """Whether a Shape of a tensor of `rank` axes tells only its last two, the lengths the split keeps (the
+    remote code's `src_len, tgt_len = alibi_mask.size()[-2:]`): from a start among them, or picked by Gathers
+    or cut by a Slice from one; never where the whole shape is a graph output (`outputs`: their ids)."""
+    last_two = (rank - 2, rank - 1, -2, -1)
+    if shape.attrs.get("start", 0) in last_two:
+        return True
+    if id(shape.outputs[0]) in outputs or not shape.outputs[0].outputs:
+        return False
+    for reader in shape.outputs[0].outputs:
+        if reader.op == "Gather" and reader.attrs.get("axis", 0) == 0:
+            indices = const_ints(reader.inputs[1])
+            if indices is None or any(i not in last_two for i in indices):
+                return False
+        elif reader.op == "Slice" and reader.inputs[0] is shape.outputs[0]:
+            starts = const_ints(reader.inputs[1])
+            if starts is None or starts[0] not in last_two:
+                return False
+        else:
+            return False
+    return True
+
+
 _ON_THE_WAY = ("Slice", "Unsqueeze", "Expand", "Cast", "Add", "Max", "Where")
 
 
@@ -111,7 +134,10 @@ def _attention_adds(graph: gs.Graph, buffer: gs.Tensor) -> tuple[list[tuple[gs.N
             if id(reader) in ends:
                 continue
             if reader.op == "Shape":
-                return f"{reader.name} reads its shape, whose heads the split changes"
+                if not _reads_rows_and_keys_only(reader, len(tensor.shape or []) or len(buffer.shape),
+                                                 {id(t) for t in graph.outputs}):
+                    return f"{reader.name} reads its shape, whose heads the split changes"
+                continue
             if id(reader) not in mask_nodes:
                 return f"{reader.name} reads it and is no attention's mask"
             why = _keeps_keys_and_heads(reader, tensor, len(buffer.shape))

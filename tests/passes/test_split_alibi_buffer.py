@@ -49,12 +49,16 @@ def _model(buffer: np.ndarray, extra_reader: str = "", key_step: int = 1):
     elif extra_reader == "shape":
         nodes.append(helper.make_node("Shape", ["mask"], ["mask_shape"], name="MaskShape"))
         outputs.append(helper.make_tensor_value_info("mask_shape", TensorProto.INT64, None))
+    elif extra_reader == "lengths":  # the remote code's `src_len, tgt_len = alibi_mask.size()[-2:]`
+        nodes += [helper.make_node("Shape", ["mask"], ["mask_shape"]),
+                  helper.make_node("Gather", ["mask_shape", "last"], ["keys"], axis=0)]
+        outputs.append(helper.make_tensor_value_info("keys", TensorProto.INT64, None))
     inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, HEADS, "s", HEAD_DIM]) for name in ("q", "k")]
     graph = helper.make_graph(nodes, "g", inputs, outputs, [
         numpy_helper.from_array(buffer, "buffer"), numpy_helper.from_array(np.float32(HEAD_DIM ** 0.5), "root"),
         numpy_helper.from_array(np.array([0]), "zero"), numpy_helper.from_array(np.array([1]), "one"),
         numpy_helper.from_array(np.array([2]), "two"), numpy_helper.from_array(np.array([3]), "three"),
-        numpy_helper.from_array(np.array([key_step]), "step")])
+        numpy_helper.from_array(np.array([key_step]), "step"), numpy_helper.from_array(np.array(-1), "last")])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -66,7 +70,8 @@ def _probabilities(model, length: int) -> np.ndarray:
 
 @pytest.mark.parametrize("rank", [3, 4])
 def test_the_buffer_becomes_the_causal_mask_and_alibis_term_with_the_same_probabilities(rank):
-    model = _model(_buffer().reshape((1,) * (rank - 3) + _buffer().shape))
+    # its keys' length read from its shape too, which the split keeps
+    model = _model(_buffer().reshape((1,) * (rank - 3) + _buffer().shape), extra_reader="lengths")
     graph = gs.import_onnx(model)
     result = SplitAlibiBuffer().run(graph)
     assert (result.match_times, result.effect_times) == (1, 1)
