@@ -664,6 +664,20 @@ def test_a_sequence_first_cache_whose_attention_does_not_fuse_is_refused_by_name
     assert "past_key_values.0.key is laid out ['p', 'b', 2, 16], sequence-first" in str(refused.value)
 
 
+def test_logits_of_the_last_position_alone_are_served_paged(chatglm, tmp_path):
+    """`return_last_logit=True` (what the remote code's generate asks for) cuts the hidden states to the last
+    position before the head: a paged step wants each sequence's last token, which logits_indices picks, so
+    the cut goes (its rows were picked twice, out of bounds at the first step)."""
+    from cann_llm.models.chatglm import export, greedy
+
+    model = chatglm[0]
+    om = compile_to(export(model, tmp_path / "last.onnx", last_logit=True), tmp_path / "paged",
+                    enable_paged_attention=True)
+    prompts = [[5, 6, 7], list(range(3, 40))]
+    assert engine_greedy(om, prompts, 12, max_context_len=160, kv_cache_pages=48) == \
+        [greedy(model, prompt, 12) for prompt in prompts]
+
+
 def test_a_cache_export_traced_with_one_new_token_is_refused_paged_saying_how_to_export_it(chatglm, tmp_path):
     """ChatGLM's remote code builds no mask for one new token over a cache, so a trace of one leaves none:
     its attention fuses without a causal mask, which a paged compile refuses, saying to trace several."""

@@ -108,6 +108,7 @@ class ChatGlm(nn.Module):
         self.layers = nn.ModuleList(_GLMBlock() for _ in range(LAYERS))
         self.final_layernorm = _RmsNorm(HIDDEN)
         self.output_layer = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.return_last_logit = False  # what the remote code's `prepare_inputs_for_generation` asks for
 
     @staticmethod
     def get_masks(input_ids, past_length: int, padding_mask):
@@ -133,7 +134,10 @@ class ChatGlm(nn.Module):
             hidden_states, present = layer(hidden_states, full_mask, rotary_pos_emb,
                                            (past[2 * i], past[2 * i + 1]) if past else None)
             presents += present
-        logits = self.output_layer(self.final_layernorm(hidden_states)).transpose(0, 1).contiguous()
+        hidden_states = self.final_layernorm(hidden_states)
+        if self.return_last_logit:
+            hidden_states = hidden_states[-1:]
+        logits = self.output_layer(hidden_states).transpose(0, 1).contiguous()
         return (logits, *presents)
 
 
@@ -162,9 +166,10 @@ def greedy(model: ChatGlm, prompt: list[int], new_tokens: int) -> list[int]:
     return ids[len(prompt):]
 
 
-def export(model: ChatGlm, path, with_past: bool = True, new_tokens: int = 5):
+def export(model: ChatGlm, path, with_past: bool = True, new_tokens: int = 5, last_logit: bool = False):
     """`model` exported by TorchScript (the dynamo exporter refuses the mask's branch on the data) with
-    `new_tokens` new tokens over a past of 3 (or none), the cache under Optimum's names, dynamic shapes."""
+    `new_tokens` new tokens over a past of 3 (or none), the cache under Optimum's names, dynamic shapes; with
+    `last_logit`, the logits of the last position alone (`return_last_logit=True`, as `generate` runs it)."""
     from cann_llm.models.export import io_names
 
     inputs, outputs = io_names(len(model.layers), with_past=with_past)
@@ -175,7 +180,11 @@ def export(model: ChatGlm, path, with_past: bool = True, new_tokens: int = 5):
             torch.ones(2, held + new_tokens, dtype=torch.long), *past)
     axes = {"input_ids": {0: "b", 1: "s"}, "position_ids": {0: "b", 1: "s"}, "attention_mask": {0: "b", 1: "t"},
             **{name: {0: "p", 1: "b"} for name in inputs[3:]}}
-    with torch.no_grad():
-        torch.onnx.export(model, args, str(path), input_names=inputs, output_names=outputs, dynamic_axes=axes,
-                          dynamo=False, opset_version=17)
+    model.return_last_logit = last_logit
+    try:
+        with torch.no_grad():
+            torch.onnx.export(model, args, str(path), input_names=inputs, output_names=outputs, dynamic_axes=axes,
+                              dynamo=False, opset_version=17)
+    finally:
+        model.return_last_logit = False
     return path

@@ -13,6 +13,7 @@ import onnx_graphsurgeon as gs
 
 from cann_llm.passes.base import PassResult
 from cann_llm.passes.graph_utils import lm_head
+from cann_llm.passes.pattern import const_ints
 from cann_llm.runtime.errors import AtcError
 
 LOGITS_INDICES = "logits_indices"
@@ -28,7 +29,10 @@ class PruneLogits:
     def run(self, graph: gs.Graph) -> PassResult:
         logits = next((t for t in graph.outputs if t.name == "logits"), None)
         head = lm_head(graph, ops=_PROJECTIONS)
-        if head is not None and _tokens_first_logits(logits):
+        tokens_first = head is not None and _tokens_first_logits(logits)
+        if head is not None:
+            _drop_last_row_pick(head, 0 if tokens_first else 1)
+        if tokens_first:
             # the head runs on the hidden states moved to [B, S, hidden], whose rows are then the tokens'
             hidden = gs.Variable(f"{head.inputs[0].name}_batch_first", dtype=head.inputs[0].dtype)
             graph.nodes.append(gs.Node("Transpose", name=f"{head.name}_batch_first", attrs={"perm": [1, 0, 2]},
@@ -65,3 +69,18 @@ def _tokens_first_logits(logits: gs.Tensor) -> bool:
     node.op = "Identity"
     node.attrs.clear()
     return True
+
+
+def _drop_last_row_pick(head: gs.Node, axis: int) -> None:
+    """The head reads every token where the export picked the last one first (ChatGLM's `return_last_logit`:
+    `hidden_states[-1:]`, a Slice from -1 to the end of the tokens' axis): in a flattened batch the last token
+    is only the last sequence's, and `logits_indices` picks each sequence's own."""
+    pick = head.inputs[0].inputs[0] if head.inputs[0].inputs else None
+    if pick is None or pick.op != "Slice" or len(pick.inputs) < 4:
+        return
+    starts, ends, axes = (const_ints(t) for t in pick.inputs[1:4])
+    steps = const_ints(pick.inputs[4]) if len(pick.inputs) > 4 else [1]
+    rank = len(pick.inputs[0].shape or [0, 0, 0])
+    if starts == [-1] and ends is not None and ends[0] >= 2**31 - 1 and axes is not None \
+            and [a % rank for a in axes] == [axis] and steps == [1]:
+        head.inputs[0] = pick.inputs[0]
