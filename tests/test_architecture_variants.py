@@ -610,7 +610,7 @@ def test_a_sequence_first_model_fuses_and_generates_contiguous_and_paged(chatglm
     batch, groups, head dim], rotates pairs of a [..., R/2, 2] view and repeats its two groups by Expand:
     every attention fuses, the artifact's cache is [batch, groups, past, head dim] as every cache it runs,
     and the contiguous and the paged engine generate the model's own greedy tokens (INT4 too, paged)."""
-    from cann_llm.models.chatglm import LAYERS, greedy
+    from cann_llm.models.chatglm import LAYERS, SEQ_LENGTH, greedy
 
     model, past, cacheless = chatglm
     source = past if with_past else cacheless
@@ -621,6 +621,8 @@ def test_a_sequence_first_model_fuses_and_generates_contiguous_and_paged(chatglm
         loaded = load_artifact(om)
         ops = Counter(n.op_type for n in loaded.model.graph.node)
         assert ops["PagedAttention" if flags else "FusedAttention"] == LAYERS and ops["Softmax"] == 0, ops
+        # its rotary cache has SEQ_LENGTH rows of (cos, sin) pairs: the positions it can read
+        assert loaded.metadata["model"]["max_positions"] == SEQ_LENGTH
         if with_past and not flags:
             shapes = {v["name"]: v["shape"] for v in loaded.metadata["signature"]["inputs"]}
             assert shapes["past_key_values.0.key"] == ["b", 2, "p", 16]

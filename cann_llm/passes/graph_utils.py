@@ -201,10 +201,11 @@ def _positional(index: gs.Tensor, position_ids: gs.Tensor | None, depth: int = 1
 
 
 def _constant_table(tensor: gs.Tensor) -> gs.Constant | None:
-    """A constant float matrix, read as stored or through a Cast (a table stored in half precision)."""
+    """A constant float table of rows (a matrix, or ChatGLM's rotary cache of [rows, R/2, 2] pairs), read as
+    stored or through a Cast (a table stored in half precision)."""
     if tensor.inputs and tensor.inputs[0].op == "Cast" and tensor.inputs[0].inputs:
         tensor = tensor.inputs[0].inputs[0]
-    if not isinstance(tensor, gs.Constant) or len(tensor.shape) != 2 or "float" not in np.dtype(tensor.dtype).name:
+    if not isinstance(tensor, gs.Constant) or len(tensor.shape) < 2 or "float" not in np.dtype(tensor.dtype).name:
         return None
     return tensor
 
