@@ -680,9 +680,11 @@ def test_logits_of_the_last_position_alone_are_served_paged(chatglm, tmp_path):
         [greedy(model, prompt, 12) for prompt in prompts]
 
 
-def test_a_cache_export_traced_with_one_new_token_is_refused_paged_saying_how_to_export_it(chatglm, tmp_path):
+def test_a_cache_export_traced_with_one_new_token_is_refused_paged_saying_how_to_export_it(chatglm, tmp_path,
+                                                                                           capsys):
     """ChatGLM's remote code builds no mask for one new token over a cache, so a trace of one leaves none:
     its attention fuses without a causal mask, which a paged compile refuses, saying to trace several."""
+    from cann_llm.cli.atc import run
     from cann_llm.models.chatglm import export
     from cann_llm.runtime.errors import AtcError
 
@@ -691,6 +693,11 @@ def test_a_cache_export_traced_with_one_new_token_is_refused_paged_saying_how_to
         compile_to(source, tmp_path / "paged", enable_paged_attention=True)
     assert refused.value.code == "E10055"
     assert "(an export traced with one new token over its cache has none: trace it with several)" in str(refused.value)
+    # a contiguous compile runs it as exported, prompts attending every key, and says so
+    status = run([f"--model={source}", "--framework=5", f"--output={tmp_path / 'contiguous'}",
+                  "--soc_version=Ascend910B"])
+    out = capsys.readouterr().out
+    assert status == 0 and "W10012: 2 attention block(s) read a KV cache and hide no key" in out
 
 
 @pytest.mark.parametrize("dynamo", [False, True])

@@ -27,7 +27,7 @@ from cann_llm.compiler.precheck import check_ops, unsupported_types
 from cann_llm.compiler.tokenizer_files import tokenizer_files
 from cann_llm.compiler.traced_loops import describe, unrolled_loops
 from cann_llm.models.recipes import detect_family
-from cann_llm.passes.graph_utils import position_table_rows, unfused_attention
+from cann_llm.passes.graph_utils import maskless_over_a_cache, position_table_rows, unfused_attention
 from cann_llm.passes.name_causal_lm_io import token_input
 from cann_llm.passes.per_sequence_rotary import rotary_switch_length
 from cann_llm.passes.quant.quantize_weights import QuantizeWeights
@@ -153,6 +153,11 @@ def _compile(cfg: CompileConfig, output: Path, stage: Staged, progress: bool) ->
                             f"it; export the model again with its batch and sequence axes dynamic to generate")
         if unrolled:
             warnings.append(f"W10008: {describe(unrolled)}")
+        if maskless := maskless_over_a_cache(graph):
+            warnings.append(f"W10012: {maskless} attention block(s) read a KV cache and hide no key: the export was "
+                            f"traced with one new token over its cache, which needs no mask, so a prompt of several "
+                            f"tokens attends every key as the export does (not causally); export it traced with "
+                            f"several new tokens")
         tokenizer = tokenizer_files(cfg)  # read once: the warning below and each artifact written take it
         if causal_lm and not tokenizer:
             warnings.append("W10009: no tokenizer was packed (no tokenizer.json beside the model and no --tokenizer), "

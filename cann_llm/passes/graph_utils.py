@@ -11,6 +11,8 @@ from onnx import helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx, update_import_domains
 from onnx_graphsurgeon.ir.tensor import SparseValues
 
+from cann_llm.runtime.ops import FUSED_ATTENTION, FusedAttentionInput, input_at
+
 LIGHT_WEIGHT_LIMIT = 4096
 
 
@@ -143,6 +145,14 @@ def _keeps_last_axis(transpose: gs.Node) -> bool:
 
 # attention ops of onnx and onnxruntime a conversion pass left as they are (they run in onnxruntime)
 _ATTENTION_OPS = ("Attention", "MultiHeadAttention", "GroupQueryAttention")
+
+
+def maskless_over_a_cache(graph: gs.Graph) -> int:
+    """Fused attentions that read a KV cache and hide no key: an export traced with one new token over its
+    cache has no mask to read (none is needed for one token), and so a prompt of several attends every key."""
+    return sum(1 for node in graph.nodes if node.op == FUSED_ATTENTION.name
+               and not node.attrs.get("causal", FUSED_ATTENTION.defaults["causal"])
+               and input_at(node.inputs, FusedAttentionInput.PAST_KEY) is not None)
 
 
 def transposed_constant(tensor: gs.Tensor) -> gs.Constant | None:
