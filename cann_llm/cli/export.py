@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import time
 
 import click
@@ -25,7 +27,8 @@ def export_command(model, output, exporter, with_past) -> None:
     start = time.perf_counter()
     cfg = ExportConfig(model=model, output=output, exporter=exporter, with_past=with_past)
     require_export_packages(cfg)
-    with unwind_on_sigterm():  # the half-written export removed, as on Ctrl-C
+    # the exporters print their progress: on stderr with ours, stdout keeping the one line a script reads
+    with unwind_on_sigterm(), contextlib.redirect_stdout(sys.stderr):  # a half-written export removed, as on Ctrl-C
         path = export_checkpoint(cfg, log=lambda message: click.echo(f"[INFO] {message}", err=True))
     click.echo(f"[INFO] wrote {path} in {time.perf_counter() - start:.1f} s", err=True)
     click.echo(f"next: atc --model={path} --framework=5 --output={path.parent / 'model'} --soc_version=Ascend910B "
