@@ -55,7 +55,8 @@ def _table_source(half: gs.Tensor) -> tuple[gs.Tensor, int] | None:
         return None
     table, viewed, cut = rows.inputs[0], gather.inputs[0].shape, rows.outputs[0].shape
     if table.shape is None or viewed is None or cut is None or len(table.shape) != 4 or \
-            list(viewed) != [table.shape[0], table.shape[1], 1, *table.shape[2:]] or cut[0] != table.shape[0]:
+            list(viewed) != [table.shape[0], table.shape[1], 1, *table.shape[2:]] or cut[0] is None \
+            or cut[0] != table.shape[0]:  # the slice keeps every row only where both counts are the same dim
         return None
     return table, int(scalar(gather.inputs[1]))
 
@@ -117,10 +118,13 @@ class CanonicalizePairRotary:
         sin = {id(pair[1][1]): pair[1][1] for pair in ordered if pair[1][0][1] == 1}
         x = producer(view, "Reshape").inputs[0]
         if len(cos) != 1 or len(sin) != 1 or view.shape is None or len(view.shape) != len(x.shape) + 1 \
-                or view.shape[-2] != width // 2 or list(view.shape[:-2]) != list(x.shape[:-1]):
+                or view.shape[-2] != width // 2 or list(view.shape[:-2]) != list(x.shape[:-1]) \
+                or list(out.shape) != list(x.shape):  # the pairs flattened back to x's own shape
             return None
-        return x, next(iter(cos.values())), next(iter(sin.values()))
-
+        cos, sin = next(iter(cos.values())), next(iter(sin.values()))
+        if cos.shape is None or sin.shape is None:  # the doubled tables are reshaped by rank
+            return None
+        return x, cos, sin
 
     @staticmethod
     def _rewrite(graph: gs.Graph, flatten: gs.Node, x: gs.Tensor, cos: gs.Tensor, sin: gs.Tensor,
@@ -151,7 +155,8 @@ class CanonicalizePairRotary:
                 half = node("Unsqueeze", [picked, const(f"heads_{source[1]}", [2])], shape=list(half.shape))
             column = node("Unsqueeze", [half, last])
             table = node("Reshape", [node("Concat", [column, column], {"axis": -1}),
-                                     const(f"pairs_{half.name}", [0] * (len(half.shape) - 1) + [width])])
+                                     const(f"pairs_{half.name}", [0] * (len(half.shape) - 1) + [width])],
+                         shape=[*half.shape[:-1], width])
             tables.append((source, table))
             return table
 

@@ -130,7 +130,7 @@ class FuseAttention(FusionPass):
         query4, query_scale = match_scale(scores.inputs[0])
         keys = _transposed_keys(scores.inputs[1])
         if keys is None:
-            return "the keys are not transposed with (0, 1, 3, 2)"
+            return "the keys are not transposed with (0, 1, 3, 2), nor sequence-first with (1, 2, 3, 0)"
         key_rep, key_scale, tokens_first = keys
         scale *= query_scale * key_scale
         probabilities = match_probabilities(graph, softmax)
@@ -198,7 +198,11 @@ class FuseAttention(FusionPass):
         if alibi is not None and alibi.mask is not None and alibi.mask is not source.attention_mask:
             return "ALiBi counts positions over another input than the attention mask"
         if tokens_first:
+            if rotary is not None and any(len(t.shape or []) != 4 for t in (rotary.cos, rotary.sin)):
+                return "sequence-first rotary tables that are not [S, B, 1, R]"
             for cache in (key_cache, value_cache):
+                if cache.present is not None and any(n.op == "Shape" for n in cache.present.outputs):
+                    return f"the shape of {cache.present.name} is read, which the fused op's cache layout changes"
                 # the fused op keeps its cache [B, KV, T, D]: the input takes that layout, which only its
                 # concatenation (which goes) and the Shapes that read it (which are told) may see
                 if cache.past is not None and any(n.op not in ("Shape", "Concat") or n.op == "Concat"

@@ -116,8 +116,8 @@ _LOGITS_CONSTANT_OPERAND = ("Add", "Sub", "Mul", "Div")
 
 
 def lm_head(graph: gs.Graph, output_name: str = "logits", ops: tuple[str, ...] = ("MatMul",)) -> gs.Node | None:
-    """The projection (one of `ops`) that computes `logits` (through reshapes, casts, a move of the axes before
-    the vocabulary's, a bias, a scale or a softcap), if any."""
+    """The projection (one of `ops`) that computes `logits` (through reshapes, casts, a bias, a scale or a
+    softcap, and a last move of the axes before the vocabulary's), if any."""
     tensor = next((t for t in graph.outputs if t.name == output_name), None)
     while tensor is not None and tensor.inputs:
         node = tensor.inputs[0]
@@ -129,7 +129,8 @@ def lm_head(graph: gs.Graph, output_name: str = "logits", ops: tuple[str, ...] =
             if len(computed) != 1:
                 return None
             tensor = computed[0]
-        elif node.op in _LOGITS_PASS_THROUGH or node.op == "Transpose" and _keeps_last_axis(node):
+        elif node.op in _LOGITS_PASS_THROUGH or node.op == "Transpose" and tensor.name == output_name \
+                and _keeps_last_axis(node):  # the logits moved last, as LogitsPruningPass can take them back
             tensor = node.inputs[0]
         else:
             return None
@@ -152,7 +153,9 @@ def maskless_over_a_cache(graph: gs.Graph) -> int:
     cache has no mask to read (none is needed for one token), and so a prompt of several attends every key."""
     return sum(1 for node in graph.nodes if node.op == FUSED_ATTENTION.name
                and not node.attrs.get("causal", FUSED_ATTENTION.defaults["causal"])
-               and input_at(node.inputs, FusedAttentionInput.PAST_KEY) is not None)
+               and input_at(node.inputs, FusedAttentionInput.PAST_KEY) is not None
+               and input_at(node.inputs, FusedAttentionInput.ATTENTION_MASK) is None
+               and input_at(node.inputs, FusedAttentionInput.ATTENTION_BIAS) is None)
 
 
 def transposed_constant(tensor: gs.Tensor) -> gs.Constant | None:
@@ -215,7 +218,9 @@ def _constant_table(tensor: gs.Tensor) -> gs.Constant | None:
     stored or through a Cast (a table stored in half precision)."""
     if tensor.inputs and tensor.inputs[0].op == "Cast" and tensor.inputs[0].inputs:
         tensor = tensor.inputs[0].inputs[0]
-    if not isinstance(tensor, gs.Constant) or len(tensor.shape) < 2 or "float" not in np.dtype(tensor.dtype).name:
+    pairs = len(tensor.shape or []) == 3 and tensor.shape[-1] == 2
+    if not isinstance(tensor, gs.Constant) or not (len(tensor.shape) == 2 or pairs) \
+            or "float" not in np.dtype(tensor.dtype).name:
         return None
     return tensor
 

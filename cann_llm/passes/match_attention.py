@@ -355,7 +355,7 @@ def _counted_from(tensor: gs.Tensor) -> gs.Node | None:
     return None
 
 
-def same_values(a: gs.Tensor, b: gs.Tensor, depth: int = 8) -> bool:
+def _same_values(a: gs.Tensor, b: gs.Tensor, depth: int = 8) -> bool:
     """Whether two tensors are computed alike from the same tensors (TorchScript traces `arange(n)` twice
     where the model wrote it once)."""
     if a is b:
@@ -366,7 +366,7 @@ def same_values(a: gs.Tensor, b: gs.Tensor, depth: int = 8) -> bool:
     if depth == 0 or first is None or second is None or first.op != second.op or first.attrs != second.attrs \
             or len(first.inputs) != len(second.inputs) or first.outputs.index(a) != second.outputs.index(b):
         return False
-    return all(same_values(x, y, depth - 1) for x, y in zip(first.inputs, second.inputs))
+    return all(_same_values(x, y, depth - 1) for x, y in zip(first.inputs, second.inputs))
 
 
 def _queries_from_first_key(keys: gs.Tensor, queries: gs.Tensor) -> bool:
@@ -377,7 +377,7 @@ def _queries_from_first_key(keys: gs.Tensor, queries: gs.Tensor) -> bool:
     query_range, key_range = _counted_from(queries), _counted_from(keys)
     if query_range is None:
         return False
-    return key_range is None or not same_values(query_range.outputs[0], key_range.outputs[0])
+    return key_range is None or not _same_values(query_range.outputs[0], key_range.outputs[0])
 
 
 def computed_from(tensor: gs.Tensor):
@@ -648,7 +648,8 @@ def match_head_merge(graph: gs.Graph, context: gs.Tensor, tokens_first: bool = F
     merged = reshape.outputs[0] if reshape is not None else None
     width = context.shape[1] * context.shape[3] if context.shape is not None and len(context.shape) == 4 \
         and all(isinstance(d, int) for d in (context.shape[1], context.shape[3])) else None
-    if merged is None or merged.shape is None or len(merged.shape) not in (2, 3) or merged.shape[-1] != width:
+    if merged is None or merged.shape is None or len(merged.shape) not in ((3,) if tokens_first else (2, 3)) \
+            or merged.shape[-1] != width:
         return "the context is not merged back to [B, S, H·D]"
     return merged
 

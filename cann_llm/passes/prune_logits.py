@@ -29,7 +29,10 @@ class PruneLogits:
     def run(self, graph: gs.Graph) -> PassResult:
         logits = next((t for t in graph.outputs if t.name == "logits"), None)
         head = lm_head(graph, ops=_PROJECTIONS)
+        last = logits.inputs[0] if logits is not None and logits.inputs else None
         tokens_first = head is not None and _tokens_first_logits(logits)
+        if last is not None and last.op == "Transpose" and not tokens_first:
+            head = None  # logits moved otherwise than from sequence-first: rows the Gather could not pick
         if head is not None:
             _drop_last_row_pick(head, 0 if tokens_first else 1)
         if tokens_first:
@@ -57,7 +60,6 @@ class PruneLogits:
         graph.inputs.append(indices)
         graph.toposort()
         return PassResult(match_times=1, effect_times=1)
-
 
 
 def _tokens_first_logits(logits: gs.Tensor) -> bool:

@@ -17,12 +17,26 @@ def available_bytes() -> int | None:
     return None
 
 
+# a container's limit (cgroup v2, then v1): what the process may hold, however much the host has
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
 def total_bytes() -> int | None:
-    """This machine's physical memory; None if unknown."""
+    """The memory this process may hold: the machine's physical memory, or its container's limit if lower;
+    None if unknown."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return None
+    for path in _CGROUP_LIMITS:
+        try:
+            with open(path) as limit:
+                text = limit.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max" (v2) and v1's huge "no limit" value leave the physical memory
+            return min(physical, int(text))
+    return physical
 
 
 def resident_bytes() -> int:

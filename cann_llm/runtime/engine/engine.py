@@ -475,7 +475,9 @@ class LLMEngine:
         needed = -(-prompt_tokens // self.page_size)
         if needed > self.blocks.num_pages:
             setting = "kv_cache_pages" if self.config.kv_cache_memory_mb is None else "kv_cache_memory_mb"
-            raise SettingError(setting, f"{setting} gives a pool of {self.blocks.num_pages} pages of {self.page_size} tokens; "
+            given = f"{setting} gives" if self.config.kv_cache_pages is not None or self.config.kv_cache_memory_mb \
+                is not None else "half of this machine's memory (kv_cache_pages unset) holds"
+            raise SettingError(setting, f"{given} a pool of {self.blocks.num_pages} pages of {self.page_size} tokens; "
                              f"the prompt's {prompt_tokens} tokens need {needed}")
 
     # for type checkers: one prompt without SamplingParams is its text (or, with `n` given, outputs when
