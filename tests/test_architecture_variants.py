@@ -632,6 +632,23 @@ def test_a_sequence_first_model_fuses_and_generates_contiguous_and_paged(chatglm
     assert Counter(n.op_type for n in load_artifact(int4).model.graph.node)["MatMulInt4"] == 4 * LAYERS
 
 
+def test_glm4s_remote_code_fuses_and_generates_contiguous_and_paged(tmp_path):
+    """GLM-4-9B-Chat's remote code: ChatGLM3's model batch-first, the heads moved to the front before its
+    rotation of pairs, whose table `[B, S, R/2, 2]` q and k each view `[B, 1, S, R/2, 2]`: one table for
+    both, every attention fused, and the model's own greedy tokens, contiguous and paged."""
+    from cann_llm.models.chatglm import LAYERS, build_chatglm, export, greedy
+
+    model = build_chatglm(style="glm4")
+    source = export(model, tmp_path / "glm4.onnx", with_past=True)
+    prompts = [[5, 6, 7], list(range(3, 40))]
+    expected = [greedy(model, prompt, 12) for prompt in prompts]
+    for flags in ({}, {"enable_paged_attention": True}):
+        om = compile_to(source, tmp_path / f"m{len(flags)}", **flags)
+        ops = Counter(n.op_type for n in load_artifact(om).model.graph.node)
+        assert ops["PagedAttention" if flags else "FusedAttention"] == LAYERS and ops["Softmax"] == 0, ops
+        assert engine_greedy(om, prompts, 12, max_context_len=160, kv_cache_pages=48) == expected
+
+
 def test_a_sequence_first_cache_step_gives_the_exports_logits_and_cache(chatglm, tmp_path):
     """One step over a past with left padding: the contiguous artifact's logits are the export's, and its
     present keys and values the export's moved to [batch, groups, length, head dim]."""

@@ -44,21 +44,27 @@ def _stacked(tensor: gs.Tensor) -> gs.Tensor | None:
     return node.inputs[0]
 
 
-def _table_source(half: gs.Tensor) -> tuple[gs.Tensor, int] | None:
-    """(T, i) when `half` is the i-th of the pairs of T [S, B, R/2, 2] viewed [S, B, 1, R/2, 2] after a slice of
-    its first S rows, S T's own: ChatGLM's `rope_cache[:sq].view(sq, -1, 1, R/2, 2)[..., i]`, which q and
-    k each view anew; read from T, the two rotations read one table."""
+def _table_source(half: gs.Tensor) -> tuple[gs.Tensor, int, int] | None:
+    """(T, i, u) when `half` is the i-th of the pairs of a table T [..., R/2, 2], all of whose rows a Slice
+    keeps, viewed with a unit axis inserted at u for the heads: ChatGLM3's `rope_cache[:sq].view(sq, -1, 1,
+    R/2, 2)[..., i]` (T [S, B, R/2, 2], u 2) and GLM-4's `rope_cache[:, :sq].view(-1, 1, sq, R/2, 2)[..., i]`
+    (T [B, S, R/2, 2], u 1), which q and k each view anew; read from T, the two rotations read one table."""
     gather = producer(half, "Gather")
     view = producer(gather.inputs[0], "Reshape") if gather is not None else None
     rows = producer(view.inputs[0], "Slice") if view is not None else None
-    if rows is None or const_ints(rows.inputs[1]) != [0] or len(rows.inputs) < 4 or const_ints(rows.inputs[3]) != [0]:
+    if rows is None or const_ints(rows.inputs[1]) != [0] or len(rows.inputs) < 4:
         return None
-    table, viewed, cut = rows.inputs[0], gather.inputs[0].shape, rows.outputs[0].shape
-    if table.shape is None or viewed is None or cut is None or len(table.shape) != 4 or \
-            list(viewed) != [table.shape[0], table.shape[1], 1, *table.shape[2:]] or cut[0] is None \
-            or cut[0] != table.shape[0]:  # the slice keeps every row only where both counts are the same dim
+    table, viewed, cut, axes = rows.inputs[0], gather.inputs[0].shape, rows.outputs[0].shape, const_ints(rows.inputs[3])
+    if table.shape is None or viewed is None or cut is None or axes is None or len(axes) != 1 \
+            or len(viewed) != len(table.shape) + 1:
         return None
-    return table, int(scalar(gather.inputs[1]))
+    axis = axes[0] % len(table.shape)
+    # the slice keeps every row only where both counts are the same dim
+    if cut[axis] is None or cut[axis] != table.shape[axis]:
+        return None
+    unit = next((u for u in range(len(viewed) - 2) if viewed[u] == 1
+                 and list(viewed[:u]) + list(viewed[u + 1:]) == list(table.shape)), None)
+    return None if unit is None else (table, int(scalar(gather.inputs[1])), unit)
 
 
 class CanonicalizePairRotary:
@@ -69,7 +75,7 @@ class CanonicalizePairRotary:
 
     def run(self, graph: gs.Graph) -> PassResult:
         result = PassResult()
-        tables: list[tuple[tuple[gs.Tensor, int] | None, gs.Tensor]] = []  # (its source, a doubled table)
+        tables: list[tuple[tuple[gs.Tensor, int, int] | None, gs.Tensor]] = []  # (its source, a doubled table)
         for flatten in [n for n in graph.nodes if n.op == "Reshape"]:
             found = self._match(flatten)
             if found is None:
@@ -128,7 +134,7 @@ class CanonicalizePairRotary:
 
     @staticmethod
     def _rewrite(graph: gs.Graph, flatten: gs.Node, x: gs.Tensor, cos: gs.Tensor, sin: gs.Tensor,
-                 tables: list[tuple[tuple[gs.Tensor, int] | None, gs.Tensor]]) -> None:
+                 tables: list[tuple[tuple[gs.Tensor, int, int] | None, gs.Tensor]]) -> None:
         name, width, dtype = flatten.name, x.shape[-1], x.dtype
         nodes = []
 
@@ -150,9 +156,10 @@ class CanonicalizePairRotary:
             if known is not None:
                 return known
             if source is not None:  # the view's own values: T's i-th halves with a unit axis for the heads
-                picked = node("Gather", [source[0], gs.Constant(f"{name}/canonical_half_{source[1]}",
-                                                                np.array(source[1], np.int64))], {"axis": -1})
-                half = node("Unsqueeze", [picked, const(f"heads_{source[1]}", [2])], shape=list(half.shape))
+                table_of_pairs, index, unit = source
+                picked = node("Gather", [table_of_pairs, gs.Constant(f"{name}/canonical_half_{index}",
+                                                                     np.array(index, np.int64))], {"axis": -1})
+                half = node("Unsqueeze", [picked, const(f"heads_{index}", [unit])], shape=list(half.shape))
             column = node("Unsqueeze", [half, last])
             table = node("Reshape", [node("Concat", [column, column], {"axis": -1}),
                                      const(f"pairs_{half.name}", [0] * (len(half.shape) - 1) + [width])],
