@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cann_llm.models.recomputed_greedy import recomputed_greedy
+
 HIDDEN, HEADS, GROUPS, HEAD_DIM, FFN, LAYERS, VOCAB, SEQ_LENGTH = 64, 4, 2, 16, 128, 2, 256, 256
 
 
@@ -202,13 +204,8 @@ def build_chatglm(seed: int = 0, style: str = "chatglm3") -> ChatGlm:
 
 def greedy(model: ChatGlm, prompt: list[int], new_tokens: int) -> list[int]:
     """The model's own greedy continuation, the whole sequence at every step."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            tokens = torch.tensor([ids])
-            logits = model(tokens, torch.arange(len(ids))[None], torch.ones_like(tokens))[0]
-            ids.append(int(logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return recomputed_greedy(lambda ids: model(ids, torch.arange(ids.shape[1])[None], torch.ones_like(ids))[0],
+                             prompt, new_tokens)
 
 
 def export(model: ChatGlm, path, with_past: bool = True, new_tokens: int = 5, last_logit: bool = False):

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cann_llm.models.recomputed_greedy import recomputed_greedy
+
 STYLES = ("baichuan", "internlm", "internlm2", "baichuan13b", "baichuan2_13b")
 ALIBI_STYLES = ("baichuan13b", "baichuan2_13b")
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, VOCAB, MAX_POSITIONS = 64, 128, 2, 4, 256, 256
@@ -204,11 +206,7 @@ def build_legacy_model(style: str, seed: int = 0) -> LegacyLlama:
 
 def greedy(model: LegacyLlama, prompt: list[int], new_tokens: int) -> list[int]:
     """The model's own greedy continuation, the whole sequence at every step."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            tokens = torch.tensor([ids])
-            positions = () if model.style in ALIBI_STYLES else (torch.arange(len(ids))[None],)
-            logits = model(tokens, torch.ones_like(tokens), *positions)[0]
-            ids.append(int(logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    def logits_of(ids: torch.Tensor) -> torch.Tensor:
+        positions = () if model.style in ALIBI_STYLES else (torch.arange(ids.shape[1])[None],)
+        return model(ids, torch.ones_like(ids), *positions)[0]
+    return recomputed_greedy(logits_of, prompt, new_tokens)
