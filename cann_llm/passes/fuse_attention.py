@@ -218,7 +218,11 @@ class FuseAttention(FusionPass):
 
     def rewrite(self, graph: gs.Graph, match: AttentionMatch) -> None:
         def transposed(tensor: gs.Tensor, perm: list[int], label: str) -> gs.Tensor:
-            # named by the attention: tables every layer reads are moved by each
+            # a table every layer reads is moved once, by the first layer's rewrite
+            done = next((n.outputs[0] for n in tensor.outputs if n.op == "Transpose" and list(n.attrs["perm"]) == perm
+                         and n.name.endswith(f"/{label}")), None)
+            if done is not None:
+                return done
             moved = gs.Variable(f"{match.name}/{tensor.name}_{label}", dtype=tensor.dtype,
                                 shape=None if tensor.shape is None else [tensor.shape[i] for i in perm])
             graph.nodes.append(gs.Node("Transpose", name=f"{match.name}/{tensor.name}/{label}", attrs={"perm": perm},
@@ -232,11 +236,7 @@ class FuseAttention(FusionPass):
                 return projection.tensor
             source = projection.tensor
             if projection.heads_first:  # [B, H, S, D] to [B, S, H, D]
-                ordered = gs.Variable(f"{source.name}_heads_last", dtype=source.dtype,
-                                      shape=None if source.shape is None else [source.shape[i] for i in (0, 2, 1, 3)])
-                graph.nodes.append(gs.Node("Transpose", name=f"{source.name}/HeadsLast", attrs={"perm": [0, 2, 1, 3]},
-                                           inputs=[source], outputs=[ordered]))
-                source = ordered
+                source = transposed(source, [0, 2, 1, 3], "HeadsLast")
             shape = None if source.shape is None else list(source.shape[:2]) + [projection.heads * match.head_dim]
             merged = gs.Variable(f"{source.name}_merged", dtype=source.dtype, shape=shape)
             graph.nodes.append(gs.Node("Reshape", name=f"{source.name}/MergeHeads", outputs=[merged], inputs=[
