@@ -466,6 +466,25 @@ def test_gemma3_norms_after_the_head_transpose_fuse(dynamo, tmp_path):
 
 
 @pytest.mark.parametrize("dynamo", [False, True])
+def test_gemma3n_norms_as_a_power_of_the_mean_fuse_and_generate(dynamo, tmp_path):
+    """Gemma 3n writes every RMSNorm as x · (mean(x²) + eps) ** -0.5 (q, k and v per head, AltUp's router
+    norm twice a layer, the per-layer inputs'); its first layer keeps the top 5% of the MLP's activations
+    (TorchScript alone exports that), its layers alternate sliding and full attention."""
+    sparsity = [0.0, 0.0] if dynamo else [0.95, 0.0]  # the dynamo exporter cannot convert the sparsity's icdf
+    source = _export("Gemma3nTextConfig", "Gemma3nForCausalLM", tmp_path, dynamo=dynamo, with_past=True, head_dim=16,
+                     sliding_window=16, layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=0,
+                     vocab_size_per_layer_input=256, hidden_size_per_layer_input=8, laurel_rank=8,
+                     activation_sparsity_pattern=sparsity, qkv_gain=4.0)
+    om = compile_to(source, tmp_path / "paged", enable_paged_attention=True)
+    ops = Counter(n.op_type for n in load_artifact(om).model.graph.node)
+    assert ops["PagedAttention"] == SIZES["num_hidden_layers"] and ops["Softmax"] == 0
+    # 11 a layer (input, q, k, v, post-attention, pre- and post-MLP, LAuReL's, the router's twice, the per-layer
+    # input's), the per-layer projection's and the final one
+    assert ops["RmsNorm"] + ops["AddRmsNorm"] == 11 * SIZES["num_hidden_layers"] + 2
+    _paged_equals_onnxruntime(source, om, [[5, 6, 7], list(range(3, 40))], 12)
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
 def test_gemma2_softcapped_attention_fuses_and_generates(dynamo, tmp_path):
     """Gemma 2 (transformers' default attention for it is eager): scores capped by c·tanh(s / c), a final
     logit softcap after the head, sliding-window layers between full ones; the native kernel, the numba one

@@ -2,7 +2,7 @@
 
 Anchored at the ReduceMean. Accepted: the square as Pow(x, 2) or Mul(x, x); the mean over the last axis
 (attribute or input axes) with keepdims; Add of a scalar epsilon (either order); Sqrt then Reciprocal,
-Div(1, ·) and Mul(x, ·) in either order, or Div(x, ·); Casts to float32 around the normalisation;
+Div(1, ·) and Mul(x, ·) in either order, or Div(x, ·); Pow(·, -0.5) then Mul(x, ·) (Gemma 3n); Casts to float32 around the normalisation;
 the weight Mul in either order (no weight Mul means a weight of ones; Gemma's 1 + w arrives folded).
 Every intermediate value must have no other reader.
 """
@@ -35,7 +35,11 @@ def _normalized(graph: gs.Graph, x: gs.Tensor, sqrt_out: gs.Tensor) -> gs.Tensor
         return step.outputs[0]
     if step.op == "Div" and not (step.inputs[1] is sqrt_out and scalar(step.inputs[0]) == 1.0):
         return "Div is neither x / rms nor 1 / rms"
-    inverse = step.outputs[0]
+    return _scaled(graph, x, step.outputs[0])
+
+
+def _scaled(graph: gs.Graph, x: gs.Tensor, inverse: gs.Tensor) -> gs.Tensor | str:
+    """x · (1 / rms), the inverse already computed."""
     scale = sole_consumer(graph, inverse, "Mul")
     if scale is None or other_input(scale, inverse) is not x:
         return "1 / rms does not multiply the normalised input"
@@ -69,10 +73,10 @@ class FuseRmsNorm(FusionPass):
         epsilon = scalar(other_input(add, mean.outputs[0])) if add is not None else None
         if epsilon is None:
             return "the mean is not followed by Add of a scalar epsilon"
-        sqrt = sole_consumer(graph, add.outputs[0], "Sqrt")
-        if sqrt is None:
-            return "mean + epsilon is not followed by Sqrt"
-        normalized = _normalized(graph, x, sqrt.outputs[0])
+        root = sole_consumer(graph, add.outputs[0], "Sqrt", "Pow")
+        if root is None or (root.op == "Pow" and scalar(root.inputs[1]) != -0.5):
+            return "mean + epsilon is not followed by Sqrt or Pow(·, -0.5)"
+        normalized = _normalized(graph, x, root.outputs[0]) if root.op == "Sqrt" else _scaled(graph, x, root.outputs[0])
         if isinstance(normalized, str):
             return normalized
         source = x

@@ -25,8 +25,12 @@ def _rms_nodes(x: str, out: str, *, square="pow", inverse="div1", weight_first=T
         nodes.append(helper.make_node("ReduceMean", ["sq", "axes"], ["mean"], keepdims=keepdims))
     else:
         nodes.append(helper.make_node("ReduceMean", ["sq"], ["mean"], axes=[last_axis], keepdims=keepdims))
-    nodes += [helper.make_node("Add", ["mean", eps], ["var"]), helper.make_node("Sqrt", ["var"], ["rms"])]
-    if inverse == "div1":
+    nodes.append(helper.make_node("Add", ["mean", eps], ["var"]))
+    if inverse != "pow":
+        nodes.append(helper.make_node("Sqrt", ["var"], ["rms"]))
+    if inverse == "pow":  # Gemma 3n: (mean + eps) ** -0.5
+        nodes += [helper.make_node("Pow", ["var", "minus_half"], ["inv"]), helper.make_node("Mul", [x, "inv"], ["normed"])]
+    elif inverse == "div1":
         nodes += [helper.make_node("Div", ["one", "rms"], ["inv"]), helper.make_node("Mul", [x, "inv"], ["normed"])]
     elif inverse == "reciprocal":
         nodes += [helper.make_node("Reciprocal", ["rms"], ["inv"]), helper.make_node("Mul", ["inv", x], ["normed"])]
@@ -46,6 +50,7 @@ def _model(nodes, opset=17, weight=WEIGHT, eps=np.float32(1e-6), extra_outputs=(
                     numpy_helper.from_array(np.array([-1], np.int64), "axes")]
     if weight is not None:
         initializers.append(numpy_helper.from_array(weight, "w"))
+    initializers.append(numpy_helper.from_array(np.array(-0.5, np.float32), "minus_half"))
     graph_inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 3, H]) for name in inputs]
     outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("y", *extra_outputs)]
     return helper.make_model(helper.make_graph(nodes, "g", graph_inputs, outputs, initializers),
@@ -58,6 +63,7 @@ SPELLINGS = {
     "mul-square": dict(square="mul", inverse="reciprocal", weight_first=False),
     "div-x": dict(square="pow", inverse="divx", weight_first=False),
     "no-weight": dict(weight=None),
+    "pow-minus-half": dict(square="pow", inverse="pow", weight_first=False),
 }
 
 
@@ -100,7 +106,7 @@ def _retype_input(model, name, dims):
     (lambda m: m.graph.output.append(helper.make_tensor_value_info("rms", TensorProto.FLOAT, None)), "Sqrt"),
     (lambda m: m.graph.output.append(helper.make_tensor_value_info("sq", TensorProto.FLOAT, None)), "square used only"),
     (lambda m: _retype_input(m, "x", [2, 3, "hidden"]), "not static"),
-    (lambda m: setattr(m.graph.node[3], "op_type", "Abs"), "not followed by Sqrt"),
+    (lambda m: setattr(m.graph.node[3], "op_type", "Abs"), "not followed by Sqrt or Pow"),
     (lambda m: m.graph.node[4].input.__setitem__(0, "two"), "neither x / rms nor 1 / rms"),
     (lambda m: m.graph.node[5].input.__setitem__(0, "r"), "does not multiply the normalised input"),
     (lambda m: m.graph.initializer[4].CopyFrom(numpy_helper.from_array(WEIGHT.astype(np.float16), "w")), "float16"),
@@ -111,6 +117,13 @@ def test_refusals(change, reason):
     fused, (result,) = apply_pass(model, FuseRmsNorm())
     assert result.effect_times == 0 and "RmsNorm" not in op_counts(fused)
     assert any(reason in r for r in result.rejections), result.rejections
+
+
+def test_a_power_of_the_mean_other_than_minus_a_half_is_refused():
+    model = _model(_rms_nodes("x", "y", inverse="pow"))
+    model.graph.initializer[-1].CopyFrom(numpy_helper.from_array(np.array(0.5, np.float32), "minus_half"))
+    fused, (result,) = apply_pass(model, FuseRmsNorm())
+    assert result.effect_times == 0 and any("Pow(·, -0.5)" in r for r in result.rejections), result.rejections
 
 
 def test_a_weight_that_is_not_constant_is_refused():
