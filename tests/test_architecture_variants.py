@@ -466,21 +466,33 @@ def test_gemma3_norms_after_the_head_transpose_fuse(dynamo, tmp_path):
 
 
 @pytest.mark.parametrize("dynamo", [False, True])
-def test_gemma3n_norms_as_a_power_of_the_mean_fuse_and_generate(dynamo, tmp_path):
-    """Gemma 3n writes every RMSNorm as x · (mean(x²) + eps) ** -0.5 (q, k and v per head, AltUp's router
-    norm twice a layer, the per-layer inputs'); its first layer keeps the top 5% of the MLP's activations
-    (TorchScript alone exports that), its layers alternate sliding and full attention."""
-    sparsity = [0.0, 0.0] if dynamo else [0.95, 0.0]  # the dynamo exporter cannot convert the sparsity's icdf
+def test_gemma3n_fuses_and_generates_with_its_last_layers_reusing_earlier_caches(dynamo, tmp_path):
+    """Gemma 3n: every RMSNorm written x · (mean(x²) + eps) ** -0.5 (q, k and v per head, AltUp's router norm
+    twice a layer, the per-layer inputs'); sliding and full layers alternating; its last layers attend to the
+    keys and values of the last earlier layer of their kind and export no cache of their own; its first layer
+    keeps the top 5% of the MLP's activations (TorchScript alone exports that)."""
+    layers, shared = 4, 2
+    sparsity = [0.0] * layers if dynamo else [0.95] + [0.0] * (layers - 1)  # dynamo cannot convert its icdf
     source = _export("Gemma3nTextConfig", "Gemma3nForCausalLM", tmp_path, dynamo=dynamo, with_past=True, head_dim=16,
-                     sliding_window=16, layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=0,
-                     vocab_size_per_layer_input=256, hidden_size_per_layer_input=8, laurel_rank=8,
-                     activation_sparsity_pattern=sparsity, qkv_gain=4.0)
+                     num_hidden_layers=layers, sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2,
+                     num_kv_shared_layers=shared, vocab_size_per_layer_input=256, hidden_size_per_layer_input=8,
+                     laurel_rank=8, activation_sparsity_pattern=sparsity, qkv_gain=4.0)
+    assert sum(i.name.startswith("past_key_values") for i in onnx.load(source).graph.input) == 2 * (layers - shared)
+    loaded = load_artifact(compile_to(source, tmp_path / "contiguous"))
+    fused = [n for n in loaded.model.graph.node if n.op_type == "FusedAttention"]
+    # the reusing layers read their owners' projections and past, and write no present
+    assert [n.input[3] for n in fused] == [f"past_key_values.{i}.key" for i in (0, 1, 0, 1)]
+    assert [len([o for o in n.output if o]) for n in fused] == [3, 3, 1, 1]
+    feeds = causal_lm_inputs(loaded.metadata["signature"], loaded.metadata["model"], np.arange(3, 43)[None])
+    want = ort_reference(source, feeds)["logits"]
+    for backend in ("onnxruntime", "reference"):
+        np.testing.assert_allclose(Executor(loaded, backend).run(feeds)["logits"], want, atol=1e-4, rtol=0)
     om = compile_to(source, tmp_path / "paged", enable_paged_attention=True)
     ops = Counter(n.op_type for n in load_artifact(om).model.graph.node)
-    assert ops["PagedAttention"] == SIZES["num_hidden_layers"] and ops["Softmax"] == 0
+    assert ops["PagedAttention"] == layers and ops["Softmax"] == 0
     # 11 a layer (input, q, k, v, post-attention, pre- and post-MLP, LAuReL's, the router's twice, the per-layer
-    # input's), the per-layer projection's and the final one
-    assert ops["RmsNorm"] + ops["AddRmsNorm"] == 11 * SIZES["num_hidden_layers"] + 2
+    # input's), less k's and v's in the reusing layers, then the per-layer projection's and the final one
+    assert ops["RmsNorm"] + ops["AddRmsNorm"] == 11 * layers - 2 * shared + 2
     _paged_equals_onnxruntime(source, om, [[5, 6, 7], list(range(3, 40))], 12)
 
 

@@ -36,14 +36,19 @@ class _CausalLMWithFlatCache(torch.nn.Module):
             return out.logits
         from transformers import DynamicCache
 
-        cache = DynamicCache(ddp_cache_data=list(zip(past[0::2], past[1::2])), config=self.model.config)
+        # layers that reuse an earlier layer's keys and values (Gemma 3n) have no cache of their own
+        pairs = iter(zip(past[0::2], past[1::2]))
+        data = [(None, None) if mode == "reuse" else next(pairs) for mode in _sharing_modes(self.model.config)]
+        cache = DynamicCache(ddp_cache_data=data, config=self.model.config)
         # transformers renamed `past_key_values` to `cache` (5.2x); accept either spelling
         cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=True, **{cache_arg: cache})
         flat = []
-        for layer in (getattr(out, "cache", None) or out.past_key_values).layers:
-            flat += [layer.keys, layer.values]
+        layers = (getattr(out, "cache", None) or out.past_key_values).layers
+        for layer, mode in zip(layers, _sharing_modes(self.model.config)):
+            if mode != "reuse":
+                flat += [layer.keys, layer.values]
         return (out.logits, *flat)
 
 
@@ -55,12 +60,17 @@ class _CausalLMWithoutPositions(_CausalLMWithFlatCache):
         return super().forward(input_ids, attention_mask, None, *past)
 
 
+def _sharing_modes(config) -> list[str | None]:
+    """Each layer's KV sharing ("reuse": it attends to an earlier layer's keys and values and caches none)."""
+    return list(getattr(config, "kv_sharing_modes", None) or [None] * config.num_hidden_layers)
+
+
 def kv_geometry(config) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) of a transformers config."""
+    """(layers with a cache of their own, num_kv_heads, head_dim) of a transformers config."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers, kv_heads, head_dim
+    return sum(mode != "reuse" for mode in _sharing_modes(config)), kv_heads, head_dim
 
 
 def io_names(num_layers: int, with_past: bool) -> tuple[list[str], list[str]]:

@@ -30,6 +30,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from cann_llm.passes.match_attention import (
+    KvCache,
     MaskSource,
     Projection,
     in_float32,
@@ -49,7 +50,7 @@ from cann_llm.passes.match_attention import (
 from cann_llm.passes.match_alibi import peel_alibi
 from cann_llm.passes.match_rotary import Rotary, match_rotary
 from cann_llm.passes.pattern import FusionPass, fused_node, producer, sole_consumer
-from cann_llm.runtime.ops import FUSED_ATTENTION, FusedAttentionInput, FusedAttentionOutput, positional
+from cann_llm.runtime.ops import FUSED_ATTENTION, FusedAttentionInput, FusedAttentionOutput, input_at, positional
 
 
 @dataclass
@@ -104,6 +105,44 @@ def _repeated(tensor: gs.Tensor, tokens_first: bool = False) -> tuple[gs.Tensor,
     return found if found is not None else (tensor, 1)
 
 
+def _cache_owner(keys: gs.Tensor, values: gs.Tensor) -> gs.Node | None:
+    """The fused attention whose present keys and values `keys` and `values` are: an earlier layer's, whose
+    whole cache this layer attends to."""
+    owner = producer(keys, FUSED_ATTENTION.name)
+    if owner is None or len(owner.outputs) <= FusedAttentionOutput.PRESENT_VALUE:
+        return None
+    present = owner.outputs[FusedAttentionOutput.PRESENT_KEY], owner.outputs[FusedAttentionOutput.PRESENT_VALUE]
+    return owner if present[0] is keys and present[1] is values else None
+
+
+def _reused_cache(owner: gs.Node, query4: gs.Tensor, query_rope, tokens_first: bool):
+    """(query, rotary, key cache, value cache, key, value) of a layer that attends to `owner`'s cache (Gemma
+    3n's last layers reuse the keys and values of the last earlier layer of their kind): it reads the same
+    projections, past and rotary tables, so the fused op recomputes the same cache (the paged engine then keeps
+    a copy of those pages for this layer). Refused where the tables or the layout differ."""
+    if tokens_first:
+        return "a sequence-first layer reusing an earlier layer's cache"
+    inputs = {slot: input_at(owner.inputs, slot) for slot in FusedAttentionInput}
+    if inputs[FusedAttentionInput.KEY] is None or inputs[FusedAttentionInput.PAST_KEY] is None:
+        return "the reused cache's keys come packed with its layer's query, or it has no past"
+    rotary = None
+    if query_rope is not None:
+        query4, rotary = query_rope
+        if rotary.cos is not inputs[FusedAttentionInput.COS] or rotary.sin is not inputs[FusedAttentionInput.SIN] \
+                or (rotary.rotary_dim, rotary.interleaved) != (owner.attrs.get("rotary_dim", 0),
+                                                               owner.attrs.get("rotary_interleaved", 0)):
+            return "the query rotates with other tables than the reused cache's keys"
+    elif inputs[FusedAttentionInput.COS] is not None:
+        return "the reused cache's keys are rotated and the query is not"
+    window = owner.attrs.get("sliding_window", 0)
+    caches = (KvCache(inputs[slot], inputs[new], None, window) for slot, new in
+              ((FusedAttentionInput.PAST_KEY, FusedAttentionInput.KEY),
+               (FusedAttentionInput.PAST_VALUE, FusedAttentionInput.VALUE)))
+    heads = owner.attrs["kv_num_heads"]
+    key, value = (Projection(inputs[slot], heads) for slot in (FusedAttentionInput.KEY, FusedAttentionInput.VALUE))
+    return (query4, rotary, *caches, key, value)
+
+
 class FuseAttention(FusionPass):
     """Fuse scaled-dot-product attention blocks with their projections' head split, RoPE and KV cache."""
 
@@ -150,29 +189,35 @@ class FuseAttention(FusionPass):
 
         query_rope = match_rotary(query4)
         key_present, key_repeats = _repeated(key_rep, tokens_first)
-        key_cache = match_kv_concat(graph, key_present, tokens_first)
-        key4 = key_cache.new
-        key_rope = match_rotary(key4)
-        if (query_rope is None) != (key_rope is None):
-            return "rotary embedding on only one of q and k"
-        rotary = None
-        if query_rope is not None:
-            (query4, rotary), (key4, key_rotary) = query_rope, key_rope
-            if key_rotary.cos is not rotary.cos or key_rotary.sin is not rotary.sin \
-                    or (key_rotary.rotary_dim, key_rotary.interleaved) != (rotary.rotary_dim, rotary.interleaved):
-                return "q and k rotate with different tables"
         value_present, value_repeats = _repeated(value_rep, tokens_first)
-        value_cache = match_kv_concat(graph, value_present, tokens_first)
-        value4 = value_cache.new
-        if (key_cache.past is None) != (value_cache.past is None):
-            return "a cache for only one of keys and values"
-        if key_cache.window != value_cache.window:
-            return f"the key and value caches keep {key_cache.window - 1} and {value_cache.window - 1} tokens"
-        found = [match_head_split(t, tokens_first) for t in (query4, key4, value4)]
-        for item in found:
+        owner = _cache_owner(key_present, value_present)
+        if owner is not None:  # the keys and values of an earlier layer, fused already (Gemma 3n's KV sharing)
+            reused = _reused_cache(owner, query4, query_rope, tokens_first)
+            if isinstance(reused, str):
+                return reused
+            query4, rotary, key_cache, value_cache, key, value = reused
+        else:
+            key_cache = match_kv_concat(graph, key_present, tokens_first)
+            key4 = key_cache.new
+            key_rope = match_rotary(key4)
+            if (query_rope is None) != (key_rope is None):
+                return "rotary embedding on only one of q and k"
+            rotary = None
+            if query_rope is not None:
+                (query4, rotary), (key4, key_rotary) = query_rope, key_rope
+                if key_rotary.cos is not rotary.cos or key_rotary.sin is not rotary.sin \
+                        or (key_rotary.rotary_dim, key_rotary.interleaved) != (rotary.rotary_dim, rotary.interleaved):
+                    return "q and k rotate with different tables"
+            value_cache = match_kv_concat(graph, value_present, tokens_first)
+            if (key_cache.past is None) != (value_cache.past is None):
+                return "a cache for only one of keys and values"
+            if key_cache.window != value_cache.window:
+                return f"the key and value caches keep {key_cache.window - 1} and {value_cache.window - 1} tokens"
+            key, value = (match_head_split(t, tokens_first) for t in (key4, value_cache.new))
+        query = match_head_split(query4, tokens_first)
+        for item in (query, key, value):
             if isinstance(item, str):
                 return item
-        query, key, value = found
         heads, kv_heads, value_heads = query.heads, key.heads, value.heads
         head_dim = query4.shape[-1]
         if kv_heads != value_heads or heads % kv_heads:
@@ -237,6 +282,11 @@ class FuseAttention(FusionPass):
             source = projection.tensor
             if projection.heads_first:  # [B, H, S, D] to [B, S, H, D]
                 source = transposed(source, [0, 2, 1, 3], "HeadsLast")
+            # a layer reusing an earlier layer's keys merges the same heads: that layer's Reshape serves both
+            done = next((n.outputs[0] for n in source.outputs if n.op == "Reshape" and n.name == f"{source.name}/MergeHeads"),
+                        None)
+            if done is not None:
+                return done
             shape = None if source.shape is None else list(source.shape[:2]) + [projection.heads * match.head_dim]
             merged = gs.Variable(f"{source.name}_merged", dtype=source.dtype, shape=shape)
             graph.nodes.append(gs.Node("Reshape", name=f"{source.name}/MergeHeads", outputs=[merged], inputs=[

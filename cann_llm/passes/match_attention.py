@@ -699,8 +699,9 @@ def match_kv_concat(graph: gs.Graph, keys: gs.Tensor, tokens_first: bool = False
         return KvCache(None, keys, None)
     if kept is None:
         return KvCache(past, new, keys)
-    present = next((reader.outputs[0] for reader in keys.outputs
-                    if _kept_tail(reader, rank, tokens_first) == kept and id(reader.outputs[0]) in outputs), None)
+    # a reader an earlier layer's fusion detached has no outputs left
+    present = next((reader.outputs[0] for reader in keys.outputs if reader.outputs
+                    and _kept_tail(reader, rank, tokens_first) == kept and id(reader.outputs[0]) in outputs), None)
     return KvCache(past, new, present, kept + 1)
 
 

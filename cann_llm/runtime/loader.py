@@ -22,8 +22,9 @@ from cann_llm.runtime.artifact_schema import SchemaViolation, check_metadata
 from cann_llm.runtime.embedding_rows import TableRows
 from cann_llm.runtime.errors import AtcError
 from cann_llm.runtime.kernels import supports
-from cann_llm.runtime.ops import (ATTENTION_OPS, CUSTOM_DOMAIN, GATHER_INT4, PAGED_ATTENTION, PAGED_METADATA, ContractViolation,
-                         GatherInt4Input, attributes, check_node)
+from cann_llm.runtime.ops import (ATTENTION_OPS, CUSTOM_DOMAIN, FUSED_ATTENTION, GATHER_INT4, PAGED_ATTENTION,
+                                  PAGED_METADATA, ContractViolation, FusedAttentionOutput, GatherInt4Input, attributes,
+                                  check_node, input_at)
 from cann_llm.runtime.signature import io_signature, llm_dimensions
 
 if TYPE_CHECKING:
@@ -152,10 +153,13 @@ def _check_dimensions(metadata: dict, attentions: list[tuple[onnx.NodeProto, dic
             raise ContractViolation(f"metadata.model.{key}: {model.get(key)!r}, the graph makes it {value!r}")
     # past inputs feed every layer, fused or not (one whose attention did not fuse runs on its past input);
     # without them the runner sizes the cache by the attention nodes, one per layer
-    partial = dims.get("kv_cache_io") and len(attentions) <= model.get("num_layers", 0)
-    if attentions and "num_layers" in model and model["num_layers"] != len(attentions) and not partial:
-        raise ContractViolation(f"metadata.model.num_layers: {model['num_layers']}, the graph has {len(attentions)} "
-                                f"attention nodes")
+    # a fused op that writes no present reuses an earlier layer's cache (Gemma 3n): no past input is its own
+    owners = [node for node, _ in attentions if node.op_type != FUSED_ATTENTION.name or not dims.get("kv_cache_io")
+              or input_at(node.output, FusedAttentionOutput.PRESENT_KEY) is not None]
+    partial = dims.get("kv_cache_io") and len(owners) <= model.get("num_layers", 0)
+    if attentions and "num_layers" in model and model["num_layers"] != len(owners) and not partial:
+        raise ContractViolation(f"metadata.model.num_layers: {model['num_layers']}, the graph has {len(owners)} "
+                                f"attention nodes with a cache of their own")
     for node, attrs in attentions:
         for attr, key in (("num_heads", "num_heads"), ("kv_num_heads", "num_kv_heads"), ("head_dim", "head_dim")):
             if key in model and attrs[attr] != model[key]:
