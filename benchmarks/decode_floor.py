@@ -131,7 +131,7 @@ def main(om_path: str, onnx_path: str, context: int, steps: int) -> None:
     native_floor = native_matmul_session(weights)
     executor = Executor(loaded)
     pages = -(-(context + steps) // page_size)
-    pool = PagePool(dims["num_layers"], pages, page_size, dims["num_kv_heads"], dims["head_dim"])
+    pool = PagePool.of(dims, pages, page_size)
     original = ort.InferenceSession(onnx_path, session_options(), providers=["CPUExecutionProvider"])
     presents = [o.name for o in original.get_outputs() if o.name.startswith("present")]
     ids = (np.arange(context) % 1000 + 5).astype(np.int64)

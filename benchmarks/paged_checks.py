@@ -42,7 +42,7 @@ def main(om: str, context: int, steps: int) -> None:
     loaded = load_artifact(om)
     dims, page_size = loaded.metadata["model"], loaded.kv_cache["page_size"]
     executor = Executor(loaded)
-    pool = PagePool(dims["num_layers"], context // page_size + 1, page_size, dims["num_kv_heads"], dims["head_dim"])
+    pool = PagePool.of(dims, context // page_size + 1, page_size)
     feeds = _decode_feeds(context, page_size)
     checks = (paged_attention._check_operands, paged_attention.check_paged_metadata)
     stubs = (lambda *args, **kwargs: None,) * 2

@@ -44,7 +44,7 @@ def executor_on(library: Path, om_path: str, context: int, steps: int) -> tuple[
         native.library_path = chosen
     page_size, dims = loaded.metadata["kv_cache"]["page_size"], loaded.metadata["model"]
     pages = -(-(context + steps + 2) // page_size)
-    pool = PagePool(dims["num_layers"], pages, page_size, dims["num_kv_heads"], dims["head_dim"])
+    pool = PagePool.of(dims, pages, page_size)
     table = np.arange(pages, dtype=np.int32)[None]
     ids, positions = (np.arange(context) % 1000 + 5).astype(np.int64), np.arange(context, dtype=np.int64)
     executor.run({"input_ids": ids[None], "position_ids": positions[None],

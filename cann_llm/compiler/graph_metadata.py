@@ -11,13 +11,15 @@ from cann_llm.runtime.ops import ATTENTION_OPS, GATHER_F28, GATHER_INT4, MATMUL_
 
 def attention_dimensions(graph) -> dict:
     """Layers and head shape from the graph's attention nodes, FusedAttention or PagedAttention (empty when
-    attention is not fused)."""
+    attention is not fused); `layer_kv`, each node's [KV heads, head size], where they differ."""
     attentions = [n for n in graph.nodes if n.op in ATTENTION_OPS]
     if not attentions:
         return {}
     attrs = attentions[0].attrs
+    # the first layer's sizes, and each layer's where they differ (Gemma 4's full layers from its sliding ones)
+    shapes = [[n.attrs["kv_num_heads"], n.attrs["head_dim"]] for n in attentions]
     return {"num_layers": len(attentions), "num_heads": attrs["num_heads"], "num_kv_heads": attrs["kv_num_heads"],
-            "head_dim": attrs["head_dim"]}
+            "head_dim": attrs["head_dim"], **({"layer_kv": shapes} if any(s != shapes[0] for s in shapes) else {})}
 
 
 def kv_cache_metadata(cfg) -> dict:

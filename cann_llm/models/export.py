@@ -65,12 +65,25 @@ def _sharing_modes(config) -> list[str | None]:
     return list(getattr(config, "kv_sharing_modes", None) or [None] * config.num_hidden_layers)
 
 
+def cache_shapes(config) -> list[tuple[int, int]]:
+    """(num_kv_heads, head_dim) of each layer with a cache of their own, in order: Gemma 4's full-attention
+    layers have other sizes than its sliding ones (a heterogeneous config says so per layer)."""
+    layers = getattr(config, "per_layer_config", None) if getattr(config, "is_heterogeneous", False) else None
+    shapes = []
+    for index, mode in enumerate(_sharing_modes(config)):
+        layer = layers[index] if layers is not None else config
+        heads = config.num_attention_heads
+        kv_heads = getattr(layer, "num_key_value_heads", None) or heads
+        if mode != "reuse":
+            shapes.append((kv_heads, getattr(layer, "head_dim", None) or config.hidden_size // heads))
+    return shapes
+
+
 def kv_geometry(config) -> tuple[int, int, int]:
-    """(layers with a cache of their own, num_kv_heads, head_dim) of a transformers config."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return sum(mode != "reuse" for mode in _sharing_modes(config)), kv_heads, head_dim
+    """(layers with a cache of their own, num_kv_heads, head_dim) of a transformers config whose cached layers
+    are all alike (the first one's sizes otherwise: `cache_shapes` has each)."""
+    shapes = cache_shapes(config)
+    return len(shapes), *shapes[0]
 
 
 def io_names(num_layers: int, with_past: bool) -> tuple[list[str], list[str]]:
@@ -90,7 +103,6 @@ def example_inputs(config, with_past: bool, batch: int = EXAMPLE_BATCH, seq: int
     the model's."""
     gen = torch.Generator().manual_seed(seed)
     past = past if with_past else 0
-    num_layers, kv_heads, head_dim = kv_geometry(config)
     feeds = {"input_ids": torch.randint(0, config.vocab_size, (batch, seq), generator=gen)}
     mask = torch.ones(batch, past + seq, dtype=torch.int64)
     if batch > 1:
@@ -98,7 +110,7 @@ def example_inputs(config, with_past: bool, batch: int = EXAMPLE_BATCH, seq: int
     feeds["attention_mask"] = mask
     feeds["position_ids"] = torch.arange(past, past + seq).unsqueeze(0).repeat(batch, 1)
     if with_past:
-        for i in range(num_layers):
+        for i, (kv_heads, head_dim) in enumerate(cache_shapes(config)):
             for kind in ("key", "value"):
                 feeds[f"past_key_values.{i}.{kind}"] = torch.randn(batch, kv_heads, past, head_dim, generator=gen).to(dtype)
     return feeds

@@ -49,7 +49,7 @@ from cann_llm.passes.match_attention import (
 )
 from cann_llm.passes.match_alibi import peel_alibi
 from cann_llm.passes.match_rotary import Rotary, match_rotary
-from cann_llm.passes.pattern import FusionPass, fused_node, producer, sole_consumer
+from cann_llm.passes.pattern import FusionPass, fused_node, producer, same_value, sole_consumer
 from cann_llm.runtime.ops import FUSED_ATTENTION, FusedAttentionInput, FusedAttentionOutput, input_at, positional
 
 
@@ -128,7 +128,8 @@ def _reused_cache(owner: gs.Node, query4: gs.Tensor, query_rope, tokens_first: b
     rotary = None
     if query_rope is not None:
         query4, rotary = query_rope
-        if rotary.cos is not inputs[FusedAttentionInput.COS] or rotary.sin is not inputs[FusedAttentionInput.SIN] \
+        if not same_value(rotary.cos, inputs[FusedAttentionInput.COS]) \
+                or not same_value(rotary.sin, inputs[FusedAttentionInput.SIN]) \
                 or (rotary.rotary_dim, rotary.interleaved) != (owner.attrs.get("rotary_dim", 0),
                                                                owner.attrs.get("rotary_interleaved", 0)):
             return "the query rotates with other tables than the reused cache's keys"
@@ -205,7 +206,7 @@ class FuseAttention(FusionPass):
             rotary = None
             if query_rope is not None:
                 (query4, rotary), (key4, key_rotary) = query_rope, key_rope
-                if key_rotary.cos is not rotary.cos or key_rotary.sin is not rotary.sin \
+                if not same_value(key_rotary.cos, rotary.cos) or not same_value(key_rotary.sin, rotary.sin) \
                         or (key_rotary.rotary_dim, key_rotary.interleaved) != (rotary.rotary_dim, rotary.interleaved):
                     return "q and k rotate with different tables"
             value_cache = match_kv_concat(graph, value_present, tokens_first)

@@ -14,16 +14,34 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from cann_llm.passes.pattern import FusionPass, axes_of, fused_node, other_input, producer, scalar, sole_consumer
+from cann_llm.passes.pattern import (FusionPass, axes_of, fused_node, is_graph_output, other_input, producer, scalar,
+                                    sole_consumer)
 
 
 @dataclass
 class RmsNormMatch:
     x: gs.Tensor
-    weight: gs.Tensor
     epsilon: float
-    output: gs.Tensor
+    outputs: tuple[tuple[gs.Tensor, gs.Tensor], ...]  # (weight, output) of each norm the subgraph computes
     name: str
+
+
+def _weighted(graph: gs.Graph, normalized: gs.Tensor, hidden: int) -> list[tuple[gs.Tensor, gs.Tensor]] | str:
+    """(weight, output) for each reader of `normalized` that scales it by a constant [hidden] weight, and
+    (None, normalized) where something else reads it too. An optimiser that merged two norms of one input
+    (Gemma 4's k and v norms, v's unweighted) leaves one normalisation read by both: each becomes a norm."""
+    if is_graph_output(graph, normalized):
+        return [(None, normalized)]
+    found = []
+    for reader in normalized.outputs:
+        weight = other_input(reader, normalized) if reader.op == "Mul" else None
+        if isinstance(weight, gs.Constant) and tuple(weight.shape) == (hidden,):
+            found.append((weight, reader.outputs[0]))
+        elif weight is not None and len(normalized.outputs) == 1:
+            return "the weight is not a constant"
+        elif not any(output is normalized for _, output in found):
+            found.append((None, normalized))
+    return found
 
 
 def _normalized(graph: gs.Graph, x: gs.Tensor, sqrt_out: gs.Tensor) -> gs.Tensor | str:
@@ -85,19 +103,17 @@ class FuseRmsNorm(FusionPass):
         if cast_in is not None and cast_out is not None and cast_in.inputs[0].dtype is not None:
             source = cast_in.inputs[0]
             normalized = cast_out.outputs[0]
-        weighting = sole_consumer(graph, normalized, "Mul")
-        weight = other_input(weighting, normalized) if weighting is not None else None
-        if isinstance(weight, gs.Constant) and tuple(weight.shape) == (hidden,):
-            output = weighting.outputs[0]
-        elif weighting is not None and weight is not None and not isinstance(weight, gs.Constant):
-            return "the weight is not a constant"
-        else:
-            weight = gs.Constant(f"{mean.name}_ones", np.ones(hidden, dtype=np.dtype(source.dtype or np.float32)))
-            output = normalized
-        if np.dtype(weight.dtype) != np.dtype(source.dtype or weight.dtype):
-            return f"the weight is {weight.dtype}, the input {source.dtype}"
-        return RmsNormMatch(source, weight, epsilon, output, mean.name.rsplit("/", 1)[0] + "/RmsNorm")
+        weighted = _weighted(graph, normalized, hidden)
+        if isinstance(weighted, str):
+            return weighted
+        ones = gs.Constant(f"{mean.name}_ones", np.ones(hidden, dtype=np.dtype(source.dtype or np.float32)))
+        outputs = [(ones if weight is None else weight, output) for weight, output in weighted]
+        for weight, _ in outputs:
+            if np.dtype(weight.dtype) != np.dtype(source.dtype or weight.dtype):
+                return f"the weight is {weight.dtype}, the input {source.dtype}"
+        return RmsNormMatch(source, epsilon, tuple(outputs), mean.name.rsplit("/", 1)[0] + "/RmsNorm")
 
     def rewrite(self, graph: gs.Graph, match: RmsNormMatch) -> None:
-        graph.nodes.append(fused_node("RmsNorm", [match.x, match.weight], [match.output], match.name,
-                                      epsilon=match.epsilon))
+        for index, (weight, output) in enumerate(match.outputs):
+            graph.nodes.append(fused_node("RmsNorm", [match.x, weight], [output],
+                                          match.name + (f"_{index}" if index else ""), epsilon=match.epsilon))

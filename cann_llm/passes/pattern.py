@@ -65,6 +65,29 @@ def is_graph_output(graph: gs.Graph, tensor: gs.Tensor) -> bool:
     return any(t is tensor for t in graph.outputs)
 
 
+def same_value(a: gs.Tensor, b: gs.Tensor, depth: int = 4) -> bool:
+    """Whether `a` and `b` hold the same values by construction: one tensor, equal constants, or the same
+    op with the same attributes on inputs that are (`depth` levels deep). TorchScript repeats per layer what
+    every layer computes alike (the rotary tables' Unsqueeze, say), where an optimiser would compute it once."""
+    if a is b:
+        return True
+    if isinstance(a, gs.Constant) and isinstance(b, gs.Constant):
+        return a.values.shape == b.values.shape and a.values.dtype == b.values.dtype \
+            and bool(np.array_equal(a.values, b.values))
+    first, second = producer(a), producer(b)
+    if depth == 0 or first is None or second is None or (first.op, first.domain) != (second.op, second.domain) \
+            or not _same_attrs(first.attrs, second.attrs) or len(first.inputs) != len(second.inputs) \
+            or first.outputs.index(a) != second.outputs.index(b):
+        return False
+    return all(same_value(x, y, depth - 1) for x, y in zip(first.inputs, second.inputs))
+
+
+def _same_attrs(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        np.array_equal(a[k], b[k]) if isinstance(a[k], np.ndarray) or isinstance(b[k], np.ndarray)
+        else isinstance(a[k], type(b[k])) and not isinstance(a[k], gs.Tensor) and a[k] == b[k] for k in a)
+
+
 def fused_node(op: str, inputs: list[gs.Tensor], outputs: list[gs.Tensor], name: str, **attrs: Any) -> gs.Node:
     """A `cann` node that takes over `outputs` from whatever produced them."""
     for tensor in outputs:

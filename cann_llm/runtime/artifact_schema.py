@@ -138,6 +138,7 @@ METADATA = Obj(
             "vocab_size": Int(1), "kv_cache_io": Of(bool), "num_layers": Int(1, MAX_HEADS), "num_heads": _HEADS,
             "num_kv_heads": _HEADS, "head_dim": Int(1, MAX_HEAD_DIM), "family": Of((str, type(None))),
             "detected_family": Of((str, type(None))), "max_positions": Int(1), "rotary_switch_length": Int(1),
+            "layer_kv": ListOf(ListOf(Int(1, MAX_HEAD_DIM), most=2), most=MAX_HEADS),
         }),
     },
 )
@@ -159,6 +160,10 @@ def check_metadata(metadata: Any) -> None:
     if "num_heads" in model and "num_kv_heads" in model and model["num_heads"] % model["num_kv_heads"]:
         raise SchemaViolation(f"metadata.model.num_kv_heads: {model['num_kv_heads']} does not divide "
                               f"num_heads {model['num_heads']}")
+    for index, sizes in enumerate(model.get("layer_kv", [])):
+        if len(sizes) != 2 or ("num_heads" in model and model["num_heads"] % sizes[0]):
+            raise SchemaViolation(f"metadata.model.layer_kv[{index}]: {sizes} is not [KV heads dividing num_heads, "
+                                  f"head size]")
     for side in ("inputs", "outputs"):
         names = [value["name"] for value in metadata["signature"][side]]
         if len(set(names)) != len(names):

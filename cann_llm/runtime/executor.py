@@ -83,7 +83,9 @@ class Executor:
             reason = str(error).splitlines()[0]
             raise AtcError("E13015", loaded.om.path, f"onnx's shape inference fails on the graph: {reason}") from None
         self.native_library = None
-        if backend == "onnxruntime" and not host_attention and _only_paged_attention(plan):
+        # the native op reads one pool of pages alike in every layer
+        uniform = "layer_kv" not in loaded.metadata.get("model", {})
+        if backend == "onnxruntime" and not host_attention and uniform and _only_paged_attention(plan):
             try:
                 self.native_library = native.library_path()
             except native.NativeUnavailable:

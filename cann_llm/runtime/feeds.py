@@ -138,7 +138,11 @@ def causal_lm_inputs(signature: dict, dims: dict, ids: np.ndarray, past: int = 0
     for layer in range(dims.get("num_layers", 0) if dims.get("kv_cache_io") else 0):
         for kind in ("key", "value"):
             name = f"past_key_values.{layer}.{kind}"
-            shape = (batch, dims["num_kv_heads"], past, dims["head_dim"])
+            # each input's own static sizes where it has them: layers may differ (Gemma 4)
+            declared = names[name]["shape"]
+            heads, size = (d if isinstance(d, int) else default for d, default in
+                           zip((declared[1], declared[3]), (dims["num_kv_heads"], dims["head_dim"])))
+            shape = (batch, heads, past, size)
             dtype = np.dtype(names[name]["dtype"])
             feeds[name] = (rng.standard_normal(shape).astype(dtype) if rng is not None else np.zeros(shape, dtype))
     return feeds
@@ -168,8 +172,8 @@ def page_pool(metadata: dict, feeds: dict[str, np.ndarray]) -> PagePool:
     tables, slots = feeds.get("block_tables"), feeds.get("slot_mapping")
     highest = max([int(a.max()) + 1 for a in (tables,) if a is not None and a.size] +
                   [int(a.max()) // page_size + 1 for a in (slots,) if a is not None and a.size] + [1])
-    per_page = PagePool.bytes_per_page(dims["num_layers"], page_size, dims["num_kv_heads"], dims["head_dim"])
+    per_page = PagePool.bytes_per_page(dims, page_size)
     if highest * per_page > MAX_POOL_BYTES:
         raise AtcError("E10001", highest - 1, "--input", f"the block tables or slots address page {highest - 1}; "
                                                          f"a pool that large ({highest * per_page} bytes) is refused")
-    return PagePool(dims["num_layers"], highest, page_size, dims["num_kv_heads"], dims["head_dim"])
+    return PagePool.of(dims, highest, page_size)

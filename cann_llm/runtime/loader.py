@@ -160,11 +160,18 @@ def _check_dimensions(metadata: dict, attentions: list[tuple[onnx.NodeProto, dic
     if attentions and "num_layers" in model and model["num_layers"] != len(owners) and not partial:
         raise ContractViolation(f"metadata.model.num_layers: {model['num_layers']}, the graph has {len(owners)} "
                                 f"attention nodes with a cache of their own")
-    for node, attrs in attentions:
+    listed = model.get("layer_kv")
+    if listed is not None and len(listed) != len(attentions):
+        raise ContractViolation(f"metadata.model.layer_kv: {len(listed)} layers, the graph has {len(attentions)} "
+                                f"attention nodes")
+    for index, (node, attrs) in enumerate(attentions):
+        # where the layers differ, each node's KV sizes are its own entry of layer_kv
+        sizes = dict(zip(("num_kv_heads", "head_dim"), listed[index])) if listed is not None else model
         for attr, key in (("num_heads", "num_heads"), ("kv_num_heads", "num_kv_heads"), ("head_dim", "head_dim")):
-            if key in model and attrs[attr] != model[key]:
-                raise ContractViolation(f"node {node.name}: {attr} {attrs[attr]} is not metadata.model.{key} "
-                                        f"{model[key]}")
+            expected = model.get(key) if key == "num_heads" else sizes.get(key)
+            if expected is not None and attrs[attr] != expected:
+                raise ContractViolation(f"node {node.name}: {attr} {attrs[attr]} is not metadata.model's {key} "
+                                        f"{expected}")
 
 
 def _check_opsets(model: onnx.ModelProto) -> None:

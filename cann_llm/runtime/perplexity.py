@@ -40,7 +40,7 @@ def _window_logits(executor: Executor, signature: dict, dims: dict, ids: list[in
         return executor.run(causal_lm_inputs(signature, dims, chunk), ["logits"])["logits"][0]
     count, page_size = len(ids), executor.loaded.kv_cache["page_size"]
     pages = -(-count // page_size)
-    pool = PagePool(dims["num_layers"], pages, page_size, dims["num_kv_heads"], dims["head_dim"])
+    pool = PagePool.of(dims, pages, page_size)
     rows = np.arange(count, dtype=np.int64)
     feeds = {"input_ids": np.asarray([ids], np.int64), "position_ids": rows[None],
              **paged_metadata_feeds([0, count], [count], np.arange(pages)[None], rows), "logits_indices": rows}

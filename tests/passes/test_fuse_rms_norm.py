@@ -132,6 +132,21 @@ def test_a_weight_that_is_not_constant_is_refused():
     assert result.effect_times == 0 and any("not a constant" in r for r in result.rejections)
 
 
+def test_one_normalisation_read_weighted_and_unweighted_becomes_two_norms(tmp_path):
+    """An optimiser that merged two norms of one input (Gemma 4's k norm and its unweighted v norm) leaves one
+    normalisation read by a weight Mul and by something else: each reader gets its own norm."""
+    nodes = _rms_nodes("x", "y")
+    nodes.append(helper.make_node("Neg", ["normed"], ["z"]))
+    model = _model(nodes, extra_outputs=("z",), inputs=("x",))
+    fused, (result,) = apply_pass(model, FuseRmsNorm())
+    norms = [n for n in fused.graph.node if n.op_type == "RmsNorm"]
+    assert (result.match_times, result.effect_times, len(norms)) == (1, 1, 2)
+    weights = {numpy_helper.to_array(t).tobytes() for t in fused.graph.initializer if t.name in {n.input[1] for n in norms}}
+    assert weights == {WEIGHT.tobytes(), np.ones(H, np.float32).tobytes()}
+    assert not {"ReduceMean", "Pow", "Sqrt", "Reciprocal", "Div"} & set(op_counts(fused))
+    assert_parity(model, fused, {"x": FEEDS["x"]}, tmp_path)
+
+
 def test_residual_add_joins_the_norm_and_keeps_its_sum(tmp_path):
     nodes = [helper.make_node("Add", ["x", "r"], ["s"])] + _rms_nodes("s", "y")
     nodes.append(helper.make_node("Neg", ["s"], ["next_residual"]))

@@ -80,7 +80,7 @@ def test_paged_logits_match_onnxruntime_on_the_original(case, plan, compiled, tm
     dims = loaded.metadata["model"]
     backend, host_attention = PLANS[plan]
     executor = Executor(loaded, backend, host_attention=host_attention)
-    pool = PagePool(dims["num_layers"], 8, PAGE, dims["num_kv_heads"], dims["head_dim"])
+    pool = PagePool.of(dims, 8, PAGE)
     rng = np.random.default_rng(0)
     first, second = rng.integers(0, 256, 21).tolist(), rng.integers(0, 256, 9).tolist()
     tables = np.array([[5, 2], [7, 0]], np.int32)

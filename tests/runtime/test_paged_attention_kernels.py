@@ -334,7 +334,7 @@ from cann_llm.runtime.kernels.paged_attention import PagedAttention
 from cann_llm.runtime.kernels.warmup import _signatures
 
 heads, kv_heads, dim, page = 8, 2, 32, 16
-pool = PagePool(1, 1024, page, kv_heads, dim)
+pool = PagePool([(kv_heads, dim)], 1024, page)
 rng = np.random.default_rng(0)
 for new, lengths, flash in [([5], [5], 0), ([100], [100], 0), ([100, 1], [100, 40], 1), ([1, 1], [6, 9], 0),
                             ([1] * 6, [1500, 17, 700, 1, 64, 129], 0)]:

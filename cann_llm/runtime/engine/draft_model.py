@@ -57,7 +57,7 @@ class DraftModelProposer:
                                 f"{loaded.metadata['model']['vocab_size']} tokens, the target's {vocab_size}: a "
                                 f"draft must share the target's tokenizer.")
         dims, page_size = loaded.metadata["model"], loaded.kv_cache["page_size"]
-        pool = PagePool(dims["num_layers"], num_pages, page_size, dims["num_kv_heads"], dims["head_dim"])
+        pool = PagePool.of(dims, num_pages, page_size)
         self.runner = PagedRunner(Executor(loaded, backend, threads, native_matmul=native_matmul), pool)
         self.blocks = BlockManager(num_pages, page_size, enable_prefix_caching=False)
         self.num_tokens = num_tokens

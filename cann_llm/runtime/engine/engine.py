@@ -282,7 +282,7 @@ class EngineStats:
 
 def _pages_in(megabytes: int, dims: dict, page_size: int) -> int:
     """How many whole pages of this model's KV cache fit in `megabytes` MiB."""
-    per_page = PagePool.bytes_per_page(dims["num_layers"], page_size, dims["num_kv_heads"], dims["head_dim"])
+    per_page = PagePool.bytes_per_page(dims, page_size)
     pages = megabytes * 2**20 // per_page
     if pages < 1:
         raise invalid_value(megabytes, "kv_cache_memory_mb", f"it holds no page: one page of {page_size} tokens "
@@ -300,7 +300,7 @@ def default_pages(dims: dict, page_size: int, memory: int | None) -> int:
     12,288 tokens."""
     if memory is None:
         return DEFAULT_PAGES
-    per_page = PagePool.bytes_per_page(dims["num_layers"], page_size, dims["num_kv_heads"], dims["head_dim"])
+    per_page = PagePool.bytes_per_page(dims, page_size)
     return max(1, min(DEFAULT_PAGES, memory // 2 // per_page))
 
 
@@ -361,8 +361,8 @@ class LLMEngine:
             blocks = BlockManager(max_batch_size, max_context_len, enable_prefix_caching=False)
         # an export without past/present I/O recomputes its whole sequence each step and holds no cache
         holds_kv = self.paged or self.dims.get("kv_cache_io")
-        self.kv_bytes_per_page = PagePool.bytes_per_page(layers, self.page_size, self.dims["num_kv_heads"],
-                                                         self.dims["head_dim"]) if holds_kv else 0
+        self.kv_bytes_per_page = PagePool.bytes_per_page({**self.dims, "num_layers": layers},
+                                                         self.page_size) if holds_kv else 0
         try:
             trial_step(self.runner, self.vocab_size, self.loaded.om.path)
         except BaseException:
@@ -407,8 +407,7 @@ class LLMEngine:
 
     def _pool_too_large(self, kv_cache_pages: int, error: OSError | OverflowError) -> AtcError:
         """E10001 naming the setting that sized a page pool the machine cannot map, and what it would take."""
-        per_page = PagePool.bytes_per_page(self.dims["num_layers"], self.page_size, self.dims["num_kv_heads"],
-                                           self.dims["head_dim"])
+        per_page = PagePool.bytes_per_page(self.dims, self.page_size)
         megabytes = self.config.kv_cache_memory_mb
         flag, value = ("kv_cache_pages", kv_cache_pages) if megabytes is None else ("kv_cache_memory_mb", megabytes)
         return invalid_value(value, flag, f"A pool of {kv_cache_pages} pages of {self.page_size} tokens would take "
@@ -420,8 +419,7 @@ class LLMEngine:
         stage of a pipeline (its other stages are read beside it)."""
         if not pipeline:
             try:
-                pool = PagePool(self.dims["num_layers"], kv_cache_pages, self.page_size, self.dims["num_kv_heads"],
-                                self.dims["head_dim"])
+                pool = PagePool.of(self.dims, kv_cache_pages, self.page_size)
             except (OSError, OverflowError) as error:  # mmap's ENOMEM, or a size past its range
                 raise self._pool_too_large(kv_cache_pages, error) from None
             return PagedRunner(self._executor(), pool)

@@ -14,34 +14,61 @@ import mmap
 import numpy as np
 
 
+def layer_shapes(dims: dict) -> list[tuple[int, int]]:
+    """(kv_heads, head_dim) of each layer's pages, from an artifact's `metadata.model`: `layer_kv` lists them
+    where the layers differ (Gemma 4's full-attention layers against its sliding ones)."""
+    listed = dims.get("layer_kv")
+    if listed and len(listed) == dims["num_layers"]:
+        return [(int(heads), int(size)) for heads, size in listed]
+    return [(dims["num_kv_heads"], dims["head_dim"])] * dims["num_layers"]
+
+
 class PagePool:
-    """`key[layer]` and `value[layer]` are `[num_pages, kv_heads, page_size, head_dim]` arrays.
+    """`key[layer]` and `value[layer]` are `[num_pages, kv_heads, page_size, head_dim]` arrays, one
+    `(kv_heads, head_dim)` of `shapes` a layer: one mapping for all the layers where they are alike (what the
+    native attention op reads), one a layer otherwise.
 
     Which page belongs to which sequence is the block manager's business; the pool only holds the bytes.
     """
 
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
-                 dtype=np.float32):
-        shape = (num_layers, num_pages, kv_heads, page_size, head_dim)
-        self.key = _zeros_mapped(shape, np.dtype(dtype))
-        self.value = _zeros_mapped(shape, np.dtype(dtype))
+    def __init__(self, shapes: list[tuple[int, int]], num_pages: int, page_size: int, dtype=np.float32):
+        dtype = np.dtype(dtype)
+        self.uniform = len(set(shapes)) <= 1
+        if self.uniform:
+            heads, size = shapes[0] if shapes else (1, 1)
+            shape = (len(shapes), num_pages, heads, page_size, size)
+            self.key, self.value = _zeros_mapped(shape, dtype), _zeros_mapped(shape, dtype)
+        else:
+            self.key = [_zeros_mapped((num_pages, heads, page_size, size), dtype) for heads, size in shapes]
+            self.value = [_zeros_mapped((num_pages, heads, page_size, size), dtype) for heads, size in shapes]
         self.num_pages, self.page_size = num_pages, page_size
+
+    @classmethod
+    def of(cls, dims: dict, num_pages: int, page_size: int) -> PagePool:
+        """The pool for an artifact whose `metadata.model` is `dims`."""
+        return cls(layer_shapes(dims), num_pages, page_size)
 
     def copy(self, copies: list[tuple[int, int, int]]) -> None:
         """Apply the block manager's copies: (source page, target page, leading tokens), every layer."""
         for source, target, tokens in copies:
-            self.key[:, target, :, :tokens] = self.key[:, source, :, :tokens]
-            self.value[:, target, :, :tokens] = self.value[:, source, :, :tokens]
+            for cache in (self.key, self.value):
+                if self.uniform:
+                    cache[:, target, :, :tokens] = cache[:, source, :, :tokens]
+                else:
+                    for layer in cache:
+                        layer[target, :, :tokens] = layer[source, :, :tokens]
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the pages of all layers."""
-        return self.key.nbytes + self.value.nbytes
+        if self.uniform:
+            return self.key.nbytes + self.value.nbytes
+        return sum(layer.nbytes for layer in self.key) + sum(layer.nbytes for layer in self.value)
 
     @staticmethod
-    def bytes_per_page(num_layers: int, page_size: int, kv_heads: int, head_dim: int, itemsize: int = 4) -> int:
-        """What one page costs across all layers, K and V."""
-        return 2 * num_layers * page_size * kv_heads * head_dim * itemsize
+    def bytes_per_page(dims: dict, page_size: int, itemsize: int = 4) -> int:
+        """What one page costs across all layers, K and V, for an artifact whose `metadata.model` is `dims`."""
+        return 2 * page_size * itemsize * sum(heads * size for heads, size in layer_shapes(dims))
 
 
 def _zeros_mapped(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

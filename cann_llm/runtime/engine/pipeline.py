@@ -45,8 +45,7 @@ class StageWorker:
         if backend == "onnxruntime":
             enable_process_thread_pool(threads)  # the actor's process is the stage's alone
         self.executor = Executor(loaded, backend, threads, native_matmul=native_matmul)
-        self.pool = PagePool(dims["num_layers"], num_pages, loaded.kv_cache["page_size"], dims["num_kv_heads"],
-                             dims["head_dim"])
+        self.pool = PagePool.of(dims, num_pages, loaded.kv_cache["page_size"])
         self.output = loaded.output_names[0]
         self.inputs = set(loaded.input_names)
         release_free_heap()

@@ -265,8 +265,8 @@ def check_heads(num_heads: int, key_cache: np.ndarray, head_dim: int) -> None:
 
 def _check_operands(query, key, value, cos, sin, kv_cache, layer, num_heads, kv_num_heads, head_dim) -> None:
     """The projections, rotary tables and the pool's layer as the node's attributes describe them."""
-    if not 0 <= layer < kv_cache.key.shape[0]:
-        raise PagedInputError(f"layer {layer} is outside the pool's {kv_cache.key.shape[0]}")
+    if not 0 <= layer < len(kv_cache.key):
+        raise PagedInputError(f"layer {layer} is outside the pool's {len(kv_cache.key)}")
     key_cache = kv_cache.key[layer]
     if key_cache.shape[1] != kv_num_heads:
         raise PagedInputError(f"kv_num_heads {kv_num_heads} is not the pool's {key_cache.shape[1]}")
