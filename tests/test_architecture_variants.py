@@ -497,6 +497,31 @@ def test_gemma3n_fuses_and_generates_with_its_last_layers_reusing_earlier_caches
 
 
 @pytest.mark.parametrize("dynamo", [False, True])
+def test_gemma4_layers_of_two_sizes_fuse_and_generate(dynamo, tmp_path):
+    """Gemma 4's text model: its full-attention layers have twice the head size and half the KV heads of its
+    sliding ones and reuse their keys as values (attention_k_eq_v; its optimiser then merges the k and v
+    norms), its last layers attend to earlier layers' caches; the page pool holds each layer's sizes."""
+    layers, shared = 4, 2
+    source = _export("Gemma4TextConfig", "Gemma4ForCausalLM", tmp_path, dynamo=dynamo, with_past=True, head_dim=16,
+                     global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, num_hidden_layers=layers,
+                     sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2,
+                     num_kv_shared_layers=shared, vocab_size_per_layer_input=256, hidden_size_per_layer_input=8,
+                     qkv_gain=4.0)
+    loaded = load_artifact(compile_to(source, tmp_path / "contiguous"))
+    assert sum(n.op_type == "FusedAttention" for n in loaded.model.graph.node) == layers
+    feeds = causal_lm_inputs(loaded.metadata["signature"], loaded.metadata["model"], np.arange(3, 43)[None])
+    want = ort_reference(source, feeds)["logits"]
+    for backend in ("onnxruntime", "reference"):
+        np.testing.assert_allclose(Executor(loaded, backend).run(feeds)["logits"], want, atol=1e-4, rtol=0)
+    om = compile_to(source, tmp_path / "paged", enable_paged_attention=True)
+    paged = load_artifact(om)
+    assert paged.metadata["model"]["layer_kv"] == [[2, 16], [1, 32], [2, 16], [1, 32]]
+    ops = Counter(n.op_type for n in paged.model.graph.node)
+    assert ops["PagedAttention"] == layers and ops["Softmax"] == 0
+    _paged_equals_onnxruntime(source, om, [[5, 6, 7], list(range(3, 40))], 12)
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
 def test_gemma2_softcapped_attention_fuses_and_generates(dynamo, tmp_path):
     """Gemma 2 (transformers' default attention for it is eager): scores capped by c·tanh(s / c), a final
     logit softcap after the head, sliding-window layers between full ones; the native kernel, the numba one

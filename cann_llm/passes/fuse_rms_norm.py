@@ -2,9 +2,11 @@
 
 Anchored at the ReduceMean. Accepted: the square as Pow(x, 2) or Mul(x, x); the mean over the last axis
 (attribute or input axes) with keepdims; Add of a scalar epsilon (either order); Sqrt then Reciprocal,
-Div(1, ·) and Mul(x, ·) in either order, or Div(x, ·); Pow(·, -0.5) then Mul(x, ·) (Gemma 3n); Casts to float32 around the normalisation;
-the weight Mul in either order (no weight Mul means a weight of ones; Gemma's 1 + w arrives folded).
-Every intermediate value must have no other reader.
+Div(1, ·) and Mul(x, ·) in either order, or Div(x, ·); Pow(·, -0.5) then Mul(x, ·) (Gemma 3n); Casts to
+float32 around the normalisation; the weight Mul in either order (no weight Mul means a weight of ones;
+Gemma's 1 + w arrives folded). Every intermediate value must have no other reader but the normalised value,
+which may be read both by weight Muls and by others (two norms of one input an optimiser merged): each
+becomes its own norm.
 """
 
 from __future__ import annotations
