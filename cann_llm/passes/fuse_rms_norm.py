@@ -1,7 +1,7 @@
 """RmsNormFusionPass: x / sqrt(mean(x²) + eps) · w, in every spelling exporters use → cann::RmsNorm.
 
 Anchored at the ReduceMean. Accepted: the square as Pow(x, 2) or Mul(x, x); the mean over the last axis
-(attribute or input axes) with keepdims; Add of a scalar epsilon (either order); Sqrt then Reciprocal,
+(attribute or input axes) with keepdims; Add of a scalar epsilon (either order, or none: 0); Sqrt then Reciprocal,
 Div(1, ·) and Mul(x, ·) in either order, or Div(x, ·); Pow(·, -0.5) then Mul(x, ·) (Gemma 3n); Casts to
 float32 around the normalisation; the weight Mul in either order (no weight Mul means a weight of ones;
 Gemma's 1 + w arrives folded). Every intermediate value must have no other reader but the normalised value,
@@ -91,6 +91,9 @@ class FuseRmsNorm(FusionPass):
             return "the normalised size is not static"
         add = sole_consumer(graph, mean.outputs[0], "Add")
         epsilon = scalar(other_input(add, mean.outputs[0])) if add is not None else None
+        if add is None and sole_consumer(graph, mean.outputs[0], "Sqrt", "Pow") is not None:
+            # no epsilon: the dynamo exporter's optimiser drops Helium's 1e-8
+            epsilon, add = 0.0, mean
         if epsilon is None:
             return "the mean is not followed by Add of a scalar epsilon"
         root = sole_consumer(graph, add.outputs[0], "Sqrt", "Pow")

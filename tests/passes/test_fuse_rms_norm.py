@@ -132,6 +132,17 @@ def test_a_weight_that_is_not_constant_is_refused():
     assert result.effect_times == 0 and any("not a constant" in r for r in result.rejections)
 
 
+def test_a_mean_without_its_epsilon_fuses_with_an_epsilon_of_zero(tmp_path):
+    """torch.onnx's dynamo optimiser drops Helium's epsilon of 1e-8: Sqrt reads the mean itself."""
+    nodes = [n for n in _rms_nodes("x", "y") if n.op_type != "Add"]
+    next(n for n in nodes if n.op_type == "Sqrt").input[0] = "mean"
+    model = _model(nodes, inputs=("x",))
+    fused, (result,) = apply_pass(model, FuseRmsNorm())
+    (norm,) = [n for n in fused.graph.node if n.op_type == "RmsNorm"]
+    assert result.effect_times == 1 and norm.attribute[0].f == 0.0
+    assert_parity(model, fused, {"x": FEEDS["x"]}, tmp_path)
+
+
 def test_one_normalisation_read_weighted_and_unweighted_becomes_two_norms(tmp_path):
     """An optimiser that merged two norms of one input (Gemma 4's k norm and its unweighted v norm) leaves one
     normalisation read by a weight Mul and by something else: each reader gets its own norm."""

@@ -42,18 +42,36 @@ class QuantizedMatMulWriter:
 
     def __init__(self, spill: WeightSpill | None = None) -> None:
         self._block_sums: dict[tuple[int, int], gs.Constant] = {}
+        self._packed: dict[str, gs.Constant] = {}
         self.spill = spill
+
+    def _constants(self, weight_name: str, matmul: gs.Node, arrays: dict[str, np.ndarray | None]) -> list:
+        """The Constants of a weight's packed arrays (name suffix → array; None: no such array). A weight two
+        MatMuls read (Gemma 3n's AltUp router) is packed once where both pack it alike, and under the second
+        MatMul's name where not (AWQ scales it by each reader's activations): one name, one array."""
+        names = {suffix: f"{weight_name}{suffix}" for suffix in arrays}
+        if any(name in self._packed and not np.array_equal(self._packed[name].values, arrays[suffix])
+               for suffix, name in names.items() if arrays[suffix] is not None):
+            names = {suffix: f"{weight_name}/{matmul.name}{suffix}" for suffix in arrays}
+        found = []
+        for suffix, array in arrays.items():
+            if array is None:
+                continue
+            if names[suffix] not in self._packed:
+                self._packed[names[suffix]] = gs.Constant(names[suffix], kept(self.spill, array))
+            found.append(self._packed[names[suffix]])
+        return found
 
     def matmul_nbits(self, graph: gs.Graph, matmul: gs.Node, weight_name: str, quantized: QuantizedWeight,
                      remainders: np.ndarray | None, accuracy_level: int) -> None:
         """Replace `matmul` by MatMulInt4 over `quantized` (in `matmul_nbits_form`)."""
         rows, cols = quantized.values.shape
         bits, name = quantized.bits, f"{matmul.name}_int{quantized.bits}"
-        blob, scales, zero_points = (None if a is None else kept(self.spill, a) for a in pack_matmul_nbits(quantized))
-        scales = gs.Constant(f"{weight_name}_scales", scales)
-        inputs = [matmul.inputs[0], gs.Constant(f"{weight_name}_int{bits}", blob), scales]
-        if zero_points is not None:
-            inputs.append(gs.Constant(f"{weight_name}_zero_points", zero_points))
+        blob, scales, zero_points = pack_matmul_nbits(quantized)
+        packed = self._constants(weight_name, matmul, {f"_int{bits}": blob, "_scales": scales,
+                                                       "_zero_points": zero_points})
+        scales = packed[1]
+        inputs = [matmul.inputs[0], *packed]
         output = matmul.outputs[0]
         if remainders is not None:
             output = self._add_block_offsets(graph, matmul.inputs[0], rows, scales, remainders, quantized.block_size,
@@ -65,10 +83,10 @@ class QuantizedMatMulWriter:
 
     def matmul_int8(self, graph: gs.Graph, matmul: gs.Node, weight_name: str, quantized: QuantizedWeight) -> None:
         """Replace `matmul` by MatMulInt8 over a per-output-channel 8-bit weight."""
-        inputs = [matmul.inputs[0], gs.Constant(f"{weight_name}_int8", kept(self.spill, quantized.values)),
-                  gs.Constant(f"{weight_name}_scales", quantized.scales.reshape(-1).astype(np.float32))]
-        if quantized.zero_points is not None:
-            inputs.append(gs.Constant(f"{weight_name}_zero_points", quantized.zero_points.reshape(-1)))
+        zero_points = None if quantized.zero_points is None else quantized.zero_points.reshape(-1)
+        inputs = [matmul.inputs[0], *self._constants(weight_name, matmul, {
+            "_int8": quantized.values, "_scales": quantized.scales.reshape(-1).astype(np.float32),
+            "_zero_points": zero_points})]
         node = fused_node("MatMulInt8", inputs, [matmul.outputs[0]], f"{matmul.name}_int8")
         matmul.inputs.clear()
         graph.nodes.append(node)

@@ -157,3 +157,39 @@ def test_matmuls_that_share_an_input_each_read_its_calibration(mode, tmp_path):
             levels.setdefault(source, []).append(next(a.i for a in node.attribute if a.name == "accuracy_level"))
     pairs = [found for found in levels.values() if len(found) == 2]
     assert len(pairs) == 2 and all(len(set(found)) == 1 for found in levels.values()), levels  # a pair a layer
+
+
+def _two_readers(weight):
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y0"], name="first"),
+             helper.make_node("MatMul", ["x", "w"], ["y1"], name="second"), helper.make_node("Add", ["y0", "y1"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, K])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, N])],
+                              [numpy_helper.from_array(weight, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def test_a_weight_two_matmuls_read_is_packed_once(tmp_path):
+    """Gemma 3n's AltUp router reads one weight twice: one packed copy, under one name."""
+    config = QuantConfig(bits=4, group_size=32, symmetric=True, skip_layers=(), accuracy_level="0")
+    fused, (result,) = apply_pass(_two_readers(WEIGHT), QuantizeWeights(config))
+    first, second = [n for n in fused.graph.node if n.op_type == "MatMulInt4"]
+    assert result.effect_times == 2 and list(first.input[1:]) == list(second.input[1:])
+    names = [t.name for t in fused.graph.initializer]
+    assert len(names) == len(set(names))
+    dequantized = dequantize_blockwise(quantize_blockwise(WEIGHT, 4, 32, True))
+    assert_parity(_two_readers(dequantized), fused, FEEDS, tmp_path)
+
+
+def test_a_weight_packed_two_ways_keeps_each_under_its_own_name():
+    """AWQ scales a shared weight by each reader's activations: the two packings must not share a name."""
+    from cann_llm.passes.quant.quantized_matmul import QuantizedMatMulWriter
+
+    graph = gs.import_onnx(_two_readers(WEIGHT))
+    writer = QuantizedMatMulWriter()
+    matmuls = [n for n in graph.nodes if n.op == "MatMul"]
+    for matmul, scale in zip(matmuls, (1.0, 2.0)):
+        writer.matmul_nbits(graph, matmul, "w", quantize_blockwise(WEIGHT * scale, 4, 32, True), None, 0)
+    first, second = [n for n in graph.nodes if n.op == "MatMulInt4"]
+    assert [t.name for t in first.inputs[1:]] == ["w_int4", "w_scales"]
+    assert [t.name for t in second.inputs[1:]] == ["w/second_int4", "w/second_scales"]
+    np.testing.assert_allclose(second.inputs[2].values, 2 * first.inputs[2].values, rtol=1e-6)
