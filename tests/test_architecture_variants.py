@@ -522,6 +522,39 @@ def test_gemma4_layers_of_two_sizes_fuse_and_generate(dynamo, tmp_path):
 
 
 @pytest.mark.parametrize("dynamo", [False, True])
+def test_gpt_oss_sinks_join_the_fused_softmax_and_generate(dynamo, tmp_path):
+    """gpt-oss (eager attention, transformers' only one for it): a learned sink logit a head joins each row's
+    softmax and is dropped after it; its rotation is written on each head's two halves; sliding-window
+    layers between full ones. Its experts' clamped SwiGLU stays as exported."""
+    import torch
+
+    from cann_llm.models.export import export_causal_lm
+
+    model = _build("GptOssConfig", "GptOssForCausalLM", qkv_gain=4.0, head_dim=16, num_local_experts=4,
+                   num_experts_per_tok=2, intermediate_size=32, sliding_window=16,
+                   layer_types=["sliding_attention", "full_attention"])
+    with torch.no_grad():
+        for layer in model.model.layers:  # sinks large enough to take a real share of each softmax
+            layer.self_attn.sinks.copy_(torch.linspace(-1.0, 3.0, layer.self_attn.sinks.numel()))
+    source = export_causal_lm(model, tmp_path / "model.onnx", dynamo=dynamo, with_past=True)
+    loaded = load_artifact(compile_to(source, tmp_path / "contiguous"))
+    fused = [n for n in loaded.model.graph.node if n.op_type == "FusedAttention"]
+    assert len(fused) == SIZES["num_hidden_layers"]
+    for node in fused:
+        sinks = next(a.floats for a in node.attribute if a.name == "sinks")
+        np.testing.assert_allclose(sinks, np.linspace(-1.0, 3.0, SIZES["num_attention_heads"]), rtol=1e-6)
+    feeds = causal_lm_inputs(loaded.metadata["signature"], loaded.metadata["model"], np.arange(3, 43)[None])
+    want = ort_reference(source, feeds)["logits"]
+    for backend in ("onnxruntime", "reference"):
+        np.testing.assert_allclose(Executor(loaded, backend).run(feeds)["logits"], want, atol=1e-4, rtol=0)
+    om = compile_to(source, tmp_path / "paged", enable_paged_attention=True, enable_flash_attention=True)
+    nodes = [n for n in load_artifact(om).model.graph.node if n.op_type == "PagedAttention"]
+    assert len(nodes) == SIZES["num_hidden_layers"]
+    assert [next(a.i for a in n.attribute if a.name == "flash") for n in nodes] == [0, 0]  # flash has no sinks
+    _paged_equals_onnxruntime(source, om, [[5, 6, 7], list(range(3, 40))], 12)
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
 def test_gemma2_softcapped_attention_fuses_and_generates(dynamo, tmp_path):
     """Gemma 2 (transformers' default attention for it is eager): scores capped by c·tanh(s / c), a final
     logit softcap after the head, sliding-window layers between full ones; the native kernel, the numba one

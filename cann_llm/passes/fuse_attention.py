@@ -49,6 +49,7 @@ from cann_llm.passes.match_attention import (
 )
 from cann_llm.passes.match_alibi import peel_alibi
 from cann_llm.passes.match_rotary import Rotary, match_rotary
+from cann_llm.passes.match_sinks import drop_sink_column, peel_sinks
 from cann_llm.passes.pattern import FusionPass, fused_node, producer, same_value, sole_consumer
 from cann_llm.runtime.ops import FUSED_ATTENTION, FusedAttentionInput, FusedAttentionOutput, input_at, positional
 
@@ -76,6 +77,7 @@ class AttentionMatch:
     alibi: tuple[float, ...] = ()
     alibi_from_mask: bool = False
     tokens_first: bool = False  # q, k, v, the output and the cache sequence-first ([S, B, ...]), as ChatGLM's
+    sinks: tuple[float, ...] = ()  # gpt-oss's logit a head beside its scores (cann_llm/passes/match_sinks.py)
 
 
 # the heads moved to the front of a sequence-first [S, B, H, D]: [B, H, S, D], and kᵀ [B, H, D, S]
@@ -154,7 +156,8 @@ class FuseAttention(FusionPass):
         rank = len(softmax.inputs[0].shape or [])
         if softmax.attrs.get("axis", -1) not in (-1, rank - 1) or rank != 4:
             return "not a softmax over the last axis of [B, H, S, T] scores"
-        logits, masks, outside = split_mask(softmax.inputs[0])
+        joined, sinks = peel_sinks(softmax.inputs[0])
+        logits, masks, outside = split_mask(joined)
         logits, alibi = peel_alibi(logits)
         if alibi is None and len(masks) == 1:
             mask, alibi = mask_alibi(masks[0])
@@ -174,6 +177,10 @@ class FuseAttention(FusionPass):
         key_rep, key_scale, tokens_first = keys
         scale *= query_scale * key_scale
         probabilities = match_probabilities(graph, softmax)
+        if sinks:
+            probabilities = drop_sink_column(graph, probabilities)
+            if probabilities is None:
+                return "the sinks' column is not dropped from the probabilities"
         context = sole_consumer(graph, probabilities, "MatMul")
         if context is None or context.inputs[0] is not probabilities:
             return "the probabilities do not multiply the values"
@@ -225,6 +232,8 @@ class FuseAttention(FusionPass):
             return f"{heads} query heads cannot share {kv_heads} key and {value_heads} value heads"
         if alibi is not None and len(alibi.slopes) != heads:
             return f"ALiBi's term holds {len(alibi.slopes)} slopes for {heads} heads"
+        if sinks and len(sinks) != heads:
+            return f"{len(sinks)} sinks for {heads} heads"
         if kv_heads == 1:  # one key and value head, broadcast by the MatMuls (Falcon-7B through Optimum)
             key_repeats, value_repeats = (heads if r == 1 else r for r in (key_repeats, value_repeats))
         if any(r is not None and r * kv_heads != heads for r in (key_repeats, value_repeats)):
@@ -260,7 +269,7 @@ class FuseAttention(FusionPass):
                               value_cache.present, source.attention_mask, source.causal, window, rotary, heads,
                               kv_heads, head_dim, scale, output, softmax.name.rsplit("/", 1)[0] + "/" + FUSED_ATTENTION.name,
                               softcap, () if alibi is None else tuple(float(m) * outside for m in alibi.slopes),
-                              alibi is not None and alibi.mask is not None, tokens_first)
+                              alibi is not None and alibi.mask is not None, tokens_first, sinks)
 
     def rewrite(self, graph: gs.Graph, match: AttentionMatch) -> None:
         def transposed(tensor: gs.Tensor, perm: list[int], label: str) -> gs.Tensor:
@@ -335,7 +344,8 @@ class FuseAttention(FusionPass):
             **({"sliding_window": match.window} if match.window else {}),
             **({"softcap": match.softcap} if match.softcap else {}),
             **({"alibi_slopes": list(match.alibi)} if match.alibi else {}),
-            **({"alibi_from_mask": 1} if match.alibi_from_mask else {})))
+            **({"alibi_from_mask": 1} if match.alibi_from_mask else {}),
+            **({"sinks": list(match.sinks)} if match.sinks else {})))
 
 
 def _take_batch_first(graph: gs.Graph, past: gs.Tensor) -> None:

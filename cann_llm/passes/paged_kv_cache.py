@@ -63,16 +63,17 @@ class PagedKvCache:
             operands = positional(Paged, {**{paged: input_at(node.inputs, fused) for paged, fused in _KEPT.items()},
                                           **metadata}, gs.Variable.empty())
             defaults = {**FUSED_ATTENTION.defaults, **node.attrs}
-            # flash_prefill attends causally, uncapped and unbiased: sliding-window, softcapped and ALiBi layers
-            # attend without it
+            # flash_prefill attends causally, uncapped, unbiased and sinkless: sliding-window, softcapped, ALiBi
+            # and sink layers attend without it
             flash = self.flash and not defaults["sliding_window"] and not defaults["softcap"] \
-                and not defaults["alibi_slopes"]
+                and not defaults["alibi_slopes"] and not defaults["sinks"]
             name = node.name.removesuffix(FUSED_ATTENTION.name) + PAGED_ATTENTION.name
             graph.nodes.append(fused_node(
                 PAGED_ATTENTION.name, operands, [node.outputs[FusedOutput.OUTPUT]], name,
                 **{key: defaults[key] for key in _KEPT_ATTRIBUTES}, layer=layer, page_size=self.page_size,
                 flash=int(flash), **({"softcap": defaults["softcap"]} if defaults["softcap"] else {}),
-                **({"alibi_slopes": list(defaults["alibi_slopes"])} if defaults["alibi_slopes"] else {})))
+                **({"alibi_slopes": list(defaults["alibi_slopes"])} if defaults["alibi_slopes"] else {}),
+                **({"sinks": list(defaults["sinks"])} if defaults["sinks"] else {})))
             node.inputs.clear()
             node.outputs.clear()
         for name in TOKEN_INPUTS:

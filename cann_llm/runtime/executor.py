@@ -83,9 +83,8 @@ class Executor:
             reason = str(error).splitlines()[0]
             raise AtcError("E13015", loaded.om.path, f"onnx's shape inference fails on the graph: {reason}") from None
         self.native_library = None
-        # the native op reads one pool of pages alike in every layer
-        uniform = "layer_kv" not in loaded.metadata.get("model", {})
-        if backend == "onnxruntime" and not host_attention and uniform and _only_paged_attention(plan):
+        if backend == "onnxruntime" and not host_attention and _only_paged_attention(plan) \
+                and _native_attention_serves(loaded):
             try:
                 self.native_library = native.library_path()
             except native.NativeUnavailable:
@@ -210,6 +209,13 @@ class _RunContext:
 
 # how the native op's refusals of a step's operands begin (cann_llm/runtime/kernels/native/paged_attention.c)
 _NATIVE_REFUSAL = "PagedInputError:"
+
+
+def _native_attention_serves(loaded: LoadedModel) -> bool:
+    """Whether the native op can run every PagedAttention: it reads one pool of pages alike in every layer
+    (not Gemma 4's, `metadata.model.layer_kv`) and has no sinks (gpt-oss's); the host kernels serve the rest."""
+    return "layer_kv" not in loaded.metadata.get("model", {}) and not any(
+        node.op_type == PAGED_ATTENTION.name and attributes(node)["sinks"] for node in loaded.model.graph.node)
 
 
 def _only_paged_attention(plan: list) -> bool:

@@ -173,7 +173,13 @@ def _fused_attention(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:
         else:
             additive = b("Unsqueeze", additive, b.const([2]))
         scores = b("Add", scores, additive)
-    context = b("MatMul", b("Softmax", scores, axis=-1), v5)
+    probabilities = None
+    if attrs["sinks"]:  # a column of sinks beside the scores [B, Hkv, G, S, T], dropped after the softmax
+        sinks = b.const(np.asarray(attrs["sinks"], np.float32).reshape(1, kv_heads, heads // kv_heads, 1, 1), np.float32)
+        shape = b("Concat", b("Slice", b("Shape", scores), b.const([0]), b.const([4])), b.const([1]), axis=0)
+        joined = b("Softmax", b("Concat", scores, b("Expand", sinks, shape), axis=-1), axis=-1)
+        probabilities = b("Slice", joined, b.const([0]), b.const([-1]), b.const([-1]))
+    context = b("MatMul", probabilities or b("Softmax", scores, axis=-1), v5)
     merged = b("Transpose", b("Reshape", context, b.const([0, heads, -1, dim])), perm=perm)
     b("Reshape", merged, b.const([0, 0, heads * dim]), out=output)
     return b.nodes

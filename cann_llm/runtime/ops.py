@@ -136,13 +136,14 @@ SWIGLU = Op("SwiGlu", SwiGluInput)
 MOE = Op("MoE", MoEInput, defaults={"normalize_routing_weights": 0})
 # `softcap` c > 0: scores become c·tanh(scores / c) before the mask (Gemma 2); `alibi_slopes` m_h (one a
 # query head, ALiBi: BLOOM, MPT): m_h·(key position - query position) added after it, positions counted over
-# the keys attention_mask keeps with `alibi_from_mask` (BLOOM), the keys' index otherwise
+# the keys attention_mask keeps with `alibi_from_mask` (BLOOM), the keys' index otherwise; `sinks` s_h (one a
+# query head, gpt-oss): a logit each head's softmax counts beside the masked scores, with no value to it
 FUSED_ATTENTION = Op("FusedAttention", FusedAttentionInput, FusedAttentionOutput, defaults={
     "causal": 1, "rotary_dim": 0, "rotary_interleaved": 0, "bias_per_head": 0, "bias_is_bool": 0,
-    "sliding_window": 0, "softcap": 0.0, "alibi_slopes": (), "alibi_from_mask": 0})
+    "sliding_window": 0, "softcap": 0.0, "alibi_slopes": (), "alibi_from_mask": 0, "sinks": ()})
 # always causal; `layer` picks the pool's layer, `flash` sends long prompt chunks through flash_prefill
 PAGED_ATTENTION = Op("PagedAttention", PagedAttentionInput, defaults={
-    "rotary_interleaved": 0, "sliding_window": 0, "softcap": 0.0, "alibi_slopes": (), "flash": 0})
+    "rotary_interleaved": 0, "sliding_window": 0, "softcap": 0.0, "alibi_slopes": (), "sinks": (), "flash": 0})
 MATMUL_INT4 = Op("MatMulInt4", MatMulQuantInput, defaults={"bits": 4, "accuracy_level": 0})
 MATMUL_INT8 = Op("MatMulInt8", MatMulQuantInput)
 GATHER_INT4 = Op("GatherInt4", GatherInt4Input, defaults={"bits": 4})
@@ -275,7 +276,7 @@ _HEADS = Attr(low=1, high=MAX_HEADS)
 _ATTENTION_ATTRS = {"num_heads": _HEADS, "kv_num_heads": _HEADS, "head_dim": Attr(low=1, high=MAX_HEAD_DIM),
                     "scale": Attr(float, low=0, high=1e6), "rotary_interleaved": _FLAG,
                     "sliding_window": Attr(low=0), "softcap": Attr(float, low=0, high=1e6),
-                    "alibi_slopes": FloatsAttr()}
+                    "alibi_slopes": FloatsAttr(), "sinks": FloatsAttr()}
 _QUANT_ATTRS = {"K": Attr(low=1), "bits": Attr(choices=(4, 8)), "block_size": Attr(choices=BLOCK_SIZES)}
 ATTRIBUTE_RULES: dict[str, dict[str, Attr]] = {
     RMS_NORM.name: {"epsilon": Attr(float, low=0, high=1)},
@@ -349,8 +350,9 @@ def _attention_checks(node, attrs, shape_of, slots) -> str | None:
         return f"rotary_dim {attrs['rotary_dim']} is odd or larger than head_dim {head_dim}"
     if head_dim % 2 and attrs["rotary_interleaved"]:
         return f"head_dim {head_dim} is odd, rotary_interleaved needs pairs"
-    if attrs["alibi_slopes"] and len(attrs["alibi_slopes"]) != heads:
-        return f"alibi_slopes has {len(attrs['alibi_slopes'])} values for num_heads {heads}"
+    for name in ("alibi_slopes", "sinks"):
+        if attrs[name] and len(attrs[name]) != heads:
+            return f"{name} has {len(attrs[name])} values for num_heads {heads}"
     packed = input_at(list(node.input), slots.KEY) is None
     if packed != (input_at(list(node.input), slots.VALUE) is None):
         return "key and value are given one without the other"
@@ -389,9 +391,9 @@ def _fused_attention_checks(node, attrs, shape_of) -> str | None:
 def _paged_attention_checks(node, attrs, shape_of) -> str | None:
     if attrs["page_size"] % 16:
         return f"page_size {attrs['page_size']} is not a multiple of 16"
-    if attrs["flash"] and (attrs["sliding_window"] or attrs["softcap"] or attrs["alibi_slopes"]):
-        return ("flash is set with a sliding_window, a softcap or alibi_slopes (flash_prefill attends causally, "
-                "uncapped, unbiased)")
+    if attrs["flash"] and (attrs["sliding_window"] or attrs["softcap"] or attrs["alibi_slopes"] or attrs["sinks"]):
+        return ("flash is set with a sliding_window, a softcap, alibi_slopes or sinks (flash_prefill attends causally, "
+                "uncapped, unbiased, sinkless)")
     for slot in (PagedAttentionInput.QUERY_START_LOC, PagedAttentionInput.SEQ_LENS, PagedAttentionInput.BLOCK_TABLES,
                  PagedAttentionInput.SLOT_MAPPING):
         if input_at(list(node.input), slot) != slot.name.lower():

@@ -326,6 +326,40 @@ def test_a_sliding_window_hides_the_same_keys_in_every_kernel(window, mix):
         np.testing.assert_allclose(got.reshape(q.shape), expected, atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("mix", MIXES + [[(1, 300), (1, 41), (1, 7), (1, 16)]],
+                         ids=["decodes", "prefill-and-decodes", "chunks", "decode-step"])
+def test_sinks_join_every_kernels_softmax_alike(mix):
+    """gpt-oss's sinks, a logit a head counted in its softmax for no value: the numba kernels (per row and the
+    one-call decode step) against the reference, and the reference against the contiguous op's."""
+    from cann_llm.runtime.kernels.attention import FusedAttention
+
+    sinks = np.linspace(-1.0, 3.0, HEADS).astype(np.float32)
+    args = _batch(mix)
+    q, key_cache, value_cache, starts, lengths, tables, scale = args
+    expected = paged_attention_reference(*args, sinks=sinks)
+    assert not np.allclose(expected, paged_attention_reference(*args), atol=1e-3)  # the sinks take a share
+    np.testing.assert_allclose(paged_attention(*args, sinks=sinks), expected, atol=2e-5, rtol=0)
+    new, context = mix[0]  # the first sequence through the contiguous op, its context as keys and values
+    pages = tables[0, :-(-context // PAGE)]
+    keys = key_cache[pages].transpose(1, 0, 2, 3).reshape(KV_HEADS, -1, DIM)[None, :, :context]
+    values = value_cache[pages].transpose(1, 0, 2, 3).reshape(KV_HEADS, -1, DIM)[None, :, :context]
+    empty = np.zeros((1, 0, KV_HEADS * DIM), np.float32)
+    contiguous, _, _ = FusedAttention(q[:new].reshape(1, new, -1), empty, empty, keys, values, num_heads=HEADS,
+                                      kv_num_heads=KV_HEADS, head_dim=DIM, scale=scale, causal=1, rotary_dim=0,
+                                      rotary_interleaved=0, bias_per_head=0, bias_is_bool=0, sliding_window=0,
+                                      sinks=sinks)
+    np.testing.assert_allclose(contiguous.reshape(new, HEADS, DIM), expected[:new], atol=2e-5, rtol=0)
+    if all(n == 1 for n, _ in mix):  # the decode step's own kernel, through the node
+        slots = np.array([tables[b, (n - 1) // PAGE] * PAGE + (n - 1) % PAGE for b, n in enumerate(lengths)], np.int64)
+        k_new = np.stack([key_cache[tables[b, (n - 1) // PAGE], :, (n - 1) % PAGE] for b, n in enumerate(lengths)])
+        v_new = np.stack([value_cache[tables[b, (n - 1) // PAGE], :, (n - 1) % PAGE] for b, n in enumerate(lengths)])
+        inputs = [q.reshape(1, len(mix), -1), k_new.reshape(1, len(mix), -1), v_new.reshape(1, len(mix), -1), None,
+                  None, starts, np.asarray(lengths, np.int32), tables, slots]
+        got = _node(inputs, key_cache.copy(), value_cache.copy(), num_heads=HEADS, kv_num_heads=KV_HEADS, head_dim=DIM,
+                    scale=scale, sinks=list(sinks))
+        np.testing.assert_allclose(got.reshape(q.shape), expected, atol=2e-5, rtol=0)
+
+
 _STEPS_SCRIPT = """
 import numpy as np
 from cann_llm.runtime.engine.kv_cache import PagePool

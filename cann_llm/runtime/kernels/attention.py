@@ -83,11 +83,12 @@ def FusedAttention(query, key=None, value=None, past_key=None, past_value=None, 
                    cos=None, sin=None, attention_bias=None, *, num_heads: int, kv_num_heads: int, head_dim: int,
                    scale: float, causal: int, rotary_dim: int, rotary_interleaved: int, bias_per_head: int,
                    bias_is_bool: int, sliding_window: int, softcap: float = 0.0, alibi_slopes=(),
-                   alibi_from_mask: int = 0):
+                   alibi_from_mask: int = 0, sinks=()):
     """softmax(rope(q) · rope(k)ᵀ · scale + mask [+ bias]) · v over all heads (with `softcap` c > 0 the
     scaled scores capped to c·tanh(scores / c) first; with `alibi_slopes` m_h, m_h·(j - p) added to head h's
     score of the key at position j from a query at p, positions counted over the keys attention_mask keeps
-    with `alibi_from_mask`); returns (output, present_key, present_value).
+    with `alibi_from_mask`; with `sinks` s_h, exp(s_h) counted in head h's softmax beside its scores, for no
+    value); returns (output, present_key, present_value).
 
     `rotary_dim` restates cos's last dimension, `bias_per_head` the bias's head axis (H, else 1) and
     `bias_is_bool` its type, for lowerings that need them before run time.
@@ -116,8 +117,12 @@ def FusedAttention(query, key=None, value=None, past_key=None, past_value=None, 
     scores = scores + attention_mask_bias(seq, k.shape[2], attention_mask, causal, q.dtype, sliding_window)[:, :, None]
     if attention_bias is not None:
         scores = scores + explicit_bias(attention_bias, kv_num_heads, group, q.dtype)
+    total = k.shape[2]
+    if len(sinks):  # a column of its own, dropped after the softmax
+        column = np.float32(sinks).reshape(kv_num_heads, group, 1, 1)
+        scores = np.concatenate([scores, np.broadcast_to(column, scores.shape[:-1] + (1,))], axis=-1)
     scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    probs = scores / scores.sum(axis=-1, keepdims=True)
+    probs = (scores / scores.sum(axis=-1, keepdims=True))[..., :total]
     context = np.matmul(probs, v[:, :, None]).reshape(batch, num_heads, seq, head_dim)
     output = context.transpose(0, 2, 1, 3).reshape(batch, seq, num_heads * head_dim).astype(query.dtype)
     return output, k, v

@@ -110,10 +110,11 @@ def _context(cache: np.ndarray, pages: np.ndarray, length: int) -> np.ndarray:
 
 
 def paged_attention_reference(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale,
-                              sliding_window: int = 0, softcap: float = 0.0, alibi_slopes=NO_SLOPES):
+                              sliding_window: int = 0, softcap: float = 0.0, alibi_slopes=NO_SLOPES, sinks=NO_SLOPES):
     """Causal attention of each sequence's queries over its paged context (with a sliding window W > 0,
     over the last W positions up to each query's own; with softcap c > 0, the scaled scores capped to
-    c·tanh(s / c); with `alibi_slopes` m_h, m_h·(key position - query position) added to head h's scores);
+    c·tanh(s / c); with `alibi_slopes` m_h, m_h·(key position - query position) added to head h's scores;
+    with `sinks` s_h, exp(s_h) counted in head h's softmax beside its scores, for no value);
     q `[T, Hq, D]` → `[T, Hq, D]`."""
     kv_heads, page_size = key_cache.shape[1], key_cache.shape[2]
     group = q.shape[1] // kv_heads
@@ -134,8 +135,11 @@ def paged_attention_reference(q, key_cache, value_cache, query_start_loc, seq_le
         if sliding_window:
             visible &= np.arange(length)[None, :] > positions[:, None] - sliding_window
         scores = np.where(visible, scores, np.finfo(np.float32).min)
+        if len(sinks):  # a column of its own, dropped after the softmax
+            column = np.broadcast_to(np.float32(sinks).reshape(kv_heads, group, 1, 1), scores.shape[:-1] + (1,))
+            scores = np.concatenate([scores, column], axis=-1)
         scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        probs = scores / scores.sum(axis=-1, keepdims=True)
+        probs = (scores / scores.sum(axis=-1, keepdims=True))[..., :length]
         context = np.matmul(probs, values[:, None]).reshape(q.shape[1], end - start, -1)
         out[start:end] = context.transpose(1, 0, 2)
     return out
@@ -144,28 +148,28 @@ def paged_attention_reference(q, key_cache, value_cache, query_start_loc, seq_le
 # ---- the fast kernels ------------------------------------------------------------------------------
 
 def paged_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window: int = 0,
-                    softcap: float = 0.0, alibi_slopes=NO_SLOPES):
+                    softcap: float = 0.0, alibi_slopes=NO_SLOPES, sinks=NO_SLOPES):
     """The numba kernel: same contract as `paged_attention_reference`, pages read in place."""
     check_paged_metadata(query_start_loc, seq_lens, block_tables, (), key_cache.shape[0], key_cache.shape[2], q.shape[0],
                          stores=False)
     check_heads(q.shape[1], key_cache, q.shape[2])
     batch = PagedBatch.of(query_start_loc, seq_lens, block_tables, np.zeros(0, np.int64))
     out = np.empty_like(q)
-    _attend(batch, q, key_cache, value_cache, scale, out, sliding_window, softcap, _slopes(alibi_slopes))
+    _attend(batch, q, key_cache, value_cache, scale, out, sliding_window, softcap, _slopes(alibi_slopes), _slopes(sinks))
     return out
 
 
-def _slopes(alibi_slopes) -> np.ndarray:
-    """The numba kernels' slopes operand: float32, empty for none."""
-    return np.asarray(alibi_slopes, np.float32) if len(alibi_slopes) else NO_SLOPES
+def _slopes(values) -> np.ndarray:
+    """The numba kernels' per-head operand (ALiBi's slopes, the sinks): float32, empty for none."""
+    return np.asarray(values, np.float32) if len(values) else NO_SLOPES
 
 
 def _attend(batch: "PagedBatch", q, key_cache, value_cache, scale, out, window: int = 0, softcap: float = 0.0,
-            slopes: np.ndarray = NO_SLOPES) -> None:
+            slopes: np.ndarray = NO_SLOPES, sinks: np.ndarray = NO_SLOPES) -> None:
     kernels = _numba_kernels()
     kernel = kernels._attend_parallel if batch.parallel else kernels._attend_serial
     kernel(q, key_cache, value_cache, batch.block_tables, batch.token_seq, batch.positions, np.int64(window),
-           np.float32(scale), np.float32(softcap), slopes, out)
+           np.float32(scale), np.float32(softcap), slopes, sinks, out)
 
 
 @dataclass
@@ -294,12 +298,12 @@ def _check_operands(query, key, value, cos, sin, kv_cache, layer, num_heads, kv_
 @register_kernel(PAGED_ATTENTION, host=True)
 def PagedAttention(query, key, value, cos, sin, query_start_loc, seq_lens, block_tables, slot_mapping, *,
                    num_heads: int, kv_num_heads: int, head_dim: int, scale: float, rotary_interleaved: int,
-                   sliding_window: int, softcap: float, alibi_slopes, layer: int, page_size: int, flash: int,
+                   sliding_window: int, softcap: float, alibi_slopes, sinks, layer: int, page_size: int, flash: int,
                    run: HostRun) -> np.ndarray:
     """Rotate, store the new keys and values in layer `layer` of `run.kv_cache`, attend; returns `[1, T, Hq·D]`.
 
-    `flash` sends long prompt chunks through `flash_prefill` (never set with a `sliding_window`, a `softcap` or
-    `alibi_slopes`: flash_prefill attends causally, uncapped, unbiased). The metadata is prepared once per run
+    `flash` sends long prompt chunks through `flash_prefill` (never set with a `sliding_window`, a `softcap`,
+    `alibi_slopes` or `sinks`: flash_prefill attends causally, uncapped, unbiased, sinkless). The metadata is prepared once per run
     (`PagedBatch.of`) for all the layers; `run.fast=False` runs the numpy references. `page_size` is the pool's, restated.
     """
     del page_size
@@ -312,40 +316,40 @@ def PagedAttention(query, key, value, cos, sin, query_start_loc, seq_lens, block
                              key_cache.shape[2], query.shape[1])
         batch = run.shared[memo] = PagedBatch.of(query_start_loc, seq_lens, block_tables, slot_mapping,
                                                  flash=bool(flash))
-    slopes = _slopes(alibi_slopes)
+    slopes, sinks = _slopes(alibi_slopes), _slopes(sinks)
     if run.fast and batch.decode:
         return _decode(query, key, value, cos, sin, batch, key_cache, value_cache, num_heads, kv_num_heads, head_dim,
-                       scale, rotary_interleaved, sliding_window, softcap, slopes)
+                       scale, rotary_interleaved, sliding_window, softcap, slopes, sinks)
     heads = dict(num_heads=num_heads, kv_num_heads=kv_num_heads, head_dim=head_dim, rotary_interleaved=rotary_interleaved)
     if run.fast:
         q = rotate_and_store(query, key, value, cos, sin, batch.slot_mapping, key_cache, value_cache, **heads)
-        out = _fast_attention(batch, q, key_cache, value_cache, scale, sliding_window, softcap, slopes)
+        out = _fast_attention(batch, q, key_cache, value_cache, scale, sliding_window, softcap, slopes, sinks)
     else:
         q = rotate_and_store_reference(query, key, value, cos, sin, batch.slot_mapping, key_cache, value_cache,
                                        **heads)
         out = paged_attention_reference(q, key_cache, value_cache, batch.query_start_loc, batch.seq_lens,
-                                        batch.block_tables, scale, sliding_window, softcap, slopes)
+                                        batch.block_tables, scale, sliding_window, softcap, slopes, sinks)
     return out.reshape(1, q.shape[0], num_heads * head_dim)
 
 
 def _decode(query, key, value, cos, sin, batch, key_cache, value_cache, num_heads, kv_num_heads, head_dim, scale,
-            interleaved, window, softcap, slopes):
+            interleaved, window, softcap, slopes, sinks):
     qsrc, ksrc, kofs, vsrc, vofs = split_heads(query, key, value, num_heads, kv_num_heads, head_dim)
     cos, sin = rotary_tables(cos, sin, qsrc.shape[0])
     out = np.empty((qsrc.shape[0], num_heads, head_dim), np.float32)
     kernels = _numba_kernels()
     kernel = kernels._decode_step_parallel if batch.parallel else kernels._decode_step
     kernel(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, batch.slot_mapping, batch.seq_lens, batch.block_tables,
-           key_cache, value_cache, np.int64(window), np.float32(scale), np.float32(softcap), slopes, out)
+           key_cache, value_cache, np.int64(window), np.float32(scale), np.float32(softcap), slopes, sinks, out)
     return out.reshape(1, qsrc.shape[0], num_heads * head_dim)
 
 
 def _fast_attention(batch: PagedBatch, q, key_cache, value_cache, scale, window: int = 0, softcap: float = 0.0,
-                    slopes: np.ndarray = NO_SLOPES):
+                    slopes: np.ndarray = NO_SLOPES, sinks: np.ndarray = NO_SLOPES):
     """Long prompt chunks through flash_prefill, everything else (decodes, short chunks) through numba."""
     out = np.empty_like(q)
     if not batch.flash:
-        _attend(batch, q, key_cache, value_cache, scale, out, window, softcap, slopes)
+        _attend(batch, q, key_cache, value_cache, scale, out, window, softcap, slopes, sinks)
         return out
     page_size = key_cache.shape[2]
     starts, contexts, tables = batch.query_start_loc, batch.seq_lens, batch.block_tables
@@ -357,6 +361,6 @@ def _fast_attention(batch: PagedBatch, q, key_cache, value_cache, scale, window:
         rows = batch.short_rows
         part = np.empty((len(rows),) + q.shape[1:], q.dtype)
         _attend(batch.short, np.ascontiguousarray(q[rows]), key_cache, value_cache, scale, part, window, softcap,
-                slopes)
+                slopes, sinks)
         out[rows] = part
     return out

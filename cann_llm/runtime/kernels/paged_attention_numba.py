@@ -149,12 +149,13 @@ def _accumulate_values(weights, value_cache, kv, page, rows, acc, next_page, nex
 
 
 @numba.njit(fastmath=True, error_model="numpy", cache=True)
-def _attend_heads(q, t, first, key_cache, value_cache, kv, pages, position, window, scale, softcap, slopes, scores, acc,
-                  state, out):
+def _attend_heads(q, t, first, key_cache, value_cache, kv, pages, position, window, scale, softcap, slopes, sinks,
+                  scores, acc, state, out):
     """out[t, first:first+n] = attention of query heads `first..first+n-1` of token `t` (all reading KV head
     `kv`) over cache positions 0..position (with window > 0: the last `window` of them; pages = the sequence's
     block-table row; softcap > 0 caps the scaled scores to softcap·tanh(s / softcap); `slopes`, one a query
-    head or none, add ALiBi's slope·(key position - position)), one page of scores at a
+    head or none, add ALiBi's slope·(key position - position); `sinks`, one a query head or none, a logit
+    each head's softmax counts beside its scores with no value to it, gpt-oss's), one page of scores at a
     time with an online softmax. Heads sharing a KV head go together, so each key and value row is read once
     for all of them; the exponentials run as a loop of their own (vectorized). q and out are `[T, Hq, D]`;
     scratch: scores `[n, page_size]`, acc `[n, D]`, state `[2, n]`."""
@@ -163,6 +164,10 @@ def _attend_heads(q, t, first, key_cache, value_cache, kv, pages, position, wind
     running_max, total = state[0], state[1]
     running_max[:] = -np.inf
     total[:] = 0.0
+    if sinks.shape[0]:  # the sink starts the online softmax: its exp(sink - max) in the total, nothing in acc
+        for g in range(group):
+            running_max[g] = sinks[first + g]
+            total[g] = 1.0
     acc[:] = 0.0
     last = position // page_size
     oldest = larger(0, position - window + 1) if window > 0 else 0
@@ -207,7 +212,7 @@ def _attend_heads(q, t, first, key_cache, value_cache, kv, pages, position, wind
 
 
 @numba.njit(fastmath=True, error_model="numpy", cache=True)
-def _attend_token(q, t, key_cache, value_cache, pages, position, window, scale, softcap, slopes, out):
+def _attend_token(q, t, key_cache, value_cache, pages, position, window, scale, softcap, slopes, sinks, out):
     """Token t's attention over cache positions 0..position (the last `window` with window > 0), its query
     heads one KV group at a time."""
     group = out.shape[1] // key_cache.shape[1]
@@ -215,43 +220,49 @@ def _attend_token(q, t, key_cache, value_cache, pages, position, window, scale, 
     acc = np.empty((group, out.shape[2]), dtype=np.float32)
     state = np.empty((2, group), dtype=np.float32)
     for kv in range(key_cache.shape[1]):
-        _attend_heads(q, t, kv * group, key_cache, value_cache, kv, pages, position, window, scale, softcap, slopes, scores, acc,
-                      state, out)
+        _attend_heads(q, t, kv * group, key_cache, value_cache, kv, pages, position, window, scale, softcap, slopes, sinks,
+                      scores, acc, state, out)
 
 
 @numba.njit(fastmath=True, error_model="numpy", cache=True)
 def _decode_step(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, slot_mapping, seq_lens, block_tables,
-                 key_cache, value_cache, window, scale, softcap, slopes, out):
+                 key_cache, value_cache, window, scale, softcap, slopes, sinks, out):
     """One query per sequence (a decode step), in one call: rotate, store the new key and value, attend.
     out `[T, Hq, D]`."""
     q = np.empty_like(out)
     _rotate_and_store(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, slot_mapping, key_cache, value_cache, q)
     for t in range(out.shape[0]):
-        _attend_token(q, t, key_cache, value_cache, block_tables[t], seq_lens[t] - 1, window, scale, softcap, slopes, out)
+        _attend_token(q, t, key_cache, value_cache, block_tables[t], seq_lens[t] - 1, window, scale, softcap, slopes, sinks,
+                      out)
 
 
 @numba.njit(fastmath=True, error_model="numpy", parallel=True, cache=True)
 def _decode_step_parallel(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, slot_mapping, seq_lens, block_tables,
-                          key_cache, value_cache, window, scale, softcap, slopes, out):
+                          key_cache, value_cache, window, scale, softcap, slopes, sinks, out):
     """`_decode_step` with the sequences spread over numba's threads (a function of its own: numba's
     cache keys a compiled function by its source, so one body compiled both ways would share one entry)."""
     q = np.empty_like(out)
     _rotate_and_store(qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, slot_mapping, key_cache, value_cache, q)
     for t in numba.prange(out.shape[0]):
-        _attend_token(q, t, key_cache, value_cache, block_tables[t], seq_lens[t] - 1, window, scale, softcap, slopes, out)
+        _attend_token(q, t, key_cache, value_cache, block_tables[t], seq_lens[t] - 1, window, scale, softcap, slopes, sinks,
+                      out)
 
 
 @numba.njit(fastmath=True, error_model="numpy", cache=True)
-def _attend_serial(q, key_cache, value_cache, block_tables, token_seq, positions, window, scale, softcap, slopes, out):
+def _attend_serial(q, key_cache, value_cache, block_tables, token_seq, positions, window, scale, softcap, slopes, sinks,
+                   out):
     for t in range(q.shape[0]):
-        _attend_token(q, t, key_cache, value_cache, block_tables[token_seq[t]], positions[t], window, scale, softcap, slopes, out)
+        _attend_token(q, t, key_cache, value_cache, block_tables[token_seq[t]], positions[t], window, scale, softcap, slopes,
+                      sinks, out)
 
 
 @numba.njit(fastmath=True, error_model="numpy", parallel=True, cache=True)
-def _attend_parallel(q, key_cache, value_cache, block_tables, token_seq, positions, window, scale, softcap, slopes, out):
+def _attend_parallel(q, key_cache, value_cache, block_tables, token_seq, positions, window, scale, softcap, slopes, sinks,
+                     out):
     n = q.shape[0]
     for i in numba.prange(n):
         # numba hands each thread a contiguous range of i: pairing early tokens (short causal contexts)
         # with late ones (long) gives the threads equal work
         t = i // 2 if i % 2 == 0 else n - 1 - i // 2
-        _attend_token(q, t, key_cache, value_cache, block_tables[token_seq[t]], positions[t], window, scale, softcap, slopes, out)
+        _attend_token(q, t, key_cache, value_cache, block_tables[token_seq[t]], positions[t], window, scale, softcap, slopes,
+                      sinks, out)

@@ -34,9 +34,9 @@ def _signatures() -> list[tuple[numba.core.registry.CPUDispatcher, tuple]]:
     # qsrc, ksrc, kofs, vsrc, vofs, cos, sin, interleaved, slot_mapping
     projections = (rows, rows, offset, rows, offset, rows, rows, offset, ints1)
     rotate = projections + (pages, pages, heads)
-    slopes = numba.typeof(np.zeros(0, np.float32))
-    decode = projections + (ints1, ints2, pages, pages, window, scale, scale, slopes, heads)  # scale, softcap
-    attend = (heads, pages, pages, ints2, ints1, ints1, window, scale, scale, slopes, heads)
+    slopes = numba.typeof(np.zeros(0, np.float32))  # and the sinks'
+    decode = projections + (ints1, ints2, pages, pages, window, scale, scale, slopes, slopes, heads)  # scale, softcap
+    attend = (heads, pages, pages, ints2, ints1, ints1, window, scale, scale, slopes, slopes, heads)
     # in the order a first request needs them: its short prompt, its decode steps, then bigger batches
     return [(kernels._rotate_and_store, rotate), (kernels._attend_serial, attend), (kernels._decode_step, decode),
             (kernels._rotate_and_store_parallel, rotate), (kernels._attend_parallel, attend),

@@ -1,0 +1,131 @@
+"""SplitRotaryCanonicalizationPass: a rotation written on the two halves of each head, as gpt-oss writes it, in
+the spelling match_rotary reads.
+
+    x1, x2 = chunk(x, 2, -1)                          c, s: tables of R/2 angles
+    out    = cat([x1·c − x2·s, x2·c + x1·s], -1)
+  → out    = x·cos + cat([−x[R/2:], x[:R/2]], -1)·sin   cos = cat([c, c]), sin = cat([s, s])
+
+The same rotation value for value (Llama's rotate_half, whose tables repeat each angle for both halves).
+The halves may be a Split or two Slices of x; the products and sums in either order. One doubled table is
+made for each table q and k share.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from cann_llm.passes.base import PassResult
+from cann_llm.passes.graph_utils import replace_all_uses
+from cann_llm.passes.match_rotary import slice_bounds
+from cann_llm.passes.pattern import const_ints, producer
+
+_BIG = 2**31 - 1
+
+
+def _halves(x1: gs.Tensor, x2: gs.Tensor) -> gs.Tensor | None:
+    """x when x1 and x2 are its first and second halves along the last axis (a Split, or two Slices)."""
+    split = producer(x1, "Split")
+    if split is not None:
+        x = split.inputs[0]
+        rank = len(x.shape or [])
+        sizes = const_ints(split.inputs[1]) if len(split.inputs) > 1 and split.inputs[1].name else None
+        if split.attrs.get("axis", 0) not in (-1, rank - 1) or len(split.outputs) != 2 \
+                or split.outputs[0] is not x1 or split.outputs[1] is not x2 \
+                or (sizes is not None and len(set(sizes)) != 1):
+            return None
+        return x
+    first, second = producer(x1, "Slice"), producer(x2, "Slice")
+    if first is None or second is None or first.inputs[0] is not second.inputs[0]:
+        return None
+    x = first.inputs[0]
+    width = (x.shape or [None])[-1]
+    if not isinstance(width, int) or slice_bounds(first, x) != (0, width // 2):
+        return None
+    bounds = slice_bounds(second, x)
+    return x if bounds is not None and bounds[0] == width // 2 and bounds[1] >= width else None
+
+
+def _product(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor] | None:
+    mul = producer(tensor, "Mul")
+    return (mul.inputs[0], mul.inputs[1]) if mul is not None and len(mul.inputs) == 2 else None
+
+
+class CanonicalizeSplitRotary:
+    """gpt-oss's rotation of the halves → x·cos + rotate_half(x)·sin."""
+
+    name = "SplitRotaryCanonicalizationPass"
+    switchable = True
+
+    def run(self, graph: gs.Graph) -> PassResult:
+        result = PassResult()
+        tables: dict[int, gs.Tensor] = {}  # a half table's id → its doubled table
+        for concat in [n for n in graph.nodes if n.op == "Concat" and len(n.inputs) == 2]:
+            found = self._match(concat)
+            if found is None:
+                continue
+            result.match_times += 1
+            self._rewrite(graph, concat, *found, tables)
+            result.effect_times += 1
+        if result.effect_times:
+            graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        return result
+
+    @staticmethod
+    def _match(concat: gs.Node) -> tuple[gs.Tensor, gs.Tensor, gs.Tensor] | None:
+        """(x, c, s) of the pattern ending at `concat`, or None."""
+        out = concat.outputs[0]
+        rank = len(out.shape or [])
+        if rank < 2 or concat.attrs.get("axis") not in (-1, rank - 1):
+            return None
+        sub, add = producer(concat.inputs[0], "Sub"), producer(concat.inputs[1], "Add")
+        if sub is None or add is None:
+            return None
+        products = [_product(t) for t in (*sub.inputs, *add.inputs)]
+        if any(p is None for p in products):
+            return None
+        # x1·c − x2·s: the first product's half is x1; find which factor is which from the two halves
+        for x1_index in (0, 1):
+            x1, c = products[0][x1_index], products[0][1 - x1_index]
+            for x2_index in (0, 1):
+                x2, s = products[1][x2_index], products[1][1 - x2_index]
+                x = _halves(x1, x2)
+                if x is None or x.shape is None or list(out.shape or []) != list(x.shape):
+                    continue
+                # x2·c + x1·s, in either order of the sum and of each product
+                wanted = [{id(x2), id(c)}, {id(x1), id(s)}]
+                got = [{id(t) for t in p} for p in products[2:]]
+                if got == wanted or got == wanted[::-1]:
+                    return x, c, s
+        return None
+
+    @staticmethod
+    def _rewrite(graph: gs.Graph, concat: gs.Node, x: gs.Tensor, cos: gs.Tensor, sin: gs.Tensor,
+                 tables: dict[int, gs.Tensor]) -> None:
+        name, width, dtype = concat.name, x.shape[-1], x.dtype
+        nodes = []
+
+        def node(op: str, inputs: list, attrs: dict | None = None, shape=None) -> gs.Tensor:
+            out = gs.Variable(f"{name}/canonical_{len(nodes)}", dtype=dtype, shape=shape)
+            nodes.append(gs.Node(op, f"{name}/Canonical{op}_{len(nodes)}", attrs or {}, inputs, [out]))
+            return out
+
+        def const(label: str, values) -> gs.Constant:
+            return gs.Constant(f"{name}/canonical_{label}", np.array(values, np.int64))
+
+        def doubled(half: gs.Tensor) -> gs.Tensor:
+            if id(half) not in tables:
+                shape = None if half.shape is None else [*half.shape[:-1], width]
+                table = gs.Variable(f"{half.name}_doubled", dtype=half.dtype, shape=shape)
+                graph.nodes.append(gs.Node("Concat", f"{half.name}/Doubled", {"axis": -1}, [half, half], [table]))
+                tables[id(half)] = table
+            return tables[id(half)]
+
+        last = const("last", [-1])
+        first = node("Slice", [x, const("zero", [0]), const("half", [width // 2]), last])
+        second = node("Slice", [x, const("half_start", [width // 2]), const("end", [_BIG]), last])
+        turned = node("Concat", [node("Neg", [second]), first], {"axis": -1})
+        rotated = node("Add", [node("Mul", [x, doubled(cos)]), node("Mul", [turned, doubled(sin)])],
+                       shape=list(x.shape))
+        graph.nodes.extend(nodes)
+        replace_all_uses(graph, concat.outputs[0], rotated)
