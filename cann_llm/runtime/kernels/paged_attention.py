@@ -303,8 +303,9 @@ def PagedAttention(query, key, value, cos, sin, query_start_loc, seq_lens, block
     """Rotate, store the new keys and values in layer `layer` of `run.kv_cache`, attend; returns `[1, T, Hq·D]`.
 
     `flash` sends long prompt chunks through `flash_prefill` (never set with a `sliding_window`, a `softcap`,
-    `alibi_slopes` or `sinks`: flash_prefill attends causally, uncapped, unbiased, sinkless). The metadata is prepared once per run
-    (`PagedBatch.of`) for all the layers; `run.fast=False` runs the numpy references. `page_size` is the pool's, restated.
+    `alibi_slopes` or `sinks`: flash_prefill attends causally, uncapped, unbiased, sinkless). The metadata is
+    prepared once per run (`PagedBatch.of`) for all the layers; `run.fast=False` runs the numpy references.
+    `page_size` is the pool's, restated.
     """
     del page_size
     _check_operands(query, key, value, cos, sin, run.kv_cache, layer, num_heads, kv_num_heads, head_dim)
