@@ -17,6 +17,7 @@ from conftest import compile_to, ort_reference
 from generation_utils import engine_greedy, ort_greedy
 
 from cann_llm.runtime import Executor, load_artifact
+from cann_llm.runtime.errors import AtcError
 from cann_llm.runtime.feeds import causal_lm_inputs
 
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -494,6 +495,8 @@ def test_gemma3n_fuses_and_generates_with_its_last_layers_reusing_earlier_caches
     # input's), less k's and v's in the reusing layers, then the per-layer projection's and the final one
     assert ops["RmsNorm"] + ops["AddRmsNorm"] == 11 * layers - 2 * shared + 2
     _paged_equals_onnxruntime(source, om, [[5, 6, 7], list(range(3, 40))], 12)
+    with pytest.raises(AtcError, match="E10055.*earlier layer's keys"):  # a stage would read another's projections
+        compile_to(source, tmp_path / "stages", enable_paged_attention=True, pipeline_stages=2)
 
 
 @pytest.mark.parametrize("dynamo", [False, True])
@@ -513,12 +516,36 @@ def test_gemma4_layers_of_two_sizes_fuse_and_generate(dynamo, tmp_path):
     want = ort_reference(source, feeds)["logits"]
     for backend in ("onnxruntime", "reference"):
         np.testing.assert_allclose(Executor(loaded, backend).run(feeds)["logits"], want, atol=1e-4, rtol=0)
+    assert loaded.metadata["model"]["layer_kv"] == [[2, 16], [1, 32]]  # its two caches, as the past inputs have them
     om = compile_to(source, tmp_path / "paged", enable_paged_attention=True)
     paged = load_artifact(om)
     assert paged.metadata["model"]["layer_kv"] == [[2, 16], [1, 32], [2, 16], [1, 32]]
     ops = Counter(n.op_type for n in paged.model.graph.node)
     assert ops["PagedAttention"] == layers and ops["Softmax"] == 0
     _paged_equals_onnxruntime(source, om, [[5, 6, 7], list(range(3, 40))], 12)
+    with pytest.raises(AtcError, match="E10055.*differ in size"):  # each stage sizes and reads its own layers
+        compile_to(source, tmp_path / "stages", enable_paged_attention=True, pipeline_stages=2)
+
+
+def test_a_layer_reusing_the_cache_of_a_layer_that_did_not_fuse_runs_as_exported(tmp_path, monkeypatch):
+    """Where the first full layer's attention stays unfused, the layer reusing its cache stays so too (taking
+    that cache over would leave the earlier layer reading the later one's op), and the rest fuse."""
+    from cann_llm.passes.fuse_attention import FuseAttention
+
+    source = _export("Gemma3nTextConfig", "Gemma3nForCausalLM", tmp_path, dynamo=True, with_past=True, head_dim=16,
+                     num_hidden_layers=4, sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2,
+                     num_kv_shared_layers=2, vocab_size_per_layer_input=256, hidden_size_per_layer_input=8,
+                     laurel_rank=8, activation_sparsity_pattern=[0.0] * 4, qkv_gain=4.0)
+    first_full = [n.name for n in onnx.load(source).graph.node if n.op_type == "Softmax"][1]
+    match = FuseAttention.match
+    monkeypatch.setattr(FuseAttention, "match", lambda self, graph, softmax: "refused here" if softmax.name == first_full
+                        else match(self, graph, softmax))
+    loaded = load_artifact(compile_to(source, tmp_path / "contiguous"))
+    fused = [n for n in loaded.model.graph.node if n.op_type == "FusedAttention"]
+    assert [n.input[3] for n in fused] == ["past_key_values.0.key", "past_key_values.0.key"]  # layers 0 and 2
+    feeds = causal_lm_inputs(loaded.metadata["signature"], loaded.metadata["model"], np.arange(3, 43)[None])
+    want = ort_reference(source, feeds)["logits"]
+    np.testing.assert_allclose(Executor(loaded, "onnxruntime").run(feeds)["logits"], want, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("dynamo", [False, True])

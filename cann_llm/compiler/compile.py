@@ -208,8 +208,12 @@ def _write(cfg: CompileConfig, output: Path, to: Path, graph: gs.Graph, model: o
     lowered = lower(graph, model)
     signature = io_signature(lowered)
     llm = {**(vocab or {}), **llm_dimensions(signature)}
-    # with past/present I/O every layer is fed its cache, whether or not its attention fused
-    layers = {"num_layers": llm["num_layers"]} if llm.get("kv_cache_io") else {}
+    # with past/present I/O every layer is fed its cache, whether or not its attention fused, and the caches'
+    # sizes are the past inputs' (a layer reusing another's cache has none)
+    layers = {}
+    if llm.get("kv_cache_io"):
+        dimensions.pop("layer_kv", None)
+        layers = {"num_layers": llm["num_layers"], **({"layer_kv": llm["layer_kv"]} if "layer_kv" in llm else {})}
     _check_cache_dims({**llm, **dimensions})
     metadata = {
         "name": output.stem,

@@ -24,7 +24,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from cann_llm.models.export import export_causal_lm, io_names, kv_geometry
+from cann_llm.models.export import cache_shapes, export_causal_lm, io_names
 from cann_llm.models.tiny import TINY_FAMILIES, TinySpec
 
 HELD_BACK = ("mistral", "glm", "phi3", "gemma", "qwen2_moe", "qwen3_moe", "gpt2")
@@ -133,7 +133,6 @@ def _cases(config, with_past: bool) -> list[dict[str, np.ndarray]]:
     mask, with past inputs); then batch 3 by 4 with its last row left-padded by 2 (without past inputs) or one
     decode step after a past of 11 (with them)."""
     rng = np.random.default_rng(0)
-    layers, kv_heads, head_dim = kv_geometry(config)
     shapes = [(2, 7, 5), (1, 1, 11)] if with_past else [(2, 7, 0), (3, 4, 0)]
     cases = []
     for batch, seq, past in shapes:
@@ -146,7 +145,7 @@ def _cases(config, with_past: bool) -> list[dict[str, np.ndarray]]:
                  "attention_mask": mask, "position_ids": positions[:, past:].astype(np.int64)}
         feeds["input_ids"][mask[:, past:] == 0] = 0
         if with_past:
-            for i in range(layers):
+            for i, (kv_heads, head_dim) in enumerate(cache_shapes(config)):
                 for kind in ("key", "value"):
                     feeds[f"past_key_values.{i}.{kind}"] = rng.standard_normal(
                         (batch, kv_heads, past, head_dim)).astype(np.float32)
@@ -160,7 +159,7 @@ def _reference(model, with_past: bool) -> dict[str, np.ndarray]:
     from cann_llm.models.export import _CausalLMWithFlatCache
 
     wrapper = _CausalLMWithFlatCache(model, with_past).eval()
-    inputs, outputs = io_names(kv_geometry(model.config)[0], with_past)
+    inputs, outputs = io_names(len(cache_shapes(model.config)), with_past)
     arrays = {}
     for prefix, feeds in zip(("", "alt_"), _cases(model.config, with_past)):
         with torch.no_grad():

@@ -79,13 +79,6 @@ def cache_shapes(config) -> list[tuple[int, int]]:
     return shapes
 
 
-def kv_geometry(config) -> tuple[int, int, int]:
-    """(layers with a cache of their own, num_kv_heads, head_dim) of a transformers config whose cached layers
-    are all alike (the first one's sizes otherwise: `cache_shapes` has each)."""
-    shapes = cache_shapes(config)
-    return len(shapes), *shapes[0]
-
-
 def io_names(num_layers: int, with_past: bool) -> tuple[list[str], list[str]]:
     """The ONNX input and output names of an exported causal LM."""
     inputs = ["input_ids", "attention_mask", "position_ids"]
@@ -136,7 +129,7 @@ def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, dynamo:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     model = model.eval()
-    num_layers, _, _ = kv_geometry(model.config)
+    num_layers = len(cache_shapes(model.config))
     input_names, output_names = io_names(num_layers, with_past)
     if not positions:
         input_names.remove("position_ids")

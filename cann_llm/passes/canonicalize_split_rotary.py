@@ -90,8 +90,10 @@ class CanonicalizeSplitRotary:
             for x2_index in (0, 1):
                 x2, s = products[1][x2_index], products[1][1 - x2_index]
                 x = _halves(x1, x2)
-                if x is None or x.shape is None or list(out.shape or []) != list(x.shape):
-                    continue
+                if x is None or x.shape is None or list(out.shape or []) != list(x.shape) \
+                        or not isinstance(x.shape[-1], int) \
+                        or any(t.shape is None or len(t.shape) == 0 or t.shape[-1] != x.shape[-1] // 2 for t in (c, s)):
+                    continue  # the doubled tables must be x's width
                 # x2·c + x1·s, in either order of the sum and of each product
                 wanted = [{id(x2), id(c)}, {id(x1), id(s)}]
                 got = [{id(t) for t in p} for p in products[2:]]

@@ -117,6 +117,49 @@ def _cache_owner(keys: gs.Tensor, values: gs.Tensor) -> gs.Node | None:
     return owner if present[0] is keys and present[1] is values else None
 
 
+def _read_earlier(whole: gs.Tensor, reader: gs.Node, present: gs.Tensor | None, softmax: gs.Node,
+                  order: dict[int, int], outputs: set[int]) -> bool:
+    """Whether an earlier layer's attention (its softmax before `softmax`, a layer's after the layers it reads)
+    reads the whole cache `whole` (past and new keys or values), or what this layer makes of it on the way to
+    `reader` (its repetition for the query heads, which an optimiser may compute once for two layers). Shapes,
+    the slice a sliding-window layer keeps as its present, and ops an earlier rewrite left dead do not count."""
+    own, tensors, tensor = {id(reader)}, [], reader.inputs[1]
+    while tensor is not whole:
+        node = producer(tensor)
+        if node is None or id(node) in own:
+            return False
+        tensors.append(tensor)
+        own.add(id(node))
+        tensor = next((t for t in node.inputs if not isinstance(t, gs.Constant) and t.shape is not None
+                       and len(t.shape) >= 4), node.inputs[0])
+    others = [n for t in (whole, *tensors) for n in t.outputs if id(n) not in own and n.op != "Shape"
+              and not (present is not None and present is not whole and any(o is present for o in n.outputs))]
+    for other in others:
+        found = _downstream(other, outputs)
+        if found is not None and found[0] and order.get(id(found[1]), len(order)) < order[id(softmax)]:
+            return True
+    return False
+
+
+def _downstream(node: gs.Node, outputs: set[int]) -> tuple[bool, gs.Node] | None:
+    """(whether `node` still leads to a graph output, the first Softmax it leads to) or None without one: an
+    earlier rewrite in this pass leaves the ops it replaced in the graph, leading nowhere, until its cleanup."""
+    seen, todo, alive, first = set(), [node], False, None
+    while todo:
+        current = todo.pop(0)
+        if current.op == "Softmax" and first is None:
+            first = current
+        for tensor in current.outputs:
+            alive = alive or id(tensor) in outputs
+            for next_node in tensor.outputs:
+                if id(next_node) not in seen:
+                    seen.add(id(next_node))
+                    todo.append(next_node)
+        if alive and first is not None:
+            break
+    return None if first is None else (alive, first)
+
+
 def _reused_cache(owner: gs.Node, query4: gs.Tensor, query_rope, tokens_first: bool):
     """(query, rotary, key cache, value cache, key, value) of a layer that attends to `owner`'s cache (Gemma
     3n's last layers reuse the keys and values of the last earlier layer of their kind): it reads the same
@@ -219,6 +262,13 @@ class FuseAttention(FusionPass):
             value_cache = match_kv_concat(graph, value_present, tokens_first)
             if (key_cache.past is None) != (value_cache.past is None):
                 return "a cache for only one of keys and values"
+            order = {id(node): index for index, node in enumerate(graph.nodes)}
+            outputs = {id(t) for t in graph.outputs}
+            if any(cache.past is not None and _read_earlier(whole, reader, cache.present, softmax, order, outputs)
+                   for cache, whole, reader in ((key_cache, key_present, scores), (value_cache, value_present, context))):
+                # this layer reuses an earlier layer's cache, and that layer's attention did not fuse: taking the
+                # cache over would have that layer read the fused op's output
+                return "it reuses an earlier layer's cache, whose attention did not fuse"
             if key_cache.window != value_cache.window:
                 return f"the key and value caches keep {key_cache.window - 1} and {value_cache.window - 1} tokens"
             key, value = (match_head_split(t, tokens_first) for t in (key4, value_cache.new))
@@ -292,7 +342,8 @@ class FuseAttention(FusionPass):
             source = projection.tensor
             if projection.heads_first:  # [B, H, S, D] to [B, S, H, D]
                 source = transposed(source, [0, 2, 1, 3], "HeadsLast")
-            # a layer reusing an earlier layer's keys merges the same heads: that layer's Reshape serves both
+            # one per-head value flattened once: its Reshape serves every reader (k and v of one view, or a
+            # later layer that reuses this one's keys and values)
             done = next((n.outputs[0] for n in source.outputs if n.op == "Reshape" and n.name == f"{source.name}/MergeHeads"),
                         None)
             if done is not None:

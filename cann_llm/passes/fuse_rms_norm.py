@@ -39,9 +39,9 @@ def _weighted(graph: gs.Graph, normalized: gs.Tensor, hidden: int) -> list[tuple
         weight = other_input(reader, normalized) if reader.op == "Mul" else None
         if isinstance(weight, gs.Constant) and tuple(weight.shape) == (hidden,):
             found.append((weight, reader.outputs[0]))
-        elif weight is not None and len(normalized.outputs) == 1:
+        elif weight is not None and not isinstance(weight, gs.Constant) and len(normalized.outputs) == 1:
             return "the weight is not a constant"
-        elif not any(output is normalized for _, output in found):
+        elif not any(output is normalized for _, output in found):  # read as it is (a Mul of another shape stays)
             found.append((None, normalized))
     return found
 

@@ -27,10 +27,13 @@ def _row_max_removed(tensor: gs.Tensor) -> gs.Tensor:
 
 
 def _per_head_constant(tensor: gs.Tensor) -> np.ndarray | None:
-    """The values `tensor` [B, H, S, 1] repeats: a constant reshaped or unsqueezed onto the heads' axis, then
-    expanded (Casts allowed); the caller checks there is one a head."""
+    """The values `tensor` [B, H, S, 1] repeats: a constant reshaped or unsqueezed onto the heads' axis ([1, H,
+    1, 1] before the Expand), then expanded (Casts allowed); the caller checks there is one a head."""
     node = producer(tensor, "Expand")
     tensor = node.inputs[0] if node is not None else tensor
+    shape = tensor.shape  # [1, H, 1, 1] (or [H, 1, 1]): the values on the heads' axis alone
+    if shape is None or len(shape) not in (3, 4) or any(d != 1 for i, d in enumerate(shape) if i != len(shape) - 3):
+        return None
     while (node := producer(tensor, "Reshape", "Unsqueeze", "Cast")) is not None:
         tensor = node.inputs[0]
     if not isinstance(tensor, gs.Constant) or tensor.values.ndim > 1 and sorted(tensor.values.shape)[:-1] != [1] * (

@@ -19,7 +19,7 @@ from cann_llm.passes.decoder_layers import norm_above, norm_weight, residual_ent
 from cann_llm.passes.graph_utils import replace_all_uses
 from cann_llm.passes.weight_memory import Deferred, read_values
 from cann_llm.runtime.errors import AtcError
-from cann_llm.runtime.ops import PAGED_ATTENTION
+from cann_llm.runtime.ops import PAGED_ATTENTION, PagedAttentionInput, input_at
 
 HIDDEN_IN, HIDDEN_OUT = "hidden_states", "hidden_states_out"
 
@@ -103,6 +103,12 @@ def _layers(graph: gs.Graph) -> tuple[gs.Node, list[gs.Node], list[gs.Node], int
         raise _refused("no final norm and head compute the output 'logits'")
     hidden = norm_weight(final).shape[-1]
     attentions = [node for node in graph.nodes if node.op == PAGED_ATTENTION.name]
+    # each stage sizes its own pool and reads its own layers' projections alone
+    if len({(node.attrs["kv_num_heads"], node.attrs["head_dim"]) for node in attentions}) > 1:
+        raise _refused("its layers' KV caches differ in size (Gemma 4's full and sliding layers)")
+    keys = [input_at(node.inputs, PagedAttentionInput.KEY) for node in attentions]
+    if len({id(key) for key in keys if key is not None}) < sum(key is not None for key in keys):
+        raise _refused("some layers attend to an earlier layer's keys and values (Gemma 3n's and Gemma 4's last layers)")
     starts = [norm_above(node.inputs[0], hidden) for node in attentions]
     if any(start is None for start in starts):
         raise _refused("a layer's input norm was not found above its attention")

@@ -161,12 +161,16 @@ def _check_dimensions(metadata: dict, attentions: list[tuple[onnx.NodeProto, dic
         raise ContractViolation(f"metadata.model.num_layers: {model['num_layers']}, the graph has {len(owners)} "
                                 f"attention nodes with a cache of their own")
     listed = model.get("layer_kv")
-    if listed is not None and len(listed) != len(attentions):
+    # layer_kv lists each attention node's KV sizes, or with past inputs each cache's (which nodes may share)
+    if listed is not None and not dims.get("kv_cache_io") and len(listed) != len(attentions):
         raise ContractViolation(f"metadata.model.layer_kv: {len(listed)} layers, the graph has {len(attentions)} "
                                 f"attention nodes")
     for index, (node, attrs) in enumerate(attentions):
-        # where the layers differ, each node's KV sizes are its own entry of layer_kv
-        sizes = dict(zip(("num_kv_heads", "head_dim"), listed[index])) if listed is not None else model
+        sizes = model
+        if listed is not None:
+            own = [attrs["kv_num_heads"], attrs["head_dim"]]
+            sizes = dict(zip(("num_kv_heads", "head_dim"), own if dims.get("kv_cache_io") and own in listed
+                             else listed[min(index, len(listed) - 1)]))
         for attr, key in (("num_heads", "num_heads"), ("kv_num_heads", "num_kv_heads"), ("head_dim", "head_dim")):
             expected = model.get(key) if key == "num_heads" else sizes.get(key)
             if expected is not None and attrs[attr] != expected:

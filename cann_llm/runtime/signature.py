@@ -48,7 +48,8 @@ def is_fixed(shape) -> bool:
 
 
 def llm_dimensions(signature: dict) -> dict:
-    """Layers, KV heads, head size and vocabulary of a causal LM with Optimum-style I/O (empty if not one)."""
+    """Layers, KV heads, head size and vocabulary of a causal LM with Optimum-style I/O (empty if not one); with
+    past inputs of different sizes, `layer_kv`: each one's [KV heads, head size]."""
     inputs = {v["name"]: v for v in signature["inputs"]}
     outputs = {v["name"]: v for v in signature["outputs"]}
     if "input_ids" not in inputs or "logits" not in outputs:
@@ -58,4 +59,9 @@ def llm_dimensions(signature: dict) -> dict:
     if layers:
         past = inputs["past_key_values.0.key"]["shape"]
         dims.update(num_layers=len(layers), num_kv_heads=past[1], head_dim=past[3])
+        # each cache's sizes where they differ (Gemma 4's full layers against its sliding ones)
+        sizes = [[inputs[f"past_key_values.{i}.key"]["shape"][d] for d in (1, 3)] for i in sorted(layers)
+                 if f"past_key_values.{i}.key" in inputs]
+        if any(size != sizes[0] for size in sizes):
+            dims["layer_kv"] = sizes
     return dims

@@ -132,6 +132,16 @@ def test_a_weight_that_is_not_constant_is_refused():
     assert result.effect_times == 0 and any("not a constant" in r for r in result.rejections)
 
 
+@pytest.mark.parametrize("shape", [(), (1, 1, H)])
+def test_a_weight_of_another_shape_stays_a_mul_after_the_norm(shape, tmp_path):
+    nodes = _rms_nodes("x", "y", weight="w2")
+    model = _model(nodes, inputs=("x",))
+    model.graph.initializer.append(numpy_helper.from_array(np.full(shape, 1.5, np.float32), "w2"))
+    fused, (result,) = apply_pass(model, FuseRmsNorm())
+    assert result.effect_times == 1 and op_counts(fused)["RmsNorm"] == 1 and op_counts(fused)["Mul"] == 1
+    assert_parity(model, fused, {"x": FEEDS["x"]}, tmp_path)
+
+
 def test_a_mean_without_its_epsilon_fuses_with_an_epsilon_of_zero(tmp_path):
     """torch.onnx's dynamo optimiser drops Helium's epsilon of 1e-8: Sqrt reads the mean itself."""
     nodes = [n for n in _rms_nodes("x", "y") if n.op_type != "Add"]
