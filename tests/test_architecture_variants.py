@@ -16,6 +16,7 @@ import pytest
 from conftest import compile_to, ort_reference
 from generation_utils import engine_greedy, ort_greedy
 
+from cann_llm.compiler.om_info import display_model_info
 from cann_llm.runtime import Executor, load_artifact
 from cann_llm.runtime.errors import AtcError
 from cann_llm.runtime.feeds import causal_lm_inputs
@@ -520,6 +521,7 @@ def test_gemma4_layers_of_two_sizes_fuse_and_generate(dynamo, tmp_path):
     om = compile_to(source, tmp_path / "paged", enable_paged_attention=True)
     paged = load_artifact(om)
     assert paged.metadata["model"]["layer_kv"] == [[2, 16], [1, 32], [2, 16], [1, 32]]
+    assert "kv_sizes[2x16, 1x32, 2x16, 1x32]" in display_model_info(paged.om)  # atc --mode=6
     ops = Counter(n.op_type for n in paged.model.graph.node)
     assert ops["PagedAttention"] == layers and ops["Softmax"] == 0
     _paged_equals_onnxruntime(source, om, [[5, 6, 7], list(range(3, 40))], 12)

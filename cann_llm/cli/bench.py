@@ -31,8 +31,9 @@ import numpy as np
 from cann_llm.cli.bench_settings import BenchSettings
 from cann_llm.cli.common_options import shows_progress
 from cann_llm.cli.json_output import write_json
-from cann_llm.cli.llm_commands import engine_options, open_engine
+from cann_llm.cli.llm_commands import engine_options, open_engine, refused
 from cann_llm.models.data_files import EVAL_TEXT
+from cann_llm.runtime.engine.setting_error import SettingError
 from cann_llm.runtime.errors import invalid_value
 from cann_llm.runtime.ort_session import session_options
 from cann_llm.runtime.progress import Progress, progress
@@ -299,7 +300,10 @@ def bench_command(onnx_path, text_file, num_requests, concurrency, prompt_length
         # a model that reads its positions from a table holds fewer than asked: say so before measuring
         bench.check_fits(engine.max_context_len)
         loaded_kib = _resident_kib("VmRSS")
-        ids = engine._require_tokenizer().encode(bench.text)
+        try:  # the bench's prompts are text: a model compiled without a tokenizer is the one to change
+            ids = engine._require_tokenizer().encode(bench.text)
+        except SettingError as error:
+            raise refused(error, "--model", engine_kwargs["model"]) from None
         ort_loop = _onnxruntime_loop(onnx_path) if onnx_path else None
         # load the kernels and warm the sessions (a prefill as long as the measured ones, then decodes)
         _engine_generate(engine, ids[:prefill_tokens], 4)

@@ -42,8 +42,7 @@ def display_model_info(om: OmFile) -> str:
         f"resource info: memory_size[{weights + graph} B], weight_size[{weights} B], stream_num[1], event_num[0].",
         f"om       info: modeldef_size[{graph} B], weight_data_size[{weights} B], tbe_kernels_size[0 B], "
         f"cust_aicpu_kernel_store_size[0 B], task_info_size[0 B], so_store_size[0 B].",
-        f"llm      info: layers[{dims.get('num_layers', '-')}], kv_heads[{dims.get('num_kv_heads', '-')}], "
-        f"head_dim[{dims.get('head_dim', '-')}], vocab_size[{dims.get('vocab_size', '-')}], "
+        f"llm      info: layers[{dims.get('num_layers', '-')}], {_kv_sizes(dims)}, vocab_size[{dims.get('vocab_size', '-')}], "
         f"kv_cache_layout[{kv.get('layout', '-')}{page}], tokenizer[{'yes' if om.tokenizer_files() else 'no'}].",
         f"weight   info: {_weights_line(meta.get('weights'))}.",
         "============ Display Model Info end   ============",
@@ -142,3 +141,10 @@ def om_json(om: OmFile) -> dict:
     if Partition.TOKENIZER.name in om.partition_sizes():
         document["tokenizer_files"] = sorted(om.tokenizer_files())
     return document
+
+
+def _kv_sizes(dims: dict) -> str:
+    """`kv_heads[2], head_dim[64]`, or each layer's `kv_sizes[2x16, 1x32, ...]` where they differ."""
+    if "layer_kv" in dims:
+        return f"kv_sizes[{', '.join(f'{heads}x{size}' for heads, size in dims['layer_kv'])}] (kv_heads x head_dim)"
+    return f"kv_heads[{dims.get('num_kv_heads', '-')}], head_dim[{dims.get('head_dim', '-')}]"

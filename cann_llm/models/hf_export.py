@@ -246,10 +246,10 @@ def export_checkpoint(cfg: ExportConfig, log: Callable[[str], None] = lambda mes
         try:
             export_causal_lm(loaded.model, staging / "model.onnx", dynamo=cfg.exporter == "dynamo",
                              with_past=cfg.with_past, external_data=large)
-        except Exception as error:  # the exporters raise anything; the user gets its last words
-            message = str(error).strip().splitlines()
-            raise AtcError("E10055", f"the {cfg.exporter} exporter cannot export {architecture}",
-                           reason=message[-1] if message else type(error).__name__) from None
+        except Exception as error:  # the exporters raise anything; the user gets the line that names the cause
+            other = "torchscript" if cfg.exporter == "dynamo" else "dynamo"
+            raise AtcError("E10055", f"the {cfg.exporter} exporter cannot export {architecture} (try --exporter "
+                                     f"{other})", reason=_cause(error)) from None
         _move_into_place(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -283,3 +283,11 @@ def _write_tokenizer(loaded: LoadedCheckpoint, folder: Path) -> None:
                 shutil.copyfile(loaded.tokenizer_folder / name, folder / name)
     elif loaded.tokenizer is not None:
         loaded.tokenizer.save_pretrained(str(folder))
+
+
+def _cause(error: Exception) -> str:
+    """The line of an exporter's error that names what it could not convert: dynamo's ends on advice to debug
+    and report, its op (`No ONNX function found for prims.erf_inv`) comes first; TorchScript's is its last."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    named = next((line for line in lines if "No ONNX function found" in line or "is not supported" in line), None)
+    return named or (lines[-1] if lines else type(error).__name__)

@@ -83,6 +83,11 @@ def test_wrong_input_count_and_missing_tokenizer_are_clear_errors(om_path, tmp_p
     proc = subprocess.run([sys.executable, "-m", "cann_llm.cli.cann_run", "generate", "--model", str(bare), "--prompt", "hi"],
                           capture_output=True, text=True)
     assert proc.returncode == 1 and "for parameter --model is invalid" in proc.stderr, proc.stderr
+    # the bench's prompts are text too
+    proc = subprocess.run([sys.executable, "-m", "cann_llm.cli.cann_run", "bench", "--model", str(bare), "--requests", "1",
+                           "--long_prefill", "", "--json", str(tmp_path / "bench.json")], capture_output=True, text=True)
+    assert proc.returncode == 1 and "E10001" in proc.stderr and "for parameter --model is invalid" in proc.stderr
+    assert "compiled without a tokenizer" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_a_paged_artifact_runs_msame_style_with_one_sequence_per_input_row(paged_om_path, om_path, tmp_path):

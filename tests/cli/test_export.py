@@ -126,7 +126,8 @@ def test_an_exporter_failure_is_e10055_and_leaves_the_output_folder_as_it_was(tm
     (out / "keep.txt").write_text("mine")
     proc = _cann_run("export", "--model", str(glm), "--output", str(out), "--exporter", "torchscript")
     _assert_refused(proc, "E10055")
-    assert "the torchscript exporter cannot export GlmForCausalLM" in proc.stderr
+    assert "the torchscript exporter cannot export GlmForCausalLM (try --exporter dynamo)" in proc.stderr
+    assert "is not supported" in proc.stderr, proc.stderr  # the exporter's line naming what it cannot convert
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
