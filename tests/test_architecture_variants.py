@@ -467,18 +467,33 @@ def test_gemma3_norms_after_the_head_transpose_fuse(dynamo, tmp_path):
     _paged_equals_onnxruntime(source, om, [[5, 6, 7], list(range(3, 40))], 12)
 
 
+@pytest.fixture(scope="module")
+def gemma3n(tmp_path_factory):
+    """`gemma3n(dynamo)`: Gemma 3n's export (4 layers, sliding and full alternating, the last 2 reusing earlier
+    caches, with a cache), made once a module; its first layer keeps the top 5% of the MLP's activations where
+    the exporter can write that (TorchScript: dynamo cannot convert the sparsity's icdf)."""
+    made = {}
+
+    def export(dynamo: bool):
+        if dynamo not in made:
+            sparsity = [0.0] * 4 if dynamo else [0.95, 0.0, 0.0, 0.0]
+            made[dynamo] = _export("Gemma3nTextConfig", "Gemma3nForCausalLM", tmp_path_factory.mktemp("gemma3n"),
+                                   dynamo=dynamo, with_past=True, head_dim=16, num_hidden_layers=4, sliding_window=16,
+                                   layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+                                   vocab_size_per_layer_input=256, hidden_size_per_layer_input=8, laurel_rank=8,
+                                   activation_sparsity_pattern=sparsity, qkv_gain=4.0)
+        return made[dynamo]
+    return export
+
+
 @pytest.mark.parametrize("dynamo", [False, True])
-def test_gemma3n_fuses_and_generates_with_its_last_layers_reusing_earlier_caches(dynamo, tmp_path):
+def test_gemma3n_fuses_and_generates_with_its_last_layers_reusing_earlier_caches(dynamo, gemma3n, tmp_path):
     """Gemma 3n: every RMSNorm written x · (mean(x²) + eps) ** -0.5 (q, k and v per head, AltUp's router norm
     twice a layer, the per-layer inputs'); sliding and full layers alternating; its last layers attend to the
     keys and values of the last earlier layer of their kind and export no cache of their own; its first layer
     keeps the top 5% of the MLP's activations (TorchScript alone exports that)."""
     layers, shared = 4, 2
-    sparsity = [0.0] * layers if dynamo else [0.95] + [0.0] * (layers - 1)  # dynamo cannot convert its icdf
-    source = _export("Gemma3nTextConfig", "Gemma3nForCausalLM", tmp_path, dynamo=dynamo, with_past=True, head_dim=16,
-                     num_hidden_layers=layers, sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2,
-                     num_kv_shared_layers=shared, vocab_size_per_layer_input=256, hidden_size_per_layer_input=8,
-                     laurel_rank=8, activation_sparsity_pattern=sparsity, qkv_gain=4.0)
+    source = gemma3n(dynamo)
     assert sum(i.name.startswith("past_key_values") for i in onnx.load(source).graph.input) == 2 * (layers - shared)
     loaded = load_artifact(compile_to(source, tmp_path / "contiguous"))
     fused = [n for n in loaded.model.graph.node if n.op_type == "FusedAttention"]
@@ -529,15 +544,12 @@ def test_gemma4_layers_of_two_sizes_fuse_and_generate(dynamo, tmp_path):
         compile_to(source, tmp_path / "stages", enable_paged_attention=True, pipeline_stages=2)
 
 
-def test_a_layer_reusing_the_cache_of_a_layer_that_did_not_fuse_runs_as_exported(tmp_path, monkeypatch):
+def test_a_layer_reusing_the_cache_of_a_layer_that_did_not_fuse_runs_as_exported(gemma3n, tmp_path, monkeypatch):
     """Where the first full layer's attention stays unfused, the layer reusing its cache stays so too (taking
     that cache over would leave the earlier layer reading the later one's op), and the rest fuse."""
     from cann_llm.passes.fuse_attention import FuseAttention
 
-    source = _export("Gemma3nTextConfig", "Gemma3nForCausalLM", tmp_path, dynamo=True, with_past=True, head_dim=16,
-                     num_hidden_layers=4, sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2,
-                     num_kv_shared_layers=2, vocab_size_per_layer_input=256, hidden_size_per_layer_input=8,
-                     laurel_rank=8, activation_sparsity_pattern=[0.0] * 4, qkv_gain=4.0)
+    source = gemma3n(dynamo=True)
     first_full = [n.name for n in onnx.load(source).graph.node if n.op_type == "Softmax"][1]
     match = FuseAttention.match
     monkeypatch.setattr(FuseAttention, "match", lambda self, graph, softmax: "refused here" if softmax.name == first_full

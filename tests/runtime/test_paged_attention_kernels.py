@@ -298,6 +298,17 @@ def test_flash_prefill_scratch_memory_does_not_grow_with_the_square_of_the_conte
     assert large < full_scores_large / 16
 
 
+def _decode_step_inputs(q, key_cache, value_cache, starts, lengths, tables) -> list:
+    """The PagedAttention node's inputs for a decode step whose new keys and values are the ones the pool
+    already holds at each sequence's last position (storing them again changes nothing)."""
+    slots = np.array([tables[b, (n - 1) // PAGE] * PAGE + (n - 1) % PAGE for b, n in enumerate(lengths)], np.int64)
+    k_new = np.stack([key_cache[tables[b, (n - 1) // PAGE], :, (n - 1) % PAGE] for b, n in enumerate(lengths)])
+    v_new = np.stack([value_cache[tables[b, (n - 1) // PAGE], :, (n - 1) % PAGE] for b, n in enumerate(lengths)])
+    rows = len(lengths)
+    return [q.reshape(1, rows, -1), k_new.reshape(1, rows, -1), v_new.reshape(1, rows, -1), None, None, starts,
+            np.asarray(lengths, np.int32), tables, slots]
+
+
 @pytest.mark.parametrize("window", [1, 5, PAGE, PAGE + 1, 40])
 @pytest.mark.parametrize("mix", MIXES + [[(1, 300), (1, 41), (1, 7), (1, 16)]],
                          ids=["decodes", "prefill-and-decodes", "chunks", "decode-step"])
@@ -316,11 +327,7 @@ def test_a_sliding_window_hides_the_same_keys_in_every_kernel(window, mix):
     positions = np.arange(context - new, context)[:, None]
     np.testing.assert_array_equal(~hidden, (np.arange(context) <= positions) & (np.arange(context) > positions - window))
     if all(n == 1 for n, _ in mix):  # the decode step's own kernel, through the node
-        slots = np.array([tables[b, (n - 1) // PAGE] * PAGE + (n - 1) % PAGE for b, n in enumerate(lengths)], np.int64)
-        k_new = np.stack([key_cache[tables[b, (n - 1) // PAGE], :, (n - 1) % PAGE] for b, n in enumerate(lengths)])
-        v_new = np.stack([value_cache[tables[b, (n - 1) // PAGE], :, (n - 1) % PAGE] for b, n in enumerate(lengths)])
-        inputs = [q.reshape(1, len(mix), -1), k_new.reshape(1, len(mix), -1), v_new.reshape(1, len(mix), -1), None,
-                  None, starts, np.asarray(lengths, np.int32), tables, slots]
+        inputs = _decode_step_inputs(q, key_cache, value_cache, starts, lengths, tables)
         got = _node(inputs, key_cache.copy(), value_cache.copy(), num_heads=HEADS, kv_num_heads=KV_HEADS, head_dim=DIM,
                     scale=0.17, sliding_window=window)
         np.testing.assert_allclose(got.reshape(q.shape), expected, atol=2e-5, rtol=0)
@@ -350,11 +357,7 @@ def test_sinks_join_every_kernels_softmax_alike(mix):
                                       sinks=sinks)
     np.testing.assert_allclose(contiguous.reshape(new, HEADS, DIM), expected[:new], atol=2e-5, rtol=0)
     if all(n == 1 for n, _ in mix):  # the decode step's own kernel, through the node
-        slots = np.array([tables[b, (n - 1) // PAGE] * PAGE + (n - 1) % PAGE for b, n in enumerate(lengths)], np.int64)
-        k_new = np.stack([key_cache[tables[b, (n - 1) // PAGE], :, (n - 1) % PAGE] for b, n in enumerate(lengths)])
-        v_new = np.stack([value_cache[tables[b, (n - 1) // PAGE], :, (n - 1) % PAGE] for b, n in enumerate(lengths)])
-        inputs = [q.reshape(1, len(mix), -1), k_new.reshape(1, len(mix), -1), v_new.reshape(1, len(mix), -1), None,
-                  None, starts, np.asarray(lengths, np.int32), tables, slots]
+        inputs = _decode_step_inputs(q, key_cache, value_cache, starts, lengths, tables)
         got = _node(inputs, key_cache.copy(), value_cache.copy(), num_heads=HEADS, kv_num_heads=KV_HEADS, head_dim=DIM,
                     scale=scale, sinks=list(sinks))
         np.testing.assert_allclose(got.reshape(q.shape), expected, atol=2e-5, rtol=0)
