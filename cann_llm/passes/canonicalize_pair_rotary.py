@@ -12,11 +12,10 @@ the pattern names, the halves of one view and of one table, with the view's lead
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_graphsurgeon as gs
 
 from cann_llm.passes.base import PassResult
-from cann_llm.passes.graph_utils import replace_all_uses
+from cann_llm.passes.graph_utils import CanonicalNodes, replace_all_uses, rewrite_each
 from cann_llm.passes.pattern import axes_of, const_ints, producer, scalar
 
 
@@ -74,18 +73,9 @@ class CanonicalizePairRotary:
     switchable = True
 
     def run(self, graph: gs.Graph) -> PassResult:
-        result = PassResult()
         tables: list[tuple[tuple[gs.Tensor, int, int] | None, gs.Tensor]] = []  # (its source, a doubled table)
-        for flatten in [n for n in graph.nodes if n.op == "Reshape"]:
-            found = self._match(flatten)
-            if found is None:
-                continue
-            result.match_times += 1
-            self._rewrite(graph, flatten, *found, tables)
-            result.effect_times += 1
-        if result.effect_times:
-            graph.cleanup(remove_unused_graph_inputs=False).toposort()
-        return result
+        return rewrite_each(graph, [n for n in graph.nodes if n.op == "Reshape"], self._match,
+                            lambda flatten, *found: self._rewrite(graph, flatten, *found, tables))
 
     @staticmethod
     def _match(flatten: gs.Node) -> tuple[gs.Tensor, gs.Tensor, gs.Tensor] | None:
@@ -135,18 +125,9 @@ class CanonicalizePairRotary:
     @staticmethod
     def _rewrite(graph: gs.Graph, flatten: gs.Node, x: gs.Tensor, cos: gs.Tensor, sin: gs.Tensor,
                  tables: list[tuple[tuple[gs.Tensor, int, int] | None, gs.Tensor]]) -> None:
-        name, width, dtype = flatten.name, x.shape[-1], x.dtype
-        nodes = []
+        width, b = x.shape[-1], CanonicalNodes(flatten.name, x.dtype)
 
-        def node(op: str, inputs: list, attrs: dict | None = None, shape=None) -> gs.Tensor:
-            out = gs.Variable(f"{name}/canonical_{len(nodes)}", dtype=dtype, shape=shape)
-            nodes.append(gs.Node(op, f"{name}/Canonical{op}_{len(nodes)}", attrs or {}, inputs, [out]))
-            return out
-
-        def const(label: str, values) -> gs.Constant:
-            return gs.Constant(f"{name}/canonical_{label}", np.array(values, np.int64))
-
-        last = const("last", [-1])
+        last = b.const("last", [-1])
 
         def doubled(half: gs.Tensor) -> gs.Tensor:
             # each angle's value for both members of its pair
@@ -157,22 +138,22 @@ class CanonicalizePairRotary:
                 return known
             if source is not None:  # the view's own values: T's i-th halves with a unit axis for the heads
                 table_of_pairs, index, unit = source
-                picked = node("Gather", [table_of_pairs, gs.Constant(f"{name}/canonical_half_{index}",
-                                                                     np.array(index, np.int64))], {"axis": -1})
-                half = node("Unsqueeze", [picked, const(f"heads_{index}", [unit])], shape=list(half.shape))
-            column = node("Unsqueeze", [half, last])
-            table = node("Reshape", [node("Concat", [column, column], {"axis": -1}),
-                                     const(f"pairs_{half.name}", [0] * (len(half.shape) - 1) + [width])],
-                         shape=[*half.shape[:-1], width])
+                picked = b.node("Gather", [table_of_pairs, b.const(f"half_{index}", index)], {"axis": -1})
+                half = b.node("Unsqueeze", [picked, b.const(f"heads_{index}", [unit])], shape=list(half.shape))
+            column = b.node("Unsqueeze", [half, last])
+            table = b.node("Reshape", [b.node("Concat", [column, column], {"axis": -1}),
+                                       b.const(f"pairs_{half.name}", [0] * (len(half.shape) - 1) + [width])],
+                           shape=[*half.shape[:-1], width])
             tables.append((source, table))
             return table
 
-        odd = node("Slice", [x, const("one", [1]), const("width", [width]), last, const("two", [2])])
-        even = node("Slice", [x, const("zero", [0]), const("width_even", [width]), last, const("two_even", [2])])
-        pairs = node("Concat", [node("Unsqueeze", [node("Neg", [odd]), last]), node("Unsqueeze", [even, last])],
-                     {"axis": -1})
-        turned = node("Reshape", [pairs, const("turned", [0] * (len(x.shape) - 1) + [width])])
-        rotated = node("Add", [node("Mul", [x, doubled(cos)]), node("Mul", [turned, doubled(sin)])],
-                       shape=list(flatten.outputs[0].shape))
-        graph.nodes.extend(nodes)
+        odd = b.node("Slice", [x, b.const("one", [1]), b.const("width", [width]), last, b.const("two", [2])])
+        even = b.node("Slice", [x, b.const("zero", [0]), b.const("width_even", [width]), last,
+                                b.const("two_even", [2])])
+        pairs = b.node("Concat", [b.node("Unsqueeze", [b.node("Neg", [odd]), last]),
+                                  b.node("Unsqueeze", [even, last])], {"axis": -1})
+        turned = b.node("Reshape", [pairs, b.const("turned", [0] * (len(x.shape) - 1) + [width])])
+        rotated = b.node("Add", [b.node("Mul", [x, doubled(cos)]), b.node("Mul", [turned, doubled(sin)])],
+                         shape=list(flatten.outputs[0].shape))
+        b.done(graph)
         replace_all_uses(graph, flatten.outputs[0], rotated)

@@ -12,11 +12,10 @@ made for each table q and k share.
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_graphsurgeon as gs
 
 from cann_llm.passes.base import PassResult
-from cann_llm.passes.graph_utils import replace_all_uses
+from cann_llm.passes.graph_utils import CanonicalNodes, replace_all_uses, rewrite_each
 from cann_llm.passes.match_rotary import slice_bounds
 from cann_llm.passes.pattern import const_ints, producer
 
@@ -58,18 +57,10 @@ class CanonicalizeSplitRotary:
     switchable = True
 
     def run(self, graph: gs.Graph) -> PassResult:
-        result = PassResult()
         tables: dict[int, gs.Tensor] = {}  # a half table's id → its doubled table
-        for concat in [n for n in graph.nodes if n.op == "Concat" and len(n.inputs) == 2]:
-            found = self._match(concat)
-            if found is None:
-                continue
-            result.match_times += 1
-            self._rewrite(graph, concat, *found, tables)
-            result.effect_times += 1
-        if result.effect_times:
-            graph.cleanup(remove_unused_graph_inputs=False).toposort()
-        return result
+        candidates = [n for n in graph.nodes if n.op == "Concat" and len(n.inputs) == 2]
+        return rewrite_each(graph, candidates, self._match,
+                            lambda concat, *found: self._rewrite(graph, concat, *found, tables))
 
     @staticmethod
     def _match(concat: gs.Node) -> tuple[gs.Tensor, gs.Tensor, gs.Tensor] | None:
@@ -104,16 +95,7 @@ class CanonicalizeSplitRotary:
     @staticmethod
     def _rewrite(graph: gs.Graph, concat: gs.Node, x: gs.Tensor, cos: gs.Tensor, sin: gs.Tensor,
                  tables: dict[int, gs.Tensor]) -> None:
-        name, width, dtype = concat.name, x.shape[-1], x.dtype
-        nodes = []
-
-        def node(op: str, inputs: list, attrs: dict | None = None, shape=None) -> gs.Tensor:
-            out = gs.Variable(f"{name}/canonical_{len(nodes)}", dtype=dtype, shape=shape)
-            nodes.append(gs.Node(op, f"{name}/Canonical{op}_{len(nodes)}", attrs or {}, inputs, [out]))
-            return out
-
-        def const(label: str, values) -> gs.Constant:
-            return gs.Constant(f"{name}/canonical_{label}", np.array(values, np.int64))
+        width, b = x.shape[-1], CanonicalNodes(concat.name, x.dtype)
 
         def doubled(half: gs.Tensor) -> gs.Tensor:
             if id(half) not in tables:
@@ -123,11 +105,11 @@ class CanonicalizeSplitRotary:
                 tables[id(half)] = table
             return tables[id(half)]
 
-        last = const("last", [-1])
-        first = node("Slice", [x, const("zero", [0]), const("half", [width // 2]), last])
-        second = node("Slice", [x, const("half_start", [width // 2]), const("end", [_BIG]), last])
-        turned = node("Concat", [node("Neg", [second]), first], {"axis": -1})
-        rotated = node("Add", [node("Mul", [x, doubled(cos)]), node("Mul", [turned, doubled(sin)])],
-                       shape=list(x.shape))
-        graph.nodes.extend(nodes)
+        last = b.const("last", [-1])
+        first = b.node("Slice", [x, b.const("zero", [0]), b.const("half", [width // 2]), last])
+        second = b.node("Slice", [x, b.const("half_start", [width // 2]), b.const("end", [_BIG]), last])
+        turned = b.node("Concat", [b.node("Neg", [second]), first], {"axis": -1})
+        rotated = b.node("Add", [b.node("Mul", [x, doubled(cos)]), b.node("Mul", [turned, doubled(sin)])],
+                         shape=list(x.shape))
+        b.done(graph)
         replace_all_uses(graph, concat.outputs[0], rotated)

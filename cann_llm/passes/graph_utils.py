@@ -11,6 +11,7 @@ from onnx import helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx, update_import_domains
 from onnx_graphsurgeon.ir.tensor import SparseValues
 
+from cann_llm.passes.base import PassResult
 from cann_llm.runtime.ops import FUSED_ATTENTION, FusedAttentionInput, input_at
 
 LIGHT_WEIGHT_LIMIT = 4096
@@ -249,3 +250,39 @@ def split_into(graph: gs.Graph, packed: gs.Tensor, widths: list[int], parts: lis
     else:
         inputs, attrs = [packed], {"axis": -1, "split": widths}
     graph.nodes.append(gs.Node("Split", name=name, attrs=attrs, inputs=inputs, outputs=list(parts)))
+
+
+class CanonicalNodes:
+    """The nodes a canonicalisation writes in place of the subgraph ending at `name`: each output named after
+    it, in `dtype`; `done()` adds them to the graph."""
+
+    def __init__(self, name: str, dtype):
+        self.name, self.dtype, self.nodes = name, dtype, []
+
+    def node(self, op: str, inputs: list, attrs: dict | None = None, shape=None) -> gs.Tensor:
+        out = gs.Variable(f"{self.name}/canonical_{len(self.nodes)}", dtype=self.dtype, shape=shape)
+        self.nodes.append(gs.Node(op, f"{self.name}/Canonical{op}_{len(self.nodes)}", attrs or {}, inputs, [out]))
+        return out
+
+    def const(self, label: str, values) -> gs.Constant:
+        return gs.Constant(f"{self.name}/canonical_{label}", np.array(values, np.int64))
+
+    def done(self, graph: gs.Graph) -> None:
+        graph.nodes.extend(self.nodes)
+
+
+def rewrite_each(graph: gs.Graph, candidates: list[gs.Node], match, rewrite) -> PassResult:
+    """`rewrite(node, *found)` for each candidate whose `match(node)` finds something (None: not one), then one
+    cleanup where anything changed: a canonicalisation, whose non-matches nobody needs told (a FusionPass
+    reports each refusal)."""
+    result = PassResult()
+    for node in candidates:
+        found = match(node)
+        if found is None:
+            continue
+        result.match_times += 1
+        rewrite(node, *found)
+        result.effect_times += 1
+    if result.effect_times:
+        graph.cleanup(remove_unused_graph_inputs=False).toposort()
+    return result
