@@ -41,6 +41,7 @@ from cann_llm.passes.name_causal_lm_io import NameCausalLmIo
 from cann_llm.passes.paged_kv_cache import PagedKvCache
 from cann_llm.passes.per_sequence_rotary import PerSequenceRotary
 from cann_llm.passes.split_grouped_qkv import SplitGroupedQkv
+from cann_llm.passes.split_head_parts import SplitHeadParts
 from cann_llm.passes.split_interleaved_qkv import SplitInterleavedQkv
 from cann_llm.passes.split_unit_head_axis import SplitUnitHeadAxis
 from cann_llm.passes.prune_logits import PruneLogits
@@ -135,6 +136,7 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: Wei
         SplitUnitHeadAxis(),  # GPTBigCode's q/k/v cut from a view with a head axis of one
         HoistHeadTranspose(),  # GPT-J's and CodeGen's heads rotated before their transpose
         SplitInterleavedQkv(),  # GPT-NeoX's head-by-head q/k/v, as three blocks
+        SplitHeadParts(),  # Qwen3.5's heads of [query | gate], as two blocks
         SplitGroupedQkv(),  # Falcon's and InternLM2's q/k/v packed by KV group, as three blocks
         UnfoldBatchedHeads(),  # BLOOM's heads folded into the batch for its MatMuls
         FuseAttention(),

@@ -7,7 +7,7 @@ over them before anyone else does:
 
 `--families` also takes the architectures users bring beyond them (`ARCHITECTURES`: Llama 3.2's rope
 scaling, Phi-3.5's longrope, Gemma 2 and 3, GLM-4, Granite, GraniteMoe, OLMo-2, Mixtral, Phi-2, StableLM, GPT-NeoX, Falcon,
-BLOOM, MPT, OPT, GPT-J, CodeGen, GPTBigCode),
+BLOOM, MPT, OPT, GPT-J, CodeGen, GPTBigCode, and the hybrids Qwen3.5, Qwen3-Next and LFM2),
 in the same sizes and layout.
 
 Each folder holds `model.onnx`, `reference.npz` (the torch model's outputs on the corpus's two cases, a
@@ -25,6 +25,7 @@ import click
 import numpy as np
 
 from cann_llm.models.export import cache_shapes, export_causal_lm, io_names
+from cann_llm.models.recurrent_export import recurrent_layers, routed_through_onnxruntime, state_shapes
 from cann_llm.models.tiny import TINY_FAMILIES, TinySpec
 
 HELD_BACK = ("mistral", "glm", "phi3", "gemma", "qwen2_moe", "qwen3_moe", "gpt2")
@@ -93,6 +94,15 @@ ARCHITECTURES: dict[str, TinySpec] = {
     # config has no num_key_value_heads; the exporter reads it for the past's shape)
     "gpt_bigcode": TinySpec("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(_GPT_NAMES, multi_query=True,
                                                                               num_key_value_heads=1)),
+    # hybrids: gated delta nets (Qwen3.5, Qwen3-Next) or short convolutions (LFM2) between attention layers
+    "qwen3_5": TinySpec("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
+        pad_token_id=0, layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16,
+        linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)),
+    "qwen3_next": TinySpec("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        pad_token_id=0, layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)),
+    "lfm2": TinySpec("Lfm2Config", "Lfm2ForCausalLM", dict(pad_token_id=0, layer_types=["conv", "full_attention"])),
 }
 
 
@@ -128,10 +138,11 @@ def build(family: str):
     return model.eval()
 
 
-def _cases(config, with_past: bool) -> list[dict[str, np.ndarray]]:
+def _cases(config, with_past: bool, states: dict | None = None) -> list[dict[str, np.ndarray]]:
     """The corpus's two cases: batch 2 by 7 with row 1 left-padded by 2 (after a past of 5, so a 12-long
     mask, with past inputs); then batch 3 by 4 with its last row left-padded by 2 (without past inputs) or one
-    decode step after a past of 11 (with them)."""
+    decode step after a past of 11 (with them). A hybrid's recurrent layers (`states`) take random states."""
+    states = states or {}
     rng = np.random.default_rng(0)
     shapes = [(2, 7, 5), (1, 1, 11)] if with_past else [(2, 7, 0), (3, 4, 0)]
     cases = []
@@ -145,7 +156,13 @@ def _cases(config, with_past: bool) -> list[dict[str, np.ndarray]]:
                  "attention_mask": mask, "position_ids": positions[:, past:].astype(np.int64)}
         feeds["input_ids"][mask[:, past:] == 0] = 0
         if with_past:
-            for i, (kv_heads, head_dim) in enumerate(cache_shapes(config)):
+            shapes = iter(cache_shapes(config))
+            for i in range(len(cache_shapes(config)) + len(states)):
+                if i in states:
+                    for kind, shape in states[i].items():
+                        feeds[f"past.{i}.{kind}"] = rng.standard_normal((batch, *shape)).astype(np.float32)
+                    continue
+                kv_heads, head_dim = next(shapes)
                 for kind in ("key", "value"):
                     feeds[f"past_key_values.{i}.{kind}"] = rng.standard_normal(
                         (batch, kv_heads, past, head_dim)).astype(np.float32)
@@ -158,11 +175,13 @@ def _reference(model, with_past: bool) -> dict[str, np.ndarray]:
 
     from cann_llm.models.export import _CausalLMWithFlatCache
 
-    wrapper = _CausalLMWithFlatCache(model, with_past).eval()
-    inputs, outputs = io_names(len(cache_shapes(model.config)), with_past)
+    states = state_shapes(model)
+    wrapper = _CausalLMWithFlatCache(model, with_past, states).eval()
+    inputs, outputs = io_names(len(cache_shapes(model.config)) + len(states), with_past, states)
     arrays = {}
-    for prefix, feeds in zip(("", "alt_"), _cases(model.config, with_past)):
-        with torch.no_grad():
+    for prefix, feeds in zip(("", "alt_"), _cases(model.config, with_past, states)):
+        # the recurrent states in the export's value-major layout, which only the exported rule reads
+        with torch.no_grad(), routed_through_onnxruntime(model):
             got = wrapper(*(torch.from_numpy(feeds[name]) for name in inputs))
         got = got if isinstance(got, tuple) else (got,)
         for name in inputs:
@@ -176,11 +195,12 @@ def _reference(model, with_past: bool) -> dict[str, np.ndarray]:
 
 def expected_counts(model) -> dict[str, int]:
     """What the corpus's meta.json says a compiler should find, counted on the torch model (not read from
-    this project's recipes): an attention block a layer, and its RMSNorm modules (or LayerNorm ones)."""
+    this project's recipes): an attention block a layer but a hybrid's recurrent ones, and its RMSNorm modules
+    (or LayerNorm ones)."""
     kinds = [type(module).__name__ for module in model.modules()]
     rms = sum(kind.endswith("RMSNorm") for kind in kinds)
     norms = {"rmsnorm": rms} if rms else {"layernorm": sum(kind == "LayerNorm" for kind in kinds)}
-    return {"attention_blocks": LAYERS, **norms}
+    return {"attention_blocks": LAYERS - len(recurrent_layers(model.config)), **norms}
 
 
 def write(family: str, exporter: str, out: Path) -> str:

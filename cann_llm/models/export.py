@@ -2,13 +2,13 @@
 
 The graph's I/O follows Optimum's names so every runner speaks one language:
 inputs `input_ids`, `attention_mask`, `position_ids` [, `past_key_values.{i}.key|value`],
-outputs `logits` [, `present.{i}.key|value`]. KV tensors are [batch, kv_heads, seq, head_dim].
+outputs `logits` [, `present.{i}.key|value`]. KV tensors are [batch, kv_heads, seq, head_dim]. A hybrid model's
+recurrent layers carry `past.{i}.conv` [, `past.{i}.recurrent`] instead (cann_llm/models/recurrent_export.py).
 Torch is a model-preparation dependency only; nothing under `runtime/` imports this module.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import warnings
@@ -17,18 +17,24 @@ from pathlib import Path
 
 import torch
 
+from cann_llm.models.recurrent_export import (cache_argument, dynamo_translations, is_state, load_states, read_states,
+                                              recurrent_layers, register_torchscript_symbolic,
+                                              routed_through_onnxruntime, state_shapes)
+
 EXAMPLE_BATCH = 2
 EXAMPLE_SEQ = 5
 EXAMPLE_PAST = 3
 
 
 class _CausalLMWithFlatCache(torch.nn.Module):
-    """Turns the model's cache object into flat tensors, the only thing ONNX graphs can carry."""
+    """Turns the model's cache object into flat tensors, the only thing ONNX graphs can carry: in layer order,
+    a key and a value for an attention layer, the states of `states` (see `state_shapes`) for a recurrent one."""
 
-    def __init__(self, model: torch.nn.Module, with_past: bool):
+    def __init__(self, model: torch.nn.Module, with_past: bool, states: dict | None = None):
         super().__init__()
         self.model = model
         self.with_past = with_past
+        self.states = states or {}
 
     def forward(self, input_ids, attention_mask, position_ids, *past):
         if not self.with_past:
@@ -36,20 +42,28 @@ class _CausalLMWithFlatCache(torch.nn.Module):
             return out.logits
         from transformers import DynamicCache
 
+        flat = iter(past)
+        data, loaded = [], {}
         # layers that reuse an earlier layer's keys and values (Gemma 3n) have no cache of their own
-        pairs = iter(zip(past[0::2], past[1::2]))
-        data = [(None, None) if mode == "reuse" else next(pairs) for mode in _sharing_modes(self.model.config)]
+        for index, mode in enumerate(_sharing_modes(self.model.config)):
+            if index in self.states:
+                loaded[index] = {kind: next(flat) for kind in self.states[index]}
+                data.append((None, None))
+            else:
+                data.append((None, None) if mode == "reuse" else (next(flat), next(flat)))
         cache = DynamicCache(ddp_cache_data=data, config=self.model.config)
-        # transformers renamed `past_key_values` to `cache` (5.2x); accept either spelling
-        cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        load_states(cache, loaded)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=True, **{cache_arg: cache})
-        flat = []
-        layers = (getattr(out, "cache", None) or out.past_key_values).layers
-        for layer, mode in zip(layers, _sharing_modes(self.model.config)):
-            if mode != "reuse":
-                flat += [layer.keys, layer.values]
-        return (out.logits, *flat)
+                         use_cache=True, **{cache_argument(self.model): cache})
+        cache = getattr(out, "cache", None) or out.past_key_values
+        states = read_states(cache, self.states)
+        given = []
+        for index, (layer, mode) in enumerate(zip(cache.layers, _sharing_modes(self.model.config))):
+            if index in states:
+                given += states[index].values()
+            elif mode != "reuse":
+                given += [layer.keys, layer.values]
+        return (out.logits, *given)
 
 
 class _CausalLMWithoutPositions(_CausalLMWithFlatCache):
@@ -66,34 +80,42 @@ def _sharing_modes(config) -> list[str | None]:
 
 
 def cache_shapes(config) -> list[tuple[int, int]]:
-    """(num_kv_heads, head_dim) of each layer with a cache of their own, in order: Gemma 4's full-attention
+    """(num_kv_heads, head_dim) of each attention layer with a cache of its own, in order: Gemma 4's full-attention
     layers have other sizes than its sliding ones (a heterogeneous config says so per layer)."""
     layers = getattr(config, "per_layer_config", None) if getattr(config, "is_heterogeneous", False) else None
+    recurrent = recurrent_layers(config)
     shapes = []
     for index, mode in enumerate(_sharing_modes(config)):
         layer = layers[index] if layers is not None else config
         heads = config.num_attention_heads
         kv_heads = getattr(layer, "num_key_value_heads", None) or heads
-        if mode != "reuse":
+        if mode != "reuse" and index not in recurrent:
             shapes.append((kv_heads, getattr(layer, "head_dim", None) or config.hidden_size // heads))
     return shapes
 
 
-def io_names(num_layers: int, with_past: bool) -> tuple[list[str], list[str]]:
-    """The ONNX input and output names of an exported causal LM."""
+def io_names(num_layers: int, with_past: bool, states: dict | None = None) -> tuple[list[str], list[str]]:
+    """The ONNX input and output names of an exported causal LM with `num_layers` layers that cache something;
+    those in `states` (see `state_shapes`) carry their states, the others keys and values."""
     inputs = ["input_ids", "attention_mask", "position_ids"]
     outputs = ["logits"]
     if with_past:
         for i in range(num_layers):
-            inputs += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
-            outputs += [f"present.{i}.key", f"present.{i}.value"]
+            kinds = [f"{i}.{kind}" for kind in states[i]] if states and i in states else None
+            if kinds:
+                inputs += [f"past.{kind}" for kind in kinds]
+                outputs += [f"present.{kind}" for kind in kinds]
+            else:
+                inputs += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
+                outputs += [f"present.{i}.key", f"present.{i}.value"]
     return inputs, outputs
 
 
 def example_inputs(config, with_past: bool, batch: int = EXAMPLE_BATCH, seq: int = EXAMPLE_SEQ,
-                   past: int = EXAMPLE_PAST, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+                   past: int = EXAMPLE_PAST, seed: int = 0, dtype: torch.dtype = torch.float32,
+                   states: dict | None = None) -> dict[str, torch.Tensor]:
     """Inputs that exercise every dynamic axis; right-padded last row so the mask matters; the past in `dtype`,
-    the model's."""
+    the model's (a recurrent state in float32, as the op keeps it)."""
     gen = torch.Generator().manual_seed(seed)
     past = past if with_past else 0
     feeds = {"input_ids": torch.randint(0, config.vocab_size, (batch, seq), generator=gen)}
@@ -103,7 +125,15 @@ def example_inputs(config, with_past: bool, batch: int = EXAMPLE_BATCH, seq: int
     feeds["attention_mask"] = mask
     feeds["position_ids"] = torch.arange(past, past + seq).unsqueeze(0).repeat(batch, 1)
     if with_past:
-        for i, (kv_heads, head_dim) in enumerate(cache_shapes(config)):
+        states = states or {}
+        shapes = iter(cache_shapes(config))
+        for i in range(len(cache_shapes(config)) + len(states)):
+            if i in states:
+                for kind, shape in states[i].items():
+                    kind_dtype = torch.float32 if kind == "recurrent" else dtype
+                    feeds[f"past.{i}.{kind}"] = torch.randn(batch, *shape, generator=gen).to(kind_dtype)
+                continue
+            kv_heads, head_dim = next(shapes)
             for kind in ("key", "value"):
                 feeds[f"past_key_values.{i}.{kind}"] = torch.randn(batch, kv_heads, past, head_dim, generator=gen).to(dtype)
     return feeds
@@ -129,29 +159,37 @@ def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, dynamo:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     model = model.eval()
-    num_layers = len(cache_shapes(model.config))
-    input_names, output_names = io_names(num_layers, with_past)
+    states = state_shapes(model)
+    if not dynamo and any("recurrent" in kinds for kinds in states.values()):
+        raise NotImplementedError("TorchScript writes transformers' split of a gated delta net's tokens "
+                                  "(torch.tensor_split) as a Tile that onnxruntime refuses")
+    num_layers = len(cache_shapes(model.config)) + len(states)
+    input_names, output_names = io_names(num_layers, with_past, states)
     if not positions:
         input_names.remove("position_ids")
     tokens = 3 if positions else 2  # inputs before the past
-    feeds = example_inputs(model.config, with_past, dtype=next(model.parameters()).dtype)
+    feeds = example_inputs(model.config, with_past, dtype=next(model.parameters()).dtype, states=states)
     args = tuple(feeds[name] for name in input_names)
-    wrapper = (_CausalLMWithFlatCache if positions else _CausalLMWithoutPositions)(model, with_past).eval()
+    wrapper = (_CausalLMWithFlatCache if positions else _CausalLMWithoutPositions)(model, with_past, states).eval()
     tmp = path.with_name(f"{path.stem}.{os.getpid()}.partial.onnx")
     # notices a user cannot act on: torchvision's detection ops (which no LLM uses) left unregistered, and a
     # deprecation inside torch.export's own code
     registration = logging.getLogger("torch.onnx._internal.exporter._registration")
-    with torch.no_grad(), warnings.catch_warnings(), _logging_at(registration, logging.ERROR):
+    with (torch.no_grad(), warnings.catch_warnings(), _logging_at(registration, logging.ERROR),
+          routed_through_onnxruntime(model)):
         if dynamo:
             warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                                     category=FutureWarning)
             dynamic = torch.export.Dim.DYNAMIC
-            # forward(*past) is one positional slot to torch.export: its shapes nest in a tuple
-            past_shapes = tuple({0: dynamic, 2: dynamic} for _ in input_names[tokens:])
+            # forward(*past) is one positional slot to torch.export: its shapes nest in a tuple; a state has
+            # no sequence axis
+            past_shapes = tuple({0: dynamic} if is_state(name) else {0: dynamic, 2: dynamic}
+                                for name in input_names[tokens:])
             shapes = ({0: dynamic, 1: dynamic},) * tokens + ((past_shapes,) if with_past else ())
             program = torch.onnx.export(
                 wrapper, args, input_names=input_names, output_names=output_names,
                 dynamic_shapes=shapes, dynamo=True, optimize=optimize,
+                custom_translation_table=dynamo_translations() if states else None,
                 **({"opset_version": opset} if opset is not None else {}),
             )
             program.save(str(tmp), external_data=external_data)
@@ -159,12 +197,15 @@ def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, dynamo:
             axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "total"},
                     "position_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}
             for name in input_names[tokens:]:
-                axes[name] = {0: "batch", 2: "past"}
+                axes[name] = {0: "batch"} if is_state(name) else {0: "batch", 2: "past"}
             for name in output_names[1:]:
-                axes[name] = {0: "batch", 2: "total"}
+                axes[name] = {0: "batch"} if is_state(name) else {0: "batch", 2: "total"}
+            if states:
+                register_torchscript_symbolic(opset or 17)
             torch.onnx.export(
                 wrapper, args, str(tmp), input_names=input_names, output_names=output_names,
                 dynamic_axes=axes, opset_version=opset or 17, dynamo=False,
+                **({"custom_opsets": {"com.microsoft": 1}} if states else {}),
             )
             if external_data:
                 import onnx

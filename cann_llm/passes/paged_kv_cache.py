@@ -22,6 +22,7 @@ from cann_llm.runtime.ops import FUSED_ATTENTION, PAGED_ATTENTION, PAGED_METADAT
 from cann_llm.runtime.ops import FusedAttentionInput as Fused
 from cann_llm.runtime.ops import FusedAttentionOutput as FusedOutput
 from cann_llm.runtime.ops import PagedAttentionInput as Paged
+from cann_llm.runtime.signature import STATE_NAME
 
 TOKEN_INPUTS = ("input_ids", "position_ids")
 # what a PagedAttention keeps of its FusedAttention: the projections and the rotary tables
@@ -93,6 +94,13 @@ class PagedKvCache:
     @staticmethod
     def _check(graph: gs.Graph, attentions: list[gs.Node]) -> None:
         names = {t.name for t in graph.inputs}
+        # before the others: what they find in a recurrent layer (its mask's Slice, say) hides why
+        states = sorted(name for name in names if STATE_NAME.match(name))
+        if states:
+            raise AtcError("E10055", f"--enable_paged_attention=1 pages keys and values, and this hybrid model's "
+                                     f"recurrent layers carry states of fixed size instead ({', '.join(states)}), "
+                                     f"which the paged engine does not hold yet; compile it with "
+                                     f"--enable_paged_attention=0 (each sequence then runs with its own states)")
         if not attentions:
             raise AtcError("E10055", "--enable_paged_attention=1 needs the attention fused into FusedAttention, "
                                      "and this model has none (see fusion_result.json); compile it with "

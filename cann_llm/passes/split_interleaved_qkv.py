@@ -74,25 +74,11 @@ class SplitInterleavedQkv(FusionPass):
         pieces = _thirds(graph, transpose.outputs[0], head_dim)
         if pieces is None:
             return "the heads are not cut into three equal parts of their last axis"
-        projected, bias = reshape.inputs[0], None
-        if projected.shape is None or len(projected.shape) != 3:
-            return "the projection is not [B, S, H·3·D]"  # the new Reshapes keep its first two dims
-        if len(projected.outputs) != 1:
-            return "the projection is read elsewhere"
-        add = producer(projected, "Add")
-        if add is not None:
-            constants = [t for t in add.inputs if isinstance(t, gs.Constant)]
-            if len(constants) != 1 or constants[0].shape is None or list(constants[0].shape) != [heads * width]:
-                return "the projection's bias is not a constant [H·3·D]"
-            bias = constants[0]
-            projected = next(t for t in add.inputs if not isinstance(t, gs.Constant))
-            if len(projected.outputs) != 1:
-                return "the projection is read elsewhere"
-        matmul = producer(projected, "MatMul")
-        if matmul is None or not isinstance(matmul.inputs[1], gs.Constant) or matmul.inputs[1].shape is None \
-                or len(matmul.inputs[1].shape) != 2 or matmul.inputs[1].shape[1] != heads * width:
-            return "the projection is not a MatMul against a constant [K, H·3·D] weight"
-        return InterleavedQkv(matmul.inputs[0], matmul.inputs[1], bias, heads, head_dim, pieces, matmul.name)
+        found = packed_projection(reshape.inputs[0], heads * width)
+        if isinstance(found, str):
+            return found
+        x, weight, bias, name = found
+        return InterleavedQkv(x, weight, bias, heads, head_dim, pieces, name)
 
     def rewrite(self, graph: gs.Graph, match: InterleavedQkv) -> None:
         heads, dim = match.heads, match.head_dim
@@ -108,6 +94,30 @@ class SplitInterleavedQkv(FusionPass):
             piece.inputs.clear()  # the old Split or Slice gives it up
             graph.nodes.append(gs.Node("Transpose", name=f"{match.name}_{'qkv'[part]}_transpose",
                                        attrs={"perm": [0, 2, 1, 3]}, inputs=[heads4], outputs=[piece]))
+
+
+def packed_projection(projected: gs.Tensor, columns: int) -> tuple[gs.Tensor, gs.Constant, gs.Constant | None, str] | str:
+    """(x, W, b or None, the MatMul's name) of `projected` = x·W (+ b), a [B, S, columns] projection read only
+    by what reshapes it into heads; or why not."""
+    bias = None
+    if projected.shape is None or len(projected.shape) != 3:
+        return "the projection is not [B, S, N]"  # the new Reshapes keep its first two dims
+    if len(projected.outputs) != 1:
+        return "the projection is read elsewhere"
+    add = producer(projected, "Add")
+    if add is not None:
+        constants = [t for t in add.inputs if isinstance(t, gs.Constant)]
+        if len(constants) != 1 or constants[0].shape is None or list(constants[0].shape) != [columns]:
+            return "the projection's bias is not a constant [N]"
+        bias = constants[0]
+        projected = next(t for t in add.inputs if not isinstance(t, gs.Constant))
+        if len(projected.outputs) != 1:
+            return "the projection is read elsewhere"
+    matmul = producer(projected, "MatMul")
+    if matmul is None or not isinstance(matmul.inputs[1], gs.Constant) or matmul.inputs[1].shape is None \
+            or len(matmul.inputs[1].shape) != 2 or matmul.inputs[1].shape[1] != columns:
+        return "the projection is not a MatMul against a constant [K, N] weight"
+    return matmul.inputs[0], matmul.inputs[1], bias, matmul.name
 
 
 def write_qkv_blocks(graph: gs.Graph, name: str, x: gs.Tensor, weight: gs.Constant, bias: gs.Constant | None,

@@ -14,6 +14,7 @@ import numpy as np
 from cann_llm.runtime.engine.kv_cache import PagePool
 from cann_llm.runtime.errors import AtcError
 from cann_llm.runtime.ops import LAST_POSITIONS, paged_metadata_feeds
+from cann_llm.runtime.signature import PAST_NAME, STATE_NAME
 
 DEFAULT_DIM = 1
 DEFAULT_SEQ = 16
@@ -135,15 +136,16 @@ def causal_lm_inputs(signature: dict, dims: dict, ids: np.ndarray, past: int = 0
     if "position_ids" in names:
         positions = np.arange(past, past + seq, dtype=np.dtype(names["position_ids"]["dtype"]))
         feeds["position_ids"] = np.broadcast_to(positions, (batch, seq)).copy()
-    for layer in range(dims.get("num_layers", 0) if dims.get("kv_cache_io") else 0):
-        for kind in ("key", "value"):
-            name = f"past_key_values.{layer}.{kind}"
+    for name, value in names.items():
+        dtype = np.dtype(value["dtype"])
+        if STATE_NAME.match(name):  # a recurrent layer's state, zeros before the first token
+            feeds[name] = np.zeros((batch, *value["shape"][1:]), dtype)
+        elif PAST_NAME.match(name) and dims.get("kv_cache_io"):
             # each input's own static sizes where it has them: layers may differ (Gemma 4)
-            declared = names[name]["shape"]
+            declared = value["shape"]
             heads, size = (d if isinstance(d, int) else default for d, default in
                            zip((declared[1], declared[3]), (dims["num_kv_heads"], dims["head_dim"])))
             shape = (batch, heads, past, size)
-            dtype = np.dtype(names[name]["dtype"])
             feeds[name] = (rng.standard_normal(shape).astype(dtype) if rng is not None else np.zeros(shape, dtype))
     return feeds
 

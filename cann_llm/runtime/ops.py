@@ -117,6 +117,24 @@ class SingleOutput(IntEnum):
     Y = 0
 
 
+class GatedDeltaNetInput(IntEnum):
+    """onnxruntime's com.microsoft.GatedDeltaNet, which a hybrid's export carries
+    (cann_llm/models/recurrent_export.py): its slots, of which exports fill all but CU_SEQLENS."""
+
+    QUERY = 0
+    KEY = 1
+    VALUE = 2
+    CU_SEQLENS = 3
+    DECAY = 4
+    BETA = 5
+    INITIAL_STATE = 6
+
+
+class GatedDeltaNetOutput(IntEnum):
+    OUTPUT = 0
+    FINAL_STATE = 1
+
+
 @dataclass(frozen=True)
 class Op:
     """One `cann` op: its slots and the defaults of its optional attributes (the others are required)."""
@@ -151,6 +169,10 @@ MATMUL_F28 = Op("MatMulF28", MatMulF28Input)
 GATHER_F28 = Op("GatherF28", GatherF28Input)
 # laid out by the runtime at load for the native library (cann_llm/runtime/executor.py), never in an artifact
 MATMUL_F32 = Op("MatMulF32", MatMulF32Input)
+# onnxruntime's own op (domain com.microsoft), not a `cann` one: registered for its reference kernel; the
+# attributes an export leaves at their defaults (scale 0 is 1/sqrt(key size))
+GATED_DELTA_NET = Op("GatedDeltaNet", GatedDeltaNetInput, GatedDeltaNetOutput, defaults={
+    "scale": 0.0, "qk_l2_norm": 0, "update_rule": "gated_delta", "gate_activation": "none", "beta_activation": "none"})
 
 OPS: dict[str, Op] = {op.name: op for op in (RMS_NORM, ADD_RMS_NORM, SWIGLU, MOE, FUSED_ATTENTION, PAGED_ATTENTION,
                                              MATMUL_INT4, MATMUL_INT8, GATHER_INT4, MATMUL_F28,

@@ -8,13 +8,21 @@ import onnx
 from onnx import helper
 
 PAST_NAME = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+# a recurrent layer's state of fixed size (a hybrid's convolution or gated delta net; onnxruntime-genai's names)
+STATE_NAME = re.compile(r"^past\.(\d+)\.(conv|recurrent)$")
 # what a contiguous artifact's engine feeds besides the cache
 CONTIGUOUS_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
 def present_name(past: str) -> str:
-    """The output that gives back the cache input `past` (past_key_values.N.key → present.N.key)."""
-    return "present" + past[len("past_key_values"):]
+    """The output that gives back the cache input `past` (past_key_values.N.key → present.N.key,
+    past.N.conv → present.N.conv)."""
+    return "present" + past[len("past" if STATE_NAME.match(past) else "past_key_values"):]
+
+
+def is_carried(name: str) -> bool:
+    """Whether input `name` is something a step gives back for the next: a KV cache or a recurrent state."""
+    return bool(PAST_NAME.match(name) or STATE_NAME.match(name))
 
 
 def _value(value: onnx.ValueInfoProto) -> dict:
@@ -49,15 +57,19 @@ def is_fixed(shape) -> bool:
 
 def llm_dimensions(signature: dict) -> dict:
     """Layers, KV heads, head size and vocabulary of a causal LM with Optimum-style I/O (empty if not one); with
-    past inputs of different sizes, `layer_kv`: each one's [KV heads, head size]."""
+    past inputs of different sizes, `layer_kv`: each one's [KV heads, head size]. A hybrid's `num_layers` counts
+    its attention layers (those with keys and values); `recurrent_layers` its layers with a state."""
     inputs = {v["name"]: v for v in signature["inputs"]}
     outputs = {v["name"]: v for v in signature["outputs"]}
     if "input_ids" not in inputs or "logits" not in outputs:
         return {}
     layers = {int(m.group(1)) for name in inputs if (m := PAST_NAME.match(name))}
+    recurrent = {int(m.group(1)) for name in inputs if (m := STATE_NAME.match(name))}
     dims = {"vocab_size": outputs["logits"]["shape"][-1], "kv_cache_io": bool(layers)}
+    if recurrent:
+        dims["recurrent_layers"] = len(recurrent)
     if layers:
-        past = inputs["past_key_values.0.key"]["shape"]
+        past = inputs[f"past_key_values.{min(layers)}.key"]["shape"]
         dims.update(num_layers=len(layers), num_kv_heads=past[1], head_dim=past[3])
         # each cache's sizes where they differ (Gemma 4's full layers against its sliding ones)
         sizes = [[inputs[f"past_key_values.{i}.key"]["shape"][d] for d in (1, 3)] for i in sorted(layers)

@@ -332,6 +332,11 @@ class LLMEngine:
         metadata = self.loaded.metadata
         check_generator(metadata, str(model_path))
         self.dims = metadata["model"]
+        if config.num_speculative_tokens and self.dims.get("recurrent_layers"):
+            raise invalid_value(config.num_speculative_tokens, "num_speculative_tokens",
+                                "The model's recurrent layers (a hybrid's convolutions or gated delta nets) hold every "
+                                "token they computed in a state of fixed size, which cannot take back a rejected "
+                                "draft: it generates without speculation (0).")
         # a model that reads its positions from a table (GPT-2's learned ones) reads none past its rows: a
         # sequence ends there (its last token, sampled at the last row, is never read)
         max_context_len = min(max_context_len, self.dims.get("max_positions", max_context_len) + 1)

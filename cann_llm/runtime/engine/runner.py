@@ -15,7 +15,7 @@ from cann_llm.runtime.engine.sequence import Sequence
 from cann_llm.runtime.executor import Executor
 from cann_llm.runtime.feeds import causal_lm_inputs
 from cann_llm.runtime.ops import LAST_POSITIONS, paged_metadata_feeds
-from cann_llm.runtime.signature import PAST_NAME, present_name
+from cann_llm.runtime.signature import PAST_NAME, is_carried, present_name
 
 
 class PagedRunner:
@@ -73,14 +73,16 @@ class PagedRunner:
 
 
 class ContiguousRunner:
-    """Runs each sequence of a batch alone with its own past; an export without a cache recomputes it all."""
+    """Runs each sequence of a batch alone with its own past; an export without a cache recomputes it all. A
+    hybrid's recurrent states (`past.N.conv|recurrent`) are carried as they come: they hold every token
+    computed, so such an artifact cannot take back a rejected draft (the engine does not speculate on it)."""
 
     def __init__(self, executor: Executor, signature: dict, dims: dict):
         self.executor, self.signature, self.dims = executor, signature, dims
         self.has_past = bool(dims.get("kv_cache_io"))
         # each cache input's present output (the load checks that each has one), carried to the next step
         self.carried = {present_name(value["name"]): value["name"] for value in signature["inputs"]
-                        if PAST_NAME.match(value["name"])}
+                        if is_carried(value["name"])}
         self._past: dict[int, dict[str, np.ndarray]] = {}
 
     def run(self, batch: ScheduledBatch) -> np.ndarray:
@@ -91,7 +93,8 @@ class ContiguousRunner:
             feeds = causal_lm_inputs(self.signature, self.dims, ids, past)
             if self.has_past and past:
                 # the cache may run past `past` by a rejected draft: only the first `past` positions are kept
-                feeds.update({name: value[:, :, :past] for name, value in self._past[seq.seq_id].items()})
+                feeds.update({name: value[:, :, :past] if PAST_NAME.match(name) else value
+                              for name, value in self._past[seq.seq_id].items()})
             outputs = self.executor.run(feeds, ["logits", *self.carried])
             if self.has_past:
                 self._past[seq.seq_id] = {past: outputs[present] for present, past in self.carried.items()}

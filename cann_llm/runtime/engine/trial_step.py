@@ -14,7 +14,7 @@ from cann_llm.runtime.engine.sequence import Sequence
 from cann_llm.runtime.errors import AtcError
 from cann_llm.runtime.executor import ORT_FAILURES, FeedMismatch
 from cann_llm.runtime.kernels.paged_attention import PagedInputError
-from cann_llm.runtime.signature import CONTIGUOUS_INPUTS, PAST_NAME, fixed_token_shape, present_name
+from cann_llm.runtime.signature import CONTIGUOUS_INPUTS, PAST_NAME, fixed_token_shape, is_carried, present_name
 
 PROMPT = [0, 1]
 
@@ -48,22 +48,23 @@ def check_generator(metadata: dict, path: str) -> None:
 
 def _check_contiguous_io(signature: dict, path: str) -> None:
     """Refuse, with E10055, a contiguous artifact with an input the engine does not feed (it feeds
-    CONTIGUOUS_INPUTS and the cache `past_key_values.N.key|value`), a cache input of one fixed length, or
-    one without its `present.N.key|value` output, which carries the cache to the next step."""
+    CONTIGUOUS_INPUTS, the cache `past_key_values.N.key|value` and a hybrid's states `past.N.conv|recurrent`),
+    a cache input of one fixed length, or one without its present output, which carries it to the next step."""
     inputs = [value["name"] for value in signature["inputs"]]
     outputs = {value["name"] for value in signature["outputs"]}
-    unfed = [name for name in inputs if name not in CONTIGUOUS_INPUTS and not PAST_NAME.match(name)]
+    unfed = [name for name in inputs if name not in CONTIGUOUS_INPUTS and not is_carried(name)]
     if unfed:
         raise AtcError("E10055", f"{path} takes inputs the engine does not feed: {', '.join(unfed)} (it feeds "
-                                 f"{', '.join(CONTIGUOUS_INPUTS)} and a cache named past_key_values.N.key and "
-                                 f".value, given back as present.N.key and .value)")
+                                 f"{', '.join(CONTIGUOUS_INPUTS)}, a cache named past_key_values.N.key and "
+                                 f".value, given back as present.N.key and .value, and recurrent states named "
+                                 f"past.N.conv and past.N.recurrent, given back as present.N.conv and .recurrent)")
     fixed = [(value["name"], value["shape"][2]) for value in signature["inputs"] if PAST_NAME.match(value["name"])
              and len(value["shape"]) == 4 and isinstance(value["shape"][2], int) and value["shape"][2] >= 0]
     if fixed:
         raise AtcError("E10055", f"{path} takes {fixed[0][0]} of the one past length {fixed[0][1]}, which its export "
                                  f"fixed, and the cache grows each step: export it again with that axis dynamic "
                                  f"(TorchScript applies dynamic_axes only to inputs named in input_names)")
-    uncarried = [name for name in inputs if PAST_NAME.match(name) and present_name(name) not in outputs]
+    uncarried = [name for name in inputs if is_carried(name) and present_name(name) not in outputs]
     if uncarried:
         raise AtcError("E10055", f"{path} takes the cache input {uncarried[0]} but gives no {present_name(uncarried[0])} "
                                  f"output to carry it to the next step (outputs: {', '.join(sorted(outputs))})")

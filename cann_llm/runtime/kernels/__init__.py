@@ -108,4 +108,5 @@ def supports(domain: str | None, op_type: str) -> bool:
 
 
 # kernels register themselves on import
-from cann_llm.runtime.kernels import attention, float28, float32_panels, moe, norms, paged_attention, quant_matmul  # noqa: E402,F401
+from cann_llm.runtime.kernels import (  # noqa: E402,F401
+    attention, float28, float32_panels, gated_delta_net, moe, norms, paged_attention, quant_matmul)

@@ -1,0 +1,181 @@
+"""Hybrid models' recurrent layers through export: their states as cache tensors, the gated delta rule as one op.
+
+Qwen3.5, Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid interleave full attention with gated-delta-net layers, LFM2
+with short convolutions. Such a layer carries a state of fixed size from step to step instead of a growing
+cache: a convolution's last inputs (`past.{layer}.conv`, [batch, channels, kernel]) and, for a gated delta net,
+its recurrent matrix (`past.{layer}.recurrent`, [batch, value heads, value size, key size]), given back as
+`present.{layer}.conv` and `.recurrent`: onnxruntime-genai's names and layouts.
+
+Transformers computes the gated delta rule in chunks of 64 tokens with a Python loop over the chunks, which
+torch.export writes out for the traced length: its export fails past 64 tokens, and TorchScript cannot export
+the triangular solve at all. During an export here the rule is one `com.microsoft.GatedDeltaNet` node, which
+onnxruntime runs on the CPU for any length (the same rule token by token, the state in float32).
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+
+import torch
+# transformers' own rule, taken before any export swaps the modules' copies of it for `_rule`
+from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule as _transformers_rule
+
+# the layer types transformers gives a state of fixed size instead of keys and values
+RECURRENT_TYPES = ("conv", "linear_attention")
+
+
+@torch.library.custom_op("cann_export::gated_delta_rule", mutates_args=())
+def gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
+                     beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over [batch, seq, heads, size] query/key/value from `state` [batch, value heads,
+    value size, key size]: the output and the final state, as onnxruntime's GatedDeltaNet computes them
+    (transformers' own chunked rule, its state transposed to the op's value-major form)."""
+    out, final = _transformers_rule(query, key, value, g=decay, beta=beta, initial_state=state.transpose(-1, -2),
+                                    output_final_state=True)
+    return out.to(value.dtype), final.transpose(-1, -2).contiguous()
+
+
+@gated_delta_rule.register_fake
+def _(query, key, value, decay, beta, state):
+    return torch.empty_like(value), torch.empty_like(state)
+
+
+def _onnx_rule(query, key, value, decay, beta, state):
+    """The dynamo exporter's translation: one GatedDeltaNet node (no cu_seqlens: each row is one sequence)."""
+    from onnxscript import values
+
+    op = values.Op(values.Opset("com.microsoft", 1), "GatedDeltaNet", _gated_delta_net_schema())
+    return op(query, key, value, None, decay, beta, state, _outputs=2)
+
+
+def _gated_delta_net_schema():
+    """The part of onnxruntime's GatedDeltaNet schema an export writes (onnx's registry knows no contrib op)."""
+    from onnx.defs import OpSchema
+
+    optional = OpSchema.FormalParameterOption.Optional
+    inputs = [OpSchema.FormalParameter("query", "T")] + [
+        OpSchema.FormalParameter(name, kind, param_option=optional)
+        for name, kind in (("key", "T"), ("value", "T"), ("cu_seqlens", "TI"), ("decay", "T"), ("beta", "T"),
+                           ("initial_state", "T"))]
+    return OpSchema("GatedDeltaNet", "com.microsoft", 1, inputs=inputs,
+                    outputs=[OpSchema.FormalParameter("output", "T"), OpSchema.FormalParameter("final_state", "T")],
+                    type_constraints=[("T", ["tensor(float)", "tensor(float16)"], ""), ("TI", ["tensor(int32)"], "")])
+
+
+def _torchscript_rule(g, query, key, value, decay, beta, state):
+    """TorchScript's symbolic for the same node."""
+    from torch.onnx._internal.torchscript_exporter import symbolic_helper
+
+    empty = symbolic_helper._optional_input_placeholder_tensor(g)
+    return g.op("com.microsoft::GatedDeltaNet", query, key, value, empty, decay, beta, state, outputs=2)
+
+
+def _rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+          use_qk_l2norm_in_kernel=False, **kwargs):
+    """Stands in for transformers' torch_chunk_gated_delta_rule and torch_recurrent_gated_delta_rule (same
+    arguments and results), the state kept value-major: the cache only stores what this returns.
+
+    The queries' and keys' L2 norm stays in the graph, in transformers' form: onnxruntime's own (`qk_l2_norm`)
+    differs on vectors as short as a small model's (up to 1% of the layer's output)."""
+    del chunk_size, kwargs
+    if use_qk_l2norm_in_kernel:
+        query, key = (x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6) for x in (query.float(), key.float()))
+    if initial_state is None:
+        batch, heads, size = value.shape[0], value.shape[2], value.shape[3]
+        initial_state = value.new_zeros(batch, heads, size, key.shape[-1], dtype=torch.float32)
+    out, final = gated_delta_rule(query, key, value, g, beta, initial_state)
+    return out, (final if output_final_state else None)
+
+
+def recurrent_layers(config) -> dict[int, str]:
+    """{layer index: its type} of the layers with a state of fixed size (empty for a transformer)."""
+    types = getattr(config, "layer_types", None) or []
+    return {index: kind for index, kind in enumerate(types) if kind in RECURRENT_TYPES}
+
+
+def state_shapes(model: torch.nn.Module) -> dict[int, dict[str, tuple[int, ...]]]:
+    """{layer: {"conv"|"recurrent": shape without the batch axis}} of each recurrent layer's states, read off
+    one eager step of the model (the recurrent state value-major, as exported); empty for a transformer."""
+    layers = recurrent_layers(model.config)
+    if not layers:
+        return {}
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad(), routed_through_onnxruntime(model):
+        model(input_ids=torch.zeros(1, 2, dtype=torch.long), use_cache=True,
+              **{cache_argument(model): cache})
+    shapes = {}
+    for index in layers:
+        layer = cache.layers[index]
+        found = {}
+        if layer.is_conv_states_initialized[0]:
+            found["conv"] = tuple(layer.conv_states[0].shape[1:])
+        if layer.is_recurrent_states_initialized[0]:
+            found["recurrent"] = tuple(layer.recurrent_states[0].shape[1:])
+        shapes[index] = found
+    return shapes
+
+
+def is_state(name: str) -> bool:
+    """Whether graph input or output `name` is a recurrent state (`past.{i}.conv`, `present.{i}.recurrent`)."""
+    return name.startswith(("past.", "present.")) and name.endswith((".conv", ".recurrent"))
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """transformers renamed `past_key_values` to `cache` (5.2x); the name this model's forward takes."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def load_states(cache, states: dict[int, dict[str, torch.Tensor]]) -> None:
+    """Put each recurrent layer's given states into `cache` (a config-typed DynamicCache) as a step that
+    follows earlier ones would find them; copies, since transformers updates them in place."""
+    for index, tensors in states.items():
+        layer = cache.layers[index]
+        conv, recurrent = tensors.get("conv"), tensors.get("recurrent")
+        first = conv if conv is not None else recurrent
+        layer.device, layer.dtype = first.device, first.dtype
+        if conv is not None:
+            layer.conv_states[0] = conv.clone()
+            layer.conv_kernel_size[0] = conv.shape[-1]
+            layer.is_conv_states_initialized[0] = True
+            layer.has_previous_state[0] = True
+        if recurrent is not None:
+            layer.recurrent_states[0] = recurrent.clone()
+            layer.is_recurrent_states_initialized[0] = True
+
+
+def read_states(cache, shapes: dict[int, dict[str, tuple[int, ...]]]) -> dict[int, dict[str, torch.Tensor]]:
+    """The states a step left in `cache`, for the layers and kinds of `shapes`."""
+    layers = cache.layers
+    return {index: {kind: (layers[index].conv_states[0] if kind == "conv" else layers[index].recurrent_states[0])
+                    for kind in kinds} for index, kinds in shapes.items()}
+
+
+@contextmanager
+def routed_through_onnxruntime(model: torch.nn.Module):
+    """Within the block, the model's gated delta rule (chunked and token by token) is `gated_delta_rule`, which
+    exports as one GatedDeltaNet node; a model without one is left as it is."""
+    modules = {sys.modules[type(module).__module__] for module in model.modules()}
+    names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+    patched = [(module, name, getattr(module, name)) for module in modules for name in names if hasattr(module, name)]
+    for module, name, _ in patched:
+        setattr(module, name, _rule)
+    try:
+        yield
+    finally:
+        for module, name, original in patched:
+            setattr(module, name, original)
+
+
+def dynamo_translations() -> dict:
+    """The custom translation table the dynamo exporter takes for `gated_delta_rule`."""
+    return {torch.ops.cann_export.gated_delta_rule.default: _onnx_rule}
+
+
+def register_torchscript_symbolic(opset: int) -> None:
+    """Let TorchScript's exporter write `gated_delta_rule` as GatedDeltaNet at `opset`."""
+    torch.onnx.register_custom_op_symbolic("cann_export::gated_delta_rule", _torchscript_rule, opset)

@@ -1,0 +1,124 @@
+"""Hybrid models: Qwen3.5's gated delta nets and LFM2's short convolutions between attention layers, exported
+with their states as cache tensors (cann_llm/models/recurrent_export.py), compiled and generating as
+transformers does, past the 64 tokens that transformers' own chunked rule exports for."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from conftest import compile_to
+
+from cann_llm import LLMEngine, SamplingParams
+from cann_llm.models.corpus_like import build
+from cann_llm.models.export import export_causal_lm
+from cann_llm.models.hf_export import ExportConfig, export_checkpoint
+from cann_llm.runtime import load_artifact
+from cann_llm.runtime.errors import AtcError
+
+# (family, exporter): transformers' Qwen3.5 splits its tokens with torch.tensor_split, which TorchScript cannot
+# export, so it goes through dynamo only; LFM2's states through the other exporter
+CASES = [("qwen3_5", "dynamo"), ("lfm2", "ts")]
+IO = {
+    "qwen3_5": (["past.0.conv", "past.0.recurrent", "past_key_values.1.key", "past_key_values.1.value"],
+                ["present.0.conv", "present.0.recurrent", "present.1.key", "present.1.value"]),
+    "lfm2": (["past.0.conv", "past_key_values.1.key", "past_key_values.1.value"],
+             ["present.0.conv", "present.1.key", "present.1.value"]),
+}
+PROMPTS = {"long": 90, "short": 7}  # the long one crosses transformers' 64-token chunk
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """`hybrid(family, exporter)`: (torch model, its export with a cache, the contiguous .om), made once."""
+    made = {}
+
+    def get(family: str, exporter: str):
+        if (family, exporter) not in made:
+            folder = tmp_path_factory.mktemp(f"{family}-{exporter}")
+            model = build(family).eval()
+            source = export_causal_lm(model, folder / "model.onnx", dynamo=exporter == "dynamo", with_past=True)
+            made[family, exporter] = model, source, compile_to(source, folder / "m")
+        return made[family, exporter]
+
+    return get
+
+
+def _prompt(length: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(1, 512, length)]
+
+
+@pytest.mark.parametrize("family,exporter", CASES)
+def test_export_carries_states_and_matches_torch_past_a_chunk(hybrid, family, exporter):
+    """A prefill of 100 tokens, then 20 steps of one token each, each step fed the states and cache the last
+    gave back, equal transformers' logits over the whole sequence at once."""
+    model, source, _ = hybrid(family, exporter)
+    graph = onnx.load(source).graph
+    inputs, outputs = IO[family]
+    assert [i.name for i in graph.input] == ["input_ids", "attention_mask", "position_ids", *inputs]
+    assert [o.name for o in graph.output] == ["logits", *outputs]
+    assert Counter(n.op_type for n in graph.node)["GatedDeltaNet"] == (1 if family == "qwen3_5" else 0)
+    session = ort.InferenceSession(str(source))
+    # before the first token: a batch of one, the caches' sequence axes empty, the states zeros
+    carried = {i.name: np.zeros([1, *(0 if isinstance(d, str) else d for d in i.shape[1:])], np.float32)
+               for i in session.get_inputs() if i.name in inputs}
+    ids = np.array([_prompt(120)])
+    logits, done = [], 0
+    for step in [100] + [1] * 20:
+        feeds = {"input_ids": ids[:, done:done + step], "attention_mask": np.ones((1, done + step), np.int64),
+                 "position_ids": np.arange(done, done + step)[None], **carried}
+        got = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+        logits.append(got["logits"])
+        carried = {name: got[present] for name, present in zip(inputs, outputs)}
+        done += step
+    with torch.no_grad():
+        expected = model(input_ids=torch.from_numpy(ids), use_cache=False).logits.numpy()
+    np.testing.assert_allclose(np.concatenate(logits, axis=1), expected, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("family,exporter", CASES)
+def test_contiguous_engine_generates_transformers_greedy_tokens(hybrid, family, exporter):
+    model, _, om = hybrid(family, exporter)
+    # the attention layer fused (Qwen3.5's heads of [query | gate] cut into two projections first), the
+    # gated delta net left to onnxruntime's op
+    ops = Counter(node.op_type for node in load_artifact(om).model.graph.node)
+    assert (ops["FusedAttention"], ops["Softmax"], ops["GatedDeltaNet"]) == (1, 0, int(family == "qwen3_5"))
+    prompts = [_prompt(length, seed) for seed, length in enumerate(PROMPTS.values())]
+    engine = LLMEngine(str(om))
+    try:
+        outputs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    finally:
+        engine.close()
+    for prompt, output in zip(prompts, outputs):
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                      do_sample=False)[0, len(prompt):].tolist()
+        assert list(output.outputs[0].token_ids) == expected
+
+
+def test_paged_compile_and_speculation_are_refused_with_codes(hybrid, tmp_path):
+    _, source, om = hybrid("lfm2", "ts")
+    with pytest.raises(AtcError) as paged:
+        compile_to(source, tmp_path / "paged", enable_paged_attention=True)
+    assert paged.value.code == "E10055" and "past.0.conv" in str(paged.value)
+    assert not list(tmp_path.glob("paged*"))
+    with pytest.raises(AtcError) as speculating:
+        LLMEngine(str(om), num_speculative_tokens=3)
+    assert speculating.value.code == "E10001" and "num_speculative_tokens" in str(speculating.value)
+
+
+def test_torchscript_export_of_a_gated_delta_net_names_the_other_exporter(tmp_path):
+    checkpoint = tmp_path / "qwen3_5"
+    build("qwen3_5").save_pretrained(checkpoint)
+    output = tmp_path / "out"
+    with pytest.raises(AtcError) as refused:
+        export_checkpoint(ExportConfig(model=str(checkpoint), output=str(output), exporter="torchscript",
+                                       with_past=True))
+    assert refused.value.code == "E10055"
+    assert "try --exporter dynamo" in str(refused.value) and "tensor_split" in refused.value.reason
+    assert not output.exists()
