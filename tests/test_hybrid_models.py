@@ -1,9 +1,10 @@
 """Hybrid models: Qwen3.5's gated delta nets and LFM2's short convolutions between attention layers, exported
-with their states as cache tensors (cann_llm/models/recurrent_export.py), compiled and generating as
-transformers does, past the 64 tokens that transformers' own chunked rule exports for."""
+with their states as cache tensors (cann_llm/models/recurrent_export.py), compiled contiguous and paged and
+generating as transformers does, past the 64 tokens that transformers' own chunked rule exports for."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import numpy as np
@@ -81,13 +82,20 @@ def test_export_carries_states_and_matches_torch_past_a_chunk(hybrid, family, ex
     np.testing.assert_allclose(np.concatenate(logits, axis=1), expected, rtol=0, atol=1e-4)
 
 
+def _greedy(model, prompt: list[int]) -> list[int]:
+    with torch.no_grad():
+        return model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                              do_sample=False)[0, len(prompt):].tolist()
+
+
 @pytest.mark.parametrize("family,exporter", CASES)
 def test_contiguous_engine_generates_transformers_greedy_tokens(hybrid, family, exporter):
     model, _, om = hybrid(family, exporter)
     # the attention layer fused (Qwen3.5's heads of [query | gate] cut into two projections first), the
-    # gated delta net left to onnxruntime's op
+    # recurrent layers left to onnxruntime's ops
     ops = Counter(node.op_type for node in load_artifact(om).model.graph.node)
-    assert (ops["FusedAttention"], ops["Softmax"], ops["GatedDeltaNet"]) == (1, 0, int(family == "qwen3_5"))
+    assert (ops["FusedAttention"], ops["Softmax"], ops["GatedDeltaNet"], ops["CausalConvWithState"]) == \
+        (1, 0, int(family == "qwen3_5"), 1)
     prompts = [_prompt(length, seed) for seed, length in enumerate(PROMPTS.values())]
     engine = LLMEngine(str(om))
     try:
@@ -95,21 +103,42 @@ def test_contiguous_engine_generates_transformers_greedy_tokens(hybrid, family, 
     finally:
         engine.close()
     for prompt, output in zip(prompts, outputs):
-        with torch.no_grad():
-            expected = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                      do_sample=False)[0, len(prompt):].tolist()
-        assert list(output.outputs[0].token_ids) == expected
+        assert list(output.outputs[0].token_ids) == _greedy(model, prompt)
 
 
-def test_paged_compile_and_speculation_are_refused_with_codes(hybrid, tmp_path):
+@pytest.mark.parametrize("family,exporter", CASES)
+def test_paged_engine_batches_hybrids_with_their_states_per_sequence(hybrid, family, exporter, tmp_path):
+    """Six prompts decoded together in a flattened batch, prompts in chunks of 32 tokens, over six pages of 16
+    tokens that the running sequences outgrow (so sequences are preempted and computed again from zeros):
+    each sequence's greedy tokens are transformers' alone."""
+    model, source, _ = hybrid(family, exporter)
+    paged = tmp_path / "paged.json"
+    paged.write_text(json.dumps({"page_size": 16}))
+    om = compile_to(source, tmp_path / "paged", enable_paged_attention=True, paged_config=str(paged))
+    ops = Counter(node.op_type for node in load_artifact(om).model.graph.node)
+    assert (ops["PagedAttention"], ops["VarlenCausalConvWithState"], ops["GatedDeltaNet"]) == \
+        (1, 1, int(family == "qwen3_5"))
+    prompts = [_prompt(length, seed) for seed, length in enumerate([70, 7, 33, 21, 45, 12])]
+    with LLMEngine(str(om), kv_cache_pages=6, max_num_batched_tokens=32) as engine:
+        requests = [engine.submit(prompt, max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+                    for prompt in prompts]
+        for request in requests:
+            request.result()
+        outputs = [list(request.output_ids) for request in requests]
+        assert engine.stats.preemptions > 0
+    assert outputs == [_greedy(model, prompt) for prompt in prompts]
+
+
+def test_speculation_and_pipeline_stages_are_refused_with_codes(hybrid, tmp_path):
+    """A state cannot give back a rejected draft, and one process's engine keeps the states."""
     _, source, om = hybrid("lfm2", "ts")
-    with pytest.raises(AtcError) as paged:
-        compile_to(source, tmp_path / "paged", enable_paged_attention=True)
-    assert paged.value.code == "E10055" and "past.0.conv" in str(paged.value)
-    assert not list(tmp_path.glob("paged*"))
     with pytest.raises(AtcError) as speculating:
         LLMEngine(str(om), num_speculative_tokens=3)
     assert speculating.value.code == "E10001" and "num_speculative_tokens" in str(speculating.value)
+    with pytest.raises(AtcError) as staged:
+        compile_to(source, tmp_path / "staged", enable_paged_attention=True, pipeline_stages=2)
+    assert staged.value.code == "E10055" and "recurrent" in str(staged.value)
+    assert not list(tmp_path.iterdir())
 
 
 def test_torchscript_export_of_a_gated_delta_net_names_the_other_exporter(tmp_path):

@@ -31,15 +31,5 @@ def export_command(model, output, exporter, with_past) -> None:
     with unwind_on_sigterm(), contextlib.redirect_stdout(sys.stderr):  # a half-written export removed, as on Ctrl-C
         path = export_checkpoint(cfg, log=lambda message: click.echo(f"[INFO] {message}", err=True))
     click.echo(f"[INFO] wrote {path} in {time.perf_counter() - start:.1f} s", err=True)
-    # a hybrid's recurrent states are not paged (docs/exporting.md#hybrid-models-qwen35-qwen3-next-lfm2)
-    paged = 0 if _has_recurrent_states(path) else 1
     click.echo(f"next: atc --model={path} --framework=5 --output={path.parent / 'model'} --soc_version=Ascend910B "
-               f"--enable_paged_attention={paged}")
-
-
-def _has_recurrent_states(path) -> bool:
-    import onnx
-
-    from cann_llm.runtime.signature import STATE_NAME
-
-    return any(STATE_NAME.match(value.name) for value in onnx.load(str(path), load_external_data=False).graph.input)
+               "--enable_paged_attention=1")

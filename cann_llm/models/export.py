@@ -207,6 +207,8 @@ def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, dynamo:
                 dynamic_axes=axes, opset_version=opset or 17, dynamo=False,
                 **({"custom_opsets": {"com.microsoft": 1}} if states else {}),
             )
+            if states:
+                _declare_outputs(tmp, model, with_past, states)
             if external_data:
                 import onnx
 
@@ -214,6 +216,35 @@ def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, dynamo:
                 onnx.save(proto, str(tmp), save_as_external_data=True, location=path.name + ".data")
     _rename_with_data(tmp, path)
     return path
+
+
+def _declare_outputs(path: Path, model: torch.nn.Module, with_past: bool, states: dict) -> None:
+    """Give a TorchScript export of a hybrid its outputs' shapes, and no inferred ones. TorchScript's shape
+    inference knows no contrib op: past onnxruntime's recurrent ops it names every dim it cannot follow
+    (`MatMullogits_dim_2` for the vocabulary), and a compiler must take a declared output's dims as given."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    vocabulary = getattr(model.get_output_embeddings(), "out_features", None) or model.config.vocab_size
+    shapes = {"logits": ["batch", "seq", vocabulary]}
+    if with_past:
+        kv = iter(cache_shapes(model.config))
+        for i in range(len(cache_shapes(model.config)) + len(states)):
+            if i in states:
+                shapes.update({f"present.{i}.{kind}": ["batch", *shape] for kind, shape in states[i].items()})
+            else:
+                heads, size = next(kv)
+                shapes.update({f"present.{i}.{kind}": ["batch", heads, "total", size] for kind in ("key", "value")})
+    for output in proto.graph.output:
+        dims = output.type.tensor_type.shape.dim
+        for dim, wanted in zip(dims, shapes[output.name]):
+            if isinstance(wanted, int):
+                dim.Clear()
+                dim.dim_value = wanted
+            else:
+                dim.dim_param = wanted
+    del proto.graph.value_info[:]
+    onnx.save(proto, str(path))
 
 
 def _rename_with_data(tmp: Path, path: Path) -> None:

@@ -1,15 +1,17 @@
-"""Hybrid models' recurrent layers through export: their states as cache tensors, the gated delta rule as one op.
+"""Hybrid models' recurrent layers through export: their states as cache tensors, their recurrences as onnxruntime's ops.
 
 Qwen3.5, Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid interleave full attention with gated-delta-net layers, LFM2
 with short convolutions. Such a layer carries a state of fixed size from step to step instead of a growing
-cache: a convolution's last inputs (`past.{layer}.conv`, [batch, channels, kernel]) and, for a gated delta net,
+cache: a convolution's last inputs (`past.{layer}.conv`, [batch, channels, kernel - 1]) and, for a gated delta net,
 its recurrent matrix (`past.{layer}.recurrent`, [batch, value heads, value size, key size]), given back as
 `present.{layer}.conv` and `.recurrent`: onnxruntime-genai's names and layouts.
 
 Transformers computes the gated delta rule in chunks of 64 tokens with a Python loop over the chunks, which
 torch.export writes out for the traced length: its export fails past 64 tokens, and TorchScript cannot export
 the triangular solve at all. During an export here the rule is one `com.microsoft.GatedDeltaNet` node, which
-onnxruntime runs on the CPU for any length (the same rule token by token, the state in float32).
+onnxruntime runs on the CPU for any length (the same rule token by token, the state in float32), and each
+causal convolution with its state one `com.microsoft.CausalConvWithState`: the two ops whose forms over a
+packed batch of sequences (cu_seqlens) the paged engine runs.
 """
 
 from __future__ import annotations
@@ -39,6 +41,76 @@ def gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 @gated_delta_rule.register_fake
 def _(query, key, value, decay, beta, state):
     return torch.empty_like(value), torch.empty_like(state)
+
+
+@torch.library.custom_op("cann_export::causal_conv", mutates_args=())
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor,
+                activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A depthwise causal convolution of `x` [batch, channels, seq] (`weight` [channels, 1, kernel]) that
+    continues from `state` [batch, channels, kernel - 1], the inputs before it: the output (through SiLU
+    where `activation` says so) and the new state, as onnxruntime's CausalConvWithState computes them."""
+    full = torch.cat([state, x], dim=-1)
+    out = torch.nn.functional.conv1d(full, weight, bias, groups=x.shape[1])
+    if activation != "none":
+        out = torch.nn.functional.silu(out)
+    return out, full[..., -state.shape[-1]:].clone()
+
+
+@causal_conv.register_fake
+def _(x, weight, bias, state, activation):
+    return torch.empty_like(x), torch.empty_like(state)
+
+
+def _onnx_conv(x, weight, bias, state, activation: str):
+    """The dynamo exporter's translation: one CausalConvWithState node."""
+    from onnxscript import values
+
+    op = values.Op(values.Opset("com.microsoft", 1), "CausalConvWithState", _causal_conv_schema())
+    return op(x, weight, bias, state, activation=activation, _outputs=2)
+
+
+def _causal_conv_schema():
+    """The part of onnxruntime's CausalConvWithState schema an export writes."""
+    from onnx.defs import OpSchema
+
+    optional = OpSchema.FormalParameterOption.Optional
+    return OpSchema("CausalConvWithState", "com.microsoft", 1, inputs=[
+        OpSchema.FormalParameter("input", "T"), OpSchema.FormalParameter("weight", "T"),
+        OpSchema.FormalParameter("bias", "T", param_option=optional),
+        OpSchema.FormalParameter("past_state", "T", param_option=optional)],
+        outputs=[OpSchema.FormalParameter("output", "T"), OpSchema.FormalParameter("present_state", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)"], "")],
+        attributes=[OpSchema.Attribute("activation", OpSchema.AttrType.STRING, "")])
+
+
+def _torchscript_conv(g, x, weight, bias, state, activation):
+    """TorchScript's symbolic for the same node."""
+    from torch.onnx._internal.torchscript_exporter import symbolic_helper
+
+    if symbolic_helper._is_none(bias):
+        bias = symbolic_helper._optional_input_placeholder_tensor(g)
+    return g.op("com.microsoft::CausalConvWithState", x, weight, bias, state,
+                activation_s=symbolic_helper._maybe_get_const(activation, "s"), outputs=2)
+
+
+def _conv_forward(conv1d, hidden_states, cache, layer_idx, activation=None, state_idx=0, **kwargs):
+    """Stands in for transformers' causal_conv1d_forward (same arguments and result): the convolution
+    continues from the layer's conv state (zeros before the first token) and leaves the new one in `cache`."""
+    del kwargs
+    if activation not in (None, "silu", "swish"):
+        raise NotImplementedError(f"a causal convolution through {activation}: onnxruntime's op has SiLU only")
+    state = cache.get_conv_state(layer_idx, state_idx=state_idx) if cache is not None else None
+    if state is None:
+        batch, channels = hidden_states.shape[:2]
+        state = hidden_states.new_zeros(batch, channels, conv1d.kernel_size[0] - 1)
+    out, state = causal_conv(hidden_states, conv1d.weight, conv1d.bias, state, "none" if activation is None else "silu")
+    if cache is not None:
+        layer = cache.layers[layer_idx]
+        layer.device, layer.dtype = state.device, state.dtype
+        layer.conv_states[state_idx] = state
+        layer.conv_kernel_size[state_idx] = state.shape[-1]
+        layer.is_conv_states_initialized[state_idx] = layer.has_previous_state[state_idx] = True
+    return out
 
 
 def _onnx_rule(query, key, value, decay, beta, state):
@@ -157,13 +229,17 @@ def read_states(cache, shapes: dict[int, dict[str, tuple[int, ...]]]) -> dict[in
 
 @contextmanager
 def routed_through_onnxruntime(model: torch.nn.Module):
-    """Within the block, the model's gated delta rule (chunked and token by token) is `gated_delta_rule`, which
-    exports as one GatedDeltaNet node; a model without one is left as it is."""
-    modules = {sys.modules[type(module).__module__] for module in model.modules()}
-    names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
-    patched = [(module, name, getattr(module, name)) for module in modules for name in names if hasattr(module, name)]
+    """Within the block, a hybrid's gated delta rule (chunked and token by token) is `gated_delta_rule` and its
+    causal convolutions `causal_conv`, which export as onnxruntime's GatedDeltaNet and CausalConvWithState;
+    a model without recurrent layers is left as it is."""
+    replaced = {"torch_chunk_gated_delta_rule": _rule, "torch_recurrent_gated_delta_rule": _rule,
+                "causal_conv1d_forward": _conv_forward}
+    modules = {sys.modules[type(module).__module__] for module in model.modules()} \
+        if recurrent_layers(model.config) else set()
+    patched = [(module, name, getattr(module, name)) for module in modules for name in replaced
+               if hasattr(module, name)]
     for module, name, _ in patched:
-        setattr(module, name, _rule)
+        setattr(module, name, replaced[name])
     try:
         yield
     finally:
@@ -172,10 +248,12 @@ def routed_through_onnxruntime(model: torch.nn.Module):
 
 
 def dynamo_translations() -> dict:
-    """The custom translation table the dynamo exporter takes for `gated_delta_rule`."""
-    return {torch.ops.cann_export.gated_delta_rule.default: _onnx_rule}
+    """The custom translation table the dynamo exporter takes for `gated_delta_rule` and `causal_conv`."""
+    return {torch.ops.cann_export.gated_delta_rule.default: _onnx_rule,
+            torch.ops.cann_export.causal_conv.default: _onnx_conv}
 
 
 def register_torchscript_symbolic(opset: int) -> None:
-    """Let TorchScript's exporter write `gated_delta_rule` as GatedDeltaNet at `opset`."""
+    """Let TorchScript's exporter write `gated_delta_rule` and `causal_conv` as onnxruntime's ops at `opset`."""
     torch.onnx.register_custom_op_symbolic("cann_export::gated_delta_rule", _torchscript_rule, opset)
+    torch.onnx.register_custom_op_symbolic("cann_export::causal_conv", _torchscript_conv, opset)

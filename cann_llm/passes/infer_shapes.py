@@ -7,7 +7,8 @@ symbolic one names them `batch`, `seq`, `past_seq + seq`, so a matcher can tell 
 same shape. The symbolic result is taken where it fixes more dims than onnx's; when it cannot run (an op
 it does not know), onnx's result stands alone. Neither knows this project's `MatMulInt4`, and onnx's does not
 know onnxruntime's `MatMulNBits`: both run with each of them as a MatMul by a [K, N] stand-in, so what follows
-has its shapes too (GLM's gate/up halves are cut at bounds computed from a MatMulNBits' output).
+has its shapes too (GLM's gate/up halves are cut at bounds computed from a MatMulNBits' output). A hybrid's
+GatedDeltaNet and CausalConvWithState stand in as Identities of the inputs their outputs are shaped as.
 
 Both serialise the model, and a protobuf cannot exceed 2 GiB, so they run on a light copy
 (`light_model`) in which large weights are graph inputs of the same type and shape.
@@ -136,6 +137,8 @@ class InferShapes:
 
 
 _QUANTIZED_MATMULS = ("MatMulNBits", "MatMulInt4")
+# onnxruntime's recurrent ops: each output shaped as an input (the result as the values, the state as the state)
+_SHAPED_AS_INPUTS = {"GatedDeltaNet": (2, 6), "CausalConvWithState": (0, 3), "VarlenCausalConvWithState": (0, 4)}
 PROPAGATED_DIM = 1 << 20  # a fixed input dim above which values are not propagated (a million tokens)
 
 
@@ -145,7 +148,16 @@ def _largest_input_dim(graph: gs.Graph) -> int:
 
 def _with_stand_ins(model: onnx.ModelProto) -> onnx.ModelProto:
     """The module docstring's stand-ins, in place: each quantized matmul of `model` (a light copy) becomes a
-    MatMul of A by a float32 [K, N] input of its own, which both inferences know."""
+    MatMul of A by a float32 [K, N] input of its own, which both inferences know; each of onnxruntime's
+    recurrent ops (which onnx's inference does not know) Identities of the inputs its outputs are shaped as."""
+    for node in [n for n in model.graph.node if n.op_type in _SHAPED_AS_INPUTS and n.domain == "com.microsoft"]:
+        sources = [node.input[i] if i < len(node.input) else "" for i in _SHAPED_AS_INPUTS[node.op_type]]
+        copies = [helper.make_node("Identity", [source], [output], name=f"{node.name}/stand_in_{i}")
+                  for i, (source, output) in enumerate(zip(sources, node.output)) if source and output]
+        index = list(model.graph.node).index(node)
+        model.graph.node.remove(node)
+        for offset, copy in enumerate(copies):
+            model.graph.node.insert(index + offset, copy)
     for node in model.graph.node:
         attrs = {a.name: a for a in node.attribute}
         if node.op_type not in _QUANTIZED_MATMULS or "K" not in attrs or "N" not in attrs:

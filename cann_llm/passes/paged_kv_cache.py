@@ -6,7 +6,8 @@ the scheduled sequences' tokens flattened into `input_ids [1, T]` and `position_
 attention metadata (cann_llm/runtime/ops.py PAGED_METADATA: `query_start_loc [B+1]`, `seq_lens [B]`,
 `block_tables [B, M]`, `slot_mapping [T]`); each FusedAttention becomes a `PagedAttention` that writes
 its new keys and values into the pages and reads the whole context from them. The cache leaves the
-graph's I/O: the runtime owns the pages.
+graph's I/O: the runtime owns the pages. A hybrid's recurrent states stay, a row a sequence
+(cann_llm/passes/paged_recurrent.py).
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import onnx_graphsurgeon as gs
 
 from cann_llm.passes.base import PassResult
 from cann_llm.passes.graph_utils import replace_all_uses, unfused_attention
+from cann_llm.passes.paged_recurrent import (drop_padding_products, has_recurrent_states, pack_recurrent_ops,
+                                             refuse_unpackable)
 from cann_llm.passes.pattern import const_ints, fused_node, producer, scalar
 from cann_llm.runtime.errors import AtcError
 from cann_llm.runtime.ops import FUSED_ATTENTION, PAGED_ATTENTION, PAGED_METADATA, input_at, positional
 from cann_llm.runtime.ops import FusedAttentionInput as Fused
 from cann_llm.runtime.ops import FusedAttentionOutput as FusedOutput
 from cann_llm.runtime.ops import PagedAttentionInput as Paged
-from cann_llm.runtime.signature import STATE_NAME
 
 TOKEN_INPUTS = ("input_ids", "position_ids")
 # what a PagedAttention keeps of its FusedAttention: the projections and the rotary tables
@@ -53,8 +55,14 @@ class PagedKvCache:
                 # artifact takes, read by the attention's metadata alone
                 graph.inputs.append(gs.Variable("position_ids", dtype=np.int64, shape=[1, "num_tokens"]))
             inputs = {t.name: t for t in graph.inputs}
+        recurrent = has_recurrent_states(graph)
+        if recurrent:  # a hybrid: its recurrent layers' padding products go before the checks read the mask
+            refuse_unpackable(graph)
+            drop_padding_products(graph)
         self._check(graph, attentions)
         metadata = {m.slot: gs.Variable(m.name, dtype=m.dtype, shape=list(m.shape)) for m in PAGED_METADATA}
+        if recurrent:
+            pack_recurrent_ops(graph, metadata[Paged.QUERY_START_LOC])
         cache_io = set()
         for layer, node in enumerate(attentions):
             cache_io.update(t.name for t in (input_at(node.inputs, slot) for slot in
@@ -94,13 +102,6 @@ class PagedKvCache:
     @staticmethod
     def _check(graph: gs.Graph, attentions: list[gs.Node]) -> None:
         names = {t.name for t in graph.inputs}
-        # before the others: what they find in a recurrent layer (its mask's Slice, say) hides why
-        states = sorted(name for name in names if STATE_NAME.match(name))
-        if states:
-            raise AtcError("E10055", f"--enable_paged_attention=1 pages keys and values, and this hybrid model's "
-                                     f"recurrent layers carry states of fixed size instead ({', '.join(states)}), "
-                                     f"which the paged engine does not hold yet; compile it with "
-                                     f"--enable_paged_attention=0 (each sequence then runs with its own states)")
         if not attentions:
             raise AtcError("E10055", "--enable_paged_attention=1 needs the attention fused into FusedAttention, "
                                      "and this model has none (see fusion_result.json); compile it with "

@@ -17,6 +17,7 @@ import onnx_graphsurgeon as gs
 
 from cann_llm.passes.decoder_layers import norm_above, norm_weight, residual_entering
 from cann_llm.passes.graph_utils import replace_all_uses
+from cann_llm.passes.paged_recurrent import has_recurrent_states
 from cann_llm.passes.weight_memory import Deferred, read_values
 from cann_llm.runtime.errors import AtcError
 from cann_llm.runtime.ops import PAGED_ATTENTION, PagedAttentionInput, input_at
@@ -28,6 +29,8 @@ def layer_ranges(graph: gs.Graph, stages: int) -> list[tuple[int, int]]:
     """`stages` contiguous layer ranges holding about equal weight bytes each, the head counted with the last
     (the embedding is not: a stage reads only the rows of its tokens). Each stage process then holds about
     the same memory, and the largest one, which bounds what a machine must have, is as small as it can be."""
+    if has_recurrent_states(graph):
+        raise _refused("its recurrent layers' states (a hybrid's) are kept by one process's engine")
     costs, head = _weight_bytes_by_layer(graph)
     num_layers = len(costs)
     if not 1 < stages <= num_layers:

@@ -165,6 +165,9 @@ def _paged_inputs(signature: dict, ids: np.ndarray, past: int, page_size: int) -
         feeds["logits_indices"] = np.arange(1, batch + 1, dtype=np.int64) * seq - 1
     if LAST_POSITIONS in names:  # every row's sequence ends at its last position
         feeds[LAST_POSITIONS] = np.full((1, batch * seq), context - 1, np.int64)
+    for value in signature["inputs"]:  # a hybrid's recurrent states: each sequence's, zeros
+        if STATE_NAME.match(value["name"]):
+            feeds[value["name"]] = np.zeros((batch, *value["shape"][1:]), np.dtype(value["dtype"]))
     return feeds
 
 

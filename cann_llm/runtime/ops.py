@@ -130,9 +130,28 @@ class GatedDeltaNetInput(IntEnum):
     INITIAL_STATE = 6
 
 
-class GatedDeltaNetOutput(IntEnum):
+class CausalConvInput(IntEnum):
+    """onnxruntime's com.microsoft.CausalConvWithState, a hybrid's short convolution with its state."""
+
+    INPUT = 0
+    WEIGHT = 1
+    BIAS = 2
+    PAST_STATE = 3
+
+
+class VarlenCausalConvInput(IntEnum):
+    """onnxruntime's com.microsoft.VarlenCausalConvWithState: the same over sequences packed token-major."""
+
+    INPUT = 0
+    WEIGHT = 1
+    CU_SEQLENS = 2
+    BIAS = 3
+    INITIAL_STATE = 4
+
+
+class StateOutput(IntEnum):
     OUTPUT = 0
-    FINAL_STATE = 1
+    STATE = 1
 
 
 @dataclass(frozen=True)
@@ -169,10 +188,14 @@ MATMUL_F28 = Op("MatMulF28", MatMulF28Input)
 GATHER_F28 = Op("GatherF28", GatherF28Input)
 # laid out by the runtime at load for the native library (cann_llm/runtime/executor.py), never in an artifact
 MATMUL_F32 = Op("MatMulF32", MatMulF32Input)
-# onnxruntime's own op (domain com.microsoft), not a `cann` one: registered for its reference kernel; the
-# attributes an export leaves at their defaults (scale 0 is 1/sqrt(key size))
-GATED_DELTA_NET = Op("GatedDeltaNet", GatedDeltaNetInput, GatedDeltaNetOutput, defaults={
+# onnxruntime's own recurrent ops (domain com.microsoft), not `cann` ones: registered for their reference
+# kernels, with the attributes an export leaves at their defaults (GatedDeltaNet's scale 0 is 1/sqrt(key size))
+GATED_DELTA_NET = Op("GatedDeltaNet", GatedDeltaNetInput, StateOutput, defaults={
     "scale": 0.0, "qk_l2_norm": 0, "update_rule": "gated_delta", "gate_activation": "none", "beta_activation": "none"})
+CAUSAL_CONV_WITH_STATE = Op("CausalConvWithState", CausalConvInput, StateOutput, defaults={
+    "activation": "none", "dilation": 1, "channels_last": 0, "ndim": 1})
+VARLEN_CAUSAL_CONV_WITH_STATE = Op("VarlenCausalConvWithState", VarlenCausalConvInput, StateOutput, defaults={
+    "activation": "none", "dilation": 1})
 
 OPS: dict[str, Op] = {op.name: op for op in (RMS_NORM, ADD_RMS_NORM, SWIGLU, MOE, FUSED_ATTENTION, PAGED_ATTENTION,
                                              MATMUL_INT4, MATMUL_INT8, GATHER_INT4, MATMUL_F28,

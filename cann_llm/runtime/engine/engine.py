@@ -359,7 +359,9 @@ class LLMEngine:
             elif kv_cache_pages is None:
                 kv_cache_pages = default_pages({**self.dims, "num_layers": layers}, self.page_size, total_bytes())
             self.runner = self._paged_runner(model_path, pipeline, kv_cache_pages)
-            blocks = BlockManager(kv_cache_pages, self.page_size, config.enable_prefix_caching)
+            # a hybrid's recurrent states hold whole prefixes in a fixed size: none can be shared by pages
+            blocks = BlockManager(kv_cache_pages, self.page_size,
+                                  config.enable_prefix_caching and not self.dims.get("recurrent_layers"))
         else:
             self.page_size = max_context_len
             self.runner = ContiguousRunner(self._executor(), metadata["signature"], self.dims)

@@ -23,6 +23,7 @@ import numpy as np
 
 from cann_llm.runtime.engine.runner import PagedRunner
 from cann_llm.runtime.engine.scheduler import ScheduledBatch
+from cann_llm.runtime.engine.state_pool import StatePool
 from cann_llm.runtime.errors import AtcError
 from cann_llm.runtime.ray_import import require_ray
 
@@ -94,6 +95,7 @@ class PipelinedRunner(PagedRunner):
         worker = ray.remote(StageWorker)
         self.executor, self.pool, self.page_size = None, _Pages(num_pages), page_size
         self.last_positions = last_positions  # the stages all read the feeds the first one does
+        self.states = StatePool({"inputs": []})  # none: --pipeline_stages refuses a hybrid's states
         # each stage asks for its threads' CPUs, or its share of a cluster too small for that (a stage waits
         # on its neighbours much of the time): asking for more than the cluster has would wait for ever
         cpus = min(threads or 1, ray.cluster_resources().get("CPU", 1) / len(paths))

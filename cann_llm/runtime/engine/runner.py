@@ -1,8 +1,9 @@
 """Model runners: a scheduled batch in, logits out: one row per sequence, and one more per draft token.
 
 `PagedRunner` drives a paged artifact: the batch's tokens flattened into one row with the attention
-metadata, keys and values in the page pool. `ContiguousRunner` drives an artifact with past/present I/O
-(what any ONNX-style runner can use): each sequence runs on its own with its own growing cache arrays.
+metadata, keys and values in the page pool (a hybrid's recurrent states in a `StatePool`).
+`ContiguousRunner` drives an artifact with past/present I/O (what any ONNX-style runner can use): each
+sequence runs on its own with its own growing cache arrays.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import numpy as np
 from cann_llm.runtime.engine.kv_cache import PagePool
 from cann_llm.runtime.engine.scheduler import ScheduledBatch
 from cann_llm.runtime.engine.sequence import Sequence
+from cann_llm.runtime.engine.state_pool import StatePool
 from cann_llm.runtime.executor import Executor
 from cann_llm.runtime.feeds import causal_lm_inputs
 from cann_llm.runtime.ops import LAST_POSITIONS, paged_metadata_feeds
@@ -27,6 +29,7 @@ class PagedRunner:
         self.executor, self.pool = executor, pool
         self.page_size = pool.page_size
         self.last_positions = LAST_POSITIONS in executor.loaded.input_names
+        self.states = StatePool(executor.loaded.metadata["signature"])
 
     def feeds(self, batch: ScheduledBatch) -> dict[str, np.ndarray]:
         """The paged graph's inputs for `batch` (see cann_llm/passes/paged_kv_cache.py).
@@ -56,20 +59,26 @@ class PagedRunner:
                  "logits_indices": np.array(wanted, np.int64)}
         if self.last_positions:
             feeds[LAST_POSITIONS] = np.array([last], np.int64)
+        if self.states:
+            feeds.update(self.states.feeds(batch.seqs))
         return feeds
 
     def run(self, batch: ScheduledBatch) -> np.ndarray:
-        return self.executor.run(self.feeds(batch), ["logits"], kv_cache=self.pool)["logits"]
+        outputs = self.executor.run(self.feeds(batch), ["logits", *self.states.presents], kv_cache=self.pool)
+        if self.states:
+            self.states.keep(batch.seqs, outputs)
+        return outputs["logits"]
 
     def copy_pages(self, copies: list[tuple[int, int, int]]) -> None:
         """Apply the block manager's copies: (source page, target page, leading tokens)."""
         self.pool.copy(copies)
 
     def release(self, seq: Sequence) -> None:
-        del seq  # the pages are the block manager's
+        self.states.release(seq.seq_id)  # the pages are the block manager's
 
     def close(self) -> None:
         """Nothing to stop: the pool and the sessions go with the process (a pipeline's stages do not)."""
+        self.states.clear()
 
 
 class ContiguousRunner:

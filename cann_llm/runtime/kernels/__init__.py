@@ -109,4 +109,4 @@ def supports(domain: str | None, op_type: str) -> bool:
 
 # kernels register themselves on import
 from cann_llm.runtime.kernels import (  # noqa: E402,F401
-    attention, float28, float32_panels, gated_delta_net, moe, norms, paged_attention, quant_matmul)
+    attention, float28, float32_panels, moe, norms, paged_attention, quant_matmul, recurrent)
