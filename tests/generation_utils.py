@@ -6,6 +6,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from cann_llm.runtime.signature import STATE_NAME
+
 NEW_TOKENS = 64
 
 
@@ -74,6 +76,9 @@ def ort_greedy(model_path, prompt: list[int], new_tokens: int) -> list[int]:
     inputs = {i.name: i for i in session.get_inputs()}
     empty = {name: np.zeros((1, value.shape[1], 0, value.shape[3]), np.float32)
              for name, value in inputs.items() if name.startswith("past_key_values")}
+    # a hybrid's recurrent states before the first token (its sizes past the batch are fixed)
+    empty.update({name: np.zeros((1, *value.shape[1:]), np.float32) for name, value in inputs.items()
+                  if STATE_NAME.match(name)})
     ids, tokens = list(prompt), []
     for _ in range(new_tokens):
         feeds = {"input_ids": np.array([ids], np.int64), **empty}

@@ -44,7 +44,8 @@ def test_corpus_model_fuses_and_matches_its_torch_reference(name, tmp_path):
     loaded = load_artifact(compile_to(CORPUS / name / "model.onnx", tmp_path / "m"))
     counts = Counter(node.op_type for node in loaded.model.graph.node)
     expected = meta["expected"]
-    assert counts["FusedAttention"] == expected["attention_blocks"] == meta["num_layers"]
+    # every layer's attention (a hybrid's recurrent layers have none: cann_llm/models/corpus_like.py's)
+    assert counts["FusedAttention"] == expected["attention_blocks"] <= meta["num_layers"]
     # every RMSNorm fused, with the residual Add before it where there is one (Qwen3's q and k norms too);
     # a LayerNorm family keeps the export's LayerNormalization nodes, onnxruntime's own kernel
     assert counts["RmsNorm"] + counts["AddRmsNorm"] == expected.get("rmsnorm", 0)
@@ -66,9 +67,19 @@ def test_corpus_model_fuses_and_matches_its_torch_reference(name, tmp_path):
                 np.testing.assert_allclose(actual, expected, rtol=0, atol=TOLERANCE, err_msg=f"{backend} {output}")
 
 
+def _skip_a_stateless_hybrid(source: Path) -> None:
+    """A hybrid exported without its states (corpus_like's no-cache exports of Qwen3.5 or LFM2) runs contiguous
+    only: its recurrence would mix a flattened batch's sequences, and a paged compile refuses it."""
+    graph = onnx.load(source, load_external_data=False).graph
+    if any(n.op_type in ("GatedDeltaNet", "CausalConvWithState") for n in graph.node) \
+            and not any(i.name.startswith("past.") for i in graph.input):
+        pytest.skip("a hybrid exported without its states runs contiguous only")
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_corpus_model_generates_through_the_paged_engine(name, tmp_path):
     source = CORPUS / name / "model.onnx"
+    _skip_a_stateless_hybrid(source)
     om = compile_to(source, tmp_path / "m", enable_paged_attention=True)
     assert load_artifact(om).metadata["kv_cache"]["layout"] == "paged"
     assert_paged_greedy_equals_onnxruntime(source, om, NEW_TOKENS)
@@ -79,6 +90,7 @@ def test_corpus_model_generates_from_its_weights_in_28_bits(name, tmp_path):
     """`--compress_fp32_weight`: every float32 MatMul of the export stored in 28 bits, and the paged engine
     still generates onnxruntime's greedy tokens on the original export."""
     source = CORPUS / name / "model.onnx"
+    _skip_a_stateless_hybrid(source)
     om = compile_to(source, tmp_path / "m", enable_paged_attention=True, compress_fp32_weight=True)
     graph = load_artifact(om).model.graph
     plain = load_artifact(compile_to(source, tmp_path / "plain", enable_paged_attention=True)).model.graph

@@ -18,8 +18,11 @@ from cann_llm import LLMEngine, SamplingParams
 from cann_llm.models.corpus_like import build
 from cann_llm.models.export import export_causal_lm
 from cann_llm.models.hf_export import ExportConfig, export_checkpoint
-from cann_llm.runtime import load_artifact
+from cann_llm.runtime import Executor, load_artifact
+from cann_llm.runtime.engine.draft_model import DraftModelProposer
 from cann_llm.runtime.errors import AtcError
+from cann_llm.runtime.ops import RECURRENT_ONNXRUNTIME
+from cann_llm.runtime.perplexity import perplexity
 
 # (family, exporter): transformers' Qwen3.5 splits its tokens with torch.tensor_split, which TorchScript cannot
 # export, so it goes through dynamo only; LFM2's states through the other exporter
@@ -93,9 +96,11 @@ def test_contiguous_engine_generates_transformers_greedy_tokens(hybrid, family, 
     model, _, om = hybrid(family, exporter)
     # the attention layer fused (Qwen3.5's heads of [query | gate] cut into two projections first), the
     # recurrent layers left to onnxruntime's ops
-    ops = Counter(node.op_type for node in load_artifact(om).model.graph.node)
+    loaded = load_artifact(om)
+    ops = Counter(node.op_type for node in loaded.model.graph.node)
     assert (ops["FusedAttention"], ops["Softmax"], ops["GatedDeltaNet"], ops["CausalConvWithState"]) == \
         (1, 0, int(family == "qwen3_5"), 1)
+    assert loaded.metadata["requires"]["onnxruntime"] == RECURRENT_ONNXRUNTIME  # its contrib ops' CPU kernels
     prompts = [_prompt(length, seed) for seed, length in enumerate(PROMPTS.values())]
     engine = LLMEngine(str(om))
     try:
@@ -111,7 +116,7 @@ def test_paged_engine_batches_hybrids_with_their_states_per_sequence(hybrid, fam
     """Six prompts decoded together in a flattened batch, prompts in chunks of 32 tokens, over six pages of 16
     tokens that the running sequences outgrow (so sequences are preempted and computed again from zeros):
     each sequence's greedy tokens are transformers' alone."""
-    model, source, _ = hybrid(family, exporter)
+    model, source, contiguous = hybrid(family, exporter)
     paged = tmp_path / "paged.json"
     paged.write_text(json.dumps({"page_size": 16}))
     om = compile_to(source, tmp_path / "paged", enable_paged_attention=True, paged_config=str(paged))
@@ -127,18 +132,28 @@ def test_paged_engine_batches_hybrids_with_their_states_per_sequence(hybrid, fam
         outputs = [list(request.output_ids) for request in requests]
         assert engine.stats.preemptions > 0
     assert outputs == [_greedy(model, prompt) for prompt in prompts]
+    # a perplexity window is one sequence from zero states, paged as contiguous
+    text = _prompt(100, seed=9)
+    scores = [perplexity(Executor(load_artifact(path)), text, window=64, stride=32).perplexity
+              for path in (om, contiguous)]
+    assert scores[0] == pytest.approx(scores[1], rel=1e-5)
 
 
 def test_speculation_and_pipeline_stages_are_refused_with_codes(hybrid, tmp_path):
-    """A state cannot give back a rejected draft, and one process's engine keeps the states."""
+    """A state cannot give back a rejected draft, as a target or as a draft, and one process's engine keeps
+    the states."""
     _, source, om = hybrid("lfm2", "ts")
     with pytest.raises(AtcError) as speculating:
         LLMEngine(str(om), num_speculative_tokens=3)
     assert speculating.value.code == "E10001" and "num_speculative_tokens" in str(speculating.value)
+    paged = compile_to(source, tmp_path / "paged", enable_paged_attention=True)
+    with pytest.raises(AtcError) as drafting:
+        DraftModelProposer(str(paged), num_tokens=2, num_pages=4, vocab_size=512)
+    assert drafting.value.code == "E10001" and "--draft_model" in str(drafting.value)
     with pytest.raises(AtcError) as staged:
         compile_to(source, tmp_path / "staged", enable_paged_attention=True, pipeline_stages=2)
     assert staged.value.code == "E10055" and "recurrent" in str(staged.value)
-    assert not list(tmp_path.iterdir())
+    assert not list(tmp_path.glob("staged*"))
 
 
 def test_torchscript_export_of_a_gated_delta_net_names_the_other_exporter(tmp_path):

@@ -37,7 +37,7 @@ from cann_llm.runtime.engine.setting_error import SettingError
 from cann_llm.runtime.errors import invalid_value
 from cann_llm.runtime.ort_session import session_options
 from cann_llm.runtime.progress import Progress, progress
-from cann_llm.runtime.signature import PAST_NAME, present_name
+from cann_llm.runtime.signature import PAST_NAME, is_carried, present_name
 
 DECODE_PROMPT_TOKENS = 128  # the prompt of each batch-1 decode measurement
 
@@ -64,14 +64,15 @@ class OnnxRuntimeLoop:
         # the same thread setup as the engine's sessions (cann_llm/runtime/ort_session.py)
         self.session = ort.InferenceSession(path, session_options(), providers=["CPUExecutionProvider"])
         self.inputs = {i.name: i for i in self.session.get_inputs()}
-        self.carried = {present_name(name): name for name in self.inputs if PAST_NAME.match(name)}
+        self.carried = {present_name(name): name for name in self.inputs if is_carried(name)}
 
     def generate(self, prompt: list[int], new_tokens: int) -> tuple[float, float]:
         """Greedy generation; returns (time to first token, total time) in seconds."""
         start = time.perf_counter()
         ids = np.asarray([prompt], np.int64)
-        past = {name: np.zeros((1, v.shape[1], 0, v.shape[3]), np.float32)
-                for name, v in self.inputs.items() if PAST_NAME.match(name)}
+        # an empty cache, and a hybrid's recurrent states at zero (their sizes past the batch are fixed)
+        past = {name: np.zeros((1, v.shape[1], 0, v.shape[3]) if PAST_NAME.match(name) else (1, *v.shape[1:]),
+                               np.float32) for name, v in self.inputs.items() if is_carried(name)}
         length, first = 0, None
         for _ in range(new_tokens):
             feeds = {"input_ids": ids, **past}

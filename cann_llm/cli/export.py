@@ -32,4 +32,17 @@ def export_command(model, output, exporter, with_past) -> None:
         path = export_checkpoint(cfg, log=lambda message: click.echo(f"[INFO] {message}", err=True))
     click.echo(f"[INFO] wrote {path} in {time.perf_counter() - start:.1f} s", err=True)
     click.echo(f"next: atc --model={path} --framework=5 --output={path.parent / 'model'} --soc_version=Ascend910B "
-               "--enable_paged_attention=1")
+               f"--enable_paged_attention={0 if _stateless_recurrence(path) else 1}")
+
+
+def _stateless_recurrence(path) -> bool:
+    """Whether the export runs a hybrid's recurrent ops without states to carry (`--no-past`), which only a
+    contiguous compile runs (docs/exporting.md#hybrid-models-qwen35-qwen3-next-lfm2)."""
+    import onnx
+
+    from cann_llm.runtime.ops import MICROSOFT_DOMAIN, RECURRENT_CONTRIB_OPS
+    from cann_llm.runtime.signature import STATE_NAME
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    recurrent = any(n.domain == MICROSOFT_DOMAIN and n.op_type in RECURRENT_CONTRIB_OPS for n in graph.node)
+    return recurrent and not any(STATE_NAME.match(value.name) for value in graph.input)

@@ -18,7 +18,7 @@ from cann_llm.compiler import __version__
 from cann_llm.compiler.auto_tune import auto_tune
 from cann_llm.compiler.config import CompileConfig
 from cann_llm.compiler.graph_metadata import (attention_dimensions, float28_weights, int8_activations, kv_cache_metadata,
-                                     shape_contract_metadata, weight_formats)
+                                     onnxruntime_needed, shape_contract_metadata, weight_formats)
 from cann_llm.compiler.graph_io import apply_input_shape, apply_out_nodes, apply_output_type
 from cann_llm.compiler.loader import import_graph, require_model_file, weight_bytes
 from cann_llm.compiler.pass_manager import PassReport, run_passes
@@ -231,7 +231,8 @@ def _write(cfg: CompileConfig, output: Path, to: Path, graph: gs.Graph, model: o
         **shape_contract_metadata(cfg),
         **({"pipeline": stage} if stage else {}),
         "weights": weight_formats(lowered, token.name if (token := token_input(graph)) is not None else None),
-        "requires": requirements(cfg.soc.family, int8_activations(lowered), float28_weights(lowered)),
+        "requires": requirements(cfg.soc.family, int8_activations(lowered), float28_weights(lowered),
+                                 onnxruntime_needed(lowered)),
         "source": {"file": Path(cfg.model).name, "producer": f"{model.producer_name} {model.producer_version}".strip(),
                    "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import}},
         "pass_report": report.as_dict(),

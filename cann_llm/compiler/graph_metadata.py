@@ -6,7 +6,8 @@ from collections import Counter
 
 import onnx
 
-from cann_llm.runtime.ops import ATTENTION_OPS, GATHER_F28, GATHER_INT4, MATMUL_F28, MATMUL_INT4, MATMUL_INT8, attributes
+from cann_llm.runtime.ops import (ATTENTION_OPS, GATHER_F28, GATHER_INT4, MATMUL_F28, MATMUL_INT4, MATMUL_INT8,
+                                  MICROSOFT_DOMAIN, RECURRENT_CONTRIB_OPS, RECURRENT_ONNXRUNTIME, attributes)
 
 
 def attention_dimensions(graph) -> dict:
@@ -53,6 +54,13 @@ def float28_weights(model) -> bool:
     """Whether some matmul of the lowered graph reads float32 weights in 28 bits (MatMulF28), whose kernel
     needs AVX-512 VBMI (elsewhere the runtime unpacks them at load: float32 speed, cann_llm/runtime/compatibility.py)."""
     return any(node.op_type == MATMUL_F28.name for node in model.graph.node)
+
+
+def onnxruntime_needed(model) -> str | None:
+    """The oldest onnxruntime that runs every contrib op of the lowered graph where that is newer than the
+    package's floor: a hybrid's recurrent ops (cann_llm/runtime/compatibility.py checks it at load)."""
+    recurrent = any(node.domain == MICROSOFT_DOMAIN and node.op_type in RECURRENT_CONTRIB_OPS for node in model.graph.node)
+    return RECURRENT_ONNXRUNTIME if recurrent else None
 
 
 def weight_formats(model, token_input: str | None) -> dict:

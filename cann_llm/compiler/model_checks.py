@@ -1,5 +1,6 @@
-"""What a model must satisfy before any pass sees it: onnx's checker with strict shape inference, and the
-limits of what we can run. Each violation is E10041 naming the tensor, the opset or the node.
+"""What a model must satisfy before any pass sees it: onnx's checker with strict shape inference, shapes that
+agree once their computations are followed, and the limits of what we can run. Each violation is E10041
+naming the tensor, the opset or the node.
 
 Limits, and why these numbers:
 - ai.onnx opsets from 7 (the oldest onnxruntime loads) to the newest both onnx and onnxruntime know: an
@@ -18,6 +19,7 @@ Limits, and why these numbers:
 from __future__ import annotations
 
 import math
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -26,6 +28,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from onnx import TensorProto, helper
 
+from cann_llm.passes.infer_shapes import PROPAGATED_DIM
 from cann_llm.runtime.artifact import SUB_BYTE_BITS
 from cann_llm.runtime.errors import AtcError
 from cann_llm.runtime.ops import CUSTOM_DOMAIN
@@ -75,7 +78,48 @@ def check_model(model: onnx.ModelProto, checked: onnx.ModelProto, path: Path) ->
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError) as error:
         # ValueError: what the checker's own type lookups raise on a field it did not validate first
         raise AtcError("E10041", path, reason=f"the ONNX checker refused the model: {str(error).strip()}") from None
-    _check_axes(onnx.shape_inference.infer_shapes(checked), path)
+    _check_axes(_shapes_that_agree(model, checked, path), path)
+
+
+def _shapes_that_agree(model: onnx.ModelProto, checked: onnx.ModelProto, path: Path) -> onnx.ModelProto:
+    """`checked` with onnx's inferred shapes; E10041 naming the node where they contradict each other once the
+    values of the shape computations are followed (strict inference with data propagation, which the checker
+    does not run). onnxruntime propagates them too and refuses such a graph at load, so a compile of it would
+    only fail later (such graphs were seen from TorchScript traces of transformers 5's Cohere, Helium and
+    ERNIE 4.5). Past PROPAGATED_DIM a fixed input dim would take the propagation gigabytes, and only shapes
+    are inferred."""
+    initializers = {t.name for t in model.graph.initializer}
+    largest = max((d.dim_value for value in model.graph.input if value.name not in initializers
+                   for d in value.type.tensor_type.shape.dim if d.HasField("dim_value")), default=0)
+    propagate = largest <= PROPAGATED_DIM
+    followed = checked
+    if propagate:
+        # the shape computations' own constants (small integer initializers), which `checked` holds as inputs
+        followed = onnx.ModelProto()
+        followed.CopyFrom(checked)
+        shapes = [t for t in model.graph.initializer if t.data_type in (TensorProto.INT64, TensorProto.INT32)
+                  and math.prod(t.dims) <= MAX_RANK and not t.external_data]
+        names = {t.name for t in shapes}
+        kept = [value for value in followed.graph.input if value.name not in names]
+        del followed.graph.input[:]
+        followed.graph.input.extend(kept)
+        followed.graph.initializer.extend(shapes)
+    try:
+        return onnx.shape_inference.infer_shapes(followed, strict_mode=propagate, data_prop=propagate)
+    except onnx.shape_inference.InferenceError as error:
+        text = " ".join(str(error).split())
+        # a broadcast or matmul of sizes that cannot meet in the graph itself, which onnxruntime refuses too:
+        # strict inference also fails on what onnxruntime loads (a merged decoder's If, whose branches' outputs
+        # differ in shape, and the branches' nodes, which it sizes as if both ran)
+        top = {node.name for node in model.graph.node}
+        found = [(name, whole) for whole, name in re.findall(
+            r"(\(op_type:[^)]*node name: ([^)]*)\): \[ShapeInferenceError\] Incompatible dimensions[^(]*)", text)
+            if name in top]
+        if found:
+            raise AtcError("E10041", path, reason=f"the model's shapes contradict each other, which onnxruntime "
+                                                  f"refuses at load: {found[0][1].strip()} (a TorchScript trace "
+                                                  f"writes some models so: export them with the dynamo exporter)") from None
+    return onnx.shape_inference.infer_shapes(checked)
 
 
 def _check_axes(inferred: onnx.ModelProto, path: Path) -> None:

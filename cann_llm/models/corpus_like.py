@@ -24,7 +24,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from cann_llm.models.export import cache_shapes, export_causal_lm, io_names
+from cann_llm.models.export import cache_entries, cache_shapes, export_causal_lm, io_names
 from cann_llm.models.recurrent_export import recurrent_layers, routed_through_onnxruntime, state_shapes
 from cann_llm.models.tiny import TINY_FAMILIES, TinySpec
 
@@ -102,7 +102,9 @@ ARCHITECTURES: dict[str, TinySpec] = {
         pad_token_id=0, layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16,
         linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)),
-    "lfm2": TinySpec("Lfm2Config", "Lfm2ForCausalLM", dict(pad_token_id=0, layer_types=["conv", "full_attention"])),
+    # at transformers' initializer range (0.02) the tiny LFM2 repeats one token whatever it is fed
+    "lfm2": TinySpec("Lfm2Config", "Lfm2ForCausalLM", dict(pad_token_id=0, layer_types=["conv", "full_attention"],
+                                                           initializer_range=0.1)),
 }
 
 
@@ -142,7 +144,6 @@ def _cases(config, with_past: bool, states: dict | None = None) -> list[dict[str
     """The corpus's two cases: batch 2 by 7 with row 1 left-padded by 2 (after a past of 5, so a 12-long
     mask, with past inputs); then batch 3 by 4 with its last row left-padded by 2 (without past inputs) or one
     decode step after a past of 11 (with them). A hybrid's recurrent layers (`states`) take random states."""
-    states = states or {}
     rng = np.random.default_rng(0)
     shapes = [(2, 7, 5), (1, 1, 11)] if with_past else [(2, 7, 0), (3, 4, 0)]
     cases = []
@@ -156,16 +157,9 @@ def _cases(config, with_past: bool, states: dict | None = None) -> list[dict[str
                  "attention_mask": mask, "position_ids": positions[:, past:].astype(np.int64)}
         feeds["input_ids"][mask[:, past:] == 0] = 0
         if with_past:
-            shapes = iter(cache_shapes(config))
-            for i in range(len(cache_shapes(config)) + len(states)):
-                if i in states:
-                    for kind, shape in states[i].items():
-                        feeds[f"past.{i}.{kind}"] = rng.standard_normal((batch, *shape)).astype(np.float32)
-                    continue
-                kv_heads, head_dim = next(shapes)
-                for kind in ("key", "value"):
-                    feeds[f"past_key_values.{i}.{kind}"] = rng.standard_normal(
-                        (batch, kv_heads, past, head_dim)).astype(np.float32)
+            for name, _, shape in cache_entries(config, states):
+                sizes = [past if size is None else size for size in shape]
+                feeds[name] = rng.standard_normal((batch, *sizes)).astype(np.float32)
         cases.append(feeds)
     return cases
 
@@ -198,7 +192,7 @@ def expected_counts(model) -> dict[str, int]:
     this project's recipes): an attention block a layer but a hybrid's recurrent ones, and its RMSNorm modules
     (or LayerNorm ones)."""
     kinds = [type(module).__name__ for module in model.modules()]
-    rms = sum(kind.endswith("RMSNorm") for kind in kinds)
+    rms = sum(kind.endswith(("RMSNorm", "RMSNormGated")) for kind in kinds)  # Qwen3.5's gated norm normalises too
     norms = {"rmsnorm": rms} if rms else {"layernorm": sum(kind == "LayerNorm" for kind in kinds)}
     return {"attention_blocks": LAYERS - len(recurrent_layers(model.config)), **norms}
 

@@ -94,6 +94,15 @@ def cache_shapes(config) -> list[tuple[int, int]]:
     return shapes
 
 
+KV = ("key", "value")
+
+
+def _layer_names(layer: int, kinds) -> list[tuple[str, str]]:
+    """(input, output) names of one layer's cache tensors: its key and value, or a recurrent layer's states."""
+    prefix = "past_key_values" if tuple(kinds) == KV else "past"
+    return [(f"{prefix}.{layer}.{kind}", f"present.{layer}.{kind}") for kind in kinds]
+
+
 def io_names(num_layers: int, with_past: bool, states: dict | None = None) -> tuple[list[str], list[str]]:
     """The ONNX input and output names of an exported causal LM with `num_layers` layers that cache something;
     those in `states` (see `state_shapes`) carry their states, the others keys and values."""
@@ -101,14 +110,26 @@ def io_names(num_layers: int, with_past: bool, states: dict | None = None) -> tu
     outputs = ["logits"]
     if with_past:
         for i in range(num_layers):
-            kinds = [f"{i}.{kind}" for kind in states[i]] if states and i in states else None
-            if kinds:
-                inputs += [f"past.{kind}" for kind in kinds]
-                outputs += [f"present.{kind}" for kind in kinds]
-            else:
-                inputs += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
-                outputs += [f"present.{i}.key", f"present.{i}.value"]
+            for past, present in _layer_names(i, (states or {}).get(i) or KV):
+                inputs.append(past)
+                outputs.append(present)
     return inputs, outputs
+
+
+def cache_entries(config, states: dict | None = None) -> list[tuple[str, str, tuple]]:
+    """(input, output, shape without the batch axis) of each cache tensor in graph order: a key or value
+    [kv_heads, None, head_dim], None its sequence axis; a recurrent layer's state its fixed shape."""
+    states = states or {}
+    kv = iter(cache_shapes(config))
+    entries = []
+    for i in range(len(cache_shapes(config)) + len(states)):
+        if i in states:
+            entries += [(past, present, tuple(states[i][kind]))
+                        for kind, (past, present) in zip(states[i], _layer_names(i, states[i]))]
+        else:
+            heads, size = next(kv)
+            entries += [(past, present, (heads, None, size)) for past, present in _layer_names(i, KV)]
+    return entries
 
 
 def example_inputs(config, with_past: bool, batch: int = EXAMPLE_BATCH, seq: int = EXAMPLE_SEQ,
@@ -125,17 +146,10 @@ def example_inputs(config, with_past: bool, batch: int = EXAMPLE_BATCH, seq: int
     feeds["attention_mask"] = mask
     feeds["position_ids"] = torch.arange(past, past + seq).unsqueeze(0).repeat(batch, 1)
     if with_past:
-        states = states or {}
-        shapes = iter(cache_shapes(config))
-        for i in range(len(cache_shapes(config)) + len(states)):
-            if i in states:
-                for kind, shape in states[i].items():
-                    kind_dtype = torch.float32 if kind == "recurrent" else dtype
-                    feeds[f"past.{i}.{kind}"] = torch.randn(batch, *shape, generator=gen).to(kind_dtype)
-                continue
-            kv_heads, head_dim = next(shapes)
-            for kind in ("key", "value"):
-                feeds[f"past_key_values.{i}.{kind}"] = torch.randn(batch, kv_heads, past, head_dim, generator=gen).to(dtype)
+        for name, _, shape in cache_entries(config, states):
+            sizes = [past if size is None else size for size in shape]
+            kind_dtype = torch.float32 if name.endswith(".recurrent") else dtype
+            feeds[name] = torch.randn(batch, *sizes, generator=gen).to(kind_dtype)
     return feeds
 
 
@@ -228,13 +242,8 @@ def _declare_outputs(path: Path, model: torch.nn.Module, with_past: bool, states
     vocabulary = getattr(model.get_output_embeddings(), "out_features", None) or model.config.vocab_size
     shapes = {"logits": ["batch", "seq", vocabulary]}
     if with_past:
-        kv = iter(cache_shapes(model.config))
-        for i in range(len(cache_shapes(model.config)) + len(states)):
-            if i in states:
-                shapes.update({f"present.{i}.{kind}": ["batch", *shape] for kind, shape in states[i].items()})
-            else:
-                heads, size = next(kv)
-                shapes.update({f"present.{i}.{kind}": ["batch", heads, "total", size] for kind in ("key", "value")})
+        shapes.update({present: ["batch", *("total" if size is None else size for size in shape)]
+                       for _, present, shape in cache_entries(model.config, states)})
     for output in proto.graph.output:
         dims = output.type.tensor_type.shape.dim
         for dim, wanted in zip(dims, shapes[output.name]):

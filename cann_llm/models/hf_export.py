@@ -223,6 +223,7 @@ def _auto_tokenizer(location: str):
 def export_checkpoint(cfg: ExportConfig, log: Callable[[str], None] = lambda message: None) -> Path:
     """Load `cfg.model`, export it into `cfg.output`; returns the path of model.onnx."""
     from cann_llm.models.export import export_causal_lm
+    from cann_llm.models.recurrent_export import Unexportable
 
     output = Path(cfg.output)
     if output.exists() and not output.is_dir():
@@ -246,6 +247,8 @@ def export_checkpoint(cfg: ExportConfig, log: Callable[[str], None] = lambda mes
         try:
             export_causal_lm(loaded.model, staging / "model.onnx", dynamo=cfg.exporter == "dynamo",
                              with_past=cfg.with_past, external_data=large)
+        except Unexportable as error:  # what the other exporter would meet too
+            raise AtcError("E10055", f"{architecture} cannot be exported", reason=str(error)) from None
         except Exception as error:  # the exporters raise anything; the user gets the line that names the cause
             other = "torchscript" if cfg.exporter == "dynamo" else "dynamo"
             raise AtcError("E10055", f"the {cfg.exporter} exporter cannot export {architecture} (try --exporter "

@@ -1,10 +1,11 @@
-"""Hybrid models' recurrent layers through export: their states as cache tensors, their recurrences as onnxruntime's ops.
+"""Hybrid models' recurrent layers through export: their states as cache tensors, their recurrences as
+onnxruntime's ops.
 
-Qwen3.5, Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid interleave full attention with gated-delta-net layers, LFM2
-with short convolutions. Such a layer carries a state of fixed size from step to step instead of a growing
-cache: a convolution's last inputs (`past.{layer}.conv`, [batch, channels, kernel - 1]) and, for a gated delta net,
-its recurrent matrix (`past.{layer}.recurrent`, [batch, value heads, value size, key size]), given back as
-`present.{layer}.conv` and `.recurrent`: onnxruntime-genai's names and layouts.
+Qwen3.5 and Qwen3-Next interleave full attention with gated-delta-net layers, LFM2 with short convolutions.
+Such a layer carries a state of fixed size from step to step instead of a growing cache: a convolution's last
+inputs (`past.{layer}.conv`, [batch, channels, kernel - 1]) and, for a gated delta net, its recurrent matrix
+(`past.{layer}.recurrent`, [batch, value heads, value size, key size]), given back as `present.{layer}.conv`
+and `.recurrent`: onnxruntime-genai's names and layouts.
 
 Transformers computes the gated delta rule in chunks of 64 tokens with a Python loop over the chunks, which
 torch.export writes out for the traced length: its export fails past 64 tokens, and TorchScript cannot export
@@ -16,15 +17,30 @@ packed batch of sequences (cu_seqlens) the paged engine runs.
 
 from __future__ import annotations
 
+import functools
 import sys
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
-# transformers' own rule, taken before any export swaps the modules' copies of it for `_rule`
-from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule as _transformers_rule
+
+from cann_llm.runtime.signature import STATE_NAME
 
 # the layer types transformers gives a state of fixed size instead of keys and values
 RECURRENT_TYPES = ("conv", "linear_attention")
+
+
+class Unexportable(NotImplementedError):
+    """A model neither exporter can export here (the other exporter would meet the same)."""
+
+
+@functools.cache
+def _transformers_rule():
+    """transformers' own chunked rule, read (and kept) before any export swaps the modules' copies of it for
+    `_rule`; imported on first use, so exporting a model of another family needs no transformers that has it."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    return torch_chunk_gated_delta_rule
 
 
 @torch.library.custom_op("cann_export::gated_delta_rule", mutates_args=())
@@ -33,8 +49,8 @@ def gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """The gated delta rule over [batch, seq, heads, size] query/key/value from `state` [batch, value heads,
     value size, key size]: the output and the final state, as onnxruntime's GatedDeltaNet computes them
     (transformers' own chunked rule, its state transposed to the op's value-major form)."""
-    out, final = _transformers_rule(query, key, value, g=decay, beta=beta, initial_state=state.transpose(-1, -2),
-                                    output_final_state=True)
+    out, final = _transformers_rule()(query, key, value, g=decay, beta=beta, initial_state=state.transpose(-1, -2),
+                                      output_final_state=True)
     return out.to(value.dtype), final.transpose(-1, -2).contiguous()
 
 
@@ -149,7 +165,7 @@ def _rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_
     arguments and results), the state kept value-major: the cache only stores what this returns.
 
     The queries' and keys' L2 norm stays in the graph, in transformers' form: onnxruntime's own (`qk_l2_norm`)
-    differs on vectors as short as a small model's (up to 1% of the layer's output)."""
+    differs from it on short vectors (by 2e-3 in a tiny model's logits)."""
     del chunk_size, kwargs
     if use_qk_l2norm_in_kernel:
         query, key = (x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6) for x in (query.float(), key.float()))
@@ -172,27 +188,36 @@ def state_shapes(model: torch.nn.Module) -> dict[int, dict[str, tuple[int, ...]]
     layers = recurrent_layers(model.config)
     if not layers:
         return {}
+    if len(layers) == len(model.config.layer_types):
+        raise Unexportable(f"{type(model).__name__} has no attention layer, and transformers' cache sizes its "
+                           f"masks by one (its own generate fails the same way)")
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    with torch.no_grad(), routed_through_onnxruntime(model):
+    with torch.no_grad(), routed_through_onnxruntime(model) as routed:
         model(input_ids=torch.zeros(1, 2, dtype=torch.long), use_cache=True,
               **{cache_argument(model): cache})
     shapes = {}
     for index in layers:
         layer = cache.layers[index]
         found = {}
-        if layer.is_conv_states_initialized[0]:
-            found["conv"] = tuple(layer.conv_states[0].shape[1:])
+        if getattr(layer, "number_of_states", 1) != 1 or index not in routed.convolutions:
+            raise Unexportable(f"layer {index} ({layers[index]}) of {type(model).__name__} is not one "
+                                      f"causal convolution with one state, as Qwen3.5's and LFM2's are")
+        found["conv"] = tuple(layer.conv_states[0].shape[1:])
         if layer.is_recurrent_states_initialized[0]:
             found["recurrent"] = tuple(layer.recurrent_states[0].shape[1:])
         shapes[index] = found
+    if routed.rules != sum("recurrent" in found for found in shapes.values()):
+        raise Unexportable(f"the recurrence of {type(model).__name__}'s {', '.join(set(layers.values()))} "
+                                  f"layers is not transformers' gated delta rule (Qwen3.5's), which the export "
+                                  f"writes as onnxruntime's GatedDeltaNet (a Mamba scan is not)")
     return shapes
 
 
 def is_state(name: str) -> bool:
     """Whether graph input or output `name` is a recurrent state (`past.{i}.conv`, `present.{i}.recurrent`)."""
-    return name.startswith(("past.", "present.")) and name.endswith((".conv", ".recurrent"))
+    return bool(STATE_NAME.match(name.replace("present.", "past.", 1)))
 
 
 def cache_argument(model: torch.nn.Module) -> str:
@@ -227,21 +252,41 @@ def read_states(cache, shapes: dict[int, dict[str, tuple[int, ...]]]) -> dict[in
                     for kind in kinds} for index, kinds in shapes.items()}
 
 
+@dataclass
+class Routed:
+    """What ran through the replacements in a `routed_through_onnxruntime` block."""
+
+    rules: int = 0  # calls of the gated delta rule
+    convolutions: set[int] = field(default_factory=set)  # the layers whose convolution ran
+
+
 @contextmanager
 def routed_through_onnxruntime(model: torch.nn.Module):
     """Within the block, a hybrid's gated delta rule (chunked and token by token) is `gated_delta_rule` and its
     causal convolutions `causal_conv`, which export as onnxruntime's GatedDeltaNet and CausalConvWithState;
-    a model without recurrent layers is left as it is."""
-    replaced = {"torch_chunk_gated_delta_rule": _rule, "torch_recurrent_gated_delta_rule": _rule,
-                "causal_conv1d_forward": _conv_forward}
+    a model without recurrent layers is left as it is. Yields a `Routed` that counts what went through."""
+    routed = Routed()
+
+    def rule(*args, **kwargs):
+        routed.rules += 1
+        return _rule(*args, **kwargs)
+
+    def convolution(conv1d, hidden_states, cache, layer_idx, *args, **kwargs):
+        routed.convolutions.add(layer_idx)
+        return _conv_forward(conv1d, hidden_states, cache, layer_idx, *args, **kwargs)
+
+    replaced = {"torch_chunk_gated_delta_rule": rule, "torch_recurrent_gated_delta_rule": rule,
+                "causal_conv1d_forward": convolution}
     modules = {sys.modules[type(module).__module__] for module in model.modules()} \
         if recurrent_layers(model.config) else set()
     patched = [(module, name, getattr(module, name)) for module in modules for name in replaced
                if hasattr(module, name)]
+    if any(name == "torch_chunk_gated_delta_rule" for _, name, _ in patched):
+        _transformers_rule()  # read before the swap
     for module, name, _ in patched:
         setattr(module, name, replaced[name])
     try:
-        yield
+        yield routed
     finally:
         for module, name, original in patched:
             setattr(module, name, original)

@@ -27,7 +27,7 @@ from cann_llm.passes.base import PassResult
 from cann_llm.passes.infer_shapes import InferShapes
 from cann_llm.passes.pattern import const_ints
 from cann_llm.passes.rotary_tables import NodeBuilder
-from cann_llm.runtime.lowering import MICROSOFT_DOMAIN
+from cann_llm.runtime.ops import MICROSOFT_DOMAIN
 
 
 def _swapped(build: NodeBuilder, tensor: gs.Tensor) -> gs.Tensor | None:

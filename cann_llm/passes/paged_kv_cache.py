@@ -55,9 +55,9 @@ class PagedKvCache:
                 # artifact takes, read by the attention's metadata alone
                 graph.inputs.append(gs.Variable("position_ids", dtype=np.int64, shape=[1, "num_tokens"]))
             inputs = {t.name: t for t in graph.inputs}
+        refuse_unpackable(graph)
         recurrent = has_recurrent_states(graph)
         if recurrent:  # a hybrid: its recurrent layers' padding products go before the checks read the mask
-            refuse_unpackable(graph)
             drop_padding_products(graph)
         self._check(graph, attentions)
         metadata = {m.slot: gs.Variable(m.name, dtype=m.dtype, shape=list(m.shape)) for m in PAGED_METADATA}

@@ -21,12 +21,11 @@ import onnx_graphsurgeon as gs
 
 from cann_llm.passes.graph_utils import replace_all_uses
 from cann_llm.runtime.errors import AtcError
-from cann_llm.runtime.ops import (CAUSAL_CONV_WITH_STATE, GATED_DELTA_NET, VARLEN_CAUSAL_CONV_WITH_STATE,
-                                  CausalConvInput, GatedDeltaNetInput, StateOutput, VarlenCausalConvInput, input_at,
-                                  positional)
+from cann_llm.runtime.ops import (CAUSAL_CONV_WITH_STATE, GATED_DELTA_NET, MICROSOFT_DOMAIN,
+                                  VARLEN_CAUSAL_CONV_WITH_STATE, CausalConvInput, GatedDeltaNetInput, StateOutput,
+                                  VarlenCausalConvInput, input_at, positional)
 from cann_llm.runtime.signature import STATE_NAME
 
-MICROSOFT_DOMAIN = "com.microsoft"
 # what may stand between attention_mask and the product that zeroes a recurrent layer's padded tokens
 _MASK_STEPS = ("Slice", "Unsqueeze", "Cast", "Reshape", "Squeeze")
 _RECURRENT_OPS = (GATED_DELTA_NET.name, CAUSAL_CONV_WITH_STATE.name)
@@ -142,11 +141,23 @@ def _pack_convolution(graph: gs.Graph, node: gs.Node, cu_seqlens: gs.Variable) -
 
 
 def refuse_unpackable(graph: gs.Graph) -> None:
-    """A state input whose layer has no op this module packs (a convolution the export wrote as Concat, Conv
-    and Slice: an export not made by cann-run export) is refused with E10055."""
-    readers = {id(t) for n in graph.nodes if n.domain == MICROSOFT_DOMAIN and n.op in _RECURRENT_OPS for t in n.inputs}
+    """E10055 for a recurrence the paged engine cannot run per sequence: a state that only plain ops read (a
+    convolution written as Concat, Conv and Slice, from an export not made by cann-run export), a recurrent op
+    whose state is no graph input, or a convolution over the tokens with no state at all (a hybrid exported
+    without its cache): over a flattened batch it would mix the sequences."""
+    remedy = "export the model with cann-run export (its states as cache tensors), or compile with " \
+             "--enable_paged_attention=0"
+    recurrent = [n for n in graph.nodes if n.domain == MICROSOFT_DOMAIN and n.op in _RECURRENT_OPS]
+    readers = {id(t) for n in recurrent for t in n.inputs}
     loose = sorted(t.name for t in graph.inputs if STATE_NAME.match(t.name) and id(t) not in readers)
     if loose:
         raise AtcError("E10055", f"{', '.join(loose)} feed ops other than onnxruntime's GatedDeltaNet and "
-                                 f"CausalConvWithState, which the paged engine runs per sequence: export the "
-                                 f"model with cann-run export, or compile with --enable_paged_attention=0")
+                                 f"CausalConvWithState, which the paged engine runs per sequence: {remedy}")
+    states = {id(t) for t in graph.inputs if STATE_NAME.match(t.name)}
+    slots = {GATED_DELTA_NET.name: GatedDeltaNetInput.INITIAL_STATE, CAUSAL_CONV_WITH_STATE.name: CausalConvInput.PAST_STATE}
+    stateless = [n.name for n in recurrent if id(input_at(n.inputs, slots[n.op])) not in states]
+    stateless += [n.name for n in graph.nodes if n.op == "Conv"]
+    if stateless:
+        raise AtcError("E10055", f"{stateless[0]} runs a recurrence over the tokens without a state the engine "
+                                 f"carries per sequence, and over a flattened batch it would mix the sequences: "
+                                 f"{remedy}")

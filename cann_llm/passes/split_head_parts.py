@@ -1,11 +1,12 @@
-"""HeadPartsSplitPass: a projection whose heads each carry several parts side by side, reordered into blocks.
+"""HeadPartsSplitPass: a projection whose heads each carry their query and an output gate, cut per part.
 
 Qwen3.5's and Qwen3-Next's q_proj gives each head its query and its output gate, [q | g], and the exporters
-write `Reshape(x·W, [B, S, -1, 2·D])` then a Split of the last axis into the two parts, before any head
+write `Reshape(x·W, [B, S, -1, 2·D])` then a Split of the last axis into two halves, before any head
 transpose. AttentionFusionPass reads queries reshaped into heads straight from a projection; the pass gives
 each part a projection of its own, W's columns (and the bias) of that part, reshaped into [B, S, H, D]: the
 query's then one QkvFusionPass packs with the key's and the value's. The same values, the weights cut once
-at compile time.
+at compile time. Only such halves are taken: a projection cut into more parts (CodeGen's q/v/k shards,
+Qwen3-Next's in_proj_qkvz) is another pass's spelling or no attention's, and stays one MatMul.
 """
 
 from __future__ import annotations
@@ -30,8 +31,19 @@ class HeadParts:
     name: str
 
 
+def _sizes(split: gs.Node, width: int) -> list[int] | None:
+    """The parts' widths: the `split` input (opset 13 on) or attribute (before), equal parts without either;
+    None when they are computed at run time."""
+    if len(split.inputs) > 1 and split.inputs[1].name:
+        return const_ints(split.inputs[1])
+    if "split" in split.attrs:
+        return [int(size) for size in split.attrs["split"]]
+    count = len(split.outputs)
+    return [width // count] * count if width % count == 0 else None
+
+
 class SplitHeadParts(FusionPass):
-    """Reorder a projection whose heads are [part | part ...] into one block a part."""
+    """Cut a projection whose heads are [query | gate] into one projection a half."""
 
     name = "HeadPartsSplitPass"
     anchor = "Split"
@@ -45,12 +57,10 @@ class SplitHeadParts(FusionPass):
         heads, width = heads4.shape[2], heads4.shape[3]
         if split.attrs.get("axis", 0) not in (3, -1):
             return "not a split of each head's features"
-        given = const_ints(split.inputs[1]) if len(split.inputs) > 1 and split.inputs[1].name else None
-        count = len(split.outputs)
-        sizes = given if given is not None else ([width // count] * count if width % count == 0 else None)
-        if count < 2 or sizes is None or sum(sizes) != width \
+        sizes = _sizes(split, width)
+        if sizes is None or len(sizes) != 2 or sizes[0] != sizes[1] or sum(sizes) != width \
                 or any(is_graph_output(graph, t) for t in split.outputs):
-            return "each head's features are not cut into constant parts"
+            return "each head's features are not cut into two constant halves"
         found = packed_projection(reshape.inputs[0], heads * width)
         if isinstance(found, str):
             return found

@@ -16,6 +16,7 @@ import onnx_graphsurgeon as gs
 from cann_llm.passes.base import PassResult
 from cann_llm.passes.decoder_layers import norm_above, residual_entering
 from cann_llm.passes.graph_utils import lm_head, replace_all_uses
+from cann_llm.passes.paged_recurrent import has_recurrent_states
 from cann_llm.runtime.errors import AtcError
 from cann_llm.runtime.ops import FUSED_ATTENTION, FusedAttentionInput
 
@@ -36,6 +37,8 @@ class TruncateLayers:
         attentions = [n for n in graph.nodes if n.op == FUSED_ATTENTION.name]
         if not attentions:
             raise _refused("no attention fused, so the decoder's layers cannot be found")
+        if has_recurrent_states(graph):
+            raise _refused("its layers are found by their attention, and a hybrid's recurrent layers have none")
         if self.keep >= len(attentions):
             raise AtcError("E10001", self.keep, "--keep_layers",
                            f"The model has {len(attentions)} layers; keep fewer than that.")

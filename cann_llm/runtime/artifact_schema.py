@@ -129,7 +129,7 @@ METADATA = Obj(
                         optional={"page_size": Int(*PAGE_SIZE_RANGE)}),
         "name": Of(str), "atc_version": Of(str), "soc_version": Of(str), "framework_type": Int(0, 255),
         "cmdline": Of(str), "config": Of(dict), "is_dynamic": Of(bool), "source": Of(dict), "pass_report": Of(dict),
-        "requires": Obj(optional={"runtime": Of(str), "soc_family": Of(str),
+        "requires": Obj(optional={"runtime": Of(str), "soc_family": Of(str), "onnxruntime": Of(str),
                                   "isa": Obj(optional={"required": _FEATURE_GROUPS, "preferred": _FEATURE_GROUPS})}),
         "weights": Obj(required={"matmuls": ListOf(Obj(required={**_WEIGHT_FORMAT[0], "count": Int(0)},
                                                         optional=_WEIGHT_FORMAT[1]))},
@@ -139,6 +139,7 @@ METADATA = Obj(
             "num_kv_heads": _HEADS, "head_dim": Int(1, MAX_HEAD_DIM), "family": Of((str, type(None))),
             "detected_family": Of((str, type(None))), "max_positions": Int(1), "rotary_switch_length": Int(1),
             "layer_kv": ListOf(ListOf(Int(1, MAX_HEAD_DIM), most=2), most=MAX_HEADS),
+            "recurrent_layers": Int(1, MAX_HEADS),
         }),
     },
 )

@@ -2,7 +2,8 @@
 features its kernels use.
 
 The compiler records `requires` in the metadata (`requirements`): the oldest runtime that reads what it
-wrote, the `--soc_version` profile (informational: every profile runs on the host CPU, its settings are
+wrote, the oldest onnxruntime whose contrib ops it runs where that is newer than the package's floor (a
+hybrid's recurrent ops), the `--soc_version` profile (informational: every profile runs on the host CPU, its settings are
 already in the graph and the KV cache section), and per CPU architecture the features its graph needs
 (`required`) and those its kernels are fast with (`preferred`), each a list of groups of which one feature
 must be present. CPU features are named as Linux names them in /proc/cpuinfo (`avx2`, `avx512_vnni`,
@@ -34,12 +35,12 @@ _FLOAT = {"x86_64": [["avx2"], ["fma"]], "aarch64": [["asimd"]]}
 _FLOAT28 = {"x86_64": [["avx512vbmi"]], "aarch64": []}
 
 
-def requirements(soc_family: str, int8_activations: bool, float28: bool = False) -> dict:
+def requirements(soc_family: str, int8_activations: bool, float28: bool = False, onnxruntime: str | None = None) -> dict:
     """The `requires` section for an artifact of `soc_family` whose matmuls do (or not) take int8 activations
-    and read float32 weights in 28 bits."""
+    and read float32 weights in 28 bits, and which needs `onnxruntime` or newer (its contrib ops) if given."""
     preferred = {arch: [*groups, *([_INT8_DOT[arch]] if int8_activations else []), *(_FLOAT28[arch] if float28 else [])]
                  for arch, groups in _FLOAT.items()}
-    return {"runtime": OLDEST_READER, "soc_family": soc_family,
+    return {"runtime": OLDEST_READER, "soc_family": soc_family, **({"onnxruntime": onnxruntime} if onnxruntime else {}),
             "isa": {"required": {arch: [] for arch in _FLOAT}, "preferred": preferred}}
 
 
@@ -50,6 +51,12 @@ def check(metadata: dict, path: str) -> None:
         return
     if _version(needs.get("runtime", "0")) > _version(RUNTIME_VERSION):
         raise AtcError("E13016", path, f"it needs runtime {needs['runtime']} or newer; this is {RUNTIME_VERSION}")
+    if "onnxruntime" in needs:
+        import onnxruntime
+
+        if _version(needs["onnxruntime"]) > _version(onnxruntime.__version__):
+            raise AtcError("E13016", path, f"its ops need onnxruntime {needs['onnxruntime']} or newer; this is "
+                                           f"{onnxruntime.__version__} (pip install -U onnxruntime)")
     arch, have = host_arch(), cpu_features()
     isa = needs.get("isa", {})
     missing = _missing(isa.get("required", {}).get(arch, []), have)

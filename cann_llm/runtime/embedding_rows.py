@@ -43,7 +43,9 @@ class TableRows:
     def __post_init__(self):
         # the file as it was opened: one rewritten in place later is not read half old, half new
         self._descriptor = os.open(self.path, os.O_RDONLY)
-        weakref.finalize(self, os.close, self._descriptor)
+        # closed when collected, not at exit: an engine's worker may still read rows then (engine.py closes the
+        # engines at exit first), and the process's end closes the file anyway
+        weakref.finalize(self, os.close, self._descriptor).atexit = False
         self._row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
 
     def __call__(self, ids: np.ndarray, what: str = "ids") -> np.ndarray:
@@ -83,7 +85,7 @@ class PackedColumns:
         except ValueError as error:
             raise AtcError("E13015", self.path, f"{self.name}: {error}") from None
         self._descriptor = os.open(self.path, os.O_RDONLY)
-        weakref.finalize(self, os.close, self._descriptor)
+        weakref.finalize(self, os.close, self._descriptor).atexit = False  # as above
         self._panel_bytes = self.K * float28.GROUP_BYTES
 
     def __call__(self, ids: np.ndarray, what: str = "ids") -> np.ndarray:

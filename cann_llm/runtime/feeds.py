@@ -136,11 +136,10 @@ def causal_lm_inputs(signature: dict, dims: dict, ids: np.ndarray, past: int = 0
     if "position_ids" in names:
         positions = np.arange(past, past + seq, dtype=np.dtype(names["position_ids"]["dtype"]))
         feeds["position_ids"] = np.broadcast_to(positions, (batch, seq)).copy()
+    feeds.update(zero_states(signature, batch))
     for name, value in names.items():
         dtype = np.dtype(value["dtype"])
-        if STATE_NAME.match(name):  # a recurrent layer's state, zeros before the first token
-            feeds[name] = np.zeros((batch, *value["shape"][1:]), dtype)
-        elif PAST_NAME.match(name) and dims.get("kv_cache_io"):
+        if PAST_NAME.match(name) and dims.get("kv_cache_io"):
             # each input's own static sizes where it has them: layers may differ (Gemma 4)
             declared = value["shape"]
             heads, size = (d if isinstance(d, int) else default for d, default in
@@ -165,10 +164,15 @@ def _paged_inputs(signature: dict, ids: np.ndarray, past: int, page_size: int) -
         feeds["logits_indices"] = np.arange(1, batch + 1, dtype=np.int64) * seq - 1
     if LAST_POSITIONS in names:  # every row's sequence ends at its last position
         feeds[LAST_POSITIONS] = np.full((1, batch * seq), context - 1, np.int64)
-    for value in signature["inputs"]:  # a hybrid's recurrent states: each sequence's, zeros
-        if STATE_NAME.match(value["name"]):
-            feeds[value["name"]] = np.zeros((batch, *value["shape"][1:]), np.dtype(value["dtype"]))
+    feeds.update(zero_states(signature, batch))
     return feeds
+
+
+def zero_states(signature: dict, batch: int) -> dict[str, np.ndarray]:
+    """A hybrid's recurrent states (`past.N.conv|recurrent`) before the first token, for `batch` sequences:
+    zeros (nothing for a model without them)."""
+    return {value["name"]: np.zeros((batch, *value["shape"][1:]), np.dtype(value["dtype"]))
+            for value in signature["inputs"] if STATE_NAME.match(value["name"])}
 
 
 def page_pool(metadata: dict, feeds: dict[str, np.ndarray]) -> PagePool:

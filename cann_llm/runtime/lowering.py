@@ -16,6 +16,7 @@ from onnx import helper, numpy_helper
 from cann_llm.runtime.ops import (
     ADD_RMS_NORM,
     CUSTOM_DOMAIN,
+    MICROSOFT_DOMAIN,
     FUSED_ATTENTION,
     GATHER_INT4,
     MATMUL_INT4,
@@ -35,7 +36,6 @@ from cann_llm.runtime.ops import (
     attributes,
 )
 
-MICROSOFT_DOMAIN = "com.microsoft"
 
 
 def _rms_norm(node: onnx.NodeProto, opset: int) -> list[onnx.NodeProto]:

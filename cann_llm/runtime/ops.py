@@ -17,6 +17,7 @@ import onnx
 from onnx import helper
 
 CUSTOM_DOMAIN = "cann"
+MICROSOFT_DOMAIN = "com.microsoft"  # onnxruntime's contrib ops
 
 
 class RmsNormInput(IntEnum):
@@ -196,6 +197,9 @@ CAUSAL_CONV_WITH_STATE = Op("CausalConvWithState", CausalConvInput, StateOutput,
     "activation": "none", "dilation": 1, "channels_last": 0, "ndim": 1})
 VARLEN_CAUSAL_CONV_WITH_STATE = Op("VarlenCausalConvWithState", VarlenCausalConvInput, StateOutput, defaults={
     "activation": "none", "dilation": 1})
+RECURRENT_CONTRIB_OPS = (GATED_DELTA_NET.name, CAUSAL_CONV_WITH_STATE.name, VARLEN_CAUSAL_CONV_WITH_STATE.name)
+# the oldest onnxruntime these were tested with: their CPU kernels are recent, newer than the package's floor
+RECURRENT_ONNXRUNTIME = "1.32"
 
 OPS: dict[str, Op] = {op.name: op for op in (RMS_NORM, ADD_RMS_NORM, SWIGLU, MOE, FUSED_ATTENTION, PAGED_ATTENTION,
                                              MATMUL_INT4, MATMUL_INT8, GATHER_INT4, MATMUL_F28,

@@ -12,7 +12,7 @@ import numpy as np
 
 from cann_llm.runtime.engine.kv_cache import PagePool
 from cann_llm.runtime.executor import Executor
-from cann_llm.runtime.feeds import causal_lm_inputs
+from cann_llm.runtime.feeds import causal_lm_inputs, zero_states
 from cann_llm.runtime.ops import LAST_POSITIONS, paged_metadata_feeds
 from cann_llm.runtime.progress import Progress
 
@@ -43,7 +43,8 @@ def _window_logits(executor: Executor, signature: dict, dims: dict, ids: list[in
     pool = PagePool.of(dims, pages, page_size)
     rows = np.arange(count, dtype=np.int64)
     feeds = {"input_ids": np.asarray([ids], np.int64), "position_ids": rows[None],
-             **paged_metadata_feeds([0, count], [count], np.arange(pages)[None], rows), "logits_indices": rows}
+             **paged_metadata_feeds([0, count], [count], np.arange(pages)[None], rows), "logits_indices": rows,
+             **zero_states(signature, 1)}
     if LAST_POSITIONS in executor.loaded.input_names:  # the window is one sequence, `count` long
         feeds[LAST_POSITIONS] = np.full((1, count), count - 1, np.int64)
     return executor.run(feeds, ["logits"], kv_cache=pool)["logits"]

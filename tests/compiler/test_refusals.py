@@ -185,3 +185,22 @@ def test_a_constant_subgraph_onnxruntime_cannot_evaluate_is_left_unfolded_and_re
     assert result.effect_times == 0
     assert len(result.rejections) == 1
     assert result.rejections[0].startswith("the constant subgraph: onnxruntime cannot evaluate it: ")
+
+
+def test_shapes_that_contradict_each_other_once_followed_are_refused_naming_the_node(capsys, tmp_path):
+    """x [B, 3] plus z reshaped to [B, 4] by a target computed from x's shape: only following that computation
+    shows the contradiction, which onnxruntime meets at load; atc refuses at compile and writes nothing."""
+    height = helper.make_node("Gather", ["shape", "zero"], ["rows"], axis=0)
+    nodes = [helper.make_node("Shape", ["x"], ["shape"]), height,
+             helper.make_node("Concat", ["rows", "four"], ["target"], axis=0),
+             helper.make_node("Reshape", ["z", "target"], ["wide"]),
+             helper.make_node("Add", ["x", "wide"], ["y"], name="the_add")]
+    model = _model(nodes, [vi("x", TensorProto.FLOAT, ["b", 3]), vi("z", TensorProto.FLOAT, ["b", 4])],
+                   [vi("y", TensorProto.FLOAT, ["b", 3])],
+                   [numpy_helper.from_array(np.array([0], np.int64), "zero"),
+                    numpy_helper.from_array(np.array([4], np.int64), "four")])
+    onnx.save(model, tmp_path / "model.onnx")
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.Fail):
+        ort.InferenceSession(str(tmp_path / "model.onnx"))
+    out = _refused(capsys, tmp_path, model)
+    assert "node name: the_add" in out and "Incompatible dimensions" in out

@@ -1,5 +1,6 @@
-"""The hybrid part of paging on scripted graphs: a state no packable op reads is refused by name, and a
-product by the tokens' padding flags becomes its other operand."""
+"""The hybrid part of paging on scripted graphs: a state no packable op reads, a recurrence with no state the
+engine carries and a convolution over the tokens are refused by name, and a product by the tokens' padding
+flags becomes its other operand."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from cann_llm.passes.paged_recurrent import drop_padding_products, refuse_unpackable
 from cann_llm.runtime.errors import AtcError
+from cann_llm.runtime.engine.trial_step import check_generator
 
 pytestmark = pytest.mark.unit
 
@@ -22,6 +24,36 @@ def test_a_state_read_by_plain_ops_is_refused_by_name():
                      inputs=[state, x], outputs=[joined])
     with pytest.raises(AtcError) as refused:
         refuse_unpackable(graph)
+    assert refused.value.code == "E10055" and "past.0.conv" in str(refused.value)
+
+
+@pytest.mark.parametrize("stateless", ["conv", "constant state"])
+def test_a_recurrence_without_a_carried_state_is_refused_by_name(stateless):
+    """A hybrid exported without its cache: its convolution (a plain Conv), or onnxruntime's op fed a state
+    that is no graph input, would mix the sequences of a flattened batch."""
+    x = gs.Variable("x", np.float32, ["batch", 8, "seq"])
+    out = gs.Variable("out", np.float32, ["batch", 8, "seq"])
+    weight = gs.Constant("weight", np.ones((8, 1, 4), np.float32))
+    if stateless == "conv":
+        node = gs.Node("Conv", "the_conv", {"group": 8, "pads": [3, 0]}, inputs=[x, weight], outputs=[out])
+    else:
+        zeros = gs.Constant("zeros", np.zeros((1, 8, 3), np.float32))
+        node = gs.Node("CausalConvWithState", "the_conv", domain="com.microsoft", inputs=[x, weight, gs.Variable.empty(),
+                       zeros], outputs=[out, gs.Variable("state_out", np.float32, [1, 8, 3])])
+    graph = gs.Graph(nodes=[node], inputs=[x], outputs=[out])
+    with pytest.raises(AtcError) as refused:
+        refuse_unpackable(graph)
+    assert refused.value.code == "E10055" and "the_conv" in str(refused.value)
+
+
+def test_a_state_of_sizes_left_open_is_refused_at_load():
+    """The engine makes each sequence's first state from the state input's sizes past the batch."""
+    signature = {"inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]},
+                            {"name": "past.0.conv", "dtype": "float32", "shape": ["batch", "channels", 3]}],
+                 "outputs": [{"name": "logits", "dtype": "float32", "shape": ["batch", "seq", 16]},
+                             {"name": "present.0.conv", "dtype": "float32", "shape": ["batch", "channels", 3]}]}
+    with pytest.raises(AtcError) as refused:
+        check_generator({"signature": signature}, "m.om")
     assert refused.value.code == "E10055" and "past.0.conv" in str(refused.value)
 
 

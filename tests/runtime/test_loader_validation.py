@@ -377,6 +377,10 @@ def test_features_this_cpu_lacks_refuse_the_artifact_naming_them(int4_om, tmp_pa
 def test_a_newer_runtime_needed_refuses_and_a_missing_preference_warns(int4_om, tmp_path, caplog):
     from cann_llm.runtime.compatibility import cpu_features, host_arch
 
+    # a hybrid's artifact records the onnxruntime its recurrent ops need (tests/test_hybrid_models.py)
+    ops_newer = _rewrite(int4_om, tmp_path / "ops_newer.om", _set_metadata(("requires", "onnxruntime"), "99.0"))
+    with pytest.raises(AtcError, match="E13016.*its ops need onnxruntime 99.0 or newer"):
+        load_artifact(ops_newer)
     newer = _rewrite(int4_om, tmp_path / "newer.om", _set_metadata(("requires", "runtime"), "99.0.0"))
     with pytest.raises(AtcError, match="E13016.*needs runtime 99.0.0 or newer"):
         load_artifact(newer)

@@ -52,6 +52,9 @@ class DraftModelProposer:
         if not loaded.paged:
             raise invalid_value(path, "draft_model",
                                 "The draft model must be compiled with a paged KV cache (atc --enable_paged_attention=1).")
+        if loaded.metadata["model"].get("recurrent_layers"):
+            raise invalid_value(path, "draft_model", "The draft model carries recurrent states (a hybrid's), which "
+                                "hold every token they took in and cannot give back the drafts the target rejects.")
         if int(loaded.metadata["model"]["vocab_size"]) != vocab_size:
             raise invalid_value(path, "draft_model", f"The draft model's vocabulary has "
                                 f"{loaded.metadata['model']['vocab_size']} tokens, the target's {vocab_size}: a "

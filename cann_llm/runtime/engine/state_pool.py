@@ -30,16 +30,19 @@ class StatePool:
     def feeds(self, seqs) -> dict[str, np.ndarray]:
         """The step's state inputs for `seqs`, in order: zeros for a sequence computed from its first token."""
         for seq in seqs:
-            if seq.num_computed == 0 or seq.seq_id not in self._held:
+            if seq.num_computed == 0:
                 self._held[seq.seq_id] = {name: np.zeros(shape, dtype) for name, (shape, dtype) in self.rows.items()}
+            elif seq.seq_id not in self._held:  # its tokens so far are in no state: it would go on from nothing
+                raise RuntimeError(f"sequence {seq.seq_id} has {seq.num_computed} tokens computed and no state held")
         return {name: np.stack([self._held[seq.seq_id][name] for seq in seqs]) for name in self.rows}
 
     def keep(self, seqs, outputs: dict[str, np.ndarray]) -> None:
-        """Take each sequence's new states from the step's `outputs` (rows in the order of `seqs`)."""
+        """Take each sequence's new states from the step's `outputs` (rows in the order of `seqs`): copies, so
+        no sequence's state holds on to a whole step's output."""
         for name, present in zip(self.rows, self.presents):
             rows = outputs[present]
             for index, seq in enumerate(seqs):
-                self._held[seq.seq_id][name] = rows[index]
+                self._held[seq.seq_id][name] = rows[index].copy()
 
     def release(self, seq_id: int) -> None:
         self._held.pop(seq_id, None)

@@ -14,7 +14,8 @@ from cann_llm.runtime.engine.sequence import Sequence
 from cann_llm.runtime.errors import AtcError
 from cann_llm.runtime.executor import ORT_FAILURES, FeedMismatch
 from cann_llm.runtime.kernels.paged_attention import PagedInputError
-from cann_llm.runtime.signature import CONTIGUOUS_INPUTS, PAST_NAME, fixed_token_shape, is_carried, present_name
+from cann_llm.runtime.signature import (CONTIGUOUS_INPUTS, PAST_NAME, STATE_NAME, fixed_token_shape, is_carried, is_fixed,
+                                       present_name)
 
 PROMPT = [0, 1]
 
@@ -34,6 +35,11 @@ def check_generator(metadata: dict, path: str) -> None:
                                  f"logits output, and has inputs {sorted(inputs)} and outputs {sorted(outputs)}")
     if (metadata.get("kv_cache") or {}).get("layout") != "paged":  # a paged artifact's inputs are the compiler's
         _check_contiguous_io(metadata["signature"], path)
+    unsized = [name for name, shape in inputs.items() if STATE_NAME.match(name) and not is_fixed(shape[1:])]
+    if unsized:
+        raise AtcError("E10055", f"{path} takes the recurrent state {unsized[0]} without fixing its sizes past the "
+                                 f"batch, and the engine makes each sequence's first state from them; export it "
+                                 f"again with those axes static (only the batch dynamic)")
     shape = fixed_token_shape(metadata["signature"])
     if shape:
         if "input_ids" in (metadata.get("shape_contract") or {}).get("input_shape", {}):

@@ -18,10 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from cann_llm.runtime.kernels import register_kernel
-from cann_llm.runtime.ops import CAUSAL_CONV_WITH_STATE, GATED_DELTA_NET, VARLEN_CAUSAL_CONV_WITH_STATE
-
-MICROSOFT_DOMAIN = "com.microsoft"
-
+from cann_llm.runtime.ops import (CAUSAL_CONV_WITH_STATE, GATED_DELTA_NET, MICROSOFT_DOMAIN,
+                                  VARLEN_CAUSAL_CONV_WITH_STATE)
 
 def _sequences(query: np.ndarray, cu_seqlens: np.ndarray | None) -> list[tuple[int, slice]]:
     """(state row, token slice) of each sequence: a row of the rank-4 [batch, seq, ...] form each, or the

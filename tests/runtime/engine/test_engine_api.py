@@ -64,14 +64,15 @@ def test_an_async_reader_whose_loop_closed_leaves_the_engine_working(engine):
 
 
 @contextmanager
-def _held_once_tokens_are_out(engine: LLMEngine):
-    """Within it, each step that finds every sequence with a token waits until the gate it yields opens
-    (opened, and the runner put back, on leaving): what a test does meanwhile happens while the requests are
-    in flight, however fast the tiny model is."""
+def _held_once_tokens_are_out(engine: LLMEngine, sequences: int = 1):
+    """Within it, each step that finds at least `sequences` sequences, every one with a token, waits until the
+    gate it yields opens (opened, and the runner put back, on leaving): what a test does meanwhile happens
+    while the requests are in flight, however fast the tiny model is. A test that waits for several requests
+    to have tokens names their number, or the first one's step would hold the others back."""
     gate, run = threading.Event(), engine.runner.run
 
     def held(batch):
-        if all(seq.output_ids for seq in batch.seqs):
+        if len(batch.seqs) >= sequences and all(seq.output_ids for seq in batch.seqs):
             gate.wait(timeout=60)
         return run(batch)
 
@@ -295,7 +296,7 @@ def test_a_call_waiting_while_the_engine_closes_raises_engine_closed(om):
             outcomes[name] = error
 
     long = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
-    with _held_once_tokens_are_out(engine) as gate:
+    with _held_once_tokens_are_out(engine, sequences=3) as gate:
         stream = engine.stream([6] * 10, **long)
         waiting = [threading.Thread(target=wait, args=("generate", lambda: engine.generate([5] * 10, **long))),
                    threading.Thread(target=wait, args=("stream", lambda: "".join(stream))),
