@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from cann_llm.models.recurrent_export import (cache_argument, dynamo_translations, is_state, load_states, read_states,
+from cann_llm.models.recurrent_export import (cache_argument, dynamo_translations, load_states, read_states,
                                               recurrent_layers, register_torchscript_symbolic,
                                               routed_through_onnxruntime, state_shapes)
+from cann_llm.runtime.signature import is_state
 
 EXAMPLE_BATCH = 2
 EXAMPLE_SEQ = 5

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cann_llm.runtime.signature import STATE_NAME
 
 # the layer types transformers gives a state of fixed size instead of keys and values
 RECURRENT_TYPES = ("conv", "linear_attention")
@@ -213,11 +212,6 @@ def state_shapes(model: torch.nn.Module) -> dict[int, dict[str, tuple[int, ...]]
                                   f"layers is not transformers' gated delta rule (Qwen3.5's), which the export "
                                   f"writes as onnxruntime's GatedDeltaNet (a Mamba scan is not)")
     return shapes
-
-
-def is_state(name: str) -> bool:
-    """Whether graph input or output `name` is a recurrent state (`past.{i}.conv`, `present.{i}.recurrent`)."""
-    return bool(STATE_NAME.match(name.replace("present.", "past.", 1)))
 
 
 def cache_argument(model: torch.nn.Module) -> str:

@@ -24,7 +24,7 @@ from cann_llm.runtime.errors import AtcError
 from cann_llm.runtime.ops import (CAUSAL_CONV_WITH_STATE, GATED_DELTA_NET, MICROSOFT_DOMAIN,
                                   VARLEN_CAUSAL_CONV_WITH_STATE, CausalConvInput, GatedDeltaNetInput, StateOutput,
                                   VarlenCausalConvInput, input_at, positional)
-from cann_llm.runtime.signature import STATE_NAME
+from cann_llm.runtime.signature import STATE_NAME, is_state
 
 # what may stand between attention_mask and the product that zeroes a recurrent layer's padded tokens
 _MASK_STEPS = ("Slice", "Unsqueeze", "Cast", "Reshape", "Squeeze")
@@ -56,9 +56,9 @@ def drop_padding_products(graph: gs.Graph) -> int:
     return dropped
 
 
-def pack_recurrent_ops(graph: gs.Graph, query_start_loc: gs.Variable) -> int:
+def pack_recurrent_ops(graph: gs.Graph, query_start_loc: gs.Variable) -> None:
     """Rewrite each GatedDeltaNet and CausalConvWithState into its packed form over the flattened tokens,
-    the state inputs and outputs given one row per sequence. Returns how many ops were rewritten."""
+    the state inputs and outputs given one row per sequence."""
     nodes = [n for n in graph.nodes if n.domain == MICROSOFT_DOMAIN and n.op in _RECURRENT_OPS]
     for node in nodes:
         if node.op == GATED_DELTA_NET.name:
@@ -66,13 +66,25 @@ def pack_recurrent_ops(graph: gs.Graph, query_start_loc: gs.Variable) -> int:
         else:
             _pack_convolution(graph, node, query_start_loc)
     for tensor in [*graph.inputs, *graph.outputs]:
-        if STATE_NAME.match(tensor.name.replace("present.", "past.", 1)) and tensor.shape:
+        if is_state(tensor.name) and tensor.shape:
             tensor.shape = ["num_seqs", *tensor.shape[1:]]
-    return len(nodes)
 
 
-def _reshaped(graph: gs.Graph, op: str, tensor: gs.Tensor, name: str, shape, **attrs) -> gs.Variable:
-    out = gs.Variable(name, dtype=tensor.dtype, shape=shape)
+def _replace(graph: gs.Graph, node: gs.Node, op: str, attrs: dict, inputs: list, output: gs.Variable) -> None:
+    """`node` replaced by its packed form `op`, which writes `output` and takes over the node's state output."""
+    packed = gs.Node(op, name=node.name, domain=MICROSOFT_DOMAIN, attrs=attrs, inputs=inputs,
+                     outputs=[output, node.outputs[StateOutput.STATE]])
+    node.inputs.clear()
+    node.outputs.clear()
+    graph.nodes.append(packed)
+
+
+def _reshaped(graph: gs.Graph, op: str, tensor: gs.Tensor, name: str, shape, into: gs.Variable | None = None,
+              **attrs) -> gs.Variable:
+    """`op` (Squeeze or Unsqueeze of axis 0, or a Transpose) of `tensor`, written into `into` (which it takes
+    over from its producer) or a new tensor of `shape`."""
+    out = into if into is not None else gs.Variable(name, dtype=tensor.dtype, shape=shape)
+    out.inputs.clear()
     inputs = [tensor]
     if op in ("Squeeze", "Unsqueeze"):
         inputs.append(gs.Constant(f"{name}_axes", np.array([0], np.int64)))
@@ -100,15 +112,8 @@ def _pack_gated_delta_net(graph: gs.Graph, node: gs.Node, cu_seqlens: gs.Variabl
     output = node.outputs[StateOutput.OUTPUT]
     value = operands[slots.VALUE]
     flat_out = gs.Variable(f"{node.name}/output_flat", dtype=output.dtype, shape=value.shape)
-    packed = gs.Node(node.op, name=node.name, domain=MICROSOFT_DOMAIN, attrs=dict(node.attrs),
-                     inputs=positional(slots, operands, gs.Variable.empty()),
-                     outputs=[flat_out, node.outputs[StateOutput.STATE]])
-    node.inputs.clear()
-    node.outputs.clear()
-    graph.nodes.append(packed)
-    output.inputs.clear()
-    graph.nodes.append(gs.Node("Unsqueeze", name=f"{node.name}/output", outputs=[output], inputs=[
-        flat_out, gs.Constant(f"{node.name}/output_axes", np.array([0], np.int64))]))
+    _replace(graph, node, node.op, dict(node.attrs), positional(slots, operands, gs.Variable.empty()), flat_out)
+    _reshaped(graph, "Unsqueeze", flat_out, f"{node.name}/output", None, into=output)
 
 
 def _pack_convolution(graph: gs.Graph, node: gs.Node, cu_seqlens: gs.Variable) -> None:
@@ -127,17 +132,11 @@ def _pack_convolution(graph: gs.Graph, node: gs.Node, cu_seqlens: gs.Variable) -
                 VarlenCausalConvInput.CU_SEQLENS: cu_seqlens, VarlenCausalConvInput.BIAS: input_at(node.inputs, slots.BIAS),
                 VarlenCausalConvInput.INITIAL_STATE: state}
     attrs = {k: v for k, v in node.attrs.items() if k in VARLEN_CAUSAL_CONV_WITH_STATE.defaults}
-    packed = gs.Node(VARLEN_CAUSAL_CONV_WITH_STATE.name, name=node.name, domain=MICROSOFT_DOMAIN, attrs=attrs,
-                     inputs=positional(VarlenCausalConvInput, operands, gs.Variable.empty()),
-                     outputs=[out_tokens, node.outputs[StateOutput.STATE]])
-    node.inputs.clear()
-    node.outputs.clear()
-    graph.nodes.append(packed)
+    _replace(graph, node, VARLEN_CAUSAL_CONV_WITH_STATE.name, attrs,
+             positional(VarlenCausalConvInput, operands, gs.Variable.empty()), out_tokens)
     channels_first = _reshaped(graph, "Transpose", out_tokens, f"{node.name}/output_channels", [channels, None],
                                perm=[1, 0])
-    output.inputs.clear()
-    graph.nodes.append(gs.Node("Unsqueeze", name=f"{node.name}/output", outputs=[output], inputs=[
-        channels_first, gs.Constant(f"{node.name}/output_axes", np.array([0], np.int64))]))
+    _reshaped(graph, "Unsqueeze", channels_first, f"{node.name}/output", None, into=output)
 
 
 def refuse_unpackable(graph: gs.Graph) -> None:

@@ -20,6 +20,11 @@ def present_name(past: str) -> str:
     return "present" + past[len("past" if STATE_NAME.match(past) else "past_key_values"):]
 
 
+def is_state(name: str) -> bool:
+    """Whether graph input or output `name` is a recurrent state (`past.N.conv`, `present.N.recurrent`)."""
+    return bool(STATE_NAME.match(name.replace("present.", "past.", 1)))
+
+
 def is_carried(name: str) -> bool:
     """Whether input `name` is something a step gives back for the next: a KV cache or a recurrent state."""
     return bool(PAST_NAME.match(name) or STATE_NAME.match(name))
