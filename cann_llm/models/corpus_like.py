@@ -7,8 +7,8 @@ over them before anyone else does:
 
 `--families` also takes the architectures users bring beyond them (`ARCHITECTURES`: Llama 3.2's rope
 scaling, Phi-3.5's longrope, Gemma 2 and 3, GLM-4, Granite, GraniteMoe, OLMo-2, Mixtral, Phi-2, StableLM, GPT-NeoX, Falcon,
-BLOOM, MPT, OPT, GPT-J, CodeGen, GPTBigCode, and the hybrids Qwen3.5, Qwen3-Next and LFM2),
-in the same sizes and layout.
+BLOOM, MPT, OPT, GPT-J, CodeGen, GPTBigCode, and the hybrids Qwen3.5, Qwen3-Next, LFM2, Granite 4.0-H and
+Bamba), in the same sizes and layout.
 
 Each folder holds `model.onnx`, `reference.npz` (the torch model's outputs on the corpus's two cases, a
 left-padded batch and a second shape) and a `meta.json` with the fields the tests read. An export the
@@ -102,6 +102,16 @@ ARCHITECTURES: dict[str, TinySpec] = {
         pad_token_id=0, layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16,
         linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)),
+    # Mamba-2 hybrids: Granite 4.0-H (no positions in its attention, MoE beside a shared MLP) and Bamba; two
+    # groups of B and C for four heads, 16-token chunks in transformers' scan
+    "granitemoehybrid": TinySpec("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16, mamba_d_head=32,
+        mamba_chunk_size=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+        shared_intermediate_size=64, embedding_multiplier=12.0, attention_multiplier=0.0078125,
+        residual_multiplier=0.22, logits_scaling=8.0)),
+    "bamba": TinySpec("BambaConfig", "BambaForCausalLM", dict(
+        attn_layer_indices=[1], mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16, mamba_d_head=32,
+        mamba_chunk_size=16)),
     # at transformers' initializer range (0.02) the tiny LFM2 repeats one token whatever it is fed
     "lfm2": TinySpec("Lfm2Config", "Lfm2ForCausalLM", dict(pad_token_id=0, layer_types=["conv", "full_attention"],
                                                            initializer_range=0.1)),

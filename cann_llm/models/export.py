@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from cann_llm.models.recurrent_export import (cache_argument, dynamo_translations, load_states, read_states,
-                                              recurrent_layers, register_torchscript_symbolic,
-                                              routed_through_onnxruntime, state_shapes)
+from cann_llm.models.recurrent_export import (cache_argument, computes_gated_delta_rule, dynamo_translations,
+                                              load_states, read_states, recurrent_layers,
+                                              register_torchscript_symbolic, routed_through_onnxruntime,
+                                              state_shapes)
 from cann_llm.runtime.signature import is_state
 
 EXAMPLE_BATCH = 2
@@ -175,7 +176,7 @@ def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, dynamo:
     path.parent.mkdir(parents=True, exist_ok=True)
     model = model.eval()
     states = state_shapes(model)
-    if not dynamo and any("recurrent" in kinds for kinds in states.values()):
+    if not dynamo and computes_gated_delta_rule(model):
         raise NotImplementedError("TorchScript writes transformers' split of a gated delta net's tokens "
                                   "(torch.tensor_split) as a Tile that onnxruntime refuses")
     num_layers = len(cache_shapes(model.config)) + len(states)

@@ -76,6 +76,29 @@ def _(x, weight, bias, state, activation):
     return torch.empty_like(x), torch.empty_like(state)
 
 
+@torch.library.custom_op("cann_export::gated_linear_rule", mutates_args=())
+def gated_linear_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
+                      state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated linear rule, S ← exp(g_t)·S + v_t ⊗ k_t and o_t = S q_t, over [batch, seq, heads, size]
+    query/key/value (each query/key head shared by value heads / query heads value heads) from `state` [batch,
+    value heads, value size, key size]: the output and the final state, as onnxruntime's GatedDeltaNet computes
+    them with update_rule "gated" and scale 1. It is Mamba-2's selective scan: the key is its B, the query its
+    C, the value its input times the time step and the decay the time step times A."""
+    group = value.shape[2] // query.shape[2]
+    q, k = (x.float().repeat_interleave(group, dim=2) for x in (query, key))
+    s, outputs = state.float(), []
+    for t in range(value.shape[1]):
+        s = s * decay[:, t].float().exp()[..., None, None] + value[:, t].float()[..., None] * k[:, t, :, None, :]
+        outputs.append(torch.einsum("bhvk,bhk->bhv", s, q[:, t]))
+    out = torch.stack(outputs, dim=1) if outputs else value.float()
+    return out.to(value.dtype), s.to(state.dtype)
+
+
+@gated_linear_rule.register_fake
+def _(query, key, value, decay, state):
+    return torch.empty_like(value), torch.empty_like(state)
+
+
 def _onnx_conv(x, weight, bias, state, activation: str):
     """The dynamo exporter's translation: one CausalConvWithState node."""
     from onnxscript import values
@@ -147,7 +170,26 @@ def _gated_delta_net_schema():
                            ("initial_state", "T"))]
     return OpSchema("GatedDeltaNet", "com.microsoft", 1, inputs=inputs,
                     outputs=[OpSchema.FormalParameter("output", "T"), OpSchema.FormalParameter("final_state", "T")],
-                    type_constraints=[("T", ["tensor(float)", "tensor(float16)"], ""), ("TI", ["tensor(int32)"], "")])
+                    type_constraints=[("T", ["tensor(float)", "tensor(float16)"], ""), ("TI", ["tensor(int32)"], "")],
+                    attributes=[OpSchema.Attribute("update_rule", OpSchema.AttrType.STRING, ""),
+                                OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, "")])
+
+
+def _onnx_linear_rule(query, key, value, decay, state):
+    """The dynamo exporter's translation of `gated_linear_rule`: one GatedDeltaNet node with the gated rule."""
+    from onnxscript import values
+
+    op = values.Op(values.Opset("com.microsoft", 1), "GatedDeltaNet", _gated_delta_net_schema())
+    return op(query, key, value, None, decay, None, state, update_rule="gated", scale=1.0, _outputs=2)
+
+
+def _torchscript_linear_rule(g, query, key, value, decay, state):
+    """TorchScript's symbolic for the same node."""
+    from torch.onnx._internal.torchscript_exporter import symbolic_helper
+
+    empty = symbolic_helper._optional_input_placeholder_tensor(g)
+    return g.op("com.microsoft::GatedDeltaNet", query, key, value, empty, decay, empty, state,
+                update_rule_s="gated", scale_f=1.0, outputs=2)
 
 
 def _torchscript_rule(g, query, key, value, decay, beta, state):
@@ -173,6 +215,34 @@ def _rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_
         initial_state = value.new_zeros(batch, heads, size, key.shape[-1], dtype=torch.float32)
     out, final = gated_delta_rule(query, key, value, g, beta, initial_state)
     return out, (final if output_final_state else None)
+
+
+def _mamba2_scan(module, hidden_states, B, C, dt, cache, **kwargs):
+    """Stands in for transformers' mamba2_scan_forward (same arguments and result) in Mamba-2 layers (Granite
+    4.0-H, Bamba, ...): the scan is `gated_linear_rule` continuing from the layer's recurrent state [batch,
+    heads, head size, state size] (zeros before the first token), computed in float32 as transformers' chunked
+    scan is, then the D skip connection; the new state is left in `cache`."""
+    del kwargs
+    batch, seq, _ = hidden_states.shape
+    heads, size, groups = module.num_heads, module.head_dim, module.n_groups
+    layer = cache.layers[module.layer_idx] if cache is not None else None
+    state = layer.recurrent_states[0] if layer is not None and layer.is_recurrent_states_initialized[0] else None
+    if state is None:
+        state = hidden_states.new_zeros(batch, heads, size, module.ssm_state_size, dtype=torch.float32)
+    dt = torch.nn.functional.softplus(dt + module.dt_bias.to(dt.dtype)).float()
+    low, high = module.time_step_limit
+    if (low, high) != (0.0, float("inf")):
+        dt = dt.clamp(low, high)
+    x = hidden_states.view(batch, seq, heads, size).float()
+    decay = dt * -torch.exp(module.A_log.float())
+    out, final = gated_linear_rule(C.view(batch, seq, groups, -1).float(), B.view(batch, seq, groups, -1).float(),
+                                   x * dt[..., None], decay, state)
+    out = out + module.D.float()[:, None] * x
+    if layer is not None:
+        layer.device, layer.dtype = final.device, final.dtype
+        layer.recurrent_states[0] = final
+        layer.is_recurrent_states_initialized[0] = True
+    return out.reshape(batch, seq, heads * size)
 
 
 def recurrent_layers(config) -> dict[int, str]:
@@ -202,15 +272,16 @@ def state_shapes(model: torch.nn.Module) -> dict[int, dict[str, tuple[int, ...]]
         found = {}
         if getattr(layer, "number_of_states", 1) != 1 or index not in routed.convolutions:
             raise Unexportable(f"layer {index} ({layers[index]}) of {type(model).__name__} is not one "
-                                      f"causal convolution with one state, as Qwen3.5's and LFM2's are")
+                               f"causal convolution with one state, as Qwen3.5's, LFM2's and Mamba-2's are")
         found["conv"] = tuple(layer.conv_states[0].shape[1:])
         if layer.is_recurrent_states_initialized[0]:
             found["recurrent"] = tuple(layer.recurrent_states[0].shape[1:])
         shapes[index] = found
     if routed.rules != sum("recurrent" in found for found in shapes.values()):
         raise Unexportable(f"the recurrence of {type(model).__name__}'s {', '.join(set(layers.values()))} "
-                                  f"layers is not transformers' gated delta rule (Qwen3.5's), which the export "
-                                  f"writes as onnxruntime's GatedDeltaNet (a Mamba scan is not)")
+                           f"layers is neither transformers' gated delta rule (Qwen3.5's) nor Mamba-2's "
+                                  f"scan, which the export writes as onnxruntime's GatedDeltaNet (Mamba-1's "
+                                  f"selective scan is not)")
     return shapes
 
 
@@ -246,19 +317,32 @@ def read_states(cache, shapes: dict[int, dict[str, tuple[int, ...]]]) -> dict[in
                     for kind in kinds} for index, kinds in shapes.items()}
 
 
+def _modeling_modules(model: torch.nn.Module) -> set:
+    """The Python modules that define a hybrid's layers (none for a model without recurrent layers)."""
+    if not recurrent_layers(model.config):
+        return set()
+    return {sys.modules[type(module).__module__] for module in model.modules()}
+
+
+def computes_gated_delta_rule(model: torch.nn.Module) -> bool:
+    """Whether the model's recurrent layers are gated delta nets (Qwen3.5's, Qwen3-Next's)."""
+    return any(hasattr(module, "torch_chunk_gated_delta_rule") for module in _modeling_modules(model))
+
+
 @dataclass
 class Routed:
     """What ran through the replacements in a `routed_through_onnxruntime` block."""
 
-    rules: int = 0  # calls of the gated delta rule
+    rules: int = 0  # calls of the gated delta rule or of Mamba-2's scan
     convolutions: set[int] = field(default_factory=set)  # the layers whose convolution ran
 
 
 @contextmanager
 def routed_through_onnxruntime(model: torch.nn.Module):
-    """Within the block, a hybrid's gated delta rule (chunked and token by token) is `gated_delta_rule` and its
-    causal convolutions `causal_conv`, which export as onnxruntime's GatedDeltaNet and CausalConvWithState;
-    a model without recurrent layers is left as it is. Yields a `Routed` that counts what went through."""
+    """Within the block, a hybrid's gated delta rule (chunked and token by token) is `gated_delta_rule`, its
+    Mamba-2 scan `gated_linear_rule` and its causal convolutions `causal_conv`, which export as onnxruntime's
+    GatedDeltaNet and CausalConvWithState; a model without recurrent layers is left as it is. Yields a `Routed`
+    that counts what went through."""
     routed = Routed()
 
     def rule(*args, **kwargs):
@@ -269,11 +353,13 @@ def routed_through_onnxruntime(model: torch.nn.Module):
         routed.convolutions.add(layer_idx)
         return _conv_forward(conv1d, hidden_states, cache, layer_idx, *args, **kwargs)
 
+    def scan(*args, **kwargs):
+        routed.rules += 1
+        return _mamba2_scan(*args, **kwargs)
+
     replaced = {"torch_chunk_gated_delta_rule": rule, "torch_recurrent_gated_delta_rule": rule,
-                "causal_conv1d_forward": convolution}
-    modules = {sys.modules[type(module).__module__] for module in model.modules()} \
-        if recurrent_layers(model.config) else set()
-    patched = [(module, name, getattr(module, name)) for module in modules for name in replaced
+                "mamba2_scan_forward": scan, "causal_conv1d_forward": convolution}
+    patched = [(module, name, getattr(module, name)) for module in _modeling_modules(model) for name in replaced
                if hasattr(module, name)]
     if any(name == "torch_chunk_gated_delta_rule" for _, name, _ in patched):
         _transformers_rule()  # read before the swap
@@ -289,10 +375,12 @@ def routed_through_onnxruntime(model: torch.nn.Module):
 def dynamo_translations() -> dict:
     """The custom translation table the dynamo exporter takes for `gated_delta_rule` and `causal_conv`."""
     return {torch.ops.cann_export.gated_delta_rule.default: _onnx_rule,
+            torch.ops.cann_export.gated_linear_rule.default: _onnx_linear_rule,
             torch.ops.cann_export.causal_conv.default: _onnx_conv}
 
 
 def register_torchscript_symbolic(opset: int) -> None:
     """Let TorchScript's exporter write `gated_delta_rule` and `causal_conv` as onnxruntime's ops at `opset`."""
     torch.onnx.register_custom_op_symbolic("cann_export::gated_delta_rule", _torchscript_rule, opset)
+    torch.onnx.register_custom_op_symbolic("cann_export::gated_linear_rule", _torchscript_linear_rule, opset)
     torch.onnx.register_custom_op_symbolic("cann_export::causal_conv", _torchscript_conv, opset)

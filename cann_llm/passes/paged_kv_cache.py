@@ -49,10 +49,8 @@ class PagedKvCache:
             _sizes_from_tokens(graph, inputs["input_ids"])
         if "position_ids" not in inputs and attentions:
             _positions_from_an_input(graph, attentions[0])
-            if all(n.attrs.get("alibi_slopes") and input_at(n.inputs, Fused.COS) is None for n in attentions) \
-                    and not any(t.name == "position_ids" for t in graph.inputs):
-                # ALiBi gives the positions (BLOOM, MPT and Falcon-RW export none): the input every paged
-                # artifact takes, read by the attention's metadata alone
+            if _positions_unread(graph, attentions) and not any(t.name == "position_ids" for t in graph.inputs):
+                # the input every paged artifact takes, read by the attention's metadata alone
                 graph.inputs.append(gs.Variable("position_ids", dtype=np.int64, shape=[1, "num_tokens"]))
             inputs = {t.name: t for t in graph.inputs}
         refuse_unpackable(graph)
@@ -135,6 +133,16 @@ class PagedKvCache:
             users = sorted({c.op for c in mask.outputs if c.op != FUSED_ATTENTION.name})
             raise AtcError("E10055", f"attention_mask also feeds {', '.join(users)}, which a flattened batch "
                                      "cannot express; compile with --enable_paged_attention=0")
+
+
+def _positions_unread(graph: gs.Graph, attentions: list[gs.Node]) -> bool:
+    """Whether no part of the graph but the attention's order reads the tokens' positions: no rotary table,
+    and either ALiBi's slopes (BLOOM, MPT and Falcon-RW export no positions) or nothing that counts (no Range,
+    no CumSum: Granite 4.0-H's attention has no positions, and TorchScript drops the input it never reads)."""
+    if any(input_at(n.inputs, Fused.COS) is not None for n in attentions):
+        return False
+    return all(n.attrs.get("alibi_slopes") for n in attentions) \
+        or not any(n.op in ("Range", "CumSum") for n in graph.nodes)
 
 
 def _positions_from_an_input(graph: gs.Graph, attention: gs.Node) -> None:

@@ -8,6 +8,11 @@ serves num_value_heads / num_query_heads value heads):
 
     S ← exp(g_t) · S;   S ← S + β_t · (v_t − S k_t) ⊗ k_t;   o_t = scale · S q_t
 
+and with update_rule "gated" (Mamba-2's scan: k its B, q its C, v its input times the time step) the same
+without the delta:
+
+    S ← exp(g_t) · S;   S ← S + v_t ⊗ k_t;   o_t = scale · S q_t
+
 CausalConvWithState and VarlenCausalConvWithState (the short convolutions of LFM2 and of Qwen3.5's q/k/v): a
 depthwise convolution over each sequence's tokens that continues from its state, the kernel − 1 inputs
 before them, then gives the last kernel − 1 back as the new state.
@@ -33,12 +38,16 @@ def _sequences(query: np.ndarray, cu_seqlens: np.ndarray | None) -> list[tuple[i
 def GatedDeltaNet(query, key, value, cu_seqlens, decay, beta, initial_state, *args, scale: float,
                   qk_l2_norm: int, update_rule: str, gate_activation: str, beta_activation: str, **unused):
     """The recurrence token by token from `initial_state` [batch, value heads, value size, key size]:
-    (output shaped as `value`, final state). Separate query/key/value, a log-space `decay` and an effective
-    `beta`, as exports write it; the op's fused gates, packed QKV and state capture are not modelled."""
-    if any(a is not None for a in args) or key is None or update_rule != "gated_delta" or qk_l2_norm \
-            or gate_activation != "none" or beta_activation != "none" or initial_state is None:
-        raise NotImplementedError("the reference GatedDeltaNet models the gated delta rule over separate query, "
-                                  "key and value, with a log-space decay, an effective beta and an initial state")
+    (output shaped as `value`, final state). Separate query/key/value, a log-space `decay` and (the delta rule)
+    an effective `beta`, as exports write it; the op's fused gates, packed QKV and state capture are not
+    modelled."""
+    delta = update_rule == "gated_delta"
+    if any(a is not None for a in args) or key is None or update_rule not in ("gated_delta", "gated") or qk_l2_norm \
+            or gate_activation != "none" or beta_activation != "none" or initial_state is None \
+            or (beta is None) == delta:
+        raise NotImplementedError("the reference GatedDeltaNet models the gated (delta) rule over separate query, "
+                                  "key and value, with a log-space decay, an effective beta for the delta rule "
+                                  "and an initial state")
     del unused
     shape = value.shape
     heads_q, size_k = query.shape[-2:]
@@ -48,7 +57,7 @@ def GatedDeltaNet(query, key, value, cu_seqlens, decay, beta, initial_state, *ar
     k = key.reshape(-1, heads_q, size_k).astype(np.float32)
     v = value.reshape(-1, heads_v, size_v).astype(np.float32)
     g = decay.reshape(-1, heads_v).astype(np.float32)
-    b = beta.reshape(-1, heads_v).astype(np.float32)
+    b = beta.reshape(-1, heads_v).astype(np.float32) if delta else None
     scale = np.float32(scale or 1.0 / np.sqrt(size_k))
     out = np.zeros_like(v)
     final = initial_state.astype(np.float32).copy()
@@ -57,8 +66,8 @@ def GatedDeltaNet(query, key, value, cu_seqlens, decay, beta, initial_state, *ar
         for t in range(span.start, span.stop):
             qt, kt = np.repeat(q[t], group, axis=0), np.repeat(k[t], group, axis=0)  # [heads_v, size_k]
             state *= np.exp(g[t])[:, None, None]
-            delta = b[t][:, None] * (v[t] - np.einsum("hvk,hk->hv", state, kt))
-            state += delta[:, :, None] * kt[:, None, :]
+            added = b[t][:, None] * (v[t] - np.einsum("hvk,hk->hv", state, kt)) if delta else v[t]
+            state += added[:, :, None] * kt[:, None, :]
             out[t] = scale * np.einsum("hvk,hk->hv", state, qt)
     return out.reshape(shape).astype(value.dtype), final
 
