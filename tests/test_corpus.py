@@ -97,9 +97,10 @@ def test_corpus_model_generates_from_its_weights_in_28_bits(name, tmp_path):
     graph = load_artifact(om).model.graph
     plain = load_artifact(compile_to(source, tmp_path / "plain", enable_paged_attention=True)).model.graph
     plain_weights = {t.name for t in plain.initializer}
-    # each of the plain compile's weight MatMuls (fused q/k/v and o, the MLP's or a router, the head)
+    # each of the plain compile's weight MatMuls: at least one into a layer and one out of it (fused q/k/v and
+    # o, the MLP's or a router; Nemotron-H's MLP blocks' up and down), and the head
     weight_matmuls = [node for node in plain.node if node.op_type == "MatMul" and set(node.input) & plain_weights]
-    assert len(weight_matmuls) >= 3 * _meta(name)["num_layers"] + 1
+    assert len(weight_matmuls) >= 2 * _meta(name)["num_layers"] + 1
     assert Counter(node.op_type for node in graph.node)["MatMulF28"] == len(weight_matmuls)
     # what stays a MatMul or Gemm multiplies activations (the rotary angles), never a weight
     weights = {t.name for t in graph.initializer}

@@ -26,12 +26,15 @@ from cann_llm.runtime.perplexity import perplexity
 
 # (family, exporter): transformers' Qwen3.5 splits its tokens with torch.tensor_split, which TorchScript cannot
 # export, so it goes through dynamo only; LFM2's states through the other exporter; Mamba-2's scan through
-# both (Granite 4.0-H's attention reads no positions, and TorchScript drops its position_ids)
-CASES = [("qwen3_5", "dynamo"), ("lfm2", "ts"), ("granitemoehybrid", "ts"), ("bamba", "dynamo")]
-GATED = {"qwen3_5", "granitemoehybrid", "bamba"}  # a GatedDeltaNet in the recurrent layer
-MAMBA_IO = (["past.0.conv", "past.0.recurrent", "past_key_values.1.key", "past_key_values.1.value"],
-            ["present.0.conv", "present.0.recurrent", "present.1.key", "present.1.value"])
-IO = {"granitemoehybrid": MAMBA_IO, "bamba": MAMBA_IO,
+# both (Granite 4.0-H's attention reads no positions, and TorchScript drops its position_ids; Nemotron-H's
+# MLP blocks cache nothing, so its attention layer's cache is layer 2's)
+CASES = [("qwen3_5", "dynamo"), ("lfm2", "ts"), ("granitemoehybrid", "ts"), ("nemotron_h", "dynamo")]
+GATED = {"qwen3_5", "granitemoehybrid", "nemotron_h"}  # a GatedDeltaNet in the recurrent layer
+IO = {
+    "granitemoehybrid": (["past.0.conv", "past.0.recurrent", "past_key_values.1.key", "past_key_values.1.value"],
+                         ["present.0.conv", "present.0.recurrent", "present.1.key", "present.1.value"]),
+    "nemotron_h": (["past.0.conv", "past.0.recurrent", "past_key_values.2.key", "past_key_values.2.value"],
+                   ["present.0.conv", "present.0.recurrent", "present.2.key", "present.2.value"]),
     "qwen3_5": (["past.0.conv", "past.0.recurrent", "past_key_values.1.key", "past_key_values.1.value"],
                 ["present.0.conv", "present.0.recurrent", "present.1.key", "present.1.value"]),
     "lfm2": (["past.0.conv", "past_key_values.1.key", "past_key_values.1.value"],

@@ -7,8 +7,8 @@ over them before anyone else does:
 
 `--families` also takes the architectures users bring beyond them (`ARCHITECTURES`: Llama 3.2's rope
 scaling, Phi-3.5's longrope, Gemma 2 and 3, GLM-4, Granite, GraniteMoe, OLMo-2, Mixtral, Phi-2, StableLM, GPT-NeoX, Falcon,
-BLOOM, MPT, OPT, GPT-J, CodeGen, GPTBigCode, and the hybrids Qwen3.5, Qwen3-Next, LFM2, Granite 4.0-H and
-Bamba), in the same sizes and layout.
+BLOOM, MPT, OPT, GPT-J, CodeGen, GPTBigCode, and the hybrids Qwen3.5, Qwen3-Next, LFM2, Granite 4.0-H,
+Bamba and Nemotron-H), in the same sizes and layout.
 
 Each folder holds `model.onnx`, `reference.npz` (the torch model's outputs on the corpus's two cases, a
 left-padded batch and a second shape) and a `meta.json` with the fields the tests read. An export the
@@ -24,7 +24,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from cann_llm.models.export import cache_entries, cache_shapes, export_causal_lm, io_names
+from cann_llm.models.export import NO_CACHE_TYPES, cache_entries, cache_layers, export_causal_lm, io_names
 from cann_llm.models.recurrent_export import recurrent_layers, routed_through_onnxruntime, state_shapes
 from cann_llm.models.tiny import TINY_FAMILIES, TinySpec
 
@@ -112,6 +112,11 @@ ARCHITECTURES: dict[str, TinySpec] = {
     "bamba": TinySpec("BambaConfig", "BambaForCausalLM", dict(
         attn_layer_indices=[1], mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16, mamba_d_head=32,
         mamba_chunk_size=16)),
+    # Nemotron-H: a Mamba-2 layer, then attention without positions, each followed by a block of its own for the
+    # MLP (squared ReLU) that caches nothing
+    "nemotron_h": TinySpec("NemotronHConfig", "NemotronHForCausalLM", dict(
+        num_hidden_layers=4, layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"],
+        mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16, n_groups=2, chunk_size=16)),
     # at transformers' initializer range (0.02) the tiny LFM2 repeats one token whatever it is fed
     "lfm2": TinySpec("Lfm2Config", "Lfm2ForCausalLM", dict(pad_token_id=0, layer_types=["conv", "full_attention"],
                                                            initializer_range=0.1)),
@@ -181,7 +186,7 @@ def _reference(model, with_past: bool) -> dict[str, np.ndarray]:
 
     states = state_shapes(model)
     wrapper = _CausalLMWithFlatCache(model, with_past, states).eval()
-    inputs, outputs = io_names(len(cache_shapes(model.config)) + len(states), with_past, states)
+    inputs, outputs = io_names(cache_layers(model.config, states), with_past)
     arrays = {}
     for prefix, feeds in zip(("", "alt_"), _cases(model.config, with_past, states)):
         # the recurrent states in the export's value-major layout, which only the exported rule reads
@@ -199,12 +204,15 @@ def _reference(model, with_past: bool) -> dict[str, np.ndarray]:
 
 def expected_counts(model) -> dict[str, int]:
     """What the corpus's meta.json says a compiler should find, counted on the torch model (not read from
-    this project's recipes): an attention block a layer but a hybrid's recurrent ones, and its RMSNorm modules
-    (or LayerNorm ones)."""
+    this project's recipes): an attention block a layer but a hybrid's recurrent ones and the layers without
+    attention (Nemotron-H's MLP blocks), and its RMSNorm modules (or LayerNorm ones)."""
     kinds = [type(module).__name__ for module in model.modules()]
     rms = sum(kind.endswith(("RMSNorm", "RMSNormGated")) for kind in kinds)  # Qwen3.5's gated norm normalises too
     norms = {"rmsnorm": rms} if rms else {"layernorm": sum(kind == "LayerNorm" for kind in kinds)}
-    return {"attention_blocks": LAYERS - len(recurrent_layers(model.config)), **norms}
+    config = model.config
+    types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
+    attending = sum(kind not in NO_CACHE_TYPES for kind in types) - len(recurrent_layers(config))
+    return {"attention_blocks": attending, **norms}
 
 
 def write(family: str, exporter: str, out: Path) -> str:
@@ -215,6 +223,7 @@ def write(family: str, exporter: str, out: Path) -> str:
     meta = {"family": family, "exporter": exporter, "num_layers": LAYERS, "with_past": with_past, "status": "ok"}
     try:
         model = build(family)
+        meta["num_layers"] = model.config.num_hidden_layers
         meta["expected"] = expected_counts(model)
         export_causal_lm(model, folder / "model.onnx", dynamo=dynamo, with_past=with_past)
         np.savez(folder / "reference.npz", **_reference(model, with_past))

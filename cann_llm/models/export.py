@@ -46,13 +46,10 @@ class _CausalLMWithFlatCache(torch.nn.Module):
 
         flat = iter(past)
         data, loaded = [], {}
-        # layers that reuse an earlier layer's keys and values (Gemma 3n) have no cache of their own
-        for index, mode in enumerate(_sharing_modes(self.model.config)):
+        for index, own in enumerate(_own_kv(self.model.config)):
             if index in self.states:
                 loaded[index] = {kind: next(flat) for kind in self.states[index]}
-                data.append((None, None))
-            else:
-                data.append((None, None) if mode == "reuse" else (next(flat), next(flat)))
+            data.append((next(flat), next(flat)) if own else (None, None))
         cache = DynamicCache(ddp_cache_data=data, config=self.model.config)
         load_states(cache, loaded)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -60,10 +57,10 @@ class _CausalLMWithFlatCache(torch.nn.Module):
         cache = getattr(out, "cache", None) or out.past_key_values
         states = read_states(cache, self.states)
         given = []
-        for index, (layer, mode) in enumerate(zip(cache.layers, _sharing_modes(self.model.config))):
+        for index, (layer, own) in enumerate(zip(cache.layers, _own_kv(self.model.config))):
             if index in states:
                 given += states[index].values()
-            elif mode != "reuse":
+            elif own:
                 given += [layer.keys, layer.values]
         return (out.logits, *given)
 
@@ -76,27 +73,42 @@ class _CausalLMWithoutPositions(_CausalLMWithFlatCache):
         return super().forward(input_ids, attention_mask, None, *past)
 
 
-def _sharing_modes(config) -> list[str | None]:
-    """Each layer's KV sharing ("reuse": it attends to an earlier layer's keys and values and caches none)."""
-    return list(getattr(config, "kv_sharing_modes", None) or [None] * config.num_hidden_layers)
+KV = ("key", "value")
+# the layer types transformers caches nothing for (a DummyLayer): Nemotron-H's blocks without attention
+NO_CACHE_TYPES = ("moe", "mlp")
+
+
+def _own_kv(config) -> list[bool]:
+    """Whether each layer keeps keys and values of its own: not a recurrent layer, not one that attends to an
+    earlier layer's (Gemma 3n's KV sharing), not one without attention (Nemotron-H's MLP and MoE layers, to
+    which transformers gives a DummyLayer)."""
+    modes = getattr(config, "kv_sharing_modes", None) or [None] * config.num_hidden_layers
+    types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
+    recurrent = recurrent_layers(config)
+    return [mode != "reuse" and kind not in NO_CACHE_TYPES and index not in recurrent
+            for index, (mode, kind) in enumerate(zip(modes, types))]
 
 
 def cache_shapes(config) -> list[tuple[int, int]]:
     """(num_kv_heads, head_dim) of each attention layer with a cache of its own, in order: Gemma 4's full-attention
     layers have other sizes than its sliding ones (a heterogeneous config says so per layer)."""
     layers = getattr(config, "per_layer_config", None) if getattr(config, "is_heterogeneous", False) else None
-    recurrent = recurrent_layers(config)
     shapes = []
-    for index, mode in enumerate(_sharing_modes(config)):
+    for index, own in enumerate(_own_kv(config)):
         layer = layers[index] if layers is not None else config
         heads = config.num_attention_heads
         kv_heads = getattr(layer, "num_key_value_heads", None) or heads
-        if mode != "reuse" and index not in recurrent:
+        if own:
             shapes.append((kv_heads, getattr(layer, "head_dim", None) or config.hidden_size // heads))
     return shapes
 
 
-KV = ("key", "value")
+def cache_layers(config, states: dict | None = None) -> list[tuple[int, tuple[str, ...]]]:
+    """(layer index, what it caches) of each layer that caches something, in order: its key and value, or a
+    recurrent layer's states (`states`, see `state_shapes`)."""
+    states = states or {}
+    return [(index, tuple(states[index]) if index in states else KV)
+            for index, own in enumerate(_own_kv(config)) if own or index in states]
 
 
 def _layer_names(layer: int, kinds) -> list[tuple[str, str]]:
@@ -105,14 +117,14 @@ def _layer_names(layer: int, kinds) -> list[tuple[str, str]]:
     return [(f"{prefix}.{layer}.{kind}", f"present.{layer}.{kind}") for kind in kinds]
 
 
-def io_names(num_layers: int, with_past: bool, states: dict | None = None) -> tuple[list[str], list[str]]:
-    """The ONNX input and output names of an exported causal LM with `num_layers` layers that cache something;
-    those in `states` (see `state_shapes`) carry their states, the others keys and values."""
+def io_names(layers: int | list[tuple[int, tuple[str, ...]]], with_past: bool) -> tuple[list[str], list[str]]:
+    """The ONNX input and output names of an exported causal LM whose layers that cache something are `layers`
+    (see `cache_layers`; a count: that many layers of keys and values)."""
     inputs = ["input_ids", "attention_mask", "position_ids"]
     outputs = ["logits"]
     if with_past:
-        for i in range(num_layers):
-            for past, present in _layer_names(i, (states or {}).get(i) or KV):
+        for index, kinds in ([(i, KV) for i in range(layers)] if isinstance(layers, int) else layers):
+            for past, present in _layer_names(index, kinds):
                 inputs.append(past)
                 outputs.append(present)
     return inputs, outputs
@@ -121,16 +133,15 @@ def io_names(num_layers: int, with_past: bool, states: dict | None = None) -> tu
 def cache_entries(config, states: dict | None = None) -> list[tuple[str, str, tuple]]:
     """(input, output, shape without the batch axis) of each cache tensor in graph order: a key or value
     [kv_heads, None, head_dim], None its sequence axis; a recurrent layer's state its fixed shape."""
-    states = states or {}
     kv = iter(cache_shapes(config))
     entries = []
-    for i in range(len(cache_shapes(config)) + len(states)):
-        if i in states:
-            entries += [(past, present, tuple(states[i][kind]))
-                        for kind, (past, present) in zip(states[i], _layer_names(i, states[i]))]
-        else:
+    for index, kinds in cache_layers(config, states):
+        if kinds == KV:
             heads, size = next(kv)
-            entries += [(past, present, (heads, None, size)) for past, present in _layer_names(i, KV)]
+            entries += [(past, present, (heads, None, size)) for past, present in _layer_names(index, KV)]
+        else:
+            entries += [(past, present, tuple(states[index][kind]))
+                        for kind, (past, present) in zip(kinds, _layer_names(index, kinds))]
     return entries
 
 
@@ -179,8 +190,7 @@ def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, dynamo:
     if not dynamo and computes_gated_delta_rule(model):
         raise NotImplementedError("TorchScript writes transformers' split of a gated delta net's tokens "
                                   "(torch.tensor_split) as a Tile that onnxruntime refuses")
-    num_layers = len(cache_shapes(model.config)) + len(states)
-    input_names, output_names = io_names(num_layers, with_past, states)
+    input_names, output_names = io_names(cache_layers(model.config, states), with_past)
     if not positions:
         input_names.remove("position_ids")
     tokens = 3 if positions else 2  # inputs before the past
