@@ -27,14 +27,20 @@ from cann_llm.runtime.perplexity import perplexity
 # (family, exporter): transformers' Qwen3.5 splits its tokens with torch.tensor_split, which TorchScript cannot
 # export, so it goes through dynamo only; LFM2's states through the other exporter; Mamba-2's scan through
 # both (Granite 4.0-H's attention reads no positions, and TorchScript drops its position_ids; Nemotron-H's
-# MLP blocks cache nothing, so its attention layer's cache is layer 2's)
-CASES = [("qwen3_5", "dynamo"), ("lfm2", "ts"), ("granitemoehybrid", "ts"), ("nemotron_h", "dynamo")]
-GATED = {"qwen3_5", "granitemoehybrid", "nemotron_h"}  # a GatedDeltaNet in the recurrent layer
+# MLP blocks cache nothing, so its attention layer's cache is layer 2's; Falcon-H1's layers each cache keys,
+# values and states)
+CASES = [("qwen3_5", "dynamo"), ("lfm2", "ts"), ("granitemoehybrid", "ts"), ("nemotron_h", "dynamo"),
+         ("falcon_h1", "ts")]
+GATED = {"qwen3_5", "granitemoehybrid", "nemotron_h", "falcon_h1"}  # a GatedDeltaNet in a recurrent layer
+LAYERS = {"falcon_h1": (2, 2)}  # (attention layers, recurrent layers), one each elsewhere
 IO = {
     "granitemoehybrid": (["past.0.conv", "past.0.recurrent", "past_key_values.1.key", "past_key_values.1.value"],
                          ["present.0.conv", "present.0.recurrent", "present.1.key", "present.1.value"]),
     "nemotron_h": (["past.0.conv", "past.0.recurrent", "past_key_values.2.key", "past_key_values.2.value"],
                    ["present.0.conv", "present.0.recurrent", "present.2.key", "present.2.value"]),
+    "falcon_h1": ([f"{prefix}.{i}.{kind}" for i in range(2) for prefix, kind in (
+                      ("past_key_values", "key"), ("past_key_values", "value"), ("past", "conv"), ("past", "recurrent"))],
+                  [f"present.{i}.{kind}" for i in range(2) for kind in ("key", "value", "conv", "recurrent")]),
     "qwen3_5": (["past.0.conv", "past.0.recurrent", "past_key_values.1.key", "past_key_values.1.value"],
                 ["present.0.conv", "present.0.recurrent", "present.1.key", "present.1.value"]),
     "lfm2": (["past.0.conv", "past_key_values.1.key", "past_key_values.1.value"],
@@ -74,7 +80,8 @@ def test_export_carries_states_and_matches_torch_past_a_chunk(hybrid, family, ex
     positions = ["position_ids"] if (family, exporter) != ("granitemoehybrid", "ts") else []
     assert [i.name for i in graph.input] == ["input_ids", "attention_mask", *positions, *inputs]
     assert [o.name for o in graph.output] == ["logits", *outputs]
-    assert Counter(n.op_type for n in graph.node)["GatedDeltaNet"] == int(family in GATED)
+    recurrent = LAYERS.get(family, (1, 1))[1]
+    assert Counter(n.op_type for n in graph.node)["GatedDeltaNet"] == recurrent * (family in GATED)
     session = ort.InferenceSession(str(source))
     # before the first token: a batch of one, the caches' sequence axes empty, the states zeros
     carried = {i.name: np.zeros([1, *(0 if isinstance(d, str) else d for d in i.shape[1:])], np.float32)
@@ -102,12 +109,13 @@ def _greedy(model, prompt: list[int]) -> list[int]:
 @pytest.mark.parametrize("family,exporter", CASES)
 def test_contiguous_engine_generates_transformers_greedy_tokens(hybrid, family, exporter):
     model, _, om = hybrid(family, exporter)
-    # the attention layer fused (Qwen3.5's heads of [query | gate] cut into two projections first), the
+    # the attention layers fused (Qwen3.5's heads of [query | gate] cut into two projections first), the
     # recurrent layers left to onnxruntime's ops
     loaded = load_artifact(om)
     ops = Counter(node.op_type for node in loaded.model.graph.node)
+    attention, recurrent = LAYERS.get(family, (1, 1))
     assert (ops["FusedAttention"], ops["Softmax"], ops["GatedDeltaNet"], ops["CausalConvWithState"]) == \
-        (1, 0, int(family in GATED), 1)
+        (attention, 0, recurrent * (family in GATED), recurrent)
     assert loaded.metadata["requires"]["onnxruntime"] == RECURRENT_ONNXRUNTIME  # its contrib ops' CPU kernels
     prompts = [_prompt(length, seed) for seed, length in enumerate(PROMPTS.values())]
     engine = LLMEngine(str(om))
@@ -129,8 +137,9 @@ def test_paged_engine_batches_hybrids_with_their_states_per_sequence(hybrid, fam
     paged.write_text(json.dumps({"page_size": 16}))
     om = compile_to(source, tmp_path / "paged", enable_paged_attention=True, paged_config=str(paged))
     ops = Counter(node.op_type for node in load_artifact(om).model.graph.node)
+    attention, recurrent = LAYERS.get(family, (1, 1))
     assert (ops["PagedAttention"], ops["VarlenCausalConvWithState"], ops["GatedDeltaNet"]) == \
-        (1, 1, int(family in GATED))
+        (attention, recurrent, recurrent * (family in GATED))
     prompts = [_prompt(length, seed) for seed, length in enumerate([70, 7, 33, 21, 45, 12])]
     with LLMEngine(str(om), kv_cache_pages=6, max_num_batched_tokens=32) as engine:
         requests = [engine.submit(prompt, max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)

@@ -8,7 +8,7 @@ over them before anyone else does:
 `--families` also takes the architectures users bring beyond them (`ARCHITECTURES`: Llama 3.2's rope
 scaling, Phi-3.5's longrope, Gemma 2 and 3, GLM-4, Granite, GraniteMoe, OLMo-2, Mixtral, Phi-2, StableLM, GPT-NeoX, Falcon,
 BLOOM, MPT, OPT, GPT-J, CodeGen, GPTBigCode, and the hybrids Qwen3.5, Qwen3-Next, LFM2, Granite 4.0-H,
-Bamba and Nemotron-H), in the same sizes and layout.
+Bamba, Nemotron-H and Falcon-H1), in the same sizes and layout.
 
 Each folder holds `model.onnx`, `reference.npz` (the torch model's outputs on the corpus's two cases, a
 left-padded batch and a second shape) and a `meta.json` with the fields the tests read. An export the
@@ -25,7 +25,7 @@ import click
 import numpy as np
 
 from cann_llm.models.export import NO_CACHE_TYPES, cache_entries, cache_layers, export_causal_lm, io_names
-from cann_llm.models.recurrent_export import recurrent_layers, routed_through_onnxruntime, state_shapes
+from cann_llm.models.recurrent_export import RECURRENT_TYPES, routed_through_onnxruntime, state_shapes
 from cann_llm.models.tiny import TINY_FAMILIES, TinySpec
 
 HELD_BACK = ("mistral", "glm", "phi3", "gemma", "qwen2_moe", "qwen3_moe", "gpt2")
@@ -117,6 +117,15 @@ ARCHITECTURES: dict[str, TinySpec] = {
     "nemotron_h": TinySpec("NemotronHConfig", "NemotronHForCausalLM", dict(
         num_hidden_layers=4, layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"],
         mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16, n_groups=2, chunk_size=16)),
+    # Falcon-H1: Mamba-2 heads beside the attention in every layer, each layer caching keys, values and states
+    "falcon_h1": TinySpec("FalconH1Config", "FalconH1ForCausalLM", dict(
+        mamba_n_heads=4, mamba_d_head=32, mamba_d_ssm=128, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=16)),
+    # Zamba2: Mamba-2 layers, and hybrid ones where one shared attention block (with a LoRA of its own) runs
+    # before the Mamba-2 heads
+    "zamba2": TinySpec("Zamba2Config", "Zamba2ForCausalLM", dict(
+        num_hidden_layers=4, num_key_value_heads=4, head_dim=None, attention_head_dim=16, mamba_headdim=32,
+        mamba_d_state=16, mamba_ngroups=2, chunk_size=16, n_mamba_heads=4, num_mem_blocks=1, use_mem_rope=True,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"])),
     # at transformers' initializer range (0.02) the tiny LFM2 repeats one token whatever it is fed
     "lfm2": TinySpec("Lfm2Config", "Lfm2ForCausalLM", dict(pad_token_id=0, layer_types=["conv", "full_attention"],
                                                            initializer_range=0.1)),
@@ -211,7 +220,7 @@ def expected_counts(model) -> dict[str, int]:
     norms = {"rmsnorm": rms} if rms else {"layernorm": sum(kind == "LayerNorm" for kind in kinds)}
     config = model.config
     types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
-    attending = sum(kind not in NO_CACHE_TYPES for kind in types) - len(recurrent_layers(config))
+    attending = sum(kind not in NO_CACHE_TYPES + RECURRENT_TYPES for kind in types)
     return {"attention_blocks": attending, **norms}
 
 

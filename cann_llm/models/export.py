@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from cann_llm.models.recurrent_export import (cache_argument, computes_gated_delta_rule, dynamo_translations,
-                                              load_states, read_states, recurrent_layers,
+from cann_llm.models.recurrent_export import (PARALLEL_TYPES, cache_argument, computes_gated_delta_rule,
+                                              dynamo_translations, load_states, read_states, recurrent_layers,
                                               register_torchscript_symbolic, routed_through_onnxruntime,
                                               state_shapes)
 from cann_llm.runtime.signature import is_state
@@ -47,9 +47,9 @@ class _CausalLMWithFlatCache(torch.nn.Module):
         flat = iter(past)
         data, loaded = [], {}
         for index, own in enumerate(_own_kv(self.model.config)):
+            data.append((next(flat), next(flat)) if own else (None, None))
             if index in self.states:
                 loaded[index] = {kind: next(flat) for kind in self.states[index]}
-            data.append((next(flat), next(flat)) if own else (None, None))
         cache = DynamicCache(ddp_cache_data=data, config=self.model.config)
         load_states(cache, loaded)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -58,10 +58,10 @@ class _CausalLMWithFlatCache(torch.nn.Module):
         states = read_states(cache, self.states)
         given = []
         for index, (layer, own) in enumerate(zip(cache.layers, _own_kv(self.model.config))):
+            if own:
+                given += [layer.keys, layer.values]
             if index in states:
                 given += states[index].values()
-            elif own:
-                given += [layer.keys, layer.values]
         return (out.logits, *given)
 
 
@@ -79,13 +79,13 @@ NO_CACHE_TYPES = ("moe", "mlp")
 
 
 def _own_kv(config) -> list[bool]:
-    """Whether each layer keeps keys and values of its own: not a recurrent layer, not one that attends to an
-    earlier layer's (Gemma 3n's KV sharing), not one without attention (Nemotron-H's MLP and MoE layers, to
-    which transformers gives a DummyLayer)."""
+    """Whether each layer keeps keys and values of its own: not a recurrent layer (but one with attention beside
+    its recurrence), not one that attends to an earlier layer's (Gemma 3n's KV sharing), not one without
+    attention (Nemotron-H's MLP and MoE layers, to which transformers gives a DummyLayer)."""
     modes = getattr(config, "kv_sharing_modes", None) or [None] * config.num_hidden_layers
     types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
     recurrent = recurrent_layers(config)
-    return [mode != "reuse" and kind not in NO_CACHE_TYPES and index not in recurrent
+    return [mode != "reuse" and kind not in NO_CACHE_TYPES and (index not in recurrent or kind in PARALLEL_TYPES)
             for index, (mode, kind) in enumerate(zip(modes, types))]
 
 
@@ -104,17 +104,17 @@ def cache_shapes(config) -> list[tuple[int, int]]:
 
 
 def cache_layers(config, states: dict | None = None) -> list[tuple[int, tuple[str, ...]]]:
-    """(layer index, what it caches) of each layer that caches something, in order: its key and value, or a
+    """(layer index, what it caches) of each layer that caches something, in order: its key and value, then a
     recurrent layer's states (`states`, see `state_shapes`)."""
     states = states or {}
-    return [(index, tuple(states[index]) if index in states else KV)
+    return [(index, (KV if own else ()) + tuple(states.get(index, ())))
             for index, own in enumerate(_own_kv(config)) if own or index in states]
 
 
 def _layer_names(layer: int, kinds) -> list[tuple[str, str]]:
-    """(input, output) names of one layer's cache tensors: its key and value, or a recurrent layer's states."""
-    prefix = "past_key_values" if tuple(kinds) == KV else "past"
-    return [(f"{prefix}.{layer}.{kind}", f"present.{layer}.{kind}") for kind in kinds]
+    """(input, output) names of one layer's cache tensors: its key and value, a recurrent layer's states."""
+    return [(f"{'past_key_values' if kind in KV else 'past'}.{layer}.{kind}", f"present.{layer}.{kind}")
+            for kind in kinds]
 
 
 def io_names(layers: int | list[tuple[int, tuple[str, ...]]], with_past: bool) -> tuple[list[str], list[str]]:
@@ -136,12 +136,10 @@ def cache_entries(config, states: dict | None = None) -> list[tuple[str, str, tu
     kv = iter(cache_shapes(config))
     entries = []
     for index, kinds in cache_layers(config, states):
-        if kinds == KV:
+        if kinds[:2] == KV:
             heads, size = next(kv)
-            entries += [(past, present, (heads, None, size)) for past, present in _layer_names(index, KV)]
-        else:
-            entries += [(past, present, tuple(states[index][kind]))
-                        for kind, (past, present) in zip(kinds, _layer_names(index, kinds))]
+        entries += [(past, present, (heads, None, size) if kind in KV else tuple(states[index][kind]))
+                    for kind, (past, present) in zip(kinds, _layer_names(index, kinds))]
     return entries
 
 

@@ -27,6 +27,8 @@ import torch
 
 # the layer types transformers gives a state of fixed size instead of keys and values
 RECURRENT_TYPES = ("conv", "linear_attention")
+# and those it gives both, a recurrence beside the attention (Falcon-H1's Mamba-2 heads in every layer)
+PARALLEL_TYPES = ("hybrid",)
 
 
 class Unexportable(NotImplementedError):
@@ -246,9 +248,10 @@ def _mamba2_scan(module, hidden_states, B, C, dt, cache, **kwargs):
 
 
 def recurrent_layers(config) -> dict[int, str]:
-    """{layer index: its type} of the layers with a state of fixed size (empty for a transformer)."""
+    """{layer index: its type} of the layers with a state of fixed size, alone or beside keys and values (empty
+    for a transformer)."""
     types = getattr(config, "layer_types", None) or []
-    return {index: kind for index, kind in enumerate(types) if kind in RECURRENT_TYPES}
+    return {index: kind for index, kind in enumerate(types) if kind in RECURRENT_TYPES + PARALLEL_TYPES}
 
 
 def state_shapes(model: torch.nn.Module) -> dict[int, dict[str, tuple[int, ...]]]:
@@ -257,7 +260,7 @@ def state_shapes(model: torch.nn.Module) -> dict[int, dict[str, tuple[int, ...]]
     layers = recurrent_layers(model.config)
     if not layers:
         return {}
-    if len(layers) == len(model.config.layer_types):
+    if all(kind in RECURRENT_TYPES for kind in model.config.layer_types):
         raise Unexportable(f"{type(model).__name__} has no attention layer, and transformers' cache sizes its "
                            f"masks by one (its own generate fails the same way)")
     from transformers import DynamicCache

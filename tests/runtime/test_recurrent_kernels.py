@@ -60,6 +60,30 @@ def test_reference_equals_onnxruntime_on_sequences_packed_by_cu_seqlens():
         np.testing.assert_allclose(actual, wanted, rtol=0, atol=2e-5)
 
 
+def test_gated_rule_of_mamba2_equals_onnxruntime_and_the_exports_op():
+    """update_rule "gated" at scale 1, no beta (Mamba-2's scan): the reference on sequences packed by cu_seqlens,
+    and the torch op an export writes as this node (cann_llm/models/recurrent_export.py) row by row."""
+    import torch
+
+    from cann_llm.models.recurrent_export import gated_linear_rule
+
+    rng = np.random.default_rng(4)
+    feeds = _inputs(rng, (9,), batch=2)
+    del feeds["beta"]
+    feeds["value"] *= 3  # an input times its time step, unnormalised
+    feeds["cu_seqlens"] = np.array([0, 6, 9], np.int32)
+    expected = _onnxruntime(feeds, update_rule="gated", scale=1.0)
+    got = GatedDeltaNet(feeds["query"], feeds["key"], feeds["value"], feeds["cu_seqlens"], feeds["decay"], None,
+                        feeds["initial_state"], update_rule="gated", scale=1.0)
+    for actual, wanted in zip(got, expected):
+        np.testing.assert_allclose(actual, wanted, rtol=0, atol=2e-5)
+    rows = {k: v for k, v in _inputs(rng, (2, 11), batch=2).items() if k != "beta"}
+    expected = _onnxruntime(rows, update_rule="gated", scale=1.0)
+    got = gated_linear_rule(*(torch.from_numpy(rows[k]) for k in ("query", "key", "value", "decay", "initial_state")))
+    for actual, wanted in zip(got, expected):
+        np.testing.assert_allclose(actual.numpy(), wanted, rtol=0, atol=2e-5)
+
+
 CHANNELS, KERNEL = 6, 4
 
 
