@@ -37,7 +37,7 @@ def export_command(model, output, exporter, with_past) -> None:
 
 def _stateless_recurrence(path) -> bool:
     """Whether the export runs a hybrid's recurrent ops without states to carry (`--no-past`), which only a
-    contiguous compile runs (docs/exporting.md#hybrid-models-qwen35-qwen3-next-lfm2)."""
+    contiguous compile runs (docs/exporting.md#hybrid-models-gated-delta-nets-short-convolutions-mamba-2)."""
     import onnx
 
     from cann_llm.runtime.ops import MICROSOFT_DOMAIN, RECURRENT_CONTRIB_OPS
