@@ -247,15 +247,23 @@ def test_heads_rotated_before_their_transpose_or_cut_with_a_unit_head_axis_fuse_
     _paged_equals_onnxruntime(source, om, [[5, 6, 7], list(range(3, 40))], 12)
 
 
-def test_a_per_head_norm_after_the_rotary_runs_on_onnxruntime(tmp_path):
-    """HunYuan normalises q and k after their rotary: the rotary's last Add feeding that RmsNorm is no
-    residual, and fused into an AddRmsNorm it became onnxruntime's SkipSimplifiedLayerNormalization on 4-D
-    heads, which onnxruntime refuses at run time. Both backends reproduce onnxruntime on the export."""
-    source = _export("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", tmp_path, dynamo=False, with_past=False,
+def test_a_per_head_norm_after_the_rotary_fuses_and_is_served_paged(tmp_path):
+    """HunYuan normalises q and k after their rotary. The rotation stays in the graph, per token, and the op
+    takes the heads rotated and normalised (no rotary of its own), so paged serving rotates each flattened
+    token at its own position. The rotary's last Add feeding that RmsNorm is no residual: fused into an
+    AddRmsNorm it became onnxruntime's SkipSimplifiedLayerNormalization on 4-D heads, which onnxruntime refuses
+    at run time. Both backends reproduce onnxruntime on the export."""
+    source = _export("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", tmp_path, dynamo=False, with_past=True,
                      head_dim=16)
     loaded = _contiguous_equals_onnxruntime(source, tmp_path / "contiguous")
     norms = [n for n in loaded.model.graph.node if n.op_type in ("RmsNorm", "AddRmsNorm")]
     assert len(norms) == 2 * SIZES["num_hidden_layers"] + 1 + 2 * SIZES["num_hidden_layers"]  # and q's, k's
+    attentions = [n for n in loaded.model.graph.node if n.op_type == "FusedAttention"]
+    assert len(attentions) == SIZES["num_hidden_layers"]
+    assert all(onnx.helper.get_attribute_value(a) == 0 for n in attentions for a in n.attribute if a.name == "rotary_dim")
+    om = compile_to(source, tmp_path / "paged", enable_paged_attention=True)
+    assert Counter(n.op_type for n in load_artifact(om).model.graph.node)["PagedAttention"] == SIZES["num_hidden_layers"]
+    _paged_equals_onnxruntime(source, om, [[5, 6, 7], list(range(3, 40))], 12)
 
 
 @pytest.mark.parametrize("dynamo", [False, True])

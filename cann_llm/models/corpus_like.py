@@ -6,9 +6,10 @@ over them before anyone else does:
     CANN_LLM_CORPUS=.cache/corpus-like python -m pytest -n 2 tests/test_corpus.py
 
 `--families` also takes the architectures users bring beyond them (`ARCHITECTURES`: Llama 3.2's rope
-scaling, Phi-3.5's longrope, Gemma 2 and 3, GLM-4, Granite, GraniteMoe, OLMo-2, Mixtral, Phi-2, StableLM, GPT-NeoX, Falcon,
-BLOOM, MPT, OPT, GPT-J, CodeGen, GPTBigCode, and the hybrids Qwen3.5, Qwen3-Next, LFM2, Granite 4.0-H,
-Bamba, Nemotron-H and Falcon-H1), in the same sizes and layout.
+scaling, Phi-3.5's longrope, Gemma 2 and 3, GLM-4, Granite, GraniteMoe, OLMo-2, HunYuan (dense and MoE),
+Mixtral, Phi-2, StableLM, GPT-NeoX, Falcon, BLOOM, MPT, OPT, GPT-J, CodeGen, GPTBigCode, and the hybrids
+Qwen3.5, Qwen3-Next, LFM2, Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1 and Zamba2), in the same sizes and
+layout.
 
 Each folder holds `model.onnx`, `reference.npz` (the torch model's outputs on the corpus's two cases, a
 left-padded batch and a second shape) and a `meta.json` with the fields the tests read. An export the
@@ -102,6 +103,10 @@ ARCHITECTURES: dict[str, TinySpec] = {
         pad_token_id=0, layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16,
         linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)),
+    # HunYuan: q and k normalised per head once rotated
+    "hunyuan": TinySpec("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", dict(pad_token_id=0)),
+    "hunyuan_moe": TinySpec("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", dict(
+        pad_token_id=0, num_experts=4, moe_topk=2, intermediate_size=32)),
     # Mamba-2 hybrids: Granite 4.0-H (no positions in its attention, MoE beside a shared MLP) and Bamba; two
     # groups of B and C for four heads, 16-token chunks in transformers' scan
     "granitemoehybrid": TinySpec("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(

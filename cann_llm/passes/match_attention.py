@@ -32,6 +32,7 @@ import onnx_graphsurgeon as gs
 from onnx import helper
 
 from cann_llm.passes.match_alibi import Alibi, match_alibi, peel_alibi
+from cann_llm.passes.match_rotary import match_rotary
 from cann_llm.passes.pattern import axes_of, const_ints, producer, scalar, sole_consumer
 from cann_llm.runtime.ops import CUSTOM_DOMAIN, RMS_NORM, RmsNormInput
 
@@ -571,7 +572,11 @@ def match_head_split(heads4: gs.Tensor, tokens_first: bool = False) -> Projectio
     after = producer(heads4, RMS_NORM.name)
     if after is not None and after.domain == CUSTOM_DOMAIN:
         # a per-head norm after the transpose: over D, so the transpose is the same before or after it
-        found = match_head_split(after.inputs[RmsNormInput.X])
+        normed = after.inputs[RmsNormInput.X]
+        # a rotation before it (HunYuan normalises q and k once rotated) stays in the graph, which then gives
+        # the op its heads rotated and normalised: per token, so a flattened batch rotates them alike
+        rotated = match_rotary(normed)
+        found = match_head_split(rotated[0] if rotated is not None else normed)
         if isinstance(found, Projection) and not found.per_head:
             return Projection(heads4, found.heads, per_head=True, heads_first=True)
         return found if isinstance(found, str) else "two per-head norms"
