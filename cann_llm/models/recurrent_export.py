@@ -1,16 +1,18 @@
 """Hybrid models' recurrent layers through export: their states as cache tensors, their recurrences as
 onnxruntime's ops.
 
-Qwen3.5 and Qwen3-Next interleave full attention with gated-delta-net layers, LFM2 with short convolutions.
+Qwen3.5 and Qwen3-Next interleave full attention with gated-delta-net layers, LFM2 with short convolutions,
+Granite 4.0-H, Bamba and Nemotron-H with Mamba-2 layers (Falcon-H1 and Zamba2 run Mamba-2 heads beside it).
 Such a layer carries a state of fixed size from step to step instead of a growing cache: a convolution's last
-inputs (`past.{layer}.conv`, [batch, channels, kernel - 1]) and, for a gated delta net, its recurrent matrix
-(`past.{layer}.recurrent`, [batch, value heads, value size, key size]), given back as `present.{layer}.conv`
-and `.recurrent`: onnxruntime-genai's names and layouts.
+inputs (`past.{layer}.conv`, [batch, channels, kernel - 1]) and, for a gated delta net or a Mamba-2 scan, its
+recurrent matrix (`past.{layer}.recurrent`, [batch, value heads, value size, key size]), given back as
+`present.{layer}.conv` and `.recurrent`: onnxruntime-genai's names and layouts.
 
-Transformers computes the gated delta rule in chunks of 64 tokens with a Python loop over the chunks, which
-torch.export writes out for the traced length: its export fails past 64 tokens, and TorchScript cannot export
-the triangular solve at all. During an export here the rule is one `com.microsoft.GatedDeltaNet` node, which
-onnxruntime runs on the CPU for any length (the same rule token by token, the state in float32), and each
+Transformers computes the gated delta rule in chunks of 64 tokens, and Mamba-2's scan in chunks of its
+config's size, with a Python loop over the chunks, which torch.export writes out for the traced length: its
+export fails past one chunk, and TorchScript cannot export the rule's triangular solve at all. During an
+export here the rule is one `com.microsoft.GatedDeltaNet` node, and so is the scan (its gated rule, without the
+delta), which onnxruntime runs on the CPU for any length (token by token, the state in float32), and each
 causal convolution with its state one `com.microsoft.CausalConvWithState`: the two ops whose forms over a
 packed batch of sequences (cu_seqlens) the paged engine runs.
 """
@@ -283,8 +285,8 @@ def state_shapes(model: torch.nn.Module) -> dict[int, dict[str, tuple[int, ...]]
     if routed.rules != sum("recurrent" in found for found in shapes.values()):
         raise Unexportable(f"the recurrence of {type(model).__name__}'s {', '.join(set(layers.values()))} "
                            f"layers is neither transformers' gated delta rule (Qwen3.5's) nor Mamba-2's "
-                                  f"scan, which the export writes as onnxruntime's GatedDeltaNet (Mamba-1's "
-                                  f"selective scan is not)")
+                           f"scan, which the export writes as onnxruntime's GatedDeltaNet (Mamba-1's "
+                           f"selective scan is not)")
     return shapes
 
 
@@ -376,14 +378,16 @@ def routed_through_onnxruntime(model: torch.nn.Module):
 
 
 def dynamo_translations() -> dict:
-    """The custom translation table the dynamo exporter takes for `gated_delta_rule` and `causal_conv`."""
+    """The custom translation table the dynamo exporter takes for `gated_delta_rule`, `gated_linear_rule` and
+    `causal_conv`."""
     return {torch.ops.cann_export.gated_delta_rule.default: _onnx_rule,
             torch.ops.cann_export.gated_linear_rule.default: _onnx_linear_rule,
             torch.ops.cann_export.causal_conv.default: _onnx_conv}
 
 
 def register_torchscript_symbolic(opset: int) -> None:
-    """Let TorchScript's exporter write `gated_delta_rule` and `causal_conv` as onnxruntime's ops at `opset`."""
+    """Let TorchScript's exporter write `gated_delta_rule`, `gated_linear_rule` and `causal_conv` as onnxruntime's
+    ops at `opset`."""
     torch.onnx.register_custom_op_symbolic("cann_export::gated_delta_rule", _torchscript_rule, opset)
     torch.onnx.register_custom_op_symbolic("cann_export::gated_linear_rule", _torchscript_linear_rule, opset)
     torch.onnx.register_custom_op_symbolic("cann_export::causal_conv", _torchscript_conv, opset)
