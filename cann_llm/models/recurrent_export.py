@@ -283,7 +283,10 @@ def state_shapes(model: torch.nn.Module) -> dict[int, dict[str, tuple[int, ...]]
             found["recurrent"] = tuple(layer.recurrent_states[0].shape[1:])
         shapes[index] = found
     if routed.rules != sum("recurrent" in found for found in shapes.values()):
-        raise Unexportable(f"the recurrence of {type(model).__name__}'s {', '.join(set(layers.values()))} "
+        # each recurrent layer's mixer: the module of that layer that holds its convolution
+        mixers = sorted({type(m).__name__ for m in model.modules()
+                         if getattr(m, "layer_idx", None) in layers and hasattr(m, "conv1d")})
+        raise Unexportable(f"the recurrence of {type(model).__name__}'s {', '.join(mixers) or 'recurrent'} "
                            f"layers is neither transformers' gated delta rule (Qwen3.5's) nor Mamba-2's "
                            f"scan, which the export writes as onnxruntime's GatedDeltaNet (Mamba-1's "
                            f"selective scan is not)")

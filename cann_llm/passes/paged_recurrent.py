@@ -144,8 +144,8 @@ def refuse_unpackable(graph: gs.Graph) -> None:
     convolution written as Concat, Conv and Slice, from an export not made by cann-run export), a recurrent op
     whose state is no graph input, or a convolution over the tokens with no state at all (a hybrid exported
     without its cache): over a flattened batch it would mix the sequences."""
-    remedy = "export the model with cann-run export (its states as cache tensors), or compile with " \
-             "--enable_paged_attention=0"
+    remedy = "export the model with its states as cache tensors (cann-run export, without --no-past), or " \
+             "compile with --enable_paged_attention=0"
     recurrent = [n for n in graph.nodes if n.domain == MICROSOFT_DOMAIN and n.op in _RECURRENT_OPS]
     readers = {id(t) for n in recurrent for t in n.inputs}
     loose = sorted(t.name for t in graph.inputs if STATE_NAME.match(t.name) and id(t) not in readers)

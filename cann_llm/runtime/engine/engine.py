@@ -731,6 +731,7 @@ class LLMEngine:
             self.runner.release(seq)
         self.stats.preemptions += len(batch.preempted)
         for seq in batch.finished:
+            self.runner.release(seq)
             self._complete(self._requests[seq.seq_id])
         if not batch.seqs:
             return

@@ -2,12 +2,13 @@
 
 Each step it first serves the running sequences by urgency (lowest `priority` first, then arrival; a decode
 needs one token, an unfinished prefill its next chunk), then admits waiting ones while the budget,
-`max_batch_size` (or the lower `batch_cap` a step-time target sets) and free pages allow: the most urgent first (a waiting one rises a level for every
-`priority_aging_s` seconds it has waited, so none starves), ties by arrival; if the most urgent cannot get
-its pages yet, none behind it jumps ahead. When pages run out, the least urgent running sequence (the
-latest among equals) is preempted by recompute: its pages are freed and it waits again with its arrival
-time, ahead of later ones (its pages may still be found in the prefix cache when it returns). A sequence alone in the batch that still cannot get a page is finished
-with reason "length"; nothing waits on pages that can never come.
+`max_batch_size` (or the lower `batch_cap` a step-time target sets) and free pages allow: the most urgent
+first (a waiting one rises a level for every `priority_aging_s` seconds it has waited, so none starves), ties
+by arrival; if the most urgent cannot get its pages yet, none behind it jumps ahead. When pages run out, the
+least urgent running sequence (the latest among equals) is preempted by recompute: its pages are freed and it
+waits again with its arrival time, ahead of later ones (its pages may still be found in the prefix cache when
+it returns). A sequence alone in the batch that still cannot get a page (a prompt longer than the pool, or an
+output grown past it) is finished with reason "length"; nothing waits on pages that can never come.
 """
 
 from __future__ import annotations
@@ -84,6 +85,13 @@ class Scheduler:
                 seq.draft.clear()  # a draft never costs another sequence its pages
                 count = self._count(seq, budget)
             while not self.blocks.can_hold(seq, seq.num_computed + count):
+                if self.running == [seq]:
+                    # grown past the whole pool: preempted, it would come back in chunks to this very page
+                    self.running.remove(seq)
+                    self.blocks.free(seq)
+                    seq.finish("length")
+                    batch.finished.append(seq)
+                    break
                 victim = self.running[-1]
                 self._preempt(victim)
                 batch.preempted.append(victim)

@@ -52,6 +52,21 @@ def test_preemption_by_recompute_keeps_greedy_output_and_frees_every_page(small_
         assert engine.blocks.num_free == engine.blocks.num_pages
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_an_output_that_outgrows_the_whole_pool_ends_with_length(small_pages_om, prefix_caching):
+    """Alone, its prompt in chunks of 32 tokens, a sequence grows past the pool (10 pages of 16 tokens: 70 prompt
+    tokens and 100 wanted). Preempted, it came back chunk by chunk to the same page, forever (with its prompt's
+    pages from the prefix cache, or, as a hybrid's, without). It ends with reason "length" and the 91 tokens
+    the pool held."""
+    prompt = mixed_prompts(1, seed=3, low=70, high=71)[0]
+    with LLMEngine(small_pages_om, kv_cache_pages=10, max_num_batched_tokens=32, max_context_len=512,
+                   enable_prefix_caching=prefix_caching) as engine:
+        request = engine.submit(prompt, max_new_tokens=100, temperature=0, ignore_eos=True)
+        assert request.future.result(timeout=60) is not None
+        assert request.finish_reason == "length" and len(request.output_ids) == 10 * 16 - 70 + 1
+        assert engine.blocks.num_free == engine.blocks.num_pages
+
+
 def test_flash_prefill_keeps_greedy_output(tmp_path):
     from cann_llm.models.tiny import tiny_onnx
 

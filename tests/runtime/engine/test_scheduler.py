@@ -60,6 +60,19 @@ def test_a_request_larger_than_the_whole_pool_ends_instead_of_waiting_forever():
     assert blocks.num_free == 2
 
 
+@pytest.mark.parametrize("budget, prefix_caching", [(32, False), (512, False), (32, True)])
+def test_an_output_that_outgrows_the_whole_pool_ends_with_length(budget, prefix_caching):
+    """Alone, a sequence grows past the pool's 10 pages of 16 tokens (70 prompt tokens, 100 wanted): preempted
+    without a prefix cache to take its pages back from (a hybrid's), it would be recomputed in chunks of the
+    token budget up to the same page, forever. It ends with what it has."""
+    blocks = BlockManager(10, 16, enable_prefix_caching=prefix_caching)
+    scheduler = Scheduler(blocks, max_batch_size=4, max_num_batched_tokens=budget)
+    seq = Sequence(list(range(70)), SamplingParams(max_new_tokens=100))
+    _drive(scheduler, [seq], max_steps=500)
+    assert seq.finish_reason == "length" and len(seq.output_ids) == 10 * 16 - 70 + 1
+    assert blocks.num_free == 10
+
+
 def test_max_batch_size_caps_the_running_set():
     blocks = BlockManager(64, 16)
     scheduler = Scheduler(blocks, max_batch_size=2, max_num_batched_tokens=512)
