@@ -266,6 +266,20 @@ def test_a_per_head_norm_after_the_rotary_fuses_and_is_served_paged(tmp_path):
     _paged_equals_onnxruntime(source, om, [[5, 6, 7], list(range(3, 40))], 12)
 
 
+def test_queries_scaled_by_position_once_rotated_fuse_and_are_served_paged(tmp_path):
+    """Ministral 3 multiplies each token's rotated queries by 1 + β·log(1 + ⌊position / L⌋) (L brought down to 4
+    from the released 16,384, so the factor moves within these prompts): the factor goes on the queries before
+    the fused op rotates them, and paged serving gives the export's greedy tokens."""
+    source = _export("Ministral3Config", "Ministral3ForCausalLM", tmp_path, dynamo=False, with_past=True,
+                     head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                   "original_max_position_embeddings": 4, "llama_4_scaling_beta": 0.5})
+    loaded = _contiguous_equals_onnxruntime(source, tmp_path / "contiguous")
+    assert Counter(n.op_type for n in loaded.model.graph.node)["FusedAttention"] == SIZES["num_hidden_layers"]
+    om = compile_to(source, tmp_path / "paged", enable_paged_attention=True)
+    assert Counter(n.op_type for n in load_artifact(om).model.graph.node)["PagedAttention"] == SIZES["num_hidden_layers"]
+    _paged_equals_onnxruntime(source, om, [[5, 6, 7], list(range(3, 40))], 12)
+
+
 @pytest.mark.parametrize("dynamo", [False, True])
 def test_a_router_that_softmaxes_its_top_k_fuses(dynamo, tmp_path):
     """GraniteMoe routes by TopK of the logits, then a Softmax of those k: the renormalised top-k

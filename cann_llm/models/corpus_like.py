@@ -6,8 +6,8 @@ over them before anyone else does:
     CANN_LLM_CORPUS=.cache/corpus-like python -m pytest -n 2 tests/test_corpus.py
 
 `--families` also takes the architectures users bring beyond them (`ARCHITECTURES`: Llama 3.2's rope
-scaling, Phi-3.5's longrope, Gemma 2 and 3, GLM-4, Granite, GraniteMoe, OLMo-2, HunYuan (dense and MoE),
-Mixtral, Phi-2, StableLM, GPT-NeoX, Falcon, BLOOM, MPT, OPT, GPT-J, CodeGen, GPTBigCode, and the hybrids
+scaling, Phi-3.5's longrope, Gemma 2 and 3, GLM-4, Granite, GraniteMoe, OLMo-2, Ministral 3, HunYuan (dense and
+MoE), Mixtral, Phi-2, StableLM, GPT-NeoX, Falcon, BLOOM, MPT, OPT, GPT-J, CodeGen, GPTBigCode, and the hybrids
 Qwen3.5, Qwen3-Next, LFM2, Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1 and Zamba2), in the same sizes and
 layout.
 
@@ -103,6 +103,11 @@ ARCHITECTURES: dict[str, TinySpec] = {
         pad_token_id=0, layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16,
         linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)),
+    # Ministral 3: yarn, and each token's queries scaled once rotated by 1 + β·log(1 + ⌊position / 4⌋) (the
+    # released models' 16,384 brought down to where the corpus's positions reach)
+    "ministral3": TinySpec("Ministral3Config", "Ministral3ForCausalLM", dict(pad_token_id=0, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "original_max_position_embeddings": 4,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1})),
     # HunYuan: q and k normalised per head once rotated
     "hunyuan": TinySpec("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", dict(pad_token_id=0)),
     "hunyuan_moe": TinySpec("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", dict(

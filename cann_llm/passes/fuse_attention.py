@@ -78,10 +78,26 @@ class AttentionMatch:
     alibi_from_mask: bool = False
     tokens_first: bool = False  # q, k, v, the output and the cache sequence-first ([S, B, ...]), as ChatGLM's
     sinks: tuple[float, ...] = ()  # gpt-oss's logit a head beside its scores (cann_llm/passes/match_sinks.py)
+    query_token_scale: gs.Tensor | None = None  # [B, 1, S, 1]: each token's query scaled once rotated (Ministral 3)
 
 
 # the heads moved to the front of a sequence-first [S, B, H, D]: [B, H, S, D], and kᵀ [B, H, D, S]
 _HEADS_OF_TOKENS_FIRST, _KEYS_T_OF_TOKENS_FIRST = [1, 2, 0, 3], [1, 2, 3, 0]
+
+
+def _token_scaled(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor] | None:
+    """(the rotated queries, the scale) of [B, H, S, D] queries multiplied once rotated by a factor a token,
+    [B, 1, S, 1] (Llama 4's and Ministral 3's attention scale by position). A rotation is linear in each
+    token's vector, so the factor may as well come before it, where the fused op's rotary takes it."""
+    product = producer(tensor, "Mul")
+    if product is None:
+        return None
+    for rotated, factor in (product.inputs, product.inputs[::-1]):
+        dims = factor.shape
+        if not isinstance(factor, gs.Constant) and dims is not None and len(dims) == 4 and dims[1] == 1 \
+                and dims[3] == 1 and match_rotary(rotated) is not None:
+            return rotated, factor
+    return None
 
 
 def _transposed_keys(tensor: gs.Tensor) -> tuple[gs.Tensor, float, bool] | None:
@@ -239,10 +255,16 @@ class FuseAttention(FusionPass):
             return "the attention does not compute in float32, as the fused op does"
 
         query_rope = match_rotary(query4)
+        token_scale = None
+        if query_rope is None and not tokens_first and (scaled := _token_scaled(query4)) is not None:
+            query4, token_scale = scaled
+            query_rope = match_rotary(query4)
         key_present, key_repeats = _repeated(key_rep, tokens_first)
         value_present, value_repeats = _repeated(value_rep, tokens_first)
         owner = _cache_owner(key_present, value_present)
         if owner is not None:  # the keys and values of an earlier layer, fused already (Gemma 3n's KV sharing)
+            if token_scale is not None:
+                return "queries scaled a token once rotated, attending to an earlier layer's cache"
             reused = _reused_cache(owner, query4, query_rope, tokens_first)
             if isinstance(reused, str):
                 return reused
@@ -319,7 +341,7 @@ class FuseAttention(FusionPass):
                               value_cache.present, source.attention_mask, source.causal, window, rotary, heads,
                               kv_heads, head_dim, scale, output, softmax.name.rsplit("/", 1)[0] + "/" + FUSED_ATTENTION.name,
                               softcap, () if alibi is None else tuple(float(m) * outside for m in alibi.slopes),
-                              alibi is not None and alibi.mask is not None, tokens_first, sinks)
+                              alibi is not None and alibi.mask is not None, tokens_first, sinks, token_scale)
 
     def rewrite(self, graph: gs.Graph, match: AttentionMatch) -> None:
         def transposed(tensor: gs.Tensor, perm: list[int], label: str) -> gs.Tensor:
@@ -357,6 +379,17 @@ class FuseAttention(FusionPass):
         rotary = match.rotary
         slot = FusedAttentionInput
         query = flat(match.query)
+        if match.query_token_scale is not None:  # [B, 1, S, 1] to [B, S, 1]: a factor on each token's queries
+            factor = match.query_token_scale
+            tokens = transposed(factor, [0, 2, 1, 3], "TokensFirst")
+            flat_factor = gs.Variable(f"{match.name}/query_token_scale", dtype=factor.dtype,
+                                      shape=None if tokens.shape is None else list(tokens.shape[:3]))
+            graph.nodes.append(gs.Node("Squeeze", name=f"{match.name}/QueryTokenScale", outputs=[flat_factor], inputs=[
+                tokens, gs.Constant(f"{match.name}/query_token_scale_axes", np.array([3], np.int64))]))
+            scaled = gs.Variable(f"{match.name}/query_scaled", dtype=query.dtype, shape=query.shape)
+            graph.nodes.append(gs.Node("Mul", name=f"{match.name}/QueryScaled", inputs=[query, flat_factor],
+                                       outputs=[scaled]))
+            query = scaled
         cos, sin = (rotary.cos, rotary.sin) if rotary else (None, None)
         if match.tokens_first:
             if rotary:  # tables [S, B, 1, R] to [B, 1, S, R]
