@@ -91,8 +91,9 @@ def main(out: Path, rounds: int, new_tokens: int, prompt: int) -> None:
                 timings[count] = (time.perf_counter() - start, sum(spent))
             decode = timings[new_tokens + 1][0] - timings[1][0]
             rates.append(new_tokens / decode)
-            shares.append((timings[new_tokens + 1][1] - timings[1][1]) / decode)
-            print(f"decode {rates[-1]:.1f} tok/s, states {1000 * shares[-1] * decode / new_tokens:.2f} ms a step "
+            whole, states = timings[new_tokens + 1]  # the prompt's step and every decode step
+            shares.append(states / whole)
+            print(f"decode {rates[-1]:.1f} tok/s, states {1000 * states / (new_tokens + 1):.2f} ms a step "
                   f"({100 * shares[-1]:.1f}% of it)", flush=True)
     print(f"median: decode {statistics.median(rates):.1f} tok/s, states {100 * statistics.median(shares):.1f}% "
           f"of a step")
