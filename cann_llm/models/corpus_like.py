@@ -6,10 +6,10 @@ over them before anyone else does:
     CANN_LLM_CORPUS=.cache/corpus-like python -m pytest -n 2 tests/test_corpus.py
 
 `--families` also takes the architectures users bring beyond them (`ARCHITECTURES`: Llama 3.2's rope
-scaling, Phi-3.5's longrope, Gemma 2 and 3, GLM-4, Granite, GraniteMoe, OLMo-2, Ministral 3, HunYuan (dense and
-MoE), Mixtral, Phi-2, StableLM, GPT-NeoX, Falcon, BLOOM, MPT, OPT, GPT-J, CodeGen, GPTBigCode, and the hybrids
-Qwen3.5, Qwen3-Next, LFM2, Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1 and Zamba2), in the same sizes and
-layout.
+scaling, Phi-3.5's longrope, Gemma 2 and 3, GLM-4, Granite, GraniteMoe, OLMo, OLMo-2, OLMo 3, SmolLM3, EXAONE 4,
+Nemotron, Ministral 3, HunYuan (dense and MoE), Mixtral, Phi-2, StableLM, GPT-NeoX, Falcon, BLOOM, MPT, OPT,
+GPT-J, CodeGen, GPTBigCode, and the hybrids Qwen3.5, Qwen3-Next, LFM2, Granite 4.0-H, Bamba, Nemotron-H,
+Falcon-H1 and Zamba2), in the same sizes and layout.
 
 Each folder holds `model.onnx`, `reference.npz` (the torch model's outputs on the corpus's two cases, a
 left-padded batch and a second shape) and a `meta.json` with the fields the tests read. An export the
@@ -103,6 +103,15 @@ ARCHITECTURES: dict[str, TinySpec] = {
         pad_token_id=0, layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16,
         linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)),
+    # SmolLM3: every fourth layer without rotary; OLMo 3 and EXAONE 4: sliding-window layers between full ones
+    # (EXAONE 4 normalises q and k per head); OLMo and Nemotron: LayerNorms of their own (weightless, 1 + w)
+    "smollm3": TinySpec("SmolLM3Config", "SmolLM3ForCausalLM", dict(pad_token_id=0, no_rope_layers=[1, 0])),
+    "olmo3": TinySpec("Olmo3Config", "Olmo3ForCausalLM", dict(
+        pad_token_id=0, sliding_window=16, layer_types=["sliding_attention", "full_attention"])),
+    "exaone4": TinySpec("Exaone4Config", "Exaone4ForCausalLM", dict(
+        pad_token_id=0, sliding_window=16, layer_types=["sliding_attention", "full_attention"])),
+    "olmo": TinySpec("OlmoConfig", "OlmoForCausalLM", dict(pad_token_id=0)),
+    "nemotron": TinySpec("NemotronConfig", "NemotronForCausalLM", dict(pad_token_id=0, partial_rotary_factor=0.5)),
     # Ministral 3: yarn, and each token's queries scaled once rotated by 1 + β·log(1 + ⌊position / 4⌋) (the
     # released models' 16,384 brought down to where the corpus's positions reach)
     "ministral3": TinySpec("Ministral3Config", "Ministral3ForCausalLM", dict(pad_token_id=0, rope_parameters={
@@ -227,7 +236,8 @@ def expected_counts(model) -> dict[str, int]:
     attention (Nemotron-H's MLP blocks), and its RMSNorm modules (or LayerNorm ones)."""
     kinds = [type(module).__name__ for module in model.modules()]
     rms = sum(kind.endswith(("RMSNorm", "RMSNormGated")) for kind in kinds)  # Qwen3.5's gated norm normalises too
-    norms = {"rmsnorm": rms} if rms else {"layernorm": sum(kind == "LayerNorm" for kind in kinds)}
+    # (OLMo's LayerNorm and Nemotron's LayerNorm1P, classes of their own, export as LayerNormalization too)
+    norms = {"rmsnorm": rms} if rms else {"layernorm": sum("LayerNorm" in kind for kind in kinds)}
     config = model.config
     types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
     attending = sum(kind not in NO_CACHE_TYPES + RECURRENT_TYPES for kind in types)
