@@ -25,8 +25,9 @@ from pathlib import Path
 import click
 import numpy as np
 
-from cann_llm.models.export import NO_CACHE_TYPES, cache_entries, cache_layers, export_causal_lm, io_names
-from cann_llm.models.recurrent_export import RECURRENT_TYPES, routed_through_onnxruntime, state_shapes
+from cann_llm.models.export import cache_entries, cache_layers, export_causal_lm, io_names
+from cann_llm.models.recurrent_export import (NO_CACHE_TYPES, RECURRENT_TYPES, routed_through_onnxruntime,
+                                              state_shapes)
 from cann_llm.models.tiny import TINY_FAMILIES, TinySpec
 
 HELD_BACK = ("mistral", "glm", "phi3", "gemma", "qwen2_moe", "qwen3_moe", "gpt2")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from cann_llm.models.recurrent_export import (PARALLEL_TYPES, cache_argument, computes_gated_delta_rule,
+from cann_llm.models.recurrent_export import (NO_CACHE_TYPES, PARALLEL_TYPES, cache_argument, computes_gated_delta_rule,
                                               dynamo_translations, load_states, read_states, recurrent_layers,
                                               register_torchscript_symbolic, routed_through_onnxruntime,
                                               state_shapes)
@@ -74,8 +74,6 @@ class _CausalLMWithoutPositions(_CausalLMWithFlatCache):
 
 
 KV = ("key", "value")
-# the layer types transformers caches nothing for (a DummyLayer): Nemotron-H's blocks without attention
-NO_CACHE_TYPES = ("moe", "mlp")
 
 
 def _own_kv(config) -> list[bool]:

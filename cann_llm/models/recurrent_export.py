@@ -30,7 +30,9 @@ import torch
 # the layer types transformers gives a state of fixed size instead of keys and values
 RECURRENT_TYPES = ("conv", "linear_attention")
 # and those it gives both, a recurrence beside the attention (Falcon-H1's Mamba-2 heads in every layer)
-PARALLEL_TYPES = ("hybrid",)
+PARALLEL_TYPES = ("hybrid", "hybrid_sliding")
+# the layer types transformers caches nothing for (a DummyLayer): Nemotron-H's blocks without attention
+NO_CACHE_TYPES = ("moe", "mlp")
 
 
 class Unexportable(NotImplementedError):
@@ -262,7 +264,7 @@ def state_shapes(model: torch.nn.Module) -> dict[int, dict[str, tuple[int, ...]]
     layers = recurrent_layers(model.config)
     if not layers:
         return {}
-    if all(kind in RECURRENT_TYPES for kind in model.config.layer_types):
+    if all(kind in RECURRENT_TYPES + NO_CACHE_TYPES for kind in model.config.layer_types):
         raise Unexportable(f"{type(model).__name__} has no attention layer, and transformers' cache sizes its "
                            f"masks by one (its own generate fails the same way)")
     from transformers import DynamicCache
@@ -271,6 +273,10 @@ def state_shapes(model: torch.nn.Module) -> dict[int, dict[str, tuple[int, ...]]
     with torch.no_grad(), routed_through_onnxruntime(model) as routed:
         model(input_ids=torch.zeros(1, 2, dtype=torch.long), use_cache=True,
               **{cache_argument(model): cache})
+    unlisted = sorted(routed.convolutions - layers.keys())
+    if unlisted:
+        raise Unexportable(f"layers {unlisted} of {type(model).__name__} run a causal convolution with a state, "
+                           f"and their type is not one the export carries states for")
     shapes = {}
     for index in layers:
         layer = cache.layers[index]

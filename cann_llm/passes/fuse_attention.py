@@ -87,7 +87,7 @@ _HEADS_OF_TOKENS_FIRST, _KEYS_T_OF_TOKENS_FIRST = [1, 2, 0, 3], [1, 2, 3, 0]
 
 def _token_scaled(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor] | None:
     """(the rotated queries, the scale) of [B, H, S, D] queries multiplied once rotated by a factor a token,
-    [B, 1, S, 1] (Llama 4's and Ministral 3's attention scale by position). A rotation is linear in each
+    [B, 1, S, 1] (Ministral 3's attention scale by position). A rotation is linear in each
     token's vector, so the factor may as well come before it, where the fused op's rotary takes it."""
     product = producer(tensor, "Mul")
     if product is None:

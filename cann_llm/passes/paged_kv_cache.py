@@ -17,6 +17,7 @@ import onnx_graphsurgeon as gs
 
 from cann_llm.passes.base import PassResult
 from cann_llm.passes.graph_utils import replace_all_uses, unfused_attention
+from cann_llm.passes.match_rotary import match_rotary
 from cann_llm.passes.paged_recurrent import (drop_padding_products, has_recurrent_states, pack_recurrent_ops,
                                              refuse_unpackable)
 from cann_llm.passes.pattern import const_ints, fused_node, producer, scalar
@@ -137,12 +138,14 @@ class PagedKvCache:
 
 def _positions_unread(graph: gs.Graph, attentions: list[gs.Node]) -> bool:
     """Whether no part of the graph but the attention's order reads the tokens' positions: no rotary table,
-    and either ALiBi's slopes (BLOOM, MPT and Falcon-RW export no positions) or nothing that counts (no Range,
-    no CumSum: Granite 4.0-H's attention has no positions, and TorchScript drops the input it never reads)."""
+    and either ALiBi's slopes (BLOOM, MPT and Falcon-RW export no positions) or nothing that counts or turns
+    (no Range, no CumSum, no Sin or Cos, no rotation left outside the attention: Granite 4.0-H's attention has
+    no positions, and TorchScript drops the input it never reads)."""
     if any(input_at(n.inputs, Fused.COS) is not None for n in attentions):
         return False
     return all(n.attrs.get("alibi_slopes") for n in attentions) \
-        or not any(n.op in ("Range", "CumSum") for n in graph.nodes)
+        or not any(n.op in ("Range", "CumSum", "Sin", "Cos") or n.op == "Add" and match_rotary(n.outputs[0])
+                   for n in graph.nodes)
 
 
 def _positions_from_an_input(graph: gs.Graph, attention: gs.Node) -> None:

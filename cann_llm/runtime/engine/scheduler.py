@@ -85,7 +85,7 @@ class Scheduler:
                 seq.draft.clear()  # a draft never costs another sequence its pages
                 count = self._count(seq, budget)
             while not self.blocks.can_hold(seq, seq.num_computed + count):
-                if self.running == [seq]:
+                if len(self.running) == 1:  # seq alone holds pages (a waiting one holds none)
                     # grown past the whole pool: preempted, it would come back in chunks to this very page
                     self.running.remove(seq)
                     self.blocks.free(seq)
