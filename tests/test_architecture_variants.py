@@ -280,6 +280,18 @@ def test_queries_scaled_by_position_once_rotated_fuse_and_are_served_paged(tmp_p
     _paged_equals_onnxruntime(source, om, [[5, 6, 7], list(range(3, 40))], 12)
 
 
+def test_a_rotation_turned_the_other_way_fuses_and_is_served_paged(tmp_path):
+    """nanochat's rotate_half is cat(x2, -x1), Llama's negated: read as Llama's with the sine negated
+    (FlippedRotaryCanonicalizationPass), its attention fuses (q and k normalised without weights once rotated)
+    and paged serving gives the export's greedy tokens."""
+    source = _export("NanoChatConfig", "NanoChatForCausalLM", tmp_path, dynamo=False, with_past=True, head_dim=16)
+    loaded = _contiguous_equals_onnxruntime(source, tmp_path / "contiguous")
+    assert Counter(n.op_type for n in loaded.model.graph.node)["FusedAttention"] == SIZES["num_hidden_layers"]
+    om = compile_to(source, tmp_path / "paged", enable_paged_attention=True)
+    assert Counter(n.op_type for n in load_artifact(om).model.graph.node)["PagedAttention"] == SIZES["num_hidden_layers"]
+    _paged_equals_onnxruntime(source, om, [[5, 6, 7], list(range(3, 40))], 12)
+
+
 @pytest.mark.parametrize("dynamo", [False, True])
 def test_a_router_that_softmaxes_its_top_k_fuses(dynamo, tmp_path):
     """GraniteMoe routes by TopK of the logits, then a Softmax of those k: the renormalised top-k

@@ -9,6 +9,7 @@ from cann_llm.compiler.pass_manager import Pass
 from cann_llm.compiler.tokenizer_files import tokenizer_files
 from cann_llm.passes.canonicalize_gemm import CanonicalizeGemm
 from cann_llm.passes.canonicalize_layout import CanonicalizeLayout
+from cann_llm.passes.canonicalize_flipped_rotary import CanonicalizeFlippedRotary
 from cann_llm.passes.canonicalize_pair_rotary import CanonicalizePairRotary
 from cann_llm.passes.canonicalize_split_rotary import CanonicalizeSplitRotary
 from cann_llm.passes.check_cache_layout import CheckCacheLayout
@@ -133,6 +134,7 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: Wei
         ExpandRotaryEmbedding(),  # the rotary ops the conversions left, in the spelling attention fusion reads
         CanonicalizePairRotary(),  # ChatGLM's rotation of pairs on a view of them, in that spelling too
         CanonicalizeSplitRotary(),  # gpt-oss's rotation of each head's two halves, likewise
+        CanonicalizeFlippedRotary(),  # nanochat's rotate_half the other way round, likewise
         SplitUnitHeadAxis(),  # GPTBigCode's q/k/v cut from a view with a head axis of one
         HoistHeadTranspose(),  # GPT-J's and CodeGen's heads rotated before their transpose
         SplitInterleavedQkv(),  # GPT-NeoX's head-by-head q/k/v, as three blocks

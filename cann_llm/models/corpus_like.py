@@ -7,7 +7,7 @@ over them before anyone else does:
 
 `--families` also takes the architectures users bring beyond them (`ARCHITECTURES`: Llama 3.2's rope
 scaling, Phi-3.5's longrope, Gemma 2 and 3, GLM-4, Granite, GraniteMoe, OLMo, OLMo-2, OLMo 3, SmolLM3, EXAONE 4,
-Nemotron, Ministral 3, HunYuan (dense and MoE), Mixtral, Phi-2, StableLM, GPT-NeoX, Falcon, BLOOM, MPT, OPT,
+Nemotron, Ministral 3, nanochat, HunYuan (dense and MoE), Mixtral, Phi-2, StableLM, GPT-NeoX, Falcon, BLOOM, MPT, OPT,
 GPT-J, CodeGen, GPTBigCode, and the hybrids Qwen3.5, Qwen3-Next, LFM2, Granite 4.0-H, Bamba, Nemotron-H,
 Falcon-H1 and Zamba2), in the same sizes and layout.
 
@@ -118,6 +118,8 @@ ARCHITECTURES: dict[str, TinySpec] = {
     "ministral3": TinySpec("Ministral3Config", "Ministral3ForCausalLM", dict(pad_token_id=0, rope_parameters={
         "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "original_max_position_embeddings": 4,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1})),
+    # nanochat: its rotate_half turned the other way, q and k normalised (without weights) once rotated
+    "nanochat": TinySpec("NanoChatConfig", "NanoChatForCausalLM", dict(pad_token_id=0)),
     # HunYuan: q and k normalised per head once rotated
     "hunyuan": TinySpec("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", dict(pad_token_id=0)),
     "hunyuan_moe": TinySpec("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", dict(
@@ -234,11 +236,28 @@ def _reference(model, with_past: bool) -> dict[str, np.ndarray]:
 def expected_counts(model) -> dict[str, int]:
     """What the corpus's meta.json says a compiler should find, counted on the torch model (not read from
     this project's recipes): an attention block a layer but a hybrid's recurrent ones and the layers without
-    attention (Nemotron-H's MLP blocks), and its RMSNorm modules (or LayerNorm ones)."""
-    kinds = [type(module).__name__ for module in model.modules()]
-    rms = sum(kind.endswith(("RMSNorm", "RMSNormGated")) for kind in kinds)  # Qwen3.5's gated norm normalises too
-    # (OLMo's LayerNorm and Nemotron's LayerNorm1P, classes of their own, export as LayerNormalization too)
-    norms = {"rmsnorm": rms} if rms else {"layernorm": sum("LayerNorm" in kind for kind in kinds)}
+    attention (Nemotron-H's MLP blocks), and the calls of its RMSNorm modules (or LayerNorm ones) in a forward
+    pass (nanochat's final norm also normalises the embeddings)."""
+    import torch
+
+    calls: dict[str, int] = {"rms": 0, "layer": 0}
+
+    def kind(module) -> str | None:
+        name = type(module).__name__
+        if name.endswith(("RMSNorm", "RMSNormGated")):  # Qwen3.5's gated norm normalises too
+            return "rms"
+        # OLMo's LayerNorm and Nemotron's LayerNorm1P, classes of their own, export as LayerNormalization too
+        return "layer" if "LayerNorm" in name else None
+
+    hooks = [module.register_forward_hook(lambda m, args, out, k=kind(module): calls.__setitem__(k, calls[k] + 1))
+             for module in model.modules() if kind(module)]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 2, dtype=torch.long), use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    norms = {"rmsnorm": calls["rms"]} if calls["rms"] else {"layernorm": calls["layer"]}
     config = model.config
     types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
     attending = sum(kind not in NO_CACHE_TYPES + RECURRENT_TYPES for kind in types)
