@@ -14,7 +14,7 @@ import onnx_graphsurgeon as gs
 
 from cann_llm.passes.base import PassResult
 from cann_llm.passes.graph_utils import CanonicalNodes, replace_all_uses, rewrite_each
-from cann_llm.passes.match_rotary import slice_bounds
+from cann_llm.passes.match_rotary import halves
 from cann_llm.passes.pattern import producer
 
 
@@ -25,15 +25,7 @@ def flipped_halves(turned: gs.Tensor) -> gs.Tensor | None:
     if concat is None or len(concat.inputs) != 2 or concat.attrs.get("axis") not in (-1, rank - 1):
         return None
     negated = producer(concat.inputs[1], "Neg")
-    second, first = producer(concat.inputs[0], "Slice"), producer(negated.inputs[0], "Slice") if negated else None
-    if second is None or first is None or second.inputs[0] is not first.inputs[0]:
-        return None
-    x = first.inputs[0]
-    width = (x.shape or [None])[-1]
-    if not isinstance(width, int) or slice_bounds(first, x) != (0, width // 2):
-        return None
-    bounds = slice_bounds(second, x)
-    return x if bounds is not None and bounds[0] == width // 2 and bounds[1] >= width else None
+    return halves(negated.inputs[0], concat.inputs[0]) if negated is not None else None
 
 
 class CanonicalizeFlippedRotary:

@@ -16,33 +16,10 @@ import onnx_graphsurgeon as gs
 
 from cann_llm.passes.base import PassResult
 from cann_llm.passes.graph_utils import CanonicalNodes, replace_all_uses, rewrite_each
-from cann_llm.passes.match_rotary import slice_bounds
-from cann_llm.passes.pattern import const_ints, producer
+from cann_llm.passes.match_rotary import halves
+from cann_llm.passes.pattern import producer
 
 _BIG = 2**31 - 1
-
-
-def _halves(x1: gs.Tensor, x2: gs.Tensor) -> gs.Tensor | None:
-    """x when x1 and x2 are its first and second halves along the last axis (a Split, or two Slices)."""
-    split = producer(x1, "Split")
-    if split is not None:
-        x = split.inputs[0]
-        rank = len(x.shape or [])
-        sizes = const_ints(split.inputs[1]) if len(split.inputs) > 1 and split.inputs[1].name else None
-        if split.attrs.get("axis", 0) not in (-1, rank - 1) or len(split.outputs) != 2 \
-                or split.outputs[0] is not x1 or split.outputs[1] is not x2 \
-                or (sizes is not None and len(set(sizes)) != 1):
-            return None
-        return x
-    first, second = producer(x1, "Slice"), producer(x2, "Slice")
-    if first is None or second is None or first.inputs[0] is not second.inputs[0]:
-        return None
-    x = first.inputs[0]
-    width = (x.shape or [None])[-1]
-    if not isinstance(width, int) or slice_bounds(first, x) != (0, width // 2):
-        return None
-    bounds = slice_bounds(second, x)
-    return x if bounds is not None and bounds[0] == width // 2 and bounds[1] >= width else None
 
 
 def _product(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor] | None:
@@ -80,7 +57,7 @@ class CanonicalizeSplitRotary:
             x1, c = products[0][x1_index], products[0][1 - x1_index]
             for x2_index in (0, 1):
                 x2, s = products[1][x2_index], products[1][1 - x2_index]
-                x = _halves(x1, x2)
+                x = halves(x1, x2)
                 if x is None or x.shape is None or list(out.shape or []) != list(x.shape) \
                         or not isinstance(x.shape[-1], int) \
                         or any(t.shape is None or len(t.shape) == 0 or t.shape[-1] != x.shape[-1] // 2 for t in (c, s)):

@@ -44,6 +44,29 @@ def slice_bounds(node: gs.Node | None, source: gs.Tensor, step: int = 1) -> tupl
     return starts[0], ends[0]
 
 
+def halves(x1: gs.Tensor, x2: gs.Tensor) -> gs.Tensor | None:
+    """x when x1 and x2 are its first and second halves along the last axis (a Split, or two Slices)."""
+    split = producer(x1, "Split")
+    if split is not None:
+        x = split.inputs[0]
+        rank = len(x.shape or [])
+        sizes = const_ints(split.inputs[1]) if len(split.inputs) > 1 and split.inputs[1].name else None
+        if split.attrs.get("axis", 0) not in (-1, rank - 1) or len(split.outputs) != 2 \
+                or split.outputs[0] is not x1 or split.outputs[1] is not x2 \
+                or (sizes is not None and len(set(sizes)) != 1):
+            return None
+        return x
+    first, second = producer(x1, "Slice"), producer(x2, "Slice")
+    if first is None or second is None or first.inputs[0] is not second.inputs[0]:
+        return None
+    x = first.inputs[0]
+    width = (x.shape or [None])[-1]
+    if not isinstance(width, int) or slice_bounds(first, x) != (0, width // 2):
+        return None
+    bounds = slice_bounds(second, x)
+    return x if bounds is not None and bounds[0] == width // 2 and bounds[1] >= width else None
+
+
 def half_rotation(turned: gs.Tensor) -> gs.Tensor | None:
     """x when `turned` = Concat(-x[R/2:], x[:R/2]) (NeoX / Llama style)."""
     rotation = producer(turned, "Concat")
