@@ -7,6 +7,7 @@ import numpy as np
 from cann_llm.compiler.config import CompileConfig
 from cann_llm.compiler.pass_manager import Pass
 from cann_llm.compiler.tokenizer_files import tokenizer_files
+from cann_llm.passes.absorb_latent_attention import AbsorbLatentAttention
 from cann_llm.passes.canonicalize_gemm import CanonicalizeGemm
 from cann_llm.passes.canonicalize_layout import CanonicalizeLayout
 from cann_llm.passes.canonicalize_flipped_rotary import CanonicalizeFlippedRotary
@@ -141,6 +142,12 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: Wei
         SplitHeadParts(),  # Qwen3.5's heads of [query | gate], as two blocks
         SplitGroupedQkv(),  # Falcon's and InternLM2's q/k/v packed by KV group, as three blocks
         UnfoldBatchedHeads(),  # BLOOM's heads folded into the batch for its MatMuls
+    ]
+    if cfg is not None and cfg.paging is not None:
+        # DeepSeek's latent attention over its cached latent, whose shape the graph's I/O then takes: only where the
+        # cache leaves the I/O
+        passes.append(AbsorbLatentAttention())
+    passes += [
         FuseAttention(),
         CheckCacheLayout(),  # a sequence-first cache whose attention did not fuse, refused by name
         FuseQkv(),

@@ -8,7 +8,7 @@ over them before anyone else does:
 `--families` also takes the architectures users bring beyond them (`ARCHITECTURES`: Llama 3.2's rope
 scaling, Phi-3.5's longrope, Gemma 2 and 3, GLM-4, Granite, GraniteMoe, OLMo, OLMo-2, OLMo 3, SmolLM3, EXAONE 4,
 Nemotron, Ministral 3, nanochat, HunYuan (dense and MoE), Mixtral, Phi-2, StableLM, GPT-NeoX, Falcon, BLOOM, MPT, OPT,
-GPT-J, CodeGen, GPTBigCode, and the hybrids Qwen3.5, Qwen3-Next, LFM2, Granite 4.0-H, Bamba, Nemotron-H,
+GPT-J, CodeGen, GPTBigCode, DeepSeek-V3, MiniCPM3 and GLM-4.7-Flash (multi-head latent attention), and the hybrids Qwen3.5, Qwen3-Next, LFM2, Granite 4.0-H, Bamba, Nemotron-H,
 Falcon-H1 and Zamba2), in the same sizes and layout.
 
 Each folder holds `model.onnx`, `reference.npz` (the torch model's outputs on the corpus's two cases, a
@@ -44,6 +44,9 @@ _GPT_NAMES = dict(hidden_size=None, intermediate_size=None, num_hidden_layers=No
                   n_layer=2, n_positions=512, n_inner=128)
 _HALF = _SIZES["head_dim"] // 2
 _ROPE = {"rope_theta": 10000.0}
+_MLA = dict(pad_token_id=0, num_key_value_heads=4, head_dim=None, kv_lora_rank=32, q_lora_rank=48,
+            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+_MLA_MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1)
 # what users bring beyond the corpus's families, the corpus's sizes otherwise (`--families` takes these
 # names too): rope scalings, Gemma 2 and 3, GPT-NeoX and the rest of tests/test_architecture_variants.py
 ARCHITECTURES: dict[str, TinySpec] = {
@@ -148,6 +151,12 @@ ARCHITECTURES: dict[str, TinySpec] = {
         num_hidden_layers=4, num_key_value_heads=4, head_dim=None, attention_head_dim=16, mamba_headdim=32,
         mamba_d_state=16, mamba_ngroups=2, chunk_size=16, n_mamba_heads=4, num_mem_blocks=1, use_mem_rope=True,
         layers_block_type=["mamba", "hybrid", "mamba", "hybrid"])),
+    # multi-head latent attention: a 32-wide latent and an 8-wide rotated key cached, expanded to 4 heads of
+    # 16 + 8 dims for the keys and 16 for the values; DeepSeek-V3 (and Kimi K2, Moonlight) rotates pairs,
+    # MiniCPM3 halves; DeepSeek-V3 and GLM-4.7-Flash route to 4 experts after one dense layer
+    "deepseek_v3": TinySpec("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(_MLA, **_MLA_MOE, n_group=1, topk_group=1)),
+    "minicpm3": TinySpec("MiniCPM3Config", "MiniCPM3ForCausalLM", dict(_MLA)),
+    "glm4_moe_lite": TinySpec("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", dict(_MLA, **_MLA_MOE)),
     # at transformers' initializer range (0.02) the tiny LFM2 repeats one token whatever it is fed
     "lfm2": TinySpec("Lfm2Config", "Lfm2ForCausalLM", dict(pad_token_id=0, layer_types=["conv", "full_attention"],
                                                            initializer_range=0.1)),
@@ -236,7 +245,7 @@ def _reference(model, with_past: bool) -> dict[str, np.ndarray]:
 def expected_counts(model) -> dict[str, int]:
     """What the corpus's meta.json says a compiler should find, counted on the torch model (not read from
     this project's recipes): an attention block a layer but a hybrid's recurrent ones and the layers without
-    attention (Nemotron-H's MLP blocks), and the calls of its RMSNorm modules (or LayerNorm ones) in a forward
+    attention (Nemotron-H's MLP blocks), those of them a contiguous compile fuses, and the calls of its RMSNorm modules (or LayerNorm ones) in a forward
     pass (nanochat's final norm also normalises the embeddings)."""
     import torch
 
@@ -261,7 +270,10 @@ def expected_counts(model) -> dict[str, int]:
     config = model.config
     types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
     attending = sum(kind not in NO_CACHE_TYPES + RECURRENT_TYPES for kind in types)
-    return {"attention_blocks": attending, **norms}
+    # multi-head latent attention fuses where the cache leaves the I/O (a paged compile); a contiguous one keeps
+    # the export's latent cache and runs it as exported
+    contiguous = {"contiguous_attention_blocks": 0} if getattr(config, "kv_lora_rank", None) else {}
+    return {"attention_blocks": attending, **contiguous, **norms}
 
 
 def write(family: str, exporter: str, out: Path) -> str:

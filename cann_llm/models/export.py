@@ -87,9 +87,12 @@ def _own_kv(config) -> list[bool]:
             for index, (mode, kind) in enumerate(zip(modes, types))]
 
 
-def cache_shapes(config) -> list[tuple[int, int]]:
-    """(num_kv_heads, head_dim) of each attention layer with a cache of its own, in order: Gemma 4's full-attention
-    layers have other sizes than its sliding ones (a heterogeneous config says so per layer)."""
+def cache_shapes(config) -> list[tuple[int, int, int]]:
+    """(num_kv_heads, key size, value size) of each attention layer with a cache of its own, in order: Gemma 4's
+    full-attention layers have other sizes than its sliding ones (a heterogeneous config says so per layer);
+    multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, GLM-4.7-Flash) computes its keys' no-rotation and
+    rotated parts in one latent: transformers caches the latent (`kv_lora_rank`) as the key and the rotated part
+    (`qk_rope_head_dim`) as the value, one head of each, and expands them at every step."""
     layers = getattr(config, "per_layer_config", None) if getattr(config, "is_heterogeneous", False) else None
     shapes = []
     for index, own in enumerate(_own_kv(config)):
@@ -97,7 +100,9 @@ def cache_shapes(config) -> list[tuple[int, int]]:
         heads = config.num_attention_heads
         kv_heads = getattr(layer, "num_key_value_heads", None) or heads
         if own:
-            shapes.append((kv_heads, getattr(layer, "head_dim", None) or config.hidden_size // heads))
+            size = getattr(layer, "head_dim", None) or config.hidden_size // heads
+            latent = getattr(layer, "kv_lora_rank", None)
+            shapes.append((1, latent, layer.qk_rope_head_dim) if latent else (kv_heads, size, size))
     return shapes
 
 
@@ -135,8 +140,9 @@ def cache_entries(config, states: dict | None = None) -> list[tuple[str, str, tu
     entries = []
     for index, kinds in cache_layers(config, states):
         if kinds[:2] == KV:
-            heads, size = next(kv)
-        entries += [(past, present, (heads, None, size) if kind in KV else tuple(states[index][kind]))
+            heads, *sizes = next(kv)
+            kv_shapes = {kind: (heads, None, size) for kind, size in zip(KV, sizes)}
+        entries += [(past, present, kv_shapes[kind] if kind in KV else tuple(states[index][kind]))
                     for kind, (past, present) in zip(kinds, _layer_names(index, kinds))]
     return entries
 
