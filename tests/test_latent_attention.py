@@ -1,4 +1,4 @@
-"""Multi-head latent attention (DeepSeek-V3, MiniCPM3, GLM-4.7-Flash): exported with transformers' latent cache
+"""Multi-head latent attention (DeepSeek-V2 and V3, MiniCPM3, GLM-4.7-Flash): exported with transformers' latent cache
 (the latent as the key, the rotated key as the value, one head each), run as exported without a paged cache, and
 served paged over one key head [latent | rotated key] (cann_llm/passes/absorb_latent_attention.py) with
 transformers' greedy tokens."""
@@ -20,9 +20,10 @@ from cann_llm.runtime import Executor, load_artifact
 from cann_llm.runtime.feeds import causal_lm_inputs
 from cann_llm.runtime.perplexity import perplexity
 
-# DeepSeek-V3 rotates pairs and routes to experts after a dense layer; MiniCPM3 rotates halves; GLM-4.7-Flash
-# is DeepSeek-V3's attention with its own MoE
-CASES = [("deepseek_v3", True), ("minicpm3", False), ("glm4_moe_lite", False)]
+# DeepSeek-V3 rotates pairs and routes to experts after a dense layer; DeepSeek-V2 has no query LoRA and rotates in
+# complex numbers (exported in real ones); MiniCPM3 rotates halves; GLM-4.7-Flash is DeepSeek-V3's attention with
+# its own MoE
+CASES = [("deepseek_v3", True), ("deepseek_v2", False), ("minicpm3", False), ("glm4_moe_lite", True)]
 LAYERS, LATENT, ROTATED = 2, 32, 8  # cann_llm/models/corpus_like.py's sizes
 NEW_TOKENS = 16
 

@@ -8,7 +8,7 @@ over them before anyone else does:
 `--families` also takes the architectures users bring beyond them (`ARCHITECTURES`: Llama 3.2's rope
 scaling, Phi-3.5's longrope, Gemma 2 and 3, GLM-4, Granite, GraniteMoe, OLMo, OLMo-2, OLMo 3, SmolLM3, EXAONE 4,
 Nemotron, Ministral 3, nanochat, HunYuan (dense and MoE), Mixtral, Phi-2, StableLM, GPT-NeoX, Falcon, BLOOM, MPT, OPT,
-GPT-J, CodeGen, GPTBigCode, DeepSeek-V3, MiniCPM3 and GLM-4.7-Flash (multi-head latent attention), and the hybrids Qwen3.5, Qwen3-Next, LFM2, Granite 4.0-H, Bamba, Nemotron-H,
+GPT-J, CodeGen, GPTBigCode, DeepSeek-V2, DeepSeek-V3, MiniCPM3 and GLM-4.7-Flash (multi-head latent attention), and the hybrids Qwen3.5, Qwen3-Next, LFM2, Granite 4.0-H, Bamba, Nemotron-H,
 Falcon-H1 and Zamba2), in the same sizes and layout.
 
 Each folder holds `model.onnx`, `reference.npz` (the torch model's outputs on the corpus's two cases, a
@@ -152,10 +152,13 @@ ARCHITECTURES: dict[str, TinySpec] = {
         mamba_d_state=16, mamba_ngroups=2, chunk_size=16, n_mamba_heads=4, num_mem_blocks=1, use_mem_rope=True,
         layers_block_type=["mamba", "hybrid", "mamba", "hybrid"])),
     # multi-head latent attention: a 32-wide latent and an 8-wide rotated key cached, expanded to 4 heads of
-    # 16 + 8 dims for the keys and 16 for the values; DeepSeek-V3 (and Kimi K2, Moonlight) rotates pairs,
-    # MiniCPM3 halves; DeepSeek-V3 and GLM-4.7-Flash route to 4 experts after one dense layer
+    # 16 + 8 dims for the keys and 16 for the values; DeepSeek-V2 and V3 (and Kimi K2, Moonlight) rotate pairs,
+    # MiniCPM3 halves; DeepSeek-V2, V3 and GLM-4.7-Flash route to 4 experts after one dense layer
     "deepseek_v3": TinySpec("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(_MLA, **_MLA_MOE, n_group=1, topk_group=1)),
     "minicpm3": TinySpec("MiniCPM3Config", "MiniCPM3ForCausalLM", dict(_MLA)),
+    # DeepSeek-V2 (and -Lite, Coder-V2): no query LoRA, its rotary in complex numbers (exported in real ones:
+    # cann_llm/models/real_rotary.py)
+    "deepseek_v2": TinySpec("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(_MLA, **_MLA_MOE, q_lora_rank=None)),
     "glm4_moe_lite": TinySpec("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", dict(_MLA, **_MLA_MOE)),
     # at transformers' initializer range (0.02) the tiny LFM2 repeats one token whatever it is fed
     "lfm2": TinySpec("Lfm2Config", "Lfm2ForCausalLM", dict(pad_token_id=0, layer_types=["conv", "full_attention"],

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from cann_llm.models.real_rotary import rotary_in_real_arithmetic
 from cann_llm.models.recurrent_export import (NO_CACHE_TYPES, PARALLEL_TYPES, cache_argument, computes_gated_delta_rule,
                                               dynamo_translations, load_states, read_states, recurrent_layers,
                                               register_torchscript_symbolic, routed_through_onnxruntime,
@@ -204,7 +205,7 @@ def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, dynamo:
     # deprecation inside torch.export's own code
     registration = logging.getLogger("torch.onnx._internal.exporter._registration")
     with (torch.no_grad(), warnings.catch_warnings(), _logging_at(registration, logging.ERROR),
-          routed_through_onnxruntime(model)):
+          routed_through_onnxruntime(model), rotary_in_real_arithmetic(model)):
         if dynamo:
             warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                                     category=FutureWarning)
