@@ -8,8 +8,9 @@ over them before anyone else does:
 `--families` also takes the architectures users bring beyond them (`ARCHITECTURES`: Llama 3.2's rope
 scaling, Phi-3.5's longrope, Gemma 2 and 3, GLM-4, Granite, GraniteMoe, OLMo, OLMo-2, OLMo 3, SmolLM3, EXAONE 4,
 Nemotron, Ministral 3, nanochat, HunYuan (dense and MoE), Mixtral, Phi-2, StableLM, GPT-NeoX, Falcon, BLOOM, MPT, OPT,
-GPT-J, CodeGen, GPTBigCode, DeepSeek-V2, DeepSeek-V3, MiniCPM3 and GLM-4.7-Flash (multi-head latent attention), and the hybrids Qwen3.5, Qwen3-Next, LFM2, Granite 4.0-H, Bamba, Nemotron-H,
-Falcon-H1 and Zamba2), in the same sizes and layout.
+GPT-J, CodeGen, GPTBigCode, DeepSeek-V2, DeepSeek-V3, MiniCPM3 and GLM-4.7-Flash (multi-head latent attention),
+and the hybrids Qwen3.5, Qwen3-Next, LFM2, Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1 and Zamba2), in the same
+sizes and layout.
 
 Each folder holds `model.onnx`, `reference.npz` (the torch model's outputs on the corpus's two cases, a
 left-padded batch and a second shape) and a `meta.json` with the fields the tests read. An export the
@@ -248,8 +249,8 @@ def _reference(model, with_past: bool) -> dict[str, np.ndarray]:
 def expected_counts(model) -> dict[str, int]:
     """What the corpus's meta.json says a compiler should find, counted on the torch model (not read from
     this project's recipes): an attention block a layer but a hybrid's recurrent ones and the layers without
-    attention (Nemotron-H's MLP blocks), those of them a contiguous compile fuses, and the calls of its RMSNorm modules (or LayerNorm ones) in a forward
-    pass (nanochat's final norm also normalises the embeddings)."""
+    attention (Nemotron-H's MLP blocks), those of them a contiguous compile fuses, and the calls of its RMSNorm
+    modules (or LayerNorm ones) in a forward pass (nanochat's final norm also normalises the embeddings)."""
     import torch
 
     calls: dict[str, int] = {"rms": 0, "layer": 0}
