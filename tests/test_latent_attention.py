@@ -69,7 +69,8 @@ def test_latent_attention_runs_as_exported_without_a_paged_cache(latent):
 def test_paged_engine_attends_over_the_cached_latent(latent, tmp_path):
     """Every layer one PagedAttention whose cache is a single head of [latent | rotated key]; six prompts decoded
     together over six 16-token pages they outgrow (prompts in chunks, sequences preempted and recomputed):
-    each sequence's greedy tokens are transformers' alone, and the paged perplexity is the export's."""
+    each sequence's greedy tokens are transformers' alone, a long prompt's through flash prefill too, and the
+    paged perplexity is the export's."""
     model, source, contiguous = latent
     paged = tmp_path / "paged.json"
     paged.write_text(json.dumps({"page_size": 16}))
@@ -87,6 +88,12 @@ def test_paged_engine_attends_over_the_cached_latent(latent, tmp_path):
         outputs = [list(request.output_ids) for request in requests]
         assert engine.stats.preemptions > 0
     assert outputs == [_greedy(model, prompt) for prompt in prompts]
+    # a prompt of 70 tokens in one chunk attends through flash_prefill
+    flash = compile_to(source, tmp_path / "flash", enable_paged_attention=True, enable_flash_attention=True)
+    with LLMEngine(str(flash)) as engine:
+        request = engine.submit(prompts[0], max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        request.result()
+        assert list(request.output_ids) == outputs[0]
     text = _prompt(100, seed=9)
     scores = [perplexity(Executor(load_artifact(path)), text, window=64, stride=32).perplexity
               for path in (om, contiguous)]
