@@ -38,6 +38,23 @@ def test_bodies_that_would_break_a_step_are_refused_saying_where(model, body, me
     assert "\ud800" not in said and "\udfff" not in said  # never the input itself
 
 
+@pytest.mark.parametrize("model,body,field", [
+    (CompletionBody, {"prompt": "x", "temperature": "0.5"}, "temperature"),
+    (CompletionBody, {"prompt": "x", "max_tokens": True}, "max_tokens"),
+    (CompletionBody, {"prompt": "x", "max_tokens": 5.0}, "max_tokens"),
+    (CompletionBody, {"prompt": "x", "stream": "yes"}, "stream"),
+    (CompletionBody, {"prompt": "x", "logprobs": True}, "logprobs"),
+    (ChatBody, {"messages": [{"role": "user", "content": "x"}], "n": "2"}, "n"),
+])
+def test_a_value_of_another_type_is_refused_not_converted(model, body, field):
+    """As OpenAI's API: a string for a number, a float or a boolean for a count, a string for a flag."""
+    assert f"{field}: " in _refusal(model, body)
+
+
+def test_an_integer_passes_for_a_number():
+    assert CompletionBody(prompt="x", temperature=1, top_p=1).sampling()["temperature"] == 1.0
+
+
 def test_bounded_stop_lists_pass():
     body = CompletionBody(prompt="x", stop=["s" * 256] * 16)
     assert body.sampling()["stop"] == ["s" * 256] * 16

@@ -40,8 +40,9 @@ def _utf8(text: str) -> str:
 Text = Annotated[str, AfterValidator(_utf8)]
 _Stop = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_utf8)]
 # a field the server does not know is refused, naming it: a client asking for something must not believe
-# it got it (validation_error_body words it)
-_BODY = ConfigDict(extra="forbid", allow_inf_nan=False)
+# it got it (validation_error_body words it); so is a value of another type than the field's, as OpenAI refuses
+# it ("0.5" for a number, 5.0 or true for a count, "yes" for a flag), an integer for a number aside
+_BODY = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 _TokenKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")]  # OpenAI's logit_bias keys: token ids
 MAX_CHOICES = 16
 
@@ -74,7 +75,7 @@ class StructuredOutputs(BaseModel):
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # OpenAI's own fields (name, description)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)  # OpenAI's own fields (name, ...)
 
     name: Text = "response"
     schema_: dict = Field(default_factory=dict, alias="schema")
