@@ -31,7 +31,7 @@ def export_command(model, output, exporter, with_past) -> None:
     with unwind_on_sigterm(), contextlib.redirect_stdout(sys.stderr):  # a half-written export removed, as on Ctrl-C
         path = export_checkpoint(cfg, log=lambda message: click.echo(f"[INFO] {message}", err=True))
     click.echo(f"[INFO] wrote {path} in {time.perf_counter() - start:.1f} s", err=True)
-    click.echo(f"next: atc --model={path} --framework=5 --output={path.parent / 'model'} --soc_version=Ascend910B "
+    click.echo(f"atc --model={path} --framework=5 --output={path.parent / 'model'} --soc_version=Ascend910B "
                f"--enable_paged_attention={0 if _stateless_recurrence(path) else 1}")
 
 

@@ -52,7 +52,7 @@ def test_exported_checkpoint_compiles_paged_and_generates_like_transformers(chec
     proc = _cann_run("export", "--model", str(checkpoint), "--output", str(out), "--exporter", exporter)
     assert proc.returncode == 0, proc.stderr
     # stdout is the next command alone (a CI script reads it); the exporters' progress goes to stderr
-    assert proc.stdout.splitlines() == [f"next: atc --model={out / 'model.onnx'} --framework=5 --output={out / 'model'} "
+    assert proc.stdout.splitlines() == [f"atc --model={out / 'model.onnx'} --framework=5 --output={out / 'model'} "
                                         "--soc_version=Ascend910B --enable_paged_attention=1"]
     assert sorted(p.name for p in out.iterdir()) == ["generation_config.json", "model.onnx", "tokenizer.json"]
     # readable as any file the user makes (another user's atc compiles it)
