@@ -14,8 +14,9 @@ import onnxruntime as ort
 import pytest
 
 from cann_llm import CompileConfig, compile_model
-from cann_llm.models.export import export_causal_lm
+from cann_llm.models.export import example_inputs, export_causal_lm
 from cann_llm.models.tiny import build_tiny_model, tiny_onnx
+from cann_llm.runtime import Executor, load_artifact
 from cann_llm.runtime.errors import AtcError
 
 
@@ -54,6 +55,15 @@ def test_a_contiguous_compile_warns_once(eager_experts_export, tmp_path):
     result = compile_model(_config(eager_experts_export, tmp_path / "contiguous"))
     assert [w[:6] for w in result.warnings if w.startswith("W10008")] == ["W10008"]
     assert "runs only on inputs that find exactly" in next(w for w in result.warnings if w.startswith("W10008"))
+    # each unrolled copy of the experts fused into a node named after the same block: numbered apart, as
+    # onnxruntime refuses two nodes of one name, so the artifact runs where the export does
+    loaded = load_artifact(result.output)
+    names = [node.name for node in loaded.model.graph.node]
+    assert len(set(names)) == len(names) and sum(name.endswith("/SwiGlu_2") for name in names) > 0
+    feeds = example_inputs(build_tiny_model("qwen2_moe").config, with_past=False)
+    feeds = {name: value.numpy() for name, value in feeds.items()}
+    want = ort.InferenceSession(str(eager_experts_export), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(Executor(loaded).run(feeds)["logits"], want, atol=1e-4, rtol=0)
 
 
 def test_the_experts_transformers_5_exports_are_not_taken_for_a_traced_loop(tmp_path):

@@ -285,10 +285,31 @@ def lower(graph: gs.Graph, source: onnx.ModelProto) -> onnx.ModelProto:
     """The optimised graph as an ONNX model, stamped as ours; weights still inline."""
     model = gs.export_onnx(graph, do_type_check=False)
     _drop_outer_copies(model.graph)
+    _unique_node_names(model.graph)
     model.ir_version = source.ir_version
     model.producer_name, model.producer_version = "atc", __version__
     del model.metadata_props[:]
     return model
+
+
+def _unique_node_names(graph: onnx.GraphProto) -> None:
+    """Number the second and later nodes of one name apart, in place (subgraphs each on their own): onnxruntime
+    refuses a graph with two nodes of one name, and a fusion names its node after the block it replaces, which
+    an unrolled loop repeats (TorchScript's trace of eager MoE experts)."""
+    seen: dict[str, int] = {}
+    taken = {node.name for node in graph.node}
+    for node in graph.node:
+        if node.name:
+            count = seen.get(node.name, 0)
+            seen[node.name] = count + 1
+            if count:
+                while f"{node.name}_{count + 1}" in taken:
+                    count += 1
+                node.name = f"{node.name}_{count + 1}"
+                taken.add(node.name)
+        for attribute in node.attribute:
+            for sub in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs:
+                _unique_node_names(sub)
 
 
 def _drop_outer_copies(graph: onnx.GraphProto, outer: frozenset[str] = frozenset()) -> None:
