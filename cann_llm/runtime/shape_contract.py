@@ -64,6 +64,17 @@ class ShapeContract:
                     real[symbol] = f
         return padded, real
 
+    def most(self, name: str, axis: int) -> int | None:
+        """The largest size input `name`'s dim `axis` may take: its largest gear, the top of its range or its
+        fixed size; None where the contract leaves it free."""
+        sizes = [gear[name][axis] for gear in self.gears if len(gear.get(name, ())) > axis]
+        if sizes:
+            return max(sizes)
+        dims = self.input_shape.get(name) or []
+        dim = dims[axis] if -len(dims) <= axis < len(dims) else -1
+        top = dim[1] if isinstance(dim, list) else dim
+        return top if top > 0 else None
+
     def gear(self, batch: int | None = None, dims: dict[str, list[int]] | None = None) -> dict[str, tuple[int, ...]]:
         """The gear msame's `--dymBatch N` (the gear of batch N) or `--dymDims "name:d1,d2;..."` (the gear of
         exactly those shapes) names: each input's shape in it. E10001 when the artifact has no such gear."""

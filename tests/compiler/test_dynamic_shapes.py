@@ -13,6 +13,7 @@ from cann_llm.compiler.compile import compile_model
 from cann_llm.compiler.config import CompileConfig
 from cann_llm.runtime.artifact import OmFile
 from cann_llm.runtime.engine.engine import LLMEngine
+from cann_llm.runtime.engine.setting_error import SettingError
 from cann_llm.runtime.errors import AtcError
 from cann_llm.runtime.executor import Executor
 from cann_llm.runtime.loader import load_artifact
@@ -127,6 +128,39 @@ def test_the_engine_generates_through_gears_as_without_them(build):
             results = engine.generate(prompts, max_new_tokens=12, temperature=0, ignore_eos=True)
             outputs.append([list(r.outputs[0].token_ids) for r in results])
     assert outputs[0] == outputs[1]
+
+
+def test_the_engine_keeps_within_the_largest_gear(build):
+    """Without a cache each step feeds the whole sequence, so the largest gear (16 tokens) bounds the context:
+    a longer prompt is refused as too long for it, and a shorter one ends with "length" once 16 tokens were fed
+    (its 17th sampled), with the tokens the artifact without gears gives."""
+    geared = build("dims-gears-16", input_shape={name: (1, -1) for name in NAMES}, input_format="ND",
+                   dynamic_dims=((8, 8, 8), (16, 16, 16)))
+    prompt = [5, 17, 99, 3, 42, 7, 1, 250, 33, 9]
+    with LLMEngine(geared.loaded.om.path) as engine:
+        assert engine.max_context_len == 17
+        with pytest.raises(SettingError, match="the prompt has 20 tokens; max_context_len is 17"):
+            engine.generate([prompt * 2], max_new_tokens=4, temperature=0)
+        result = engine.generate([prompt], max_new_tokens=12, temperature=0, ignore_eos=True)[0].outputs[0]
+    with LLMEngine(build("free").loaded.om.path) as engine:
+        free = engine.generate([prompt], max_new_tokens=7, temperature=0, ignore_eos=True)[0].outputs[0]
+    assert (list(result.token_ids), result.finish_reason) == (list(free.token_ids), "length")
+
+
+def test_a_paged_step_keeps_within_the_tokens_input_ids_was_compiled_for(tmp_path):
+    """input_ids:1,1~16 on a paged artifact: a 40-token prompt goes in chunks of at most 16, and generates what
+    the artifact without the range does."""
+    from cann_llm.models.tiny import tiny_onnx
+
+    cached = str(tiny_onnx("llama", dynamo=True, with_past=True))
+    outputs = []
+    for name, shape in (("ranged", {"input_ids": (1, (1, 16)), "position_ids": (1, (1, 16))}), ("free", None)):
+        compile_model(CompileConfig(model=cached, framework=5, output=str(tmp_path / name), soc_version="Ascend910B",
+                                    enable_paged_attention=True, **({"input_shape": shape} if shape else {})))
+        with LLMEngine(tmp_path / f"{name}.om") as engine:
+            result = engine.generate([list(range(3, 43))], max_new_tokens=8, temperature=0, ignore_eos=True)
+            outputs.append(list(result[0].outputs[0].token_ids))
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 8
 
 
 def _config(**flags):

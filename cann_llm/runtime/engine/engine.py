@@ -46,6 +46,7 @@ from cann_llm.runtime.engine.trial_step import check_generator, trial_step
 from cann_llm.runtime.engine.tuning import tuned_settings
 from cann_llm.runtime.memory import total_bytes
 from cann_llm.runtime.errors import AtcError, invalid_value
+from cann_llm.runtime.shape_contract import ShapeContract
 from cann_llm.runtime.executor import Executor
 from cann_llm.runtime.heap_trim import release_free_heap
 from cann_llm.runtime.loader import load_artifact
@@ -304,6 +305,27 @@ def default_pages(dims: dict, page_size: int, memory: int | None) -> int:
     return max(1, min(DEFAULT_PAGES, memory // 2 // per_page))
 
 
+def _within_contract(metadata: dict, batch: int, context: int, tokens: int) -> tuple[int, int, int]:
+    """(sequences at once, context, tokens a step) brought within the input shapes the artifact was compiled
+    for (`--input_shape`'s ranges and fixed sizes, `--dynamic_batch_size` and `--dynamic_dims`' largest gear):
+    a paged step's tokens by input_ids' second dim; a contiguous step's sequences by input_ids' first, its
+    prompt chunks by its second, and the context by the mask's (or, without a cache, by input_ids', as such a
+    step feeds the whole sequence)."""
+    contract = ShapeContract.of(metadata)
+    if contract is None:
+        return batch, context, tokens
+    caps = {"tokens": contract.most("input_ids", 1)}
+    if (metadata.get("kv_cache") or {}).get("layout") != "paged":
+        caps["batch"] = contract.most("input_ids", 0)
+        # a step feeds the mask of every token but the last one sampled (never computed), hence one more
+        fed = [contract.most("attention_mask", 1)]
+        if not metadata["model"].get("kv_cache_io"):
+            fed.append(caps["tokens"])
+        caps["context"] = min((n + 1 for n in fed if n), default=None)
+    said = {"batch": batch, "context": context, "tokens": tokens}
+    return tuple(min(value, caps.get(key) or value) for key, value in said.items())
+
+
 class LLMEngine:
     """`LLMEngine("model.om", EngineConfig(max_batch_size=8))`, or `LLMEngine("model.om", max_batch_size=8)`.
 
@@ -340,6 +362,8 @@ class LLMEngine:
         # a model that reads its positions from a table (GPT-2's learned ones) reads none past its rows: a
         # sequence ends there (its last token, sampled at the last row, is never read)
         max_context_len = min(max_context_len, self.dims.get("max_positions", max_context_len) + 1)
+        max_batch_size, max_context_len, step_tokens = _within_contract(
+            metadata, max_batch_size, max_context_len, config.max_num_batched_tokens)
         self.max_context_len = max_context_len
         self.vocab_size = int(self.dims["vocab_size"])
         self.tokenizer = self.loaded.tokenizer
@@ -376,7 +400,7 @@ class LLMEngine:
             self.runner.close()  # a pipeline's stage actors go with the engine that failed
             raise
         self.blocks = blocks
-        self.scheduler = Scheduler(blocks, max_batch_size, config.max_num_batched_tokens, config.priority_aging_s,
+        self.scheduler = Scheduler(blocks, max_batch_size, step_tokens, config.priority_aging_s,
                                    self.dims.get("rotary_switch_length") if self.paged else None)
         if config.draft_model is not None:
             if not self.paged:
@@ -796,7 +820,9 @@ class LLMEngine:
         self.scheduler.abort(seq, "error")
         self.runner.release(seq)
         request = self._requests.get(seq.seq_id)
-        _log.error("request %s failed", seq.seq_id, exc_info=(type(error), error, error.__traceback__))
+        # a coded error says what went wrong; anything else is a defect, logged with where it happened
+        _log.error("request %s failed%s", seq.seq_id, f": {error}" if isinstance(error, AtcError) else "",
+                   exc_info=None if isinstance(error, AtcError) else (type(error), error, error.__traceback__))
         if request is not None:
             failure = GenerationFailed(f"request {seq.seq_id} failed: {type(error).__name__}: {error}")
             self._complete(request, failure)
