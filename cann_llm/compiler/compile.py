@@ -19,7 +19,7 @@ from cann_llm.compiler.auto_tune import auto_tune
 from cann_llm.compiler.config import CompileConfig
 from cann_llm.compiler.graph_metadata import (attention_dimensions, float28_weights, int8_activations, kv_cache_metadata,
                                      onnxruntime_needed, shape_contract_metadata, weight_formats)
-from cann_llm.compiler.graph_io import apply_input_shape, apply_out_nodes, apply_output_type
+from cann_llm.compiler.graph_io import apply_input_shape, apply_out_nodes, apply_output_type, check_geared_inputs
 from cann_llm.compiler.loader import import_graph, require_model_file, weight_bytes
 from cann_llm.compiler.pass_manager import PassReport, run_passes
 from cann_llm.compiler.pipeline import build_pipeline
@@ -119,6 +119,7 @@ def _compile(cfg: CompileConfig, output: Path, stage: Staged, progress: bool) ->
         raise AtcError("E10055", f"--enable_paged_attention=1 is for generating, and {describe(unrolled)}")
     origin = raised.weights if raised else None  # what must_keep_origin_dtype stores them back in
     if cfg.input_shapes:
+        check_geared_inputs(graph, cfg.gears)
         apply_input_shape(graph, cfg.input_shapes)
     if cfg.out_nodes:
         apply_out_nodes(graph, cfg.out_nodes)

@@ -31,6 +31,29 @@ def apply_input_shape(graph: gs.Graph, shapes: dict[str, tuple[Dim, ...]]) -> No
         tensor.shape = current
 
 
+def check_geared_inputs(graph: gs.Graph, gears: tuple[dict[str, tuple[int, ...]], ...]) -> None:
+    """Refuse gears that leave out an input sharing a geared dim (E10001): the runtime pads the inputs a gear
+    names up to it, and an input the gear does not name would keep the fed size beside them (position_ids left
+    at batch 3 beside input_ids padded to 4)."""
+    if not gears:
+        return
+    inputs = {tensor.name: list(tensor.shape or []) for tensor in graph.inputs}
+    named = gears[0]
+    varied = {(name, axis) for name in named for axis in range(len(named[name]))
+              if len({gear[name][axis] for gear in gears}) > 1}
+    symbols = {inputs[name][axis]: (name, axis) for name, axis in sorted(varied)
+               if name in inputs and axis < len(inputs[name]) and isinstance(inputs[name][axis], str)}
+    for name, dims in inputs.items():
+        shared = next((dim for dim in dims if isinstance(dim, str) and dim in symbols), None)
+        if name not in named and shared is not None:
+            given = ";".join(f"{n}:{','.join('-1' if (n, a) in varied else str(d) for a, d in enumerate(shape))}"
+                             for n, shape in named.items())
+            geared, axis = symbols[shared]
+            raise AtcError("E10001", given, "--input_shape", f"the gears vary dimension {axis} of {geared}, which "
+                                                              f"{name} shares ({shared}), and {name} is not given: "
+                                                              f"give every input that shares it")
+
+
 def apply_out_nodes(graph: gs.Graph, out_nodes: tuple[str, ...]) -> None:
     """Make the named tensors (`name`, or `node:index`) the graph's outputs, in the order given."""
     tensors = graph.tensors()

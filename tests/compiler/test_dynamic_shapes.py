@@ -130,6 +130,21 @@ def test_the_engine_generates_through_gears_as_without_them(build):
     assert outputs[0] == outputs[1]
 
 
+@pytest.mark.parametrize("flags", [
+    dict(input_shape={"input_ids": (-1, SEQ), "attention_mask": (-1, SEQ)}, dynamic_batch_size=(1, 2, 4)),
+    dict(input_shape={"input_ids": (1, -1)}, input_format="ND", dynamic_dims=((8,), (16,))),
+])
+def test_gears_that_leave_out_an_input_sharing_their_dim_are_refused(source, tmp_path, flags):
+    """The gear pads only the inputs it names: position_ids (or the mask) left at the fed size beside them
+    would fail in onnxruntime at run time, so the compile names it."""
+    with pytest.raises(AtcError) as caught:
+        compile_model(CompileConfig(model=source, framework=5, output=str(tmp_path / "m"), soc_version="Ascend910B",
+                                    **flags))
+    assert caught.value.code == "E10001"
+    assert "which position_ids shares" in caught.value.message or "which attention_mask shares" in caught.value.message
+    assert not list(tmp_path.iterdir())
+
+
 def test_the_engine_keeps_within_the_largest_gear(build):
     """Without a cache each step feeds the whole sequence, so the largest gear (16 tokens) bounds the context:
     a longer prompt is refused as too long for it, and a shorter one ends with "length" once 16 tokens were fed
