@@ -119,7 +119,7 @@ def _compile(cfg: CompileConfig, output: Path, stage: Staged, progress: bool) ->
         raise AtcError("E10055", f"--enable_paged_attention=1 is for generating, and {describe(unrolled)}")
     origin = raised.weights if raised else None  # what must_keep_origin_dtype stores them back in
     if cfg.input_shapes:
-        check_geared_inputs(graph, cfg.gears)
+        check_geared_inputs(graph, cfg.gears, "dims" if cfg.dynamic_dims else "batch")
         apply_input_shape(graph, cfg.input_shapes)
     if cfg.out_nodes:
         apply_out_nodes(graph, cfg.out_nodes)

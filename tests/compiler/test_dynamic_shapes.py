@@ -145,6 +145,17 @@ def test_gears_that_leave_out_an_input_sharing_their_dim_are_refused(source, tmp
     assert not list(tmp_path.iterdir())
 
 
+def test_token_gears_on_a_cache_export_are_refused_at_compile(tmp_path):
+    from cann_llm.models.tiny import tiny_onnx
+
+    with pytest.raises(AtcError) as caught:
+        compile_model(CompileConfig(model=str(tiny_onnx("llama", dynamo=True, with_past=True)), framework=5,
+                                    output=str(tmp_path / "m"), soc_version="Ascend910B", input_format="ND",
+                                    input_shape={name: (1, -1) for name in NAMES}, dynamic_dims=((4, 4, 4), (8, 8, 8))))
+    assert caught.value.code == "E10055" and "--dynamic_dims with a cache input (past_key_values.0.key)" in \
+        caught.value.message
+
+
 def test_the_engine_keeps_within_the_largest_gear(build):
     """Without a cache each step feeds the whole sequence, so the largest gear (16 tokens) bounds the context:
     a longer prompt is refused as too long for it, and a shorter one ends with "length" once 16 tokens were fed
