@@ -170,3 +170,10 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: Wei
         if cfg.compress_fp32_weight:
             passes.append(CompressFloatWeights(spill))
     return passes
+
+
+def known_pass_names() -> frozenset[str]:
+    """Every pass name a fusion switch can name, whichever flags a compile is given."""
+    conditional = (AbsorbLatentAttention, TruncateLayers, PagedKvCache, PerSequenceRotary, PruneLogits, ConvertPrecision,
+                   CompressFloatWeights)
+    return frozenset(p.name for p in build_pipeline(None)) | {c.name for c in conditional}
