@@ -66,9 +66,15 @@ class ChatTemplate:
         for message in messages:
             if not isinstance(message, dict) or "role" not in message or "content" not in message:
                 raise ValueError("each message must be a dict with 'role' and 'content'")
+            if message["role"] not in ROLES:
+                raise ValueError(f"a message's role is one of {', '.join(ROLES)}, not {message['role']!r}")
         messages = [{**m, "content": content_text(m["content"])} for m in messages]
         return self._template.render(messages=messages, tools=tools, documents=None,
                                      add_generation_prompt=add_generation_prompt, **self._special)
+
+
+# OpenAI's roles, which chat templates are written for (one a template does not know it renders as it likes)
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def content_text(content) -> str:

@@ -18,7 +18,7 @@ from typing import Annotated, Callable, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
-from cann_llm.runtime.chat_template import content_text
+from cann_llm.runtime.chat_template import ROLES, content_text
 from cann_llm.runtime.engine.sampling import MAX_LOGPROBS
 from cann_llm.runtime.engine.sequence import TokenLogprob
 from cann_llm.runtime.engine.structured import StructuredOutput
@@ -235,7 +235,7 @@ class ToolCall(BaseModel):
 class Message(BaseModel):
     model_config = _BODY
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal[ROLES]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None

@@ -225,6 +225,10 @@ def test_chat_renders_the_template_and_reuses_history(paged_om):
                              max_new_tokens=8, temperature=0, ignore_eos=True)
         turn.result()
         assert turn.stats.cached_tokens >= 128  # the first page of history came from the prefix cache
+        # a role outside OpenAI's is refused, as the server refuses it, not rendered as the template likes
+        with pytest.raises(ValueError, match="a message's role is one of system, developer, user, assistant, tool, "
+                                             "not 'wizard'"):
+            engine.chat([{"role": "wizard", "content": "hi"}], max_new_tokens=2)
 
 
 @pytest.mark.parametrize("prompt,message", [("", "empty"), ([1] * 300, "max_context_len")])
