@@ -35,16 +35,18 @@ def apply_input_shape(graph: gs.Graph, shapes: dict[str, tuple[Dim, ...]]) -> No
 def check_geared_inputs(graph: gs.Graph, gears: tuple[dict[str, tuple[int, ...]], ...], kind: str | None) -> None:
     """Refuse gears that leave out an input sharing a geared dim (E10001): the runtime pads the inputs a gear
     names up to it, and an input the gear does not name would keep the fed size beside them (position_ids left
-    at batch 3 beside input_ids padded to 4). Refuse token gears (`kind` "dims") on a graph that carries a
-    cache (E10055): the tokens padded up to a gear would enter the cache as tokens of the sequence."""
+    at batch 3 beside input_ids padded to 4). Refuse gears (`kind` "dims" or "batch") on a graph that carries
+    a cache (E10055): its length changes every step, and padded tokens would enter it."""
     if not gears:
         return
     carried = next((t.name for t in graph.inputs if is_carried(t.name)), None)
-    if kind == "dims" and carried is not None:
-        raise AtcError("E10055", f"--dynamic_dims with a cache input ({carried}): a gear pads the step's tokens, "
-                                 f"and the cache would keep the padding as tokens of the sequence; compile the cache "
-                                 f"export without gears (LLMEngine sizes each step itself), or gear an export "
-                                 f"without a cache")
+    if carried is not None:
+        flag = "--dynamic_dims" if kind == "dims" else "--dynamic_batch_size"
+        raise AtcError("E10055", f"{flag} with a cache input ({carried}): the cache's length changes every step, "
+                                 f"which a gear cannot hold (--input_shape leaves only the geared dim free), and "
+                                 f"tokens padded up to a gear would enter the cache; compile the cache export "
+                                 f"without gears (LLMEngine sizes each step itself), or gear an export without a "
+                                 f"cache")
     inputs = {tensor.name: list(tensor.shape or []) for tensor in graph.inputs}
     named = gears[0]
     varied = {(name, axis) for name in named for axis in range(len(named[name]))

@@ -153,7 +153,7 @@ ARCHITECTURES: dict[str, TinySpec] = {
         mamba_d_state=16, mamba_ngroups=2, chunk_size=16, n_mamba_heads=4, num_mem_blocks=1, use_mem_rope=True,
         layers_block_type=["mamba", "hybrid", "mamba", "hybrid"])),
     # multi-head latent attention: a 32-wide latent and an 8-wide rotated key cached, expanded to 4 heads of
-    # 16 + 8 dims for the keys and 16 for the values; DeepSeek-V2 and V3 (and Kimi K2, Moonlight) rotate pairs,
+    # 16 + 8 dims for the keys and 16 for the values; DeepSeek-V2 and V3 (and Moonlight) rotate pairs,
     # MiniCPM3 halves; DeepSeek-V2, V3 and GLM-4.7-Flash route to 4 experts after one dense layer
     "deepseek_v3": TinySpec("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(_MLA, **_MLA_MOE, n_group=1, topk_group=1)),
     "minicpm3": TinySpec("MiniCPM3Config", "MiniCPM3ForCausalLM", dict(_MLA)),

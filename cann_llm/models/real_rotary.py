@@ -16,8 +16,10 @@ import sys
 from contextlib import contextmanager
 
 import torch
+from transformers.modeling_rope_utils import dynamic_rope_update
 
 
+@dynamic_rope_update  # as transformers' forward: a dynamic or long-context rope type updates its frequencies
 def _table(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
     angles = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
     return torch.stack((angles.cos(), angles.sin()), dim=-1) * self.attention_scaling
@@ -40,7 +42,7 @@ def rotary_in_real_arithmetic(model: torch.nn.Module):
     """Within the block, a DeepSeek-V2 `model` rotates in real numbers (others are left as they are)."""
     module = sys.modules.get(type(model).__module__)
     rotary = getattr(module, "DeepseekV2RotaryEmbedding", None)
-    if rotary is None:
+    if rotary is None or not hasattr(module, "apply_rotary_emb"):  # not transformers' DeepSeek-V2 (remote code)
         yield
         return
     forward, apply = rotary.forward, module.apply_rotary_emb

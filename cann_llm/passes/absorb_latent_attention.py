@@ -1,4 +1,4 @@
-"""LatentAttentionAbsorptionPass: multi-head latent attention (DeepSeek-V2/V3, Kimi K2, MiniCPM3, GLM-4.7-Flash)
+"""LatentAttentionAbsorptionPass: multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, GLM-4.7-Flash)
 as attention of every query head to one key head over the cached latent, which a paged cache can hold.
 
 transformers caches MLA's latent c [B, 1, T, L] (as the key) and its rotated key part r [B, 1, T, R] (as the
@@ -84,38 +84,56 @@ def _reader_on_path(consumer: gs.Node, start: gs.Tensor, target: gs.Tensor) -> g
     return None
 
 
-def _scale_on_path(tensor: gs.Tensor) -> float:
-    """The product of the scalar factors between `tensor` and the data it scales, through transposes."""
+def _scale_on_path(tensor: gs.Tensor) -> tuple[gs.Tensor, float]:
+    """(what `tensor` scales, the product of its scalar factors) through transposes and scalar factors."""
     factor = 1.0
     while True:
         tensor, step = match_scale(tensor)
         factor *= step
         transpose = producer(tensor, "Transpose")
         if transpose is None:
-            return factor
+            return tensor, factor
         tensor = transpose.inputs[0]
 
 
-def _key_sources(keys: gs.Tensor, stop) -> list[gs.Tensor] | str:
-    """The tensors the keys' values come from, following data and not shapes (no Shape's input, no
-    ConstantOfShape's): those `stop(tensor)` accepts, and no graph input or other source beside them."""
-    found, seen, todo = [], set(), [keys]
+# ops that move values without computing others, and the inputs that carry the values (None: all)
+_MOVES = {"Transpose": (0,), "Reshape": (0,), "Unsqueeze": (0,), "Squeeze": (0,), "Expand": (0,), "Slice": (0,),
+          "Identity": (0,), "Cast": (0,), "Split": (0,), "ScatterND": (0, 2), "Concat": None}
+
+
+def _zeros(tensor: gs.Tensor) -> bool:
+    """Whether `tensor` is zeros: a constant, or ConstantOfShape's (what transformers' keys are scattered into)."""
+    if isinstance(tensor, gs.Constant):
+        return not np.any(tensor.values)
+    node = producer(tensor, "ConstantOfShape")
+    value = node.attrs.get("value") if node is not None else None
+    return node is not None and (value is None or not np.any(getattr(value, "values", value)))
+
+
+def _key_sources(keys: gs.Tensor, stop) -> tuple[list[gs.Tensor], set[int]] | str:
+    """(the tensors the keys' values are moved from, the ids of the nodes that move them): those `stop(tensor)`
+    accepts, through ops that only move values (into zeros, for a scatter). A value computed on the way is refused:
+    the rewrite replaces the whole path."""
+    found, seen, moved, todo = [], set(), set(), [keys]
     while todo:
         tensor = todo.pop()
-        if id(tensor) in seen or isinstance(tensor, gs.Constant):
+        if id(tensor) in seen:
             continue
         seen.add(id(tensor))
         if stop(tensor):
             found.append(tensor)
             continue
+        if _zeros(tensor):
+            continue
         node = producer(tensor)
-        if node is None:
-            return f"the keys read {tensor.name}"
-        if len(seen) > _KEY_NODES:
+        if node is None or node.op not in _MOVES:
+            return f"the keys are computed ({node.op if node else tensor.name}), not only moved, from the latent"
+        if len(moved) > _KEY_NODES:
             return "the keys are assembled from more than the latent and the rotated key"
-        if node.op not in ("Shape", "ConstantOfShape"):
-            todo.extend(node.inputs)
-    return found
+        moved.add(id(node))
+        carried = _MOVES[node.op]
+        todo.extend(node.inputs if carried is None else [node.inputs[i] for i in carried if i < len(node.inputs)])
+    return found, moved
 
 
 class AbsorbLatentAttention(FusionPass):
@@ -165,7 +183,7 @@ class AbsorbLatentAttention(FusionPass):
 
         # kᵀ [B, H, N + R, T], in whatever layout the export assembles it (dynamo scatters into [N + R, H, T, B])
         keys_t = scores.inputs[1]
-        key_scale = _scale_on_path(keys_t)
+        keys, key_scale = _scale_on_path(keys_t)
         rotated: list[Cache] = []
 
         def source(tensor: gs.Tensor) -> bool:
@@ -177,15 +195,24 @@ class AbsorbLatentAttention(FusionPass):
                 return True
             return False
 
-        sources = _key_sources(keys_t, source)
-        if isinstance(sources, str):
-            return sources
+        walked = _key_sources(keys, source)
+        if isinstance(walked, str):
+            return walked
+        sources, moved = walked
         if len(rotated) != 1 or len(sources) != 2:
             return "the keys are not assembled from the expanded latent and one rotated key head"
         if (rotated[0].past is None) != (latent.past is None):
             return "a past for only one of the latent and the rotated key"
         if keys_t.shape is None or len(keys_t.shape) != 4 or keys_t.shape[-2] != nope + rope:
             return "the keys are not [key part | rotated key]"
+        # what the rewrite leaves without readers must have none beside the attention (Shapes aside: a cache's
+        # batch and length stay as they were)
+        readers = ((latent.present, {id(expand)}), (rotated[0].present, moved), (key_part, moved),
+                   (values, {id(context)}))
+        if any(n.op != "Shape" and id(n) not in allowed for tensor, allowed in readers for n in tensor.outputs):
+            return "the latent, the rotated key or their expansion is read beside the attention"
+        if query.shape is None or len(query.shape) != 4 or latent.new.shape is None:
+            return "the query's or the new latent's shape is not known"
 
         return LatentAttention(concat, _reader_on_path(scores, scores.inputs[0], query), scores, key_scale,
                                context, latent, rotated[0],
@@ -223,7 +250,10 @@ class AbsorbLatentAttention(FusionPass):
         joined_query = node("Concat", [absorbed, *match.query.inputs[1:]], [batch, heads, tokens, joined],
                             "query", axis=-1)
         _, query_heads = heads_round_trip(joined_query, heads, "query")
-        match.query_reader.inputs[[i for i, t in enumerate(match.query_reader.inputs) if t is query][0]] = query_heads
+        reader = match.query_reader
+        reader.inputs[[i for i, t in enumerate(reader.inputs) if t is query][0]] = query_heads
+        if reader is not match.scores:  # a scale on the way: its output is the joined query's shape
+            reader.outputs[0].shape = list(query_heads.shape)
 
         # one key head [c | r] a token, the values too; the cache inputs and outputs take it
         new_shape = match.latent.new.shape

@@ -58,7 +58,13 @@ class ChatTemplate:
             raise AtcError("E10055", NO_TEMPLATE)
         self._template = compile_template(source)
         self.renders_tools = "tools" in source
+        self._source = source
         self._special = {name: _token_text(config.get(name)) for name in SPECIAL_TOKENS if config.get(name)}
+
+    def takes_role(self, role) -> bool:
+        """Whether messages of `role` are rendered: OpenAI's roles, or one the template names (Llama 3.1's
+        `ipython`, GLM's `observation`)."""
+        return role in ROLES or isinstance(role, str) and any(f"{q}{role}{q}" in self._source for q in "'\"")
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
         """The prompt for `messages` ([{"role": ..., "content": ...}]), ending where the assistant speaks,
@@ -66,8 +72,9 @@ class ChatTemplate:
         for message in messages:
             if not isinstance(message, dict) or "role" not in message or "content" not in message:
                 raise ValueError("each message must be a dict with 'role' and 'content'")
-            if message["role"] not in ROLES:
-                raise ValueError(f"a message's role is one of {', '.join(ROLES)}, not {message['role']!r}")
+            if not self.takes_role(message["role"]):
+                raise ValueError(f"a message's role is one of {', '.join(ROLES)} (or one the chat template names), "
+                                 f"not {message['role']!r}")
         messages = [{**m, "content": content_text(m["content"])} for m in messages]
         return self._template.render(messages=messages, tools=tools, documents=None,
                                      add_generation_prompt=add_generation_prompt, **self._special)

@@ -145,14 +145,18 @@ def test_gears_that_leave_out_an_input_sharing_their_dim_are_refused(source, tmp
     assert not list(tmp_path.iterdir())
 
 
-def test_token_gears_on_a_cache_export_are_refused_at_compile(tmp_path):
+@pytest.mark.parametrize("flag, gears", [
+    ("--dynamic_dims", dict(input_format="ND", input_shape={name: (1, -1) for name in NAMES},
+                            dynamic_dims=((4, 4, 4), (8, 8, 8)))),
+    ("--dynamic_batch_size", dict(input_shape={name: (-1, SEQ) for name in NAMES}, dynamic_batch_size=(1, 2))),
+])
+def test_gears_on_a_cache_export_are_refused_at_compile(tmp_path, flag, gears):
     from cann_llm.models.tiny import tiny_onnx
 
     with pytest.raises(AtcError) as caught:
         compile_model(CompileConfig(model=str(tiny_onnx("llama", dynamo=True, with_past=True)), framework=5,
-                                    output=str(tmp_path / "m"), soc_version="Ascend910B", input_format="ND",
-                                    input_shape={name: (1, -1) for name in NAMES}, dynamic_dims=((4, 4, 4), (8, 8, 8))))
-    assert caught.value.code == "E10055" and "--dynamic_dims with a cache input (past_key_values.0.key)" in \
+                                    output=str(tmp_path / "m"), soc_version="Ascend910B", **gears))
+    assert caught.value.code == "E10055" and f"{flag} with a cache input (past_key_values.0.key)" in \
         caught.value.message
 
 

@@ -59,3 +59,12 @@ def test_a_template_that_raises_says_why(smollm2_path):
     gemma = _ours(smollm2_path.parent, (TEMPLATES / "gemma.jinja").read_text())
     with pytest.raises(TemplateError, match="roles must alternate"):
         gemma.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+
+
+def test_a_role_beyond_openais_renders_only_where_the_template_names_it(smollm2_path):
+    """Llama 3.1's template names `ipython` (a tool's output); SmolLM2's names no role beyond OpenAI's."""
+    folder = smollm2_path.parent
+    llama = _ours(folder, (TEMPLATES / "llama3_tools.jinja").read_text())
+    assert "<|start_header_id|>ipython<|end_header_id|>" in llama.render([{"role": "ipython", "content": "18"}])
+    with pytest.raises(ValueError, match="not 'ipython'"):
+        _ours(folder, (folder / "chat_template.jinja").read_text()).render([{"role": "ipython", "content": "18"}])

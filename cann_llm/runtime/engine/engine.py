@@ -305,25 +305,21 @@ def default_pages(dims: dict, page_size: int, memory: int | None) -> int:
     return max(1, min(DEFAULT_PAGES, memory // 2 // per_page))
 
 
-def _within_contract(metadata: dict, batch: int, context: int, tokens: int) -> tuple[int, int, int]:
-    """(sequences at once, context, tokens a step) brought within the input shapes the artifact was compiled
-    for (`--input_shape`'s ranges and fixed sizes, `--dynamic_batch_size` and `--dynamic_dims`' largest gear):
-    a paged step's tokens by input_ids' second dim; a contiguous step's sequences by input_ids' first, its
-    prompt chunks by its second, and the context by the mask's (or, without a cache, by input_ids', as such a
-    step feeds the whole sequence)."""
+def _within_contract(metadata: dict, context: int, tokens: int) -> tuple[int, int]:
+    """(context, tokens a step) brought within the input shapes the artifact was compiled for (`--input_shape`'s
+    ranges and fixed sizes, `--dynamic_batch_size` and `--dynamic_dims`' largest gear): a step's tokens by
+    input_ids' second dim (a paged step's are its flattened batch; a contiguous runner feeds each sequence on
+    its own, so its chunks are bounded the same way), and a contiguous artifact's context by the mask's (or,
+    without a cache, by input_ids', as such a step feeds the whole sequence)."""
     contract = ShapeContract.of(metadata)
     if contract is None:
-        return batch, context, tokens
-    caps = {"tokens": contract.most("input_ids", 1)}
+        return context, tokens
+    most = contract.most("input_ids", 1)
     if (metadata.get("kv_cache") or {}).get("layout") != "paged":
-        caps["batch"] = contract.most("input_ids", 0)
         # a step feeds the mask of every token but the last one sampled (never computed), hence one more
-        fed = [contract.most("attention_mask", 1)]
-        if not metadata["model"].get("kv_cache_io"):
-            fed.append(caps["tokens"])
-        caps["context"] = min((n + 1 for n in fed if n), default=None)
-    said = {"batch": batch, "context": context, "tokens": tokens}
-    return tuple(min(value, caps.get(key) or value) for key, value in said.items())
+        fed = [contract.most("attention_mask", 1), None if metadata["model"].get("kv_cache_io") else most]
+        context = min([context, *(n + 1 for n in fed if n)])
+    return context, min(tokens, most or tokens)
 
 
 class LLMEngine:
@@ -362,8 +358,7 @@ class LLMEngine:
         # a model that reads its positions from a table (GPT-2's learned ones) reads none past its rows: a
         # sequence ends there (its last token, sampled at the last row, is never read)
         max_context_len = min(max_context_len, self.dims.get("max_positions", max_context_len) + 1)
-        max_batch_size, max_context_len, step_tokens = _within_contract(
-            metadata, max_batch_size, max_context_len, config.max_num_batched_tokens)
+        max_context_len, step_tokens = _within_contract(metadata, max_context_len, config.max_num_batched_tokens)
         self.max_context_len = max_context_len
         self.vocab_size = int(self.dims["vocab_size"])
         self.tokenizer = self.loaded.tokenizer

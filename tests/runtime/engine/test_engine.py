@@ -226,8 +226,8 @@ def test_chat_renders_the_template_and_reuses_history(paged_om):
         turn.result()
         assert turn.stats.cached_tokens >= 128  # the first page of history came from the prefix cache
         # a role outside OpenAI's is refused, as the server refuses it, not rendered as the template likes
-        with pytest.raises(ValueError, match="a message's role is one of system, developer, user, assistant, tool, "
-                                             "not 'wizard'"):
+        with pytest.raises(ValueError, match=r"a message's role is one of system, developer, user, assistant, tool "
+                                             r"\(or one the chat template names\), not 'wizard'"):
             engine.chat([{"role": "wizard", "content": "hi"}], max_new_tokens=2)
 
 
