@@ -51,8 +51,12 @@ def test_a_value_of_another_type_is_refused_not_converted(model, body, field):
     assert f"{field}: " in _refusal(model, body)
 
 
-def test_an_integer_passes_for_a_number():
+def test_an_integer_passes_for_a_number_and_null_is_the_default():
     assert CompletionBody(prompt="x", temperature=1, top_p=1).sampling()["temperature"] == 1.0
+    body = ChatBody.model_validate({"messages": [{"role": "user", "content": "x"}], "temperature": None, "n": None,
+                                    "top_p": None, "stream": None, "max_tokens": None})
+    assert (body.sampling()["temperature"], body.sampling()["top_p"], body.n, body.stream) == (1.0, 1.0, 1, False)
+    assert "unknown: not supported by this server" in _refusal(CompletionBody, {"prompt": "x", "unknown": None})
 
 
 def test_bounded_stop_lists_pass():

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Callable, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from cann_llm.runtime.chat_template import ROLES, content_text
 from cann_llm.runtime.engine.sampling import MAX_LOGPROBS
@@ -127,6 +127,14 @@ class _Sampling(BaseModel):
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_left_out(cls, body):
+        """A setting given as null is the setting left out, as OpenAI takes it (`"temperature": null`)."""
+        if not isinstance(body, dict):
+            return body
+        return {key: value for key, value in body.items() if value is not None or key not in cls.model_fields}
 
     def sampling(self) -> dict:
         """The engine's sampling settings this body asks for (one choice's: `n` is the route's)."""
