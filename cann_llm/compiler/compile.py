@@ -23,7 +23,7 @@ from cann_llm.compiler.graph_metadata import (attention_dimensions, float28_weig
 from cann_llm.compiler.graph_io import apply_input_shape, apply_out_nodes, apply_output_type, check_geared_inputs
 from cann_llm.compiler.loader import import_graph, require_model_file, weight_bytes
 from cann_llm.compiler.pass_manager import PassReport, run_passes
-from cann_llm.compiler.pipeline import build_pipeline, known_pass_names
+from cann_llm.compiler.pipeline import build_pipeline, known_passes
 from cann_llm.compiler.precheck import check_ops, unsupported_types
 from cann_llm.compiler.tokenizer_files import tokenizer_files
 from cann_llm.compiler.traced_loops import describe, unrolled_loops
@@ -156,8 +156,8 @@ def _compile(cfg: CompileConfig, output: Path, stage: Staged, progress: bool) ->
         if unrolled:
             warnings.append(f"W10008: {describe(unrolled)}")
         if unknown := unknown_switches(cfg.fusion_switches):
-            warnings.append(f"W10013: no pass of this compiler is named {unknown}, which the fusion switches name: "
-                            f"ignored (docs/atc.md lists the passes)")
+            warnings.append(f"W10013: the fusion switches name {unknown}, which no pass they switch is: ignored "
+                            f"(docs/atc.md lists the passes and which switch)")
         if maskless := maskless_over_a_cache(graph):
             warnings.append(f"W10012: {maskless} attention block(s) read a KV cache and hide no key: the export was "
                             f"traced with one new token over its cache, which needs no mask, so a prompt of several "
@@ -287,12 +287,16 @@ def _write_stages(cfg: CompileConfig, graph: gs.Graph, model: onnx.ModelProto, r
 
 
 def unknown_switches(switches: dict[str, bool]) -> str:
-    """The switched pass names no pass has (ALL aside), each with the pass it most likely meant; "" when none."""
-    known = known_pass_names()
+    """The switched pass names that switch nothing (no pass has the name, each given with the pass it most
+    likely meant, or the pass always runs), ALL aside; "" when none."""
+    known = known_passes()
     said = []
-    for name in sorted(set(switches) - known - {"ALL"}):
-        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.85)  # a misspelling, not a kin
-        said.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    for name in sorted(set(switches) - {"ALL"}):
+        if name in known and not known[name]:
+            said.append(f"{name} (which always runs)")
+        elif name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.85)  # a misspelling, not a kin
+            said.append(f"{name} (did you mean {close[0]}?)" if close else name)
     return ", ".join(said)
 
 

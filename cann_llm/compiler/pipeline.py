@@ -172,8 +172,8 @@ def build_pipeline(cfg: CompileConfig | None, progress: bool = False, spill: Wei
     return passes
 
 
-def known_pass_names() -> frozenset[str]:
-    """Every pass name a fusion switch can name, whichever flags a compile is given."""
+def known_passes() -> dict[str, bool]:
+    """{name: whether a fusion switch turns it off} of every pass a compile can run, whichever its flags."""
     conditional = (AbsorbLatentAttention, TruncateLayers, PagedKvCache, PerSequenceRotary, PruneLogits, ConvertPrecision,
                    CompressFloatWeights)
-    return frozenset(p.name for p in build_pipeline(None)) | {c.name for c in conditional}
+    return {p.name: p.switchable for p in (*build_pipeline(None), *conditional)}
