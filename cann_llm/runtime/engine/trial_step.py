@@ -97,6 +97,9 @@ def trial_step(runner: PagedRunner | ContiguousRunner, vocab_size: int, path: st
     # FeedMismatch: an input the runner does not feed (the executor names it)
     except ORT_FAILURES + (PagedInputError, FeedMismatch) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise AtcError("E13015", path, f"the graph fails a trial step: {reason}") from None
+        # an export whose trace unrolled a loop compiles (with W10008) and fails here as a damaged copy does
+        raise AtcError("E13015", path, f"the graph fails a trial step: {reason} (an artifact atc warned with W10008, "
+                                       f"whose export unrolled a loop, fails so too: export it again as that "
+                                       f"warning says)") from None
     finally:
         runner.release(seq)
