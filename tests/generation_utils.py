@@ -107,6 +107,19 @@ def engine_greedy(om, prompts: list[list[int]], new_tokens: int, **engine_args) 
         return [request.output_ids for request in requests]
 
 
+def greedy_with_preemption(om, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """The paged engine's greedy tokens for `prompts` decoded together over six pages they outgrow, prompts in
+    chunks of 32 tokens: at least one sequence is preempted and computed again."""
+    from cann_llm import LLMEngine
+
+    with LLMEngine(str(om), kv_cache_pages=6, max_num_batched_tokens=32) as engine:
+        requests = [engine.submit(p, max_new_tokens=new_tokens, temperature=0, ignore_eos=True) for p in prompts]
+        for request in requests:
+            request.result()
+        assert engine.stats.preemptions > 0
+        return [list(request.output_ids) for request in requests]
+
+
 def assert_paged_greedy_equals_onnxruntime(source, om, new_tokens: int = 32) -> None:
     """Three prompts through the paged engine generate what onnxruntime's greedy loop on the original
     export does."""

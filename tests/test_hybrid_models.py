@@ -13,6 +13,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from conftest import compile_to
+from generation_utils import greedy_with_preemption
 
 from cann_llm import LLMEngine, SamplingParams
 from cann_llm.models.corpus_like import build
@@ -141,13 +142,7 @@ def test_paged_engine_batches_hybrids_with_their_states_per_sequence(hybrid, fam
     assert (ops["PagedAttention"], ops["VarlenCausalConvWithState"], ops["GatedDeltaNet"]) == \
         (attention, recurrent, recurrent * (family in GATED))
     prompts = [_prompt(length, seed) for seed, length in enumerate([70, 7, 33, 21, 45, 12])]
-    with LLMEngine(str(om), kv_cache_pages=6, max_num_batched_tokens=32) as engine:
-        requests = [engine.submit(prompt, max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-                    for prompt in prompts]
-        for request in requests:
-            request.result()
-        outputs = [list(request.output_ids) for request in requests]
-        assert engine.stats.preemptions > 0
+    outputs = greedy_with_preemption(om, prompts, NEW_TOKENS)
     assert outputs == [_greedy(model, prompt) for prompt in prompts]
     # a perplexity window is one sequence from zero states, paged as contiguous
     text = _prompt(100, seed=9)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import compile_to, ort_reference
+from generation_utils import greedy_with_preemption
 
 from cann_llm import LLMEngine
 from cann_llm.models.corpus_like import build
@@ -80,13 +81,7 @@ def test_paged_engine_attends_over_the_cached_latent(latent, tmp_path):
     dims = loaded.metadata["model"]
     assert (dims["num_heads"], dims["num_kv_heads"], dims["head_dim"]) == (4, 1, LATENT + ROTATED)
     prompts = [_prompt(length, seed) for seed, length in enumerate([70, 7, 33, 21, 45, 12])]
-    with LLMEngine(str(om), kv_cache_pages=6, max_num_batched_tokens=32) as engine:
-        requests = [engine.submit(prompt, max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-                    for prompt in prompts]
-        for request in requests:
-            request.result()
-        outputs = [list(request.output_ids) for request in requests]
-        assert engine.stats.preemptions > 0
+    outputs = greedy_with_preemption(om, prompts, NEW_TOKENS)
     assert outputs == [_greedy(model, prompt) for prompt in prompts]
     # a prompt of 70 tokens in one chunk attends through flash_prefill
     flash = compile_to(source, tmp_path / "flash", enable_paged_attention=True, enable_flash_attention=True)
