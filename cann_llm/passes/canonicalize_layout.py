@@ -19,7 +19,7 @@ from __future__ import annotations
 import onnx_graphsurgeon as gs
 
 from cann_llm.passes.base import PassResult
-from cann_llm.passes.graph_utils import bypass_node
+from cann_llm.passes.graph_utils import bypass_node, tidy
 from cann_llm.passes.pattern import producer, sole_consumer
 from cann_llm.passes.shape_values import is_dim, reshape_target
 
@@ -166,5 +166,5 @@ class CanonicalizeLayout:
                         result.match_times += 1
                         result.effect_times += 1
                         changed = True
-            graph.cleanup(remove_unused_graph_inputs=False).toposort()
+            tidy(graph)
         return result

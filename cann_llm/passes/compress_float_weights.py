@@ -14,6 +14,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from cann_llm.passes.base import PassResult
+from cann_llm.passes.graph_utils import tidy
 from cann_llm.passes.weight_memory import read_values
 from cann_llm.passes.weight_spill import WeightSpill, kept
 from cann_llm.runtime.artifact import EXTERNAL_MIN_BYTES
@@ -71,7 +72,7 @@ class CompressFloatWeights:
             result.effect_times += 1
             if found[1]:
                 self._tied_lookups(graph, found[0], operands, bias)
-        graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        tidy(graph)
         return result
 
     @staticmethod

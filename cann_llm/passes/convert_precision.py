@@ -17,7 +17,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from cann_llm.passes.base import PassResult
-from cann_llm.passes.graph_utils import lm_head, naming_patterns
+from cann_llm.passes.graph_utils import lm_head, naming_patterns, tidy
 from cann_llm.passes.precision_config import OP_TYPE_PREFIX, PrecisionPolicy
 from cann_llm.passes.weight_memory import read_values
 from cann_llm.runtime.errors import AtcError
@@ -95,7 +95,7 @@ class ConvertPrecision:
                      if e not in matched]
         if unmatched:
             raise AtcError("E10016", ", ".join(unmatched), "keep_dtype")
-        graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        tidy(graph)
         return result
 
     def _kept_by(self, constant: gs.Constant, head: gs.Node | None) -> set[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import onnx_graphsurgeon as gs
 
 from cann_llm.passes.base import PassResult
+from cann_llm.passes.graph_utils import tidy
 
 
 class EliminateDeadCode:
@@ -18,6 +19,6 @@ class EliminateDeadCode:
 
     def run(self, graph: gs.Graph) -> PassResult:
         before = len(graph.nodes)
-        graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        tidy(graph)
         removed = before - len(graph.nodes)
         return PassResult(match_times=removed, effect_times=removed)

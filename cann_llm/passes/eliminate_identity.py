@@ -15,7 +15,7 @@ import onnx_graphsurgeon as gs
 from onnx.helper import np_dtype_to_tensor_dtype
 
 from cann_llm.passes.base import PassResult
-from cann_llm.passes.graph_utils import bypass_node
+from cann_llm.passes.graph_utils import bypass_node, tidy
 from cann_llm.passes.pattern import const_ints, scalar
 
 _VARIADIC = ("Concat", "Sum", "Max", "Min", "Mean")
@@ -90,5 +90,5 @@ class EliminateIdentity:
                 result.effect_times += 1
             else:
                 result.rejections.append(f"{node.name}: input and output are both graph I/O")
-        graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        tidy(graph)
         return result

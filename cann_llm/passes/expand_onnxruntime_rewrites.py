@@ -24,6 +24,7 @@ import onnx_graphsurgeon as gs
 from onnx import helper
 
 from cann_llm.passes.base import PassResult
+from cann_llm.passes.graph_utils import tidy
 from cann_llm.passes.infer_shapes import InferShapes
 from cann_llm.passes.pattern import const_ints
 from cann_llm.passes.rotary_tables import NodeBuilder
@@ -141,7 +142,7 @@ class ExpandOnnxRuntimeRewrites:
         dropped = shared_dequantizations(graph)
         result.match_times += dropped
         result.effect_times += dropped
-        graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        tidy(graph)
         if result.effect_times:  # inference stopped at the contrib ops: what follows them gets its shapes now
             InferShapes().run(graph)
         return result

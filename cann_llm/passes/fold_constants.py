@@ -28,6 +28,7 @@ import onnxruntime as ort
 from onnx_graphsurgeon.logger import G_LOGGER
 
 from cann_llm.passes.base import PassResult
+from cann_llm.passes.graph_utils import tidy, toposort
 from cann_llm.passes.pattern import producer
 
 log = logging.getLogger("atc")
@@ -79,7 +80,7 @@ class FoldConstants:
         ort.set_default_logger_severity(3)
         try:
             compose_gathers(graph)
-            graph.toposort()
+            toposort(graph)
             budget = _Budget(*self.budget, stored=self.size_threshold)
             try:
                 graph.fold_constants(size_threshold=self.size_threshold, error_ok=False, recurse_subgraphs=False,
@@ -103,7 +104,7 @@ class FoldConstants:
             G_LOGGER.severity = level
         for reason in budget.notable:
             log.warning("%s: not folded: %s", self.name, reason)
-        graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        tidy(graph)
         removed = before - len(graph.nodes)
         return PassResult(match_times=removed, effect_times=removed, rejections=budget.rejections)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import re
 import sys
 import threading
 from pathlib import Path
@@ -87,7 +88,41 @@ def _symbolic(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
     inferred = inference.out_mp_
     found = {v.name: v for v in inferred.graph.value_info}
     found.update({v.name: v for v in inferred.graph.output})
+    _rename_dims(found.values(), _first_declared_names(model, inference.suggested_merge_))
     return found
+
+
+def _first_declared_names(model: onnx.ModelProto, merges: dict) -> dict[str, str]:
+    """{kept name: name to give it} for dims the symbolic inference merged: each group is named after its
+    member the graph's inputs declare first.
+
+    Which name a merge keeps is the first of a Python set of names the inference iterates, an order that
+    changes with the process's string-hash seed: a prefill-only export's values came out `[batch, seq, 64]`
+    in one compile and `[batch, total, 64]` in the next, and so did the artifact's bytes."""
+    declared = [d.dim_param for v in model.graph.input for d in v.type.tensor_type.shape.dim if d.dim_param]
+    rank = {name: index for index, name in reversed(list(enumerate(declared)))}
+    groups: dict[str, set[str]] = {}
+    for name, kept in merges.items():
+        if isinstance(kept, str):
+            groups.setdefault(kept, {kept}).add(name)
+    renamed = {}
+    for kept, names in groups.items():
+        first = min(names, key=lambda name: (rank.get(name, len(rank)), name))
+        if first != kept:
+            renamed[kept] = first
+    return renamed
+
+
+def _rename_dims(values, renamed: dict[str, str]) -> None:
+    """Each dim name (alone or in an expression such as `total + 1`) of `values` in `renamed`, renamed."""
+    if not renamed:
+        return
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, renamed)) + r")\b")
+    for value in values:
+        if value.type.HasField("tensor_type"):
+            for dim in value.type.tensor_type.shape.dim:
+                if dim.dim_param:
+                    dim.dim_param = pattern.sub(lambda match: renamed[match.group(1)], dim.dim_param)
 
 
 class InferShapes:

@@ -22,7 +22,7 @@ import logging
 import onnx_graphsurgeon as gs
 
 from cann_llm.passes.base import PassResult
-from cann_llm.passes.graph_utils import replace_all_uses
+from cann_llm.passes.graph_utils import replace_all_uses, tidy
 from cann_llm.passes.match_attention import dtype_kind
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class InlineCacheBranch:
             result.effect_times += 1
             log.info("%s: %s's %s inlined", self.name, node.name, chosen)
         if result.effect_times:
-            graph.cleanup(remove_unused_graph_inputs=False).toposort()
+            tidy(graph)
         return result
 
     @staticmethod

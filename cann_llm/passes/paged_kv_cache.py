@@ -16,10 +16,9 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from cann_llm.passes.base import PassResult
-from cann_llm.passes.graph_utils import replace_all_uses, unfused_attention
+from cann_llm.passes.graph_utils import replace_all_uses, tidy, toposort, unfused_attention
 from cann_llm.passes.match_rotary import match_rotary
-from cann_llm.passes.paged_recurrent import (drop_padding_products, has_recurrent_states, pack_recurrent_ops,
-                                             refuse_unpackable)
+from cann_llm.passes.paged_recurrent import drop_padding_products, has_recurrent_states, pack_recurrent_ops, refuse_unpackable
 from cann_llm.passes.pattern import const_ints, fused_node, producer, scalar
 from cann_llm.runtime.errors import AtcError
 from cann_llm.runtime.ops import FUSED_ATTENTION, PAGED_ATTENTION, PAGED_METADATA, input_at, positional
@@ -44,7 +43,7 @@ class PagedKvCache:
         self.page_size, self.flash = page_size, flash
 
     def run(self, graph: gs.Graph) -> PassResult:
-        attentions = [n for n in graph.toposort().nodes if n.op == FUSED_ATTENTION.name]
+        attentions = [n for n in toposort(graph).nodes if n.op == FUSED_ATTENTION.name]
         inputs = {t.name: t for t in graph.inputs}
         if "input_ids" in inputs:
             _sizes_from_tokens(graph, inputs["input_ids"])
@@ -95,7 +94,7 @@ class PagedKvCache:
         cache_io.update(t.name for t in graph.inputs if t.name == "attention_mask" and not t.outputs)
         graph.inputs = [t for t in graph.inputs if t.name not in cache_io] + list(metadata.values())
         graph.outputs = [t for t in graph.outputs if t.name not in cache_io]
-        graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        tidy(graph)
         return PassResult(match_times=len(attentions), effect_times=len(attentions))
 
     @staticmethod

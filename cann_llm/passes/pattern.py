@@ -13,6 +13,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from cann_llm.passes.base import PassResult
+from cann_llm.passes.graph_utils import tidy
 from cann_llm.runtime.ops import CUSTOM_DOMAIN
 
 
@@ -121,5 +122,6 @@ class FusionPass:
             result.match_times += 1
             self.rewrite(graph, found)
             result.effect_times += 1
-        graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        if result.effect_times:  # a graph no rule changed is left as it came
+            tidy(graph)
         return result

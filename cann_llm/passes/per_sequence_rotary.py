@@ -19,6 +19,7 @@ import onnx_graphsurgeon as gs
 from onnx.reference import ReferenceEvaluator
 
 from cann_llm.passes.base import PassResult
+from cann_llm.passes.graph_utils import tidy, toposort
 from cann_llm.runtime.errors import AtcError
 from cann_llm.runtime.ops import LAST_POSITIONS, PAGED_ATTENTION, input_at
 from cann_llm.runtime.ops import PagedAttentionInput as Paged
@@ -50,7 +51,7 @@ class PerSequenceRotary:
         last = gs.Variable(LAST_POSITIONS, dtype=positions.dtype, shape=[1, "num_tokens"])
         _select_per_token(graph, reductions[0], positions, last, rotary_inputs)
         graph.inputs.append(last)
-        graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        tidy(graph)
         if rotary_switch_length(graph) is None:  # the runtime could not tell when a sequence crosses it
             raise _refuse("its condition is not one step from one set to the other over the positions")
         return PassResult(match_times=1, effect_times=1)
@@ -183,7 +184,7 @@ def rotary_switch_length(graph: gs.Graph, longest: int = 1 << 17) -> int | None:
     try:
         sub = gs.Graph(nodes=nodes, inputs=[last], outputs=[condition], opset=graph.opset).copy()
         sub.inputs[0].shape = [1, longest]
-        model = gs.export_onnx(sub.toposort())
+        model = gs.export_onnx(toposort(sub))
         values = np.arange(longest, dtype=np.int64 if last.dtype in (None, np.int64) else last.dtype)[None]
         flags = np.asarray(ReferenceEvaluator(model).run(None, {LAST_POSITIONS: values})[0]).reshape(-1)
     except (onnx.checker.ValidationError, ValueError, TypeError, RuntimeError):

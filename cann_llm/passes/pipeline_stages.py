@@ -16,7 +16,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from cann_llm.passes.decoder_layers import norm_above, norm_weight, residual_entering
-from cann_llm.passes.graph_utils import replace_all_uses
+from cann_llm.passes.graph_utils import replace_all_uses, toposort
 from cann_llm.passes.paged_recurrent import has_recurrent_states
 from cann_llm.passes.weight_memory import Deferred, read_values
 from cann_llm.runtime.errors import AtcError
@@ -99,7 +99,7 @@ def _constant_bytes(tensor: gs.Tensor, known: dict[int, int | None]) -> int | No
 def _layers(graph: gs.Graph) -> tuple[gs.Node, list[gs.Node], list[gs.Node], int]:
     """The toposorted graph's final norm (the one the head reads), its attention nodes in order, the norm each
     layer starts at, and the hidden size."""
-    graph.toposort()
+    toposort(graph)
     logits = next((t for t in graph.outputs if t.name == "logits"), None)
     final = norm_above(logits, None) if logits is not None else None
     if final is None:
@@ -130,7 +130,7 @@ def stage_graph(graph: gs.Graph, first: int, end: int) -> gs.Graph:
         node.attrs["layer"] = layer
     stage.cleanup(remove_unused_graph_inputs=True)
     _store_weight_transposes(stage)
-    stage.toposort()
+    toposort(stage)
     return stage
 
 

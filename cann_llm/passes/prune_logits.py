@@ -12,7 +12,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from cann_llm.passes.base import PassResult
-from cann_llm.passes.graph_utils import lm_head
+from cann_llm.passes.graph_utils import lm_head, toposort
 from cann_llm.passes.pattern import const_ints
 from cann_llm.runtime.errors import AtcError
 
@@ -58,7 +58,7 @@ class PruneLogits:
         graph.nodes.append(gs.Node("Squeeze", name="logits_squeeze", inputs=[logits, axes], outputs=[rows]))
         graph.outputs = [rows if t is logits else t for t in graph.outputs]
         graph.inputs.append(indices)
-        graph.toposort()
+        toposort(graph)
         return PassResult(match_times=1, effect_times=1)
 
 

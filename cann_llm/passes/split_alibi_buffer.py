@@ -21,7 +21,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from cann_llm.passes.base import PassResult
-from cann_llm.passes.graph_utils import replace_all_uses
+from cann_llm.passes.graph_utils import replace_all_uses, tidy
 from cann_llm.passes.match_alibi import line_slopes, rounding_tolerance
 from cann_llm.passes.match_attention import MASKED_BELOW, computed_from, split_mask
 from cann_llm.passes.pattern import axes_of, const_ints
@@ -180,7 +180,7 @@ class SplitAlibiBuffer:
                 self._add_term(graph, add, scores, ramp_part, f"{buffer.name}/alibi_{index}")
             result.effect_times += 1
         if result.effect_times:
-            graph.cleanup(remove_unused_graph_inputs=False).toposort()
+            tidy(graph)
         return result
 
     @staticmethod

@@ -15,7 +15,7 @@ import onnx_graphsurgeon as gs
 
 from cann_llm.passes.base import PassResult
 from cann_llm.passes.decoder_layers import norm_above, residual_entering
-from cann_llm.passes.graph_utils import lm_head, replace_all_uses
+from cann_llm.passes.graph_utils import lm_head, replace_all_uses, toposort
 from cann_llm.passes.paged_recurrent import has_recurrent_states
 from cann_llm.runtime.errors import AtcError
 from cann_llm.runtime.ops import FUSED_ATTENTION, FusedAttentionInput
@@ -33,7 +33,7 @@ class TruncateLayers:
         self.keep = keep
 
     def run(self, graph: gs.Graph) -> PassResult:
-        graph.toposort()
+        toposort(graph)
         attentions = [n for n in graph.nodes if n.op == FUSED_ATTENTION.name]
         if not attentions:
             raise _refused("no attention fused, so the decoder's layers cannot be found")
@@ -63,7 +63,7 @@ class TruncateLayers:
             replace_all_uses(graph, cache, kept)
         dropped = {cache.name for cache, _ in caches}
         graph.inputs = [t for t in graph.inputs if t.name not in dropped]
-        graph.toposort()
+        toposort(graph)
         return PassResult(match_times=len(attentions), effect_times=len(removed))
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from cann_llm.passes.base import PassResult
-from cann_llm.passes.graph_utils import replace_all_uses
+from cann_llm.passes.graph_utils import replace_all_uses, tidy
 from cann_llm.passes.pattern import producer, scalar, sole_consumer
 from cann_llm.passes.rotary_tables import NodeBuilder
 from cann_llm.passes.shape_values import DimOf, is_dim, reshape_target, shape_elements
@@ -239,5 +239,5 @@ class UnfoldBatchedHeads:
             if reshape.outputs and (unfold_scores(graph, reshape) or unfold_context(graph, reshape)):
                 result.match_times += 1
                 result.effect_times += 1
-        graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        tidy(graph)
         return result

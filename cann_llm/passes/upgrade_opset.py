@@ -7,7 +7,7 @@ from __future__ import annotations
 import onnx_graphsurgeon as gs
 from onnx import version_converter
 
-from cann_llm.passes.graph_utils import light_model, replace_all_uses
+from cann_llm.passes.graph_utils import light_model, replace_all_uses, tidy
 
 
 def upgrade_opset(graph: gs.Graph, version: int) -> gs.Graph:
@@ -21,4 +21,4 @@ def upgrade_opset(graph: gs.Graph, version: int) -> gs.Graph:
         variable = tensors[name]
         converted.inputs.remove(variable)
         replace_all_uses(converted, variable, constant)
-    return converted.cleanup(remove_unused_graph_inputs=False).toposort()
+    return tidy(converted)

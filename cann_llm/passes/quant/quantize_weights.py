@@ -23,7 +23,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from cann_llm.passes.base import PassResult
-from cann_llm.passes.graph_utils import lm_head
+from cann_llm.passes.graph_utils import lm_head, tidy
 from cann_llm.passes.pattern import FusionPass
 from cann_llm.passes.quant.accuracy_level import EIGHT_BIT_ACCURACY_LEVEL, four_bit_accuracy_level
 from cann_llm.passes.quant.calibration import InputStatistics, collect_input_statistics
@@ -84,7 +84,7 @@ class QuantizeWeights(FusionPass):
                 bar.update(status=choice.matmul.name)
         self._statistics = {}
         result.match_times = result.effect_times = len(choices)
-        graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        tidy(graph)
         # "lm_head" names the model's head, whichever node that is: a model without one has none to skip
         self.matched_patterns.add("lm_head")
         unmatched = [p for p in config.skip_layers if p not in self.matched_patterns] if config else []

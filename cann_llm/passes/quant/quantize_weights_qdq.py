@@ -15,7 +15,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from cann_llm.passes.base import PassResult
-from cann_llm.passes.graph_utils import lm_head, packed_constant
+from cann_llm.passes.graph_utils import lm_head, packed_constant, tidy
 from cann_llm.passes.quant.calibration import InputStatistics
 from cann_llm.passes.quant.config import QuantConfig
 from cann_llm.passes.quant.configured_method import quantize_configured
@@ -75,7 +75,7 @@ class QuantizeWeightsQDQ:
                 self._quantize_group(graph, nodes, replace(config, group_size=config.head_group_size) if own else config)
                 result.effect_times += len(nodes)
                 bar.update(len(nodes), status=nodes[0].name)
-        graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        tidy(graph)
         return result
 
     def _quantize_group(self, graph: gs.Graph, nodes: list[gs.Node], config: QuantConfig) -> None:
