@@ -90,8 +90,9 @@ def test_compiles_in_processes_of_different_string_hash_seeds_give_identical_byt
     artifacts = []
     output = tmp_path / "model"
     for seed in ("1", "3"):
-        subprocess.run([sys.executable, "-m", "cann_llm.cli.atc", f"--model={source}", "--framework=5",
-                        f"--output={output}", "--soc_version=Ascend910B", "--log=error"], check=True,
-                       env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True)
+        proc = subprocess.run([sys.executable, "-m", "cann_llm.cli.atc", f"--model={source}", "--framework=5",
+                               f"--output={output}", "--soc_version=Ascend910B", "--log=error"],
+                              env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
         artifacts.append(output.with_suffix(".om").read_bytes())
     assert artifacts[0] == artifacts[1]

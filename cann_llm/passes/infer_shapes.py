@@ -106,18 +106,22 @@ def _first_declared_names(model: onnx.ModelProto, merges: dict) -> dict[str, str
         if isinstance(kept, str):
             groups.setdefault(kept, {kept}).add(name)
     renamed = {}
-    for kept, names in groups.items():
+    for names in groups.values():
+        if not all(map(_NAME.fullmatch, names)):
+            continue  # an expression pasted into another would need its brackets: left as inferred
         first = min(names, key=lambda name: (rank.get(name, len(rank)), name))
-        if first != kept:
-            renamed[kept] = first
+        renamed.update({name: first for name in names if name != first})
     return renamed
+
+
+_NAME = re.compile(r"[A-Za-z_]\w*")
 
 
 def _rename_dims(values, renamed: dict[str, str]) -> None:
     """Each dim name (alone or in an expression such as `total + 1`) of `values` in `renamed`, renamed."""
     if not renamed:
         return
-    pattern = re.compile(r"\b(" + "|".join(map(re.escape, renamed)) + r")\b")
+    pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, renamed)) + r")(?![\w.])")
     for value in values:
         if value.type.HasField("tensor_type"):
             for dim in value.type.tensor_type.shape.dim:
