@@ -92,9 +92,12 @@ def _symbolic(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
     return found
 
 
+_NAME = re.compile(r"[A-Za-z_]\w*")
+
+
 def _first_declared_names(model: onnx.ModelProto, merges: dict) -> dict[str, str]:
-    """{kept name: name to give it} for dims the symbolic inference merged: each group is named after its
-    member the graph's inputs declare first.
+    """{merged name: name to give it} for dims the symbolic inference merged: each group of plain names is
+    named after its member the graph's inputs declare first.
 
     Which name a merge keeps is the first of a Python set of names the inference iterates, an order that
     changes with the process's string-hash seed: a prefill-only export's values came out `[batch, seq, 64]`
@@ -112,9 +115,6 @@ def _first_declared_names(model: onnx.ModelProto, merges: dict) -> dict[str, str
         first = min(names, key=lambda name: (rank.get(name, len(rank)), name))
         renamed.update({name: first for name in names if name != first})
     return renamed
-
-
-_NAME = re.compile(r"[A-Za-z_]\w*")
 
 
 def _rename_dims(values, renamed: dict[str, str]) -> None:
